@@ -1,0 +1,66 @@
+"""Streaming weighted mean of flat client deltas: memory O(model), not O(clients x model).
+
+The sum is kept in float64 by default. Summing n float32 deltas in float32 loses up to
+~n*eps relative to the sum of magnitudes, and much more relative to a mean near zero
+(client deltas cancel); in float64 the result, rounded once to float32 in :meth:`mean`,
+is the float32 rounding of the exact weighted mean for any practical n. It also makes
+the mean independent of arrival order (up to that final rounding), so an async server
+and a simulation that see the same updates in different orders agree. The cost is one
+float64 model-sized buffer; pass ``dtype=torch.float32`` where float64 is unavailable
+(Apple MPS) or memory is tight.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class EmptyAggregate(RuntimeError):
+    """A mean was asked of nothing: no update was added since the last reset.
+
+    A caller's bug, not a user's: a server checks ``count`` (or the strategy's
+    ``num_accumulated``) before closing a round, and keeps the old model if it is 0.
+    """
+
+
+class WeightedMean:
+    """``sum_i w_i * delta_i / sum_i w_i``, one :meth:`add` at a time.
+
+    Holds one accumulator tensor; nothing keeps a reference to an added delta.
+    """
+
+    def __init__(self, numel: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64):
+        if numel <= 0:
+            raise ValueError(f"numel = {numel} must be > 0")
+        self.numel = numel
+        self._sum = torch.zeros(numel, device=device, dtype=dtype)
+        self.total_weight = 0.0
+        self.count = 0
+
+    @property
+    def device(self) -> torch.device:
+        return self._sum.device
+
+    def reset(self) -> None:
+        self._sum.zero_()
+        self.total_weight = 0.0
+        self.count = 0
+
+    def add(self, delta: torch.Tensor, weight: float) -> None:
+        if delta.shape != (self.numel,):
+            raise ValueError(f"delta has shape {tuple(delta.shape)}, expected ({self.numel},)")
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ValueError(f"weight = {weight!r} must be a finite number > 0")
+        # In-place add with type promotion: the product is formed in the accumulator's
+        # dtype, without a model-sized float64 temporary.
+        self._sum.add_(delta.to(self.device), alpha=weight)
+        self.total_weight += float(weight)
+        self.count += 1
+
+    def mean(self) -> torch.Tensor:
+        """The weighted mean as a new float32 vector (the dtype of the parameter buffer)."""
+        if self.count == 0:
+            raise EmptyAggregate("no update was added: there is nothing to average")
+        return (self._sum / self.total_weight).to(torch.float32)

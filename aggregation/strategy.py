@@ -1,0 +1,94 @@
+"""A synchronous round of server aggregation: a streaming mean of the round's deltas,
+then one server-optimizer step (the FedOpt framework, Reddi et al. 2021, Algorithm 1).
+
+The two parts are separate objects so later rules swap one without the other: a robust
+rule (median, trimmed mean) or a DP mean replaces the :class:`Aggregator`; FedBuff and
+FedAsync reuse both with their own weights (the ``weight`` factor of ``accumulate``).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+from shoal.config import StrategyConfig
+from shoal.update import Update
+
+from shoal.aggregation.mean import EmptyAggregate, WeightedMean
+from shoal.aggregation.server_opt import ServerOptimizer, StateDict, make_server_optimizer
+
+
+class Aggregator(Protocol):
+    """What a strategy needs from its averaging rule (:class:`WeightedMean` is one)."""
+
+    count: int
+
+    def reset(self) -> None: ...
+
+    def add(self, delta: torch.Tensor, weight: float) -> None: ...
+
+    def mean(self) -> torch.Tensor: ...
+
+
+class Strategy:
+    """``begin(x)``, ``accumulate(update)`` for each arriving update, ``finalize() -> x'``.
+
+    Holds the aggregator's state and the optimizer's, never the updates themselves, so
+    memory is O(model) however many clients report.
+    """
+
+    def __init__(self, aggregator: Aggregator, optimizer: ServerOptimizer, weighting: str = "examples"):
+        if weighting not in ("examples", "uniform"):
+            raise ValueError(f"weighting = {weighting!r} must be 'examples' or 'uniform'")
+        self.aggregator = aggregator
+        self.optimizer = optimizer
+        self.weighting = weighting
+        self._global: torch.Tensor | None = None
+
+    def begin(self, global_flat: torch.Tensor) -> None:
+        """Start a round from the global parameters the clients were sent (not modified)."""
+        self.aggregator.reset()
+        self._global = global_flat
+
+    def accumulate(self, update: Update, weight: float = 1.0) -> None:
+        """Add one update with weight ``base * weight``: ``base`` is its example count n_k
+        under ``examples`` weighting (FedAvg's w <- sum_k n_k/n w_k, McMahan et al. 2017,
+        Algorithm 1), else 1; ``weight`` is a further factor such as a staleness discount."""
+        if self._global is None:
+            raise RuntimeError("accumulate() before begin(): start the round with the global parameters")
+        if self.weighting == "examples" and update.num_examples <= 0:
+            who = update.sender or "a client"
+            raise ValueError(
+                f"update from {who} has num_examples = {update.num_examples}; examples weighting needs > 0"
+            )
+        base = update.num_examples if self.weighting == "examples" else 1
+        self.aggregator.add(update.delta, base * weight)
+
+    @property
+    def num_accumulated(self) -> int:
+        return self.aggregator.count
+
+    def finalize(self) -> torch.Tensor:
+        """The new global parameters (a new tensor); the round is closed."""
+        if self._global is None:
+            raise RuntimeError("finalize() before begin(): no round is open")
+        if self.aggregator.count == 0:
+            raise EmptyAggregate("finalize() with no accumulated update: keep the current global model instead")
+        new_global = self.optimizer.step(self._global, self.aggregator.mean())
+        self.aggregator.reset()
+        self._global = None
+        return new_global
+
+    def state_dict(self) -> StateDict:
+        """What must survive a restart between rounds: the server optimizer's state.
+        An open round is not included; checkpoint after :meth:`finalize`."""
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state: StateDict) -> None:
+        self.optimizer.load_state_dict(state)
+
+
+def make_strategy(cfg: StrategyConfig, numel: int, device: torch.device | str = "cpu") -> Strategy:
+    """The strategy a ``[strategy]`` config table describes, for a model of ``numel`` parameters."""
+    return Strategy(WeightedMean(numel, device), make_server_optimizer(cfg), cfg.weighting)

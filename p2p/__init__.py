@@ -1,0 +1,1 @@
+"""The gossip peer: membership, peer sampling, exchange, merge rules."""

@@ -1,0 +1,1 @@
+"""The aggregator service (aiohttp): rounds, async buffer, auth, checkpoints."""

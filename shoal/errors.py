@@ -1,0 +1,56 @@
+"""Errors a user can cause, each with a message that names the problem and the fix.
+
+The CLI prints ``error: <message>`` and exits non-zero for any ShoalError; services
+answer 4xx with ``{"error": kind, "detail": message}`` (``kind`` is ``code`` below).
+"""
+
+from __future__ import annotations
+
+
+class ShoalError(Exception):
+    """Base class of every error shoal raises on purpose."""
+
+    code = "error"
+
+
+class ConfigError(ShoalError):
+    """A config file, key or value is wrong."""
+
+    code = "bad_config"
+
+
+class DataError(ShoalError):
+    """A dataset is missing, malformed or does not fit the model."""
+
+    code = "bad_data"
+
+
+class WireError(ShoalError):
+    """A message from the network failed validation. Nothing was applied."""
+
+    code = "bad_update"
+
+
+class SpecMismatch(WireError):
+    code = "spec_mismatch"
+
+
+class NonFinite(WireError):
+    code = "non_finite"
+
+
+class TooLarge(WireError):
+    code = "too_large"
+
+
+class Malformed(WireError):
+    code = "malformed"
+
+
+class UpdateRejected(ShoalError):
+    """A well-formed update that the round protocol will not take (not selected,
+    duplicate, too stale, round closed). ``code`` says which; nothing was applied."""
+
+    def __init__(self, code: str, detail: str):
+        super().__init__(detail)
+        self.code = code

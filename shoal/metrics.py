@@ -1,0 +1,45 @@
+"""Run outputs every mode shares: metrics.jsonl (one JSON object per line) and summary.json."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+
+def _clean(v: Any) -> Any:
+    """JSON has no NaN/Inf: write them as null rather than invalid JSON."""
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if isinstance(v, dict):
+        return {k: _clean(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_clean(x) for x in v]
+    return v
+
+
+class MetricsLog:
+    """Appends one record per evaluated round to ``metrics.jsonl`` and keeps them in memory."""
+
+    def __init__(self, out_dir: str | Path):
+        self.dir = Path(out_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.dir / "metrics.jsonl"
+        self.path.write_text("")
+        self.records: list[dict[str, Any]] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        record = _clean(record)
+        self.records.append(record)
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def summary(self, summary: dict[str, Any]) -> Path:
+        path = self.dir / "summary.json"
+        path.write_text(json.dumps(_clean(summary), indent=2) + "\n")
+        return path
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]

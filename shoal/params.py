@@ -1,0 +1,121 @@
+"""Model parameters as one contiguous float32 buffer plus a spec.
+
+Aggregation, masking, clipping and compression work on the flat buffer (one vector op
+instead of one per layer); torch sees its usual state_dict, whose tensors are views of
+that buffer after :func:`bind_module`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from math import prod
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One named tensor inside the flat buffer."""
+
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+
+    @property
+    def numel(self) -> int:
+        return prod(self.shape)
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    """Names, shapes and offsets of a model's float tensors in one flat buffer."""
+
+    entries: tuple[Entry, ...]
+
+    @property
+    def numel(self) -> int:
+        if not self.entries:
+            return 0
+        last = self.entries[-1]
+        return last.offset + last.numel
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * self.numel
+
+    @property
+    def hash(self) -> str:
+        """Short stable digest of the layout: two ends agree on it before any tensor moves."""
+        desc = json.dumps([[e.name, list(e.shape)] for e in self.entries], separators=(",", ":"))
+        return hashlib.sha256(("float32:" + desc).encode()).hexdigest()[:16]
+
+    @classmethod
+    def of(cls, module: nn.Module) -> "ParamSpec":
+        entries, offset = [], 0
+        for name, t in module.state_dict().items():
+            if not t.is_floating_point():
+                continue  # integer buffers (e.g. BatchNorm's num_batches_tracked) stay local
+            entries.append(Entry(name, tuple(t.shape), offset))
+            offset += t.numel()
+        return cls(tuple(entries))
+
+    def to_json(self) -> list:
+        return [[e.name, list(e.shape)] for e in self.entries]
+
+    @classmethod
+    def from_json(cls, data: list) -> "ParamSpec":
+        entries, offset = [], 0
+        for name, shape in data:
+            e = Entry(str(name), tuple(int(s) for s in shape), offset)
+            entries.append(e)
+            offset += e.numel
+        return cls(tuple(entries))
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Named views into ``flat`` (no copies)."""
+        return {e.name: flat[e.offset : e.offset + e.numel].view(e.shape) for e in self.entries}
+
+
+def flatten(module: nn.Module, spec: ParamSpec | None = None) -> torch.Tensor:
+    """A new flat float32 copy of the module's float state (on the module's device)."""
+    spec = spec or ParamSpec.of(module)
+    sd = module.state_dict()
+    return torch.cat([sd[e.name].detach().reshape(-1).float() for e in spec.entries])
+
+
+def bind_module(module: nn.Module, spec: ParamSpec | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Make the module's parameters and float buffers views of one flat buffer.
+
+    Returns ``(flat, flat_grad)``: gradients of the parameters land in ``flat_grad``
+    (entries of buffers stay zero there), so an optimizer step is one vector op. Keep
+    gradients in place with ``zero_grad(set_to_none=False)`` or ``flat_grad.zero_()``.
+    """
+    spec = spec or ParamSpec.of(module)
+    device = next(iter(module.state_dict().values())).device
+    flat = flatten(module, spec).to(device)
+    flat_grad = torch.zeros_like(flat)
+    views = spec.views(flat)
+    grads = spec.views(flat_grad)
+    for name, p in module.named_parameters():
+        if name in views:
+            p.data = views[name]
+            p.grad = grads[name]
+    for mod_name, mod in module.named_modules():
+        for b_name, b in list(mod._buffers.items()):
+            full = f"{mod_name}.{b_name}" if mod_name else b_name
+            if b is not None and full in views:
+                mod._buffers[b_name] = views[full]
+    return flat, flat_grad
+
+
+def trainable_mask(module: nn.Module, spec: ParamSpec) -> torch.Tensor:
+    """Bool mask over the flat buffer: True where the entry is a trainable parameter."""
+    names = {n for n, p in module.named_parameters() if p.requires_grad}
+    mask = torch.zeros(spec.numel, dtype=torch.bool)
+    for e in spec.entries:
+        if e.name in names:
+            mask[e.offset : e.offset + e.numel] = True
+    return mask

@@ -1,0 +1,1 @@
+"""Many clients and peers in one process: the in-process engine, experiments, reports."""

@@ -1,0 +1,94 @@
+"""The in-process engine: many simulated clients in one Python process.
+
+Clients are data (a contiguous slice of one device-resident training tensor) plus a
+seed, not model copies: one LocalTrainer trains each selected client in turn, so
+10,000 clients cost the dataset's memory once. The round logic is shoal.rounds'
+SyncRounds, the same object the HTTP server drives.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from shoal.aggregation import make_strategy
+from shoal.client.device import select_device
+from shoal.client.training import LocalTrainer
+from shoal.config import Config
+from shoal.datasets import FederatedData, load_federated
+from shoal.models import build_model
+from shoal.rounds import RoundSummary, SyncRounds
+
+log = logging.getLogger(__name__)
+
+
+def client_id(i: int) -> str:
+    return f"client-{i:05d}"
+
+
+class ClientShards:
+    """All clients' training data in one tensor, reordered so each client is a slice."""
+
+    def __init__(self, data: FederatedData, device: torch.device):
+        order = np.concatenate(data.client_indices) if data.client_indices else np.zeros(0, np.int64)
+        idx = torch.as_tensor(order, dtype=torch.long)
+        self.x = data.train.x[idx].to(device)
+        self.y = data.train.y[idx].to(device)
+        sizes = [len(ix) for ix in data.client_indices]
+        self.bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+
+    def __len__(self) -> int:
+        return len(self.bounds) - 1
+
+    def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        a, b = int(self.bounds[i]), int(self.bounds[i + 1])
+        return self.x[a:b], self.y[a:b]
+
+    def size(self, i: int) -> int:
+        return int(self.bounds[i + 1] - self.bounds[i])
+
+
+class InProcessSimulation:
+    """Builds data, model, trainer, strategy and rounds from a Config; runs rounds."""
+
+    def __init__(self, cfg: Config, data: FederatedData | None = None):
+        self.cfg = cfg
+        sim = cfg.simulation
+        self.device = select_device(sim.device)
+        self.data = data if data is not None else load_federated(cfg.data, sim.num_clients, sim.seed)
+        torch.manual_seed(sim.seed)  # model initialisation
+        model = build_model(cfg.model.name, self.data.input_shape, self.data.num_classes)
+        self.trainer = LocalTrainer(model, cfg.train, self.device)
+        self.spec = self.trainer.spec
+        self.shards = ClientShards(self.data, self.device)
+        self.test_x = self.data.test.x.to(self.device)
+        self.test_y = self.data.test.y.to(self.device)
+        self.client_ids = [client_id(i) for i in range(len(self.shards))]
+        self._index = {cid: i for i, cid in enumerate(self.client_ids)}
+        strategy = make_strategy(cfg.strategy, self.spec.numel, self.device)
+        self.rounds = SyncRounds(
+            strategy, self.trainer.flat.detach().clone(), sim.clients_per_round, sim.fraction, sim.seed
+        )
+        log.info(
+            "simulation: %d clients, %d train / %d test samples, model %s (%d parameters) on %s",
+            len(self.client_ids), len(self.data.train), len(self.data.test), cfg.model.name,
+            self.spec.numel, self.device,
+        )
+
+    @property
+    def global_params(self) -> torch.Tensor:
+        return self.rounds.global_params
+
+    def run_round(self) -> RoundSummary:
+        """One synchronous round: select, train each selected client, aggregate."""
+        tasks = self.rounds.start_round(self.client_ids)
+        for task in tasks:
+            x, y = self.shards.get(self._index[task.client_id])
+            update = self.trainer.train(self.rounds.global_params, x, y, task.seed, task.version, task.client_id)
+            self.rounds.submit(task.client_id, update)
+        return self.rounds.finish_round()
+
+    def evaluate(self) -> dict[str, float]:
+        return self.trainer.evaluate(self.rounds.global_params, self.test_x, self.test_y)
