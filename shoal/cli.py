@@ -32,9 +32,9 @@ def _root() -> None:
 SetOpt = typer.Option(None, "--set", help="Override one config value: section.key=value (repeatable).")
 
 
-def _setup_logging(verbose: bool) -> None:
+def _setup_logging(verbose: bool, quiet: bool = False) -> None:
     logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
+        level=logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         datefmt="%Y-%m-%dT%H:%M:%S",
     )
@@ -45,11 +45,11 @@ def simulate(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML experiment file (default: built-in Synthetic(1,1) demo)."),
     set_: Optional[list[str]] = SetOpt,
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: output.dir)."),
-    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, warnings only."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Simulate many clients on this machine; write metrics.jsonl, summary.json and plots."""
-    _setup_logging(verbose)
+    _setup_logging(verbose, quiet)
     from .config import load_config
     from shoal.simulations.experiment import run_simulation
 
