@@ -9,6 +9,7 @@ SyncRounds, the same object the HTTP server drives.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -19,7 +20,8 @@ from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.datasets import FederatedData, load_federated
 from shoal.models import build_model
-from shoal.rounds import RoundSummary, SyncRounds
+from shoal.rounds import RoundSummary, SyncRounds, Task
+from shoal.update import Update
 
 log = logging.getLogger(__name__)
 
@@ -50,8 +52,18 @@ class ClientShards:
         return int(self.bounds[i + 1] - self.bounds[i])
 
 
+# A step between a client's training and the aggregator (an attack, local DP noise,
+# compression...). Each feature adds its own in ``InProcessSimulation._client_steps``.
+ClientStep = Callable[[Task, Update], Update]
+
+
 class InProcessSimulation:
-    """Builds data, model, trainer, strategy and rounds from a Config; runs rounds."""
+    """Builds data, model, trainer, strategy and rounds from a Config; runs rounds.
+
+    Extension points, so features stay in their own modules:
+    ``train_clients`` (how the selected clients train: one by one here, batched
+    elsewhere) and ``client_steps`` (what happens to each update before it is sent).
+    """
 
     def __init__(self, cfg: Config, data: FederatedData | None = None):
         self.cfg = cfg
@@ -71,6 +83,7 @@ class InProcessSimulation:
         self.rounds = SyncRounds(
             strategy, self.trainer.flat.detach().clone(), sim.clients_per_round, sim.fraction, sim.seed
         )
+        self.client_steps: list[ClientStep] = self._client_steps()
         log.info(
             "simulation: %d clients, %d train / %d test samples, model %s (%d parameters) on %s",
             len(self.client_ids), len(self.data.train), len(self.data.test), cfg.model.name,
@@ -81,12 +94,22 @@ class InProcessSimulation:
     def global_params(self) -> torch.Tensor:
         return self.rounds.global_params
 
+    def _client_steps(self) -> list[ClientStep]:
+        """The client-side steps the config asks for, in pipeline order (DESIGN.md)."""
+        return []
+
+    def train_clients(self, tasks: list[Task], global_params: torch.Tensor) -> Iterator[tuple[Task, Update]]:
+        """Local training of each task's client from ``global_params``, one after another."""
+        for task in tasks:
+            x, y = self.shards.get(self._index[task.client_id])
+            yield task, self.trainer.train(global_params, x, y, task.seed, task.version, task.client_id)
+
     def run_round(self) -> RoundSummary:
         """One synchronous round: select, train each selected client, aggregate."""
         tasks = self.rounds.start_round(self.client_ids)
-        for task in tasks:
-            x, y = self.shards.get(self._index[task.client_id])
-            update = self.trainer.train(self.rounds.global_params, x, y, task.seed, task.version, task.client_id)
+        for task, update in self.train_clients(tasks, self.rounds.global_params):
+            for step in self.client_steps:
+                update = step(task, update)
             self.rounds.submit(task.client_id, update)
         return self.rounds.finish_round()
 
