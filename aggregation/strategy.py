@@ -89,6 +89,9 @@ class Strategy:
         self.optimizer.load_state_dict(state)
 
 
-def make_strategy(cfg: StrategyConfig, numel: int, device: torch.device | str = "cpu") -> Strategy:
-    """The strategy a ``[strategy]`` config table describes, for a model of ``numel`` parameters."""
-    return Strategy(WeightedMean(numel, device), make_server_optimizer(cfg), cfg.weighting)
+def make_strategy(
+    cfg: StrategyConfig, numel: int, device: torch.device | str = "cpu", aggregator: Aggregator | None = None
+) -> Strategy:
+    """The strategy a ``[strategy]`` config table describes, for a model of ``numel`` parameters;
+    ``aggregator`` replaces the weighted mean (e.g. a robust rule, aggregation/robust.py)."""
+    return Strategy(WeightedMean(numel, device) if aggregator is None else aggregator, make_server_optimizer(cfg), cfg.weighting)

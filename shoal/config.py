@@ -152,6 +152,65 @@ class StrategyConfig:
 
 
 @dataclass
+class RobustConfig:
+    """Robust aggregation against faulty or malicious clients (aggregation/robust.py)."""
+
+    rule: str = "mean"             # mean | median | trimmed_mean | krum | multikrum
+    trim_beta: float = 0.1         # trimmed_mean: drop this fraction at each end, per coordinate
+    krum_f: int = 0                # krum/multikrum: Byzantine clients tolerated (needs n > 2f + 2)
+    multikrum_m: int = 0           # multikrum: updates averaged; 0 means n - f
+    norm_bound: float = 0.0        # clip each update to this L2 norm first; 0 = off
+    max_updates: int = 1024        # buffered rules hold at most this many updates (memory bound)
+
+    def validate(self) -> None:
+        _choice("robust.rule", self.rule, ("mean", "median", "trimmed_mean", "krum", "multikrum"))
+        if not 0 <= self.trim_beta < 0.5:
+            raise ConfigError(f"robust.trim_beta = {self.trim_beta} must be in [0, 0.5)")
+        _positive("robust.krum_f", self.krum_f, allow_zero=True)
+        _positive("robust.multikrum_m", self.multikrum_m, allow_zero=True)
+        _positive("robust.norm_bound", self.norm_bound, allow_zero=True)
+        _positive("robust.max_updates", self.max_updates)
+
+
+@dataclass
+class AttackConfig:
+    """Simulated misbehaving clients (simulations/attacks.py)."""
+
+    kind: str = "none"             # none | sign_flip | scale | gaussian | label_flip | nan | inf
+    fraction: float = 0.0          # share of clients that attack (the first ones of a seeded shuffle)
+    scale: float = 10.0            # sign_flip: delta -> -scale*delta; scale: delta -> scale*delta;
+                                   # gaussian: delta -> N(0, scale^2)
+
+    def validate(self) -> None:
+        _choice("attack.kind", self.kind, ("none", "sign_flip", "scale", "gaussian", "label_flip", "nan", "inf"))
+        if not 0 <= self.fraction <= 1:
+            raise ConfigError(f"attack.fraction = {self.fraction} must be in [0, 1]")
+        _positive("attack.scale", self.scale)
+
+
+@dataclass
+class CompressionConfig:
+    """How client updates are encoded on the wire (aggregation/compression.py)."""
+
+    encoding: str = "dense"        # dense | q8 | topk
+    topk_fraction: float = 0.01    # topk: share of coordinates sent (with error feedback)
+    q8_chunk: int = 1024           # q8: coordinates per float32 scale
+    zstd: bool = False             # zstd-compress the encoded tensors
+    zstd_level: int = 3
+
+    def validate(self) -> None:
+        _choice("compression.encoding", self.encoding, ("dense", "q8", "topk"))
+        if not 0 < self.topk_fraction <= 0.5:
+            raise ConfigError(
+                f"compression.topk_fraction = {self.topk_fraction} must be in (0, 0.5] "
+                "(above half, top-k costs more bytes than dense)"
+            )
+        _positive("compression.q8_chunk", self.q8_chunk)
+        if not 1 <= self.zstd_level <= 22:
+            raise ConfigError(f"compression.zstd_level = {self.zstd_level} must be in 1..22")
+
+
+@dataclass
 class OutputConfig:
     dir: str = "runs/latest"
     plots: bool = True
@@ -164,6 +223,9 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    robust: RobustConfig = field(default_factory=RobustConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
 
     def validate(self) -> "Config":

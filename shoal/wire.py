@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
+import zstandard
 from safetensors.torch import save as st_save
 
+from .aggregation.compression import Encoded, decode_tensors, expected_tensors
 from .errors import Malformed, NonFinite, SpecMismatch, TooLarge
 from .params import ParamSpec
 from .update import Update
@@ -117,26 +119,71 @@ def _int_field(header: dict, key: str, minimum: int) -> int:
     return v
 
 
-def encode_update(update: Update, spec: ParamSpec, extra: dict[str, Any] | None = None) -> bytes:
+def encode_update(
+    update: Update,
+    spec: ParamSpec,
+    extra: dict[str, Any] | None = None,
+    payload: Encoded | None = None,
+    zstd_level: int = 0,
+) -> bytes:
+    """The update as a message. ``payload`` is a compressed form of ``update.delta``
+    (aggregation/compression.py; dense float32 when None); the header names its
+    encoding. With ``zstd_level`` > 0 the payload's tensors travel zstd-compressed in
+    one uint8 tensor ``zstd`` and the header says ``"zstd": true``."""
+    payload = payload or Encoded("dense", {"delta": update.delta.float()})
     header = {
         "kind": "update",
         "spec_hash": spec.hash,
-        "encoding": "dense",
+        "encoding": payload.encoding,
+        **payload.header,
         "base_version": int(update.base_version),
         "num_examples": int(update.num_examples),
         "sender": update.sender,
         "metrics": {k: float(v) for k, v in update.metrics.items()},
         **(extra or {}),
     }
-    return encode({"delta": update.delta.float()}, header)
+    tensors = payload.tensors
+    if zstd_level:
+        inner = encode(tensors, {"kind": "payload"})
+        packed = zstandard.ZstdCompressor(level=zstd_level).compress(inner)
+        tensors = {"zstd": torch.frombuffer(bytearray(packed), dtype=torch.uint8)}
+        header["zstd"] = True
+    return encode(tensors, header)
+
+
+def _unzstd(packed: torch.Tensor, max_bytes: int) -> bytes:
+    """Decompress at most ``max_bytes`` (a small body must not inflate without bound)."""
+    try:
+        with zstandard.ZstdDecompressor().stream_reader(packed.numpy().tobytes()) as reader:
+            return reader.read(max_bytes + 1)
+    except zstandard.ZstdError as e:
+        raise Malformed(f"tensor 'zstd' is not a valid zstd frame: {e}") from None
 
 
 def decode_update(body: bytes, spec: ParamSpec, max_bytes: int | None = None) -> tuple[Update, dict]:
-    """Validated Update plus the raw header (for fields a caller adds, e.g. round ids)."""
+    """Validated Update plus the raw header (for fields a caller adds, e.g. round ids).
+
+    The header's ``encoding`` (dense | q8 | topk, plus ``zstd``) says which tensors must
+    be present, with which dtypes and shapes; every one is checked, then the values
+    (aggregation/compression.py), before the dense delta is built."""
     max_bytes = max_bytes or default_max_bytes(spec)
-    header, tensors = decode(body, {"delta": (torch.float32, (spec.numel,))}, max_bytes, spec.hash)
+    header, table = read_header(body, max_bytes)
+    expect = expected_tensors(header, spec.numel)
+    zstd = header.get("zstd", False)
+    if not isinstance(zstd, bool):
+        raise Malformed(f"header field 'zstd' = {zstd!r} must be true or false")
+    if zstd:
+        size = table.get("zstd", {}).get("shape", [0])
+        header, outer = decode(body, {"zstd": (torch.uint8, tuple(size))}, max_bytes, spec.hash)
+        inner = _unzstd(outer["zstd"], max_bytes)
+        if len(inner) > max_bytes:
+            raise TooLarge(f"zstd payload inflates to more than the limit of {max_bytes} bytes")
+        _, tensors = decode(inner, expect, max_bytes)
+    else:
+        header, tensors = decode(body, expect, max_bytes, spec.hash)
     if header.get("kind") != "update":
         raise Malformed(f"message kind is {header.get('kind')!r}, expected 'update'")
+    delta = decode_tensors(header, tensors, spec.numel)
     metrics = header.get("metrics", {})
     if not isinstance(metrics, dict) or not all(
         isinstance(k, str) and isinstance(v, (int, float)) for k, v in metrics.items()
@@ -146,7 +193,7 @@ def decode_update(body: bytes, spec: ParamSpec, max_bytes: int | None = None) ->
     if not isinstance(sender, str) or len(sender) > 256:
         raise Malformed("header field 'sender' must be a string of at most 256 characters")
     update = Update(
-        delta=tensors["delta"],
+        delta=delta,
         num_examples=_int_field(header, "num_examples", 1),
         base_version=_int_field(header, "base_version", 0),
         sender=sender,

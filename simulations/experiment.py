@@ -60,6 +60,8 @@ def run_simulation(
                     "num_results": summary.num_results,
                     "num_examples": summary.num_examples,
                     "elapsed_s": round(time.perf_counter() - t_start, 4),
+                    **sim.wire.counts(),
+                    "rejected": summary.rejected,
                 }
                 metrics.write(last)
                 if on_record:
@@ -79,6 +81,8 @@ def run_simulation(
         "device": str(sim.device),
         "wall_s": round(wall, 3),
         "setup_s": round(setup_s, 3),
+        "bytes_up_total": sim.wire.total_up,
+        "bytes_down_total": sim.wire.total_down,
         "config": cfg.to_dict(),
     }
     metrics.summary(summary_out)

@@ -15,13 +15,18 @@ import numpy as np
 import torch
 
 from shoal.aggregation import make_strategy
+from shoal.aggregation.robust import make_aggregator
 from shoal.client.device import select_device
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.datasets import FederatedData, load_federated
+from shoal.errors import WireError
 from shoal.models import build_model
 from shoal.rounds import RoundSummary, SyncRounds, Task
 from shoal.update import Update
+
+from .attacks import attack_steps
+from .wire_step import WireStep
 
 log = logging.getLogger(__name__)
 
@@ -79,10 +84,12 @@ class InProcessSimulation:
         self.test_y = self.data.test.y.to(self.device)
         self.client_ids = [client_id(i) for i in range(len(self.shards))]
         self._index = {cid: i for i, cid in enumerate(self.client_ids)}
-        strategy = make_strategy(cfg.strategy, self.spec.numel, self.device)
+        aggregator = make_aggregator(cfg.robust, self.spec.numel, self.device)
+        strategy = make_strategy(cfg.strategy, self.spec.numel, self.device, aggregator)
         self.rounds = SyncRounds(
             strategy, self.trainer.flat.detach().clone(), sim.clients_per_round, sim.fraction, sim.seed
         )
+        self.wire = WireStep(cfg.compression, self.spec)
         self.client_steps: list[ClientStep] = self._client_steps()
         log.info(
             "simulation: %d clients, %d train / %d test samples, model %s (%d parameters) on %s",
@@ -96,7 +103,7 @@ class InProcessSimulation:
 
     def _client_steps(self) -> list[ClientStep]:
         """The client-side steps the config asks for, in pipeline order (DESIGN.md)."""
-        return []
+        return [*attack_steps(self), self.wire]
 
     def train_clients(self, tasks: list[Task], global_params: torch.Tensor) -> Iterator[tuple[Task, Update]]:
         """Local training of each task's client from ``global_params``, one after another."""
@@ -107,9 +114,15 @@ class InProcessSimulation:
     def run_round(self) -> RoundSummary:
         """One synchronous round: select, train each selected client, aggregate."""
         tasks = self.rounds.start_round(self.client_ids)
+        self.wire.broadcast(self.rounds.global_params, self.rounds.version, len(tasks))
         for task, update in self.train_clients(tasks, self.rounds.global_params):
-            for step in self.client_steps:
-                update = step(task, update)
+            try:
+                for step in self.client_steps:
+                    update = step(task, update)
+            except WireError as e:  # validation rejected the payload: counted, not aggregated
+                self.rounds.rejected[e.code] = self.rounds.rejected.get(e.code, 0) + 1
+                log.debug("update of %s rejected: %s", task.client_id, e)
+                continue
             self.rounds.submit(task.client_id, update)
         return self.rounds.finish_round()
 

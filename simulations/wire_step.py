@@ -1,0 +1,47 @@
+"""The simulated network hop: every update is encoded as a client would send it
+(compressed per ``[compression]``), counted in bytes, then decoded and validated as the
+server would. A payload that fails validation raises its WireError, which the
+simulator counts as a rejection (nothing is aggregated). The global model's broadcast
+is counted once per selected client (``bytes_down``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.aggregation.compression import Compressor
+from shoal.config import CompressionConfig
+from shoal.params import ParamSpec
+from shoal.rounds import Task
+from shoal.update import Update
+from shoal.wire import decode_update, encode_model, encode_update
+
+
+class WireStep:
+    """A client step (last in the pipeline) that round-trips updates through shoal.wire."""
+
+    def __init__(self, cfg: CompressionConfig, spec: ParamSpec):
+        self.cfg = cfg
+        self.spec = spec
+        self.compressor = Compressor(cfg)
+        self.bytes_up = self.bytes_down = 0          # this round
+        self.total_up = self.total_down = 0          # since the start
+
+    def broadcast(self, global_params: torch.Tensor, version: int, receivers: int) -> None:
+        """Count the model download of a new round (dense float32 model message)."""
+        size = len(encode_model(global_params, self.spec, version)) * receivers
+        self.bytes_up, self.bytes_down = 0, size
+        self.total_down += size
+
+    def __call__(self, task: Task, update: Update) -> Update:
+        payload = self.compressor.encode(update.delta, task.client_id, task.seed)
+        body = encode_update(update, self.spec, payload=payload, zstd_level=self.cfg.zstd_level if self.cfg.zstd else 0)
+        self.bytes_up += len(body)
+        self.total_up += len(body)
+        received, _ = decode_update(body, self.spec)
+        received.delta = received.delta.to(update.delta.device)
+        return received
+
+    def counts(self) -> dict[str, int]:
+        return {"bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
+                "bytes_up_total": self.total_up, "bytes_down_total": self.total_down}
