@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The runs behind docs/results.md, "Robust aggregation and compression" (issue 10).
+#   examples/robust_and_compression.sh PATH_TO_MNIST [OUT_DIR]
+set -euo pipefail
+MNIST=${1:?path to the MNIST idx files}
+OUT=${2:-runs/issue10}
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+SHOAL=${SHOAL:-shoal}
+run() {  # name, config, overrides...
+  local name=$1 cfg=$2; shift 2
+  local args=()
+  for s in "$@"; do args+=(--set "$s"); done
+  "$SHOAL" simulate -q -c "$cfg" --set data.dir="$MNIST" "${args[@]}" -o "$OUT/$name"
+}
+A=examples/mnist_logreg_attack.toml
+run clean_mean "$A"
+for rule in median trimmed_mean multikrum; do run "clean_$rule" "$A" robust.rule=$rule; done
+for rule in mean median trimmed_mean krum multikrum; do
+  run "signflip10_$rule" "$A" attack.kind=sign_flip attack.scale=10.0 robust.rule=$rule
+  run "scale100_$rule" "$A" attack.kind=scale attack.scale=100.0 robust.rule=$rule
+done
+run signflip1_mean "$A" attack.kind=sign_flip attack.scale=1.0
+run nan_mean "$A" attack.kind=nan
+C=examples/mnist_2nn_compression.toml
+run c_dense "$C"
+run c_q8 "$C" compression.encoding=\"q8\"
+run c_topk04 "$C" compression.encoding=\"topk\" compression.topk_fraction=0.04
+run c_topk04_zstd "$C" compression.encoding=\"topk\" compression.topk_fraction=0.04 compression.zstd=true
