@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 SERVICE = web.AppKey("service", ServerService)
 REGISTRY = web.AppKey("registry", Registry)
 CHANGED = web.AppKey("changed", dict)
+NODE = web.RequestKey("node", str)
 
 
 def error(status: int, code: str, detail: str) -> web.Response:
@@ -46,7 +47,7 @@ async def auth(request: web.Request, handler):
     header = request.headers.get("Authorization", "")
     token = header[7:].strip() if header.startswith("Bearer ") else None
     try:
-        request["node"] = request.app[REGISTRY].authenticate(token)
+        request[NODE] = request.app[REGISTRY].authenticate(token)
     except AuthError as e:
         return error(e.status, e.code, str(e))
     return await handler(request)
@@ -59,7 +60,7 @@ def _notify(app: web.Application) -> None:
 
 
 async def get_task(request: web.Request) -> web.Response:
-    app, node = request.app, request["node"]
+    app, node = request.app, request[NODE]
     svc = app[SERVICE]
     try:
         wait = min(float(request.query.get("wait", svc.cfg.server.poll_s)), svc.cfg.server.poll_s)
@@ -82,7 +83,7 @@ async def get_task(request: web.Request) -> web.Response:
 
 async def get_model(request: web.Request) -> web.Response:
     svc = request.app[SERVICE]
-    svc.seen(request["node"], time.monotonic())
+    svc.seen(request[NODE], time.monotonic())
     etag = svc.etag
     headers = {"ETag": etag, "X-Shoal-Version": str(svc.version), "Cache-Control": "no-cache"}
     if etag in [t.strip() for t in request.headers.get("If-None-Match", "").split(",")]:
@@ -91,12 +92,14 @@ async def get_model(request: web.Request) -> web.Response:
 
 
 async def post_update(request: web.Request) -> web.Response:
-    app, node = request.app, request["node"]
+    app, node = request.app, request[NODE]
     svc = app[SERVICE]
     length = request.content_length
     if length is None:
+        svc.refused("length_required")
         return error(411, "length_required", "send the update with a Content-Length header")
     if length > svc.max_body_bytes:
+        svc.refused(TooLarge.code)
         return error(413, TooLarge.code, f"body of {length} bytes is over the limit of {svc.max_body_bytes} bytes")
     # At most ``ingest_slots`` bodies are held and decoded at once; the others wait in
     # their sockets, so memory stays O(slots x model) however many nodes upload.
@@ -104,6 +107,7 @@ async def post_update(request: web.Request) -> web.Response:
         try:
             body = await request.content.readexactly(length)
         except asyncio.IncompleteReadError as e:
+            svc.refused("malformed")
             return error(400, "malformed", f"body ended after {len(e.partial)} of {length} bytes (truncated)")
         try:
             result = svc.submit(node, body, time.monotonic())

@@ -157,12 +157,15 @@ class ServerService:
             update.sender = node  # the authenticated identity, not what the body claims
             r.submit(node, update)
         except Exception as e:
-            code = getattr(e, "code", "error")
-            self.counters.rejected[code] = self.counters.rejected.get(code, 0) + 1
+            self.refused(getattr(e, "code", "error"))
             raise
         self.counters.accepted += 1
         self.counters.bytes_received += len(body)
         return {"status": "accepted", "round": self.rounds.round, "version": self.version}
+
+    def refused(self, code: str) -> None:
+        """Count an upload refused with error ``code`` (here or by the transport)."""
+        self.counters.rejected[code] = self.counters.rejected.get(code, 0) + 1
 
     # --- the clock -----------------------------------------------------------------
 
@@ -207,9 +210,9 @@ class ServerService:
         record.update(train_loss=summary.train_loss, num_results=summary.num_results,
                       num_examples=summary.num_examples, elapsed_s=round(time.perf_counter() - self._t0, 4))
         self.last_record = _clean(record)
+        self._checkpoint()  # first: a crash between the two loses a log line, never a version
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(self.last_record) + "\n")
-        self._checkpoint()
         log.info("version %d: %s", summary.version, json.dumps(self.last_record))
         return summary
 
