@@ -11,7 +11,9 @@ import aiohttp
 from aiohttp import web
 
 from shoal.config import config_from_dict
-from shoal.server.app import make_app
+import asyncio
+
+from shoal.server.app import _clock, make_app
 from shoal.server.registry import Registry
 from shoal.server.service import ServerService
 
@@ -35,6 +37,7 @@ class Live:
     service: ServerService
     registry: Registry
     tokens: dict[str, str]
+    app: web.Application
 
     def session(self, node: str | None, **kw) -> aiohttp.ClientSession:
         headers = {"Authorization": f"Bearer {self.tokens[node]}"} if node else {}
@@ -42,19 +45,28 @@ class Live:
 
 
 @asynccontextmanager
-async def live_server(tmp: Path, nodes: list[str], ssl_context: ssl.SSLContext | None = None, **server):
+async def live_server(tmp: Path, nodes: list[str], ssl_context: ssl.SSLContext | None = None,
+                      clock: bool = False, **server):
+    """``clock=True`` runs the server's clock (rounds open and close by themselves);
+    without it the test drives ``service.tick`` itself."""
     cfg = small_config(tmp, **server)
     registry = Registry(cfg.server.db)
     tokens = {n: registry.add(n) for n in nodes}
     service = ServerService(cfg)
-    runner = web.AppRunner(make_app(service, registry), access_log=None)
+    app = make_app(service, registry)
+    runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context)
     await site.start()
     port = runner.addresses[0][1]
     scheme = "https" if ssl_context else "http"
+    stop = asyncio.Event()
+    ticker = asyncio.ensure_future(_clock(app, stop)) if clock else None
     try:
-        yield Live(f"{scheme}://127.0.0.1:{port}", service, registry, tokens)
+        yield Live(f"{scheme}://127.0.0.1:{port}", service, registry, tokens, app)
     finally:
+        stop.set()
+        if ticker is not None:
+            await ticker
         await runner.cleanup()
         registry.close()
