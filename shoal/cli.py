@@ -63,6 +63,30 @@ def simulate(
     )
 
 
+# --- deploy: `shoal server`, `shoal client`, `shoal data split` (issue 4) --------------
+from shoal.client.cli import client as _client_command  # noqa: E402
+from shoal.server.cli import app as _server_app  # noqa: E402
+
+app.add_typer(_server_app, name="server")
+app.command("client")(_client_command)
+_data_app = typer.Typer(help="Node data shards.", no_args_is_help=True)
+app.add_typer(_data_app, name="data")
+
+
+@_data_app.command("split")
+def data_split(
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML with [data] and [simulation]."),
+    set_: Optional[list[str]] = SetOpt,
+    out: Path = typer.Option(..., "--out", "-o", help="Folder for one <client-id>.safetensors per client."),
+) -> None:
+    """Write the simulator's client split as one shard file per node (x, y)."""
+    from .config import load_config
+    from .shards import write_shards
+
+    paths = write_shards(load_config(config, set_ or []), out)
+    typer.echo(f"wrote {len(paths)} shards to {out}/")
+
+
 def main() -> None:
     """Entry point: a ShoalError becomes one line on stderr and exit status 2."""
     try:

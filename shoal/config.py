@@ -211,6 +211,55 @@ class CompressionConfig:
 
 
 @dataclass
+class ServerConfig:
+    """The aggregator service (`shoal server`, server/). Node ids are registered node names.
+
+    Model initialisation and client selection use ``simulation.seed``, and the held-out
+    set is the one ``[data]`` + ``simulation.num_clients`` + seed describe, so a server
+    and ``shoal simulate`` on the same config start from the same model.
+    """
+
+    host: str = "127.0.0.1"        # listen address
+    port: int = 8443
+    tls_cert: str = ""             # PEM certificate chain; HTTPS needs both, else --insecure
+    tls_key: str = ""              # PEM private key
+    mode: str = "sync"             # sync rounds (shoal.rounds.SyncRounds)
+    rounds: int = 10               # global versions to produce, then the server reports done
+    clients_per_round: int = 0     # K; 0 means `fraction` of the connected nodes
+    fraction: float = 1.0
+    min_nodes: int = 1             # connected nodes needed before a round starts
+    deadline_s: float = 60.0       # a round closes this long after it starts
+    min_fraction: float = 0.5      # share of the selected nodes that must report by the deadline
+    poll_s: float = 20.0           # longest a node's GET /v1/task is held open
+    max_body_bytes: int = 0        # upload limit; 0 means one dense float32 model + 1 MiB
+    ingest_slots: int = 4          # uploads decoded at once (memory: slots x model size)
+    checkpoint_dir: str = "server/checkpoints"
+    keep_checkpoints: int = 3
+    db: str = "server/nodes.sqlite"
+    out_dir: str = "server/run"    # metrics.jsonl
+    eval: bool = True              # evaluate each new version on the data config's held-out set
+
+    def validate(self) -> None:
+        _choice("server.mode", self.mode, ("sync",))
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"server.port = {self.port} must be in 1..65535")
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("server.tls_cert and server.tls_key go together: set both or neither")
+        _positive("server.rounds", self.rounds)
+        _positive("server.clients_per_round", self.clients_per_round, allow_zero=True)
+        if not 0 < self.fraction <= 1:
+            raise ConfigError(f"server.fraction = {self.fraction} must be in (0, 1]")
+        _positive("server.min_nodes", self.min_nodes)
+        _positive("server.deadline_s", self.deadline_s)
+        if not 0 < self.min_fraction <= 1:
+            raise ConfigError(f"server.min_fraction = {self.min_fraction} must be in (0, 1]")
+        _positive("server.poll_s", self.poll_s)
+        _positive("server.max_body_bytes", self.max_body_bytes, allow_zero=True)
+        _positive("server.ingest_slots", self.ingest_slots)
+        _positive("server.keep_checkpoints", self.keep_checkpoints)
+
+
+@dataclass
 class OutputConfig:
     dir: str = "runs/latest"
     plots: bool = True
@@ -227,6 +276,7 @@ class Config:
     attack: AttackConfig = field(default_factory=AttackConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):

@@ -1,0 +1,183 @@
+"""HTTP transport of the aggregator (aiohttp): routes, auth, body limits, long-poll.
+
+It only moves messages: every decision is a call into :class:`ServerService`. The
+protocol is written up in docs/protocol.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import ssl
+import time
+
+from aiohttp import web
+
+from shoal.errors import ShoalError, TooLarge, UpdateRejected, WireError
+
+from .registry import AuthError, Registry
+from .service import ServerService
+
+log = logging.getLogger(__name__)
+
+SERVICE = web.AppKey("service", ServerService)
+REGISTRY = web.AppKey("registry", Registry)
+CHANGED = web.AppKey("changed", dict)
+NODE = web.RequestKey("node", str)
+
+
+def error(status: int, code: str, detail: str) -> web.Response:
+    return web.json_response({"error": code, "detail": detail}, status=status)
+
+
+def _status_of(e: ShoalError) -> int:
+    if isinstance(e, TooLarge):
+        return 413
+    if isinstance(e, WireError):
+        return 400
+    if isinstance(e, UpdateRejected):
+        return 409
+    return 400
+
+
+@web.middleware
+async def auth(request: web.Request, handler):
+    """Every route needs ``Authorization: Bearer <token>`` of an enabled node."""
+    header = request.headers.get("Authorization", "")
+    token = header[7:].strip() if header.startswith("Bearer ") else None
+    try:
+        request[NODE] = request.app[REGISTRY].authenticate(token)
+    except AuthError as e:
+        return error(e.status, e.code, str(e))
+    return await handler(request)
+
+
+def _notify(app: web.Application) -> None:
+    """Wake every long-poll: the service's state changed."""
+    app[CHANGED]["event"].set()
+    app[CHANGED]["event"] = asyncio.Event()
+
+
+async def get_task(request: web.Request) -> web.Response:
+    app, node = request.app, request[NODE]
+    svc = app[SERVICE]
+    try:
+        wait = min(float(request.query.get("wait", svc.cfg.server.poll_s)), svc.cfg.server.poll_s)
+    except ValueError:
+        return error(400, "bad_request", "query parameter 'wait' must be a number of seconds")
+    end = time.monotonic() + max(wait, 0.0)
+    while True:
+        event = app[CHANGED]["event"]
+        work = svc.poll(node, time.monotonic())
+        if work is not None:
+            return web.json_response(work)
+        left = end - time.monotonic()
+        if left <= 0:
+            return web.json_response({"status": "wait", "version": svc.version})
+        try:
+            await asyncio.wait_for(event.wait(), left)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def get_model(request: web.Request) -> web.Response:
+    svc = request.app[SERVICE]
+    svc.seen(request[NODE], time.monotonic())
+    etag = svc.etag
+    headers = {"ETag": etag, "X-Shoal-Version": str(svc.version), "Cache-Control": "no-cache"}
+    if etag in [t.strip() for t in request.headers.get("If-None-Match", "").split(",")]:
+        return web.Response(status=304, headers=headers)
+    return web.Response(body=svc.model_body(), headers=headers, content_type="application/octet-stream")
+
+
+async def post_update(request: web.Request) -> web.Response:
+    app, node = request.app, request[NODE]
+    svc = app[SERVICE]
+    length = request.content_length
+    if length is None:
+        svc.refused("length_required")
+        return error(411, "length_required", "send the update with a Content-Length header")
+    if length > svc.max_body_bytes:
+        svc.refused(TooLarge.code)
+        return error(413, TooLarge.code, f"body of {length} bytes is over the limit of {svc.max_body_bytes} bytes")
+    # At most ``ingest_slots`` bodies are held and decoded at once; the others wait in
+    # their sockets, so memory stays O(slots x model) however many nodes upload.
+    async with app[CHANGED]["ingest"]:
+        try:
+            body = await request.content.readexactly(length)
+        except asyncio.IncompleteReadError as e:
+            svc.refused("malformed")
+            return error(400, "malformed", f"body ended after {len(e.partial)} of {length} bytes (truncated)")
+        try:
+            result = svc.submit(node, body, time.monotonic())
+        except ShoalError as e:
+            log.info("update from %s refused: %s: %s", node, e.code if hasattr(e, "code") else "error", e)
+            return error(_status_of(e), getattr(e, "code", "error"), str(e))
+        del body
+    if svc.tick(time.monotonic()):
+        _notify(app)
+    return web.json_response(result)
+
+
+async def get_status(request: web.Request) -> web.Response:
+    return web.json_response(request.app[SERVICE].status(time.monotonic()))
+
+
+async def get_metrics(request: web.Request) -> web.Response:
+    text = request.app[SERVICE].prometheus(time.monotonic())
+    return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                        headers={"X-Prometheus-Format": "0.0.4"})
+
+
+def make_app(service: ServerService, registry: Registry) -> web.Application:
+    app = web.Application(middlewares=[auth], client_max_size=service.max_body_bytes + 1024)
+    app[SERVICE] = service
+    app[REGISTRY] = registry
+    app[CHANGED] = {"event": asyncio.Event(), "ingest": asyncio.Semaphore(service.cfg.server.ingest_slots)}
+    app.router.add_get("/v1/task", get_task)
+    app.router.add_get("/v1/model", get_model)
+    app.router.add_post("/v1/update", post_update)
+    app.router.add_get("/v1/status", get_status)
+    app.router.add_get("/metrics", get_metrics)
+    return app
+
+
+async def _clock(app: web.Application, stop: asyncio.Event) -> None:
+    """Drive the service's time: open rounds when nodes are there, close them at deadlines."""
+    svc = app[SERVICE]
+    while not stop.is_set():
+        if svc.tick(time.monotonic()):
+            _notify(app)
+        if svc.finished(time.monotonic()):
+            stop.set()
+        try:
+            await asyncio.wait_for(stop.wait(), 0.05)
+        except asyncio.TimeoutError:
+            pass
+
+
+async def serve(service: ServerService, registry: Registry, ssl_context: ssl.SSLContext | None,
+                stop: asyncio.Event | None = None) -> None:
+    """Serve until every round is done (and the nodes were told), or SIGINT/SIGTERM."""
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    app = make_app(service, registry)
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    s = service.cfg.server
+    site = web.TCPSite(runner, s.host, s.port, ssl_context=ssl_context)
+    await site.start()
+    scheme = "https" if ssl_context else "http"
+    log.info("listening on %s://%s:%d (version %d of %d)", scheme, s.host, s.port, service.version, s.rounds)
+    try:
+        await _clock(app, stop)
+    finally:
+        _notify(app)
+        await runner.cleanup()
+    log.info("stopped at version %d", service.version)

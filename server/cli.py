@@ -1,0 +1,114 @@
+"""`shoal server`: run the aggregator; `shoal server nodes add|list|revoke` manage nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from shoal.config import Config, load_config
+from shoal.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+app = typer.Typer(help="Run the aggregator server and manage its nodes.", invoke_without_command=True,
+                  no_args_is_help=False, pretty_exceptions_enable=False)
+nodes_app = typer.Typer(help="The node registry: add, list, revoke.", no_args_is_help=True)
+app.add_typer(nodes_app, name="nodes")
+
+ConfigOpt = typer.Option(None, "--config", "-c", help="TOML config with a [server] table.")
+SetOpt = typer.Option(None, "--set", help="Override one config value: section.key=value (repeatable).")
+DbOpt = typer.Option(None, "--db", help="Node database (default: server.db of the config).")
+
+
+def _db(config: Optional[Path], set_: Optional[list[str]], db: Optional[Path]) -> Path:
+    return db or Path(load_config(config, set_ or []).server.db)
+
+
+def run_server(cfg: Config, insecure: bool = False, fresh: bool = False) -> None:
+    from shoal.tls import server_context
+
+    from .app import serve
+    from .registry import Registry
+    from .service import ServerService
+
+    s = cfg.server
+    if s.tls_cert:
+        ctx = server_context(s.tls_cert, s.tls_key)
+    elif insecure:
+        ctx = None
+        log.warning("--insecure: serving plain HTTP; tokens and updates travel unencrypted")
+    else:
+        raise ConfigError("server.tls_cert / server.tls_key are not set: give a certificate, "
+                          "or pass --insecure for plain HTTP on a trusted network")
+    registry = Registry(s.db)
+    try:
+        service = ServerService(cfg, resume=not fresh)
+        asyncio.run(serve(service, registry, ctx))
+    finally:
+        registry.close()
+
+
+@app.callback()
+def server(
+    ctx: typer.Context,
+    config: Optional[Path] = ConfigOpt,
+    set_: Optional[list[str]] = SetOpt,
+    insecure: bool = typer.Option(False, "--insecure", help="Serve plain HTTP (no TLS). Warns."),
+    fresh: bool = typer.Option(False, "--fresh", help="Ignore existing checkpoints and start at version 0."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Serve rounds over HTTPS until server.rounds versions are made; resumes from the latest checkpoint."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from shoal.cli import _setup_logging
+
+    _setup_logging(verbose)
+    run_server(load_config(config, set_ or []), insecure=insecure, fresh=fresh)
+
+
+@nodes_app.command("add")
+def nodes_add(name: str, config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
+              db: Optional[Path] = DbOpt) -> None:
+    """Register NAME and print its token (shown only this once)."""
+    from .registry import Registry
+
+    reg = Registry(_db(config, set_, db))
+    try:
+        typer.echo(reg.add(name))
+    finally:
+        reg.close()
+
+
+@nodes_app.command("list")
+def nodes_list(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
+               db: Optional[Path] = DbOpt) -> None:
+    """Registered nodes: name, enabled, last seen (UTC)."""
+    from .registry import Registry
+
+    reg = Registry(_db(config, set_, db))
+    try:
+        for n in reg.list():
+            seen = dt.datetime.fromtimestamp(n.last_seen, dt.timezone.utc).isoformat(timespec="seconds") \
+                if n.last_seen else "never"
+            typer.echo(f"{n.name}\t{'enabled' if n.enabled else 'revoked'}\t{seen}")
+    finally:
+        reg.close()
+
+
+@nodes_app.command("revoke")
+def nodes_revoke(name: str, config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
+                 db: Optional[Path] = DbOpt) -> None:
+    """Disable NAME: its token gets 403 from now on."""
+    from .registry import Registry
+
+    reg = Registry(_db(config, set_, db))
+    try:
+        reg.revoke(name)
+        typer.echo(f"revoked {name}")
+    finally:
+        reg.close()

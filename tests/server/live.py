@@ -1,0 +1,72 @@
+"""An aggregator on 127.0.0.1 inside the test's event loop (real sockets, real aiohttp)."""
+
+from __future__ import annotations
+
+import ssl
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+from aiohttp import web
+
+from shoal.config import config_from_dict
+import asyncio
+
+from shoal.server.app import _clock, make_app
+from shoal.server.registry import Registry
+from shoal.server.service import ServerService
+
+
+def small_config(tmp: Path, **server):
+    """Logistic regression on Synthetic(1,1), 5 clients: builds in milliseconds."""
+    data = {
+        "simulation": {"seed": 1, "num_clients": 5},
+        "data": {"dataset": "synthetic"},
+        "model": {"name": "logreg"},
+        "train": {"batch_size": 10, "lr": 0.05},
+        "server": {"checkpoint_dir": str(tmp / "ck"), "db": str(tmp / "nodes.sqlite"),
+                   "out_dir": str(tmp / "run"), "eval": False, "rounds": 5, **server},
+    }
+    return config_from_dict(data).validate()
+
+
+@dataclass
+class Live:
+    url: str
+    service: ServerService
+    registry: Registry
+    tokens: dict[str, str]
+    app: web.Application
+
+    def session(self, node: str | None, **kw) -> aiohttp.ClientSession:
+        headers = {"Authorization": f"Bearer {self.tokens[node]}"} if node else {}
+        return aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=20), **kw)
+
+
+@asynccontextmanager
+async def live_server(tmp: Path, nodes: list[str], ssl_context: ssl.SSLContext | None = None,
+                      clock: bool = False, **server):
+    """``clock=True`` runs the server's clock (rounds open and close by themselves);
+    without it the test drives ``service.tick`` itself."""
+    cfg = small_config(tmp, **server)
+    registry = Registry(cfg.server.db)
+    tokens = {n: registry.add(n) for n in nodes}
+    service = ServerService(cfg)
+    app = make_app(service, registry)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context)
+    await site.start()
+    port = runner.addresses[0][1]
+    scheme = "https" if ssl_context else "http"
+    stop = asyncio.Event()
+    ticker = asyncio.ensure_future(_clock(app, stop)) if clock else None
+    try:
+        yield Live(f"{scheme}://127.0.0.1:{port}", service, registry, tokens, app)
+    finally:
+        stop.set()
+        if ticker is not None:
+            await ticker
+        await runner.cleanup()
+        registry.close()
