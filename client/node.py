@@ -24,6 +24,7 @@ from shoal.config import Config
 from shoal.errors import ShoalError
 from shoal.models import build_model
 from shoal.shards import Shard
+from shoal.aggregation.compression import Compressor
 from shoal.wire import decode_model, encode_update
 
 log = logging.getLogger(__name__)
@@ -69,6 +70,8 @@ class Node:
         self.poll_s = poll_s
         model = build_model(cfg.model.name, shard.input_shape, shard.num_classes)
         self.trainer = LocalTrainer(model, cfg.train, device)
+        self.compressor = Compressor(cfg.compression)  # [compression]: the upload's encoding
+        self.zstd_level = cfg.compression.zstd_level if cfg.compression.zstd else 0
         self.x, self.y = shard.x.to(device), shard.y.to(device)
         self.stop = asyncio.Event()
         self.rand = random.Random()
@@ -132,7 +135,9 @@ class Node:
         update = await asyncio.to_thread(
             self.trainer.train, params, self.x, self.y, int(task["seed"]), version, self.name
         )
-        body = encode_update(update, self.trainer.spec, {"round": int(task["round"])})
+        payload = self.compressor.encode(update.delta, self.name, int(task["seed"]))
+        body = encode_update(update, self.trainer.spec, {"round": int(task["round"])},
+                             payload=payload, zstd_level=self.zstd_level)
         # Retry the upload through transient failures: the task (round, version, seed)
         # is deterministic, so the same update is right after a server restart too.
         backoff = Backoff()
