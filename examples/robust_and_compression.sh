@@ -14,15 +14,16 @@ run() {  # name, config, overrides...
 }
 A=examples/mnist_logreg_attack.toml
 run clean_mean "$A"
-for rule in median trimmed_mean multikrum; do run "clean_$rule" "$A" robust.rule=$rule; done
+for rule in median trimmed_mean krum multikrum; do run "clean_$rule" "$A" robust.rule=$rule; done
 for rule in mean median trimmed_mean krum multikrum; do
   run "signflip10_$rule" "$A" attack.kind=sign_flip attack.scale=10.0 robust.rule=$rule
   run "scale100_$rule" "$A" attack.kind=scale attack.scale=100.0 robust.rule=$rule
 done
 run signflip1_mean "$A" attack.kind=sign_flip attack.scale=1.0
-run nan_mean "$A" attack.kind=nan
+run nan_mean "$A" attack.kind=\"nan\"  # quoted: a bare nan is the TOML float
 C=examples/mnist_2nn_compression.toml
 run c_dense "$C"
 run c_q8 "$C" compression.encoding=\"q8\"
 run c_topk04 "$C" compression.encoding=\"topk\" compression.topk_fraction=0.04
 run c_topk04_zstd "$C" compression.encoding=\"topk\" compression.topk_fraction=0.04 compression.zstd=true
+.venv/bin/python examples/robust_and_compression_report.py "$OUT" docs/img
