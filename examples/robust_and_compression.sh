@@ -20,6 +20,12 @@ for rule in mean median trimmed_mean krum multikrum; do
   run "scale100_$rule" "$A" attack.kind=scale attack.scale=100.0 robust.rule=$rule
 done
 run signflip1_mean "$A" attack.kind=sign_flip attack.scale=1.0
+for rule in mean median; do
+  run "labelflip_$rule" "$A" attack.kind=label_flip robust.rule=$rule
+  run "gaussian_$rule" "$A" attack.kind=gaussian attack.scale=1.0 robust.rule=$rule
+done
+run signflip10_mean_normbound1 "$A" attack.kind=sign_flip attack.scale=10.0 robust.norm_bound=1.0
+run scale100_mean_normbound1 "$A" attack.kind=scale attack.scale=100.0 robust.norm_bound=1.0
 run nan_mean "$A" attack.kind=\"nan\"  # quoted: a bare nan is the TOML float
 C=examples/mnist_2nn_compression.toml
 run c_dense "$C"

@@ -22,7 +22,7 @@ def load(runs: Path, name: str) -> tuple[dict, list[dict]] | None:
 
 def robust_table(runs: Path) -> None:
     rules = ["mean", "median", "trimmed_mean", "krum", "multikrum"]
-    print("| rule | clean | sign flip x10 (final / worst) | scale x100 (final / worst) |")
+    print("| rule | clean (final / lowest) | sign flip x10 (final / lowest) | scale x100 (final / lowest) |")
     print("|---|---|---|---|")
     for rule in rules:
         cells = []
@@ -33,8 +33,21 @@ def robust_table(runs: Path) -> None:
                 continue
             s, recs = got
             accs = [r["test_accuracy"] for r in recs]
-            cells.append(f"{s['final_test_accuracy']:.4f}" + ("" if prefix == "clean" else f" / {min(accs):.4f}"))
+            cells.append(f"{s['final_test_accuracy']:.4f} / {min(accs):.4f}")
         print(f"| {rule} | " + " | ".join(cells) + " |")
+
+
+def other_attacks_table(runs: Path) -> None:
+    print("| run | final acc | lowest acc | rejected (last round) |")
+    print("|---|---|---|---|")
+    for name in ("signflip1_mean", "labelflip_mean", "labelflip_median", "gaussian_mean", "gaussian_median",
+                 "signflip10_mean_normbound1", "scale100_mean_normbound1", "nan_mean"):
+        got = load(runs, name)
+        if got is None:
+            continue
+        s, recs = got
+        accs = [r["test_accuracy"] for r in recs]
+        print(f"| {name} | {s['final_test_accuracy']:.4f} | {min(accs):.4f} | {recs[-1].get('rejected') or '-'} |")
 
 
 def compression_table(runs: Path) -> None:
@@ -74,6 +87,8 @@ def plots(runs: Path, img: Path) -> None:
 if __name__ == "__main__":
     runs, img = Path(sys.argv[1]), Path(sys.argv[2])
     robust_table(runs)
+    print()
+    other_attacks_table(runs)
     print()
     compression_table(runs)
     plots(runs, img)
