@@ -61,3 +61,16 @@ def test_bytes_on_the_wire_per_round_in_metrics(tmp_path):
     # 610 parameters: the ~300-byte JSON header dominates; docs/results.md has MNIST numbers
     assert topk["bytes_up_total"] < 0.3 * dense["bytes_up_total"]
     assert topk["bytes_down_total"] == dense["bytes_down_total"]
+
+
+def test_compressed_runs_repeat_with_the_same_seed():
+    def final(*extra):
+        sim = InProcessSimulation(cfg(*extra))
+        for _ in range(2):
+            sim.run_round()
+        return sim.global_params.clone()
+
+    for enc in ("q8", "topk"):
+        a, b = final(f"compression.encoding=\"{enc}\""), final(f"compression.encoding=\"{enc}\"")
+        assert torch.equal(a, b)
+        assert not torch.equal(a, final())  # lossy: not the dense result
