@@ -94,7 +94,7 @@ def test_rules_plug_into_a_strategy_and_resist_x100_scaling(rule):
     cfg = RobustConfig(rule=rule, trim_beta=0.2, krum_f=2)
     strategy = make_strategy(StrategyConfig(weighting="uniform"), 50, aggregator=make_aggregator(cfg, 50))
     strategy.begin(torch.zeros(50))
-    for i, h in enumerate(honest):
+    for h in honest:
         strategy.accumulate(Update(delta=h, num_examples=10))
     for h in honest[:2]:  # two attackers boost honest-looking updates x100
         strategy.accumulate(Update(delta=-100 * h, num_examples=10))

@@ -1,5 +1,6 @@
 """Compressed uploads over HTTP: a good one is taken; one whose header lies is a 400
-with a JSON error naming the fault, and the round is left exactly as it was."""
+with a JSON error naming the fault, and the round is left exactly as it was; client
+nodes configured with [compression] upload top-k and the server finishes its rounds."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 from shoal.aggregation.compression import Compressor, quantize_q8
-from shoal.config import CompressionConfig
+from shoal.client.node import Node
+from shoal.config import CompressionConfig, config_from_dict
+from shoal.shards import Shard
 from shoal.update import Update
 from shoal.wire import encode, encode_update
 
@@ -77,3 +80,20 @@ def test_lying_compressed_header_is_a_400_and_changes_nothing(tmp_path, case):
             assert svc.counters.accepted == before[5] + 1
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_nodes_upload_top_k_and_the_server_finishes_its_rounds(tmp_path):
+    async def scenario():
+        async with live_server(tmp_path, ["n0", "n1"], clock=True, min_nodes=2, clients_per_round=2,
+                               rounds=2, poll_s=1) as live:
+            cfg = config_from_dict({"model": {"name": "logreg"},
+                                    "compression": {"encoding": "topk", "topk_fraction": 0.1}}).validate()
+            nodes = [Node(live.url, live.tokens[n], Shard(n, torch.randn(20, 60), torch.randint(0, 10, (20,)), 10),
+                          cfg, torch.device("cpu"), None, poll_s=1.0) for n in ("n0", "n1")]
+            assert await asyncio.gather(*(n.run() for n in nodes)) == [0, 0]
+            svc = live.service
+            assert svc.version == 2 and svc.counters.accepted == 4
+            dense = len(encode_update(Update(torch.zeros(svc.spec.numel), 1), svc.spec))
+            assert svc.counters.bytes_received < 0.5 * 4 * dense  # 61 of 610 coordinates + header
+
+    asyncio.run(asyncio.wait_for(scenario(), 40))
