@@ -109,8 +109,8 @@ class ServerService:
         return not waiting or now - self.done_at > self.cfg.server.poll_s + 5
 
     def connected(self, now: float) -> list[str]:
-        """Nodes heard from within one long-poll period (plus slack for a slow upload)."""
-        horizon = self.cfg.server.poll_s + 10.0
+        """Nodes heard from within one long-poll period (plus 5 s of slack)."""
+        horizon = self.cfg.server.poll_s + 5.0
         return sorted(n for n, t in self.last_seen.items() if now - t <= horizon)
 
     def seen(self, node: str, now: float) -> None:
