@@ -88,6 +88,12 @@ class AsyncRounds:
             self._prune()
         return t
 
+    def forget(self, client_id: str) -> None:
+        """Close ``client_id``'s open task without an update (it went offline or timed
+        out); a later update for it is ``not_assigned``. Nothing is counted."""
+        if self.outstanding.pop(client_id, None) is not None:
+            self._prune()
+
     def staleness(self, update: Update) -> int:
         return self.version - update.base_version
 
@@ -143,8 +149,10 @@ class AsyncRounds:
         return advanced
 
     def _prune(self) -> None:
+        """Drop kept base versions no open task can still use (none, or too old to be accepted)."""
         if self._history:
-            live = {t.version for t in self.outstanding.values()}
+            oldest = -1 if self.max_staleness is None else self.version - self.max_staleness
+            live = {t.version for t in self.outstanding.values() if t.version >= oldest}
             for v in [v for v in self._history if v not in live]:
                 del self._history[v]
 

@@ -95,3 +95,16 @@ def test_state_dict_round_trip_continues_identically(algo):
     assert restored.version == ref.version
     assert torch.equal(restored.global_params, ref.global_params)
     assert restored.stats == ref.stats
+
+
+def test_forget_closes_a_task_and_frees_its_base_version():
+    ar = AsyncRounds(FedAsync(0.5, make_staleness_weight("constant")), X0.clone())
+    t = ar.task("gone")
+    fast = ar.task("fast")
+    ar.submit("fast", _upd(fast, [1.0, 1.0]))
+    assert set(ar._history) == {0}  # "gone" may still report from version 0
+    ar.forget("gone")
+    assert ar._history == {}
+    with pytest.raises(UpdateRejected) as e:
+        ar.submit("gone", _upd(t, [1.0, 1.0]))
+    assert e.value.code == "not_assigned"
