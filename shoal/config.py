@@ -164,7 +164,7 @@ class ServerConfig:
     port: int = 8443
     tls_cert: str = ""             # PEM certificate chain; HTTPS needs both, else --insecure
     tls_key: str = ""              # PEM private key
-    mode: str = "sync"             # sync rounds (shoal.rounds.SyncRounds)
+    mode: str = "sync"             # sync rounds | async ([asynchronous] algorithm: fedbuff | fedasync)
     rounds: int = 10               # global versions to produce, then the server reports done
     clients_per_round: int = 0     # K; 0 means `fraction` of the connected nodes
     fraction: float = 1.0
@@ -181,7 +181,7 @@ class ServerConfig:
     eval: bool = True              # evaluate each new version on the data config's held-out set
 
     def validate(self) -> None:
-        _choice("server.mode", self.mode, ("sync",))
+        _choice("server.mode", self.mode, ("sync", "async"))
         if not 0 < self.port < 65536:
             raise ConfigError(f"server.port = {self.port} must be in 1..65535")
         if bool(self.tls_cert) != bool(self.tls_key):
