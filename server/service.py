@@ -244,7 +244,8 @@ class ServerService:
 
     def _checkpoint(self) -> Path:
         tensors: dict[str, torch.Tensor] = {}
-        state = {"mode": self.mode, "spec_hash": self.spec.hash, "last_record": self.last_record,
+        state = {"mode": self.mode, "version": self.version, "round": self._round,
+                 "spec_hash": self.spec.hash, "last_record": self.last_record,
                  "rounds": _split_tensors(self.rounds.state_dict(), "rounds", tensors)}
         return save_checkpoint(self.ckpt_dir, self.version, tensors, state, self.cfg.server.keep_checkpoints)
 
