@@ -96,7 +96,7 @@ async def _nodes(url: str, tokens: list[str], body: bytes) -> float:
         t0 = time.perf_counter()
 
         async def upload(token: str) -> None:
-            async with http.post(url + "/v1/update", data=body,
+            async with http.post(url + "/v1/update", data=body, expect100=True,
                                  headers={"Authorization": f"Bearer {token}",
                                           "Content-Type": "application/octet-stream"}) as r:
                 assert r.status == 200, await r.text()
@@ -115,10 +115,11 @@ def run(n: int, body: bytes) -> dict:
         reg.close()
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         server = subprocess.Popen([sys.executable, "-m", "shoal.cli", "server", "--config", str(cfg_path),
-                                   "--insecure"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env)
+                                   "--insecure"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         try:
             seconds = asyncio.run(_nodes(f"http://127.0.0.1:{port}", tokens, body))
             peak = _peak_rss_mb(server.pid)
+            server.terminate()  # it would otherwise wait for the nodes to hear "done"
             server.wait(60)
         finally:
             if server.poll() is None:

@@ -161,12 +161,13 @@ class ServerService:
                     "deadline_s": round(max(left, 0.0), 3)}
         return None
 
-    def submit(self, node: str, body: bytes, now: float) -> dict[str, Any]:
+    def submit(self, node: str, body: bytes | memoryview, now: float) -> dict[str, Any]:
         """Validate one upload and stream it into the open round; raises a ShoalError
-        (WireError or UpdateRejected) with nothing changed if it is refused."""
+        (WireError or UpdateRejected) with nothing changed if it is refused. A writable
+        ``body`` is decoded in place (no copy); it may be reused once this returns."""
         self.seen(node, now)
         try:
-            update, header = decode_update(body, self.spec, self.max_body_bytes)
+            update, header = decode_update(body, self.spec, self.max_body_bytes, copy=False)
             r = self.rounds
             if self.done:
                 raise UpdateRejected("done", f"training is complete at version {r.version}; no more updates")
