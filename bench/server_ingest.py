@@ -62,6 +62,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _cpu_s(pid: int) -> float:
+    """User + system CPU seconds of a process so far (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def _peak_rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmHWM:"):
@@ -69,7 +75,7 @@ def _peak_rss_mb(pid: int) -> float:
     raise RuntimeError("no VmHWM in /proc status")
 
 
-async def _nodes(url: str, tokens: list[str], body: bytes) -> float:
+async def _nodes(url: str, tokens: list[str], body: bytes, pid: int) -> tuple[float, float]:
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
@@ -93,7 +99,7 @@ async def _nodes(url: str, tokens: list[str], body: bytes) -> float:
                 assert task["status"] == "work", task
 
         await asyncio.gather(*(poll(t) for t in tokens))
-        t0 = time.perf_counter()
+        cpu0, t0 = _cpu_s(pid), time.perf_counter()
 
         async def upload(token: str) -> None:
             async with http.post(url + "/v1/update", data=body, expect100=True,
@@ -102,7 +108,7 @@ async def _nodes(url: str, tokens: list[str], body: bytes) -> float:
                 assert r.status == 200, await r.text()
 
         await asyncio.gather(*(upload(t) for t in tokens))
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, _cpu_s(pid) - cpu0
 
 
 def run(n: int, body: bytes) -> dict:
@@ -117,7 +123,7 @@ def run(n: int, body: bytes) -> dict:
         server = subprocess.Popen([sys.executable, "-m", "shoal.cli", "server", "--config", str(cfg_path),
                                    "--insecure"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         try:
-            seconds = asyncio.run(_nodes(f"http://127.0.0.1:{port}", tokens, body))
+            seconds, cpu = asyncio.run(_nodes(f"http://127.0.0.1:{port}", tokens, body, server.pid))
             peak = _peak_rss_mb(server.pid)
             server.terminate()  # it would otherwise wait for the nodes to hear "done"
             server.wait(60)
@@ -126,7 +132,8 @@ def run(n: int, body: bytes) -> dict:
                 server.kill()
                 server.wait()
     mb = n * len(body) / 1e6
-    return {"n": n, "mb": mb, "seconds": seconds, "mb_per_s": mb / seconds, "peak_rss_mb": peak}
+    return {"n": n, "mb": mb, "seconds": seconds, "mb_per_s": mb / seconds, "peak_rss_mb": peak,
+            "server_cpu_s": cpu, "mb_per_cpu_s": mb / max(cpu, 1e-9)}
 
 
 def main() -> None:
@@ -141,9 +148,12 @@ def main() -> None:
     model_mb = spec.nbytes / 1e6
     print(f"model: {spec.numel:,} parameters, {model_mb:.2f} MB float32; update body {len(body) / 1e6:.2f} MB")
     results = [run(n, body) for n in args.n]
-    print(f"{'N':>5} {'MB sent':>9} {'seconds':>8} {'MB/s':>8} {'server peak RSS MB':>19}")
+    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (nodes and server share them)")
+    print(f"{'N':>5} {'MB sent':>9} {'seconds':>8} {'MB/s':>8} {'server CPU s':>13} {'MB per server CPU s':>20} "
+          f"{'server peak RSS MB':>19}")
     for r in results:
-        print(f"{r['n']:>5} {r['mb']:>9.1f} {r['seconds']:>8.2f} {r['mb_per_s']:>8.1f} {r['peak_rss_mb']:>19.1f}")
+        print(f"{r['n']:>5} {r['mb']:>9.1f} {r['seconds']:>8.2f} {r['mb_per_s']:>8.1f} {r['server_cpu_s']:>13.2f} "
+              f"{r['mb_per_cpu_s']:>20.1f} {r['peak_rss_mb']:>19.1f}")
     if len(results) >= 2:
         lo, hi = results[0], results[-1]
         grow = (hi["peak_rss_mb"] - lo["peak_rss_mb"]) / model_mb
