@@ -59,10 +59,16 @@ def _status_of(e: ShoalError) -> int:
 def _authenticate(request: web.Request) -> web.Response | None:
     header = request.headers.get("Authorization", "")
     token = header[7:].strip() if header.startswith("Bearer ") else None
+    registry = request.app[REGISTRY]
     try:
-        request[NODE] = request.app[REGISTRY].authenticate(token)
+        node = request[NODE] = registry.authenticate(token)
     except AuthError as e:
         return error(e.status, e.code, str(e))
+    touched = request.app[CHANGED]["touched"]
+    now = time.time()
+    if now - touched.get(node, 0.0) > 10.0:  # `nodes list` shows last seen; one write per 10 s per node
+        registry.touch(node, now)
+        touched[node] = now
     return None
 
 
@@ -198,7 +204,7 @@ def make_app(service: ServerService, registry: Registry) -> web.Application:
     slots: asyncio.Queue = asyncio.Queue()
     for _ in range(service.cfg.server.ingest_slots):
         slots.put_nowait(bytearray(service.max_body_bytes))
-    app[CHANGED] = {"event": asyncio.Event(), "slots": slots}
+    app[CHANGED] = {"event": asyncio.Event(), "slots": slots, "touched": {}}
     app.router.add_get("/v1/task", get_task)
     app.router.add_get("/v1/model", get_model)
     app.router.add_post("/v1/update", post_update, expect_handler=expect_update)

@@ -200,3 +200,18 @@ def test_killed_client_and_killed_server(tmp_path):
     # the round the node died in closed at its deadline with the others' results
     assert [r["num_results"] for r in records if r["round"] == killed_round] == [others]
     assert load_checkpoint(latest_checkpoint(tmp_path / "ck"))[1]["version"] == 6
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(60)
+def test_client_retries_an_absent_server_and_exits_cleanly_on_sigterm(tmp_path):
+    with deployment(tmp_path, n=1, rounds=1) as d:
+        client = d.client(0)  # no server: connection refused, backoff with jitter
+        log = tmp_path / "client-00000.log"
+        end = time.monotonic() + 40
+        while "retrying in" not in (log.read_text() if log.exists() else "") and time.monotonic() < end:
+            time.sleep(0.1)
+        assert "retrying in" in log.read_text(), d.dump()
+        client.send_signal(signal.SIGTERM)
+        assert _wait(client, d, 15) == 0
+        assert "stops after 0 rounds" in log.read_text()
