@@ -143,7 +143,7 @@ class Node:
         backoff = Backoff()
         while True:
             try:
-                result = await self._request("POST", "/v1/update", data=body,
+                result = await self._request("POST", "/v1/update", data=body, expect100=True,
                                              headers={"Content-Type": "application/octet-stream"})
                 log.info("round %s: update accepted (version %s)", task["round"], result.get("version"))
                 self.rounds_done += 1

@@ -27,6 +27,21 @@ CHANGED = web.AppKey("changed", dict)
 NODE = web.RequestKey("node", str)
 
 
+class Slot:
+    """One preallocated body buffer, given back exactly once."""
+
+    def __init__(self, queue: asyncio.Queue, buf: bytearray):
+        self.queue, self.buf = queue, buf
+
+    def release(self) -> None:
+        if self.buf is not None:
+            self.queue.put_nowait(self.buf)
+            self.buf = None
+
+
+SLOT = web.RequestKey("slot", Slot)
+
+
 def error(status: int, code: str, detail: str) -> web.Response:
     return web.json_response({"error": code, "detail": detail}, status=status)
 
@@ -41,16 +56,57 @@ def _status_of(e: ShoalError) -> int:
     return 400
 
 
+def _authenticate(request: web.Request) -> web.Response | None:
+    header = request.headers.get("Authorization", "")
+    token = header[7:].strip() if header.startswith("Bearer ") else None
+    registry = request.app[REGISTRY]
+    try:
+        node = request[NODE] = registry.authenticate(token)
+    except AuthError as e:
+        return error(e.status, e.code, str(e))
+    touched = request.app[CHANGED]["touched"]
+    now = time.time()
+    if now - touched.get(node, 0.0) > 10.0:  # `nodes list` shows last seen; one write per 10 s per node
+        registry.touch(node, now)
+        touched[node] = now
+    return None
+
+
 @web.middleware
 async def auth(request: web.Request, handler):
     """Every route needs ``Authorization: Bearer <token>`` of an enabled node."""
-    header = request.headers.get("Authorization", "")
-    token = header[7:].strip() if header.startswith("Bearer ") else None
-    try:
-        request[NODE] = request.app[REGISTRY].authenticate(token)
-    except AuthError as e:
-        return error(e.status, e.code, str(e))
+    if NODE not in request:
+        refused = _authenticate(request)
+        if refused is not None:
+            return refused
     return await handler(request)
+
+
+async def _take_slot(request: web.Request) -> Slot:
+    slots: asyncio.Queue = request.app[CHANGED]["slots"]
+    slot = Slot(slots, await slots.get())
+    # Should the connection drop before the handler runs, the buffer still comes back.
+    task = asyncio.current_task()
+    if task is not None:
+        task.add_done_callback(lambda _: slot.release())
+    return slot
+
+
+async def expect_update(request: web.Request) -> web.Response | None:
+    """``Expect: 100-continue``: check auth and size, and wait for a free body buffer,
+    before the node sends its body; so waiting uploads cost no server memory at all."""
+    refused = _authenticate(request)
+    if refused is not None:
+        return refused
+    svc = request.app[SERVICE]
+    length = request.content_length
+    if length is not None and length > svc.max_body_bytes:
+        svc.refused(TooLarge.code)
+        return error(413, TooLarge.code, f"body of {length} bytes is over the limit of {svc.max_body_bytes} bytes")
+    request[SLOT] = await _take_slot(request)
+    if request.version >= (1, 1):
+        request.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+    return None
 
 
 def _notify(app: web.Application) -> None:
@@ -101,20 +157,31 @@ async def post_update(request: web.Request) -> web.Response:
     if length > svc.max_body_bytes:
         svc.refused(TooLarge.code)
         return error(413, TooLarge.code, f"body of {length} bytes is over the limit of {svc.max_body_bytes} bytes")
-    # At most ``ingest_slots`` bodies are held and decoded at once; the others wait in
-    # their sockets, so memory stays O(slots x model) however many nodes upload.
-    async with app[CHANGED]["ingest"]:
-        try:
-            body = await request.content.readexactly(length)
-        except asyncio.IncompleteReadError as e:
+    # At most ``ingest_slots`` bodies are read at once, each into a preallocated buffer
+    # that the update is decoded in place from and streamed into the aggregate; the
+    # other uploads wait (before sending, with Expect: 100-continue; else in their
+    # sockets). Memory stays O(slots x model) for any number of nodes.
+    slot = request.get(SLOT) or await _take_slot(request)
+    view = memoryview(slot.buf)
+    try:
+        got = 0
+        while got < length:
+            chunk = await request.content.readany()
+            if not chunk:
+                break
+            view[got : got + len(chunk)] = chunk
+            got += len(chunk)
+        if got < length:
             svc.refused("malformed")
-            return error(400, "malformed", f"body ended after {len(e.partial)} of {length} bytes (truncated)")
+            return error(400, "malformed", f"body ended after {got} of {length} bytes (truncated)")
         try:
-            result = svc.submit(node, body, time.monotonic())
+            result = svc.submit(node, view[:length], time.monotonic())
         except ShoalError as e:
-            log.info("update from %s refused: %s: %s", node, e.code if hasattr(e, "code") else "error", e)
+            log.info("update from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
             return error(_status_of(e), getattr(e, "code", "error"), str(e))
-        del body
+    finally:
+        del view
+        slot.release()
     if svc.tick(time.monotonic()):
         _notify(app)
     return web.json_response(result)
@@ -134,10 +201,13 @@ def make_app(service: ServerService, registry: Registry) -> web.Application:
     app = web.Application(middlewares=[auth], client_max_size=service.max_body_bytes + 1024)
     app[SERVICE] = service
     app[REGISTRY] = registry
-    app[CHANGED] = {"event": asyncio.Event(), "ingest": asyncio.Semaphore(service.cfg.server.ingest_slots)}
+    slots: asyncio.Queue = asyncio.Queue()
+    for _ in range(service.cfg.server.ingest_slots):
+        slots.put_nowait(bytearray(service.max_body_bytes))
+    app[CHANGED] = {"event": asyncio.Event(), "slots": slots, "touched": {}}
     app.router.add_get("/v1/task", get_task)
     app.router.add_get("/v1/model", get_model)
-    app.router.add_post("/v1/update", post_update)
+    app.router.add_post("/v1/update", post_update, expect_handler=expect_update)
     app.router.add_get("/v1/status", get_status)
     app.router.add_get("/metrics", get_metrics)
     return app

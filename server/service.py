@@ -2,15 +2,16 @@
 
 No sockets and no clocks here (time is passed in as ``now``, monotonic seconds): the
 HTTP layer (app.py) turns requests into calls of :meth:`poll`, :meth:`submit` and
-:meth:`tick`, and answers what they return. Round logic itself lives in
-shoal.rounds.SyncRounds, the object the simulator drives.
+:meth:`tick`, and answers what they return. Round logic itself lives in the objects
+the simulator drives: shoal.rounds.SyncRounds (``server.mode = "sync"``: selection,
+deadline, minimum fraction, late results) and shoal.async_rounds.AsyncRounds
+(``"async"``: FedAsync / FedBuff as ``[asynchronous]`` says).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,13 +22,16 @@ import torch
 from shoal import synthetic
 from shoal.aggregation import make_strategy
 from shoal.aggregation.robust import make_aggregator
+from shoal.aggregation.staleness import make_staleness_weight
+from shoal.async_rounds import AsyncRounds
 from shoal.client.training import LocalTrainer
 from shoal.config import Config, DataConfig
 from shoal.datasets import FEMNIST_CLASSES, IMAGE_SHAPE, load_federated
 from shoal.errors import ConfigError, UpdateRejected
 from shoal.metrics import _clean
 from shoal.models import build_model
-from shoal.rounds import RoundSummary, SyncRounds
+from shoal.rounds import SyncRounds
+from shoal.simulations.async_engine import make_async_rounds
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -71,8 +75,20 @@ class ServerService:
         self.trainer = LocalTrainer(build_model(cfg.model.name, shape, classes), cfg.train, "cpu")
         self.spec = self.trainer.spec
         self.max_body_bytes = s.max_body_bytes or self.spec.nbytes + MAX_HEADER_BYTES
-        strategy = make_strategy(cfg.strategy, self.spec.numel, aggregator=make_aggregator(cfg.robust, self.spec.numel))
-        self.rounds = SyncRounds(strategy, self.trainer.flat.detach().clone(), s.clients_per_round, s.fraction, seed)
+        self.mode = s.mode
+        self.rounds: SyncRounds | AsyncRounds
+        flat = self.trainer.flat.detach().clone()
+        if s.mode == "sync":
+            a = cfg.asynchronous
+            self.rounds = SyncRounds(
+                make_strategy(cfg.strategy, self.spec.numel, aggregator=make_aggregator(cfg.robust, self.spec.numel)),
+                flat, s.clients_per_round, s.fraction, seed,
+                over_selection=a.over_selection, deadline_s=s.deadline_s, min_fraction=s.min_fraction,
+                late=a.late, late_weight=make_staleness_weight(a.staleness_weight, a.staleness_a, a.staleness_b),
+                max_staleness=a.max_staleness,
+            )
+        else:
+            self.rounds = make_async_rounds(cfg, flat, self.spec.numel)
         self.ckpt_dir = Path(s.checkpoint_dir)
         self.out_dir = Path(s.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -80,7 +96,6 @@ class ServerService:
         self.counters = Counters()
         self.last_seen: dict[str, float] = {}
         self.told_done: set[str] = set()
-        self.round_started: float | None = None
         self.done_at: float | None = None
         self.last_record: dict[str, Any] = {}
         self.resumed_from: Path | None = None
@@ -110,8 +125,8 @@ class ServerService:
         return not waiting or now - self.done_at > self.cfg.server.poll_s + 5
 
     def connected(self, now: float) -> list[str]:
-        """Nodes heard from within one long-poll period (plus slack for a slow upload)."""
-        horizon = self.cfg.server.poll_s + 10.0
+        """Nodes heard from within one long-poll period (plus 5 s of slack)."""
+        horizon = self.cfg.server.poll_s + 5.0
         return sorted(n for n, t in self.last_seen.items() if now - t <= horizon)
 
     def seen(self, node: str, now: float) -> None:
@@ -136,33 +151,44 @@ class ServerService:
             self.told_done.add(node)
             return {"status": "done", "version": self.version}
         r = self.rounds
+        if isinstance(r, AsyncRounds):
+            if len(self.connected(now)) < self.cfg.server.min_nodes:
+                return None
+            t = r.task(node)
+            return {"status": "work", "round": t.round, "version": t.version, "seed": t.seed}
         if r.open and node in r.selected and node not in r.received:
             t = r.selected[node]
-            left = self.cfg.server.deadline_s - (now - (self.round_started or now))
+            left = (r.deadline_at or now) - now
             return {"status": "work", "round": t.round, "version": t.version, "seed": t.seed,
                     "deadline_s": round(max(left, 0.0), 3)}
         return None
 
-    def submit(self, node: str, body: bytes, now: float) -> dict[str, Any]:
+    def submit(self, node: str, body: bytes | memoryview, now: float) -> dict[str, Any]:
         """Validate one upload and stream it into the open round; raises a ShoalError
-        (WireError or UpdateRejected) with nothing changed if it is refused."""
+        (WireError or UpdateRejected) with nothing changed if it is refused. A writable
+        ``body`` is decoded in place (no copy); it may be reused once this returns."""
         self.seen(node, now)
         try:
-            update, header = decode_update(body, self.spec, self.max_body_bytes)
+            update, header = decode_update(body, self.spec, self.max_body_bytes, copy=False)
             r = self.rounds
+            if self.done:
+                raise UpdateRejected("done", f"training is complete at version {r.version}; no more updates")
             if update.base_version > r.version:
                 raise UpdateRejected("unknown_version",
                                      f"base version {update.base_version} is newer than the server's {r.version}")
-            if "round" in header and header["round"] != r.round:
+            if (isinstance(r, SyncRounds) and r.open and node not in r.late_pending
+                    and "round" in header and header["round"] != r.round):
                 raise UpdateRejected("wrong_round", f"update is for round {header['round']!r}, the open round is {r.round}")
             update.sender = node  # the authenticated identity, not what the body claims
-            r.submit(node, update)
+            advanced = r.submit(node, update)
         except Exception as e:
             self.refused(getattr(e, "code", "error"))
             raise
         self.counters.accepted += 1
         self.counters.bytes_received += len(body)
-        return {"status": "accepted", "round": self.rounds.round, "version": self.version}
+        if advanced:  # async: the update completed a new version
+            self._new_version({"updates_accepted": self.rounds.stats.accepted})
+        return {"status": "accepted", "round": self._round, "version": self.version}
 
     def refused(self, code: str) -> None:
         """Count an upload refused with error ``code`` (here or by the transport)."""
@@ -170,92 +196,86 @@ class ServerService:
 
     # --- the clock -----------------------------------------------------------------
 
+    @property
+    def _round(self) -> int:
+        return self.rounds.round if isinstance(self.rounds, SyncRounds) else self.rounds.version
+
     def tick(self, now: float) -> bool:
-        """Open or close a round if it is time; True when something changed."""
-        if self.done:
+        """Open or close a sync round if it is time; True when something changed."""
+        r = self.rounds
+        if self.done or not isinstance(r, SyncRounds):
             return False
-        s, r = self.cfg.server, self.rounds
         if not r.open:
             avail = self.connected(now)
-            if len(avail) < s.min_nodes:
+            if len(avail) < self.cfg.server.min_nodes:
                 return False
-            tasks = r.start_round(avail)
-            self.round_started = now
+            tasks = r.start_round(avail, now)
             log.info("round %d: %d of %d nodes selected, version %d", r.round, len(tasks), len(avail), r.version)
             return True
-        if r.complete:
-            self._close()
+        if not r.should_close(now):
+            return False
+        summary = r.finish_round()
+        if summary.failed:
+            self.counters.rounds_abandoned += 1
+            log.warning("round %d failed at its deadline with %d of %d results (min_fraction %.2f); model unchanged",
+                        r.round, summary.num_results, summary.num_selected, self.cfg.server.min_fraction)
             return True
-        if now - (self.round_started or now) >= s.deadline_s:
-            need = max(1, math.ceil(s.min_fraction * len(r.selected)))
-            if len(r.received) >= need:
-                log.info("round %d: deadline, closing with %d of %d results", r.round, len(r.received), len(r.selected))
-                self._close()
-            else:
-                # Too few results to trust: drop the round (the model is unchanged) and
-                # sample afresh. SyncRounds has no abort; begin() resets the aggregator.
-                log.warning("round %d: deadline with %d of %d results (need %d); round dropped",
-                            r.round, len(r.received), len(r.selected), need)
-                r.open = False
-                self.counters.rounds_abandoned += 1
-            return True
-        return False
+        if summary.num_results < summary.num_selected:
+            log.info("round %d: deadline, closed with %d of %d results", r.round, summary.num_results,
+                     summary.num_selected)
+        self._new_version({"round": summary.round, "train_loss": summary.train_loss,
+                           "num_results": summary.num_results, "num_examples": summary.num_examples,
+                           "num_late": summary.num_late})
+        return True
 
-    def _close(self) -> RoundSummary:
-        summary = self.rounds.finish_round()
+    def _new_version(self, fields: dict[str, Any]) -> None:
+        """A new global version: evaluate, checkpoint, then log (the simulator's record shape)."""
         self.counters.rounds_completed += 1
-        record: dict[str, Any] = {"round": summary.round, "version": summary.version}
+        record: dict[str, Any] = {"round": self._round, "version": self.version}
         if self.test is not None:
             ev = self.trainer.evaluate(self.rounds.global_params, *self.test)
             record.update(test_accuracy=ev["accuracy"], test_loss=ev["loss"])
-        record.update(train_loss=summary.train_loss, num_results=summary.num_results,
-                      num_examples=summary.num_examples, elapsed_s=round(time.perf_counter() - self._t0, 4))
+        record.update(fields)
+        record["elapsed_s"] = round(time.perf_counter() - self._t0, 4)
         self.last_record = _clean(record)
         self._checkpoint()  # first: a crash between the two loses a log line, never a version
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(self.last_record) + "\n")
-        log.info("version %d: %s", summary.version, json.dumps(self.last_record))
-        return summary
+        log.info("version %d: %s", self.version, json.dumps(self.last_record))
 
     # --- checkpoints ---------------------------------------------------------------
 
     def _checkpoint(self) -> Path:
-        opt = self.rounds.strategy.state_dict()
-        tensors = {"params": self.rounds.global_params}
-        tensors.update({f"opt.{k}": v for k, v in opt.items() if isinstance(v, torch.Tensor)})
-        state = {
-            "mode": self.cfg.server.mode, "version": self.rounds.version, "round": self.rounds.round,
-            "seed": self.rounds.seed, "spec_hash": self.spec.hash,
-            "optimizer": {k: v for k, v in opt.items() if not isinstance(v, torch.Tensor)},
-            "last_record": self.last_record,
-        }
-        return save_checkpoint(self.ckpt_dir, self.rounds.version, tensors, state, self.cfg.server.keep_checkpoints)
+        tensors: dict[str, torch.Tensor] = {}
+        state = {"mode": self.mode, "version": self.version, "round": self._round,
+                 "spec_hash": self.spec.hash, "last_record": self.last_record,
+                 "rounds": _split_tensors(self.rounds.state_dict(), "rounds", tensors)}
+        return save_checkpoint(self.ckpt_dir, self.version, tensors, state, self.cfg.server.keep_checkpoints)
 
     def _restore(self, path: Path) -> None:
         tensors, state = load_checkpoint(path)
-        if state.get("spec_hash") != self.spec.hash:
+        if state.get("spec_hash") != self.spec.hash or state.get("mode") != self.mode:
             raise ConfigError(
-                f"checkpoint {path} holds a model with spec {state.get('spec_hash')!r}, the config builds "
-                f"{self.spec.hash!r}: use the config it was made with, or another server.checkpoint_dir"
+                f"checkpoint {path} is of a {state.get('mode')!r} server with model spec {state.get('spec_hash')!r}; "
+                f"this config is {self.mode!r} with {self.spec.hash!r}: use the config it was made with, "
+                "or another server.checkpoint_dir"
             )
-        self.rounds.global_params = tensors["params"].clone()
-        self.rounds.version = int(state["version"])
-        self.rounds.round = int(state["round"])
-        opt = dict(state["optimizer"])
-        opt.update({k[4:]: v for k, v in tensors.items() if k.startswith("opt.")})
-        self.rounds.strategy.load_state_dict(opt)
+        self.rounds.load_state_dict(_join_tensors(state["rounds"], tensors))
         self.last_record = state.get("last_record", {})
         self.resumed_from = path
-        log.info("resumed from %s: version %d, round %d", path, self.rounds.version, self.rounds.round)
+        log.info("resumed from %s: version %d, round %d", path, self.version, self._round)
 
     # --- observability -------------------------------------------------------------
 
     def status(self, now: float) -> dict[str, Any]:
         r = self.rounds
         return {
-            "mode": self.cfg.server.mode, "round": r.round, "version": r.version,
-            "rounds_target": self.cfg.server.rounds, "done": self.done, "round_open": r.open,
-            "selected": sorted(r.selected) if r.open else [], "received": len(r.received) if r.open else 0,
+            "mode": self.mode, "round": self._round, "version": r.version,
+            "rounds_target": self.cfg.server.rounds, "done": self.done,
+            "round_open": bool(getattr(r, "open", False)),
+            "selected": sorted(r.selected) if getattr(r, "open", False) else [],
+            "received": len(r.received) if getattr(r, "open", False) else 0,
+            "outstanding": len(r.outstanding) if isinstance(r, AsyncRounds) else 0,
             "connected_nodes": self.connected(now), "last_metrics": self.last_record,
             "spec_hash": self.spec.hash, "num_parameters": self.spec.numel,
             "updates_accepted": self.counters.accepted, "updates_rejected": dict(self.counters.rejected),
@@ -267,7 +287,7 @@ class ServerService:
             "# HELP shoal_version Current global model version.", "# TYPE shoal_version gauge",
             f"shoal_version {self.version}",
             "# HELP shoal_round Current round number.", "# TYPE shoal_round gauge",
-            f"shoal_round {self.rounds.round}",
+            f"shoal_round {self._round}",
             "# HELP shoal_connected_nodes Nodes heard from within one poll period.",
             "# TYPE shoal_connected_nodes gauge", f"shoal_connected_nodes {len(self.connected(now))}",
             "# HELP shoal_updates_accepted_total Updates accepted.", "# TYPE shoal_updates_accepted_total counter",
@@ -287,3 +307,27 @@ class ServerService:
             if isinstance(v, (int, float)):
                 lines += [f"# TYPE shoal_{key} gauge", f"shoal_{key} {v}"]
         return "\n".join(lines) + "\n"
+
+
+def _split_tensors(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by ``{"__tensor__": name}``, tensors into ``tensors``
+    (the global model is stored as ``params``, the name a reader looks for)."""
+    if isinstance(obj, torch.Tensor):
+        name = "params" if path == "rounds.global_params" else path
+        tensors[name] = obj
+        return {"__tensor__": name}
+    if isinstance(obj, dict):
+        return {str(k): _split_tensors(v, f"{path}.{k}", tensors) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_split_tensors(v, f"{path}.{i}", tensors) for i, v in enumerate(obj)]
+    return obj
+
+
+def _join_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    if isinstance(obj, dict):
+        if set(obj) == {"__tensor__"}:
+            return tensors[obj["__tensor__"]]
+        return {k: _join_tensors(v, tensors) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_join_tensors(v, tensors) for v in obj]
+    return obj

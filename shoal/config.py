@@ -42,7 +42,7 @@ class SimulationConfig:
     fraction: float = 0.1          # C: a fraction of all clients each round (at least 1)
     eval_every: int = 1            # evaluate the global model every k rounds (and the last)
     engine: str = "inprocess"      # the in-process engine (simulations/inprocess.py)
-    mode: str = "sync"             # sync rounds; other modes come with their issues
+    mode: str = "sync"             # sync rounds | async (FedAsync/FedBuff, [asynchronous])
     device: str = "auto"           # where simulated clients train: auto | cpu | cuda[:N]
     progress: bool = True          # progress bar on a terminal
 
@@ -54,7 +54,7 @@ class SimulationConfig:
             raise ConfigError(f"simulation.fraction = {self.fraction} must be in (0, 1]")
         _positive("simulation.eval_every", self.eval_every)
         _choice("simulation.engine", self.engine, ("inprocess",))
-        _choice("simulation.mode", self.mode, ("sync",))
+        _choice("simulation.mode", self.mode, ("sync", "async"))
 
 
 @dataclass
@@ -223,7 +223,7 @@ class ServerConfig:
     port: int = 8443
     tls_cert: str = ""             # PEM certificate chain; HTTPS needs both, else --insecure
     tls_key: str = ""              # PEM private key
-    mode: str = "sync"             # sync rounds (shoal.rounds.SyncRounds)
+    mode: str = "sync"             # sync rounds | async ([asynchronous] algorithm: fedbuff | fedasync)
     rounds: int = 10               # global versions to produce, then the server reports done
     clients_per_round: int = 0     # K; 0 means `fraction` of the connected nodes
     fraction: float = 1.0
@@ -240,7 +240,7 @@ class ServerConfig:
     eval: bool = True              # evaluate each new version on the data config's held-out set
 
     def validate(self) -> None:
-        _choice("server.mode", self.mode, ("sync",))
+        _choice("server.mode", self.mode, ("sync", "async"))
         if not 0 < self.port < 65536:
             raise ConfigError(f"server.port = {self.port} must be in 1..65535")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -260,6 +260,71 @@ class ServerConfig:
 
 
 @dataclass
+class AsynchronousConfig:
+    """Late and asynchronous updates (docs/staleness.md says how each is weighted).
+
+    ``simulation.mode = "async"`` runs ``algorithm``; ``simulation.mode = "sync"`` with
+    ``[heterogeneity] enabled`` uses the deadline keys. Staleness weight s(t):
+    constant | polynomial (1 + t)^-a | hinge (1 if t <= b else 1 / (a (t - b) + 1)).
+    """
+
+    algorithm: str = "fedbuff"     # fedbuff (Nguyen et al. 2022) | fedasync (Xie et al. 2019)
+    concurrency: int = 10          # clients training at the same time
+    buffer_size: int = 10          # FedBuff's K: updates per server step
+    alpha: float = 0.6             # FedAsync's mixing weight
+    fedasync_mix: str = "model"    # model: x_client = x_base + delta (paper) | delta: x + alpha_t delta
+    staleness_weight: str = "polynomial"  # constant | polynomial | hinge
+    staleness_a: float = 0.5
+    staleness_b: int = 4
+    max_staleness: int = 100       # older updates are rejected and counted
+    over_selection: float = 0.0    # sync: select ceil(K (1 + over_selection)) clients
+    deadline_s: float = 0.0        # sync: round deadline in (virtual) seconds; 0 = none
+    min_fraction: float = 0.0      # sync: a round with fewer than this * K results at its deadline fails
+    late: str = "drop"             # sync: late results are dropped | folded into the next round (weight s(t))
+
+    def validate(self) -> None:
+        _choice("asynchronous.algorithm", self.algorithm, ("fedbuff", "fedasync"))
+        _positive("asynchronous.concurrency", self.concurrency)
+        _positive("asynchronous.buffer_size", self.buffer_size)
+        if not 0 < self.alpha <= 1:
+            raise ConfigError(f"asynchronous.alpha = {self.alpha} must be in (0, 1]")
+        _choice("asynchronous.fedasync_mix", self.fedasync_mix, ("model", "delta"))
+        _choice("asynchronous.staleness_weight", self.staleness_weight, ("constant", "polynomial", "hinge"))
+        _positive("asynchronous.staleness_a", self.staleness_a, allow_zero=True)
+        _positive("asynchronous.staleness_b", self.staleness_b, allow_zero=True)
+        _positive("asynchronous.max_staleness", self.max_staleness, allow_zero=True)
+        _positive("asynchronous.over_selection", self.over_selection, allow_zero=True)
+        _positive("asynchronous.deadline_s", self.deadline_s, allow_zero=True)
+        if not 0 <= self.min_fraction <= 1:
+            raise ConfigError(f"asynchronous.min_fraction = {self.min_fraction} must be in [0, 1]")
+        _choice("asynchronous.late", self.late, ("drop", "fold"))
+
+
+@dataclass
+class HeterogeneityConfig:
+    """Simulated client speed, network delay and availability on a virtual clock
+    (simulations/virtual_clock.py). Async mode always runs on the virtual clock."""
+
+    enabled: bool = False          # sync mode: run on the virtual clock with these settings
+    step_time_s: float = 0.05      # seconds per local step for a client of speed 1
+    speed_sigma: float = 0.0       # client speed ~ lognormal(0, sigma); 0 = all equal
+    network_delay_s: float = 0.0   # mean of an exponential delay, each way
+    mean_on_s: float = 0.0         # mean available period (exponential); 0 = always available
+    mean_off_s: float = 0.0        # mean unavailable period (exponential)
+    max_virtual_time_s: float = 0.0  # stop at this virtual time; 0 = run simulation.rounds
+    eval_interval_s: float = 0.0   # evaluate every so many virtual seconds; 0 = every eval_every versions
+
+    def validate(self) -> None:
+        for k in ("step_time_s", "speed_sigma", "network_delay_s", "mean_on_s", "mean_off_s",
+                  "max_virtual_time_s", "eval_interval_s"):
+            _positive(f"heterogeneity.{k}", getattr(self, k), allow_zero=True)
+        if self.step_time_s == 0:
+            raise ConfigError("heterogeneity.step_time_s = 0: local training would take no time; use > 0")
+        if self.mean_on_s > 0 and self.mean_off_s == 0:
+            raise ConfigError("heterogeneity.mean_off_s = 0 with mean_on_s > 0: set both, or mean_on_s = 0 (always on)")
+
+
+@dataclass
 class OutputConfig:
     dir: str = "runs/latest"
     plots: bool = True
@@ -275,6 +340,8 @@ class Config:
     robust: RobustConfig = field(default_factory=RobustConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)
+    asynchronous: AsynchronousConfig = field(default_factory=AsynchronousConfig)
+    heterogeneity: HeterogeneityConfig = field(default_factory=HeterogeneityConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 

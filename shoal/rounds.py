@@ -3,12 +3,24 @@
 The simulator calls it in memory; the HTTP server calls the very same methods when
 requests arrive. It owns the global model and its version, samples clients, checks
 that each update belongs to the open round, streams accepted updates into the
-strategy, and closes the round into a new global version. Time is never read here.
+strategy, and closes the round into a new global version. Time is never read here:
+the caller passes ``now`` (any monotonic seconds, real or virtual) where a deadline
+matters.
+
+Deadlines (Bonawitz et al. 2019, "Towards Federated Learning at Scale", Sec. 2.2):
+select ceil(K (1 + over_selection)) clients, close the round when K results arrived
+or at ``now + deadline_s``; a round that has fewer than ``min_fraction * K`` results
+at its deadline fails (model unchanged, counted in ``failed_rounds``). A result for an
+earlier round is ``late``: rejected, or with ``late="fold"`` added to the open round
+with weight ``s(t)`` times its usual weight (t = its staleness, s from
+aggregation.staleness) when t <= ``max_staleness``.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +49,9 @@ class RoundSummary:
     num_examples: int
     train_loss: float
     rejected: dict[str, int] = field(default_factory=dict)
+    failed: bool = False           # closed below min_fraction at its deadline; model unchanged
+    num_late: int = 0              # late results folded into this round
+    late_staleness: dict[int, int] = field(default_factory=dict)
 
 
 class SyncRounds:
@@ -46,8 +61,35 @@ class SyncRounds:
     ``finalize() -> new global`` (shoal.aggregation.Strategy).
     """
 
+    LATE_RULES = ("drop", "fold")
+
     def __init__(self, strategy, global_params: torch.Tensor, clients_per_round: int = 0,
-                 fraction: float = 0.1, seed: int = 0, version: int = 0):
+                 fraction: float = 0.1, seed: int = 0, version: int = 0, *,
+                 over_selection: float = 0.0, deadline_s: float | None = None, min_fraction: float = 0.0,
+                 late: str = "drop", late_weight: Callable[[int], float] | None = None,
+                 max_staleness: int | None = None):
+        if over_selection < 0:
+            raise ValueError(f"over_selection = {over_selection} must be >= 0")
+        if deadline_s is not None and deadline_s <= 0:
+            raise ValueError(f"deadline_s = {deadline_s} must be > 0 (or None for no deadline)")
+        if not 0 <= min_fraction <= 1:
+            raise ValueError(f"min_fraction = {min_fraction} must be in [0, 1]")
+        if late not in self.LATE_RULES:
+            raise ValueError(f"late = {late!r} must be one of {', '.join(self.LATE_RULES)}")
+        if late == "fold" and late_weight is None:
+            raise ValueError("late='fold' needs a late_weight (a staleness weight, aggregation.staleness)")
+        self.over_selection = over_selection
+        self.deadline_s = deadline_s
+        self.min_fraction = min_fraction
+        self.late = late
+        self.late_weight = late_weight
+        self.max_staleness = max_staleness
+        self.deadline_at: float | None = None
+        self.target = 0                      # K: results that close the round early
+        self.failed_rounds = 0
+        self.late_pending: dict[str, Task] = {}  # selected in an earlier round, no result yet
+        self._late_count = 0
+        self._late_hist: dict[int, int] = {}
         self.strategy = strategy
         self.global_params = global_params
         self.clients_per_round = clients_per_round
@@ -66,23 +108,33 @@ class SyncRounds:
         k = self.clients_per_round or max(1, round(self.fraction * num_available))
         return min(k, num_available)
 
-    def start_round(self, available: list[str]) -> list[Task]:
-        """Open the next round over ``available`` client ids; returns the tasks to hand out."""
+    def start_round(self, available: list[str], now: float | None = None) -> list[Task]:
+        """Open the next round over ``available`` client ids; returns the tasks to hand out.
+
+        K = sample_size(len(available)) results are wanted; ceil(K (1 + over_selection))
+        clients are selected (at most all available). With a deadline, ``now`` is needed."""
         if self.open:
             raise RuntimeError("start_round called while a round is open")
         if not available:
             raise ValueError("no clients available to select")
+        if self.deadline_s is not None and now is None:
+            raise ValueError("this SyncRounds has a deadline: pass now= to start_round")
         self.round += 1
         ids = sorted(available)
-        k = self.sample_size(len(ids))
+        self.target = self.sample_size(len(ids))
+        k = min(len(ids), math.ceil(self.target * (1 + self.over_selection) - 1e-9))
+        self.deadline_at = None if self.deadline_s is None else now + self.deadline_s
         chosen = rng(self.seed, self.round).choice(len(ids), size=k, replace=False)
         self.selected = {
             ids[i]: Task(ids[i], self.round, self.version, derive_seed(self.seed, self.round, i_hash(ids[i])))
             for i in sorted(chosen)
         }
+        for cid in self.selected:  # a new task replaces an outstanding late one
+            self.late_pending.pop(cid, None)
         self.received = set()
         self._examples, self._loss_sum = 0, 0.0
         self.rejected = {}
+        self._late_count, self._late_hist = 0, {}
         self.strategy.begin(self.global_params)
         self.open = True
         return list(self.selected.values())
@@ -100,8 +152,19 @@ class SyncRounds:
                 "stale", f"update is based on version {update.base_version}, the round trains version {self.version}"
             )
 
+    def _late_staleness(self, client_id: str, update: Update) -> int | None:
+        """The staleness of a result for an earlier round, or None if it is not one."""
+        task = self.late_pending.get(client_id)
+        if task is None or update.base_version != task.version:
+            return None
+        return self.version - update.base_version
+
     def submit(self, client_id: str, update: Update) -> None:
-        """Check, then stream the update into the strategy."""
+        """Check, then stream the update into the strategy (late ones: see the module doc)."""
+        t = self._late_staleness(client_id, update)
+        if t is not None:
+            self._submit_late(client_id, update, t)
+            return
         try:
             self.check(client_id, update)
         except UpdateRejected as e:
@@ -112,24 +175,98 @@ class SyncRounds:
         self._examples += update.num_examples
         self._loss_sum += update.metrics.get("train_loss", 0.0) * update.num_examples
 
+    def _submit_late(self, client_id: str, update: Update, t: int) -> None:
+        def reject(code: str, detail: str) -> None:
+            self.rejected[code] = self.rejected.get(code, 0) + 1
+            raise UpdateRejected(code, detail)
+
+        del self.late_pending[client_id]
+        if self.late == "drop":
+            reject("late", f"update for version {update.base_version} arrived after its round closed "
+                   f"(now version {self.version}); late results are dropped (late = 'drop')")
+        if self.max_staleness is not None and t > self.max_staleness:
+            reject("too_stale", f"late update is {t} versions old; the limit is max_staleness = {self.max_staleness}")
+        if not self.open:
+            reject("round_closed", f"late update arrived with no round open to fold it into (version {self.version})")
+        self.strategy.accumulate(update, self.late_weight(t))
+        self._late_count += 1
+        self._late_hist[t] = self._late_hist.get(t, 0) + 1
+
     @property
     def complete(self) -> bool:
-        return self.open and len(self.received) == len(self.selected)
+        """K results arrived (every selected client's, without over-selection)."""
+        return self.open and len(self.received) >= min(self.target or len(self.selected), len(self.selected))
+
+    def should_close(self, now: float | None = None) -> bool:
+        """Close now? True when K results arrived, or when the deadline has passed
+        (then :meth:`finish_round` aggregates, or fails the round below min_fraction)."""
+        if not self.open:
+            return False
+        if self.complete:
+            return True
+        return self.deadline_at is not None and now is not None and now >= self.deadline_at
 
     def finish_round(self) -> RoundSummary:
-        """Aggregate what arrived into the next global version."""
+        """Aggregate what arrived into the next global version.
+
+        Selected clients that have not reported become late (see the module doc). With
+        fewer than ``min_fraction * K`` on-time results the round fails: the model and
+        version are unchanged, ``failed_rounds`` counts it and the summary says
+        ``failed=True``."""
         if not self.open:
             raise RuntimeError("finish_round called with no open round")
-        if not self.received:
+        for cid, task in self.selected.items():
+            if cid not in self.received:
+                self.late_pending[cid] = task
+        needed = self.min_fraction * self.target
+        if self.min_fraction > 0 and len(self.received) < needed:
+            self.open = False
+            self.failed_rounds += 1
+            self.strategy.begin(self.global_params)  # drop what was accumulated
+            return self._summary(failed=True)
+        if not self.received and not self._late_count:
+            self.open = False
             raise UpdateRejected("no_results", f"round {self.round} closed with no results; the model is unchanged")
         self.global_params = self.strategy.finalize()
         self.version += 1
         self.open = False
+        if self.max_staleness is not None:  # results older than the limit would be refused anyway
+            self.late_pending = {
+                c: t for c, t in self.late_pending.items() if self.version - t.version <= self.max_staleness
+            }
+        return self._summary(failed=False)
+
+    def _summary(self, failed: bool) -> RoundSummary:
         return RoundSummary(
             round=self.round, version=self.version, num_selected=len(self.selected),
             num_results=len(self.received), num_examples=self._examples,
             train_loss=self._loss_sum / max(self._examples, 1), rejected=dict(self.rejected),
+            failed=failed, num_late=self._late_count, late_staleness=dict(self._late_hist),
         )
+
+    def state_dict(self) -> dict:
+        """What survives a restart between rounds: model, version, round counter, the
+        strategy's optimizer state, failed rounds and the tasks whose results would be
+        late. An open round is not included; checkpoint after :meth:`finish_round`."""
+        if self.open:
+            raise RuntimeError("state_dict() while a round is open: checkpoint after finish_round()")
+        return {
+            "version": self.version,
+            "round": self.round,
+            "global_params": self.global_params.detach().clone(),
+            "strategy": self.strategy.state_dict(),
+            "failed_rounds": self.failed_rounds,
+            "late_pending": {c: [t.round, t.version, t.seed] for c, t in self.late_pending.items()},
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        self.version = int(state["version"])
+        self.round = int(state["round"])
+        self.global_params = torch.as_tensor(state["global_params"]).clone()
+        self.strategy.load_state_dict(state["strategy"])
+        self.failed_rounds = int(state["failed_rounds"])
+        self.late_pending = {c: Task(c, int(r), int(v), int(sd)) for c, (r, v, sd) in state["late_pending"].items()}
+        self.open = False
 
 
 def i_hash(client_id: str) -> int:

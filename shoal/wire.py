@@ -10,6 +10,7 @@ what was expected.
 from __future__ import annotations
 
 import json
+import math
 import struct
 from typing import Any
 
@@ -51,7 +52,7 @@ def read_header(body: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[str, 
     if hlen > MAX_HEADER_BYTES or 8 + hlen > len(body):
         raise Malformed(f"safetensors header length {hlen} does not fit a body of {len(body)} bytes (truncated?)")
     try:
-        table = json.loads(body[8 : 8 + hlen])
+        table = json.loads(bytes(body[8 : 8 + hlen]))
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise Malformed(f"safetensors header is not JSON: {e}") from None
     if not isinstance(table, dict):
@@ -78,13 +79,18 @@ def read_header(body: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[str, 
 
 
 def decode(
-    body: bytes,
+    body: bytes | bytearray | memoryview,
     expect: dict[str, tuple[torch.dtype, tuple[int, ...]]],
     max_bytes: int,
     spec_hash: str | None = None,
     check_finite: bool = True,
+    copy: bool = True,
 ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Validate and load a message whose tensors must be exactly ``expect``."""
+    """Validate and load a message whose tensors must be exactly ``expect``.
+
+    ``copy=False`` on a writable buffer (bytearray, or a memoryview of one) returns
+    tensors that are views of it: no model-sized copy, for a server that streams each
+    body into its aggregate; the caller must not reuse the buffer while they live."""
     header, table = read_header(body, max_bytes)
     if spec_hash is not None and header.get("spec_hash") != spec_hash:
         raise SpecMismatch(
@@ -101,12 +107,22 @@ def decode(
         if tuple(info["shape"]) != tuple(shape):
             raise SpecMismatch(f"tensor {name!r} has shape {info['shape']}, expected {list(shape)}")
     try:
-        tensors = st_load(body)
+        if copy or isinstance(body, bytes):
+            tensors = st_load(bytes(body))
+        else:
+            data = 8 + struct.unpack("<Q", body[:8])[0]
+            tensors = {
+                name: torch.frombuffer(body, dtype=dtype, count=math.prod(shape), offset=data + table[name]["data_offsets"][0])
+                .view(shape) if math.prod(shape) else torch.zeros(shape, dtype=dtype)
+                for name, (dtype, shape) in expect.items()
+            }
     except Exception as e:  # the library's own checks, should ours have missed one
         raise Malformed(f"safetensors body rejected: {e}") from None
     if check_finite:
         for name, t in tensors.items():
-            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            # A sum is finite only if every element is (or it overflowed): one reduction
+            # without a temporary, and the exact elementwise test only when it is not.
+            if t.is_floating_point() and not bool(torch.isfinite(t.sum())) and not bool(torch.isfinite(t).all()):
                 bad = int((~torch.isfinite(t)).sum())
                 raise NonFinite(f"tensor {name!r} has {bad} NaN/Inf values")
     return header, tensors
@@ -160,8 +176,10 @@ def _unzstd(packed: torch.Tensor, max_bytes: int) -> bytes:
         raise Malformed(f"tensor 'zstd' is not a valid zstd frame: {e}") from None
 
 
-def decode_update(body: bytes, spec: ParamSpec, max_bytes: int | None = None) -> tuple[Update, dict]:
+def decode_update(body: bytes | bytearray | memoryview, spec: ParamSpec, max_bytes: int | None = None,
+                  copy: bool = True) -> tuple[Update, dict]:
     """Validated Update plus the raw header (for fields a caller adds, e.g. round ids).
+    ``copy=False``: a dense delta is a view of ``body`` (see :func:`decode`).
 
     The header's ``encoding`` (dense | q8 | topk, plus ``zstd``) says which tensors must
     be present, with which dtypes and shapes; every one is checked, then the values
@@ -180,7 +198,7 @@ def decode_update(body: bytes, spec: ParamSpec, max_bytes: int | None = None) ->
             raise TooLarge(f"zstd payload inflates to more than the limit of {max_bytes} bytes")
         _, tensors = decode(inner, expect, max_bytes)
     else:
-        header, tensors = decode(body, expect, max_bytes, spec.hash)
+        header, tensors = decode(body, expect, max_bytes, spec.hash, copy=copy)
     if header.get("kind") != "update":
         raise Malformed(f"message kind is {header.get('kind')!r}, expected 'update'")
     delta = decode_tensors(header, tensors, spec.numel)

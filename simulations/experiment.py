@@ -36,6 +36,10 @@ def run_simulation(
     on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg.simulation.rounds`` rounds; returns the summary (also written to disk)."""
+    if cfg.simulation.mode == "async" or cfg.heterogeneity.enabled:  # on the virtual clock
+        from .virtual_run import run_virtual
+
+        return run_virtual(cfg, out_dir, on_record)
     out = Path(out_dir or cfg.output.dir)
     sim_cfg = cfg.simulation
     t0 = time.perf_counter()

@@ -18,8 +18,9 @@ from shoal.server.registry import Registry
 from shoal.server.service import ServerService
 
 
-def small_config(tmp: Path, **server):
-    """Logistic regression on Synthetic(1,1), 5 clients: builds in milliseconds."""
+def small_config(tmp: Path, sections: dict | None = None, **server):
+    """Logistic regression on Synthetic(1,1), 5 clients: builds in milliseconds.
+    ``server`` keys go to [server]; ``sections`` adds other tables."""
     data = {
         "simulation": {"seed": 1, "num_clients": 5},
         "data": {"dataset": "synthetic"},
@@ -28,7 +29,7 @@ def small_config(tmp: Path, **server):
         "server": {"checkpoint_dir": str(tmp / "ck"), "db": str(tmp / "nodes.sqlite"),
                    "out_dir": str(tmp / "run"), "eval": False, "rounds": 5, **server},
     }
-    return config_from_dict(data).validate()
+    return config_from_dict({**data, **(sections or {})}).validate()
 
 
 @dataclass
@@ -46,10 +47,10 @@ class Live:
 
 @asynccontextmanager
 async def live_server(tmp: Path, nodes: list[str], ssl_context: ssl.SSLContext | None = None,
-                      clock: bool = False, **server):
+                      clock: bool = False, sections: dict | None = None, **server):
     """``clock=True`` runs the server's clock (rounds open and close by themselves);
     without it the test drives ``service.tick`` itself."""
-    cfg = small_config(tmp, **server)
+    cfg = small_config(tmp, sections, **server)
     registry = Registry(cfg.server.db)
     tokens = {n: registry.add(n) for n in nodes}
     service = ServerService(cfg)

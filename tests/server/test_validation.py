@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from shoal.server.app import CHANGED
 from shoal.update import Update
 from shoal.wire import encode, encode_update
 
@@ -145,5 +146,30 @@ def test_auth_unknown_is_401_and_revoked_is_403(tmp_path):
                     assert resp.status == 200
                     assert (await resp.json())["status"] == "wait"
             assert "n1" not in live.service.last_seen  # a refused request is not a sign of life
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_expect_continue_refuses_oversized_before_the_body_and_accepts_a_good_one(tmp_path):
+    """With Expect: 100-continue the size and token are checked before the body moves."""
+    async def scenario():
+        async with live_server(tmp_path, NODES, clients_per_round=2, min_nodes=3) as live:
+            svc = live.service
+            _open_round(svc)
+            chosen, _ = _selected_unselected(svc)
+            before = _snapshot(svc)
+            async with live.session(chosen) as http:
+                big = b"\0" * (svc.max_body_bytes + 1)
+                async with http.post(live.url + "/v1/update", data=big, expect100=True) as resp:
+                    assert resp.status == 413 and (await resp.json())["error"] == "too_large"
+                _same(_snapshot(svc), before)
+            async with live.session(None) as http:
+                async with http.post(live.url + "/v1/update", data=_good(svc, chosen), expect100=True) as resp:
+                    assert resp.status == 401
+            async with live.session(chosen) as http:
+                async with http.post(live.url + "/v1/update", data=_good(svc, chosen), expect100=True) as resp:
+                    assert resp.status == 200, await resp.text()
+            assert svc.counters.accepted == 1 and chosen in svc.rounds.received
+            assert live.app[CHANGED]["slots"].qsize() == svc.cfg.server.ingest_slots  # every buffer back
 
     asyncio.run(asyncio.wait_for(scenario(), 30))

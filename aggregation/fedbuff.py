@@ -1,0 +1,98 @@
+"""FedBuff (Nguyen et al. 2022, "Federated Learning with Buffered Asynchronous
+Aggregation", AISTATS, Algorithm 1): buffered asynchronous aggregation.
+
+Each arriving update is added to a buffer with its staleness weight; after K updates
+the buffer's average is one server-optimizer step and the global version advances:
+
+    buf += w_k s(t_k) delta_k          (w_k = n_k under "examples" weighting, else 1)
+    after K updates:  Δ = buf / sum_k w_k,   x <- server_opt.step(x, Δ)
+
+With uniform weights sum_k w_k = K, which is the paper's Δ̄ / K. The staleness weight
+is deliberately *not* in the denominator: a stale update shrinks the step instead of
+being renormalised away (so K updates of staleness t move the model s(t) times as far
+as fresh ones), as in the paper. With staleness 0, examples weighting and a FedAvg
+server optimizer at lr 1, one flush is exactly FedAvg over those K updates.
+
+The buffer is one float64 model-sized sum (the same precision argument as
+aggregation.mean), so memory is O(model) whatever K is.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shoal.update import Update
+
+from shoal.aggregation.server_opt import ServerOptimizer, StateDict
+from shoal.aggregation.staleness import StalenessWeight
+
+
+class FedBuff:
+    """``accumulate(update, staleness)`` until ``full``; then ``flush(x) -> new x``."""
+
+    def __init__(self, k: int, optimizer: ServerOptimizer, weight: StalenessWeight, weighting: str = "uniform",
+                 numel: int | None = None, device: torch.device | str = "cpu"):
+        if k < 1:
+            raise ValueError(f"FedBuff buffer size K = {k} must be >= 1")
+        if weighting not in ("examples", "uniform"):
+            raise ValueError(f"weighting = {weighting!r} must be 'examples' or 'uniform'")
+        self.k = k
+        self.optimizer = optimizer
+        self.weight = weight
+        self.weighting = weighting
+        self.device = torch.device(device)
+        self._sum: torch.Tensor | None = None if numel is None else torch.zeros(numel, dtype=torch.float64, device=device)
+        self.count = 0
+        self.base_total = 0.0
+
+    @property
+    def full(self) -> bool:
+        return self.count >= self.k
+
+    def accumulate(self, update: Update, staleness: int) -> None:
+        """Add one update's weighted delta to the buffer."""
+        if self.full:
+            raise RuntimeError("FedBuff buffer is full: flush() before adding more")
+        base = float(update.num_examples) if self.weighting == "examples" else 1.0
+        if not (base > 0 and math.isfinite(base)):
+            who = update.sender or "a client"
+            raise ValueError(f"update from {who} has num_examples = {update.num_examples}; examples weighting needs > 0")
+        s = self.weight(staleness)
+        delta = update.delta
+        if self._sum is None:
+            self._sum = torch.zeros(delta.numel(), dtype=torch.float64, device=self.device)
+        if delta.shape != self._sum.shape:
+            raise ValueError(f"delta has shape {tuple(delta.shape)}, expected {tuple(self._sum.shape)}")
+        self._sum.add_(delta.to(self.device), alpha=base * s)
+        self.base_total += base
+        self.count += 1
+
+    def flush(self, x: torch.Tensor) -> torch.Tensor:
+        """One server-optimizer step with the buffer's average; empties the buffer."""
+        if self.count == 0 or self._sum is None:
+            raise RuntimeError("FedBuff.flush() with an empty buffer")
+        mean = (self._sum / self.base_total).to(torch.float32)
+        new_x = self.optimizer.step(x, mean)
+        self._sum.zero_()
+        self.count = 0
+        self.base_total = 0.0
+        return new_x
+
+    def state_dict(self) -> StateDict:
+        """The server optimizer's state plus the partly filled buffer (async servers
+        have no quiet point between rounds, so the buffer is part of a checkpoint)."""
+        state: StateDict = {f"opt.{k}": v for k, v in self.optimizer.state_dict().items()}
+        state["count"] = self.count
+        state["base_total"] = self.base_total
+        if self._sum is not None:
+            state["buffer"] = self._sum.detach().clone()
+        return state
+
+    def load_state_dict(self, state: StateDict) -> None:
+        self.optimizer.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("opt.")})
+        self.count = int(state["count"])
+        self.base_total = float(state["base_total"])
+        buf = state.get("buffer")
+        self._sum = None if buf is None else torch.as_tensor(buf, dtype=torch.float64).to(self.device).clone()

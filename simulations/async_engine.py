@@ -1,0 +1,210 @@
+"""Clients on a virtual clock, and the asynchronous engine (FedAsync / FedBuff).
+
+Real numbers, virtual time: each dispatched client trains for real (the same
+LocalTrainer, ``train_clients`` and ``client_steps`` as the synchronous engine) at the
+moment it is handed the model, and its result is *delivered* at
+
+    now + download delay + local_steps * step_time_s / speed + upload delay
+
+(simulations/virtual_clock.py). A client that goes offline before then drops out: its
+result never arrives. At most ``asynchronous.concurrency`` clients train at once;
+whenever one finishes or drops out, another idle, available client is picked at
+random. The protocol is shoal.async_rounds' AsyncRounds, the object the server drives.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from shoal.aggregation import make_server_optimizer
+from shoal.aggregation.fedasync import FedAsync
+from shoal.aggregation.fedbuff import FedBuff
+from shoal.aggregation.staleness import make_staleness_weight
+from shoal.async_rounds import AsyncRounds, AsyncStats
+from shoal.config import Config
+from shoal.errors import UpdateRejected
+from shoal.rounds import Task
+from shoal.seeding import rng
+
+from .inprocess import InProcessSimulation
+from .virtual_clock import ClientTiming, EventQueue
+
+log = logging.getLogger(__name__)
+
+
+class VirtualClients:
+    """The simulated clients' side of a virtual-clock run: who is busy, who is online,
+    training a task and scheduling its arrival (or drop-out) on the event queue."""
+
+    def __init__(self, cfg: Config, sim: InProcessSimulation | None = None):
+        self.cfg = cfg
+        self.sim = sim if sim is not None else InProcessSimulation(cfg)
+        seed = cfg.simulation.seed
+        self.timing = ClientTiming(cfg.heterogeneity, self.sim.client_ids, seed)
+        self.queue = EventQueue()
+        self.busy: set[str] = set()
+        self._pick = rng(seed, 0xD15C)
+        self._wake_at = math.inf
+        self.dropouts = 0
+
+    @property
+    def now(self) -> float:
+        return self.queue.now
+
+    def idle_online(self) -> list[str]:
+        now = self.now
+        return [c for c in self.sim.client_ids if c not in self.busy and self.timing.available(c, now)]
+
+    def pick(self, candidates: list[str], n: int) -> list[str]:
+        idx = self._pick.choice(len(candidates), size=min(n, len(candidates)), replace=False)
+        return [candidates[i] for i in sorted(idx)]
+
+    def wake_when_someone_is_online(self) -> None:
+        """Schedule a ``wake`` event when the next idle client comes online (once)."""
+        idle = [c for c in self.sim.client_ids if c not in self.busy]
+        t = self.timing.next_online(idle, self.now) if idle else math.inf
+        if math.isfinite(t) and t < self._wake_at:
+            self._wake_at = t
+            self.queue.schedule(t, "wake")
+
+    def woke(self) -> None:
+        self._wake_at = math.inf
+
+    def launch(self, task: Task, global_params: torch.Tensor, tag: Any = None) -> None:
+        """Train ``task`` now; schedule ``arrive`` (client, update, tag) or ``dropout``."""
+        c = task.client_id
+        ((_, update),) = list(self.sim.train_clients([task], global_params))
+        for step in self.sim.client_steps:
+            update = step(task, update)
+        steps = int(update.metrics.get("local_steps", 1))
+        t = self.timing
+        finish = self.now + t.network_s(c) + t.compute_s(c, steps) + t.network_s(c)
+        offline = t.online_until(c, self.now)
+        self.busy.add(c)
+        if offline < finish:
+            self.queue.schedule(offline, "dropout", (c, tag))
+        else:
+            self.queue.schedule(finish, "arrive", (c, update, tag))
+
+    def evaluate(self, params: torch.Tensor) -> dict[str, float]:
+        return self.sim.trainer.evaluate(params, self.sim.test_x, self.sim.test_y)
+
+
+def staleness_figures(hist: dict[int, int]) -> dict[str, Any]:
+    """Mean, max and the histogram itself (keys as strings: JSON objects need them)."""
+    n = sum(hist.values())
+    return {
+        "staleness_mean": (sum(t * k for t, k in hist.items()) / n) if n else None,
+        "staleness_max": max(hist) if hist else None,
+        "staleness_hist": {str(t): hist[t] for t in sorted(hist)},
+    }
+
+
+def make_async_rounds(cfg: Config, global_params: torch.Tensor, numel: int) -> AsyncRounds:
+    """The AsyncRounds an ``[asynchronous]`` config describes (the server uses it too)."""
+    a = cfg.asynchronous
+    weight = make_staleness_weight(a.staleness_weight, a.staleness_a, a.staleness_b)
+    if a.algorithm == "fedasync":
+        algorithm: FedAsync | FedBuff = FedAsync(a.alpha, weight, a.fedasync_mix)
+    else:
+        algorithm = FedBuff(a.buffer_size, make_server_optimizer(cfg.strategy), weight, cfg.strategy.weighting,
+                            numel, global_params.device)
+    return AsyncRounds(algorithm, global_params, cfg.simulation.seed, a.max_staleness)
+
+
+class AsyncEngine:
+    """Runs AsyncRounds over VirtualClients; :meth:`run` yields one record per evaluation."""
+
+    def __init__(self, cfg: Config, sim: InProcessSimulation | None = None):
+        self.cfg = cfg
+        self.clients = VirtualClients(cfg, sim)
+        self.sim = self.clients.sim
+        self.rounds = make_async_rounds(cfg, self.sim.trainer.flat.detach().clone(), self.sim.spec.numel)
+
+    def _fill(self) -> None:
+        free = self.cfg.asynchronous.concurrency - len(self.clients.busy)
+        if free <= 0:
+            return
+        candidates = self.clients.idle_online()
+        for c in self.clients.pick(candidates, free):
+            self.clients.launch(self.rounds.task(c), self.rounds.global_params)
+        if len(candidates) < free:
+            self.clients.wake_when_someone_is_online()
+
+    def run(self) -> Iterator[dict[str, Any]]:
+        """Until version ``simulation.rounds`` or ``heterogeneity.max_virtual_time_s``."""
+        cfg, het = self.cfg, self.cfg.heterogeneity
+        q, r = self.clients.queue, self.rounds
+        if het.eval_interval_s > 0:
+            q.schedule(het.eval_interval_s, "eval")
+        if het.max_virtual_time_s > 0:
+            q.schedule(het.max_virtual_time_s, "stop")
+        last = r.stats.copy()
+        yield self._record(last)
+        last = r.stats.copy()
+        self._fill()
+        while len(q) and r.version < cfg.simulation.rounds:
+            ev = q.pop()
+            if ev.kind == "stop":
+                break
+            if ev.kind == "eval":
+                yield self._record(last)
+                last = r.stats.copy()
+                q.schedule(q.now + het.eval_interval_s, "eval")
+                continue
+            if ev.kind == "wake":
+                self.clients.woke()
+            elif ev.kind == "dropout":
+                c, _ = ev.payload
+                self.clients.busy.discard(c)
+                self.clients.dropouts += 1
+                r.forget(c)
+            elif ev.kind == "arrive":
+                c, update, _ = ev.payload
+                self.clients.busy.discard(c)
+                try:
+                    advanced = r.submit(c, update)
+                except UpdateRejected:
+                    advanced = False
+                if advanced and het.eval_interval_s == 0 and r.version % cfg.simulation.eval_every == 0:
+                    yield self._record(last)
+                    last = r.stats.copy()
+            self._fill()
+        yield self._record(last)
+
+    def _record(self, since: AsyncStats) -> dict[str, Any]:
+        """Test metrics of the current model and what happened since ``since``."""
+        r, s = self.rounds, self.rounds.stats
+        ev = self.clients.evaluate(r.global_params)
+        hist = {t: k - since.staleness.get(t, 0) for t, k in s.staleness.items() if k - since.staleness.get(t, 0)}
+        n_ex = s.examples - since.examples
+        return {
+            "round": r.version,
+            "version": r.version,
+            "virtual_time_s": round(self.clients.now, 3),
+            "test_accuracy": ev["accuracy"],
+            "test_loss": ev["loss"],
+            "train_loss": (s.loss_sum - since.loss_sum) / n_ex if n_ex else None,
+            "num_results": s.accepted - since.accepted,
+            "num_examples": n_ex,
+            **staleness_figures(hist),
+            "accepted": s.accepted,
+            "rejected": dict(s.rejected),
+        }
+
+    def totals(self) -> dict[str, Any]:
+        s = self.rounds.stats
+        return {
+            "updates_accepted": s.accepted,
+            "updates_rejected": dict(s.rejected),
+            "updates_rejected_total": sum(s.rejected.values()),
+            "dropouts": self.clients.dropouts,
+            "staleness": staleness_figures(s.staleness),
+            "version": self.rounds.version,
+            "virtual_time_s": round(self.clients.now, 3),
+        }

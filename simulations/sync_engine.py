@@ -1,0 +1,159 @@
+"""Synchronous rounds on the virtual clock, so sync and async runs compare in virtual time.
+
+Each round selects among the idle, online clients (SyncRounds with over-selection),
+trains them for real and delivers each result at its simulated finish time
+(simulations/async_engine.VirtualClients). The round closes when K results arrived,
+at its deadline (``asynchronous.deadline_s``; below ``min_fraction`` the round fails
+and the model is unchanged), or, without a deadline, when every selected client has
+reported or dropped out. A result that comes after its round closed is late: dropped,
+or folded into the open round with its staleness weight (``asynchronous.late``).
+A client still training for an old round is busy and cannot be selected again.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+from shoal.aggregation import make_strategy
+from shoal.aggregation.staleness import make_staleness_weight
+from shoal.config import Config
+from shoal.errors import UpdateRejected
+from shoal.rounds import RoundSummary, SyncRounds
+
+from .async_engine import VirtualClients, staleness_figures
+from .inprocess import InProcessSimulation
+
+log = logging.getLogger(__name__)
+
+
+def make_deadline_rounds(cfg: Config, global_params, numel: int) -> SyncRounds:
+    """SyncRounds with the ``[asynchronous]`` deadline, over-selection and late-result keys."""
+    a, sim = cfg.asynchronous, cfg.simulation
+    return SyncRounds(
+        make_strategy(cfg.strategy, numel, global_params.device), global_params, sim.clients_per_round,
+        sim.fraction, sim.seed,
+        over_selection=a.over_selection, deadline_s=a.deadline_s or None, min_fraction=a.min_fraction,
+        late=a.late, late_weight=make_staleness_weight(a.staleness_weight, a.staleness_a, a.staleness_b),
+        max_staleness=a.max_staleness,
+    )
+
+
+class VirtualSyncEngine:
+    """Runs deadline-aware SyncRounds over VirtualClients; :meth:`run` yields records."""
+
+    def __init__(self, cfg: Config, sim: InProcessSimulation | None = None):
+        self.cfg = cfg
+        self.clients = VirtualClients(cfg, sim)
+        self.sim = self.clients.sim
+        self.rounds = make_deadline_rounds(cfg, self.sim.trainer.flat.detach().clone(), self.sim.spec.numel)
+        self.live: set[str] = set()       # selected this round, still training
+        self.accepted = 0
+        self.rejected: dict[str, int] = {}
+        self.staleness: dict[int, int] = {}
+        self.failed_rounds = 0
+        self.rounds_done = 0
+
+    def _start(self) -> bool:
+        """Open a round if anyone is online; else wait for someone (False)."""
+        online = self.clients.idle_online()
+        if not online:
+            self.clients.wake_when_someone_is_online()
+            return False
+        r = self.rounds
+        tasks = r.start_round(online, now=self.clients.now)
+        if r.deadline_at is not None:
+            self.clients.queue.schedule(r.deadline_at, "deadline", r.round)
+        self.live = set()
+        for t in tasks:
+            self.clients.launch(t, r.global_params, tag=r.round)
+            self.live.add(t.client_id)
+        return True
+
+    def _close(self) -> RoundSummary | None:
+        try:
+            s = self.rounds.finish_round()
+        except UpdateRejected:  # no result at all: nothing to aggregate, model unchanged
+            self.failed_rounds += 1
+            return None
+        if s.failed:
+            self.failed_rounds += 1
+        else:
+            self.accepted += s.num_results + s.num_late
+            if s.num_results:
+                self.staleness[0] = self.staleness.get(0, 0) + s.num_results
+            for t, k in s.late_staleness.items():
+                self.staleness[t] = self.staleness.get(t, 0) + k
+        return s
+
+    def run(self) -> Iterator[dict[str, Any]]:
+        """Until ``simulation.rounds`` rounds closed or ``heterogeneity.max_virtual_time_s``."""
+        cfg, het = self.cfg, self.cfg.heterogeneity
+        q, r = self.clients.queue, self.rounds
+        if het.eval_interval_s > 0:
+            q.schedule(het.eval_interval_s, "eval")
+        if het.max_virtual_time_s > 0:
+            q.schedule(het.max_virtual_time_s, "stop")
+        yield self._record(None)
+        self._start()
+        while len(q) and self.rounds_done < cfg.simulation.rounds:
+            ev = q.pop()
+            if ev.kind == "stop":
+                break
+            if ev.kind == "eval":
+                yield self._record(None)
+                q.schedule(q.now + het.eval_interval_s, "eval")
+                continue
+            if ev.kind == "wake":
+                self.clients.woke()
+            elif ev.kind in ("arrive", "dropout"):
+                c, tag = ev.payload[0], ev.payload[-1]
+                self.clients.busy.discard(c)
+                if tag == r.round:
+                    self.live.discard(c)
+                if ev.kind == "dropout":
+                    self.clients.dropouts += 1
+                else:
+                    try:
+                        r.submit(c, ev.payload[1])
+                    except UpdateRejected as e:
+                        self.rejected[e.code] = self.rejected.get(e.code, 0) + 1
+            if r.open and (r.should_close(q.now) or not self.live):
+                s = self._close()
+                self.rounds_done += 1
+                if het.eval_interval_s == 0 and (
+                    self.rounds_done % cfg.simulation.eval_every == 0 or self.rounds_done == cfg.simulation.rounds
+                ):
+                    yield self._record(s)
+            if not r.open and self.rounds_done < cfg.simulation.rounds:
+                self._start()
+        yield self._record(None)
+
+    def _record(self, s: RoundSummary | None) -> dict[str, Any]:
+        r = self.rounds
+        ev = self.clients.evaluate(r.global_params)
+        rec: dict[str, Any] = {
+            "round": self.rounds_done,
+            "version": r.version,
+            "virtual_time_s": round(self.clients.now, 3),
+            "test_accuracy": ev["accuracy"],
+            "test_loss": ev["loss"],
+        }
+        if s is not None:
+            rec.update(train_loss=s.train_loss, num_results=s.num_results, num_examples=s.num_examples,
+                       num_late=s.num_late, failed=s.failed)
+        rec.update(accepted=self.accepted, rejected=dict(self.rejected), failed_rounds=self.failed_rounds)
+        return rec
+
+    def totals(self) -> dict[str, Any]:
+        return {
+            "updates_accepted": self.accepted,
+            "updates_rejected": dict(self.rejected),
+            "updates_rejected_total": sum(self.rejected.values()),
+            "failed_rounds": self.failed_rounds,
+            "dropouts": self.clients.dropouts,
+            "staleness": staleness_figures(self.staleness),
+            "version": self.rounds.version,
+            "virtual_time_s": round(self.clients.now, 3),
+        }
