@@ -54,6 +54,7 @@ class VirtualSyncEngine:
         self.staleness: dict[int, int] = {}
         self.failed_rounds = 0
         self.rounds_done = 0
+        self._recorded: tuple[int, float] | None = None
 
     def _start(self) -> bool:
         """Open a round if anyone is online; else wait for someone (False)."""
@@ -128,10 +129,12 @@ class VirtualSyncEngine:
                     yield self._record(s)
             if not r.open and self.rounds_done < cfg.simulation.rounds:
                 self._start()
-        yield self._record(None)
+        if self._recorded != (self.rounds_done, q.now):  # the last state, unless just recorded
+            yield self._record(None)
 
     def _record(self, s: RoundSummary | None) -> dict[str, Any]:
         r = self.rounds
+        self._recorded = (self.rounds_done, self.clients.now)
         ev = self.clients.evaluate(r.global_params)
         rec: dict[str, Any] = {
             "round": self.rounds_done,
