@@ -94,3 +94,14 @@ def test_sync_virtual_rounds_match_the_plain_engine_without_heterogeneity():
     for _ in range(8):
         plain.run_round()
     assert torch.equal(e.rounds.global_params, plain.global_params)
+
+
+def test_clients_going_offline_drop_out_and_the_run_goes_on():
+    c = cfg('simulation.mode="async"', 'asynchronous.algorithm="fedasync"',
+            "heterogeneity.mean_on_s=6.0", "heterogeneity.mean_off_s=6.0", "simulation.rounds=12")
+    e = AsyncEngine(c)
+    list(e.run())
+    t = e.totals()
+    assert t["dropouts"] > 0 and t["version"] == 12
+    # FedAsync (mix = model) keeps only base versions an open task can still use
+    assert len(e.rounds._history) <= len(e.rounds.outstanding) <= c.asynchronous.concurrency
