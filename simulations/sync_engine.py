@@ -144,8 +144,11 @@ class VirtualSyncEngine:
             "test_loss": ev["loss"],
         }
         if s is not None:
+            hist = dict(s.late_staleness)
+            if s.num_results:
+                hist[0] = hist.get(0, 0) + s.num_results  # on-time results have staleness 0
             rec.update(train_loss=s.train_loss, num_results=s.num_results, num_examples=s.num_examples,
-                       num_late=s.num_late, failed=s.failed)
+                       num_late=s.num_late, failed=s.failed, **staleness_figures(hist))
         rec.update(accepted=self.accepted, rejected=dict(self.rejected), failed_rounds=self.failed_rounds)
         return rec
 

@@ -81,6 +81,8 @@ def test_sync_on_the_virtual_clock_waits_for_the_slowest_and_deadlines_cut_it():
     t = cut.totals()
     assert t["version"] + t["failed_rounds"] == 8
     assert t["staleness"]["staleness_max"] >= 1  # some late results were folded with their weight
+    folded = [r for r in recs_cut if r.get("num_late")]
+    assert folded and all(r["staleness_max"] >= 1 for r in folded)
 
 
 def test_sync_virtual_rounds_match_the_plain_engine_without_heterogeneity():
