@@ -125,6 +125,7 @@ class AsyncEngine:
         self.clients = VirtualClients(cfg, sim)
         self.sim = self.clients.sim
         self.rounds = make_async_rounds(cfg, self.sim.trainer.flat.detach().clone(), self.sim.spec.numel)
+        self._recorded: tuple[int, float] | None = None
 
     def _fill(self) -> None:
         free = self.cfg.asynchronous.concurrency - len(self.clients.busy)
@@ -175,11 +176,13 @@ class AsyncEngine:
                     yield self._record(last)
                     last = r.stats.copy()
             self._fill()
-        yield self._record(last)
+        if self._recorded != (r.version, q.now):  # the last state, unless just recorded
+            yield self._record(last)
 
     def _record(self, since: AsyncStats) -> dict[str, Any]:
         """Test metrics of the current model and what happened since ``since``."""
         r, s = self.rounds, self.rounds.stats
+        self._recorded = (r.version, self.clients.now)
         ev = self.clients.evaluate(r.global_params)
         hist = {t: k - since.staleness.get(t, 0) for t, k in s.staleness.items() if k - since.staleness.get(t, 0)}
         n_ex = s.examples - since.examples

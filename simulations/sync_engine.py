@@ -54,6 +54,7 @@ class VirtualSyncEngine:
         self.staleness: dict[int, int] = {}
         self.failed_rounds = 0
         self.rounds_done = 0
+        self._recorded: tuple[int, float] | None = None
 
     def _start(self) -> bool:
         """Open a round if anyone is online; else wait for someone (False)."""
@@ -128,10 +129,12 @@ class VirtualSyncEngine:
                     yield self._record(s)
             if not r.open and self.rounds_done < cfg.simulation.rounds:
                 self._start()
-        yield self._record(None)
+        if self._recorded != (self.rounds_done, q.now):  # the last state, unless just recorded
+            yield self._record(None)
 
     def _record(self, s: RoundSummary | None) -> dict[str, Any]:
         r = self.rounds
+        self._recorded = (self.rounds_done, self.clients.now)
         ev = self.clients.evaluate(r.global_params)
         rec: dict[str, Any] = {
             "round": self.rounds_done,
@@ -141,8 +144,11 @@ class VirtualSyncEngine:
             "test_loss": ev["loss"],
         }
         if s is not None:
+            hist = dict(s.late_staleness)
+            if s.num_results:
+                hist[0] = hist.get(0, 0) + s.num_results  # on-time results have staleness 0
             rec.update(train_loss=s.train_loss, num_results=s.num_results, num_examples=s.num_examples,
-                       num_late=s.num_late, failed=s.failed)
+                       num_late=s.num_late, failed=s.failed, **staleness_figures(hist))
         rec.update(accepted=self.accepted, rejected=dict(self.rejected), failed_rounds=self.failed_rounds)
         return rec
 

@@ -64,7 +64,8 @@ class EventQueue:
 
 
 class _Availability:
-    """One client's on/off timeline, generated forwards as the clock advances."""
+    """One client's on/off timeline, generated forwards as the clock advances: queries
+    must not go back in time (the event queue never does)."""
 
     def __init__(self, gen: np.random.Generator, mean_on: float, mean_off: float):
         self.gen, self.mean_on, self.mean_off = gen, mean_on, mean_off

@@ -48,7 +48,8 @@ def run_virtual(
         "final_test_accuracy": last["test_accuracy"],
         "final_test_loss": last["test_loss"],
         "best_test_accuracy": max(accs),
-        "rounds": cfg.simulation.rounds,
+        # server steps taken (sync: rounds closed, failed ones included; async: versions)
+        "rounds": getattr(engine, "rounds_done", engine.rounds.version),
         "mode": cfg.simulation.mode,
         "algorithm": algorithm,
         **engine.totals(),
