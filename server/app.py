@@ -213,7 +213,7 @@ def make_app(service: ServerService, registry: Registry) -> web.Application:
     return app
 
 
-async def _clock(app: web.Application, stop: asyncio.Event) -> None:
+async def run_clock(app: web.Application, stop: asyncio.Event) -> None:
     """Drive the service's time: open rounds when nodes are there, close them at deadlines."""
     svc = app[SERVICE]
     while not stop.is_set():
@@ -246,7 +246,7 @@ async def serve(service: ServerService, registry: Registry, ssl_context: ssl.SSL
     scheme = "https" if ssl_context else "http"
     log.info("listening on %s://%s:%d (version %d of %d)", scheme, s.host, s.port, service.version, s.rounds)
     try:
-        await _clock(app, stop)
+        await run_clock(app, stop)
     finally:
         _notify(app)
         await runner.cleanup()
