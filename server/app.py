@@ -28,15 +28,24 @@ NODE = web.RequestKey("node", str)
 
 
 class Slot:
-    """One preallocated body buffer, given back exactly once."""
+    """One preallocated body buffer, given back exactly once: by the handler, or, should
+    the connection drop before the handler runs, when the connection's task ends."""
 
     def __init__(self, queue: asyncio.Queue, buf: bytearray):
         self.queue, self.buf = queue, buf
+        self.task = asyncio.current_task()
+        if self.task is not None:
+            self.task.add_done_callback(self._on_task_done)
+
+    def _on_task_done(self, _task: asyncio.Task) -> None:
+        self.release()
 
     def release(self) -> None:
         if self.buf is not None:
             self.queue.put_nowait(self.buf)
             self.buf = None
+            if self.task is not None:  # a keep-alive connection's task serves many requests
+                self.task.remove_done_callback(self._on_task_done)
 
 
 SLOT = web.RequestKey("slot", Slot)
@@ -84,12 +93,7 @@ async def auth(request: web.Request, handler):
 
 async def _take_slot(request: web.Request) -> Slot:
     slots: asyncio.Queue = request.app[CHANGED]["slots"]
-    slot = Slot(slots, await slots.get())
-    # Should the connection drop before the handler runs, the buffer still comes back.
-    task = asyncio.current_task()
-    if task is not None:
-        task.add_done_callback(lambda _: slot.release())
-    return slot
+    return Slot(slots, await slots.get())
 
 
 async def expect_update(request: web.Request) -> web.Response | None:
@@ -213,7 +217,7 @@ def make_app(service: ServerService, registry: Registry) -> web.Application:
     return app
 
 
-async def _clock(app: web.Application, stop: asyncio.Event) -> None:
+async def run_clock(app: web.Application, stop: asyncio.Event) -> None:
     """Drive the service's time: open rounds when nodes are there, close them at deadlines."""
     svc = app[SERVICE]
     while not stop.is_set():
@@ -246,7 +250,7 @@ async def serve(service: ServerService, registry: Registry, ssl_context: ssl.SSL
     scheme = "https" if ssl_context else "http"
     log.info("listening on %s://%s:%d (version %d of %d)", scheme, s.host, s.port, service.version, s.rounds)
     try:
-        await _clock(app, stop)
+        await run_clock(app, stop)
     finally:
         _notify(app)
         await runner.cleanup()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import ssl
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -11,9 +12,7 @@ import aiohttp
 from aiohttp import web
 
 from shoal.config import config_from_dict
-import asyncio
-
-from shoal.server.app import _clock, make_app
+from shoal.server.app import run_clock, make_app
 from shoal.server.registry import Registry
 from shoal.server.service import ServerService
 
@@ -62,7 +61,7 @@ async def live_server(tmp: Path, nodes: list[str], ssl_context: ssl.SSLContext |
     port = runner.addresses[0][1]
     scheme = "https" if ssl_context else "http"
     stop = asyncio.Event()
-    ticker = asyncio.ensure_future(_clock(app, stop)) if clock else None
+    ticker = asyncio.ensure_future(run_clock(app, stop)) if clock else None
     try:
         yield Live(f"{scheme}://127.0.0.1:{port}", service, registry, tokens, app)
     finally:

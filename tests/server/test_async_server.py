@@ -39,7 +39,7 @@ def test_fedbuff_with_nodes_of_different_speeds_completes(tmp_path):
     names = [f"client-{i:05d}" for i in range(3)]
 
     async def scenario():
-        async with live_server(tmp_path, names, clock=True, sections=FEDBUFF_K2, **ASYNC) as live:
+        async with live_server(tmp_path, names, clock=True, sections=FEDBUFF_K2, **{**ASYNC, "eval": True}) as live:
             nodes = _nodes(live, tmp_path, [1, 1, 30])
             codes = await asyncio.wait_for(asyncio.gather(*(n.run() for n in nodes)), 60)
             assert codes == [0, 0, 0]
@@ -52,6 +52,7 @@ def test_fedbuff_with_nodes_of_different_speeds_completes(tmp_path):
     assert sum(n.rounds_done for n in nodes) == stats.accepted
     records = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in records] == [1, 2, 3, 4]
+    assert all(0 <= r["test_accuracy"] <= 1 for r in records)  # server-side evaluation on the held-out set
 
 
 def test_async_checkpoint_restores_model_tasks_and_buffer(tmp_path):
