@@ -36,6 +36,10 @@ def run_simulation(
     on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg.simulation.rounds`` rounds; returns the summary (also written to disk)."""
+    if cfg.simulation.mode == "gossip":  # decentralized peers, no server (simulations/gossip_sim.py)
+        from .gossip_sim import run_gossip_simulation
+
+        return run_gossip_simulation(cfg, out_dir, progress, on_record)
     out = Path(out_dir or cfg.output.dir)
     sim_cfg = cfg.simulation
     t0 = time.perf_counter()
