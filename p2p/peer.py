@@ -260,6 +260,10 @@ class Peer:
             self.trainer.train(self.node.params, self.data.x, self.data.y, seed)
             self.node.local_update(self.trainer.flat)
             self.steps += 1
+
+    async def evaluate(self) -> None:
+        """Accuracy of the current (merged) model on the test set; one metrics record."""
+        async with self._lock:
             ev = self.trainer.evaluate(self.node.params, self.data.test_x, self.data.test_y)
             self.accuracy = ev["accuracy"]
         if self.metrics:
@@ -281,6 +285,7 @@ class Peer:
             while not stop.is_set():
                 await self.local_step()
                 await asyncio.gather(self.exchange(), self.shuffle())
+                await self.evaluate()
                 async with self._lock:
                     self.node.expire(asyncio.get_running_loop().time())
                 if self.g.rounds and self.steps >= self.g.rounds:
