@@ -84,7 +84,7 @@ class GossipNode:
 
     def start_exchange(self, now: float) -> ModelMessage | None:
         """Push our model to a peer drawn from the view (None when the view is empty)."""
-        self.membership.rejoin()
+        self.membership.rejoin(now)
         peer = self.membership.sample()
         if peer is None:
             return None

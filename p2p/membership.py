@@ -101,11 +101,15 @@ class Membership:
         self.view[peer] = ViewEntry(peer, age)
         return True
 
-    def rejoin(self) -> None:
-        """Refill an empty view from the bootstrap list (after a restart or isolation)."""
-        if not self.view:
-            for p in self.bootstrap_peers:
+    def rejoin(self, now: float) -> None:
+        """Refill the view from the bootstrap list: all of it when the view is empty (after
+        a restart or isolation), otherwise bootstrap peers not quarantined fill free slots,
+        so a small network that lost links to timeouts does not stay split in pieces."""
+        empty = not self.view
+        for p in self.bootstrap_peers:
+            if empty:
                 self._removed.pop(p, None)
+            if len(self.view) < self.view_size and not self._quarantined(p, now):
                 self.add(p)
 
     def heard_from(self, peer: str, now: float) -> None:
@@ -148,7 +152,7 @@ class Membership:
 
     def start_shuffle(self, now: float) -> ShuffleRequest | None:
         """Age the view and build a shuffle request to the oldest peer (None if the view is empty)."""
-        self.rejoin()
+        self.rejoin(now)
         if not self.view:
             return None
         for e in self.view.values():

@@ -122,3 +122,14 @@ def test_empty_view_refills_from_bootstrap():
 def test_bad_sizes_are_refused():
     with pytest.raises(ValueError):
         Membership("me", view_size=2, shuffle_length=3)
+
+
+def test_free_slots_are_topped_up_from_bootstrap_once_quarantine_ends():
+    m = Membership("me", view_size=4, shuffle_length=2, max_failures=1, quarantine=10.0,
+                   bootstrap_peers=("b1", "b2"))
+    m.add("x")
+    m.on_failure("b2", now=0.0)
+    m.rejoin(now=5.0)
+    assert "b2" not in m.view  # still quarantined: a dead bootstrap peer is not re-added at once
+    m.rejoin(now=11.0)
+    assert "b2" in m.view
