@@ -86,6 +86,31 @@ def data_split(
     paths = write_shards(load_config(config, set_ or []), out)
     typer.echo(f"wrote {len(paths)} shards to {out}/")
 
+# --- gossip peer (p2p/cli.py) ---------------------------------------------------------
+@app.command()
+def peer(
+    listen: str = typer.Option(..., "--listen", help="HOST:PORT to serve on."),
+    bootstrap: str = typer.Option("", "--bootstrap", help="Comma-separated URLs of peers to join through."),
+    data: str = typer.Option(..., "--data", help="client:<i>: client i of the config's [data] split."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML file ([data], [model], [train], [gossip])."),
+    set_: Optional[list[str]] = SetOpt,
+    token: Optional[str] = typer.Option(None, "--token", help="Network token shared by the peers (default: $SHOAL_TOKEN)."),
+    advertise: Optional[str] = typer.Option(None, "--advertise", help="URL other peers reach this one at (default: from --listen)."),
+    tls_cert: Optional[Path] = typer.Option(None, "--tls-cert"),
+    tls_key: Optional[Path] = typer.Option(None, "--tls-key"),
+    ca_cert: Optional[Path] = typer.Option(None, "--ca-cert", help="CA that signed the other peers' certificates."),
+    insecure: bool = typer.Option(False, "--insecure", help="Plain HTTP (tests, trusted networks only)."),
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder for this peer's metrics.jsonl."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Gossip without a server: train locally, exchange and merge models with peers."""
+    _setup_logging(verbose)
+    from .config import load_config
+    from shoal.p2p.cli import run_peer
+
+    run_peer(load_config(config, set_ or []), listen, bootstrap, data, token, advertise, tls_cert, tls_key,
+             ca_cert, insecure, out)
+
 
 def main() -> None:
     """Entry point: a ShoalError becomes one line on stderr and exit status 2."""

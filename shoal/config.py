@@ -42,7 +42,7 @@ class SimulationConfig:
     fraction: float = 0.1          # C: a fraction of all clients each round (at least 1)
     eval_every: int = 1            # evaluate the global model every k rounds (and the last)
     engine: str = "inprocess"      # the in-process engine (simulations/inprocess.py)
-    mode: str = "sync"             # sync rounds | async (FedAsync/FedBuff, [asynchronous])
+    mode: str = "sync"             # sync rounds | async (FedAsync/FedBuff, [asynchronous]) | gossip ([gossip], no server)
     device: str = "auto"           # where simulated clients train: auto | cpu | cuda[:N]
     progress: bool = True          # progress bar on a terminal
 
@@ -54,7 +54,7 @@ class SimulationConfig:
             raise ConfigError(f"simulation.fraction = {self.fraction} must be in (0, 1]")
         _positive("simulation.eval_every", self.eval_every)
         _choice("simulation.engine", self.engine, ("inprocess",))
-        _choice("simulation.mode", self.mode, ("sync", "async"))
+        _choice("simulation.mode", self.mode, ("sync", "async", "gossip"))
 
 
 @dataclass
@@ -323,6 +323,58 @@ class HeterogeneityConfig:
         if self.mean_on_s > 0 and self.mean_off_s == 0:
             raise ConfigError("heterogeneity.mean_off_s = 0 with mean_on_s > 0: set both, or mean_on_s = 0 (always on)")
 
+class GossipConfig:
+    """Decentralized training without a server (p2p/): `simulation.mode = "gossip"` and `shoal peer`."""
+
+    algorithm: str = "gossip"      # gossip (push-pull with Cyclon views) | dpsgd (Lian et al. 2017)
+    merge: str = "age"             # average | examples | age (Hegedus et al. 2019)
+    staleness_exponent: float = 0.0  # weight * (1 + age gap) ** -a for models behind ours
+    max_age_gap: int = 0           # models further behind are not merged, further ahead adopted (0: off)
+    view_size: int = 8             # Cyclon partial view
+    shuffle_length: int = 4        # entries swapped per shuffle
+    exchanges_per_round: int = 1   # push-pull exchanges a peer starts after each local step
+    timeout: float = 1.0           # rounds (simulator) or seconds (peer) before no answer is a failure
+    max_failures: int = 2          # consecutive failures before a peer leaves a view
+    topology: str = "ring"         # dpsgd: ring | torus | regular | small-world | complete
+    degree: int = 4                # regular / small-world degree
+    rewire: float = 0.1            # small-world rewiring probability
+    latency: float = 0.1           # simulator: mean one-way delay, in rounds (exponential)
+    loss: float = 0.0              # simulator: probability that a message is lost
+    churn: float = 0.0             # simulator: share of peers offline at any time
+    churn_period: float = 10.0     # simulator: mean rounds a peer stays offline
+    churn_reset: bool = False      # simulator: a returning peer lost its model (starts at age 0)
+    partition_start: int = 0       # simulator: rounds [start, end) split the network in two halves
+    partition_end: int = 0
+    eval_peers: int = 0            # evaluate this many peers each time (0 = all)
+    period: float = 1.0            # `shoal peer`: seconds between local steps
+    rounds: int = 0                # `shoal peer`: stop after this many local steps (0 = run until stopped)
+
+    def validate(self) -> None:
+        _choice("gossip.algorithm", self.algorithm, ("gossip", "dpsgd"))
+        _choice("gossip.merge", self.merge, ("average", "examples", "age"))
+        _choice("gossip.topology", self.topology, ("ring", "torus", "regular", "small-world", "complete"))
+        _positive("gossip.staleness_exponent", self.staleness_exponent, allow_zero=True)
+        _positive("gossip.max_age_gap", self.max_age_gap, allow_zero=True)
+        _positive("gossip.view_size", self.view_size)
+        if not 1 <= self.shuffle_length <= self.view_size:
+            raise ConfigError(f"gossip.shuffle_length = {self.shuffle_length} must be in [1, gossip.view_size]")
+        _positive("gossip.exchanges_per_round", self.exchanges_per_round)
+        _positive("gossip.timeout", self.timeout)
+        _positive("gossip.max_failures", self.max_failures)
+        _positive("gossip.degree", self.degree)
+        _positive("gossip.latency", self.latency, allow_zero=True)
+        for k in ("loss", "rewire"):
+            if not 0 <= getattr(self, k) <= 1:
+                raise ConfigError(f"gossip.{k} = {getattr(self, k)} must be in [0, 1]")
+        if not 0 <= self.churn < 1:
+            raise ConfigError(f"gossip.churn = {self.churn} must be in [0, 1)")
+        _positive("gossip.churn_period", self.churn_period)
+        if self.partition_end < self.partition_start:
+            raise ConfigError("gossip.partition_end must be >= gossip.partition_start")
+        _positive("gossip.eval_peers", self.eval_peers, allow_zero=True)
+        _positive("gossip.period", self.period)
+        _positive("gossip.rounds", self.rounds, allow_zero=True)
+
 
 @dataclass
 class OutputConfig:
@@ -344,6 +396,8 @@ class Config:
     heterogeneity: HeterogeneityConfig = field(default_factory=HeterogeneityConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+
+    gossip: GossipConfig = field(default_factory=GossipConfig)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):

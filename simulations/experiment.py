@@ -36,6 +36,10 @@ def run_simulation(
     on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg.simulation.rounds`` rounds; returns the summary (also written to disk)."""
+    if cfg.simulation.mode == "gossip":  # decentralized peers, no server (simulations/gossip_sim.py)
+        from .gossip_sim import run_gossip_simulation
+
+        return run_gossip_simulation(cfg, out_dir, progress, on_record)
     if cfg.simulation.mode == "async" or cfg.heterogeneity.enabled:  # on the virtual clock
         from .virtual_run import run_virtual
 

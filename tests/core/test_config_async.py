@@ -12,7 +12,7 @@ def test_async_mode_and_sections_load():
 
 
 @pytest.mark.parametrize("override, named", [
-    ('simulation.mode="gossip"', "simulation.mode"),
+    ('simulation.mode="pipeline"', "simulation.mode"),
     ('asynchronous.algorithm="fedsgd"', "asynchronous.algorithm"),
     ("asynchronous.alpha=0", "asynchronous.alpha"),
     ('asynchronous.staleness_weight="exp"', "asynchronous.staleness_weight"),

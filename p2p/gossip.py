@@ -1,0 +1,126 @@
+"""A gossip-learning peer as a protocol object (sans-I/O).
+
+The loop of Ormandi et al. (2013) and Hegedus et al. (2019), with push-pull: after a
+local training step a peer draws a peer from its membership view and pushes its model;
+the receiver answers with its own model as it was *before* merging, then merges the
+pushed one; the initiator merges the answer. Both transports, the simulator's virtual
+network and the aiohttp peer, drive this same object: they call ``start_exchange``,
+deliver the returned message, and hand back answers or failures.
+
+A model carries an ``age`` (local updates folded in, the merge rules' weight) and a
+``version`` (bumped on every change of the parameters, so a reader can tell them apart).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .membership import Membership
+from .merge import MergeRule, ModelInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelMessage:
+    """A model on its way to ``target``; ``reply`` marks the answer of a push-pull."""
+
+    sender: str
+    target: str
+    params: torch.Tensor
+    age: int
+    version: int
+    num_examples: int
+    reply: bool = False
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(self.age, self.num_examples)
+
+
+class GossipNode:
+    """One peer's model, its age and version, and the push-pull exchange around them."""
+
+    def __init__(self, membership: Membership, params: torch.Tensor, num_examples: int,
+                 rule: MergeRule | None = None, timeout: float = 5.0):
+        self.membership = membership
+        self.params = params
+        self.num_examples = int(num_examples)
+        self.rule = rule or MergeRule()
+        self.timeout = timeout
+        self.age = 0
+        self.version = 0
+        self.merges = 0
+        self.skipped = 0
+        self._pending: dict[str, float] = {}  # peer -> deadline of our unanswered push
+
+    @property
+    def id(self) -> str:
+        return self.membership.self_id
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(self.age, self.num_examples)
+
+    def local_update(self, new_params: torch.Tensor) -> None:
+        """Adopt the result of one round of local training on our own data."""
+        self.params.copy_(new_params)
+        self.age += 1
+        self.version += 1
+
+    def restart(self, params: torch.Tensor) -> None:
+        """Forget the model (a crash or a fresh start): back to ``params`` at age 0."""
+        self.params.copy_(params)
+        self.age = 0
+        self.version += 1
+        self._pending.clear()
+
+    def _message(self, target: str, reply: bool) -> ModelMessage:
+        return ModelMessage(self.id, target, self.params.detach().clone(), self.age, self.version,
+                            self.num_examples, reply)
+
+    def start_exchange(self, now: float) -> ModelMessage | None:
+        """Push our model to a peer drawn from the view (None when the view is empty)."""
+        self.membership.rejoin(now)
+        peer = self.membership.sample()
+        if peer is None:
+            return None
+        self._pending[peer] = now + self.timeout
+        return self._message(peer, reply=False)
+
+    def on_push(self, msg: ModelMessage, now: float) -> ModelMessage:
+        """Answer with our pre-merge model, then merge the pushed one."""
+        answer = self._message(msg.sender, reply=True)
+        self._merge(msg)
+        self.membership.heard_from(msg.sender, now)
+        return answer
+
+    def on_reply(self, msg: ModelMessage, now: float) -> None:
+        self._pending.pop(msg.sender, None)
+        self._merge(msg)
+        self.membership.on_success(msg.sender, now)
+
+    def on_failure(self, peer: str, now: float) -> None:
+        """The transport could not reach ``peer`` (error, refusal or timeout)."""
+        self._pending.pop(peer, None)
+        if self.membership.on_failure(peer, now):
+            log.info("%s: removed %s from its view after repeated failures", self.id, peer)
+
+    def expire(self, now: float) -> list[str]:
+        """Pushes unanswered past their deadline count as failures; returns those peers."""
+        late = [p for p, d in self._pending.items() if d <= now]
+        for p in late:
+            self.on_failure(p, now)
+        return late
+
+    def _merge(self, msg: ModelMessage) -> None:
+        lam, info = self.rule.merge(self.params, self.info, msg.params, msg.info)
+        if lam <= 0.0:
+            self.skipped += 1
+            return
+        self.age = info.age
+        self.version += 1
+        self.merges += 1

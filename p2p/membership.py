@@ -1,0 +1,204 @@
+"""Peer sampling in the style of Cyclon (Voulgaris, Gavidia and van Steen 2005), sans-I/O.
+
+Each peer keeps a bounded partial view of other peers, each entry with an age. A
+shuffle: age every entry by one, pick the oldest entry Q, send Q up to ``shuffle_length``
+entries (a fresh pointer to ourselves replacing Q's own), and remove Q from the view.
+Q answers with a random subset of its view and both sides fold the received entries in,
+first into empty slots, then over the entries they sent. Dead peers drop out by
+themselves: the oldest entry is the one contacted, so a dead one is found and removed
+within a few shuffles.
+
+Failure detection on top: a contact that fails (timeout or transport error) counts a
+failure; a peer with ``max_failures`` consecutive failures is removed and quarantined,
+so stale entries of it that still circulate are ignored for ``quarantine`` time units.
+A direct message from a peer proves it alive and lifts its quarantine (that is how a
+restarted peer rejoins: it contacts its bootstrap peers, which re-admit it).
+
+No sockets and no clock: time is passed in as ``now`` (seconds, or simulator cycles).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+
+@dataclass
+class ViewEntry:
+    peer: str   # the peer's identity, which is also its address (a URL for real peers)
+    age: int = 0
+
+
+@dataclass(frozen=True)
+class ShuffleRequest:
+    sender: str
+    target: str
+    entries: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class ShuffleResponse:
+    sender: str
+    target: str
+    entries: tuple[tuple[str, int], ...]
+
+
+@dataclass
+class _Pending:
+    sent: list[str]
+    deadline: float
+
+
+@dataclass
+class Membership:
+    """One peer's partial view and the Cyclon shuffle protocol around it."""
+
+    self_id: str
+    view_size: int = 8
+    shuffle_length: int = 4
+    timeout: float = 5.0            # a shuffle not answered by then counts as a failure
+    max_failures: int = 2           # consecutive failures before a peer is removed
+    quarantine: float = 30.0        # how long entries of a removed peer are ignored
+    seed: int = 0
+    bootstrap_peers: tuple[str, ...] = ()
+    view: dict[str, ViewEntry] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.view_size < 1 or not 1 <= self.shuffle_length <= self.view_size:
+            raise ValueError("need view_size >= 1 and 1 <= shuffle_length <= view_size")
+        self._rng = random.Random(self.seed)
+        self._pending: dict[str, _Pending] = {}
+        self._failures: dict[str, int] = {}
+        self._removed: dict[str, float] = {}
+        for p in self.bootstrap_peers:
+            self.add(p)
+
+    # --- queries -----------------------------------------------------------------------
+
+    def peers(self) -> list[str]:
+        return sorted(self.view)
+
+    def suspected(self) -> set[str]:
+        return {p for p, n in self._failures.items() if n > 0}
+
+    def sample(self) -> str | None:
+        """A uniformly random view entry, preferring peers with no recent failure."""
+        healthy = [p for p in self.view if self._failures.get(p, 0) == 0]
+        pool = sorted(healthy or self.view)
+        return self._rng.choice(pool) if pool else None
+
+    # --- view maintenance ----------------------------------------------------------------
+
+    def add(self, peer: str, age: int = 0) -> bool:
+        """Put ``peer`` in the view if there is room (or it is there: keep the younger age)."""
+        if peer == self.self_id:
+            return False
+        if peer in self.view:
+            self.view[peer].age = min(self.view[peer].age, age)
+            return True
+        if len(self.view) >= self.view_size:
+            return False
+        self.view[peer] = ViewEntry(peer, age)
+        return True
+
+    def rejoin(self, now: float) -> None:
+        """Refill the view from the bootstrap list: all of it when the view is empty (after
+        a restart or isolation), otherwise bootstrap peers not quarantined fill free slots,
+        so a small network that lost links to timeouts does not stay split in pieces."""
+        empty = not self.view
+        for p in self.bootstrap_peers:
+            if empty:
+                self._removed.pop(p, None)
+            if len(self.view) < self.view_size and not self._quarantined(p, now):
+                self.add(p)
+
+    def heard_from(self, peer: str, now: float) -> None:
+        """A direct, authenticated message from ``peer``: it is alive."""
+        self._failures.pop(peer, None)
+        self._removed.pop(peer, None)
+        if peer != self.self_id and peer not in self.view and len(self.view) >= self.view_size:
+            oldest = max(self.view.values(), key=lambda e: (e.age, e.peer))
+            del self.view[oldest.peer]
+        self.add(peer, 0)
+
+    def on_failure(self, peer: str, now: float) -> bool:
+        """A contact with ``peer`` failed; returns True when this removed it."""
+        n = self._failures.get(peer, 0) + 1
+        self._failures[peer] = n
+        if n >= self.max_failures:
+            self.remove(peer, now)
+            return True
+        return False
+
+    def on_success(self, peer: str, now: float) -> None:
+        self.heard_from(peer, now)
+
+    def remove(self, peer: str, now: float) -> None:
+        self.view.pop(peer, None)
+        self._failures.pop(peer, None)
+        self._pending.pop(peer, None)
+        self._removed[peer] = now
+
+    def _quarantined(self, peer: str, now: float) -> bool:
+        t = self._removed.get(peer)
+        if t is None:
+            return False
+        if now - t >= self.quarantine:
+            del self._removed[peer]
+            return False
+        return True
+
+    # --- the shuffle -----------------------------------------------------------------------
+
+    def start_shuffle(self, now: float) -> ShuffleRequest | None:
+        """Age the view and build a shuffle request to the oldest peer (None if the view is empty)."""
+        self.rejoin(now)
+        if not self.view:
+            return None
+        for e in self.view.values():
+            e.age += 1
+        target = max(self.view.values(), key=lambda e: (e.age, e.peer)).peer
+        del self.view[target]  # Cyclon: Q's slot is freed; Q comes back through its answer or later shuffles
+        others = sorted(self.view)
+        picked = self._rng.sample(others, min(self.shuffle_length - 1, len(others)))
+        entries = ((self.self_id, 0), *((p, self.view[p].age) for p in picked))
+        self._pending[target] = _Pending(sent=picked, deadline=now + self.timeout)
+        return ShuffleRequest(self.self_id, target, tuple(entries))
+
+    def on_shuffle_request(self, msg: ShuffleRequest, now: float) -> ShuffleResponse:
+        """Answer with a random subset of our view, then fold the received entries in."""
+        pool = sorted(p for p in self.view if p != msg.sender)
+        picked = self._rng.sample(pool, min(self.shuffle_length, len(pool)))
+        reply = ShuffleResponse(self.self_id, msg.sender, tuple((p, self.view[p].age) for p in picked))
+        self._fold(msg.entries, replaceable=picked, now=now)
+        self.heard_from(msg.sender, now)
+        return reply
+
+    def on_shuffle_response(self, msg: ShuffleResponse, now: float) -> None:
+        pending = self._pending.pop(msg.sender, None)
+        self._fold(msg.entries, replaceable=pending.sent if pending else [], now=now)
+        self.heard_from(msg.sender, now)
+
+    def expire(self, now: float) -> list[str]:
+        """Shuffles unanswered past their deadline count as failures; returns those peers."""
+        late = [p for p, pend in self._pending.items() if pend.deadline <= now]
+        for p in late:
+            del self._pending[p]
+            self.on_failure(p, now)
+        return late
+
+    def _fold(self, entries: tuple[tuple[str, int], ...], replaceable: list[str], now: float) -> None:
+        """Cyclon's merge: skip self, known and quarantined peers; fill empty slots, then
+        overwrite the entries we sent to the other side."""
+        spare = [p for p in replaceable if p in self.view]
+        for peer, age in entries:
+            if peer == self.self_id or self._quarantined(peer, now):
+                continue
+            if peer in self.view:
+                self.view[peer].age = min(self.view[peer].age, int(age))
+                continue
+            if len(self.view) >= self.view_size:
+                if not spare:
+                    continue
+                del self.view[spare.pop()]
+            self.view[peer] = ViewEntry(peer, int(age))

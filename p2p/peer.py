@@ -1,0 +1,299 @@
+"""The gossip peer service (`shoal peer`): aiohttp transport around GossipNode and Membership.
+
+One peer trains on its own shard every ``gossip.period`` seconds, then pushes its model
+to a peer drawn from its Cyclon view (``POST /gossip``, safetensors body, the answer is
+the other's pre-merge model) and shuffles views (``POST /shuffle``, JSON). The protocol
+decisions all live in the sans-I/O objects of p2p/; this module only moves bytes.
+
+Every request carries the network credential (``Authorization: Bearer TOKEN``, one
+token shared by the peers of a network); a request without it gets 401. Every model
+that arrives is validated by shoal.wire (size, spec hash, dtype, shape, finite) and its
+header fields (age, num_examples, sender) are type-checked before anything is merged;
+a bad one gets 4xx ``{"error": code, "detail": message}`` and the model is untouched.
+HTTPS with a certificate by default; plain HTTP only with ``insecure=True``.
+
+A peer's identity is its advertised URL, so a peer restarted on the same address is
+the same peer to the others; after a restart it has an empty view, refills it from
+``--bootstrap`` and catches up by merging (the age-gap rule adopts a model far ahead).
+Training runs on the event loop between requests (it is short: one round of local
+work); requests that arrive meanwhile wait for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import ssl
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import torch
+from aiohttp import web
+
+from shoal.client.training import LocalTrainer
+from shoal.config import Config
+from shoal.errors import Malformed, ShoalError, WireError
+from shoal.metrics import MetricsLog
+from shoal.seeding import derive_seed
+from shoal.wire import decode_model, default_max_bytes, encode_model
+
+from .gossip import GossipNode, ModelMessage
+from .membership import Membership, ShuffleRequest, ShuffleResponse
+from .merge import MergeRule
+
+log = logging.getLogger(__name__)
+
+MAX_SHUFFLE_BYTES = 64 * 1024
+MAX_ID_CHARS = 256
+
+
+@dataclass
+class PeerData:
+    """A peer's private shard and the test set it reports accuracy on."""
+
+    x: torch.Tensor
+    y: torch.Tensor
+    test_x: torch.Tensor
+    test_y: torch.Tensor
+
+
+@dataclass
+class PeerSettings:
+    advertise: str                       # our URL, also our identity
+    bootstrap: tuple[str, ...] = ()
+    token: str = ""
+    insecure: bool = False
+    ssl_server: ssl.SSLContext | None = None
+    ssl_client: ssl.SSLContext | None = None
+    out_dir: Path | None = None
+
+
+def _error(status: int, code: str, detail: str) -> web.Response:
+    return web.json_response({"error": code, "detail": detail}, status=status)
+
+
+def _check_id(value: Any, key: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > MAX_ID_CHARS:
+        raise Malformed(f"field {key!r} must be a non-empty string of at most {MAX_ID_CHARS} characters")
+    return value
+
+
+def _check_int(header: dict, key: str, minimum: int) -> int:
+    v = header.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
+        raise Malformed(f"header field {key!r} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+class Peer:
+    """State and handlers of one gossip peer; ``run`` serves and trains until stopped."""
+
+    def __init__(self, cfg: Config, trainer: LocalTrainer, data: PeerData, settings: PeerSettings):
+        g = cfg.gossip
+        self.cfg, self.g, self.trainer, self.data, self.s = cfg, g, trainer, data, settings
+        self.spec = trainer.spec
+        self.max_bytes = default_max_bytes(self.spec) + 64 * len(self.spec.entries)
+        seed = derive_seed(cfg.simulation.seed, zlib.crc32(settings.advertise.encode()))
+        membership = Membership(settings.advertise, g.view_size, g.shuffle_length, g.timeout, g.max_failures,
+                                quarantine=max(30.0, 10 * g.period), seed=seed, bootstrap_peers=settings.bootstrap)
+        params = trainer.flat.detach().clone()
+        self.node = GossipNode(membership, params, int(data.y.shape[0]),
+                               MergeRule(g.merge, g.staleness_exponent, g.max_age_gap), g.timeout)
+        self.steps = 0
+        self.bytes_sent = 0
+        self.rejected = 0
+        self.accuracy = float("nan")
+        self.metrics = MetricsLog(settings.out_dir) if settings.out_dir else None
+        self._lock = asyncio.Lock()
+        self._session: aiohttp.ClientSession | None = None
+
+    # --- HTTP handlers ---------------------------------------------------------------------
+
+    def _authorized(self, request: web.Request) -> bool:
+        if not self.s.token:
+            return True
+        got = request.headers.get("Authorization", "")
+        return hmac.compare_digest(got.encode(), f"Bearer {self.s.token}".encode())
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if not self._authorized(request):
+            return _error(401, "unauthorized", "missing or wrong network token (Authorization: Bearer TOKEN)")
+        return await handler(request)
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth], client_max_size=self.max_bytes)
+        app.router.add_post("/gossip", self.handle_gossip)
+        app.router.add_post("/shuffle", self.handle_shuffle)
+        app.router.add_get("/status", self.handle_status)
+        return app
+
+    def _encode(self, msg: ModelMessage) -> bytes:
+        extra = {"age": msg.age, "num_examples": msg.num_examples, "sender": msg.sender}
+        return encode_model(msg.params, self.spec, msg.version, extra)
+
+    def _decode(self, body: bytes, target: str, reply: bool) -> ModelMessage:
+        params, header = decode_model(body, self.spec, self.max_bytes)
+        return ModelMessage(_check_id(header.get("sender"), "sender"), target, params,
+                            _check_int(header, "age", 0), header["version"], _check_int(header, "num_examples", 1),
+                            reply)
+
+    async def handle_gossip(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.read()
+            msg = self._decode(body, self.node.id, reply=False)
+        except web.HTTPRequestEntityTooLarge:
+            self.rejected += 1
+            return _error(413, "too_large", f"body over the limit of {self.max_bytes} bytes")
+        except WireError as e:
+            self.rejected += 1
+            log.warning("rejected a model: %s", e)
+            return _error(400, e.code, str(e))
+        if msg.sender == self.node.id:
+            return _error(400, "malformed", "a peer does not gossip with itself")
+        async with self._lock:
+            answer = self.node.on_push(msg, asyncio.get_running_loop().time())
+        body = self._encode(answer)
+        self.bytes_sent += len(body)
+        return web.Response(body=body, content_type="application/octet-stream")
+
+    async def handle_shuffle(self, request: web.Request) -> web.Response:
+        try:
+            req = self._parse_shuffle(await request.read(), ShuffleRequest)
+        except web.HTTPRequestEntityTooLarge:
+            return _error(413, "too_large", f"body over the limit of {self.max_bytes} bytes")
+        except WireError as e:
+            return _error(400, e.code, str(e))
+        async with self._lock:
+            resp = self.node.membership.on_shuffle_request(req, asyncio.get_running_loop().time())
+        body = json.dumps({"sender": resp.sender, "entries": resp.entries}).encode()
+        self.bytes_sent += len(body)
+        return web.Response(body=body, content_type="application/json")
+
+    def _parse_shuffle(self, body: bytes, kind: type) -> ShuffleRequest | ShuffleResponse:
+        if len(body) > MAX_SHUFFLE_BYTES:
+            raise Malformed(f"shuffle body of {len(body)} bytes is over {MAX_SHUFFLE_BYTES}")
+        try:
+            data = json.loads(body)
+        except (UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise Malformed(f"shuffle body is not JSON: {e}") from None
+        if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
+            raise Malformed("shuffle body must be {'sender': URL, 'entries': [[URL, age], ...]}")
+        sender = _check_id(data.get("sender"), "sender")
+        entries = []
+        for item in data["entries"][: self.g.view_size]:
+            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], int) and item[1] >= 0):
+                raise Malformed("each shuffle entry must be [URL, age >= 0]")
+            entries.append((_check_id(item[0], "entry"), int(item[1])))
+        return kind(sender, self.node.id, tuple(entries))
+
+    async def handle_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.status())
+
+    def status(self) -> dict[str, Any]:
+        n = self.node
+        return {"id": n.id, "steps": self.steps, "age": n.age, "version": n.version, "merges": n.merges,
+                "accuracy": None if self.accuracy != self.accuracy else self.accuracy,
+                "view": n.membership.peers(), "suspected": sorted(n.membership.suspected()),
+                "bytes_sent": self.bytes_sent, "rejected": self.rejected}
+
+    # --- the outgoing side ------------------------------------------------------------------
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.s.token}"} if self.s.token else {}
+
+    async def _post(self, url: str, body: bytes, content_type: str) -> bytes:
+        assert self._session is not None
+        self.bytes_sent += len(body)
+        async with self._session.post(url, data=body, headers={**self._headers(), "Content-Type": content_type},
+                                      ssl=self.s.ssl_client) as r:
+            data = await r.read()
+            if r.status != 200:
+                raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=data[:200].decode(errors="replace"))
+            return data
+
+    async def exchange(self) -> None:
+        now = asyncio.get_running_loop().time()
+        async with self._lock:
+            msg = self.node.start_exchange(now)
+        if msg is None:
+            return
+        try:
+            data = await self._post(msg.target.rstrip("/") + "/gossip", self._encode(msg), "application/octet-stream")
+            answer = self._decode(data, self.node.id, reply=True)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ShoalError) as e:
+            log.info("exchange with %s failed: %s", msg.target, e)
+            async with self._lock:
+                self.node.on_failure(msg.target, asyncio.get_running_loop().time())
+            return
+        async with self._lock:
+            self.node.on_reply(answer, asyncio.get_running_loop().time())
+
+    async def shuffle(self) -> None:
+        m = self.node.membership
+        now = asyncio.get_running_loop().time()
+        async with self._lock:
+            m.expire(now)
+            req = m.start_shuffle(now)
+        if req is None:
+            return
+        body = json.dumps({"sender": req.sender, "entries": req.entries}).encode()
+        try:
+            data = await self._post(req.target.rstrip("/") + "/shuffle", body, "application/json")
+            resp = self._parse_shuffle(data, ShuffleResponse)
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ShoalError) as e:
+            log.info("shuffle with %s failed: %s", req.target, e)
+            async with self._lock:
+                m.on_failure(req.target, asyncio.get_running_loop().time())
+            return
+        async with self._lock:
+            m.on_shuffle_response(resp, asyncio.get_running_loop().time())
+
+    async def local_step(self) -> None:
+        async with self._lock:
+            seed = derive_seed(self.cfg.simulation.seed, self.steps, zlib.crc32(self.node.id.encode()))
+            self.trainer.train(self.node.params, self.data.x, self.data.y, seed)
+            self.node.local_update(self.trainer.flat)
+            self.steps += 1
+
+    async def evaluate(self) -> None:
+        """Accuracy of the current (merged) model on the test set; one metrics record."""
+        async with self._lock:
+            ev = self.trainer.evaluate(self.node.params, self.data.test_x, self.data.test_y)
+            self.accuracy = ev["accuracy"]
+        if self.metrics:
+            self.metrics.write({"round": self.steps, "test_accuracy": ev["accuracy"], "test_loss": ev["loss"],
+                                "age": self.node.age, "view_size": len(self.node.membership.view),
+                                "bytes_sent": self.bytes_sent})
+
+    async def run(self, host: str, port: int, stop: asyncio.Event) -> None:
+        """Serve on host:port and gossip every ``period`` seconds until ``stop`` is set
+        (or ``gossip.rounds`` local steps are done)."""
+        runner = web.AppRunner(self.app(), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, host, port, ssl_context=self.s.ssl_server)
+        await site.start()
+        timeout = aiohttp.ClientTimeout(total=self.g.timeout)
+        self._session = aiohttp.ClientSession(timeout=timeout)
+        log.info("peer %s listening on %s:%d, bootstrap %s", self.node.id, host, port, ",".join(self.s.bootstrap) or "-")
+        try:
+            while not stop.is_set():
+                await self.local_step()
+                await asyncio.gather(self.exchange(), self.shuffle())
+                await self.evaluate()
+                async with self._lock:
+                    self.node.expire(asyncio.get_running_loop().time())
+                if self.g.rounds and self.steps >= self.g.rounds:
+                    break
+                try:
+                    await asyncio.wait_for(stop.wait(), self.g.period)
+                except asyncio.TimeoutError:
+                    pass
+        finally:
+            await self._session.close()
+            await runner.cleanup()

@@ -1,0 +1,293 @@
+"""Hundreds of gossip peers in one process on a virtual network (``simulation.mode = "gossip"``).
+
+Every peer is a :class:`~shoal.p2p.gossip.GossipNode` with a Cyclon
+:class:`~shoal.p2p.membership.Membership`, the same objects ``shoal peer`` drives over
+HTTP. The transport here is an event queue on a virtual clock measured in rounds:
+messages take an exponential delay (``gossip.latency`` rounds on average), are lost
+with probability ``gossip.loss``, never cross a partition, and never reach a peer that
+is offline. In each round every online peer wakes once at a random time, trains one
+round of local work (``[train]``, as a FedAvg client would) on its own shard, starts
+``exchanges_per_round`` push-pull exchanges and one Cyclon shuffle.
+
+Peers are data, not model copies: all models are rows of one (peers x parameters)
+float32 tensor, and one LocalTrainer trains every peer in turn. With
+``gossip.algorithm = "dpsgd"`` the same peers run synchronous D-PSGD instead: local
+work, then ``X <- W X`` with the topology's mixing matrix (links lost with
+probability ``gossip.loss`` in a round fall back on the diagonal).
+
+Churn is a two-state Markov chain per peer whose stationary offline share is
+``gossip.churn`` and whose mean offline spell is ``gossip.churn_period`` rounds.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from shoal.client.device import select_device
+from shoal.client.training import LocalTrainer
+from shoal.config import Config
+from shoal.datasets import FederatedData, load_federated
+from shoal.metrics import MetricsLog
+from shoal.models import build_model
+from shoal.p2p.dpsgd import gossip_average, mixing_matrix, spectral_gap
+from shoal.p2p.gossip import GossipNode, ModelMessage
+from shoal.p2p.membership import Membership, ShuffleRequest, ShuffleResponse
+from shoal.p2p.merge import MergeRule
+from shoal.seeding import derive_seed
+from shoal.wire import encode_model
+
+from .experiment import _progress
+from .inprocess import ClientShards
+from .report import plot_curves
+
+log = logging.getLogger(__name__)
+
+Message = ModelMessage | ShuffleRequest | ShuffleResponse
+
+
+def peer_id(i: int) -> str:
+    return f"peer-{i:05d}"
+
+
+class GossipSimulation:
+    """Peers, virtual network and churn built from a Config; ``run_round`` advances one round."""
+
+    def __init__(self, cfg: Config, data: FederatedData | None = None):
+        self.cfg = cfg
+        sim, g = cfg.simulation, cfg.gossip
+        self.g = g
+        self.device = select_device(sim.device)
+        self.data = data if data is not None else load_federated(cfg.data, sim.num_clients, sim.seed)
+        torch.manual_seed(sim.seed)
+        model = build_model(cfg.model.name, self.data.input_shape, self.data.num_classes)
+        self.trainer = LocalTrainer(model, cfg.train, self.device)
+        self.spec = self.trainer.spec
+        self.shards = ClientShards(self.data, self.device)
+        self.test_x = self.data.test.x.to(self.device)
+        self.test_y = self.data.test.y.to(self.device)
+        n = len(self.shards)
+        self.n = n
+        self.init = self.trainer.flat.detach().clone()
+        self.models = self.init.repeat(n, 1)  # row i is peer i's model
+        self.rng = np.random.default_rng(derive_seed(sim.seed, 0x6055))
+        self.ids = [peer_id(i) for i in range(n)]
+        self.index = {p: i for i, p in enumerate(self.ids)}
+        rule = MergeRule(g.merge, g.staleness_exponent, g.max_age_gap)
+        k0 = min(g.view_size, n - 1)
+        self.nodes: list[GossipNode] = []
+        for i in range(n):
+            others = [j for j in self.rng.choice(n - 1, size=k0, replace=False)]
+            boot = tuple(self.ids[j if j < i else j + 1] for j in others)  # a random initial view, never self
+            m = Membership(self.ids[i], g.view_size, g.shuffle_length, g.timeout, g.max_failures,
+                           quarantine=10 * g.churn_period, seed=derive_seed(sim.seed, 0xC1C, i), bootstrap_peers=boot)
+            self.nodes.append(GossipNode(m, self.models[i], self.shards.size(i), rule, g.timeout))
+        self.online = np.ones(n, dtype=bool)
+        if g.churn > 0:
+            self.online = self.rng.random(n) >= g.churn
+        self.round = 0
+        self._queue: list[tuple[float, int, Message]] = []
+        self._seq = 0
+        # Sizes of what travels, measured on the real wire encodings.
+        self.model_bytes = len(encode_model(self.init, self.spec, 0, {"age": 0, "num_examples": 1, "sender": self.ids[0]}))
+        self.bytes_sent = np.zeros(n, dtype=np.int64)
+        self.lost = 0
+        self.w = None
+        if g.algorithm == "dpsgd":
+            self.w = mixing_matrix(g.topology, n, g.degree, g.rewire, sim.seed).to(self.device)
+            log.info("D-PSGD on a %s of %d peers, spectral gap %.4f", g.topology, n, spectral_gap(self.w))
+        eval_n = n if g.eval_peers == 0 else min(g.eval_peers, n)
+        self.eval_idx = np.sort(self.rng.choice(n, size=eval_n, replace=False))
+        log.info("gossip simulation: %d peers, model %s (%d parameters), %s", n, cfg.model.name,
+                 self.spec.numel, g.algorithm)
+
+    # --- the virtual network -------------------------------------------------------------
+
+    def _partitioned(self, a: int, b: int) -> bool:
+        g = self.g
+        if not g.partition_start <= self.round - 1 < g.partition_end:
+            return False
+        return (a < self.n // 2) != (b < self.n // 2)
+
+    def _size(self, msg: Message) -> int:
+        if isinstance(msg, ModelMessage):
+            return self.model_bytes
+        return len(json.dumps({"sender": msg.sender, "entries": msg.entries}))
+
+    def _send(self, msg: Message, now: float) -> None:
+        src, dst = self.index[msg.sender], self.index[msg.target]
+        self.bytes_sent[src] += self._size(msg)
+        if self.rng.random() < self.g.loss or self._partitioned(src, dst):
+            self.lost += 1
+            return
+        delay = self.rng.exponential(self.g.latency) if self.g.latency > 0 else 0.0
+        self._seq += 1
+        heapq.heappush(self._queue, (now + delay, self._seq, msg))
+
+    def _deliver(self, msg: Message, now: float) -> None:
+        dst = self.index[msg.target]
+        if not self.online[dst]:
+            return  # the sender times out
+        node = self.nodes[dst]
+        if isinstance(msg, ModelMessage):
+            if msg.reply:
+                node.on_reply(msg, now)
+            else:
+                self._send(node.on_push(msg, now), now)
+        elif isinstance(msg, ShuffleRequest):
+            self._send(node.membership.on_shuffle_request(msg, now), now)
+        else:
+            node.membership.on_shuffle_response(msg, now)
+
+    def _drain(self, until: float) -> None:
+        while self._queue and self._queue[0][0] < until:
+            t, _, msg = heapq.heappop(self._queue)
+            self._deliver(msg, t)
+
+    # --- churn and local work ------------------------------------------------------------
+
+    def _churn(self) -> None:
+        g = self.g
+        if g.churn <= 0:
+            return
+        back = 1.0 / g.churn_period
+        leave = g.churn / ((1 - g.churn) * g.churn_period)
+        u = self.rng.random(self.n)
+        returning = ~self.online & (u < back)
+        leaving = self.online & (u < leave)
+        if g.churn_reset:
+            for i in np.flatnonzero(returning):
+                self.nodes[i].restart(self.init)
+        self.online = (self.online & ~leaving) | returning
+
+    def _train(self, i: int) -> None:
+        x, y = self.shards.get(i)
+        self.trainer.train(self.models[i], x, y, derive_seed(self.cfg.simulation.seed, self.round, i))
+        self.nodes[i].local_update(self.trainer.flat)
+
+    def run_round(self) -> None:
+        self.round += 1
+        self._churn()
+        start = float(self.round - 1)
+        if self.w is not None:
+            self._dpsgd_round()
+            return
+        order = np.flatnonzero(self.online)
+        wake = start + self.rng.random(len(order))
+        for t, i in sorted(zip(wake.tolist(), order.tolist())):
+            self._drain(t)
+            if not self.online[i]:
+                continue
+            node = self.nodes[i]
+            node.expire(t)
+            node.membership.expire(t)
+            self._train(i)
+            for _ in range(self.g.exchanges_per_round):
+                msg = node.start_exchange(t)
+                if msg is not None:
+                    self._send(msg, t)
+            req = node.membership.start_shuffle(t)
+            if req is not None:
+                self._send(req, t)
+        self._drain(start + 1.0)
+
+    def _dpsgd_round(self) -> None:
+        alive = torch.as_tensor(self.online)
+        for i in np.flatnonzero(self.online):
+            self._train(int(i))
+        w = self.w
+        if self.g.loss > 0:  # each link is down this round with probability `loss`, both ways
+            up = torch.as_tensor(self.rng.random((self.n, self.n)) >= self.g.loss, device=w.device)
+            up = torch.triu(up, 1)
+            up = up | up.T
+            w = w * up
+            w = w + torch.diag(1.0 - w.sum(1))
+        self.models.copy_(gossip_average(w, self.models, alive).float())
+        live = np.flatnonzero(self.online)
+        nbrs = (w[live][:, live] > 0).sum(1).cpu().numpy() - 1
+        self.bytes_sent[live] += nbrs * self.model_bytes
+
+    # --- metrics -------------------------------------------------------------------------
+
+    def evaluate(self) -> dict[str, float]:
+        accs, losses = [], []
+        for i in self.eval_idx:
+            ev = self.trainer.evaluate(self.models[int(i)], self.test_x, self.test_y)
+            accs.append(ev["accuracy"])
+            losses.append(ev["loss"])
+        mean_model = self.models.mean(0)
+        avg = self.trainer.evaluate(mean_model, self.test_x, self.test_y)
+        consensus = float((self.models - mean_model).norm(dim=1).mean())
+        return {
+            "test_accuracy": float(np.mean(accs)),
+            "test_loss": float(np.mean(losses)),
+            "peer_accuracy_mean": float(np.mean(accs)),
+            "peer_accuracy_min": float(np.min(accs)),
+            "peer_accuracy_max": float(np.max(accs)),
+            "average_model_accuracy": avg["accuracy"],
+            "average_model_loss": avg["loss"],
+            "consensus_distance": consensus,
+            "bytes_sent_per_peer": float(self.bytes_sent.mean()),
+            "online_peers": int(self.online.sum()),
+            "messages_lost": int(self.lost),
+            "mean_age": float(np.mean([nd.age for nd in self.nodes])),
+            "mean_view_size": float(np.mean([len(nd.membership.view) for nd in self.nodes])),
+        }
+
+
+def run_gossip_simulation(
+    cfg: Config,
+    out_dir: str | Path | None = None,
+    progress: bool | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Run ``simulation.rounds`` gossip rounds; writes metrics.jsonl, summary.json, plots."""
+    out = Path(out_dir or cfg.output.dir)
+    sim_cfg = cfg.simulation
+    t0 = time.perf_counter()
+    sim = GossipSimulation(cfg)
+    setup_s = time.perf_counter() - t0
+    metrics = MetricsLog(out)
+    show = sim_cfg.progress and sys.stderr.isatty() if progress is None else progress
+    last: dict[str, Any] = {}
+    t_start = time.perf_counter()
+    with _progress(show, sim_cfg.rounds) as bar:
+        task = bar.add_task("sim", total=sim_cfg.rounds, status="") if bar else None
+        for r in range(1, sim_cfg.rounds + 1):
+            sim.run_round()
+            if r % sim_cfg.eval_every == 0 or r == sim_cfg.rounds:
+                last = {"round": r, **sim.evaluate(), "elapsed_s": round(time.perf_counter() - t_start, 4)}
+                metrics.write(last)
+                if on_record:
+                    on_record(last)
+            if bar is not None:
+                bar.update(task, advance=1, status=f"mean peer acc {last['test_accuracy']:.4f}" if last else "")
+    accs = [r["test_accuracy"] for r in metrics.records]
+    summary = {
+        "final_test_accuracy": last.get("test_accuracy"),
+        "final_test_loss": last.get("test_loss"),
+        "best_test_accuracy": max(accs) if accs else None,
+        "final_average_model_accuracy": last.get("average_model_accuracy"),
+        "final_consensus_distance": last.get("consensus_distance"),
+        "bytes_sent_per_peer": last.get("bytes_sent_per_peer"),
+        "rounds": sim_cfg.rounds,
+        "num_clients": sim.n,
+        "num_parameters": sim.spec.numel,
+        "device": str(sim.device),
+        "wall_s": round(time.perf_counter() - t_start, 3),
+        "setup_s": round(setup_s, 3),
+        "config": cfg.to_dict(),
+    }
+    metrics.summary(summary)
+    if cfg.output.plots:
+        plot_curves(metrics.records, out, title=f"{cfg.data.dataset} / {cfg.model.name} / {cfg.gossip.algorithm}")
+    log.info("wrote %s", out)
+    return summary

@@ -1,0 +1,135 @@
+"""Cyclon peer sampling: bounded views, shuffles, failure detection, rejoin."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from shoal.p2p.membership import Membership, ShuffleRequest
+
+
+def _network(n: int, view_size: int = 5, shuffle_length: int = 3) -> dict[str, Membership]:
+    """n peers that each know only the next peer on a ring (no one knows everyone)."""
+    ids = [f"p{i}" for i in range(n)]
+    return {p: Membership(p, view_size, shuffle_length, timeout=1.0, max_failures=1, quarantine=50.0, seed=i,
+                          bootstrap_peers=(ids[(i + 1) % n],))
+            for i, p in enumerate(ids)}
+
+
+def _cycle(net: dict[str, Membership], now: float, dead: set[str] = frozenset()) -> None:
+    for pid in sorted(net):
+        if pid in dead:
+            continue
+        m = net[pid]
+        m.expire(now)
+        req = m.start_shuffle(now)
+        if req is None or req.target in dead:
+            continue
+        resp = net[req.target].on_shuffle_request(req, now)
+        m.on_shuffle_response(resp, now)
+
+
+def test_view_is_bounded_and_never_holds_self():
+    m = Membership("me", view_size=3, shuffle_length=2)
+    for p in ["a", "b", "me", "c", "d"]:
+        m.add(p)
+    assert m.peers() == ["a", "b", "c"]
+
+
+def test_shuffle_targets_the_oldest_and_sends_a_fresh_self_pointer():
+    m = Membership("me", view_size=4, shuffle_length=3, seed=1)
+    for p, age in [("a", 0), ("b", 5), ("c", 1)]:
+        m.add(p, age)
+    req = m.start_shuffle(now=0.0)
+    assert req.target == "b" and ("me", 0) in req.entries and len(req.entries) == 3
+    assert "b" not in m.view  # Cyclon frees the target's slot
+    assert all(e.age >= 1 for e in m.view.values())
+
+
+def test_shuffles_mix_a_ring_into_well_connected_bounded_views():
+    net = _network(30)
+    for t in range(30):
+        _cycle(net, float(t))
+    sizes = [len(m.view) for m in net.values()]
+    assert max(sizes) <= 5 and min(sizes) >= 3
+    # indegree: every peer is known by someone, and knowledge spread well beyond the ring
+    known = {p for m in net.values() for p in m.view}
+    assert known == set(net)
+    ring_only = sum(1 for i, m in enumerate(net.values()) if m.peers() == [f"p{(i + 1) % 30}"])
+    assert ring_only == 0
+
+
+def test_dead_peers_leave_every_view():
+    net = _network(20)
+    for t in range(10):
+        _cycle(net, float(t))
+    dead = {"p3", "p7"}
+    for t in range(10, 40):
+        _cycle(net, float(t), dead)
+    for pid, m in net.items():
+        if pid not in dead:
+            assert not (set(m.view) & dead), (pid, m.peers())
+
+
+def test_timeouts_make_suspicion_then_removal():
+    m = Membership("me", view_size=4, shuffle_length=2, timeout=2.0, max_failures=2, quarantine=10.0)
+    m.add("x")
+    m.add("y")
+    assert m.on_failure("x", now=0.0) is False
+    assert "x" in m.suspected() and "x" in m.view
+    assert m.sample() == "y"  # healthy peers first
+    assert m.on_failure("x", now=1.0) is True
+    assert "x" not in m.view
+    # stale entries of x that still circulate are ignored while quarantined...
+    m._fold((("x", 0),), replaceable=[], now=5.0)
+    assert "x" not in m.view
+    # ...but a direct message from x proves it alive
+    m.heard_from("x", now=6.0)
+    assert "x" in m.view
+
+
+def test_unanswered_shuffle_expires_as_a_failure():
+    m = Membership("me", view_size=4, shuffle_length=2, timeout=2.0, max_failures=1)
+    m.add("a")
+    req = m.start_shuffle(now=0.0)
+    assert m.expire(now=1.0) == []
+    assert m.expire(now=2.5) == [req.target]
+
+
+def test_restarted_peer_rejoins_through_bootstrap():
+    net = _network(10)
+    for t in range(10):
+        _cycle(net, float(t))
+    fresh = Membership("p4", 5, 3, timeout=1.0, max_failures=1, seed=99, bootstrap_peers=("p0",))
+    net["p4"] = fresh
+    for pid, m in net.items():
+        if pid != "p4":
+            m.remove("p4", now=10.0)  # everyone had dropped it
+    for t in range(11, 25):
+        _cycle(net, float(t))
+    assert sum("p4" in m.view for m in net.values()) >= 2
+    assert len(fresh.view) >= 3
+
+
+def test_empty_view_refills_from_bootstrap():
+    m = Membership("me", view_size=3, shuffle_length=2, bootstrap_peers=("b1", "b2"))
+    m.remove("b1", 0.0)
+    m.remove("b2", 0.0)
+    assert m.start_shuffle(1.0).target in {"b1", "b2"}
+
+
+def test_bad_sizes_are_refused():
+    with pytest.raises(ValueError):
+        Membership("me", view_size=2, shuffle_length=3)
+
+
+def test_free_slots_are_topped_up_from_bootstrap_once_quarantine_ends():
+    m = Membership("me", view_size=4, shuffle_length=2, max_failures=1, quarantine=10.0,
+                   bootstrap_peers=("b1", "b2"))
+    m.add("x")
+    m.on_failure("b2", now=0.0)
+    m.rejoin(now=5.0)
+    assert "b2" not in m.view  # still quarantined: a dead bootstrap peer is not re-added at once
+    m.rejoin(now=11.0)
+    assert "b2" in m.view

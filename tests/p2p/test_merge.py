@@ -1,0 +1,44 @@
+"""Merge rules: average, example-weighted, age-weighted, staleness, max age gap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal.p2p.merge import MergeRule, ModelInfo
+
+
+def test_weights_of_the_three_rules():
+    own, other = ModelInfo(age=3, num_examples=10), ModelInfo(age=1, num_examples=30)
+    assert MergeRule("average").weight(own, other) == 0.5
+    assert MergeRule("examples").weight(own, other) == pytest.approx(0.75)
+    assert MergeRule("age").weight(own, other) == pytest.approx(0.25)
+    assert MergeRule("age").weight(ModelInfo(0, 1), ModelInfo(0, 1)) == 0.5
+
+
+def test_staleness_discount_only_for_models_behind():
+    rule = MergeRule("average", staleness_exponent=1.0)
+    assert rule.weight(ModelInfo(5, 1), ModelInfo(2, 1)) == pytest.approx(0.5 / 4)
+    assert rule.weight(ModelInfo(2, 1), ModelInfo(5, 1)) == 0.5
+
+
+def test_max_age_gap_skips_far_behind_and_adopts_far_ahead():
+    rule = MergeRule("age", max_age_gap=10)
+    own = torch.zeros(4)
+    lam, info = rule.merge(own, ModelInfo(50, 5), torch.ones(4), ModelInfo(30, 5))
+    assert lam == 0.0 and info.age == 50 and own.sum() == 0
+    lam, info = rule.merge(own, ModelInfo(0, 5), torch.full((4,), 2.0), ModelInfo(30, 7))
+    assert lam == 1.0 and info == ModelInfo(30, 5) and torch.equal(own, torch.full((4,), 2.0))
+
+
+def test_merge_is_the_convex_combination_and_age_is_the_max():
+    own = torch.tensor([0.0, 4.0])
+    lam, info = MergeRule("age").merge(own, ModelInfo(1, 1), torch.tensor([4.0, 0.0]), ModelInfo(3, 1))
+    assert lam == pytest.approx(0.75)
+    assert torch.allclose(own, torch.tensor([3.0, 1.0]))
+    assert info.age == 3
+
+
+def test_unknown_rule_is_refused():
+    with pytest.raises(ValueError):
+        MergeRule("median")

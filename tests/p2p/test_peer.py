@@ -1,0 +1,144 @@
+"""The peer service over real HTTPS on 127.0.0.1: auth, validation of incoming models,
+a good exchange. Garbage gets 4xx and leaves the receiver's model untouched."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+
+import aiohttp
+import pytest
+import torch
+from aiohttp import web
+
+from shoal.client.training import LocalTrainer
+from shoal.config import Config
+from shoal.models import build_model
+from shoal.p2p.peer import Peer, PeerData, PeerSettings
+from shoal.tls import client_context, make_private_ca, server_context
+from shoal.wire import encode_model
+
+TOKEN = "s3cret-network-token"
+
+
+def _peer(url: str, ssl_server=None, ssl_client=None) -> Peer:
+    cfg = Config()
+    torch.manual_seed(0)
+    trainer = LocalTrainer(build_model("logreg", (60,), 10), cfg.train)
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(40, 60, generator=g), torch.randint(0, 10, (40,), generator=g)
+    return Peer(cfg, trainer, PeerData(x, y, x, y), PeerSettings(url, (), TOKEN, False, ssl_server, ssl_client))
+
+
+async def _serve(peer: Peer, ctx) -> tuple[web.AppRunner, int]:
+    runner = web.AppRunner(peer.app(), access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ctx)
+    await site.start()
+    return runner, site._server.sockets[0].getsockname()[1]
+
+
+def _model(peer: Peer, params: torch.Tensor, **extra) -> bytes:
+    header = {"age": 3, "num_examples": 10, "sender": "https://127.0.0.1:1", **extra}
+    return encode_model(params, peer.spec, 1, header)
+
+
+@pytest.mark.timeout(60)
+def test_garbage_gets_4xx_and_the_model_is_kept(tmp_path):
+    pki = make_private_ca(tmp_path)
+
+    async def main() -> None:
+        peer = _peer("https://127.0.0.1:0", server_context(pki.cert, pki.key))
+        runner, port = await _serve(peer, peer.s.ssl_server)
+        url = f"https://127.0.0.1:{port}/gossip"
+        before = peer.node.params.clone()
+        version = peer.node.version
+        good = torch.full_like(before, 0.5)
+        nan = good.clone()
+        nan[3] = float("nan")
+        wrong = torch.zeros(peer.spec.numel + 1)
+        bad_spec = encode_model(wrong, peer.spec, 1, {"age": 1, "num_examples": 1, "sender": "x"})
+        cases = {
+            "bad body": b"\x00garbage" * 10,
+            "truncated": _model(peer, good)[:-7],
+            "wrong spec": bad_spec,
+            "NaN": _model(peer, nan),
+            "oversized": b"\0" * (peer.max_bytes + 1),
+            "bad age": _model(peer, good, age=-1),
+            "bad sender": _model(peer, good, sender=7),
+            "header length": struct.pack("<Q", 1 << 40) + b"{}",
+        }
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        ctx = client_context(pki.ca_cert)
+        timeout = aiohttp.ClientTimeout(total=20)
+        async with aiohttp.ClientSession(timeout=timeout) as s:
+            for name, body in cases.items():
+                async with s.post(url, data=body, headers=auth, ssl=ctx) as r:
+                    assert 400 <= r.status < 500, name
+                    if r.status != 413:
+                        assert "error" in await r.json(), name
+                assert torch.equal(peer.node.params, before), name
+                assert peer.node.version == version, name
+            async with s.post(url, data=_model(peer, good), ssl=ctx) as r:
+                assert r.status == 401
+            async with s.post(url, data=_model(peer, good), headers={"Authorization": "Bearer wrong"}, ssl=ctx) as r:
+                assert r.status == 401
+            async with s.post(f"https://127.0.0.1:{port}/shuffle", data=b"{not json", headers=auth, ssl=ctx) as r:
+                assert r.status == 400
+            assert torch.equal(peer.node.params, before)
+            # a good model is answered with ours (pre-merge) and merged (age-weighted: 3 vs 0)
+            async with s.post(url, data=_model(peer, good), headers=auth, ssl=ctx) as r:
+                assert r.status == 200
+                body = await r.read()
+            assert torch.allclose(peer.node.params, good)
+            assert peer.node.age == 3 and "https://127.0.0.1:1" in peer.node.membership.view
+            async with s.get(f"https://127.0.0.1:{port}/status", headers=auth, ssl=ctx) as r:
+                status = await r.json()
+            assert status["rejected"] >= 6 and status["merges"] == 1
+        await runner.cleanup()
+        assert len(body) > peer.spec.nbytes
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_two_peers_exchange_and_shuffle_over_https(tmp_path):
+    pki = make_private_ca(tmp_path)
+
+    async def main() -> None:
+        sctx, cctx = server_context(pki.cert, pki.key), client_context(pki.ca_cert)
+        a, b = _peer("https://127.0.0.1:0", sctx, cctx), _peer("https://127.0.0.1:0", sctx, cctx)
+        ra, pa = await _serve(a, sctx)
+        rb, pb = await _serve(b, sctx)
+        for p, port in ((a, pa), (b, pb)):  # identities are the URLs, known once bound
+            p.node.membership.self_id = f"https://127.0.0.1:{port}"
+        a.node.membership.add(f"https://127.0.0.1:{pb}")
+        a._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20))
+        await a.local_step()
+        await b.local_step()  # an age-0 model carries no training: the age rule would not merge it
+        await a.exchange()
+        assert b.node.merges == 1 and a.node.merges == 1
+        assert torch.allclose(a.node.params, b.node.params)
+        await a.shuffle()
+        assert f"https://127.0.0.1:{pa}" in b.node.membership.view
+        await a._session.close()
+        await ra.cleanup()
+        await rb.cleanup()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("args, message", [
+    (["--data", "client:0"], "--insecure"),
+    (["--data", "shard.bin", "--insecure"], "client:<index>"),
+    (["--data", "client:99", "--insecure"], "the split has 30 clients"),
+])
+def test_peer_command_refuses_what_it_cannot_run(args, message):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "shoal.cli", "peer", "--listen", "127.0.0.1:1", *args],
+                       capture_output=True, text=True, timeout=100)
+    assert r.returncode == 2 and message in r.stderr, r.stderr

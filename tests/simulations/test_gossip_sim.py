@@ -1,0 +1,83 @@
+"""The gossip simulation mode: virtual network, churn, loss, partitions, D-PSGD, metrics."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from shoal.config import load_config
+from shoal.errors import ConfigError
+from shoal.metrics import read_jsonl
+from shoal.simulations.experiment import run_simulation
+from shoal.simulations.gossip_sim import GossipSimulation
+
+# Small tensors: one thread avoids oversubscribing a shared CPU (it made these tests 40x slower).
+torch.set_num_threads(1)
+
+
+def cfg(*extra):
+    return load_config(None, ["simulation.mode=\"gossip\"", "simulation.num_clients=12", "simulation.seed=1",
+                              "train.batch_size=20", "gossip.view_size=4", "gossip.shuffle_length=2", *extra])
+
+
+def _run(sim: GossipSimulation, rounds: int) -> GossipSimulation:
+    for _ in range(rounds):
+        sim.run_round()
+    return sim
+
+
+def test_same_seed_same_models_other_seed_other_models():
+    a = _run(GossipSimulation(cfg("gossip.loss=0.1", "gossip.churn=0.2")), 3).models
+    b = _run(GossipSimulation(cfg("gossip.loss=0.1", "gossip.churn=0.2")), 3).models
+    c = _run(GossipSimulation(cfg("gossip.loss=0.1", "gossip.churn=0.2", "simulation.seed=2")), 3).models
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+
+
+def test_exchanges_bring_models_together():
+    """Training alone drives peers apart; exchanges pull them back (consensus distance)."""
+    alone = _run(GossipSimulation(cfg("gossip.loss=1.0")), 4).evaluate()
+    gossip = _run(GossipSimulation(cfg()), 4).evaluate()
+    assert gossip["consensus_distance"] < 0.8 * alone["consensus_distance"]
+    assert alone["messages_lost"] > 0 and gossip["messages_lost"] == 0
+    assert gossip["bytes_sent_per_peer"] > 4 * 2 * 0.9 * GossipSimulation(cfg()).model_bytes / 2
+
+
+def test_churn_takes_peers_offline_and_partitions_drop_messages():
+    sim = _run(GossipSimulation(cfg("gossip.churn=0.3", "gossip.churn_period=2")), 4)
+    ev = sim.evaluate()
+    assert 0 < ev["online_peers"] < 12
+    part = _run(GossipSimulation(cfg("gossip.partition_start=0", "gossip.partition_end=10")), 2)
+    assert part.lost > 0  # no loss configured: every lost message tried to cross the cut
+    whole = _run(GossipSimulation(cfg()), 2)
+    assert whole.lost == 0
+
+
+def test_dpsgd_on_a_ring_keeps_offline_models_and_mixes_the_rest():
+    sim = GossipSimulation(cfg("gossip.algorithm=\"dpsgd\"", "gossip.topology=\"ring\""))
+    _run(sim, 3)
+    ev = sim.evaluate()
+    assert ev["consensus_distance"] > 0 and ev["bytes_sent_per_peer"] == 3 * 2 * sim.model_bytes
+
+
+def test_run_writes_the_gossip_metrics(tmp_path):
+    summary = run_simulation(cfg("simulation.rounds=6", "simulation.eval_every=3", "gossip.loss=0.1",
+                                 "gossip.churn=0.3", "gossip.churn_period=3", "output.plots=false"), tmp_path,
+                             progress=False)
+    recs = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["round"] for r in recs] == [3, 6]
+    for key in ("peer_accuracy_mean", "peer_accuracy_min", "peer_accuracy_max", "average_model_accuracy",
+                "consensus_distance", "bytes_sent_per_peer"):
+        assert np.isfinite(recs[-1][key])
+    assert recs[-1]["peer_accuracy_min"] <= recs[-1]["peer_accuracy_mean"] <= recs[-1]["peer_accuracy_max"]
+    assert summary["final_test_accuracy"] == recs[-1]["test_accuracy"]
+
+
+def test_gossip_config_is_checked():
+    with pytest.raises(ConfigError, match="gossip.shuffle_length"):
+        cfg("gossip.shuffle_length=9")
+    with pytest.raises(ConfigError, match="gossip.merge"):
+        cfg("gossip.merge=\"median\"")
+    with pytest.raises(ConfigError, match="gossip.churn"):
+        cfg("gossip.churn=1.0")
