@@ -34,12 +34,14 @@ def run_simulation(
     out_dir: str | Path | None = None,
     progress: bool | None = None,
     on_record: Callable[[dict[str, Any]], None] | None = None,
+    sim: InProcessSimulation | None = None,
 ) -> dict[str, Any]:
-    """Run ``cfg.simulation.rounds`` rounds; returns the summary (also written to disk)."""
+    """Run ``cfg.simulation.rounds`` rounds (fewer if the privacy budget runs out); returns
+    the summary (also written to disk). ``sim``: a simulation built by the caller."""
     out = Path(out_dir or cfg.output.dir)
     sim_cfg = cfg.simulation
     t0 = time.perf_counter()
-    sim = InProcessSimulation(cfg)
+    sim = sim or InProcessSimulation(cfg)
     setup_s = time.perf_counter() - t0
     metrics = MetricsLog(out)
     show = sim_cfg.progress and sys.stderr.isatty() if progress is None else progress
@@ -49,7 +51,8 @@ def run_simulation(
         task = bar.add_task("sim", total=sim_cfg.rounds, status="") if bar else None
         for r in range(1, sim_cfg.rounds + 1):
             summary = sim.run_round()
-            if r % sim_cfg.eval_every == 0 or r == sim_cfg.rounds:
+            stop = sim.privacy is not None and not sim.privacy.allows_next_round()
+            if r % sim_cfg.eval_every == 0 or r == sim_cfg.rounds or stop:
                 ev = sim.evaluate()
                 last = {
                     "round": summary.round,
@@ -61,19 +64,23 @@ def run_simulation(
                     "num_examples": summary.num_examples,
                     "elapsed_s": round(time.perf_counter() - t_start, 4),
                 }
+                if sim.privacy is not None:
+                    last["epsilon"] = sim.privacy.epsilon
                 metrics.write(last)
                 if on_record:
                     on_record(last)
             if bar is not None:
                 status = f"acc {last['test_accuracy']:.4f}" if last else ""
                 bar.update(task, advance=1, status=status)
+            if stop:
+                break
     wall = time.perf_counter() - t_start
     accs = [r["test_accuracy"] for r in metrics.records]
     summary_out = {
         "final_test_accuracy": last.get("test_accuracy"),
         "final_test_loss": last.get("test_loss"),
         "best_test_accuracy": max(accs) if accs else None,
-        "rounds": sim_cfg.rounds,
+        "rounds": sim.rounds.version,
         "num_clients": len(sim.client_ids),
         "num_parameters": sim.spec.numel,
         "device": str(sim.device),
@@ -81,6 +88,8 @@ def run_simulation(
         "setup_s": round(setup_s, 3),
         "config": cfg.to_dict(),
     }
+    if sim.privacy is not None:
+        summary_out.update(epsilon=sim.privacy.epsilon, delta=cfg.privacy.delta)
     metrics.summary(summary_out)
     if cfg.output.plots:
         plot_curves(metrics.records, out, title=f"{cfg.data.dataset} / {cfg.model.name} / {cfg.strategy.name}")
