@@ -63,6 +63,25 @@ def simulate(
     )
 
 
+@app.command("privacy-sweep")
+def privacy_sweep(
+    config: Path = typer.Option(..., "--config", "-c", help="TOML experiment file with a [privacy] sweep grid."),
+    set_: Optional[list[str]] = SetOpt,
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: output.dir)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings only."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Baseline + a grid of DP noise levels: accuracy vs epsilon and a membership-inference audit."""
+    _setup_logging(verbose, quiet)
+    from .config import load_config
+    from shoal.simulations.privacy_sweep import markdown_table, run_privacy_sweep
+
+    cfg = load_config(config, set_ or [])
+    out_dir = out or Path(cfg.output.dir)
+    rows = run_privacy_sweep(cfg, out_dir)
+    typer.echo(markdown_table(rows) + f"outputs in {out_dir}/ (results.csv, results.md, accuracy_vs_epsilon.png)")
+
+
 def main() -> None:
     """Entry point: a ShoalError becomes one line on stderr and exit status 2."""
     try:
