@@ -50,14 +50,14 @@ def epsilon(q: float, noise_multiplier: float, steps: int, delta: float, kind: s
         return 0.0
     if noise_multiplier <= 0:
         return float("inf")
-    acc = _accountant(kind)
-    acc.compose(subsampled_gaussian(q, noise_multiplier, steps))
-    # For small z the RDP series of some orders does not converge; dp-accounting then
-    # drops those orders (the bound stays valid, maybe looser) and warns once per order.
+    # For small z the RDP series of some fractional orders does not converge; dp-accounting
+    # then drops those orders (the bound stays valid, maybe looser) and warns once per order.
     absl_log = logging.getLogger("absl")
     level = absl_log.level
     absl_log.setLevel(logging.ERROR)
     try:
+        acc = _accountant(kind)
+        acc.compose(subsampled_gaussian(q, noise_multiplier, steps))
         return float(acc.get_epsilon(delta))
     finally:
         absl_log.setLevel(level)
