@@ -60,9 +60,11 @@ def loss_threshold_audit(trainer: LocalTrainer, params: torch.Tensor,
         idx = torch.as_tensor(np.sort(gen.choice(len(y), size=m, replace=False)))
         scores.append(-per_sample_loss(trainer, params, x[idx.to(x.device)], y[idx.to(y.device)]))
     mem, non = scores
+    # A diverged model (NaN loss) tells the attacker nothing: score it as infinite loss.
+    rank_mem, rank_non = (np.nan_to_num(s, nan=-np.inf) for s in (mem, non))
     return {
-        "mia_auc": roc_auc(mem, non),
-        "mia_tpr_at_1pct_fpr": tpr_at_fpr(mem, non, 0.01),
+        "mia_auc": roc_auc(rank_mem, rank_non),
+        "mia_tpr_at_1pct_fpr": tpr_at_fpr(rank_mem, rank_non, 0.01),
         "member_loss": float(-mem.mean()),
         "nonmember_loss": float(-non.mean()),
         "mia_samples": m,
