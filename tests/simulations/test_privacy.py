@@ -1,6 +1,7 @@
 """Privacy in the simulator: epsilon in metrics.jsonl every round, the target_epsilon stop."""
 
 import pytest
+import torch
 
 from shoal.accounting import epsilon
 from shoal.config import Config, PrivacyConfig, SimulationConfig, TrainConfig
@@ -42,3 +43,37 @@ def test_local_dp_sgd_reports_epsilon_and_repeats(tmp_path):
 def test_target_below_one_round_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="target_epsilon"):
         run_simulation(_cfg("central", target_epsilon=1e-3), tmp_path)
+
+
+@pytest.mark.parametrize("mode", ["central", "distributed"])
+def test_one_round_carries_noise_of_std_z_c_over_k(mode):
+    """The simulator end to end: the noisy global model minus the noiseless one is the
+    noise on the average, N(0, (zC/K)^2) per coordinate, whoever added it."""
+    from shoal.simulations.inprocess import InProcessSimulation
+
+    def one_round(m, z):
+        cfg = _cfg(m)
+        cfg.privacy.noise_multiplier = z
+        sim = InProcessSimulation(cfg)
+        sim.run_round()
+        return sim.global_params.double()
+
+    clean_central, clean = one_round("central", 0.0), one_round(mode, 0.0)
+    assert torch.allclose(clean, clean_central, atol=1e-6)  # same clipping, same denominator K
+    z, c, k = 3.0, 1.0, 2
+    noise = one_round(mode, z) - clean
+    assert float(noise.std()) == pytest.approx(z * c / k, rel=0.15)  # 610 coordinates
+    assert abs(float(noise.mean())) < 0.3 * z * c / k
+
+
+def test_adaptive_clipping_moves_the_clip_norm_in_a_run():
+    from shoal.simulations.inprocess import InProcessSimulation
+
+    cfg = _cfg("central", adaptive_clipping=True, target_quantile=0.5, clip_lr=0.5)
+    cfg.privacy.noise_multiplier, cfg.privacy.clip_norm = 0.1, 100.0  # C far above every update norm
+    sim = InProcessSimulation(cfg)
+    agg = sim.rounds.strategy.aggregator
+    assert agg.adaptive.count_stddev == pytest.approx(2 / 20)  # K / 20, Andrew et al.'s choice
+    for _ in range(5):
+        sim.run_round()
+    assert agg.clip_norm < 100.0 * 0.9  # all unclipped: C shrinks toward the median norm
