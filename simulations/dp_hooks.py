@@ -70,8 +70,9 @@ def distributed_noise_step(cfg: Config, num_clients: int):
 class PrivacyBudget:
     """epsilon so far, and whether one more round stays within ``target_epsilon``."""
 
-    def __init__(self, cfg: Config, client_sizes: dict[str, int]):
+    def __init__(self, cfg: Config, client_sizes: dict[str, int], strategy: Strategy | None = None):
         p = cfg.privacy
+        self._aggregator = strategy.aggregator if strategy is not None and p.adaptive_clipping else None
         self.target = p.target_epsilon
         self.delta = p.delta
         if p.mode == "local":
@@ -90,6 +91,13 @@ class PrivacyBudget:
     @property
     def epsilon(self) -> float:
         return self.accountant.epsilon
+
+    def metrics(self) -> dict[str, float]:
+        """What a metrics.jsonl record gets: ``epsilon``, and ``clip_norm`` when it adapts."""
+        out = {"epsilon": self.epsilon}
+        if self._aggregator is not None:
+            out["clip_norm"] = float(self._aggregator.clip_norm)
+        return out
 
     def record_round(self, tasks: list[Task]) -> None:
         self.accountant.record_round([t.client_id for t in tasks])

@@ -65,7 +65,7 @@ def run_simulation(
                     "elapsed_s": round(time.perf_counter() - t_start, 4),
                 }
                 if sim.privacy is not None:
-                    last["epsilon"] = sim.privacy.epsilon
+                    last.update(sim.privacy.metrics())
                 metrics.write(last)
                 if on_record:
                     on_record(last)

@@ -84,7 +84,7 @@ class InProcessSimulation:
             strategy, self.trainer.flat.detach().clone(), sim.clients_per_round, sim.fraction, sim.seed
         )
         self.privacy = None if cfg.privacy.mode == "none" else PrivacyBudget(
-            cfg, {c: self.shards.size(i) for i, c in enumerate(self.client_ids)}
+            cfg, {c: self.shards.size(i) for i, c in enumerate(self.client_ids)}, strategy
         )
         self.client_steps: list[ClientStep] = self._client_steps()
         log.info(

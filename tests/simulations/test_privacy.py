@@ -77,6 +77,7 @@ def test_adaptive_clipping_moves_the_clip_norm_in_a_run():
     for _ in range(5):
         sim.run_round()
     assert agg.clip_norm < 100.0 * 0.9  # all unclipped: C shrinks toward the median norm
+    assert sim.privacy.metrics()["clip_norm"] == agg.clip_norm  # reported in metrics.jsonl
 
 
 @pytest.mark.parametrize("k,fraction,n", [(0, 0.1, 100), (0, 0.01, 30), (5, 0.1, 3), (7, 0.5, 100)])
