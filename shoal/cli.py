@@ -86,6 +86,7 @@ def data_split(
     paths = write_shards(load_config(config, set_ or []), out)
     typer.echo(f"wrote {len(paths)} shards to {out}/")
 
+
 # --- gossip peer (p2p/cli.py) ---------------------------------------------------------
 @app.command()
 def peer(
@@ -110,6 +111,25 @@ def peer(
 
     run_peer(load_config(config, set_ or []), listen, bootstrap, data, token, advertise, tls_cert, tls_key,
              ca_cert, insecure, out)
+
+
+@app.command("privacy-sweep")
+def privacy_sweep(
+    config: Path = typer.Option(..., "--config", "-c", help="TOML experiment file with a [privacy] sweep grid."),
+    set_: Optional[list[str]] = SetOpt,
+    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: output.dir)."),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings only."),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Baseline + a grid of DP noise levels: accuracy vs epsilon and a membership-inference audit."""
+    _setup_logging(verbose, quiet)
+    from .config import load_config
+    from shoal.simulations.privacy_sweep import markdown_table, run_privacy_sweep
+
+    cfg = load_config(config, set_ or [])
+    out_dir = out or Path(cfg.output.dir)
+    rows = run_privacy_sweep(cfg, out_dir)
+    typer.echo(markdown_table(rows) + f"outputs in {out_dir}/ (results.csv, results.md, accuracy_vs_epsilon.png)")
 
 
 def main() -> None:

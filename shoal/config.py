@@ -323,6 +323,8 @@ class HeterogeneityConfig:
         if self.mean_on_s > 0 and self.mean_off_s == 0:
             raise ConfigError("heterogeneity.mean_off_s = 0 with mean_on_s > 0: set both, or mean_on_s = 0 (always on)")
 
+
+@dataclass
 class GossipConfig:
     """Decentralized training without a server (p2p/): `simulation.mode = "gossip"` and `shoal peer`."""
 
@@ -377,6 +379,57 @@ class GossipConfig:
 
 
 @dataclass
+class PrivacyConfig:
+    """Differential privacy (docs/privacy.md): who adds the noise, how much, how it is counted.
+
+    ``central``: the server clips each client update to ``clip_norm`` and adds Gaussian
+    noise of std ``noise_multiplier * clip_norm`` to the sum (DP-FedAvg, McMahan et al.
+    2018). ``distributed``: each client clips and adds its 1/n share of that noise, so
+    the (securely aggregated) sum carries it. ``local``: DP-SGD on each client (Abadi et
+    al. 2016) with per-sample clipping to ``clip_norm``.
+    """
+
+    mode: str = "none"               # none | central | local | distributed
+    noise_multiplier: float = 1.0    # z: noise std = z * clip_norm
+    clip_norm: float = 1.0           # C: update norm (central/distributed), per-sample gradient norm (local)
+    adaptive_clipping: bool = False  # central: Andrew et al. 2021 quantile-based C
+    target_quantile: float = 0.5     # gamma: the share of updates left unclipped
+    clip_lr: float = 0.2             # eta_C: geometric step of the clip norm
+    clipped_count_stddev: float = 0.0  # sigma_b of the noisy count; 0 = clients_per_round / 20 (the paper's choice)
+    target_epsilon: float = 0.0      # stop before epsilon would exceed this; 0 = no limit
+    delta: float = 1e-5
+    accountant: str = "rdp"          # rdp | pld (dp-accounting)
+    # `shoal privacy-sweep`: the grid run after a non-private baseline
+    sweep_modes: list[str] = field(default_factory=lambda: ["central", "local"])
+    sweep_noise_multipliers: list[float] = field(default_factory=lambda: [0.3, 0.6, 1.0, 2.0])
+    mia_samples: int = 2000          # members and non-members each, for the membership-inference audit
+
+    def validate(self) -> None:
+        modes = ("none", "central", "local", "distributed")
+        _choice("privacy.mode", self.mode, modes)
+        _positive("privacy.noise_multiplier", self.noise_multiplier, allow_zero=True)
+        _positive("privacy.clip_norm", self.clip_norm)
+        if not 0 < self.target_quantile < 1:
+            raise ConfigError(f"privacy.target_quantile = {self.target_quantile} must be in (0, 1)")
+        _positive("privacy.clip_lr", self.clip_lr)
+        _positive("privacy.clipped_count_stddev", self.clipped_count_stddev, allow_zero=True)
+        _positive("privacy.target_epsilon", self.target_epsilon, allow_zero=True)
+        if not 0 < self.delta < 1:
+            raise ConfigError(f"privacy.delta = {self.delta} must be in (0, 1)")
+        _choice("privacy.accountant", self.accountant, ("rdp", "pld"))
+        if self.adaptive_clipping and self.mode != "central":
+            raise ConfigError(
+                f"privacy.adaptive_clipping needs privacy.mode = 'central' (it is {self.mode!r}): the noisy "
+                "count of clipped updates is computed by the server; set adaptive_clipping = false"
+            )
+        for m in self.sweep_modes:
+            _choice("privacy.sweep_modes", m, modes[1:])
+        for z in self.sweep_noise_multipliers:
+            _positive("privacy.sweep_noise_multipliers", z)
+        _positive("privacy.mia_samples", self.mia_samples)
+
+
+@dataclass
 class OutputConfig:
     dir: str = "runs/latest"
     plots: bool = True
@@ -396,15 +449,31 @@ class Config:
     heterogeneity: HeterogeneityConfig = field(default_factory=HeterogeneityConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
-
     gossip: GossipConfig = field(default_factory=GossipConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             if hasattr(section, "validate"):
                 section.validate()
+        self._validate_combinations()
         return self
+
+    def _validate_combinations(self) -> None:
+        """Settings that are fine alone but not together."""
+        dp = self.privacy.mode
+        if dp in ("central", "distributed") and self.robust.rule != "mean":
+            raise ConfigError(
+                f"privacy.mode = {dp!r} with robust.rule = {self.robust.rule!r}: the DP mean's noise is "
+                "calibrated to a clipped sum, which a robust rule does not compute; use robust.rule = "
+                "'mean' (the clipping bounds each client's influence) or privacy.mode = 'local'"
+            )
+        if dp != "none" and self.simulation.mode != "sync":
+            raise ConfigError(
+                f"privacy.mode = {dp!r} needs simulation.mode = 'sync' (it is {self.simulation.mode!r}): "
+                "the accountant counts sampled synchronous rounds"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -34,8 +34,10 @@ def run_simulation(
     out_dir: str | Path | None = None,
     progress: bool | None = None,
     on_record: Callable[[dict[str, Any]], None] | None = None,
+    sim: InProcessSimulation | None = None,
 ) -> dict[str, Any]:
-    """Run ``cfg.simulation.rounds`` rounds; returns the summary (also written to disk)."""
+    """Run ``cfg.simulation.rounds`` rounds (fewer if the privacy budget runs out); returns
+    the summary (also written to disk). ``sim``: a simulation built by the caller."""
     if cfg.simulation.mode == "gossip":  # decentralized peers, no server (simulations/gossip_sim.py)
         from .gossip_sim import run_gossip_simulation
 
@@ -47,7 +49,7 @@ def run_simulation(
     out = Path(out_dir or cfg.output.dir)
     sim_cfg = cfg.simulation
     t0 = time.perf_counter()
-    sim = InProcessSimulation(cfg)
+    sim = sim or InProcessSimulation(cfg)
     setup_s = time.perf_counter() - t0
     metrics = MetricsLog(out)
     show = sim_cfg.progress and sys.stderr.isatty() if progress is None else progress
@@ -57,7 +59,8 @@ def run_simulation(
         task = bar.add_task("sim", total=sim_cfg.rounds, status="") if bar else None
         for r in range(1, sim_cfg.rounds + 1):
             summary = sim.run_round()
-            if r % sim_cfg.eval_every == 0 or r == sim_cfg.rounds:
+            stop = sim.privacy is not None and not sim.privacy.allows_next_round()
+            if r % sim_cfg.eval_every == 0 or r == sim_cfg.rounds or stop:
                 ev = sim.evaluate()
                 last = {
                     "round": summary.round,
@@ -71,19 +74,23 @@ def run_simulation(
                     **sim.wire.counts(),
                     "rejected": summary.rejected,
                 }
+                if sim.privacy is not None:
+                    last.update(sim.privacy.metrics())
                 metrics.write(last)
                 if on_record:
                     on_record(last)
             if bar is not None:
                 status = f"acc {last['test_accuracy']:.4f}" if last else ""
                 bar.update(task, advance=1, status=status)
+            if stop:
+                break
     wall = time.perf_counter() - t_start
     accs = [r["test_accuracy"] for r in metrics.records]
     summary_out = {
         "final_test_accuracy": last.get("test_accuracy"),
         "final_test_loss": last.get("test_loss"),
         "best_test_accuracy": max(accs) if accs else None,
-        "rounds": sim_cfg.rounds,
+        "rounds": sim.rounds.version,
         "num_clients": len(sim.client_ids),
         "num_parameters": sim.spec.numel,
         "device": str(sim.device),
@@ -93,6 +100,8 @@ def run_simulation(
         "bytes_down_total": sim.wire.total_down,
         "config": cfg.to_dict(),
     }
+    if sim.privacy is not None:
+        summary_out.update(epsilon=sim.privacy.epsilon, delta=cfg.privacy.delta)
     metrics.summary(summary_out)
     if cfg.output.plots:
         plot_curves(metrics.records, out, title=f"{cfg.data.dataset} / {cfg.model.name} / {cfg.strategy.name}")

@@ -14,10 +14,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
-from shoal.aggregation import make_strategy
-from shoal.aggregation.robust import make_aggregator
 from shoal.client.device import select_device
-from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.datasets import FederatedData, load_federated
 from shoal.errors import WireError
@@ -26,6 +23,7 @@ from shoal.rounds import RoundSummary, SyncRounds, Task
 from shoal.update import Update
 
 from .attacks import attack_steps
+from .dp_hooks import PrivacyBudget, distributed_noise_step, make_round_strategy, make_trainer
 from .wire_step import WireStep
 
 log = logging.getLogger(__name__)
@@ -77,17 +75,19 @@ class InProcessSimulation:
         self.data = data if data is not None else load_federated(cfg.data, sim.num_clients, sim.seed)
         torch.manual_seed(sim.seed)  # model initialisation
         model = build_model(cfg.model.name, self.data.input_shape, self.data.num_classes)
-        self.trainer = LocalTrainer(model, cfg.train, self.device)
+        self.trainer = make_trainer(cfg, model, self.device)
         self.spec = self.trainer.spec
         self.shards = ClientShards(self.data, self.device)
         self.test_x = self.data.test.x.to(self.device)
         self.test_y = self.data.test.y.to(self.device)
         self.client_ids = [client_id(i) for i in range(len(self.shards))]
         self._index = {cid: i for i, cid in enumerate(self.client_ids)}
-        aggregator = make_aggregator(cfg.robust, self.spec.numel, self.device)
-        strategy = make_strategy(cfg.strategy, self.spec.numel, self.device, aggregator)
+        strategy = make_round_strategy(cfg, self.spec.numel, self.device, len(self.client_ids))
         self.rounds = SyncRounds(
             strategy, self.trainer.flat.detach().clone(), sim.clients_per_round, sim.fraction, sim.seed
+        )
+        self.privacy = None if cfg.privacy.mode == "none" else PrivacyBudget(
+            cfg, {c: self.shards.size(i) for i, c in enumerate(self.client_ids)}, strategy
         )
         self.wire = WireStep(cfg.compression, self.spec)
         self.client_steps: list[ClientStep] = self._client_steps()
@@ -103,7 +103,10 @@ class InProcessSimulation:
 
     def _client_steps(self) -> list[ClientStep]:
         """The client-side steps the config asks for, in pipeline order (DESIGN.md)."""
-        return [*attack_steps(self), self.wire]
+        steps: list[ClientStep] = [*attack_steps(self)]
+        if self.cfg.privacy.mode == "distributed":
+            steps.append(distributed_noise_step(self.cfg, len(self.client_ids)))
+        return [*steps, self.wire]
 
     def train_clients(self, tasks: list[Task], global_params: torch.Tensor) -> Iterator[tuple[Task, Update]]:
         """Local training of each task's client from ``global_params``, one after another."""
@@ -124,7 +127,10 @@ class InProcessSimulation:
                 log.debug("update of %s rejected: %s", task.client_id, e)
                 continue
             self.rounds.submit(task.client_id, update)
-        return self.rounds.finish_round()
+        summary = self.rounds.finish_round()
+        if self.privacy is not None:
+            self.privacy.record_round(tasks)
+        return summary
 
     def evaluate(self) -> dict[str, float]:
         return self.trainer.evaluate(self.rounds.global_params, self.test_x, self.test_y)

@@ -1,0 +1,105 @@
+"""Local differential privacy on a client: DP-SGD (Abadi et al. 2016) with Opacus.
+
+Each local step draws a Poisson sample of the client's examples (rate q = B / n_k, the
+assumption of the accountant), and Opacus computes per-sample gradients
+(``GradSampleModule``), clips each to ``privacy.clip_norm`` and adds N(0, z² C²) to their
+sum (``DPOptimizer``), divided by the expected batch size B. The update the client sends
+is then differentially private with respect to each of its examples, whatever the server
+does with it.
+
+The flat-buffer binding stays: the model's parameters remain views of the trainer's
+flat buffer, Opacus writes fresh ``.grad`` tensors and torch's SGD updates the
+parameters in place, so the update is still ``flat - global`` with no copy. Models Opacus
+cannot handle (BatchNorm mixes examples of a batch) are fixed with
+``ModuleValidator.fix`` (BatchNorm -> GroupNorm), with a log message; the server's global
+model must be built the same way (the simulator builds one model for both).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+
+import torch
+import torch.nn.functional as F
+from opacus import GradSampleModule
+from opacus.optimizers import DPOptimizer
+from opacus.validators import ModuleValidator
+from torch import nn
+
+from shoal.accounting import dp_sgd_schedule
+from shoal.config import PrivacyConfig, TrainConfig
+from shoal.errors import ConfigError
+from shoal.seeding import derive_seed
+from shoal.update import Update
+
+from shoal.client.training import LocalTrainer
+
+log = logging.getLogger(__name__)
+
+
+def fix_for_opacus(model: nn.Module) -> nn.Module:
+    """The model, or a copy Opacus can train (e.g. BatchNorm -> GroupNorm), with a message."""
+    if not ModuleValidator.validate(model, strict=False):
+        return model
+    fixed = ModuleValidator.fix(model)
+    before = Counter(type(m).__name__ for m in model.modules())
+    after = Counter(type(m).__name__ for m in fixed.modules())
+    log.warning(
+        "DP-SGD: the model was changed so that per-sample gradients exist: %s replaced by %s; "
+        "the server's global model uses the same layers",
+        ", ".join(sorted((before - after).elements())), ", ".join(sorted((after - before).elements())),
+    )
+    remaining = ModuleValidator.validate(fixed, strict=False)
+    if remaining:
+        raise ConfigError(f"model.name: Opacus cannot train this model even after fixing it: {remaining}")
+    return fixed
+
+
+class DpSgdTrainer(LocalTrainer):
+    """LocalTrainer whose steps are DP-SGD: per-sample clipping + Gaussian noise (Opacus)."""
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig, privacy: PrivacyConfig, device: torch.device | str = "cpu"):
+        if cfg.prox_mu:
+            raise ConfigError("train.prox_mu must be 0 with privacy.mode = 'local' (DP-SGD trains plain SGD)")
+        super().__init__(fix_for_opacus(model), cfg, device)
+        self.privacy = privacy
+        self.grad_sample_module = GradSampleModule(self.model, loss_reduction="mean")
+        self._sgd = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                                    weight_decay=cfg.weight_decay)
+        self._noise_gen = torch.Generator(device=self.device)
+        self._dp_opt = DPOptimizer(self._sgd, noise_multiplier=privacy.noise_multiplier,
+                                   max_grad_norm=privacy.clip_norm, expected_batch_size=1,
+                                   loss_reduction="mean", generator=self._noise_gen)
+
+    def train(self, global_flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor, seed: int,
+              base_version: int = 0, sender: str = "") -> Update:
+        """``epochs * round(n / B)`` DP-SGD steps on Poisson samples of rate B / n from ``global_flat``."""
+        cfg, flat = self.cfg, self.flat
+        global_flat = global_flat.to(self.device)
+        flat.copy_(global_flat)
+        self._sgd.state.clear()  # momentum starts at zero for every client
+        n = int(y.shape[0])
+        q, steps = dp_sgd_schedule(n, cfg.batch(n), cfg.epochs)
+        self._dp_opt.expected_batch_size = cfg.batch(n)
+        self._noise_gen.manual_seed(derive_seed(seed, 1))
+        gen = torch.Generator().manual_seed(int(seed) % (1 << 63))
+        loss_sum, sampled = 0.0, 0
+        self.grad_sample_module.train()
+        for _ in range(steps):
+            idx = torch.nonzero(torch.rand(n, generator=gen) < q).squeeze(1).to(self.device)
+            self._dp_opt.zero_grad(set_to_none=True)
+            if len(idx) == 0:
+                # An empty Poisson sample still takes a step: zero gradient, full noise.
+                for p in self.model.parameters():
+                    p.grad_sample = torch.zeros((1, *p.shape), device=p.device, dtype=p.dtype)
+            else:
+                loss = F.cross_entropy(self.grad_sample_module(x[idx]), y[idx])
+                loss.backward()
+                loss_sum += float(loss.detach()) * len(idx)
+                sampled += len(idx)
+            self._dp_opt.step()
+        self._dp_opt.zero_grad(set_to_none=True)
+        delta = flat - global_flat
+        metrics = {"train_loss": loss_sum / max(sampled, 1), "local_steps": float(steps)}
+        return Update(delta=delta, num_examples=n, base_version=base_version, sender=sender, metrics=metrics)

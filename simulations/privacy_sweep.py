@@ -1,0 +1,139 @@
+"""`shoal privacy-sweep`: accuracy and empirical leakage against epsilon, in one command.
+
+Runs the config without privacy (the baseline), then once per (mode, noise multiplier)
+of ``privacy.sweep_modes`` x ``privacy.sweep_noise_multipliers``, all on the same data
+split and seed. After each run a loss-threshold membership-inference audit (mia.py)
+attacks the final global model. Writes, under the output folder:
+
+* ``<setting>/``: each run's metrics.jsonl and summary.json,
+* ``results.csv`` and ``results.md``: one row per setting,
+* ``accuracy_vs_epsilon.png``: test accuracy and attack AUC against epsilon (log x).
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shoal.config import Config
+from shoal.datasets import load_federated
+from shoal.seeding import derive_seed
+
+from .experiment import run_simulation
+from .inprocess import InProcessSimulation
+from .mia import loss_threshold_audit
+
+log = logging.getLogger(__name__)
+
+COLUMNS = ["mode", "noise_multiplier", "epsilon", "delta", "rounds", "test_accuracy", "mia_auc",
+           "mia_tpr_at_1pct_fpr", "member_loss", "nonmember_loss", "mia_samples", "wall_s"]
+
+
+def settings(cfg: Config) -> list[tuple[str, float]]:
+    """The baseline, then every (mode, noise multiplier) of the grid."""
+    p = cfg.privacy
+    return [("none", 0.0)] + [(m, z) for m in p.sweep_modes for z in p.sweep_noise_multipliers]
+
+
+def run_setting(cfg: Config, data, mode: str, z: float, out: Path) -> dict[str, Any]:
+    """One simulation plus its audit; members are the samples of clients that trained."""
+    c = copy.deepcopy(cfg)
+    c.privacy.mode, c.privacy.noise_multiplier = mode, z
+    c.output.plots = False
+    c.validate()
+    t0 = time.perf_counter()
+    sim = InProcessSimulation(c, data)
+    participants: set[str] = set()
+    train = sim.train_clients
+
+    def tracked(tasks, global_params):
+        participants.update(t.client_id for t in tasks)
+        yield from train(tasks, global_params)
+
+    sim.train_clients = tracked  # the extension point: same training, plus who took part
+    summary = run_simulation(c, out, progress=False, sim=sim)
+    xs, ys = zip(*(sim.shards.get(i) for i, cid in enumerate(sim.client_ids) if cid in participants))
+    audit = loss_threshold_audit(sim.trainer, sim.global_params, (torch.cat(xs), torch.cat(ys)),
+                                 (sim.test_x, sim.test_y), c.privacy.mia_samples,
+                                 derive_seed(c.simulation.seed, 0x41A))
+    row = {
+        "mode": mode, "noise_multiplier": z,
+        "epsilon": summary.get("epsilon", math.inf), "delta": c.privacy.delta if mode != "none" else 0.0,
+        "rounds": summary["rounds"], "test_accuracy": summary["final_test_accuracy"],
+        **audit, "wall_s": round(time.perf_counter() - t0, 1),
+    }
+    log.info("%s z=%g: epsilon %.3g, accuracy %.4f, MIA AUC %.3f", mode, z, row["epsilon"],
+             row["test_accuracy"], row["mia_auc"])
+    return row
+
+
+def run_privacy_sweep(cfg: Config, out_dir: str | Path) -> list[dict[str, Any]]:
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    data = load_federated(cfg.data, cfg.simulation.num_clients, cfg.simulation.seed)
+    rows = [run_setting(cfg, data, mode, z, out / (mode if mode == "none" else f"{mode}_z{z:g}"))
+            for mode, z in settings(cfg)]
+    write_csv(rows, out / "results.csv")
+    (out / "results.md").write_text(markdown_table(rows))
+    plot_sweep(rows, out / "accuracy_vs_epsilon.png", title=f"{cfg.data.dataset} / {cfg.model.name}")
+    return rows
+
+
+def write_csv(rows: list[dict[str, Any]], path: Path) -> None:
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        for r in rows:
+            w.writerow({k: r[k] for k in COLUMNS})
+
+
+def _fmt_eps(e: float) -> str:
+    return "∞ (no DP)" if math.isinf(e) else f"{e:.3g}"
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| mode | noise multiplier z | epsilon (delta) | rounds | test accuracy | attack AUC | TPR @ 1% FPR | loss member / non-member |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        eps = _fmt_eps(r["epsilon"]) + ("" if r["mode"] == "none" else f" ({r['delta']:g})")
+        lines.append(
+            f"| {r['mode']} | {r['noise_multiplier']:g} | {eps} | {r['rounds']} | {r['test_accuracy']:.4f} | "
+            f"{r['mia_auc']:.3f} | {r['mia_tpr_at_1pct_fpr']:.3f} | {r['member_loss']:.3f} / {r['nonmember_loss']:.3f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_sweep(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
+    """Accuracy (left) and attack AUC (right) against epsilon, log x; the baseline dashed."""
+    from .report import plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    base = next((r for r in rows if r["mode"] == "none"), None)
+    for ax, key, label in ((axes[0], "test_accuracy", "test accuracy"), (axes[1], "mia_auc", "attack ROC AUC")):
+        for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"] != "none"):
+            pts = sorted((r["epsilon"], r[key]) for r in rows if r["mode"] == mode and math.isfinite(r["epsilon"]))
+            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{mode} DP")
+        if base is not None:
+            ax.axhline(base[key], color="k", ls="--", lw=1, label="no DP")
+        if key == "mia_auc":
+            ax.axhline(0.5, color="grey", ls=":", lw=1, label="chance")
+        ax.set_xscale("log")
+        ax.set_xlabel("epsilon (log scale)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
