@@ -30,7 +30,7 @@ from torch import nn
 from torch.func import functional_call, vmap
 
 from shoal.config import TrainConfig
-from shoal.params import ParamSpec, trainable_mask
+from shoal.params import ParamSpec
 from shoal.update import Update
 
 from .training import autocast
@@ -43,6 +43,12 @@ log = logging.getLogger(__name__)
 HANDLED_TRAIN_FIELDS = frozenset(
     {"epochs", "batch_size", "lr", "momentum", "weight_decay", "prox_mu", "device", "precision"}
 )
+CPU_CHUNK_BYTES = 64 << 20
+# On a CPU, sequential training of a model this small is dominated by per-step Python
+# overhead, which batching removes; a larger model's per-client state falls out of cache
+# when K copies are stacked, and the batched matmuls were measured no faster than one
+# client at a time (docs/results.md, "Fast simulation"). GPUs batch every model.
+CPU_AUTO_MAX_PARAMS = 100_000
 _RANDOM_OR_STATEFUL = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._NormBase)
 
 
@@ -87,18 +93,19 @@ def clients_per_chunk(
 ) -> int:
     """How many clients fit in one vmapped chunk within a fixed memory budget.
 
-    Per client: parameters, gradient, momentum and two temporaries (5 x numel floats)
-    plus the activations of one batch kept for backward (about 3 x per sample). The
-    budget is fixed per device kind (2 GiB on CPU, a third of the GPU's total memory),
-    not read from free memory, so a config gives the same chunks, hence the same
-    numbers, on every run.
+    Per client: parameters, gradient and momentum (3 x numel floats) plus the
+    activations of one batch kept for backward (about 3 x per sample). On a GPU the
+    budget is a third of its memory; on a CPU it is 64 MiB, because there batching pays
+    only while the chunk's state stays in cache (bench/sim_throughput.py). The budget is
+    fixed per device, not read from free memory, so a config gives the same chunks, hence
+    the same numbers, on every run.
     """
     if budget_bytes is None:
         if device.type == "cuda":
             budget_bytes = torch.cuda.get_device_properties(device).total_memory // 3
         else:
-            budget_bytes = 2 << 30
-    per_client = 4 * (5 * spec.numel + 3 * batch_size * activation_floats(model, input_shape))
+            budget_bytes = CPU_CHUNK_BYTES
+    per_client = 4 * (3 * spec.numel + 3 * batch_size * activation_floats(model, input_shape))
     return max(1, budget_bytes // max(per_client, 1))
 
 
@@ -119,8 +126,7 @@ class BatchedTrainer:
         missing = [e.name for e in spec.entries if e.name not in names]
         if missing:
             raise ValueError(f"cannot batch clients: spec entries {missing} are not parameters")
-        mask = trainable_mask(model, spec).to(self.device)
-        self._mask = None if bool(mask.all()) else mask
+        self._trainable = {n for n, p in model.named_parameters() if p.requires_grad}
 
         def forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
             return functional_call(self.model, params, (x,))
@@ -196,38 +202,49 @@ class BatchedTrainer:
         # clients are sorted by steps (descending): active[t] = how many still train at t
         active = [sum(1 for s in steps if s > t) for t in range(max(steps, default=0))]
         for t, a in enumerate(active):
-            p = params[:a].detach().requires_grad_(True)
-            views = {e.name: p[:, e.offset : e.offset + e.numel].view(a, *e.shape) for e in spec.entries}
+            # One leaf per tensor (views of the first a rows): autograd returns each
+            # gradient once, and the step below works on the same views in place.
+            p = [self._rows(params, e, a).detach().requires_grad_(e.name in self._trainable) for e in spec.entries]
             idx = rows[:a, t]
             xb, yb, wb = x_all[idx], y_all[idx], weights[:a, t]
             with autocast(self.device, cfg.precision):
-                logits = self._forward(views, xb)
+                logits = self._forward({e.name: v for e, v in zip(spec.entries, p)}, xb)
             ce = F.cross_entropy(logits.flatten(0, 1).float(), yb.flatten(), reduction="none").view_as(wb)
             loss = (ce * wb).sum(1)
-            (grad,) = torch.autograd.grad(loss.sum(), p)
+            train = [(e, v) for e, v in zip(spec.entries, p) if v.requires_grad]
+            grads = torch.autograd.grad(loss.sum(), [v for _, v in train])
             with torch.no_grad():
-                if self._mask is not None:  # frozen parameters get no gradient step (as in LocalTrainer)
-                    grad.mul_(self._mask)
-                self._step(params[:a], grad, None if momentum is None else momentum[:a], global_flat)
+                for (e, _), grad in zip(train, grads):
+                    self._step(
+                        self._rows(params, e, a), grad,
+                        None if momentum is None else self._rows(momentum, e, a),
+                        self._rows(global_flat.unsqueeze(0), e, 1),
+                    )
                 loss_sum[:a] += loss.detach()
         deltas = params - global_flat
         return deltas, loss_sum.cpu()
 
-    def _step(self, flat: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor | None,
-              global_flat: torch.Tensor) -> None:
-        """LocalTrainer._step on every row at once (in place on ``flat``/``momentum``)."""
+    @staticmethod
+    def _rows(flat: torch.Tensor, e, a: int) -> torch.Tensor:
+        """The first ``a`` rows of tensor ``e`` in a (K, numel) buffer, shaped (a, *shape)."""
+        return flat[:a, e.offset : e.offset + e.numel].view(a, *e.shape)
+
+    def _step(self, w: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor | None,
+              w_global: torch.Tensor) -> None:
+        """LocalTrainer._step for one trainable tensor of every row (in place on w/momentum).
+
+        Frozen tensors get no step at all, as in LocalTrainer (their gradient is zero and
+        weight decay / the proximal term are masked to trainable entries).
+        """
         cfg = self.cfg
         if cfg.weight_decay:
-            grad.add_(self._masked(flat), alpha=cfg.weight_decay)
-        if cfg.prox_mu:
-            grad.add_(self._masked(flat - global_flat), alpha=cfg.prox_mu)
+            grad.add_(w, alpha=cfg.weight_decay)
+        if cfg.prox_mu:  # FedProx: gradient of (mu/2)||w - w_global||^2
+            grad.add_(w - w_global, alpha=cfg.prox_mu)
         step = grad
         if momentum is not None:
             step = momentum.mul_(cfg.momentum).add_(grad)
-        flat.add_(step, alpha=-cfg.lr)
-
-    def _masked(self, t: torch.Tensor) -> torch.Tensor:
-        return t if self._mask is None else t * self._mask
+        w.add_(step, alpha=-cfg.lr)
 
 
 def make_batched_trainer(
@@ -237,7 +254,8 @@ def make_batched_trainer(
     """``simulation.batch_clients`` -> a BatchedTrainer, or None to train one by one.
 
     ``auto`` batches every round's clients that fit the memory budget of
-    :func:`clients_per_chunk`; an integer N caps the chunk at N (1 = sequential). A model
+    :func:`clients_per_chunk` (on a CPU only models up to CPU_AUTO_MAX_PARAMS); an
+    integer N caps the chunk at N (1 = sequential). A model
     or option that cannot be batched falls back to sequential and says why, once.
     """
     if setting == 1 or clients_per_round <= 1:
@@ -246,6 +264,10 @@ def make_batched_trainer(
     if reason is not None:
         level = logging.INFO if setting == "auto" else logging.WARNING
         log.log(level, "simulation.batch_clients = %r: training clients one by one because %s", setting, reason)
+        return None
+    if setting == "auto" and device.type == "cpu" and spec.numel > CPU_AUTO_MAX_PARAMS:
+        log.info("simulation.batch_clients = 'auto': training clients one by one on the CPU because the model has "
+                 "%d > %d parameters (set an integer to batch anyway)", spec.numel, CPU_AUTO_MAX_PARAMS)
         return None
     fit = clients_per_chunk(model, spec, input_shape, cfg.batch(max(max_client_size, 1)), device)
     n = min(clients_per_round, fit if setting == "auto" else int(setting))

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch import nn
 
-from shoal.client.batched import BatchedTrainer, make_batched_trainer, unsupported_reason
+from shoal.client.batched import BatchedTrainer, clients_per_chunk, make_batched_trainer, unsupported_reason
 from shoal.client.training import LocalTrainer
 from shoal.config import TrainConfig, load_config
 from shoal.errors import ConfigError
@@ -82,15 +82,15 @@ def test_simulation_rounds_batched_equal_sequential():
     # 200 local steps amplify a 5e-8 difference in the global model to 0.2 (chaotic
     # dynamics, both paths alike), which would test the dynamics, not the batching.
     seq, p_seq, l_seq = sim_params(1)
-    auto, p_auto, l_auto = sim_params('"auto"')
+    five, p_five, l_five = sim_params(5)
     two, p_two, _ = sim_params(2)
-    assert seq.batched is None and auto.batched is not None and two.batched.max_clients == 2
+    assert seq.batched is None and five.batched.max_clients == 5 and two.batched.max_clients == 2
     torch.manual_seed(0)  # the initial model, as the simulator builds it
     p0 = torch.cat([p.detach().flatten() for p in build_model("2nn", seq.data.input_shape, seq.data.num_classes).parameters()])
     assert (p_seq - p0).abs().max() > 1e-2  # training moved the model
-    assert torch.allclose(p_auto, p_seq, atol=1e-5, rtol=0)
+    assert torch.allclose(p_five, p_seq, atol=1e-5, rtol=0)
     assert torch.allclose(p_two, p_seq, atol=1e-5, rtol=0)
-    assert l_auto == pytest.approx(l_seq, abs=1e-5)
+    assert l_five == pytest.approx(l_seq, abs=1e-5)
 
 
 class WithBatchNorm(nn.Module):
@@ -117,13 +117,20 @@ def test_unbatchable_models_fall_back_and_say_why(caplog):
 
 
 def test_chunk_size_from_setting_and_budget():
-    model = build_model("2nn", (1, 28, 28), 10)
-    spec = ParamSpec.of(model)
     cpu = torch.device("cpu")
-    assert make_batched_trainer(1, model, spec, TrainConfig(), cpu, (1, 28, 28), 100, 600) is None
-    assert make_batched_trainer(7, model, spec, TrainConfig(), cpu, (1, 28, 28), 100, 600).max_clients == 7
-    assert make_batched_trainer("auto", model, spec, TrainConfig(), cpu, (1, 28, 28), 100, 600).max_clients == 100
-    assert make_batched_trainer("auto", model, spec, TrainConfig(), cpu, (1, 28, 28), 1, 600) is None
+    small = build_model("logreg", (1, 28, 28), 10)
+    spec = ParamSpec.of(small)
+    assert make_batched_trainer(1, small, spec, TrainConfig(), cpu, (1, 28, 28), 100, 600) is None
+    assert make_batched_trainer(7, small, spec, TrainConfig(), cpu, (1, 28, 28), 100, 600).max_clients == 7
+    assert make_batched_trainer("auto", small, spec, TrainConfig(), cpu, (1, 28, 28), 100, 600).max_clients == 100
+    assert make_batched_trainer("auto", small, spec, TrainConfig(), cpu, (1, 28, 28), 1, 600) is None
+    big = build_model("cnn", (1, 28, 28), 10)
+    big_spec = ParamSpec.of(big)
+    # auto keeps large models sequential on a CPU; an explicit N batches them, within budget
+    assert make_batched_trainer("auto", big, big_spec, TrainConfig(), cpu, (1, 28, 28), 100, 600) is None
+    fit = clients_per_chunk(big, big_spec, (1, 28, 28), 10, cpu)
+    assert 1 < fit < 100
+    assert make_batched_trainer(100, big, big_spec, TrainConfig(), cpu, (1, 28, 28), 100, 600).max_clients == fit
 
 
 def test_config_validation():
