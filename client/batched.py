@@ -255,7 +255,7 @@ def make_batched_trainer(
 
     ``auto`` batches every round's clients that fit the memory budget of
     :func:`clients_per_chunk` (on a CPU only models up to CPU_AUTO_MAX_PARAMS); an
-    integer N caps the chunk at N (1 = sequential). A model
+    integer N trains N at once as asked (1 = sequential; the memory is then the user's call). A model
     or option that cannot be batched falls back to sequential and says why, once.
     """
     if setting == 1 or clients_per_round <= 1:
