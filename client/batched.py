@@ -12,7 +12,7 @@ K Python round trips. Semantics are LocalTrainer's (client/training.py), step fo
 - clients are sorted by their number of local steps (most first), so at every step the
   clients still training are a prefix of the rows and finished clients cost nothing;
 - weight decay, the FedProx term (Li et al. 2020, eq. 2) and heavy-ball momentum are the
-  same vector ops as LocalTrainer._step, applied row-wise.
+  same vector ops as LocalTrainer._step, applied to every client's copy of each tensor.
 
 Models with buffers (BatchNorm statistics) or layers that draw randomness (dropout) are
 not batched: :func:`unsupported_reason` says why and the simulator trains them one by one.
