@@ -45,6 +45,7 @@ class SimulationConfig:
     mode: str = "sync"             # sync rounds | async (FedAsync/FedBuff, [asynchronous]) | gossip ([gossip], no server)
     device: str = "auto"           # where simulated clients train: auto | cpu | cuda[:N]
     progress: bool = True          # progress bar on a terminal
+    batch_clients: int | str = "auto"  # clients trained at once (vmap): auto | N | 1 (one by one)
 
     def validate(self) -> None:
         _positive("simulation.rounds", self.rounds)
@@ -55,6 +56,9 @@ class SimulationConfig:
         _positive("simulation.eval_every", self.eval_every)
         _choice("simulation.engine", self.engine, ("inprocess",))
         _choice("simulation.mode", self.mode, ("sync", "async", "gossip"))
+        b = self.batch_clients
+        if not ((isinstance(b, int) and b >= 1) or b == "auto"):
+            raise ConfigError(f"simulation.batch_clients = {b!r} must be \"auto\" or an integer >= 1 (1 trains clients one by one)")
 
 
 @dataclass
@@ -108,6 +112,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     prox_mu: float = 0.0           # FedProx proximal term (Li et al. 2020); 0 is FedAvg
     device: str = "auto"           # auto | cpu | cuda | cuda:N (client nodes)
+    precision: str = "fp32"        # fp32 | bf16 (autocast of the forward pass)
 
     def validate(self) -> None:
         _positive("train.epochs", self.epochs)
@@ -121,6 +126,7 @@ class TrainConfig:
         _positive("train.prox_mu", self.prox_mu, allow_zero=True)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"train.device = {self.device!r}: use auto, cpu, cuda or cuda:N")
+        _choice("train.precision", self.precision, ("fp32", "bf16"))
 
     def batch(self, n: int) -> int:
         """The batch size for a client holding ``n`` examples."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import torch
 
+from shoal.client.batched import make_batched_trainer
 from shoal.client.device import select_device
 from shoal.config import Config
 from shoal.datasets import FederatedData, load_federated
@@ -91,6 +92,11 @@ class InProcessSimulation:
         )
         self.wire = WireStep(cfg.compression, self.spec)
         self.client_steps: list[ClientStep] = self._client_steps()
+        # DP-SGD (privacy.mode = "local") clips per sample with Opacus: never batched across clients
+        self.batched = None if cfg.privacy.mode == "local" else make_batched_trainer(
+            sim.batch_clients, self.trainer.model, self.spec, cfg.train, self.device, self.data.input_shape,
+            self.rounds.sample_size(len(self.client_ids)), max(map(self.shards.size, range(len(self.shards))), default=0),
+        )
         log.info(
             "simulation: %d clients, %d train / %d test samples, model %s (%d parameters) on %s",
             len(self.client_ids), len(self.data.train), len(self.data.test), cfg.model.name,
@@ -109,7 +115,17 @@ class InProcessSimulation:
         return [*steps, self.wire]
 
     def train_clients(self, tasks: list[Task], global_params: torch.Tensor) -> Iterator[tuple[Task, Update]]:
-        """Local training of each task's client from ``global_params``, one after another."""
+        """Local training of each task's client from ``global_params`` (batched: client/batched.py)."""
+        if self.batched is not None:
+            idx = [self._index[t.client_id] for t in tasks]
+            starts = [int(self.shards.bounds[i]) for i in idx]
+            sizes = [self.shards.size(i) for i in idx]
+            for j, update in self.batched.train(global_params, self.shards.x, self.shards.y, starts, sizes,
+                                                [t.seed for t in tasks]):
+                task = tasks[j]
+                update.base_version, update.sender = task.version, task.client_id
+                yield task, update
+            return
         for task in tasks:
             x, y = self.shards.get(self._index[task.client_id])
             yield task, self.trainer.train(global_params, x, y, task.seed, task.version, task.client_id)

@@ -1,0 +1,216 @@
+"""Client-epochs per second of simulated local training: batched vs sequential vs bare torch.
+
+One "round" = K clients, each starting from the same global model and running one local
+epoch of SGD (B = 10) over its own samples, followed by the streaming weighted mean of
+their deltas (what InProcessSimulation does per round). Three ways, side by side:
+
+- ``bare``: the textbook loop (load_state_dict, torch.optim.SGD, zero_grad/backward/step)
+  a user would write, one client after another;
+- ``seq``: shoal's LocalTrainer (flat parameter buffer, one client after another);
+- ``batched``: shoal's BatchedTrainer (torch.func vmap over K stacked models).
+
+Data is MNIST-shaped random tensors (1x28x28, 10 classes) resident on the device, as in
+the simulator; throughput does not depend on the pixel values. ``bare`` and ``seq`` cost
+the same per client at any K, so for large K they are timed on the first ``--seq-cap``
+clients only (printed); ``batched`` always trains all K. On CUDA the achieved FLOP/s
+(counted with torch.utils.flop_counter on one step) is printed against the GPU's peak.
+
+    python bench/sim_throughput.py                 # CPU: logreg, 2nn (K up to 1000), cnn (K up to 10)
+    python bench/sim_throughput.py --quick         # smaller, about a minute
+    python bench/sim_throughput.py --device cuda   # all models up to K = 1000, 600 samples per client
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from shoal.aggregation.mean import WeightedMean  # noqa: E402
+from shoal.client.batched import BatchedTrainer, clients_per_chunk  # noqa: E402
+from shoal.client.device import select_device  # noqa: E402
+from shoal.client.training import LocalTrainer, autocast  # noqa: E402
+from shoal.config import TrainConfig  # noqa: E402
+from shoal.models import build_model  # noqa: E402
+from shoal.params import ParamSpec  # noqa: E402
+
+SHAPE, CLASSES = (1, 28, 28), 10
+
+# Dense peak TFLOP/s by GPU name fragment: (fp32 without tensor cores, bf16 tensor cores),
+# from the vendors' data sheets (SXM parts; bf16 without sparsity).
+PEAK_TFLOPS = {
+    "H200": (67.0, 989.0),
+    "H100": (67.0, 989.0),
+    "A100": (19.5, 312.0),
+    "L40S": (91.6, 362.0),
+    "A10G": (31.2, 70.0),
+    "L4": (30.3, 121.0),
+    "RTX 4090": (82.6, 165.0),
+}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def make_clients(k: int, n: int, device: torch.device):
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand((k * n, *SHAPE), generator=gen).to(device)
+    y = torch.randint(0, CLASSES, (k * n,), generator=gen).to(device)
+    return x, y, [i * n for i in range(k)], [n] * k
+
+
+def run_bare(model, global_flat, spec, x, y, starts, sizes, cfg, device):
+    """The loop one writes from the PyTorch tutorial, one client after another."""
+    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
+    views = spec.views(global_flat)
+    acc = WeightedMean(spec.numel, device)
+    for i, (a, n) in enumerate(zip(starts, sizes)):
+        model.load_state_dict(views)
+        gen = torch.Generator().manual_seed(i)
+        perm = torch.randperm(n, generator=gen).to(device) + a
+        for s in range(0, n, cfg.batch(n)):
+            idx = perm[s : s + cfg.batch(n)]
+            opt.zero_grad()
+            with autocast(device, cfg.precision):
+                out = model(x[idx])
+            F.cross_entropy(out.float(), y[idx]).backward()
+            opt.step()
+        local = torch.cat([p.detach().flatten() for p in model.parameters()])
+        acc.add(local - global_flat, n)
+    return acc.mean()
+
+
+def run_seq(trainer, global_flat, spec, x, y, starts, sizes, device):
+    acc = WeightedMean(spec.numel, device)
+    for i, (a, n) in enumerate(zip(starts, sizes)):
+        u = trainer.train(global_flat, x[a : a + n], y[a : a + n], seed=i)
+        acc.add(u.delta, u.num_examples)
+    return acc.mean()
+
+
+def run_batched(batched, global_flat, spec, x, y, starts, sizes, device):
+    acc = WeightedMean(spec.numel, device)
+    for _, u in batched.train(global_flat, x, y, starts, sizes, list(range(len(sizes)))):
+        acc.add(u.delta, u.num_examples)
+    return acc.mean()
+
+
+def timed(fn, device, repeats: int) -> float:
+    """Best of ``repeats`` wall times: on a shared machine the minimum is the least disturbed."""
+    best = float("inf")
+    for _ in range(repeats):
+        sync(device)
+        t0 = time.perf_counter()
+        fn()
+        sync(device)
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def flops_per_sample(model, cfg: TrainConfig, device: torch.device) -> float:
+    """Forward + backward FLOPs of one training sample (torch.utils.flop_counter)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    b = 10
+    x = torch.rand((b, *SHAPE), device=device)
+    y = torch.randint(0, CLASSES, (b,), device=device)
+    with FlopCounterMode(display=False) as counter:
+        F.cross_entropy(model(x), y).backward()
+    model.zero_grad(set_to_none=False)
+    return counter.get_total_flops() / b
+
+
+def peak_tflops(device: torch.device, precision: str, override: float | None) -> tuple[float | None, str]:
+    if override:
+        return override, "given with --peak-tflops"
+    name = torch.cuda.get_device_name(device)
+    for key, (fp32, bf16) in PEAK_TFLOPS.items():
+        if key in name:
+            return (bf16 if precision == "bf16" else fp32), f"{name}, {precision} dense data-sheet peak"
+    return None, f"{name}: peak unknown, pass --peak-tflops"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
+    ap.add_argument("--models", default="logreg,2nn,cnn")
+    ap.add_argument("--ks", default="1,10,100,1000", help="clients per round")
+    ap.add_argument("--samples", type=int, default=0, help="samples per client (default: 600 on CUDA, 60 on CPU)")
+    ap.add_argument("--batch-size", type=int, default=10)
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--seq-cap", type=int, default=0, help="time bare/seq on at most this many clients (default 100 CUDA, 20 CPU)")
+    ap.add_argument("--cnn-all", action="store_true", help="on CPU also run the CNN at K >= 100 (slow)")
+    ap.add_argument("--repeats", type=int, default=3, help="time each way this many times, keep the best")
+    ap.add_argument("--quick", action="store_true", help="K = 1, 10, 100 and 30 samples per client")
+    ap.add_argument("--peak-tflops", type=float, default=None, help="the device's peak, if not in the table")
+    args = ap.parse_args()
+
+    device = select_device(args.device)
+    cuda = device.type == "cuda"
+    samples = args.samples or (30 if args.quick else 600 if cuda else 60)
+    ks = [int(k) for k in args.ks.split(",")]
+    if args.quick:
+        ks = [k for k in ks if k <= 100]
+    seq_cap = args.seq_cap or (100 if cuda else 20)
+    cfg = TrainConfig(epochs=1, batch_size=args.batch_size, lr=0.05, precision=args.precision)
+    peak, peak_note = peak_tflops(device, args.precision, args.peak_tflops) if cuda else (None, "")
+    print(f"device {device}" + (f" ({torch.cuda.get_device_name(device)})" if cuda else f" ({torch.get_num_threads()} threads)")
+          + f", {samples} samples per client, B = {args.batch_size}, 1 local epoch, {args.precision}")
+    if cuda:
+        print(f"peak: {peak} TFLOP/s ({peak_note})")
+    head = f"{'model':7} {'K':>5} {'clients/chunk':>13} {'bare ce/s':>10} {'seq ce/s':>10} {'batched ce/s':>12} {'batched/seq':>11} {'batched/bare':>12} {'s/round':>8}"
+    if cuda:
+        head += f" {'TFLOP/s':>8} {'of peak':>8}"
+    print(head)
+    for name in args.models.split(","):
+        torch.manual_seed(0)
+        model = build_model(name, SHAPE, CLASSES).to(device)
+        fps = flops_per_sample(model, cfg, device)
+        trainer = LocalTrainer(model, cfg, device)
+        spec: ParamSpec = trainer.spec
+        g = trainer.flat.detach().clone()
+        bare_model = build_model(name, SHAPE, CLASSES).to(device)
+        fit = clients_per_chunk(trainer.model, spec, SHAPE, args.batch_size, device)
+        for k in ks:
+            if name == "cnn" and k >= 100 and not cuda and not args.cnn_all:
+                print(f"{name:7} {k:>5}  skipped on CPU (pass --cnn-all)")
+                continue
+            x, y, starts, sizes = make_clients(k, samples, device)
+            m = min(k, seq_cap)
+            batched = BatchedTrainer(trainer.model, spec, cfg, device, min(k, fit))
+            # warm-up (kernels, allocator) on a few clients, then one timed round each
+            w = min(k, 4)
+            run_bare(bare_model, g, spec, x, y, starts[:w], sizes[:w], cfg, device)
+            run_seq(trainer, g, spec, x, y, starts[:w], sizes[:w], device)
+            run_batched(batched, g, spec, x, y, starts[:w], sizes[:w], device)
+            r = 1 if args.quick else args.repeats
+            t_bare = timed(lambda: run_bare(bare_model, g, spec, x, y, starts[:m], sizes[:m], cfg, device), device, r)
+            t_seq = timed(lambda: run_seq(trainer, g, spec, x, y, starts[:m], sizes[:m], device), device, r)
+            t_bat = timed(lambda: run_batched(batched, g, spec, x, y, starts, sizes, device), device, r)
+            r_bare, r_seq, r_bat = m / t_bare, m / t_seq, k / t_bat
+            line = (f"{name:7} {k:>5} {batched.max_clients:>13} {r_bare:>10.1f} {r_seq:>10.1f} {r_bat:>12.1f} "
+                    f"{r_bat / r_seq:>10.2f}x {r_bat / r_bare:>11.2f}x {t_bat:>8.3f}")
+            if cuda:
+                achieved = fps * samples * k / t_bat / 1e12
+                line += f" {achieved:>8.2f} " + (f"{100 * achieved / peak:>7.2f}%" if peak else f"{'?':>8}")
+            if m < k:
+                line += f"  (bare/seq timed on {m} of {k} clients)"
+            print(line, flush=True)
+            if name == "cnn" and k == 1000 and samples == 600 and args.batch_size == 10:
+                verdict = "met" if t_bat <= 5.0 else "NOT met"
+                print(f"  target: 1000 clients x 600 samples, CNN, B = 10: {t_bat:.2f} s per round (<= 5 s: {verdict})")
+            del x, y, batched
+        print(f"  {name}: {spec.numel:,} parameters, {fps / 1e6:.2f} MFLOP per training sample (fwd+bwd)")
+    print(f"ce/s = client-epochs per second, best of {1 if args.quick else args.repeats}; ratios are side by side in this run.")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,278 @@
+"""Many clients' local training at once: one vmapped forward/backward for K models.
+
+The K clients' parameters are the rows of one (K, numel) tensor; ``torch.func``'s
+``functional_call`` under ``vmap`` runs the shared architecture with each row as its
+weights, so a step of K clients is a handful of batched matmuls/convolutions instead of
+K Python round trips. Semantics are LocalTrainer's (client/training.py), step for step:
+
+- each client's batches come from ``torch.randperm`` with a CPU Generator seeded by the
+  client's task seed, one permutation per epoch, with the same partial last batch;
+- a batch shorter than the padded width has its padded rows weighted 0 and its real
+  rows 1/n, so its loss (and gradient) is the mean over the real rows only;
+- clients are sorted by their number of local steps (most first), so at every step the
+  clients still training are a prefix of the rows and finished clients cost nothing;
+- weight decay, the FedProx term (Li et al. 2020, eq. 2) and heavy-ball momentum are the
+  same vector ops as LocalTrainer._step, applied to every client's copy of each tensor.
+
+Models with buffers (BatchNorm statistics) or layers that draw randomness (dropout) are
+not batched: :func:`unsupported_reason` says why and the simulator trains them one by one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.func import functional_call, vmap
+
+from shoal.config import TrainConfig
+from shoal.params import ParamSpec
+from shoal.update import Update
+
+from .training import autocast
+
+log = logging.getLogger(__name__)
+
+# TrainConfig fields whose meaning BatchedTrainer reproduces. A field added later (by a
+# feature that changes local training) makes the batched path step aside, unless it is
+# left at its default, rather than silently ignoring it.
+HANDLED_TRAIN_FIELDS = frozenset(
+    {"epochs", "batch_size", "lr", "momentum", "weight_decay", "prox_mu", "device", "precision"}
+)
+CPU_CHUNK_BYTES = 64 << 20
+# On a CPU, sequential training of a model this small is dominated by per-step Python
+# overhead, which batching removes; a larger model's per-client state falls out of cache
+# when K copies are stacked, and the batched matmuls were measured no faster than one
+# client at a time (docs/results.md, "Fast simulation"). GPUs batch every model.
+CPU_AUTO_MAX_PARAMS = 100_000
+_RANDOM_OR_STATEFUL = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._NormBase)
+
+
+def unsupported_reason(model: nn.Module, cfg: TrainConfig) -> str | None:
+    """Why ``model`` trained with ``cfg`` cannot be batched, or None if it can."""
+    buffers = [n for n, _ in model.named_buffers()]
+    if buffers:
+        return f"the model has buffers ({', '.join(buffers[:3])}) that vmap cannot keep per client"
+    layers = sorted({type(m).__name__ for m in model.modules() if isinstance(m, _RANDOM_OR_STATEFUL)})
+    if layers:
+        return f"the model has {', '.join(layers)} layers (randomness/statistics per client)"
+    default = TrainConfig()
+    for f in dataclasses.fields(cfg):
+        if f.name not in HANDLED_TRAIN_FIELDS and getattr(cfg, f.name) != getattr(default, f.name):
+            return f"train.{f.name} = {getattr(cfg, f.name)!r} is not implemented by the batched trainer"
+    return None
+
+
+def activation_floats(model: nn.Module, input_shape: tuple[int, ...]) -> int:
+    """Floats the forward pass of one sample produces (sum over leaf modules' outputs)."""
+    total = 0
+
+    def count(_m, _i, out):
+        nonlocal total
+        total += out.numel()
+
+    leaves = [m for m in model.modules() if not list(m.children())]
+    hooks = [m.register_forward_hook(count) for m in leaves]
+    try:
+        with torch.no_grad():
+            p = next(model.parameters())
+            model(torch.zeros((1, *input_shape), dtype=p.dtype, device=p.device))
+    finally:
+        for h in hooks:
+            h.remove()
+    return total
+
+
+def clients_per_chunk(
+    model: nn.Module, spec: ParamSpec, input_shape: tuple[int, ...], batch_size: int, device: torch.device,
+    budget_bytes: int | None = None,
+) -> int:
+    """How many clients fit in one vmapped chunk within a fixed memory budget.
+
+    Per client: parameters, gradient and momentum (3 x numel floats) plus the
+    activations of one batch kept for backward (about 3 x per sample). On a GPU the
+    budget is a third of its memory; on a CPU it is 64 MiB, because there batching pays
+    only while the chunk's state stays in cache (bench/sim_throughput.py). The budget is
+    fixed per device, not read from free memory, so a config gives the same chunks, hence
+    the same numbers, on every run.
+    """
+    if budget_bytes is None:
+        if device.type == "cuda":
+            budget_bytes = torch.cuda.get_device_properties(device).total_memory // 3
+        else:
+            budget_bytes = CPU_CHUNK_BYTES
+    per_client = 4 * (3 * spec.numel + 3 * batch_size * activation_floats(model, input_shape))
+    return max(1, budget_bytes // max(per_client, 1))
+
+
+class BatchedTrainer:
+    """Trains up to ``max_clients`` clients at once from one global vector."""
+
+    def __init__(self, model: nn.Module, spec: ParamSpec, cfg: TrainConfig, device: torch.device | str,
+                 max_clients: int):
+        reason = unsupported_reason(model, cfg)
+        if reason is not None:
+            raise ValueError(f"cannot batch clients: {reason}")
+        self.model = model
+        self.spec = spec
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.max_clients = max(1, int(max_clients))
+        names = {n for n, _ in model.named_parameters()}
+        missing = [e.name for e in spec.entries if e.name not in names]
+        if missing:
+            raise ValueError(f"cannot batch clients: spec entries {missing} are not parameters")
+        self._trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+
+        def forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+            return functional_call(self.model, params, (x,))
+
+        self._forward = vmap(forward)
+
+    def train(
+        self,
+        global_flat: torch.Tensor,
+        x_all: torch.Tensor,
+        y_all: torch.Tensor,
+        starts: Sequence[int],
+        sizes: Sequence[int],
+        seeds: Sequence[int],
+    ) -> Iterator[tuple[int, Update]]:
+        """Train clients whose data are ``x_all[starts[i] : starts[i] + sizes[i]]``.
+
+        Yields ``(i, update)`` for every client i, in chunks of at most ``max_clients``,
+        clients with more local steps first. ``update.base_version``/``sender`` are left
+        for the caller to fill. ``x_all``/``y_all`` should live on the trainer's device.
+        """
+        cfg = self.cfg
+        steps = [cfg.epochs * -(-n // cfg.batch(n)) if n else 0 for n in sizes]
+        order = sorted(range(len(sizes)), key=lambda i: (-steps[i], i))
+        global_flat = global_flat.to(self.device)
+        for c in range(0, len(order), self.max_clients):
+            chunk = order[c : c + self.max_clients]
+            deltas, losses = self._train_chunk(
+                global_flat, x_all, y_all, [starts[i] for i in chunk], [sizes[i] for i in chunk],
+                [seeds[i] for i in chunk], [steps[i] for i in chunk],
+            )
+            for j, i in enumerate(chunk):
+                metrics = {"train_loss": float(losses[j]) / max(steps[i], 1), "local_steps": float(steps[i])}
+                yield i, Update(delta=deltas[j], num_examples=int(sizes[i]), metrics=metrics)
+
+    def _batch_plan(self, starts, sizes, seeds, steps) -> tuple[torch.Tensor, torch.Tensor]:
+        """Row indices into the data (K, T, B) and per-row loss weights (K, T, B).
+
+        Built on the CPU with the same Generator calls as LocalTrainer, then moved to the
+        device once per chunk; padded rows point at a real row and weigh 0.
+        """
+        cfg = self.cfg
+        width = max((cfg.batch(n) for n in sizes if n), default=1)
+        total = max(steps, default=0)
+        rows = torch.zeros((len(sizes), total, width), dtype=torch.long)
+        weights = torch.zeros((len(sizes), total, width), dtype=torch.float32)
+        for k, (start, n, seed) in enumerate(zip(starts, sizes, seeds)):
+            if n == 0:
+                continue
+            bs = cfg.batch(n)
+            per_epoch = -(-n // bs)
+            gen = torch.Generator().manual_seed(int(seed) % (1 << 63))
+            for e in range(cfg.epochs):
+                perm = torch.randperm(n, generator=gen)
+                padded = torch.full((per_epoch * bs,), -1, dtype=torch.long)
+                padded[:n] = perm
+                block = padded.view(per_epoch, bs)
+                real = block >= 0
+                counts = real.sum(1, keepdim=True).float()
+                t = slice(e * per_epoch, (e + 1) * per_epoch)
+                rows[k, t, :bs] = int(start) + block.clamp(min=0)
+                rows[k, t, bs:] = int(start)
+                weights[k, t, :bs] = real.float() / counts
+        return rows.to(self.device), weights.to(self.device)
+
+    def _train_chunk(self, global_flat, x_all, y_all, starts, sizes, seeds, steps):
+        cfg, spec = self.cfg, self.spec
+        k = len(sizes)
+        rows, weights = self._batch_plan(starts, sizes, seeds, steps)
+        params = global_flat.unsqueeze(0).repeat(k, 1)
+        momentum = torch.zeros_like(params) if cfg.momentum > 0 else None
+        loss_sum = torch.zeros(k, device=self.device)
+        # clients are sorted by steps (descending): active[t] = how many still train at t
+        active = [sum(1 for s in steps if s > t) for t in range(max(steps, default=0))]
+        for t, a in enumerate(active):
+            # One leaf per tensor (views of the first a rows): autograd returns each
+            # gradient once, and the step below works on the same views in place.
+            p = [self._rows(params, e, a).detach().requires_grad_(e.name in self._trainable) for e in spec.entries]
+            idx = rows[:a, t]
+            xb, yb, wb = x_all[idx], y_all[idx], weights[:a, t]
+            with autocast(self.device, cfg.precision):
+                logits = self._forward({e.name: v for e, v in zip(spec.entries, p)}, xb)
+            ce = F.cross_entropy(logits.flatten(0, 1).float(), yb.flatten(), reduction="none").view_as(wb)
+            loss = (ce * wb).sum(1)
+            train = [(e, v) for e, v in zip(spec.entries, p) if v.requires_grad]
+            grads = torch.autograd.grad(loss.sum(), [v for _, v in train])
+            with torch.no_grad():
+                for (e, _), grad in zip(train, grads):
+                    self._step(
+                        self._rows(params, e, a), grad,
+                        None if momentum is None else self._rows(momentum, e, a),
+                        self._rows(global_flat.unsqueeze(0), e, 1),
+                    )
+                loss_sum[:a] += loss.detach()
+        deltas = params - global_flat
+        return deltas, loss_sum.cpu()
+
+    @staticmethod
+    def _rows(flat: torch.Tensor, e, a: int) -> torch.Tensor:
+        """The first ``a`` rows of tensor ``e`` in a (K, numel) buffer, shaped (a, *shape)."""
+        return flat[:a, e.offset : e.offset + e.numel].view(a, *e.shape)
+
+    def _step(self, w: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor | None,
+              w_global: torch.Tensor) -> None:
+        """LocalTrainer._step for one trainable tensor of every row (in place on w/momentum).
+
+        Frozen tensors get no step at all, as in LocalTrainer (their gradient is zero and
+        weight decay / the proximal term are masked to trainable entries).
+        """
+        cfg = self.cfg
+        if cfg.weight_decay:
+            grad.add_(w, alpha=cfg.weight_decay)
+        if cfg.prox_mu:  # FedProx: gradient of (mu/2)||w - w_global||^2
+            grad.add_(w - w_global, alpha=cfg.prox_mu)
+        step = grad
+        if momentum is not None:
+            step = momentum.mul_(cfg.momentum).add_(grad)
+        w.add_(step, alpha=-cfg.lr)
+
+
+def make_batched_trainer(
+    setting: int | str, model: nn.Module, spec: ParamSpec, cfg: TrainConfig, device: torch.device,
+    input_shape: tuple[int, ...], clients_per_round: int, max_client_size: int,
+) -> BatchedTrainer | None:
+    """``simulation.batch_clients`` -> a BatchedTrainer, or None to train one by one.
+
+    ``auto`` batches every round's clients that fit the memory budget of
+    :func:`clients_per_chunk` (on a CPU only models up to CPU_AUTO_MAX_PARAMS); an
+    integer N trains N at once as asked (1 = sequential; the memory is then the user's call). A model
+    or option that cannot be batched falls back to sequential and says why, once.
+    """
+    if setting == 1 or clients_per_round <= 1:
+        return None
+    reason = unsupported_reason(model, cfg)
+    if reason is not None:
+        level = logging.INFO if setting == "auto" else logging.WARNING
+        log.log(level, "simulation.batch_clients = %r: training clients one by one because %s", setting, reason)
+        return None
+    if setting == "auto" and device.type == "cpu" and spec.numel > CPU_AUTO_MAX_PARAMS:
+        log.info("simulation.batch_clients = 'auto': training clients one by one on the CPU because the model has "
+                 "%d > %d parameters (set an integer to batch anyway)", spec.numel, CPU_AUTO_MAX_PARAMS)
+        return None
+    fit = clients_per_chunk(model, spec, input_shape, cfg.batch(max(max_client_size, 1)), device)
+    n = min(clients_per_round, fit if setting == "auto" else int(setting))
+    if n <= 1:
+        log.info("simulation.batch_clients = %r: one client per chunk fits the memory budget; training one by one", setting)
+        return None
+    log.info("training up to %d clients at once (vmap) on %s", n, device)
+    return BatchedTrainer(model, spec, cfg, device, n)
