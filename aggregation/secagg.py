@@ -426,13 +426,15 @@ class SecAggServer:
         survivors, u2 = set(self.u3), set(self.u2)
         if len(survivors) < self.threshold:
             raise self._abort(f"{len(survivors)} clients sent masked input, the threshold is {self.threshold}")
-        short = [u for u in self.u2 if len(self._hood(u, survivors)) < self.threshold]
+        # a dropped client none of whose neighbours survived left no mask to remove
+        needed = [u for u in self.u2 if u in survivors or set(self.graph[u]) & survivors]
+        short = [u for u in needed if len(self._hood(u, survivors)) < self.threshold]
         if short:
             raise self._abort(f"{len(short)} clients (e.g. {short[0]!r}) have fewer than "
                               f"{self.threshold} surviving share holders")
         self.u3 = sorted(survivors)
         self.stage = "unmask"
-        dropped = u2 - survivors
+        dropped = {u for u in needed if u not in survivors}
         return {
             v: UnmaskRequest(v, self._hood(v, survivors), self._hood(v, dropped))
             for v in self.u3
@@ -469,7 +471,7 @@ class SecAggServer:
         if len(self._unmask) < self.threshold:
             raise self._abort(f"{len(self._unmask)} clients answered the unmasking, the threshold is {self.threshold}")
         survivors = set(self.u3)
-        dropped = sorted(set(self.u2) - survivors)
+        dropped = sorted(u for u in set(self.u2) - survivors if set(self.graph[u]) & survivors)
         seeds = {u: self._reconstruct(u, "self_mask") for u in self.u3}
         mask_keys = {u: self._reconstruct(u, "mask_key") for u in dropped}
         expander = C.MaskExpander(self.params.vector_size)
