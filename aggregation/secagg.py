@@ -33,9 +33,11 @@ with :class:`SecAggAborted`: no partial sum is ever returned.
 from __future__ import annotations
 
 import logging
+from collections import defaultdict
 from dataclasses import dataclass, field
 
 import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
 from shoal.errors import ShoalError
 
@@ -195,15 +197,23 @@ class SecAggClient:
         self.stage = "advertise"
         self._enc_sk = C.generate_private(self.rand)
         self._mask_sk = C.generate_private(self.rand)
+        self._enc_key, self._mask_key = C.private_key(self._enc_sk), C.private_key(self._mask_sk)
         self._seed = self.rand.bytes(C.KEY_BYTES)  # b_u, the self-mask seed
         self._peers: dict[str, PeerKeys] = {}
         self._threshold = 0
         self._received: dict[str, bytes] = {}
         self._revealed: dict[str, str] = {}        # peer -> "self_mask" | "mask_key"
+        self._share_keys: dict[str, bytes] = {}
 
     def _expect(self, stage: str) -> None:
         if self.stage != stage:
             raise SecAggProtocolError(f"client {self.id}: a {stage!r} message at stage {self.stage!r}")
+
+    def _share_key(self, v: str) -> bytes:
+        """The AES-GCM key of the pair (self, v), agreed once and kept for the unmasking."""
+        if v not in self._share_keys:
+            self._share_keys[v] = C.agree(self._enc_key, self._peers[v].enc_key, INFO_SHARE, self.params.session)
+        return self._share_keys[v]
 
     def advertise_keys(self) -> PublicKeys:
         self._expect("advertise")
@@ -227,7 +237,7 @@ class SecAggClient:
         shares = C.shamir_share(C.secret_to_field([self._seed, self._mask_sk]), xs, self._threshold, self.rand)
         out = {}
         for row, v in zip(shares, holders):
-            key = C.agree(self._enc_sk, self._peers[v].enc_key, INFO_SHARE, self.params.session)
+            key = self._share_key(v)
             plain = C.pack_shares(me.index, self._peers[v].index, row)
             out[v] = C.encrypt(key, plain, _associated(self.params.session, self.id, v), self.rand)
         self.stage = "masked"
@@ -252,7 +262,7 @@ class SecAggClient:
         y += expander.expand(self._seed)
         mine = self._peers[self.id].index
         for v in sorted(senders - {self.id}):
-            s_uv = C.agree(self._mask_sk, self._peers[v].mask_key, INFO_MASK, self.params.session)
+            s_uv = C.agree(self._mask_key, self._peers[v].mask_key, INFO_MASK, self.params.session)
             if mine < self._peers[v].index:
                 y += expander.expand(s_uv)
             else:
@@ -284,8 +294,7 @@ class SecAggClient:
         out = UnmaskShares(self.id)
         mine = self._peers[self.id].index
         for v in sorted(survivors | dropped):
-            key = C.agree(self._enc_sk, self._peers[v].enc_key, INFO_SHARE, self.params.session)
-            plain = C.decrypt(key, self._received[v], _associated(self.params.session, v, self.id))
+            plain = C.decrypt(self._share_key(v), self._received[v], _associated(self.params.session, v, self.id))
             if plain is None:
                 raise SecAggRefused(f"client {self.id}: the share from {v} does not decrypt")
             sender, receiver, row = C.unpack_shares(plain)
@@ -339,6 +348,8 @@ class SecAggServer:
         self._total = np.zeros(params.vector_size, dtype=np.uint32)
         self.u3: list[str] = []
         self._unmask: dict[str, UnmaskShares] = {}
+        # kind -> holder -> (peer -> row, shares matrix): the revealed shares, by holder
+        self._rows: dict[str, dict[str, tuple[dict[str, int], np.ndarray]]] = {"self_mask": {}, "mask_key": {}}
 
     def _at(self, stage: str) -> None:
         if self.stage != stage:
@@ -450,19 +461,34 @@ class SecAggServer:
             if np.shape(row) != (C.CHUNKS,):
                 raise SecAggProtocolError(f"{msg.sender!r}: a share must have {C.CHUNKS} field elements")
         self._unmask[msg.sender] = msg
+        for kind, shares in (("self_mask", msg.self_mask), ("mask_key", msg.mask_key)):
+            peers = list(shares)
+            matrix = np.array([shares[u] for u in peers], dtype=np.int64).reshape(len(peers), C.CHUNKS)
+            self._rows[kind][msg.sender] = ({u: i for i, u in enumerate(peers)}, matrix)
 
-    def _reconstruct(self, u: str, kind: str) -> bytes:
-        holders = [v for v in self._hood(u, set(self._unmask)) if u in getattr(self._unmask[v], kind)]
-        if len(holders) < self.threshold:
-            raise self._abort(f"{len(holders)} shares of {u!r}'s {kind.replace('_', ' ')}, "
-                              f"the threshold is {self.threshold}")
-        holders = sorted(holders, key=self.index.get)[: self.threshold]
-        rows = np.stack([getattr(self._unmask[v], kind)[u] for v in holders])
-        try:
-            (secret,) = C.field_to_secrets(C.shamir_reconstruct([self.index[v] for v in holders], rows))
-        except ValueError as e:
-            raise self._abort(f"the shares of {u!r}'s {kind.replace('_', ' ')} are inconsistent ({e})") from None
-        return secret
+    def _reconstruct_all(self, targets: list[str], kind: str) -> dict[str, bytes]:
+        """Rebuild each target's secret from the first t shares among its neighbourhood.
+
+        Targets with the same t holders (all of them, in the complete graph) are
+        rebuilt by one vectorised Lagrange interpolation.
+        """
+        rows = self._rows[kind]
+        groups: dict[tuple[str, ...], list[str]] = defaultdict(list)
+        for u in targets:
+            holders = [v for v in self._hood(u, rows) if u in rows[v][0]]
+            if len(holders) < self.threshold:
+                raise self._abort(f"{len(holders)} shares of {u!r}'s {kind.replace('_', ' ')}, "
+                                  f"the threshold is {self.threshold}")
+            groups[tuple(sorted(holders, key=self.index.__getitem__)[: self.threshold])].append(u)
+        out: dict[str, bytes] = {}
+        for holders, group in groups.items():
+            shares = np.stack([rows[v][1][[rows[v][0][u] for u in group]] for v in holders])
+            values = C.shamir_reconstruct([self.index[v] for v in holders], shares.reshape(len(holders), -1))
+            try:
+                out.update(zip(group, C.field_to_secrets(values)))
+            except ValueError as e:
+                raise self._abort(f"the shares of a {kind.replace('_', ' ')} are inconsistent ({e})") from None
+        return out
 
     def finish(self) -> SecAggResult:
         """Remove every mask; the sum of U3's inputs mod 2^32. Aborts if a secret
@@ -472,19 +498,20 @@ class SecAggServer:
             raise self._abort(f"{len(self._unmask)} clients answered the unmasking, the threshold is {self.threshold}")
         survivors = set(self.u3)
         dropped = sorted(u for u in set(self.u2) - survivors if set(self.graph[u]) & survivors)
-        seeds = {u: self._reconstruct(u, "self_mask") for u in self.u3}
-        mask_keys = {u: self._reconstruct(u, "mask_key") for u in dropped}
+        seeds = self._reconstruct_all(self.u3, "self_mask")
+        mask_keys = {u: C.private_key(k) for u, k in self._reconstruct_all(dropped, "mask_key").items()}
         expander = C.MaskExpander(self.params.vector_size)
         total = self._total
         for u in self.u3:
             total -= expander.expand(seeds[u])
         session = self.params.session
+        publics = {v: X25519PublicKey.from_public_bytes(self._keys[v].mask_key) for v in self.u3}
         for u in dropped:
             # y_v holds +PRG(s_uv) if v < u else -PRG(s_uv): take it out again
             for v in self._hood(u, survivors):
                 if v == u:
                     continue
-                s_uv = C.agree(mask_keys[u], self._keys[v].mask_key, INFO_MASK, session)
+                s_uv = C.agree(mask_keys[u], publics[v], INFO_MASK, session)
                 if self.index[v] < self.index[u]:
                     total -= expander.expand(s_uv)
                 else:

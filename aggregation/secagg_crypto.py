@@ -68,14 +68,21 @@ def public_key(private: bytes) -> bytes:
     return X25519PrivateKey.from_private_bytes(private).public_key().public_bytes_raw()
 
 
-def agree(private: bytes, peer_public: bytes, info: bytes, salt: bytes) -> bytes:
+def private_key(private: bytes) -> X25519PrivateKey:
+    """The key object of 32 raw bytes; load it once per party, not per agreement
+    (loading costs as much as the agreement itself)."""
+    return X25519PrivateKey.from_private_bytes(private)
+
+
+def agree(private: X25519PrivateKey, peer_public: bytes | X25519PublicKey, info: bytes, salt: bytes) -> bytes:
     """KA.agree then HKDF: the 256-bit key two parties share (Bonawitz Sec. 3.3).
 
     ``salt`` binds the key to one session (round), ``info`` to one use (mask or
     share encryption), so no key ever serves two purposes.
     """
-    shared = X25519PrivateKey.from_private_bytes(private).exchange(X25519PublicKey.from_public_bytes(peer_public))
-    return hkdf(shared, info, salt)
+    if isinstance(peer_public, bytes):
+        peer_public = X25519PublicKey.from_public_bytes(peer_public)
+    return hkdf(private.exchange(peer_public), info, salt)
 
 
 # --- authenticated encryption of shares ----------------------------------------------

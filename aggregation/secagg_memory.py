@@ -22,7 +22,9 @@ STAGES = ("advertise", "share", "masked", "unmask")
 
 @dataclass
 class SecAggCost:
-    """Measured cost of one aggregation: seconds of compute and payload bytes."""
+    """Measured cost of one aggregation: CPU seconds of each party's protocol work
+    (process time, so other load on a shared machine does not inflate it) and
+    payload bytes."""
 
     server_s: float = 0.0
     client_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
@@ -58,16 +60,16 @@ def run_in_memory(
         return cid not in drop_at or STAGES.index(drop_at[cid]) > STAGES.index(stage)
 
     def on_client(cid, fn, *args):
-        t = time.perf_counter()
+        t = time.process_time()
         out = fn(*args)
-        cost.client_s[cid] += time.perf_counter() - t
+        cost.client_s[cid] += time.process_time() - t
         cost.sent[cid] += out.nbytes
         return out
 
     def on_server(fn, *args):
-        t = time.perf_counter()
+        t = time.process_time()
         out = fn(*args)
-        cost.server_s += time.perf_counter() - t
+        cost.server_s += time.process_time() - t
         return out
 
     def deliver(messages: dict) -> dict:
@@ -75,9 +77,9 @@ def run_in_memory(
             cost.received[cid] += m.nbytes
         return messages
 
-    t = time.perf_counter()
+    t = time.process_time()
     clients = {cid: SecAggClient(cid, params, client_randomness(seed, cid)) for cid in ids}
-    keygen_s = (time.perf_counter() - t) / max(len(ids), 1)
+    keygen_s = (time.process_time() - t) / max(len(ids), 1)
     for cid in ids:
         cost.client_s[cid] += keygen_s
         if alive(cid, "advertise"):

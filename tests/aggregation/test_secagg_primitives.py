@@ -42,11 +42,12 @@ def test_prg_uses_the_whole_key_and_is_deterministic():
 
 def test_key_agreement_is_symmetric_and_bound_to_session_and_use():
     rand = C.Randomness(1)
-    a, b = C.generate_private(rand), C.generate_private(rand)
-    k_ab = C.agree(a, C.public_key(b), b"use", b"session")
-    assert k_ab == C.agree(b, C.public_key(a), b"use", b"session")
-    assert k_ab != C.agree(a, C.public_key(b), b"use", b"other session")
-    assert k_ab != C.agree(a, C.public_key(b), b"other use", b"session")
+    a_raw, b_raw = C.generate_private(rand), C.generate_private(rand)
+    a, b = C.private_key(a_raw), C.private_key(b_raw)
+    k_ab = C.agree(a, C.public_key(b_raw), b"use", b"session")
+    assert k_ab == C.agree(b, C.public_key(a_raw), b"use", b"session")
+    assert k_ab != C.agree(a, C.public_key(b_raw), b"use", b"other session")
+    assert k_ab != C.agree(a, C.public_key(b_raw), b"other use", b"session")
 
 
 def test_aead_detects_tampering_and_wrong_context():
