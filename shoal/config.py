@@ -152,6 +152,39 @@ class StrategyConfig:
 
 
 @dataclass
+class SecureAggregationConfig:
+    """Secure aggregation of each round's updates (Bonawitz et al. 2017; SecAgg+ graph of
+    Bell et al. 2020); see docs/secure_aggregation.md."""
+
+    enabled: bool = False
+    graph: str = "full"            # full (every pair masks) | secagg+ (k-regular random graph)
+    degree: int = 0                # secagg+ neighbours per client; 0 = about 3 log2(n)
+    threshold: float = 0.5         # t = floor(threshold * neighbourhood) + 1 shares unmask
+    clip: float = 1.0              # each update entry is clipped to [-clip, clip]
+    bits: int = 16                 # fixed-point bits per entry; clients x 2^bits must fit 2^32
+    max_weight: float = 0.0        # examples weighting: n_k / max_weight (0 = largest client)
+    dropout_advertise: float = 0.0 # injected: probability a client drops at each stage
+    dropout_share: float = 0.0
+    dropout_masked: float = 0.0
+    dropout_unmask: float = 0.0
+    seed: int = 0                  # protocol randomness and injected dropouts
+
+    def validate(self) -> None:
+        _choice("secure_aggregation.graph", self.graph, ("full", "secagg+"))
+        _positive("secure_aggregation.degree", self.degree, allow_zero=True)
+        if not 0 <= self.threshold < 1:
+            raise ConfigError(f"secure_aggregation.threshold = {self.threshold} must be in [0, 1)")
+        _positive("secure_aggregation.clip", self.clip)
+        if not 1 <= self.bits <= 31:
+            raise ConfigError(f"secure_aggregation.bits = {self.bits} must be in [1, 31]")
+        _positive("secure_aggregation.max_weight", self.max_weight, allow_zero=True)
+        for stage in ("advertise", "share", "masked", "unmask"):
+            v = getattr(self, f"dropout_{stage}")
+            if not 0 <= v <= 1:
+                raise ConfigError(f"secure_aggregation.dropout_{stage} = {v} must be in [0, 1]")
+
+
+@dataclass
 class OutputConfig:
     dir: str = "runs/latest"
     plots: bool = True
@@ -165,6 +198,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    secure_aggregation: SecureAggregationConfig = field(default_factory=SecureAggregationConfig)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):

@@ -116,6 +116,17 @@ class SyncRounds:
     def complete(self) -> bool:
         return self.open and len(self.received) == len(self.selected)
 
+    def abort_round(self) -> RoundSummary:
+        """Close the open round without aggregating (e.g. secure aggregation aborted):
+        the global model and its version stay as they were."""
+        if not self.open:
+            raise RuntimeError("abort_round called with no open round")
+        self.open = False
+        return RoundSummary(
+            round=self.round, version=self.version, num_selected=len(self.selected), num_results=0,
+            num_examples=0, train_loss=float("nan"), rejected=dict(self.rejected),
+        )
+
     def finish_round(self) -> RoundSummary:
         """Aggregate what arrived into the next global version."""
         if not self.open:

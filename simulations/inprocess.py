@@ -84,6 +84,10 @@ class InProcessSimulation:
             strategy, self.trainer.flat.detach().clone(), sim.clients_per_round, sim.fraction, sim.seed
         )
         self.client_steps: list[ClientStep] = self._client_steps()
+        if cfg.secure_aggregation.enabled:  # last: it wraps train_clients and the client steps
+            from shoal.simulations.secure_rounds import install
+
+            install(self)
         log.info(
             "simulation: %d clients, %d train / %d test samples, model %s (%d parameters) on %s",
             len(self.client_ids), len(self.data.train), len(self.data.test), cfg.model.name,
