@@ -80,8 +80,9 @@ class SecAggParams:
     session: bytes
     vector_size: int
     graph: str = "full"
-    degree: int = 0                   # secagg+ only; 0 = auto_degree(n)
+    degree: int = 0                   # secagg+ only; 0 = auto_degree(n, expected_dropout, ...)
     threshold_fraction: float = 0.5   # t = floor(fraction * neighbourhood) + 1
+    expected_dropout: float = 0.1     # what an automatic secagg+ degree is sized to survive
     graph_seed: int = 0               # public: the server and anyone can check the graph
 
     def __post_init__(self) -> None:
@@ -336,7 +337,7 @@ class SecAggServer:
         self.params = params
         self.participants = ids
         n = len(ids)
-        self.degree = n - 1 if params.graph == "full" else min(params.degree or auto_degree(n), n - 1)
+        self.degree = n - 1 if params.graph == "full" else min(params.degree or auto_degree(n, params.expected_dropout, params.threshold_fraction), n - 1)
         self.graph = neighbours(ids, params.graph, self.degree, params.graph_seed)
         self.threshold = threshold(max(len(v) for v in self.graph.values()) + 1, params.threshold_fraction)
         self.index = {u: i + 1 for i, u in enumerate(ids)}

@@ -20,17 +20,28 @@ import numpy as np
 GRAPHS = ("full", "secagg+")
 
 
-def auto_degree(n: int) -> int:
-    """A degree that grows like log n: the even number nearest 3 * log2(n), at most n - 1.
+def auto_degree(n: int, dropout: float = 0.1, fraction: float = 0.5, failure: float = 1e-3) -> int:
+    """The SecAgg+ degree for n clients: about 3 log2(n), raised until a round with
+    independent dropout rate ``dropout`` fails with probability at most ``failure``.
 
-    Bell et al. (Thm. 3.6) need k = O(log n) for security and correctness with high
-    probability; the constant 3 keeps neighbourhoods of ~30 clients at n = 500, enough
-    for a majority threshold to survive 30% dropout in almost every neighbourhood.
+    Bell et al. (Thm. 3.6) need k = O(log n), with a constant that grows with the
+    dropout rate: every neighbourhood of k + 1 clients must keep t survivors. With
+    survivors ~ Binomial(k + 1, 1 - dropout) the union bound over n neighbourhoods
+    gives n * P(survivors < t) <= failure. At most n - 1 (the complete graph).
     """
     if n <= 1:
         return 0
-    k = 2 * round(1.5 * math.log2(n))
-    return min(max(k, 2), n - 1)
+    if not 0 <= dropout < 1:
+        raise ValueError(f"dropout = {dropout} must be in [0, 1)")
+    k = min(max(2 * round(1.5 * math.log2(n)), 2), n - 1)
+    while k < n - 1 and n * _below(k + 1, 1 - dropout, threshold(k + 1, fraction)) > failure:
+        k = min(k + 2, n - 1)
+    return k
+
+
+def _below(m: int, p: float, t: int) -> float:
+    """P(Binomial(m, p) < t)."""
+    return sum(math.comb(m, i) * p**i * (1 - p) ** (m - i) for i in range(t))
 
 
 def neighbours(ids: list[str], graph: str, degree: int, seed: int) -> dict[str, list[str]]:

@@ -12,14 +12,15 @@ protocol aborts (too few survivors) applies nothing: the global model and versio
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterator
 
-import numpy as np
 import torch
 
 from shoal.aggregation.secagg import SecAggAborted, SecAggParams
-from shoal.aggregation.secagg_encoding import FixedPoint, decode_weighted, encode_weighted
-from shoal.aggregation.secagg_memory import STAGES, run_in_memory
+from shoal.aggregation.secagg_encoding import FixedPoint
+from shoal.aggregation.secagg_group import secure_weighted_mean
+from shoal.aggregation.secagg_memory import STAGES
 from shoal.rounds import RoundSummary, Task
 from shoal.seeding import derive_seed, rng
 from shoal.update import Update
@@ -39,6 +40,8 @@ class SecureAggregationRounds:
         self.values = FixedPoint(self.cfg.clip, self.cfg.bits, k)   # raises if k x 2^bits > 2^32
         self.weights = FixedPoint(1.0, self.cfg.bits, k)
         self.max_weight = self.cfg.max_weight or max(sim.shards.size(i) for i in range(len(sim.shards)))
+        lost = 1 - math.prod(1 - getattr(self.cfg, f"dropout_{s}") for s in STAGES[:3])
+        self.expected_dropout = min(max(lost, 0.1), 0.99)  # sizes an automatic secagg+ degree
         self._train = sim.train_clients
         self._steps = sim.client_steps
         self.last: dict = {}
@@ -66,30 +69,26 @@ class SecureAggregationRounds:
             return
         round_ = trained[0][0].round
         seed = derive_seed(self.cfg.seed, self.sim.cfg.simulation.seed, round_)
-        noise = np.random.default_rng(seed)  # stochastic rounding
-        encoded = {}
+        inputs, weights = {}, {}
         for task, u in trained:
             base = u.num_examples if self.weighting == "examples" else self.max_weight
-            w = min(base / self.max_weight, 1.0)
-            encoded[task.client_id] = encode_weighted(
-                u.delta.detach().cpu().numpy(), w, self.values, self.weights, noise
-            )
+            weights[task.client_id] = min(base / self.max_weight, 1.0)
+            inputs[task.client_id] = u.delta.detach().cpu().numpy()
         params = SecAggParams(
             session=f"shoal-sim/{seed}".encode(), vector_size=self.sim.spec.numel + 1, graph=self.cfg.graph,
             degree=self.cfg.degree, threshold_fraction=self.cfg.threshold, graph_seed=seed,
+            expected_dropout=self.expected_dropout,
         )
-        drop_at = self._drop_at(sorted(encoded), round_)
-        result, cost = run_in_memory(params, encoded, drop_at, seed=seed)
-        total, wsum = decode_weighted(result.total, len(result.included), self.values, self.weights)
-        if not wsum > 0:
-            raise SecAggAborted(f"round {round_}: the securely summed weight is {wsum}; nothing to average")
-        mean = torch.from_numpy(total / wsum).to(torch.float32).to(global_params.device)
+        drop_at = self._drop_at(sorted(inputs), round_)
+        out = secure_weighted_mean(inputs, weights, params, self.values, self.weights, drop_at, seed)
+        mean = torch.from_numpy(out.mean).to(torch.float32).to(global_params.device)
+        cost = out.cost
         self.last = {
-            "included": len(result.included), "dropped": len(drop_at),
+            "included": len(out.included), "dropped": len(drop_at),
             "server_cpu_s": cost.server_s, "client_cpu_s": max(cost.client_s.values(), default=0.0),
         }
-        log.info("round %d: secure sum of %d clients (%d dropped)", round_, len(result.included), len(drop_at))
-        included = set(result.included)
+        log.info("round %d: secure sum of %d clients (%d dropped)", round_, len(out.included), len(drop_at))
+        included = set(out.included)
         for task, u in trained:
             if task.client_id in included:
                 yield task, Update(mean, u.num_examples, u.base_version, u.sender, u.metrics)
