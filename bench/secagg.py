@@ -10,10 +10,10 @@ Dropped clients leave after sharing their keys and before sending their masked i
 regenerate every pairwise mask they had with the survivors). The SecAgg+ degree k is
 sized for the dropout rate (secagg_graph.auto_degree; at 30% it needs far more than
 3 log2 n neighbours to keep a majority threshold alive). Seconds are CPU seconds of
-each party's protocol work (process time: the machine may be shared). Client seconds are the
-mean over clients of the protocol's own work (key agreement, sharing, encryption,
-masking, unmasking); bytes are protocol payload (keys, ciphertexts, the masked vector,
-shares), without framing.
+each party's protocol work (process time: the machine may be shared): key agreement,
+sharing, encryption, masking, unmasking for a client, everything but encoding.
+Client seconds and bytes are means over the clients that completed the round; bytes
+are protocol payload (keys, ciphertexts, the masked vector, shares), without framing.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ def one(n: int, entries: int, dropout: float, graph: str, seed: int) -> dict:
     return {
         "n": n, "dropout": dropout, "graph": graph, "degree": server.degree, "threshold": server.threshold,
         "wall_s": wall, "server_s": cost.server_s,
-        "client_s": float(np.mean(list(cost.client_s.values()))),
-        "sent_kb": float(np.mean(list(cost.sent.values()))) / 1e3,
-        "recv_kb": float(np.mean(list(cost.received.values()))) / 1e3,
+        "client_s": float(np.mean([cost.client_s[c] for c in result.included])),
+        "sent_kb": float(np.mean([cost.sent[c] for c in result.included])) / 1e3,
+        "recv_kb": float(np.mean([cost.received[c] for c in result.included])) / 1e3,
         "included": len(result.included),
     }
 
