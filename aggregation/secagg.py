@@ -337,7 +337,11 @@ class SecAggServer:
         self.params = params
         self.participants = ids
         n = len(ids)
-        self.degree = n - 1 if params.graph == "full" else min(params.degree or auto_degree(n, params.expected_dropout, params.threshold_fraction), n - 1)
+        if params.graph == "full":
+            self.degree = n - 1
+        else:
+            auto = params.degree or auto_degree(n, params.expected_dropout, params.threshold_fraction)
+            self.degree = min(auto, n - 1)
         self.graph = neighbours(ids, params.graph, self.degree, params.graph_seed)
         self.threshold = threshold(max(len(v) for v in self.graph.values()) + 1, params.threshold_fraction)
         self.index = {u: i + 1 for i, u in enumerate(ids)}

@@ -39,7 +39,7 @@ def rounds(draw):
     return n, graph, degree, fraction, size, drops, seed
 
 
-@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(rounds())
 def test_unmasked_sum_is_the_plain_sum_of_the_included_or_the_round_aborts(case):
     n, graph, degree, fraction, size, drops, seed = case
