@@ -61,3 +61,16 @@ def test_no_headroom_is_a_config_error_naming_the_fix():
         InProcessSimulation(cfg("secure_aggregation.enabled=true", "secure_aggregation.bits=31"))
     with pytest.raises(ConfigError, match="secure_aggregation.graph"):
         cfg("secure_aggregation.graph='ring'")
+
+
+def test_same_config_same_numbers():
+    extra = ("secure_aggregation.enabled=true", "secure_aggregation.dropout_masked=0.2")
+
+    def final(seed):
+        sim = InProcessSimulation(cfg(*extra, f"secure_aggregation.seed={seed}"))
+        sim.run_round()
+        return sim.global_params.clone()
+
+    a, b, c = final(1), final(1), final(2)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
