@@ -436,6 +436,39 @@ class PrivacyConfig:
 
 
 @dataclass
+class SecureAggregationConfig:
+    """Secure aggregation of each round's updates (Bonawitz et al. 2017; SecAgg+ graph of
+    Bell et al. 2020); see docs/secure_aggregation.md."""
+
+    enabled: bool = False
+    graph: str = "full"            # full (every pair masks) | secagg+ (k-regular random graph)
+    degree: int = 0                # secagg+ neighbours per client; 0 = about 3 log2(n)
+    threshold: float = 0.5         # t = floor(threshold * neighbourhood) + 1 shares unmask
+    clip: float = 1.0              # each update entry is clipped to [-clip, clip]
+    bits: int = 16                 # fixed-point bits per entry; clients x 2^bits must fit 2^32
+    max_weight: float = 0.0        # examples weighting: n_k / max_weight (0 = largest client)
+    dropout_advertise: float = 0.0 # injected: probability a client drops at each stage
+    dropout_share: float = 0.0
+    dropout_masked: float = 0.0
+    dropout_unmask: float = 0.0
+    seed: int = 0                  # protocol randomness and injected dropouts
+
+    def validate(self) -> None:
+        _choice("secure_aggregation.graph", self.graph, ("full", "secagg+"))
+        _positive("secure_aggregation.degree", self.degree, allow_zero=True)
+        if not 0 <= self.threshold < 1:
+            raise ConfigError(f"secure_aggregation.threshold = {self.threshold} must be in [0, 1)")
+        _positive("secure_aggregation.clip", self.clip)
+        if not 1 <= self.bits <= 31:
+            raise ConfigError(f"secure_aggregation.bits = {self.bits} must be in [1, 31]")
+        _positive("secure_aggregation.max_weight", self.max_weight, allow_zero=True)
+        for stage in ("advertise", "share", "masked", "unmask"):
+            v = getattr(self, f"dropout_{stage}")
+            if not 0 <= v <= 1:
+                raise ConfigError(f"secure_aggregation.dropout_{stage} = {v} must be in [0, 1]")
+
+
+@dataclass
 class OutputConfig:
     dir: str = "runs/latest"
     plots: bool = True
@@ -457,6 +490,7 @@ class Config:
     server: ServerConfig = field(default_factory=ServerConfig)
     gossip: GossipConfig = field(default_factory=GossipConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    secure_aggregation: SecureAggregationConfig = field(default_factory=SecureAggregationConfig)
 
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
@@ -468,6 +502,20 @@ class Config:
 
     def _validate_combinations(self) -> None:
         """Settings that are fine alone but not together."""
+        if self.secure_aggregation.enabled:
+            why = None
+            if self.simulation.mode != "sync":
+                why = f"simulation.mode = {self.simulation.mode!r}: secure aggregation runs in sync rounds"
+            elif self.robust.rule != "mean":
+                why = f"robust.rule = {self.robust.rule!r}: the server sees only the masked sum, not single updates"
+            elif self.compression.encoding != "dense":
+                why = (f"compression.encoding = {self.compression.encoding!r}: masks live in a fixed-point "
+                       "field over the dense vector")
+            elif self.privacy.mode == "central":
+                why = ("privacy.mode = 'central': the server cannot clip updates it cannot see; use "
+                       "privacy.mode = 'distributed' (clients clip and add noise shares before masking)")
+            if why:
+                raise ConfigError(f"secure_aggregation.enabled = true with {why}")
         dp = self.privacy.mode
         if dp in ("central", "distributed") and self.robust.rule != "mean":
             raise ConfigError(

@@ -206,6 +206,17 @@ class SyncRounds:
             return True
         return self.deadline_at is not None and now is not None and now >= self.deadline_at
 
+    def abort_round(self) -> RoundSummary:
+        """Close the open round without aggregating (e.g. secure aggregation aborted):
+        the global model and its version stay as they were."""
+        if not self.open:
+            raise RuntimeError("abort_round called with no open round")
+        self.open = False
+        return RoundSummary(
+            round=self.round, version=self.version, num_selected=len(self.selected), num_results=0,
+            num_examples=0, train_loss=float("nan"), rejected=dict(self.rejected),
+        )
+
     def finish_round(self) -> RoundSummary:
         """Aggregate what arrived into the next global version.
 

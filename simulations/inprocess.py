@@ -97,6 +97,10 @@ class InProcessSimulation:
             sim.batch_clients, self.trainer.model, self.spec, cfg.train, self.device, self.data.input_shape,
             self.rounds.sample_size(len(self.client_ids)), max(map(self.shards.size, range(len(self.shards))), default=0),
         )
+        if cfg.secure_aggregation.enabled:  # last: it wraps train_clients and the client steps
+            from shoal.simulations.secure_rounds import install
+
+            install(self)
         log.info(
             "simulation: %d clients, %d train / %d test samples, model %s (%d parameters) on %s",
             len(self.client_ids), len(self.data.train), len(self.data.test), cfg.model.name,

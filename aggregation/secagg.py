@@ -1,0 +1,525 @@
+"""Secure aggregation as sans-I/O client and server state machines.
+
+The protocol of Bonawitz et al. 2017 ("Practical Secure Aggregation for
+Privacy-Preserving Machine Learning", CCS'17, Fig. 4, honest-but-curious variant
+without signatures), over either the complete graph or the SecAgg+ graph of Bell et
+al. 2020 (:mod:`secagg_graph`). The server learns the sum of the surviving clients'
+vectors mod 2^32 and nothing else about any one of them.
+
+Stages (the server closes each when its transport decides nobody else will answer;
+whoever has not answered by then has dropped out):
+
+0. advertise keys   client -> server :class:`PublicKeys` (X25519 keys c_pk, s_pk)
+                    server -> client :class:`KeyDirectory` (its neighbours' keys, U1)
+1. share keys       client -> server :class:`EncryptedShares` (t-of-m Shamir shares of
+                    its self-mask seed b_u and mask key s_sk_u, AES-GCM to each holder)
+                    server -> client :class:`ShareDelivery` (the ciphertexts for it, U2)
+2. masked input     client -> server :class:`MaskedInput`
+                    y_u = x_u + PRG(b_u) + sum_{v in U2} +-PRG(KA(s_sk_u, s_pk_v))  mod 2^32
+                    server -> client :class:`UnmaskRequest` (survivors U3, dropped U2\\U3)
+3. unmasking        client -> server :class:`UnmaskShares`: b-shares of survivors,
+                    s_sk-shares of the dropped; never both for one peer
+                    server: sum y_u - PRG(b_u) for u in U3, minus the dropped clients'
+                    pairwise masks rebuilt from their s_sk_u.
+
+Who counts where: a client lost before sharing its keys (not in U2) is excluded and
+nobody masks with it; one lost before sending its masked input (U2 \\ U3) is excluded
+and its pairwise masks are removed from its neighbours' vectors; one lost after
+sending its masked input (in U3) is included, its self mask rebuilt from shares.
+Fewer than t at any stage, or a secret with fewer than t shares, aborts the round
+with :class:`SecAggAborted`: no partial sum is ever returned.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import numpy as np
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
+
+from shoal.errors import ShoalError
+
+from . import secagg_crypto as C
+from .secagg_graph import GRAPHS, auto_degree, neighbours, threshold
+
+log = logging.getLogger(__name__)
+
+INFO_MASK = b"shoal secagg v1 pairwise mask"
+INFO_SHARE = b"shoal secagg v1 share encryption"
+
+
+class SecAggAborted(ShoalError):
+    """The round cannot finish securely (too few clients or shares); nothing is applied."""
+
+    code = "secagg_aborted"
+
+
+class SecAggRefused(ShoalError):
+    """A client refused a request that would reveal a peer's input (or was malformed)."""
+
+    code = "secagg_refused"
+
+
+class SecAggProtocolError(ShoalError):
+    """A message arrived at the wrong stage, from a stranger, twice, or malformed.
+    The receiver's state is unchanged."""
+
+    code = "secagg_protocol"
+
+
+@dataclass(frozen=True)
+class SecAggParams:
+    """What every party of one aggregation agrees on (sent with the round's task).
+
+    ``session`` must be unique per aggregation: it salts every derived key, so keys
+    and masks never repeat across rounds.
+    """
+
+    session: bytes
+    vector_size: int
+    graph: str = "full"
+    degree: int = 0                   # secagg+ only; 0 = auto_degree(n, expected_dropout, ...)
+    threshold_fraction: float = 0.5   # t = floor(fraction * neighbourhood) + 1
+    expected_dropout: float = 0.1     # what an automatic secagg+ degree is sized to survive
+    graph_seed: int = 0               # public: the server and anyone can check the graph
+
+    def __post_init__(self) -> None:
+        if self.graph not in GRAPHS:
+            raise ValueError(f"graph = {self.graph!r} is not one of {GRAPHS}")
+        if self.vector_size < 1:
+            raise ValueError(f"vector_size = {self.vector_size} must be >= 1")
+        if self.degree < 0:
+            raise ValueError(f"degree = {self.degree} must be >= 0 (0 = automatic)")
+        threshold(1, self.threshold_fraction)  # validates the fraction
+
+
+# --- messages ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class PublicKeys:
+    sender: str
+    enc_key: bytes    # c_pk: agrees the keys that encrypt shares
+    mask_key: bytes   # s_pk: agrees the pairwise masks
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.enc_key) + len(self.mask_key)
+
+
+@dataclass(frozen=True)
+class PeerKeys:
+    index: int        # the Shamir evaluation point of this peer, >= 1
+    enc_key: bytes
+    mask_key: bytes
+
+
+@dataclass(frozen=True)
+class KeyDirectory:
+    recipient: str
+    threshold: int
+    peers: dict[str, PeerKeys]  # the recipient's neighbourhood in U1, itself included
+
+    @property
+    def nbytes(self) -> int:
+        return sum(4 + len(p.enc_key) + len(p.mask_key) for p in self.peers.values())
+
+
+@dataclass(frozen=True)
+class EncryptedShares:
+    sender: str
+    ciphertexts: dict[str, bytes]  # by recipient
+
+    @property
+    def nbytes(self) -> int:
+        return sum(map(len, self.ciphertexts.values()))
+
+
+@dataclass(frozen=True)
+class ShareDelivery:
+    recipient: str
+    ciphertexts: dict[str, bytes]  # by sender: the senders are the recipient's U2 peers
+
+    @property
+    def nbytes(self) -> int:
+        return sum(map(len, self.ciphertexts.values()))
+
+
+@dataclass(frozen=True)
+class MaskedInput:
+    sender: str
+    vector: np.ndarray  # uint32, mod 2^32
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.vector.nbytes)
+
+
+@dataclass(frozen=True)
+class UnmaskRequest:
+    recipient: str
+    survivors: list[str]  # neighbours whose self-mask shares are asked (U3)
+    dropped: list[str]    # neighbours whose mask-key shares are asked (U2 \ U3)
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * (len(self.survivors) + len(self.dropped))
+
+
+@dataclass(frozen=True)
+class UnmaskShares:
+    sender: str
+    self_mask: dict[str, np.ndarray] = field(default_factory=dict)  # peer -> share of b_peer
+    mask_key: dict[str, np.ndarray] = field(default_factory=dict)   # peer -> share of s_sk_peer
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * C.CHUNKS * (len(self.self_mask) + len(self.mask_key))
+
+
+def _associated(session: bytes, sender: str, recipient: str) -> bytes:
+    """AES-GCM associated data: a ciphertext only opens in its session, between its pair."""
+    return b"|".join([session, sender.encode(), recipient.encode()])
+
+
+# --- client ----------------------------------------------------------------------------
+
+class SecAggClient:
+    """One client's side: call the four stage methods in order with the server's messages.
+
+    ``rand`` supplies keys, seeds and share polynomials (the OS CSPRNG by default).
+    """
+
+    def __init__(self, client_id: str, params: SecAggParams, rand: C.Randomness | None = None):
+        self.id = client_id
+        self.params = params
+        self.rand = rand or C.Randomness()
+        self.stage = "advertise"
+        self._enc_sk = C.generate_private(self.rand)
+        self._mask_sk = C.generate_private(self.rand)
+        self._enc_key, self._mask_key = C.private_key(self._enc_sk), C.private_key(self._mask_sk)
+        self._seed = self.rand.bytes(C.KEY_BYTES)  # b_u, the self-mask seed
+        self._peers: dict[str, PeerKeys] = {}
+        self._threshold = 0
+        self._received: dict[str, bytes] = {}
+        self._revealed: dict[str, str] = {}        # peer -> "self_mask" | "mask_key"
+        self._share_keys: dict[str, bytes] = {}
+
+    def _expect(self, stage: str) -> None:
+        if self.stage != stage:
+            raise SecAggProtocolError(f"client {self.id}: a {stage!r} message at stage {self.stage!r}")
+
+    def _share_key(self, v: str) -> bytes:
+        """The AES-GCM key of the pair (self, v), agreed once and kept for the unmasking."""
+        if v not in self._share_keys:
+            self._share_keys[v] = C.agree(self._enc_key, self._peers[v].enc_key, INFO_SHARE, self.params.session)
+        return self._share_keys[v]
+
+    def advertise_keys(self) -> PublicKeys:
+        self._expect("advertise")
+        self.stage = "share"
+        return PublicKeys(self.id, C.public_key(self._enc_sk), C.public_key(self._mask_sk))
+
+    def share_keys(self, directory: KeyDirectory) -> EncryptedShares:
+        """Secret-share b_u and s_sk_u among the neighbourhood; encrypt each share to its holder."""
+        self._expect("share")
+        me = directory.peers.get(self.id)
+        if me is None or me.enc_key != C.public_key(self._enc_sk) or me.mask_key != C.public_key(self._mask_sk):
+            raise SecAggRefused(f"client {self.id}: the key directory does not hold this client's own keys")
+        if len(directory.peers) < directory.threshold or directory.threshold < 1:
+            raise SecAggAborted(
+                f"client {self.id}: {len(directory.peers)} peers in its neighbourhood, threshold {directory.threshold}"
+            )
+        self._peers = dict(directory.peers)
+        self._threshold = directory.threshold
+        holders = sorted(self._peers)
+        xs = np.array([self._peers[v].index for v in holders], dtype=np.int64)
+        shares = C.shamir_share(C.secret_to_field([self._seed, self._mask_sk]), xs, self._threshold, self.rand)
+        out = {}
+        for row, v in zip(shares, holders):
+            key = self._share_key(v)
+            plain = C.pack_shares(me.index, self._peers[v].index, row)
+            out[v] = C.encrypt(key, plain, _associated(self.params.session, self.id, v), self.rand)
+        self.stage = "masked"
+        return EncryptedShares(self.id, out)
+
+    def masked_input(self, delivery: ShareDelivery, encoded: np.ndarray) -> MaskedInput:
+        """y_u = x_u + PRG(b_u) + sum over U2 neighbours v of +-PRG(s_uv), mod 2^32."""
+        self._expect("masked")
+        x = np.asarray(encoded)
+        if x.dtype != np.uint32 or x.shape != (self.params.vector_size,):
+            raise ValueError(f"encoded input must be uint32 of shape ({self.params.vector_size},), "
+                             f"got {x.dtype} {x.shape}")
+        senders = set(delivery.ciphertexts)
+        if not senders <= set(self._peers) or self.id not in senders:
+            raise SecAggRefused(f"client {self.id}: shares delivered from outside its neighbourhood")
+        if len(senders) < self._threshold:
+            raise SecAggAborted(f"client {self.id}: {len(senders)} neighbours shared keys, "
+                                f"fewer than the threshold {self._threshold}")
+        self._received = dict(delivery.ciphertexts)
+        expander = C.MaskExpander(self.params.vector_size)
+        y = x.copy()
+        y += expander.expand(self._seed)
+        mine = self._peers[self.id].index
+        for v in sorted(senders - {self.id}):
+            s_uv = C.agree(self._mask_key, self._peers[v].mask_key, INFO_MASK, self.params.session)
+            if mine < self._peers[v].index:
+                y += expander.expand(s_uv)
+            else:
+                y -= expander.expand(s_uv)
+        self.stage = "unmask"
+        return MaskedInput(self.id, y)
+
+    def unmask(self, request: UnmaskRequest) -> UnmaskShares:
+        """Reveal b-shares of survivors and s_sk-shares of the dropped, after checking
+        that no peer is (now or before) asked for both: that would hand the server
+        the peer's unmasked input (Bonawitz Sec. 4, Round 4)."""
+        self._expect("unmask")
+        survivors, dropped = set(request.survivors), set(request.dropped)
+        both = survivors & dropped
+        both |= {v for v in survivors if self._revealed.get(v) == "mask_key"}
+        both |= {v for v in dropped if self._revealed.get(v) == "self_mask"}
+        if both:
+            raise SecAggRefused(
+                f"client {self.id}: asked for both the self-mask and the mask-key share of {sorted(both)}; refusing"
+            )
+        if self.id not in survivors:
+            raise SecAggRefused(f"client {self.id}: asked to unmask but not listed among the survivors")
+        unknown = (survivors | dropped) - set(self._received)
+        if unknown:
+            raise SecAggRefused(f"client {self.id}: asked for shares it never received: {sorted(unknown)}")
+        if len(survivors) < self._threshold:
+            raise SecAggAborted(f"client {self.id}: {len(survivors)} survivors in its neighbourhood, "
+                                f"fewer than the threshold {self._threshold}")
+        out = UnmaskShares(self.id)
+        mine = self._peers[self.id].index
+        for v in sorted(survivors | dropped):
+            plain = C.decrypt(self._share_key(v), self._received[v], _associated(self.params.session, v, self.id))
+            if plain is None:
+                raise SecAggRefused(f"client {self.id}: the share from {v} does not decrypt")
+            sender, receiver, row = C.unpack_shares(plain)
+            if (sender, receiver) != (self._peers[v].index, mine) or len(row) != 2 * C.CHUNKS:
+                raise SecAggRefused(f"client {self.id}: the share from {v} names the wrong parties")
+            if v in survivors:
+                out.self_mask[v] = row[: C.CHUNKS]
+            else:
+                out.mask_key[v] = row[C.CHUNKS:]
+        for v in survivors:
+            self._revealed[v] = "self_mask"
+        for v in dropped:
+            self._revealed[v] = "mask_key"
+        return out
+
+
+# --- server ----------------------------------------------------------------------------
+
+@dataclass
+class SecAggResult:
+    total: np.ndarray     # sum of the included clients' encoded vectors, mod 2^32
+    included: list[str]   # U3: whose inputs the sum holds
+    dropped: list[str]    # U2 \ U3: whose pairwise masks were removed
+
+
+class SecAggServer:
+    """The server's side: feed it the clients' messages, close each stage, then finish.
+
+    It only ever holds masked vectors and shares; :meth:`finish` returns the sum.
+    Memory is O(vector) for the running sum plus O(n * m) small shares.
+    """
+
+    def __init__(self, params: SecAggParams, participants: list[str]):
+        ids = sorted(set(participants))
+        if len(ids) != len(participants):
+            raise ValueError("participant ids must be distinct")
+        if not ids:
+            raise ValueError("no participants")
+        self.params = params
+        self.participants = ids
+        n = len(ids)
+        if params.graph == "full":
+            self.degree = n - 1
+        else:
+            auto = params.degree or auto_degree(n, params.expected_dropout, params.threshold_fraction)
+            self.degree = min(auto, n - 1)
+        self.graph = neighbours(ids, params.graph, self.degree, params.graph_seed)
+        self.threshold = threshold(max(len(v) for v in self.graph.values()) + 1, params.threshold_fraction)
+        self.index = {u: i + 1 for i, u in enumerate(ids)}
+        self.stage = "advertise"
+        self._keys: dict[str, PublicKeys] = {}
+        self.u1: list[str] = []
+        self._shares: dict[str, EncryptedShares] = {}
+        self.u2: list[str] = []
+        self._total = np.zeros(params.vector_size, dtype=np.uint32)
+        self.u3: list[str] = []
+        self._unmask: dict[str, UnmaskShares] = {}
+        # kind -> holder -> (peer -> row, shares matrix): the revealed shares, by holder
+        self._rows: dict[str, dict[str, tuple[dict[str, int], np.ndarray]]] = {"self_mask": {}, "mask_key": {}}
+
+    def _at(self, stage: str) -> None:
+        if self.stage != stage:
+            raise SecAggProtocolError(f"the server is at stage {self.stage!r}, not {stage!r}")
+
+    def _expect(self, stage: str, sender: str, allowed: list[str] | set[str], seen) -> None:
+        self._at(stage)
+        if sender not in allowed:
+            raise SecAggProtocolError(f"{sender!r} may not send at stage {stage!r}")
+        if sender in seen:
+            raise SecAggProtocolError(f"{sender!r} already sent its {stage!r} message")
+
+    def _abort(self, why: str) -> SecAggAborted:
+        self.stage = "aborted"
+        self._total[:] = 0
+        log.warning("secure aggregation aborted: %s", why)
+        return SecAggAborted(f"secure aggregation aborted: {why}; no partial result is applied")
+
+    def _hood(self, u: str, alive) -> list[str]:
+        return [v for v in [u, *self.graph[u]] if v in alive]
+
+    def _prune(self, alive: set[str]) -> set[str]:
+        """Drop clients whose neighbourhood among ``alive`` is below the threshold, until
+        none is (only before anyone has masked, so dropping them is still safe)."""
+        while True:
+            weak = {u for u in alive if len(self._hood(u, alive)) < self.threshold}
+            if not weak:
+                return alive
+            alive -= weak
+
+    # stage 0
+    def receive_keys(self, msg: PublicKeys) -> None:
+        self._expect("advertise", msg.sender, self.participants, self._keys)
+        if len(msg.enc_key) != 32 or len(msg.mask_key) != 32 or msg.enc_key == msg.mask_key:
+            raise SecAggProtocolError(f"{msg.sender!r}: public keys must be two distinct 32-byte X25519 keys")
+        self._keys[msg.sender] = msg
+
+    def close_advertise(self) -> dict[str, KeyDirectory]:
+        self._at("advertise")
+        alive = self._prune(set(self._keys))
+        if len(alive) < self.threshold:
+            raise self._abort(f"{len(alive)} clients advertised keys, the threshold is {self.threshold}")
+        self.u1 = sorted(alive)
+        self.stage = "share"
+        return {
+            u: KeyDirectory(u, self.threshold, {
+                v: PeerKeys(self.index[v], self._keys[v].enc_key, self._keys[v].mask_key)
+                for v in self._hood(u, alive)
+            })
+            for u in self.u1
+        }
+
+    # stage 1
+    def receive_shares(self, msg: EncryptedShares) -> None:
+        self._expect("share", msg.sender, set(self.u1), self._shares)
+        if set(msg.ciphertexts) != set(self._hood(msg.sender, set(self.u1))):
+            raise SecAggProtocolError(f"{msg.sender!r}: shares must go to exactly its neighbourhood")
+        self._shares[msg.sender] = msg
+
+    def close_share(self) -> dict[str, ShareDelivery]:
+        self._at("share")
+        alive = self._prune(set(self._shares))
+        if len(alive) < self.threshold:
+            raise self._abort(f"{len(alive)} clients shared keys, the threshold is {self.threshold}")
+        self.u2 = sorted(alive)
+        self.stage = "masked"
+        return {
+            v: ShareDelivery(v, {u: self._shares[u].ciphertexts[v] for u in self._hood(v, alive)})
+            for v in self.u2
+        }
+
+    # stage 2
+    def receive_masked(self, msg: MaskedInput) -> None:
+        self._expect("masked", msg.sender, set(self.u2), self.u3)
+        y = np.asarray(msg.vector)
+        if y.dtype != np.uint32 or y.shape != (self.params.vector_size,):
+            raise SecAggProtocolError(
+                f"{msg.sender!r}: masked input must be uint32 of shape ({self.params.vector_size},)"
+            )
+        self._total += y  # streaming: the masked vector is not kept
+        self.u3.append(msg.sender)
+
+    def close_masked(self) -> dict[str, UnmaskRequest]:
+        self._at("masked")
+        survivors, u2 = set(self.u3), set(self.u2)
+        if len(survivors) < self.threshold:
+            raise self._abort(f"{len(survivors)} clients sent masked input, the threshold is {self.threshold}")
+        # a dropped client none of whose neighbours survived left no mask to remove
+        needed = [u for u in self.u2 if u in survivors or set(self.graph[u]) & survivors]
+        short = [u for u in needed if len(self._hood(u, survivors)) < self.threshold]
+        if short:
+            raise self._abort(f"{len(short)} clients (e.g. {short[0]!r}) have fewer than "
+                              f"{self.threshold} surviving share holders")
+        self.u3 = sorted(survivors)
+        self.stage = "unmask"
+        dropped = {u for u in needed if u not in survivors}
+        return {
+            v: UnmaskRequest(v, self._hood(v, survivors), self._hood(v, dropped))
+            for v in self.u3
+        }
+
+    # stage 3
+    def receive_unmask(self, msg: UnmaskShares) -> None:
+        self._expect("unmask", msg.sender, set(self.u3), self._unmask)
+        hood = set(self._hood(msg.sender, set(self.u2)))
+        if not set(msg.self_mask) | set(msg.mask_key) <= hood or set(msg.self_mask) & set(msg.mask_key):
+            raise SecAggProtocolError(f"{msg.sender!r}: unmask shares for clients it does not hold")
+        for row in [*msg.self_mask.values(), *msg.mask_key.values()]:
+            if np.shape(row) != (C.CHUNKS,):
+                raise SecAggProtocolError(f"{msg.sender!r}: a share must have {C.CHUNKS} field elements")
+        self._unmask[msg.sender] = msg
+        for kind, shares in (("self_mask", msg.self_mask), ("mask_key", msg.mask_key)):
+            peers = list(shares)
+            matrix = np.array([shares[u] for u in peers], dtype=np.int64).reshape(len(peers), C.CHUNKS)
+            self._rows[kind][msg.sender] = ({u: i for i, u in enumerate(peers)}, matrix)
+
+    def _reconstruct_all(self, targets: list[str], kind: str) -> dict[str, bytes]:
+        """Rebuild each target's secret from the first t shares among its neighbourhood.
+
+        Targets with the same t holders (all of them, in the complete graph) are
+        rebuilt by one vectorised Lagrange interpolation.
+        """
+        rows = self._rows[kind]
+        groups: dict[tuple[str, ...], list[str]] = defaultdict(list)
+        for u in targets:
+            holders = [v for v in self._hood(u, rows) if u in rows[v][0]]
+            if len(holders) < self.threshold:
+                raise self._abort(f"{len(holders)} shares of {u!r}'s {kind.replace('_', ' ')}, "
+                                  f"the threshold is {self.threshold}")
+            groups[tuple(sorted(holders, key=self.index.__getitem__)[: self.threshold])].append(u)
+        out: dict[str, bytes] = {}
+        for holders, group in groups.items():
+            shares = np.stack([rows[v][1][[rows[v][0][u] for u in group]] for v in holders])
+            values = C.shamir_reconstruct([self.index[v] for v in holders], shares.reshape(len(holders), -1))
+            try:
+                out.update(zip(group, C.field_to_secrets(values)))
+            except ValueError as e:
+                raise self._abort(f"the shares of a {kind.replace('_', ' ')} are inconsistent ({e})") from None
+        return out
+
+    def finish(self) -> SecAggResult:
+        """Remove every mask; the sum of U3's inputs mod 2^32. Aborts if a secret
+        has fewer than t shares among the clients that answered."""
+        self._at("unmask")
+        if len(self._unmask) < self.threshold:
+            raise self._abort(f"{len(self._unmask)} clients answered the unmasking, the threshold is {self.threshold}")
+        survivors = set(self.u3)
+        dropped = sorted(u for u in set(self.u2) - survivors if set(self.graph[u]) & survivors)
+        seeds = self._reconstruct_all(self.u3, "self_mask")
+        mask_keys = {u: C.private_key(k) for u, k in self._reconstruct_all(dropped, "mask_key").items()}
+        expander = C.MaskExpander(self.params.vector_size)
+        total = self._total
+        for u in self.u3:
+            total -= expander.expand(seeds[u])
+        session = self.params.session
+        publics = {v: X25519PublicKey.from_public_bytes(self._keys[v].mask_key) for v in self.u3}
+        for u in dropped:
+            # y_v holds +PRG(s_uv) if v < u else -PRG(s_uv): take it out again
+            for v in self._hood(u, survivors):
+                if v == u:
+                    continue
+                s_uv = C.agree(mask_keys[u], publics[v], INFO_MASK, session)
+                if self.index[v] < self.index[u]:
+                    total -= expander.expand(s_uv)
+                else:
+                    total += expander.expand(s_uv)
+        self.stage = "done"
+        return SecAggResult(total.copy(), list(self.u3), dropped)

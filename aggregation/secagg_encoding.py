@@ -1,0 +1,92 @@
+"""Fixed-point encoding of float vectors into Z_{2^32} for secure aggregation.
+
+Masks live in the ring of integers mod 2^32 (uint32 arithmetic wraps for free), so a
+client's floats are clipped to [-clip, clip], scaled onto the integers 0..L with
+``L = 2^bits - 1`` and stochastically rounded (unbiased: E[round(s)] = s). The sum of
+n encodings is at most n * L, which must stay below the modulus or the sum wraps into
+garbage: :class:`FixedPoint` checks that headroom up front and raises a
+:class:`SecAggConfigError` naming the fix (fewer bits or fewer clients).
+
+Example-weighted averaging (FedAvg's sum_k n_k x_k / sum_k n_k) is two secure sums:
+each client sends ``w_k * clip(x_k)`` and ``w_k`` with ``w_k = n_k / max_weight`` in
+[0, 1]; the server divides the sums (:func:`encode_weighted`, :func:`decode_weighted`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from shoal.errors import ConfigError
+
+MODULUS_BITS = 32
+
+
+class SecAggConfigError(ConfigError):
+    """Secure aggregation parameters that cannot work (e.g. no headroom in the modulus)."""
+
+
+@dataclass(frozen=True)
+class FixedPoint:
+    """Values in [-clip, clip] <-> integers 0..2^bits-1, for sums of up to ``max_summands``."""
+
+    clip: float
+    bits: int
+    max_summands: int
+
+    def __post_init__(self) -> None:
+        if not self.clip > 0:
+            raise SecAggConfigError(f"secure_aggregation.clip = {self.clip} must be > 0")
+        if not 1 <= self.bits <= MODULUS_BITS:
+            raise SecAggConfigError(f"secure_aggregation.bits = {self.bits} must be in [1, {MODULUS_BITS}]")
+        need = (self.max_summands * self.levels).bit_length()
+        if need > MODULUS_BITS:
+            most = MODULUS_BITS - max(self.max_summands, 1).bit_length()
+            raise SecAggConfigError(
+                f"secure_aggregation.bits = {self.bits} with {self.max_summands} clients needs a "
+                f"{need}-bit modulus, but masks live mod 2^{MODULUS_BITS}: lower bits to at most "
+                f"{max(most, 0)} or select fewer clients per round"
+            )
+
+    @property
+    def levels(self) -> int:
+        return 2**self.bits - 1
+
+    @property
+    def quantum(self) -> float:
+        """The spacing of representable values: 2 * clip / L."""
+        return 2 * self.clip / self.levels
+
+    def encode(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+        """Clip, scale to [0, L], round stochastically; uint32."""
+        scaled = (np.clip(np.asarray(x, dtype=np.float64), -self.clip, self.clip) + self.clip) / self.quantum
+        low = np.floor(scaled)
+        up = rng.random(scaled.shape) < (scaled - low)
+        return np.minimum(low + up, self.levels).astype(np.uint32)
+
+    def decode_sum(self, total: np.ndarray, count: int) -> np.ndarray:
+        """The float sum of ``count`` encoded vectors from their integer sum mod 2^32."""
+        if count > self.max_summands:
+            raise ValueError(f"{count} summands exceed the encoding's headroom of {self.max_summands}")
+        return np.asarray(total, dtype=np.float64) * self.quantum - count * self.clip
+
+    def error_bound(self, count: int) -> float:
+        """Largest |decoded sum - true sum| per entry for inputs inside [-clip, clip]:
+        stochastic rounding moves each summand by less than one quantum."""
+        return count * self.quantum
+
+
+def encode_weighted(x: np.ndarray, weight: float, values: FixedPoint, weights: FixedPoint,
+                    rng: np.random.Generator) -> np.ndarray:
+    """``[w * clip(x), w]`` encoded for the secure sum; ``weight`` must be in [0, 1]."""
+    if not 0 <= weight <= 1:
+        raise ValueError(f"weight = {weight} must be in [0, 1] (divide by the round's max weight)")
+    clipped = np.clip(np.asarray(x, dtype=np.float64), -values.clip, values.clip)
+    return np.concatenate([values.encode(weight * clipped, rng), weights.encode(np.array([weight]), rng)])
+
+
+def decode_weighted(total: np.ndarray, count: int, values: FixedPoint, weights: FixedPoint
+                    ) -> tuple[np.ndarray, float]:
+    """(sum_k w_k x_k, sum_k w_k) from the integer sum of :func:`encode_weighted` vectors."""
+    return values.decode_sum(total[:-1], count), float(weights.decode_sum(total[-1:], count)[0])

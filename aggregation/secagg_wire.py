@@ -1,0 +1,138 @@
+"""Secure aggregation messages on the wire (shoal.wire: safetensors + JSON header).
+
+What an HTTP or peer-to-peer transport needs to move the :mod:`secagg` messages: the
+masked vector travels as one int32 tensor (the uint32 bits, unchanged), everything
+else (32-byte keys, ciphertexts as base64, shares as integer lists) in the header.
+Decoding checks kinds, types, sizes and ranges and raises a typed WireError
+(``Malformed``) before anything reaches a state machine.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Any
+
+import numpy as np
+import torch
+
+from shoal.errors import Malformed
+from shoal.wire import MAX_HEADER_BYTES, decode, encode, read_header
+
+from . import secagg_crypto as C
+from .secagg import (
+    EncryptedShares,
+    KeyDirectory,
+    MaskedInput,
+    PeerKeys,
+    PublicKeys,
+    ShareDelivery,
+    UnmaskRequest,
+    UnmaskShares,
+)
+
+Message = PublicKeys | KeyDirectory | EncryptedShares | ShareDelivery | MaskedInput | UnmaskRequest | UnmaskShares
+
+
+def _b64(b: bytes) -> str:
+    return base64.b64encode(b).decode()
+
+
+def _bytes(v: Any, what: str, size: int | None = None) -> bytes:
+    try:
+        out = base64.b64decode(v, validate=True) if isinstance(v, str) else None
+    except binascii.Error:
+        out = None
+    if out is None or (size is not None and len(out) != size):
+        raise Malformed(f"{what}: expected base64 of {size or 'some'} bytes")
+    return out
+
+
+def _str(v: Any, what: str) -> str:
+    if not isinstance(v, str) or not v:
+        raise Malformed(f"{what}: expected a non-empty string")
+    return v
+
+
+def _shares(v: Any, what: str) -> np.ndarray:
+    if not (isinstance(v, list) and len(v) == C.CHUNKS
+            and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < C.PRIME for x in v)):
+        raise Malformed(f"{what}: expected {C.CHUNKS} integers in [0, 2^31 - 1)")
+    return np.array(v, dtype=np.int64)
+
+
+def _dict(v: Any, what: str) -> dict:
+    if not isinstance(v, dict):
+        raise Malformed(f"{what}: expected an object")
+    return v
+
+
+def encode_message(msg: Message) -> bytes:
+    """One message as a shoal wire body."""
+    tensors: dict[str, torch.Tensor] = {}
+    if isinstance(msg, PublicKeys):
+        h = {"kind": "public_keys", "sender": msg.sender, "enc_key": _b64(msg.enc_key), "mask_key": _b64(msg.mask_key)}
+    elif isinstance(msg, KeyDirectory):
+        h = {"kind": "key_directory", "recipient": msg.recipient, "threshold": msg.threshold,
+             "peers": {v: [p.index, _b64(p.enc_key), _b64(p.mask_key)] for v, p in msg.peers.items()}}
+    elif isinstance(msg, EncryptedShares):
+        h = {"kind": "encrypted_shares", "sender": msg.sender,
+             "ciphertexts": {v: _b64(c) for v, c in msg.ciphertexts.items()}}
+    elif isinstance(msg, ShareDelivery):
+        h = {"kind": "share_delivery", "recipient": msg.recipient,
+             "ciphertexts": {v: _b64(c) for v, c in msg.ciphertexts.items()}}
+    elif isinstance(msg, MaskedInput):
+        h = {"kind": "masked_input", "sender": msg.sender}
+        tensors["masked"] = torch.from_numpy(np.ascontiguousarray(msg.vector, dtype=np.uint32).view(np.int32))
+    elif isinstance(msg, UnmaskRequest):
+        h = {"kind": "unmask_request", "recipient": msg.recipient, "survivors": list(msg.survivors),
+             "dropped": list(msg.dropped)}
+    elif isinstance(msg, UnmaskShares):
+        h = {"kind": "unmask_shares", "sender": msg.sender,
+             "self_mask": {v: [int(x) for x in s] for v, s in msg.self_mask.items()},
+             "mask_key": {v: [int(x) for x in s] for v, s in msg.mask_key.items()}}
+    else:
+        raise TypeError(f"not a secure aggregation message: {type(msg).__name__}")
+    return encode(tensors, h)
+
+
+def decode_message(body: bytes, vector_size: int, max_bytes: int | None = None) -> Message:
+    """The message in ``body``; ``vector_size`` is the round's masked vector length."""
+    limit = max_bytes or 4 * vector_size + 2 * MAX_HEADER_BYTES
+    header, _ = read_header(body, limit)
+    kind = header.get("kind")
+    if kind == "masked_input":
+        header, tensors = decode(body, {"masked": (torch.int32, (vector_size,))}, limit)
+        return MaskedInput(_str(header.get("sender"), "sender"), tensors["masked"].numpy().view(np.uint32).copy())
+    _, tensors = decode(body, {}, limit)
+    if kind == "public_keys":
+        return PublicKeys(_str(header.get("sender"), "sender"), _bytes(header.get("enc_key"), "enc_key", 32),
+                          _bytes(header.get("mask_key"), "mask_key", 32))
+    if kind == "key_directory":
+        peers = {}
+        for v, p in _dict(header.get("peers"), "peers").items():
+            if not (isinstance(p, list) and len(p) == 3 and isinstance(p[0], int) and 1 <= p[0] < C.PRIME):
+                raise Malformed(f"peers[{v!r}]: expected [index >= 1, enc_key, mask_key]")
+            peers[v] = PeerKeys(p[0], _bytes(p[1], f"peers[{v!r}].enc_key", 32),
+                                _bytes(p[2], f"peers[{v!r}].mask_key", 32))
+        t = header.get("threshold")
+        if not isinstance(t, int) or t < 1:
+            raise Malformed("threshold: expected an integer >= 1")
+        return KeyDirectory(_str(header.get("recipient"), "recipient"), t, peers)
+    if kind in ("encrypted_shares", "share_delivery"):
+        cts = {v: _bytes(c, f"ciphertexts[{v!r}]") for v, c in _dict(header.get("ciphertexts"), "ciphertexts").items()}
+        if kind == "encrypted_shares":
+            return EncryptedShares(_str(header.get("sender"), "sender"), cts)
+        return ShareDelivery(_str(header.get("recipient"), "recipient"), cts)
+    if kind == "unmask_request":
+        lists = [header.get("survivors"), header.get("dropped")]
+        if not all(isinstance(x, list) and all(isinstance(i, str) for i in x) for x in lists):
+            raise Malformed("survivors and dropped: expected lists of client ids")
+        return UnmaskRequest(_str(header.get("recipient"), "recipient"), *lists)
+    if kind == "unmask_shares":
+        return UnmaskShares(
+            _str(header.get("sender"), "sender"),
+            {v: _shares(s, f"self_mask[{v!r}]") for v, s in _dict(header.get("self_mask"), "self_mask").items()},
+            {v: _shares(s, f"mask_key[{v!r}]") for v, s in _dict(header.get("mask_key"), "mask_key").items()},
+        )
+    raise Malformed(f"kind = {kind!r} is not a secure aggregation message")
