@@ -45,6 +45,10 @@ class SimulationConfig:
     mode: str = "sync"             # sync rounds; other modes come with their issues
     device: str = "auto"           # where simulated clients train: auto | cpu | cuda[:N]
     progress: bool = True          # progress bar on a terminal
+    flower_client_cpus: float = 1.0  # engine=flower: CPUs Ray reserves per client (Flower's default is 2)
+    flower_client_gpus: float = 0.0  # engine=flower: GPU fraction per client (0.25 = four per GPU)
+    ray_address: str = ""          # engine=flower: an existing Ray cluster ("auto", "ray://host:10001"); "" starts one here
+    ray_num_cpus: int = 0          # engine=flower without ray_address: CPUs the local Ray runtime may use (0 = all)
 
     def validate(self) -> None:
         _positive("simulation.rounds", self.rounds)
@@ -53,7 +57,10 @@ class SimulationConfig:
         if not 0 < self.fraction <= 1:
             raise ConfigError(f"simulation.fraction = {self.fraction} must be in (0, 1]")
         _positive("simulation.eval_every", self.eval_every)
-        _choice("simulation.engine", self.engine, ("inprocess",))
+        _choice("simulation.engine", self.engine, ("inprocess", "flower"))
+        _positive("simulation.flower_client_cpus", self.flower_client_cpus)
+        _positive("simulation.flower_client_gpus", self.flower_client_gpus, allow_zero=True)
+        _positive("simulation.ray_num_cpus", self.ray_num_cpus, allow_zero=True)
         _choice("simulation.mode", self.mode, ("sync",))
 
 

@@ -36,6 +36,10 @@ def run_simulation(
     on_record: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg.simulation.rounds`` rounds; returns the summary (also written to disk)."""
+    if cfg.simulation.engine == "flower":
+        from .flower_engine import run_flower_simulation
+
+        return run_flower_simulation(cfg, out_dir, progress, on_record)
     out = Path(out_dir or cfg.output.dir)
     sim_cfg = cfg.simulation
     t0 = time.perf_counter()
