@@ -101,10 +101,13 @@ def run_flower(
             if bar is not None:
                 bar.update(task, completed=summary.round, status=f"acc {ev['accuracy']:.4f}")
 
-        flwr_log = logging.getLogger("flwr")
-        level = flwr_log.level
+        # Flower's per-round INFO lines, its deprecation notice for run_simulation and
+        # its database layer's start-up lines stay out of shoal's log unless debugging.
+        quiet = {name: logging.getLogger(name) for name in ("flwr", "alembic")}
+        levels = {name: lg.level for name, lg in quiet.items()}
         if log.getEffectiveLevel() > logging.DEBUG:
-            flwr_log.setLevel(logging.ERROR)  # Flower's per-round INFO lines and its deprecation notice
+            for lg in quiet.values():
+                lg.setLevel(logging.ERROR)
         started_ray = not ray.is_initialized()
         try:
             run_simulation(
@@ -114,7 +117,8 @@ def run_flower(
                 backend_config=backend,
             )
         finally:
-            flwr_log.setLevel(level)
+            for name, lg in quiet.items():
+                lg.setLevel(levels[name])
             if started_ray and ray.is_initialized():
                 ray.shutdown()
     wall = time.perf_counter() - t_start
