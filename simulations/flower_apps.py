@@ -148,8 +148,10 @@ class ShoalStrategy(FlowerStrategy):
     """
 
     def __init__(self, strategy: Strategy, spec: ParamSpec, clients_per_round: int = 0,
-                 fraction: float = 0.1, seed: int = 0, min_available_nodes: int = 1, strict: bool = False):
+                 fraction: float = 0.1, seed: int = 0, min_available_nodes: int = 1, strict: bool = False,
+                 device: torch.device | str = "cpu"):
         self.strategy = strategy
+        self.device = torch.device(device)  # where the strategy's buffers live (make_strategy's device)
         self.spec = spec
         self.clients_per_round = clients_per_round
         self.fraction = fraction
@@ -184,7 +186,7 @@ class ShoalStrategy(FlowerStrategy):
         return self.node_of
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        params = from_arrays(arrays, self.spec)
+        params = from_arrays(arrays, self.spec).to(self.device)
         if self.rounds is None:
             self.rounds = SyncRounds(self.strategy, params, self.clients_per_round, self.fraction, self.seed)
         else:
@@ -217,7 +219,7 @@ class ShoalStrategy(FlowerStrategy):
                 self._drop(server_round, task.client_id, f"failed: {reply.error.reason}")
                 continue
             try:
-                local = from_arrays(reply.content.array_records[ARRAYS], self.spec)
+                local = from_arrays(reply.content.array_records[ARRAYS], self.spec).to(self.device)
                 metrics = reply.content.metric_records[METRICS]
                 update = Update(
                     delta=local - rounds.global_params, num_examples=int(metrics[NUM_EXAMPLES]),
@@ -268,7 +270,7 @@ def make_server_app(cfg: Config | None = None, on_round: RoundCallback | None = 
         trainer, test = setup.trainer, setup.data.test
         strategy = ShoalStrategy(
             make_strategy(c.strategy, setup.spec.numel, trainer.device), setup.spec,
-            sim.clients_per_round, sim.fraction, sim.seed, strict=strict,
+            sim.clients_per_round, sim.fraction, sim.seed, strict=strict, device=trainer.device,
         )
 
         def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:

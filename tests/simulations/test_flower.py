@@ -69,14 +69,19 @@ def flower_and_inprocess(tmp_path_factory):
     from shoal.simulations.flower_engine import run_flower
 
     cfg = load_config(None, SMALL)
-    flower_out = tmp_path_factory.mktemp("flower")
-    flower = run_flower(load_config(None, SMALL + ["simulation.engine='flower'"]), flower_out, progress=False)
-    sim = InProcessSimulation(cfg)
-    initial = sim.evaluate()
-    for _ in range(cfg.simulation.rounds):
-        sim.run_round()
-    inproc_out = tmp_path_factory.mktemp("inprocess")
-    run_simulation(cfg, inproc_out, progress=False)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as Ray gives each 1-CPU actor; more threads only contend on 2 cores
+    try:
+        flower_out = tmp_path_factory.mktemp("flower")
+        flower = run_flower(load_config(None, SMALL + ["simulation.engine='flower'"]), flower_out, progress=False)
+        sim = InProcessSimulation(cfg)
+        initial = sim.evaluate()
+        for _ in range(cfg.simulation.rounds):
+            sim.run_round()
+        inproc_out = tmp_path_factory.mktemp("inprocess")
+        run_simulation(cfg, inproc_out, progress=False)
+    finally:
+        torch.set_num_threads(threads)
     return flower, flower_out, sim, initial, inproc_out
 
 
