@@ -170,9 +170,12 @@ class ShoalStrategy(FlowerStrategy):
         )
 
     def identify(self, grid: Grid, timeout: float = 600) -> dict[str, int]:
-        """Ask nodes not seen before for their client id (a QUERY message)."""
+        """Client id -> node id of the connected nodes; nodes not seen before are asked
+        for their client id with a QUERY message."""
+        connected = list(grid.get_node_ids())
+        online = set(connected)
         known = set(self.node_of.values())
-        new = [n for n in grid.get_node_ids() if n not in known]
+        new = [n for n in connected if n not in known]
         if new:
             asks = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in new]
             for reply in grid.send_and_receive(asks, timeout=timeout):
@@ -180,10 +183,10 @@ class ShoalStrategy(FlowerStrategy):
                 cid = f"node-{node}"
                 if not reply.has_error() and IDENTITY in reply.content.config_records:
                     cid = str(reply.content.config_records[IDENTITY]["client-id"])
-                if cid in self.node_of:
+                if self.node_of.get(cid, node) != node and self.node_of[cid] in online:
                     raise ConfigError(f"two Flower nodes claim client id {cid!r}: give each node its own partition-id")
-                self.node_of[cid] = node
-        return self.node_of
+                self.node_of[cid] = node  # a restarted node comes back under a new node id
+        return {cid: node for cid, node in self.node_of.items() if node in online}
 
     def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
         params = from_arrays(arrays, self.spec).to(self.device)
