@@ -41,11 +41,15 @@ class SimulationConfig:
     clients_per_round: int = 10    # K; 0 means use `fraction`
     fraction: float = 0.1          # C: a fraction of all clients each round (at least 1)
     eval_every: int = 1            # evaluate the global model every k rounds (and the last)
-    engine: str = "inprocess"      # the in-process engine (simulations/inprocess.py)
+    engine: str = "inprocess"      # inprocess (simulations/inprocess.py) | flower (Ray, simulations/flower_engine.py)
     mode: str = "sync"             # sync rounds | async (FedAsync/FedBuff, [asynchronous]) | gossip ([gossip], no server)
     device: str = "auto"           # where simulated clients train: auto | cpu | cuda[:N]
     progress: bool = True          # progress bar on a terminal
     batch_clients: int | str = "auto"  # clients trained at once (vmap): auto | N | 1 (one by one)
+    flower_client_cpus: float = 1.0  # engine=flower: CPUs Ray reserves per client (Flower's default is 2)
+    flower_client_gpus: float = 0.0  # engine=flower: GPU fraction per client (0.25 = four per GPU)
+    ray_address: str = ""          # engine=flower: an existing Ray cluster ("auto", "ray://host:10001"); "" starts one here
+    ray_num_cpus: int = 0          # engine=flower without ray_address: CPUs the local Ray runtime may use (0 = all)
 
     def validate(self) -> None:
         _positive("simulation.rounds", self.rounds)
@@ -54,11 +58,14 @@ class SimulationConfig:
         if not 0 < self.fraction <= 1:
             raise ConfigError(f"simulation.fraction = {self.fraction} must be in (0, 1]")
         _positive("simulation.eval_every", self.eval_every)
-        _choice("simulation.engine", self.engine, ("inprocess",))
+        _choice("simulation.engine", self.engine, ("inprocess", "flower"))
         _choice("simulation.mode", self.mode, ("sync", "async", "gossip"))
         b = self.batch_clients
         if not ((isinstance(b, int) and b >= 1) or b == "auto"):
             raise ConfigError(f"simulation.batch_clients = {b!r} must be \"auto\" or an integer >= 1 (1 trains clients one by one)")
+        _positive("simulation.flower_client_cpus", self.flower_client_cpus)
+        _positive("simulation.flower_client_gpus", self.flower_client_gpus, allow_zero=True)
+        _positive("simulation.ray_num_cpus", self.ray_num_cpus, allow_zero=True)
 
 
 @dataclass
@@ -502,6 +509,22 @@ class Config:
 
     def _validate_combinations(self) -> None:
         """Settings that are fine alone but not together."""
+        if self.simulation.engine == "flower":
+            unsupported = [
+                name for name, on in (
+                    (f"simulation.mode = {self.simulation.mode!r}", self.simulation.mode != "sync"),
+                    ("heterogeneity.enabled", self.heterogeneity.enabled),
+                    (f"privacy.mode = {self.privacy.mode!r}", self.privacy.mode != "none"),
+                    ("secure_aggregation.enabled", self.secure_aggregation.enabled),
+                    (f"attack.kind = {self.attack.kind!r}", self.attack.kind != "none"),
+                    (f"compression.encoding = {self.compression.encoding!r}", self.compression.encoding != "dense"),
+                ) if on
+            ]
+            if unsupported:
+                raise ConfigError(
+                    f"simulation.engine = 'flower' runs plain sync rounds (robust rules included) and cannot run "
+                    f"{', '.join(unsupported)}; use simulation.engine = 'inprocess'"
+                )
         if self.secure_aggregation.enabled:
             why = None
             if self.simulation.mode != "sync":

@@ -38,6 +38,10 @@ def run_simulation(
 ) -> dict[str, Any]:
     """Run ``cfg.simulation.rounds`` rounds (fewer if the privacy budget runs out); returns
     the summary (also written to disk). ``sim``: a simulation built by the caller."""
+    if cfg.simulation.engine == "flower":  # Flower's simulation runtime (Ray) drives shoal's rounds
+        from .flower_engine import run_flower_simulation
+
+        return run_flower_simulation(cfg, out_dir, progress, on_record)
     if cfg.simulation.mode == "gossip":  # decentralized peers, no server (simulations/gossip_sim.py)
         from .gossip_sim import run_gossip_simulation
 

@@ -1,0 +1,155 @@
+"""The Flower engine: the same experiment through Flower's Ray-backed simulation.
+
+``simulation.engine = "flower"`` runs the ServerApp and ClientApp of
+:mod:`shoal.simulations.flower_apps` under ``flwr.simulation.run_simulation``: each
+client is a Flower SuperNode, its training runs in a Ray actor with
+``simulation.flower_client_cpus`` / ``flower_client_gpus`` reserved, on this machine
+(``simulation.ray_num_cpus`` CPUs) or on the Ray cluster at ``simulation.ray_address``.
+Sampling, seeds and aggregation are shoal's, so with the same config and seed the
+global model matches the in-process engine's; outputs are the same metrics.jsonl,
+summary.json and plots. The in-process engine is far faster on one machine (see
+bench/engines.py); this one is for runs that need more than one machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from shoal.config import Config
+from shoal.errors import ConfigError
+from shoal.metrics import MetricsLog
+from shoal.rounds import RoundSummary
+
+from .experiment import _progress
+from .flower_apps import make_client_app, make_server_app, setup_for
+from .report import plot_curves
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class FlowerRun:
+    summary: dict[str, Any]
+    global_params: torch.Tensor  # the global model after the last round (CPU)
+
+
+def backend_config(cfg: Config) -> dict[str, Any]:
+    """Flower's backend config: client resources from the config, and ray.init arguments
+    (an existing cluster's address, or a local runtime limited to ``ray_num_cpus``)."""
+    sim = cfg.simulation
+    if sim.ray_address:
+        init_args: dict[str, Any] = {"address": sim.ray_address}
+    else:
+        cpus = sim.ray_num_cpus or os.cpu_count() or 1
+        if sim.flower_client_cpus > cpus:
+            raise ConfigError(
+                f"simulation.flower_client_cpus = {sim.flower_client_cpus} is more than the "
+                f"{cpus} CPU(s) Ray may use here: no client could start; lower it or raise simulation.ray_num_cpus"
+            )
+        init_args = {"num_cpus": cpus, "include_dashboard": False}
+    return {
+        "client_resources": {"num_cpus": sim.flower_client_cpus, "num_gpus": sim.flower_client_gpus},
+        "init_args": init_args,
+    }
+
+
+def run_flower(
+    cfg: Config,
+    out_dir: str | Path | None = None,
+    progress: bool | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> FlowerRun:
+    """Run ``cfg`` on Flower's simulation engine; write metrics.jsonl, summary.json, plots."""
+    import ray
+    from flwr.simulation import run_simulation
+
+    out = Path(out_dir or cfg.output.dir)
+    sim_cfg = cfg.simulation
+    t0 = time.perf_counter()
+    backend = backend_config(cfg)
+    setup = setup_for(cfg, sim_cfg.device)  # the ServerApp (a thread here) reuses it
+    num_clients = setup.data.num_clients
+    setup_s = time.perf_counter() - t0
+    metrics = MetricsLog(out)
+    show = sim_cfg.progress and sys.stderr.isatty() if progress is None else progress
+    final: dict[str, torch.Tensor] = {}
+    last: dict[str, Any] = {}
+
+    with _progress(show, sim_cfg.rounds) as bar:
+        task = bar.add_task("sim", total=sim_cfg.rounds, status="") if bar else None
+        t_start = time.perf_counter()
+
+        def on_round(summary: RoundSummary, ev: dict[str, float], params: torch.Tensor) -> None:
+            last.update({
+                "round": summary.round, "version": summary.version,
+                "test_accuracy": ev["accuracy"], "test_loss": ev["loss"], "train_loss": summary.train_loss,
+                "num_results": summary.num_results, "num_examples": summary.num_examples,
+                "elapsed_s": round(time.perf_counter() - t_start, 4),
+            })
+            metrics.write(dict(last))
+            final["params"] = params
+            if on_record:
+                on_record(dict(last))
+            if bar is not None:
+                bar.update(task, completed=summary.round, status=f"acc {ev['accuracy']:.4f}")
+
+        # Flower's per-round INFO lines, its deprecation notice for run_simulation and
+        # its database layer's start-up lines stay out of shoal's log unless debugging.
+        quiet = {name: logging.getLogger(name) for name in ("flwr", "alembic")}
+        levels = {name: lg.level for name, lg in quiet.items()}
+        if log.getEffectiveLevel() > logging.DEBUG:
+            for lg in quiet.values():
+                lg.setLevel(logging.ERROR)
+        started_ray = not ray.is_initialized()
+        try:
+            run_simulation(
+                server_app=make_server_app(cfg, on_round, strict=True),
+                client_app=make_client_app(cfg, sim_cfg.device),
+                num_supernodes=num_clients,
+                backend_config=backend,
+            )
+        finally:
+            for name, lg in quiet.items():
+                lg.setLevel(levels[name])
+            if started_ray and ray.is_initialized():
+                ray.shutdown()
+    wall = time.perf_counter() - t_start
+    if "params" not in final or last.get("round") != sim_cfg.rounds:
+        raise RuntimeError(f"the Flower simulation stopped after round {last.get('round', 0)} of {sim_cfg.rounds}")
+    accs = [r["test_accuracy"] for r in metrics.records]
+    summary_out = {
+        "final_test_accuracy": last.get("test_accuracy"),
+        "final_test_loss": last.get("test_loss"),
+        "best_test_accuracy": max(accs) if accs else None,
+        "rounds": sim_cfg.rounds,
+        "num_clients": num_clients,
+        "num_parameters": setup.spec.numel,
+        "device": str(setup.trainer.device),
+        "engine": "flower",
+        "wall_s": round(wall, 3),
+        "setup_s": round(setup_s, 3),
+        "config": cfg.to_dict(),
+    }
+    metrics.summary(summary_out)
+    if cfg.output.plots:
+        plot_curves(metrics.records, out, title=f"{cfg.data.dataset} / {cfg.model.name} / {cfg.strategy.name} (flower)")
+    log.info("wrote %s", out)
+    return FlowerRun(summary_out, final["params"])
+
+
+def run_flower_simulation(
+    cfg: Config,
+    out_dir: str | Path | None = None,
+    progress: bool | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """:func:`run_flower`, returning the summary as the in-process ``run_simulation`` does."""
+    return run_flower(cfg, out_dir, progress, on_record).summary
