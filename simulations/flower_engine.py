@@ -87,12 +87,21 @@ def run_flower(
         task = bar.add_task("sim", total=sim_cfg.rounds, status="") if bar else None
         t_start = time.perf_counter()
 
+        model_bytes = 4 * setup.spec.numel  # Flower's ArrayRecord carries each float32 model raw
+        totals = {"up": 0, "down": 0}
+
         def on_round(summary: RoundSummary, ev: dict[str, float], params: torch.Tensor) -> None:
+            up = model_bytes * (summary.num_results + sum(summary.rejected.values()))
+            down = model_bytes * summary.num_selected
+            totals["up"] += up
+            totals["down"] += down
             last.update({
                 "round": summary.round, "version": summary.version,
                 "test_accuracy": ev["accuracy"], "test_loss": ev["loss"], "train_loss": summary.train_loss,
                 "num_results": summary.num_results, "num_examples": summary.num_examples,
                 "elapsed_s": round(time.perf_counter() - t_start, 4),
+                "bytes_up": up, "bytes_down": down, "bytes_up_total": totals["up"],
+                "bytes_down_total": totals["down"], "rejected": summary.rejected,
             })
             metrics.write(dict(last))
             final["params"] = params

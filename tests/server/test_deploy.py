@@ -178,8 +178,11 @@ def test_killed_client_and_killed_server(tmp_path):
     slow_name = "client-00002"
     with deployment(tmp_path, n=3, rounds=6, deadline=8.0, min_nodes=2) as d:
         server = d.server("--insecure")
-        fast = [d.client(0), d.client(1)]
+        # the slow node connects first, so it is in round 1 (min_nodes = 2) however fast the others are
         slow = d.client(2, "--set", "train.epochs=100000")  # still training when killed
+        d.wait_status(lambda s: slow_name in s["connected_nodes"], 60)
+        # ~1 s of training a round, so the test can see a round open and kill the server in it
+        fast = [d.client(i, "--set", "train.epochs=40") for i in (0, 1)]
         st = d.wait_status(lambda s: s["round_open"] and slow_name in s["selected"]
                            and s["received"] == len(s["selected"]) - 1, 60)
         os.killpg(slow.pid, signal.SIGKILL)
