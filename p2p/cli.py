@@ -26,6 +26,7 @@ from shoal.models import build_model
 from shoal.tls import client_context, server_context
 
 from .peer import Peer, PeerData, PeerSettings
+from .robust import check_gossip_settings
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,7 @@ def run_peer(cfg: Config, listen: str, bootstrap: str, data: str, token: str | N
              tls_cert: Path | None, tls_key: Path | None, ca_cert: Path | None, insecure: bool,
              out: Path | None) -> None:
     host, port = parse_listen(listen)
+    check_gossip_settings(cfg)
     token = token if token is not None else os.environ.get("SHOAL_TOKEN", "")
     if insecure:
         log.warning("--insecure: plain HTTP, models and the network token travel unencrypted")

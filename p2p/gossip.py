@@ -55,6 +55,7 @@ class GossipNode:
         self.version = 0
         self.merges = 0
         self.skipped = 0
+        self.bounded = 0  # received models clipped or rejected by rule.norm_bound
         self._pending: dict[str, float] = {}  # peer -> deadline of our unanswered push
 
     @property
@@ -117,6 +118,8 @@ class GossipNode:
         return late
 
     def _merge(self, msg: ModelMessage) -> None:
+        if self.rule.norm_bound > 0:
+            self.bounded += int(self.rule.bound(self.params, msg.params)[1])
         lam, info = self.rule.merge(self.params, self.info, msg.params, msg.info)
         if lam <= 0.0:
             self.skipped += 1

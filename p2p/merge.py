@@ -16,6 +16,23 @@ Xie et al. 2019), and a model more than ``max_age_gap`` behind is not merged at 
 model more than ``max_age_gap`` *ahead* of ours replaces ours: that is how a peer that
 restarted from scratch catches up in one exchange. The merged age is the larger of the
 two (Ormandi et al.).
+
+Robust merge. With ``norm_bound`` > 0 a received model farther than ``norm_bound`` (L2)
+from ours is either
+
+- ``clip``ped: ``own <- own + lam * clip(other - own, norm_bound)``, where clip scales a
+  vector down to that norm. This is self-centered clipping (He, Karimireddy and Jaggi
+  2022, "Byzantine-robust decentralized learning via self-centered clipping",
+  arXiv:2202.01545) applied to one push-pull pair; or
+- ``reject``ed: not merged at all (a distance screen, the parameter-space analogue of
+  ``max_age_gap``).
+
+Either way a hostile model moves ours by at most ``lam * norm_bound`` per merge,
+whatever it contains and whatever age it claims (adopting a model far ahead is bounded
+the same way). Clipping still lets every merge pull that far in the attacker's
+direction, so attackers that merge often add up; rejection ignores the blatant ones
+entirely (measured in docs/results.md). The bound should sit above the honest peers'
+distances (the consensus distance metric shows them), or honest merges are cut too.
 """
 
 from __future__ import annotations
@@ -25,6 +42,7 @@ from dataclasses import dataclass
 import torch
 
 RULES = ("average", "examples", "age")
+BOUND_MODES = ("clip", "reject")
 
 
 @dataclass(frozen=True)
@@ -40,10 +58,30 @@ class MergeRule:
     rule: str = "age"
     staleness_exponent: float = 0.0  # 0: no staleness discount
     max_age_gap: int = 0             # 0: no limit
+    norm_bound: float = 0.0          # > 0: bound ||other - own|| (L2) ...
+    bound_mode: str = "clip"         # ... by clipping it, or by rejecting the model
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
             raise ValueError(f"merge rule {self.rule!r} is not one of {RULES}")
+        if not self.norm_bound >= 0:
+            raise ValueError(f"merge norm bound {self.norm_bound!r} must be >= 0")
+        if self.bound_mode not in BOUND_MODES:
+            raise ValueError(f"merge bound mode {self.bound_mode!r} is not one of {BOUND_MODES}")
+
+    def bound(self, own: torch.Tensor, other: torch.Tensor) -> tuple[torch.Tensor | None, bool]:
+        """(``other`` as the merge uses it, whether the bound acted): clipped so that
+        ||other - own|| <= norm_bound, or None when the bound rejects it."""
+        other = other.to(own.device, own.dtype)
+        if self.norm_bound <= 0:
+            return other, False
+        diff = other - own
+        norm = float(torch.linalg.vector_norm(diff))
+        if norm <= self.norm_bound:
+            return other, False
+        if self.bound_mode == "reject":
+            return None, True
+        return own + diff * (self.norm_bound / norm), True
 
     def weight(self, own: ModelInfo, other: ModelInfo) -> float:
         """lam in [0, 1]: the share of the other model in the merge (1 = adopt it)."""
@@ -70,8 +108,11 @@ class MergeRule:
         lam = self.weight(own_info, other_info)
         if lam <= 0.0:
             return lam, own_info
+        other, _ = self.bound(own, other)
+        if other is None:
+            return 0.0, own_info
         if lam >= 1.0:
             own.copy_(other)
             return lam, ModelInfo(other_info.age, own_info.num_examples)
-        own.lerp_(other.to(own.device, own.dtype), lam)
+        own.lerp_(other, lam)
         return lam, ModelInfo(max(own_info.age, other_info.age), own_info.num_examples)

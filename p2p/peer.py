@@ -10,6 +10,10 @@ token shared by the peers of a network); a request without it gets 401. Every mo
 that arrives is validated by shoal.wire (size, spec hash, dtype, shape, finite) and its
 header fields (age, num_examples, sender) are type-checked before anything is merged;
 a bad one gets 4xx ``{"error": code, "detail": message}`` and the model is untouched.
+Models travel as ``[compression]`` says (p2p/model_wire.py: dense or q8, optionally
+zstd; the header names the encoding, so peers with different settings understand each
+other), and a merge bounds the received model's pull to ``robust.norm_bound`` if set
+(``gossip.bound_mode``: clip or reject; p2p/merge.py).
 HTTPS with a certificate by default; plain HTTP only with ``insecure=True``.
 
 A peer's identity is its advertised URL, so a peer restarted on the same address is
@@ -40,11 +44,13 @@ from shoal.config import Config
 from shoal.errors import Malformed, ShoalError, WireError
 from shoal.metrics import MetricsLog
 from shoal.seeding import derive_seed
-from shoal.wire import decode_model, default_max_bytes, encode_model
+from shoal.wire import default_max_bytes
 
 from .gossip import GossipNode, ModelMessage
 from .membership import Membership, ShuffleRequest, ShuffleResponse
 from .merge import MergeRule
+from .model_wire import decode_gossip_model, encode_gossip_model
+from .robust import check_gossip_settings
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +101,7 @@ class Peer:
 
     def __init__(self, cfg: Config, trainer: LocalTrainer, data: PeerData, settings: PeerSettings):
         g = cfg.gossip
+        check_gossip_settings(cfg)
         self.cfg, self.g, self.trainer, self.data, self.s = cfg, g, trainer, data, settings
         self.spec = trainer.spec
         self.max_bytes = default_max_bytes(self.spec) + 64 * len(self.spec.entries)
@@ -103,10 +110,13 @@ class Peer:
                                 quarantine=max(30.0, 10 * g.period), seed=seed, bootstrap_peers=settings.bootstrap)
         params = trainer.flat.detach().clone()
         self.node = GossipNode(membership, params, int(data.y.shape[0]),
-                               MergeRule(g.merge, g.staleness_exponent, g.max_age_gap), g.timeout)
+                               MergeRule(g.merge, g.staleness_exponent, g.max_age_gap, cfg.robust.norm_bound,
+                                         g.bound_mode),
+                               g.timeout)
         self.steps = 0
         self.bytes_sent = 0
         self.rejected = 0
+        self._sent = 0  # messages encoded: seeds q8's stochastic rounding
         self.accuracy = float("nan")
         self.metrics = MetricsLog(settings.out_dir) if settings.out_dir else None
         self._lock = asyncio.Lock()
@@ -135,10 +145,12 @@ class Peer:
 
     def _encode(self, msg: ModelMessage) -> bytes:
         extra = {"age": msg.age, "num_examples": msg.num_examples, "sender": msg.sender}
-        return encode_model(msg.params, self.spec, msg.version, extra)
+        self._sent += 1
+        seed = derive_seed(self.cfg.simulation.seed, zlib.crc32(self.node.id.encode()), self._sent)
+        return encode_gossip_model(msg.params, self.spec, msg.version, extra, self.cfg.compression, seed)
 
     def _decode(self, body: bytes, target: str, reply: bool) -> ModelMessage:
-        params, header = decode_model(body, self.spec, self.max_bytes)
+        params, header = decode_gossip_model(body, self.spec, self.max_bytes)
         return ModelMessage(_check_id(header.get("sender"), "sender"), target, params,
                             _check_int(header, "age", 0), header["version"], _check_int(header, "num_examples", 1),
                             reply)
@@ -200,7 +212,7 @@ class Peer:
         return {"id": n.id, "steps": self.steps, "age": n.age, "version": n.version, "merges": n.merges,
                 "accuracy": None if self.accuracy != self.accuracy else self.accuracy,
                 "view": n.membership.peers(), "suspected": sorted(n.membership.suspected()),
-                "bytes_sent": self.bytes_sent, "rejected": self.rejected}
+                "bytes_sent": self.bytes_sent, "rejected": self.rejected, "bounded": n.bounded}
 
     # --- the outgoing side ------------------------------------------------------------------
 

@@ -345,6 +345,7 @@ class GossipConfig:
     merge: str = "age"             # average | examples | age (Hegedus et al. 2019)
     staleness_exponent: float = 0.0  # weight * (1 + age gap) ** -a for models behind ours
     max_age_gap: int = 0           # models further behind are not merged, further ahead adopted (0: off)
+    bound_mode: str = "clip"       # robust.norm_bound > 0: clip | reject models farther than it from ours
     view_size: int = 8             # Cyclon partial view
     shuffle_length: int = 4        # entries swapped per shuffle
     exchanges_per_round: int = 1   # push-pull exchanges a peer starts after each local step
@@ -367,6 +368,7 @@ class GossipConfig:
     def validate(self) -> None:
         _choice("gossip.algorithm", self.algorithm, ("gossip", "dpsgd"))
         _choice("gossip.merge", self.merge, ("average", "examples", "age"))
+        _choice("gossip.bound_mode", self.bound_mode, ("clip", "reject"))
         _choice("gossip.topology", self.topology, ("ring", "torus", "regular", "small-world", "complete"))
         _positive("gossip.staleness_exponent", self.staleness_exponent, allow_zero=True)
         _positive("gossip.max_age_gap", self.max_age_gap, allow_zero=True)
@@ -539,6 +541,10 @@ class Config:
                        "privacy.mode = 'distributed' (clients clip and add noise shares before masking)")
             if why:
                 raise ConfigError(f"secure_aggregation.enabled = true with {why}")
+        if self.simulation.mode == "gossip":
+            from shoal.p2p.robust import check_gossip_settings  # robust merges and model compression (p2p/)
+
+            check_gossip_settings(self)
         dp = self.privacy.mode
         if dp in ("central", "distributed") and self.robust.rule != "mean":
             raise ConfigError(

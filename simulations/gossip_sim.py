@@ -7,7 +7,10 @@ messages take an exponential delay (``gossip.latency`` rounds on average), are l
 with probability ``gossip.loss``, never cross a partition, and never reach a peer that
 is offline. In each round every online peer wakes once at a random time, trains one
 round of local work (``[train]``, as a FedAvg client would) on its own shard, starts
-``exchanges_per_round`` push-pull exchanges and one Cyclon shuffle.
+one Cyclon shuffle and ``exchanges_per_round`` = m push-pull exchanges spaced evenly
+over its period: the first right after training, the others 1/m, 2/m, ... rounds later
+(pushing the same fresh model to m peers at once would spread its local drift m ways
+instead of mixing it).
 
 Peers are data, not model copies: all models are rows of one (peers x parameters)
 float32 tensor, and one LocalTrainer trains every peer in turn. With
@@ -17,16 +20,37 @@ probability ``gossip.loss`` in a round fall back on the diagonal).
 
 Churn is a two-state Markov chain per peer whose stationary offline share is
 ``gossip.churn`` and whose mean offline spell is ``gossip.churn_period`` rounds.
+
+With ``gossip.exchanges_per_round`` = m > 1, D-PSGD mixes m times per round
+(``X <- W^m X``, m messages per link): more communication, the same local work.
+
+Attacks and robustness (``[attack]``, ``[robust]``). A seeded ``attack.fraction`` of the
+peers follow the protocol but send a forged model in every message: relative to the
+initial model ``x0`` that every peer shares, ``sign_flip`` sends ``x0 - scale (x - x0)``,
+``scale`` sends ``x0 + scale (x - x0)``, ``gaussian`` sends ``x + N(0, scale^2)``,
+``nan`` / ``inf`` a model full of NaN / Inf; ``label_flip`` attackers train on flipped
+labels. Metrics are over the honest peers only. Push-pull merges bound the received
+model's pull to ``robust.norm_bound`` (p2p/merge.py: clip or reject, per
+``gossip.bound_mode``); D-PSGD mixes through the
+``[robust]`` rule (p2p/robust.py).
+
+The wire (``[compression]``). With a non-dense encoding, zstd, or an attack on, every
+model message is encoded (p2p/model_wire.py: dense or q8, optionally zstd), counted at
+its encoded size and decoded and validated as the receiver would; a message that fails
+validation is rejected (counted, never merged; the sender sees no answer). Otherwise
+every model message has the same size, measured once on the real encoding.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import logging
 import sys
 import time
 from pathlib import Path
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
@@ -42,16 +66,29 @@ from shoal.p2p.dpsgd import gossip_average, mixing_matrix, spectral_gap
 from shoal.p2p.gossip import GossipNode, ModelMessage
 from shoal.p2p.membership import Membership, ShuffleRequest, ShuffleResponse
 from shoal.p2p.merge import MergeRule
+from shoal.p2p.model_wire import decode_gossip_model, encode_gossip_model
+from shoal.p2p.robust import robust_gossip_average, robust_mixing
+from shoal.errors import WireError
 from shoal.seeding import derive_seed
 from shoal.wire import encode_model
 
 from .experiment import _progress
+from .attacks import choose_attackers, flip_labels
 from .inprocess import ClientShards
 from .report import plot_curves
 
 log = logging.getLogger(__name__)
 
-Message = ModelMessage | ShuffleRequest | ShuffleResponse
+
+
+@dataclass(frozen=True)
+class ExchangeTimer:
+    """A peer's timer: time to start its next push-pull exchange."""
+
+    peer: int
+
+
+Message = ModelMessage | ShuffleRequest | ShuffleResponse | ExchangeTimer
 
 
 def peer_id(i: int) -> str:
@@ -81,7 +118,7 @@ class GossipSimulation:
         self.rng = np.random.default_rng(derive_seed(sim.seed, 0x6055))
         self.ids = [peer_id(i) for i in range(n)]
         self.index = {p: i for i, p in enumerate(self.ids)}
-        rule = MergeRule(g.merge, g.staleness_exponent, g.max_age_gap)
+        rule = MergeRule(g.merge, g.staleness_exponent, g.max_age_gap, cfg.robust.norm_bound, g.bound_mode)
         k0 = min(g.view_size, n - 1)
         self.nodes: list[GossipNode] = []
         for i in range(n):
@@ -100,12 +137,27 @@ class GossipSimulation:
         self.model_bytes = len(encode_model(self.init, self.spec, 0, {"age": 0, "num_examples": 1, "sender": self.ids[0]}))
         self.bytes_sent = np.zeros(n, dtype=np.int64)
         self.lost = 0
+        self.rejected = 0
+        self.max_bytes = self.model_bytes + (1 << 20)
+        atk = cfg.attack
+        self.attackers = np.zeros(n, dtype=bool)
+        if atk.kind != "none" and atk.fraction > 0:
+            for p in choose_attackers(self.ids, atk.fraction, sim.seed):
+                self.attackers[self.index[p]] = True
+            if atk.kind == "label_flip":
+                for i in np.flatnonzero(self.attackers):
+                    flip_labels(self.shards.get(int(i))[1], self.data.num_classes)
+            log.info("attack %s: %d of %d peers", atk.kind, int(self.attackers.sum()), n)
+        c = cfg.compression
+        self.wire = c.encoding != "dense" or c.zstd or (atk.kind not in ("none", "label_flip") and atk.fraction > 0)
+        self._msgs = 0
         self.w = None
         if g.algorithm == "dpsgd":
             self.w = mixing_matrix(g.topology, n, g.degree, g.rewire, sim.seed).to(self.device)
             log.info("D-PSGD on a %s of %d peers, spectral gap %.4f", g.topology, n, spectral_gap(self.w))
-        eval_n = n if g.eval_peers == 0 else min(g.eval_peers, n)
-        self.eval_idx = np.sort(self.rng.choice(n, size=eval_n, replace=False))
+        self.honest = np.flatnonzero(~self.attackers)
+        eval_n = len(self.honest) if g.eval_peers == 0 else min(g.eval_peers, len(self.honest))
+        self.eval_idx = np.sort(self.rng.choice(self.honest, size=eval_n, replace=False))
         log.info("gossip simulation: %d peers, model %s (%d parameters), %s", n, cfg.model.name,
                  self.spec.numel, g.algorithm)
 
@@ -117,6 +169,38 @@ class GossipSimulation:
             return False
         return (a < self.n // 2) != (b < self.n // 2)
 
+    def _forge(self, params: torch.Tensor, seed: int) -> torch.Tensor:
+        """What an attacker sends instead of its model ``params`` (module docstring)."""
+        a = self.cfg.attack
+        match a.kind:
+            case "sign_flip":
+                return self.init - a.scale * (params - self.init)
+            case "scale":
+                return self.init + a.scale * (params - self.init)
+            case "gaussian":
+                gen = torch.Generator().manual_seed(seed)
+                return params + (torch.randn(params.shape, generator=gen) * a.scale).to(params.device)
+            case "nan":
+                return torch.full_like(params, float("nan"))
+            case "inf":
+                return torch.full_like(params, float("inf"))
+        return params
+
+    def _on_wire(self, params: torch.Tensor, src: int, extra: dict[str, Any]) -> tuple[int, torch.Tensor | None]:
+        """(encoded size, the model the receiver decodes; None if validation rejects it)."""
+        self._msgs += 1
+        seed = derive_seed(self.cfg.simulation.seed, 0x3E55, self.round, self._msgs)
+        if self.attackers[src]:
+            params = self._forge(params, seed)
+        body = encode_gossip_model(params, self.spec, 0, extra, self.cfg.compression, seed)
+        try:
+            received, _ = decode_gossip_model(body, self.spec, self.max_bytes)
+        except WireError as e:
+            self.rejected += 1
+            log.debug("rejected a model from %s: %s", self.ids[src], e)
+            return len(body), None
+        return len(body), received.to(params.device)
+
     def _size(self, msg: Message) -> int:
         if isinstance(msg, ModelMessage):
             return self.model_bytes
@@ -124,7 +208,15 @@ class GossipSimulation:
 
     def _send(self, msg: Message, now: float) -> None:
         src, dst = self.index[msg.sender], self.index[msg.target]
-        self.bytes_sent[src] += self._size(msg)
+        if isinstance(msg, ModelMessage) and self.wire:
+            size, params = self._on_wire(msg.params, src, {"age": msg.age, "num_examples": msg.num_examples,
+                                                           "sender": msg.sender})
+            self.bytes_sent[src] += size
+            if params is None:
+                return  # rejected by the receiver's validation: never merged, the sender times out
+            msg = dataclasses.replace(msg, params=params)
+        else:
+            self.bytes_sent[src] += self._size(msg)
         if self.rng.random() < self.g.loss or self._partitioned(src, dst):
             self.lost += 1
             return
@@ -132,7 +224,18 @@ class GossipSimulation:
         self._seq += 1
         heapq.heappush(self._queue, (now + delay, self._seq, msg))
 
+    def _exchange(self, i: int, now: float) -> None:
+        node = self.nodes[i]
+        node.expire(now)
+        msg = node.start_exchange(now)
+        if msg is not None:
+            self._send(msg, now)
+
     def _deliver(self, msg: Message, now: float) -> None:
+        if isinstance(msg, ExchangeTimer):
+            if self.online[msg.peer]:
+                self._exchange(msg.peer, now)
+            return
         dst = self.index[msg.target]
         if not self.online[dst]:
             return  # the sender times out
@@ -190,10 +293,11 @@ class GossipSimulation:
             node.expire(t)
             node.membership.expire(t)
             self._train(i)
-            for _ in range(self.g.exchanges_per_round):
-                msg = node.start_exchange(t)
-                if msg is not None:
-                    self._send(msg, t)
+            m = self.g.exchanges_per_round
+            self._exchange(i, t)
+            for j in range(1, m):
+                self._seq += 1
+                heapq.heappush(self._queue, (t + j / m, self._seq, ExchangeTimer(i)))
             req = node.membership.start_shuffle(t)
             if req is not None:
                 self._send(req, t)
@@ -210,22 +314,47 @@ class GossipSimulation:
             up = up | up.T
             w = w * up
             w = w + torch.diag(1.0 - w.sum(1))
-        self.models.copy_(gossip_average(w, self.models, alive).float())
         live = np.flatnonzero(self.online)
+        a = torch.as_tensor(self.online, device=w.device, dtype=w.dtype)
+        w = w * a[:, None] * a[None, :]  # absent nodes: their weight moves to the diagonal
+        w = w + torch.diag(1.0 - w.sum(1))
         nbrs = (w[live][:, live] > 0).sum(1).cpu().numpy() - 1
-        self.bytes_sent[live] += nbrs * self.model_bytes
+        for _ in range(self.g.exchanges_per_round):  # m gossip steps per round: X <- W^m X
+            if not self.wire and not robust_mixing(self.cfg):
+                self.models.copy_(gossip_average(w, self.models, alive).float())
+                self.bytes_sent[live] += nbrs * self.model_bytes
+                continue
+            sent, ok = self.models.clone(), torch.ones(self.n, dtype=torch.bool, device=w.device)
+            for k, i in enumerate(live):  # each node encodes its model once and sends it to every neighbour
+                size, params = self._on_wire(self.models[i], int(i), {"age": self.nodes[i].age, "num_examples": 1,
+                                                                      "sender": self.ids[i]})
+                self.bytes_sent[i] += size * int(nbrs[k])
+                if params is None:
+                    ok[i] = False
+                else:
+                    sent[i] = params
+            wk = w * ok[None, :].to(w.dtype)  # a rejected model is not mixed in: its weight stays home
+            wk = wk + torch.diag(1.0 - wk.sum(1))
+            if robust_mixing(self.cfg):
+                mixed = robust_gossip_average(wk, sent.double(), self.models.double(), self.cfg)
+            else:
+                own = self.models.double()
+                mixed = wk.to(own.dtype) @ sent.double() + torch.diag(wk).to(own.dtype)[:, None] * (own - sent.double())
+            self.models.copy_(mixed.float())
 
     # --- metrics -------------------------------------------------------------------------
 
     def evaluate(self) -> dict[str, float]:
+        """Metrics over the honest peers (all peers when there is no attack)."""
         accs, losses = [], []
         for i in self.eval_idx:
             ev = self.trainer.evaluate(self.models[int(i)], self.test_x, self.test_y)
             accs.append(ev["accuracy"])
             losses.append(ev["loss"])
-        mean_model = self.models.mean(0)
+        honest = self.models[torch.as_tensor(self.honest, device=self.models.device)]
+        mean_model = honest.mean(0)
         avg = self.trainer.evaluate(mean_model, self.test_x, self.test_y)
-        consensus = float((self.models - mean_model).norm(dim=1).mean())
+        consensus = float((honest - mean_model).norm(dim=1).mean())
         return {
             "test_accuracy": float(np.mean(accs)),
             "test_loss": float(np.mean(losses)),
@@ -236,6 +365,9 @@ class GossipSimulation:
             "average_model_loss": avg["loss"],
             "consensus_distance": consensus,
             "bytes_sent_per_peer": float(self.bytes_sent.mean()),
+            "attackers": int(self.attackers.sum()),
+            "rejected_messages": int(self.rejected),
+            "bounded_merges": int(sum(nd.bounded for nd in self.nodes)),
             "online_peers": int(self.online.sum()),
             "messages_lost": int(self.lost),
             "mean_age": float(np.mean([nd.age for nd in self.nodes])),

@@ -42,3 +42,32 @@ def test_merge_is_the_convex_combination_and_age_is_the_max():
 def test_unknown_rule_is_refused():
     with pytest.raises(ValueError):
         MergeRule("median")
+
+
+def test_norm_bound_clips_the_pull_of_a_hostile_model():
+    rule = MergeRule("average", norm_bound=1.0)
+    own = torch.zeros(4)
+    lam, _ = rule.merge(own, ModelInfo(1, 1), torch.full((4,), 100.0), ModelInfo(1, 1))
+    assert lam == 0.5
+    assert float(own.norm()) == pytest.approx(0.5)  # lam * bound, not lam * 200
+    near = torch.tensor([0.1, 0.0, 0.0, 0.0])
+    plain, clipped = torch.zeros(4), torch.zeros(4)
+    MergeRule("average").merge(plain, ModelInfo(1, 1), near, ModelInfo(1, 1))
+    rule.merge(clipped, ModelInfo(1, 1), near, ModelInfo(1, 1))
+    assert torch.equal(plain, clipped)  # inside the bound: the plain merge
+
+
+def test_norm_bound_also_clips_adoption_of_a_model_claiming_a_huge_age():
+    rule = MergeRule("age", max_age_gap=5, norm_bound=2.0)
+    own = torch.zeros(3)
+    lam, info = rule.merge(own, ModelInfo(1, 1), torch.full((3,), -50.0), ModelInfo(10**9, 1))
+    assert lam == 1.0 and float(own.norm()) == pytest.approx(2.0)
+
+
+def test_reject_mode_ignores_a_model_beyond_the_bound():
+    rule = MergeRule("average", norm_bound=1.0, bound_mode="reject")
+    own = torch.zeros(4)
+    lam, info = rule.merge(own, ModelInfo(2, 1), torch.full((4,), 100.0), ModelInfo(9, 1))
+    assert lam == 0.0 and info == ModelInfo(2, 1) and own.sum() == 0
+    lam, _ = rule.merge(own, ModelInfo(2, 1), torch.full((4,), 0.25), ModelInfo(2, 1))
+    assert lam == 0.5 and torch.allclose(own, torch.full((4,), 0.125))

@@ -13,8 +13,9 @@ import torch
 from aiohttp import web
 
 from shoal.client.training import LocalTrainer
-from shoal.config import Config
+from shoal.config import CompressionConfig, Config, load_config
 from shoal.models import build_model
+from shoal.p2p.model_wire import decode_gossip_model, encode_gossip_model
 from shoal.p2p.peer import Peer, PeerData, PeerSettings
 from shoal.tls import client_context, make_private_ca, server_context
 from shoal.wire import encode_model
@@ -22,8 +23,8 @@ from shoal.wire import encode_model
 TOKEN = "s3cret-network-token"
 
 
-def _peer(url: str, ssl_server=None, ssl_client=None) -> Peer:
-    cfg = Config()
+def _peer(url: str, ssl_server=None, ssl_client=None, cfg: Config | None = None) -> Peer:
+    cfg = cfg or Config()
     torch.manual_seed(0)
     trainer = LocalTrainer(build_model("logreg", (60,), 10), cfg.train)
     g = torch.Generator().manual_seed(1)
@@ -142,3 +143,36 @@ def test_peer_command_refuses_what_it_cannot_run(args, message):
     r = subprocess.run([sys.executable, "-m", "shoal.cli", "peer", "--listen", "127.0.0.1:1", *args],
                        capture_output=True, text=True, timeout=100)
     assert r.returncode == 2 and message in r.stderr, r.stderr
+
+
+@pytest.mark.timeout(60)
+def test_q8_models_over_http_and_a_rejecting_merge():
+    """A peer with [compression] q8 answers in q8 (about a quarter of the bytes), reads a
+    q8 push, and with robust.norm_bound + bound_mode = reject ignores a far-off model."""
+    cfg = load_config(None, ['compression.encoding="q8"', "robust.norm_bound=5.0", 'gossip.bound_mode="reject"'])
+
+    async def main() -> None:
+        peer = _peer("http://127.0.0.1:0", cfg=cfg)
+        runner, port = await _serve(peer, None)
+        url = f"http://127.0.0.1:{port}/gossip"
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        own = peer.node.params.clone()
+        near = own + 0.01
+        far = own + 100.0
+        q8 = CompressionConfig("q8")
+        extra = {"age": 3, "num_examples": 10, "sender": "http://127.0.0.1:1"}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+            async with s.post(url, data=encode_gossip_model(far, peer.spec, 1, extra, q8), headers=auth) as r:
+                assert r.status == 200
+                body = await r.read()
+            assert torch.equal(peer.node.params, own) and peer.node.bounded == 1
+            answer, header = decode_gossip_model(body, peer.spec, peer.max_bytes)
+            assert header["encoding"] == "q8" and len(body) < 0.4 * len(encode_gossip_model(own, peer.spec, 1, extra))
+            assert float((answer - own).abs().max()) <= float(own.abs().max()) / 127 + 1e-6
+            async with s.post(url, data=encode_gossip_model(near, peer.spec, 1, extra, q8), headers=auth) as r:
+                assert r.status == 200
+            assert peer.node.merges == 1 and float((peer.node.params - near).abs().max()) < 0.01
+            assert peer.bytes_sent == len(body) + len(await r.read())
+        await runner.cleanup()
+
+    asyncio.run(main())

@@ -81,3 +81,45 @@ def test_gossip_config_is_checked():
         cfg("gossip.merge=\"median\"")
     with pytest.raises(ConfigError, match="gossip.churn"):
         cfg("gossip.churn=1.0")
+
+
+def _attack(*extra):
+    return cfg("simulation.num_clients=20", "gossip.exchanges_per_round=2", 'attack.kind="sign_flip"',
+               "attack.fraction=0.2", *extra)
+
+
+def test_sign_flip_peers_wreck_plain_merges_and_rejecting_merges_hold():
+    clean = _run(GossipSimulation(cfg("simulation.num_clients=20", "gossip.exchanges_per_round=2")), 8).evaluate()
+    plain = _run(GossipSimulation(_attack()), 8).evaluate()
+    robust = _run(GossipSimulation(_attack("robust.norm_bound=1.0", 'gossip.bound_mode="reject"')), 8).evaluate()
+    assert plain["attackers"] == robust["attackers"] == 4
+    assert plain["consensus_distance"] > 10 * clean["consensus_distance"]  # forged models poisoned the honest ones
+    assert robust["bounded_merges"] > 0
+    assert robust["consensus_distance"] < 2 * clean["consensus_distance"]
+    assert robust["peer_accuracy_mean"] > plain["peer_accuracy_mean"] + 0.1
+
+
+def test_nan_peers_are_rejected_by_validation_and_counted():
+    sim = _run(GossipSimulation(cfg('attack.kind="nan"', "attack.fraction=0.25")), 3)
+    ev = sim.evaluate()
+    assert ev["attackers"] == 3 and ev["rejected_messages"] > 0
+    assert bool(torch.isfinite(sim.models[torch.as_tensor(sim.honest)]).all())
+
+
+def test_q8_models_cost_a_third_of_the_bytes():
+    dense = _run(GossipSimulation(cfg()), 3).evaluate()
+    q8 = _run(GossipSimulation(cfg('compression.encoding="q8"')), 3).evaluate()
+    assert q8["bytes_sent_per_peer"] < 0.4 * dense["bytes_sent_per_peer"]
+    assert abs(q8["peer_accuracy_mean"] - dense["peer_accuracy_mean"]) < 0.05
+
+
+def test_dpsgd_mixes_several_times_and_through_a_robust_rule():
+    one = _run(GossipSimulation(cfg('gossip.algorithm="dpsgd"', 'gossip.topology="regular"')), 3).evaluate()
+    many = _run(GossipSimulation(cfg('gossip.algorithm="dpsgd"', 'gossip.topology="regular"',
+                                     "gossip.exchanges_per_round=5")), 3).evaluate()
+    assert many["consensus_distance"] < 0.5 * one["consensus_distance"]
+    assert many["bytes_sent_per_peer"] == pytest.approx(5 * one["bytes_sent_per_peer"])
+    atk = ('gossip.algorithm="dpsgd"', 'gossip.topology="regular"', 'attack.kind="sign_flip"', "attack.fraction=0.25")
+    plain = _run(GossipSimulation(cfg(*atk)), 3).evaluate()
+    robust = _run(GossipSimulation(cfg(*atk, "robust.norm_bound=0.5")), 3).evaluate()
+    assert robust["consensus_distance"] < 0.2 * plain["consensus_distance"]

@@ -1,0 +1,85 @@
+"""Gossip model messages on the wire, optionally compressed per ``[compression]``.
+
+A gossip message carries a whole model, not a delta against a model both sides hold,
+so of the three update encodings (aggregation/compression.py) two apply:
+
+- ``dense``: the float32 model, tensor ``params`` (the plain ``shoal.wire`` model
+  message, so uncompressed peers and old readers see no difference);
+- ``q8``: the model itself stochastically quantized to 8 bits with one scale per chunk
+  (unbiased: ``E[decoded] = model``), about a quarter of the bytes;
+- ``zstd`` on top of either (header ``"zstd": true``).
+
+``topk`` is refused (config): keeping the k largest coordinates of a *model* throws the
+rest of it away, and error feedback needs a reference both sides share (the previous
+model exchanged between the two peers), which push-pull with random partners does not
+keep. The header names the encoding, so a receiver decodes whatever a sender chose;
+every field and tensor is checked (shoal.wire + compression.expected_tensors) before
+the dense model is built, and a model with NaN/Inf is rejected.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import zstandard
+
+from shoal.aggregation.compression import Compressor, Encoded, decode_tensors, expected_tensors
+from shoal.config import CompressionConfig
+from shoal.errors import Malformed, TooLarge
+from shoal.params import ParamSpec
+from shoal.wire import _unzstd, decode, decode_model, encode, encode_model, read_header
+
+MODEL_ENCODINGS = ("dense", "q8")
+
+
+def encode_gossip_model(params: torch.Tensor, spec: ParamSpec, version: int, extra: dict[str, Any],
+                        cfg: CompressionConfig | None = None, seed: int = 0) -> bytes:
+    """The model as a message body; q8 and zstd per ``cfg`` (dense when None)."""
+    cfg = cfg or CompressionConfig()
+    if cfg.encoding not in MODEL_ENCODINGS:
+        raise ValueError(f"compression.encoding = {cfg.encoding!r} does not apply to gossip models ({MODEL_ENCODINGS})")
+    if cfg.encoding == "dense" and not cfg.zstd:
+        return encode_model(params, spec, version, extra)
+    if cfg.encoding == "q8":
+        payload = Compressor(cfg).encode(params, seed=seed)  # quantizes the model itself
+    else:
+        payload = Encoded("dense", {"params": params.detach().float()})
+    tensors = payload.tensors
+    header = {"kind": "model", "spec_hash": spec.hash, "version": int(version), "encoding": cfg.encoding,
+              **payload.header, **extra}
+    if cfg.zstd:
+        packed = zstandard.ZstdCompressor(level=cfg.zstd_level).compress(encode(tensors, {"kind": "payload"}))
+        tensors = {"zstd": torch.frombuffer(bytearray(packed), dtype=torch.uint8)}
+        header["zstd"] = True
+    return encode(tensors, header)
+
+
+def decode_gossip_model(body: bytes, spec: ParamSpec, max_bytes: int) -> tuple[torch.Tensor, dict]:
+    """Validated dense float32 model plus the header, whatever encoding the header names."""
+    header, table = read_header(body, max_bytes)
+    encoding = header.get("encoding", "dense")
+    zstd = header.get("zstd", False)
+    if not isinstance(zstd, bool):
+        raise Malformed(f"header field 'zstd' = {zstd!r} must be true or false")
+    if encoding == "dense" and not zstd:
+        return decode_model(body, spec, max_bytes)
+    if encoding not in MODEL_ENCODINGS:
+        raise Malformed(f"header field 'encoding' = {encoding!r}: a gossip model is one of {', '.join(MODEL_ENCODINGS)}")
+    expect = {"params": (torch.float32, (spec.numel,))} if encoding == "dense" else expected_tensors(header, spec.numel)
+    if zstd:
+        size = table.get("zstd", {}).get("shape", [0])
+        header, outer = decode(body, {"zstd": (torch.uint8, tuple(size))}, max_bytes, spec.hash)
+        inner = _unzstd(outer["zstd"], max_bytes)
+        if len(inner) > max_bytes:
+            raise TooLarge(f"zstd payload inflates to more than the limit of {max_bytes} bytes")
+        _, tensors = decode(inner, expect, max_bytes)
+    else:
+        header, tensors = decode(body, expect, max_bytes, spec.hash)
+    if header.get("kind") != "model":
+        raise Malformed(f"message kind is {header.get('kind')!r}, expected 'model'")
+    version = header.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 0:
+        raise Malformed(f"header field 'version' must be an integer >= 0, got {version!r}")
+    params = tensors["params"] if encoding == "dense" else decode_tensors(header, tensors, spec.numel)
+    return params.float(), header

@@ -1,0 +1,68 @@
+"""Robust merging for decentralized training, and the settings it can and cannot serve.
+
+Push-pull gossip merges one received model at a time, so a rule over many inputs
+(median, trimmed mean, Krum) has nothing to choose from; there the defence is the merge
+rule's norm bound (p2p/merge.py: self-centered clipping of ``other - own``).
+
+D-PSGD (p2p/dpsgd.py) mixes a node's model with all its neighbours' at once, so any
+``[robust]`` rule applies: node ``i``'s new model is
+
+    x_i + R({x_j - x_i : j in N(i) + {i}}, weights W_ij)
+
+with ``R`` the rule of ``aggregation.robust.make_aggregator`` (norm bounding in front if
+``robust.norm_bound`` > 0). With ``R`` the weighted mean this is exactly ``X <- W X``
+(rows of W sum to 1); with the norm bound it is self-centered clipping (He, Karimireddy
+and Jaggi 2022, arXiv:2202.01545, eq. (SCClip)); with the coordinate-wise median or
+trimmed mean over the neighbourhood it is the screening of BRIDGE (Yang and Bajwa 2019,
+"BRIDGE: Byzantine-resilient decentralized gradient descent"), applied to models after
+the local step. The rules are unweighted (see aggregation/robust.py), so a node's own
+model counts once, like each neighbour's.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shoal.aggregation.robust import make_aggregator
+from shoal.config import Config
+from shoal.errors import ConfigError
+
+
+def robust_mixing(cfg: Config) -> bool:
+    """True when D-PSGD must mix node by node through a robust rule (not ``W @ X``)."""
+    return cfg.robust.rule != "mean" or cfg.robust.norm_bound > 0
+
+
+def robust_gossip_average(w: torch.Tensor, received: torch.Tensor, own: torch.Tensor, cfg: Config) -> torch.Tensor:
+    """One robust D-PSGD mixing step.
+
+    ``w``: the (n x n) mixing weights in force (lost links and rejected senders already
+    moved to the diagonal); ``received[j]``: the model node j sent its neighbours (an
+    attacker's may differ from its own); ``own[i]``: node i's own model. Returns the
+    new models, one row per node.
+    """
+    out = own.clone()
+    for i in range(w.shape[0]):
+        row = w[i]
+        agg = make_aggregator(cfg.robust, own.shape[1], own.device)
+        for j in torch.nonzero(row > 0).flatten().tolist():
+            x = own[i] if j == i else received[j]
+            agg.add(x - own[i], float(row[j]))
+        if agg.count:
+            out[i] = own[i] + agg.mean()
+    return out
+
+
+def check_gossip_settings(cfg: Config) -> None:
+    """Refuse ``[robust]`` / ``[compression]`` settings that gossip cannot honour, by name."""
+    g = cfg.gossip
+    if cfg.compression.encoding == "topk":
+        raise ConfigError(
+            "compression.encoding = 'topk' with gossip: top-k of a whole model drops most of it, and error "
+            "feedback needs a reference model both peers share, which push-pull with random partners does not "
+            "keep; use 'q8' (8-bit model) and/or compression.zstd = true")
+    if g.algorithm == "gossip" and cfg.robust.rule != "mean":
+        raise ConfigError(
+            f"robust.rule = {cfg.robust.rule!r} with gossip.algorithm = 'gossip': a push-pull merge sees one "
+            "model at a time, so there is nothing to take a median of; use robust.norm_bound > 0 (clipped or "
+            "rejecting merge) or gossip.algorithm = 'dpsgd', which mixes a whole neighbourhood through the rule")
