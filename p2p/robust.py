@@ -33,15 +33,17 @@ def robust_mixing(cfg: Config) -> bool:
     return cfg.robust.rule != "mean" or cfg.robust.norm_bound > 0
 
 
-def robust_gossip_average(w: torch.Tensor, received: torch.Tensor, own: torch.Tensor, cfg: Config) -> torch.Tensor:
+def robust_gossip_average(w: torch.Tensor, received: torch.Tensor, own: torch.Tensor,
+                          cfg: Config) -> tuple[torch.Tensor, int]:
     """One robust D-PSGD mixing step.
 
     ``w``: the (n x n) mixing weights in force (lost links and rejected senders already
     moved to the diagonal); ``received[j]``: the model node j sent its neighbours (an
     attacker's may differ from its own); ``own[i]``: node i's own model. Returns the
-    new models, one row per node.
+    new models, one row per node, and how many received models the norm bound clipped.
     """
     out = own.clone()
+    clipped = 0
     for i in range(w.shape[0]):
         row = w[i]
         agg = make_aggregator(cfg.robust, own.shape[1], own.device)
@@ -50,7 +52,8 @@ def robust_gossip_average(w: torch.Tensor, received: torch.Tensor, own: torch.Te
             agg.add(x - own[i], float(row[j]))
         if agg.count:
             out[i] = own[i] + agg.mean()
-    return out
+        clipped += getattr(agg, "clipped", 0)
+    return out, clipped
 
 
 def check_gossip_settings(cfg: Config) -> None:

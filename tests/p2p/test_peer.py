@@ -171,8 +171,9 @@ def test_q8_models_over_http_and_a_rejecting_merge():
             assert float((answer - own).abs().max()) <= float(own.abs().max()) / 127 + 1e-6
             async with s.post(url, data=encode_gossip_model(near, peer.spec, 1, extra, q8), headers=auth) as r:
                 assert r.status == 200
+                body2 = await r.read()
             assert peer.node.merges == 1 and float((peer.node.params - near).abs().max()) < 0.01
-            assert peer.bytes_sent == len(body) + len(await r.read())
+            assert peer.bytes_sent == len(body) + len(body2)
         await runner.cleanup()
 
     asyncio.run(main())

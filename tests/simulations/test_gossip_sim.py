@@ -122,4 +122,5 @@ def test_dpsgd_mixes_several_times_and_through_a_robust_rule():
     atk = ('gossip.algorithm="dpsgd"', 'gossip.topology="regular"', 'attack.kind="sign_flip"', "attack.fraction=0.25")
     plain = _run(GossipSimulation(cfg(*atk)), 3).evaluate()
     robust = _run(GossipSimulation(cfg(*atk, "robust.norm_bound=0.5")), 3).evaluate()
+    assert robust["bounded_merges"] > 0
     assert robust["consensus_distance"] < 0.2 * plain["consensus_distance"]
