@@ -16,12 +16,17 @@ and Jaggi 2022, arXiv:2202.01545, eq. (SCClip)); with the coordinate-wise median
 trimmed mean over the neighbourhood it is the screening of BRIDGE (Yang and Bajwa 2019,
 "BRIDGE: Byzantine-resilient decentralized gradient descent"), applied to models after
 the local step. The rules are unweighted (see aggregation/robust.py), so a node's own
-model counts once, like each neighbour's.
+model counts once, like each neighbour's. With ``gossip.bound_mode = "reject"`` the
+norm bound screens instead of clipping: a neighbour's model farther than
+``robust.norm_bound`` from the node's own is left out (its weight stays with the node),
+as in the push-pull merge.
 """
 
 from __future__ import annotations
 
 import torch
+
+import dataclasses
 
 from shoal.aggregation.robust import make_aggregator
 from shoal.config import Config
@@ -40,16 +45,28 @@ def robust_gossip_average(w: torch.Tensor, received: torch.Tensor, own: torch.Te
     ``w``: the (n x n) mixing weights in force (lost links and rejected senders already
     moved to the diagonal); ``received[j]``: the model node j sent its neighbours (an
     attacker's may differ from its own); ``own[i]``: node i's own model. Returns the
-    new models, one row per node, and how many received models the norm bound clipped.
+    new models, one row per node, and how many received models the norm bound clipped
+    or left out.
     """
     out = own.clone()
     clipped = 0
+    screen = cfg.robust.norm_bound if cfg.gossip.bound_mode == "reject" else 0.0
+    rule = dataclasses.replace(cfg.robust, norm_bound=0.0) if screen else cfg.robust
     for i in range(w.shape[0]):
         row = w[i]
-        agg = make_aggregator(cfg.robust, own.shape[1], own.device)
+        agg = make_aggregator(rule, own.shape[1], own.device)
+        kept = float(row[i])
         for j in torch.nonzero(row > 0).flatten().tolist():
-            x = own[i] if j == i else received[j]
-            agg.add(x - own[i], float(row[j]))
+            if j == i:
+                continue
+            d = received[j] - own[i]
+            if screen and float(torch.linalg.vector_norm(d)) > screen:
+                clipped += 1
+                kept += float(row[j])
+                continue
+            agg.add(d, float(row[j]))
+        if kept > 0:
+            agg.add(torch.zeros_like(own[i]), kept)
         if agg.count:
             out[i] = own[i] + agg.mean()
         clipped += getattr(agg, "clipped", 0)
