@@ -30,8 +30,7 @@ initial model ``x0`` that every peer shares, ``sign_flip`` sends ``x0 - scale (x
 ``nan`` / ``inf`` a model full of NaN / Inf; ``label_flip`` attackers train on flipped
 labels. Metrics are over the honest peers only. Push-pull merges bound the received
 model's pull to ``robust.norm_bound`` (p2p/merge.py: clip or reject, per
-``gossip.bound_mode``); D-PSGD mixes through the
-``[robust]`` rule (p2p/robust.py).
+``gossip.bound_mode``); D-PSGD mixes through the ``[robust]`` rule (p2p/robust.py).
 
 The wire (``[compression]``). With a non-dense encoding, zstd, or an attack on, every
 model message is encoded (p2p/model_wire.py: dense or q8, optionally zstd), counted at
@@ -58,6 +57,7 @@ from shoal.client.device import select_device
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.datasets import FederatedData, load_federated
+from shoal.errors import WireError
 from shoal.metrics import MetricsLog
 from shoal.models import build_model
 from shoal.p2p.dpsgd import gossip_average, mixing_matrix, spectral_gap
@@ -66,17 +66,15 @@ from shoal.p2p.membership import Membership, ShuffleRequest, ShuffleResponse
 from shoal.p2p.merge import MergeRule
 from shoal.p2p.model_wire import decode_gossip_model, encode_gossip_model
 from shoal.p2p.robust import robust_gossip_average, robust_mixing
-from shoal.errors import WireError
 from shoal.seeding import derive_seed
 from shoal.wire import encode_model
 
-from .experiment import _progress
 from .attacks import choose_attackers, flip_labels
+from .experiment import _progress
 from .inprocess import ClientShards
 from .report import plot_curves
 
 log = logging.getLogger(__name__)
-
 
 Message = ModelMessage | ShuffleRequest | ShuffleResponse
 
