@@ -124,3 +124,19 @@ def test_dpsgd_mixes_several_times_and_through_a_robust_rule():
     robust = _run(GossipSimulation(cfg(*atk, "robust.norm_bound=0.5")), 3).evaluate()
     assert robust["bounded_merges"] > 0
     assert robust["consensus_distance"] < 0.2 * plain["consensus_distance"]
+
+
+@pytest.mark.parametrize("kind", ["scale", "gaussian", "label_flip"])
+def test_other_attacks_run_and_only_honest_peers_are_measured(kind):
+    clean = GossipSimulation(cfg())
+    sim = GossipSimulation(cfg(f'attack.kind="{kind}"', "attack.fraction=0.25"))
+    atk = np.flatnonzero(sim.attackers)
+    assert len(atk) == 3 and not set(sim.eval_idx) & set(atk)
+    if kind == "label_flip":  # a data attack: the attackers' labels are flipped, the wire is plain
+        i = int(atk[0])
+        assert torch.equal(sim.shards.get(i)[1], sim.data.num_classes - 1 - clean.shards.get(i)[1])
+        assert not sim.wire
+    else:  # forged models: every model message goes through the wire
+        assert sim.wire
+    ev = _run(sim, 2).evaluate()
+    assert ev["attackers"] == 3 and np.isfinite(ev["consensus_distance"])
