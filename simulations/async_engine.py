@@ -84,12 +84,12 @@ class VirtualClients:
         c = task.client_id
         self.sim.wire.download(global_params, task.version)
         ((_, update),) = list(self.sim.train_clients([task], global_params))
+        steps = int(update.metrics.get("local_steps", 1))
         try:
             for step in self.sim.client_steps:  # attacks, then the wire round trip (encode, decode, validate)
                 update = step(task, update)
         except WireError as e:  # the server refuses the payload when it arrives
             update = e
-        steps = int(update.metrics.get("local_steps", 1))
         t = self.timing
         finish = self.now + t.network_s(c) + t.compute_s(c, steps) + t.network_s(c)
         offline = t.online_until(c, self.now)
@@ -190,7 +190,8 @@ class AsyncEngine:
                 if advanced and het.eval_interval_s == 0 and r.version % cfg.simulation.eval_every == 0:
                     yield self._record(last)
                     last = r.stats.copy()
-            self._fill()
+            if r.version < cfg.simulation.rounds:  # no new tasks once the last version is reached
+                self._fill()
         if self._recorded != (r.version, q.now):  # the last state, unless just recorded
             yield self._record(last)
 
