@@ -539,6 +539,7 @@ class Config:
                        "privacy.mode = 'distributed' (clients clip and add noise shares before masking)")
             if why:
                 raise ConfigError(f"secure_aggregation.enabled = true with {why}")
+        self._validate_async_robust()
         dp = self.privacy.mode
         if dp in ("central", "distributed") and self.robust.rule != "mean":
             raise ConfigError(
@@ -551,6 +552,24 @@ class Config:
                 f"privacy.mode = {dp!r} needs simulation.mode = 'sync' (it is {self.simulation.mode!r}): "
                 "the accountant counts sampled synchronous rounds"
             )
+
+    def _validate_async_robust(self) -> None:
+        """Robust rules in async mode run over FedBuff's buffer of K updates (aggregation/fedbuff.py)."""
+        a, rb = self.asynchronous, self.robust
+        if "async" not in (self.simulation.mode, self.server.mode) or rb.rule == "mean":
+            return
+        if a.algorithm == "fedasync":
+            raise ConfigError(
+                f"robust.rule = {rb.rule!r} with asynchronous.algorithm = 'fedasync': FedAsync applies one update "
+                f"at a time, and a {rb.rule} of one update is that update; use asynchronous.algorithm = 'fedbuff' "
+                "(the rule combines its K buffered updates) or robust.rule = 'mean' with robust.norm_bound > 0"
+            )
+        if a.buffer_size > rb.max_updates:
+            raise ConfigError(f"asynchronous.buffer_size = {a.buffer_size} exceeds robust.max_updates = "
+                              f"{rb.max_updates}: FedBuff's rule holds the K buffered updates; raise the limit")
+        if rb.rule in ("krum", "multikrum") and a.buffer_size <= 2 * rb.krum_f + 2:
+            raise ConfigError(f"robust.rule = {rb.rule!r} with krum_f = {rb.krum_f} needs asynchronous.buffer_size "
+                              f"> 2 krum_f + 2 = {2 * rb.krum_f + 2} (it is {a.buffer_size})")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
