@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from shoal import synthetic
 from shoal.aggregation import make_strategy
 from shoal.aggregation.robust import make_aggregator
+from shoal.aggregation.secagg_encoding import FixedPoint
 from shoal.aggregation.staleness import make_staleness_weight
 from shoal.async_rounds import AsyncRounds
 from shoal.client.training import LocalTrainer
@@ -102,6 +104,9 @@ class ServerService:
         self.resumed_from: Path | None = None
         self._model_cache: tuple[int, bytes] | None = None
         self.secure_round: SecureRound | None = None  # [secure_aggregation]: the open round's protocol
+        if cfg.secure_aggregation.enabled and s.clients_per_round:  # the headroom check, before any round
+            FixedPoint(cfg.secure_aggregation.clip, cfg.secure_aggregation.bits,
+                       math.ceil(s.clients_per_round * (1 + cfg.asynchronous.over_selection)))
         self.secure_last: dict[str, Any] = {}
         self._t0 = time.perf_counter()
         if resume and (path := latest_checkpoint(self.ckpt_dir)) is not None:
