@@ -8,7 +8,6 @@ import signal
 
 import numpy as np
 import pytest
-import torch
 
 from shoal.aggregation.secagg_encoding import FixedPoint
 from shoal.server.checkpoint import latest_checkpoint, load_checkpoint

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from contextlib import AsyncExitStack
 
 import numpy as np
 import pytest
@@ -99,8 +100,6 @@ def test_secure_round_over_http_sums_the_survivors_and_removes_a_dropouts_masks(
     exact weighted mean of n0..n2 within the fixed-point bound."""
 
     async def scenario():
-        from contextlib import AsyncExitStack
-
         async with live_server(tmp_path, NODES + ["idle"], sections=SECURE, min_nodes=4) as live, \
                 AsyncExitStack() as stack:
             svc = live.service
@@ -124,8 +123,8 @@ def test_secure_round_over_http_sums_the_survivors_and_removes_a_dropouts_masks(
             assert svc.status(time.monotonic())["secure_aggregation"]["included"] == 3
             w = np.array([p.examples / max_weight for p in parties[:3]])
             expected = sum(wk * p.delta for wk, p in zip(w, parties[:3])) / w.sum()
-            q = FixedPoint(1.0, 16, 4).quantum
-            bound = 3 * q / w.sum() + np.abs(expected).max() * 3 * FixedPoint(1.0, 16, 4).quantum / w.sum()
+            q = FixedPoint(1.0, 16, 4).quantum  # clip 1, 16 bits, 4 selected: the sum and the weight
+            bound = 3 * q / w.sum() * (1 + np.abs(expected).max())  # are each off by < 3 quanta
             got = (svc.rounds.global_params - before).double().numpy()
             assert np.abs(got - expected).max() <= bound, (np.abs(got - expected).max(), bound)
             all4 = sum(p.examples * p.delta for p in parties) / sum(p.examples for p in parties)
@@ -136,8 +135,6 @@ def test_secure_round_over_http_sums_the_survivors_and_removes_a_dropouts_masks(
 
 def test_bad_secure_messages_get_4xx_json_and_change_nothing(tmp_path):
     async def scenario():
-        from contextlib import AsyncExitStack
-
         async with live_server(tmp_path, NODES + ["idle"], sections=SECURE, min_nodes=4) as live, \
                 AsyncExitStack() as stack:
             svc = live.service
@@ -208,8 +205,6 @@ async def _shares_only(parties: list[Party]) -> None:
 
 def test_too_few_survivors_abort_the_round_and_the_next_round_runs(tmp_path, caplog):
     async def scenario():
-        from contextlib import AsyncExitStack
-
         async with live_server(tmp_path, NODES, sections=SECURE, min_nodes=4) as live, AsyncExitStack() as stack:
             svc = live.service
             before = svc.rounds.global_params.clone()
