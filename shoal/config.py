@@ -459,8 +459,10 @@ class SecureAggregationConfig:
     dropout_masked: float = 0.0
     dropout_unmask: float = 0.0
     seed: int = 0                  # protocol randomness and injected dropouts
+    stage_s: float = 30.0          # `shoal server`: seconds each stage after the first waits for nodes
 
     def validate(self) -> None:
+        _positive("secure_aggregation.stage_s", self.stage_s)
         _choice("secure_aggregation.graph", self.graph, ("full", "secagg+"))
         _positive("secure_aggregation.degree", self.degree, allow_zero=True)
         if not 0 <= self.threshold < 1:
@@ -529,6 +531,8 @@ class Config:
             why = None
             if self.simulation.mode != "sync":
                 why = f"simulation.mode = {self.simulation.mode!r}: secure aggregation runs in sync rounds"
+            elif self.server.mode != "sync":
+                why = f"server.mode = {self.server.mode!r}: secure aggregation runs in sync rounds"
             elif self.robust.rule != "mean":
                 why = f"robust.rule = {self.robust.rule!r}: the server sees only the masked sum, not single updates"
             elif self.compression.encoding != "dense":
