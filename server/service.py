@@ -64,6 +64,11 @@ class ServerService:
     """One aggregator: its model, rounds, nodes seen, checkpoints and metrics."""
 
     def __init__(self, cfg: Config, resume: bool = True):
+        if cfg.privacy.mode != "none":  # refuse rather than train without the privacy the user asked for
+            raise ConfigError(
+                f"privacy.mode = {cfg.privacy.mode!r}: shoal server does not apply differential privacy yet "
+                "(it runs in `shoal simulate` and `shoal privacy-sweep`); set privacy.mode = 'none'"
+            )
         self.cfg = cfg
         s = cfg.server
         seed = cfg.simulation.seed
