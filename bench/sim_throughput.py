@@ -76,11 +76,11 @@ def make_clients(k: int, n: int, device: torch.device):
 
 def run_bare(model, global_flat, spec, x, y, starts, sizes, cfg, device):
     """The loop one writes from the PyTorch tutorial, one client after another."""
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     views = spec.views(global_flat)
     acc = WeightedMean(spec.numel, device)
     for i, (a, n) in enumerate(zip(starts, sizes)):
         model.load_state_dict(views)
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # fresh state per client
         gen = torch.Generator().manual_seed(i)
         perm = torch.randperm(n, generator=gen).to(device) + a
         for s in range(0, n, cfg.batch(n)):
@@ -158,11 +158,13 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=0, help="samples per client (default: 600 on CUDA, 60 on CPU)")
     ap.add_argument("--batch-size", type=int, default=10)
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--momentum", type=float, default=0.0, help="local SGD momentum (0: plain SGD, the fused update)")
     ap.add_argument("--seq-cap", type=int, default=0, help="time bare/seq on at most this many clients (default 100 CUDA, 20 CPU)")
     ap.add_argument("--cnn-all", action="store_true", help="on CPU also run the CNN at K >= 100 (slow)")
     ap.add_argument("--repeats", type=int, default=3, help="time each way this many times, keep the best")
     ap.add_argument("--threads", default="", help="torch CPU threads to run with, e.g. 1,2 (--quick: 1,2; default: torch's)")
     ap.add_argument("--chunks", default="", help="clients per batched chunk to time (default: what auto picks)")
+    ap.add_argument("--vmap", action="store_true", help="batch Linear chains with vmap too (to compare the two paths)")
     ap.add_argument("--quick", action="store_true", help="logreg and 2nn, K = 10, 100, with 1 and 2 threads")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's peak, if not in the table")
     args = ap.parse_args()
@@ -174,10 +176,10 @@ def main() -> None:
     ks = [int(k) for k in (args.ks or ("10,100" if args.quick else "1,10,100,1000")).split(",")]
     threads = [int(t) for t in (args.threads or ("1,2" if args.quick and not cuda else str(torch.get_num_threads()))).split(",")]
     seq_cap = args.seq_cap or (100 if cuda else 20)
-    cfg = TrainConfig(epochs=1, batch_size=args.batch_size, lr=0.05, precision=args.precision)
+    cfg = TrainConfig(epochs=1, batch_size=args.batch_size, lr=0.05, momentum=args.momentum, precision=args.precision)
     peak, peak_note = peak_tflops(device, args.precision, args.peak_tflops) if cuda else (None, "")
     print(f"device {device}" + (f" ({torch.cuda.get_device_name(device)})" if cuda else f" ({os.cpu_count()} cores)")
-          + f", {samples} samples per client, B = {args.batch_size}, 1 local epoch, {args.precision}")
+          + f", {samples} samples per client, B = {args.batch_size}, 1 local epoch, momentum {args.momentum}, {args.precision}")
     if cuda:
         print(f"peak: {peak} TFLOP/s ({peak_note})")
     head = (f"{'model':7} {'thr':>3} {'K':>5} {'path':>5} {'chunk':>5} {'bare ce/s':>10} {'seq ce/s':>9} {'batched ce/s':>12} "
@@ -200,13 +202,15 @@ def main() -> None:
             fit = clients_per_chunk(trainer.model, spec, SHAPE, args.batch_size, device)
             for k in ks:
                 if name == "cnn" and k >= 100 and not cuda and not args.cnn_all:
-                    print(f"{name:7} {k:>5}  skipped on CPU (pass --cnn-all)")
+                    print(f"{name:7} {n_threads:>3} {k:>5}  skipped on CPU (pass --cnn-all)")
                     continue
                 x, y, starts, sizes = make_clients(k, samples, device)
                 m = min(k, seq_cap)
                 chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else [fit]
                 for chunk in chunks:
                     batched = BatchedTrainer(trainer.model, spec, cfg, device, min(k, chunk))
+                    if args.vmap:
+                        batched.chain = None
                     # warm-up (kernels, allocator) on a few clients, then best of r rounds each
                     w = min(k, 4)
                     run_bare(bare_model, g, spec, x, y, starts[:w], sizes[:w], cfg, device)
