@@ -333,8 +333,8 @@ class BatchedTrainer:
         rows, weights = self._batch_plan(starts, sizes, seeds, steps)
         params = global_flat.unsqueeze(0).repeat(k, 1)
         fused = not (cfg.momentum or cfg.weight_decay or cfg.prox_mu)
-        grads = None if fused else torch.empty_like(params)
-        momentum = torch.zeros_like(params) if cfg.momentum > 0 else None
+        # the momentum buffer, or (momentum 0) scratch for the gradient plus its extra terms
+        state = None if fused else torch.zeros_like(params)
         loss_sum = torch.zeros(k, device=self.device)
         x_flat = x_all.flatten(1)
         first_linear = next(i for i, layer in enumerate(chain) if layer.kind == "linear")
@@ -376,13 +376,30 @@ class BatchedTrainer:
                     if layer.bias is not None:
                         self._rows(params, layer.bias, a).add_(d.sum(1), alpha=-cfg.lr)
                 else:
-                    self._rows(grads, layer.weight, a).baddbmm_(d_t, saved, beta=0)
+                    self._chain_step(params, state, global_flat, layer.weight, a,
+                                     lambda buf, beta: buf.baddbmm_(d_t, saved, beta=beta))
                     if layer.bias is not None:
-                        torch.sum(d, 1, out=self._rows(grads, layer.bias, a))
+                        self._chain_step(params, state, global_flat, layer.bias, a,
+                                         lambda buf, beta: buf.mul_(beta).add_(d.sum(1)) if beta else torch.sum(d, 1, out=buf))
                 d = d_in
-            if not fused:  # LocalTrainer._step on all active clients' rows at once
-                self._step(params[:a], grads[:a], None if momentum is None else momentum[:a], global_flat)
         return params - global_flat, loss_sum.cpu()
+
+    def _chain_step(self, params, state, global_flat, e, a: int, accumulate) -> None:
+        """LocalTrainer._step for tensor ``e`` of the first ``a`` clients, gradient fused in.
+
+        ``accumulate(buf, beta)`` writes ``beta * buf + dE/dW`` into ``buf`` (one
+        ``baddbmm_``), so with momentum the gradient goes straight into the momentum
+        buffer (m = beta m + g); weight decay and the FedProx term (Li et al. 2020, eq. 2)
+        are added to it, then W <- W - lr buf, while the tensor is still in cache.
+        """
+        cfg = self.cfg
+        w, buf = self._rows(params, e, a), self._rows(state, e, a)
+        accumulate(buf, cfg.momentum)
+        if cfg.weight_decay or cfg.prox_mu:  # + wd W + mu (W - W_global), without a temporary
+            buf.add_(w, alpha=cfg.weight_decay + cfg.prox_mu)
+        if cfg.prox_mu:
+            buf.sub_(self._rows(global_flat.unsqueeze(0), e, 1), alpha=cfg.prox_mu)
+        w.add_(buf, alpha=-cfg.lr)
 
     @staticmethod
     def _rows(flat: torch.Tensor, e, a: int) -> torch.Tensor:
