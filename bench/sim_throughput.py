@@ -174,7 +174,8 @@ def main() -> None:
     samples = args.samples or (600 if cuda else 60)
     models = (args.models or ("logreg,2nn" if args.quick else "logreg,2nn,cnn")).split(",")
     ks = [int(k) for k in (args.ks or ("10,100" if args.quick else "1,10,100,1000")).split(",")]
-    threads = [int(t) for t in (args.threads or ("1,2" if args.quick and not cuda else str(torch.get_num_threads()))).split(",")]
+    default_threads = "1,2" if args.quick and not cuda else str(torch.get_num_threads())
+    threads = [int(t) for t in (args.threads or default_threads).split(",")]
     seq_cap = args.seq_cap or (100 if cuda else 20)
     cfg = TrainConfig(epochs=1, batch_size=args.batch_size, lr=0.05, momentum=args.momentum, precision=args.precision)
     peak, peak_note = peak_tflops(device, args.precision, args.peak_tflops) if cuda else (None, "")

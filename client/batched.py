@@ -1,4 +1,4 @@
-"""Many clients' local training at once: one vmapped forward/backward for K models.
+"""Many clients' local training at once: one batched forward/backward for K models.
 
 The K clients' parameters are the rows of one (K, numel) tensor; ``torch.func``'s
 ``functional_call`` under ``vmap`` runs the shared architecture with each row as its
@@ -16,14 +16,15 @@ K Python round trips. Semantics are LocalTrainer's (client/training.py), step fo
 
 Plain MLPs (a chain of Flatten, Linear and ReLU, found by :func:`linear_chain` with
 torch.fx: logistic regression, the 2NN) trained in fp32 skip vmap and autograd: the chain
-path runs the forward pass as
-``baddbmm`` on (K, out, in) views of the stacked buffer and the backward pass by hand
-(softmax cross-entropy, ReLU masks, ``dW = dZ^T H``). With plain SGD the weight update is
-fused into the backward product (``W.baddbmm_(dZ^T, H, alpha=-lr)``), so no gradient is
-ever stored; with momentum, weight decay or FedProx the gradients land in one (K, numel)
-buffer and the step is a few ops over all clients' rows at once. On a CPU this path is
-what makes batching pay for the 2NN: vmap's per-op overhead and autograd graph cost more
-than the loop they replace (docs/results.md, "Fast simulation").
+path runs the forward pass as ``baddbmm`` on (K, out, in) views of the stacked buffer and
+the backward pass by hand (softmax cross-entropy, ReLU masks, ``dW = dZ^T H``). With
+plain SGD the weight update is fused into the backward product
+(``W.baddbmm_(dZ^T, H, alpha=-lr)``), so no gradient is ever stored; with momentum the
+gradient is accumulated straight into the momentum buffer, and weight decay / FedProx
+are added there, tensor by tensor while it is in cache. On a CPU this path is what makes
+batching pay for the 2NN: under vmap, autograd writes each client's gradient and the
+step reads it back, passes over K stacked models that no longer fit in cache
+(docs/results.md, "Fast simulation").
 
 Models with buffers (BatchNorm statistics) or layers that draw randomness (dropout) are
 not batched: :func:`unsupported_reason` says why and the simulator trains them one by one.
@@ -379,8 +380,8 @@ class BatchedTrainer:
                     self._chain_step(params, state, global_flat, layer.weight, a,
                                      lambda buf, beta: buf.baddbmm_(d_t, saved, beta=beta))
                     if layer.bias is not None:
-                        self._chain_step(params, state, global_flat, layer.bias, a,
-                                         lambda buf, beta: buf.mul_(beta).add_(d.sum(1)) if beta else torch.sum(d, 1, out=buf))
+                        self._chain_step(params, state, global_flat, layer.bias, a, lambda buf, beta: (
+                            buf.mul_(beta).add_(d.sum(1)) if beta else torch.sum(d, 1, out=buf)))
                 d = d_in
         return params - global_flat, loss_sum.cpu()
 
