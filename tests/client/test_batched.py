@@ -87,6 +87,7 @@ def sim_params(batch_clients, *extra):
     return sim, sim.global_params.clone(), losses
 
 
+@pytest.mark.slow  # ~1 s alone; 20-70 s with two torch threads on a loaded 2-core machine
 def test_simulation_rounds_batched_equal_sequential():
     # A stable learning rate: with lr=0.05, momentum=0.9 on Synthetic(1,1) a client's
     # 200 local steps amplify a 5e-8 difference in the global model to 0.2 (chaotic
