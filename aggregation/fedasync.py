@@ -18,9 +18,15 @@ When base != current (a stale update) there are two choices, and shoal names whi
 - ``mix="delta"``: x <- x + alpha_t delta, i.e. x_client is taken as x + delta (the
   client's progress is applied to the current model). Memory O(model). Identical to
   the paper for staleness 0.
+
+Robustness: FedAsync applies one update at a time, so a median or Krum over it would
+be that update; the only robust rule that fits is norm bounding (Sun et al. 2019):
+with ``norm_bound > 0`` the delta is scaled to L2 norm <= norm_bound before mixing.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -34,7 +40,7 @@ MIX_RULES = ("model", "delta")
 class FedAsync:
     """The FedAsync server step; holds no state but its hyperparameters."""
 
-    def __init__(self, alpha: float, weight: StalenessWeight, mix: str = "model"):
+    def __init__(self, alpha: float, weight: StalenessWeight, mix: str = "model", norm_bound: float = 0.0):
         if not 0 < alpha <= 1:
             raise ValueError(f"FedAsync alpha = {alpha} must be in (0, 1]")
         if mix not in MIX_RULES:
@@ -42,6 +48,10 @@ class FedAsync:
         self.alpha = alpha
         self.weight = weight
         self.mix = mix
+        if not (norm_bound >= 0 and math.isfinite(norm_bound)):
+            raise ValueError(f"FedAsync norm_bound = {norm_bound!r} must be a finite number >= 0 (0 = off)")
+        self.norm_bound = norm_bound
+        self.clipped = 0  # updates scaled down by the norm bound so far
 
     def alpha_t(self, staleness: int) -> float:
         """alpha * s(t), the mixing weight of an update of staleness t."""
@@ -55,6 +65,11 @@ class FedAsync:
         """
         a = self.alpha_t(staleness)
         delta = update.delta.to(device=x.device, dtype=torch.float32)
+        if self.norm_bound > 0:
+            norm = float(torch.linalg.vector_norm(delta))
+            if norm > self.norm_bound:
+                delta = delta * (self.norm_bound / norm)
+                self.clipped += 1
         if self.mix == "delta" or staleness == 0:
             return torch.add(x, delta, alpha=a)
         if base is None:

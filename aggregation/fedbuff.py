@@ -15,6 +15,18 @@ server optimizer at lr 1, one flush is exactly FedAvg over those K updates.
 
 The buffer is one float64 model-sized sum (the same precision argument as
 aggregation.mean), so memory is O(model) whatever K is.
+
+Robust FedBuff. With a ``rule`` from aggregation/robust.py (coordinate median, trimmed
+mean, Krum, norm bounding), the buffer keeps the K updates themselves, each discounted
+by its staleness weight, and the flush combines them with that rule:
+
+    after K updates:  Δ = rule({(s(t_k) delta_k, w_k)}),   x <- server_opt.step(x, Δ)
+
+For ``rule = WeightedMean`` this is the formula above (sum_k w_k s_k delta_k / sum_k
+w_k), so a stale update still shrinks the step; the median and trimmed mean ignore
+w_k (robust.py says why). Memory: K float32 model copies, plus one while the rule
+copies them at the flush. K is the natural bound: it is small (10 in the paper) and
+fixed by the config, and the rule never sees more than K updates at once.
 """
 
 from __future__ import annotations
@@ -33,7 +45,7 @@ class FedBuff:
     """``accumulate(update, staleness)`` until ``full``; then ``flush(x) -> new x``."""
 
     def __init__(self, k: int, optimizer: ServerOptimizer, weight: StalenessWeight, weighting: str = "uniform",
-                 numel: int | None = None, device: torch.device | str = "cpu"):
+                 numel: int | None = None, device: torch.device | str = "cpu", rule=None):
         if k < 1:
             raise ValueError(f"FedBuff buffer size K = {k} must be >= 1")
         if weighting not in ("examples", "uniform"):
@@ -43,7 +55,12 @@ class FedBuff:
         self.weight = weight
         self.weighting = weighting
         self.device = torch.device(device)
-        self._sum: torch.Tensor | None = None if numel is None else torch.zeros(numel, dtype=torch.float64, device=device)
+        self.rule = rule  # a robust rule (see the module docstring), or None for the weighted sum
+        self._sum: torch.Tensor | None = None
+        if numel is not None and rule is None:
+            self._sum = torch.zeros(numel, dtype=torch.float64, device=device)
+        self.numel = numel
+        self._held: list[tuple[torch.Tensor, float]] = []  # robust: (s_k delta_k, w_k) of the buffered updates
         self.count = 0
         self.base_total = 0.0
 
@@ -61,6 +78,15 @@ class FedBuff:
             raise ValueError(f"update from {who} has num_examples = {update.num_examples}; examples weighting needs > 0")
         s = self.weight(staleness)
         delta = update.delta
+        if self.rule is not None:
+            if self.numel is None:
+                self.numel = delta.numel()
+            if delta.shape != (self.numel,):
+                raise ValueError(f"delta has shape {tuple(delta.shape)}, expected ({self.numel},)")
+            self._held.append((delta.to(self.device, torch.float32) * s, base))
+            self.base_total += base
+            self.count += 1
+            return
         if self._sum is None:
             self._sum = torch.zeros(delta.numel(), dtype=torch.float64, device=self.device)
         if delta.shape != self._sum.shape:
@@ -71,11 +97,20 @@ class FedBuff:
 
     def flush(self, x: torch.Tensor) -> torch.Tensor:
         """One server-optimizer step with the buffer's average; empties the buffer."""
-        if self.count == 0 or self._sum is None:
+        if self.count == 0 or (self._sum is None and not self._held):
             raise RuntimeError("FedBuff.flush() with an empty buffer")
-        mean = (self._sum / self.base_total).to(torch.float32)
+        if self.rule is not None:
+            self.rule.reset()
+            while self._held:  # hand each copy over and drop it: K + 1 copies at most
+                d, w = self._held.pop(0)
+                self.rule.add(d, w)
+                del d
+            mean = self.rule.mean().to(torch.float32)
+            self.rule.reset()
+        else:
+            mean = (self._sum / self.base_total).to(torch.float32)
+            self._sum.zero_()
         new_x = self.optimizer.step(x, mean)
-        self._sum.zero_()
         self.count = 0
         self.base_total = 0.0
         return new_x
@@ -88,6 +123,9 @@ class FedBuff:
         state["base_total"] = self.base_total
         if self._sum is not None:
             state["buffer"] = self._sum.detach().clone()
+        if self._held:
+            state["held"] = torch.stack([d for d, _ in self._held]).clone()
+            state["held_weights"] = [w for _, w in self._held]
         return state
 
     def load_state_dict(self, state: StateDict) -> None:
@@ -96,3 +134,8 @@ class FedBuff:
         self.base_total = float(state["base_total"])
         buf = state.get("buffer")
         self._sum = None if buf is None else torch.as_tensor(buf, dtype=torch.float64).to(self.device).clone()
+        held = state.get("held")
+        weights = state.get("held_weights", [])
+        self._held = [] if held is None else [
+            (torch.as_tensor(d, dtype=torch.float32).to(self.device).clone(), float(w)) for d, w in zip(held, weights)
+        ]

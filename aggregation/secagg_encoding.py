@@ -20,6 +20,8 @@ import numpy as np
 
 from shoal.errors import ConfigError
 
+from .secagg import SecAggAborted
+
 MODULUS_BITS = 32
 
 
@@ -90,3 +92,22 @@ def decode_weighted(total: np.ndarray, count: int, values: FixedPoint, weights: 
                     ) -> tuple[np.ndarray, float]:
     """(sum_k w_k x_k, sum_k w_k) from the integer sum of :func:`encode_weighted` vectors."""
     return values.decode_sum(total[:-1], count), float(weights.decode_sum(total[-1:], count)[0])
+
+
+def example_weight(num_examples: int, max_weight: float, weighting: str = "examples") -> float:
+    """w_k in [0, 1]: ``n_k / max_weight`` (capped at 1) for example weighting, else 1."""
+    if weighting != "examples":
+        return 1.0
+    if not max_weight > 0:
+        raise ValueError(f"max_weight = {max_weight} must be > 0")
+    return min(num_examples / max_weight, 1.0)
+
+
+def weighted_mean(total: np.ndarray, count: int, values: FixedPoint, weights: FixedPoint) -> tuple[np.ndarray, float]:
+    """(sum_k w_k x_k / sum_k w_k, sum_k w_k) from the unmasked integer sum of ``count``
+    :func:`encode_weighted` vectors. Raises SecAggAborted when the summed weight is not
+    positive (nothing to average)."""
+    total_x, wsum = decode_weighted(total, count, values, weights)
+    if not wsum > 0:
+        raise SecAggAborted(f"the securely summed weight is {wsum}: nothing to average")
+    return total_x / wsum, wsum

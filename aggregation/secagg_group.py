@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .secagg import SecAggAborted, SecAggParams
-from .secagg_encoding import FixedPoint, decode_weighted, encode_weighted
+from .secagg import SecAggParams
+from .secagg_encoding import FixedPoint, encode_weighted, weighted_mean
 from .secagg_memory import SecAggCost, run_in_memory
 
 
@@ -44,10 +44,8 @@ def secure_weighted_mean(
     noise = np.random.default_rng(seed)  # stochastic rounding
     encoded = {k: encode_weighted(x, weights[k], values, weight_code, noise) for k, x in inputs.items()}
     result, cost = run_in_memory(params, encoded, drop_at, seed=seed)
-    total, wsum = decode_weighted(result.total, len(result.included), values, weight_code)
-    if not wsum > 0:
-        raise SecAggAborted(f"the securely summed weight is {wsum}: nothing to average")
-    return SecureMean(total / wsum, result.included, wsum, cost)
+    mean, wsum = weighted_mean(result.total, len(result.included), values, weight_code)
+    return SecureMean(mean, result.included, wsum, cost)
 
 
 def secure_group_average(

@@ -26,6 +26,7 @@ from .secagg import (
     MaskedInput,
     PeerKeys,
     PublicKeys,
+    SecAggParams,
     ShareDelivery,
     UnmaskRequest,
     UnmaskShares,
@@ -67,8 +68,9 @@ def _dict(v: Any, what: str) -> dict:
     return v
 
 
-def encode_message(msg: Message) -> bytes:
-    """One message as a shoal wire body."""
+def encode_message(msg: Message, meta: dict[str, Any] | None = None) -> bytes:
+    """One message as a shoal wire body; ``meta`` (JSON) travels beside it in the header
+    (the HTTP rounds put the round number and clear-text metadata there)."""
     tensors: dict[str, torch.Tensor] = {}
     if isinstance(msg, PublicKeys):
         h = {"kind": "public_keys", "sender": msg.sender, "enc_key": _b64(msg.enc_key), "mask_key": _b64(msg.mask_key)}
@@ -93,7 +95,35 @@ def encode_message(msg: Message) -> bytes:
              "mask_key": {v: [int(x) for x in s] for v, s in msg.mask_key.items()}}
     else:
         raise TypeError(f"not a secure aggregation message: {type(msg).__name__}")
+    if meta is not None:
+        h["meta"] = meta
     return encode(tensors, h)
+
+
+def message_meta(body: bytes, vector_size: int, max_bytes: int | None = None) -> dict[str, Any]:
+    """The ``meta`` object that :func:`encode_message` put beside a message ({} if none)."""
+    header, _ = read_header(body, max_bytes or 4 * vector_size + 2 * MAX_HEADER_BYTES)
+    return _dict(header.get("meta", {}), "meta")
+
+
+def params_to_json(params: SecAggParams) -> dict[str, Any]:
+    """The round's protocol parameters as a server hands them to its nodes."""
+    return {"session": _b64(params.session), "vector_size": params.vector_size, "graph": params.graph,
+            "degree": params.degree, "threshold_fraction": params.threshold_fraction,
+            "expected_dropout": params.expected_dropout, "graph_seed": params.graph_seed}
+
+
+def params_from_json(d: Any) -> SecAggParams:
+    """Inverse of :func:`params_to_json`, validated (Malformed on anything off)."""
+    d = _dict(d, "secure_aggregation")
+    try:
+        return SecAggParams(
+            session=_bytes(d.get("session"), "session"), vector_size=int(d["vector_size"]), graph=str(d["graph"]),
+            degree=int(d["degree"]), threshold_fraction=float(d["threshold_fraction"]),
+            expected_dropout=float(d["expected_dropout"]), graph_seed=int(d["graph_seed"]),
+        )
+    except (KeyError, TypeError, ValueError) as e:
+        raise Malformed(f"secure_aggregation parameters: {e}") from None
 
 
 def decode_message(body: bytes, vector_size: int, max_bytes: int | None = None) -> Message:

@@ -7,7 +7,9 @@ their deltas (what InProcessSimulation does per round). Three ways, side by side
 - ``bare``: the textbook loop (load_state_dict, torch.optim.SGD, zero_grad/backward/step)
   a user would write, one client after another;
 - ``seq``: shoal's LocalTrainer (flat parameter buffer, one client after another);
-- ``batched``: shoal's BatchedTrainer (torch.func vmap over K stacked models).
+- ``batched``: shoal's BatchedTrainer (K stacked models: the hand-written Linear/ReLU
+  chain path for logreg and the 2NN in fp32, torch.func vmap otherwise), in chunks of the
+  size ``simulation.batch_clients = auto`` picks (``--chunks`` times other sizes).
 
 Data is MNIST-shaped random tensors (1x28x28, 10 classes) resident on the device, as in
 the simulator; throughput does not depend on the pixel values. ``bare`` and ``seq`` cost
@@ -16,13 +18,18 @@ clients only (printed); ``batched`` always trains all K. On CUDA the achieved FL
 (counted with torch.utils.flop_counter on one step) is printed against the GPU's peak.
 
     python bench/sim_throughput.py                 # CPU: logreg, 2nn (K up to 1000), cnn (K up to 10)
-    python bench/sim_throughput.py --quick         # smaller, about a minute
+    python bench/sim_throughput.py --quick         # logreg and 2nn at K = 10, 100 with 1 and 2 torch threads
+    python bench/sim_throughput.py --models 2nn --ks 100 --chunks 1,4,12,25,100   # chunk-size sweep
     python bench/sim_throughput.py --device cuda   # all models up to K = 1000, 600 samples per client
+
+The CPU header prints the load average: the machine may be shared, and every cell is the
+best of ``--repeats`` runs, the three ways taking turns within each repeat.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -69,11 +76,11 @@ def make_clients(k: int, n: int, device: torch.device):
 
 def run_bare(model, global_flat, spec, x, y, starts, sizes, cfg, device):
     """The loop one writes from the PyTorch tutorial, one client after another."""
-    opt = torch.optim.SGD(model.parameters(), lr=cfg.lr)
     views = spec.views(global_flat)
     acc = WeightedMean(spec.numel, device)
     for i, (a, n) in enumerate(zip(starts, sizes)):
         model.load_state_dict(views)
+        opt = torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum)  # fresh state per client
         gen = torch.Generator().manual_seed(i)
         perm = torch.randperm(n, generator=gen).to(device) + a
         for s in range(0, n, cfg.batch(n)):
@@ -103,15 +110,20 @@ def run_batched(batched, global_flat, spec, x, y, starts, sizes, device):
     return acc.mean()
 
 
-def timed(fn, device, repeats: int) -> float:
-    """Best of ``repeats`` wall times: on a shared machine the minimum is the least disturbed."""
-    best = float("inf")
+def timed(fns, device, repeats: int) -> list[float]:
+    """Best of ``repeats`` wall times of each of ``fns``, run in turn within each repeat.
+
+    Interleaving puts the ways under the same load from other jobs on a shared machine;
+    the minimum is the least disturbed run.
+    """
+    best = [float("inf")] * len(fns)
     for _ in range(repeats):
-        sync(device)
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        best = min(best, time.perf_counter() - t0)
+        for i, fn in enumerate(fns):
+            sync(device)
+            t0 = time.perf_counter()
+            fn()
+            sync(device)
+            best[i] = min(best[i], time.perf_counter() - t0)
     return best
 
 
@@ -141,75 +153,97 @@ def peak_tflops(device: torch.device, precision: str, override: float | None) ->
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
-    ap.add_argument("--models", default="logreg,2nn,cnn")
-    ap.add_argument("--ks", default="1,10,100,1000", help="clients per round")
+    ap.add_argument("--models", default="", help="default: logreg,2nn,cnn (--quick: logreg,2nn)")
+    ap.add_argument("--ks", default="", help="clients per round (default 1,10,100,1000; --quick: 10,100)")
     ap.add_argument("--samples", type=int, default=0, help="samples per client (default: 600 on CUDA, 60 on CPU)")
     ap.add_argument("--batch-size", type=int, default=10)
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--momentum", type=float, default=0.0, help="local SGD momentum (0: plain SGD, the fused update)")
     ap.add_argument("--seq-cap", type=int, default=0, help="time bare/seq on at most this many clients (default 100 CUDA, 20 CPU)")
     ap.add_argument("--cnn-all", action="store_true", help="on CPU also run the CNN at K >= 100 (slow)")
     ap.add_argument("--repeats", type=int, default=3, help="time each way this many times, keep the best")
-    ap.add_argument("--quick", action="store_true", help="K = 1, 10, 100 and 30 samples per client")
+    ap.add_argument("--threads", default="", help="torch CPU threads to run with, e.g. 1,2 (--quick: 1,2; default: torch's)")
+    ap.add_argument("--chunks", default="", help="clients per batched chunk to time (default: what auto picks)")
+    ap.add_argument("--vmap", action="store_true", help="batch Linear chains with vmap too (to compare the two paths)")
+    ap.add_argument("--quick", action="store_true", help="logreg and 2nn, K = 10, 100, with 1 and 2 threads")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's peak, if not in the table")
     args = ap.parse_args()
 
     device = select_device(args.device)
     cuda = device.type == "cuda"
-    samples = args.samples or (30 if args.quick else 600 if cuda else 60)
-    ks = [int(k) for k in args.ks.split(",")]
-    if args.quick:
-        ks = [k for k in ks if k <= 100]
+    samples = args.samples or (600 if cuda else 60)
+    models = (args.models or ("logreg,2nn" if args.quick else "logreg,2nn,cnn")).split(",")
+    ks = [int(k) for k in (args.ks or ("10,100" if args.quick else "1,10,100,1000")).split(",")]
+    default_threads = "1,2" if args.quick and not cuda else str(torch.get_num_threads())
+    threads = [int(t) for t in (args.threads or default_threads).split(",")]
     seq_cap = args.seq_cap or (100 if cuda else 20)
-    cfg = TrainConfig(epochs=1, batch_size=args.batch_size, lr=0.05, precision=args.precision)
+    cfg = TrainConfig(epochs=1, batch_size=args.batch_size, lr=0.05, momentum=args.momentum, precision=args.precision)
     peak, peak_note = peak_tflops(device, args.precision, args.peak_tflops) if cuda else (None, "")
-    print(f"device {device}" + (f" ({torch.cuda.get_device_name(device)})" if cuda else f" ({torch.get_num_threads()} threads)")
-          + f", {samples} samples per client, B = {args.batch_size}, 1 local epoch, {args.precision}")
+    print(f"device {device}" + (f" ({torch.cuda.get_device_name(device)})" if cuda else f" ({os.cpu_count()} cores)")
+          + f", {samples} samples per client, B = {args.batch_size}, 1 local epoch, momentum {args.momentum}, {args.precision}")
     if cuda:
         print(f"peak: {peak} TFLOP/s ({peak_note})")
-    head = f"{'model':7} {'K':>5} {'clients/chunk':>13} {'bare ce/s':>10} {'seq ce/s':>10} {'batched ce/s':>12} {'batched/seq':>11} {'batched/bare':>12} {'s/round':>8}"
+    head = (f"{'model':7} {'thr':>3} {'K':>5} {'path':>5} {'chunk':>5} {'bare ce/s':>10} {'seq ce/s':>9} {'batched ce/s':>12} "
+            f"{'seq s/round':>11} {'batched s/round':>15} {'batched/seq':>11} {'batched/bare':>12} {'load':>5}")
     if cuda:
         head += f" {'TFLOP/s':>8} {'of peak':>8}"
     print(head)
-    for name in args.models.split(","):
-        torch.manual_seed(0)
-        model = build_model(name, SHAPE, CLASSES).to(device)
-        fps = flops_per_sample(model, cfg, device)
-        trainer = LocalTrainer(model, cfg, device)
-        spec: ParamSpec = trainer.spec
-        g = trainer.flat.detach().clone()
-        bare_model = build_model(name, SHAPE, CLASSES).to(device)
-        fit = clients_per_chunk(trainer.model, spec, SHAPE, args.batch_size, device)
-        for k in ks:
-            if name == "cnn" and k >= 100 and not cuda and not args.cnn_all:
-                print(f"{name:7} {k:>5}  skipped on CPU (pass --cnn-all)")
-                continue
-            x, y, starts, sizes = make_clients(k, samples, device)
-            m = min(k, seq_cap)
-            batched = BatchedTrainer(trainer.model, spec, cfg, device, min(k, fit))
-            # warm-up (kernels, allocator) on a few clients, then one timed round each
-            w = min(k, 4)
-            run_bare(bare_model, g, spec, x, y, starts[:w], sizes[:w], cfg, device)
-            run_seq(trainer, g, spec, x, y, starts[:w], sizes[:w], device)
-            run_batched(batched, g, spec, x, y, starts[:w], sizes[:w], device)
-            r = 1 if args.quick else args.repeats
-            t_bare = timed(lambda: run_bare(bare_model, g, spec, x, y, starts[:m], sizes[:m], cfg, device), device, r)
-            t_seq = timed(lambda: run_seq(trainer, g, spec, x, y, starts[:m], sizes[:m], device), device, r)
-            t_bat = timed(lambda: run_batched(batched, g, spec, x, y, starts, sizes, device), device, r)
-            r_bare, r_seq, r_bat = m / t_bare, m / t_seq, k / t_bat
-            line = (f"{name:7} {k:>5} {batched.max_clients:>13} {r_bare:>10.1f} {r_seq:>10.1f} {r_bat:>12.1f} "
-                    f"{r_bat / r_seq:>10.2f}x {r_bat / r_bare:>11.2f}x {t_bat:>8.3f}")
-            if cuda:
-                achieved = fps * samples * k / t_bat / 1e12
-                line += f" {achieved:>8.2f} " + (f"{100 * achieved / peak:>7.2f}%" if peak else f"{'?':>8}")
-            if m < k:
-                line += f"  (bare/seq timed on {m} of {k} clients)"
-            print(line, flush=True)
-            if name == "cnn" and k == 1000 and samples == 600 and args.batch_size == 10:
-                verdict = "met" if t_bat <= 5.0 else "NOT met"
-                print(f"  target: 1000 clients x 600 samples, CNN, B = 10: {t_bat:.2f} s per round (<= 5 s: {verdict})")
-            del x, y, batched
-        print(f"  {name}: {spec.numel:,} parameters, {fps / 1e6:.2f} MFLOP per training sample (fwd+bwd)")
-    print(f"ce/s = client-epochs per second, best of {1 if args.quick else args.repeats}; ratios are side by side in this run.")
+    notes: dict[str, str] = {}
+    for n_threads in threads:
+        if not cuda:
+            torch.set_num_threads(n_threads)
+        for name in models:
+            torch.manual_seed(0)
+            model = build_model(name, SHAPE, CLASSES).to(device)
+            fps = flops_per_sample(model, cfg, device)
+            trainer = LocalTrainer(model, cfg, device)
+            spec: ParamSpec = trainer.spec
+            g = trainer.flat.detach().clone()
+            bare_model = build_model(name, SHAPE, CLASSES).to(device)
+            fit = clients_per_chunk(trainer.model, spec, SHAPE, args.batch_size, device)
+            for k in ks:
+                if name == "cnn" and k >= 100 and not cuda and not args.cnn_all:
+                    print(f"{name:7} {n_threads:>3} {k:>5}  skipped on CPU (pass --cnn-all)")
+                    continue
+                x, y, starts, sizes = make_clients(k, samples, device)
+                m = min(k, seq_cap)
+                chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else [fit]
+                for chunk in chunks:
+                    batched = BatchedTrainer(trainer.model, spec, cfg, device, min(k, chunk))
+                    if args.vmap:
+                        batched.chain = None
+                    # warm-up (kernels, allocator) on a few clients, then best of r rounds each
+                    w = min(k, 4)
+                    run_bare(bare_model, g, spec, x, y, starts[:w], sizes[:w], cfg, device)
+                    run_seq(trainer, g, spec, x, y, starts[:w], sizes[:w], device)
+                    run_batched(batched, g, spec, x, y, starts[:w], sizes[:w], device)
+                    t_bare, t_seq, t_bat = timed([
+                        lambda: run_bare(bare_model, g, spec, x, y, starts[:m], sizes[:m], cfg, device),
+                        lambda: run_seq(trainer, g, spec, x, y, starts[:m], sizes[:m], device),
+                        lambda: run_batched(batched, g, spec, x, y, starts, sizes, device),
+                    ], device, args.repeats)
+                    r_bare, r_seq, r_bat = m / t_bare, m / t_seq, k / t_bat
+                    path = "chain" if batched.chain is not None else "vmap"
+                    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+                    line = (f"{name:7} {n_threads if not cuda else '-':>3} {k:>5} {path:>5} {batched.max_clients:>5} "
+                            f"{r_bare:>10.1f} {r_seq:>9.1f} {r_bat:>12.1f} {k / r_seq:>11.3f} {t_bat:>15.3f} "
+                            f"{r_bat / r_seq:>10.2f}x {r_bat / r_bare:>11.2f}x {load:>5.1f}")
+                    if cuda:
+                        achieved = fps * samples * k / t_bat / 1e12
+                        line += f" {achieved:>8.2f} " + (f"{100 * achieved / peak:>7.2f}%" if peak else f"{'?':>8}")
+                    if m < k:
+                        line += f"  (bare/seq timed on {m} of {k} clients)"
+                    print(line, flush=True)
+                    if name == "cnn" and k == 1000 and samples == 600 and args.batch_size == 10:
+                        verdict = "met" if t_bat <= 5.0 else "NOT met"
+                        print(f"  target: 1000 clients x 600 samples, CNN, B = 10: {t_bat:.2f} s per round (<= 5 s: {verdict})")
+                    del batched
+                del x, y
+            notes[name] = f"  {name}: {spec.numel:,} parameters, {fps / 1e6:.2f} MFLOP per training sample (fwd+bwd)"
+    print("\n".join(notes.values()))
+    print(f"ce/s = client-epochs per second; s/round = K clients' local epoch + the mean of their deltas (seq: "
+          f"extrapolated from the clients timed); best of {args.repeats}; ratios are side by side in this run; "
+          f"thr = torch threads; load = 1-minute load average after the cell.")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Many clients' local training at once: one vmapped forward/backward for K models.
+"""Many clients' local training at once: one batched forward/backward for K models.
 
 The K clients' parameters are the rows of one (K, numel) tensor; ``torch.func``'s
 ``functional_call`` under ``vmap`` runs the shared architecture with each row as its
@@ -14,6 +14,18 @@ K Python round trips. Semantics are LocalTrainer's (client/training.py), step fo
 - weight decay, the FedProx term (Li et al. 2020, eq. 2) and heavy-ball momentum are the
   same vector ops as LocalTrainer._step, applied to every client's copy of each tensor.
 
+Plain MLPs (a chain of Flatten, Linear and ReLU, found by :func:`linear_chain` with
+torch.fx: logistic regression, the 2NN) trained in fp32 skip vmap and autograd: the chain
+path runs the forward pass as ``baddbmm`` on (K, out, in) views of the stacked buffer and
+the backward pass by hand (softmax cross-entropy, ReLU masks, ``dW = dZ^T H``). With
+plain SGD the weight update is fused into the backward product
+(``W.baddbmm_(dZ^T, H, alpha=-lr)``), so no gradient is ever stored; with momentum the
+gradient is accumulated straight into the momentum buffer, and weight decay / FedProx
+are added there, tensor by tensor while it is in cache. On a CPU this path is what makes
+batching pay for the 2NN: under vmap, autograd writes each client's gradient and the
+step reads it back, passes over K stacked models that no longer fit in cache
+(docs/results.md, "Fast simulation").
+
 Models with buffers (BatchNorm statistics) or layers that draw randomness (dropout) are
 not batched: :func:`unsupported_reason` says why and the simulator trains them one by one.
 """
@@ -25,12 +37,13 @@ import logging
 from collections.abc import Iterator, Sequence
 
 import torch
+import torch.fx
 import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call, vmap
 
 from shoal.config import TrainConfig
-from shoal.params import ParamSpec
+from shoal.params import Entry, ParamSpec
 from shoal.update import Update
 
 from .training import autocast
@@ -43,11 +56,15 @@ log = logging.getLogger(__name__)
 HANDLED_TRAIN_FIELDS = frozenset(
     {"epochs", "batch_size", "lr", "momentum", "weight_decay", "prox_mu", "device", "precision"}
 )
-CPU_CHUNK_BYTES = 64 << 20
-# On a CPU, sequential training of a model this small is dominated by per-step Python
-# overhead, which batching removes; a larger model's per-client state falls out of cache
-# when K copies are stacked, and the batched matmuls were measured no faster than one
-# client at a time (docs/results.md, "Fast simulation"). GPUs batch every model.
+# A CPU chunk's state should stay near the cores (L2 is 2 MiB per core on the machine
+# measured): the 2NN ran fastest at 12-16 clients per chunk, logreg at 25-100, both slower
+# with 100 2NN models stacked (bench/sim_throughput.py --chunks, docs/results.md).
+CPU_CHUNK_BYTES = 32 << 20
+# On a CPU, the vmap path pays only for small models: there sequential training is
+# dominated by per-step Python overhead, which batching removes, while a larger model's
+# vmapped steps were measured slower than one client at a time (docs/results.md, "Fast
+# simulation"). MLPs that LinearChain handles are batched on a CPU at any size; GPUs
+# batch every model.
 CPU_AUTO_MAX_PARAMS = 100_000
 _RANDOM_OR_STATEFUL = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._NormBase)
 
@@ -65,6 +82,78 @@ def unsupported_reason(model: nn.Module, cfg: TrainConfig) -> str | None:
         if f.name not in HANDLED_TRAIN_FIELDS and getattr(cfg, f.name) != getattr(default, f.name):
             return f"train.{f.name} = {getattr(cfg, f.name)!r} is not implemented by the batched trainer"
     return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ChainLayer:
+    """One op of a :class:`LinearChain`: ``flatten``, ``relu`` or ``linear`` (with its entries)."""
+
+    kind: str
+    weight: Entry | None = None
+    bias: Entry | None = None
+
+
+def linear_chain(model: nn.Module, spec: ParamSpec) -> list[ChainLayer] | None:
+    """The model as Flatten/Linear/ReLU ops in order, or None if it is anything else.
+
+    torch.fx traces ``forward``; every node must take the previous node's output as its
+    only input, flatten only the sample dims before the first Linear, use each Linear
+    once, end with a Linear (the logits), and the Linears' tensors must be exactly the
+    spec's entries. Anything fx cannot trace, or any other op, gives None (vmap path).
+    """
+    try:
+        graph = torch.fx.symbolic_trace(model).graph
+    except Exception:  # noqa: BLE001 - any untraceable forward just takes the vmap path
+        return None
+    modules = dict(model.named_modules())
+    entries = {e.name: e for e in spec.entries}
+    layers: list[ChainLayer] = []
+    used: set[str] = set()
+    prev = None
+    for node in graph.nodes:
+        if node.op == "placeholder":
+            if prev is not None:
+                return None
+            prev = node
+            continue
+        if prev is None or node.args[:1] != (prev,) or any(a is not prev for a in node.all_input_nodes):
+            return None
+        if node.op == "output":
+            break
+        kind = None
+        if node.op == "call_module":
+            m = modules[node.target]
+            if isinstance(m, nn.Linear) and node.target not in used:
+                used.add(node.target)
+                w = entries.get(f"{node.target}.weight")
+                b = entries.get(f"{node.target}.bias") if m.bias is not None else None
+                if w is None or (m.bias is not None and b is None):
+                    return None
+                layers.append(ChainLayer("linear", w, b))
+                prev = node
+                continue
+            if isinstance(m, nn.ReLU):
+                kind = "relu"
+            elif isinstance(m, nn.Flatten) and m.start_dim == 1 and m.end_dim == -1:
+                kind = "flatten"
+        elif node.op in ("call_function", "call_method"):
+            if node.target in (F.relu, torch.relu, "relu") and len(node.args) == 1:
+                kind = "relu"
+            elif node.target in (torch.flatten, "flatten") and tuple(node.args[1:]) == (1,) and not node.kwargs:
+                kind = "flatten"
+        if kind is None:
+            return None
+        if kind == "flatten" and any(layer.kind == "linear" for layer in layers):
+            return None
+        layers.append(ChainLayer(kind))
+        prev = node
+    linears = [layer for layer in layers if layer.kind == "linear"]
+    if not linears or layers[-1].kind != "linear":
+        return None
+    covered = {e.name for layer in linears for e in (layer.weight, layer.bias) if e is not None}
+    if covered != set(entries):
+        return None
+    return layers
 
 
 def activation_floats(model: nn.Module, input_shape: tuple[int, ...]) -> int:
@@ -95,8 +184,8 @@ def clients_per_chunk(
 
     Per client: parameters, gradient and momentum (3 x numel floats) plus the
     activations of one batch kept for backward (about 3 x per sample). On a GPU the
-    budget is a third of its memory; on a CPU it is 64 MiB, because there batching pays
-    only while the chunk's state stays in cache (bench/sim_throughput.py). The budget is
+    budget is a third of its memory; on a CPU it is CPU_CHUNK_BYTES, because there
+    batching pays only while the chunk's state stays in cache. The budget is
     fixed per device, not read from free memory, so a config gives the same chunks, hence
     the same numbers, on every run.
     """
@@ -127,6 +216,10 @@ class BatchedTrainer:
         if missing:
             raise ValueError(f"cannot batch clients: spec entries {missing} are not parameters")
         self._trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        # The hand-written chain path: fp32 only (bf16 autocast stays with vmap) and
+        # every tensor trainable (it has no per-entry mask for frozen ones).
+        all_trainable = self._trainable == {e.name for e in spec.entries}
+        self.chain = linear_chain(model, spec) if cfg.precision == "fp32" and all_trainable else None
 
         def forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
             return functional_call(self.model, params, (x,))
@@ -152,9 +245,11 @@ class BatchedTrainer:
         steps = [cfg.epochs * -(-n // cfg.batch(n)) if n else 0 for n in sizes]
         order = sorted(range(len(sizes)), key=lambda i: (-steps[i], i))
         global_flat = global_flat.to(self.device)
+        chain = self.chain is not None and (x_all.dim() == 2 or self.chain[0].kind == "flatten")
+        train_chunk = self._train_chunk_chain if chain else self._train_chunk
         for c in range(0, len(order), self.max_clients):
             chunk = order[c : c + self.max_clients]
-            deltas, losses = self._train_chunk(
+            deltas, losses = train_chunk(
                 global_flat, x_all, y_all, [starts[i] for i in chunk], [sizes[i] for i in chunk],
                 [seeds[i] for i in chunk], [steps[i] for i in chunk],
             )
@@ -224,6 +319,89 @@ class BatchedTrainer:
         deltas = params - global_flat
         return deltas, loss_sum.cpu()
 
+    def _train_chunk_chain(self, global_flat, x_all, y_all, starts, sizes, seeds, steps):
+        """_train_chunk for a Flatten/Linear/ReLU chain: batched matmuls, backward by hand.
+
+        Per step, for the ``a`` clients still training: Z = H W^T + b per Linear as one
+        ``baddbmm`` over (a, out, in) views of the stacked parameters (a layout with each
+        tensor's K copies contiguous was measured no faster); the loss gradient
+        of the weighted softmax cross-entropy is ``w (softmax(Z) - onehot(y))``; going
+        back, ``dH = dZ W`` (before W changes), ``dW = dZ^T H``, ``db = sum_rows dZ`` and
+        ReLU passes dZ where its output was positive.
+        """
+        cfg, chain = self.cfg, self.chain
+        k = len(sizes)
+        rows, weights = self._batch_plan(starts, sizes, seeds, steps)
+        params = global_flat.unsqueeze(0).repeat(k, 1)
+        fused = not (cfg.momentum or cfg.weight_decay or cfg.prox_mu)
+        # the momentum buffer, or (momentum 0) scratch for the gradient plus its extra terms
+        state = None if fused else torch.zeros_like(params)
+        loss_sum = torch.zeros(k, device=self.device)
+        x_flat = x_all.flatten(1)
+        first_linear = next(i for i, layer in enumerate(chain) if layer.kind == "linear")
+        active = [sum(1 for s in steps if s > t) for t in range(max(steps, default=0))]
+        for t, a in enumerate(active):
+            idx = rows[:a, t]
+            h, yb, wb = x_flat[idx], y_all[idx], weights[:a, t]
+            tape = []  # per layer: a Linear's input, a ReLU's output
+            for layer in chain:
+                if layer.kind == "linear":
+                    tape.append(h)
+                    wt = self._rows(params, layer.weight, a).transpose(1, 2)
+                    if layer.bias is None:
+                        h = torch.bmm(h, wt)
+                    else:
+                        h = torch.baddbmm(self._rows(params, layer.bias, a).unsqueeze(1), h, wt)
+                elif layer.kind == "relu":
+                    h = torch.relu(h)
+                    tape.append(h)
+                else:  # flatten: x_flat already is
+                    tape.append(None)
+            logp = torch.log_softmax(h, -1)
+            loss_sum[:a] -= (logp.gather(-1, yb.unsqueeze(-1)).squeeze(-1) * wb).sum(1)
+            d = logp.exp_()
+            d.scatter_add_(-1, yb.unsqueeze(-1), torch.full((*yb.shape, 1), -1.0, dtype=d.dtype, device=d.device))
+            d.mul_(wb.unsqueeze(-1))
+            for i in range(len(chain) - 1, first_linear - 1, -1):
+                layer, saved = chain[i], tape[i]
+                if layer.kind == "relu":
+                    d = d * (saved > 0)
+                    continue
+                if layer.kind != "linear":
+                    continue
+                w = self._rows(params, layer.weight, a)
+                d_in = torch.bmm(d, w) if i > first_linear else None
+                d_t = d.transpose(1, 2)
+                if fused:  # plain SGD: W <- W - lr dZ^T H in one product, no gradient stored
+                    w.baddbmm_(d_t, saved, alpha=-cfg.lr)
+                    if layer.bias is not None:
+                        self._rows(params, layer.bias, a).add_(d.sum(1), alpha=-cfg.lr)
+                else:
+                    self._chain_step(params, state, global_flat, layer.weight, a,
+                                     lambda buf, beta: buf.baddbmm_(d_t, saved, beta=beta))
+                    if layer.bias is not None:
+                        self._chain_step(params, state, global_flat, layer.bias, a, lambda buf, beta: (
+                            buf.mul_(beta).add_(d.sum(1)) if beta else torch.sum(d, 1, out=buf)))
+                d = d_in
+        return params - global_flat, loss_sum.cpu()
+
+    def _chain_step(self, params, state, global_flat, e, a: int, accumulate) -> None:
+        """LocalTrainer._step for tensor ``e`` of the first ``a`` clients, gradient fused in.
+
+        ``accumulate(buf, beta)`` writes ``beta * buf + dE/dW`` into ``buf`` (one
+        ``baddbmm_``), so with momentum the gradient goes straight into the momentum
+        buffer (m = beta m + g); weight decay and the FedProx term (Li et al. 2020, eq. 2)
+        are added to it, then W <- W - lr buf, while the tensor is still in cache.
+        """
+        cfg = self.cfg
+        w, buf = self._rows(params, e, a), self._rows(state, e, a)
+        accumulate(buf, cfg.momentum)
+        if cfg.weight_decay or cfg.prox_mu:  # + wd W + mu (W - W_global), without a temporary
+            buf.add_(w, alpha=cfg.weight_decay + cfg.prox_mu)
+        if cfg.prox_mu:
+            buf.sub_(self._rows(global_flat.unsqueeze(0), e, 1), alpha=cfg.prox_mu)
+        w.add_(buf, alpha=-cfg.lr)
+
     @staticmethod
     def _rows(flat: torch.Tensor, e, a: int) -> torch.Tensor:
         """The first ``a`` rows of tensor ``e`` in a (K, numel) buffer, shaped (a, *shape)."""
@@ -254,7 +432,8 @@ def make_batched_trainer(
     """``simulation.batch_clients`` -> a BatchedTrainer, or None to train one by one.
 
     ``auto`` batches every round's clients that fit the memory budget of
-    :func:`clients_per_chunk` (on a CPU only models up to CPU_AUTO_MAX_PARAMS); an
+    :func:`clients_per_chunk` (on a CPU only Linear/ReLU chains, any size, and other
+    models up to CPU_AUTO_MAX_PARAMS); an
     integer N trains N at once as asked (1 = sequential; the memory is then the user's call). A model
     or option that cannot be batched falls back to sequential and says why, once.
     """
@@ -265,14 +444,17 @@ def make_batched_trainer(
         level = logging.INFO if setting == "auto" else logging.WARNING
         log.log(level, "simulation.batch_clients = %r: training clients one by one because %s", setting, reason)
         return None
-    if setting == "auto" and device.type == "cpu" and spec.numel > CPU_AUTO_MAX_PARAMS:
-        log.info("simulation.batch_clients = 'auto': training clients one by one on the CPU because the model has "
-                 "%d > %d parameters (set an integer to batch anyway)", spec.numel, CPU_AUTO_MAX_PARAMS)
+    chain = cfg.precision == "fp32" and linear_chain(model, spec) is not None
+    if setting == "auto" and device.type == "cpu" and not chain and spec.numel > CPU_AUTO_MAX_PARAMS:
+        log.info("simulation.batch_clients = 'auto': training clients one by one on the CPU because the model is "
+                 "not a Linear/ReLU chain and has %d > %d parameters (set an integer to batch anyway)",
+                 spec.numel, CPU_AUTO_MAX_PARAMS)
         return None
     fit = clients_per_chunk(model, spec, input_shape, cfg.batch(max(max_client_size, 1)), device)
     n = min(clients_per_round, fit if setting == "auto" else int(setting))
     if n <= 1:
         log.info("simulation.batch_clients = %r: one client per chunk fits the memory budget; training one by one", setting)
         return None
-    log.info("training up to %d clients at once (vmap) on %s", n, device)
-    return BatchedTrainer(model, spec, cfg, device, n)
+    trainer = BatchedTrainer(model, spec, cfg, device, n)
+    log.info("training up to %d clients at once (%s) on %s", n, "Linear chain" if trainer.chain else "vmap", device)
+    return trainer

@@ -191,6 +191,55 @@ async def post_update(request: web.Request) -> web.Response:
     return web.json_response(result)
 
 
+async def post_secagg(request: web.Request) -> web.Response:
+    """One secure aggregation message of the open round (server/secure_round.py)."""
+    app, node = request.app, request[NODE]
+    svc = app[SERVICE]
+    length = request.content_length
+    if length is not None and length > svc.max_body_bytes:
+        svc.refused(TooLarge.code)
+        return error(413, TooLarge.code, f"body of {length} bytes is over the limit of {svc.max_body_bytes} bytes")
+    body = await request.read()
+    now = time.monotonic()
+    try:
+        result = svc.secure(node, now).receive(node, request.match_info["stage"], body)
+    except ShoalError as e:
+        svc.refused(getattr(e, "code", "error"))
+        log.info("secure aggregation message from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
+        return error(_status_of(e), getattr(e, "code", "error"), str(e))
+    if svc.tick(now):
+        _notify(app)
+    return web.json_response(result)
+
+
+async def get_secagg(request: web.Request) -> web.Response:
+    """Long-poll for the server's answer to a stage: 200 with the message once the stage
+    closed, 202 ``{"status": "wait"}`` if it is still open when ``wait`` runs out."""
+    app, node = request.app, request[NODE]
+    svc = app[SERVICE]
+    try:
+        round_ = int(request.query["round"])
+        wait = min(float(request.query.get("wait", svc.cfg.server.poll_s)), svc.cfg.server.poll_s)
+    except (KeyError, ValueError):
+        return error(400, "bad_request", "query parameters: 'round' (an integer) and 'wait' (seconds) are needed")
+    end = time.monotonic() + max(wait, 0.0)
+    while True:
+        event = app[CHANGED]["event"]
+        try:
+            body = svc.secure(node, time.monotonic()).reply(node, request.match_info["stage"], round_)
+        except ShoalError as e:
+            return error(_status_of(e), getattr(e, "code", "error"), str(e))
+        if body is not None:
+            return web.Response(body=body, content_type="application/octet-stream")
+        left = end - time.monotonic()
+        if left <= 0:
+            return web.json_response({"status": "wait", "round": round_}, status=202)
+        try:
+            await asyncio.wait_for(event.wait(), left)
+        except asyncio.TimeoutError:
+            pass
+
+
 async def get_status(request: web.Request) -> web.Response:
     return web.json_response(request.app[SERVICE].status(time.monotonic()))
 
@@ -212,6 +261,8 @@ def make_app(service: ServerService, registry: Registry) -> web.Application:
     app.router.add_get("/v1/task", get_task)
     app.router.add_get("/v1/model", get_model)
     app.router.add_post("/v1/update", post_update, expect_handler=expect_update)
+    app.router.add_post("/v1/secagg/{stage}", post_secagg)
+    app.router.add_get("/v1/secagg/{stage}", get_secagg)
     app.router.add_get("/v1/status", get_status)
     app.router.add_get("/metrics", get_metrics)
     return app

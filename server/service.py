@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,7 @@ import torch
 from shoal import synthetic
 from shoal.aggregation import make_strategy
 from shoal.aggregation.robust import make_aggregator
+from shoal.aggregation.secagg_encoding import FixedPoint
 from shoal.aggregation.staleness import make_staleness_weight
 from shoal.async_rounds import AsyncRounds
 from shoal.client.training import LocalTrainer
@@ -35,6 +37,7 @@ from shoal.simulations.async_engine import make_async_rounds
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .secure_round import SecureRound
 
 log = logging.getLogger(__name__)
 
@@ -61,6 +64,11 @@ class ServerService:
     """One aggregator: its model, rounds, nodes seen, checkpoints and metrics."""
 
     def __init__(self, cfg: Config, resume: bool = True):
+        if cfg.privacy.mode != "none":  # refuse rather than train without the privacy the user asked for
+            raise ConfigError(
+                f"privacy.mode = {cfg.privacy.mode!r}: shoal server does not apply differential privacy yet "
+                "(it runs in `shoal simulate` and `shoal privacy-sweep`); set privacy.mode = 'none'"
+            )
         self.cfg = cfg
         s = cfg.server
         seed = cfg.simulation.seed
@@ -100,6 +108,11 @@ class ServerService:
         self.last_record: dict[str, Any] = {}
         self.resumed_from: Path | None = None
         self._model_cache: tuple[int, bytes] | None = None
+        self.secure_round: SecureRound | None = None  # [secure_aggregation]: the open round's protocol
+        if cfg.secure_aggregation.enabled and s.clients_per_round:  # the headroom check, before any round
+            FixedPoint(cfg.secure_aggregation.clip, cfg.secure_aggregation.bits,
+                       math.ceil(s.clients_per_round * (1 + cfg.asynchronous.over_selection)))
+        self.secure_last: dict[str, Any] = {}
         self._t0 = time.perf_counter()
         if resume and (path := latest_checkpoint(self.ckpt_dir)) is not None:
             self._restore(path)
@@ -157,11 +170,24 @@ class ServerService:
             t = r.task(node)
             return {"status": "work", "round": t.round, "version": t.version, "seed": t.seed}
         if r.open and node in r.selected and node not in r.received:
+            if self.secure_round is not None and not self.secure_round.wants_task(node):
+                return None
             t = r.selected[node]
             left = (r.deadline_at or now) - now
-            return {"status": "work", "round": t.round, "version": t.version, "seed": t.seed,
+            work = {"status": "work", "round": t.round, "version": t.version, "seed": t.seed,
                     "deadline_s": round(max(left, 0.0), 3)}
+            if self.secure_round is not None:
+                work["secure_aggregation"] = self.secure_round.task_info()
+            return work
         return None
+
+    def secure(self, node: str, now: float) -> SecureRound:
+        """The open round's secure aggregation, for the /v1/secagg routes."""
+        self.seen(node, now)
+        if self.secure_round is None:
+            what = "secure aggregation is off" if not self.cfg.secure_aggregation.enabled else "no round is open"
+            raise UpdateRejected("round_closed", f"{what} (version {self.version})")
+        return self.secure_round
 
     def submit(self, node: str, body: bytes | memoryview, now: float) -> dict[str, Any]:
         """Validate one upload and stream it into the open round; raises a ShoalError
@@ -171,6 +197,9 @@ class ServerService:
         try:
             update, header = decode_update(body, self.spec, self.max_body_bytes, copy=False)
             r = self.rounds
+            if self.cfg.secure_aggregation.enabled:
+                raise UpdateRejected("secure_round", "rounds are securely aggregated: send masked input through "
+                                     "/v1/secagg (docs/protocol.md), not a plain update")
             if self.done:
                 raise UpdateRejected("done", f"training is complete at version {r.version}; no more updates")
             if update.base_version > r.version:
@@ -211,10 +240,23 @@ class ServerService:
                 return False
             tasks = r.start_round(avail, now)
             log.info("round %d: %d of %d nodes selected, version %d", r.round, len(tasks), len(avail), r.version)
+            if self.cfg.secure_aggregation.enabled:
+                self.secure_round = SecureRound(self.cfg, r, self.spec.numel + 1, now)
             return True
-        if not r.should_close(now):
+        if self.secure_round is not None:  # the protocol's stages decide when the round closes
+            changed = self.secure_round.tick(now)
+            if not self.secure_round.over:
+                return changed
+            secure, self.secure_round = self.secure_round, None
+            self.secure_last = secure.status()
+            summary = secure.close(r)
+            if summary is None:  # aborted: model and version unchanged, the next round runs
+                self.counters.rounds_abandoned += 1
+                return True
+        elif not r.should_close(now):
             return False
-        summary = r.finish_round()
+        else:
+            summary = r.finish_round()
         if summary.failed:
             self.counters.rounds_abandoned += 1
             log.warning("round %d failed at its deadline with %d of %d results (min_fraction %.2f); model unchanged",
@@ -279,6 +321,8 @@ class ServerService:
             "connected_nodes": self.connected(now), "last_metrics": self.last_record,
             "spec_hash": self.spec.hash, "num_parameters": self.spec.numel,
             "updates_accepted": self.counters.accepted, "updates_rejected": dict(self.counters.rejected),
+            **({"secure_aggregation": self.secure_round.status() if self.secure_round else self.secure_last}
+               if self.cfg.secure_aggregation.enabled else {}),
         }
 
     def prometheus(self, now: float) -> str:

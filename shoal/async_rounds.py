@@ -9,7 +9,7 @@ the algorithm with t:
 - :class:`~shoal.aggregation.fedasync.FedAsync`: mixed in at once; every accepted
   update advances the version.
 - :class:`~shoal.aggregation.fedbuff.FedBuff`: buffered; the version advances when K
-  updates have arrived.
+  updates have arrived (combined by the ``[robust]`` rule when one is set).
 
 The simulator (simulations/async_engine.py) and the HTTP server call the same methods.
 No clock is read here.

@@ -461,8 +461,10 @@ class SecureAggregationConfig:
     dropout_masked: float = 0.0
     dropout_unmask: float = 0.0
     seed: int = 0                  # protocol randomness and injected dropouts
+    stage_s: float = 30.0          # `shoal server`: seconds each stage after the first waits for nodes
 
     def validate(self) -> None:
+        _positive("secure_aggregation.stage_s", self.stage_s)
         _choice("secure_aggregation.graph", self.graph, ("full", "secagg+"))
         _positive("secure_aggregation.degree", self.degree, allow_zero=True)
         if not 0 <= self.threshold < 1:
@@ -531,6 +533,8 @@ class Config:
             why = None
             if self.simulation.mode != "sync":
                 why = f"simulation.mode = {self.simulation.mode!r}: secure aggregation runs in sync rounds"
+            elif self.server.mode != "sync":
+                why = f"server.mode = {self.server.mode!r}: secure aggregation runs in sync rounds"
             elif self.robust.rule != "mean":
                 why = f"robust.rule = {self.robust.rule!r}: the server sees only the masked sum, not single updates"
             elif self.compression.encoding != "dense":
@@ -545,6 +549,7 @@ class Config:
             from shoal.p2p.robust import check_gossip_settings  # robust merges and model compression (p2p/)
 
             check_gossip_settings(self)
+        self._validate_async_robust()
         dp = self.privacy.mode
         if dp in ("central", "distributed") and self.robust.rule != "mean":
             raise ConfigError(
@@ -557,6 +562,24 @@ class Config:
                 f"privacy.mode = {dp!r} needs simulation.mode = 'sync' (it is {self.simulation.mode!r}): "
                 "the accountant counts sampled synchronous rounds"
             )
+
+    def _validate_async_robust(self) -> None:
+        """Robust rules in async mode run over FedBuff's buffer of K updates (aggregation/fedbuff.py)."""
+        a, rb = self.asynchronous, self.robust
+        if "async" not in (self.simulation.mode, self.server.mode) or rb.rule == "mean":
+            return
+        if a.algorithm == "fedasync":
+            raise ConfigError(
+                f"robust.rule = {rb.rule!r} with asynchronous.algorithm = 'fedasync': FedAsync applies one update "
+                f"at a time, and a {rb.rule} of one update is that update; use asynchronous.algorithm = 'fedbuff' "
+                "(the rule combines its K buffered updates) or robust.rule = 'mean' with robust.norm_bound > 0"
+            )
+        if a.buffer_size > rb.max_updates:
+            raise ConfigError(f"asynchronous.buffer_size = {a.buffer_size} exceeds robust.max_updates = "
+                              f"{rb.max_updates}: FedBuff's rule holds the K buffered updates; raise the limit")
+        if rb.rule in ("krum", "multikrum") and a.buffer_size <= 2 * rb.krum_f + 2:
+            raise ConfigError(f"robust.rule = {rb.rule!r} with krum_f = {rb.krum_f} needs asynchronous.buffer_size "
+                              f"> 2 krum_f + 2 = {2 * rb.krum_f + 2} (it is {a.buffer_size})")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

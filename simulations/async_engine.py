@@ -24,10 +24,11 @@ import torch
 from shoal.aggregation import make_server_optimizer
 from shoal.aggregation.fedasync import FedAsync
 from shoal.aggregation.fedbuff import FedBuff
+from shoal.aggregation.robust import make_aggregator
 from shoal.aggregation.staleness import make_staleness_weight
 from shoal.async_rounds import AsyncRounds, AsyncStats
 from shoal.config import Config
-from shoal.errors import UpdateRejected
+from shoal.errors import UpdateRejected, WireError
 from shoal.rounds import Task
 from shoal.seeding import rng
 
@@ -76,12 +77,19 @@ class VirtualClients:
         self._wake_at = math.inf
 
     def launch(self, task: Task, global_params: torch.Tensor, tag: Any = None) -> None:
-        """Train ``task`` now; schedule ``arrive`` (client, update, tag) or ``dropout``."""
+        """Train ``task`` now; schedule ``arrive`` (client, update, tag) or ``dropout``.
+
+        An update that fails wire validation (e.g. a NaN attacker's) arrives as its
+        WireError, so the engine counts the rejection at the time the server would."""
         c = task.client_id
+        self.sim.wire.download(global_params, task.version)
         ((_, update),) = list(self.sim.train_clients([task], global_params))
-        for step in self.sim.client_steps:
-            update = step(task, update)
         steps = int(update.metrics.get("local_steps", 1))
+        try:
+            for step in self.sim.client_steps:  # attacks, then the wire round trip (encode, decode, validate)
+                update = step(task, update)
+        except WireError as e:  # the server refuses the payload when it arrives
+            update = e
         t = self.timing
         finish = self.now + t.network_s(c) + t.compute_s(c, steps) + t.network_s(c)
         offline = t.online_until(c, self.now)
@@ -107,13 +115,14 @@ def staleness_figures(hist: dict[int, int]) -> dict[str, Any]:
 
 def make_async_rounds(cfg: Config, global_params: torch.Tensor, numel: int) -> AsyncRounds:
     """The AsyncRounds an ``[asynchronous]`` config describes (the server uses it too)."""
-    a = cfg.asynchronous
+    a, rb = cfg.asynchronous, cfg.robust
     weight = make_staleness_weight(a.staleness_weight, a.staleness_a, a.staleness_b)
-    if a.algorithm == "fedasync":
-        algorithm: FedAsync | FedBuff = FedAsync(a.alpha, weight, a.fedasync_mix)
-    else:
+    if a.algorithm == "fedasync":  # config validation refuses robust rules other than the norm bound here
+        algorithm: FedAsync | FedBuff = FedAsync(a.alpha, weight, a.fedasync_mix, rb.norm_bound)
+    else:  # a robust rule (or a norm bound) combines FedBuff's K buffered updates
+        rule = None if rb.rule == "mean" and rb.norm_bound == 0 else make_aggregator(rb, numel, global_params.device)
         algorithm = FedBuff(a.buffer_size, make_server_optimizer(cfg.strategy), weight, cfg.strategy.weighting,
-                            numel, global_params.device)
+                            numel, global_params.device, rule)
     return AsyncRounds(algorithm, global_params, cfg.simulation.seed, a.max_staleness)
 
 
@@ -126,6 +135,7 @@ class AsyncEngine:
         self.sim = self.clients.sim
         self.rounds = make_async_rounds(cfg, self.sim.trainer.flat.detach().clone(), self.sim.spec.numel)
         self._recorded: tuple[int, float] | None = None
+        self._bytes_mark = (0, 0)  # wire totals (up, down) at the previous record
 
     def _fill(self) -> None:
         free = self.cfg.asynchronous.concurrency - len(self.clients.busy)
@@ -168,6 +178,11 @@ class AsyncEngine:
             elif ev.kind == "arrive":
                 c, update, _ = ev.payload
                 self.clients.busy.discard(c)
+                if isinstance(update, WireError):  # refused by validation: counted, never applied
+                    r.stats.rejected[update.code] = r.stats.rejected.get(update.code, 0) + 1
+                    r.forget(c)
+                    self._fill()
+                    continue
                 try:
                     advanced = r.submit(c, update)
                 except UpdateRejected:
@@ -175,7 +190,8 @@ class AsyncEngine:
                 if advanced and het.eval_interval_s == 0 and r.version % cfg.simulation.eval_every == 0:
                     yield self._record(last)
                     last = r.stats.copy()
-            self._fill()
+            if r.version < cfg.simulation.rounds:  # no new tasks once the last version is reached
+                self._fill()
         if self._recorded != (r.version, q.now):  # the last state, unless just recorded
             yield self._record(last)
 
@@ -186,6 +202,9 @@ class AsyncEngine:
         ev = self.clients.evaluate(r.global_params)
         hist = {t: k - since.staleness.get(t, 0) for t, k in s.staleness.items() if k - since.staleness.get(t, 0)}
         n_ex = s.examples - since.examples
+        w = self.sim.wire
+        up, down = w.total_up - self._bytes_mark[0], w.total_down - self._bytes_mark[1]
+        self._bytes_mark = (w.total_up, w.total_down)
         return {
             "round": r.version,
             "version": r.version,
@@ -198,6 +217,10 @@ class AsyncEngine:
             **staleness_figures(hist),
             "accepted": s.accepted,
             "rejected": dict(s.rejected),
+            "bytes_up": up,
+            "bytes_down": down,
+            "bytes_up_total": w.total_up,
+            "bytes_down_total": w.total_down,
         }
 
     def totals(self) -> dict[str, Any]:
@@ -210,4 +233,6 @@ class AsyncEngine:
             "staleness": staleness_figures(s.staleness),
             "version": self.rounds.version,
             "virtual_time_s": round(self.clients.now, 3),
+            "bytes_up_total": self.sim.wire.total_up,
+            "bytes_down_total": self.sim.wire.total_down,
         }

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from shoal.aggregation.secagg import SecAggAborted, SecAggParams
-from shoal.aggregation.secagg_encoding import FixedPoint
+from shoal.aggregation.secagg_encoding import FixedPoint, example_weight
 from shoal.aggregation.secagg_group import secure_weighted_mean
 from shoal.aggregation.secagg_memory import STAGES
 from shoal.errors import WireError
@@ -77,8 +77,7 @@ class SecureAggregationRounds:
         seed = derive_seed(self.cfg.seed, self.sim.cfg.simulation.seed, round_)
         inputs, weights = {}, {}
         for task, u in trained:
-            base = u.num_examples if self.weighting == "examples" else self.max_weight
-            weights[task.client_id] = min(base / self.max_weight, 1.0)
+            weights[task.client_id] = example_weight(u.num_examples, self.max_weight, self.weighting)
             inputs[task.client_id] = u.delta.detach().cpu().numpy()
         params = SecAggParams(
             session=f"shoal-sim/{seed}".encode(), vector_size=self.sim.spec.numel + 1, graph=self.cfg.graph,

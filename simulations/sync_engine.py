@@ -17,9 +17,10 @@ from collections.abc import Iterator
 from typing import Any
 
 from shoal.aggregation import make_strategy
+from shoal.aggregation.robust import make_aggregator
 from shoal.aggregation.staleness import make_staleness_weight
 from shoal.config import Config
-from shoal.errors import UpdateRejected
+from shoal.errors import UpdateRejected, WireError
 from shoal.rounds import RoundSummary, SyncRounds
 
 from .async_engine import VirtualClients, staleness_figures
@@ -32,7 +33,8 @@ def make_deadline_rounds(cfg: Config, global_params, numel: int) -> SyncRounds:
     """SyncRounds with the ``[asynchronous]`` deadline, over-selection and late-result keys."""
     a, sim = cfg.asynchronous, cfg.simulation
     return SyncRounds(
-        make_strategy(cfg.strategy, numel, global_params.device), global_params, sim.clients_per_round,
+        make_strategy(cfg.strategy, numel, global_params.device,
+                      aggregator=make_aggregator(cfg.robust, numel, global_params.device)), global_params, sim.clients_per_round,
         sim.fraction, sim.seed,
         over_selection=a.over_selection, deadline_s=a.deadline_s or None, min_fraction=a.min_fraction,
         late=a.late, late_weight=make_staleness_weight(a.staleness_weight, a.staleness_a, a.staleness_b),
@@ -115,6 +117,8 @@ class VirtualSyncEngine:
                     self.live.discard(c)
                 if ev.kind == "dropout":
                     self.clients.dropouts += 1
+                elif isinstance(ev.payload[1], WireError):  # refused by validation: counted, not aggregated
+                    self.rejected[ev.payload[1].code] = self.rejected.get(ev.payload[1].code, 0) + 1
                 else:
                     try:
                         r.submit(c, ev.payload[1])
@@ -162,4 +166,6 @@ class VirtualSyncEngine:
             "staleness": staleness_figures(self.staleness),
             "version": self.rounds.version,
             "virtual_time_s": round(self.clients.now, 3),
+            "bytes_up_total": self.sim.wire.total_up,
+            "bytes_down_total": self.sim.wire.total_down,
         }

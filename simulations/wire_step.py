@@ -26,12 +26,21 @@ class WireStep:
         self.compressor = Compressor(cfg)
         self.bytes_up = self.bytes_down = 0          # this round
         self.total_up = self.total_down = 0          # since the start
+        self._model_size: tuple[int, int] | None = None  # (version, bytes) of the last model encoded
 
     def broadcast(self, global_params: torch.Tensor, version: int, receivers: int) -> None:
         """Count the model download of a new round (dense float32 model message)."""
         size = len(encode_model(global_params, self.spec, version)) * receivers
         self.bytes_up, self.bytes_down = 0, size
         self.total_down += size
+
+    def download(self, global_params: torch.Tensor, version: int) -> None:
+        """Count one client's model download without starting a round (async: each task
+        fetches the current version alone). The model is encoded once per version."""
+        if self._model_size is None or self._model_size[0] != version:
+            self._model_size = (version, len(encode_model(global_params, self.spec, version)))
+        self.bytes_down += self._model_size[1]
+        self.total_down += self._model_size[1]
 
     def __call__(self, task: Task, update: Update) -> Update:
         payload = self.compressor.encode(update.delta, task.client_id, task.seed)

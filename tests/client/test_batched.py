@@ -4,7 +4,13 @@ import pytest
 import torch
 from torch import nn
 
-from shoal.client.batched import BatchedTrainer, clients_per_chunk, make_batched_trainer, unsupported_reason
+from shoal.client.batched import (
+    BatchedTrainer,
+    clients_per_chunk,
+    linear_chain,
+    make_batched_trainer,
+    unsupported_reason,
+)
 from shoal.client.training import LocalTrainer
 from shoal.config import TrainConfig, load_config
 from shoal.errors import ConfigError
@@ -34,13 +40,17 @@ def clients(shape, seed=0):
     ids=["sgd", "momentum+wd", "fedprox+momentum", "full-batch"],
 )
 @pytest.mark.parametrize("chunk", [2, 6])
-def test_each_client_equals_local_trainer(cfg, chunk):
+@pytest.mark.parametrize("path", ["chain", "vmap"])
+def test_each_client_equals_local_trainer(cfg, chunk, path):
     torch.manual_seed(0)
     trainer = LocalTrainer(build_model("2nn", (1, 12, 12), 10), cfg)
     x, y, starts = clients((1, 12, 12))
     g = trainer.flat.clone() + 0.01 * torch.randn(trainer.spec.numel)
     seeds = [11 + i for i in range(len(SIZES))]
     batched = BatchedTrainer(trainer.model, trainer.spec, cfg, "cpu", chunk)
+    assert batched.chain is not None  # the 2NN is a Flatten/Linear/ReLU chain
+    if path == "vmap":
+        batched.chain = None
     got = dict(batched.train(g, x, y, starts, SIZES, seeds))
     assert sorted(got) == list(range(len(SIZES)))
     for i, (a, n) in enumerate(zip(starts, SIZES)):
@@ -77,6 +87,7 @@ def sim_params(batch_clients, *extra):
     return sim, sim.global_params.clone(), losses
 
 
+@pytest.mark.slow  # ~1 s alone; 20-70 s with two torch threads on a loaded 2-core machine
 def test_simulation_rounds_batched_equal_sequential():
     # A stable learning rate: with lr=0.05, momentum=0.9 on Synthetic(1,1) a client's
     # 200 local steps amplify a 5e-8 difference in the global model to 0.2 (chaotic
@@ -126,11 +137,18 @@ def test_chunk_size_from_setting_and_budget():
     assert make_batched_trainer("auto", small, spec, TrainConfig(), cpu, (1, 28, 28), 1, 600) is None
     big = build_model("cnn", (1, 28, 28), 10)
     big_spec = ParamSpec.of(big)
-    # auto keeps large models sequential on a CPU; an explicit N batches them as asked
+    # auto keeps large non-chain models sequential on a CPU; an explicit N batches them as asked
     assert make_batched_trainer("auto", big, big_spec, TrainConfig(), cpu, (1, 28, 28), 100, 600) is None
-    fit = clients_per_chunk(big, big_spec, (1, 28, 28), 10, cpu)
-    assert 1 < fit < 100
     assert make_batched_trainer(100, big, big_spec, TrainConfig(), cpu, (1, 28, 28), 100, 600).max_clients == 100
+    # the 2NN (199,210 parameters) is a Linear chain: auto batches it, in cache-sized chunks
+    mlp = build_model("2nn", (1, 28, 28), 10)
+    mlp_spec = ParamSpec.of(mlp)
+    fit = clients_per_chunk(mlp, mlp_spec, (1, 28, 28), 10, cpu)
+    assert 1 < fit < 100
+    got = make_batched_trainer("auto", mlp, mlp_spec, TrainConfig(), cpu, (1, 28, 28), 100, 600)
+    assert got.max_clients == fit and got.chain is not None
+    # bf16 runs under autocast on the vmap path, which auto keeps for small models only on a CPU
+    assert make_batched_trainer("auto", mlp, mlp_spec, TrainConfig(precision="bf16"), cpu, (1, 28, 28), 100, 600) is None
 
 
 def test_config_validation():
@@ -158,3 +176,76 @@ def test_bf16_autocast_trains_and_batched_follows_sequential():
         # bf16 keeps ~3 significant digits: close to fp32, not equal to it
         assert torch.allclose(want.delta, ref.delta, atol=2e-2)
         assert torch.allclose(got[i].delta, want.delta, atol=2e-2)
+
+
+class SharedLinear(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+
+    def forward(self, x):
+        return self.a(torch.relu(self.a(x)))
+
+
+class Residual(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(6, 6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.b(self.a(x) + x)
+
+
+def test_linear_chain_finds_plain_mlps_only():
+    for name in ("logreg", "2nn"):
+        m = build_model(name, (1, 12, 12), 10)
+        layers = linear_chain(m, ParamSpec.of(m))
+        assert layers[0].kind == "flatten" and layers[-1].kind == "linear"
+    functional = nn.Sequential(nn.Linear(6, 8, bias=False), nn.ReLU(), nn.Linear(8, 3))
+    assert [la.kind for la in linear_chain(functional, ParamSpec.of(functional))] == ["linear", "relu", "linear"]
+    for m in (
+        build_model("cnn", (1, 28, 28), 10),
+        SharedLinear(),  # one Linear used twice: its in-place update would race its second use
+        Residual(),  # not a chain
+        nn.Sequential(nn.Linear(6, 8), nn.Sigmoid(), nn.Linear(8, 3)),  # op without a hand-written backward
+        nn.Sequential(nn.Linear(6, 8), nn.ReLU()),  # does not end with the logits
+    ):
+        assert linear_chain(m, ParamSpec.of(m)) is None, m
+
+
+@pytest.mark.parametrize(
+    "cfg",
+    [TrainConfig(epochs=2, batch_size=4, lr=0.1), TrainConfig(epochs=2, batch_size=4, lr=0.05, momentum=0.9, prox_mu=0.5)],
+    ids=["sgd", "momentum+fedprox"],
+)
+def test_chain_on_feature_vectors_without_bias_equals_local_trainer(cfg):
+    torch.manual_seed(0)
+    trainer = LocalTrainer(nn.Sequential(nn.Linear(6, 8, bias=False), nn.ReLU(), nn.Linear(8, 10)), cfg)
+    x, y, starts = clients((6,))
+    g = trainer.flat.clone()
+    batched = BatchedTrainer(trainer.model, trainer.spec, cfg, "cpu", 4)
+    assert batched.chain is not None
+    got = dict(batched.train(g, x, y, starts, SIZES, list(range(len(SIZES)))))
+    for i, (a, n) in enumerate(zip(starts, SIZES)):
+        want = trainer.train(g, x[a : a + n], y[a : a + n], i)
+        assert got[i].delta.abs().max() > 0
+        assert torch.allclose(got[i].delta, want.delta, atol=1e-5, rtol=0), i
+        assert got[i].metrics["train_loss"] == pytest.approx(want.metrics["train_loss"], abs=1e-5)
+
+
+def test_frozen_tensor_takes_the_vmap_path_and_stays_put():
+    torch.manual_seed(0)
+    cfg = TrainConfig(epochs=1, batch_size=4, lr=0.1, weight_decay=1e-2)
+    model = build_model("2nn", (1, 12, 12), 10)
+    model.net[1].bias.requires_grad_(False)
+    trainer = LocalTrainer(model, cfg)
+    batched = BatchedTrainer(trainer.model, trainer.spec, cfg, "cpu", 6)
+    assert batched.chain is None
+    x, y, starts = clients((1, 12, 12))
+    g = trainer.flat.clone()
+    got = dict(batched.train(g, x, y, starts, SIZES, list(range(len(SIZES)))))
+    frozen = next(e for e in trainer.spec.entries if e.name == "net.1.bias")
+    for i, (a, n) in enumerate(zip(starts, SIZES)):
+        want = trainer.train(g, x[a : a + n], y[a : a + n], i)
+        assert torch.allclose(got[i].delta, want.delta, atol=1e-5, rtol=0), i
+        assert got[i].delta[frozen.offset : frozen.offset + frozen.numel].abs().max() == 0

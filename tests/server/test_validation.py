@@ -173,3 +173,13 @@ def test_expect_continue_refuses_oversized_before_the_body_and_accepts_a_good_on
             assert live.app[CHANGED]["slots"].qsize() == svc.cfg.server.ingest_slots  # every buffer back
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_server_refuses_a_privacy_config_it_would_not_apply(tmp_path):
+    from shoal.config import load_config
+    from shoal.errors import ConfigError
+    from shoal.server.service import ServerService
+
+    cfg = load_config(None, ['privacy.mode="central"', f'server.checkpoint_dir="{tmp_path}/ck"'])
+    with pytest.raises(ConfigError, match="privacy.mode"):
+        ServerService(cfg)

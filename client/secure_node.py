@@ -1,0 +1,123 @@
+"""A node's side of a secure `shoal server` round: its update leaves it only masked.
+
+When the task says ``secure_aggregation``, the node runs :class:`SecAggClient`
+(aggregation/secagg.py) over HTTP after training: post its public keys (with its
+example count and training loss, which are metadata in clear), fetch its neighbours'
+keys, post encrypted shares, fetch its own, post the masked fixed-point vector
+``[w_k * clip(delta_k), w_k]`` (as the simulator does), fetch the unmasking request
+and post its shares. The state machine refuses a request for both the self-mask and
+the mask-key share of one peer. The routes are in docs/protocol.md.
+
+``SHOAL_TEST_KILL_AFTER=masked`` in the environment makes the node SIGKILL itself
+right after its masked input is accepted: test-only fault injection, so an
+end-to-end test can lose a node at exactly that point.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import aiohttp
+import numpy as np
+
+from shoal.aggregation.secagg import KeyDirectory, SecAggClient, ShareDelivery, UnmaskRequest
+from shoal.aggregation.secagg_encoding import FixedPoint, encode_weighted, example_weight
+from shoal.aggregation.secagg_wire import decode_message, encode_message, message_meta, params_from_json
+from shoal.errors import Malformed, ShoalError
+from shoal.update import Update
+
+log = logging.getLogger(__name__)
+
+KILL_ENV = "SHOAL_TEST_KILL_AFTER"
+OCTET = {"Content-Type": "application/octet-stream"}
+
+
+class _Left(Exception):
+    """This node is out of the round (refused, excluded, aborted or stopping)."""
+
+
+async def _post(node, route: str, body: bytes) -> None:
+    from .node import Backoff, _Refused, _Retry  # node.py imports this module
+
+    backoff = Backoff()
+    while True:
+        try:
+            await node._request("POST", f"/v1/secagg/{route}", data=body, headers=OCTET)
+            return
+        except _Refused as e:
+            raise _Left(f"{route}: {e}") from None
+        except _Retry as e:
+            if node.stop.is_set():
+                raise _Left("stopping") from None
+            delay = backoff.next(node.rand)
+            log.warning("secure aggregation %s failed (%s); retrying in %.2f s", route, e, delay)
+            await asyncio.sleep(delay)
+
+
+async def _fetch(node, route: str, round_: int) -> bytes:
+    """Long-poll GET /v1/secagg/{route} until the stage closed; the message body."""
+    from .node import Backoff, _Refused, _Retry
+
+    backoff = Backoff()
+    params = {"round": str(round_), "wait": str(node.poll_s)}
+    while not node.stop.is_set():
+        try:
+            async with node.http.get(f"{node.url}/v1/secagg/{route}", params=params, ssl=node._ssl) as resp:
+                await node._check(resp)
+                if resp.status == 202:
+                    continue
+                return await resp.read()
+        except _Refused as e:
+            raise _Left(f"{route}: {e}") from None
+        except (_Retry, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
+            delay = backoff.next(node.rand)
+            log.warning("secure aggregation %s fetch failed (%s); retrying in %.2f s", route, e, delay)
+            await asyncio.sleep(delay)
+    raise _Left("stopping")
+
+
+async def run_secure_round(node, task: dict, update: Update) -> bool:
+    """The protocol for one task; True when this node's unmasking shares were accepted."""
+    round_ = int(task["round"])
+    try:
+        info = task["secure_aggregation"]
+        params = params_from_json(info)
+        k, bits = int(info["summands"]), int(info["bits"])
+        values, weights = FixedPoint(float(info["clip"]), bits, k), FixedPoint(1.0, bits, k)
+        size = params.vector_size
+        if size != update.delta.numel() + 1:
+            raise Malformed(f"secure_aggregation.vector_size = {size}, but this model has {update.delta.numel()} "
+                            "parameters (+1 weight entry)")
+        client = SecAggClient(node.name, params)  # keys and seeds from the OS CSPRNG
+        meta = {"round": round_, "num_examples": int(update.num_examples),
+                "train_loss": float(update.metrics.get("train_loss", float("nan")))}
+        await _post(node, "keys", encode_message(client.advertise_keys(), meta))
+        body = await _fetch(node, "keys", round_)
+        directory = _expect(decode_message(body, size), KeyDirectory)
+        max_weight = message_meta(body, size).get("max_weight")
+        if not isinstance(max_weight, (int, float)) or not max_weight > 0:
+            raise Malformed("the key directory's meta needs max_weight > 0")
+        await _post(node, "shares", encode_message(client.share_keys(directory), {"round": round_}))
+        delivery = _expect(decode_message(await _fetch(node, "shares", round_), size), ShareDelivery)
+        w = example_weight(update.num_examples, float(max_weight), str(info["weighting"]))
+        x = encode_weighted(update.delta.detach().cpu().numpy(), w, values, weights, np.random.default_rng())
+        await _post(node, "masked", encode_message(client.masked_input(delivery, x), {"round": round_}))
+        log.info("round %d: masked input accepted", round_)
+        if os.environ.get(KILL_ENV) == "masked":
+            os.kill(os.getpid(), signal.SIGKILL)
+        request = _expect(decode_message(await _fetch(node, "masked", round_), size), UnmaskRequest)
+        await _post(node, "unmask", encode_message(client.unmask(request), {"round": round_}))
+    except (_Left, ShoalError, KeyError, TypeError, ValueError) as e:
+        log.warning("round %d: out of the secure aggregation: %s: %s", round_, type(e).__name__, e)
+        return False
+    log.info("round %d: unmasking shares accepted", round_)
+    return True
+
+
+def _expect(msg, kind):
+    if not isinstance(msg, kind):
+        raise Malformed(f"expected a {kind.__name__} message, got {type(msg).__name__}")
+    return msg

@@ -1,0 +1,221 @@
+"""Secure aggregation in `shoal server` sync rounds: the protocol's stages as HTTP exchanges.
+
+One :class:`SecureRound` wraps the :class:`SecAggServer` state machine
+(aggregation/secagg.py, Bonawitz et al. 2017 with the SecAgg+ graph) for one open
+SyncRounds round. Like the service it has no sockets and no clocks (``now`` is passed
+in): server/app.py turns ``POST /v1/secagg/{stage}`` into :meth:`receive` and
+``GET /v1/secagg/{stage}`` into :meth:`reply`, and the service's clock calls
+:meth:`tick`, which closes a stage once every expected node answered or its deadline
+passed. Whoever has not answered by then has dropped out, and the state machine
+handles it as the paper says.
+
+Stages (route name -> protocol stage): ``keys`` -> advertise (deadline: the round's
+``server.deadline_s``, which covers training), ``shares`` -> share, ``masked`` ->
+masked input, ``unmask`` -> unmasking (each ``secure_aggregation.stage_s``). When the
+unmasking closes, :meth:`close` hands the unmasked weighted mean to SyncRounds once per
+included node, exactly as the simulator does (simulations/secure_rounds.py), so the
+strategy's own weighting reproduces the same mean; an aborted round is closed with
+``SyncRounds.abort_round()`` (model and version unchanged).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from typing import Any
+
+import numpy as np
+import torch
+
+from shoal.aggregation.secagg import (
+    EncryptedShares,
+    MaskedInput,
+    PublicKeys,
+    SecAggAborted,
+    SecAggParams,
+    SecAggProtocolError,
+    SecAggServer,
+    UnmaskShares,
+)
+from shoal.aggregation.secagg_encoding import FixedPoint, weighted_mean
+from shoal.aggregation.secagg_wire import decode_message, encode_message, message_meta, params_to_json
+from shoal.config import Config
+from shoal.errors import Malformed, UpdateRejected
+from shoal.rounds import RoundSummary, SyncRounds
+from shoal.seeding import derive_seed
+from shoal.update import Update
+
+log = logging.getLogger(__name__)
+
+ROUTES = {"keys": "advertise", "shares": "share", "masked": "masked", "unmask": "unmask"}
+MESSAGES = {"advertise": PublicKeys, "share": EncryptedShares, "masked": MaskedInput, "unmask": UnmaskShares}
+STAGES = tuple(ROUTES.values())
+EXPECTED_DROPOUT = 0.1  # what an automatic secagg+ degree is sized for in server rounds
+
+
+class SecureRound:
+    """The secure aggregation of one open sync round (see the module doc)."""
+
+    def __init__(self, cfg: Config, rounds: SyncRounds, vector_size: int, now: float):
+        sa = cfg.secure_aggregation
+        self.cfg = sa
+        self.round = rounds.round
+        self.selected = sorted(rounds.selected)
+        k = len(self.selected)
+        self.values = FixedPoint(sa.clip, sa.bits, k)  # raises (ConfigError) if k x 2^bits > 2^32
+        self.weights = FixedPoint(1.0, sa.bits, k)
+        self.weighting = cfg.strategy.weighting
+        self.params = SecAggParams(
+            # fresh per aggregation: a round re-run after a restart never reuses keys or masks
+            session=f"shoal-server/{self.round}/".encode() + secrets.token_bytes(16),
+            vector_size=vector_size, graph=sa.graph, degree=sa.degree, threshold_fraction=sa.threshold,
+            expected_dropout=EXPECTED_DROPOUT, graph_seed=derive_seed(sa.seed, cfg.simulation.seed, self.round),
+        )
+        self.server = SecAggServer(self.params, self.selected)
+        self.stage = "advertise"
+        self.deadline_at = rounds.deadline_at if rounds.deadline_at is not None else now + sa.stage_s
+        self.sent: dict[str, set[str]] = {s: set() for s in STAGES}
+        self.replies: dict[str, dict[str, bytes]] = {}       # route -> node -> body
+        self.meta: dict[str, tuple[int, float]] = {}          # node -> (num_examples, train_loss), in clear
+        self.max_weight = 0.0
+        self.aborted: str | None = None
+        self.mean: np.ndarray | None = None
+        self.included: list[str] = []
+        self.dropped: list[str] = []
+
+    @property
+    def over(self) -> bool:
+        return self.stage in ("done", "aborted")
+
+    def task_info(self) -> dict[str, Any]:
+        """What a selected node needs, sent with its task."""
+        return {**params_to_json(self.params), "clip": self.values.clip, "bits": self.values.bits,
+                "summands": self.values.max_summands, "weighting": self.weighting}
+
+    def wants_task(self, node: str) -> bool:
+        """Hand the round's task out only until the node has joined the protocol."""
+        return self.stage == "advertise" and node not in self.sent["advertise"]
+
+    def _expected(self, stage: str) -> set[str]:
+        s = self.server
+        return {"advertise": set(self.selected), "share": set(s.u1), "masked": set(s.u2),
+                "unmask": set(s.u3) if s.stage == "unmask" else set()}[stage]
+
+    def _check(self, node: str, route: str, round_: Any) -> str:
+        if route not in ROUTES:
+            raise UpdateRejected("unknown_stage", f"{route!r} is not a secure aggregation stage: one of {list(ROUTES)}")
+        if round_ != self.round:
+            raise UpdateRejected("wrong_round", f"message is for round {round_!r}, the open round is {self.round}")
+        if node not in self.selected:
+            raise UpdateRejected("not_selected", f"node {node!r} was not selected for round {self.round}")
+        if self.aborted:
+            raise UpdateRejected("aborted", f"round {self.round}'s secure aggregation aborted: {self.aborted}")
+        return ROUTES[route]
+
+    # --- requests -----------------------------------------------------------------
+
+    def receive(self, node: str, route: str, body: bytes) -> dict[str, Any]:
+        """One node's message for ``route``; raises a ShoalError (Malformed: 400,
+        UpdateRejected: 409) with nothing changed if it is refused."""
+        meta = message_meta(body, self.params.vector_size)
+        stage = self._check(node, route, meta.get("round"))
+        if stage != self.stage:
+            raise UpdateRejected("wrong_stage", f"a {route!r} message while the round is at stage {self.stage!r}")
+        if node in self.sent[stage]:
+            raise UpdateRejected("duplicate", f"node {node!r} already sent its {route!r} message for round {self.round}")
+        if node not in self._expected(stage):
+            raise UpdateRejected("excluded", f"node {node!r} dropped out of round {self.round} at an earlier stage")
+        msg = decode_message(body, self.params.vector_size)
+        if not isinstance(msg, MESSAGES[stage]):
+            raise Malformed(f"POST /v1/secagg/{route} takes a {MESSAGES[stage].__name__} message")
+        if msg.sender != node:
+            raise Malformed(f"message sender {msg.sender!r} is not the authenticated node {node!r}")
+        if stage == "advertise":
+            n, loss = meta.get("num_examples"), meta.get("train_loss", float("nan"))
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not isinstance(loss, (int, float)):
+                raise Malformed("keys: meta needs num_examples (an integer >= 1) and train_loss (a number)")
+        try:
+            {"advertise": self.server.receive_keys, "share": self.server.receive_shares,
+             "masked": self.server.receive_masked, "unmask": self.server.receive_unmask}[stage](msg)
+        except SecAggProtocolError as e:
+            raise Malformed(str(e)) from None
+        if stage == "advertise":
+            self.meta[node] = (n, float(loss))
+        self.sent[stage].add(node)
+        return {"status": "accepted", "round": self.round, "stage": route}
+
+    def reply(self, node: str, route: str, round_: Any) -> bytes | None:
+        """The server's answer to ``route`` for ``node`` (None: the stage is still open)."""
+        stage = self._check(node, route, round_)
+        if route == "unmask":
+            raise UpdateRejected("unknown_stage", "the unmasking stage has no reply to fetch")
+        if route not in self.replies:
+            return None
+        body = self.replies[route].get(node)
+        if body is None:
+            raise UpdateRejected("excluded", f"node {node!r} is not in round {self.round} after stage {stage!r} "
+                                 "(it missed a stage or too few of its neighbours remain)")
+        return body
+
+    # --- the clock ----------------------------------------------------------------
+
+    def tick(self, now: float) -> bool:
+        """Close the current stage if every expected node answered or its deadline
+        passed; True when a stage closed (or the round aborted)."""
+        if self.over:
+            return False
+        if len(self.sent[self.stage]) < len(self._expected(self.stage)) and now < self.deadline_at:
+            return False
+        missing = sorted(self._expected(self.stage) - self.sent[self.stage])
+        if missing:
+            log.info("round %d: stage %r closed without %d nodes (dropouts: %s)", self.round, self.stage,
+                     len(missing), ", ".join(missing))
+        try:
+            self._close()
+        except SecAggAborted as e:
+            self.aborted, self.stage = str(e), "aborted"
+            return True
+        self.deadline_at = now + self.cfg.stage_s
+        return True
+
+    def _close(self) -> None:
+        s, r = self.server, self.round
+        if self.stage == "advertise":
+            directories = s.close_advertise()
+            self.max_weight = self.cfg.max_weight or float(max(self.meta[u][0] for u in s.u1))
+            self.replies["keys"] = {u: encode_message(d, {"round": r, "max_weight": self.max_weight})
+                                    for u, d in directories.items()}
+            self.stage = "share"
+        elif self.stage == "share":
+            self.replies["shares"] = {u: encode_message(d, {"round": r}) for u, d in s.close_share().items()}
+            self.stage = "masked"
+        elif self.stage == "masked":
+            self.replies["masked"] = {u: encode_message(q, {"round": r}) for u, q in s.close_masked().items()}
+            self.stage = "unmask"
+        else:
+            result = s.finish()
+            self.mean, _ = weighted_mean(result.total, len(result.included), self.values, self.weights)
+            self.included, self.dropped = result.included, result.dropped
+            self.stage = "done"
+            log.info("round %d: secure sum of %d nodes unmasked (%d dropped before their masked input)",
+                     r, len(self.included), len(self.dropped))
+
+    def close(self, rounds: SyncRounds) -> RoundSummary | None:
+        """Hand the unmasked mean to ``rounds`` and finish it, or abort it; None if aborted."""
+        if self.aborted is not None:
+            log.warning("round %d aborted by secure aggregation, model and version unchanged: %s",
+                        self.round, self.aborted)
+            rounds.abort_round()
+            return None
+        mean = torch.from_numpy(self.mean).to(torch.float32)
+        for u in self.included:
+            n, loss = self.meta[u]
+            metrics = {"train_loss": loss} if math.isfinite(loss) else {}
+            rounds.submit(u, Update(mean, n, rounds.version, u, metrics))
+        return rounds.finish_round()
+
+    def status(self) -> dict[str, Any]:
+        return {"round": self.round, "stage": self.stage, "aborted": self.aborted,
+                "sent": {route: sorted(self.sent[stage]) for route, stage in ROUTES.items()},
+                "included": len(self.included), "dropped": len(self.dropped)}
