@@ -341,7 +341,8 @@ class HeterogeneityConfig:
 class GossipConfig:
     """Decentralized training without a server (p2p/): `simulation.mode = "gossip"` and `shoal peer`."""
 
-    algorithm: str = "gossip"      # gossip (push-pull with Cyclon views) | dpsgd (Lian et al. 2017)
+    algorithm: str = "gossip"      # gossip (push-pull with Cyclon views) | dpsgd (Lian et al. 2017) | secure_groups
+    group_size: int = 4            # secure_groups: peers that securely average together each round
     merge: str = "age"             # average | examples | age (Hegedus et al. 2019)
     staleness_exponent: float = 0.0  # weight * (1 + age gap) ** -a for models behind ours
     max_age_gap: int = 0           # models further behind are not merged, further ahead adopted (0: off)
@@ -366,7 +367,9 @@ class GossipConfig:
     rounds: int = 0                # `shoal peer`: stop after this many local steps (0 = run until stopped)
 
     def validate(self) -> None:
-        _choice("gossip.algorithm", self.algorithm, ("gossip", "dpsgd"))
+        _choice("gossip.algorithm", self.algorithm, ("gossip", "dpsgd", "secure_groups"))
+        if self.group_size < 2:
+            raise ConfigError(f"gossip.group_size = {self.group_size} must be >= 2 (a group of one averages nothing)")
         _choice("gossip.merge", self.merge, ("average", "examples", "age"))
         _choice("gossip.bound_mode", self.bound_mode, ("clip", "reject"))
         _choice("gossip.topology", self.topology, ("ring", "torus", "regular", "small-world", "complete"))

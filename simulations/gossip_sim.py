@@ -53,6 +53,9 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from shoal.aggregation.secagg import SecAggAborted
+from shoal.aggregation.secagg_group import secure_group_average
+from shoal.aggregation.secagg_memory import STAGES
 from shoal.client.device import select_device
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
@@ -127,6 +130,7 @@ class GossipSimulation:
         self.lost = 0
         self.rejected = 0
         self.mix_bounded = 0  # D-PSGD: received models clipped by robust.norm_bound
+        self.aborted_groups = 0  # secure_groups: groups left below the protocol's threshold
         self.max_bytes = self.model_bytes + (1 << 20)
         atk = cfg.attack
         self.attackers = np.zeros(n, dtype=bool)
@@ -261,6 +265,9 @@ class GossipSimulation:
         if self.w is not None:
             self._dpsgd_round()
             return
+        if self.g.algorithm == "secure_groups":
+            self._secure_groups_round()
+            return
         order = np.flatnonzero(self.online)
         wake = start + self.rng.random(len(order))
         for t, i in sorted(zip(wake.tolist(), order.tolist())):
@@ -279,6 +286,53 @@ class GossipSimulation:
             if req is not None:
                 self._send(req, t)
         self._drain(start + 1.0)
+
+    def _secure_groups_round(self) -> None:
+        """Every online peer trains, then random groups of ``gossip.group_size`` peers
+        average securely (aggregation/secagg_group.py: Bonawitz et al.'s protocol among
+        the members, one relaying): each member learns only its group's example-weighted
+        average. What is masked is the model's offset from the shared seeded initial
+        model, in fixed point clipped to ``secure_aggregation.clip`` per entry. Injected
+        ``secure_aggregation.dropout_*`` rates drop members at each stage; a group left
+        below the threshold keeps its models (the round is aborted for that group)."""
+        sa = self.cfg.secure_aggregation
+        live = [int(i) for i in np.flatnonzero(self.online)]
+        for i in live:
+            self._train(i)
+        order = self.rng.permutation(live).tolist()
+        size = self.g.group_size
+        groups = [order[a:a + size] for a in range(0, len(order), size)]
+        if len(groups) > 1 and len(groups[-1]) < 2:  # no group of one: it joins the previous
+            groups[-2].extend(groups.pop())
+        self.last_groups = groups
+        rates = [getattr(sa, f"dropout_{s}") for s in STAGES]
+        for gi, members in enumerate(groups):
+            if len(members) < 2:
+                continue
+            ids = [self.ids[i] for i in members]
+            offsets = {p: (self.models[i] - self.init).detach().cpu().numpy() for p, i in zip(ids, members)}
+            weights = {p: float(self.shards.size(i)) for p, i in zip(ids, members)}
+            draws = self.rng.random((len(ids), len(STAGES)))
+            drop_at = {}
+            for p, row in zip(ids, draws):
+                for stage, rate, u in zip(STAGES, rates, row):
+                    if u < rate:
+                        drop_at[p] = stage
+                        break
+            session = f"shoal-gossip/{self.cfg.simulation.seed}/{self.round}/{gi}".encode()
+            try:
+                out = secure_group_average(offsets, weights, session=session, clip=sa.clip, bits=sa.bits,
+                                           threshold=sa.threshold, drop_at=drop_at,
+                                           seed=derive_seed(sa.seed, self.cfg.simulation.seed, self.round, gi))
+            except SecAggAborted as e:
+                self.aborted_groups += 1
+                log.debug("round %d group %d aborted: %s", self.round, gi, e)
+                continue
+            avg = self.init + torch.from_numpy(out.mean).to(self.models.dtype).to(self.models.device)
+            for p, i in zip(ids, members):
+                self.bytes_sent[i] += out.cost.sent.get(p, 0)
+                if p in out.included:
+                    self.models[i].copy_(avg)
 
     def _dpsgd_round(self) -> None:
         alive = torch.as_tensor(self.online)
@@ -347,6 +401,7 @@ class GossipSimulation:
             "rejected_messages": int(self.rejected),
             "bounded_merges": int(sum(nd.bounded for nd in self.nodes)) + self.mix_bounded,
             "online_peers": int(self.online.sum()),
+            "aborted_groups": int(self.aborted_groups),
             "messages_lost": int(self.lost),
             "mean_age": float(np.mean([nd.age for nd in self.nodes])),
             "mean_view_size": float(np.mean([len(nd.membership.view) for nd in self.nodes])),

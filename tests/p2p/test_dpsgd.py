@@ -53,3 +53,10 @@ def test_absent_nodes_keep_their_models_and_the_live_mean_is_kept():
 def test_impossible_regular_graph_is_refused():
     with pytest.raises(ValueError):
         topology_edges("regular", 5, degree=3)
+
+
+@pytest.mark.parametrize("n, k", [(30, 6), (100, 8)])
+def test_dense_random_regular_graphs_are_drawn(n, k):
+    edges = topology_edges("regular", n, degree=k)
+    assert len(edges) == n * k // 2 and all(a != b for a, b in edges)
+    assert all(len([e for e in edges if i in e]) == k for i in range(n))

@@ -140,3 +140,36 @@ def test_other_attacks_run_and_only_honest_peers_are_measured(kind):
         assert sim.wire
     ev = _run(sim, 2).evaluate()
     assert ev["attackers"] == 3 and np.isfinite(ev["consensus_distance"])
+
+
+class _RecordingGossip(GossipSimulation):
+    """Keeps each peer's model as it was right after local training (before averaging)."""
+
+    def _train(self, i: int) -> None:
+        super()._train(i)
+        self.trained[i] = self.models[i].clone()
+
+
+def test_secure_groups_give_each_member_its_group_weighted_average():
+    sim = _RecordingGossip(cfg('gossip.algorithm="secure_groups"', "gossip.group_size=4",
+                               "secure_aggregation.bits=20"))
+    sim.trained = {}
+    sim.run_round()
+    groups = sim.last_groups
+    assert sorted(i for g in groups for i in g) == list(range(sim.n)) and min(map(len, groups)) >= 2
+    quantum = 2 * sim.cfg.secure_aggregation.clip / 2 ** 20
+    for members in groups:
+        w = torch.tensor([float(sim.shards.size(i)) for i in members])
+        offsets = torch.stack([(sim.trained[i] - sim.init).clamp(-1, 1) for i in members])
+        expected = sim.init + (w[:, None] * offsets).sum(0) / w.sum()
+        for i in members:  # every member holds the same group average, and nothing else
+            assert torch.allclose(sim.models[i], expected, atol=len(members) * quantum * 4, rtol=0)
+
+
+def test_secure_groups_below_threshold_keep_their_models():
+    sim = _RecordingGossip(cfg('gossip.algorithm="secure_groups"', "secure_aggregation.dropout_share=1.0"))
+    sim.trained = {}
+    sim.run_round()
+    assert sim.evaluate()["aborted_groups"] == len(sim.last_groups)
+    for i in range(sim.n):
+        assert torch.equal(sim.models[i], sim.trained[i])
