@@ -20,6 +20,19 @@ from .secagg import SecAggClient, SecAggParams, SecAggResult, SecAggServer
 STAGES = ("advertise", "share", "masked", "unmask")
 
 
+def injected_dropouts(ids: list[str], rates: list[float], draws: np.ndarray) -> dict[str, str]:
+    """Which party drops at which stage, for simulations: at each stage it is still in,
+    a party drops with that stage's rate (``rates`` and the columns of ``draws``, uniform
+    [0, 1) numbers of shape (len(ids), len(STAGES)), follow STAGES)."""
+    out = {}
+    for pid, row in zip(ids, draws):
+        for stage, rate, u in zip(STAGES, rates, row):
+            if u < rate:
+                out[pid] = stage
+                break
+    return out
+
+
 @dataclass
 class SecAggCost:
     """Measured cost of one aggregation: CPU seconds of each party's protocol work

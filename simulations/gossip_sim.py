@@ -55,7 +55,7 @@ import torch
 
 from shoal.aggregation.secagg import SecAggAborted
 from shoal.aggregation.secagg_group import secure_group_average
-from shoal.aggregation.secagg_memory import STAGES
+from shoal.aggregation.secagg_memory import STAGES, injected_dropouts
 from shoal.client.device import select_device
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
@@ -312,13 +312,7 @@ class GossipSimulation:
             ids = [self.ids[i] for i in members]
             offsets = {p: (self.models[i] - self.init).detach().cpu().numpy() for p, i in zip(ids, members)}
             weights = {p: float(self.shards.size(i)) for p, i in zip(ids, members)}
-            draws = self.rng.random((len(ids), len(STAGES)))
-            drop_at = {}
-            for p, row in zip(ids, draws):
-                for stage, rate, u in zip(STAGES, rates, row):
-                    if u < rate:
-                        drop_at[p] = stage
-                        break
+            drop_at = injected_dropouts(ids, rates, self.rng.random((len(ids), len(STAGES))))
             session = f"shoal-gossip/{self.cfg.simulation.seed}/{self.round}/{gi}".encode()
             try:
                 out = secure_group_average(offsets, weights, session=session, clip=sa.clip, bits=sa.bits,

@@ -20,7 +20,7 @@ import torch
 from shoal.aggregation.secagg import SecAggAborted, SecAggParams
 from shoal.aggregation.secagg_encoding import FixedPoint, example_weight
 from shoal.aggregation.secagg_group import secure_weighted_mean
-from shoal.aggregation.secagg_memory import STAGES
+from shoal.aggregation.secagg_memory import STAGES, injected_dropouts
 from shoal.errors import WireError
 from shoal.rounds import RoundSummary, Task
 from shoal.seeding import derive_seed, rng
@@ -53,13 +53,7 @@ class SecureAggregationRounds:
         drops with that stage's configured probability."""
         rates = [getattr(self.cfg, f"dropout_{s}") for s in STAGES]
         draws = rng(self.cfg.seed, self.sim.cfg.simulation.seed, round_, 1).random((len(ids), len(STAGES)))
-        out = {}
-        for cid, row in zip(ids, draws):
-            for stage, rate, u in zip(STAGES, rates, row):
-                if u < rate:
-                    out[cid] = stage
-                    break
-        return out
+        return injected_dropouts(ids, rates, draws)
 
     def train_clients(self, tasks: list[Task], global_params: torch.Tensor) -> Iterator[tuple[Task, Update]]:
         trained = []
