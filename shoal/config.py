@@ -536,6 +536,8 @@ class Config:
             why = None
             if self.simulation.mode != "sync":
                 why = f"simulation.mode = {self.simulation.mode!r}: secure aggregation runs in sync rounds"
+            elif self.heterogeneity.enabled:
+                why = "heterogeneity.enabled = true: the virtual-clock engine trains clients one at a time"
             elif self.server.mode != "sync":
                 why = f"server.mode = {self.server.mode!r}: secure aggregation runs in sync rounds"
             elif self.robust.rule != "mean":
@@ -559,6 +561,11 @@ class Config:
                 f"privacy.mode = {dp!r} with robust.rule = {self.robust.rule!r}: the DP mean's noise is "
                 "calibrated to a clipped sum, which a robust rule does not compute; use robust.rule = "
                 "'mean' (the clipping bounds each client's influence) or privacy.mode = 'local'"
+            )
+        if dp != "none" and self.heterogeneity.enabled:
+            raise ConfigError(
+                f"privacy.mode = {dp!r} with heterogeneity.enabled = true: the virtual-clock engine does not "
+                "count epsilon; set heterogeneity.enabled = false"
             )
         if dp != "none" and self.simulation.mode != "sync":
             raise ConfigError(

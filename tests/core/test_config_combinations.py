@@ -11,6 +11,8 @@ from shoal.errors import ConfigError
     (['secure_aggregation.enabled=true', 'compression.encoding="topk"'], "compression.encoding"),
     (['secure_aggregation.enabled=true', 'privacy.mode="central"'], "privacy.mode = 'distributed'"),
     (['secure_aggregation.enabled=true', 'simulation.mode="async"'], "simulation.mode"),
+    (['secure_aggregation.enabled=true', 'heterogeneity.enabled=true'], "heterogeneity.enabled"),
+    (['privacy.mode="central"', 'heterogeneity.enabled=true'], "heterogeneity.enabled"),
     (['privacy.mode="central"', 'robust.rule="krum"'], "robust.rule"),
     (['privacy.mode="local"', 'simulation.mode="gossip"'], "simulation.mode = 'sync'"),
     (['simulation.engine="flower"', 'privacy.mode="central"'], "privacy.mode = 'central'"),
