@@ -23,7 +23,7 @@ def client(
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Long-poll for work, train locally, upload the update; the data never leaves this node."""
-    from shoal.cli import _setup_logging
+    from shoal.cli import setup_logging
     from shoal.client.device import select_device
     from shoal.config import load_config
     from shoal.shards import load_shard
@@ -31,7 +31,7 @@ def client(
 
     from .node import Node
 
-    _setup_logging(verbose)
+    setup_logging(verbose)
     if not token_file.is_file():
         raise ConfigError(f"--token-file {str(token_file)!r} not found")
     token = token_file.read_text().strip()

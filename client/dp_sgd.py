@@ -21,7 +21,6 @@ import logging
 from collections import Counter
 
 import torch
-import torch.nn.functional as F
 from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
 from opacus.validators import ModuleValidator
@@ -31,6 +30,7 @@ from shoal.accounting import dp_sgd_schedule
 from shoal.config import PrivacyConfig, TrainConfig
 from shoal.errors import ConfigError
 from shoal.seeding import derive_seed
+from shoal.task import Task
 from shoal.update import Update
 
 from shoal.client.training import LocalTrainer
@@ -59,10 +59,14 @@ def fix_for_opacus(model: nn.Module) -> nn.Module:
 class DpSgdTrainer(LocalTrainer):
     """LocalTrainer whose steps are DP-SGD: per-sample clipping + Gaussian noise (Opacus)."""
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, privacy: PrivacyConfig, device: torch.device | str = "cpu"):
+    def __init__(self, model: nn.Module, cfg: TrainConfig, privacy: PrivacyConfig, device: torch.device | str = "cpu",
+                 task: Task | None = None):
         if cfg.prox_mu:
             raise ConfigError("train.prox_mu must be 0 with privacy.mode = 'local' (DP-SGD trains plain SGD)")
-        super().__init__(fix_for_opacus(model), cfg, device)
+        if task is not None and task.optimizer is not None:
+            raise ConfigError(f"task optimizer = {task.optimizer!r} with privacy.mode = 'local': DP-SGD brings its "
+                              "own optimizer (Opacus' DPOptimizer over SGD); leave the task's optimizer unset")
+        super().__init__(fix_for_opacus(model), cfg, device, task=task)
         self.privacy = privacy
         self.grad_sample_module = GradSampleModule(self.model, loss_reduction="mean")
         self._sgd = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
@@ -71,6 +75,10 @@ class DpSgdTrainer(LocalTrainer):
         self._dp_opt = DPOptimizer(self._sgd, noise_multiplier=privacy.noise_multiplier,
                                    max_grad_norm=privacy.clip_norm, expected_batch_size=1,
                                    loss_reduction="mean", generator=self._noise_gen)
+
+    def train_dataset(self, global_flat, dataset, seed, base_version=0, sender=""):  # noqa: D102
+        raise ConfigError("privacy.mode = 'local' (DP-SGD) needs the client's data as (x, y) tensors: Poisson "
+                          "sampling of examples draws from the whole local set; return tensors from the task")
 
     def train(self, global_flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor, seed: int,
               base_version: int = 0, sender: str = "") -> Update:
@@ -94,7 +102,7 @@ class DpSgdTrainer(LocalTrainer):
                 for p in self.model.parameters():
                     p.grad_sample = torch.zeros((1, *p.shape), device=p.device, dtype=p.dtype)
             else:
-                loss = F.cross_entropy(self.grad_sample_module(x[idx]), y[idx])
+                loss = self.task.loss(self.grad_sample_module, x[idx], y[idx])
                 loss.backward()
                 loss_sum += float(loss.detach()) * len(idx)
                 sampled += len(idx)

@@ -4,19 +4,29 @@ The model's parameters are views of one flat buffer (shoal.params), so the optim
 step (momentum, weight decay, the FedProx proximal term) is a handful of vector ops on
 that buffer, and the client's update is one subtraction. One trainer (one model
 instance) serves every simulated client in turn: clients are data, not model copies.
+
+The loss, metrics and (optionally) the optimizer come from the task (shoal/task.py).
+Data held as tensors is sliced in place (the fast path); any other torch Dataset is read
+through a DataLoader whose sampler draws the same permutation from the same seed, so
+both paths give the same update for the same data.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+from torch.utils.data import DataLoader
 
 from shoal.config import TrainConfig
 from shoal.params import ParamSpec, bind_module, trainable_mask
+from shoal.task import ClientData, Task, TaskError, as_tensors, call_part, num_examples, task_name
 from shoal.update import Update
+
+log = logging.getLogger(__name__)
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
@@ -33,16 +43,48 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
 class LocalTrainer:
     """Trains one bound model from a given global vector; reused across clients."""
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, device: torch.device | str = "cpu"):
+    def __init__(self, model: nn.Module, cfg: TrainConfig, device: torch.device | str = "cpu",
+                 task: Task | None = None):
         self.cfg = cfg
+        self.task = task if task is not None else Task()
         self.device = torch.device(device)
         self.model = model.to(self.device)
-        self.spec = ParamSpec.of(self.model)
+        self.spec = ParamSpec.of(self.model, exchange_buffers=self.task.exchange_buffers)
         self.flat, self.grad = bind_module(self.model, self.spec)
         self._momentum = torch.zeros_like(self.flat) if cfg.momentum > 0 else None
         # Weight decay and the proximal term act on trainable entries only.
         self._train_mask = trainable_mask(self.model, self.spec).to(self.device)
         self._all_trainable = bool(self._train_mask.all())
+        self._optim_name = self.task.optimizer
+        # Entries of the model that are neither exchanged nor frozen: buffers kept local (FedBN).
+        spec_names = {e.name for e in self.spec.entries}
+        self.local_names = [n for n, b in self.model.named_buffers() if n not in spec_names and b.is_floating_point()]
+
+    # --- local state (buffers a task keeps on the client) -----------------------------
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """Copies of the model's client-local buffers (empty unless exchange_buffers = False)."""
+        bufs = dict(self.model.named_buffers())
+        return {n: bufs[n].detach().clone() for n in self.local_names}
+
+    def load_local_state(self, state: dict[str, torch.Tensor]) -> None:
+        bufs = dict(self.model.named_buffers())
+        for n, t in state.items():
+            bufs[n].copy_(t)
+
+    # --- training -----------------------------------------------------------------------
+
+    def fit(self, global_flat: torch.Tensor, data: ClientData, seed: int, base_version: int = 0,
+            sender: str = "") -> Update:
+        """Train on ``data`` (tensors: the fast path; a Dataset: through a DataLoader)."""
+        pair = as_tensors(data)
+        if pair is not None:
+            x, y = pair
+            return self.train(global_flat, self._on_device(x), self._on_device(y), seed, base_version, sender)
+        return self.train_dataset(global_flat, data, seed, base_version, sender)
+
+    def _on_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t if t.device == self.device else t.to(self.device)
 
     def train(
         self,
@@ -58,33 +100,75 @@ class LocalTrainer:
         ``x``/``y`` should already be on the trainer's device (the simulator keeps all
         client data there once). Deterministic for a given seed on CPU.
         """
-        cfg = self.cfg
-        flat, grad, model = self.flat, self.grad, self.model
+        n = int(y.shape[0])
+        bs = self.cfg.batch(n)
+        gen = torch.Generator().manual_seed(int(seed) % (1 << 63))
+
+        def batches():
+            for _ in range(self.cfg.epochs):
+                perm = torch.randperm(n, generator=gen).to(self.device)
+                for start in range(0, n, bs):
+                    idx = perm[start : start + bs]
+                    yield x[idx], y[idx]
+
+        return self._run(global_flat, batches(), n, base_version, sender)
+
+    def train_dataset(self, global_flat: torch.Tensor, dataset: Any, seed: int, base_version: int = 0,
+                      sender: str = "") -> Update:
+        """Local training on a torch Dataset through a DataLoader (workers, pinned memory on GPU)."""
+        n = len(dataset)
+        gen = torch.Generator().manual_seed(int(seed) % (1 << 63))
+        task = self.task
+        loader = DataLoader(
+            dataset, batch_size=self.cfg.batch(n), shuffle=True, generator=gen, drop_last=False,
+            num_workers=task.num_workers, pin_memory=self.device.type == "cuda", collate_fn=task.collate_fn,
+            persistent_workers=False,
+        )
+
+        def batches():
+            for _ in range(self.cfg.epochs):
+                for batch in loader:
+                    x, y = task.to_device(batch, self.device)
+                    yield x, y
+
+        return self._run(global_flat, batches(), n, base_version, sender)
+
+    def _run(self, global_flat: torch.Tensor, batches, n: int, base_version: int, sender: str) -> Update:
+        cfg, flat, grad, model, task = self.cfg, self.flat, self.grad, self.model, self.task
         global_flat = global_flat.to(self.device)
         flat.copy_(global_flat)
         if self._momentum is not None:
             self._momentum.zero_()
-        n = int(y.shape[0])
-        bs = cfg.batch(n)
-        gen = torch.Generator().manual_seed(int(seed) % (1 << 63))
+        optim = self._make_optimizer() if self._optim_name else None
         loss_sum = torch.zeros((), device=self.device)
         steps = 0
         model.train()
-        for _ in range(cfg.epochs):
-            perm = torch.randperm(n, generator=gen).to(self.device)
-            for start in range(0, n, bs):
-                idx = perm[start : start + bs]
-                grad.zero_()
-                with autocast(self.device, cfg.precision):
-                    out = model(x[idx])
-                loss = F.cross_entropy(out.float(), y[idx])
-                loss.backward()
+        for xb, yb in batches:
+            grad.zero_()
+            with autocast(self.device, cfg.precision):
+                loss = task.loss(model, xb, yb)
+            loss.float().backward()
+            if optim is None:
                 self._step(global_flat)
-                loss_sum += loss.detach()
-                steps += 1
+            else:
+                if cfg.prox_mu:  # FedProx term with any optimizer
+                    grad.add_(self._masked(flat - global_flat), alpha=cfg.prox_mu)
+                optim.step()
+            loss_sum += loss.detach().float()
+            steps += 1
         delta = flat - global_flat
         metrics = {"train_loss": float(loss_sum) / max(steps, 1), "local_steps": float(steps)}
         return Update(delta=delta, num_examples=n, base_version=base_version, sender=sender, metrics=metrics)
+
+    def _make_optimizer(self) -> torch.optim.Optimizer:
+        """A fresh torch.optim optimizer per local training (its state never leaves the client)."""
+        cls = {"sgd": torch.optim.SGD, "adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[self._optim_name or "sgd"]
+        args = {"lr": self.cfg.lr, **self.task.optimizer_args}
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        try:
+            return cls(params, **args)
+        except (TypeError, ValueError) as e:
+            raise TaskError(f"task {task_name(self.task)}: optimizer {self._optim_name}({args}) failed: {e}") from None
 
     def _step(self, global_flat: torch.Tensor) -> None:
         cfg, flat, grad = self.cfg, self.flat, self.grad
@@ -100,17 +184,46 @@ class LocalTrainer:
     def _masked(self, t: torch.Tensor) -> torch.Tensor:
         return t if self._all_trainable else t * self._train_mask
 
+    # --- evaluation ---------------------------------------------------------------------
+
     @torch.no_grad()
     def evaluate(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, batch_size: int = 2048) -> dict[str, float]:
-        """Loss and accuracy of ``params`` on (x, y); leaves the trainer's buffer changed."""
+        """The task's metrics of ``params`` on (x, y); leaves the trainer's buffer changed."""
+        n = int(y.shape[0])
+        return self._evaluate(params, ((x[s : s + batch_size], y[s : s + batch_size]) for s in range(0, n, batch_size)))
+
+    @torch.no_grad()
+    def evaluate_data(self, params: torch.Tensor, data: ClientData, batch_size: int = 2048) -> dict[str, float]:
+        """Metrics on tensors or a Dataset (DataLoader, no shuffling); adds ``num_examples``."""
+        pair = as_tensors(data)
+        if pair is not None:
+            out = self.evaluate(params, pair[0], pair[1], batch_size)
+        else:
+            task = self.task
+            loader = DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=task.num_workers,
+                                pin_memory=self.device.type == "cuda", collate_fn=task.collate_fn)
+            out = self._evaluate(params, (tuple(b) for b in loader))
+        return {**out, "num_examples": float(num_examples(data))}
+
+    def _evaluate(self, params: torch.Tensor, batches) -> dict[str, float]:
         self.flat.copy_(params.to(self.device))
         self.model.eval()
-        loss_sum = torch.zeros((), dtype=torch.float64, device=self.device)
-        correct = torch.zeros((), dtype=torch.int64, device=self.device)
-        n = int(y.shape[0])
-        for start in range(0, n, batch_size):
-            xb, yb = x[start : start + batch_size].to(self.device), y[start : start + batch_size].to(self.device)
-            out = self.model(xb)
-            loss_sum += F.cross_entropy(out, yb, reduction="sum").double()
-            correct += (out.argmax(1) == yb).sum()
-        return {"loss": float(loss_sum) / max(n, 1), "accuracy": float(correct) / max(n, 1)}
+        task = self.task
+        sums: dict[str, torch.Tensor] = {}
+        n = 0
+        for batch in batches:
+            xb, yb = task.to_device(batch, self.device)
+            k = int(yb.shape[0])
+            if k == 0:
+                continue
+            with autocast(self.device, self.cfg.precision):
+                means = call_part(task, "metrics(model, x, y)", task.metrics, self.model, xb, yb)
+            for name, v in means.items():
+                v = torch.as_tensor(v, device=self.device).detach().double()
+                if v.dim() != 0:
+                    raise TaskError(f"task {task_name(task)}: metrics() gave {name!r} of shape {tuple(v.shape)}; "
+                                    "each metric must be a scalar (the batch mean)")
+                sums[name] = sums.get(name, 0) + v * k
+            n += k
+        means = {name: float(v) / max(n, 1) for name, v in sums.items()}
+        return task.summarize(means)

@@ -65,9 +65,9 @@ def server(
     """Serve rounds over HTTPS until server.rounds versions are made; resumes from the latest checkpoint."""
     if ctx.invoked_subcommand is not None:
         return
-    from shoal.cli import _setup_logging
+    from shoal.cli import setup_logging
 
-    _setup_logging(verbose)
+    setup_logging(verbose)
     run_server(load_config(config, set_ or []), insecure=insecure, fresh=fresh)
 
 

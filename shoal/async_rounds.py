@@ -24,7 +24,7 @@ import torch
 from .aggregation.fedasync import FedAsync
 from .aggregation.fedbuff import FedBuff
 from .errors import UpdateRejected
-from .rounds import Task, i_hash
+from .rounds import Assignment, i_hash
 from .seeding import derive_seed
 from .update import Update
 
@@ -64,7 +64,7 @@ class AsyncRounds:
         self.max_staleness = max_staleness
         self.version = version
         self.stats = AsyncStats()
-        self.outstanding: dict[str, Task] = {}
+        self.outstanding: dict[str, Assignment] = {}
         self._counters: dict[str, int] = {}
         # FedAsync mix="model" needs the model a stale client trained from: keep the
         # versions that some open task still refers to, and only those.
@@ -74,14 +74,14 @@ class AsyncRounds:
     def _keeps_history(self) -> bool:
         return isinstance(self.algorithm, FedAsync) and self.algorithm.mix == "model"
 
-    def task(self, client_id: str) -> Task:
+    def task(self, client_id: str) -> Assignment:
         """A task to train from the current global version (replacing any open one).
 
         The seed is derived from (seed, client, how many tasks this client got), so a
         run is reproducible whatever order clients ask in."""
         n = self._counters.get(client_id, 0) + 1
         self._counters[client_id] = n
-        t = Task(client_id, self.version, self.version, derive_seed(self.seed, i_hash(client_id), n))
+        t = Assignment(client_id, self.version, self.version, derive_seed(self.seed, i_hash(client_id), n))
         self.outstanding[client_id] = t
         if self._keeps_history:
             self._history[self.version] = self.global_params
@@ -176,7 +176,7 @@ class AsyncRounds:
     def load_state_dict(self, state: dict) -> None:
         self.version = int(state["version"])
         self.global_params = torch.as_tensor(state["global_params"]).clone()
-        self.outstanding = {c: Task(c, int(r), int(v), int(sd)) for c, (r, v, sd) in state["outstanding"].items()}
+        self.outstanding = {c: Assignment(c, int(r), int(v), int(sd)) for c, (r, v, sd) in state["outstanding"].items()}
         self._counters = {c: int(n) for c, n in state["counters"].items()}
         self._history = {int(v): torch.as_tensor(p).clone() for v, p in state["history"].items()}
         st = state["stats"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import logging
 import sys
 from pathlib import Path
@@ -30,9 +31,19 @@ def _root() -> None:
 
 
 SetOpt = typer.Option(None, "--set", help="Override one config value: section.key=value (repeatable).")
+TaskOpt = typer.Option(None, "--task", "-t", help="Your task: path/to/file.py:name or package.module:name "
+                       "(default: [task] app, else the built-in task of [model] + [data]).")
 
 
-def _setup_logging(verbose: bool, quiet: bool = False) -> None:
+def with_task(set_: Optional[list[str]], task: Optional[str]) -> list[str]:
+    """The --set overrides, plus ``task.app`` when ``--task`` is given."""
+    out = list(set_ or [])
+    if task:
+        out.append(f"task.app={json.dumps(task)}")
+    return out
+
+
+def setup_logging(verbose: bool, quiet: bool = False) -> None:
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
@@ -44,23 +55,24 @@ def _setup_logging(verbose: bool, quiet: bool = False) -> None:
 def simulate(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML experiment file (default: built-in Synthetic(1,1) demo)."),
     set_: Optional[list[str]] = SetOpt,
+    task: Optional[str] = TaskOpt,
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: output.dir)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, warnings only."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Simulate many clients on this machine; write metrics.jsonl, summary.json and plots."""
-    _setup_logging(verbose, quiet)
+    setup_logging(verbose, quiet)
     from .config import load_config
     from shoal.simulations.experiment import run_simulation
 
-    cfg = load_config(config, set_ or [])
+    cfg = load_config(config, with_task(set_, task))
     out_dir = out or Path(cfg.output.dir)
     summary = run_simulation(cfg, out_dir, progress=None if not quiet else False)
-    acc = summary["final_test_accuracy"]
-    typer.echo(
-        f"final test accuracy {acc:.4f} after {summary['rounds']} rounds "
-        f"({summary['wall_s']:.1f} s); outputs in {out_dir}/"
-    )
+    figures = summary.get("final_metrics") or {}
+    acc = summary.get("final_test_accuracy")
+    head = (f"final test accuracy {acc:.4f}" if acc is not None else
+            ", ".join(f"{k} {v:.4g}" for k, v in list(figures.items())[:3]) or "finished")
+    typer.echo(f"{head} after {summary['rounds']} rounds ({summary['wall_s']:.1f} s); outputs in {out_dir}/")
 
 
 # --- deploy: `shoal server`, `shoal client`, `shoal data split` (issue 4) --------------
@@ -92,9 +104,11 @@ def data_split(
 def peer(
     listen: str = typer.Option(..., "--listen", help="HOST:PORT to serve on."),
     bootstrap: str = typer.Option("", "--bootstrap", help="Comma-separated URLs of peers to join through."),
-    data: str = typer.Option(..., "--data", help="client:<i>: client i of the config's [data] split."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML file ([data], [model], [train], [gossip])."),
+    data: str = typer.Option(..., "--data", help="This peer's own data, read by the task's local_data(PATH); "
+                             "or client:<i>, client i of the task's simulation split (a simulation convenience)."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML file ([task], [train], [gossip])."),
     set_: Optional[list[str]] = SetOpt,
+    task: Optional[str] = TaskOpt,
     token: Optional[str] = typer.Option(None, "--token", help="Network token shared by the peers (default: $SHOAL_TOKEN)."),
     advertise: Optional[str] = typer.Option(None, "--advertise", help="URL other peers reach this one at (default: from --listen)."),
     tls_cert: Optional[Path] = typer.Option(None, "--tls-cert"),
@@ -105,11 +119,11 @@ def peer(
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Gossip without a server: train locally, exchange and merge models with peers."""
-    _setup_logging(verbose)
+    setup_logging(verbose)
     from .config import load_config
     from shoal.p2p.cli import run_peer
 
-    run_peer(load_config(config, set_ or []), listen, bootstrap, data, token, advertise, tls_cert, tls_key,
+    run_peer(load_config(config, with_task(set_, task)), listen, bootstrap, data, token, advertise, tls_cert, tls_key,
              ca_cert, insecure, out)
 
 
@@ -117,16 +131,17 @@ def peer(
 def privacy_sweep(
     config: Path = typer.Option(..., "--config", "-c", help="TOML experiment file with a [privacy] sweep grid."),
     set_: Optional[list[str]] = SetOpt,
+    task: Optional[str] = TaskOpt,
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: output.dir)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings only."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Baseline + a grid of DP noise levels: accuracy vs epsilon and a membership-inference audit."""
-    _setup_logging(verbose, quiet)
+    setup_logging(verbose, quiet)
     from .config import load_config
     from shoal.simulations.privacy_sweep import markdown_table, run_privacy_sweep
 
-    cfg = load_config(config, set_ or [])
+    cfg = load_config(config, with_task(set_, task))
     out_dir = out or Path(cfg.output.dir)
     rows = run_privacy_sweep(cfg, out_dir)
     typer.echo(markdown_table(rows) + f"outputs in {out_dir}/ (results.csv, results.md, accuracy_vs_epsilon.png)")

@@ -483,6 +483,21 @@ class SecureAggregationConfig:
 
 
 @dataclass
+class TaskConfig:
+    """The user's task (shoal/task.py): ``app = "path/to/file.py:name"`` or ``"package.module:name"``;
+    ``[task.args]`` are passed to it. Empty: the built-in task of ``[model]`` + ``[data]``."""
+
+    app: str = ""
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def validate(self) -> None:
+        if self.app and ":" not in self.app:
+            raise ConfigError(f"task.app = {self.app!r}: expected path/to/file.py:name or package.module:name")
+        if self.args and not self.app:
+            raise ConfigError("[task.args] is set but task.app is empty: name the task the args are for")
+
+
+@dataclass
 class OutputConfig:
     dir: str = "runs/latest"
     plots: bool = True
@@ -491,6 +506,7 @@ class OutputConfig:
 @dataclass
 class Config:
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
     data: DataConfig = field(default_factory=DataConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

@@ -256,6 +256,13 @@ def _keep_used(train: ArrayDataset, parts: list[np.ndarray]) -> tuple[ArrayDatas
     return ArrayDataset(train.x[idx], train.y[idx]), [np.searchsorted(used, p).astype(np.int64) for p in parts]
 
 
+def model_io(cfg: DataConfig) -> tuple[tuple[int, ...], int]:
+    """(input shape, number of classes) of a dataset, without loading it."""
+    if cfg.dataset == "synthetic":
+        return (synthetic.DIMENSION,), synthetic.NUM_CLASSES
+    return IMAGE_SHAPE, FEMNIST_CLASSES if cfg.dataset == "femnist" else 10
+
+
 def load_federated(cfg: DataConfig, num_clients: int, seed: int) -> FederatedData:
     """The dataset of ``cfg`` split into clients, the same for the same config and seed.
 

@@ -53,11 +53,23 @@ class ParamSpec:
         return hashlib.sha256(("float32:" + desc).encode()).hexdigest()[:16]
 
     @classmethod
-    def of(cls, module: nn.Module) -> "ParamSpec":
-        entries, offset = [], 0
-        for name, t in module.state_dict().items():
-            if not t.is_floating_point():
+    def of(cls, module: nn.Module, exchange_buffers: bool = True) -> "ParamSpec":
+        """The exchanged state of ``module``, in state_dict order: every trainable parameter,
+        and float buffers unless ``exchange_buffers`` is False (FedBN keeps BatchNorm
+        statistics local). Frozen parameters (``requires_grad = False``, e.g. a pretrained
+        base under small adapters) never travel; a tensor shared under two names (tied
+        weights) appears once."""
+        trainable = {id(p) for p in module.parameters() if p.requires_grad}
+        params = {id(p) for p in module.parameters()}
+        entries, offset, seen = [], 0, set()
+        for name, t in module.state_dict(keep_vars=True).items():
+            if not t.is_floating_point() or id(t) in seen:
                 continue  # integer buffers (e.g. BatchNorm's num_batches_tracked) stay local
+            if id(t) in params and id(t) not in trainable:
+                continue  # frozen parameter
+            if id(t) not in params and not exchange_buffers:
+                continue  # a buffer kept on the client
+            seen.add(id(t))
             entries.append(Entry(name, tuple(t.shape), offset))
             offset += t.numel()
         return cls(tuple(entries))

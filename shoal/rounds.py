@@ -31,7 +31,7 @@ from .update import Update
 
 
 @dataclass(frozen=True)
-class Task:
+class Assignment:
     """What a selected client is asked to do: train from global ``version`` with ``seed``."""
 
     client_id: str
@@ -87,7 +87,7 @@ class SyncRounds:
         self.deadline_at: float | None = None
         self.target = 0                      # K: results that close the round early
         self.failed_rounds = 0
-        self.late_pending: dict[str, Task] = {}  # selected in an earlier round, no result yet
+        self.late_pending: dict[str, Assignment] = {}  # selected in an earlier round, no result yet
         self._late_count = 0
         self._late_hist: dict[int, int] = {}
         self.strategy = strategy
@@ -97,7 +97,7 @@ class SyncRounds:
         self.seed = seed
         self.version = version
         self.round = version  # rounds are numbered by the version they start from
-        self.selected: dict[str, Task] = {}
+        self.selected: dict[str, Assignment] = {}
         self.received: set[str] = set()
         self.open = False
         self._examples = 0
@@ -108,7 +108,7 @@ class SyncRounds:
         k = self.clients_per_round or max(1, round(self.fraction * num_available))
         return min(k, num_available)
 
-    def start_round(self, available: list[str], now: float | None = None) -> list[Task]:
+    def start_round(self, available: list[str], now: float | None = None) -> list[Assignment]:
         """Open the next round over ``available`` client ids; returns the tasks to hand out.
 
         K = sample_size(len(available)) results are wanted; ceil(K (1 + over_selection))
@@ -126,7 +126,7 @@ class SyncRounds:
         self.deadline_at = None if self.deadline_s is None else now + self.deadline_s
         chosen = rng(self.seed, self.round).choice(len(ids), size=k, replace=False)
         self.selected = {
-            ids[i]: Task(ids[i], self.round, self.version, derive_seed(self.seed, self.round, i_hash(ids[i])))
+            ids[i]: Assignment(ids[i], self.round, self.version, derive_seed(self.seed, self.round, i_hash(ids[i])))
             for i in sorted(chosen)
         }
         for cid in self.selected:  # a new task replaces an outstanding late one
@@ -276,7 +276,7 @@ class SyncRounds:
         self.global_params = torch.as_tensor(state["global_params"]).clone()
         self.strategy.load_state_dict(state["strategy"])
         self.failed_rounds = int(state["failed_rounds"])
-        self.late_pending = {c: Task(c, int(r), int(v), int(sd)) for c, (r, v, sd) in state["late_pending"].items()}
+        self.late_pending = {c: Assignment(c, int(r), int(v), int(sd)) for c, (r, v, sd) in state["late_pending"].items()}
         self.open = False
 
 

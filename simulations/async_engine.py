@@ -21,15 +21,11 @@ from typing import Any
 
 import torch
 
-from shoal.aggregation import make_server_optimizer
-from shoal.aggregation.fedasync import FedAsync
-from shoal.aggregation.fedbuff import FedBuff
-from shoal.aggregation.robust import make_aggregator
-from shoal.aggregation.staleness import make_staleness_weight
-from shoal.async_rounds import AsyncRounds, AsyncStats
+from shoal.assembly import make_async_rounds
+from shoal.async_rounds import AsyncStats
 from shoal.config import Config
 from shoal.errors import UpdateRejected, WireError
-from shoal.rounds import Task
+from shoal.rounds import Assignment
 from shoal.seeding import rng
 
 from .inprocess import InProcessSimulation
@@ -76,7 +72,7 @@ class VirtualClients:
     def woke(self) -> None:
         self._wake_at = math.inf
 
-    def launch(self, task: Task, global_params: torch.Tensor, tag: Any = None) -> None:
+    def launch(self, task: Assignment, global_params: torch.Tensor, tag: Any = None) -> None:
         """Train ``task`` now; schedule ``arrive`` (client, update, tag) or ``dropout``.
 
         An update that fails wire validation (e.g. a NaN attacker's) arrives as its
@@ -100,7 +96,15 @@ class VirtualClients:
             self.queue.schedule(finish, "arrive", (c, update, tag))
 
     def evaluate(self, params: torch.Tensor) -> dict[str, float]:
-        return self.sim.trainer.evaluate(params, self.sim.test_x, self.sim.test_y)
+        """``test_<metric>`` / ``fed_<metric>`` of ``params``, as the in-process engine reports them."""
+        sim = self.sim
+        out: dict[str, float] = {}
+        if sim.test is not None:
+            ev = sim.trainer.evaluate_data(params, sim.test)
+            out.update({f"test_{k}": v for k, v in ev.items() if k != "num_examples"})
+        if sim.client_test is not None:
+            out.update(sim.federated_evaluate(params))
+        return out
 
 
 def staleness_figures(hist: dict[int, int]) -> dict[str, Any]:
@@ -111,19 +115,6 @@ def staleness_figures(hist: dict[int, int]) -> dict[str, Any]:
         "staleness_max": max(hist) if hist else None,
         "staleness_hist": {str(t): hist[t] for t in sorted(hist)},
     }
-
-
-def make_async_rounds(cfg: Config, global_params: torch.Tensor, numel: int) -> AsyncRounds:
-    """The AsyncRounds an ``[asynchronous]`` config describes (the server uses it too)."""
-    a, rb = cfg.asynchronous, cfg.robust
-    weight = make_staleness_weight(a.staleness_weight, a.staleness_a, a.staleness_b)
-    if a.algorithm == "fedasync":  # config validation refuses robust rules other than the norm bound here
-        algorithm: FedAsync | FedBuff = FedAsync(a.alpha, weight, a.fedasync_mix, rb.norm_bound)
-    else:  # a robust rule (or a norm bound) combines FedBuff's K buffered updates
-        rule = None if rb.rule == "mean" and rb.norm_bound == 0 else make_aggregator(rb, numel, global_params.device)
-        algorithm = FedBuff(a.buffer_size, make_server_optimizer(cfg.strategy), weight, cfg.strategy.weighting,
-                            numel, global_params.device, rule)
-    return AsyncRounds(algorithm, global_params, cfg.simulation.seed, a.max_staleness)
 
 
 class AsyncEngine:
@@ -209,8 +200,7 @@ class AsyncEngine:
             "round": r.version,
             "version": r.version,
             "virtual_time_s": round(self.clients.now, 3),
-            "test_accuracy": ev["accuracy"],
-            "test_loss": ev["loss"],
+            **ev,
             "train_loss": (s.loss_sum - since.loss_sum) / n_ex if n_ex else None,
             "num_results": s.accepted - since.accepted,
             "num_examples": n_ex,

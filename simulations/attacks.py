@@ -16,7 +16,7 @@ import logging
 import torch
 
 from shoal.config import AttackConfig
-from shoal.rounds import Task
+from shoal.rounds import Assignment
 from shoal.seeding import rng
 from shoal.update import Update
 
@@ -39,7 +39,7 @@ class UpdateAttack:
         self.cfg = cfg
         self.attackers = attackers
 
-    def __call__(self, task: Task, update: Update) -> Update:
+    def __call__(self, task: Assignment, update: Update) -> Update:
         if task.client_id not in self.attackers:
             return update
         d = update.delta
@@ -64,6 +64,17 @@ def flip_labels(y: torch.Tensor, num_classes: int) -> None:
     y.copy_(num_classes - 1 - y)
 
 
+def label_count(sim) -> int:
+    """The number of classes label flipping maps over: the task's ``num_classes``."""
+    n = getattr(sim, "num_classes", None)
+    if not n:
+        from shoal.errors import ConfigError
+
+        raise ConfigError("attack.kind = 'label_flip' needs the task to say its num_classes (an attribute); "
+                          "add `num_classes = C` to the task, or choose another attack.kind")
+    return int(n)
+
+
 def attack_steps(sim) -> list:
     """Set up ``sim.cfg.attack`` on an InProcessSimulation: flip the attackers' labels
     (data attacks) or return the client step (update attacks)."""
@@ -75,6 +86,6 @@ def attack_steps(sim) -> list:
     if cfg.kind == "label_flip":
         for cid in attackers:
             _, y = sim.shards.get(sim.client_ids.index(cid))
-            flip_labels(y, sim.data.num_classes)
+            flip_labels(y, label_count(sim))
         return []
     return [UpdateAttack(cfg, attackers)]

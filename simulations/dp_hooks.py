@@ -14,44 +14,17 @@ from __future__ import annotations
 
 import logging
 
-import torch
-from torch import nn
-
 from shoal.accounting import LocalDpSgdAccountant, RoundAccountant, dp_sgd_schedule
-from shoal.aggregation import Strategy, make_strategy
-from shoal.aggregation.robust import make_aggregator
-from shoal.aggregation.dp import clip_to_norm, make_dp_strategy, make_generator, noise_share
-from shoal.client.training import LocalTrainer
+from shoal.aggregation import Strategy
+from shoal.aggregation.dp import clip_to_norm, make_generator, noise_share
+from shoal.assembly import expected_clients
 from shoal.config import Config
 from shoal.errors import ConfigError
-from shoal.rounds import Task
+from shoal.rounds import Assignment
 from shoal.seeding import derive_seed
 from shoal.update import Update
 
 log = logging.getLogger(__name__)
-
-
-def expected_clients(cfg: Config, num_clients: int) -> int:
-    """K, the number of clients a round selects (as SyncRounds.sample_size): the DP mean's
-    fixed denominator, the number of noise shares, and q = K / N for the accountant."""
-    sim = cfg.simulation
-    return min(sim.clients_per_round or max(1, round(sim.fraction * num_clients)), num_clients)
-
-
-def make_trainer(cfg: Config, model: nn.Module, device: torch.device) -> LocalTrainer:
-    if cfg.privacy.mode == "local":
-        from shoal.client.dp_sgd import DpSgdTrainer  # Opacus only when asked for
-
-        return DpSgdTrainer(model, cfg.train, cfg.privacy, device)
-    return LocalTrainer(model, cfg.train, device)
-
-
-def make_round_strategy(cfg: Config, numel: int, device: torch.device, num_clients: int) -> Strategy:
-    if cfg.privacy.mode in ("central", "distributed"):
-        seed = derive_seed(cfg.simulation.seed, 0xD9)
-        k = expected_clients(cfg, num_clients)
-        return make_dp_strategy(cfg.strategy, cfg.privacy, numel, k, device, seed)
-    return make_strategy(cfg.strategy, numel, device, make_aggregator(cfg.robust, numel, device))
 
 
 def distributed_noise_step(cfg: Config, num_clients: int):
@@ -59,7 +32,7 @@ def distributed_noise_step(cfg: Config, num_clients: int):
     p = cfg.privacy
     k = expected_clients(cfg, num_clients)
 
-    def step(task: Task, update: Update) -> Update:
+    def step(task: Assignment, update: Update) -> Update:
         gen = make_generator(update.delta.device, derive_seed(task.seed, 0xD9))
         clipped, _ = clip_to_norm(update.delta, p.clip_norm)
         update.delta = noise_share(clipped, p.clip_norm, p.noise_multiplier, k, gen)
@@ -100,7 +73,7 @@ class PrivacyBudget:
             out["clip_norm"] = float(self._aggregator.clip_norm)
         return out
 
-    def record_round(self, tasks: list[Task]) -> None:
+    def record_round(self, tasks: list[Assignment]) -> None:
         self.accountant.record_round([t.client_id for t in tasks])
 
     def allows_next_round(self) -> bool:

@@ -13,7 +13,7 @@ from shoal.config import Config
 from shoal.metrics import MetricsLog
 
 from .inprocess import InProcessSimulation
-from .report import plot_curves
+from .report import final_metrics, plot_curves
 
 log = logging.getLogger(__name__)
 
@@ -27,6 +27,18 @@ def _progress(enabled: bool, total: int):
         TextColumn("[bold]round"), MofNCompleteColumn(), BarColumn(), TextColumn("{task.fields[status]}"),
         TimeElapsedColumn(), transient=False,
     )
+
+
+def progress_status(record: dict[str, Any]) -> str:
+    """The progress bar's status: the first evaluation metric of the last record."""
+    for key in ("test_accuracy", "fed_accuracy"):
+        if record.get(key) is not None:
+            return f"acc {record[key]:.4f}"
+    figures = final_metrics(record)
+    if figures:
+        k, v = next(iter(figures.items()))
+        return f"{k} {v:.4g}"
+    return ""
 
 
 def run_simulation(
@@ -69,8 +81,7 @@ def run_simulation(
                 last = {
                     "round": summary.round,
                     "version": summary.version,
-                    "test_accuracy": ev["accuracy"],
-                    "test_loss": ev["loss"],
+                    **ev,
                     "train_loss": summary.train_loss,
                     "num_results": summary.num_results,
                     "num_examples": summary.num_examples,
@@ -84,16 +95,18 @@ def run_simulation(
                 if on_record:
                     on_record(last)
             if bar is not None:
-                status = f"acc {last['test_accuracy']:.4f}" if last else ""
+                status = progress_status(last)
                 bar.update(task, advance=1, status=status)
             if stop:
                 break
     wall = time.perf_counter() - t_start
-    accs = [r["test_accuracy"] for r in metrics.records]
+    accs = [r["test_accuracy"] for r in metrics.records if r.get("test_accuracy") is not None]
     summary_out = {
         "final_test_accuracy": last.get("test_accuracy"),
         "final_test_loss": last.get("test_loss"),
         "best_test_accuracy": max(accs) if accs else None,
+        "final_metrics": final_metrics(last),
+        "task": sim.task_label,
         "rounds": sim.rounds.version,
         "num_clients": len(sim.client_ids),
         "num_parameters": sim.spec.numel,
@@ -108,6 +121,6 @@ def run_simulation(
         summary_out.update(epsilon=sim.privacy.epsilon, delta=cfg.privacy.delta)
     metrics.summary(summary_out)
     if cfg.output.plots:
-        plot_curves(metrics.records, out, title=f"{cfg.data.dataset} / {cfg.model.name} / {cfg.strategy.name}")
+        plot_curves(metrics.records, out, title=f"{sim.task_label} / {cfg.strategy.name}")
     log.info("wrote %s", out)
     return summary_out

@@ -41,7 +41,7 @@ from shoal.datasets import FederatedData, load_federated
 from shoal.errors import ConfigError, SpecMismatch, UpdateRejected
 from shoal.models import build_model
 from shoal.params import ParamSpec
-from shoal.rounds import RoundSummary, SyncRounds, Task, i_hash
+from shoal.rounds import RoundSummary, SyncRounds, Assignment, i_hash
 from shoal.seeding import derive_seed
 from shoal.update import Update
 
@@ -161,7 +161,7 @@ class ShoalStrategy(FlowerStrategy):
         self.rounds: SyncRounds | None = None
         self.node_of: dict[str, int] = {}  # shoal client id -> Flower node id
         self.last_round: RoundSummary | None = None
-        self._tasks: dict[int, Task] = {}  # node id -> the task of the open round
+        self._tasks: dict[int, Assignment] = {}  # node id -> the task of the open round
 
     def summary(self) -> None:
         log.info(

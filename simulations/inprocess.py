@@ -1,9 +1,10 @@
 """The in-process engine: many simulated clients in one Python process.
 
-Clients are data (a contiguous slice of one device-resident training tensor) plus a
-seed, not model copies: one LocalTrainer trains each selected client in turn, so
-10,000 clients cost the dataset's memory once. The round logic is shoal.rounds'
-SyncRounds, the same object the HTTP server drives.
+Clients are data (a contiguous slice of one device-resident training tensor, or a torch
+Dataset) plus a seed, not model copies: one LocalTrainer trains each selected client in
+turn, so 10,000 clients cost the dataset's memory once. Model, loss, metrics and data come
+from the task (shoal/task.py); the objects are made by shoal.assembly; the round logic
+is shoal.rounds' SyncRounds, the same object the HTTP server drives.
 """
 
 from __future__ import annotations
@@ -11,54 +12,45 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator
 
-import numpy as np
 import torch
 
+from shoal.assembly import initial_model, make_round_strategy, make_trainer, task_from_config
 from shoal.client.batched import make_batched_trainer
 from shoal.client.device import select_device
 from shoal.config import Config
-from shoal.datasets import FederatedData, load_federated
 from shoal.errors import WireError
-from shoal.models import build_model
-from shoal.rounds import RoundSummary, SyncRounds, Task
+from shoal.rounds import Assignment, RoundSummary, SyncRounds
+from shoal.task import SimulationData, Task, check_loss
 from shoal.update import Update
 
 from .attacks import attack_steps
-from .dp_hooks import PrivacyBudget, distributed_noise_step, make_round_strategy, make_trainer
+from .client_data import ClientShards, check_simulation_data, client_id, load_simulation_data, on_device
+from .dp_hooks import PrivacyBudget, distributed_noise_step
 from .wire_step import WireStep
 
 log = logging.getLogger(__name__)
 
-
-def client_id(i: int) -> str:
-    return f"client-{i:05d}"
+__all__ = ["ClientShards", "InProcessSimulation", "client_id"]
 
 
-class ClientShards:
-    """All clients' training data in one tensor, reordered so each client is a slice."""
-
-    def __init__(self, data: FederatedData, device: torch.device):
-        order = np.concatenate(data.client_indices) if data.client_indices else np.zeros(0, np.int64)
-        idx = torch.as_tensor(order, dtype=torch.long)
-        self.x = data.train.x[idx].to(device)
-        self.y = data.train.y[idx].to(device)
-        sizes = [len(ix) for ix in data.client_indices]
-        self.bounds = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
-
-    def __len__(self) -> int:
-        return len(self.bounds) - 1
-
-    def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
-        a, b = int(self.bounds[i]), int(self.bounds[i + 1])
-        return self.x[a:b], self.y[a:b]
-
-    def size(self, i: int) -> int:
-        return int(self.bounds[i + 1] - self.bounds[i])
+def batching_blocker(task: Task, trainer, shards: ClientShards) -> str | None:
+    """Why the task rules out the batched many-clients path (None: it may batch)."""
+    if not shards.in_memory:
+        return "the clients' data are torch Datasets (read through a DataLoader), not tensors"
+    if type(task).loss is not Task.loss:
+        return "the task has its own loss (the batched path computes cross-entropy itself)"
+    if task.optimizer is not None:
+        return f"the task uses the {task.optimizer} optimizer (the batched path runs SGD)"
+    if any(not p.requires_grad for p in trainer.model.parameters()):
+        return "the model has frozen parameters"
+    if type(task).to_device is not Task.to_device:
+        return "the task has its own to_device()"
+    return None
 
 
 # A step between a client's training and the aggregator (an attack, local DP noise,
 # compression...). Each feature adds its own in ``InProcessSimulation._client_steps``.
-ClientStep = Callable[[Task, Update], Update]
+ClientStep = Callable[[Assignment, Update], Update]
 
 
 class InProcessSimulation:
@@ -69,20 +61,27 @@ class InProcessSimulation:
     elsewhere) and ``client_steps`` (what happens to each update before it is sent).
     """
 
-    def __init__(self, cfg: Config, data: FederatedData | None = None):
+    def __init__(self, cfg: Config, data: SimulationData | None = None, task: Task | None = None):
         self.cfg = cfg
         sim = cfg.simulation
         self.device = select_device(sim.device)
-        self.data = data if data is not None else load_federated(cfg.data, sim.num_clients, sim.seed)
-        torch.manual_seed(sim.seed)  # model initialisation
-        model = build_model(cfg.model.name, self.data.input_shape, self.data.num_classes)
-        self.trainer = make_trainer(cfg, model, self.device)
+        self.task = task if task is not None else task_from_config(cfg)
+        self.data = load_simulation_data(self.task, cfg) if data is None else check_simulation_data(self.task, data)
+        model = initial_model(cfg, self.task)  # seeded by simulation.seed: the same start everywhere
+        self.trainer = make_trainer(cfg, self.task, model, self.device)
         self.spec = self.trainer.spec
-        self.shards = ClientShards(self.data, self.device)
-        self.test_x = self.data.test.x.to(self.device)
-        self.test_y = self.data.test.y.to(self.device)
-        self.client_ids = [client_id(i) for i in range(len(self.shards))]
+        self.shards = ClientShards(self.data.train, self.device)
+        check_loss(self.task, self.trainer.model, self.shards.data(0), self.device)
+        self.test = on_device(self.data.test, self.device)
+        self.client_test = None if self.data.client_test is None else [
+            on_device(d, self.device) for d in self.data.client_test]
+        self.num_classes: int | None = getattr(self.task, "num_classes", None)
+        ids = self.data.client_ids
+        self.client_ids = [str(c) for c in ids] if ids is not None else [client_id(i) for i in range(len(self.shards))]
         self._index = {cid: i for i, cid in enumerate(self.client_ids)}
+        # Buffers the task keeps on each client (FedBN): saved per client between its rounds.
+        self._initial_local = self.trainer.local_state()
+        self.local_states: dict[str, dict[str, torch.Tensor]] = {}
         strategy = make_round_strategy(cfg, self.spec.numel, self.device, len(self.client_ids))
         self.rounds = SyncRounds(
             strategy, self.trainer.flat.detach().clone(), sim.clients_per_round, sim.fraction, sim.seed
@@ -92,20 +91,33 @@ class InProcessSimulation:
         )
         self.wire = WireStep(cfg.compression, self.spec)
         self.client_steps: list[ClientStep] = self._client_steps()
-        # DP-SGD (privacy.mode = "local") clips per sample with Opacus: never batched across clients
-        self.batched = None if cfg.privacy.mode == "local" else make_batched_trainer(
-            sim.batch_clients, self.trainer.model, self.spec, cfg.train, self.device, self.data.input_shape,
-            self.rounds.sample_size(len(self.client_ids)), max(map(self.shards.size, range(len(self.shards))), default=0),
-        )
+        self.batched = None
+        blocker = batching_blocker(self.task, self.trainer, self.shards)
+        if cfg.privacy.mode == "local":  # DP-SGD clips per sample with Opacus: never batched across clients
+            blocker = "privacy.mode = 'local' (DP-SGD) trains each client with Opacus"
+        if blocker is None:
+            self.batched = make_batched_trainer(
+                sim.batch_clients, self.trainer.model, self.spec, cfg.train, self.device,
+                tuple(self.shards.x.shape[1:]), self.rounds.sample_size(len(self.client_ids)),
+                max(map(self.shards.size, range(len(self.shards))), default=0),
+            )
+        elif sim.batch_clients != 1 and self.rounds.sample_size(len(self.client_ids)) > 1:
+            log.info("training clients one by one: %s", blocker)
+        else:
+            log.debug("training clients one by one: %s", blocker)
         if cfg.secure_aggregation.enabled:  # last: it wraps train_clients and the client steps
             from shoal.simulations.secure_rounds import install
 
             install(self)
         log.info(
-            "simulation: %d clients, %d train / %d test samples, model %s (%d parameters) on %s",
-            len(self.client_ids), len(self.data.train), len(self.data.test), cfg.model.name,
-            self.spec.numel, self.device,
+            "simulation: %d clients, %d train examples, model of %d exchanged parameters on %s (%s)",
+            len(self.client_ids), int(self.shards.bounds[-1]), self.spec.numel, self.device, self.task_label,
         )
+
+    @property
+    def task_label(self) -> str:
+        describe = getattr(self.task, "describe", None)
+        return describe() if callable(describe) else (self.cfg.task.app or type(self.task).__name__)
 
     @property
     def global_params(self) -> torch.Tensor:
@@ -118,7 +130,7 @@ class InProcessSimulation:
             steps.append(distributed_noise_step(self.cfg, len(self.client_ids)))
         return [*steps, self.wire]
 
-    def train_clients(self, tasks: list[Task], global_params: torch.Tensor) -> Iterator[tuple[Task, Update]]:
+    def train_clients(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
         """Local training of each task's client from ``global_params`` (batched: client/batched.py)."""
         if self.batched is not None:
             idx = [self._index[t.client_id] for t in tasks]
@@ -131,8 +143,13 @@ class InProcessSimulation:
                 yield task, update
             return
         for task in tasks:
-            x, y = self.shards.get(self._index[task.client_id])
-            yield task, self.trainer.train(global_params, x, y, task.seed, task.version, task.client_id)
+            i = self._index[task.client_id]
+            if self.trainer.local_names:
+                self.trainer.load_local_state(self.local_states.get(task.client_id, self._initial_local))
+            update = self.trainer.fit(global_params, self.shards.data(i), task.seed, task.version, task.client_id)
+            if self.trainer.local_names:
+                self.local_states[task.client_id] = self.trainer.local_state()
+            yield task, update
 
     def run_round(self) -> RoundSummary:
         """One synchronous round: select, train each selected client, aggregate."""
@@ -153,4 +170,35 @@ class InProcessSimulation:
         return summary
 
     def evaluate(self) -> dict[str, float]:
-        return self.trainer.evaluate(self.rounds.global_params, self.test_x, self.test_y)
+        """The global model on the central test set (``test_<metric>``) and, when clients
+        have test data, on each client's own (``fed_<metric>``, example-weighted means)."""
+        params = self.rounds.global_params
+        out: dict[str, float] = {}
+        if self.test is not None:
+            ev = self.trainer.evaluate_data(params, self.test)
+            out.update({f"test_{k}": v for k, v in ev.items() if k != "num_examples"})
+        if self.client_test is not None:
+            out.update(self.federated_evaluate(params))
+        return out
+
+    def federated_evaluate(self, params: torch.Tensor) -> dict[str, float]:
+        """Every client with test data evaluates ``params`` (with its own local buffers)."""
+        results = []
+        for cid, data in zip(self.client_ids, self.client_test or []):
+            if data is None:
+                continue
+            if self.trainer.local_names:
+                self.trainer.load_local_state(self.local_states.get(cid, self._initial_local))
+            results.append(self.trainer.evaluate_data(params, data))
+        return {f"fed_{k}": v for k, v in weighted_means(results).items()}
+
+
+def weighted_means(results: list[dict[str, float]]) -> dict[str, float]:
+    """Example-weighted means of metric dicts that carry ``num_examples``; the total too."""
+    total = sum(r.get("num_examples", 0.0) for r in results)
+    if not results or total <= 0:
+        return {}
+    keys = [k for k in results[0] if k != "num_examples"]
+    out = {k: sum(r[k] * r["num_examples"] for r in results if k in r) / total for k in keys}
+    out["num_examples"] = total
+    return out

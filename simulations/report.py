@@ -11,25 +11,42 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 
+EVAL_PREFIXES = ("test_", "fed_")  # central test set, clients' own test data (federated evaluation)
+
+
+def final_metrics(record: dict[str, Any]) -> dict[str, Any]:
+    """The evaluation figures of one metrics record (``test_*`` and ``fed_*``)."""
+    return {k: v for k, v in record.items() if k.startswith(EVAL_PREFIXES) and isinstance(v, (int, float))}
+
+
 def plot_curves(records: list[dict[str, Any]], out_dir: str | Path, x: str = "round", title: str = "") -> list[Path]:
-    """accuracy.png and loss.png of the test metrics against ``x``."""
+    """One PNG per evaluation metric against ``x`` (accuracy.png, loss.png, ...): the central
+    test set's curve and, when clients evaluate on their own data, the federated curve."""
     out = Path(out_dir)
+    names: list[str] = []
+    for r in records:
+        for k in final_metrics(r):
+            name = k.split("_", 1)[1]
+            if name != "num_examples" and name not in names:
+                names.append(name)
     paths = []
-    for key, ylabel, fname in (("test_accuracy", "test accuracy", "accuracy.png"), ("test_loss", "test loss", "loss.png")):
-        pts = [(r[x], r[key]) for r in records if r.get(key) is not None and r.get(x) is not None]
-        if not pts:
-            continue
+    for name in names:
         fig, ax = plt.subplots(figsize=(6, 4))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 60 else None)
+        for prefix, label in (("test_", "central test set"), ("fed_", "clients' test data")):
+            key = prefix + name
+            pts = [(r[x], r[key]) for r in records if r.get(key) is not None and r.get(x) is not None]
+            if pts:
+                ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="." if len(pts) < 60 else None, label=label)
         ax.set_xlabel(x.replace("_", " "))
-        ax.set_ylabel(ylabel)
+        ax.set_ylabel(name.replace("_", " "))
         ax.grid(alpha=0.3)
+        ax.legend()
         if title:
             ax.set_title(title)
         fig.tight_layout()
-        fig.savefig(out / fname, dpi=120)
+        fig.savefig(out / f"{name}.png", dpi=120)
         plt.close(fig)
-        paths.append(out / fname)
+        paths.append(out / f"{name}.png")
     return paths
 
 

@@ -22,7 +22,7 @@ from shoal.aggregation.secagg_encoding import FixedPoint, example_weight
 from shoal.aggregation.secagg_group import secure_weighted_mean
 from shoal.aggregation.secagg_memory import STAGES, injected_dropouts
 from shoal.errors import WireError
-from shoal.rounds import RoundSummary, Task
+from shoal.rounds import RoundSummary, Assignment
 from shoal.seeding import derive_seed, rng
 from shoal.update import Update
 
@@ -55,7 +55,7 @@ class SecureAggregationRounds:
         draws = rng(self.cfg.seed, self.sim.cfg.simulation.seed, round_, 1).random((len(ids), len(STAGES)))
         return injected_dropouts(ids, rates, draws)
 
-    def train_clients(self, tasks: list[Task], global_params: torch.Tensor) -> Iterator[tuple[Task, Update]]:
+    def train_clients(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
         trained = []
         for task, update in self._train(tasks, global_params):
             try:

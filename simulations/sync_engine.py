@@ -16,9 +16,7 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from shoal.aggregation import make_strategy
-from shoal.aggregation.robust import make_aggregator
-from shoal.aggregation.staleness import make_staleness_weight
+from shoal import assembly
 from shoal.config import Config
 from shoal.errors import UpdateRejected, WireError
 from shoal.rounds import RoundSummary, SyncRounds
@@ -32,14 +30,8 @@ log = logging.getLogger(__name__)
 def make_deadline_rounds(cfg: Config, global_params, numel: int) -> SyncRounds:
     """SyncRounds with the ``[asynchronous]`` deadline, over-selection and late-result keys."""
     a, sim = cfg.asynchronous, cfg.simulation
-    return SyncRounds(
-        make_strategy(cfg.strategy, numel, global_params.device,
-                      aggregator=make_aggregator(cfg.robust, numel, global_params.device)), global_params, sim.clients_per_round,
-        sim.fraction, sim.seed,
-        over_selection=a.over_selection, deadline_s=a.deadline_s or None, min_fraction=a.min_fraction,
-        late=a.late, late_weight=make_staleness_weight(a.staleness_weight, a.staleness_a, a.staleness_b),
-        max_staleness=a.max_staleness,
-    )
+    return assembly.make_deadline_rounds(cfg, global_params, numel, sim.clients_per_round, sim.fraction,
+                                         a.deadline_s or None, a.min_fraction)
 
 
 class VirtualSyncEngine:
@@ -144,8 +136,7 @@ class VirtualSyncEngine:
             "round": self.rounds_done,
             "version": r.version,
             "virtual_time_s": round(self.clients.now, 3),
-            "test_accuracy": ev["accuracy"],
-            "test_loss": ev["loss"],
+            **ev,
         }
         if s is not None:
             hist = dict(s.late_staleness)

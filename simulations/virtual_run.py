@@ -17,7 +17,7 @@ from shoal.config import Config
 from shoal.metrics import MetricsLog
 
 from .async_engine import AsyncEngine
-from .report import plot_curves
+from .report import final_metrics, plot_curves
 from .sync_engine import VirtualSyncEngine
 
 log = logging.getLogger(__name__)
@@ -39,15 +39,16 @@ def run_virtual(
         metrics.write(rec)
         if on_record:
             on_record(rec)
-        log.info("virtual %.0fs  version %d  acc %.4f", rec["virtual_time_s"], rec["version"], rec["test_accuracy"])
+        log.info("virtual %.0fs  version %d  acc %s", rec["virtual_time_s"], rec["version"], rec.get("test_accuracy"))
     wall = time.perf_counter() - t_start
-    accs = [r["test_accuracy"] for r in metrics.records]
+    accs = [r["test_accuracy"] for r in metrics.records if r.get("test_accuracy") is not None]
     last = metrics.records[-1]
     algorithm = cfg.asynchronous.algorithm if cfg.simulation.mode == "async" else "sync"
     summary = {
-        "final_test_accuracy": last["test_accuracy"],
-        "final_test_loss": last["test_loss"],
-        "best_test_accuracy": max(accs),
+        "final_test_accuracy": last.get("test_accuracy"),
+        "final_test_loss": last.get("test_loss"),
+        "best_test_accuracy": max(accs, default=None),
+        "final_metrics": final_metrics(last),
         # server steps taken (sync: rounds closed, failed ones included; async: versions)
         "rounds": getattr(engine, "rounds_done", engine.rounds.version),
         "mode": cfg.simulation.mode,
@@ -63,6 +64,6 @@ def run_virtual(
     metrics.summary(summary)
     if cfg.output.plots:
         plot_curves(metrics.records, out, x="virtual_time_s",
-                    title=f"{cfg.data.dataset} / {cfg.model.name} / {algorithm}")
+                    title=f"{engine.sim.task_label} / {algorithm}")
     log.info("wrote %s", out)
     return summary

@@ -12,7 +12,7 @@ import torch
 from shoal.aggregation.compression import Compressor
 from shoal.config import CompressionConfig
 from shoal.params import ParamSpec
-from shoal.rounds import Task
+from shoal.rounds import Assignment
 from shoal.update import Update
 from shoal.wire import decode_update, encode_model, encode_update
 
@@ -42,7 +42,7 @@ class WireStep:
         self.bytes_down += self._model_size[1]
         self.total_down += self._model_size[1]
 
-    def __call__(self, task: Task, update: Update) -> Update:
+    def __call__(self, task: Assignment, update: Update) -> Update:
         payload = self.compressor.encode(update.delta, task.client_id, task.seed)
         body = encode_update(update, self.spec, payload=payload, zstd_level=self.cfg.zstd_level if self.cfg.zstd else 0)
         self.bytes_up += len(body)

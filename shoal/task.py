@@ -1,0 +1,321 @@
+"""The task API: the user's model, loss, metrics and data, which every shoal job loads.
+
+A task is a Python object (usually a subclass of :class:`Task`) that a user writes in
+their own file or package and names on every command as ``--task path/to/file.py:name``
+or ``--task package.module:name`` (TOML: ``[task] app = "..."`` plus a ``[task.args]``
+table passed to it). ``name`` may be a Task instance, a Task subclass or a function that
+returns a Task; a class or function is called with ``[task.args]`` as keyword arguments.
+
+What a task gives (docs/tasks.md has the full reference):
+
+- :meth:`Task.model` the ``nn.Module`` (any architecture);
+- :meth:`Task.loss` its loss on a batch (default: cross-entropy of ``model(x)`` on ``y``);
+- :meth:`Task.metrics` evaluation metrics as per-batch means (default: loss, accuracy),
+  which shoal averages weighted by examples, and :meth:`Task.summarize` for figures
+  derived from the means (a language model's perplexity);
+- :meth:`Task.simulation_data` per-client training data (and optionally per-client
+  and central test data) for ``shoal simulate``;
+- :meth:`Task.local_data` a deployed node's or peer's own data, read from ``--data PATH``;
+- which state is exchanged: trainable parameters always, float buffers (BatchNorm
+  statistics) unless :attr:`Task.exchange_buffers` is False (FedBN); frozen parameters
+  (``requires_grad = False``) never leave the node;
+- optionally a ``torch.optim`` optimizer by name, a collate function, DataLoader workers.
+
+Data is either a pair of tensors ``(x, y)`` (the fast path: held on the device once and
+sliced) or any map-style ``torch.utils.data.Dataset`` whose items are ``(x, y)``
+(read through a DataLoader, for data that does not fit in memory).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import Dataset, TensorDataset
+
+from .errors import ShoalError
+
+# Client data: a pair of tensors (x, y), first dimension = examples, or a torch Dataset of (x, y).
+ClientData = Union[tuple[torch.Tensor, torch.Tensor], Dataset]
+
+OPTIMIZERS = ("sgd", "adam", "adamw")
+
+
+class TaskError(ShoalError):
+    """The user's task cannot be loaded or gives something shoal cannot use."""
+
+    code = "bad_task"
+
+
+@dataclass
+class SimulationData:
+    """What ``shoal simulate`` trains on: one training set per client, optional test sets.
+
+    ``train[i]`` is client i's data; ``client_test[i]`` (optional) its own test data for
+    federated evaluation; ``test`` (optional) a central held-out set. ``client_ids``
+    default to ``client-00000``, ``client-00001``, ...
+    """
+
+    train: Sequence[ClientData]
+    test: ClientData | None = None
+    client_test: Sequence[ClientData | None] | None = None
+    client_ids: Sequence[str] | None = None
+
+
+@dataclass
+class LocalData:
+    """A deployed node's or peer's own data: training data and optional test data."""
+
+    train: ClientData
+    test: ClientData | None = None
+
+
+class Task:
+    """Base class of a task; override what differs from the defaults.
+
+    Subclasses must implement :meth:`model`, and :meth:`simulation_data` and/or
+    :meth:`local_data` for the jobs they are used in.
+    """
+
+    #: exchange float buffers (BatchNorm running statistics) with the parameters;
+    #: False keeps them on each client (FedBN, Li et al. 2021).
+    exchange_buffers: bool = True
+    #: None: shoal's SGD (train.lr, momentum, weight_decay, prox_mu) on the flat buffer;
+    #: "sgd" | "adam" | "adamw": that torch.optim class, lr = train.lr unless given here.
+    optimizer: str | None = None
+    optimizer_args: dict[str, Any] = {}
+    #: DataLoader settings for Dataset data (tensor pairs need none).
+    collate_fn: Callable[[list[Any]], Any] | None = None
+    num_workers: int = 0
+
+    def model(self) -> nn.Module:
+        """A freshly initialised model (shoal seeds torch before calling this)."""
+        raise NotImplementedError
+
+    def loss(self, model: nn.Module, x: Any, y: torch.Tensor) -> torch.Tensor:
+        """The scalar training loss of one batch (default: cross-entropy)."""
+        return F.cross_entropy(model(x).float(), y)
+
+    def metrics(self, model: nn.Module, x: Any, y: torch.Tensor) -> dict[str, torch.Tensor | float]:
+        """Per-batch means; shoal averages them over batches weighted by examples."""
+        out = model(x).float()
+        return {"loss": F.cross_entropy(out, y), "accuracy": (out.argmax(-1) == y).float().mean()}
+
+    def summarize(self, metrics: dict[str, float]) -> dict[str, float]:
+        """Figures derived from the example-weighted means (e.g. perplexity = exp(loss))."""
+        return metrics
+
+    def simulation_data(self, num_clients: int, seed: int) -> SimulationData:
+        """Per-client data for ``shoal simulate`` (``num_clients`` is ``simulation.num_clients``)."""
+        raise NotImplementedError
+
+    def local_data(self, path: Path) -> LocalData:
+        """This node's own data, read from ``--data PATH`` in whatever format the task uses."""
+        raise NotImplementedError
+
+    def to_device(self, batch: Any, device: torch.device) -> Any:
+        """Move one batch (tensors, or tuples/lists/dicts of them) to ``device``."""
+        return move_to(batch, device)
+
+
+def move_to(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=non_blocking)
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(move_to(o, device, non_blocking) for o in obj)
+    if isinstance(obj, dict):
+        return {k: move_to(v, device, non_blocking) for k, v in obj.items()}
+    return obj
+
+
+def num_examples(data: ClientData) -> int:
+    if isinstance(data, tuple):
+        return int(data[1].shape[0])
+    return len(data)  # type: ignore[arg-type]
+
+
+def as_tensors(data: ClientData) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(x, y)`` when the data is held as two tensors (a pair or a TensorDataset), else None."""
+    if isinstance(data, tuple) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        return data[0], data[1]
+    if isinstance(data, TensorDataset) and len(data.tensors) == 2:
+        return data.tensors[0], data.tensors[1]
+    return None
+
+
+# --- loading a task by name -------------------------------------------------------------
+
+
+def _import_file(path: Path, spec_text: str) -> Any:
+    if not path.is_file():
+        raise TaskError(f"task {spec_text!r}: file {str(path)!r} not found; give path/to/file.py:name")
+    mod_name = f"shoal_task_{abs(hash(str(path.resolve()))):x}"
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, path)
+    if spec is None or spec.loader is None:
+        raise TaskError(f"task {spec_text!r}: {str(path)!r} is not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    folder = str(path.resolve().parent)  # so the task file can import its neighbours
+    if folder not in sys.path:
+        sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[mod_name]
+        raise TaskError(f"task {spec_text!r}: importing {path} failed: {type(e).__name__}: {e}") from None
+    return module
+
+
+def load_task(spec_text: str, args: dict[str, Any] | None = None) -> Task:
+    """``path/to/file.py:name`` or ``package.module:name`` -> the Task it names."""
+    args = dict(args or {})
+    target, sep, attr = spec_text.rpartition(":")
+    if not sep or not target or not attr.isidentifier():
+        raise TaskError(
+            f"task {spec_text!r}: expected path/to/file.py:name or package.module:name "
+            "(the name of a Task, a Task subclass or a function returning one)"
+        )
+    if target.endswith(".py") or "/" in target or "\\" in target:
+        module = _import_file(Path(target).expanduser(), spec_text)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except Exception as e:
+            raise TaskError(f"task {spec_text!r}: cannot import module {target!r}: {type(e).__name__}: {e}") from None
+    if not hasattr(module, attr):
+        names = sorted(n for n in vars(module) if not n.startswith("_"))[:12]
+        raise TaskError(f"task {spec_text!r}: {target} has no attribute {attr!r} (it has: {', '.join(names)})")
+    obj = getattr(module, attr)
+    if isinstance(obj, Task) or (not callable(obj) and _looks_like_task(obj)):
+        if args:
+            raise TaskError(f"task {spec_text!r} is an instance; [task.args] ({', '.join(args)}) can only be "
+                            "passed to a Task class or a function that returns one")
+        task = obj
+    elif callable(obj):
+        try:
+            inspect.signature(obj).bind(**args)
+        except TypeError as e:
+            raise TaskError(f"task {spec_text!r}: [task.args] do not fit {attr}: {e}") from None
+        except ValueError:
+            pass
+        try:
+            task = obj(**args)
+        except ShoalError:
+            raise
+        except Exception as e:
+            raise TaskError(f"task {spec_text!r}: calling {attr}(**task.args) failed: {type(e).__name__}: {e}") from None
+    else:
+        raise TaskError(f"task {spec_text!r}: {attr} is a {type(obj).__name__}, not a Task")
+    if not _looks_like_task(task):
+        raise TaskError(f"task {spec_text!r}: {attr} gave a {type(task).__name__}, which has no model() method; "
+                        "subclass shoal.Task and implement model()")
+    task.__dict__.setdefault("_shoal_name", spec_text)
+    return task
+
+
+def _looks_like_task(obj: Any) -> bool:
+    return callable(getattr(obj, "model", None))
+
+
+def task_name(task: Task) -> str:
+    return getattr(task, "_shoal_name", None) or type(task).__name__
+
+
+# --- checks: one clear line instead of a traceback deep inside training ------------------
+
+
+def call_part(task: Task, part: str, fn: Callable[..., Any], *args: Any, fix: str = "") -> Any:
+    """Call one part of the user's task; an exception becomes a TaskError naming task and part."""
+    try:
+        return fn(*args)
+    except ShoalError:
+        raise
+    except NotImplementedError:
+        raise TaskError(f"task {task_name(task)}: {part} is not implemented{'; ' + fix if fix else ''}") from None
+    except Exception as e:
+        raise TaskError(f"task {task_name(task)}: {part} failed: {type(e).__name__}: {e}"
+                        f"{'; ' + fix if fix else ''}") from None
+
+
+def make_model(task: Task, seed: int | None = None) -> nn.Module:
+    """The task's model, initialised after ``torch.manual_seed(seed)`` (same seed, same model)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    model = call_part(task, "model()", task.model)
+    if not isinstance(model, nn.Module):
+        raise TaskError(f"task {task_name(task)}: model() returned a {type(model).__name__}, expected a torch.nn.Module")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise TaskError(f"task {task_name(task)}: model() has no trainable parameter (all requires_grad = False)")
+    if task.optimizer is not None and task.optimizer not in OPTIMIZERS:
+        raise TaskError(f"task {task_name(task)}: optimizer = {task.optimizer!r} is not one of {', '.join(OPTIMIZERS)}")
+    return model
+
+
+def check_data(task: Task, data: Any, what: str, allow_none: bool = False) -> ClientData | None:
+    """``data`` must be an (x, y) tensor pair or a non-empty map-style Dataset."""
+    if data is None and allow_none:
+        return None
+    if isinstance(data, list) and len(data) == 2 and all(isinstance(t, torch.Tensor) for t in data):
+        data = (data[0], data[1])
+    if isinstance(data, tuple):
+        if len(data) != 2 or not all(isinstance(t, torch.Tensor) for t in data):
+            raise TaskError(f"task {task_name(task)}: {what} is a tuple of {len(data)} items; expected (x, y) tensors")
+        x, y = data
+        if x.shape[0] != y.shape[0]:
+            raise TaskError(f"task {task_name(task)}: {what} has {x.shape[0]} inputs but {y.shape[0]} targets")
+        return data
+    if isinstance(data, Dataset) and hasattr(data, "__len__") and hasattr(data, "__getitem__"):
+        return data
+    raise TaskError(f"task {task_name(task)}: {what} is a {type(data).__name__}; expected an (x, y) pair of tensors "
+                    "or a map-style torch.utils.data.Dataset of (x, y) items")
+
+
+def check_loss(task: Task, model: nn.Module, data: ClientData, device: torch.device) -> None:
+    """Run the loss on a two-example batch: it must be a finite scalar with a gradient."""
+    if num_examples(data) == 0:
+        return
+    batch = first_batch(task, data, 2)
+    x, y = task.to_device(batch, device)
+    # The check must leave no trace: BatchNorm statistics and the global RNG (dropout) are restored.
+    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    rng_state = torch.random.get_rng_state()
+    model.train()
+    try:
+        loss = call_part(task, "loss(model, x, y)", task.loss, model, x, y,
+                         fix="the data's items must be (x, y) the model and loss accept")
+    finally:
+        with torch.no_grad():
+            for k, v in model.state_dict().items():
+                v.copy_(saved[k])
+        torch.random.set_rng_state(rng_state)
+    if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+        shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
+        raise TaskError(f"task {task_name(task)}: loss(model, x, y) returned {shape}, expected a scalar tensor; "
+                        "reduce it with .mean()")
+    if not loss.requires_grad:
+        raise TaskError(f"task {task_name(task)}: loss(model, x, y) has no gradient; compute it from model(x)")
+    model.zero_grad(set_to_none=False)
+
+
+def first_batch(task: Task, data: ClientData, n: int) -> tuple[Any, torch.Tensor]:
+    pair = as_tensors(data)
+    if pair is not None:
+        return pair[0][:n], pair[1][:n]
+    items = [call_part(task, "dataset[i]", data.__getitem__, i) for i in range(min(n, len(data)))]  # type: ignore
+    collate = task.collate_fn or torch.utils.data.default_collate
+    batch = call_part(task, "collating a batch", collate, items)
+    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+        raise TaskError(f"task {task_name(task)}: a batch of the data is a {type(batch).__name__}; items must be "
+                        "(x, y) pairs (or give collate_fn that returns (x, y))")
+    return batch[0], batch[1]
