@@ -33,7 +33,7 @@ from shoal.errors import ConfigError, UpdateRejected
 from shoal.metrics import _clean
 from shoal.models import build_model
 from shoal.rounds import SyncRounds
-from shoal.simulations.async_engine import make_async_rounds
+from shoal.assembly import make_async_rounds
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint

@@ -29,7 +29,7 @@ def task_from_config(cfg: Config) -> Task:
     """``[task] app`` (with ``[task.args]``), or the built-in task of ``[model]`` + ``[data]``."""
     if cfg.task.app:
         return load_task(cfg.task.app, cfg.task.args)
-    return BuiltinTask(cfg.model.name, cfg.data)
+    return BuiltinTask(cfg.model.name, cfg.data, cfg.simulation.num_clients, cfg.simulation.seed)
 
 
 def task_label(cfg: Config, task: Task) -> str:

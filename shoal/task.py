@@ -16,6 +16,7 @@ What a task gives (docs/tasks.md has the full reference):
 - :meth:`Task.simulation_data` per-client training data (and optionally per-client
   and central test data) for ``shoal simulate``;
 - :meth:`Task.local_data` a deployed node's or peer's own data, read from ``--data PATH``;
+- :meth:`Task.central_test_data` (optional) a test set ``shoal server`` evaluates on;
 - which state is exchanged: trainable parameters always, float buffers (BatchNorm
   statistics) unless :attr:`Task.exchange_buffers` is False (FedBN); frozen parameters
   (``requires_grad = False``) never leave the node;
@@ -121,6 +122,11 @@ class Task:
     def local_data(self, path: Path) -> LocalData:
         """This node's own data, read from ``--data PATH`` in whatever format the task uses."""
         raise NotImplementedError
+
+    def central_test_data(self) -> ClientData | None:
+        """A held-out set the aggregator server evaluates each new version on (default: none;
+        a real aggregator usually has no data, and nodes evaluate on their own test data)."""
+        return None
 
     def to_device(self, batch: Any, device: torch.device) -> Any:
         """Move one batch (tensors, or tuples/lists/dicts of them) to ``device``."""
@@ -305,7 +311,7 @@ def check_loss(task: Task, model: nn.Module, data: ClientData, device: torch.dev
                         "reduce it with .mean()")
     if not loss.requires_grad:
         raise TaskError(f"task {task_name(task)}: loss(model, x, y) has no gradient; compute it from model(x)")
-    model.zero_grad(set_to_none=False)
+    model.zero_grad(set_to_none=True)
 
 
 def first_batch(task: Task, data: ClientData, n: int) -> tuple[Any, torch.Tensor]:

@@ -27,7 +27,8 @@ from .task_data import Partitioned
 class BuiltinTask(Task):
     """A model of shoal.models on a dataset of shoal.datasets (cross-entropy, accuracy)."""
 
-    def __init__(self, model: str = "logreg", data: DataConfig | None = None, **data_keys: Any):
+    def __init__(self, model: str = "logreg", data: DataConfig | None = None, num_clients: int = 30, seed: int = 0,
+                 **data_keys: Any):
         if data is None:
             known = {f.name for f in dataclasses.fields(DataConfig)}
             unknown = sorted(set(data_keys) - known)
@@ -38,6 +39,7 @@ class BuiltinTask(Task):
             data.validate()
         self.data_cfg = data
         self.model_name = model
+        self.num_clients, self.seed = num_clients, seed  # the split central_test_data() reads (synthetic)
         self.input_shape, self.num_classes = model_io(data)
 
     def model(self) -> nn.Module:
@@ -54,6 +56,11 @@ class BuiltinTask(Task):
         """A shard file written by ``shoal data split`` (or a folder holding one)."""
         shard = load_shard(path)
         return LocalData(train=(shard.x, shard.y))
+
+    def central_test_data(self):
+        """The dataset's held-out test set (what ``shoal server`` evaluated before tasks existed)."""
+        fed = load_federated(self.data_cfg, self.num_clients, self.seed)
+        return fed.test.x, fed.test.y
 
     def describe(self) -> str:
         return f"{self.data_cfg.dataset} / {self.model_name}"

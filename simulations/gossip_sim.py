@@ -59,10 +59,9 @@ from shoal.aggregation.secagg_memory import STAGES, injected_dropouts
 from shoal.client.device import select_device
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
-from shoal.datasets import FederatedData, load_federated
+from shoal.assembly import initial_model, task_from_config, task_label
 from shoal.errors import WireError
 from shoal.metrics import MetricsLog
-from shoal.models import build_model
 from shoal.p2p.dpsgd import gossip_average, mixing_matrix, spectral_gap
 from shoal.p2p.gossip import GossipNode, ModelMessage
 from shoal.p2p.membership import Membership, ShuffleRequest, ShuffleResponse
@@ -70,12 +69,14 @@ from shoal.p2p.merge import MergeRule
 from shoal.p2p.model_wire import decode_gossip_model, encode_gossip_model
 from shoal.p2p.robust import robust_gossip_average, robust_mixing
 from shoal.seeding import derive_seed
+from shoal.task import SimulationData, Task, check_loss
 from shoal.wire import encode_model
 
-from .attacks import choose_attackers, flip_labels
-from .experiment import _progress
-from .inprocess import ClientShards
-from .report import plot_curves
+from .attacks import choose_attackers, flip_labels, label_count
+from .client_data import ClientShards, check_simulation_data, load_simulation_data, on_device
+from .experiment import _progress, progress_status
+from .inprocess import weighted_means
+from .report import final_metrics, plot_curves
 
 log = logging.getLogger(__name__)
 
@@ -89,19 +90,23 @@ def peer_id(i: int) -> str:
 class GossipSimulation:
     """Peers, virtual network and churn built from a Config; ``run_round`` advances one round."""
 
-    def __init__(self, cfg: Config, data: FederatedData | None = None):
+    def __init__(self, cfg: Config, data: SimulationData | None = None, task: Task | None = None):
         self.cfg = cfg
         sim, g = cfg.simulation, cfg.gossip
         self.g = g
         self.device = select_device(sim.device)
-        self.data = data if data is not None else load_federated(cfg.data, sim.num_clients, sim.seed)
-        torch.manual_seed(sim.seed)
-        model = build_model(cfg.model.name, self.data.input_shape, self.data.num_classes)
-        self.trainer = LocalTrainer(model, cfg.train, self.device)
+        self.task = task if task is not None else task_from_config(cfg)
+        self.data = load_simulation_data(self.task, cfg) if data is None else check_simulation_data(self.task, data)
+        model = initial_model(cfg, self.task).to(self.device)  # every peer starts from the same model
+        self.shards = ClientShards(self.data.train, self.device)
+        check_loss(self.task, model, self.shards.data(0), self.device)
+        self.trainer = LocalTrainer(model, cfg.train, self.device, task=self.task)
         self.spec = self.trainer.spec
-        self.shards = ClientShards(self.data, self.device)
-        self.test_x = self.data.test.x.to(self.device)
-        self.test_y = self.data.test.y.to(self.device)
+        self.test = on_device(self.data.test, self.device)
+        self.client_test = None if self.data.client_test is None else [
+            on_device(d, self.device) for d in self.data.client_test]
+        self.num_classes: int | None = getattr(self.task, "num_classes", None)
+        self.task_label = task_label(cfg, self.task)
         n = len(self.shards)
         self.n = n
         self.init = self.trainer.flat.detach().clone()
@@ -139,7 +144,7 @@ class GossipSimulation:
                 self.attackers[self.index[p]] = True
             if atk.kind == "label_flip":
                 for i in np.flatnonzero(self.attackers):
-                    flip_labels(self.shards.get(int(i))[1], self.data.num_classes)
+                    flip_labels(self.shards.get(int(i))[1], label_count(self))
             log.info("attack %s: %d of %d peers", atk.kind, int(self.attackers.sum()), n)
         c = cfg.compression
         self.wire = c.encoding != "dense" or c.zstd or (atk.kind not in ("none", "label_flip") and atk.fraction > 0)
@@ -254,8 +259,7 @@ class GossipSimulation:
         self.online = (self.online & ~leaving) | returning
 
     def _train(self, i: int) -> None:
-        x, y = self.shards.get(i)
-        self.trainer.train(self.models[i], x, y, derive_seed(self.cfg.simulation.seed, self.round, i))
+        self.trainer.fit(self.models[i], self.shards.data(i), derive_seed(self.cfg.simulation.seed, self.round, i))
         self.nodes[i].local_update(self.trainer.flat)
 
     def run_round(self) -> None:
@@ -372,23 +376,29 @@ class GossipSimulation:
 
     def evaluate(self) -> dict[str, float]:
         """Metrics over the honest peers (all peers when there is no attack)."""
-        accs, losses = [], []
+        per_peer = []
         for i in self.eval_idx:
-            ev = self.trainer.evaluate(self.models[int(i)], self.test_x, self.test_y)
-            accs.append(ev["accuracy"])
-            losses.append(ev["loss"])
+            if self.test is not None:
+                per_peer.append(self.trainer.evaluate_data(self.models[int(i)], self.test))
         honest = self.models[torch.as_tensor(self.honest, device=self.models.device)]
         mean_model = honest.mean(0)
-        avg = self.trainer.evaluate(mean_model, self.test_x, self.test_y)
         consensus = float((honest - mean_model).norm(dim=1).mean())
+        out: dict[str, float] = {}
+        if per_peer:
+            names = [k for k in per_peer[0] if k != "num_examples"]
+            out.update({f"test_{k}": float(np.mean([p[k] for p in per_peer])) for k in names})
+            if "accuracy" in names:
+                accs = [p["accuracy"] for p in per_peer]
+                out.update(peer_accuracy_mean=float(np.mean(accs)), peer_accuracy_min=float(np.min(accs)),
+                           peer_accuracy_max=float(np.max(accs)))
+            avg = self.trainer.evaluate_data(mean_model, self.test)
+            out.update({f"average_model_{k}": v for k, v in avg.items() if k != "num_examples"})
+        if self.client_test is not None:  # each peer's own model on its own test data
+            results = [self.trainer.evaluate_data(self.models[int(i)], self.client_test[int(i)])
+                       for i in self.eval_idx if self.client_test[int(i)] is not None]
+            out.update({f"fed_{k}": v for k, v in weighted_means(results).items()})
         return {
-            "test_accuracy": float(np.mean(accs)),
-            "test_loss": float(np.mean(losses)),
-            "peer_accuracy_mean": float(np.mean(accs)),
-            "peer_accuracy_min": float(np.min(accs)),
-            "peer_accuracy_max": float(np.max(accs)),
-            "average_model_accuracy": avg["accuracy"],
-            "average_model_loss": avg["loss"],
+            **out,
             "consensus_distance": consensus,
             "bytes_sent_per_peer": float(self.bytes_sent.mean()),
             "attackers": int(self.attackers.sum()),
@@ -428,12 +438,13 @@ def run_gossip_simulation(
                 if on_record:
                     on_record(last)
             if bar is not None:
-                bar.update(task, advance=1, status=f"mean peer acc {last['test_accuracy']:.4f}" if last else "")
-    accs = [r["test_accuracy"] for r in metrics.records]
+                bar.update(task, advance=1, status=progress_status(last))
+    accs = [r["test_accuracy"] for r in metrics.records if r.get("test_accuracy") is not None]
     summary = {
         "final_test_accuracy": last.get("test_accuracy"),
         "final_test_loss": last.get("test_loss"),
         "best_test_accuracy": max(accs) if accs else None,
+        "final_metrics": final_metrics(last),
         "final_average_model_accuracy": last.get("average_model_accuracy"),
         "final_consensus_distance": last.get("consensus_distance"),
         "bytes_sent_per_peer": last.get("bytes_sent_per_peer"),
@@ -447,6 +458,6 @@ def run_gossip_simulation(
     }
     metrics.summary(summary)
     if cfg.output.plots:
-        plot_curves(metrics.records, out, title=f"{cfg.data.dataset} / {cfg.model.name} / {cfg.gossip.algorithm}")
+        plot_curves(metrics.records, out, title=f"{sim.task_label} / {cfg.gossip.algorithm}")
     log.info("wrote %s", out)
     return summary

@@ -67,11 +67,11 @@ class InProcessSimulation:
         self.device = select_device(sim.device)
         self.task = task if task is not None else task_from_config(cfg)
         self.data = load_simulation_data(self.task, cfg) if data is None else check_simulation_data(self.task, data)
-        model = initial_model(cfg, self.task)  # seeded by simulation.seed: the same start everywhere
+        model = initial_model(cfg, self.task).to(self.device)  # seeded by simulation.seed: the same start everywhere
+        self.shards = ClientShards(self.data.train, self.device)
+        check_loss(self.task, model, self.shards.data(0), self.device)
         self.trainer = make_trainer(cfg, self.task, model, self.device)
         self.spec = self.trainer.spec
-        self.shards = ClientShards(self.data.train, self.device)
-        check_loss(self.task, self.trainer.model, self.shards.data(0), self.device)
         self.test = on_device(self.data.test, self.device)
         self.client_test = None if self.data.client_test is None else [
             on_device(d, self.device) for d in self.data.client_test]

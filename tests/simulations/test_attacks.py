@@ -45,7 +45,7 @@ def test_label_flip_changes_the_attackers_labels_only():
     clean = InProcessSimulation(cfg())
     sim = InProcessSimulation(cfg("attack.kind=\"label_flip\"", "attack.fraction=0.2"))
     bad = choose_attackers(sim.client_ids, 0.2, 0)
-    c = sim.data.num_classes
+    c = sim.num_classes
     for i, cid in enumerate(sim.client_ids):
         y0, y1 = clean.shards.get(i)[1], sim.shards.get(i)[1]
         assert torch.equal(y1, c - 1 - y0) if cid in bad else torch.equal(y1, y0)

@@ -134,7 +134,7 @@ def test_other_attacks_run_and_only_honest_peers_are_measured(kind):
     assert len(atk) == 3 and not set(sim.eval_idx) & set(atk)
     if kind == "label_flip":  # a data attack: the attackers' labels are flipped, the wire is plain
         i = int(atk[0])
-        assert torch.equal(sim.shards.get(i)[1], sim.data.num_classes - 1 - clean.shards.get(i)[1])
+        assert torch.equal(sim.shards.get(i)[1], sim.num_classes - 1 - clean.shards.get(i)[1])
         assert not sim.wire
     else:  # forged models: every model message goes through the wire
         assert sim.wire
