@@ -29,6 +29,33 @@ def _progress(enabled: bool, total: int):
     )
 
 
+class progress_bar:
+    """A rich progress bar of ``total`` steps on a terminal (nothing otherwise); ``advance(status)``."""
+
+    def __init__(self, total: int, label: str = "round", enabled: bool | None = None):
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.total, self.label = total, label
+        self._bar = self._task = None
+
+    def __enter__(self) -> "progress_bar":
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._bar = Progress(TextColumn(f"[bold]{self.label}"), MofNCompleteColumn(), BarColumn(),
+                                 TextColumn("{task.fields[status]}"), TimeElapsedColumn())
+            self._bar.__enter__()
+            self._task = self._bar.add_task(self.label, total=self.total, status="")
+        return self
+
+    def advance(self, status: str = "") -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, advance=1, status=status)
+
+    def __exit__(self, *exc) -> None:
+        if self._bar is not None:
+            self._bar.__exit__(*exc)
+
+
 def progress_status(record: dict[str, Any]) -> str:
     """The progress bar's status: the first evaluation metric of the last record."""
     for key in ("test_accuracy", "fed_accuracy"):

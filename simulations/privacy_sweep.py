@@ -20,13 +20,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
+from shoal.assembly import task_from_config, task_label
 from shoal.config import Config
-from shoal.datasets import load_federated
+from shoal.errors import ConfigError
 from shoal.seeding import derive_seed
+from shoal.task import SimulationData, Task
 
-from .experiment import run_simulation
+from .client_data import load_simulation_data
+from .experiment import progress_bar, run_simulation
 from .inprocess import InProcessSimulation
 from .mia import loss_threshold_audit
 
@@ -42,14 +43,15 @@ def settings(cfg: Config) -> list[tuple[str, float]]:
     return [("none", 0.0)] + [(m, z) for m in p.sweep_modes for z in p.sweep_noise_multipliers]
 
 
-def run_setting(cfg: Config, data, mode: str, z: float, out: Path) -> dict[str, Any]:
+def run_setting(cfg: Config, data: SimulationData, mode: str, z: float, out: Path,
+                task: Task | None = None) -> dict[str, Any]:
     """One simulation plus its audit; members are the samples of clients that trained."""
     c = copy.deepcopy(cfg)
     c.privacy.mode, c.privacy.noise_multiplier = mode, z
     c.output.plots = False
     c.validate()
     t0 = time.perf_counter()
-    sim = InProcessSimulation(c, data)
+    sim = InProcessSimulation(c, data, task)
     participants: set[str] = set()
     train = sim.train_clients
 
@@ -59,14 +61,13 @@ def run_setting(cfg: Config, data, mode: str, z: float, out: Path) -> dict[str, 
 
     sim.train_clients = tracked  # the extension point: same training, plus who took part
     summary = run_simulation(c, out, progress=False, sim=sim)
-    xs, ys = zip(*(sim.shards.get(i) for i, cid in enumerate(sim.client_ids) if cid in participants))
-    audit = loss_threshold_audit(sim.trainer, sim.global_params, (torch.cat(xs), torch.cat(ys)),
-                                 (sim.test_x, sim.test_y), c.privacy.mia_samples,
+    members = [sim.shards.data(i) for i, cid in enumerate(sim.client_ids) if cid in participants]
+    audit = loss_threshold_audit(sim.trainer, sim.global_params, members, held_out(sim), c.privacy.mia_samples,
                                  derive_seed(c.simulation.seed, 0x41A))
     row = {
         "mode": mode, "noise_multiplier": z,
         "epsilon": summary.get("epsilon", math.inf), "delta": c.privacy.delta if mode != "none" else 0.0,
-        "rounds": summary["rounds"], "test_accuracy": summary["final_test_accuracy"],
+        "rounds": summary["rounds"], "test_accuracy": headline_accuracy(summary),
         **audit, "wall_s": round(time.perf_counter() - t0, 1),
     }
     log.info("%s z=%g: epsilon %.3g, accuracy %.4f, MIA AUC %.3f", mode, z, row["epsilon"],
@@ -74,15 +75,40 @@ def run_setting(cfg: Config, data, mode: str, z: float, out: Path) -> dict[str, 
     return row
 
 
+def held_out(sim: InProcessSimulation) -> list:
+    """The audit's non-members: the central test set, else the clients' own test data."""
+    if sim.test is not None:
+        return [sim.test]
+    pool = [d for d in (sim.client_test or []) if d is not None]
+    if not pool:
+        raise ConfigError("privacy-sweep's membership-inference audit needs held-out data the model never trained "
+                          "on: give the task's simulation_data() a central test set or per-client test sets")
+    return pool
+
+
+def headline_accuracy(summary: dict[str, Any]) -> float:
+    """Accuracy on the central test set, else on the clients' own test data (NaN if the task has none)."""
+    figures = summary.get("final_metrics") or {}
+    for key in ("test_accuracy", "fed_accuracy"):
+        if figures.get(key) is not None:
+            return float(figures[key])
+    return math.nan
+
+
 def run_privacy_sweep(cfg: Config, out_dir: str | Path) -> list[dict[str, Any]]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    data = load_federated(cfg.data, cfg.simulation.num_clients, cfg.simulation.seed)
-    rows = [run_setting(cfg, data, mode, z, out / (mode if mode == "none" else f"{mode}_z{z:g}"))
-            for mode, z in settings(cfg)]
+    task = task_from_config(cfg)
+    data = load_simulation_data(task, cfg)  # one split for every setting
+    grid = settings(cfg)
+    rows = []
+    with progress_bar(len(grid), "setting") as bar:
+        for mode, z in grid:
+            rows.append(run_setting(cfg, data, mode, z, out / (mode if mode == "none" else f"{mode}_z{z:g}"), task))
+            bar.advance(f"{mode} z={z:g}: acc {rows[-1]['test_accuracy']:.4f}, AUC {rows[-1]['mia_auc']:.3f}")
     write_csv(rows, out / "results.csv")
     (out / "results.md").write_text(markdown_table(rows))
-    plot_sweep(rows, out / "accuracy_vs_epsilon.png", title=f"{cfg.data.dataset} / {cfg.model.name}")
+    plot_sweep(rows, out / "accuracy_vs_epsilon.png", title=task_label(cfg, task))
     return rows
 
 
