@@ -109,7 +109,9 @@ class Task:
     def metrics(self, model: nn.Module, x: Any, y: torch.Tensor) -> dict[str, torch.Tensor | float]:
         """Per-batch means; shoal averages them over batches weighted by examples."""
         out = model(x).float()
-        return {"loss": F.cross_entropy(out, y), "accuracy": (out.argmax(-1) == y).float().mean()}
+        n = y.shape[0]  # means computed in float64 from sums, so example-weighting recovers exact totals
+        return {"loss": F.cross_entropy(out, y, reduction="sum").double() / n,
+                "accuracy": (out.argmax(-1) == y).sum().double() / n}
 
     def summarize(self, metrics: dict[str, float]) -> dict[str, float]:
         """Figures derived from the example-weighted means (e.g. perplexity = exp(loss))."""
