@@ -23,7 +23,7 @@ CASES = {
     "mnist_2nn": (['data.dataset="mnist"', f'data.dir="{MNIST}"', 'data.partition="iid"', 'model.name="2nn"',
                    "simulation.num_clients=100", "simulation.clients_per_round=10", "train.lr=0.05"], MNIST),
     "femnist_logreg_seq": (['data.dataset="femnist"', f'data.dir="{FEMNIST}"', "data.max_clients=20",
-                            "simulation.batch_clients=1", "simulation.clients_per_round=5", "train.lr=0.05"], FEMNIST),
+                            "simulation.batch_clients=1", "simulation.clients_per_round=5", "train.lr=0.01"], FEMNIST),
 }
 REFERENCE = {
     "synthetic_batched": {
@@ -48,11 +48,11 @@ REFERENCE = {
         "loss": 1.3758081298828124
     },
     "femnist_logreg_seq": {
-        "sum": 1.8122142443826306,
-        "norm": 4.6577019061231395,
-        "train_loss": 11.556597744411778,
-        "acc": 0.003289473684210526,
-        "loss": 9.23861373098273
+        "sum": 1.8122149491846358,
+        "norm": 4.545429131815072,
+        "train_loss": 3.5908995006211413,
+        "acc": 0.08552631578947369,
+        "loss": 3.3945059525339225
     }
 }
 
