@@ -19,10 +19,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Sampler
 
 from shoal.config import TrainConfig
 from shoal.params import ParamSpec, bind_module, trainable_mask
+from shoal.seeding import derive_seed
 from shoal.task import ClientData, Task, TaskError, as_tensors, call_part, num_examples, task_name
 from shoal.update import Update
 
@@ -38,6 +39,20 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     if precision == "bf16":
         return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
     return contextlib.nullcontext()
+
+
+class SeededPermutations(Sampler[int]):
+    """One ``torch.randperm(n)`` per pass from a generator seeded once: LocalTrainer.train's order."""
+
+    def __init__(self, n: int, seed: int):
+        self.n = n
+        self.gen = torch.Generator().manual_seed(int(seed) % (1 << 63))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self):
+        return iter(torch.randperm(self.n, generator=self.gen).tolist())
 
 
 class LocalTrainer:
@@ -117,12 +132,13 @@ class LocalTrainer:
                       sender: str = "") -> Update:
         """Local training on a torch Dataset through a DataLoader (workers, pinned memory on GPU)."""
         n = len(dataset)
-        gen = torch.Generator().manual_seed(int(seed) % (1 << 63))
         task = self.task
+        # The sampler draws each epoch's permutation exactly as the tensor path does; the
+        # loader's own generator (worker seeds) is separate, so the global RNG is untouched.
         loader = DataLoader(
-            dataset, batch_size=self.cfg.batch(n), shuffle=True, generator=gen, drop_last=False,
+            dataset, batch_size=self.cfg.batch(n), sampler=SeededPermutations(n, seed), drop_last=False,
             num_workers=task.num_workers, pin_memory=self.device.type == "cuda", collate_fn=task.collate_fn,
-            persistent_workers=False,
+            generator=torch.Generator().manual_seed(derive_seed(seed, 0xDA7A) % (1 << 63)),
         )
 
         def batches():
@@ -201,7 +217,8 @@ class LocalTrainer:
         else:
             task = self.task
             loader = DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=task.num_workers,
-                                pin_memory=self.device.type == "cuda", collate_fn=task.collate_fn)
+                                pin_memory=self.device.type == "cuda", collate_fn=task.collate_fn,
+                                generator=torch.Generator().manual_seed(0))  # leaves the global RNG alone
             out = self._evaluate(params, (tuple(b) for b in loader))
         return {**out, "num_examples": float(num_examples(data))}
 

@@ -129,7 +129,8 @@ def peer(
 
 @app.command("privacy-sweep")
 def privacy_sweep(
-    config: Path = typer.Option(..., "--config", "-c", help="TOML experiment file with a [privacy] sweep grid."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML file with a [privacy] sweep grid "
+                                          "(default: the built-in grid of [privacy])."),
     set_: Optional[list[str]] = SetOpt,
     task: Optional[str] = TaskOpt,
     out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: output.dir)."),

@@ -165,13 +165,13 @@ def as_tensors(data: ClientData) -> tuple[torch.Tensor, torch.Tensor] | None:
 
 def _import_file(path: Path, spec_text: str) -> Any:
     if not path.is_file():
-        raise TaskError(f"task {spec_text!r}: file {str(path)!r} not found; give path/to/file.py:name")
+        raise TaskError(f"task {spec_text}: file {str(path)!r} not found; give path/to/file.py:name")
     mod_name = f"shoal_task_{abs(hash(str(path.resolve()))):x}"
     if mod_name in sys.modules:
         return sys.modules[mod_name]
     spec = importlib.util.spec_from_file_location(mod_name, path)
     if spec is None or spec.loader is None:
-        raise TaskError(f"task {spec_text!r}: {str(path)!r} is not a Python file")
+        raise TaskError(f"task {spec_text}: {str(path)!r} is not a Python file")
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module
     folder = str(path.resolve().parent)  # so the task file can import its neighbours
@@ -181,7 +181,7 @@ def _import_file(path: Path, spec_text: str) -> Any:
         spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[mod_name]
-        raise TaskError(f"task {spec_text!r}: importing {path} failed: {type(e).__name__}: {e}") from None
+        raise TaskError(f"task {spec_text}: importing {path} failed: {type(e).__name__}: {e}") from None
     return module
 
 
@@ -191,7 +191,7 @@ def load_task(spec_text: str, args: dict[str, Any] | None = None) -> Task:
     target, sep, attr = spec_text.rpartition(":")
     if not sep or not target or not attr.isidentifier():
         raise TaskError(
-            f"task {spec_text!r}: expected path/to/file.py:name or package.module:name "
+            f"task {spec_text}: expected path/to/file.py:name or package.module:name "
             "(the name of a Task, a Task subclass or a function returning one)"
         )
     if target.endswith(".py") or "/" in target or "\\" in target:
@@ -200,21 +200,21 @@ def load_task(spec_text: str, args: dict[str, Any] | None = None) -> Task:
         try:
             module = importlib.import_module(target)
         except Exception as e:
-            raise TaskError(f"task {spec_text!r}: cannot import module {target!r}: {type(e).__name__}: {e}") from None
+            raise TaskError(f"task {spec_text}: cannot import module {target!r}: {type(e).__name__}: {e}") from None
     if not hasattr(module, attr):
         names = sorted(n for n in vars(module) if not n.startswith("_"))[:12]
-        raise TaskError(f"task {spec_text!r}: {target} has no attribute {attr!r} (it has: {', '.join(names)})")
+        raise TaskError(f"task {spec_text}: {target} has no attribute {attr!r} (it has: {', '.join(names)})")
     obj = getattr(module, attr)
     if isinstance(obj, Task) or (not callable(obj) and _looks_like_task(obj)):
         if args:
-            raise TaskError(f"task {spec_text!r} is an instance; [task.args] ({', '.join(args)}) can only be "
+            raise TaskError(f"task {spec_text} is an instance; [task.args] ({', '.join(args)}) can only be "
                             "passed to a Task class or a function that returns one")
         task = obj
     elif callable(obj):
         try:
             inspect.signature(obj).bind(**args)
         except TypeError as e:
-            raise TaskError(f"task {spec_text!r}: [task.args] do not fit {attr}: {e}") from None
+            raise TaskError(f"task {spec_text}: [task.args] do not fit {attr}: {e}") from None
         except ValueError:
             pass
         try:
@@ -222,11 +222,11 @@ def load_task(spec_text: str, args: dict[str, Any] | None = None) -> Task:
         except ShoalError:
             raise
         except Exception as e:
-            raise TaskError(f"task {spec_text!r}: calling {attr}(**task.args) failed: {type(e).__name__}: {e}") from None
+            raise TaskError(f"task {spec_text}: calling {attr}(**task.args) failed: {type(e).__name__}: {e}") from None
     else:
-        raise TaskError(f"task {spec_text!r}: {attr} is a {type(obj).__name__}, not a Task")
+        raise TaskError(f"task {spec_text}: {attr} is a {type(obj).__name__}, not a Task")
     if not _looks_like_task(task):
-        raise TaskError(f"task {spec_text!r}: {attr} gave a {type(task).__name__}, which has no model() method; "
+        raise TaskError(f"task {spec_text}: {attr} gave a {type(task).__name__}, which has no model() method; "
                         "subclass shoal.Task and implement model()")
     task.__dict__.setdefault("_shoal_name", spec_text)
     return task
