@@ -313,7 +313,7 @@ def check_loss(task: Task, model: nn.Module, data: ClientData, device: torch.dev
                         "reduce it with .mean()")
     if not loss.requires_grad:
         raise TaskError(f"task {task_name(task)}: loss(model, x, y) has no gradient; compute it from model(x)")
-    model.zero_grad(set_to_none=True)
+    # No backward pass ran: gradients (possibly bound to a trainer's flat buffer) are untouched.
 
 
 def first_batch(task: Task, data: ClientData, n: int) -> tuple[Any, torch.Tensor]:

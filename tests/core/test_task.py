@@ -247,6 +247,13 @@ def test_check_loss_leaves_no_trace():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_check_loss_after_binding_keeps_the_trainer_training():
+    trainer = LocalTrainer(nn.Linear(4, 3), TrainConfig(lr=0.5, batch_size=4))
+    data = (torch.randn(8, 4), torch.randint(0, 3, (8,)))
+    check_loss(shoal.Task(), trainer.model, data, torch.device("cpu"))
+    assert trainer.fit(trainer.flat.clone(), data, seed=0).delta.abs().max() > 0
+
+
 # --- partitioning helpers ---------------------------------------------------------------------
 
 
