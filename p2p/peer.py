@@ -1,6 +1,7 @@
 """The gossip peer service (`shoal peer`): aiohttp transport around GossipNode and Membership.
 
-One peer trains on its own shard every ``gossip.period`` seconds, then pushes its model
+One peer trains on its own data (the task's, shoal/task.py) every ``gossip.period`` seconds,
+then pushes its model
 to a peer drawn from its Cyclon view (``POST /gossip``, safetensors body, the answer is
 the other's pre-merge model) and shuffles views (``POST /shuffle``, JSON). The protocol
 decisions all live in the sans-I/O objects of p2p/; this module only moves bytes.
@@ -9,7 +10,9 @@ Every request carries the network credential (``Authorization: Bearer TOKEN``, o
 token shared by the peers of a network); a request without it gets 401. Every model
 that arrives is validated by shoal.wire (size, spec hash, dtype, shape, finite) and its
 header fields (age, num_examples, sender) are type-checked before anything is merged;
-a bad one gets 4xx ``{"error": code, "detail": message}`` and the model is untouched.
+a bad one gets 4xx ``{"error": code, "detail": message}`` and the model is untouched. A
+model of another spec (a peer running another task) gets 400 ``spec_mismatch`` naming both
+spec hashes, even when it is also over the size limit, and the sender logs that detail.
 Models travel as ``[compression]`` says (p2p/model_wire.py: dense or q8, optionally
 zstd; the header names the encoding, so peers with different settings understand each
 other), and a merge bounds the received model's pull to ``robust.norm_bound`` if set
@@ -21,6 +24,12 @@ the same peer to the others; after a restart it has an empty view, refills it fr
 ``--bootstrap`` and catches up by merging (the age-gap rule adopts a model far ahead).
 Training runs on the event loop between requests (it is short: one round of local
 work); requests that arrive meanwhile wait for it.
+
+Every ``simulation.eval_every`` local steps (and the last) the peer evaluates its current
+model with every metric the task gives: ``test_<metric>`` on the central test set (only
+with ``--data client:<i>`` when the split has one), ``local_test_<metric>`` and
+``local_test_num_examples`` on its own test data; one metrics.jsonl record, and
+``metrics`` in ``GET /status``.
 """
 
 from __future__ import annotations
@@ -37,7 +46,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import torch
 from aiohttp import web
 
 from shoal.client.training import LocalTrainer
@@ -192,18 +200,23 @@ class Peer:
                             _check_int(header, "age", 0), header["version"], _check_int(header, "num_examples", 1),
                             reply)
 
+    def _check_spec_hash(self, body: bytes | bytearray) -> None:
+        theirs = _peek_spec_hash(body)
+        if theirs is not None and theirs != self.spec.hash:
+            raise SpecMismatch(f"the model sent has spec hash {theirs!r}, this peer's model {self.spec.hash!r}: "
+                               "another task, [task.args] or architecture; the peers of one network must run "
+                               "the same task and config")
+
     async def _read_model(self, request: web.Request) -> bytes:
-        """The body, read up to the size limit. An oversized model of a peer that runs another
-        task is refused for its spec hash (which says what is wrong), not only for its size."""
+        """The body, read up to the size limit. A model of a peer that runs another task is
+        refused for its spec hash, even when it is also too large: that says what is wrong."""
         buf = bytearray()
         while chunk := await request.content.read(1 << 16):
             buf += chunk
             if len(buf) > self.max_bytes:
-                theirs = _peek_spec_hash(buf)
-                if theirs is not None and theirs != self.spec.hash:
-                    raise SpecMismatch(f"spec hash {theirs!r} does not match this model's {self.spec.hash!r} "
-                                       "(different architecture or parameter layout)")
+                self._check_spec_hash(buf)
                 raise _BodyTooLarge(f"body over the limit of {self.max_bytes} bytes")
+        self._check_spec_hash(buf)
         return bytes(buf)
 
     async def handle_gossip(self, request: web.Request) -> web.Response:
@@ -212,10 +225,7 @@ class Peer:
             msg = self._decode(body, self.node.id, reply=False)
         except WireError as e:
             self.rejected += 1
-            if isinstance(e, SpecMismatch):
-                log.warning("refused a model from a peer running another task or model: %s", e)
-            else:
-                log.warning("rejected a model: %s", e)
+            log.warning("refused a model: %s", e)
             return _error(413 if isinstance(e, _BodyTooLarge) else 400, e.code, str(e))
         if msg.sender == self.node.id:
             return _error(400, "malformed", "a peer does not gossip with itself")
@@ -291,7 +301,7 @@ class Peer:
             answer = self._decode(data, self.node.id, reply=True)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ShoalError) as e:
             if isinstance(e, Refused) and e.code == "spec_mismatch":
-                log.warning("%s refused our model, it runs another task or model: %s", msg.target, e.detail)
+                log.warning("%s refused our model: %s", msg.target, e.detail)
             else:
                 log.info("exchange with %s failed: %s", msg.target, e)
             async with self._lock:

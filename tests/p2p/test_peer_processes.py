@@ -78,7 +78,8 @@ def test_eight_peers_converge_survive_kills_and_rejoin(tmp_path):
 
         def converged(idx):
             st = statuses(idx)
-            return st if st and all(s["metrics"].get("test_accuracy", 0) >= THRESHOLD and s["steps"] >= 5 for s in st.values()) else None
+            ok = st and all(s["metrics"].get("test_accuracy", 0) >= THRESHOLD and s["steps"] >= 5 for s in st.values())
+            return st if ok else None
 
         t_end = time.monotonic() + 240
         st = _wait(lambda: converged(range(N)), t_end, f"all {N} peers above {THRESHOLD}")

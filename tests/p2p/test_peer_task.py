@@ -121,9 +121,11 @@ def _status(url: str, ctx: ssl.SSLContext | None) -> dict | None:
         return None
 
 
-def _wait(pred, seconds: float, what: str):
+def _wait(pred, seconds: float, what: str, procs: list[subprocess.Popen]):
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            pytest.fail(f"a peer exited (status {[p.poll() for p in procs]}) while waiting for {what}")
         got = pred()
         if got:
             return got
@@ -167,7 +169,7 @@ def _run_three(tmp_path: Path, data: list[str], tls: bool) -> tuple[list[list[di
             st = [_status(u, ctx) for u in urls]
             return st if all(s and s["steps"] >= 5 and s["merges"] >= 1 for s in st) else None
 
-        statuses = _wait(trained, 150, "3 peers to train 5 steps and merge")
+        statuses = _wait(trained, 150, "3 peers to train 5 steps and merge", procs)
     finally:
         _stop(procs)
     logs = "\n".join((tmp_path / f"peer{i}.log").read_text() for i in range(3))
@@ -228,12 +230,15 @@ def test_a_peer_with_another_model_is_refused_by_spec_hash_and_nothing_crashes(t
     task, config, files = _write_task(tmp_path, 2)
     ports = _free_ports(2)
     urls = [f"http://127.0.0.1:{p}" for p in ports]
-    hidden = [16, 8]  # the same task file with another width: another parameter spec
+    configs = []
+    for hidden in (16, 8):  # the same task file with another width: another parameter spec
+        configs.append(tmp_path / f"hidden{hidden}.toml")
+        configs[-1].write_text(config.read_text() + f"[task.args]\nhidden = {hidden}\n")
     procs = []
     try:
         for i in range(2):
             args = ["--insecure", "--listen", f"127.0.0.1:{ports[i]}", "--bootstrap", urls[1 - i], "--task", task,
-                    "-c", str(config), "--set", f"task.args.hidden={hidden[i]}", "--data", str(files[i]),
+                    "-c", str(configs[i]), "--data", str(files[i]),
                     "--out", str(tmp_path / f"out{i}")]
             procs.append(_start(args, tmp_path / f"peer{i}.log"))
 
@@ -241,7 +246,7 @@ def test_a_peer_with_another_model_is_refused_by_spec_hash_and_nothing_crashes(t
             st = [_status(u, None) for u in urls]
             return st if all(s and s["rejected"] >= 1 and s["steps"] >= 3 for s in st) else None
 
-        statuses = _wait(refused_both_ways, 120, "each peer to refuse the other's model")
+        statuses = _wait(refused_both_ways, 120, "each peer to refuse the other's model", procs)
     finally:
         _stop(procs)
     assert all(p.returncode == 0 for p in procs)
@@ -252,7 +257,7 @@ def test_a_peer_with_another_model_is_refused_by_spec_hash_and_nothing_crashes(t
         assert "Traceback" not in log
         assert statuses[i]["merges"] == 0  # nothing of the other model was mixed in
         # the receiver names both hashes; the sender is told the same in the 400 answer
-        refusal = [ln for ln in log.splitlines() if "refused a model" in ln]
+        refusal = [ln for ln in log.splitlines() if "refused a model: the model sent has spec hash" in ln]
         told = [ln for ln in log.splitlines() if "refused our model" in ln]
         assert refusal and hashes[i] in refusal[0] and hashes[1 - i] in refusal[0], log[-2000:]
         assert told and hashes[i] in told[0] and hashes[1 - i] in told[0], log[-2000:]
