@@ -51,7 +51,7 @@ from aiohttp import web
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.errors import Malformed, ShoalError, SpecMismatch, TooLarge, WireError
-from shoal.metrics import MetricsLog
+from shoal.metrics import MetricsLog, _clean
 from shoal.seeding import derive_seed
 from shoal.task import ClientData, num_examples, task_name
 from shoal.wire import default_max_bytes
@@ -271,7 +271,7 @@ class Peer:
     def status(self) -> dict[str, Any]:
         n = self.node
         return {"id": n.id, "task": task_name(self.trainer.task), "spec_hash": self.spec.hash, "steps": self.steps,
-                "age": n.age, "version": n.version, "merges": n.merges, "metrics": self.last_eval,
+                "age": n.age, "version": n.version, "merges": n.merges, "metrics": _clean(self.last_eval),
                 "view": n.membership.peers(), "suspected": sorted(n.membership.suspected()),
                 "bytes_sent": self.bytes_sent, "rejected": self.rejected, "bounded": n.bounded}
 

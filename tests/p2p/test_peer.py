@@ -207,3 +207,43 @@ def test_a_model_of_another_spec_is_refused_naming_both_hashes():
         await runner.cleanup()
 
     asyncio.run(main())
+
+
+class _Rows(torch.utils.data.Dataset):
+    """A map-style Dataset that is not a TensorDataset: the peer trains through a DataLoader."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_trains_and_evaluates_on_torch_datasets(tmp_path):
+    """Dataset train/test data (the DataLoader path) train the model and give one metrics
+    record with every default metric of the task on the peer's own test data."""
+    torch.manual_seed(0)
+    trainer = LocalTrainer(build_model("logreg", (8,), 3), Config().train)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(90, 8, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 1).long()
+    data = PeerData(_Rows(x[:60], y[:60]), _Rows(x[60:], y[60:]))
+    peer = Peer(Config(), trainer, data, PeerSettings("http://127.0.0.1:0", (), TOKEN, True, out_dir=tmp_path))
+
+    async def main() -> None:
+        before = peer.node.params.clone()
+        await peer.local_step()
+        assert not torch.equal(peer.node.params, before) and peer.node.num_examples == 60
+        await peer.evaluate()
+
+    asyncio.run(main())
+    from shoal.metrics import read_jsonl
+
+    (record,) = read_jsonl(tmp_path / "metrics.jsonl")
+    assert {"local_test_loss", "local_test_accuracy"} <= set(record) and record["local_test_num_examples"] == 30
+    assert not any(k.startswith("test_") for k in record)
+    assert peer.status()["metrics"]["local_test_accuracy"] == record["local_test_accuracy"]
