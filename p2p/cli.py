@@ -1,10 +1,18 @@
-"""`shoal peer`: start one gossip peer from the command line.
+"""`shoal peer`: start one gossip peer from the command line, with the user's task.
 
-``--data client:<i>`` selects client ``i`` of the federated split that the config's
-``[data]`` and ``[simulation]`` sections describe (``num_clients``, ``seed``): every
-peer started with the same config derives the same split, and peer ``i`` trains only on
-its own part. The peer reports accuracy on the split's global test set. (Shard files
-written by the server engineer's tooling are not read yet.)
+The peer's model comes from the task (``--task`` / ``[task] app``, else the built-in task
+of ``[model]`` + ``[data]``), initialised from ``simulation.seed`` through shoal.assembly,
+so every peer of a network starts from the same model. Its data:
+
+- ``--data PATH``: ``task.local_data(PATH)``, the peer's own training data and optional
+  test data, in whatever format the task reads (for the built-in task: a shard file of
+  ``shoal data split``);
+- ``--data client:<i>`` (a simulation convenience): client ``i`` of
+  ``task.simulation_data(simulation.num_clients, simulation.seed)``, its own test data
+  if the split gives per-client test sets, and the split's central test set if any.
+
+The deployed peer never imports shoal.simulations: the few lines that pick one client of
+a split live here.
 """
 
 from __future__ import annotations
@@ -17,12 +25,13 @@ from pathlib import Path
 
 import torch
 
+from shoal.assembly import initial_model, task_from_config
 from shoal.client.device import select_device
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
-from shoal.datasets import load_federated
 from shoal.errors import ConfigError, DataError
-from shoal.models import build_model
+from shoal.task import (ClientData, LocalData, SimulationData, Task, TaskError, as_tensors, call_part, check_data,
+                        check_loss, num_examples, task_name)
 from shoal.tls import client_context, server_context
 
 from .peer import Peer, PeerData, PeerSettings
@@ -38,18 +47,61 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host or "0.0.0.0", int(port)
 
 
-def load_peer_data(spec: str, cfg: Config, device: torch.device) -> tuple[PeerData, tuple[int, ...], int]:
-    """``client:<i>`` -> (that client's shard and the test set, input shape, classes)."""
-    kind, _, index = spec.partition(":")
-    if kind != "client" or not index.isdigit():
-        raise DataError(f"--data {spec!r}: expected client:<index>, a client of the config's [data] split")
-    data = load_federated(cfg.data, cfg.simulation.num_clients, cfg.simulation.seed)
-    i = int(index)
-    if i >= data.num_clients:
-        raise DataError(f"--data {spec!r}: the split has {data.num_clients} clients (0..{data.num_clients - 1})")
-    shard = data.client(i)
-    pd = PeerData(shard.x.to(device), shard.y.to(device), data.test.x.to(device), data.test.y.to(device))
-    return pd, data.input_shape, data.num_classes
+def _on_device(data: ClientData | None, device: torch.device) -> ClientData | None:
+    """Tensor data moved to the device once (the trainer slices it there); Datasets as they are."""
+    pair = as_tensors(data) if data is not None else None
+    return (pair[0].to(device), pair[1].to(device)) if pair is not None else data
+
+
+def _local_data(task: Task, path: Path) -> PeerData:
+    fix = (f"--data {str(path)!r} does not exist" if not path.exists() else
+           f"check that --data {str(path)!r} holds the data local_data() reads")
+    local = call_part(task, f"local_data({str(path)!r})", task.local_data, path, fix=fix)
+    if not isinstance(local, LocalData):
+        raise TaskError(f"task {task_name(task)}: local_data() returned a {type(local).__name__}; "
+                        "return shoal.task.LocalData(train=..., test=None)")
+    train = check_data(task, local.train, "local_data().train")
+    test = check_data(task, local.test, "local_data().test", allow_none=True)
+    return PeerData(train, test)  # type: ignore[arg-type]
+
+
+def _simulation_client(task: Task, spec: str, index: str, cfg: Config) -> PeerData:
+    """Client ``index`` of the task's simulation split: every peer with the same config derives
+    the same split and keeps only its own part."""
+    if not index.isdigit():
+        raise DataError(f"--data {spec!r}: expected client:<index> (a client of the task's simulation split) "
+                        "or a path the task's local_data() reads")
+    sim = cfg.simulation
+    split = call_part(task, "simulation_data(num_clients, seed)", task.simulation_data, sim.num_clients, sim.seed,
+                      fix="--data client:<i> needs simulation_data(); give the peer its own data with --data PATH")
+    if not isinstance(split, SimulationData):
+        raise TaskError(f"task {task_name(task)}: simulation_data() returned a {type(split).__name__}; "
+                        "return shoal.task.SimulationData(train=[one dataset per client], test=...)")
+    i, n = int(index), len(split.train)
+    if i >= n:
+        raise DataError(f"--data {spec!r}: the split has {n} clients (0..{n - 1})")
+    train = check_data(task, split.train[i], f"simulation_data().train[{i}]")
+    own = None
+    if split.client_test is not None:
+        if len(split.client_test) != n:
+            raise TaskError(f"task {task_name(task)}: client_test has {len(split.client_test)} entries for "
+                            f"{n} clients; give one (or None) per client")
+        own = check_data(task, split.client_test[i], f"simulation_data().client_test[{i}]", allow_none=True)
+    central = check_data(task, split.test, "simulation_data().test", allow_none=True)
+    return PeerData(train, own, central)  # type: ignore[arg-type]
+
+
+def load_peer_data(spec: str, cfg: Config, task: Task, device: torch.device) -> PeerData:
+    """``--data`` -> the peer's training data, its own test data and (client:<i>) the central test set."""
+    kind, sep, index = spec.partition(":")
+    if kind == "client" and sep:
+        data = _simulation_client(task, spec, index, cfg)
+    else:
+        data = _local_data(task, Path(spec).expanduser())
+    if num_examples(data.train) == 0:
+        raise DataError(f"--data {spec!r}: task {task_name(task)} gave no training examples")
+    return PeerData(_on_device(data.train, device), _on_device(data.test, device),  # type: ignore[arg-type]
+                    _on_device(data.central_test, device))
 
 
 def run_peer(cfg: Config, listen: str, bootstrap: str, data: str, token: str | None, advertise: str | None,
@@ -71,9 +123,15 @@ def run_peer(cfg: Config, listen: str, bootstrap: str, data: str, token: str | N
     me = advertise or f"{scheme}://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
     boot = tuple(b.strip().rstrip("/") for b in bootstrap.split(",") if b.strip() and b.strip().rstrip("/") != me)
     device = select_device(cfg.train.device)
-    peer_data, shape, classes = load_peer_data(data, cfg, device)
-    torch.manual_seed(cfg.simulation.seed)  # every peer starts from the same initial model
-    trainer = LocalTrainer(build_model(cfg.model.name, shape, classes), cfg.train, device)
+    task = task_from_config(cfg)
+    model = initial_model(cfg, task).to(device)  # seeded by simulation.seed: the same start on every peer
+    peer_data = load_peer_data(data, cfg, task, device)
+    check_loss(task, model, peer_data.train, device)  # before the trainer binds the gradients to its buffer
+    trainer = LocalTrainer(model, cfg.train, device, task=task)
+    log.info("task %s (spec hash %s): %d training examples, own test data %s, central test data %s",
+             task_name(task), trainer.spec.hash, num_examples(peer_data.train),
+             num_examples(peer_data.test) if peer_data.test is not None else "none",
+             num_examples(peer_data.central_test) if peer_data.central_test is not None else "none")
     peer = Peer(cfg, trainer, peer_data, PeerSettings(me, boot, token, insecure, ssl_server, ssl_client, out))
 
     async def main() -> None:

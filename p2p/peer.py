@@ -1,6 +1,7 @@
 """The gossip peer service (`shoal peer`): aiohttp transport around GossipNode and Membership.
 
-One peer trains on its own shard every ``gossip.period`` seconds, then pushes its model
+One peer trains on its own data (the task's, shoal/task.py) every ``gossip.period`` seconds,
+then pushes its model
 to a peer drawn from its Cyclon view (``POST /gossip``, safetensors body, the answer is
 the other's pre-merge model) and shuffles views (``POST /shuffle``, JSON). The protocol
 decisions all live in the sans-I/O objects of p2p/; this module only moves bytes.
@@ -9,7 +10,9 @@ Every request carries the network credential (``Authorization: Bearer TOKEN``, o
 token shared by the peers of a network); a request without it gets 401. Every model
 that arrives is validated by shoal.wire (size, spec hash, dtype, shape, finite) and its
 header fields (age, num_examples, sender) are type-checked before anything is merged;
-a bad one gets 4xx ``{"error": code, "detail": message}`` and the model is untouched.
+a bad one gets 4xx ``{"error": code, "detail": message}`` and the model is untouched. A
+model of another spec (a peer running another task) gets 400 ``spec_mismatch`` naming both
+spec hashes, even when it is also over the size limit, and the sender logs that detail.
 Models travel as ``[compression]`` says (p2p/model_wire.py: dense or q8, optionally
 zstd; the header names the encoding, so peers with different settings understand each
 other), and a merge bounds the received model's pull to ``robust.norm_bound`` if set
@@ -21,6 +24,12 @@ the same peer to the others; after a restart it has an empty view, refills it fr
 ``--bootstrap`` and catches up by merging (the age-gap rule adopts a model far ahead).
 Training runs on the event loop between requests (it is short: one round of local
 work); requests that arrive meanwhile wait for it.
+
+Every ``simulation.eval_every`` local steps (and the last) the peer evaluates its current
+model with every metric the task gives: ``test_<metric>`` on the central test set (only
+with ``--data client:<i>`` when the split has one), ``local_test_<metric>`` and
+``local_test_num_examples`` on its own test data; one metrics.jsonl record, and
+``metrics`` in ``GET /status``.
 """
 
 from __future__ import annotations
@@ -30,20 +39,21 @@ import hmac
 import json
 import logging
 import ssl
+import struct
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
-import torch
 from aiohttp import web
 
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
-from shoal.errors import Malformed, ShoalError, WireError
-from shoal.metrics import MetricsLog
+from shoal.errors import Malformed, ShoalError, SpecMismatch, TooLarge, WireError
+from shoal.metrics import MetricsLog, _clean
 from shoal.seeding import derive_seed
+from shoal.task import ClientData, num_examples, task_name
 from shoal.wire import default_max_bytes
 
 from .gossip import GossipNode, ModelMessage
@@ -60,12 +70,13 @@ MAX_ID_CHARS = 256
 
 @dataclass
 class PeerData:
-    """A peer's private shard and the test set it reports accuracy on."""
+    """A peer's own data: what it trains on, its own test data (optional) and, in a
+    simulation-style run (``--data client:<i>``), the split's central test set (optional).
+    Each is an (x, y) tensor pair or a torch Dataset (shoal.task.ClientData)."""
 
-    x: torch.Tensor
-    y: torch.Tensor
-    test_x: torch.Tensor
-    test_y: torch.Tensor
+    train: ClientData
+    test: ClientData | None = None
+    central_test: ClientData | None = None
 
 
 @dataclass
@@ -81,6 +92,39 @@ class PeerSettings:
 
 def _error(status: int, code: str, detail: str) -> web.Response:
     return web.json_response({"error": code, "detail": detail}, status=status)
+
+
+class Refused(ShoalError):
+    """The other peer answered our message with an error (its code and detail)."""
+
+    def __init__(self, status: int, code: str, detail: str):
+        super().__init__(f"HTTP {status} {code}: {detail}")
+        self.status, self.code, self.detail = status, code, detail
+
+
+def _refusal(status: int, body: bytes) -> Refused:
+    try:
+        data = json.loads(body)
+        return Refused(status, str(data["error"]), str(data.get("detail", ""))[:500])
+    except (ValueError, KeyError, TypeError):
+        return Refused(status, "error", body[:200].decode(errors="replace"))
+
+
+def _peek_spec_hash(body: bytes | bytearray) -> str | None:
+    """The ``spec_hash`` in a message's header, read from its first bytes (None if there is none)."""
+    try:
+        hlen = struct.unpack("<Q", bytes(body[:8]))[0]
+        if hlen > len(body) - 8:
+            return None
+        meta = json.loads(bytes(body[8 : 8 + hlen]))["__metadata__"]["shoal"]
+        value = json.loads(meta).get("spec_hash")
+    except (struct.error, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
+class _BodyTooLarge(TooLarge):
+    """A request body over the peer's limit (HTTP 413)."""
 
 
 def _check_id(value: Any, key: str) -> str:
@@ -109,7 +153,7 @@ class Peer:
         membership = Membership(settings.advertise, g.view_size, g.shuffle_length, g.timeout, g.max_failures,
                                 quarantine=max(30.0, 10 * g.period), seed=seed, bootstrap_peers=settings.bootstrap)
         params = trainer.flat.detach().clone()
-        self.node = GossipNode(membership, params, int(data.y.shape[0]),
+        self.node = GossipNode(membership, params, num_examples(data.train),
                                MergeRule(g.merge, g.staleness_exponent, g.max_age_gap, cfg.robust.norm_bound,
                                          g.bound_mode),
                                g.timeout)
@@ -117,7 +161,8 @@ class Peer:
         self.bytes_sent = 0
         self.rejected = 0
         self._sent = 0  # messages encoded: seeds q8's stochastic rounding
-        self.accuracy = float("nan")
+        self.train_loss: float | None = None
+        self.last_eval: dict[str, float] = {}  # the latest evaluation's metrics (GET /status)
         self.metrics = MetricsLog(settings.out_dir) if settings.out_dir else None
         self._lock = asyncio.Lock()
         self._session: aiohttp.ClientSession | None = None
@@ -155,17 +200,33 @@ class Peer:
                             _check_int(header, "age", 0), header["version"], _check_int(header, "num_examples", 1),
                             reply)
 
+    def _check_spec_hash(self, body: bytes | bytearray) -> None:
+        theirs = _peek_spec_hash(body)
+        if theirs is not None and theirs != self.spec.hash:
+            raise SpecMismatch(f"the model sent has spec hash {theirs!r}, this peer's model {self.spec.hash!r}: "
+                               "another task, [task.args] or architecture; the peers of one network must run "
+                               "the same task and config")
+
+    async def _read_model(self, request: web.Request) -> bytes:
+        """The body, read up to the size limit. A model of a peer that runs another task is
+        refused for its spec hash, even when it is also too large: that says what is wrong."""
+        buf = bytearray()
+        while chunk := await request.content.read(1 << 16):
+            buf += chunk
+            if len(buf) > self.max_bytes:
+                self._check_spec_hash(buf)
+                raise _BodyTooLarge(f"body over the limit of {self.max_bytes} bytes")
+        self._check_spec_hash(buf)
+        return bytes(buf)
+
     async def handle_gossip(self, request: web.Request) -> web.Response:
         try:
-            body = await request.read()
+            body = await self._read_model(request)
             msg = self._decode(body, self.node.id, reply=False)
-        except web.HTTPRequestEntityTooLarge:
-            self.rejected += 1
-            return _error(413, "too_large", f"body over the limit of {self.max_bytes} bytes")
         except WireError as e:
             self.rejected += 1
-            log.warning("rejected a model: %s", e)
-            return _error(400, e.code, str(e))
+            log.warning("refused a model: %s", e)
+            return _error(413 if isinstance(e, _BodyTooLarge) else 400, e.code, str(e))
         if msg.sender == self.node.id:
             return _error(400, "malformed", "a peer does not gossip with itself")
         async with self._lock:
@@ -209,8 +270,8 @@ class Peer:
 
     def status(self) -> dict[str, Any]:
         n = self.node
-        return {"id": n.id, "steps": self.steps, "age": n.age, "version": n.version, "merges": n.merges,
-                "accuracy": None if self.accuracy != self.accuracy else self.accuracy,
+        return {"id": n.id, "task": task_name(self.trainer.task), "spec_hash": self.spec.hash, "steps": self.steps,
+                "age": n.age, "version": n.version, "merges": n.merges, "metrics": _clean(self.last_eval),
                 "view": n.membership.peers(), "suspected": sorted(n.membership.suspected()),
                 "bytes_sent": self.bytes_sent, "rejected": self.rejected, "bounded": n.bounded}
 
@@ -226,7 +287,7 @@ class Peer:
                                       ssl=self.s.ssl_client) as r:
             data = await r.read()
             if r.status != 200:
-                raise aiohttp.ClientResponseError(r.request_info, (), status=r.status, message=data[:200].decode(errors="replace"))
+                raise _refusal(r.status, data)
             return data
 
     async def exchange(self) -> None:
@@ -239,7 +300,10 @@ class Peer:
             data = await self._post(msg.target.rstrip("/") + "/gossip", self._encode(msg), "application/octet-stream")
             answer = self._decode(data, self.node.id, reply=True)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ShoalError) as e:
-            log.info("exchange with %s failed: %s", msg.target, e)
+            if isinstance(e, Refused) and e.code == "spec_mismatch":
+                log.warning("%s refused our model: %s", msg.target, e.detail)
+            else:
+                log.info("exchange with %s failed: %s", msg.target, e)
             async with self._lock:
                 self.node.on_failure(msg.target, asyncio.get_running_loop().time())
             return
@@ -269,19 +333,34 @@ class Peer:
     async def local_step(self) -> None:
         async with self._lock:
             seed = derive_seed(self.cfg.simulation.seed, self.steps, zlib.crc32(self.node.id.encode()))
-            self.trainer.train(self.node.params, self.data.x, self.data.y, seed)
+            update = self.trainer.fit(self.node.params, self.data.train, seed)
+            self.train_loss = update.metrics.get("train_loss")
             self.node.local_update(self.trainer.flat)
             self.steps += 1
 
+    def evaluation(self) -> dict[str, float]:
+        """Every metric the task gives for the current (merged) model: ``test_<metric>`` on
+        the central test set, ``local_test_<metric>`` (+ ``local_test_num_examples``) on the
+        peer's own test data; empty when the peer has neither."""
+        out: dict[str, float] = {}
+        if self.data.central_test is not None:
+            ev = self.trainer.evaluate_data(self.node.params, self.data.central_test)
+            out.update({f"test_{k}": v for k, v in ev.items() if k != "num_examples"})
+        if self.data.test is not None:
+            ev = self.trainer.evaluate_data(self.node.params, self.data.test)
+            out.update({f"local_test_{k}": v for k, v in ev.items() if k != "num_examples"})
+            out["local_test_num_examples"] = int(ev["num_examples"])
+        return out
+
     async def evaluate(self) -> None:
-        """Accuracy of the current (merged) model on the test set; one metrics record."""
+        """Evaluate the current model; one metrics record (with age, view size, bytes sent)."""
         async with self._lock:
-            ev = self.trainer.evaluate(self.node.params, self.data.test_x, self.data.test_y)
-            self.accuracy = ev["accuracy"]
+            self.last_eval = self.evaluation()
         if self.metrics:
-            self.metrics.write({"round": self.steps, "test_accuracy": ev["accuracy"], "test_loss": ev["loss"],
-                                "age": self.node.age, "view_size": len(self.node.membership.view),
-                                "bytes_sent": self.bytes_sent})
+            self.metrics.write({"round": self.steps, **self.last_eval, "train_loss": self.train_loss,
+                                "age": self.node.age, "merges": self.node.merges,
+                                "view_size": len(self.node.membership.view), "bytes_sent": self.bytes_sent,
+                                "rejected": self.rejected})
 
     async def run(self, host: str, port: int, stop: asyncio.Event) -> None:
         """Serve on host:port and gossip every ``period`` seconds until ``stop`` is set
@@ -297,10 +376,12 @@ class Peer:
             while not stop.is_set():
                 await self.local_step()
                 await asyncio.gather(self.exchange(), self.shuffle())
-                await self.evaluate()
+                last = bool(self.g.rounds) and self.steps >= self.g.rounds
+                if last or self.steps % self.cfg.simulation.eval_every == 0:
+                    await self.evaluate()
                 async with self._lock:
                     self.node.expire(asyncio.get_running_loop().time())
-                if self.g.rounds and self.steps >= self.g.rounds:
+                if last:
                     break
                 try:
                     await asyncio.wait_for(stop.wait(), self.g.period)

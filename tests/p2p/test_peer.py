@@ -29,7 +29,7 @@ def _peer(url: str, ssl_server=None, ssl_client=None, cfg: Config | None = None)
     trainer = LocalTrainer(build_model("logreg", (60,), 10), cfg.train)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(40, 60, generator=g), torch.randint(0, 10, (40,), generator=g)
-    return Peer(cfg, trainer, PeerData(x, y, x, y), PeerSettings(url, (), TOKEN, False, ssl_server, ssl_client))
+    return Peer(cfg, trainer, PeerData((x, y), (x, y)), PeerSettings(url, (), TOKEN, False, ssl_server, ssl_client))
 
 
 async def _serve(peer: Peer, ctx) -> tuple[web.AppRunner, int]:
@@ -133,7 +133,7 @@ def test_two_peers_exchange_and_shuffle_over_https(tmp_path):
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("args, message", [
     (["--data", "client:0"], "--insecure"),
-    (["--data", "shard.bin", "--insecure"], "client:<index>"),
+    (["--data", "shard.bin", "--insecure"], "--data 'shard.bin' not found"),  # the built-in task reads shard files
     (["--data", "client:99", "--insecure"], "the split has 30 clients"),
 ])
 def test_peer_command_refuses_what_it_cannot_run(args, message):
@@ -177,3 +177,73 @@ def test_q8_models_over_http_and_a_rejecting_merge():
         await runner.cleanup()
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_model_of_another_spec_is_refused_naming_both_hashes():
+    """A peer running another task sends a smaller or a larger model than ours (the larger one
+    over our body limit): both get 400 spec_mismatch with the two spec hashes, not a bare 413,
+    and our model is untouched."""
+    from shoal.params import ParamSpec
+
+    async def main() -> None:
+        peer = _peer("http://127.0.0.1:0")
+        runner, port = await _serve(peer, None)
+        url = f"http://127.0.0.1:{port}/gossip"
+        auth = {"Authorization": f"Bearer {TOKEN}"}
+        before = peer.node.params.clone()
+        extra = {"age": 3, "num_examples": 10, "sender": "http://127.0.0.1:1"}
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
+            for inputs in (20, 40_000):
+                other = ParamSpec.of(build_model("logreg", (inputs,), 10))
+                body = encode_gossip_model(torch.zeros(other.numel), other, 1, extra)
+                assert (len(body) > peer.max_bytes) == (inputs > 20)
+                async with s.post(url, data=body, headers=auth) as r:
+                    assert r.status == 400, inputs
+                    answer = await r.json()
+                assert answer["error"] == "spec_mismatch"
+                assert other.hash in answer["detail"] and peer.spec.hash in answer["detail"], answer
+        assert torch.equal(peer.node.params, before) and peer.rejected == 2
+        await runner.cleanup()
+
+    asyncio.run(main())
+
+
+class _Rows(torch.utils.data.Dataset):
+    """A map-style Dataset that is not a TensorDataset: the peer trains through a DataLoader."""
+
+    def __init__(self, x: torch.Tensor, y: torch.Tensor):
+        self.x, self.y = x, y
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i]
+
+
+@pytest.mark.timeout(60)
+def test_a_peer_trains_and_evaluates_on_torch_datasets(tmp_path):
+    """Dataset train/test data (the DataLoader path) train the model and give one metrics
+    record with every default metric of the task on the peer's own test data."""
+    torch.manual_seed(0)
+    trainer = LocalTrainer(build_model("logreg", (8,), 3), Config().train)
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(90, 8, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 1).long()
+    data = PeerData(_Rows(x[:60], y[:60]), _Rows(x[60:], y[60:]))
+    peer = Peer(Config(), trainer, data, PeerSettings("http://127.0.0.1:0", (), TOKEN, True, out_dir=tmp_path))
+
+    async def main() -> None:
+        before = peer.node.params.clone()
+        await peer.local_step()
+        assert not torch.equal(peer.node.params, before) and peer.node.num_examples == 60
+        await peer.evaluate()
+
+    asyncio.run(main())
+    from shoal.metrics import read_jsonl
+
+    (record,) = read_jsonl(tmp_path / "metrics.jsonl")
+    assert {"local_test_loss", "local_test_accuracy"} <= set(record) and record["local_test_num_examples"] == 30
+    assert not any(k.startswith("test_") for k in record)
+    assert peer.status()["metrics"]["local_test_accuracy"] == record["local_test_accuracy"]

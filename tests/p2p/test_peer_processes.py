@@ -78,11 +78,12 @@ def test_eight_peers_converge_survive_kills_and_rejoin(tmp_path):
 
         def converged(idx):
             st = statuses(idx)
-            return st if st and all((s["accuracy"] or 0) >= THRESHOLD and s["steps"] >= 5 for s in st.values()) else None
+            ok = st and all(s["metrics"].get("test_accuracy", 0) >= THRESHOLD and s["steps"] >= 5 for s in st.values())
+            return st if ok else None
 
         t_end = time.monotonic() + 240
         st = _wait(lambda: converged(range(N)), t_end, f"all {N} peers above {THRESHOLD}")
-        print({i: round(s["accuracy"], 3) for i, s in st.items()})
+        print({i: round(s["metrics"]["test_accuracy"], 3) for i, s in st.items()})
         assert all(len(s["view"]) >= 2 for s in st.values())
 
         dead = {2, 5}
@@ -107,10 +108,10 @@ def test_eight_peers_converge_survive_kills_and_rejoin(tmp_path):
             if not st:
                 return None
             known = sum(urls[2] in st[i]["view"] for i in live)
-            return st if known >= 1 and (st[2]["accuracy"] or 0) >= THRESHOLD else None
+            return st if known >= 1 and st[2]["metrics"].get("test_accuracy", 0) >= THRESHOLD else None
 
         st = _wait(rejoined, time.monotonic() + 120, "peer 2 to rejoin and catch up")
-        print({i: round(s["accuracy"], 3) for i, s in st.items()})
+        print({i: round(s["metrics"]["test_accuracy"], 3) for i, s in st.items()})
     finally:
         for p in procs.values():
             if p.poll() is None:
