@@ -110,14 +110,15 @@ class Node:
         self.poll_s = poll_s
         # The same initial model as the server (simulation.seed): frozen parameters and
         # client-local buffers never travel, so they must start equal everywhere.
-        self.trainer = make_trainer(cfg, self.task, initial_model(cfg, self.task), device)
+        model = initial_model(cfg, self.task).to(device)
         self.train = self._held(check_data(self.task, data.train, "local_data().train"), device)
         self.test = self._held(check_data(self.task, data.test, "local_data().test", allow_none=True), device)
         if num_examples(self.train) == 0:
             raise TaskError(f"task {task_name(self.task)}: local_data().train has no examples")
         if self.test is not None and num_examples(self.test) == 0:
             self.test = None
-        check_loss(self.task, self.trainer.model, self.train, self.trainer.device)
+        check_loss(self.task, model, self.train, torch.device(device))  # before the trainer binds the gradients
+        self.trainer = make_trainer(cfg, self.task, model, device)
         self.compressor = Compressor(cfg.compression)  # [compression]: the upload's encoding
         self.zstd_level = cfg.compression.zstd_level if cfg.compression.zstd else 0
         self.stop = asyncio.Event()
