@@ -38,6 +38,9 @@ def run_server(cfg: Config, insecure: bool = False, fresh: bool = False) -> None
     from .registry import Registry
     from .service import ServerService
 
+    from shoal.assembly import task_from_config
+
+    task = task_from_config(cfg)  # a task that does not load is one line, before anything starts
     s = cfg.server
     if s.tls_cert:
         ctx = server_context(s.tls_cert, s.tls_key)
@@ -49,7 +52,7 @@ def run_server(cfg: Config, insecure: bool = False, fresh: bool = False) -> None
                           "or pass --insecure for plain HTTP on a trusted network")
     registry = Registry(s.db)
     try:
-        service = ServerService(cfg, resume=not fresh)
+        service = ServerService(cfg, resume=not fresh, task=task)
         asyncio.run(serve(service, registry, ctx))
     finally:
         registry.close()

@@ -29,7 +29,7 @@ from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMismatch, UpdateRejected
 from shoal.metrics import _clean
 from shoal.rounds import SyncRounds
-from shoal.task import call_part, check_data
+from shoal.task import Task, call_part, check_data
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -110,7 +110,7 @@ def spec_mismatch_detail(node_hash: str, server_hash: str) -> str:
 class ServerService:
     """One aggregator: its model, rounds, nodes seen, checkpoints and metrics."""
 
-    def __init__(self, cfg: Config, resume: bool = True):
+    def __init__(self, cfg: Config, resume: bool = True, task: Task | None = None):
         if cfg.privacy.mode != "none":  # refuse rather than train without the privacy the user asked for
             raise ConfigError(
                 f"privacy.mode = {cfg.privacy.mode!r}: shoal server does not apply differential privacy yet "
@@ -120,7 +120,7 @@ class ServerService:
         s = cfg.server
         # The model comes from the task alone (shoal.assembly): the same seed gives the
         # same initial model as `shoal simulate` and as every node.
-        self.task = task_from_config(cfg)
+        self.task = task if task is not None else task_from_config(cfg)
         self.trainer = LocalTrainer(initial_model(cfg, self.task), cfg.train, "cpu", task=self.task)
         self.spec = self.trainer.spec
         # A central test set only when the task has one (the built-in task: the dataset's
