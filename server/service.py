@@ -143,7 +143,7 @@ class ServerService:
             self.rounds = make_async_rounds(cfg, flat, self.spec.numel)
         self.fed_every = cfg.simulation.eval_every
         self.fed: dict[int, FedVersion] = {}  # versions whose federated evaluation is open
-        self.fed_closed = -1  # every version up to this one is closed
+        self.fed_finished = False  # the final version's evaluation is written
         self.last_fed: dict[str, Any] = {}
         self.ckpt_dir = Path(s.checkpoint_dir)
         self.out_dir = Path(s.out_dir)
@@ -188,7 +188,8 @@ class ServerService:
             waiting |= final.asked - final.reported
         if waiting and now - self.done_at <= self.cfg.server.poll_s + 5:
             return False
-        self._close_fed(self.version)
+        self._close_fed(lambda v: True)
+        self.fed_finished = True
         return True
 
     def connected(self, now: float) -> list[str]:
@@ -247,7 +248,7 @@ class ServerService:
 
     def wants_fed(self, version: int) -> bool:
         """Versions the nodes evaluate: every ``simulation.eval_every``-th, and the last."""
-        return version > self.fed_closed and version >= 1 and (
+        return not self.fed_finished and version >= 1 and (
             version % self.fed_every == 0 or version >= self.cfg.server.rounds)
 
     def _with_eval(self, answer: dict[str, Any], node: str, evaluates: bool) -> dict[str, Any]:
@@ -269,7 +270,7 @@ class ServerService:
             if version > self.version:
                 raise UpdateRejected("unknown_version", f"version {version} is newer than the server's {self.version}")
             if fed is None or node not in fed.asked:
-                what = "closed" if version <= self.fed_closed else "not asked of this node"
+                what = "closed" if fed is None else "not asked of this node"
                 raise UpdateRejected("eval_not_open", f"evaluation of version {version} is {what} (the server is at "
                                      f"version {self.version}); report only versions a task said to evaluate")
             if node in fed.reported:
@@ -285,11 +286,32 @@ class ServerService:
         for name, v in metrics.items():
             fed.sums[name] = fed.sums.get(name, 0.0) + v * n
             fed.counts[name] = fed.counts.get(name, 0) + n
+        if self.done:
+            self.finished(now)  # the last report of the final version writes it at once
+        else:
+            self._settle_fed()
         return {"status": "accepted", "version": version}
 
-    def _close_fed(self, upto: int) -> None:
-        """Write the federated evaluation of every open version <= ``upto`` (if any node reported)."""
-        for v in sorted(k for k in self.fed if k <= upto):
+    def _fed_pending(self, v: int, fed: FedVersion) -> bool:
+        """A node asked to evaluate version ``v`` has not reported yet and still may: it holds
+        a task from ``v`` (async: until that task is too stale to be taken)."""
+        waiting = fed.asked - fed.reported
+        r = self.rounds
+        if not waiting:
+            return False
+        if isinstance(r, AsyncRounds):
+            if r.max_staleness is not None and self.version - v > r.max_staleness:
+                return False
+            return any((t := r.outstanding.get(n)) is not None and t.version == v for n in waiting)
+        return r.open and r.version == v and any(n in r.selected and n not in r.received for n in waiting)
+
+    def _settle_fed(self) -> None:
+        """Write the evaluations of older versions that no node can still report."""
+        self._close_fed(lambda v: v < self.version and not self._fed_pending(v, self.fed[v]))
+
+    def _close_fed(self, which) -> None:
+        """Write the federated evaluation of every open version ``which(v)`` selects (if any node reported)."""
+        for v in sorted(k for k in self.fed if which(k)):
             fed = self.fed.pop(v)
             if not fed.reported:
                 continue
@@ -301,7 +323,6 @@ class ServerService:
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(self.last_fed) + "\n")
             log.info("version %d, federated evaluation: %s", v, json.dumps(self.last_fed))
-        self.fed_closed = max(self.fed_closed, upto)
 
     def secure(self, node: str, now: float) -> SecureRound:
         """The open round's secure aggregation, for the /v1/secagg routes."""
@@ -345,6 +366,8 @@ class ServerService:
         self.counters.bytes_received += len(body)
         if advanced:  # async: the update completed a new version
             self._new_version({"updates_accepted": self.rounds.stats.accepted})
+        elif self.fed:
+            self._settle_fed()  # this node's task from an older version is over
         return {"status": "accepted", "round": self._round, "version": self.version}
 
     def refused(self, code: str) -> None:
@@ -409,7 +432,7 @@ class ServerService:
         record["elapsed_s"] = round(time.perf_counter() - self._t0, 4)
         self.last_record = _clean(record)
         self._checkpoint()  # first: a crash between the two loses a log line, never a version
-        self._close_fed(self.version - 1)  # the nodes evaluated older versions before training on them
+        self._settle_fed()  # the nodes evaluated older versions before training on them
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(self.last_record) + "\n")
         log.info("version %d: %s", self.version, json.dumps(self.last_record))
@@ -434,7 +457,6 @@ class ServerService:
         self.rounds.load_state_dict(_join_tensors(state["rounds"], tensors))
         self.last_record = state.get("last_record", {})
         self.last_fed = state.get("last_fed", {})
-        self.fed_closed = self.version - 1  # evaluations open at the crash are lost
         self.resumed_from = path
         log.info("resumed from %s: version %d, round %d", path, self.version, self._round)
 

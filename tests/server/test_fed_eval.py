@@ -166,3 +166,41 @@ def test_server_of_a_user_task_evaluates_only_the_central_data_it_is_given(tmp_p
         assert record["test_mse"] > 0
     # the server asked the task for its central test data, and for nothing else
     assert sorted(p.name.split("-")[0] for p in marks.iterdir()) == ["central_test_data"]
+
+
+def test_async_nodes_with_test_data_report_federated_evaluations(tmp_path):
+    """FedBuff (K = 2) with three in-process nodes of the built-in task, each with its own
+    test split: evaluations of versions 1..3 and the final version 4 reach metrics.jsonl
+    and /v1/status; the central evaluation goes on beside them."""
+    import torch
+
+    from shoal.client.node import Node
+    from shoal.task import LocalData
+
+    names = ["n0", "n1", "n2"]
+    gen = torch.Generator().manual_seed(0)
+
+    def data(n):
+        return torch.randn(n, 60, generator=gen), torch.randint(0, 10, (n,), generator=gen)
+
+    async def scenario():
+        async with live_server(tmp_path, names, clock=True, sections={"asynchronous": {"buffer_size": 2}},
+                               mode="async", rounds=4, poll_s=1.0, eval=True) as live:
+            cfg = config_from_dict({"model": {"name": "logreg"}, "train": {"batch_size": 10, "lr": 0.05}})
+            nodes = [Node(live.url, live.tokens[n], LocalData(train=data(30), test=data(10 + 5 * i)), cfg,
+                          torch.device("cpu"), None, poll_s=1.0, name=n) for i, n in enumerate(names)]
+            assert await asyncio.wait_for(asyncio.gather(*(n.run() for n in nodes)), 60) == [0, 0, 0]
+            return live.service
+
+    svc = asyncio.run(asyncio.wait_for(scenario(), 90))
+    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    versions = [r for r in records if "evaluation" not in r]
+    fed = [r for r in records if r.get("evaluation") == "federated"]
+    assert [r["version"] for r in versions] == [1, 2, 3, 4]
+    assert all(0 <= r["test_accuracy"] <= 1 for r in versions)  # the built-in task's central test split
+    assert fed and fed[-1]["version"] == 4 and fed[-1]["fed_nodes"] == 3
+    assert fed[-1]["fed_num_examples"] == 10 + 15 + 20
+    for r in fed:
+        assert 0 <= r["fed_accuracy"] <= 1 and r["fed_loss"] > 0 and 1 <= r["fed_nodes"] <= 3
+    assert svc.status(time.monotonic())["last_federated"] == fed[-1]
+    assert "shoal_fed_accuracy" in svc.prometheus(time.monotonic())
