@@ -3,9 +3,10 @@
 The model, loss and data come from the task (shoal/task.py), built through
 shoal.assembly exactly as the server builds it. Only the update (a parameter delta,
 the example count and training metrics) and, when asked, the metrics of the global
-model on the node's own test data leave the node; the data never does. Network failures and server restarts are retried
-with exponential backoff and full jitter (AWS architecture blog, "Exponential Backoff
-And Jitter", 2015); a bad token, a revoked node or an untrusted certificate are not
+model on the node's own test data leave the node; the data never does. Network
+failures and server restarts are retried with exponential backoff and full jitter
+(AWS architecture blog, "Exponential Backoff And Jitter", 2015); a bad token, a
+revoked node, an untrusted certificate or another model than the server's are not
 retried. SIGINT/SIGTERM let the current step finish, then the node exits.
 """
 
@@ -29,7 +30,7 @@ from shoal.assembly import initial_model, make_trainer, task_from_config
 from shoal.config import Config
 from shoal.errors import ShoalError, SpecMismatch
 from shoal.params import ParamSpec
-from shoal.shards import Shard, load_shard
+from shoal.shards import Shard
 from shoal.task import (ClientData, LocalData, Task, TaskError, as_tensors, call_part, check_data, check_loss,
                         num_examples, task_name)
 from shoal.tasks import BuiltinTask

@@ -204,3 +204,29 @@ def test_async_nodes_with_test_data_report_federated_evaluations(tmp_path):
         assert 0 <= r["fed_accuracy"] <= 1 and r["fed_loss"] > 0 and 1 <= r["fed_nodes"] <= 3
     assert svc.status(time.monotonic())["last_federated"] == fed[-1]
     assert "shoal_fed_accuracy" in svc.prometheus(time.monotonic())
+
+
+def test_a_node_stops_on_a_model_download_of_another_spec(tmp_path):
+    """Should a server's model differ anyway, the download says both hashes and the first
+    tensor that differs, in one NodeError line (never retried)."""
+    import aiohttp
+    import torch
+
+    from shoal.client.node import Node, NodeError
+    from shoal.shards import Shard
+
+    async def scenario():
+        async with live_server(tmp_path, NODES) as live:
+            cfg = config_from_dict({"model": {"name": "logreg"}})
+            shard = Shard("n0", torch.randn(8, 30), torch.randint(0, 10, (8,)), 10)  # 30 features, server 60
+            node = Node(live.url, live.tokens["n0"], shard, cfg, torch.device("cpu"), None, poll_s=1.0)
+            assert node.trainer.spec.hash != live.service.spec.hash
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {live.tokens['n0']}"}) as http:
+                node.http = http
+                with pytest.raises(NodeError) as err:
+                    await node._get_model(0)
+            return str(err.value), node.trainer.spec.hash, live.service.spec.hash
+
+    msg, mine, theirs = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert mine in msg and theirs in msg and "[10, 60]" in msg and "[10, 30]" in msg and "same task" in msg
+    assert "\n" not in msg
