@@ -1,4 +1,4 @@
-"""`shoal client`: join a server as a node and train on a local shard."""
+"""`shoal client`: join a server as a node and train on this node's own data."""
 
 from __future__ import annotations
 
@@ -14,34 +14,48 @@ from shoal.errors import ConfigError
 def client(
     server: str = typer.Option(..., "--server", help="Server URL, e.g. https://host:8443"),
     token_file: Path = typer.Option(..., "--token-file", help="File holding this node's token."),
-    data: Path = typer.Option(..., "--data", help="Shard file (or a folder with one) from `shoal data split`."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML with [model] and [train]."),
+    data: Path = typer.Option(..., "--data", help="This node's data, read by the task's local_data() (built-in "
+                              "task: a shard file, or a folder with one, from `shoal data split`)."),
+    task: Optional[str] = typer.Option(None, "--task", "-t", help="Your task: path/to/file.py:name or "
+                                       "package.module:name (default: [task] app, else the built-in task); "
+                                       "the server's task and model."),
+    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML with [task] (or [model]) and [train]."),
     set_: Optional[list[str]] = typer.Option(None, "--set", help="Override: section.key=value (repeatable)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
     ca_cert: Optional[Path] = typer.Option(None, "--ca-cert", help="Trust only this CA (a private deployment)."),
-    name: str = typer.Option("", "--name", help="Name for the logs (default: the shard's client id)."),
+    name: str = typer.Option("", "--name", help="Name for the logs (default: the shard's client id, else the "
+                             "--data file's name)."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Long-poll for work, train locally, upload the update; the data never leaves this node."""
-    from shoal.cli import setup_logging
+    from shoal.assembly import task_from_config
+    from shoal.cli import setup_logging, with_task
     from shoal.client.device import select_device
     from shoal.config import load_config
     from shoal.shards import load_shard
+    from shoal.tasks import BuiltinTask
     from shoal.tls import client_context
 
-    from .node import Node
+    from .node import Node, builtin_local_data, read_local_data
 
     setup_logging(verbose)
     if not token_file.is_file():
         raise ConfigError(f"--token-file {str(token_file)!r} not found")
     token = token_file.read_text().strip()
-    cfg = load_config(config, set_ or [])
+    cfg = load_config(config, with_task(set_, task))
     if server.startswith("https://"):
         ctx = client_context(ca_cert)
     elif server.startswith("http://"):
         ctx = None
     else:
         raise ConfigError(f"--server {server!r} must start with https:// (or http:// for an --insecure server)")
-    node = Node(server, token, load_shard(data), cfg, select_device(device), ctx,
-                poll_s=cfg.server.poll_s, name=name)
+    the_task = task_from_config(cfg)
+    if isinstance(the_task, BuiltinTask) and not cfg.task.app:  # a shard of `shoal data split`, as before tasks
+        shard = load_shard(data)
+        local = builtin_local_data(the_task, shard)
+        name = name or shard.client_id
+    else:
+        local = read_local_data(the_task, data)
+    node = Node(server, token, local, cfg, select_device(device), ctx, poll_s=cfg.server.poll_s,
+                name=name or data.stem, task=the_task)
     raise typer.Exit(asyncio.run(node.run()))

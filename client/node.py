@@ -1,9 +1,12 @@
-"""A client node: ask the server for work, train on the local shard, send the update.
+"""A client node: ask the server for work, train on its own data, send the update.
 
-Only the update (a parameter delta, the example count and training metrics) leaves
-the node; the shard never does. Network failures and server restarts are retried
-with exponential backoff and full jitter (AWS architecture blog, "Exponential Backoff
-And Jitter", 2015); a bad token, a revoked node or an untrusted certificate are not
+The model, loss and data come from the task (shoal/task.py), built through
+shoal.assembly exactly as the server builds it. Only the update (a parameter delta,
+the example count and training metrics) and, when asked, the metrics of the global
+model on the node's own test data leave the node; the data never does. Network
+failures and server restarts are retried with exponential backoff and full jitter
+(AWS architecture blog, "Exponential Backoff And Jitter", 2015); a bad token, a
+revoked node, an untrusted certificate or another model than the server's are not
 retried. SIGINT/SIGTERM let the current step finish, then the node exits.
 """
 
@@ -11,21 +14,27 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import random
+import re
 import signal
 import ssl
 from dataclasses import dataclass
+from pathlib import Path
 
 import aiohttp
 import torch
 
-from shoal.client.training import LocalTrainer
-from shoal.config import Config
-from shoal.errors import ShoalError
-from shoal.models import build_model
-from shoal.shards import Shard
 from shoal.aggregation.compression import Compressor
-from shoal.wire import decode_model, encode_update
+from shoal.assembly import initial_model, make_trainer, task_from_config
+from shoal.config import Config
+from shoal.errors import ShoalError, SpecMismatch
+from shoal.params import ParamSpec
+from shoal.shards import Shard
+from shoal.task import (ClientData, LocalData, Task, TaskError, as_tensors, call_part, check_data, check_loss,
+                        num_examples, task_name)
+from shoal.tasks import BuiltinTask
+from shoal.wire import decode_model, encode_update, read_header
 
 log = logging.getLogger(__name__)
 
@@ -34,6 +43,31 @@ class NodeError(ShoalError):
     """The server refused this node for good (bad token, revoked) or cannot be trusted."""
 
     code = "node_error"
+
+
+SPEC_HASH_HEADER = "X-Shoal-Spec-Hash"  # sent with every poll (docs/protocol.md)
+_METRIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")  # what the server takes in an evaluation report
+
+
+def read_local_data(task: Task, path: Path) -> LocalData:
+    """The node's own data from ``--data PATH`` through the task's ``local_data``; a path the
+    task cannot read is one TaskError line naming the task, the part and the path."""
+    local = call_part(task, f"local_data({str(path)!r})", task.local_data, path,
+                      fix="give --data a path in the format this task's local_data() reads")
+    if as_tensors(local) is not None and not isinstance(local, LocalData):
+        local = LocalData(train=local)  # an (x, y) pair: training data only
+    if not hasattr(local, "train"):
+        raise TaskError(f"task {task_name(task)}: local_data() returned a {type(local).__name__}; "
+                        "return shoal.task.LocalData(train=..., test=None)")
+    return local
+
+
+def builtin_local_data(task: BuiltinTask, shard: Shard) -> LocalData:
+    """A shard of `shoal data split` for the built-in task: the model takes the shard's
+    input shape and classes (as nodes did before tasks existed)."""
+    task.input_shape = shard.input_shape
+    task.num_classes = shard.num_classes or task.num_classes
+    return LocalData(train=(shard.x, shard.y))
 
 
 class _Retry(Exception):
@@ -60,24 +94,45 @@ class Backoff:
 class Node:
     """One node's loop; :meth:`run` returns when the server says done or on stop."""
 
-    def __init__(self, server: str, token: str, shard: Shard, cfg: Config, device: torch.device,
-                 ssl_context: ssl.SSLContext | None = None, poll_s: float = 20.0, name: str = ""):
+    def __init__(self, server: str, token: str, data: LocalData | Shard, cfg: Config, device: torch.device,
+                 ssl_context: ssl.SSLContext | None = None, poll_s: float = 20.0, name: str = "",
+                 task: Task | None = None):
         self.url = server.rstrip("/")
         self.token = token
-        self.shard = shard
-        self.name = name or shard.client_id
+        self.task = task if task is not None else task_from_config(cfg)
+        if isinstance(data, Shard):
+            name = name or data.client_id
+            if not isinstance(self.task, BuiltinTask):
+                raise TaskError(f"task {task_name(self.task)}: a shard file is data of the built-in task; "
+                                "give the data this task's local_data() reads")
+            data = builtin_local_data(self.task, data)
+        self.name = name or "node"
         self.ssl = ssl_context
         self.poll_s = poll_s
-        model = build_model(cfg.model.name, shard.input_shape, shard.num_classes)
-        self.trainer = LocalTrainer(model, cfg.train, device)
+        # The same initial model as the server (simulation.seed): frozen parameters and
+        # client-local buffers never travel, so they must start equal everywhere.
+        model = initial_model(cfg, self.task).to(device)
+        self.train = self._held(check_data(self.task, data.train, "local_data().train"), device)
+        self.test = self._held(check_data(self.task, data.test, "local_data().test", allow_none=True), device)
+        if num_examples(self.train) == 0:
+            raise TaskError(f"task {task_name(self.task)}: local_data().train has no examples")
+        if self.test is not None and num_examples(self.test) == 0:
+            self.test = None
+        check_loss(self.task, model, self.train, torch.device(device))  # before the trainer binds the gradients
+        self.trainer = make_trainer(cfg, self.task, model, device)
         self.compressor = Compressor(cfg.compression)  # [compression]: the upload's encoding
         self.zstd_level = cfg.compression.zstd_level if cfg.compression.zstd else 0
-        self.x, self.y = shard.x.to(device), shard.y.to(device)
         self.stop = asyncio.Event()
         self.rand = random.Random()
         self.backoff = Backoff()
         self._model: tuple[str, int, torch.Tensor] | None = None  # (etag, version, params)
         self.rounds_done = 0
+
+    @staticmethod
+    def _held(data: ClientData | None, device: torch.device) -> ClientData | None:
+        """Tensor data moves to the device once; a Dataset is read batch by batch."""
+        pair = as_tensors(data) if data is not None else None
+        return (pair[0].to(device), pair[1].to(device)) if pair is not None else data
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -88,20 +143,28 @@ class Node:
                 pass
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.poll_s + 30)
         connector = aiohttp.TCPConnector(ssl=self._ssl)
+        poll = {"wait": str(self.poll_s), **({"eval": "1"} if self.test is not None else {})}
         async with aiohttp.ClientSession(timeout=timeout, connector=connector,
                                          headers={"Authorization": f"Bearer {self.token}"}) as http:
             self.http = http
             while not self.stop.is_set():
                 try:
-                    task = await self._until_stop(self._get_json("/v1/task", {"wait": str(self.poll_s)}))
+                    task = await self._until_stop(self._request(
+                        "GET", "/v1/task", params=poll, headers={SPEC_HASH_HEADER: self.trainer.spec.hash}))
                     if task is None:
                         break
                     self.backoff.reset()
                     if task["status"] == "done":
                         log.info("server reports done at version %s", task.get("version"))
+                        if task.get("evaluate") and self.test is not None:  # the final model
+                            params = await self._get_model(int(task["version"]))
+                            if params is not None:
+                                await self._evaluate(params, int(task["version"]))
                         break
                     if task["status"] == "work":
                         await self._work(task)
+                except _Refused as e:
+                    raise NodeError(f"server refused this node's poll: {e}") from None
                 except _Retry as e:
                     delay = self.backoff.next(self.rand)
                     log.warning("%s; retrying in %.2f s", e, delay)
@@ -132,8 +195,10 @@ class Node:
         params = await self._get_model(version)
         if params is None:
             return  # the server moved on; ask again
+        if task.get("evaluate") and self.test is not None:  # the global model, before training on it
+            await self._evaluate(params, version)
         update = await asyncio.to_thread(
-            self.trainer.train, params, self.x, self.y, int(task["seed"]), version, self.name
+            self.trainer.fit, params, self.train, int(task["seed"]), version, self.name
         )
         if "secure_aggregation" in task:  # the update leaves this node only masked (client/secure_node.py)
             from .secure_node import run_secure_round  # it imports this module's request helpers
@@ -164,6 +229,24 @@ class Node:
                 log.warning("round %s: update refused: %s", task["round"], e)
                 return
 
+    async def _evaluate(self, params: torch.Tensor, version: int) -> None:
+        """Federated evaluation: the global model on this node's test data, reported with its
+        example count (POST /v1/eval). Best effort: a failed report is logged, not retried."""
+        ev = await asyncio.to_thread(self.trainer.evaluate_data, params, self.test)
+        n = int(ev.pop("num_examples"))
+        metrics = {k: v for k, v in ev.items() if _METRIC_NAME.fullmatch(k) and math.isfinite(v)}
+        if len(metrics) < len(ev):
+            log.warning("metrics %s are not reported (names must match [A-Za-z][A-Za-z0-9_.-]*, values be finite)",
+                        sorted(set(ev) - set(metrics)))
+        log.info("version %d on %d local test examples: %s", version, n,
+                 ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+        if not metrics:
+            return
+        try:
+            await self._request("POST", "/v1/eval", json={"version": version, "num_examples": n, "metrics": metrics})
+        except (_Refused, _Retry) as e:
+            log.warning("evaluation of version %d not reported: %s", version, e)
+
     async def _get_model(self, version: int) -> torch.Tensor | None:
         """The global model of ``version``, from the cache when the ETag still matches."""
         headers = {"If-None-Match": self._model[0]} if self._model else {}
@@ -179,19 +262,35 @@ class Node:
             if resp.status == 304:
                 headers = {}
                 continue
-            params, header = decode_model(body, self.trainer.spec)
+            try:
+                params, header = decode_model(body, self.trainer.spec)
+            except SpecMismatch as e:
+                raise NodeError(self._spec_mismatch(body, e)) from None
             self._model = (resp.headers.get("ETag", ""), int(header["version"]), params)
             break
         if self._model is None or self._model[1] != version:
             return None
         return self._model[2]
 
+    def _spec_mismatch(self, body: bytes, e: SpecMismatch) -> str:
+        """One line: both spec hashes, the first tensor that differs, and the fix."""
+        mine = self.trainer.spec
+        try:
+            header = read_header(body, len(body))[0]
+            theirs = ParamSpec.from_json(header["spec"])
+        except Exception:
+            return f"the server's model does not fit this node's: {e}"
+        a, b = theirs.to_json(), mine.to_json()
+        diff = next(((x, y) for x, y in zip(a, b) if x != y), None)
+        first = (f"first difference: server {diff[0][0]} {diff[0][1]}, node {diff[1][0]} {diff[1][1]}" if diff
+                 else f"server {len(a)} tensors, node {len(b)}")
+        return (f"model spec mismatch: the server's model has spec hash {header.get('spec_hash')!r}, this node's "
+                f"{mine.hash!r} ({first}): run the node with the same task and model as the server "
+                "(--task / [task] app and [task.args]; for the built-in task the same [model] and [data])")
+
     @property
     def _ssl(self):
         return self.ssl if self.ssl is not None else True
-
-    async def _get_json(self, path: str, params: dict) -> dict:
-        return await self._request("GET", path, params=params)
 
     async def _request(self, method: str, path: str, **kw) -> dict:
         try:
@@ -216,6 +315,8 @@ class Node:
         msg = f"{resp.status} {info.get('error')}: {info.get('detail')}"
         if resp.status in (401, 403):
             raise NodeError(f"server refused this node: {msg}")
+        if info.get("error") == "spec_mismatch":  # another model: asking again never helps
+            raise NodeError(f"server refused this node ({resp.status}): {info.get('detail')}")
         if resp.status >= 500 or resp.status == 429:
             raise _Retry(msg)
         raise _Refused(msg)

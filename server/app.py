@@ -17,7 +17,7 @@ from aiohttp import web
 from shoal.errors import ShoalError, TooLarge, UpdateRejected, WireError
 
 from .registry import AuthError, Registry
-from .service import ServerService
+from .service import MAX_EVAL_BODY, ServerService
 
 log = logging.getLogger(__name__)
 
@@ -25,6 +25,7 @@ SERVICE = web.AppKey("service", ServerService)
 REGISTRY = web.AppKey("registry", Registry)
 CHANGED = web.AppKey("changed", dict)
 NODE = web.RequestKey("node", str)
+SPEC_HASH_HEADER = "X-Shoal-Spec-Hash"  # a node's model spec hash, sent with every poll
 
 
 class Slot:
@@ -126,10 +127,15 @@ async def get_task(request: web.Request) -> web.Response:
         wait = min(float(request.query.get("wait", svc.cfg.server.poll_s)), svc.cfg.server.poll_s)
     except ValueError:
         return error(400, "bad_request", "query parameter 'wait' must be a number of seconds")
+    try:  # a node with another model is refused before it is counted as connected
+        svc.check_spec(request.headers.get(SPEC_HASH_HEADER))
+    except ShoalError as e:
+        return error(_status_of(e), e.code, str(e))
+    evaluates = request.query.get("eval") == "1"
     end = time.monotonic() + max(wait, 0.0)
     while True:
         event = app[CHANGED]["event"]
-        work = svc.poll(node, time.monotonic())
+        work = svc.poll(node, time.monotonic(), evaluates)
         if work is not None:
             return web.json_response(work)
         left = end - time.monotonic()
@@ -240,6 +246,25 @@ async def get_secagg(request: web.Request) -> web.Response:
             pass
 
 
+async def post_eval(request: web.Request) -> web.Response:
+    """A node's evaluation of a global version on its own test data (JSON, docs/protocol.md)."""
+    svc, node = request.app[SERVICE], request[NODE]
+    length = request.content_length
+    if length is None:
+        svc.refused("length_required")
+        return error(411, "length_required", "send the report with a Content-Length header")
+    if length > MAX_EVAL_BODY:
+        svc.refused(TooLarge.code)
+        return error(413, TooLarge.code, f"report of {length} bytes is over the limit of {MAX_EVAL_BODY} bytes")
+    body = await request.read()
+    try:
+        result = svc.report_eval(node, body, time.monotonic())
+    except ShoalError as e:
+        log.info("evaluation report from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
+        return error(_status_of(e), getattr(e, "code", "error"), str(e))
+    return web.json_response(result)
+
+
 async def get_status(request: web.Request) -> web.Response:
     return web.json_response(request.app[SERVICE].status(time.monotonic()))
 
@@ -263,6 +288,7 @@ def make_app(service: ServerService, registry: Registry) -> web.Application:
     app.router.add_post("/v1/update", post_update, expect_handler=expect_update)
     app.router.add_post("/v1/secagg/{stage}", post_secagg)
     app.router.add_get("/v1/secagg/{stage}", get_secagg)
+    app.router.add_post("/v1/eval", post_eval)
     app.router.add_get("/v1/status", get_status)
     app.router.add_get("/metrics", get_metrics)
     return app

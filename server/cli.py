@@ -23,6 +23,8 @@ app.add_typer(nodes_app, name="nodes")
 ConfigOpt = typer.Option(None, "--config", "-c", help="TOML config with a [server] table.")
 SetOpt = typer.Option(None, "--set", help="Override one config value: section.key=value (repeatable).")
 DbOpt = typer.Option(None, "--db", help="Node database (default: server.db of the config).")
+TaskOpt = typer.Option(None, "--task", "-t", help="Your task: path/to/file.py:name or package.module:name "
+                       "(default: [task] app, else the built-in task of [model] + [data]); the nodes use the same.")
 
 
 def _db(config: Optional[Path], set_: Optional[list[str]], db: Optional[Path]) -> Path:
@@ -36,6 +38,9 @@ def run_server(cfg: Config, insecure: bool = False, fresh: bool = False) -> None
     from .registry import Registry
     from .service import ServerService
 
+    from shoal.assembly import task_from_config
+
+    task = task_from_config(cfg)  # a task that does not load is one line, before anything starts
     s = cfg.server
     if s.tls_cert:
         ctx = server_context(s.tls_cert, s.tls_key)
@@ -47,7 +52,7 @@ def run_server(cfg: Config, insecure: bool = False, fresh: bool = False) -> None
                           "or pass --insecure for plain HTTP on a trusted network")
     registry = Registry(s.db)
     try:
-        service = ServerService(cfg, resume=not fresh)
+        service = ServerService(cfg, resume=not fresh, task=task)
         asyncio.run(serve(service, registry, ctx))
     finally:
         registry.close()
@@ -58,17 +63,21 @@ def server(
     ctx: typer.Context,
     config: Optional[Path] = ConfigOpt,
     set_: Optional[list[str]] = SetOpt,
+    task: Optional[str] = TaskOpt,
     insecure: bool = typer.Option(False, "--insecure", help="Serve plain HTTP (no TLS). Warns."),
     fresh: bool = typer.Option(False, "--fresh", help="Ignore existing checkpoints and start at version 0."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
-    """Serve rounds over HTTPS until server.rounds versions are made; resumes from the latest checkpoint."""
+    """Serve rounds over HTTPS until server.rounds versions are made; resumes from the latest checkpoint.
+
+    The model is the task's (--task); the server loads no data unless the task gives
+    central_test_data() (evaluated each version when server.eval is true)."""
     if ctx.invoked_subcommand is not None:
         return
-    from shoal.cli import setup_logging
+    from shoal.cli import setup_logging, with_task
 
     setup_logging(verbose)
-    run_server(load_config(config, set_ or []), insecure=insecure, fresh=fresh)
+    run_server(load_config(config, with_task(set_, task)), insecure=insecure, fresh=fresh)
 
 
 @nodes_app.command("add")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,33 +21,21 @@ from typing import Any
 
 import torch
 
-from shoal import synthetic
-from shoal.aggregation import make_strategy
-from shoal.aggregation.robust import make_aggregator
 from shoal.aggregation.secagg_encoding import FixedPoint
-from shoal.aggregation.staleness import make_staleness_weight
+from shoal.assembly import initial_model, make_async_rounds, make_deadline_rounds, make_round_strategy, task_from_config
 from shoal.async_rounds import AsyncRounds
 from shoal.client.training import LocalTrainer
-from shoal.config import Config, DataConfig
-from shoal.datasets import FEMNIST_CLASSES, IMAGE_SHAPE, load_federated
-from shoal.errors import ConfigError, UpdateRejected
+from shoal.config import Config
+from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMismatch, UpdateRejected
 from shoal.metrics import _clean
-from shoal.models import build_model
 from shoal.rounds import SyncRounds
-from shoal.assembly import make_async_rounds
-from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model
+from shoal.task import Task, call_part, check_data
+from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from .secure_round import SecureRound
 
 log = logging.getLogger(__name__)
-
-
-def model_io(data: DataConfig) -> tuple[tuple[int, ...], int]:
-    """(input shape, number of classes) of a dataset, without loading it."""
-    if data.dataset == "synthetic":
-        return (synthetic.DIMENSION,), synthetic.NUM_CLASSES
-    return IMAGE_SHAPE, FEMNIST_CLASSES if data.dataset == "femnist" else 10
 
 
 @dataclass
@@ -60,10 +49,68 @@ class Counters:
     rejected: dict[str, int] = field(default_factory=dict)
 
 
+#: Bounds of a node's federated evaluation report (POST /v1/eval, docs/protocol.md).
+MAX_EVAL_BODY = 64 * 1024
+MAX_EVAL_METRICS = 32
+MAX_EVAL_EXAMPLES = 10**9
+_METRIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")
+
+
+@dataclass
+class FedVersion:
+    """The nodes' evaluations of one global version, summed as they arrive."""
+
+    asked: set[str] = field(default_factory=set)
+    reported: set[str] = field(default_factory=set)
+    sums: dict[str, float] = field(default_factory=dict)    # metric -> sum of value x examples
+    counts: dict[str, int] = field(default_factory=dict)    # metric -> examples behind it
+    num_examples: int = 0
+
+
+def parse_eval_report(body: bytes) -> tuple[int, int, dict[str, float]]:
+    """``(version, num_examples, metrics)`` of a JSON report; Malformed/NonFinite if it is not one."""
+    try:
+        obj = json.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise Malformed(f"evaluation report is not JSON: {type(e).__name__}") from None
+    if not isinstance(obj, dict):
+        raise Malformed("evaluation report must be a JSON object {version, num_examples, metrics}")
+    unknown = sorted(str(k)[:40] for k in set(obj) - {"version", "num_examples", "metrics"})
+    if unknown:
+        raise Malformed(f"evaluation report has unknown fields {unknown[:5]}; expected version, num_examples, metrics")
+    ints = {}
+    for key, low, high in (("version", 0, 2**53), ("num_examples", 1, MAX_EVAL_EXAMPLES)):
+        v = obj.get(key)
+        if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
+            raise Malformed(f"evaluation report field {key!r} must be an integer in [{low}, {high}], got {str(v)[:40]}")
+        ints[key] = v
+    metrics = obj.get("metrics")
+    if not isinstance(metrics, dict) or not 1 <= len(metrics) <= MAX_EVAL_METRICS:
+        raise Malformed(f"evaluation report field 'metrics' must map 1 to {MAX_EVAL_METRICS} names to numbers")
+    out: dict[str, float] = {}
+    for name, v in metrics.items():
+        if not _METRIC_NAME.fullmatch(name) or name == "num_examples":
+            raise Malformed(f"metric name {name[:70]!r} must match [A-Za-z][A-Za-z0-9_.-]{{0,63}} "
+                            "and not be 'num_examples'")
+        try:
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
+                raise ValueError
+        except (OverflowError, ValueError):
+            raise NonFinite(f"metric {name!r} must be a finite number, got {str(v)[:40]}") from None
+        out[name] = float(v)
+    return ints["version"], ints["num_examples"], out
+
+
+def spec_mismatch_detail(node_hash: str, server_hash: str) -> str:
+    return (f"model spec mismatch: the node's model has spec hash {node_hash!r}, the server's has {server_hash!r} "
+            "(another architecture or parameter layout): run the node with the same task and model as the server "
+            "(--task / [task] app and [task.args]; for the built-in task the same [model] and [data])")
+
+
 class ServerService:
     """One aggregator: its model, rounds, nodes seen, checkpoints and metrics."""
 
-    def __init__(self, cfg: Config, resume: bool = True):
+    def __init__(self, cfg: Config, resume: bool = True, task: Task | None = None):
         if cfg.privacy.mode != "none":  # refuse rather than train without the privacy the user asked for
             raise ConfigError(
                 f"privacy.mode = {cfg.privacy.mode!r}: shoal server does not apply differential privacy yet "
@@ -71,32 +118,33 @@ class ServerService:
             )
         self.cfg = cfg
         s = cfg.server
-        seed = cfg.simulation.seed
-        self.test: tuple[torch.Tensor, torch.Tensor] | None = None
-        if s.eval:
-            data = load_federated(cfg.data, cfg.simulation.num_clients, seed)
-            self.test = (data.test.x, data.test.y)
-            shape, classes = data.input_shape, data.num_classes
-        else:
-            shape, classes = model_io(cfg.data)
-        torch.manual_seed(seed)  # the same initial model as `shoal simulate` with this seed
-        self.trainer = LocalTrainer(build_model(cfg.model.name, shape, classes), cfg.train, "cpu")
+        # The model comes from the task alone (shoal.assembly): the same seed gives the
+        # same initial model as `shoal simulate` and as every node.
+        self.task = task if task is not None else task_from_config(cfg)
+        self.trainer = LocalTrainer(initial_model(cfg, self.task), cfg.train, "cpu", task=self.task)
         self.spec = self.trainer.spec
+        # A central test set only when the task has one (the built-in task: the dataset's
+        # test split); a real aggregator usually has no data and relies on the nodes.
+        self.test = None
+        if s.eval:
+            data = call_part(self.task, "central_test_data()", self.task.central_test_data)
+            self.test = check_data(self.task, data, "central_test_data()", allow_none=True)
+            if self.test is None:
+                log.info("the task gives no central_test_data(): no central evaluation")
         self.max_body_bytes = s.max_body_bytes or self.spec.nbytes + MAX_HEADER_BYTES
         self.mode = s.mode
         self.rounds: SyncRounds | AsyncRounds
         flat = self.trainer.flat.detach().clone()
         if s.mode == "sync":
-            a = cfg.asynchronous
-            self.rounds = SyncRounds(
-                make_strategy(cfg.strategy, self.spec.numel, aggregator=make_aggregator(cfg.robust, self.spec.numel)),
-                flat, s.clients_per_round, s.fraction, seed,
-                over_selection=a.over_selection, deadline_s=s.deadline_s, min_fraction=s.min_fraction,
-                late=a.late, late_weight=make_staleness_weight(a.staleness_weight, a.staleness_a, a.staleness_b),
-                max_staleness=a.max_staleness,
-            )
+            strategy = make_round_strategy(cfg, self.spec.numel, "cpu", max(s.clients_per_round, s.min_nodes))
+            self.rounds = make_deadline_rounds(cfg, flat, self.spec.numel, s.clients_per_round, s.fraction,
+                                               s.deadline_s, s.min_fraction, strategy)
         else:
             self.rounds = make_async_rounds(cfg, flat, self.spec.numel)
+        self.fed_every = cfg.simulation.eval_every
+        self.fed: dict[int, FedVersion] = {}  # versions whose federated evaluation is open
+        self.fed_finished = False  # the final version's evaluation is written
+        self.last_fed: dict[str, Any] = {}
         self.ckpt_dir = Path(s.checkpoint_dir)
         self.out_dir = Path(s.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
@@ -135,7 +183,14 @@ class ServerService:
             return False
         self.done_at = self.done_at if self.done_at is not None else now
         waiting = set(self.connected(now)) - self.told_done
-        return not waiting or now - self.done_at > self.cfg.server.poll_s + 5
+        final = self.fed.get(self.version)
+        if final is not None:  # nodes told to evaluate the final model, not reported yet
+            waiting |= final.asked - final.reported
+        if waiting and now - self.done_at <= self.cfg.server.poll_s + 5:
+            return False
+        self._close_fed(lambda v: True)
+        self.fed_finished = True
+        return True
 
     def connected(self, now: float) -> list[str]:
         """Nodes heard from within one long-poll period (plus 5 s of slack)."""
@@ -157,18 +212,26 @@ class ServerService:
 
     # --- requests ------------------------------------------------------------------
 
-    def poll(self, node: str, now: float) -> dict[str, Any] | None:
-        """The node's work if it has any now; ``{"status": "done"}`` at the end; else None."""
+    def check_spec(self, node_hash: str | None) -> None:
+        """A node that says its model's spec hash (on every poll) must have the server's."""
+        if node_hash is not None and node_hash != self.spec.hash:
+            raise SpecMismatch(spec_mismatch_detail(node_hash[:64], self.spec.hash))
+
+    def poll(self, node: str, now: float, evaluates: bool = False) -> dict[str, Any] | None:
+        """The node's work if it has any now; ``{"status": "done"}`` at the end; else None.
+        ``evaluates``: the node has test data; the answer then says ``"evaluate": true``
+        when the server wants the federated evaluation of the version it hands out."""
         self.seen(node, now)
         if self.done:
             self.told_done.add(node)
-            return {"status": "done", "version": self.version}
+            return self._with_eval({"status": "done", "version": self.version}, node, evaluates)
         r = self.rounds
         if isinstance(r, AsyncRounds):
             if len(self.connected(now)) < self.cfg.server.min_nodes:
                 return None
             t = r.task(node)
-            return {"status": "work", "round": t.round, "version": t.version, "seed": t.seed}
+            return self._with_eval({"status": "work", "round": t.round, "version": t.version, "seed": t.seed},
+                                   node, evaluates)
         if r.open and node in r.selected and node not in r.received:
             if self.secure_round is not None and not self.secure_round.wants_task(node):
                 return None
@@ -178,8 +241,88 @@ class ServerService:
                     "deadline_s": round(max(left, 0.0), 3)}
             if self.secure_round is not None:
                 work["secure_aggregation"] = self.secure_round.task_info()
-            return work
+            return self._with_eval(work, node, evaluates)
         return None
+
+    # --- federated evaluation ------------------------------------------------------
+
+    def wants_fed(self, version: int) -> bool:
+        """Versions the nodes evaluate: every ``simulation.eval_every``-th, and the last."""
+        return not self.fed_finished and version >= 1 and (
+            version % self.fed_every == 0 or version >= self.cfg.server.rounds)
+
+    def _with_eval(self, answer: dict[str, Any], node: str, evaluates: bool) -> dict[str, Any]:
+        v = int(answer["version"])
+        if evaluates and self.wants_fed(v):
+            fed = self.fed.setdefault(v, FedVersion())
+            if node not in fed.reported:
+                fed.asked.add(node)
+                answer["evaluate"] = True
+        return answer
+
+    def report_eval(self, node: str, body: bytes, now: float) -> dict[str, Any]:
+        """Take one node's evaluation of a global version (POST /v1/eval); a ShoalError
+        with nothing changed if it is refused."""
+        self.seen(node, now)
+        try:
+            version, n, metrics = parse_eval_report(body)
+            fed = self.fed.get(version)
+            if version > self.version:
+                raise UpdateRejected("unknown_version", f"version {version} is newer than the server's {self.version}")
+            if fed is None or node not in fed.asked:
+                what = "closed" if fed is None else "not asked of this node"
+                raise UpdateRejected("eval_not_open", f"evaluation of version {version} is {what} (the server is at "
+                                     f"version {self.version}); report only versions a task said to evaluate")
+            if node in fed.reported:
+                raise UpdateRejected("duplicate", f"this node already reported its evaluation of version {version}")
+            names = set(fed.counts) | set(metrics)
+            if len(names) > MAX_EVAL_METRICS:
+                raise Malformed(f"version {version} would have {len(names)} metric names, over {MAX_EVAL_METRICS}")
+        except ShoalError as e:
+            self.refused(getattr(e, "code", "error"))
+            raise
+        fed.reported.add(node)
+        fed.num_examples += n
+        for name, v in metrics.items():
+            fed.sums[name] = fed.sums.get(name, 0.0) + v * n
+            fed.counts[name] = fed.counts.get(name, 0) + n
+        if self.done:
+            self.finished(now)  # the last report of the final version writes it at once
+        else:
+            self._settle_fed()
+        return {"status": "accepted", "version": version}
+
+    def _fed_pending(self, v: int, fed: FedVersion) -> bool:
+        """A node asked to evaluate version ``v`` has not reported yet and still may: it holds
+        a task from ``v`` (async: until that task is too stale to be taken)."""
+        waiting = fed.asked - fed.reported
+        r = self.rounds
+        if not waiting:
+            return False
+        if isinstance(r, AsyncRounds):
+            if r.max_staleness is not None and self.version - v > r.max_staleness:
+                return False
+            return any((t := r.outstanding.get(n)) is not None and t.version == v for n in waiting)
+        return r.open and r.version == v and any(n in r.selected and n not in r.received for n in waiting)
+
+    def _settle_fed(self) -> None:
+        """Write the evaluations of older versions that no node can still report."""
+        self._close_fed(lambda v: v < self.version and not self._fed_pending(v, self.fed[v]))
+
+    def _close_fed(self, which) -> None:
+        """Write the federated evaluation of every open version ``which(v)`` selects (if any node reported)."""
+        for v in sorted(k for k in self.fed if which(k)):
+            fed = self.fed.pop(v)
+            if not fed.reported:
+                continue
+            record: dict[str, Any] = {"version": v, "evaluation": "federated"}
+            record.update({f"fed_{k}": fed.sums[k] / fed.counts[k] for k in sorted(fed.sums)})
+            record.update(fed_num_examples=fed.num_examples, fed_nodes=len(fed.reported),
+                          elapsed_s=round(time.perf_counter() - self._t0, 4))
+            self.last_fed = _clean(record)
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(self.last_fed) + "\n")
+            log.info("version %d, federated evaluation: %s", v, json.dumps(self.last_fed))
 
     def secure(self, node: str, now: float) -> SecureRound:
         """The open round's secure aggregation, for the /v1/secagg routes."""
@@ -195,7 +338,13 @@ class ServerService:
         ``body`` is decoded in place (no copy); it may be reused once this returns."""
         self.seen(node, now)
         try:
-            update, header = decode_update(body, self.spec, self.max_body_bytes, copy=False)
+            try:
+                update, header = decode_update(body, self.spec, self.max_body_bytes, copy=False)
+            except SpecMismatch:
+                sent = _sent_spec_hash(body, self.max_body_bytes)
+                if isinstance(sent, str) and sent != self.spec.hash:
+                    raise SpecMismatch(spec_mismatch_detail(sent[:64], self.spec.hash)) from None
+                raise
             r = self.rounds
             if self.cfg.secure_aggregation.enabled:
                 raise UpdateRejected("secure_round", "rounds are securely aggregated: send masked input through "
@@ -217,6 +366,8 @@ class ServerService:
         self.counters.bytes_received += len(body)
         if advanced:  # async: the update completed a new version
             self._new_version({"updates_accepted": self.rounds.stats.accepted})
+        elif self.fed:
+            self._settle_fed()  # this node's task from an older version is over
         return {"status": "accepted", "round": self._round, "version": self.version}
 
     def refused(self, code: str) -> None:
@@ -275,12 +426,13 @@ class ServerService:
         self.counters.rounds_completed += 1
         record: dict[str, Any] = {"round": self._round, "version": self.version}
         if self.test is not None:
-            ev = self.trainer.evaluate(self.rounds.global_params, *self.test)
-            record.update(test_accuracy=ev["accuracy"], test_loss=ev["loss"])
+            ev = self.trainer.evaluate_data(self.rounds.global_params, self.test)
+            record.update({f"test_{k}": v for k, v in ev.items() if k != "num_examples"})
         record.update(fields)
         record["elapsed_s"] = round(time.perf_counter() - self._t0, 4)
         self.last_record = _clean(record)
         self._checkpoint()  # first: a crash between the two loses a log line, never a version
+        self._settle_fed()  # the nodes evaluated older versions before training on them
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(self.last_record) + "\n")
         log.info("version %d: %s", self.version, json.dumps(self.last_record))
@@ -290,7 +442,7 @@ class ServerService:
     def _checkpoint(self) -> Path:
         tensors: dict[str, torch.Tensor] = {}
         state = {"mode": self.mode, "version": self.version, "round": self._round,
-                 "spec_hash": self.spec.hash, "last_record": self.last_record,
+                 "spec_hash": self.spec.hash, "last_record": self.last_record, "last_fed": self.last_fed,
                  "rounds": _split_tensors(self.rounds.state_dict(), "rounds", tensors)}
         return save_checkpoint(self.ckpt_dir, self.version, tensors, state, self.cfg.server.keep_checkpoints)
 
@@ -304,6 +456,7 @@ class ServerService:
             )
         self.rounds.load_state_dict(_join_tensors(state["rounds"], tensors))
         self.last_record = state.get("last_record", {})
+        self.last_fed = state.get("last_fed", {})
         self.resumed_from = path
         log.info("resumed from %s: version %d, round %d", path, self.version, self._round)
 
@@ -319,6 +472,9 @@ class ServerService:
             "received": len(r.received) if getattr(r, "open", False) else 0,
             "outstanding": len(r.outstanding) if isinstance(r, AsyncRounds) else 0,
             "connected_nodes": self.connected(now), "last_metrics": self.last_record,
+            "last_federated": self.last_fed,
+            "federated_open": {str(v): {"asked": len(f.asked), "reported": len(f.reported)}
+                               for v, f in sorted(self.fed.items())},
             "spec_hash": self.spec.hash, "num_parameters": self.spec.numel,
             "updates_accepted": self.counters.accepted, "updates_rejected": dict(self.counters.rejected),
             **({"secure_aggregation": self.secure_round.status() if self.secure_round else self.secure_last}
@@ -346,11 +502,23 @@ class ServerService:
             "# HELP shoal_rounds_dropped_total Rounds dropped at the deadline with too few results.",
             "# TYPE shoal_rounds_dropped_total counter", f"shoal_rounds_dropped_total {c.rounds_abandoned}",
         ]
-        for key in ("test_accuracy", "test_loss", "train_loss"):
-            v = self.last_record.get(key)
-            if isinstance(v, (int, float)):
+        gauges = {k: v for k, v in self.last_record.items() if k.startswith("test_") or k == "train_loss"}
+        gauges.update((k, v) for k, v in self.last_fed.items() if k.startswith("fed_"))
+        for key, v in sorted(gauges.items()):
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and _PROM_NAME.fullmatch(key):
                 lines += [f"# TYPE shoal_{key} gauge", f"shoal_{key} {v}"]
         return "\n".join(lines) + "\n"
+
+
+_PROM_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+
+
+def _sent_spec_hash(body: bytes | memoryview, max_bytes: int) -> Any:
+    """The spec hash an upload's header claims (None if the header cannot be read)."""
+    try:
+        return read_header(body, max_bytes)[0].get("spec_hash")
+    except ShoalError:
+        return None
 
 
 def _split_tensors(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
