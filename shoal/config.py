@@ -250,7 +250,7 @@ class ServerConfig:
     keep_checkpoints: int = 3
     db: str = "server/nodes.sqlite"
     out_dir: str = "server/run"    # metrics.jsonl
-    eval: bool = True              # evaluate each new version on the data config's held-out set
+    eval: bool = True              # evaluate each new version on the task's central_test_data() (if it gives one)
 
     def validate(self) -> None:
         _choice("server.mode", self.mode, ("sync", "async"))
