@@ -252,7 +252,9 @@ class ShoalStrategy(FlowerStrategy):
                 self.node_of[cid] = node  # a restarted node comes back under a new node id
         return {cid: node for cid, node in self.node_of.items() if node in online}
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         params = from_arrays(arrays, self.spec).to(self.device)
         if self.rounds is None:
             self.rounds = SyncRounds(self.strategy, params, self.clients_per_round, self.fraction, self.seed)
@@ -273,7 +275,9 @@ class ShoalStrategy(FlowerStrategy):
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
         return messages
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         rounds = self.rounds
         order = {node: i for i, node in enumerate(self._tasks)}
         for reply in sorted(replies, key=lambda m: order.get(m.metadata.src_node_id, len(order))):
@@ -311,7 +315,9 @@ class ShoalStrategy(FlowerStrategy):
             raise UpdateRejected("client_failed", f"round {server_round}: {cid} {why}")
         log.warning("round %d: %s %s", server_round, cid, why)
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         self._eval_nodes = {}
         if self.federated_eval is None or not self.federated_eval(server_round):
             return []

@@ -9,8 +9,9 @@ Sampling, seeds and aggregation are shoal's, and both engines load the same task
 (``[task] app`` or the built-in one; a task file's path is made absolute before the
 config reaches the Ray workers, which import the file themselves), so with the same
 config and seed the global model matches the in-process engine's; outputs are the same
-metrics.jsonl (``test_<metric>``, ``fed_<metric>``), summary.json and plots. The in-process engine is far faster on one machine (see
-bench/engines.py); this one is for runs that need more than one machine.
+metrics.jsonl (``test_<metric>``, ``fed_<metric>``), summary.json and plots. The
+in-process engine is far faster on one machine (see bench/engines.py); this one is for
+runs that need more than one machine.
 """
 
 from __future__ import annotations

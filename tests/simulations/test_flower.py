@@ -206,7 +206,8 @@ def test_a_user_task_file_runs_through_the_flower_engine_as_in_process(tmp_path,
         torch.set_num_threads(threads)
     assert sim.spec.numel == flower.global_params.numel()  # BatchNorm statistics are not exchanged
     assert (flower.global_params - sim.global_params.cpu()).abs().max().item() <= 1e-5
-    ours, theirs = read_jsonl(tmp_path / "flower" / "metrics.jsonl"), read_jsonl(tmp_path / "inprocess" / "metrics.jsonl")
+    ours = read_jsonl(tmp_path / "flower" / "metrics.jsonl")
+    theirs = read_jsonl(tmp_path / "inprocess" / "metrics.jsonl")
     assert [r["round"] for r in ours] == [1, 2, 3]
     for a, b in zip(ours, theirs, strict=True):
         assert set(a) == set(b)
