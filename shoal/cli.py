@@ -89,13 +89,15 @@ app.add_typer(_data_app, name="data")
 def data_split(
     config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML with [data] and [simulation]."),
     set_: Optional[list[str]] = SetOpt,
+    task: Optional[str] = TaskOpt,
     out: Path = typer.Option(..., "--out", "-o", help="Folder for one <client-id>.safetensors per client."),
 ) -> None:
-    """Write the simulator's client split as one shard file per node (x, y)."""
+    """Write the simulator's client split as one shard file per node (x, y; with --task, the
+    task's simulation_data() clients, when they are tensors)."""
     from .config import load_config
     from .shards import write_shards
 
-    paths = write_shards(load_config(config, set_ or []), out)
+    paths = write_shards(load_config(config, with_task(set_, task)), out)
     typer.echo(f"wrote {len(paths)} shards to {out}/")
 
 

@@ -3,11 +3,15 @@
 `shoal data split` writes the very split the simulator makes (load_federated with the
 same data config, number of clients and seed), one file per simulated client id, so a
 deployment of real nodes can be compared number for number with `shoal simulate`.
+With a task (``--task`` / ``[task] app``) it writes each client's training data of
+``task.simulation_data(num_clients, seed)`` (and its own test data as ``test_x`` /
+``test_y`` when the task gives some), provided the task's data are tensors.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +37,8 @@ class Shard:
     x: torch.Tensor
     y: torch.Tensor
     num_classes: int
+    test_x: torch.Tensor | None = None  # the client's own test data, when the split had some
+    test_y: torch.Tensor | None = None
 
     @property
     def input_shape(self) -> tuple[int, ...]:
@@ -41,6 +47,8 @@ class Shard:
 
 def write_shards(cfg: Config, out_dir: str | Path) -> list[Path]:
     """Write one shard per client of the simulator's split of ``cfg`` (seed = simulation.seed)."""
+    if cfg.task.app:
+        return write_task_shards(cfg, out_dir)
     data = load_federated(cfg.data, cfg.simulation.num_clients, cfg.simulation.seed)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -55,8 +63,53 @@ def write_shards(cfg: Config, out_dir: str | Path) -> list[Path]:
     return paths
 
 
-def load_shard(path: str | Path) -> Shard:
-    """Read a shard file, or the only ``*.safetensors`` file in a folder."""
+def write_task_shards(cfg: Config, out_dir: str | Path) -> list[Path]:
+    """One shard per client of the task's simulation split: its training tensors (x, y) and,
+    when it has its own test data, ``test_x`` / ``test_y``. Datasets that are not tensors
+    are refused: a task with such data reads its own format in ``local_data``."""
+    from .assembly import task_from_config
+    from .simulations.client_data import load_simulation_data  # the simulator's checks of the split
+    from .task import TaskError, as_tensors, task_name
+
+    task = task_from_config(cfg)
+    data = load_simulation_data(task, cfg)
+    ids = [str(c) for c in data.client_ids] if data.client_ids is not None else [
+        client_id(i) for i in range(len(data.train))]
+    tests = data.client_test if data.client_test is not None else [None] * len(ids)
+    files: list[tuple[str, dict[str, torch.Tensor]]] = []
+    for i, (cid, train, test) in enumerate(zip(ids, data.train, tests)):
+        tensors: dict[str, torch.Tensor] = {}
+        for what, part, keys in (("train", train, ("x", "y")), ("client_test", test, ("test_x", "test_y"))):
+            if part is None:
+                continue
+            pair = as_tensors(part)
+            if pair is None:
+                raise TaskError(
+                    f"task {task_name(task)}: simulation_data().{what}[{i}] is a {type(part).__name__}, not tensors; "
+                    "shoal data split writes (x, y) tensors only: give each node its own files and read them "
+                    "in the task's local_data(path)")
+            tensors.update({keys[0]: pair[0].detach().cpu().contiguous(), keys[1]: pair[1].detach().cpu().contiguous()})
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cid):
+            raise TaskError(f"task {task_name(task)}: client id {cid!r} cannot name a shard file "
+                            "(use letters, digits, '.', '_' and '-')")
+        files.append((cid, tensors))
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    num_classes = getattr(task, "num_classes", None)
+    for cid, tensors in files:
+        meta = {"format": SHARD_FORMAT, "client_id": cid, "dataset": task_name(task),
+                "num_classes": str(int(num_classes or 0))}
+        path = out / f"{cid}.safetensors"
+        save_file(tensors, str(path), metadata=meta)
+        paths.append(path)
+    return paths
+
+
+def load_shard(path: str | Path, check_dtypes: bool = True) -> Shard:
+    """Read a shard file, or the only ``*.safetensors`` file in a folder. ``check_dtypes``:
+    x must be float32 and y int64 (the built-in models' classification data); a task
+    whose tensors are of other types (token ids, regression targets) passes False."""
     p = Path(path)
     if p.is_dir():
         files = sorted(p.glob("*.safetensors"))
@@ -69,10 +122,17 @@ def load_shard(path: str | Path) -> Shard:
         with safe_open(str(p), framework="pt") as f:
             meta = f.metadata() or {}
             x, y = f.get_tensor("x"), f.get_tensor("y")
+            keys = set(f.keys())
+            test_x = f.get_tensor("test_x") if "test_x" in keys else None
+            test_y = f.get_tensor("test_y") if "test_y" in keys else None
     except Exception as e:
         raise DataError(f"{p}: not a shard file ({e})") from None
     if meta.get("format") != SHARD_FORMAT:
         raise DataError(f"{p}: format {meta.get('format')!r}, expected {SHARD_FORMAT!r}")
-    if x.dtype != torch.float32 or y.dtype != torch.int64 or x.shape[0] != y.shape[0] or len(y) == 0:
+    if x.shape[0] != y.shape[0] or len(y) == 0:
+        raise DataError(f"{p}: x and y must have the same (non-zero) number of rows")
+    if check_dtypes and (x.dtype != torch.float32 or y.dtype != torch.int64):
         raise DataError(f"{p}: x must be float32 and y int64 with the same (non-zero) number of rows")
-    return Shard(meta.get("client_id", p.stem), x, y, int(json.loads(meta.get("num_classes", "0"))))
+    if (test_x is None) != (test_y is None) or (test_x is not None and test_x.shape[0] != test_y.shape[0]):
+        raise DataError(f"{p}: test_x and test_y must both be there, with the same number of rows")
+    return Shard(meta.get("client_id", p.stem), x, y, int(json.loads(meta.get("num_classes", "0"))), test_x, test_y)

@@ -7,23 +7,32 @@ per-client seeds and the same checks as the in-process engine and the HTTP serve
 :func:`make_client_app` turns shoal's :class:`~shoal.client.training.LocalTrainer` into
 a Flower ClientApp, so a shoal client joins a SuperLink through ``flower-supernode``.
 
+Both sides load the run's task (shoal/task.py: ``[task] app``, else the built-in task of
+``[model]`` + ``[data]``) and build model, trainer and strategy through shoal.assembly;
+a node trains on client ``partition-id`` of ``task.simulation_data(...)``.
+
 Messages follow Flower's conventions, so either side also works with Flower's own
 counterpart: the model travels as an ArrayRecord under ``"arrays"`` (named like the
 model's state_dict), the reply carries the client's *local model* there and a
 MetricRecord ``"metrics"`` with ``"num-examples"``; the server forms the delta.
+EVALUATE messages ask the nodes to evaluate the global model on their own test data
+(the task's metrics, ``num-examples`` = their test examples, 0 without test data).
 A shoal ClientApp answers a QUERY message with its client id (``client-00003`` for
-partition 3), which lets the server map Flower node ids to shoal client ids and sample
-exactly as the in-process engine does; a node that does not answer is ``node-<id>``.
+partition 3, or the task's ``client_ids[3]``), which lets the server map Flower node ids
+to shoal client ids and sample exactly as the in-process engine does; a node that does
+not answer is ``node-<id>``.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 import logging
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -32,18 +41,20 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
-from shoal.aggregation import Strategy, make_strategy
-from shoal.aggregation.robust import make_aggregator
+from shoal.aggregation import Strategy
+from shoal.assembly import initial_model, make_round_strategy, make_trainer, task_from_config, task_label
 from shoal.client.device import select_device
 from shoal.client.training import LocalTrainer
 from shoal.config import Config, load_config
-from shoal.datasets import FederatedData, load_federated
 from shoal.errors import ConfigError, SpecMismatch, UpdateRejected
-from shoal.models import build_model
 from shoal.params import ParamSpec
 from shoal.rounds import RoundSummary, SyncRounds, Assignment, i_hash
 from shoal.seeding import derive_seed
+from shoal.task import ClientData, SimulationData, Task, check_loss
 from shoal.update import Update
+
+from .client_data import client_id, load_simulation_data, on_device
+from .inprocess import weighted_means
 
 log = logging.getLogger(__name__)
 
@@ -52,12 +63,8 @@ CONFIG = "config"            # Flower's default ConfigRecord key
 METRICS = "metrics"
 NUM_EXAMPLES = "num-examples"  # Flower's default weighting key
 IDENTITY = "identity"        # the ConfigRecord of a QUERY reply: {"client-id": ...}
+LOCAL_STATE = "shoal-local"  # a node's context.state ArrayRecord: the buffers its task keeps local (FedBN)
 RUN_CONFIG_KEY = "shoal-config"  # run_config key (pyproject.toml / --run-config) naming the TOML file
-
-
-def client_id(partition_id: int) -> str:
-    """The id the in-process engine gives client ``partition_id`` (same sampling, same seeds)."""
-    return f"client-{partition_id:05d}"
 
 
 # --- the model as an ArrayRecord -------------------------------------------------------
@@ -87,25 +94,62 @@ def from_arrays(record: ArrayRecord, spec: ParamSpec) -> torch.Tensor:
 
 @dataclass
 class Setup:
-    """Data, model spec and a trainer built from a Config, once per process (a Ray actor
-    serves many simulated clients; loading the dataset per message would dominate)."""
+    """Task, data, model spec and a trainer built from a Config, once per process (a Ray
+    actor serves many simulated clients; loading the task's data per message would dominate)."""
 
     cfg: Config
-    data: FederatedData
+    task: Task
+    data: SimulationData
     trainer: LocalTrainer
     initial: torch.Tensor  # the global model before round 1, as the in-process engine makes it
+    initial_local: dict[str, torch.Tensor]  # a client's local buffers before its first round (FedBN)
+    client_ids: list[str]
+    test: ClientData | None  # the central test set, on the trainer's device
+    _train: dict[int, ClientData] = field(default_factory=dict)
+    _test: dict[int, ClientData | None] = field(default_factory=dict)
 
     @property
     def spec(self) -> ParamSpec:
         return self.trainer.spec
 
+    @property
+    def num_clients(self) -> int:
+        return len(self.client_ids)
+
+    @property
+    def label(self) -> str:
+        return task_label(self.cfg, self.task)
+
+    @property
+    def has_client_test(self) -> bool:
+        return self.data.client_test is not None and any(d is not None for d in self.data.client_test)
+
+    def client_train(self, i: int) -> ClientData:
+        """Client i's training data (tensors moved to the device once; a Dataset as it is)."""
+        if i not in self._train:
+            self._train[i] = on_device(self.data.train[i], self.trainer.device)  # type: ignore[assignment]
+        return self._train[i]
+
+    def client_test(self, i: int) -> ClientData | None:
+        """Client i's own test data, or None."""
+        if self.data.client_test is None:
+            return None
+        if i not in self._test:
+            self._test[i] = on_device(self.data.client_test[i], self.trainer.device)
+        return self._test[i]
+
 
 def _build(cfg: Config, device: str) -> Setup:
-    data = load_federated(cfg.data, cfg.simulation.num_clients, cfg.simulation.seed)
-    torch.manual_seed(cfg.simulation.seed)  # model initialisation, as InProcessSimulation does
-    model = build_model(cfg.model.name, data.input_shape, data.num_classes)
-    trainer = LocalTrainer(model, cfg.train, select_device(device))
-    return Setup(cfg, data, trainer, trainer.flat.detach().clone().cpu())
+    task = task_from_config(cfg)
+    data = load_simulation_data(task, cfg)
+    dev = select_device(device)
+    model = initial_model(cfg, task).to(dev)  # seeded by simulation.seed, as InProcessSimulation does
+    check_loss(task, model, data.train[0], dev)
+    trainer = make_trainer(cfg, task, model, dev)
+    ids = [str(c) for c in data.client_ids] if data.client_ids is not None else [
+        client_id(i) for i in range(len(data.train))]
+    return Setup(cfg, task, data, trainer, trainer.flat.detach().clone().cpu(), trainer.local_state(), ids,
+                 on_device(data.test, dev))
 
 
 @functools.lru_cache(maxsize=2)
@@ -118,6 +162,20 @@ def _cached(cfg_json: str, device: str) -> Setup:
 def setup_for(cfg: Config, device: str | None = None) -> Setup:
     """The (cached) Setup of ``cfg``; ``device`` defaults to ``cfg.train.device``."""
     return _cached(json.dumps(cfg.to_dict(), sort_keys=True), device or cfg.train.device)
+
+
+def with_absolute_task(cfg: Config) -> Config:
+    """``cfg`` with a task file path (``[task] app = "dir/file.py:name"``) made absolute, so
+    processes started elsewhere (Ray workers, other nodes) import the same file."""
+    target, sep, attr = cfg.task.app.rpartition(":")
+    if not sep or not (target.endswith(".py") or "/" in target or "\\" in target):
+        return cfg
+    path = Path(target).expanduser()
+    if path.is_absolute():
+        return cfg
+    out = copy.deepcopy(cfg)
+    out.task.app = f"{path.resolve()}:{attr}"
+    return out
 
 
 def config_from_context(context: Context) -> Config:
@@ -141,15 +199,18 @@ class ShoalStrategy(FlowerStrategy):
     clients, seeded by (seed, round)); each train message carries the client's id and
     seed so a shoal ClientApp trains exactly as the in-process engine would. Replies
     are accumulated in task order, so the result does not depend on arrival order.
-    Evaluation is central (``evaluate_fn`` of :meth:`start`), as in the in-process
-    engine; no federated evaluation messages are sent. A failed or rejected reply is
-    logged and left out of the round, or with ``strict`` raised as UpdateRejected (the
-    simulation engine is strict: a simulated client has no excuse to fail).
+    Central evaluation is ``evaluate_fn`` of :meth:`start`. In the rounds where
+    ``federated_eval(round)`` is true, every connected node is sent an EVALUATE message
+    and evaluates the new global model on its own test data; the replies' metrics are
+    averaged weighted by their ``num-examples`` into :attr:`last_federated`
+    (``fed_<metric>`` and ``fed_num_examples``, as the in-process engine names them).
+    A failed or rejected reply is logged and left out, or with ``strict`` raised as
+    UpdateRejected (the simulation engine is strict: a simulated client has no excuse to fail).
     """
 
     def __init__(self, strategy: Strategy, spec: ParamSpec, clients_per_round: int = 0,
                  fraction: float = 0.1, seed: int = 0, min_available_nodes: int = 1, strict: bool = False,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu", federated_eval: Callable[[int], bool] | None = None):
         self.strategy = strategy
         self.device = torch.device(device)  # where the strategy's buffers live (make_strategy's device)
         self.spec = spec
@@ -162,6 +223,9 @@ class ShoalStrategy(FlowerStrategy):
         self.node_of: dict[str, int] = {}  # shoal client id -> Flower node id
         self.last_round: RoundSummary | None = None
         self._tasks: dict[int, Assignment] = {}  # node id -> the task of the open round
+        self.federated_eval = federated_eval
+        self.last_federated: dict[str, float] = {}  # fed_<metric> of the last round that evaluated
+        self._eval_nodes: dict[int, str] = {}  # node id -> client id of the open evaluation
 
     def summary(self) -> None:
         log.info(
@@ -188,7 +252,9 @@ class ShoalStrategy(FlowerStrategy):
                 self.node_of[cid] = node  # a restarted node comes back under a new node id
         return {cid: node for cid, node in self.node_of.items() if node in online}
 
-    def configure_train(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
+    def configure_train(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
         params = from_arrays(arrays, self.spec).to(self.device)
         if self.rounds is None:
             self.rounds = SyncRounds(self.strategy, params, self.clients_per_round, self.fraction, self.seed)
@@ -209,7 +275,9 @@ class ShoalStrategy(FlowerStrategy):
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
         return messages
 
-    def aggregate_train(self, server_round: int, replies: Iterable[Message]) -> tuple[ArrayRecord | None, MetricRecord | None]:
+    def aggregate_train(
+        self, server_round: int, replies: Iterable[Message]
+    ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         rounds = self.rounds
         order = {node: i for i, node in enumerate(self._tasks)}
         for reply in sorted(replies, key=lambda m: order.get(m.metadata.src_node_id, len(order))):
@@ -247,22 +315,64 @@ class ShoalStrategy(FlowerStrategy):
             raise UpdateRejected("client_failed", f"round {server_round}: {cid} {why}")
         log.warning("round %d: %s %s", server_round, cid, why)
 
-    def configure_evaluate(self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid) -> Iterable[Message]:
-        return []
+    def configure_evaluate(
+        self, server_round: int, arrays: ArrayRecord, config: ConfigRecord, grid: Grid
+    ) -> Iterable[Message]:
+        self._eval_nodes = {}
+        if self.federated_eval is None or not self.federated_eval(server_round):
+            return []
+        node_of = self.identify(grid)
+        messages = []
+        for cid in sorted(node_of):
+            node = node_of[cid]
+            self._eval_nodes[node] = cid
+            conf = ConfigRecord(dict(config))
+            conf.update({"server-round": server_round, "client-id": cid})
+            content = RecordDict({ARRAYS: arrays, CONFIG: conf})
+            messages.append(Message(content, dst_node_id=node, message_type=MessageType.EVALUATE))
+        return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        return None
+        """Example-weighted means of the nodes' metrics on their own test data (``fed_<metric>``)."""
+        if not self._eval_nodes:
+            return None
+        order = {node: i for i, node in enumerate(self._eval_nodes)}
+        results = []
+        for reply in sorted(replies, key=lambda m: order.get(m.metadata.src_node_id, len(order))):
+            cid = self._eval_nodes.get(reply.metadata.src_node_id, f"node-{reply.metadata.src_node_id}")
+            if reply.has_error():
+                self._drop(server_round, cid, f"evaluation failed: {reply.error.reason}")
+                continue
+            try:
+                metrics = reply.content.metric_records[METRICS]
+                n = float(metrics[NUM_EXAMPLES])
+            except (KeyError, TypeError, ValueError) as e:
+                self._drop(server_round, cid, f"evaluation reply rejected: {e}")
+                continue
+            if n > 0:
+                ev = {k: float(v) for k, v in metrics.items() if k != NUM_EXAMPLES and isinstance(v, (int, float))}
+                results.append({**ev, "num_examples": n})
+        self.last_federated = {f"fed_{k}": v for k, v in weighted_means(results).items()}
+        return MetricRecord(self.last_federated) if self.last_federated else None
 
 
-# Called after each round's central evaluation: (round summary, {"accuracy", "loss"}, global params).
+# Called after each evaluated round: (round summary, {"test_<metric>", "fed_<metric>", ...}, global params).
 RoundCallback = Callable[[RoundSummary, dict[str, float], torch.Tensor], None]
+
+
+def evaluated_round(cfg: Config) -> Callable[[int], bool]:
+    """The rounds the in-process engine evaluates: every ``eval_every``-th and the last."""
+    sim = cfg.simulation
+    return lambda r: r > 0 and (r % sim.eval_every == 0 or r == sim.rounds)
 
 
 def make_server_app(cfg: Config | None = None, on_round: RoundCallback | None = None,
                     timeout: float = 3600, strict: bool = False) -> ServerApp:
-    """A ServerApp running ``cfg``'s rounds with :class:`ShoalStrategy` and central evaluation
-    on the test set every ``simulation.eval_every`` rounds (and the last). Without ``cfg``
-    it reads the config named by the run config key ``shoal-config``."""
+    """A ServerApp running ``cfg``'s rounds with :class:`ShoalStrategy`; every
+    ``simulation.eval_every`` rounds (and the last) the task's metrics of the global model
+    on its central test set (``test_<metric>``) and, when the task's clients have test
+    data, the nodes' federated evaluation (``fed_<metric>``). Without ``cfg`` it reads the
+    config named by the run config key ``shoal-config``."""
     app = ServerApp()
 
     @app.main()
@@ -270,21 +380,26 @@ def make_server_app(cfg: Config | None = None, on_round: RoundCallback | None = 
         c = cfg or config_from_context(context)
         sim = c.simulation
         setup = setup_for(c, sim.device)
-        trainer, test = setup.trainer, setup.data.test
+        trainer = setup.trainer
+        due = evaluated_round(c)
         strategy = ShoalStrategy(
-            make_strategy(c.strategy, setup.spec.numel, trainer.device,
-                          make_aggregator(c.robust, setup.spec.numel, trainer.device)), setup.spec,
+            make_round_strategy(c, setup.spec.numel, trainer.device, setup.num_clients), setup.spec,
             sim.clients_per_round, sim.fraction, sim.seed, strict=strict, device=trainer.device,
+            federated_eval=due if setup.has_client_test else None,
         )
 
         def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
-            if server_round == 0 or not (server_round % sim.eval_every == 0 or server_round == sim.rounds):
+            if not due(server_round):
                 return None
             params = from_arrays(arrays, setup.spec)
-            ev = trainer.evaluate(params, test.x, test.y)
+            ev: dict[str, float] = {}
+            if setup.test is not None:
+                central = trainer.evaluate_data(params, setup.test)
+                ev.update({f"test_{k}": v for k, v in central.items() if k != "num_examples"})
+            ev.update(strategy.last_federated)  # this round's, from aggregate_evaluate (it runs first)
             if on_round is not None and strategy.last_round is not None:
                 on_round(strategy.last_round, ev, params)
-            return MetricRecord(ev)
+            return MetricRecord(ev) if ev else None
 
         strategy.start(grid, to_arrays(setup.initial, setup.spec), num_rounds=sim.rounds,
                        timeout=timeout, evaluate_fn=evaluate)
@@ -305,36 +420,61 @@ def _partition(context: Context) -> int:
         ) from None
 
 
+def _node(context: Context, cfg: Config | None, device: str | None) -> tuple[Setup, int, str]:
+    """This node's Setup, partition and client id."""
+    c = cfg or config_from_context(context)
+    pid = _partition(context)
+    setup = setup_for(c, device)
+    if not 0 <= pid < setup.num_clients:
+        raise ConfigError(f"partition-id {pid} is outside the {setup.num_clients} clients of this config")
+    return setup, pid, setup.client_ids[pid]
+
+
+def _load_local(setup: Setup, context: Context) -> None:
+    """The node's own local buffers (FedBN) into the shared trainer: a Ray actor serves many nodes."""
+    if not setup.trainer.local_names:
+        return
+    record = context.state.array_records.get(LOCAL_STATE)
+    if record is None:
+        setup.trainer.load_local_state(setup.initial_local)
+    else:
+        setup.trainer.load_local_state({k: torch.from_numpy(v.numpy()) for k, v in record.items()})
+
+
+def _save_local(setup: Setup, context: Context) -> None:
+    if setup.trainer.local_names:
+        context.state[LOCAL_STATE] = ArrayRecord({k: v.cpu() for k, v in setup.trainer.local_state().items()})
+
+
 def make_client_app(cfg: Config | None = None, device: str | None = None) -> ClientApp:
-    """A ClientApp training shoal's LocalTrainer on client ``partition-id`` of ``cfg``'s data.
+    """A ClientApp training shoal's LocalTrainer on client ``partition-id`` of the task's
+    simulation data (``task.simulation_data(simulation.num_clients, simulation.seed)``).
 
     Train messages from :class:`ShoalStrategy` carry the seed; from another strategy
     (Flower's FedAvg) the seed is derived from (simulation.seed, server-round, client
-    id) exactly as SyncRounds derives it. ``device`` defaults to ``train.device``.
+    id) exactly as SyncRounds derives it. Evaluate messages are answered with the task's
+    metrics on the client's own test data (``num-examples`` 0 when it has none). Buffers
+    the task keeps local (``exchange_buffers = False``) live in the node's
+    ``context.state``. ``device`` defaults to ``train.device``.
     """
     app = ClientApp()
 
     @app.query()
     def identify(msg: Message, context: Context) -> Message:
-        cid = client_id(_partition(context))
+        _, _, cid = _node(context, cfg, device)
         return Message(RecordDict({IDENTITY: ConfigRecord({"client-id": cid})}), reply_to=msg)
 
     @app.train()
     def train(msg: Message, context: Context) -> Message:
-        c = cfg or config_from_context(context)
-        pid = _partition(context)
-        setup = setup_for(c, device)
-        if not 0 <= pid < setup.data.num_clients:
-            raise ConfigError(f"partition-id {pid} is outside the {setup.data.num_clients} clients of this config")
+        setup, pid, cid = _node(context, cfg, device)
         conf = msg.content.config_records.get(CONFIG, ConfigRecord())
-        cid = client_id(pid)
         rnd = int(conf.get("server-round", 1))
-        seed = int(conf.get("seed", derive_seed(c.simulation.seed, rnd, i_hash(cid))))
+        seed = int(conf.get("seed", derive_seed(setup.cfg.simulation.seed, rnd, i_hash(cid))))
         version = int(conf.get("version", rnd - 1))
         global_flat = from_arrays(msg.content.array_records[ARRAYS], setup.spec)
-        shard = setup.data.client(pid)
-        dev = setup.trainer.device
-        update = setup.trainer.train(global_flat, shard.x.to(dev), shard.y.to(dev), seed, version, cid)
+        _load_local(setup, context)
+        update = setup.trainer.fit(global_flat, setup.client_train(pid), seed, version, cid)
+        _save_local(setup, context)
         return Message(
             RecordDict({
                 ARRAYS: to_arrays(setup.trainer.flat, setup.spec),
@@ -342,5 +482,16 @@ def make_client_app(cfg: Config | None = None, device: str | None = None) -> Cli
             }),
             reply_to=msg,
         )
+
+    @app.evaluate()
+    def evaluate(msg: Message, context: Context) -> Message:
+        setup, pid, _ = _node(context, cfg, device)
+        test = setup.client_test(pid)
+        metrics: dict[str, int | float] = {NUM_EXAMPLES: 0}
+        if test is not None:
+            _load_local(setup, context)
+            ev = setup.trainer.evaluate_data(from_arrays(msg.content.array_records[ARRAYS], setup.spec), test)
+            metrics = {NUM_EXAMPLES: int(ev.pop("num_examples")), **ev}
+        return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
 
     return app

@@ -2,13 +2,16 @@
 
 ``simulation.engine = "flower"`` runs the ServerApp and ClientApp of
 :mod:`shoal.simulations.flower_apps` under ``flwr.simulation.run_simulation``: each
-client is a Flower SuperNode, its training runs in a Ray actor with
+client is a Flower SuperNode (client i of the task's ``simulation_data``), its training runs in a Ray actor with
 ``simulation.flower_client_cpus`` / ``flower_client_gpus`` reserved, on this machine
 (``simulation.ray_num_cpus`` CPUs) or on the Ray cluster at ``simulation.ray_address``.
-Sampling, seeds and aggregation are shoal's, so with the same config and seed the
-global model matches the in-process engine's; outputs are the same metrics.jsonl,
-summary.json and plots. The in-process engine is far faster on one machine (see
-bench/engines.py); this one is for runs that need more than one machine.
+Sampling, seeds and aggregation are shoal's, and both engines load the same task
+(``[task] app`` or the built-in one; a task file's path is made absolute before the
+config reaches the Ray workers, which import the file themselves), so with the same
+config and seed the global model matches the in-process engine's; outputs are the same
+metrics.jsonl (``test_<metric>``, ``fed_<metric>``), summary.json and plots. The
+in-process engine is far faster on one machine (see bench/engines.py); this one is for
+runs that need more than one machine.
 """
 
 from __future__ import annotations
@@ -28,9 +31,9 @@ from shoal.errors import ConfigError
 from shoal.metrics import MetricsLog
 from shoal.rounds import RoundSummary
 
-from .experiment import _progress
-from .flower_apps import make_client_app, make_server_app, setup_for
-from .report import plot_curves
+from .experiment import _progress, progress_status
+from .flower_apps import make_client_app, make_server_app, setup_for, with_absolute_task
+from .report import final_metrics, plot_curves
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +75,12 @@ def run_flower(
     from flwr.simulation import run_simulation
 
     out = Path(out_dir or cfg.output.dir)
+    cfg = with_absolute_task(cfg)  # Ray workers load the task themselves, maybe from another folder
     sim_cfg = cfg.simulation
     t0 = time.perf_counter()
     backend = backend_config(cfg)
     setup = setup_for(cfg, sim_cfg.device)  # the ServerApp (a thread here) reuses it
-    num_clients = setup.data.num_clients
+    num_clients = setup.num_clients
     setup_s = time.perf_counter() - t0
     metrics = MetricsLog(out)
     show = sim_cfg.progress and sys.stderr.isatty() if progress is None else progress
@@ -95,9 +99,9 @@ def run_flower(
             down = model_bytes * summary.num_selected
             totals["up"] += up
             totals["down"] += down
+            last.clear()
             last.update({
-                "round": summary.round, "version": summary.version,
-                "test_accuracy": ev["accuracy"], "test_loss": ev["loss"], "train_loss": summary.train_loss,
+                "round": summary.round, "version": summary.version, **ev, "train_loss": summary.train_loss,
                 "num_results": summary.num_results, "num_examples": summary.num_examples,
                 "elapsed_s": round(time.perf_counter() - t_start, 4),
                 "bytes_up": up, "bytes_down": down, "bytes_up_total": totals["up"],
@@ -108,7 +112,7 @@ def run_flower(
             if on_record:
                 on_record(dict(last))
             if bar is not None:
-                bar.update(task, completed=summary.round, status=f"acc {ev['accuracy']:.4f}")
+                bar.update(task, completed=summary.round, status=progress_status(last))
 
         # Flower's per-round INFO lines, its deprecation notice for run_simulation and
         # its database layer's start-up lines stay out of shoal's log unless debugging.
@@ -133,11 +137,13 @@ def run_flower(
     wall = time.perf_counter() - t_start
     if "params" not in final or last.get("round") != sim_cfg.rounds:
         raise RuntimeError(f"the Flower simulation stopped after round {last.get('round', 0)} of {sim_cfg.rounds}")
-    accs = [r["test_accuracy"] for r in metrics.records]
+    accs = [r["test_accuracy"] for r in metrics.records if r.get("test_accuracy") is not None]
     summary_out = {
         "final_test_accuracy": last.get("test_accuracy"),
         "final_test_loss": last.get("test_loss"),
         "best_test_accuracy": max(accs) if accs else None,
+        "final_metrics": final_metrics(last),
+        "task": setup.label,
         "rounds": sim_cfg.rounds,
         "num_clients": num_clients,
         "num_parameters": setup.spec.numel,
@@ -145,11 +151,13 @@ def run_flower(
         "engine": "flower",
         "wall_s": round(wall, 3),
         "setup_s": round(setup_s, 3),
+        "bytes_up_total": totals["up"],
+        "bytes_down_total": totals["down"],
         "config": cfg.to_dict(),
     }
     metrics.summary(summary_out)
     if cfg.output.plots:
-        plot_curves(metrics.records, out, title=f"{cfg.data.dataset} / {cfg.model.name} / {cfg.strategy.name} (flower)")
+        plot_curves(metrics.records, out, title=f"{setup.label} / {cfg.strategy.name} (flower)")
     log.info("wrote %s", out)
     return FlowerRun(summary_out, final["params"])
 
