@@ -182,3 +182,16 @@ def test_readme_task_three_tls_peers(task_dir):
         assert recs and "local_test_accuracy" in recs[-1], logs
         assert recs[-1]["local_test_accuracy"] >= recs[0]["local_test_accuracy"] - 0.05
     assert sum(read_jsonl(task_dir / f"out{i}" / "metrics.jsonl")[-1].get("merges", 0) for i in range(3)) > 0, logs
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_readme_task_on_the_flower_engine(task_dir):
+    shoal("simulate", "--task", "my_task.py:task", "-q", "--set", 'simulation.engine="flower"',
+          "--set", "simulation.ray_num_cpus=2", "--set", "simulation.rounds=3", "--set", "simulation.num_clients=6",
+          "--set", "simulation.clients_per_round=3", "--out", "flower", cwd=task_dir, timeout=280)
+    shoal("simulate", "--task", "my_task.py:task", "-q", "--set", "simulation.rounds=3",
+          "--set", "simulation.num_clients=6", "--set", "simulation.clients_per_round=3", "--out", "inproc", cwd=task_dir)
+    flower = [json.loads(line) for line in (task_dir / "flower" / "metrics.jsonl").read_text().splitlines()]
+    inproc = [json.loads(line) for line in (task_dir / "inproc" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["test_accuracy"] for r in flower] == pytest.approx([r["test_accuracy"] for r in inproc], abs=1e-6)
