@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from .deploy import run_peers, run_server_and_clients
+
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -81,70 +83,11 @@ def write_node_csvs(folder: Path, n: int) -> list[Path]:
     return paths
 
 
-SERVER_TOML = """
-[train]
-batch_size = 16
-lr = 0.1
-[server]
-host = "127.0.0.1"
-port = {port}
-rounds = 3
-min_nodes = 3
-clients_per_round = 3
-poll_s = 2.0
-deadline_s = 60.0
-checkpoint_dir = "{tmp}/ck"
-db = "{tmp}/nodes.sqlite"
-out_dir = "{tmp}/run"
-tls_cert = "{cert}"
-tls_key = "{key}"
-"""
-
-
-def _spawn(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "shoal.cli", *args], cwd=cwd, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def _kill(procs: list[subprocess.Popen]) -> None:
-    import signal
-
-    for p in procs:
-        if p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(10)
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_readme_task_server_and_three_tls_clients(task_dir):
-    from shoal.server.registry import Registry
-    from shoal.tls import make_private_ca
-
-    from tests.server.test_deploy import _free_port
-
-    pki = make_private_ca(task_dir / "pki")
-    port = _free_port()
-    (task_dir / "server.toml").write_text(SERVER_TOML.format(port=port, tmp=task_dir, cert=pki.cert, key=pki.key))
-    reg = Registry(task_dir / "nodes.sqlite")
-    for i in range(3):
-        (task_dir / f"node{i}.token").write_text(reg.add(f"node{i}"))
-    reg.close()
     csvs = write_node_csvs(task_dir, 3)
-    procs = [_spawn(["server", "--task", "my_task.py:task", "-c", "server.toml"], task_dir, task_dir / "server.log")]
-    try:
-        for i in range(3):
-            procs.append(_spawn(["client", "--task", "my_task.py:task", "--data", csvs[i].name, "-c", "server.toml",
-                                 "--server", f"https://127.0.0.1:{port}", "--token-file", f"node{i}.token",
-                                 "--ca-cert", str(pki.ca_cert), "--device", "cpu"], task_dir, task_dir / f"c{i}.log"))
-        for p in procs:
-            p.wait(240)
-    finally:
-        _kill(procs)
-    logs = "\n".join(f"--- {f.name}\n{f.read_text()[-2000:]}" for f in sorted(task_dir.glob("*.log")))
-    assert [p.returncode for p in procs] == [0, 0, 0, 0], logs
-    records = [json.loads(line) for line in (task_dir / "run" / "metrics.jsonl").read_text().splitlines()]
+    records = run_server_and_clients(task_dir, "my_task.py:task", [c.name for c in csvs], "[train]\nlr = 0.1\n")
     fed = [r for r in records if r.get("evaluation") == "federated"]
     assert [r["version"] for r in fed][-1] == 3 and all(r["fed_nodes"] == 3 for r in fed)
     assert fed[-1]["fed_accuracy"] > fed[0]["fed_accuracy"] - 0.05 and fed[-1]["fed_num_examples"] == 3 * 30
@@ -154,34 +97,12 @@ def test_readme_task_server_and_three_tls_clients(task_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_readme_task_three_tls_peers(task_dir):
-    from shoal.metrics import read_jsonl
-    from shoal.tls import make_private_ca
-
-    from tests.p2p.test_peer_task import _free_ports
-
-    pki = make_private_ca(task_dir / "pki")
     csvs = write_node_csvs(task_dir, 3)
-    (task_dir / "peer.toml").write_text("[gossip]\nperiod = 0.3\nrounds = 6\n[train]\nlr = 0.1\nbatch_size = 16\n")
-    ports = _free_ports(3)
-    urls = [f"https://127.0.0.1:{p}" for p in ports]
-    tls = ["--tls-cert", str(pki.cert), "--tls-key", str(pki.key), "--ca-cert", str(pki.ca_cert)]
-    procs = []
-    try:
-        for i in range(3):
-            procs.append(_spawn(["peer", "--task", "my_task.py:task", "--data", csvs[i].name, "-c", "peer.toml",
-                                 "--listen", f"127.0.0.1:{ports[i]}", "--bootstrap", urls[(i + 1) % 3],
-                                 "--token", "readme-token", "--out", f"out{i}", *tls], task_dir, task_dir / f"p{i}.log"))
-        for p in procs:
-            p.wait(240)
-    finally:
-        _kill(procs)
-    logs = "\n".join(f"--- {f.name}\n{f.read_text()[-2000:]}" for f in sorted(task_dir.glob("p*.log")))
-    assert [p.returncode for p in procs] == [0, 0, 0], logs
-    for i in range(3):
-        recs = read_jsonl(task_dir / f"out{i}" / "metrics.jsonl")
-        assert recs and "local_test_accuracy" in recs[-1], logs
+    runs = run_peers(task_dir, "my_task.py:task", [c.name for c in csvs], "[train]\nlr = 0.1\n")
+    for recs in runs:
+        assert recs and "local_test_accuracy" in recs[-1]
         assert recs[-1]["local_test_accuracy"] >= recs[0]["local_test_accuracy"] - 0.05
-    assert sum(read_jsonl(task_dir / f"out{i}" / "metrics.jsonl")[-1].get("merges", 0) for i in range(3)) > 0, logs
+    assert sum(recs[-1].get("merges", 0) for recs in runs) > 0
 
 
 @pytest.mark.slow
