@@ -86,7 +86,7 @@ class PngFolder(Dataset):
                 img = img.convert("RGB")
                 if img.size != (self.size, self.size):
                     img = img.resize((self.size, self.size), Image.BILINEAR)
-                rgb = np.asarray(img, dtype=np.uint8)
+                rgb = np.array(img, dtype=np.uint8)  # a writable copy for torch
         except (OSError, ValueError) as e:
             raise TaskError(f"image_folder_bn: cannot read image {path}: {e}") from None
         return to_tensor(rgb), label
