@@ -95,7 +95,8 @@ class Adapted(nn.Module):
 class Adapter(Task):
     def __init__(self, rank: int = 4, alpha: float = 8.0, in_dim: int = 32, hidden: int = 256, classes: int = 10,
                  rows: int = 200):
-        self.rank, self.alpha, self.in_dim, self.hidden, self.classes, self.rows = rank, alpha, in_dim, hidden, classes, rows
+        self.rank, self.alpha, self.rows = rank, alpha, rows
+        self.in_dim, self.hidden, self.classes = in_dim, hidden, classes
         self.num_classes = classes
 
     def describe(self) -> str:

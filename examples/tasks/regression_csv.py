@@ -160,7 +160,8 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def generate_clients(num_clients: int, num_features: int, rows: int, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def generate_clients(num_clients: int, num_features: int, rows: int,
+                     seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Synthetic non-IID tables: one target function for all, each client's features shifted and scaled.
 
     y = x·w + 0.5 sin(2 x_0) + noise, where every client draws x around its own mean and with

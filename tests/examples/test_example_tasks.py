@@ -110,6 +110,24 @@ def test_shakespeare_roles_split_and_local_data_match_the_simulation(tmp_path, c
     assert sh.decode(single.train[0][0][:20]) == (folders[0] / "train.txt").read_text()[:20]
 
 
+def test_shakespeare_central_baseline_script(tmp_path, corpus):
+    """The docs' baseline script: same model and trainer on the pooled text, a table beside a federated run."""
+    sets = ["task.args={max_roles = 2, hidden = 16, embed_dim = 8}", "simulation.rounds=2", "train.batch_size=16"]
+    fed = simulate(tmp_path / "fed", "shakespeare.py:task", *sets, "simulation.clients_per_round=0",
+                   "simulation.fraction=1.0", "train.lr=2.0")
+    args = ["examples/tasks/shakespeare_central.py", "-c", "examples/tasks/shakespeare.toml", "--out",
+            str(tmp_path / "central"), "--federated", str(tmp_path / "fed")]
+    for s in sets:
+        args += ["--set", s]
+    out = run_helper(*args).stdout
+    central = [json.loads(line) for line in (tmp_path / "central" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["round"] for r in central] == [1, 2]
+    # Each round-equivalent processes what a federated round with every client does.
+    assert central[0]["examples"] == fed[0]["num_examples"]
+    assert "most-frequent-character baseline" in out
+    assert f"| 2 | {fed[1]['test_accuracy']:.4f} | {central[1]['test_accuracy']:.4f} |" in out
+
+
 def test_shakespeare_bad_paths_give_one_clear_line(tmp_path):
     task = load_task(str(TASKS / "shakespeare.py") + ":task")
     with pytest.raises(TaskError, match="does not exist"):
