@@ -139,7 +139,9 @@ class ImageFolderBN(Task):
     def __init__(self, exchange_buffers: bool = True, size: int = 16, images: int = 64, channels: int = 8):
         if size % 4 or size < 8:
             raise TaskError(f"image_folder_bn: size = {size} must be a multiple of 4, at least 8 (two 2x2 poolings)")
-        self.exchange_buffers = bool(exchange_buffers)  # False: FedBN, BatchNorm statistics stay on each client
+        if not isinstance(exchange_buffers, bool):
+            raise TaskError(f"image_folder_bn: exchange_buffers = {exchange_buffers!r} must be true or false")
+        self.exchange_buffers = exchange_buffers  # False: FedBN, BatchNorm statistics stay on each client
         self.size, self.images, self.channels = size, images, channels
 
     def describe(self) -> str:

@@ -283,6 +283,8 @@ def test_image_png_folders_round_trip(tmp_path):
 
 
 def test_image_bad_folders_give_clear_errors(tmp_path):
+    with pytest.raises(TaskError, match="exchange_buffers = 'false' must be true or false"):
+        load_task(str(TASKS / "image_folder_bn.py") + ":task", {"exchange_buffers": "false"})
     task = load_task(str(TASKS / "image_folder_bn.py") + ":task")
     with pytest.raises(TaskError, match="is not a folder"):
         task.local_data(tmp_path / "nowhere")
