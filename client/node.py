@@ -232,7 +232,8 @@ class Node:
     async def _evaluate(self, params: torch.Tensor, version: int) -> None:
         """Federated evaluation: the global model on this node's test data, reported with its
         example count (POST /v1/eval). Best effort: a failed report is logged, not retried."""
-        ev = await asyncio.to_thread(self.trainer.evaluate_data, params, self.test)
+        # raw means: the server pools every node's means and summarizes once (docs/protocol.md)
+        ev = await asyncio.to_thread(self.trainer.evaluate_data, params, self.test, 2048, False)
         n = int(ev.pop("num_examples"))
         metrics = {k: v for k, v in ev.items() if _METRIC_NAME.fullmatch(k) and math.isfinite(v)}
         if len(metrics) < len(ev):

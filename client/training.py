@@ -41,6 +41,14 @@ def autocast(device: torch.device, precision: str) -> contextlib.AbstractContext
     return contextlib.nullcontext()
 
 
+def summarize_means(task: Task, means: dict[str, float]) -> dict[str, float]:
+    """``task.summarize`` of example-weighted means, as one clear TaskError if it fails."""
+    out = call_part(task, "summarize(means)", task.summarize, dict(means))
+    if not isinstance(out, dict):
+        raise TaskError(f"task {task_name(task)}: summarize() returned a {type(out).__name__}, expected a dict")
+    return {k: float(v) for k, v in out.items()}
+
+
 class SeededPermutations(Sampler[int]):
     """One ``torch.randperm(n)`` per pass from a generator seeded once: LocalTrainer.train's order."""
 
@@ -209,20 +217,28 @@ class LocalTrainer:
         return self._evaluate(params, ((x[s : s + batch_size], y[s : s + batch_size]) for s in range(0, n, batch_size)))
 
     @torch.no_grad()
-    def evaluate_data(self, params: torch.Tensor, data: ClientData, batch_size: int = 2048) -> dict[str, float]:
-        """Metrics on tensors or a Dataset (DataLoader, no shuffling); adds ``num_examples``."""
+    def evaluate_data(self, params: torch.Tensor, data: ClientData, batch_size: int = 2048,
+                      summarize: bool = True) -> dict[str, float]:
+        """Metrics on tensors or a Dataset (DataLoader, no shuffling); adds ``num_examples``.
+
+        ``summarize=False`` returns the raw example-weighted means: what a client reports for
+        federated evaluation, so that the aggregator averages means and summarizes once
+        (the mean of clients' perplexities is not the perplexity of the mean loss)."""
         pair = as_tensors(data)
         if pair is not None:
-            out = self.evaluate(params, pair[0], pair[1], batch_size)
+            n = int(pair[1].shape[0])
+            x, y = pair
+            out = self._evaluate(params, ((x[s : s + batch_size], y[s : s + batch_size]) for s in range(0, n, batch_size)),
+                                 summarize)
         else:
             task = self.task
             loader = DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=task.num_workers,
                                 pin_memory=self.device.type == "cuda", collate_fn=task.collate_fn,
                                 generator=torch.Generator().manual_seed(0))  # leaves the global RNG alone
-            out = self._evaluate(params, (tuple(b) for b in loader))
+            out = self._evaluate(params, (tuple(b) for b in loader), summarize)
         return {**out, "num_examples": float(num_examples(data))}
 
-    def _evaluate(self, params: torch.Tensor, batches) -> dict[str, float]:
+    def _evaluate(self, params: torch.Tensor, batches, summarize: bool = True) -> dict[str, float]:
         self.flat.copy_(params.to(self.device))
         self.model.eval()
         task = self.task
@@ -243,4 +259,4 @@ class LocalTrainer:
                 sums[name] = sums.get(name, 0) + v * k
             n += k
         means = {name: float(v) / max(n, 1) for name, v in sums.items()}
-        return task.summarize(means)
+        return summarize_means(task, means) if summarize else means

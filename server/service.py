@@ -24,12 +24,12 @@ import torch
 from shoal.aggregation.secagg_encoding import FixedPoint
 from shoal.assembly import initial_model, make_async_rounds, make_deadline_rounds, make_round_strategy, task_from_config
 from shoal.async_rounds import AsyncRounds
-from shoal.client.training import LocalTrainer
+from shoal.client.training import LocalTrainer, summarize_means
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMismatch, UpdateRejected
 from shoal.metrics import _clean
 from shoal.rounds import SyncRounds
-from shoal.task import Task, call_part, check_data
+from shoal.task import Task, TaskError, call_part, check_data
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
 
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
@@ -316,7 +316,12 @@ class ServerService:
             if not fed.reported:
                 continue
             record: dict[str, Any] = {"version": v, "evaluation": "federated"}
-            record.update({f"fed_{k}": fed.sums[k] / fed.counts[k] for k in sorted(fed.sums)})
+            pooled = {k: fed.sums[k] / fed.counts[k] for k in sorted(fed.sums)}
+            try:  # derived figures (perplexity, R²) from the pooled means, once
+                pooled = summarize_means(self.task, pooled)
+            except TaskError as e:
+                log.warning("federated evaluation of version %d: %s; writing the raw means", v, e)
+            record.update({f"fed_{k}": pooled[k] for k in pooled})
             record.update(fed_num_examples=fed.num_examples, fed_nodes=len(fed.reported),
                           elapsed_s=round(time.perf_counter() - self._t0, 4))
             self.last_fed = _clean(record)

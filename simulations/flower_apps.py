@@ -210,8 +210,10 @@ class ShoalStrategy(FlowerStrategy):
 
     def __init__(self, strategy: Strategy, spec: ParamSpec, clients_per_round: int = 0,
                  fraction: float = 0.1, seed: int = 0, min_available_nodes: int = 1, strict: bool = False,
-                 device: torch.device | str = "cpu", federated_eval: Callable[[int], bool] | None = None):
+                 device: torch.device | str = "cpu", federated_eval: Callable[[int], bool] | None = None,
+                 task: Task | None = None):
         self.strategy = strategy
+        self.task = task  # summarizes the pooled federated means (perplexity, R²...) once
         self.device = torch.device(device)  # where the strategy's buffers live (make_strategy's device)
         self.spec = spec
         self.clients_per_round = clients_per_round
@@ -352,7 +354,7 @@ class ShoalStrategy(FlowerStrategy):
             if n > 0:
                 ev = {k: float(v) for k, v in metrics.items() if k != NUM_EXAMPLES and isinstance(v, (int, float))}
                 results.append({**ev, "num_examples": n})
-        self.last_federated = {f"fed_{k}": v for k, v in weighted_means(results).items()}
+        self.last_federated = {f"fed_{k}": v for k, v in weighted_means(results, self.task).items()}
         return MetricRecord(self.last_federated) if self.last_federated else None
 
 
@@ -385,7 +387,7 @@ def make_server_app(cfg: Config | None = None, on_round: RoundCallback | None = 
         strategy = ShoalStrategy(
             make_round_strategy(c, setup.spec.numel, trainer.device, setup.num_clients), setup.spec,
             sim.clients_per_round, sim.fraction, sim.seed, strict=strict, device=trainer.device,
-            federated_eval=due if setup.has_client_test else None,
+            federated_eval=due if setup.has_client_test else None, task=setup.task,
         )
 
         def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
@@ -490,7 +492,8 @@ def make_client_app(cfg: Config | None = None, device: str | None = None) -> Cli
         metrics: dict[str, int | float] = {NUM_EXAMPLES: 0}
         if test is not None:
             _load_local(setup, context)
-            ev = setup.trainer.evaluate_data(from_arrays(msg.content.array_records[ARRAYS], setup.spec), test)
+            ev = setup.trainer.evaluate_data(from_arrays(msg.content.array_records[ARRAYS], setup.spec), test,
+                                             summarize=False)  # raw means: the strategy summarizes once
             metrics = {NUM_EXAMPLES: int(ev.pop("num_examples")), **ev}
         return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
 

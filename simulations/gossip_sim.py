@@ -394,9 +394,9 @@ class GossipSimulation:
             avg = self.trainer.evaluate_data(mean_model, self.test)
             out.update({f"average_model_{k}": v for k, v in avg.items() if k != "num_examples"})
         if self.client_test is not None:  # each peer's own model on its own test data
-            results = [self.trainer.evaluate_data(self.models[int(i)], self.client_test[int(i)])
+            results = [self.trainer.evaluate_data(self.models[int(i)], self.client_test[int(i)], summarize=False)
                        for i in self.eval_idx if self.client_test[int(i)] is not None]
-            out.update({f"fed_{k}": v for k, v in weighted_means(results).items()})
+            out.update({f"fed_{k}": v for k, v in weighted_means(results, self.task).items()})
         return {
             **out,
             "consensus_distance": consensus,

@@ -16,6 +16,7 @@ import torch
 
 from shoal.assembly import initial_model, make_round_strategy, make_trainer, task_from_config
 from shoal.client.batched import make_batched_trainer
+from shoal.client.training import summarize_means
 from shoal.client.device import select_device
 from shoal.config import Config
 from shoal.errors import WireError
@@ -189,16 +190,19 @@ class InProcessSimulation:
                 continue
             if self.trainer.local_names:
                 self.trainer.load_local_state(self.local_states.get(cid, self._initial_local))
-            results.append(self.trainer.evaluate_data(params, data))
-        return {f"fed_{k}": v for k, v in weighted_means(results).items()}
+            results.append(self.trainer.evaluate_data(params, data, summarize=False))
+        return {f"fed_{k}": v for k, v in weighted_means(results, self.task).items()}
 
 
-def weighted_means(results: list[dict[str, float]]) -> dict[str, float]:
-    """Example-weighted means of metric dicts that carry ``num_examples``; the total too."""
+def weighted_means(results: list[dict[str, float]], task: Task | None = None) -> dict[str, float]:
+    """Example-weighted means of clients' raw metric means (each dict carries ``num_examples``),
+    then ``task.summarize`` once on the pooled means; the example total too."""
     total = sum(r.get("num_examples", 0.0) for r in results)
     if not results or total <= 0:
         return {}
     keys = [k for k in results[0] if k != "num_examples"]
     out = {k: sum(r[k] * r["num_examples"] for r in results if k in r) / total for k in keys}
+    if task is not None:
+        out = summarize_means(task, out)
     out["num_examples"] = total
     return out

@@ -223,16 +223,18 @@ def test_user_metrics_are_example_weighted_and_summarized(tmp_path):
             def metrics(self, model, x, y):
                 return {"mean_target": y.float().mean()}
             def summarize(self, means):
-                return {**means, "twice": 2 * means["mean_target"]}
+                return {**means, "square": means["mean_target"] ** 2}
         task = Metrics(clients_with_tests=True)
     """)))
     sim = InProcessSimulation(small(f"{path}:task"))
     ev = sim.evaluate()
     test_y = sim.data.test[1].double()
     assert ev["test_mean_target"] == pytest.approx(float(test_y.mean()))
-    assert ev["test_twice"] == pytest.approx(2 * float(test_y.mean()))
+    assert ev["test_square"] == pytest.approx(float(test_y.mean()) ** 2)
     all_y = torch.cat([t[1] for t in sim.data.client_test]).double()
     assert ev["fed_mean_target"] == pytest.approx(float(all_y.mean()))
+    # derived once from the pooled mean, not averaged over clients' own squares
+    assert ev["fed_square"] == pytest.approx(float(all_y.mean()) ** 2)
     assert ev["fed_num_examples"] == len(all_y)
 
 
