@@ -41,7 +41,7 @@ class SimulationConfig:
     clients_per_round: int = 10    # K; 0 means use `fraction`
     fraction: float = 0.1          # C: a fraction of all clients each round (at least 1)
     eval_every: int = 1            # evaluate the global model every k rounds (and the last)
-    engine: str = "inprocess"      # inprocess (simulations/inprocess.py) | flower (Ray, simulations/flower_engine.py)
+    engine: str = "inprocess"      # inprocess (simulations/inprocess.py) | flower (Ray, flower/engine.py)
     mode: str = "sync"             # sync rounds | async (FedAsync/FedBuff, [asynchronous]) | gossip ([gossip], no server)
     device: str = "auto"           # where simulated clients train: auto | cpu | cuda[:N]
     progress: bool = True          # progress bar on a terminal

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from shoal.config import Config
+from shoal.errors import ConfigError
 from shoal.metrics import MetricsLog
 
 from .inprocess import InProcessSimulation
@@ -68,6 +69,18 @@ def progress_status(record: dict[str, Any]) -> str:
     return ""
 
 
+def flower_engine():
+    """``shoal.flower.engine.run_flower_simulation``, or a ConfigError naming the extra to install."""
+    try:
+        from shoal.flower.engine import run_flower_simulation
+    except ImportError as e:
+        if "flwr" not in str(e) and "ray" not in str(e):
+            raise
+        raise ConfigError("simulation.engine = 'flower' needs Flower, an optional extra: "
+                          "pip install 'shoal[flower]' (or use simulation.engine = 'inprocess')") from None
+    return run_flower_simulation
+
+
 def run_simulation(
     cfg: Config,
     out_dir: str | Path | None = None,
@@ -78,7 +91,7 @@ def run_simulation(
     """Run ``cfg.simulation.rounds`` rounds (fewer if the privacy budget runs out); returns
     the summary (also written to disk). ``sim``: a simulation built by the caller."""
     if cfg.simulation.engine == "flower":  # Flower's simulation runtime (Ray) drives shoal's rounds
-        from .flower_engine import run_flower_simulation
+        run_flower_simulation = flower_engine()
 
         return run_flower_simulation(cfg, out_dir, progress, on_record)
     if cfg.simulation.mode == "gossip":  # decentralized peers, no server (simulations/gossip_sim.py)

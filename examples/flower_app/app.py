@@ -23,7 +23,7 @@ from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
 from shoal.assembly import make_round_strategy  # noqa: E402
 from shoal.config import Config, load_config  # noqa: E402
-from shoal.simulations.flower_apps import (  # noqa: E402
+from shoal.flower.apps import (  # noqa: E402
     ShoalStrategy,
     config_from_context,
     evaluated_round,
@@ -78,8 +78,8 @@ if __name__ == "__main__":
     from flwr.simulation import run_simulation
 
     from shoal.cli import with_task
-    from shoal.simulations.flower_apps import with_absolute_task
-    from shoal.simulations.flower_engine import backend_config
+    from shoal.flower.apps import with_absolute_task
+    from shoal.flower.engine import backend_config
 
     ap = argparse.ArgumentParser(description="shoal strategy + shoal clients on Flower's simulation engine")
     ap.add_argument("--ray-cpus", type=int, default=0, help="CPUs Ray may use (0 = all)")

@@ -1,7 +1,7 @@
 """The Flower engine: the same experiment through Flower's Ray-backed simulation.
 
 ``simulation.engine = "flower"`` runs the ServerApp and ClientApp of
-:mod:`shoal.simulations.flower_apps` under ``flwr.simulation.run_simulation``: each
+:mod:`shoal.flower.apps` under ``flwr.simulation.run_simulation``: each
 client is a Flower SuperNode (client i of the task's ``simulation_data``), its training runs in a Ray actor with
 ``simulation.flower_client_cpus`` / ``flower_client_gpus`` reserved, on this machine
 (``simulation.ray_num_cpus`` CPUs) or on the Ray cluster at ``simulation.ray_address``.
@@ -31,9 +31,9 @@ from shoal.errors import ConfigError
 from shoal.metrics import MetricsLog
 from shoal.rounds import RoundSummary
 
-from .experiment import _progress, progress_status
-from .flower_apps import make_client_app, make_server_app, setup_for, with_absolute_task
-from .report import final_metrics, plot_curves
+from shoal.simulations.experiment import _progress, progress_status
+from .apps import make_client_app, make_server_app, setup_for, with_absolute_task
+from shoal.simulations.report import final_metrics, plot_curves
 
 log = logging.getLogger(__name__)
 

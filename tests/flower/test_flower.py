@@ -17,8 +17,8 @@ from shoal.metrics import read_jsonl
 from shoal.models import build_model
 from shoal.params import ParamSpec, flatten
 from shoal.simulations.experiment import run_simulation
-from shoal.simulations.flower_apps import from_arrays, to_arrays
-from shoal.simulations.flower_engine import backend_config
+from shoal.flower.apps import from_arrays, to_arrays
+from shoal.flower.engine import backend_config
 from shoal.simulations.inprocess import InProcessSimulation
 
 SMALL = [
@@ -66,7 +66,7 @@ def test_a_client_larger_than_the_ray_runtime_is_a_config_error():
 @pytest.fixture(scope="module")
 def flower_and_inprocess(tmp_path_factory):
     """The same 10-client, 5-per-round, 3-round experiment on both engines."""
-    from shoal.simulations.flower_engine import run_flower
+    from shoal.flower.engine import run_flower
 
     cfg = load_config(None, SMALL)
     threads = torch.get_num_threads()
@@ -165,7 +165,7 @@ class Sites(Task):
 
 
 def test_task_file_path_is_made_absolute_for_the_workers(tmp_path, monkeypatch):
-    from shoal.simulations.flower_apps import with_absolute_task
+    from shoal.flower.apps import with_absolute_task
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(None, ["task.app='sub/my_task.py:Sites'"])
@@ -180,7 +180,7 @@ def test_task_file_path_is_made_absolute_for_the_workers(tmp_path, monkeypatch):
 def test_a_user_task_file_runs_through_the_flower_engine_as_in_process(tmp_path, monkeypatch):
     """Dataset clients, FedBN buffers kept per node, a custom metric, federated evaluation
     on the clients' own test data, named client ids: the same model and records as in-process."""
-    from shoal.simulations.flower_engine import run_flower
+    from shoal.flower.engine import run_flower
 
     work = tmp_path / "user"
     work.mkdir()

@@ -53,8 +53,8 @@ from shoal.seeding import derive_seed
 from shoal.task import ClientData, SimulationData, Task, check_loss
 from shoal.update import Update
 
-from .client_data import client_id, load_simulation_data, on_device
-from .inprocess import weighted_means
+from shoal.simulations.client_data import client_id, load_simulation_data, on_device
+from shoal.simulations.inprocess import weighted_means
 
 log = logging.getLogger(__name__)
 
