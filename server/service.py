@@ -195,7 +195,9 @@ class ServerService:
         ``body`` is decoded in place (no copy); it may be reused once this returns."""
         self.seen(node, now)
         try:
-            update, header = decode_update(body, self.spec, self.max_body_bytes, copy=False)
+            s = self.cfg.server
+            update, header = decode_update(body, self.spec, self.max_body_bytes, copy=False,
+                                           max_examples=s.max_examples, max_abs=s.max_delta_abs)
             r = self.rounds
             if self.cfg.secure_aggregation.enabled:
                 raise UpdateRejected("secure_round", "rounds are securely aggregated: send masked input through "

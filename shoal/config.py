@@ -251,6 +251,14 @@ class ServerConfig:
     db: str = "server/nodes.sqlite"
     out_dir: str = "server/run"    # metrics.jsonl
     eval: bool = True              # evaluate each new version on the data config's held-out set
+    # hostile input (docs/protocol.md, "Limits"): what one node may send and hold
+    max_examples: int = 1_000_000  # an update claiming more examples is refused (out_of_range)
+    max_delta_abs: float = 1e4     # an update with a larger |entry| after decoding is refused; 0 = finite only
+    body_timeout_s: float = 30.0   # longest wait for the next bytes of a request body (408 after it)
+    upload_timeout_s: float = 300.0  # longest a whole upload may take once its body flows
+    uploads_per_node: int = 2      # one node's uploads in flight at once (429 above it)
+    idle_timeout_s: float = 75.0   # a connection with no request in flight this long is closed
+    admin_token_file: str = ""     # file holding the token of GET /v1/status and /metrics ("" = routes off)
 
     def validate(self) -> None:
         _choice("server.mode", self.mode, ("sync", "async"))
@@ -270,6 +278,14 @@ class ServerConfig:
         _positive("server.max_body_bytes", self.max_body_bytes, allow_zero=True)
         _positive("server.ingest_slots", self.ingest_slots)
         _positive("server.keep_checkpoints", self.keep_checkpoints)
+        _positive("server.max_examples", self.max_examples)
+        if not (math.isfinite(self.max_delta_abs) and self.max_delta_abs >= 0):
+            raise ConfigError(f"server.max_delta_abs = {self.max_delta_abs!r} must be a finite number >= 0 (0 = no bound)")
+        for key in ("body_timeout_s", "upload_timeout_s", "idle_timeout_s"):
+            v = getattr(self, key)
+            if not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"server.{key} = {v!r} must be a finite number of seconds > 0")
+        _positive("server.uploads_per_node", self.uploads_per_node)
 
 
 @dataclass
