@@ -216,7 +216,7 @@ class Node:
         msg = f"{resp.status} {info.get('error')}: {info.get('detail')}"
         if resp.status in (401, 403):
             raise NodeError(f"server refused this node: {msg}")
-        if resp.status >= 500 or resp.status == 429:
+        if resp.status >= 500 or resp.status in (408, 429):  # busy, timed out, too many in flight: retry
             raise _Retry(msg)
         raise _Refused(msg)
 
