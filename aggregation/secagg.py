@@ -32,7 +32,9 @@ with :class:`SecAggAborted`: no partial sum is ever returned.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import struct
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -183,6 +185,47 @@ def _associated(session: bytes, sender: str, recipient: str) -> bytes:
     return b"|".join([session, sender.encode(), recipient.encode()])
 
 
+def _key_problem(keys: PublicKeys | PeerKeys, taken: set[bytes]) -> str | None:
+    """Why a party's two keys cannot be used (small order, its two keys equal, or a key
+    another party already advertised: canonical forms compared), or None."""
+    try:
+        for k in (keys.enc_key, keys.mask_key):
+            C.check_public_key(k)
+    except ValueError as e:
+        return str(e)
+    enc, mask = C.canonical_public(keys.enc_key), C.canonical_public(keys.mask_key)
+    if enc == mask:
+        return "its two public keys are the same"
+    if enc in taken or mask in taken:
+        return "a public key another client already advertised"
+    return None
+
+
+def _check_directory(client_id: str, directory: KeyDirectory) -> None:
+    """SecAggAborted unless every peer's keys are usable and distinct and every share
+    point is distinct and in [1, p): a server could otherwise make pairwise masks that
+    everyone knows, or shares that do not rebuild."""
+    taken: set[bytes] = set()
+    for v, p in sorted(directory.peers.items()):
+        problem = _key_problem(p, taken)
+        if problem:
+            raise SecAggAborted(f"client {client_id}: peer {v!r} in the key directory: {problem}")
+        taken |= {C.canonical_public(p.enc_key), C.canonical_public(p.mask_key)}
+    points = [p.index for p in directory.peers.values()]
+    if len(set(points)) != len(points) or not all(1 <= x < C.PRIME for x in points):
+        raise SecAggAborted(f"client {client_id}: the key directory's share points are not distinct in [1, p)")
+
+
+def keyed_graph_seed(params: SecAggParams, keys: dict[str, PublicKeys]) -> int:
+    """The SecAgg+ graph's seed, drawn only once the participants are fixed (Bell et al.
+    2020 assume the graph is chosen after them): a hash of the session, the public seed
+    and every advertised key, so no one knew it before the keys were in."""
+    h = hashlib.sha256(b"shoal secagg+ graph|" + params.session + b"|" + str(params.graph_seed).encode())
+    for u in sorted(keys):
+        h.update(b"|" + u.encode() + b"|" + keys[u].enc_key + keys[u].mask_key)
+    return int.from_bytes(h.digest()[:8], "little")
+
+
 # --- client ----------------------------------------------------------------------------
 
 class SecAggClient:
@@ -224,23 +267,31 @@ class SecAggClient:
     def share_keys(self, directory: KeyDirectory) -> EncryptedShares:
         """Secret-share b_u and s_sk_u among the neighbourhood; encrypt each share to its holder."""
         self._expect("share")
+        if directory.recipient != self.id:
+            raise SecAggRefused(f"client {self.id}: a key directory addressed to {directory.recipient!r}")
         me = directory.peers.get(self.id)
         if me is None or me.enc_key != C.public_key(self._enc_sk) or me.mask_key != C.public_key(self._mask_sk):
             raise SecAggRefused(f"client {self.id}: the key directory does not hold this client's own keys")
-        if len(directory.peers) < directory.threshold or directory.threshold < 1:
+        floor = threshold(len(directory.peers), self.params.threshold_fraction)
+        if len(directory.peers) < directory.threshold or directory.threshold < max(floor, 1):
             raise SecAggAborted(
-                f"client {self.id}: {len(directory.peers)} peers in its neighbourhood, threshold {directory.threshold}"
+                f"client {self.id}: {len(directory.peers)} peers in its neighbourhood, threshold {directory.threshold} "
+                f"(at least {floor} for threshold fraction {self.params.threshold_fraction})"
             )
+        _check_directory(self.id, directory)
         self._peers = dict(directory.peers)
         self._threshold = directory.threshold
         holders = sorted(self._peers)
         xs = np.array([self._peers[v].index for v in holders], dtype=np.int64)
-        shares = C.shamir_share(C.secret_to_field([self._seed, self._mask_sk]), xs, self._threshold, self.rand)
-        out = {}
-        for row, v in zip(shares, holders):
-            key = self._share_key(v)
-            plain = C.pack_shares(me.index, self._peers[v].index, row)
-            out[v] = C.encrypt(key, plain, _associated(self.params.session, self.id, v), self.rand)
+        try:
+            shares = C.shamir_share(C.secret_to_field([self._seed, self._mask_sk]), xs, self._threshold, self.rand)
+            out = {}
+            for row, v in zip(shares, holders):
+                key = self._share_key(v)
+                plain = C.pack_shares(me.index, self._peers[v].index, row)
+                out[v] = C.encrypt(key, plain, _associated(self.params.session, self.id, v), self.rand)
+        except ValueError as e:  # share points or keys the checks above should have caught
+            raise SecAggAborted(f"client {self.id}: the key directory cannot be used: {e}") from None
         self.stage = "masked"
         return EncryptedShares(self.id, out)
 
@@ -251,6 +302,8 @@ class SecAggClient:
         if x.dtype != np.uint32 or x.shape != (self.params.vector_size,):
             raise ValueError(f"encoded input must be uint32 of shape ({self.params.vector_size},), "
                              f"got {x.dtype} {x.shape}")
+        if delivery.recipient != self.id:  # in a SecAgg+ graph a misrouted delivery would mask with strangers
+            raise SecAggRefused(f"client {self.id}: a share delivery addressed to {delivery.recipient!r}")
         senders = set(delivery.ciphertexts)
         if not senders <= set(self._peers) or self.id not in senders:
             raise SecAggRefused(f"client {self.id}: shares delivered from outside its neighbourhood")
@@ -263,7 +316,10 @@ class SecAggClient:
         y += expander.expand(self._seed)
         mine = self._peers[self.id].index
         for v in sorted(senders - {self.id}):
-            s_uv = C.agree(self._mask_key, self._peers[v].mask_key, INFO_MASK, self.params.session)
+            try:
+                s_uv = C.agree(self._mask_key, self._peers[v].mask_key, INFO_MASK, self.params.session)
+            except ValueError as e:
+                raise SecAggAborted(f"client {self.id}: no pairwise mask with {v}: {e}") from None
             if mine < self._peers[v].index:
                 y += expander.expand(s_uv)
             else:
@@ -276,6 +332,8 @@ class SecAggClient:
         that no peer is (now or before) asked for both: that would hand the server
         the peer's unmasked input (Bonawitz Sec. 4, Round 4)."""
         self._expect("unmask")
+        if request.recipient != self.id:
+            raise SecAggRefused(f"client {self.id}: an unmasking request addressed to {request.recipient!r}")
         survivors, dropped = set(request.survivors), set(request.dropped)
         both = survivors & dropped
         both |= {v for v in survivors if self._revealed.get(v) == "mask_key"}
@@ -298,7 +356,10 @@ class SecAggClient:
             plain = C.decrypt(self._share_key(v), self._received[v], _associated(self.params.session, v, self.id))
             if plain is None:
                 raise SecAggRefused(f"client {self.id}: the share from {v} does not decrypt")
-            sender, receiver, row = C.unpack_shares(plain)
+            try:
+                sender, receiver, row = C.unpack_shares(plain)
+            except (ValueError, struct.error):
+                raise SecAggRefused(f"client {self.id}: the share from {v} is not a share message") from None
             if (sender, receiver) != (self._peers[v].index, mine) or len(row) != 2 * C.CHUNKS:
                 raise SecAggRefused(f"client {self.id}: the share from {v} names the wrong parties")
             if v in survivors:
@@ -347,6 +408,8 @@ class SecAggServer:
         self.index = {u: i + 1 for i, u in enumerate(ids)}
         self.stage = "advertise"
         self._keys: dict[str, PublicKeys] = {}
+        self._taken: set[bytes] = set()  # canonical forms of every advertised key
+        self.graph_seed: int | None = None  # the SecAgg+ graph's, fixed at close_advertise
         self.u1: list[str] = []
         self._shares: dict[str, EncryptedShares] = {}
         self.u2: list[str] = []
@@ -390,10 +453,18 @@ class SecAggServer:
         self._expect("advertise", msg.sender, self.participants, self._keys)
         if len(msg.enc_key) != 32 or len(msg.mask_key) != 32 or msg.enc_key == msg.mask_key:
             raise SecAggProtocolError(f"{msg.sender!r}: public keys must be two distinct 32-byte X25519 keys")
+        problem = _key_problem(msg, self._taken)
+        if problem:
+            raise SecAggProtocolError(f"{msg.sender!r}: {problem}")
+        self._taken |= {C.canonical_public(msg.enc_key), C.canonical_public(msg.mask_key)}
         self._keys[msg.sender] = msg
 
     def close_advertise(self) -> dict[str, KeyDirectory]:
         self._at("advertise")
+        if self.params.graph != "full" and self.degree < len(self.participants) - 1:
+            # the same Harary graph (so the same threshold), relabelled by a seed nobody knew before
+            self.graph_seed = keyed_graph_seed(self.params, self._keys)
+            self.graph = neighbours(self.participants, self.params.graph, self.degree, self.graph_seed)
         alive = self._prune(set(self._keys))
         if len(alive) < self.threshold:
             raise self._abort(f"{len(alive)} clients advertised keys, the threshold is {self.threshold}")
@@ -516,7 +587,10 @@ class SecAggServer:
             for v in self._hood(u, survivors):
                 if v == u:
                     continue
-                s_uv = C.agree(mask_keys[u], publics[v], INFO_MASK, session)
+                try:
+                    s_uv = C.agree(mask_keys[u], publics[v], INFO_MASK, session)
+                except ValueError as e:
+                    raise self._abort(f"the pairwise mask of {u!r} and {v!r} cannot be rebuilt ({e})") from None
                 if self.index[v] < self.index[u]:
                     total -= expander.expand(s_uv)
                 else:

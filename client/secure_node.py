@@ -22,6 +22,7 @@ import signal
 
 import aiohttp
 import numpy as np
+import torch
 
 from shoal.aggregation.secagg import KeyDirectory, SecAggClient, ShareDelivery, UnmaskRequest
 from shoal.aggregation.secagg_encoding import FixedPoint, encode_weighted, example_weight
@@ -32,6 +33,7 @@ from shoal.update import Update
 log = logging.getLogger(__name__)
 
 KILL_ENV = "SHOAL_TEST_KILL_AFTER"
+MIN_THRESHOLD = 0.5  # t > half of each neighbourhood (shoal.config checks the same on the server)
 OCTET = {"Content-Type": "application/octet-stream"}
 
 
@@ -91,6 +93,14 @@ async def run_secure_round(node, task: dict, update: Update) -> bool:
         if size != update.delta.numel() + 1:
             raise Malformed(f"secure_aggregation.vector_size = {size}, but this model has {update.delta.numel()} "
                             "parameters (+1 weight entry)")
+        if params.threshold_fraction < MIN_THRESHOLD:  # below it the server could unmask a single input
+            raise Malformed(f"secure_aggregation threshold fraction {params.threshold_fraction} is below "
+                            f"{MIN_THRESHOLD}: refusing to take part")
+        bad = int((~torch.isfinite(update.delta)).sum())
+        if bad or not update.num_examples >= 1:  # never mask what would corrupt the sum unseen
+            log.warning("round %d: the update has %d NaN/Inf entries (%d examples): not joining the secure "
+                        "aggregation; the round goes on without this node", round_, bad, update.num_examples)
+            return False
         client = SecAggClient(node.name, params)  # keys and seeds from the OS CSPRNG
         meta = {"round": round_, "num_examples": int(update.num_examples),
                 "train_loss": float(update.metrics.get("train_loss", float("nan")))}

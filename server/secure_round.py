@@ -138,7 +138,7 @@ class SecureRound:
         try:
             {"advertise": self.server.receive_keys, "share": self.server.receive_shares,
              "masked": self.server.receive_masked, "unmask": self.server.receive_unmask}[stage](msg)
-        except SecAggProtocolError as e:
+        except (SecAggProtocolError, ValueError) as e:  # the state machine changed nothing
             raise Malformed(str(e)) from None
         if stage == "advertise":
             self.meta[node] = (n, float(loss))
@@ -175,6 +175,10 @@ class SecureRound:
             self._close()
         except SecAggAborted as e:
             self.aborted, self.stage = str(e), "aborted"
+            return True
+        except Exception as e:  # e.g. a ValueError from the crypto: the round aborts, the server goes on
+            log.exception("round %d: secure aggregation failed at stage %r; aborting the round", self.round, self.stage)
+            self.aborted, self.stage = f"{type(e).__name__} at stage {self.stage!r}: {e}", "aborted"
             return True
         self.deadline_at = now + self.cfg.stage_s
         return True

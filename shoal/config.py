@@ -486,8 +486,15 @@ class SecureAggregationConfig:
         _positive("secure_aggregation.stage_s", self.stage_s)
         _choice("secure_aggregation.graph", self.graph, ("full", "secagg+"))
         _positive("secure_aggregation.degree", self.degree, allow_zero=True)
-        if not 0 <= self.threshold < 1:
-            raise ConfigError(f"secure_aggregation.threshold = {self.threshold} must be in [0, 1)")
+        if not 0.5 <= self.threshold < 1:
+            # t = floor(threshold x m) + 1 shares of m: t > m/2 (the full graph: m = n; SecAgg+: each
+            # neighbourhood of degree + 1), else the server can ask one half of a client's share holders
+            # for its self-mask and the other half for its mask key, and unmask that client's input
+            raise ConfigError(f"secure_aggregation.threshold = {self.threshold} must be in [0.5, 1): below 0.5 "
+                              "a server could collect both secrets of one client and see its update")
+        if self.graph == "secagg+" and self.degree == 1:
+            raise ConfigError("secure_aggregation.degree = 1 splits the clients into pairs whose sums the server "
+                              "learns; use >= 2 (or 0 for about 3 log2 n)")
         _positive("secure_aggregation.clip", self.clip)
         if not 1 <= self.bits <= 31:
             raise ConfigError(f"secure_aggregation.bits = {self.bits} must be in [1, 31]")
