@@ -41,7 +41,7 @@ from shoal.aggregation.secagg import (
 from shoal.aggregation.secagg_encoding import FixedPoint, weighted_mean
 from shoal.aggregation.secagg_wire import decode_message, encode_message, message_meta, params_to_json
 from shoal.config import Config
-from shoal.errors import Malformed, UpdateRejected
+from shoal.errors import Malformed, OutOfRange, UpdateRejected, short_repr
 from shoal.rounds import RoundSummary, SyncRounds
 from shoal.seeding import derive_seed
 from shoal.update import Update
@@ -66,6 +66,7 @@ class SecureRound:
         self.values = FixedPoint(sa.clip, sa.bits, k)  # raises (ConfigError) if k x 2^bits > 2^32
         self.weights = FixedPoint(1.0, sa.bits, k)
         self.weighting = cfg.strategy.weighting
+        self.max_examples = cfg.server.max_examples
         self.params = SecAggParams(
             # fresh per aggregation: a round re-run after a restart never reuses keys or masks
             session=f"shoal-server/{self.round}/".encode() + secrets.token_bytes(16),
@@ -105,8 +106,9 @@ class SecureRound:
     def _check(self, node: str, route: str, round_: Any) -> str:
         if route not in ROUTES:
             raise UpdateRejected("unknown_stage", f"{route!r} is not a secure aggregation stage: one of {list(ROUTES)}")
-        if round_ != self.round:
-            raise UpdateRejected("wrong_round", f"message is for round {round_!r}, the open round is {self.round}")
+        if not isinstance(round_, int) or isinstance(round_, bool) or round_ != self.round:
+            raise UpdateRejected("wrong_round", f"message is for round {short_repr(round_)}, the open round is "
+                                 f"{self.round}")
         if node not in self.selected:
             raise UpdateRejected("not_selected", f"node {node!r} was not selected for round {self.round}")
         if self.aborted:
@@ -133,8 +135,12 @@ class SecureRound:
             raise Malformed(f"message sender {msg.sender!r} is not the authenticated node {node!r}")
         if stage == "advertise":
             n, loss = meta.get("num_examples"), meta.get("train_loss", float("nan"))
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not isinstance(loss, (int, float)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not isinstance(loss, (int, float)) \
+                    or isinstance(loss, bool):
                 raise Malformed("keys: meta needs num_examples (an integer >= 1) and train_loss (a number)")
+            if n > self.max_examples:  # max_weight is the largest count: one huge claim would zero the others
+                raise OutOfRange(f"keys: num_examples = {n} is above the limit of {self.max_examples} "
+                                 "(server.max_examples)")
         try:
             {"advertise": self.server.receive_keys, "share": self.server.receive_shares,
              "masked": self.server.receive_masked, "unmask": self.server.receive_unmask}[stage](msg)
