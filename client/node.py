@@ -72,6 +72,7 @@ class Node:
         self.trainer = LocalTrainer(model, cfg.train, device)
         self.compressor = Compressor(cfg.compression)  # [compression]: the upload's encoding
         self.zstd_level = cfg.compression.zstd_level if cfg.compression.zstd else 0
+        self.secure_cfg = cfg.secure_aggregation  # identity key and keys file (client/secure_node.py)
         self.x, self.y = shard.x.to(device), shard.y.to(device)
         self.stop = asyncio.Event()
         self.rand = random.Random()

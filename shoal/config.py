@@ -481,6 +481,9 @@ class SecureAggregationConfig:
     dropout_unmask: float = 0.0
     seed: int = 0                  # protocol randomness and injected dropouts
     stage_s: float = 30.0          # `shoal server`: seconds each stage after the first waits for nodes
+    malicious_server: bool = False # the active-adversary variant: signed keys, a consistency round
+    keys_file: str = ""            # malicious_server: JSON {node name: base64 Ed25519 public key}, given to every node
+    identity_key: str = ""         # malicious_server, on a node: its Ed25519 key (`shoal keygen`)
 
     def validate(self) -> None:
         _positive("secure_aggregation.stage_s", self.stage_s)
@@ -492,6 +495,15 @@ class SecureAggregationConfig:
             # for its self-mask and the other half for its mask key, and unmask that client's input
             raise ConfigError(f"secure_aggregation.threshold = {self.threshold} must be in [0.5, 1): below 0.5 "
                               "a server could collect both secrets of one client and see its update")
+        if self.malicious_server:
+            if self.graph != "full":
+                raise ConfigError("secure_aggregation.malicious_server = true runs over graph = 'full' only")
+            if self.threshold < 2 / 3:
+                raise ConfigError(f"secure_aggregation.threshold = {self.threshold} with malicious_server = true: "
+                                  "at least 2/3 (t > 2n/3 against an active server, Bonawitz et al. 2017)")
+            if not self.keys_file:
+                raise ConfigError("secure_aggregation.malicious_server = true needs keys_file: the nodes' public "
+                                  "identity keys, given to every node with the config (`shoal keygen`)")
         if self.graph == "secagg+" and self.degree == 1:
             raise ConfigError("secure_aggregation.degree = 1 splits the clients into pairs whose sums the server "
                               "learns; use >= 2 (or 0 for about 3 log2 n)")
