@@ -23,6 +23,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, TooLarge, UpdateRejected, WireError
 
+from shoal.aggregation.secagg_identity import read_roster
+
 from .registry import AuthError, Registry, hash_token, well_formed
 from .service import ServerService
 
@@ -450,6 +452,12 @@ def make_app(service: ServerService, registry: Registry) -> web.Application:
     app[SERVICE] = service
     app[REGISTRY] = registry
     app[ADMIN] = admin_token_hash(service.cfg)
+    sa = service.cfg.secure_aggregation
+    if sa.enabled and sa.malicious_server:  # checked before any round, not when the first one opens
+        if not sa.keys_file:
+            raise ConfigError("secure_aggregation.malicious_server = true needs keys_file: the nodes' public "
+                              "identity keys, given to every node with the config (`shoal keygen`)")
+        read_roster(sa.keys_file)
     slots: asyncio.Queue = asyncio.Queue()
     for _ in range(service.cfg.server.ingest_slots):
         slots.put_nowait(bytearray(service.max_body_bytes))

@@ -501,9 +501,6 @@ class SecureAggregationConfig:
             if self.threshold < 2 / 3:
                 raise ConfigError(f"secure_aggregation.threshold = {self.threshold} with malicious_server = true: "
                                   "at least 2/3 (t > 2n/3 against an active server, Bonawitz et al. 2017)")
-            if not self.keys_file:
-                raise ConfigError("secure_aggregation.malicious_server = true needs keys_file: the nodes' public "
-                                  "identity keys, given to every node with the config (`shoal keygen`)")
         if self.graph == "secagg+" and self.degree == 1:
             raise ConfigError("secure_aggregation.degree = 1 splits the clients into pairs whose sums the server "
                               "learns; use >= 2 (or 0 for about 3 log2 n)")

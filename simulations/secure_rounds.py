@@ -81,7 +81,7 @@ class SecureAggregationRounds:
         params = SecAggParams(
             session=f"shoal-sim/{seed}".encode(), vector_size=self.sim.spec.numel + 1, graph=self.cfg.graph,
             degree=self.cfg.degree, threshold_fraction=self.cfg.threshold, graph_seed=seed,
-            expected_dropout=self.expected_dropout,
+            expected_dropout=self.expected_dropout, malicious=self.cfg.malicious_server,
         )
         drop_at = self._drop_at(sorted(inputs), round_)
         out = secure_weighted_mean(inputs, weights, params, self.values, self.weights, drop_at, seed)

@@ -215,3 +215,17 @@ def test_keys_file_and_identity_files(tmp_path):
 
 def test_stage_names_are_unchanged_for_dropout_injection():
     assert STAGES == ("advertise", "share", "masked", "unmask")
+
+
+def test_the_simulator_runs_the_signed_variant_and_matches_the_plain_one():
+    import torch
+
+    from shoal.config import load_config
+    from shoal.simulations.inprocess import InProcessSimulation
+
+    base = ["simulation.rounds=1", "simulation.num_clients=12", "simulation.clients_per_round=6",
+            "secure_aggregation.enabled=true", "secure_aggregation.threshold=0.7"]
+    plain = InProcessSimulation(load_config(None, base))
+    signed = InProcessSimulation(load_config(None, [*base, "secure_aggregation.malicious_server=true"]))
+    assert plain.run_round().version == signed.run_round().version == 1
+    assert torch.equal(plain.global_params, signed.global_params)  # same seeds: the same masks cancel to the same sum

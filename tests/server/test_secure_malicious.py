@@ -91,3 +91,14 @@ def test_a_node_set_to_the_malicious_variant_refuses_a_server_that_does_not_run_
     sa.identity_key = str(tmp_path / f"{NAMES[0]}.key")
     identity, roster = _identity(node, SecAggParams(b"s", 4, "full", threshold_fraction=0.7, malicious=True))
     assert roster[NAMES[0]] == ID.identity_public(identity)
+
+
+def test_the_server_refuses_to_start_without_a_readable_keys_file(tmp_path):
+    from shoal.errors import ConfigError
+    from shoal.server.app import make_app
+    from shoal.server.service import ServerService
+
+    for keys_file, why in (("", "needs keys_file"), (str(tmp_path / "missing.json"), "cannot be read")):
+        sa = {"enabled": True, "malicious_server": True, "threshold": 0.7, "keys_file": keys_file}
+        with pytest.raises(ConfigError, match=why):
+            make_app(ServerService(small_config(tmp_path, {"secure_aggregation": sa})), None)
