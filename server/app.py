@@ -35,6 +35,7 @@ REGISTRY = web.AppKey("registry", Registry)
 CHANGED = web.AppKey("changed", dict)
 ADMIN = web.AppKey("admin", str)
 NODE = web.RequestKey("node", str)
+INVITES_PER_SLOT = 4
 ADMIN_PATHS = frozenset({"/v1/status", "/metrics"})
 _SECONDS = re.compile(r"[0-9]{1,9}(\.[0-9]{0,9})?")
 _INTEGER = re.compile(r"[0-9]{1,18}")
@@ -68,6 +69,9 @@ class Slot:
             self.buf = None
             if self.task is not None:  # a keep-alive connection's task serves many requests
                 self.task.remove_done_callback(self._on_task_done)
+
+
+INVITE = web.RequestKey("invite", Slot)
 
 
 def error(status: int, code: str, detail: str) -> web.Response:
@@ -247,17 +251,30 @@ async def _read_into(request: web.Request, view: memoryview, length: int, first:
         raise Refusal(400, "malformed", f"body ended after {got} of {length} bytes (truncated)")
 
 
-async def _take_slot(request: web.Request) -> Slot:
-    """A free body buffer; 503 (retry later) if none frees up within server.upload_timeout_s."""
+async def _take(request: web.Request, pool: str) -> Slot:
+    """A free body buffer (``pool = "slots"``) or upload invitation (``"invites"``); 503
+    (retry later) if none frees up within server.upload_timeout_s."""
     s = request.app[SERVICE].cfg.server
-    slots: asyncio.Queue = request.app[CHANGED]["slots"]
+    queue: asyncio.Queue = request.app[CHANGED][pool]
     try:
         async with asyncio.timeout(s.upload_timeout_s):
-            return Slot(slots, await slots.get())
+            return Slot(queue, await queue.get())
     except TimeoutError:
         request.app[SERVICE].refused("busy")
-        raise Refusal(503, "busy", f"every one of the {s.ingest_slots} upload buffers stayed taken; "
-                      "try again later", close=True) from None
+        raise Refusal(503, "busy", f"every one of the {queue.maxsize} upload {pool} stayed taken; try again later",
+                      close=True) from None
+
+
+async def _invited(request: web.Request) -> Slot:
+    """The upload's invitation: taken before ``100 Continue`` (or, without Expect, before
+    its body is read). Invitations cost no memory and are INVITES_PER_SLOT x ingest_slots
+    many, so clients that send headers and then no body cannot stop others' uploads (each
+    holds one for at most server.body_timeout_s, a node at most server.uploads_per_node);
+    they bound the bodies in flight, so waiting uploads cost nothing (they do not send)."""
+    invite = request.get(INVITE)
+    if invite is None or invite.buf is None:
+        invite = request[INVITE] = await _take(request, "invites")
+    return invite
 
 
 def _tick(app: web.Application) -> None:
@@ -289,6 +306,10 @@ async def expect_update(request: web.Request) -> web.Response | None:
     except Exception:  # runs outside the middlewares: its own last line
         log.exception("unexpected error in the 100-continue check of %s", request.path)
         return error(500, "internal", "the server hit an unexpected error; nothing was applied (see its log)")
+    try:
+        await _invited(request)
+    except Refusal as e:
+        return error(e.status, e.code, e.detail)
     if _gone(request):
         return error(400, "disconnected", "the connection was lost")
     if request.version >= (1, 1):
@@ -344,22 +365,26 @@ async def post_update(request: web.Request) -> web.Response:
     # At most ``ingest_slots`` bodies are read at once, each into a preallocated buffer
     # that the update is decoded in place from and streamed into the aggregate. A buffer
     # is taken only once the body's first bytes arrived (a client that sends headers and
-    # no body holds none), and given back however the request ends. Uploads waiting for
-    # a buffer cost the socket's read buffer, not a model: memory stays O(slots x model).
+    # no body holds none), and given back however the request ends. Bodies in flight are
+    # bounded by the invitations (see _invited): memory stays O(slots x model).
     with _upload_of(request):
-        first = await _chunk(request, svc.cfg.server.body_timeout_s, "upload") if length else b""
-        slot = await _take_slot(request)
-        view = memoryview(slot.buf)
+        invite = await _invited(request)
         try:
-            await _read_into(request, view, length, first)
+            first = await _chunk(request, svc.cfg.server.body_timeout_s, "upload") if length else b""
+            slot = await _take(request, "slots")
+            view = memoryview(slot.buf)
             try:
-                result = svc.submit(node, view[:length], time.monotonic())
-            except ShoalError as e:
-                log.info("update from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
-                return error(_status_of(e), getattr(e, "code", "error"), str(e))
+                await _read_into(request, view, length, first)
+                try:
+                    result = svc.submit(node, view[:length], time.monotonic())
+                except ShoalError as e:
+                    log.info("update from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
+                    return error(_status_of(e), getattr(e, "code", "error"), str(e))
+            finally:
+                del view
+                slot.release()
         finally:
-            del view
-            slot.release()
+            invite.release()
     _tick(app)
     return web.json_response(result)
 
@@ -370,9 +395,14 @@ async def post_secagg(request: web.Request) -> web.Response:
     svc = app[SERVICE]
     length = _check_length(request)
     with _upload_of(request):
-        body = bytearray(length)
-        first = await _chunk(request, svc.cfg.server.body_timeout_s, "secure aggregation message") if length else b""
-        await _read_into(request, memoryview(body), length, first)
+        invite = await _invited(request)  # bounds the bodies read at once here too
+        try:
+            body = bytearray(length)
+            first = await _chunk(request, svc.cfg.server.body_timeout_s, "secure aggregation message") \
+                if length else b""
+            await _read_into(request, memoryview(body), length, first)
+        finally:
+            invite.release()
     now = time.monotonic()
     try:
         result = svc.secure(node, now).receive(node, request.match_info["stage"], bytes(body))
@@ -458,10 +488,13 @@ def make_app(service: ServerService, registry: Registry) -> web.Application:
             raise ConfigError("secure_aggregation.malicious_server = true needs keys_file: the nodes' public "
                               "identity keys, given to every node with the config (`shoal keygen`)")
         read_roster(sa.keys_file)
-    slots: asyncio.Queue = asyncio.Queue()
+    slots: asyncio.Queue = asyncio.Queue(maxsize=service.cfg.server.ingest_slots)
     for _ in range(service.cfg.server.ingest_slots):
         slots.put_nowait(bytearray(service.max_body_bytes))
-    app[CHANGED] = {"event": asyncio.Event(), "slots": slots, "touched": {}, "uploads": {}}
+    invites: asyncio.Queue = asyncio.Queue(maxsize=INVITES_PER_SLOT * service.cfg.server.ingest_slots)
+    for _ in range(invites.maxsize):
+        invites.put_nowait(True)
+    app[CHANGED] = {"event": asyncio.Event(), "slots": slots, "invites": invites, "touched": {}, "uploads": {}}
     app.router.add_get("/v1/task", get_task)
     app.router.add_get("/v1/model", get_model)
     app.router.add_post("/v1/update", post_update, expect_handler=expect_update)

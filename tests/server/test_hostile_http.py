@@ -199,7 +199,8 @@ def test_clients_that_send_no_body_hold_no_slot_and_are_timed_out(tmp_path, capl
                 assert final.startswith(b"HTTP/1.1 408"), out[:200]
                 writer.close()
             assert live.app[CHANGED]["slots"].qsize() == svc.cfg.server.ingest_slots
-            assert live.app[CHANGED]["uploads"] == {}
+            invites = live.app[CHANGED]["invites"]
+            assert invites.qsize() == invites.maxsize and live.app[CHANGED]["uploads"] == {}
             assert svc.counters.accepted == 1 and svc.counters.rejected.get("body_timeout") == 5
 
     with caplog.at_level(logging.DEBUG):
@@ -272,6 +273,7 @@ def test_clients_that_go_away_leave_no_traceback(tmp_path, caplog):
                 w.transport.abort()
             await asyncio.sleep(2.0)
             assert live.app[CHANGED]["slots"].qsize() == 1 and live.app[CHANGED]["uploads"] == {}
+            assert live.app[CHANGED]["invites"].qsize() == live.app[CHANGED]["invites"].maxsize
             async with live.session("n3") as http:  # the server goes on
                 async with http.post(live.url + "/v1/update", data=good_update(svc, "n3")) as resp:
                     assert resp.status == 200
