@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from shoal.config import CompressionConfig
-from shoal.errors import Malformed
+from shoal.errors import Malformed, NonFinite, short_repr
 
 ENCODINGS = ("dense", "q8", "topk")
 Q8_MAX = 127
@@ -129,7 +129,7 @@ class Compressor:
 def _header_int(header: dict, key: str, low: int, high: int, why: str) -> int:
     v = header.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
-        raise Malformed(f"header field {key!r} = {v!r} must be an integer in [{low}, {high}] ({why})")
+        raise Malformed(f"header field {key!r} = {short_repr(v)} must be an integer in [{low}, {high}] ({why})")
     return v
 
 
@@ -145,7 +145,7 @@ def expected_tensors(header: dict, numel: int) -> dict[str, tuple[torch.dtype, t
         case "topk":
             k = _header_int(header, "k", 1, max(1, numel // 2), "top-k coordinates; above numel/2 send dense")
             return {"indices": (torch.int32, (k,)), "values": (torch.float32, (k,))}
-    raise Malformed(f"header field 'encoding' = {encoding!r} is not one of {', '.join(ENCODINGS)}")
+    raise Malformed(f"header field 'encoding' = {short_repr(encoding)} is not one of {', '.join(ENCODINGS)}")
 
 
 def decode_tensors(header: dict, tensors: dict[str, torch.Tensor], numel: int) -> torch.Tensor:
@@ -160,7 +160,12 @@ def decode_tensors(header: dict, tensors: dict[str, torch.Tensor], numel: int) -
             raise Malformed(f"q8 scale has {int((scale < 0).sum())} negative values; scales are max|x|/127 >= 0")
         if bool((q == -128).any()):
             raise Malformed("q8 code -128 found; codes are in [-127, 127]")
-        return dequantize_q8(q, scale, header["chunk"])
+        delta = dequantize_q8(q, scale, header["chunk"])
+        # every field finite is not enough: 127 x a scale near FLT_MAX is +Inf
+        if not bool(torch.isfinite(delta.sum())) and not bool(torch.isfinite(delta).all()):
+            raise NonFinite(f"q8 codes x scales decode to {int((~torch.isfinite(delta)).sum())} Inf values "
+                            f"(largest scale {float(scale.max()):.4g}; scales are max|x|/127)")
+        return delta
     if encoding == "topk":
         idx, values = tensors["indices"].long(), tensors["values"]
         if bool(((idx < 0) | (idx >= numel)).any()):
@@ -170,4 +175,4 @@ def decode_tensors(header: dict, tensors: dict[str, torch.Tensor], numel: int) -
         delta = torch.zeros(numel)
         delta[idx] = values
         return delta
-    raise Malformed(f"header field 'encoding' = {encoding!r} is not one of {', '.join(ENCODINGS)}")
+    raise Malformed(f"header field 'encoding' = {short_repr(encoding)} is not one of {', '.join(ENCODINGS)}")

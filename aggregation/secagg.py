@@ -32,7 +32,9 @@ with :class:`SecAggAborted`: no partial sum is ever returned.
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import struct
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -42,6 +44,7 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 from shoal.errors import ShoalError
 
 from . import secagg_crypto as C
+from . import secagg_identity as ID
 from .secagg_graph import GRAPHS, auto_degree, neighbours, threshold
 
 log = logging.getLogger(__name__)
@@ -84,10 +87,16 @@ class SecAggParams:
     threshold_fraction: float = 0.5   # t = floor(fraction * neighbourhood) + 1
     expected_dropout: float = 0.1     # what an automatic secagg+ degree is sized to survive
     graph_seed: int = 0               # public: the server and anyone can check the graph
+    malicious: bool = False           # the active-adversary variant: signed keys, consistency round
 
     def __post_init__(self) -> None:
         if self.graph not in GRAPHS:
             raise ValueError(f"graph = {self.graph!r} is not one of {GRAPHS}")
+        if self.malicious and self.graph != "full":
+            raise ValueError("the malicious-server variant runs over the full graph only")
+        if self.malicious and self.threshold_fraction < 2 / 3:
+            raise ValueError(f"threshold fraction {self.threshold_fraction} with a malicious server: at least 2/3 "
+                             "(Bonawitz et al. 2017: t > 2n/3 against an active adversary)")
         if self.vector_size < 1:
             raise ValueError(f"vector_size = {self.vector_size} must be >= 1")
         if self.degree < 0:
@@ -102,6 +111,7 @@ class PublicKeys:
     sender: str
     enc_key: bytes    # c_pk: agrees the keys that encrypt shares
     mask_key: bytes   # s_pk: agrees the pairwise masks
+    signature: bytes = b""  # malicious mode: the sender's Ed25519 signature over both keys
 
     @property
     def nbytes(self) -> int:
@@ -113,6 +123,7 @@ class PeerKeys:
     index: int        # the Shamir evaluation point of this peer, >= 1
     enc_key: bytes
     mask_key: bytes
+    signature: bytes = b""  # malicious mode: as advertised, for the recipient to check
 
 
 @dataclass(frozen=True)
@@ -157,14 +168,39 @@ class MaskedInput:
 
 
 @dataclass(frozen=True)
+class ConsistencyRequest:
+    """Malicious mode, server -> each client of U3: the survivors it claims (U3), to be signed."""
+
+    recipient: str
+    survivors: list[str]
+
+    @property
+    def nbytes(self) -> int:
+        return 4 * len(self.survivors)
+
+
+@dataclass(frozen=True)
+class ConsistencySignature:
+    """Malicious mode, client -> server: its signature over the U3 it was shown."""
+
+    sender: str
+    signature: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.signature)
+
+
+@dataclass(frozen=True)
 class UnmaskRequest:
     recipient: str
     survivors: list[str]  # neighbours whose self-mask shares are asked (U3)
     dropped: list[str]    # neighbours whose mask-key shares are asked (U2 \ U3)
+    signatures: dict[str, bytes] = field(default_factory=dict)  # malicious mode: U4's signatures over U3
 
     @property
     def nbytes(self) -> int:
-        return 4 * (len(self.survivors) + len(self.dropped))
+        return 4 * (len(self.survivors) + len(self.dropped)) + sum(map(len, self.signatures.values()))
 
 
 @dataclass(frozen=True)
@@ -183,6 +219,47 @@ def _associated(session: bytes, sender: str, recipient: str) -> bytes:
     return b"|".join([session, sender.encode(), recipient.encode()])
 
 
+def _key_problem(keys: PublicKeys | PeerKeys, taken: set[bytes]) -> str | None:
+    """Why a party's two keys cannot be used (small order, its two keys equal, or a key
+    another party already advertised: canonical forms compared), or None."""
+    try:
+        for k in (keys.enc_key, keys.mask_key):
+            C.check_public_key(k)
+    except ValueError as e:
+        return str(e)
+    enc, mask = C.canonical_public(keys.enc_key), C.canonical_public(keys.mask_key)
+    if enc == mask:
+        return "its two public keys are the same"
+    if enc in taken or mask in taken:
+        return "a public key another client already advertised"
+    return None
+
+
+def _check_directory(client_id: str, directory: KeyDirectory) -> None:
+    """SecAggAborted unless every peer's keys are usable and distinct and every share
+    point is distinct and in [1, p): a server could otherwise make pairwise masks that
+    everyone knows, or shares that do not rebuild."""
+    taken: set[bytes] = set()
+    for v, p in sorted(directory.peers.items()):
+        problem = _key_problem(p, taken)
+        if problem:
+            raise SecAggAborted(f"client {client_id}: peer {v!r} in the key directory: {problem}")
+        taken |= {C.canonical_public(p.enc_key), C.canonical_public(p.mask_key)}
+    points = [p.index for p in directory.peers.values()]
+    if len(set(points)) != len(points) or not all(1 <= x < C.PRIME for x in points):
+        raise SecAggAborted(f"client {client_id}: the key directory's share points are not distinct in [1, p)")
+
+
+def keyed_graph_seed(params: SecAggParams, keys: dict[str, PublicKeys]) -> int:
+    """The SecAgg+ graph's seed, drawn only once the participants are fixed (Bell et al.
+    2020 assume the graph is chosen after them): a hash of the session, the public seed
+    and every advertised key, so no one knew it before the keys were in."""
+    h = hashlib.sha256(b"shoal secagg+ graph|" + params.session + b"|" + str(params.graph_seed).encode())
+    for u in sorted(keys):
+        h.update(b"|" + u.encode() + b"|" + keys[u].enc_key + keys[u].mask_key)
+    return int.from_bytes(h.digest()[:8], "little")
+
+
 # --- client ----------------------------------------------------------------------------
 
 class SecAggClient:
@@ -191,10 +268,17 @@ class SecAggClient:
     ``rand`` supplies keys, seeds and share polynomials (the OS CSPRNG by default).
     """
 
-    def __init__(self, client_id: str, params: SecAggParams, rand: C.Randomness | None = None):
+    def __init__(self, client_id: str, params: SecAggParams, rand: C.Randomness | None = None,
+                 identity: bytes | None = None, roster: dict[str, bytes] | None = None):
         self.id = client_id
         self.params = params
         self.rand = rand or C.Randomness()
+        # malicious mode: this client's Ed25519 key, and every node's public key (not from the server)
+        self.identity, self.roster = identity, dict(roster or {})
+        if params.malicious and (identity is None or self.roster.get(client_id) != ID.identity_public(identity)):
+            raise ValueError(f"client {client_id}: the malicious-server variant needs this client's identity key "
+                             "and a roster (keys file) that holds its public key")
+        self._u3: list[str] | None = None  # malicious mode: the survivors this client signed
         self.stage = "advertise"
         self._enc_sk = C.generate_private(self.rand)
         self._mask_sk = C.generate_private(self.rand)
@@ -219,30 +303,96 @@ class SecAggClient:
     def advertise_keys(self) -> PublicKeys:
         self._expect("advertise")
         self.stage = "share"
-        return PublicKeys(self.id, C.public_key(self._enc_sk), C.public_key(self._mask_sk))
+        enc, mask = C.public_key(self._enc_sk), C.public_key(self._mask_sk)
+        signature = ID.sign(self.identity, ID.keys_message(self.params.session, self.id, enc, mask)) \
+            if self.params.malicious else b""
+        return PublicKeys(self.id, enc, mask, signature)
 
     def share_keys(self, directory: KeyDirectory) -> EncryptedShares:
         """Secret-share b_u and s_sk_u among the neighbourhood; encrypt each share to its holder."""
         self._expect("share")
+        if directory.recipient != self.id:
+            raise SecAggRefused(f"client {self.id}: a key directory addressed to {directory.recipient!r}")
         me = directory.peers.get(self.id)
         if me is None or me.enc_key != C.public_key(self._enc_sk) or me.mask_key != C.public_key(self._mask_sk):
             raise SecAggRefused(f"client {self.id}: the key directory does not hold this client's own keys")
-        if len(directory.peers) < directory.threshold or directory.threshold < 1:
+        floor = threshold(len(directory.peers), self.params.threshold_fraction)
+        if len(directory.peers) < directory.threshold or directory.threshold < max(floor, 1):
             raise SecAggAborted(
-                f"client {self.id}: {len(directory.peers)} peers in its neighbourhood, threshold {directory.threshold}"
+                f"client {self.id}: {len(directory.peers)} peers in its neighbourhood, threshold {directory.threshold} "
+                f"(at least {floor} for threshold fraction {self.params.threshold_fraction})"
             )
+        _check_directory(self.id, directory)
+        if self.params.malicious:
+            self._check_signed_directory(directory)
         self._peers = dict(directory.peers)
         self._threshold = directory.threshold
         holders = sorted(self._peers)
         xs = np.array([self._peers[v].index for v in holders], dtype=np.int64)
-        shares = C.shamir_share(C.secret_to_field([self._seed, self._mask_sk]), xs, self._threshold, self.rand)
-        out = {}
-        for row, v in zip(shares, holders):
-            key = self._share_key(v)
-            plain = C.pack_shares(me.index, self._peers[v].index, row)
-            out[v] = C.encrypt(key, plain, _associated(self.params.session, self.id, v), self.rand)
+        try:
+            shares = C.shamir_share(C.secret_to_field([self._seed, self._mask_sk]), xs, self._threshold, self.rand)
+            out = {}
+            for row, v in zip(shares, holders):
+                key = self._share_key(v)
+                plain = C.pack_shares(me.index, self._peers[v].index, row)
+                out[v] = C.encrypt(key, plain, _associated(self.params.session, self.id, v), self.rand)
+        except ValueError as e:  # share points or keys the checks above should have caught
+            raise SecAggAborted(f"client {self.id}: the key directory cannot be used: {e}") from None
         self.stage = "masked"
         return EncryptedShares(self.id, out)
+
+    def _abort(self, why: str) -> SecAggAborted:
+        """Malicious mode: a server caught cheating gets nothing more from this client."""
+        self.stage = "aborted"
+        return SecAggAborted(f"client {self.id}: {why}; aborting")
+
+    def _check_signed_directory(self, directory: KeyDirectory) -> None:
+        """Malicious mode: every key in the directory is signed by its owner's identity key
+        (from the roster, not from the server), and t > 2/3 of the peers shown."""
+        floor = 2 * len(directory.peers) // 3 + 1
+        if directory.threshold < floor:
+            raise self._abort(f"threshold {directory.threshold} with {len(directory.peers)} peers; against a "
+                              f"malicious server t > 2n/3 = at least {floor}")
+        for v, p in directory.peers.items():
+            public = self.roster.get(v)
+            if public is None:
+                raise self._abort(f"peer {v!r} is not in the keys file")
+            if not ID.verify(public, p.signature, ID.keys_message(self.params.session, v, p.enc_key, p.mask_key)):
+                raise self._abort(f"the keys of {v!r} are not signed by {v!r}'s identity key (the server changed "
+                                  "them?)")
+
+    def consistency_check(self, request: ConsistencyRequest) -> ConsistencySignature:
+        """Malicious mode: sign the survivors the server claims, after checking them against
+        what this client saw; the unmasking will want every signature to be over this list."""
+        self._expect("consistency")
+        if request.recipient != self.id:
+            raise SecAggRefused(f"client {self.id}: a consistency check addressed to {request.recipient!r}")
+        survivors = set(request.survivors)
+        if len(survivors) != len(request.survivors) or self.id not in survivors \
+                or not survivors <= set(self._received):
+            raise self._abort("the survivors shown are not a subset of the clients that shared keys with it "
+                              "(or omit it)")
+        if len(survivors) < self._threshold:
+            raise self._abort(f"{len(survivors)} survivors, fewer than the threshold {self._threshold}")
+        self._u3 = sorted(survivors)
+        self.stage = "unmask"
+        return ConsistencySignature(self.id, ID.sign(self.identity, ID.consistency_message(self.params.session,
+                                                                                              self._u3)))
+
+    def _check_consistency(self, request: UnmaskRequest) -> None:
+        """Malicious mode: the unmasking is for the survivors this client signed, and at
+        least t clients signed that very list (an equivocating server cannot show it)."""
+        if sorted(request.survivors) != self._u3:
+            raise self._abort(f"the unmasking asks about survivors {sorted(request.survivors)}, but this client "
+                              f"signed {self._u3}: the server equivocates")
+        message = ID.consistency_message(self.params.session, self._u3)
+        signers = set(request.signatures)
+        if self.id not in signers or not signers <= set(self._u3) or len(signers) < self._threshold:
+            raise self._abort(f"{len(signers)} consistency signatures from the survivors, threshold {self._threshold}")
+        bad = sorted(v for v in signers if not ID.verify(self.roster.get(v, b""), request.signatures[v], message))
+        if bad:
+            raise self._abort(f"{bad} did not sign the survivor list this client signed: the server showed "
+                              "different lists to different clients")
 
     def masked_input(self, delivery: ShareDelivery, encoded: np.ndarray) -> MaskedInput:
         """y_u = x_u + PRG(b_u) + sum over U2 neighbours v of +-PRG(s_uv), mod 2^32."""
@@ -251,6 +401,8 @@ class SecAggClient:
         if x.dtype != np.uint32 or x.shape != (self.params.vector_size,):
             raise ValueError(f"encoded input must be uint32 of shape ({self.params.vector_size},), "
                              f"got {x.dtype} {x.shape}")
+        if delivery.recipient != self.id:  # in a SecAgg+ graph a misrouted delivery would mask with strangers
+            raise SecAggRefused(f"client {self.id}: a share delivery addressed to {delivery.recipient!r}")
         senders = set(delivery.ciphertexts)
         if not senders <= set(self._peers) or self.id not in senders:
             raise SecAggRefused(f"client {self.id}: shares delivered from outside its neighbourhood")
@@ -263,12 +415,15 @@ class SecAggClient:
         y += expander.expand(self._seed)
         mine = self._peers[self.id].index
         for v in sorted(senders - {self.id}):
-            s_uv = C.agree(self._mask_key, self._peers[v].mask_key, INFO_MASK, self.params.session)
+            try:
+                s_uv = C.agree(self._mask_key, self._peers[v].mask_key, INFO_MASK, self.params.session)
+            except ValueError as e:
+                raise SecAggAborted(f"client {self.id}: no pairwise mask with {v}: {e}") from None
             if mine < self._peers[v].index:
                 y += expander.expand(s_uv)
             else:
                 y -= expander.expand(s_uv)
-        self.stage = "unmask"
+        self.stage = "consistency" if self.params.malicious else "unmask"
         return MaskedInput(self.id, y)
 
     def unmask(self, request: UnmaskRequest) -> UnmaskShares:
@@ -276,6 +431,10 @@ class SecAggClient:
         that no peer is (now or before) asked for both: that would hand the server
         the peer's unmasked input (Bonawitz Sec. 4, Round 4)."""
         self._expect("unmask")
+        if request.recipient != self.id:
+            raise SecAggRefused(f"client {self.id}: an unmasking request addressed to {request.recipient!r}")
+        if self.params.malicious:
+            self._check_consistency(request)
         survivors, dropped = set(request.survivors), set(request.dropped)
         both = survivors & dropped
         both |= {v for v in survivors if self._revealed.get(v) == "mask_key"}
@@ -298,7 +457,10 @@ class SecAggClient:
             plain = C.decrypt(self._share_key(v), self._received[v], _associated(self.params.session, v, self.id))
             if plain is None:
                 raise SecAggRefused(f"client {self.id}: the share from {v} does not decrypt")
-            sender, receiver, row = C.unpack_shares(plain)
+            try:
+                sender, receiver, row = C.unpack_shares(plain)
+            except (ValueError, struct.error):
+                raise SecAggRefused(f"client {self.id}: the share from {v} is not a share message") from None
             if (sender, receiver) != (self._peers[v].index, mine) or len(row) != 2 * C.CHUNKS:
                 raise SecAggRefused(f"client {self.id}: the share from {v} names the wrong parties")
             if v in survivors:
@@ -347,11 +509,16 @@ class SecAggServer:
         self.index = {u: i + 1 for i, u in enumerate(ids)}
         self.stage = "advertise"
         self._keys: dict[str, PublicKeys] = {}
+        self._taken: set[bytes] = set()  # canonical forms of every advertised key
+        self.graph_seed: int | None = None  # the SecAgg+ graph's, fixed at close_advertise
         self.u1: list[str] = []
         self._shares: dict[str, EncryptedShares] = {}
         self.u2: list[str] = []
         self._total = np.zeros(params.vector_size, dtype=np.uint32)
         self.u3: list[str] = []
+        self._signatures: dict[str, bytes] = {}           # malicious mode: consistency signatures (U4)
+        self._requests: dict[str, UnmaskRequest] = {}     # malicious mode: unmask requests, sent after them
+        self.u4: list[str] = []                           # who is asked to unmask (U3 in the honest mode)
         self._unmask: dict[str, UnmaskShares] = {}
         # kind -> holder -> (peer -> row, shares matrix): the revealed shares, by holder
         self._rows: dict[str, dict[str, tuple[dict[str, int], np.ndarray]]] = {"self_mask": {}, "mask_key": {}}
@@ -390,10 +557,20 @@ class SecAggServer:
         self._expect("advertise", msg.sender, self.participants, self._keys)
         if len(msg.enc_key) != 32 or len(msg.mask_key) != 32 or msg.enc_key == msg.mask_key:
             raise SecAggProtocolError(f"{msg.sender!r}: public keys must be two distinct 32-byte X25519 keys")
+        problem = _key_problem(msg, self._taken)
+        if problem:
+            raise SecAggProtocolError(f"{msg.sender!r}: {problem}")
+        if self.params.malicious and len(msg.signature) != ID.SIGNATURE_BYTES:
+            raise SecAggProtocolError(f"{msg.sender!r}: keys must be signed ({ID.SIGNATURE_BYTES}-byte Ed25519)")
+        self._taken |= {C.canonical_public(msg.enc_key), C.canonical_public(msg.mask_key)}
         self._keys[msg.sender] = msg
 
     def close_advertise(self) -> dict[str, KeyDirectory]:
         self._at("advertise")
+        if self.params.graph != "full" and self.degree < len(self.participants) - 1:
+            # the same Harary graph (so the same threshold), relabelled by a seed nobody knew before
+            self.graph_seed = keyed_graph_seed(self.params, self._keys)
+            self.graph = neighbours(self.participants, self.params.graph, self.degree, self.graph_seed)
         alive = self._prune(set(self._keys))
         if len(alive) < self.threshold:
             raise self._abort(f"{len(alive)} clients advertised keys, the threshold is {self.threshold}")
@@ -401,7 +578,7 @@ class SecAggServer:
         self.stage = "share"
         return {
             u: KeyDirectory(u, self.threshold, {
-                v: PeerKeys(self.index[v], self._keys[v].enc_key, self._keys[v].mask_key)
+                v: PeerKeys(self.index[v], self._keys[v].enc_key, self._keys[v].mask_key, self._keys[v].signature)
                 for v in self._hood(u, alive)
             })
             for u in self.u1
@@ -449,16 +626,37 @@ class SecAggServer:
             raise self._abort(f"{len(short)} clients (e.g. {short[0]!r}) have fewer than "
                               f"{self.threshold} surviving share holders")
         self.u3 = sorted(survivors)
-        self.stage = "unmask"
         dropped = {u for u in needed if u not in survivors}
-        return {
-            v: UnmaskRequest(v, self._hood(v, survivors), self._hood(v, dropped))
-            for v in self.u3
-        }
+        requests = {v: UnmaskRequest(v, self._hood(v, survivors), self._hood(v, dropped)) for v in self.u3}
+        if self.params.malicious:  # the consistency round first (Bonawitz et al. 2017, round 3)
+            self._requests = requests
+            self.stage = "consistency"
+            return {v: ConsistencyRequest(v, list(self.u3)) for v in self.u3}
+        self.u4 = list(self.u3)
+        self.stage = "unmask"
+        return requests
+
+    # stage 2b, malicious mode
+    def receive_consistency(self, msg: ConsistencySignature) -> None:
+        self._expect("consistency", msg.sender, set(self.u3), self._signatures)
+        if len(msg.signature) != ID.SIGNATURE_BYTES:
+            raise SecAggProtocolError(f"{msg.sender!r}: a consistency signature has {ID.SIGNATURE_BYTES} bytes")
+        self._signatures[msg.sender] = msg.signature
+
+    def close_consistency(self) -> dict[str, UnmaskRequest]:
+        """Malicious mode: the unmask requests, each with every consistency signature (U4)."""
+        self._at("consistency")
+        if len(self._signatures) < self.threshold:
+            raise self._abort(f"{len(self._signatures)} clients signed the survivor list, the threshold is "
+                              f"{self.threshold}")
+        self.u4 = sorted(self._signatures)
+        self.stage = "unmask"
+        return {v: UnmaskRequest(r.recipient, r.survivors, r.dropped, dict(self._signatures))
+                for v, r in self._requests.items() if v in self._signatures}
 
     # stage 3
     def receive_unmask(self, msg: UnmaskShares) -> None:
-        self._expect("unmask", msg.sender, set(self.u3), self._unmask)
+        self._expect("unmask", msg.sender, set(self.u4), self._unmask)
         hood = set(self._hood(msg.sender, set(self.u2)))
         if not set(msg.self_mask) | set(msg.mask_key) <= hood or set(msg.self_mask) & set(msg.mask_key):
             raise SecAggProtocolError(f"{msg.sender!r}: unmask shares for clients it does not hold")
@@ -516,7 +714,10 @@ class SecAggServer:
             for v in self._hood(u, survivors):
                 if v == u:
                     continue
-                s_uv = C.agree(mask_keys[u], publics[v], INFO_MASK, session)
+                try:
+                    s_uv = C.agree(mask_keys[u], publics[v], INFO_MASK, session)
+                except ValueError as e:
+                    raise self._abort(f"the pairwise mask of {u!r} and {v!r} cannot be rebuilt ({e})") from None
                 if self.index[v] < self.index[u]:
                     total -= expander.expand(s_uv)
                 else:

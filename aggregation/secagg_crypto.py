@@ -74,6 +74,31 @@ def private_key(private: bytes) -> X25519PrivateKey:
     return X25519PrivateKey.from_private_bytes(private)
 
 
+_P25519 = 2**255 - 19
+_PROBE = X25519PrivateKey.from_private_bytes(bytes(range(1, 33)))  # any scalar: X25519 clamps it to 8 x k
+
+
+def canonical_public(public: bytes) -> bytes:
+    """The one encoding of an X25519 u-coordinate (high bit cleared, reduced mod p): two
+    byte strings that X25519 treats as the same key compare equal after this."""
+    u = (int.from_bytes(public, "little") & ((1 << 255) - 1)) % _P25519
+    return u.to_bytes(KEY_BYTES, "little")
+
+
+def check_public_key(public: bytes) -> bytes:
+    """``public`` if it is a 32-byte X25519 key that can be agreed with; ValueError for a
+    wrong length or a point of small order (the all-zero key among them): any clamped
+    scalar is a multiple of 8, so a small-order point agrees to the all-zero secret with
+    everyone, and its "pairwise" masks would be known to all (RFC 7748, Sec. 6.1)."""
+    if not isinstance(public, bytes) or len(public) != KEY_BYTES:
+        raise ValueError(f"an X25519 public key has {KEY_BYTES} bytes")
+    try:
+        _PROBE.exchange(X25519PublicKey.from_public_bytes(public))
+    except ValueError:
+        raise ValueError("X25519 public key is a point of small order (e.g. all zeros)") from None
+    return public
+
+
 def agree(private: X25519PrivateKey, peer_public: bytes | X25519PublicKey, info: bytes, salt: bytes) -> bytes:
     """KA.agree then HKDF: the 256-bit key two parties share (Bonawitz Sec. 3.3).
 

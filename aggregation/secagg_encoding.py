@@ -84,7 +84,10 @@ def encode_weighted(x: np.ndarray, weight: float, values: FixedPoint, weights: F
     """``[w * clip(x), w]`` encoded for the secure sum; ``weight`` must be in [0, 1]."""
     if not 0 <= weight <= 1:
         raise ValueError(f"weight = {weight} must be in [0, 1] (divide by the round's max weight)")
-    clipped = np.clip(np.asarray(x, dtype=np.float64), -values.clip, values.clip)
+    x = np.asarray(x, dtype=np.float64)
+    if not np.isfinite(x).all():  # NaN would encode to an arbitrary integer and corrupt the sum unseen
+        raise ValueError(f"input has {int((~np.isfinite(x)).sum())} NaN/Inf entries; refusing to encode it")
+    clipped = np.clip(x, -values.clip, values.clip)
     return np.concatenate([values.encode(weight * clipped, rng), weights.encode(np.array([weight]), rng)])
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from . import secagg_crypto as C
+from . import secagg_identity as ID
 from .secagg import SecAggClient, SecAggParams, SecAggResult, SecAggServer
 
 STAGES = ("advertise", "share", "masked", "unmask")
@@ -55,11 +56,15 @@ def run_in_memory(
     inputs: dict[str, np.ndarray],
     drop_at: dict[str, str] | None = None,
     seed: int | None = None,
+    identities: dict[str, bytes] | None = None,
 ) -> tuple[SecAggResult, SecAggCost]:
     """Run all four stages over ``inputs`` (client id -> encoded uint32 vector).
 
     ``drop_at`` maps a client to the stage (one of STAGES) whose message it never
     sends; it sends nothing afterwards either. Raises SecAggAborted like the server.
+    With ``params.malicious`` the clients sign with ``identities`` (client id -> Ed25519
+    private key; made from ``seed`` when None) and the consistency round runs before the
+    unmasking (a client dropping at "unmask" does not sign either).
     """
     drop_at = drop_at or {}
     for cid, stage in drop_at.items():
@@ -91,7 +96,11 @@ def run_in_memory(
         return messages
 
     t = time.process_time()
-    clients = {cid: SecAggClient(cid, params, client_randomness(seed, cid)) for cid in ids}
+    if params.malicious and identities is None:
+        identities = {cid: ID.new_identity(client_randomness(seed, f"{cid}/identity").bytes(32)) for cid in ids}
+    roster = {cid: ID.identity_public(k) for cid, k in (identities or {}).items()}
+    clients = {cid: SecAggClient(cid, params, client_randomness(seed, cid),
+                                 *((identities[cid], roster) if params.malicious else ())) for cid in ids}
     keygen_s = (time.process_time() - t) / max(len(ids), 1)
     for cid in ids:
         cost.client_s[cid] += keygen_s
@@ -106,6 +115,11 @@ def run_in_memory(
         if alive(cid, "masked"):
             on_server(server.receive_masked, on_client(cid, clients[cid].masked_input, d, inputs[cid]))
     requests = deliver(on_server(server.close_masked))
+    if params.malicious:
+        for cid, r in requests.items():
+            if alive(cid, "unmask"):
+                on_server(server.receive_consistency, on_client(cid, clients[cid].consistency_check, r))
+        requests = deliver(on_server(server.close_consistency))
     for cid, r in requests.items():
         if alive(cid, "unmask"):
             on_server(server.receive_unmask, on_client(cid, clients[cid].unmask, r))

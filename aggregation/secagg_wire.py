@@ -21,6 +21,8 @@ from shoal.wire import MAX_HEADER_BYTES, decode, encode, read_header
 
 from . import secagg_crypto as C
 from .secagg import (
+    ConsistencyRequest,
+    ConsistencySignature,
     EncryptedShares,
     KeyDirectory,
     MaskedInput,
@@ -32,7 +34,9 @@ from .secagg import (
     UnmaskShares,
 )
 
-Message = PublicKeys | KeyDirectory | EncryptedShares | ShareDelivery | MaskedInput | UnmaskRequest | UnmaskShares
+Message = (PublicKeys | KeyDirectory | EncryptedShares | ShareDelivery | MaskedInput | UnmaskRequest | UnmaskShares
+           | ConsistencyRequest | ConsistencySignature)
+SIGNATURE_BYTES = 64
 
 
 def _b64(b: bytes) -> str:
@@ -74,9 +78,16 @@ def encode_message(msg: Message, meta: dict[str, Any] | None = None) -> bytes:
     tensors: dict[str, torch.Tensor] = {}
     if isinstance(msg, PublicKeys):
         h = {"kind": "public_keys", "sender": msg.sender, "enc_key": _b64(msg.enc_key), "mask_key": _b64(msg.mask_key)}
+        if msg.signature:
+            h["signature"] = _b64(msg.signature)
     elif isinstance(msg, KeyDirectory):
         h = {"kind": "key_directory", "recipient": msg.recipient, "threshold": msg.threshold,
-             "peers": {v: [p.index, _b64(p.enc_key), _b64(p.mask_key)] for v, p in msg.peers.items()}}
+             "peers": {v: [p.index, _b64(p.enc_key), _b64(p.mask_key), *([_b64(p.signature)] if p.signature else [])]
+                       for v, p in msg.peers.items()}}
+    elif isinstance(msg, ConsistencyRequest):
+        h = {"kind": "consistency_request", "recipient": msg.recipient, "survivors": list(msg.survivors)}
+    elif isinstance(msg, ConsistencySignature):
+        h = {"kind": "consistency_signature", "sender": msg.sender, "signature": _b64(msg.signature)}
     elif isinstance(msg, EncryptedShares):
         h = {"kind": "encrypted_shares", "sender": msg.sender,
              "ciphertexts": {v: _b64(c) for v, c in msg.ciphertexts.items()}}
@@ -89,6 +100,8 @@ def encode_message(msg: Message, meta: dict[str, Any] | None = None) -> bytes:
     elif isinstance(msg, UnmaskRequest):
         h = {"kind": "unmask_request", "recipient": msg.recipient, "survivors": list(msg.survivors),
              "dropped": list(msg.dropped)}
+        if msg.signatures:
+            h["signatures"] = {v: _b64(sig) for v, sig in msg.signatures.items()}
     elif isinstance(msg, UnmaskShares):
         h = {"kind": "unmask_shares", "sender": msg.sender,
              "self_mask": {v: [int(x) for x in s] for v, s in msg.self_mask.items()},
@@ -110,7 +123,8 @@ def params_to_json(params: SecAggParams) -> dict[str, Any]:
     """The round's protocol parameters as a server hands them to its nodes."""
     return {"session": _b64(params.session), "vector_size": params.vector_size, "graph": params.graph,
             "degree": params.degree, "threshold_fraction": params.threshold_fraction,
-            "expected_dropout": params.expected_dropout, "graph_seed": params.graph_seed}
+            "expected_dropout": params.expected_dropout, "graph_seed": params.graph_seed,
+            "malicious": params.malicious}
 
 
 def params_from_json(d: Any) -> SecAggParams:
@@ -121,6 +135,7 @@ def params_from_json(d: Any) -> SecAggParams:
             session=_bytes(d.get("session"), "session"), vector_size=int(d["vector_size"]), graph=str(d["graph"]),
             degree=int(d["degree"]), threshold_fraction=float(d["threshold_fraction"]),
             expected_dropout=float(d["expected_dropout"]), graph_seed=int(d["graph_seed"]),
+            malicious=d.get("malicious", False) is True,
         )
     except (KeyError, TypeError, ValueError) as e:
         raise Malformed(f"secure_aggregation parameters: {e}") from None
@@ -136,15 +151,19 @@ def decode_message(body: bytes, vector_size: int, max_bytes: int | None = None) 
         return MaskedInput(_str(header.get("sender"), "sender"), tensors["masked"].numpy().view(np.uint32).copy())
     _, tensors = decode(body, {}, limit)
     if kind == "public_keys":
+        sig = header.get("signature")
         return PublicKeys(_str(header.get("sender"), "sender"), _bytes(header.get("enc_key"), "enc_key", 32),
-                          _bytes(header.get("mask_key"), "mask_key", 32))
+                          _bytes(header.get("mask_key"), "mask_key", 32),
+                          b"" if sig is None else _bytes(sig, "signature", SIGNATURE_BYTES))
     if kind == "key_directory":
         peers = {}
         for v, p in _dict(header.get("peers"), "peers").items():
-            if not (isinstance(p, list) and len(p) == 3 and isinstance(p[0], int) and 1 <= p[0] < C.PRIME):
-                raise Malformed(f"peers[{v!r}]: expected [index >= 1, enc_key, mask_key]")
+            if not (isinstance(p, list) and len(p) in (3, 4) and isinstance(p[0], int) and not isinstance(p[0], bool)
+                    and 1 <= p[0] < C.PRIME):
+                raise Malformed(f"peers[{v!r}]: expected [index >= 1, enc_key, mask_key(, signature)]")
             peers[v] = PeerKeys(p[0], _bytes(p[1], f"peers[{v!r}].enc_key", 32),
-                                _bytes(p[2], f"peers[{v!r}].mask_key", 32))
+                                _bytes(p[2], f"peers[{v!r}].mask_key", 32),
+                                _bytes(p[3], f"peers[{v!r}].signature", SIGNATURE_BYTES) if len(p) == 4 else b"")
         t = header.get("threshold")
         if not isinstance(t, int) or t < 1:
             raise Malformed("threshold: expected an integer >= 1")
@@ -158,7 +177,17 @@ def decode_message(body: bytes, vector_size: int, max_bytes: int | None = None) 
         lists = [header.get("survivors"), header.get("dropped")]
         if not all(isinstance(x, list) and all(isinstance(i, str) for i in x) for x in lists):
             raise Malformed("survivors and dropped: expected lists of client ids")
-        return UnmaskRequest(_str(header.get("recipient"), "recipient"), *lists)
+        sigs = {v: _bytes(b, f"signatures[{v!r}]", SIGNATURE_BYTES)
+                for v, b in _dict(header.get("signatures", {}), "signatures").items()}
+        return UnmaskRequest(_str(header.get("recipient"), "recipient"), *lists, sigs)
+    if kind == "consistency_request":
+        survivors = header.get("survivors")
+        if not (isinstance(survivors, list) and all(isinstance(i, str) for i in survivors)):
+            raise Malformed("survivors: expected a list of client ids")
+        return ConsistencyRequest(_str(header.get("recipient"), "recipient"), survivors)
+    if kind == "consistency_signature":
+        return ConsistencySignature(_str(header.get("sender"), "sender"),
+                                    _bytes(header.get("signature"), "signature", SIGNATURE_BYTES))
     if kind == "unmask_shares":
         return UnmaskShares(
             _str(header.get("sender"), "sender"),

@@ -82,7 +82,8 @@ async def _nodes(url: str, tokens: list[str], body: bytes, pid: int) -> tuple[fl
         async def wait_for_server():
             for _ in range(600):
                 try:
-                    async with http.get(url + "/metrics", headers={"Authorization": f"Bearer {tokens[0]}"}) as r:
+                    async with http.get(url + "/v1/task", params={"wait": "0"},
+                                        headers={"Authorization": f"Bearer {tokens[0]}"}) as r:
                         if r.status == 200:
                             return
                 except aiohttp.ClientConnectionError:

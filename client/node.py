@@ -122,6 +122,7 @@ class Node:
         self.trainer = make_trainer(cfg, self.task, model, device)
         self.compressor = Compressor(cfg.compression)  # [compression]: the upload's encoding
         self.zstd_level = cfg.compression.zstd_level if cfg.compression.zstd else 0
+        self.secure_cfg = cfg.secure_aggregation  # identity key and keys file (client/secure_node.py)
         self.stop = asyncio.Event()
         self.rand = random.Random()
         self.backoff = Backoff()
@@ -318,7 +319,7 @@ class Node:
             raise NodeError(f"server refused this node: {msg}")
         if info.get("error") == "spec_mismatch":  # another model: asking again never helps
             raise NodeError(f"server refused this node ({resp.status}): {info.get('detail')}")
-        if resp.status >= 500 or resp.status == 429:
+        if resp.status >= 500 or resp.status in (408, 429):  # busy, timed out, too many in flight: retry
             raise _Retry(msg)
         raise _Refused(msg)
 

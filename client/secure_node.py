@@ -22,8 +22,10 @@ import signal
 
 import aiohttp
 import numpy as np
+import torch
 
-from shoal.aggregation.secagg import KeyDirectory, SecAggClient, ShareDelivery, UnmaskRequest
+from shoal.aggregation import secagg_identity as ID
+from shoal.aggregation.secagg import ConsistencyRequest, KeyDirectory, SecAggClient, ShareDelivery, UnmaskRequest
 from shoal.aggregation.secagg_encoding import FixedPoint, encode_weighted, example_weight
 from shoal.aggregation.secagg_wire import decode_message, encode_message, message_meta, params_from_json
 from shoal.errors import Malformed, ShoalError
@@ -32,6 +34,7 @@ from shoal.update import Update
 log = logging.getLogger(__name__)
 
 KILL_ENV = "SHOAL_TEST_KILL_AFTER"
+MIN_THRESHOLD = 0.5  # t > half of each neighbourhood (shoal.config checks the same on the server)
 OCTET = {"Content-Type": "application/octet-stream"}
 
 
@@ -91,7 +94,15 @@ async def run_secure_round(node, task: dict, update: Update) -> bool:
         if size != update.delta.numel() + 1:
             raise Malformed(f"secure_aggregation.vector_size = {size}, but this model has {update.delta.numel()} "
                             "parameters (+1 weight entry)")
-        client = SecAggClient(node.name, params)  # keys and seeds from the OS CSPRNG
+        if params.threshold_fraction < MIN_THRESHOLD:  # below it the server could unmask a single input
+            raise Malformed(f"secure_aggregation threshold fraction {params.threshold_fraction} is below "
+                            f"{MIN_THRESHOLD}: refusing to take part")
+        bad = int((~torch.isfinite(update.delta)).sum())
+        if bad or not update.num_examples >= 1:  # never mask what would corrupt the sum unseen
+            log.warning("round %d: the update has %d NaN/Inf entries (%d examples): not joining the secure "
+                        "aggregation; the round goes on without this node", round_, bad, update.num_examples)
+            return False
+        client = SecAggClient(node.name, params, None, *_identity(node, params))  # keys from the OS CSPRNG
         meta = {"round": round_, "num_examples": int(update.num_examples),
                 "train_loss": float(update.metrics.get("train_loss", float("nan")))}
         await _post(node, "keys", encode_message(client.advertise_keys(), meta))
@@ -108,13 +119,36 @@ async def run_secure_round(node, task: dict, update: Update) -> bool:
         log.info("round %d: masked input accepted", round_)
         if os.environ.get(KILL_ENV) == "masked":
             os.kill(os.getpid(), signal.SIGKILL)
-        request = _expect(decode_message(await _fetch(node, "masked", round_), size), UnmaskRequest)
+        reply = decode_message(await _fetch(node, "masked", round_), size)
+        if params.malicious:  # sign the survivors shown; the unmasking then carries everyone's signatures
+            check = _expect(reply, ConsistencyRequest)
+            await _post(node, "consistency", encode_message(client.consistency_check(check), {"round": round_}))
+            reply = decode_message(await _fetch(node, "consistency", round_), size)
+        request = _expect(reply, UnmaskRequest)
         await _post(node, "unmask", encode_message(client.unmask(request), {"round": round_}))
     except (_Left, ShoalError, KeyError, TypeError, ValueError) as e:
         log.warning("round %d: out of the secure aggregation: %s: %s", round_, type(e).__name__, e)
         return False
     log.info("round %d: unmasking shares accepted", round_)
     return True
+
+
+def _identity(node, params) -> tuple[bytes | None, dict[str, bytes] | None]:
+    """This node's identity key and the keys file, when the round runs the malicious-server
+    variant; a node configured for that variant refuses a round that does not run it."""
+    sa = getattr(node, "secure_cfg", None)
+    if sa is not None and sa.malicious_server and not params.malicious:
+        raise Malformed("this node is set to secure_aggregation.malicious_server = true, but the server's round "
+                        "does not run that variant: refusing to take part")
+    if not params.malicious:
+        return None, None
+    if sa is None or not sa.keys_file or not sa.identity_key:
+        raise Malformed("the server runs the malicious-server variant: set secure_aggregation.keys_file and "
+                        "identity_key on this node")
+    identity, roster = ID.read_identity(sa.identity_key), ID.read_roster(sa.keys_file)
+    if roster.get(node.name) != ID.identity_public(identity):
+        raise Malformed(f"the keys file does not hold this node's ({node.name!r}) identity key")
+    return identity, roster
 
 
 def _expect(msg, kind):

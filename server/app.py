@@ -7,16 +7,25 @@ protocol is written up in docs/protocol.md.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
+import math
+import re
 import signal
 import ssl
 import time
+from contextlib import contextmanager
+from pathlib import Path
 
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
-from shoal.errors import ShoalError, TooLarge, UpdateRejected, WireError
+from shoal.config import Config
+from shoal.errors import ConfigError, ShoalError, TooLarge, UpdateRejected, WireError
 
-from .registry import AuthError, Registry
+from shoal.aggregation.secagg_identity import read_roster
+
+from .registry import AuthError, Registry, hash_token, well_formed
 from .service import MAX_EVAL_BODY, ServerService
 
 log = logging.getLogger(__name__)
@@ -24,8 +33,22 @@ log = logging.getLogger(__name__)
 SERVICE = web.AppKey("service", ServerService)
 REGISTRY = web.AppKey("registry", Registry)
 CHANGED = web.AppKey("changed", dict)
+ADMIN = web.AppKey("admin", str)
 NODE = web.RequestKey("node", str)
 SPEC_HASH_HEADER = "X-Shoal-Spec-Hash"  # a node's model spec hash, sent with every poll
+INVITES_PER_SLOT = 4
+ADMIN_PATHS = frozenset({"/v1/status", "/metrics"})
+_SECONDS = re.compile(r"[0-9]{1,9}(\.[0-9]{0,9})?")
+_INTEGER = re.compile(r"[0-9]{1,18}")
+_SLICE_S = 1.0  # a long-poll looks this often whether its client is still there
+
+
+class Refusal(Exception):
+    """A request answered with its own 4xx/5xx JSON error before anything was applied."""
+
+    def __init__(self, status: int, code: str, detail: str, close: bool = False):
+        super().__init__(detail)
+        self.status, self.code, self.detail, self.close = status, code, detail, close
 
 
 class Slot:
@@ -49,7 +72,7 @@ class Slot:
                 self.task.remove_done_callback(self._on_task_done)
 
 
-SLOT = web.RequestKey("slot", Slot)
+INVITE = web.RequestKey("invite", Slot)
 
 
 def error(status: int, code: str, detail: str) -> web.Response:
@@ -66,12 +89,48 @@ def _status_of(e: ShoalError) -> int:
     return 400
 
 
-def _authenticate(request: web.Request) -> web.Response | None:
+def _gone(request: web.Request) -> bool:
+    transport = request.transport
+    return transport is None or transport.is_closing()
+
+
+@web.middleware
+async def last_line(request: web.Request, handler):
+    """Every answer is JSON. A known fault is its own 4xx (a :class:`Refusal`); a client that
+    went away is one log line; any other exception is a bug: logged with its traceback and
+    answered 500 with nothing applied (the handlers change state only after every check)."""
+    try:
+        return await handler(request)
+    except Refusal as e:
+        resp = error(e.status, e.code, e.detail)
+        if e.close:  # the rest of a body we stopped reading is not waited for: answer, then hang up
+            resp.force_close()
+            if not _gone(request):
+                await resp.prepare(request)
+                await resp.write_eof()
+            request.protocol.force_close()
+        return resp
+    except web.HTTPException as e:  # aiohttp's own (404, 405, ...): the same JSON shape
+        if e.status < 400:
+            raise
+        return error(e.status, e.reason.lower().replace(" ", "_"), e.text or e.reason)
+    except ConnectionError as e:
+        log.info("%s %s: the client went away (%s)", request.method, request.path, e)
+        return error(400, "disconnected", "the connection was lost")
+    except Exception:
+        log.exception("unexpected error in %s %s; answered 500, nothing applied", request.method, request.path)
+        return error(500, "internal", "the server hit an unexpected error; nothing was applied (see its log)")
+
+
+def _bearer(request: web.Request) -> str | None:
     header = request.headers.get("Authorization", "")
-    token = header[7:].strip() if header.startswith("Bearer ") else None
+    return header[7:].strip() if header.startswith("Bearer ") else None
+
+
+def _authenticate(request: web.Request) -> web.Response | None:
     registry = request.app[REGISTRY]
     try:
-        node = request[NODE] = registry.authenticate(token)
+        node = request[NODE] = registry.authenticate(_bearer(request))
     except AuthError as e:
         return error(e.status, e.code, str(e))
     touched = request.app[CHANGED]["touched"]
@@ -82,33 +141,178 @@ def _authenticate(request: web.Request) -> web.Response | None:
     return None
 
 
+def _authenticate_admin(request: web.Request) -> web.Response | None:
+    """/v1/status and /metrics show node names, selections and counters: only to the admin
+    token of server.admin_token_file, never to a node's token."""
+    admin = request.app[ADMIN]
+    if not admin:
+        return error(403, "admin_disabled", f"{request.path} is off: set server.admin_token_file "
+                     "(make one with `shoal server admin-token FILE`) and send that token")
+    token = _bearer(request)
+    if not token or not well_formed(token) or not hmac.compare_digest(hash_token(token), admin):
+        return error(401, "unauthenticated", f"{request.path} takes the admin token of server.admin_token_file, "
+                     "not a node's token")
+    return None
+
+
 @web.middleware
 async def auth(request: web.Request, handler):
-    """Every route needs ``Authorization: Bearer <token>`` of an enabled node."""
-    if NODE not in request:
+    """Every route needs ``Authorization: Bearer <token>``: of an enabled node, or for the
+    admin routes the admin token."""
+    if request.path in ADMIN_PATHS:
+        refused = _authenticate_admin(request)
+    elif NODE not in request:
         refused = _authenticate(request)
-        if refused is not None:
-            return refused
-    return await handler(request)
+    else:
+        refused = None
+    return refused or await handler(request)
 
 
-async def _take_slot(request: web.Request) -> Slot:
-    slots: asyncio.Queue = request.app[CHANGED]["slots"]
-    return Slot(slots, await slots.get())
+def _seconds(request: web.Request, key: str, cap: float) -> float:
+    """A query parameter of seconds: a plain finite decimal >= 0, capped at ``cap``."""
+    raw = request.query.get(key)
+    if raw is None:
+        return cap
+    if not _SECONDS.fullmatch(raw) or not math.isfinite(float(raw)):
+        raise Refusal(400, "bad_request", f"query parameter {key!r} must be a number of seconds >= 0 "
+                      "(digits, optionally a decimal point)")
+    return min(float(raw), cap)
+
+
+def _integer(request: web.Request, key: str) -> int:
+    raw = request.query.get(key)
+    if raw is None or not _INTEGER.fullmatch(raw):
+        raise Refusal(400, "bad_request", f"query parameter {key!r} (an integer >= 0) is needed")
+    return int(raw)
+
+
+@contextmanager
+def _upload_of(request: web.Request):
+    """Count the node's uploads in flight; 429 above server.uploads_per_node."""
+    node, svc = request[NODE], request.app[SERVICE]
+    uploads: dict[str, int] = request.app[CHANGED]["uploads"]
+    limit = svc.cfg.server.uploads_per_node
+    if uploads.get(node, 0) >= limit:
+        svc.refused("too_many_uploads")
+        raise Refusal(429, "too_many_uploads", f"node {node!r} already has {limit} uploads in flight "
+                      "(server.uploads_per_node)")
+    uploads[node] = uploads.get(node, 0) + 1
+    try:
+        yield
+    finally:
+        uploads[node] -= 1
+        if not uploads[node]:
+            del uploads[node]
+
+
+def _check_length(request: web.Request) -> int:
+    svc = request.app[SERVICE]
+    length = request.content_length
+    if length is None:
+        svc.refused("length_required")
+        raise Refusal(411, "length_required", "send the body with a Content-Length header")
+    if length > svc.max_body_bytes:
+        svc.refused(TooLarge.code)
+        raise Refusal(413, TooLarge.code, f"body of {length} bytes is over the limit of {svc.max_body_bytes} bytes")
+    return length
+
+
+async def _chunk(request: web.Request, timeout: float, what: str) -> bytes:
+    try:
+        async with asyncio.timeout(timeout):
+            return await request.content.readany()
+    except TimeoutError:
+        request.app[SERVICE].refused("body_timeout")
+        raise Refusal(408, "body_timeout", f"{what}: no body bytes for {timeout:g} s (server.body_timeout_s)",
+                      close=True) from None
+
+
+async def _read_into(request: web.Request, view: memoryview, length: int, first: bytes) -> None:
+    """Fill ``view[:length]``, starting with ``first``: each wait for bytes bounded by
+    server.body_timeout_s, the whole body by server.upload_timeout_s."""
+    s = request.app[SERVICE].cfg.server
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + s.upload_timeout_s
+    got, chunk = 0, first
+    while True:
+        if got + len(chunk) > length:
+            raise Refusal(400, "malformed", f"body is longer than its Content-Length of {length} bytes", close=True)
+        view[got : got + len(chunk)] = chunk
+        got += len(chunk)
+        if got == length or not chunk:
+            break
+        left = deadline - loop.time()
+        if left <= 0:
+            request.app[SERVICE].refused("upload_timeout")
+            raise Refusal(408, "upload_timeout", f"body not complete after {s.upload_timeout_s:g} s "
+                          "(server.upload_timeout_s)", close=True)
+        chunk = await _chunk(request, min(s.body_timeout_s, left), "upload")
+    if got < length:
+        request.app[SERVICE].refused("malformed")
+        raise Refusal(400, "malformed", f"body ended after {got} of {length} bytes (truncated)")
+
+
+async def _take(request: web.Request, pool: str) -> Slot:
+    """A free body buffer (``pool = "slots"``) or upload invitation (``"invites"``); 503
+    (retry later) if none frees up within server.upload_timeout_s."""
+    s = request.app[SERVICE].cfg.server
+    queue: asyncio.Queue = request.app[CHANGED][pool]
+    try:
+        async with asyncio.timeout(s.upload_timeout_s):
+            return Slot(queue, await queue.get())
+    except TimeoutError:
+        request.app[SERVICE].refused("busy")
+        raise Refusal(503, "busy", f"every one of the {queue.maxsize} upload {pool} stayed taken; try again later",
+                      close=True) from None
+
+
+async def _invited(request: web.Request) -> Slot:
+    """The upload's invitation: taken before ``100 Continue`` (or, without Expect, before
+    its body is read). Invitations cost no memory and are INVITES_PER_SLOT x ingest_slots
+    many, so clients that send headers and then no body cannot stop others' uploads (each
+    holds one for at most server.body_timeout_s, a node at most server.uploads_per_node);
+    they bound the bodies in flight, so waiting uploads cost nothing (they do not send)."""
+    invite = request.get(INVITE)
+    if invite is None or invite.buf is None:
+        invite = request[INVITE] = await _take(request, "invites")
+    return invite
+
+
+def _tick(app: web.Application) -> None:
+    """Advance the service's clock after a request; a failure here is the clock's to log
+    (run_clock retries), never the request's (its update was already applied)."""
+    try:
+        if app[SERVICE].tick(time.monotonic()):
+            _notify(app)
+    except Exception:
+        log.exception("the service's clock failed after a request; run_clock retries")
 
 
 async def expect_update(request: web.Request) -> web.Response | None:
-    """``Expect: 100-continue``: check auth and size, and wait for a free body buffer,
-    before the node sends its body; so waiting uploads cost no server memory at all."""
-    refused = _authenticate(request)
-    if refused is not None:
-        return refused
-    svc = request.app[SERVICE]
-    length = request.content_length
-    if length is not None and length > svc.max_body_bytes:
-        svc.refused(TooLarge.code)
-        return error(413, TooLarge.code, f"body of {length} bytes is over the limit of {svc.max_body_bytes} bytes")
-    request[SLOT] = await _take_slot(request)
+    """``Expect: 100-continue``: check token, size and the node's uploads in flight before
+    the node sends its body. No buffer is taken here: a client that never sends its body
+    holds nothing (post_update takes a buffer once bytes flow)."""
+    try:
+        refused = _authenticate(request)
+        if refused is not None:
+            return refused
+        _check_length(request)
+        node = request[NODE]
+        if request.app[CHANGED]["uploads"].get(node, 0) >= request.app[SERVICE].cfg.server.uploads_per_node:
+            request.app[SERVICE].refused("too_many_uploads")
+            return error(429, "too_many_uploads", f"node {node!r} has too many uploads in flight "
+                         "(server.uploads_per_node)")
+    except Refusal as e:
+        return error(e.status, e.code, e.detail)
+    except Exception:  # runs outside the middlewares: its own last line
+        log.exception("unexpected error in the 100-continue check of %s", request.path)
+        return error(500, "internal", "the server hit an unexpected error; nothing was applied (see its log)")
+    try:
+        await _invited(request)
+    except Refusal as e:
+        return error(e.status, e.code, e.detail)
+    if _gone(request):
+        return error(400, "disconnected", "the connection was lost")
     if request.version >= (1, 1):
         request.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     return None
@@ -120,19 +324,23 @@ def _notify(app: web.Application) -> None:
     app[CHANGED]["event"] = asyncio.Event()
 
 
+async def _wait_event(event: asyncio.Event, timeout: float) -> None:
+    try:
+        async with asyncio.timeout(timeout):
+            await event.wait()
+    except TimeoutError:
+        pass
+
+
 async def get_task(request: web.Request) -> web.Response:
     app, node = request.app, request[NODE]
     svc = app[SERVICE]
-    try:
-        wait = min(float(request.query.get("wait", svc.cfg.server.poll_s)), svc.cfg.server.poll_s)
-    except ValueError:
-        return error(400, "bad_request", "query parameter 'wait' must be a number of seconds")
+    end = time.monotonic() + _seconds(request, "wait", svc.cfg.server.poll_s)
     try:  # a node with another model is refused before it is counted as connected
         svc.check_spec(request.headers.get(SPEC_HASH_HEADER))
     except ShoalError as e:
         return error(_status_of(e), e.code, str(e))
     evaluates = request.query.get("eval") == "1"
-    end = time.monotonic() + max(wait, 0.0)
     while True:
         event = app[CHANGED]["event"]
         work = svc.poll(node, time.monotonic(), evaluates)
@@ -141,10 +349,9 @@ async def get_task(request: web.Request) -> web.Response:
         left = end - time.monotonic()
         if left <= 0:
             return web.json_response({"status": "wait", "version": svc.version})
-        try:
-            await asyncio.wait_for(event.wait(), left)
-        except asyncio.TimeoutError:
-            pass
+        if _gone(request):
+            return error(400, "disconnected", "the connection was lost")
+        await _wait_event(event, min(left, _SLICE_S))
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -160,40 +367,31 @@ async def get_model(request: web.Request) -> web.Response:
 async def post_update(request: web.Request) -> web.Response:
     app, node = request.app, request[NODE]
     svc = app[SERVICE]
-    length = request.content_length
-    if length is None:
-        svc.refused("length_required")
-        return error(411, "length_required", "send the update with a Content-Length header")
-    if length > svc.max_body_bytes:
-        svc.refused(TooLarge.code)
-        return error(413, TooLarge.code, f"body of {length} bytes is over the limit of {svc.max_body_bytes} bytes")
+    length = _check_length(request)
     # At most ``ingest_slots`` bodies are read at once, each into a preallocated buffer
-    # that the update is decoded in place from and streamed into the aggregate; the
-    # other uploads wait (before sending, with Expect: 100-continue; else in their
-    # sockets). Memory stays O(slots x model) for any number of nodes.
-    slot = request.get(SLOT) or await _take_slot(request)
-    view = memoryview(slot.buf)
-    try:
-        got = 0
-        while got < length:
-            chunk = await request.content.readany()
-            if not chunk:
-                break
-            view[got : got + len(chunk)] = chunk
-            got += len(chunk)
-        if got < length:
-            svc.refused("malformed")
-            return error(400, "malformed", f"body ended after {got} of {length} bytes (truncated)")
+    # that the update is decoded in place from and streamed into the aggregate. A buffer
+    # is taken only once the body's first bytes arrived (a client that sends headers and
+    # no body holds none), and given back however the request ends. Bodies in flight are
+    # bounded by the invitations (see _invited): memory stays O(slots x model).
+    with _upload_of(request):
+        invite = await _invited(request)
         try:
-            result = svc.submit(node, view[:length], time.monotonic())
-        except ShoalError as e:
-            log.info("update from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
-            return error(_status_of(e), getattr(e, "code", "error"), str(e))
-    finally:
-        del view
-        slot.release()
-    if svc.tick(time.monotonic()):
-        _notify(app)
+            first = await _chunk(request, svc.cfg.server.body_timeout_s, "upload") if length else b""
+            slot = await _take(request, "slots")
+            view = memoryview(slot.buf)
+            try:
+                await _read_into(request, view, length, first)
+                try:
+                    result = svc.submit(node, view[:length], time.monotonic())
+                except ShoalError as e:
+                    log.info("update from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
+                    return error(_status_of(e), getattr(e, "code", "error"), str(e))
+            finally:
+                del view
+                slot.release()
+        finally:
+            invite.release()
+    _tick(app)
     return web.json_response(result)
 
 
@@ -201,20 +399,24 @@ async def post_secagg(request: web.Request) -> web.Response:
     """One secure aggregation message of the open round (server/secure_round.py)."""
     app, node = request.app, request[NODE]
     svc = app[SERVICE]
-    length = request.content_length
-    if length is not None and length > svc.max_body_bytes:
-        svc.refused(TooLarge.code)
-        return error(413, TooLarge.code, f"body of {length} bytes is over the limit of {svc.max_body_bytes} bytes")
-    body = await request.read()
+    length = _check_length(request)
+    with _upload_of(request):
+        invite = await _invited(request)  # bounds the bodies read at once here too
+        try:
+            body = bytearray(length)
+            first = await _chunk(request, svc.cfg.server.body_timeout_s, "secure aggregation message") \
+                if length else b""
+            await _read_into(request, memoryview(body), length, first)
+        finally:
+            invite.release()
     now = time.monotonic()
     try:
-        result = svc.secure(node, now).receive(node, request.match_info["stage"], body)
+        result = svc.secure(node, now).receive(node, request.match_info["stage"], bytes(body))
     except ShoalError as e:
         svc.refused(getattr(e, "code", "error"))
         log.info("secure aggregation message from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
         return error(_status_of(e), getattr(e, "code", "error"), str(e))
-    if svc.tick(now):
-        _notify(app)
+    _tick(app)
     return web.json_response(result)
 
 
@@ -223,12 +425,8 @@ async def get_secagg(request: web.Request) -> web.Response:
     closed, 202 ``{"status": "wait"}`` if it is still open when ``wait`` runs out."""
     app, node = request.app, request[NODE]
     svc = app[SERVICE]
-    try:
-        round_ = int(request.query["round"])
-        wait = min(float(request.query.get("wait", svc.cfg.server.poll_s)), svc.cfg.server.poll_s)
-    except (KeyError, ValueError):
-        return error(400, "bad_request", "query parameters: 'round' (an integer) and 'wait' (seconds) are needed")
-    end = time.monotonic() + max(wait, 0.0)
+    round_ = _integer(request, "round")
+    end = time.monotonic() + _seconds(request, "wait", svc.cfg.server.poll_s)
     while True:
         event = app[CHANGED]["event"]
         try:
@@ -240,10 +438,9 @@ async def get_secagg(request: web.Request) -> web.Response:
         left = end - time.monotonic()
         if left <= 0:
             return web.json_response({"status": "wait", "round": round_}, status=202)
-        try:
-            await asyncio.wait_for(event.wait(), left)
-        except asyncio.TimeoutError:
-            pass
+        if _gone(request):
+            return error(400, "disconnected", "the connection was lost")
+        await _wait_event(event, min(left, _SLICE_S))
 
 
 async def post_eval(request: web.Request) -> web.Response:
@@ -275,14 +472,54 @@ async def get_metrics(request: web.Request) -> web.Response:
                         headers={"X-Prometheus-Format": "0.0.4"})
 
 
+def admin_token_hash(cfg: Config) -> str:
+    """The SHA-256 of the admin token in server.admin_token_file ("" when none is set)."""
+    path = cfg.server.admin_token_file
+    if not path:
+        return ""
+    try:
+        token = Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"server.admin_token_file = {path!r} cannot be read: {e}") from None
+    if len(token) < 32 or not well_formed(token):
+        raise ConfigError(f"server.admin_token_file = {path!r} must hold one token of 32 to 256 URL-safe "
+                          "characters (make one with `shoal server admin-token FILE`)")
+    return hash_token(token)
+
+
+class _QuietBadRequests(logging.Filter):
+    """aiohttp logs a malformed request (a header line too long, bytes that are not HTTP)
+    with a traceback; it is the client's fault and already answered 400: one info line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        if isinstance(exc, HttpProcessingError):
+            record.msg, record.args = "malformed HTTP request answered %s: %s", (exc.code, exc.message)
+            record.exc_info, record.exc_text, record.stack_info = None, None, None
+            record.levelno, record.levelname = logging.INFO, "INFO"
+        return True
+
+
 def make_app(service: ServerService, registry: Registry) -> web.Application:
-    app = web.Application(middlewares=[auth], client_max_size=service.max_body_bytes + 1024)
+    """The aiohttp application (run it with ``web.AppRunner(app, keepalive_timeout=server.idle_timeout_s)``,
+    as :func:`serve` does, so idle connections are closed)."""
+    app = web.Application(middlewares=[last_line, auth], client_max_size=service.max_body_bytes + 1024)
     app[SERVICE] = service
     app[REGISTRY] = registry
-    slots: asyncio.Queue = asyncio.Queue()
+    app[ADMIN] = admin_token_hash(service.cfg)
+    sa = service.cfg.secure_aggregation
+    if sa.enabled and sa.malicious_server:  # checked before any round, not when the first one opens
+        if not sa.keys_file:
+            raise ConfigError("secure_aggregation.malicious_server = true needs keys_file: the nodes' public "
+                              "identity keys, given to every node with the config (`shoal keygen`)")
+        read_roster(sa.keys_file)
+    slots: asyncio.Queue = asyncio.Queue(maxsize=service.cfg.server.ingest_slots)
     for _ in range(service.cfg.server.ingest_slots):
         slots.put_nowait(bytearray(service.max_body_bytes))
-    app[CHANGED] = {"event": asyncio.Event(), "slots": slots, "touched": {}}
+    invites: asyncio.Queue = asyncio.Queue(maxsize=INVITES_PER_SLOT * service.cfg.server.ingest_slots)
+    for _ in range(invites.maxsize):
+        invites.put_nowait(True)
+    app[CHANGED] = {"event": asyncio.Event(), "slots": slots, "invites": invites, "touched": {}, "uploads": {}}
     app.router.add_get("/v1/task", get_task)
     app.router.add_get("/v1/model", get_model)
     app.router.add_post("/v1/update", post_update, expect_handler=expect_update)
@@ -291,19 +528,31 @@ def make_app(service: ServerService, registry: Registry) -> web.Application:
     app.router.add_post("/v1/eval", post_eval)
     app.router.add_get("/v1/status", get_status)
     app.router.add_get("/metrics", get_metrics)
+    quiet = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, _QuietBadRequests) for f in quiet.filters):
+        quiet.addFilter(_QuietBadRequests())
     return app
 
 
 async def run_clock(app: web.Application, stop: asyncio.Event) -> None:
-    """Drive the service's time: open rounds when nodes are there, close them at deadlines."""
+    """Drive the service's time: open rounds when nodes are there, close them at deadlines.
+    It never dies of an exception: a failing tick is logged (at most once a minute) and retried."""
     svc = app[SERVICE]
+    last_logged = -math.inf
     while not stop.is_set():
-        if svc.tick(time.monotonic()):
-            _notify(app)
-        if svc.finished(time.monotonic()):
-            stop.set()
+        pause = 0.05
         try:
-            await asyncio.wait_for(stop.wait(), 0.05)
+            if svc.tick(time.monotonic()):
+                _notify(app)
+            if svc.finished(time.monotonic()):
+                stop.set()
+        except Exception:
+            if time.monotonic() - last_logged > 60:
+                log.exception("the service's clock failed; retrying (this is logged at most once a minute)")
+                last_logged = time.monotonic()
+            pause = 1.0
+        try:
+            await asyncio.wait_for(stop.wait(), pause)
         except asyncio.TimeoutError:
             pass
 
@@ -319,9 +568,9 @@ async def serve(service: ServerService, registry: Registry, ssl_context: ssl.SSL
         except (NotImplementedError, RuntimeError):
             pass
     app = make_app(service, registry)
-    runner = web.AppRunner(app, access_log=None, handle_signals=False)
-    await runner.setup()
     s = service.cfg.server
+    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=s.idle_timeout_s)
+    await runner.setup()
     site = web.TCPSite(runner, s.host, s.port, ssl_context=ssl_context)
     await site.start()
     scheme = "https" if ssl_context else "http"

@@ -121,3 +121,20 @@ def nodes_revoke(name: str, config: Optional[Path] = ConfigOpt, set_: Optional[l
         typer.echo(f"revoked {name}")
     finally:
         reg.close()
+
+
+@app.command("admin-token")
+def admin_token(path: Path = typer.Argument(..., help="File to write; set server.admin_token_file to it."),
+                force: bool = typer.Option(False, "--force", help="Replace an existing file.")) -> None:
+    """Make the admin token of GET /v1/status and /metrics (readable by this user only)."""
+    import os
+    import secrets
+
+    if path.exists() and not force:
+        raise ConfigError(f"{path} exists: pass --force to replace the admin token")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    typer.echo(f"admin token written to {path}; set server.admin_token_file = \"{path}\" and send it as "
+               "'Authorization: Bearer <token>' to /v1/status and /metrics")

@@ -46,6 +46,14 @@ class Node:
     last_seen: float | None
 
 
+TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
+
+
+def well_formed(token: str) -> bool:
+    """What ``secrets.token_urlsafe`` makes (and nothing that cannot be hashed)."""
+    return 0 < len(token) <= 256 and all(c in TOKEN_CHARS for c in token)
+
+
 def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
@@ -88,6 +96,8 @@ class Registry:
         """The node name for ``token``; AuthError 401 (unknown) or 403 (revoked)."""
         if not token:
             raise AuthError("unauthenticated", "no token: send 'Authorization: Bearer <token>'", 401)
+        if not well_formed(token):  # e.g. non-UTF-8 header bytes, which aiohttp hands over as surrogates
+            raise AuthError("unauthenticated", "malformed token: a token is at most 256 URL-safe base64 characters", 401)
         h = hash_token(token)
         row = self.db.execute("SELECT name, enabled, token_hash FROM nodes WHERE token_hash = ?", (h,)).fetchone()
         if row is None or not hmac.compare_digest(row[2], h):

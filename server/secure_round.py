@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from shoal.aggregation import secagg_identity as ID
 from shoal.aggregation.secagg import (
+    ConsistencySignature,
     EncryptedShares,
     MaskedInput,
     PublicKeys,
@@ -41,15 +43,16 @@ from shoal.aggregation.secagg import (
 from shoal.aggregation.secagg_encoding import FixedPoint, weighted_mean
 from shoal.aggregation.secagg_wire import decode_message, encode_message, message_meta, params_to_json
 from shoal.config import Config
-from shoal.errors import Malformed, UpdateRejected
+from shoal.errors import Malformed, OutOfRange, UpdateRejected, short_repr
 from shoal.rounds import RoundSummary, SyncRounds
 from shoal.seeding import derive_seed
 from shoal.update import Update
 
 log = logging.getLogger(__name__)
 
-ROUTES = {"keys": "advertise", "shares": "share", "masked": "masked", "unmask": "unmask"}
-MESSAGES = {"advertise": PublicKeys, "share": EncryptedShares, "masked": MaskedInput, "unmask": UnmaskShares}
+ROUTES = {"keys": "advertise", "shares": "share", "masked": "masked", "consistency": "consistency", "unmask": "unmask"}
+MESSAGES = {"advertise": PublicKeys, "share": EncryptedShares, "masked": MaskedInput,
+            "consistency": ConsistencySignature, "unmask": UnmaskShares}
 STAGES = tuple(ROUTES.values())
 EXPECTED_DROPOUT = 0.1  # what an automatic secagg+ degree is sized for in server rounds
 
@@ -66,12 +69,17 @@ class SecureRound:
         self.values = FixedPoint(sa.clip, sa.bits, k)  # raises (ConfigError) if k x 2^bits > 2^32
         self.weights = FixedPoint(1.0, sa.bits, k)
         self.weighting = cfg.strategy.weighting
+        self.max_examples = cfg.server.max_examples
         self.params = SecAggParams(
             # fresh per aggregation: a round re-run after a restart never reuses keys or masks
             session=f"shoal-server/{self.round}/".encode() + secrets.token_bytes(16),
             vector_size=vector_size, graph=sa.graph, degree=sa.degree, threshold_fraction=sa.threshold,
             expected_dropout=EXPECTED_DROPOUT, graph_seed=derive_seed(sa.seed, cfg.simulation.seed, self.round),
+            malicious=sa.malicious_server,
         )
+        # malicious_server: the server checks signatures too, so one node's bad signature is its own 400
+        # and does not make every honest node abort (the nodes check them again: they trust no server)
+        self.roster = ID.read_roster(sa.keys_file) if sa.malicious_server else {}
         self.server = SecAggServer(self.params, self.selected)
         self.stage = "advertise"
         self.deadline_at = rounds.deadline_at if rounds.deadline_at is not None else now + sa.stage_s
@@ -100,13 +108,15 @@ class SecureRound:
     def _expected(self, stage: str) -> set[str]:
         s = self.server
         return {"advertise": set(self.selected), "share": set(s.u1), "masked": set(s.u2),
-                "unmask": set(s.u3) if s.stage == "unmask" else set()}[stage]
+                "consistency": set(s.u3) if s.stage == "consistency" else set(),
+                "unmask": set(s.u4) if s.stage == "unmask" else set()}[stage]
 
     def _check(self, node: str, route: str, round_: Any) -> str:
         if route not in ROUTES:
             raise UpdateRejected("unknown_stage", f"{route!r} is not a secure aggregation stage: one of {list(ROUTES)}")
-        if round_ != self.round:
-            raise UpdateRejected("wrong_round", f"message is for round {round_!r}, the open round is {self.round}")
+        if not isinstance(round_, int) or isinstance(round_, bool) or round_ != self.round:
+            raise UpdateRejected("wrong_round", f"message is for round {short_repr(round_)}, the open round is "
+                                 f"{self.round}")
         if node not in self.selected:
             raise UpdateRejected("not_selected", f"node {node!r} was not selected for round {self.round}")
         if self.aborted:
@@ -131,19 +141,38 @@ class SecureRound:
             raise Malformed(f"POST /v1/secagg/{route} takes a {MESSAGES[stage].__name__} message")
         if msg.sender != node:
             raise Malformed(f"message sender {msg.sender!r} is not the authenticated node {node!r}")
+        if self.params.malicious:
+            self._check_signature(node, stage, msg)
         if stage == "advertise":
             n, loss = meta.get("num_examples"), meta.get("train_loss", float("nan"))
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not isinstance(loss, (int, float)):
+            if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not isinstance(loss, (int, float)) \
+                    or isinstance(loss, bool):
                 raise Malformed("keys: meta needs num_examples (an integer >= 1) and train_loss (a number)")
+            if n > self.max_examples:  # max_weight is the largest count: one huge claim would zero the others
+                raise OutOfRange(f"keys: num_examples = {n} is above the limit of {self.max_examples} "
+                                 "(server.max_examples)")
         try:
             {"advertise": self.server.receive_keys, "share": self.server.receive_shares,
-             "masked": self.server.receive_masked, "unmask": self.server.receive_unmask}[stage](msg)
-        except SecAggProtocolError as e:
+             "masked": self.server.receive_masked, "consistency": self.server.receive_consistency,
+             "unmask": self.server.receive_unmask}[stage](msg)
+        except (SecAggProtocolError, ValueError) as e:  # the state machine changed nothing
             raise Malformed(str(e)) from None
         if stage == "advertise":
             self.meta[node] = (n, float(loss))
         self.sent[stage].add(node)
         return {"status": "accepted", "round": self.round, "stage": route}
+
+    def _check_signature(self, node: str, stage: str, msg) -> None:
+        session = self.params.session
+        if stage == "advertise":
+            message = ID.keys_message(session, node, msg.enc_key, msg.mask_key)
+        elif stage == "consistency":
+            message = ID.consistency_message(session, self.server.u3)
+        else:
+            return
+        if not ID.verify(self.roster.get(node, b""), msg.signature, message):
+            raise Malformed(f"the {stage} message of {node!r} is not signed by its identity key in "
+                            "secure_aggregation.keys_file")
 
     def reply(self, node: str, route: str, round_: Any) -> bytes | None:
         """The server's answer to ``route`` for ``node`` (None: the stage is still open)."""
@@ -176,6 +205,10 @@ class SecureRound:
         except SecAggAborted as e:
             self.aborted, self.stage = str(e), "aborted"
             return True
+        except Exception as e:  # e.g. a ValueError from the crypto: the round aborts, the server goes on
+            log.exception("round %d: secure aggregation failed at stage %r; aborting the round", self.round, self.stage)
+            self.aborted, self.stage = f"{type(e).__name__} at stage {self.stage!r}: {e}", "aborted"
+            return True
         self.deadline_at = now + self.cfg.stage_s
         return True
 
@@ -192,6 +225,10 @@ class SecureRound:
             self.stage = "masked"
         elif self.stage == "masked":
             self.replies["masked"] = {u: encode_message(q, {"round": r}) for u, q in s.close_masked().items()}
+            self.stage = s.stage  # "consistency" with malicious_server, else "unmask"
+        elif self.stage == "consistency":
+            self.replies["consistency"] = {u: encode_message(q, {"round": r})
+                                           for u, q in s.close_consistency().items()}
             self.stage = "unmask"
         else:
             result = s.finish()

@@ -343,8 +343,10 @@ class ServerService:
         ``body`` is decoded in place (no copy); it may be reused once this returns."""
         self.seen(node, now)
         try:
+            s = self.cfg.server
             try:
-                update, header = decode_update(body, self.spec, self.max_body_bytes, copy=False)
+                update, header = decode_update(body, self.spec, self.max_body_bytes, copy=False,
+                                               max_examples=s.max_examples, max_abs=s.max_delta_abs)
             except SpecMismatch:
                 sent = _sent_spec_hash(body, self.max_body_bytes)
                 if isinstance(sent, str) and sent != self.spec.hash:

@@ -81,6 +81,9 @@ from shoal.server.cli import app as _server_app  # noqa: E402
 
 app.add_typer(_server_app, name="server")
 app.command("client")(_client_command)
+from shoal.client.keygen import keygen as _keygen_command  # noqa: E402
+
+app.command("keygen")(_keygen_command)
 _data_app = typer.Typer(help="Node data shards.", no_args_is_help=True)
 app.add_typer(_data_app, name="data")
 

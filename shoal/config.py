@@ -251,6 +251,14 @@ class ServerConfig:
     db: str = "server/nodes.sqlite"
     out_dir: str = "server/run"    # metrics.jsonl
     eval: bool = True              # evaluate each new version on the task's central_test_data() (if it gives one)
+    # hostile input (docs/protocol.md, "Limits"): what one node may send and hold
+    max_examples: int = 1_000_000  # an update claiming more examples is refused (out_of_range)
+    max_delta_abs: float = 1e4     # an update with a larger |entry| after decoding is refused; 0 = finite only
+    body_timeout_s: float = 30.0   # longest wait for the next bytes of a request body (408 after it)
+    upload_timeout_s: float = 300.0  # longest a whole upload may take once its body flows
+    uploads_per_node: int = 2      # one node's uploads in flight at once (429 above it)
+    idle_timeout_s: float = 75.0   # a connection with no request in flight this long is closed
+    admin_token_file: str = ""     # file holding the token of GET /v1/status and /metrics ("" = routes off)
 
     def validate(self) -> None:
         _choice("server.mode", self.mode, ("sync", "async"))
@@ -270,6 +278,14 @@ class ServerConfig:
         _positive("server.max_body_bytes", self.max_body_bytes, allow_zero=True)
         _positive("server.ingest_slots", self.ingest_slots)
         _positive("server.keep_checkpoints", self.keep_checkpoints)
+        _positive("server.max_examples", self.max_examples)
+        if not (math.isfinite(self.max_delta_abs) and self.max_delta_abs >= 0):
+            raise ConfigError(f"server.max_delta_abs = {self.max_delta_abs!r} must be a finite number >= 0 (0 = no bound)")
+        for key in ("body_timeout_s", "upload_timeout_s", "idle_timeout_s"):
+            v = getattr(self, key)
+            if not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"server.{key} = {v!r} must be a finite number of seconds > 0")
+        _positive("server.uploads_per_node", self.uploads_per_node)
 
 
 @dataclass
@@ -465,13 +481,29 @@ class SecureAggregationConfig:
     dropout_unmask: float = 0.0
     seed: int = 0                  # protocol randomness and injected dropouts
     stage_s: float = 30.0          # `shoal server`: seconds each stage after the first waits for nodes
+    malicious_server: bool = False # the active-adversary variant: signed keys, a consistency round
+    keys_file: str = ""            # malicious_server: JSON {node name: base64 Ed25519 public key}, given to every node
+    identity_key: str = ""         # malicious_server, on a node: its Ed25519 key (`shoal keygen`)
 
     def validate(self) -> None:
         _positive("secure_aggregation.stage_s", self.stage_s)
         _choice("secure_aggregation.graph", self.graph, ("full", "secagg+"))
         _positive("secure_aggregation.degree", self.degree, allow_zero=True)
-        if not 0 <= self.threshold < 1:
-            raise ConfigError(f"secure_aggregation.threshold = {self.threshold} must be in [0, 1)")
+        if not 0.5 <= self.threshold < 1:
+            # t = floor(threshold x m) + 1 shares of m: t > m/2 (the full graph: m = n; SecAgg+: each
+            # neighbourhood of degree + 1), else the server can ask one half of a client's share holders
+            # for its self-mask and the other half for its mask key, and unmask that client's input
+            raise ConfigError(f"secure_aggregation.threshold = {self.threshold} must be in [0.5, 1): below 0.5 "
+                              "a server could collect both secrets of one client and see its update")
+        if self.malicious_server:
+            if self.graph != "full":
+                raise ConfigError("secure_aggregation.malicious_server = true runs over graph = 'full' only")
+            if self.threshold < 2 / 3:
+                raise ConfigError(f"secure_aggregation.threshold = {self.threshold} with malicious_server = true: "
+                                  "at least 2/3 (t > 2n/3 against an active server, Bonawitz et al. 2017)")
+        if self.graph == "secagg+" and self.degree == 1:
+            raise ConfigError("secure_aggregation.degree = 1 splits the clients into pairs whose sums the server "
+                              "learns; use >= 2 (or 0 for about 3 log2 n)")
         _positive("secure_aggregation.clip", self.clip)
         if not 1 <= self.bits <= 31:
             raise ConfigError(f"secure_aggregation.bits = {self.bits} must be in [1, 31]")

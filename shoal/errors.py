@@ -7,6 +7,13 @@ answer 4xx with ``{"error": kind, "detail": message}`` (``kind`` is ``code`` bel
 from __future__ import annotations
 
 
+def short_repr(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters: error messages quote what a peer sent,
+    and a peer can send a megabyte."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 class ShoalError(Exception):
     """Base class of every error shoal raises on purpose."""
 
@@ -45,6 +52,12 @@ class TooLarge(WireError):
 
 class Malformed(WireError):
     code = "malformed"
+
+
+class OutOfRange(WireError):
+    """Well-formed, but a value is beyond what the receiver accepts (num_examples, |delta|)."""
+
+    code = "out_of_range"
 
 
 class UpdateRejected(ShoalError):

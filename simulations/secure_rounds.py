@@ -21,7 +21,7 @@ from shoal.aggregation.secagg import SecAggAborted, SecAggParams
 from shoal.aggregation.secagg_encoding import FixedPoint, example_weight
 from shoal.aggregation.secagg_group import secure_weighted_mean
 from shoal.aggregation.secagg_memory import STAGES, injected_dropouts
-from shoal.errors import WireError
+from shoal.errors import NonFinite, WireError
 from shoal.rounds import RoundSummary, Assignment
 from shoal.seeding import derive_seed, rng
 from shoal.update import Update
@@ -64,6 +64,11 @@ class SecureAggregationRounds:
             except WireError as e:  # validation refused the payload: counted, never masked in
                 self.sim.rounds.rejected[e.code] = self.sim.rounds.rejected.get(e.code, 0) + 1
                 continue
+            if not bool(torch.isfinite(update.delta).all()):  # as a node does: never mask a NaN into the sum
+                log.warning("round %d: %s's update has NaN/Inf entries; it is left out of the secure sum",
+                            task.round, task.client_id)
+                self.sim.rounds.rejected[NonFinite.code] = self.sim.rounds.rejected.get(NonFinite.code, 0) + 1
+                continue
             trained.append((task, update))
         if not trained:
             return
@@ -76,7 +81,7 @@ class SecureAggregationRounds:
         params = SecAggParams(
             session=f"shoal-sim/{seed}".encode(), vector_size=self.sim.spec.numel + 1, graph=self.cfg.graph,
             degree=self.cfg.degree, threshold_fraction=self.cfg.threshold, graph_seed=seed,
-            expected_dropout=self.expected_dropout,
+            expected_dropout=self.expected_dropout, malicious=self.cfg.malicious_server,
         )
         drop_at = self._drop_at(sorted(inputs), round_)
         out = secure_weighted_mean(inputs, weights, params, self.values, self.weights, drop_at, seed)

@@ -180,7 +180,7 @@ def test_tampered_share_is_refused_and_protocol_errors_leave_state_unchanged():
 def test_server_rejects_a_malformed_masked_input():
     params = SecAggParams(b"r", 8)
     server = SecAggServer(params, ids(3))
-    clients = {c: SecAggClient(c, params, C.Randomness(1)) for c in ids(3)}
+    clients = {c: SecAggClient(c, params, C.Randomness(c.encode())) for c in ids(3)}  # distinct keys
     for c in clients.values():
         server.receive_keys(c.advertise_keys())
     for c, d in server.close_advertise().items():

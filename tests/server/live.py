@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import secrets
 import ssl
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -15,6 +16,8 @@ from shoal.config import config_from_dict
 from shoal.server.app import run_clock, make_app
 from shoal.server.registry import Registry
 from shoal.server.service import ServerService
+
+ADMIN = "admin"  # Live.session(ADMIN): the admin token of server.admin_token_file (GET /v1/status, /metrics)
 
 
 def small_config(tmp: Path, sections: dict | None = None, **server):
@@ -40,7 +43,9 @@ class Live:
     app: web.Application
 
     def session(self, node: str | None, **kw) -> aiohttp.ClientSession:
-        headers = {"Authorization": f"Bearer {self.tokens[node]}"} if node else {}
+        """Requests as ``node`` (its token), as the admin (``ADMIN``), or with no token (None)."""
+        token = self.tokens[node] if node else None
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
         return aiohttp.ClientSession(headers=headers, timeout=aiohttp.ClientTimeout(total=20), **kw)
 
 
@@ -49,12 +54,15 @@ async def live_server(tmp: Path, nodes: list[str], ssl_context: ssl.SSLContext |
                       clock: bool = False, sections: dict | None = None, **server):
     """``clock=True`` runs the server's clock (rounds open and close by themselves);
     without it the test drives ``service.tick`` itself."""
-    cfg = small_config(tmp, sections, **server)
+    admin = secrets.token_urlsafe(32)
+    (tmp / "admin.token").write_text(admin)
+    cfg = small_config(tmp, sections, **{"admin_token_file": str(tmp / "admin.token"), **server})
     registry = Registry(cfg.server.db)
     tokens = {n: registry.add(n) for n in nodes}
+    tokens[ADMIN] = admin
     service = ServerService(cfg)
     app = make_app(service, registry)
-    runner = web.AppRunner(app, access_log=None)
+    runner = web.AppRunner(app, access_log=None, keepalive_timeout=cfg.server.idle_timeout_s)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context)
     await site.start()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -51,6 +52,7 @@ checkpoint_dir = "{tmp}/ck"
 db = "{tmp}/nodes.sqlite"
 out_dir = "{tmp}/run"
 eval = false
+admin_token_file = "{tmp}/admin.token"
 """
 
 
@@ -70,6 +72,8 @@ class Deployment:
     def __init__(self, tmp: Path, n: int, rounds: int, deadline: float = 30.0, min_nodes: int | None = None):
         self.tmp, self.port = tmp, _free_port()
         self.config = tmp / "cfg.toml"
+        self.admin = secrets.token_urlsafe(32)
+        (tmp / "admin.token").write_text(self.admin)
         self.config.write_text(CONFIG.format(n=n, port=self.port, rounds=rounds, deadline=deadline, tmp=tmp,
                                               min_nodes=min_nodes or n))
         self.cfg = load_config(self.config)
@@ -102,7 +106,7 @@ class Deployment:
 
     def status(self) -> dict | None:
         req = urllib.request.Request(self.url + "/v1/status",
-                                     headers={"Authorization": f"Bearer {next(iter(self.tokens.values()))}"})
+                                     headers={"Authorization": f"Bearer {self.admin}"})
         try:
             with urllib.request.urlopen(req, timeout=2) as resp:
                 return json.loads(resp.read())

@@ -13,7 +13,7 @@ from shoal.config import config_from_dict
 from shoal.server.app import SPEC_HASH_HEADER
 from shoal.server.service import MAX_EVAL_METRICS, ServerService
 
-from .live import live_server
+from .live import ADMIN, live_server
 from .task_files import write_task
 from .test_validation import NODES, _good, _open_round
 
@@ -101,8 +101,8 @@ def test_eval_reports_are_validated_and_weighted_by_examples(tmp_path):
             async with live.session(chosen[0]) as http:
                 async with http.post(post, json=GOOD) as resp:  # closed now
                     assert (resp.status, (await resp.json())["error"]) == (409, "eval_not_open")
-                async with http.get(live.url + "/v1/status") as resp:
-                    status = await resp.json()
+            async with live.session(ADMIN) as admin, admin.get(live.url + "/v1/status") as resp:
+                status = await resp.json()
             return status
 
     status = asyncio.run(asyncio.wait_for(scenario(), 40))

@@ -53,6 +53,7 @@ db = "{tmp}/nodes.sqlite"
 out_dir = "{tmp}/run"
 tls_cert = "{cert}"
 tls_key = "{key}"
+admin_token_file = "{tmp}/admin.token"
 """
 
 
@@ -68,6 +69,7 @@ class TaskDeployment:
         self.config = tmp / "cfg.toml"
         self.config.write_text(CONFIG.format(port=self.port, rounds=rounds, nodes=nodes, tmp=tmp,
                                              cert=self.pki.cert, key=self.pki.key))
+        (tmp / "admin.token").write_text("admin-" + "x" * 40)  # GET /v1/status and /metrics
         reg = Registry(tmp / "nodes.sqlite")
         self.names = [f"node{i}" for i in range(nodes)]
         for i, name in enumerate(self.names):
@@ -111,7 +113,7 @@ class TaskDeployment:
         end = time.monotonic() + timeout
         while time.monotonic() < end:
             try:
-                self.request("/v1/status")
+                self.request("/v1/status", node="admin")
                 return
             except OSError:
                 time.sleep(0.2)
@@ -193,7 +195,7 @@ def test_node_with_another_model_is_refused_naming_both_spec_hashes(deploy):
     status, info = d.request("/v1/update", body)
     assert (status, info["error"]) == (400, "spec_mismatch"), info
     assert ours in info["detail"] and wide_spec.hash in info["detail"]
-    status, st = d.request("/v1/status")
+    status, st = d.request("/v1/status", node="admin")
     assert st["version"] == 0 and st["updates_accepted"] == 0 and st["connected_nodes"] == ["node0"]
     assert server.poll() is None
 

@@ -15,7 +15,7 @@ from shoal.shards import Shard
 from shoal.tls import client_context, make_private_ca, server_context
 from shoal.wire import decode_model
 
-from .live import live_server
+from .live import ADMIN, live_server
 
 
 def _node(live, name: str, ctx) -> Node:
@@ -60,6 +60,9 @@ def test_model_etag_status_metrics_and_long_poll(tmp_path):
                 task = await resp.json()
                 assert task["status"] == "work" and task["round"] == 1 and task["version"] == 0
                 assert time.monotonic() - t0 < 5
+                async with http.get(live.url + "/v1/status") as resp:  # a node's token is not enough
+                    assert resp.status == 401 and (await resp.json())["error"] == "unauthenticated"
+            async with live.session(ADMIN) as http:
                 async with http.get(live.url + "/v1/status") as resp:
                     st = await resp.json()
                 assert st["round"] == 1 and st["version"] == 0 and st["round_open"]

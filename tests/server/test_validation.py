@@ -133,7 +133,7 @@ def test_auth_unknown_is_401_and_revoked_is_403(tmp_path):
         async with live_server(tmp_path, NODES) as live:
             async with live.session(None) as http:
                 for headers in ({}, {"Authorization": "Bearer not-a-token"}, {"Authorization": "Basic abc"}):
-                    async with http.get(live.url + "/v1/status", headers=headers) as resp:
+                    async with http.get(live.url + "/v1/task", headers=headers, params={"wait": "0"}) as resp:
                         assert resp.status == 401
                         assert (await resp.json())["error"] == "unauthenticated"
             live.registry.revoke("n1")

@@ -1,0 +1,731 @@
+"""A fuzzer for a live aggregator over TLS, shared by tests/server/test_fuzz.py (about a
+thousand requests per mode) and bench/fuzz_server.py (ten thousand).
+
+Hypothesis draws hostile requests: update bodies built field by field with every header field
+and table entry either right or replaced by any JSON value, lying offsets, special floats
+(NaN, Inf, FLT_MAX, a q8 scale of 3e38), bit flips and truncations of a good body, JSON
+bombs; secure aggregation messages with small-order, copied or random keys; strict-looking
+query strings; tokens of unselected nodes, of the admin, garbage and non-UTF-8 bytes. Each
+request goes over its own TLS connection as raw bytes, and its answer is checked:
+
+- never a 5xx; every error answer JSON with ``error`` and ``detail`` (aiohttp's own HTTP
+  parser may answer a plain-text 400 for bytes that are not HTTP);
+- an **oracle** written independently of shoal.wire (the safetensors library plus the
+  protocol's field rules, docs/protocol.md) says whether an update body is well-formed; a
+  malformed one must be refused as malformed (400/413) before any protocol check: a 200 or
+  409 for it counts as *malformed accepted*; a well-formed one refused 400 counts as
+  *well-formed refused* (the two must agree exactly);
+- model bytes, version, checkpoints and counters are unchanged after every request (the
+  fuzzing nodes hold no task, so even a well-formed update must be refused by the protocol).
+
+Afterwards a legitimate round must still complete (see ``legit_round``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import re
+import socket
+import ssl
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PrivateKey, X25519PublicKey
+from hypothesis import strategies as st
+from safetensors.torch import load as st_load
+
+from shoal.tls import client_context, make_private_ca, server_context
+
+from .live import ADMIN, live_server
+
+FORMAT = "shoal/1"
+FLT_MAX = float(np.finfo(np.float32).max)
+SMALL_ORDER = [bytes(32), (1).to_bytes(32, "little"), ((2**255 - 19) - 1).to_bytes(32, "little"),
+               bytes.fromhex("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800")]
+LEGIT = ["n0", "n1", "n2", "n3"]
+FUZZERS = ["f0", "f1"]
+MODES = ("sync", "async", "secure")
+
+
+def mode_config(mode: str) -> tuple[dict, dict]:
+    """(server keys, other sections) of the server each mode fuzzes."""
+    server = {"deadline_s": 600.0, "poll_s": 2.0, "body_timeout_s": 2.0, "rounds": 5, "uploads_per_node": 4}
+    if mode == "sync":
+        return {**server, "clients_per_round": 2, "min_nodes": 2}, {}
+    if mode == "async":
+        return {**server, "mode": "async"}, {"asynchronous": {"algorithm": "fedbuff", "buffer_size": 2}}
+    return {**server, "min_nodes": 6}, {"secure_aggregation": {"enabled": True, "stage_s": 600.0}}
+
+
+# --- the server, in a thread of its own ------------------------------------------------
+
+class ServerThread:
+    """live_server over TLS in a background event loop; the fuzzer sends raw bytes to it."""
+
+    def __init__(self, tmp: Path, mode: str):
+        self.tmp, self.mode = tmp, mode
+        self.pki = make_private_ca(tmp / "pki")
+        self.client_ssl = client_context(self.pki.ca_cert)
+        self.loop = asyncio.new_event_loop()
+        self.ready = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.error: BaseException | None = None
+
+    def __enter__(self) -> "ServerThread":
+        self.thread.start()
+        if not self.ready.wait(60):
+            raise RuntimeError(f"fuzz server did not start: {self.error!r}")
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.loop.call_soon_threadsafe(self._stop.set)
+        self.thread.join(30)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_until_complete(self._main())
+        except BaseException as e:  # noqa: BLE001 - reported by __enter__
+            self.error = e
+            self.ready.set()
+        finally:
+            self.loop.close()
+
+    async def _main(self) -> None:
+        server, sections = mode_config(self.mode)
+        ctx = server_context(self.pki.cert, self.pki.key)
+        async with live_server(self.tmp, LEGIT + FUZZERS, ssl_context=ctx, sections=sections, **server) as live:
+            self.live, self.svc = live, live.service
+            self.port = int(live.url.rsplit(":", 1)[1])
+            self._stop = asyncio.Event()
+            self.ready.set()
+            await self._stop.wait()
+
+    def call(self, fn, timeout: float = 60):
+        """``fn()`` run in the server's loop (state is read and changed there only)."""
+        async def wrap():
+            out = fn()
+            return await out if asyncio.iscoroutine(out) else out
+        return asyncio.run_coroutine_threadsafe(wrap(), self.loop).result(timeout)
+
+    def send(self, raw: bytes, timeout: float = 20) -> tuple[int, dict, bytes]:
+        """One request as raw bytes over a fresh TLS connection: (status, headers, body)."""
+        with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as sock:
+            with self.client_ssl.wrap_socket(sock, server_hostname="127.0.0.1") as tls:
+                tls.sendall(raw)
+                chunks = []
+                while True:
+                    try:
+                        b = tls.recv(65536)
+                    except (ssl.SSLError, ConnectionResetError):
+                        break
+                    if not b:
+                        break
+                    chunks.append(b)
+        data = b"".join(chunks)
+        while data.startswith(b"HTTP/1.1 100"):  # an interim 100 Continue before the answer
+            data = data.split(b"\r\n\r\n", 1)[1]
+        head, _, body = data.partition(b"\r\n\r\n")
+        lines = head.split(b"\r\n")
+        status = int(lines[0].split(b" ", 2)[1]) if lines and lines[0].startswith(b"HTTP/") else 0
+        headers = {}
+        for line in lines[1:]:
+            k, _, v = line.partition(b":")
+            headers[k.strip().lower().decode("latin-1")] = v.strip().decode("latin-1")
+        return status, headers, body
+
+
+# --- what the fuzzer sends -------------------------------------------------------------
+
+json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.sampled_from([10**300, -1, 0, 2**63]),
+                      st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12))
+json_value = st.recursive(json_leaf, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c,
+                                                                                         max_size=3), max_leaves=8)
+FILLS = [0.0, 0.01, -0.5, 3.0, float("nan"), float("inf"), -float("inf"), FLT_MAX, 3e38, 1e5, 1e-40]
+DTYPE_SIZE = {"F32": 4, "I8": 1, "I32": 4, "F16": 2, "I64": 8, "U8": 1}
+NP_DTYPE = {"F32": "<f4", "I8": "i1", "I32": "<i4", "F16": "<f2", "I64": "<i8", "U8": "u1"}
+
+
+@dataclass
+class Ctx:
+    """What the fuzzer knows of the server: spec, limits, round."""
+
+    numel: int
+    spec_hash: str
+    version: int
+    round: int
+    max_examples: int
+    max_delta_abs: float
+    max_body: int
+    tokens: dict[str, str]
+    secure: dict | None = None  # the open secure round's task info (secure mode)
+
+
+def _field(draw, good):
+    """Right most of the time; else missing, or any JSON value."""
+    how = draw(st.sampled_from(["good"] * 6 + ["missing", "json", "special"]))
+    if how == "good":
+        return good
+    if how == "missing":
+        return _MISSING
+    if how == "special":
+        return draw(st.sampled_from([10**300, 10**25, -1, 0, 1.5, True, "1", [1], {"a": 1}, None, float("nan")]))
+    return draw(json_value)
+
+
+_MISSING = object()
+
+
+@st.composite
+def tensor_data(draw, dtype: str, count: int) -> bytes:
+    """``count`` values of ``dtype``: one fill value with a few special positions."""
+    if dtype in ("F32", "F16"):
+        arr = np.full(count, draw(st.sampled_from(FILLS)), dtype=np.float64)
+        for _ in range(draw(st.integers(0, 3))):
+            if count:
+                arr[draw(st.integers(0, count - 1))] = draw(st.sampled_from(FILLS))
+        with np.errstate(over="ignore"):
+            return arr.astype(NP_DTYPE[dtype]).tobytes()
+    lo, hi = {"I8": (-128, 127), "U8": (0, 255), "I32": (-2**31, 2**31 - 1), "I64": (-2**40, 2**40)}[dtype]
+    if draw(st.booleans()):  # sorted distinct, as top-k indices are
+        start = draw(st.integers(-2, 3))
+        arr = np.arange(start, start + count * draw(st.integers(1, 3)), max(1, draw(st.integers(1, 3))))[:count]
+        arr = np.resize(arr, count)
+    else:
+        arr = np.full(count, draw(st.integers(lo, hi)), dtype=np.int64)
+        for _ in range(draw(st.integers(0, 3))):
+            if count:
+                arr[draw(st.integers(0, count - 1))] = draw(st.integers(lo, hi))
+    return np.clip(arr, lo, hi).astype(NP_DTYPE[dtype]).tobytes()
+
+
+@st.composite
+def update_body(draw, ctx: Ctx, sender: str) -> bytes:
+    n = ctx.numel
+    encoding = draw(st.sampled_from(["dense"] * 3 + ["q8", "topk", "zz"]))
+    chunk = draw(st.sampled_from([n, max(1, n // 3), 7, 0, -1, 2**30]))
+    k = draw(st.sampled_from([1, 5, max(1, n // 2), n, 0]))
+    h = {"format": FORMAT, "kind": "update", "spec_hash": ctx.spec_hash, "encoding": encoding,
+         "base_version": ctx.version, "num_examples": draw(st.sampled_from([10, 1, ctx.max_examples,
+                                                                          ctx.max_examples + 1])),
+         "sender": sender, "metrics": {"train_loss": 0.5}, "round": ctx.round}
+    if encoding == "q8":
+        h["chunk"] = chunk
+    if encoding == "topk":
+        h["k"] = k
+    header = {}
+    for key, good in h.items():
+        v = _field(draw, good)
+        if v is not _MISSING:
+            header[key] = v
+    if draw(st.integers(0, 9)) == 0:
+        header[draw(st.text(max_size=6))] = draw(json_value)
+    if encoding == "q8" and isinstance(chunk, int) and chunk > 0:
+        tensors = {"q": ("I8", [n]), "scale": ("F32", [math.ceil(n / chunk)])}
+    elif encoding == "topk":
+        tensors = {"indices": ("I32", [k]), "values": ("F32", [k])}
+    else:
+        tensors = {"delta": ("F32", [n])}
+    if draw(st.integers(0, 5)) == 0:  # a wrong dtype, shape or name
+        name = draw(st.sampled_from(sorted(tensors)))
+        dtype, shape = tensors.pop(name)
+        tensors[draw(st.sampled_from([name, name, "x"]))] = (
+            draw(st.sampled_from([dtype, "F16", "I64", "U8"])), draw(st.sampled_from([shape, [shape[0] + 1], [0], []])))
+    table: dict = {}
+    data = b""
+    for name, (dtype, shape) in sorted(tensors.items()):
+        count = int(np.prod(shape)) if shape else 1
+        blob = draw(tensor_data(dtype, count))
+        table[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(blob)]}
+        data += blob
+    lie = draw(st.sampled_from(["none"] * 8 + ["offsets", "entry", "hole", "metadata"]))
+    if lie == "offsets" and table:
+        e = table[draw(st.sampled_from(sorted(table)))]
+        e["data_offsets"] = draw(st.one_of(json_value, st.lists(st.integers(-4, len(data) + 8), min_size=2,
+                                                                max_size=2)))
+    elif lie == "entry" and table:
+        e = table[draw(st.sampled_from(sorted(table)))]
+        e[draw(st.sampled_from(["dtype", "shape", "data_offsets", "extra"]))] = draw(json_value)
+    elif lie == "hole" and table:
+        name = sorted(table)[-1]
+        start, end = table[name]["data_offsets"]
+        table[name]["data_offsets"] = [start + 4, end + 4]
+        data += bytes(4)
+    meta = {"shoal": json.dumps(header)}
+    if lie == "metadata":
+        meta[draw(st.text(max_size=4))] = draw(json_value)
+    text = json.dumps({"__metadata__": meta, **table})
+    body = struct.pack("<Q", len(text.encode())) + text.encode() + data
+    return draw(mutate(body))
+
+
+@st.composite
+def mutate(draw, body: bytes) -> bytes:
+    how = draw(st.sampled_from(["none"] * 12 + ["flip", "truncate", "extend", "bomb", "digits", "random"]))
+    if how == "flip" and body:
+        b = bytearray(body)
+        for _ in range(draw(st.integers(1, 4))):
+            b[draw(st.integers(0, len(b) - 1))] ^= 1 << draw(st.integers(0, 7))
+        return bytes(b)
+    if how == "truncate":
+        return body[: draw(st.integers(0, len(body)))]
+    if how == "extend":
+        return body + draw(st.binary(min_size=1, max_size=16))
+    if how == "bomb":
+        text = "[" * 30_000 + "]" * 30_000
+        return struct.pack("<Q", len(text)) + text.encode()
+    if how == "digits":
+        text = json.dumps({"__metadata__": {"shoal": '{"format": "shoal/1", "num_examples": ' + "9" * 5000 + "}"}})
+        return struct.pack("<Q", len(text)) + text.encode()
+    if how == "random":
+        return draw(st.binary(max_size=300))
+    return body
+
+
+@st.composite
+def keys_body(draw, ctx: Ctx, sender: str) -> bytes:
+    """A secure aggregation ``public_keys`` message, often hostile."""
+    def key():
+        return draw(st.one_of(
+            st.just(X25519PrivateKey.generate().public_key().public_bytes_raw()),
+            st.sampled_from(SMALL_ORDER), st.binary(min_size=31, max_size=33)))
+    import base64
+
+    enc, mask = key(), key()
+    if draw(st.integers(0, 4)) == 0:
+        mask = enc
+    h = {"format": FORMAT, "kind": "public_keys", "sender": sender,
+         "enc_key": base64.b64encode(enc).decode(), "mask_key": base64.b64encode(mask).decode(),
+         "meta": {"round": ctx.round, "num_examples": 10, "train_loss": 0.5}}
+    header = {}
+    for key_, good in h.items():
+        v = _field(draw, good)
+        if v is not _MISSING:
+            header[key_] = v
+    text = json.dumps({"__metadata__": {"shoal": json.dumps(header)}})
+    return draw(mutate(struct.pack("<Q", len(text)) + text.encode()))
+
+
+QUERY_WAIT = st.one_of(st.sampled_from(["0", "0.01", "0.0", "nan", "NaN", "inf", "-1", "1e400", "1e3", "abc", "",
+                                         "0x1", "1_0", "9" * 40, "%00", "0.01.2"]),
+                       st.text(alphabet="0123456789.-+eEnaif_x", max_size=12))
+QUERY_ROUND = st.one_of(st.sampled_from(["1", "0", "-1", "x", "1_0", "9" * 30, "", "1.0"]), st.integers(-3, 10).map(str))
+
+
+def _no_hold(wait: str) -> str:
+    """A valid ``wait`` becomes 0: the fuzzer checks refusals, it does not sit in long-polls."""
+    return "0" if re.fullmatch(r"[0-9]{1,9}(\.[0-9]{0,9})?", wait) else wait
+
+
+@dataclass
+class Request:
+    method: str
+    path: str
+    who: str                 # a node name, "admin", "none", "garbage", "bytes"
+    body: bytes = b""
+    kind: str = ""           # "update" | "keys" | "" (what the oracle checks)
+    expect100: bool = False
+
+
+def requests(ctx: Ctx, mode: str):
+    """The strategy of one hostile request against a server in ``mode``."""
+    who = st.sampled_from(FUZZERS * 4 + ["admin", "none", "garbage", "bytes"] + (LEGIT if mode == "secure" else []))
+
+    @st.composite
+    def one(draw):
+        sender = draw(who)
+        route = draw(st.sampled_from(["update"] * 8 + ["keys"] * (6 if mode == "secure" else 1)
+                                     + ["secagg_post", "task", "model", "secagg_get", "status", "metrics", "junk"]))
+        name = sender if sender in ctx.tokens else "f0"
+        if route == "update":
+            return Request("POST", "/v1/update", sender, draw(update_body(ctx, name)), "update", draw(st.booleans()))
+        if route == "keys":
+            return Request("POST", "/v1/secagg/keys", sender, draw(keys_body(ctx, name)), "keys")
+        if route == "secagg_post":
+            stage = draw(st.sampled_from(["shares", "masked", "unmask", "nonsense", "keys"]))
+            return Request("POST", f"/v1/secagg/{stage}", sender, draw(mutate(draw(keys_body(ctx, name)))))
+        if route == "task":
+            wait = _no_hold(draw(QUERY_WAIT))
+            if mode == "async" and wait == "0":
+                wait = "nan"  # a valid poll would hand the fuzzing node a task (state, not a refusal)
+            return Request("GET", f"/v1/task?wait={wait}", sender)
+        if route == "model":
+            return Request("GET", "/v1/model", sender)
+        if route == "secagg_get":
+            stage = draw(st.sampled_from(["keys", "shares", "masked", "unmask", "zz"]))
+            wait = _no_hold(draw(QUERY_WAIT))
+            return Request("GET", f"/v1/secagg/{stage}?round={draw(QUERY_ROUND)}&wait={wait}", sender)
+        if route in ("status", "metrics"):
+            return Request("GET", "/v1/status" if route == "status" else "/metrics", sender)
+        return Request(draw(st.sampled_from(["GET", "POST", "DELETE", "PUT"])),
+                       "/" + draw(st.text(alphabet="abcdefv1/%.", max_size=12)), sender)
+
+    return one()
+
+
+def raw_request(req: Request, ctx: Ctx) -> bytes:
+    if req.who in ctx.tokens:
+        auth = b"Authorization: Bearer " + ctx.tokens[req.who].encode() + b"\r\n"
+    elif req.who == "garbage":
+        auth = b"Authorization: Bearer not-a-token\r\n"
+    elif req.who == "bytes":
+        auth = b"Authorization: Bearer \xff\xfe\xc3\x28\r\n"
+    else:
+        auth = b""
+    head = f"{req.method} {req.path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n".encode() + auth
+    if req.method in ("POST", "PUT"):
+        head += f"Content-Type: application/octet-stream\r\nContent-Length: {len(req.body)}\r\n".encode()
+        if req.expect100:
+            head += b"Expect: 100-continue\r\n"
+    return head + b"\r\n" + (req.body if req.method in ("POST", "PUT") else b"")
+
+
+# --- the oracle ----------------------------------------------------------------------
+
+def _json(text_bytes: bytes):
+    """Strict JSON as the protocol has it: UTF-8, no duplicate keys; None if not."""
+    def pairs(p):
+        d = dict(p)
+        if len(d) != len(p):
+            raise ValueError("duplicate key")
+        return d
+    try:
+        return json.loads(text_bytes.decode("utf-8"), object_pairs_hook=pairs)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _depth_digits(v, depth=1) -> tuple[int, int]:
+    if isinstance(v, dict):
+        sub = [_depth_digits(x, depth + 1) for x in v.values()] or [(depth, 0)]
+    elif isinstance(v, list):
+        sub = [_depth_digits(x, depth + 1) for x in v] or [(depth, 0)]
+    elif isinstance(v, int) and not isinstance(v, bool):
+        return depth - 1, len(str(abs(v)))
+    else:
+        return depth - 1, 0
+    return max(d for d, _ in sub), max(g for _, g in sub)
+
+
+def _int(v, low, high=None) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= low and (high is None or v <= high)
+
+
+def _header(body: bytes, limit: int):
+    """(table, shoal header) when the safetensors library loads ``body`` and the JSON obeys
+    the protocol's limits; None otherwise."""
+    if len(body) > limit or len(body) < 8:
+        return None
+    try:
+        tensors = st_load(body)
+    except Exception:  # noqa: BLE001 - the library's refusal is the oracle's answer
+        return None
+    (hlen,) = struct.unpack("<Q", body[:8])
+    table = _json(body[8 : 8 + hlen])
+    if not isinstance(table, dict):
+        return None
+    d, g = _depth_digits(table)
+    meta = table.pop("__metadata__", None)
+    if d > 16 or g > 19 or not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        return None
+    for e in table.values():  # the protocol's table rules, a little stricter than the library's
+        if set(e) != {"dtype", "shape", "data_offsets"} or len(e["shape"]) > 8 or e["dtype"] not in (
+                *DTYPE_SIZE, "BOOL", "I16", "U16", "BF16", "U32", "U64", "F64"):
+            return None
+    h = _json(meta.get("shoal", "").encode()) if isinstance(meta.get("shoal"), str) else None
+    if not isinstance(h, dict) or h.get("format") != FORMAT:
+        return None
+    d, g = _depth_digits(h)
+    if d > 16 or g > 19:
+        return None
+    return table, h, tensors
+
+
+def oracle_update(body: bytes, ctx: Ctx) -> bool | None:
+    """True: a well-formed update for this model; False: malformed; None: not judged (zstd)."""
+    got = _header(body, ctx.max_body)
+    if got is None:
+        return False
+    table, h, tensors = got
+    if h.get("zstd", False) is not False:
+        return None if h.get("zstd") is True else False
+    n, enc = ctx.numel, h.get("encoding", "dense")
+    if h.get("kind") != "update" or h.get("spec_hash") != ctx.spec_hash:
+        return False
+    if enc == "dense":
+        want = {"delta": (torch.float32, (n,))}
+    elif enc == "q8":
+        if not _int(h.get("chunk"), 1, 1 << 24):
+            return False
+        want = {"q": (torch.int8, (n,)), "scale": (torch.float32, (math.ceil(n / h["chunk"]),))}
+    elif enc == "topk":
+        if not _int(h.get("k"), 1, max(1, n // 2)):
+            return False
+        want = {"indices": (torch.int32, (h["k"],)), "values": (torch.float32, (h["k"],))}
+    else:
+        return False
+    if set(tensors) != set(want) or any((t.dtype, tuple(t.shape)) != want[k] for k, t in tensors.items()):
+        return False
+    m = h.get("metrics", {})
+    if not (_int(h.get("base_version"), 0) and _int(h.get("num_examples"), 1, ctx.max_examples)
+            and isinstance(h.get("sender", ""), str) and len(h.get("sender", "")) <= 256
+            and ("round" not in h or _int(h["round"], 0)) and isinstance(m, dict) and len(m) <= 64
+            and all(isinstance(k, str) and len(k) <= 256 and isinstance(v, (int, float)) and not isinstance(v, bool)
+                    and math.isfinite(v) for k, v in m.items())):
+        return False
+    if any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors.values()):
+        return False
+    if enc == "dense":
+        delta = tensors["delta"]
+    elif enc == "q8":
+        q, s = tensors["q"], tensors["scale"]
+        if bool((q == -128).any()) or bool((s < 0).any()):
+            return False
+        delta = q.float() * s.repeat_interleave(h["chunk"])[:n]
+    else:
+        idx = tensors["indices"].long()
+        if bool(((idx < 0) | (idx >= n)).any()) or (len(idx) > 1 and not bool((idx[1:] > idx[:-1]).all())):
+            return False
+        delta = torch.zeros(n)
+        delta[idx] = tensors["values"]
+    if not bool(torch.isfinite(delta).all()):
+        return False
+    return not (ctx.max_delta_abs > 0 and float(delta.abs().max()) > ctx.max_delta_abs)
+
+
+def oracle_keys(body: bytes, ctx: Ctx, sender: str, taken: set[bytes]) -> bool:
+    """A public_keys message the secure round may take from ``sender``."""
+    import base64
+
+    got = _header(body, ctx.max_body)
+    if got is None:
+        return False
+    table, h, tensors = got
+    if table or h.get("kind") != "public_keys" or h.get("sender") != sender:
+        return False
+    keys = []
+    for k in ("enc_key", "mask_key"):
+        try:
+            raw = base64.b64decode(h.get(k), validate=True) if isinstance(h.get(k), str) else b""
+        except ValueError:
+            return False
+        if len(raw) != 32:
+            return False
+        try:
+            X25519PrivateKey.generate().exchange(X25519PublicKey.from_public_bytes(raw))
+        except ValueError:
+            return False
+        keys.append((int.from_bytes(raw, "little") & ((1 << 255) - 1)) % (2**255 - 19))
+    meta = h.get("meta")
+    return (keys[0] != keys[1] and not {k.to_bytes(32, "little") for k in keys} & taken
+            and isinstance(meta, dict) and meta.get("round") == ctx.round
+            and _int(meta.get("num_examples"), 1, ctx.max_examples)
+            and isinstance(meta.get("train_loss", 0.0), (int, float)) and not isinstance(meta.get("train_loss"), bool))
+
+
+# --- a fuzzing session ------------------------------------------------------------------
+
+@dataclass
+class Tally:
+    requests: int = 0
+    status: dict[int, int] = field(default_factory=dict)
+    five_xx: int = 0
+    not_json: int = 0
+    malformed_accepted: int = 0
+    wellformed_refused: int = 0
+    state_changed: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def note(self, what: str) -> None:
+        if len(self.examples) < 10:
+            self.examples.append(what)
+
+
+def snapshot(svc) -> tuple:
+    """Model bytes, version, checkpoints and counters: what no hostile request may change."""
+    r, c = svc.rounds, svc.counters
+    ck = sorted(p.name for p in Path(svc.cfg.server.checkpoint_dir).glob("*")) if \
+        Path(svc.cfg.server.checkpoint_dir).exists() else []
+    base = (hashlib.sha256(r.global_params.numpy().tobytes()).hexdigest(), r.version, c.accepted, c.bytes_received,
+            c.rounds_completed, c.rounds_abandoned, tuple(ck), svc.model_body()[-64:])
+    if svc.mode == "async":
+        return base + (r.stats.accepted, tuple(sorted(r.outstanding)), r.algorithm.count)
+    return base + (r.round, r.open, tuple(sorted(r.received)), r.strategy.num_accumulated)
+
+
+def prepare(server: ServerThread) -> Ctx:
+    """Open the fuzzed state: sync, a round selecting legit nodes only; async, nothing; secure,
+    a round at its key stage with every node (the fuzzing ones too) selected."""
+    svc, live = server.svc, server.live
+    now = time.monotonic()
+    if server.mode == "sync":
+        for n in LEGIT:
+            svc.seen(n, now)
+        assert svc.tick(now) and set(svc.rounds.selected) <= set(LEGIT)
+    elif server.mode == "secure":
+        for n in LEGIT + FUZZERS:
+            svc.seen(n, now)
+        assert svc.tick(now) and svc.secure_round is not None
+    s = svc.cfg.server
+    return Ctx(svc.spec.numel, svc.spec.hash, svc.version, getattr(svc.rounds, "round", 0), s.max_examples,
+               s.max_delta_abs, svc.max_body_bytes, dict(live.tokens),
+               svc.secure_round.task_info() if svc.secure_round else None)
+
+
+def check(server: ServerThread, ctx: Ctx, req: Request, tally: Tally, before: tuple, taken: set[bytes]) -> tuple:
+    """Send one request and check its answer and the server's state."""
+    status, headers, body = server.send(raw_request(req, ctx))
+    tally.requests += 1
+    tally.status[status] = tally.status.get(status, 0) + 1
+    if status >= 500 or status == 0:
+        tally.five_xx += 1
+        tally.note(f"{status} for {req.method} {req.path} as {req.who}: {body[:200]!r}")
+    info = None
+    if status >= 400:
+        try:
+            info = json.loads(body)
+            assert isinstance(info["error"], str) and isinstance(info["detail"], str)
+        except (ValueError, KeyError, TypeError, AssertionError):
+            if not (status == 400 and headers.get("content-type", "").startswith("text/plain")):  # aiohttp's parser
+                tally.not_json += 1
+                tally.note(f"not JSON: {status} {body[:120]!r}")
+    node_ok = req.who in LEGIT + FUZZERS
+    if req.kind == "update" and node_ok and status not in (401, 403, 429):
+        ok = oracle_update(req.body, ctx)
+        passed = status in (200, 409)
+        if ok is False and passed:
+            tally.malformed_accepted += 1
+            tally.note(f"malformed update answered {status}: {info}")
+        if ok is True and status in (400, 413):
+            tally.wellformed_refused += 1
+            tally.note(f"well-formed update refused {status}: {info}")
+    if req.kind == "keys" and node_ok and status == 200:
+        if not oracle_keys(req.body, ctx, req.who, taken):
+            tally.malformed_accepted += 1
+            tally.note(f"malformed keys accepted from {req.who}")
+        got = _header(req.body, ctx.max_body)
+        import base64
+        for k in ("enc_key", "mask_key"):
+            raw = base64.b64decode(got[1][k])
+            taken.add(((int.from_bytes(raw, "little") & ((1 << 255) - 1)) % (2**255 - 19)).to_bytes(32, "little"))
+    after = server.call(lambda: snapshot(server.svc))
+    if after != before:
+        tally.state_changed += 1
+        tally.note(f"state changed by {req.method} {req.path} as {req.who} ({status})")
+    return after
+
+
+# --- after the fuzzing: a legitimate round still completes ------------------------------
+
+def _post(server: ServerThread, ctx: Ctx, node: str, path: str, body: bytes) -> tuple[int, bytes]:
+    status, _, out = server.send(raw_request(Request("POST", path, node, body), ctx))
+    return status, out
+
+
+def legit_round(server: ServerThread, ctx: Ctx) -> int:
+    """Run one legitimate round with the legit nodes; the new version."""
+    from .hostile import good_update
+
+    svc = server.svc
+    if server.mode == "sync":
+        for n in sorted(svc.rounds.selected):
+            body = server.call(lambda n=n: good_update(svc, n))
+            status, out = _post(server, ctx, n, "/v1/update", body)
+            assert status == 200, out
+    elif server.mode == "async":
+        for n in LEGIT[:2]:
+            status, _, out = server.send(raw_request(Request("GET", "/v1/task?wait=0", n), ctx))
+            assert status == 200 and json.loads(out)["status"] == "work", out
+            status, out = _post(server, ctx, n, "/v1/update", server.call(lambda n=n: good_update(svc, n)))
+            assert status == 200, out
+    else:
+        server.call(lambda: _legit_secure(server))
+    return server.call(lambda: svc.version)
+
+
+async def _legit_secure(server: ServerThread) -> None:
+    """Close the fuzzed round (no legit node took part: it aborts), then run the next one
+    with the legit nodes, as test_secure_rounds does, over the same TLS."""
+    from contextlib import AsyncExitStack
+
+    import aiohttp
+
+    from shoal.aggregation.secagg_wire import decode_message, encode_message, message_meta
+
+    from .test_secure_rounds import LATER, Party
+
+    live, svc = server.live, server.svc
+    first = svc.rounds.round
+    for _ in range(5):
+        if not svc.rounds.open or svc.rounds.round != first:
+            break
+        svc.tick(time.monotonic() + LATER)
+    assert svc.version == 0 and not svc.rounds.open
+    rng = np.random.default_rng(1)
+    async with AsyncExitStack() as stack:
+        parties = []
+        for n in LEGIT:
+            http = await stack.enter_async_context(
+                live.session(n, connector=aiohttp.TCPConnector(ssl=server.client_ssl)))
+            parties.append(Party(live, n, http, rng))
+        for p in parties:
+            await p.task()
+        assert svc.tick(time.monotonic()) and svc.secure_round is not None
+        for p in parties:
+            p.start(await p.task())
+            assert (await p.post("keys", p.keys()))[0] == 200
+        svc.tick(time.monotonic() + LATER)  # fuzzing nodes selected again stay away: they drop out here
+        max_weight = 0.0
+        for p in parties:
+            status, body = await p.fetch("keys")
+            assert status == 200
+            max_weight = message_meta(body, p.params.vector_size)["max_weight"]
+            directory = decode_message(body, p.params.vector_size)
+            assert (await p.post("shares", encode_message(p.client.share_keys(directory), {"round": p.round})))[0] \
+                == 200
+        for p in parties:
+            status, delivery = await p.fetch("shares")
+            assert status == 200 and (await p.post("masked", p.masked(delivery, max_weight)))[0] == 200
+        for p in parties:
+            status, body = await p.fetch("masked")
+            request = decode_message(body, p.params.vector_size)
+            assert (await p.post("unmask", encode_message(p.client.unmask(request), {"round": p.round})))[0] == 200
+    assert svc.version == 1
+
+
+def run_mode(tmp: Path, mode: str, batches: int, batch: int = 50, seed: int | None = None) -> dict:
+    """Fuzz one mode with ``batches`` x ``batch`` requests, then run a legitimate round; the figures."""
+    from hypothesis import HealthCheck, given, settings
+
+    t0 = time.perf_counter()
+    with ServerThread(tmp, mode) as server:
+        ctx = server.call(lambda: prepare(server))
+        tally, taken = Tally(), set()
+        state = {"before": server.call(lambda: snapshot(server.svc))}
+        start = state["before"]
+
+        @settings(max_examples=batches, deadline=None, database=None, derandomize=seed is not None,
+                  suppress_health_check=list(HealthCheck))
+        @given(st.lists(requests(ctx, mode), min_size=batch, max_size=batch))
+        def fuzz(reqs):
+            for req in reqs:
+                state["before"] = check(server, ctx, req, tally, state["before"], taken)
+            assert (tally.five_xx, tally.not_json, tally.malformed_accepted, tally.wellformed_refused,
+                    tally.state_changed) == (0, 0, 0, 0, 0), tally.examples
+
+        fuzz()
+        end = server.call(lambda: snapshot(server.svc))
+        version = legit_round(server, ctx)
+    return {"mode": mode, "requests": tally.requests, "5xx": tally.five_xx, "not_json": tally.not_json,
+            "malformed_accepted": tally.malformed_accepted, "wellformed_refused": tally.wellformed_refused,
+            "state_changed": tally.state_changed, "unchanged": end == start, "legit_round_version": version,
+            "status": dict(sorted(tally.status.items())), "seconds": round(time.perf_counter() - t0, 1),
+            "examples": tally.examples}
