@@ -36,13 +36,9 @@ from shoal.task import (ClientData, LocalData, Task, TaskError, as_tensors, call
 from shoal.tasks import BuiltinTask
 from shoal.wire import decode_model, encode_update, read_header
 
+from .http import Backoff, NodeError, Refused, Retry, check_response
+
 log = logging.getLogger(__name__)
-
-
-class NodeError(ShoalError):
-    """The server refused this node for good (bad token, revoked) or cannot be trusted."""
-
-    code = "node_error"
 
 
 SPEC_HASH_HEADER = "X-Shoal-Spec-Hash"  # sent with every poll (docs/protocol.md)
@@ -68,27 +64,6 @@ def builtin_local_data(task: BuiltinTask, shard: Shard) -> LocalData:
     task.input_shape = shard.input_shape
     task.num_classes = shard.num_classes or task.num_classes
     return LocalData(train=(shard.x, shard.y))
-
-
-class _Retry(Exception):
-    """A transient failure: wait and try again."""
-
-
-@dataclass
-class Backoff:
-    """Full-jitter exponential backoff: sleep U(0, min(cap, base * 2^attempt))."""
-
-    base: float = 0.2
-    cap: float = 5.0
-    attempt: int = 0
-
-    def next(self, rand: random.Random) -> float:
-        delay = rand.uniform(0, min(self.cap, self.base * 2**self.attempt))
-        self.attempt += 1
-        return delay
-
-    def reset(self) -> None:
-        self.attempt = 0
 
 
 class Node:
@@ -164,9 +139,9 @@ class Node:
                         break
                     if task["status"] == "work":
                         await self._work(task)
-                except _Refused as e:
+                except Refused as e:
                     raise NodeError(f"server refused this node's poll: {e}") from None
-                except _Retry as e:
+                except Retry as e:
                     delay = self.backoff.next(self.rand)
                     log.warning("%s; retrying in %.2f s", e, delay)
                     try:
@@ -202,7 +177,7 @@ class Node:
             self.trainer.fit, params, self.train, int(task["seed"]), version, self.name
         )
         if "secure_aggregation" in task:  # the update leaves this node only masked (client/secure_node.py)
-            from .secure_node import run_secure_round  # it imports this module's request helpers
+            from .secure_node import run_secure_round  # secure aggregation only when the config asks
 
             self.rounds_done += await run_secure_round(self, task, update)
             return
@@ -219,14 +194,14 @@ class Node:
                 log.info("round %s: update accepted (version %s)", task["round"], result.get("version"))
                 self.rounds_done += 1
                 return
-            except _Retry as e:
+            except Retry as e:
                 if self.stop.is_set():
                     log.warning("stopping with an unsent update: %s", e)
                     return
                 delay = backoff.next(self.rand)
                 log.warning("upload failed (%s); retrying in %.2f s", e, delay)
                 await asyncio.sleep(delay)
-            except _Refused as e:
+            except Refused as e:
                 log.warning("round %s: update refused: %s", task["round"], e)
                 return
 
@@ -246,7 +221,7 @@ class Node:
             return
         try:
             await self._request("POST", "/v1/eval", json={"version": version, "num_examples": n, "metrics": metrics})
-        except (_Refused, _Retry) as e:
+        except (Refused, Retry) as e:
             log.warning("evaluation of version %d not reported: %s", version, e)
 
     async def _get_model(self, version: int) -> torch.Tensor | None:
@@ -260,7 +235,7 @@ class Node:
                         return self._model[2]
                     body = await resp.read()
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
-                raise _Retry(f"model download failed: {e}") from None
+                raise Retry(f"model download failed: {e}") from None
             if resp.status == 304:
                 headers = {}
                 continue
@@ -305,24 +280,7 @@ class Node:
         except aiohttp.ClientSSLError as e:
             raise NodeError(f"TLS handshake with {self.url} failed: {e}") from None
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
-            raise _Retry(f"{method} {path}: {type(e).__name__}: {e}") from None
+            raise Retry(f"{method} {path}: {type(e).__name__}: {e}") from None
 
     async def _check(self, resp: aiohttp.ClientResponse) -> None:
-        if resp.status < 400:
-            return
-        try:
-            info = await resp.json()
-        except Exception:
-            info = {"error": "http_error", "detail": await resp.text()}
-        msg = f"{resp.status} {info.get('error')}: {info.get('detail')}"
-        if resp.status in (401, 403):
-            raise NodeError(f"server refused this node: {msg}")
-        if info.get("error") == "spec_mismatch":  # another model: asking again never helps
-            raise NodeError(f"server refused this node ({resp.status}): {info.get('detail')}")
-        if resp.status >= 500 or resp.status in (408, 429):  # busy, timed out, too many in flight: retry
-            raise _Retry(msg)
-        raise _Refused(msg)
-
-
-class _Refused(Exception):
-    """The server refused this request (4xx): do not send it again."""
+        await check_response(resp)

@@ -7,18 +7,12 @@ keys, post encrypted shares, fetch its own, post the masked fixed-point vector
 ``[w_k * clip(delta_k), w_k]`` (as the simulator does), fetch the unmasking request
 and post its shares. The state machine refuses a request for both the self-mask and
 the mask-key share of one peer. The routes are in docs/protocol.md.
-
-``SHOAL_TEST_KILL_AFTER=masked`` in the environment makes the node SIGKILL itself
-right after its masked input is accepted: test-only fault injection, so an
-end-to-end test can lose a node at exactly that point.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
-import signal
 
 import aiohttp
 import numpy as np
@@ -31,9 +25,10 @@ from shoal.aggregation.secagg_wire import decode_message, encode_message, messag
 from shoal.errors import Malformed, ShoalError
 from shoal.update import Update
 
+from .http import Backoff, Refused, Retry
+
 log = logging.getLogger(__name__)
 
-KILL_ENV = "SHOAL_TEST_KILL_AFTER"
 MIN_THRESHOLD = 0.5  # t > half of each neighbourhood (shoal.config checks the same on the server)
 OCTET = {"Content-Type": "application/octet-stream"}
 
@@ -43,16 +38,14 @@ class _Left(Exception):
 
 
 async def _post(node, route: str, body: bytes) -> None:
-    from .node import Backoff, _Refused, _Retry  # node.py imports this module
-
     backoff = Backoff()
     while True:
         try:
             await node._request("POST", f"/v1/secagg/{route}", data=body, headers=OCTET)
             return
-        except _Refused as e:
+        except Refused as e:
             raise _Left(f"{route}: {e}") from None
-        except _Retry as e:
+        except Retry as e:
             if node.stop.is_set():
                 raise _Left("stopping") from None
             delay = backoff.next(node.rand)
@@ -62,8 +55,6 @@ async def _post(node, route: str, body: bytes) -> None:
 
 async def _fetch(node, route: str, round_: int) -> bytes:
     """Long-poll GET /v1/secagg/{route} until the stage closed; the message body."""
-    from .node import Backoff, _Refused, _Retry
-
     backoff = Backoff()
     params = {"round": str(round_), "wait": str(node.poll_s)}
     while not node.stop.is_set():
@@ -73,9 +64,9 @@ async def _fetch(node, route: str, round_: int) -> bytes:
                 if resp.status == 202:
                     continue
                 return await resp.read()
-        except _Refused as e:
+        except Refused as e:
             raise _Left(f"{route}: {e}") from None
-        except (_Retry, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
+        except (Retry, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
             delay = backoff.next(node.rand)
             log.warning("secure aggregation %s fetch failed (%s); retrying in %.2f s", route, e, delay)
             await asyncio.sleep(delay)
@@ -117,8 +108,6 @@ async def run_secure_round(node, task: dict, update: Update) -> bool:
         x = encode_weighted(update.delta.detach().cpu().numpy(), w, values, weights, np.random.default_rng())
         await _post(node, "masked", encode_message(client.masked_input(delivery, x), {"round": round_}))
         log.info("round %d: masked input accepted", round_)
-        if os.environ.get(KILL_ENV) == "masked":
-            os.kill(os.getpid(), signal.SIGKILL)
         reply = decode_message(await _fetch(node, "masked", round_), size)
         if params.malicious:  # sign the survivors shown; the unmasking then carries everyone's signatures
             check = _expect(reply, ConsistencyRequest)

@@ -62,9 +62,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _shoal(args: list[str], log: Path) -> subprocess.Popen:
+def _shoal(args: list[str], log: Path, entry: Path | None = None) -> subprocess.Popen:
+    """``shoal ARGS`` in a new process; ``entry``: a test-side script that wraps the CLI (fault injection)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # no spin-waiting threads on a shared CPU
-    return subprocess.Popen([sys.executable, "-m", "shoal.cli", *args], stdout=log.open("w"),
+    cmd = [sys.executable, str(entry)] if entry else [sys.executable, "-m", "shoal.cli"]
+    return subprocess.Popen([*cmd, *args], stdout=log.open("w"),
                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
@@ -95,12 +97,13 @@ class Deployment:
         self.procs.append(p)
         return p
 
-    def client(self, i: int, *extra: str) -> subprocess.Popen:
+    def client(self, i: int, *extra: str, entry: Path | None = None) -> subprocess.Popen:
         name = self.shards[i].stem
         log = self.tmp / f"{name}.log"
         self.logs.append(log)
         p = _shoal(["client", "--server", self.url, "--token-file", str(self.tmp / f"{name}.token"),
-                    "--data", str(self.shards[i]), "--config", str(self.config), "--device", "cpu", *extra], log)
+                    "--data", str(self.shards[i]), "--config", str(self.config), "--device", "cpu", *extra], log,
+                   entry)
         self.procs.append(p)
         return p
 

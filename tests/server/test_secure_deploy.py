@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -23,6 +24,9 @@ enabled = true
 stage_s = 4.0
 """
 
+# `shoal client` that SIGKILLs itself right after its masked input is accepted (test-side fault injection)
+KILL_AFTER_MASKED = Path(__file__).with_name("kill_after_masked.py")
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(150)
@@ -38,9 +42,7 @@ def test_secure_round_survives_a_node_killed_after_its_masked_input(tmp_path, mo
             f.write(SECURE)
         server = d.server("--insecure")
         clients = [d.client(i) for i in range(N - 1)]
-        with monkeypatch.context() as m:
-            m.setenv("SHOAL_TEST_KILL_AFTER", "masked")
-            victim = d.client(N - 1)
+        victim = d.client(N - 1, entry=KILL_AFTER_MASKED)
         assert _wait(victim, d, 90) == -signal.SIGKILL, d.dump()
         assert _wait(server, d, 90) == 0, d.dump()
         for c in clients:

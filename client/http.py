@@ -1,0 +1,66 @@
+"""What a node does with the server's HTTP answers, shared by plain and secure rounds.
+
+A transient failure (connection lost, 5xx, 408, 429) is :class:`Retry`: wait with
+full-jitter exponential backoff (AWS architecture blog, "Exponential Backoff And
+Jitter", 2015) and try again. A refusal of this request (any other 4xx) is
+:class:`Refused`: do not send it again. A refusal of the node itself (401/403, another
+model's spec hash, an untrusted certificate) is :class:`NodeError`: stop.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import aiohttp
+
+from shoal.errors import ShoalError
+
+
+class NodeError(ShoalError):
+    """The server refused this node for good (bad token, revoked) or cannot be trusted."""
+
+    code = "node_error"
+
+
+class Retry(Exception):
+    """A transient failure: wait and try again."""
+
+
+class Refused(Exception):
+    """The server refused this request (4xx): do not send it again."""
+
+
+@dataclass
+class Backoff:
+    """Full-jitter exponential backoff: sleep U(0, min(cap, base * 2^attempt))."""
+
+    base: float = 0.2
+    cap: float = 5.0
+    attempt: int = 0
+
+    def next(self, rand: random.Random) -> float:
+        delay = rand.uniform(0, min(self.cap, self.base * 2**self.attempt))
+        self.attempt += 1
+        return delay
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+async def check_response(resp: aiohttp.ClientResponse) -> None:
+    """Return for 2xx/3xx; else raise NodeError, Retry or Refused with the server's JSON error."""
+    if resp.status < 400:
+        return
+    try:
+        info = await resp.json()
+    except Exception:  # noqa: BLE001 - a non-JSON error page (a proxy's, say)
+        info = {"error": "http_error", "detail": await resp.text()}
+    msg = f"{resp.status} {info.get('error')}: {info.get('detail')}"
+    if resp.status in (401, 403):
+        raise NodeError(f"server refused this node: {msg}")
+    if info.get("error") == "spec_mismatch":  # another model: asking again never helps
+        raise NodeError(f"server refused this node ({resp.status}): {info.get('detail')}")
+    if resp.status >= 500 or resp.status in (408, 429):  # busy, timed out, too many in flight: retry
+        raise Retry(msg)
+    raise Refused(msg)
