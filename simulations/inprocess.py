@@ -25,7 +25,7 @@ from shoal.update import Update
 
 from .attacks import attack_steps
 from .client_data import ClientShards, check_simulation_data, client_id, load_simulation_data, on_device
-from .dp_hooks import PrivacyBudget, distributed_noise_step
+from .dp_hooks import PrivacyBudget, distributed_noise_step, round_sampling
 from .wire_step import WireStep
 
 log = logging.getLogger(__name__)
@@ -84,7 +84,8 @@ class InProcessSimulation:
         self.local_states: dict[str, dict[str, torch.Tensor]] = {}
         strategy = make_round_strategy(cfg, self.spec.numel, self.device, len(self.client_ids))
         self.rounds = SyncRounds(
-            strategy, self.trainer.flat.detach().clone(), sim.clients_per_round, sim.fraction, sim.seed
+            strategy, self.trainer.flat.detach().clone(), sim.clients_per_round, sim.fraction, sim.seed,
+            sampling=round_sampling(cfg),  # DP: the sampling its accountant assumes
         )
         self.privacy = None if cfg.privacy.mode == "none" else PrivacyBudget(
             cfg, {c: self.shards.size(i) for i, c in enumerate(self.client_ids)}, strategy
@@ -127,7 +128,7 @@ class InProcessSimulation:
         """The client-side steps the config asks for, in pipeline order (DESIGN.md)."""
         steps: list[ClientStep] = [*attack_steps(self)]
         if self.cfg.privacy.mode == "distributed":
-            steps.append(distributed_noise_step(self.cfg, len(self.client_ids)))
+            steps.append(distributed_noise_step(self.cfg, len(self.client_ids), self.rounds))
         return [*steps, self.wire]
 
     def train_clients(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
