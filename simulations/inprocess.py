@@ -164,8 +164,19 @@ class InProcessSimulation:
                 self.rounds.rejected[e.code] = self.rounds.rejected.get(e.code, 0) + 1
                 log.debug("update of %s rejected: %s", task.client_id, e)
                 continue
-            self.rounds.submit(task.client_id, update)
-        summary = self.rounds.finish_round()
+            try:
+                self.rounds.submit(task.client_id, update)
+            except Exception:
+                self.wire.not_accepted(task.client_id)  # top-k error feedback keeps what was refused
+                raise
+        try:
+            summary = self.rounds.finish_round()
+        except Exception:
+            for cid in self.rounds.received:
+                self.wire.not_accepted(cid)
+            raise
+        for cid in self.rounds.received:  # applied (or, in a failed round, dropped): settle error feedback
+            (self.wire.not_accepted if summary.failed else self.wire.accepted)(cid)
         if self.privacy is not None:
             self.privacy.record_round(tasks)
         return summary

@@ -138,6 +138,8 @@ class SecureAggregationRounds:
             self.last = {"aborted": str(e)}
             if self.sim.privacy is not None:  # charged like any round that started (docs/privacy.md)
                 self.sim.privacy.record_round([])
+            for cid in self.sim.rounds.selected:  # nothing was applied: error feedback keeps it all
+                self.sim.wire.not_accepted(cid)
             return self.sim.rounds.abort_round()
 
 
