@@ -425,6 +425,8 @@ class PrivacyConfig:
     sweep_modes: list[str] = field(default_factory=lambda: ["central", "local"])
     sweep_noise_multipliers: list[float] = field(default_factory=lambda: [0.3, 0.6, 1.0, 2.0])
     mia_samples: int = 2000          # members and non-members each, for the membership-inference audit
+    canaries: int = 500              # canary clients of the sweep's empirical-epsilon audit (0 = no audit)
+    canaries_unseen: int = 1000      # random directions never inserted: the audit's null distribution
 
     def validate(self) -> None:
         modes = ("none", "central", "local", "distributed")
@@ -456,6 +458,13 @@ class PrivacyConfig:
         for z in self.sweep_noise_multipliers:
             _positive("privacy.sweep_noise_multipliers", z)
         _positive("privacy.mia_samples", self.mia_samples)
+        _positive("privacy.canaries", self.canaries, allow_zero=True)
+        if self.canaries == 1:
+            raise ConfigError("privacy.canaries = 1: the canary audit fits a Gaussian to the inserted canaries' "
+                              "cosines and needs at least 2 (or 0 to skip the audit)")
+        _positive("privacy.canaries_unseen", self.canaries_unseen)
+        if self.canaries_unseen < 2:
+            raise ConfigError(f"privacy.canaries_unseen = {self.canaries_unseen} must be >= 2")
 
 
 @dataclass
