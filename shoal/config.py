@@ -421,6 +421,9 @@ class PrivacyConfig:
     # poisson = each client joins with probability q = K/N (add/remove-one analysis);
     # fixed = exactly K of N (replace-one analysis with sensitivity 2C, RDP only)
     sampling: str = "poisson"
+    # distributed DP with secure aggregation: noise shares are sized for t = max(the protocol's
+    # threshold, ceil(min_survivors * K)) survivors, and a round with fewer is aborted; 0 = the threshold
+    min_survivors: float = 0.0
     # `shoal privacy-sweep`: the grid run after a non-private baseline
     sweep_modes: list[str] = field(default_factory=lambda: ["central", "local"])
     sweep_noise_multipliers: list[float] = field(default_factory=lambda: [0.3, 0.6, 1.0, 2.0])
@@ -442,6 +445,9 @@ class PrivacyConfig:
             raise ConfigError(f"privacy.delta = {self.delta} must be in (0, 1)")
         _choice("privacy.accountant", self.accountant, ("rdp", "pld"))
         _choice("privacy.sampling", self.sampling, ("poisson", "fixed"))
+        if not 0 <= self.min_survivors <= 1:
+            raise ConfigError(f"privacy.min_survivors = {self.min_survivors} must be a fraction of the round's "
+                              "clients in [0, 1]")
         if self.sampling == "fixed" and self.accountant != "rdp" and self.mode in ("central", "distributed"):
             raise ConfigError(
                 "privacy.sampling = 'fixed' is accounted with RDP (sampling without replacement, replace-one); "

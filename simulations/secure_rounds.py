@@ -9,7 +9,9 @@ client's example count, so its own weighting reproduces the same mean. A round t
 protocol aborts (too few survivors) applies nothing: the global model and version stay.
 
 Distributed DP (docs/privacy.md): every noise share has variance z²C²/t with t = the fewest
-survivors secure aggregation accepts for a round of K clients (K = the expected round size),
+survivors secure aggregation accepts for a round of K clients (K = the expected round size;
+raised to ceil(privacy.min_survivors K) when set, e.g. for SecAgg+ whose threshold counts one
+neighbourhood),
 and a round whose survivors number fewer than t is aborted before its sum is used, so every
 applied sum carries at least N(0, z²C²). The fixed-point range is checked against the share's
 std (aggregation/secagg_encoding.check_noise_range). Aborted rounds are charged by the
@@ -62,7 +64,7 @@ class SecureAggregationRounds:
         self.noise_shares = 0  # distributed DP: t, the fewest survivors a round may complete with
         p = sim.cfg.privacy
         if p.mode == "distributed":
-            self.noise_shares = self.min_survivors(k)
+            self.noise_shares = max(self.min_survivors(k), math.ceil(p.min_survivors * k - 1e-9))
             std = share_std(p.clip_norm, p.noise_multiplier, self.noise_shares)
             if p.noise_multiplier > 0:
                 check_noise_range(self.values, p.clip_norm, std, self.noise_shares)

@@ -248,3 +248,20 @@ def test_issue_case_4_fixed_size_sampling_is_no_longer_accounted_as_poisson():
     assert sim.rounds.sampling == "fixed" and sim.privacy.accountant.epsilon_after(15) == fixed
     assert all(len(sim.rounds.start_round(sim.client_ids)) == 5 and not setattr(sim.rounds, "open", False)
                for _ in range(20))
+
+
+def test_min_survivors_sizes_the_shares_for_more_survivors_and_aborts_below():
+    """SecAgg+ accepts as few survivors as one neighbourhood's threshold, which would make every share
+    huge; privacy.min_survivors = 0.8 sizes them for ceil(0.8 K) = 8 of 10 and aborts rounds below."""
+    z, c = 2.0, 0.5
+    base = [*BASE, "simulation.num_clients=20", "simulation.clients_per_round=10", 'privacy.mode="distributed"',
+            f"privacy.clip_norm={c}", 'privacy.sampling="fixed"', "secure_aggregation.enabled=true",
+            'secure_aggregation.graph="secagg+"', "secure_aggregation.degree=4", "secure_aggregation.bits=20",
+            f"secure_aggregation.clip={noise_range(c, share_std(c, z, 3))}"]
+    plain = InProcessSimulation(load_config(None, [*base, f"privacy.noise_multiplier={z}"]))
+    assert plain.secure_aggregation.noise_shares == 3  # a neighbourhood of 5, threshold 0.5
+    sim, noise = sum_noise(*base, "privacy.min_survivors=0.8", z=z)
+    assert sim.secure_aggregation.noise_shares == 8 and sim.secure_aggregation.last["included"] == 10
+    assert float(noise.std()) == pytest.approx(z * c * math.sqrt(10 / 8), rel=0.03)
+    with pytest.raises(ConfigError, match="privacy.min_survivors"):
+        load_config(None, ["privacy.min_survivors=1.5"])
