@@ -174,21 +174,25 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
     base = next((r for r in rows if r["mode"] == "none"), None)
     if audited:
         ax = axes[2]
+        floor = 1e-2  # a log axis: estimates of 0 are drawn at the floor
         for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"] != "none"):
             pts = sorted((r["epsilon"], r["canary_epsilon"], r["canary_epsilon_low"], r["canary_epsilon_high"])
                          for r in rows if r["mode"] == mode and math.isfinite(r["epsilon"]) and r.get("canaries"))
             if pts:
-                x, y = [p[0] for p in pts], [p[1] for p in pts]
-                err = [[p[1] - p[2] for p in pts], [p[3] - p[1] for p in pts]]
+                x, y = [p[0] for p in pts], [max(p[1], floor) for p in pts]
+                err = [[y[i] - max(p[2], floor) for i, p in enumerate(pts)],
+                       [max(p[3], floor) - y[i] for i, p in enumerate(pts)]]
                 ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{mode} DP")
         finite = [r["epsilon"] for r in rows if math.isfinite(r["epsilon"])]
         if finite:
             lo, hi = min(finite), max(finite)
             ax.plot([lo, hi], [lo, hi], color="grey", ls=":", lw=1, label="empirical = accounted")
+        if base is not None and base.get("canaries"):
+            ax.axhline(base["canary_epsilon"], color="k", ls="--", lw=1, label="no DP")
         ax.set_xscale("log")
-        ax.set_yscale("symlog", linthresh=0.1)
+        ax.set_yscale("log")
         ax.set_xlabel("accounted epsilon (log scale)")
-        ax.set_ylabel("empirical epsilon (canaries)")
+        ax.set_ylabel("empirical epsilon, canaries (log scale)")
         ax.grid(alpha=0.3, which="both")
         ax.legend()
     for ax, key, label in ((axes[0], "test_accuracy", "test accuracy"), (axes[1], "mia_auc", "attack ROC AUC")):
@@ -200,7 +204,7 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
         if key == "mia_auc":
             ax.axhline(0.5, color="grey", ls=":", lw=1, label="chance")
         ax.set_xscale("log")
-        ax.set_xlabel("epsilon (log scale)")
+        ax.set_xlabel("accounted epsilon (log scale)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, which="both")
         ax.legend()
