@@ -234,7 +234,8 @@ class CanaryClients:
 
         Step r's noisy gradient g_r = (-b_r C u + xi_r) / B (b_r ~ Bernoulli(B/n), xi_r ~ N(0, z²C²))
         enters the update with weight w_r = (1 - beta^(S-r+1)) / (1 - beta) (1 without momentum):
-        delta = -lr sum_r w_r g_r. The noise sum is drawn at once: N(0, z²C² sum_r w_r²) / B."""
+        delta = -lr sum_r w_r g_r. The noise sum is drawn at once: N(0, z²C² sum_r w_r²) / B. Weight
+        decay (a function of the parameters, not of the data) is left out."""
         cfg = self.sim.cfg
         n = self.sim.shards.size(self.sim._index[task.client_id])
         b = cfg.train.batch(n)
