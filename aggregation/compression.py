@@ -10,7 +10,10 @@ Three encodings, named in the wire header's ``encoding`` field (shoal/wire.py):
 - ``topk``: the k largest-magnitude coordinates as sorted int32 indices and float32
   values, ``8k`` bytes, with error feedback (Stich et al. 2018, "Sparsified SGD with
   Memory"; Karimireddy et al. 2019, "Error Feedback Fixes SignSGD"): what a client does
-  not send is added to its next update, so nothing is lost, only delayed.
+  not send is added to its next update. The sent coordinates count as delivered only once
+  the upload is accepted (:meth:`Compressor.accepted`); an upload that is refused, late,
+  aborted or never sent is reported with :meth:`Compressor.not_accepted` and its values fold
+  back into the residual, so nothing is lost, only delayed.
 
 Decoding (:func:`expected_tensors`, :func:`decode_tensors`) trusts no header field:
 a wrong ``k`` or ``chunk`` shows up as a tensor shape mismatch, a scale that is not a
@@ -73,6 +76,14 @@ def dequantize_q8(q: torch.Tensor, scale: torch.Tensor, chunk: int) -> torch.Ten
 class TopK:
     """Top-k sparsification with error feedback, one residual per client.
 
+    ``residuals[c]`` is what client c still has to send if every upload it has in flight is
+    accepted; ``in_flight[(c, tag)]`` holds the (indices, values) of an upload whose outcome is
+    not known yet. :meth:`accepted` commits it (drops the record); :meth:`not_accepted` adds
+    its values back to the residual. Several uploads of one client may be in flight at once
+    (distinct tags); the next :meth:`compress` never re-sends what is in flight, so an upload
+    accepted late is not counted twice. A caller that never reports an outcome gets the
+    behaviour of committing at encode time.
+
     Memory note: a residual is a float32 vector of the model's size, kept for each
     client that has sent at least one update (in the simulator: ``participants x model``
     floats; on a real client node just its own). :meth:`forget` drops one.
@@ -83,12 +94,14 @@ class TopK:
             raise ValueError(f"top-k fraction = {fraction} must be in (0, 0.5]")
         self.fraction = fraction
         self.residuals: dict[str, torch.Tensor] = {}
+        self.in_flight: dict[tuple[str, Any], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def k(self, numel: int) -> int:
         return max(1, min(numel // 2 or 1, math.ceil(self.fraction * numel)))
 
-    def compress(self, delta: torch.Tensor, client: str) -> tuple[torch.Tensor, torch.Tensor]:
-        """(sorted int32 indices, float32 values) of the k largest |delta + residual|."""
+    def compress(self, delta: torch.Tensor, client: str, tag: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sorted int32 indices, float32 values) of the k largest |delta + residual|; the upload
+        is in flight under ``(client, tag)`` until :meth:`accepted` or :meth:`not_accepted`."""
         acc = delta.detach().float().cpu()
         res = self.residuals.get(client)
         if res is not None:
@@ -99,10 +112,26 @@ class TopK:
         acc = acc.clone() if res is None else acc
         acc[idx] = 0
         self.residuals[client] = acc
+        self.in_flight[(client, tag)] = (idx, values)
         return idx.to(torch.int32), values
+
+    def accepted(self, client: str, tag: Any = None) -> None:
+        """The upload was applied: its coordinates are delivered for good."""
+        self.in_flight.pop((client, tag), None)
+
+    def not_accepted(self, client: str, tag: Any = None) -> None:
+        """The upload was refused, came late and was dropped, its round aborted, or it was
+        never sent: its values go back into the residual to be sent later."""
+        sent = self.in_flight.pop((client, tag), None)
+        if sent is None:
+            return
+        idx, values = sent
+        self.residuals[client].index_add_(0, idx, values)  # compress made it; forget() drops both
 
     def forget(self, client: str) -> None:
         self.residuals.pop(client, None)
+        for key in [key for key in self.in_flight if key[0] == client]:
+            del self.in_flight[key]
 
 
 class Compressor:
@@ -112,7 +141,9 @@ class Compressor:
         self.cfg = cfg
         self.topk = TopK(cfg.topk_fraction) if cfg.encoding == "topk" else None
 
-    def encode(self, delta: torch.Tensor, client: str = "", seed: int = 0) -> Encoded:
+    def encode(self, delta: torch.Tensor, client: str = "", seed: int = 0, tag: Any = None) -> Encoded:
+        """The payload of ``delta``; with top-k it is in flight under ``(client, tag)`` until the
+        caller reports :meth:`accepted` or :meth:`not_accepted`."""
         match self.cfg.encoding:
             case "dense":
                 return Encoded("dense", {"delta": delta.detach().float()})
@@ -121,9 +152,19 @@ class Compressor:
                 q, scale = quantize_q8(delta, self.cfg.q8_chunk, gen)
                 return Encoded("q8", {"q": q, "scale": scale}, {"chunk": self.cfg.q8_chunk})
             case "topk":
-                idx, values = self.topk.compress(delta, client)
+                idx, values = self.topk.compress(delta, client, tag)
                 return Encoded("topk", {"indices": idx, "values": values}, {"k": int(idx.numel())})
         raise ValueError(f"compression.encoding = {self.cfg.encoding!r} is not one of {ENCODINGS}")
+
+    def accepted(self, client: str = "", tag: Any = None) -> None:
+        """Report that the upload encoded under ``(client, tag)`` was applied (no-op unless top-k)."""
+        if self.topk is not None:
+            self.topk.accepted(client, tag)
+
+    def not_accepted(self, client: str = "", tag: Any = None) -> None:
+        """Report that it was refused, late, aborted or never sent: top-k folds it back."""
+        if self.topk is not None:
+            self.topk.not_accepted(client, tag)
 
 
 def _header_int(header: dict, key: str, low: int, high: int, why: str) -> int:

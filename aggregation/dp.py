@@ -19,10 +19,17 @@ noise multiplier z is split between the count and the sum (their Theorem 1):
 z_Δ = (z^-2 - (2σ_b)^-2)^(-1/2), so the pair costs the same privacy as one Gaussian
 query with multiplier z, and the accountant keeps using z.
 
-Distributed DP: :func:`noise_share` is what each of n clients adds to its clipped delta
-before secure aggregation, N(0, z² C² / n), so the sum carries N(0, z² C²) without any
-party seeing a less noisy value; the server then only divides (``DPMean`` with
-``clip_norm=None`` and ``noise_multiplier=0``).
+Distributed DP: :func:`noise_share` is what each client adds to its clipped delta before
+secure aggregation, N(0, z² C² / t) where t is the fewest shares a completed round can hold
+(the fewest survivors secure aggregation accepts, or the number of clients selected when the
+sum is taken in the clear), so whenever the round completes the sum carries at least
+N(0, z² C²) without any party seeing a less noisy value (docs/privacy.md). The server only
+divides (``DPMean`` with ``clip_norm=None`` and ``share_noise=(z, C)``); should fewer than t
+shares reach a sum taken in the clear, it adds the missing variance itself.
+
+Empty rounds: with Poisson sampling a round may select nobody; the DP mean then releases its
+noise alone (McMahan et al. 2018, Algorithm 1 does the same), so an empty round is not told
+apart by what it releases.
 """
 
 from __future__ import annotations
@@ -67,11 +74,17 @@ def gaussian(numel: int, std: float, generator: torch.Generator, dtype: torch.dt
 
 def noise_share(clipped: torch.Tensor, clip_norm: float, noise_multiplier: float, num_clients: int,
                 generator: torch.Generator) -> torch.Tensor:
-    """Distributed DP: a client's clipped delta plus its share N(0, z² C² / n) of the noise."""
+    """Distributed DP: a client's clipped delta plus its share N(0, z² C² / t) of the noise, where
+    ``num_clients`` = t is the fewest shares any completed sum holds (see the module doc)."""
     if num_clients <= 0:
         raise ValueError(f"num_clients = {num_clients} must be > 0")
-    std = noise_multiplier * clip_norm / math.sqrt(num_clients)
+    std = share_std(clip_norm, noise_multiplier, num_clients)
     return clipped + gaussian(clipped.numel(), std, generator).to(clipped.device)
+
+
+def share_std(clip_norm: float, noise_multiplier: float, shares: int) -> float:
+    """z C / sqrt(t): the std of one client's noise share when t shares make the sum's N(0, z²C²)."""
+    return noise_multiplier * clip_norm / math.sqrt(shares)
 
 
 @dataclass
@@ -105,11 +118,18 @@ class DPMean:
 
     def __init__(self, numel: int, clip_norm: float | None, noise_multiplier: float, expected_clients: float,
                  device: torch.device | str = "cpu", seed: int | None = None,
-                 adaptive: AdaptiveClipping | None = None):
+                 adaptive: AdaptiveClipping | None = None, share_noise: tuple[float, float] | None = None):
+        """``share_noise=(z, C)``: clients add noise shares N(0, z²C²/t) (distributed DP, with
+        ``clip_norm=None``); set t per round with :meth:`expect_shares`."""
         if numel <= 0 or expected_clients <= 0:
             raise ValueError(f"numel = {numel} and expected_clients = {expected_clients} must be > 0")
         if adaptive is not None and clip_norm is None:
             raise ValueError("adaptive clipping needs a server-side clip norm")
+        if share_noise is not None and clip_norm is not None:
+            raise ValueError("share_noise is for distributed DP, where the clients clip (clip_norm=None)")
+        self.share_noise = share_noise
+        self.shares = max(1, round(expected_clients))  # t: overwritten each round by expect_shares
+        self._share_var = 0.0
         self.numel = numel
         self.clip_norm = clip_norm
         self.noise_multiplier = noise_multiplier
@@ -127,8 +147,21 @@ class DPMean:
     def device(self) -> torch.device:
         return self._sum.device
 
+    def expect_shares(self, t: int) -> None:
+        """Distributed DP: each client of this round adds N(0, z²C²/t)."""
+        if t < 1:
+            raise ValueError(f"t = {t} noise shares: must be >= 1")
+        self.shares = int(t)
+
+    @property
+    def releases_noise(self) -> bool:
+        """True when :meth:`mean` adds noise, so it has something to release without updates."""
+        return (self.sum_noise_multiplier > 0 and self.clip_norm is not None) or (
+            self.share_noise is not None and self.share_noise[0] > 0)
+
     def reset(self) -> None:
         self._sum.zero_()
+        self._share_var = 0.0
         self.count = 0
         self.unclipped = 0
         self.last_norms = []
@@ -148,16 +181,33 @@ class DPMean:
             self.last_norms.append(norm)
             self.unclipped += int(norm <= self.clip_norm)
         self._sum.add_(delta, alpha=weight)
+        if self.share_noise is not None:
+            z, c = self.share_noise
+            self._share_var += weight**2 * (z * c) ** 2 / self.shares
         self.count += 1
 
+    def missing_share_std(self) -> float:
+        """Distributed DP: the std the sum still lacks to carry N(0, z²C²) (0 when t shares arrived)."""
+        if self.share_noise is None:
+            return 0.0
+        z, c = self.share_noise
+        missing = (z * c) ** 2 - self._share_var
+        return math.sqrt(missing) if missing > 1e-9 * (z * c) ** 2 else 0.0
+
     def mean(self) -> torch.Tensor:
-        """(Σ clipped + N(0, z_Δ² C²)) / m as float32; then the adaptive clip update."""
-        if self.count == 0:
+        """(Σ clipped + N(0, z_Δ² C²)) / m as float32; then the adaptive clip update.
+        With no update, the noise alone divided by m (nothing at all without noise: EmptyAggregate)."""
+        if self.count == 0 and not self.releases_noise:
             raise EmptyAggregate("no update was added: there is nothing to average")
         total = self._sum
         if self.sum_noise_multiplier > 0 and self.clip_norm is not None:
             std = self.sum_noise_multiplier * self.clip_norm
             total = total + gaussian(self.numel, std, self._gen, torch.float64)
+        missing = self.missing_share_std()
+        if missing > 0:
+            log.info("distributed DP: %d noise shares of 1/%d reached the sum; the server adds the missing "
+                     "N(0, %.4g^2)", self.count, self.shares, missing)
+            total = total + gaussian(self.numel, missing, self._gen, torch.float64)
         out = (total / self.expected_clients).to(torch.float32)
         if self.adaptive is not None:
             self._update_clip()
@@ -171,6 +221,20 @@ class DPMean:
         self.clip_norm *= math.exp(-a.lr * (frac - a.target_quantile))
 
 
+class DPStrategy(Strategy):
+    """A Strategy over :class:`DPMean` that also closes a round nobody took part in: the noise is
+    released alone (Poisson sampling makes such rounds; what they release must not differ)."""
+
+    def finalize(self) -> torch.Tensor:
+        agg = self.aggregator
+        if self._global is None or agg.count > 0 or not agg.releases_noise:
+            return super().finalize()
+        new_global = self.optimizer.step(self._global, agg.mean())
+        agg.reset()
+        self._global = None
+        return new_global
+
+
 def make_dp_strategy(strategy: StrategyConfig, privacy: PrivacyConfig, numel: int, expected_clients: int,
                      device: torch.device | str = "cpu", seed: int | None = None) -> Strategy:
     """The server side of ``privacy.mode`` central or distributed, over the configured server optimizer."""
@@ -181,10 +245,11 @@ def make_dp_strategy(strategy: StrategyConfig, privacy: PrivacyConfig, numel: in
             adaptive = AdaptiveClipping(privacy.target_quantile, privacy.clip_lr, sb)
         agg = DPMean(numel, privacy.clip_norm, privacy.noise_multiplier, expected_clients, device, seed, adaptive)
     elif privacy.mode == "distributed":
-        agg = DPMean(numel, None, 0.0, expected_clients, device, seed)
+        agg = DPMean(numel, None, 0.0, expected_clients, device, seed,
+                     share_noise=(privacy.noise_multiplier, privacy.clip_norm))
     else:
         raise ValueError(f"privacy.mode = {privacy.mode!r} has no DP server strategy")
     if strategy.weighting != "uniform":
         log.info("privacy.mode = %s: updates are weighted uniformly (DP-FedAvg), not by example count",
                  privacy.mode)
-    return Strategy(agg, make_server_optimizer(strategy), "uniform")
+    return DPStrategy(agg, make_server_optimizer(strategy), "uniform")

@@ -10,6 +10,15 @@ garbage: :class:`FixedPoint` checks that headroom up front and raises a
 Example-weighted averaging (FedAvg's sum_k n_k x_k / sum_k n_k) is two secure sums:
 each client sends ``w_k * clip(x_k)`` and ``w_k`` with ``w_k = n_k / max_weight`` in
 [0, 1]; the server divides the sums (:func:`encode_weighted`, :func:`decode_weighted`).
+
+Distributed DP (:func:`check_noise_range`): a client encodes its clipped delta plus its noise
+share of std s = zC/sqrt(t), so an entry can be as large as C (the whole L2 norm in one
+coordinate) plus the noise. The encoding's range must hold C + h*s with h =
+:data:`HEADROOM_SIGMAS` (P(|N(0,1)| > 8) = 1.2e-15 per entry), or clipping would cut the
+noise and the sum would carry less than accounted; and the grid spacing must be at most
+s / :data:`MIN_SIGMAS_PER_QUANTUM`, so stochastic rounding (error variance <= quantum^2/4 per
+entry) adds under 0.25% to the noise variance. A config that breaks either is refused with
+the numbers.
 """
 
 from __future__ import annotations
@@ -23,6 +32,8 @@ from shoal.errors import ConfigError
 from .secagg import SecAggAborted
 
 MODULUS_BITS = 32
+HEADROOM_SIGMAS = 8.0
+MIN_SIGMAS_PER_QUANTUM = 10.0
 
 
 class SecAggConfigError(ConfigError):
@@ -77,6 +88,35 @@ class FixedPoint:
         """Largest |decoded sum - true sum| per entry for inputs inside [-clip, clip]:
         stochastic rounding moves each summand by less than one quantum."""
         return count * self.quantum
+
+
+def noise_range(clip_norm: float, share_std: float) -> float:
+    """The smallest encoding range that holds a clipped delta's entry plus its noise share:
+    C + HEADROOM_SIGMAS * s."""
+    return clip_norm + HEADROOM_SIGMAS * share_std
+
+
+def check_noise_range(values: FixedPoint, clip_norm: float, share_std: float, shares: int) -> None:
+    """Refuse an encoding that would clip or coarsen a distributed-DP noise share (module doc)."""
+    need = noise_range(clip_norm, share_std)
+    why = (f"with privacy.clip_norm = C = {clip_norm:g} and each of t = {shares} noise shares of std "
+           f"s = z*C/sqrt(t) = {share_std:.4g}, an entry of a client's noisy update reaches C + "
+           f"{HEADROOM_SIGMAS:g} s = {need:.4g}")
+    if values.clip < need:
+        raise SecAggConfigError(
+            f"secure_aggregation.clip = {values.clip:g} would clip the distributed-DP noise: {why}, so the "
+            f"sum would carry less noise than the accountant assumes; set secure_aggregation.clip >= {need:.4g}"
+        )
+    if values.quantum > share_std / MIN_SIGMAS_PER_QUANTUM:
+        bits = next((b for b in range(values.bits, MODULUS_BITS + 1)
+                     if 2 * values.clip / (2**b - 1) <= share_std / MIN_SIGMAS_PER_QUANTUM), None)
+        raise SecAggConfigError(
+            f"secure_aggregation.bits = {values.bits} with clip = {values.clip:g} gives a grid spacing of "
+            f"{values.quantum:.4g}, coarser than 1/{MIN_SIGMAS_PER_QUANTUM:g} of the noise share's std "
+            f"{share_std:.4g}: rounding would add noise the accountant does not model; raise "
+            "secure_aggregation.bits" + (f" to at least {bits}" if bits else "")
+            + f" or lower secure_aggregation.clip (not below {need:.4g})"
+        )
 
 
 def encode_weighted(x: np.ndarray, weight: float, values: FixedPoint, weights: FixedPoint,

@@ -1,16 +1,17 @@
 """Privacy accounting with Google's ``dp-accounting`` (RDP or PLD); no accountant of our own.
 
-Every mechanism shoal runs is a Poisson-subsampled Gaussian (Abadi et al. 2016), composed:
+Each mechanism is accounted for the sampling the rounds actually do (docs/privacy.md):
 
-* central / distributed DP (user-level): one event per round, sampling rate
-  q = clients_per_round / num_clients, noise multiplier z (McMahan et al. 2018).
-* local DP-SGD (example-level, per client): one event per local step, sampling rate
-  q = batch / n_k, composed over the steps of every round the client took part in.
-
-Assumptions (docs/privacy.md): the accountant treats client (and example) sampling as
-Poisson with rate q, the analysis of McMahan et al. 2018 and Abadi et al. 2016; the
-simulator draws exactly K clients per round, which the accounting approximates by
-Poisson(q = K/N). The add/remove-one neighbouring relation is used.
+* central / distributed DP (user-level), ``privacy.sampling = "poisson"`` (the default): every
+  client joins a round independently with probability q = K/N (McMahan et al. 2018,
+  Algorithm 1); one ``PoissonSampledDpEvent(q, Gaussian(z))`` per round, add/remove-one client.
+* central / distributed DP, ``privacy.sampling = "fixed"``: exactly K of N clients per round,
+  uniformly without replacement; one ``SampledWithoutReplacementDpEvent(N, K, Gaussian(z/2))``
+  per round under the replace-one relation (Wang, Balle, Kasiviswanathan 2019, Thm. 27). Replacing
+  one client's update moves the clipped sum by up to 2C, so the noise multiplier relative to that
+  sensitivity is z/2. RDP only: dp-accounting's PLD accountant has no such event.
+* local DP-SGD (example-level, per client): one Poisson event per local step, rate q = B/n_k,
+  composed over the steps of every round the client took part in (add/remove-one example).
 """
 
 from __future__ import annotations
@@ -22,9 +23,15 @@ import dp_accounting
 from dp_accounting import pld, rdp
 
 ACCOUNTANTS = ("rdp", "pld")
+SAMPLINGS = ("poisson", "fixed")
 
 
-def _accountant(kind: str) -> dp_accounting.PrivacyAccountant:
+def _accountant(kind: str, replace_one: bool = False) -> dp_accounting.PrivacyAccountant:
+    if replace_one:
+        if kind != "rdp":
+            raise ValueError("fixed-size (without replacement) sampling is accounted with RDP only; "
+                             "dp-accounting's PLD accountant has no SampledWithoutReplacementDpEvent")
+        return rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
     if kind == "rdp":
         return rdp.RdpAccountant()
     if kind == "pld":
@@ -43,35 +50,89 @@ def subsampled_gaussian(q: float, noise_multiplier: float, steps: int) -> dp_acc
     )
 
 
-@lru_cache(maxsize=4096)
-def epsilon(q: float, noise_multiplier: float, steps: int, delta: float, kind: str = "rdp") -> float:
-    """epsilon at ``delta`` after ``steps`` subsampled-Gaussian steps (inf without noise)."""
+def fixed_size_gaussian(num_clients: int, sample_size: int, noise_multiplier: float, steps: int
+                        ) -> dp_accounting.DpEvent:
+    """``steps`` rounds of K-of-N sampling without replacement, then a Gaussian of std z*C on a
+    sum whose replace-one sensitivity is 2C: a Gaussian of multiplier z/2 for the accountant."""
     if steps <= 0:
-        return 0.0
-    if noise_multiplier <= 0:
-        return float("inf")
+        return dp_accounting.NoOpDpEvent()
+    inner = dp_accounting.GaussianDpEvent(noise_multiplier / 2)
+    return dp_accounting.SelfComposedDpEvent(
+        dp_accounting.SampledWithoutReplacementDpEvent(num_clients, sample_size, inner), steps)
+
+
+def _epsilon_of(event: dp_accounting.DpEvent, delta: float, kind: str, replace_one: bool = False) -> float:
     # For small z the RDP series of some fractional orders does not converge; dp-accounting
     # then drops those orders (the bound stays valid, maybe looser) and warns once per order.
     absl_log = logging.getLogger("absl")
     level = absl_log.level
     absl_log.setLevel(logging.ERROR)
     try:
-        acc = _accountant(kind)
-        acc.compose(subsampled_gaussian(q, noise_multiplier, steps))
+        acc = _accountant(kind, replace_one)
+        acc.compose(event)
         return float(acc.get_epsilon(delta))
     finally:
         absl_log.setLevel(level)
 
 
-class RoundAccountant:
-    """User-level accounting for central and distributed DP: one subsampled Gaussian per round."""
+@lru_cache(maxsize=4096)
+def epsilon(q: float, noise_multiplier: float, steps: int, delta: float, kind: str = "rdp") -> float:
+    """epsilon at ``delta`` after ``steps`` Poisson-subsampled Gaussian steps (inf without noise)."""
+    if steps <= 0:
+        return 0.0
+    if noise_multiplier <= 0:
+        return float("inf")
+    return _epsilon_of(subsampled_gaussian(q, noise_multiplier, steps), delta, kind)
 
-    def __init__(self, q: float, noise_multiplier: float, delta: float, kind: str = "rdp"):
+
+@lru_cache(maxsize=4096)
+def epsilon_fixed_size(num_clients: int, sample_size: int, noise_multiplier: float, steps: int,
+                       delta: float) -> float:
+    """epsilon (replace-one, RDP) after ``steps`` rounds that each take exactly ``sample_size``
+    of ``num_clients`` clients without replacement (see :func:`fixed_size_gaussian`)."""
+    if steps <= 0:
+        return 0.0
+    if noise_multiplier <= 0:
+        return float("inf")
+    if not 1 <= sample_size <= num_clients:
+        raise ValueError(f"sample_size = {sample_size} must be in [1, num_clients = {num_clients}]")
+    return _epsilon_of(fixed_size_gaussian(num_clients, sample_size, noise_multiplier, steps), delta, "rdp",
+                       replace_one=True)
+
+
+class RoundAccountant:
+    """User-level accounting for central and distributed DP: one subsampled Gaussian per round.
+
+    ``sampling="poisson"``: rate ``q``, add/remove-one client. ``sampling="fixed"``: exactly
+    ``sample_size`` of ``num_clients`` per round, replace-one client (RDP only). Every round
+    that starts is charged, whether or not anyone took part and whether or not it completed:
+    what it releases (or that it released nothing) depends only on the sampling."""
+
+    def __init__(self, q: float, noise_multiplier: float, delta: float, kind: str = "rdp", *,
+                 sampling: str = "poisson", num_clients: int | None = None, sample_size: int | None = None):
+        if sampling not in SAMPLINGS:
+            raise ValueError(f"sampling = {sampling!r} is not one of {SAMPLINGS}")
+        if sampling == "fixed" and (num_clients is None or sample_size is None):
+            raise ValueError("fixed-size sampling needs num_clients and sample_size")
         self.q, self.z, self.delta, self.kind = min(q, 1.0), noise_multiplier, delta, kind
+        self.sampling, self.num_clients, self.sample_size = sampling, num_clients, sample_size
+        if sampling == "fixed":
+            _accountant(kind, replace_one=True)  # refuses PLD up front
         self.rounds = 0
 
     def epsilon_after(self, rounds: int) -> float:
+        if self.sampling == "fixed":
+            return epsilon_fixed_size(self.num_clients, self.sample_size, self.z, rounds, self.delta)
         return epsilon(self.q, self.z, rounds, self.delta, self.kind)
+
+    def describe(self) -> str:
+        """The analysis behind the reported epsilon, for summaries and logs."""
+        if self.sampling == "fixed":
+            return (f"fixed-size sampling of {self.sample_size} of {self.num_clients} clients without replacement, "
+                    f"replace-one client (sensitivity 2C, so multiplier z/2 = {self.z / 2:g}), "
+                    "RDP of the sampled-without-replacement Gaussian (Wang, Balle, Kasiviswanathan 2019)")
+        return (f"Poisson sampling of clients (q = {self.q:.4g}), add/remove-one client, "
+                f"{self.kind.upper()} of the Poisson-subsampled Gaussian (z = {self.z:g})")
 
     @property
     def epsilon(self) -> float:
@@ -114,6 +175,11 @@ class LocalDpSgdAccountant:
         for c, rs in self._rate_steps.items():
             by_schedule[rs] = max(by_schedule.get(rs, 0), self.participations.get(c, 0) + 1)
         return max((epsilon(q, self.z, s * k, self.delta, self.kind) for (q, s), k in by_schedule.items()), default=0.0)
+
+    def describe(self) -> str:
+        return (f"example-level DP-SGD per client: Poisson sampling of examples (rate B/n_k) and "
+                f"{self.kind.upper()} composition over each client's realised participations, add/remove-one "
+                f"example; the worst client is reported (z = {self.z:g})")
 
     def record_round(self, participants: list[str]) -> None:
         for c in participants:

@@ -433,10 +433,19 @@ class PrivacyConfig:
     target_epsilon: float = 0.0      # stop before epsilon would exceed this; 0 = no limit
     delta: float = 1e-5
     accountant: str = "rdp"          # rdp | pld (dp-accounting)
+    # central/distributed: how a round picks clients, and so what the accountant assumes:
+    # poisson = each client joins with probability q = K/N (add/remove-one analysis);
+    # fixed = exactly K of N (replace-one analysis with sensitivity 2C, RDP only)
+    sampling: str = "poisson"
+    # distributed DP with secure aggregation: noise shares are sized for t = max(the protocol's
+    # threshold, ceil(min_survivors * K)) survivors, and a round with fewer is aborted; 0 = the threshold
+    min_survivors: float = 0.0
     # `shoal privacy-sweep`: the grid run after a non-private baseline
     sweep_modes: list[str] = field(default_factory=lambda: ["central", "local"])
     sweep_noise_multipliers: list[float] = field(default_factory=lambda: [0.3, 0.6, 1.0, 2.0])
     mia_samples: int = 2000          # members and non-members each, for the membership-inference audit
+    canaries: int = 500              # canary clients of the sweep's empirical-epsilon audit (0 = no audit)
+    canaries_unseen: int = 1000      # random directions never inserted: the audit's null distribution
 
     def validate(self) -> None:
         modes = ("none", "central", "local", "distributed")
@@ -451,6 +460,16 @@ class PrivacyConfig:
         if not 0 < self.delta < 1:
             raise ConfigError(f"privacy.delta = {self.delta} must be in (0, 1)")
         _choice("privacy.accountant", self.accountant, ("rdp", "pld"))
+        _choice("privacy.sampling", self.sampling, ("poisson", "fixed"))
+        if not 0 <= self.min_survivors <= 1:
+            raise ConfigError(f"privacy.min_survivors = {self.min_survivors} must be a fraction of the round's "
+                              "clients in [0, 1]")
+        if self.sampling == "fixed" and self.accountant != "rdp" and self.mode in ("central", "distributed"):
+            raise ConfigError(
+                "privacy.sampling = 'fixed' is accounted with RDP (sampling without replacement, replace-one); "
+                "dp-accounting's PLD accountant has no such event: set privacy.accountant = 'rdp' or "
+                "privacy.sampling = 'poisson'"
+            )
         if self.adaptive_clipping and self.mode != "central":
             raise ConfigError(
                 f"privacy.adaptive_clipping needs privacy.mode = 'central' (it is {self.mode!r}): the noisy "
@@ -461,6 +480,13 @@ class PrivacyConfig:
         for z in self.sweep_noise_multipliers:
             _positive("privacy.sweep_noise_multipliers", z)
         _positive("privacy.mia_samples", self.mia_samples)
+        _positive("privacy.canaries", self.canaries, allow_zero=True)
+        if self.canaries == 1:
+            raise ConfigError("privacy.canaries = 1: the canary audit fits a Gaussian to the inserted canaries' "
+                              "cosines and needs at least 2 (or 0 to skip the audit)")
+        _positive("privacy.canaries_unseen", self.canaries_unseen)
+        if self.canaries_unseen < 2:
+            raise ConfigError(f"privacy.canaries_unseen = {self.canaries_unseen} must be >= 2")
 
 
 @dataclass
@@ -609,6 +635,14 @@ class Config:
                 f"privacy.mode = {dp!r} with robust.rule = {self.robust.rule!r}: the DP mean's noise is "
                 "calibrated to a clipped sum, which a robust rule does not compute; use robust.rule = "
                 "'mean' (the clipping bounds each client's influence) or privacy.mode = 'local'"
+            )
+        if dp == "distributed" and self.compression.encoding != "dense":
+            raise ConfigError(
+                f"privacy.mode = 'distributed' with compression.encoding = {self.compression.encoding!r}: each "
+                "client's noise share would be added before the encoding, which then drops (topk) or rescales "
+                "(q8) the noise, so the sum would carry less noise than accounted; shoal does not add noise "
+                "after the encoding. Use compression.encoding = 'dense', or privacy.mode = 'central' (the "
+                "server clips the decoded update and adds the noise itself)"
             )
         if dp != "none" and self.heterogeneity.enabled:
             raise ConfigError(

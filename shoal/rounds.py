@@ -14,6 +14,13 @@ at its deadline fails (model unchanged, counted in ``failed_rounds``). A result 
 earlier round is ``late``: rejected, or with ``late="fold"`` added to the open round
 with weight ``s(t)`` times its usual weight (t = its staleness, s from
 aggregation.staleness) when t <= ``max_staleness``.
+
+Sampling: ``sampling="fixed"`` (the default) selects exactly K of the available clients
+uniformly without replacement; ``sampling="poisson"`` selects each available client
+independently with probability q = K / n (n = available clients), so a round has K
+clients on average and may have none. Poisson sampling is what DP-FedAvg's accountant
+assumes (McMahan et al. 2018, Algorithm 1); an empty round still closes (a DP strategy
+then releases its noise alone, others keep the model).
 """
 
 from __future__ import annotations
@@ -62,12 +69,17 @@ class SyncRounds:
     """
 
     LATE_RULES = ("drop", "fold")
+    SAMPLINGS = ("fixed", "poisson")
 
     def __init__(self, strategy, global_params: torch.Tensor, clients_per_round: int = 0,
                  fraction: float = 0.1, seed: int = 0, version: int = 0, *,
                  over_selection: float = 0.0, deadline_s: float | None = None, min_fraction: float = 0.0,
                  late: str = "drop", late_weight: Callable[[int], float] | None = None,
-                 max_staleness: int | None = None):
+                 max_staleness: int | None = None, sampling: str = "fixed"):
+        if sampling not in self.SAMPLINGS:
+            raise ValueError(f"sampling = {sampling!r} must be one of {', '.join(self.SAMPLINGS)}")
+        if sampling == "poisson" and over_selection > 0:
+            raise ValueError("over_selection needs sampling='fixed': Poisson sampling decides each client alone")
         if over_selection < 0:
             raise ValueError(f"over_selection = {over_selection} must be >= 0")
         if deadline_s is not None and deadline_s <= 0:
@@ -78,6 +90,7 @@ class SyncRounds:
             raise ValueError(f"late = {late!r} must be one of {', '.join(self.LATE_RULES)}")
         if late == "fold" and late_weight is None:
             raise ValueError("late='fold' needs a late_weight (a staleness weight, aggregation.staleness)")
+        self.sampling = sampling
         self.over_selection = over_selection
         self.deadline_s = deadline_s
         self.min_fraction = min_fraction
@@ -105,8 +118,13 @@ class SyncRounds:
         self.rejected: dict[str, int] = {}
 
     def sample_size(self, num_available: int) -> int:
+        """K: the clients a round selects (fixed), or selects on average (poisson)."""
         k = self.clients_per_round or max(1, round(self.fraction * num_available))
         return min(k, num_available)
+
+    def sampling_rate(self, num_available: int) -> float:
+        """q = K / n: each client's probability of being selected in a round."""
+        return self.sample_size(num_available) / num_available if num_available else 0.0
 
     def start_round(self, available: list[str], now: float | None = None) -> list[Assignment]:
         """Open the next round over ``available`` client ids; returns the tasks to hand out.
@@ -122,9 +140,14 @@ class SyncRounds:
         self.round += 1
         ids = sorted(available)
         self.target = self.sample_size(len(ids))
-        k = min(len(ids), math.ceil(self.target * (1 + self.over_selection) - 1e-9))
         self.deadline_at = None if self.deadline_s is None else now + self.deadline_s
-        chosen = rng(self.seed, self.round).choice(len(ids), size=k, replace=False)
+        if self.sampling == "poisson":
+            draws = rng(self.seed, self.round, 0x9015).random(len(ids))
+            chosen = [i for i in range(len(ids)) if draws[i] < self.target / len(ids)]
+            self.target = len(chosen)  # the round is complete when every selected client reported
+        else:
+            k = min(len(ids), math.ceil(self.target * (1 + self.over_selection) - 1e-9))
+            chosen = rng(self.seed, self.round).choice(len(ids), size=k, replace=False)
         self.selected = {
             ids[i]: Assignment(ids[i], self.round, self.version, derive_seed(self.seed, self.round, i_hash(ids[i])))
             for i in sorted(chosen)
@@ -235,6 +258,8 @@ class SyncRounds:
             self.failed_rounds += 1
             self.strategy.begin(self.global_params)  # drop what was accumulated
             return self._summary(failed=True)
+        if not self.received and not self._late_count and self.sampling == "poisson" and not self.selected:
+            return self._finish_empty()
         if not self.received and not self._late_count:
             self.open = False
             raise UpdateRejected("no_results", f"round {self.round} closed with no results; the model is unchanged")
@@ -245,6 +270,20 @@ class SyncRounds:
             self.late_pending = {
                 c: t for c, t in self.late_pending.items() if self.version - t.version <= self.max_staleness
             }
+        return self._summary(failed=False)
+
+    def _finish_empty(self) -> RoundSummary:
+        """Poisson sampling picked nobody: a strategy that releases something without updates
+        (DP noise, so that an empty round looks like any other) makes a new version; any other
+        keeps the model."""
+        from shoal.aggregation.mean import EmptyAggregate
+
+        self.open = False
+        try:
+            self.global_params = self.strategy.finalize()
+        except EmptyAggregate:
+            return self._summary(failed=False)
+        self.version += 1
         return self._summary(failed=False)
 
     def _summary(self, failed: bool) -> RoundSummary:

@@ -166,6 +166,7 @@ class AsyncEngine:
                 self.clients.busy.discard(c)
                 self.clients.dropouts += 1
                 r.forget(c)
+                self.sim.wire.not_accepted(c)  # never delivered: top-k error feedback keeps it
             elif ev.kind == "arrive":
                 c, update, _ = ev.payload
                 self.clients.busy.discard(c)
@@ -176,8 +177,10 @@ class AsyncEngine:
                     continue
                 try:
                     advanced = r.submit(c, update)
+                    self.sim.wire.accepted(c)
                 except UpdateRejected:
                     advanced = False
+                    self.sim.wire.not_accepted(c)
                 if advanced and het.eval_interval_s == 0 and r.version % cfg.simulation.eval_every == 0:
                     yield self._record(last)
                     last = r.stats.copy()

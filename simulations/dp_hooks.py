@@ -1,10 +1,17 @@
 """How ``[privacy]`` plugs into the in-process simulator: trainer, strategy, client steps, budget.
 
 * central: the server strategy clips and adds the noise (aggregation.dp.DPMean);
-* distributed: a client step clips and adds the client's noise share, the server only
-  divides by the expected number of clients (secure aggregation, issue 6, would hide
-  the individual noisy updates; the simulator sums them in the clear);
+* distributed: a client step clips and adds the client's noise share N(0, z²C²/t), the
+  server only divides by the expected number of clients. t is the number of clients the
+  round selected when the simulator sums in the clear, and the fewest survivors secure
+  aggregation accepts when it is on (simulations/secure_rounds.py sets it); either way a
+  completed round's sum carries at least N(0, z²C²);
 * local: the trainer is DP-SGD (client.dp_sgd.DpSgdTrainer).
+
+Sampling (``privacy.sampling``): central and distributed rounds sample clients the way the
+accountant assumes: Poisson with q = K/N by default, or exactly K of N with the fixed-size
+(replace-one) accountant. Local DP-SGD is accounted per client over its realised
+participation, which holds for any data-independent selection; its rounds pick exactly K.
 
 :class:`PrivacyBudget` counts epsilon after every round and tells the run loop to stop
 before ``privacy.target_epsilon`` would be exceeded.
@@ -13,6 +20,7 @@ before ``privacy.target_epsilon`` would be exceeded.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from shoal.accounting import LocalDpSgdAccountant, RoundAccountant, dp_sgd_schedule
 from shoal.aggregation import Strategy
@@ -27,18 +35,42 @@ from shoal.update import Update
 log = logging.getLogger(__name__)
 
 
-def distributed_noise_step(cfg: Config, num_clients: int):
-    """The client step of distributed DP: clip to C, add N(0, z² C² / K) (seeded per task)."""
-    p = cfg.privacy
-    k = expected_clients(cfg, num_clients)
+def round_sampling(cfg: Config) -> str:
+    """How SyncRounds picks clients under this config: ``poisson`` or ``fixed``."""
+    if cfg.privacy.mode in ("central", "distributed"):
+        return cfg.privacy.sampling
+    return "fixed"
 
-    def step(task: Assignment, update: Update) -> Update:
+
+class DistributedNoise:
+    """The client step of distributed DP: clip to C, add N(0, z²C²/t) (seeded per assignment).
+
+    ``shares`` gives t for the current round (by default: how many clients the round selected,
+    read from ``rounds``); secure aggregation replaces it with its own minimum of survivors.
+    Each call also tells the server's DP mean which t its shares were drawn for."""
+
+    def __init__(self, cfg: Config, rounds=None, shares: Callable[[], int] | None = None):
+        self.p = cfg.privacy
+        self.rounds = rounds
+        if shares is None:
+            fallback = expected_clients(cfg, cfg.simulation.num_clients)
+            shares = (lambda: max(1, len(rounds.selected))) if rounds is not None else (lambda: fallback)
+        self.shares = shares
+
+    def __call__(self, task: Assignment, update: Update) -> Update:
+        t = self.shares()
+        agg = getattr(getattr(self.rounds, "strategy", None), "aggregator", None)
+        if agg is not None and hasattr(agg, "expect_shares"):
+            agg.expect_shares(t)
         gen = make_generator(update.delta.device, derive_seed(task.seed, 0xD9))
-        clipped, _ = clip_to_norm(update.delta, p.clip_norm)
-        update.delta = noise_share(clipped, p.clip_norm, p.noise_multiplier, k, gen)
+        clipped, _ = clip_to_norm(update.delta, self.p.clip_norm)
+        update.delta = noise_share(clipped, self.p.clip_norm, self.p.noise_multiplier, t, gen)
         return update
 
-    return step
+
+def distributed_noise_step(cfg: Config, num_clients: int, rounds=None) -> DistributedNoise:
+    """The distributed-DP client step (``num_clients`` kept for callers of the old signature)."""
+    return DistributedNoise(cfg, rounds)
 
 
 class PrivacyBudget:
@@ -49,12 +81,16 @@ class PrivacyBudget:
         self._aggregator = strategy.aggregator if strategy is not None and p.adaptive_clipping else None
         self.target = p.target_epsilon
         self.delta = p.delta
+        self.sampling = round_sampling(cfg)
         if p.mode == "local":
             schedules = {c: dp_sgd_schedule(n, cfg.train.batch(n), cfg.train.epochs) for c, n in client_sizes.items()}
             self.accountant = LocalDpSgdAccountant(schedules, p.noise_multiplier, p.delta, p.accountant)
         else:
-            q = expected_clients(cfg, len(client_sizes)) / len(client_sizes)
-            self.accountant = RoundAccountant(q, p.noise_multiplier, p.delta, p.accountant)
+            n = len(client_sizes)
+            k = expected_clients(cfg, n)
+            self.accountant = RoundAccountant(k / n, p.noise_multiplier, p.delta, p.accountant,
+                                              sampling=self.sampling, num_clients=n, sample_size=k)
+        log.info("privacy accounting: %s", self.accountant.describe())
         if self.target and self.accountant.next_epsilon() > self.target:
             raise ConfigError(
                 f"privacy.target_epsilon = {self.target:g} is below the epsilon of a single round "
@@ -66,12 +102,18 @@ class PrivacyBudget:
     def epsilon(self) -> float:
         return self.accountant.epsilon
 
-    def metrics(self) -> dict[str, float]:
-        """What a metrics.jsonl record gets: ``epsilon``, and ``clip_norm`` when it adapts."""
-        out = {"epsilon": self.epsilon}
+    def metrics(self) -> dict:
+        """What a metrics.jsonl record gets: ``epsilon``, the client ``sampling`` and the ``accountant``
+        it assumes, and ``clip_norm`` when it adapts."""
+        out = {"epsilon": self.epsilon, "sampling": self.sampling, "accountant": self.accountant.describe()}
         if self._aggregator is not None:
             out["clip_norm"] = float(self._aggregator.clip_norm)
         return out
+
+    def summary(self) -> dict:
+        """What summary.json gets."""
+        return {"epsilon": self.epsilon, "delta": self.delta, "sampling": self.sampling,
+                "accountant": self.accountant.describe()}
 
     def record_round(self, tasks: list[Assignment]) -> None:
         self.accountant.record_round([t.client_id for t in tasks])

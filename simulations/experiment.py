@@ -158,7 +158,7 @@ def run_simulation(
         "config": cfg.to_dict(),
     }
     if sim.privacy is not None:
-        summary_out.update(epsilon=sim.privacy.epsilon, delta=cfg.privacy.delta)
+        summary_out.update(sim.privacy.summary())  # epsilon, delta, the sampling and the accountant
     metrics.summary(summary_out)
     if cfg.output.plots:
         plot_curves(metrics.records, out, title=f"{sim.task_label} / {cfg.strategy.name}")

@@ -26,7 +26,7 @@ from shoal.update import Update
 
 from .attacks import attack_steps
 from .client_data import ClientShards, check_simulation_data, client_id, load_simulation_data, on_device
-from .dp_hooks import PrivacyBudget, distributed_noise_step
+from .dp_hooks import PrivacyBudget, distributed_noise_step, round_sampling
 from .wire_step import WireStep
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,8 @@ class InProcessSimulation:
         self.local_states: dict[str, dict[str, torch.Tensor]] = {}
         strategy = make_round_strategy(cfg, self.spec.numel, self.device, len(self.client_ids))
         self.rounds = SyncRounds(
-            strategy, self.trainer.flat.detach().clone(), sim.clients_per_round, sim.fraction, sim.seed
+            strategy, self.trainer.flat.detach().clone(), sim.clients_per_round, sim.fraction, sim.seed,
+            sampling=round_sampling(cfg),  # DP: the sampling its accountant assumes
         )
         self.privacy = None if cfg.privacy.mode == "none" else PrivacyBudget(
             cfg, {c: self.shards.size(i) for i, c in enumerate(self.client_ids)}, strategy
@@ -128,7 +129,7 @@ class InProcessSimulation:
         """The client-side steps the config asks for, in pipeline order (DESIGN.md)."""
         steps: list[ClientStep] = [*attack_steps(self)]
         if self.cfg.privacy.mode == "distributed":
-            steps.append(distributed_noise_step(self.cfg, len(self.client_ids)))
+            steps.append(distributed_noise_step(self.cfg, len(self.client_ids), self.rounds))
         return [*steps, self.wire]
 
     def train_clients(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
@@ -164,8 +165,19 @@ class InProcessSimulation:
                 self.rounds.rejected[e.code] = self.rounds.rejected.get(e.code, 0) + 1
                 log.debug("update of %s rejected: %s", task.client_id, e)
                 continue
-            self.rounds.submit(task.client_id, update)
-        summary = self.rounds.finish_round()
+            try:
+                self.rounds.submit(task.client_id, update)
+            except Exception:
+                self.wire.not_accepted(task.client_id)  # top-k error feedback keeps what was refused
+                raise
+        try:
+            summary = self.rounds.finish_round()
+        except Exception:
+            for cid in self.rounds.received:
+                self.wire.not_accepted(cid)
+            raise
+        for cid in self.rounds.received:  # applied (or, in a failed round, dropped): settle error feedback
+            (self.wire.not_accepted if summary.failed else self.wire.accepted)(cid)
         if self.privacy is not None:
             self.privacy.record_round(tasks)
         return summary

@@ -3,11 +3,14 @@
 Runs the config without privacy (the baseline), then once per (mode, noise multiplier)
 of ``privacy.sweep_modes`` x ``privacy.sweep_noise_multipliers``, all on the same data
 split and seed. After each run a loss-threshold membership-inference audit (mia.py)
-attacks the final global model. Writes, under the output folder:
+attacks the final global model, and (``privacy.canaries`` > 0) a second run of the same
+setting with canary clients gives a one-shot empirical epsilon (canary_audit.py, Andrew et
+al. 2024) to set beside the accounted one. Writes, under the output folder:
 
-* ``<setting>/``: each run's metrics.jsonl and summary.json,
+* ``<setting>/``: each run's metrics.jsonl and summary.json (the audit run's in ``canary_audit/``),
 * ``results.csv`` and ``results.md``: one row per setting,
-* ``accuracy_vs_epsilon.png``: test accuracy and attack AUC against epsilon (log x).
+* ``accuracy_vs_epsilon.png``: test accuracy, attack AUC and empirical epsilon against the
+  accounted epsilon (log x).
 """
 
 from __future__ import annotations
@@ -29,12 +32,16 @@ from shoal.task import SimulationData, Task
 from .client_data import load_simulation_data
 from .experiment import progress_bar, run_simulation
 from .inprocess import InProcessSimulation
+from .canary_audit import AuditTooSmall, run_canary_audit
 from .mia import loss_threshold_audit
 
 log = logging.getLogger(__name__)
 
-COLUMNS = ["mode", "noise_multiplier", "epsilon", "delta", "rounds", "test_accuracy", "mia_auc",
-           "mia_tpr_at_1pct_fpr", "member_loss", "nonmember_loss", "mia_samples", "wall_s"]
+COLUMNS = ["mode", "noise_multiplier", "epsilon", "delta", "sampling", "rounds", "test_accuracy",
+           "canary_epsilon", "canary_epsilon_low", "canary_epsilon_high", "canary_accounted_epsilon", "canaries",
+           "mia_auc", "mia_tpr_at_1pct_fpr", "member_loss", "nonmember_loss", "mia_samples", "wall_s"]
+NO_AUDIT = {"canary_epsilon": math.nan, "canary_epsilon_low": math.nan, "canary_epsilon_high": math.nan,
+            "canary_accounted_epsilon": math.nan, "canaries": 0}
 
 
 def settings(cfg: Config) -> list[tuple[str, float]]:
@@ -64,14 +71,22 @@ def run_setting(cfg: Config, data: SimulationData, mode: str, z: float, out: Pat
     members = [sim.shards.data(i) for i, cid in enumerate(sim.client_ids) if cid in participants]
     audit = loss_threshold_audit(sim.trainer, sim.global_params, members, held_out(sim), c.privacy.mia_samples,
                                  derive_seed(c.simulation.seed, 0x41A))
+    canary = dict(NO_AUDIT)
+    if c.privacy.canaries > 0:
+        try:
+            found = run_canary_audit(c, data, task, out / "canary_audit")
+            canary = {k: found[k] for k in NO_AUDIT}
+        except AuditTooSmall as e:
+            log.warning("%s z=%g: no canary audit: %s", mode, z, e)
     row = {
         "mode": mode, "noise_multiplier": z,
         "epsilon": summary.get("epsilon", math.inf), "delta": c.privacy.delta if mode != "none" else 0.0,
+        "sampling": summary.get("sampling", "fixed"),
         "rounds": summary["rounds"], "test_accuracy": headline_accuracy(summary),
-        **audit, "wall_s": round(time.perf_counter() - t0, 1),
+        **canary, **audit, "wall_s": round(time.perf_counter() - t0, 1),
     }
-    log.info("%s z=%g: epsilon %.3g, accuracy %.4f, MIA AUC %.3f", mode, z, row["epsilon"],
-             row["test_accuracy"], row["mia_auc"])
+    log.info("%s z=%g: epsilon %.3g (empirical %.3g), accuracy %.4f, MIA AUC %.3f", mode, z, row["epsilon"],
+             row["canary_epsilon"], row["test_accuracy"], row["mia_auc"])
     return row
 
 
@@ -105,7 +120,8 @@ def run_privacy_sweep(cfg: Config, out_dir: str | Path) -> list[dict[str, Any]]:
     with progress_bar(len(grid), "setting") as bar:
         for mode, z in grid:
             rows.append(run_setting(cfg, data, mode, z, out / (mode if mode == "none" else f"{mode}_z{z:g}"), task))
-            bar.advance(f"{mode} z={z:g}: acc {rows[-1]['test_accuracy']:.4f}, AUC {rows[-1]['mia_auc']:.3f}")
+            bar.advance(f"{mode} z={z:g}: acc {rows[-1]['test_accuracy']:.4f}, AUC {rows[-1]['mia_auc']:.3f}, "
+                        f"empirical eps {rows[-1]['canary_epsilon']:.3g}")
     write_csv(rows, out / "results.csv")
     (out / "results.md").write_text(markdown_table(rows))
     plot_sweep(rows, out / "accuracy_vs_epsilon.png", title=task_label(cfg, task))
@@ -124,26 +140,61 @@ def _fmt_eps(e: float) -> str:
     return "∞ (no DP)" if math.isinf(e) else f"{e:.3g}"
 
 
+def _fmt_canary(r: dict[str, Any]) -> str:
+    """The empirical epsilon with its bootstrap interval, and the audit run's own accounted epsilon."""
+    if not r.get("canaries"):
+        return "-"
+    acc = "" if math.isinf(r["canary_accounted_epsilon"]) else f"; audit run accounted {r['canary_accounted_epsilon']:.3g}"
+    return f"{r['canary_epsilon']:.3g} [{r['canary_epsilon_low']:.3g}, {r['canary_epsilon_high']:.3g}]{acc}"
+
+
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| mode | noise multiplier z | epsilon (delta) | rounds | test accuracy | attack AUC | TPR @ 1% FPR | loss member / non-member |",
-        "|---|---|---|---|---|---|---|---|",
+        "| mode | noise multiplier z | accounted epsilon (delta) | empirical epsilon (canaries, 95% interval) | rounds "
+        "| test accuracy | attack AUC | TPR @ 1% FPR | loss member / non-member |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         eps = _fmt_eps(r["epsilon"]) + ("" if r["mode"] == "none" else f" ({r['delta']:g})")
         lines.append(
-            f"| {r['mode']} | {r['noise_multiplier']:g} | {eps} | {r['rounds']} | {r['test_accuracy']:.4f} | "
-            f"{r['mia_auc']:.3f} | {r['mia_tpr_at_1pct_fpr']:.3f} | {r['member_loss']:.3f} / {r['nonmember_loss']:.3f} |"
+            f"| {r['mode']} | {r['noise_multiplier']:g} | {eps} | {_fmt_canary(r)} | {r['rounds']} | "
+            f"{r['test_accuracy']:.4f} | {r['mia_auc']:.3f} | {r['mia_tpr_at_1pct_fpr']:.3f} | "
+            f"{r['member_loss']:.3f} / {r['nonmember_loss']:.3f} |"
         )
     return "\n".join(lines) + "\n"
 
 
 def plot_sweep(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
-    """Accuracy (left) and attack AUC (right) against epsilon, log x; the baseline dashed."""
+    """Accuracy, attack AUC and (with the canary audit) empirical epsilon against the accounted
+    epsilon, log x; the baseline dashed, the empirical panel with the line empirical = accounted."""
     from .report import plt
 
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    audited = any(r.get("canaries") for r in rows)
+    fig, axes = plt.subplots(1, 3 if audited else 2, figsize=(15 if audited else 10, 4))
     base = next((r for r in rows if r["mode"] == "none"), None)
+    if audited:
+        ax = axes[2]
+        floor = 1e-2  # a log axis: estimates of 0 are drawn at the floor
+        for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"] != "none"):
+            pts = sorted((r["epsilon"], r["canary_epsilon"], r["canary_epsilon_low"], r["canary_epsilon_high"])
+                         for r in rows if r["mode"] == mode and math.isfinite(r["epsilon"]) and r.get("canaries"))
+            if pts:
+                x, y = [p[0] for p in pts], [max(p[1], floor) for p in pts]
+                err = [[y[i] - max(p[2], floor) for i, p in enumerate(pts)],
+                       [max(p[3], floor) - y[i] for i, p in enumerate(pts)]]
+                ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{mode} DP")
+        finite = [r["epsilon"] for r in rows if math.isfinite(r["epsilon"])]
+        if finite:
+            lo, hi = min(finite), max(finite)
+            ax.plot([lo, hi], [lo, hi], color="grey", ls=":", lw=1, label="empirical = accounted")
+        if base is not None and base.get("canaries"):
+            ax.axhline(base["canary_epsilon"], color="k", ls="--", lw=1, label="no DP")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("accounted epsilon (log scale)")
+        ax.set_ylabel("empirical epsilon, canaries (log scale)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend()
     for ax, key, label in ((axes[0], "test_accuracy", "test accuracy"), (axes[1], "mia_auc", "attack ROC AUC")):
         for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"] != "none"):
             pts = sorted((r["epsilon"], r[key]) for r in rows if r["mode"] == mode and math.isfinite(r["epsilon"]))
@@ -153,7 +204,7 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
         if key == "mia_auc":
             ax.axhline(0.5, color="grey", ls=":", lw=1, label="chance")
         ax.set_xscale("log")
-        ax.set_xlabel("epsilon (log scale)")
+        ax.set_xlabel("accounted epsilon (log scale)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, which="both")
         ax.legend()

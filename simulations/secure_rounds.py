@@ -7,6 +7,15 @@ dropouts injected at each stage. The strategy then receives only the unmasked
 weighted mean ``sum_k w_k delta_k / sum_k w_k``, once per included client with that
 client's example count, so its own weighting reproduces the same mean. A round the
 protocol aborts (too few survivors) applies nothing: the global model and version stay.
+
+Distributed DP (docs/privacy.md): every noise share has variance z²C²/t with t = the fewest
+survivors secure aggregation accepts for a round of K clients (K = the expected round size;
+raised to ceil(privacy.min_survivors K) when set, e.g. for SecAgg+ whose threshold counts one
+neighbourhood),
+and a round whose survivors number fewer than t is aborted before its sum is used, so every
+applied sum carries at least N(0, z²C²). The fixed-point range is checked against the share's
+std (aggregation/secagg_encoding.check_noise_range). Aborted rounds are charged by the
+accountant like any other.
 """
 
 from __future__ import annotations
@@ -17,14 +26,17 @@ from collections.abc import Iterator
 
 import torch
 
-from shoal.aggregation.secagg import SecAggAborted, SecAggParams
-from shoal.aggregation.secagg_encoding import FixedPoint, example_weight
+from shoal.aggregation.dp import share_std
+from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer
+from shoal.aggregation.secagg_encoding import FixedPoint, check_noise_range, example_weight
 from shoal.aggregation.secagg_group import secure_weighted_mean
 from shoal.aggregation.secagg_memory import STAGES, injected_dropouts
 from shoal.errors import NonFinite, WireError
 from shoal.rounds import RoundSummary, Assignment
 from shoal.seeding import derive_seed, rng
 from shoal.update import Update
+
+from .dp_hooks import DistributedNoise
 
 log = logging.getLogger(__name__)
 
@@ -38,15 +50,35 @@ class SecureAggregationRounds:
         self.cfg = sim.cfg.secure_aggregation
         # distributed DP's server divides the plain sum by K: every client weighs the same
         self.weighting = "uniform" if sim.cfg.privacy.mode == "distributed" else sim.cfg.strategy.weighting
-        k = sim.rounds.sample_size(len(sim.client_ids))
-        self.values = FixedPoint(self.cfg.clip, self.cfg.bits, k)   # raises if k x 2^bits > 2^32
-        self.weights = FixedPoint(1.0, self.cfg.bits, k)
+        n = len(sim.client_ids)
+        k = sim.rounds.sample_size(n)
+        self.max_summands = poisson_cap(n, k) if sim.rounds.sampling == "poisson" else k
+        self.values = FixedPoint(self.cfg.clip, self.cfg.bits, self.max_summands)  # raises if too many x 2^bits
+        self.weights = FixedPoint(1.0, self.cfg.bits, self.max_summands)
         self.max_weight = self.cfg.max_weight or max(sim.shards.size(i) for i in range(len(sim.shards)))
         lost = 1 - math.prod(1 - getattr(self.cfg, f"dropout_{s}") for s in STAGES[:3])
         self.expected_dropout = min(max(lost, 0.1), 0.99)  # sizes an automatic secagg+ degree
         self._train = sim.train_clients
         self._steps = sim.client_steps
         self.last: dict = {}
+        self.noise_shares = 0  # distributed DP: t, the fewest survivors a round may complete with
+        p = sim.cfg.privacy
+        if p.mode == "distributed":
+            self.noise_shares = max(self.min_survivors(k), math.ceil(p.min_survivors * k - 1e-9))
+            std = share_std(p.clip_norm, p.noise_multiplier, self.noise_shares)
+            if p.noise_multiplier > 0:
+                check_noise_range(self.values, p.clip_norm, std, self.noise_shares)
+            for step in self._steps:
+                if isinstance(step, DistributedNoise):  # its shares are for t survivors
+                    step.shares = lambda: self.noise_shares
+            log.info("distributed DP with secure aggregation: %d clients per round, each adds N(0, %.4g^2) "
+                     "(t = %d survivors at least)", k, std, self.noise_shares)
+
+    def min_survivors(self, n: int) -> int:
+        """The fewest survivors secure aggregation accepts in a round of ``n`` clients (its threshold)."""
+        params = SecAggParams(session=b"threshold", vector_size=1, graph=self.cfg.graph, degree=self.cfg.degree,
+                              threshold_fraction=self.cfg.threshold, expected_dropout=self.expected_dropout)
+        return SecAggServer(params, [f"c{i}" for i in range(max(n, 1))]).threshold
 
     def _drop_at(self, ids: list[str], round_: int) -> dict[str, str]:
         """Which client drops at which stage: at each stage it is still in, a client
@@ -72,6 +104,9 @@ class SecureAggregationRounds:
             trained.append((task, update))
         if not trained:
             return
+        if len(trained) > self.max_summands:
+            raise SecAggAborted(f"{len(trained)} clients exceed the fixed-point encoding's headroom of "
+                                f"{self.max_summands} summands (a Poisson draw that far above K)")
         round_ = trained[0][0].round
         seed = derive_seed(self.cfg.seed, self.sim.cfg.simulation.seed, round_)
         inputs, weights = {}, {}
@@ -85,6 +120,11 @@ class SecureAggregationRounds:
         )
         drop_at = self._drop_at(sorted(inputs), round_)
         out = secure_weighted_mean(inputs, weights, params, self.values, self.weights, drop_at, seed)
+        if len(out.included) < self.noise_shares:
+            # Fewer than t noise shares in the sum: it must not be used. A deployment checks this
+            # before it asks for the unmasking shares; the simulator drops the sum it computed.
+            raise SecAggAborted(f"{len(out.included)} clients survived, fewer than the t = {self.noise_shares} "
+                                "noise shares distributed DP needs for N(0, z^2 C^2) on the sum")
         mean = torch.from_numpy(out.mean).to(torch.float32).to(global_params.device)
         cost = out.cost
         self.last = {
@@ -103,7 +143,17 @@ class SecureAggregationRounds:
         except SecAggAborted as e:
             log.warning("round %d aborted, model unchanged: %s", self.sim.rounds.round, e)
             self.last = {"aborted": str(e)}
+            if self.sim.privacy is not None:  # charged like any round that started (docs/privacy.md)
+                self.sim.privacy.record_round([])
+            for cid in self.sim.rounds.selected:  # nothing was applied: error feedback keeps it all
+                self.sim.wire.not_accepted(cid)
             return self.sim.rounds.abort_round()
+
+
+def poisson_cap(n: int, k: int) -> int:
+    """The most clients a Poisson round (mean k of n) is encoded for: k + 7 sqrt(k) + 7, at most n.
+    P(Binomial(n, k/n) above it) < 1e-9; a round that draws more is aborted (a sampling event)."""
+    return min(n, int(k + 7 * math.sqrt(k) + 7))
 
 
 def install(sim) -> SecureAggregationRounds:

@@ -49,6 +49,7 @@ class VirtualSyncEngine:
         self.failed_rounds = 0
         self.rounds_done = 0
         self._recorded: tuple[int, float] | None = None
+        self._submitted: list[str] = []  # whose uploads the open round holds (settled when it closes)
 
     def _start(self) -> bool:
         """Open a round if anyone is online; else wait for someone (False)."""
@@ -67,11 +68,14 @@ class VirtualSyncEngine:
         return True
 
     def _close(self) -> RoundSummary | None:
+        held, self._submitted = self._submitted, []
         try:
             s = self.rounds.finish_round()
         except UpdateRejected:  # no result at all: nothing to aggregate, model unchanged
             self.failed_rounds += 1
             return None
+        for c in held:  # top-k error feedback: applied, or (failed round) folded back
+            (self.sim.wire.not_accepted if s.failed else self.sim.wire.accepted)(c)
         if s.failed:
             self.failed_rounds += 1
         else:
@@ -109,13 +113,16 @@ class VirtualSyncEngine:
                     self.live.discard(c)
                 if ev.kind == "dropout":
                     self.clients.dropouts += 1
+                    self.sim.wire.not_accepted(c)  # never delivered: error feedback keeps it
                 elif isinstance(ev.payload[1], WireError):  # refused by validation: counted, not aggregated
                     self.rejected[ev.payload[1].code] = self.rejected.get(ev.payload[1].code, 0) + 1
                 else:
                     try:
                         r.submit(c, ev.payload[1])
-                    except UpdateRejected as e:
+                        self._submitted.append(c)
+                    except UpdateRejected as e:  # late and dropped, too stale, ...: folded back
                         self.rejected[e.code] = self.rejected.get(e.code, 0) + 1
+                        self.sim.wire.not_accepted(c)
             if r.open and (r.should_close(q.now) or not self.live):
                 s = self._close()
                 self.rounds_done += 1

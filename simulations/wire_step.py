@@ -3,6 +3,10 @@
 server would. A payload that fails validation raises its WireError, which the
 simulator counts as a rejection (nothing is aggregated). The global model's broadcast
 is counted once per selected client (``bytes_down``).
+
+Error feedback (top-k): the engine reports each upload's outcome with :meth:`WireStep.accepted`
+or :meth:`WireStep.not_accepted` (refused, late and dropped, in an aborted or failed round, or
+never delivered); a payload refused by validation here is folded back at once.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ class WireStep:
         self.bytes_up = self.bytes_down = 0          # this round
         self.total_up = self.total_down = 0          # since the start
         self._model_size: tuple[int, int] | None = None  # (version, bytes) of the last model encoded
+        self._tags: dict[str, tuple[int, int]] = {}  # client -> the tag of its upload in flight
 
     def broadcast(self, global_params: torch.Tensor, version: int, receivers: int) -> None:
         """Count the model download of a new round (dense float32 model message)."""
@@ -43,13 +48,31 @@ class WireStep:
         self.total_down += self._model_size[1]
 
     def __call__(self, task: Assignment, update: Update) -> Update:
-        payload = self.compressor.encode(update.delta, task.client_id, task.seed)
+        tag = (task.round, task.seed)
+        self._tags[task.client_id] = tag
+        payload = self.compressor.encode(update.delta, task.client_id, task.seed, tag)
         body = encode_update(update, self.spec, payload=payload, zstd_level=self.cfg.zstd_level if self.cfg.zstd else 0)
         self.bytes_up += len(body)
         self.total_up += len(body)
-        received, _ = decode_update(body, self.spec)
+        try:
+            received, _ = decode_update(body, self.spec)
+        except Exception:
+            self.not_accepted(task.client_id)  # the server refuses it: nothing of it was delivered
+            raise
         received.delta = received.delta.to(update.delta.device)
         return received
+
+    def accepted(self, client: str) -> None:
+        """``client``'s upload in flight was applied (top-k: its sent coordinates are delivered)."""
+        tag = self._tags.pop(client, None)
+        if tag is not None:
+            self.compressor.accepted(client, tag)
+
+    def not_accepted(self, client: str) -> None:
+        """``client``'s upload in flight was refused, dropped as late, aborted or never sent."""
+        tag = self._tags.pop(client, None)
+        if tag is not None:
+            self.compressor.not_accepted(client, tag)
 
     def counts(self) -> dict[str, int]:
         return {"bytes_up": self.bytes_up, "bytes_down": self.bytes_down,

@@ -89,3 +89,23 @@ def test_dp_strategy_weights_uniformly_and_keeps_the_server_optimizer():
     s.accumulate(Update(delta=torch.tensor([10.0, 0, 0, 0]), num_examples=1000))
     s.accumulate(Update(delta=torch.tensor([0.0, 0.5, 0, 0]), num_examples=1))
     assert torch.allclose(s.finalize(), torch.tensor([0.5, 0.25, 0.0, 0.0]))
+
+
+def test_dp_strategy_releases_noise_for_an_empty_round_and_plain_mean_does_not():
+    """Poisson sampling can pick nobody; the DP mean then releases N(0, z²C²)/m (it must look like any
+    round), a noiseless DP mean has nothing to release."""
+    from shoal.aggregation.mean import EmptyAggregate
+
+    pc = PrivacyConfig(mode="central", noise_multiplier=1.5, clip_norm=2.0)
+    s = make_dp_strategy(StrategyConfig(), pc, numel=100_000, expected_clients=5, seed=3)
+    s.begin(torch.zeros(100_000))
+    out = s.finalize().double()
+    assert float(out.std()) == pytest.approx(1.5 * 2.0 / 5, rel=0.01)
+    quiet = make_dp_strategy(StrategyConfig(), PrivacyConfig(mode="central", noise_multiplier=0.0), 10, 5)
+    quiet.begin(torch.zeros(10))
+    with pytest.raises(EmptyAggregate):
+        quiet.finalize()
+    dist = make_dp_strategy(StrategyConfig(), PrivacyConfig(mode="distributed", noise_multiplier=1.5, clip_norm=2.0),
+                            100_000, 5, seed=4)
+    dist.begin(torch.zeros(100_000))  # no share arrived: the server adds the whole N(0, z²C²)
+    assert float(dist.finalize().double().std()) == pytest.approx(1.5 * 2.0 / 5, rel=0.01)

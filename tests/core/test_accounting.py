@@ -44,3 +44,24 @@ def test_local_accountant_is_the_worst_client_over_its_participations():
     acc.record_round(["b"])
     assert acc.epsilon == max(epsilon(0.1, 1.0, 40, 1e-5), epsilon(0.2, 1.0, 10, 1e-5))
     assert acc.next_epsilon() >= max(epsilon(0.1, 1.0, 60, 1e-5), epsilon(0.2, 1.0, 20, 1e-5))
+
+
+def test_fixed_size_sampling_is_replace_one_with_sensitivity_2c():
+    """K of N without replacement: dp-accounting's replace-one RDP event at multiplier z/2 (replacing one
+    clipped update moves the sum by up to 2C); never below the Poisson figure for the same q."""
+    import dp_accounting
+    from dp_accounting import rdp
+
+    from shoal.accounting import epsilon_fixed_size
+
+    acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
+    acc.compose(dp_accounting.SelfComposedDpEvent(
+        dp_accounting.SampledWithoutReplacementDpEvent(100, 10, dp_accounting.GaussianDpEvent(0.75)), 50))
+    assert epsilon_fixed_size(100, 10, 1.5, 50, 1e-5) == pytest.approx(acc.get_epsilon(1e-5))
+    for n, k, z in [(10, 5, 1.0), (100, 10, 1.5), (1000, 50, 3.0)]:
+        assert epsilon_fixed_size(n, k, z, 20, 1e-5) > epsilon(k / n, z, 20, 1e-5)
+    fixed = RoundAccountant(0.5, 1.0, 1e-5, sampling="fixed", num_clients=10, sample_size=5)
+    assert fixed.epsilon_after(15) == pytest.approx(60.27, abs=0.05) and "replace-one" in fixed.describe()
+    assert "Poisson" in RoundAccountant(0.5, 1.0, 1e-5).describe()
+    with pytest.raises(ValueError, match="RDP only"):
+        RoundAccountant(0.5, 1.0, 1e-5, "pld", sampling="fixed", num_clients=10, sample_size=5)

@@ -14,7 +14,8 @@ BASE = ["simulation.rounds=2", "simulation.num_clients=12", "simulation.clients_
 
 def test_secure_aggregation_with_distributed_dp_counts_epsilon(tmp_path):
     cfg = load_config(None, BASE + ["secure_aggregation.enabled=true", 'privacy.mode="distributed"',
-                                    "privacy.noise_multiplier=1.0", "privacy.clip_norm=0.5"])
+                                    "privacy.noise_multiplier=1.0", "privacy.clip_norm=0.5",
+                                    "secure_aggregation.clip=2.5"])  # C + 8 share stds (the range check)
     summary = run_simulation(cfg, tmp_path, progress=False)
     assert summary["epsilon"] > 0 and math.isfinite(summary["final_test_accuracy"])
 

@@ -1,0 +1,304 @@
+"""A one-shot empirical estimate of client-level epsilon from canary clients.
+
+The method of Andrew et al. 2024 ("One-shot Empirical Privacy Estimation for Federated
+Learning", ICLR 2024), final-model variant:
+
+1. ``k`` canary clients join the population. Each has a secret random unit direction u_j in
+   parameter space and, whenever it is selected, sends C * u_j (C = privacy.clip_norm) as its
+   update: the strongest contribution the clipping allows, in a direction nothing else in
+   training shares. In local mode a canary client runs DP-SGD on one canary example whose
+   clipped gradient is -C u_j at every step (the update a DP-SGD client with such an example
+   produces: per step, Bernoulli(B/n) * C u_j plus N(0, z²C²), divided by B, through the SGD
+   optimizer with its momentum), so the audit measures example-level privacy there, as the
+   local accountant does.
+2. After one training run, the final model delta D = theta_T - theta_0 is compared with each
+   inserted direction (cos(D, u_j)) and with ``m`` unseen directions v_i drawn the same way
+   but never inserted (cos(D, v_i)).
+3. Each set of cosines is fitted with a Gaussian; the estimate is the epsilon at delta of
+   telling the two Gaussians apart (the larger of the two directions), computed exactly from
+   normal tails.
+
+Confidence: the estimate is a point estimate under a Gaussian model of the cosines, not a
+provable lower bound; :func:`estimate` reports a bootstrap interval (resampling both sets of
+cosines) so the spread from ``k`` canaries is visible. Andrew et al. report that the
+final-model estimate is far below the accounted epsilon (the accountant also covers an
+attacker who sees every round); an estimate above the accounted epsilon would point at a
+bug in the mechanism or the accountant.
+
+The canaries are extra clients of a run of their own (:func:`run_canary_audit`): the population
+grows from N to N + k with the per-client sampling rate kept at q = K/N, so the accounted
+epsilon of the audit run (reported beside the estimate) is that of the same mechanism.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from dataclasses import dataclass, field
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from scipy.special import log_ndtr
+
+from shoal.config import Config
+from shoal.rounds import Assignment
+from shoal.seeding import derive_seed
+from shoal.task import SimulationData, Task, num_examples
+from shoal.task_data import Partitioned
+from shoal.update import Update
+
+from .client_data import client_id
+from .experiment import run_simulation
+from .inprocess import InProcessSimulation
+
+log = logging.getLogger(__name__)
+
+CANARY_PREFIX = "canary-"
+DIMS_PER_CANARY = 20  # random directions overlap by ~1/sqrt(numel); k canaries add k/numel to each cosine's variance
+
+
+class AuditTooSmall(ValueError):
+    """The model has too few parameters for the canaries asked: their directions would overlap."""
+
+
+def check_dimension(numel: int, k: int) -> None:
+    """Refuse an audit whose k canaries would interfere: the method needs numel >> k."""
+    if numel < DIMS_PER_CANARY * k:
+        raise AuditTooSmall(
+            f"the canary audit needs a model of at least {DIMS_PER_CANARY} x privacy.canaries parameters: this one has "
+            f"{numel}, and {k} canary directions would overlap (each cosine picks up the others' signal); lower "
+            f"privacy.canaries to at most {numel // DIMS_PER_CANARY} (set 0 to skip the audit)")
+
+
+# --- epsilon of two Gaussians ----------------------------------------------------------------
+
+def _log_mass(mu: float, sd: float, lo: float, hi: float) -> float:
+    """log P(lo < X < hi) for X ~ N(mu, sd^2), stable in the tails."""
+    a, b = (lo - mu) / sd, (hi - mu) / sd
+    if b <= 0:
+        la, lb = log_ndtr(a), log_ndtr(b)
+    elif a >= 0:
+        la, lb = log_ndtr(-b), log_ndtr(-a)
+    else:
+        return math.log1p(-math.exp(log_ndtr(a)) - math.exp(log_ndtr(-b)))
+    return lb + math.log1p(-math.exp(la - lb)) if lb > la else -math.inf
+
+
+def _delta_one_way(eps: float, p: tuple[float, float], q: tuple[float, float]) -> float:
+    """sup_S P(S) - e^eps Q(S) for P = N(p), Q = N(q): the region where log p/q > eps, exactly."""
+    (m1, s1), (m0, s0) = p, q
+    a = 1 / (2 * s0**2) - 1 / (2 * s1**2)
+    b = m1 / s1**2 - m0 / s0**2
+    c = -(m1**2) / (2 * s1**2) + m0**2 / (2 * s0**2) + math.log(s0 / s1) - eps
+    inf = math.inf
+    if abs(a) < 1e-12 * (abs(b) + abs(c) + 1):
+        if b == 0:
+            regions = [(-inf, inf)] if c > 0 else []
+        else:
+            r = -c / b
+            regions = [(r, inf)] if b > 0 else [(-inf, r)]
+    else:
+        disc = b * b - 4 * a * c
+        if disc <= 0:
+            regions = [(-inf, inf)] if a > 0 else []
+        else:
+            r1, r2 = sorted(((-b - math.sqrt(disc)) / (2 * a), (-b + math.sqrt(disc)) / (2 * a)))
+            regions = [(-inf, r1), (r2, inf)] if a > 0 else [(r1, r2)]
+    total = 0.0
+    for lo, hi in regions:
+        lp, lq = _log_mass(m1, s1, lo, hi), _log_mass(m0, s0, lo, hi)
+        total += math.exp(lp) - math.exp(min(eps + lq, 700.0))
+    return max(total, 0.0)
+
+
+def gaussian_epsilon(inserted: tuple[float, float], unseen: tuple[float, float], delta: float) -> float:
+    """The smallest epsilon at which N(inserted) and N(unseen) (mean, std) are (epsilon, delta)-close
+    both ways: the privacy of a mechanism whose outputs on neighbouring data are these Gaussians."""
+    def worst(eps: float) -> float:
+        return max(_delta_one_way(eps, inserted, unseen), _delta_one_way(eps, unseen, inserted))
+
+    if worst(0.0) <= delta:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while worst(hi) > delta:
+        lo, hi = hi, hi * 2
+        if hi > 1e6:
+            return math.inf
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if worst(mid) > delta else (lo, mid)
+    return hi
+
+
+def _fit(x: np.ndarray) -> tuple[float, float]:
+    return float(np.mean(x)), max(float(np.std(x, ddof=1)), 1e-12)
+
+
+@dataclass
+class CanaryEstimate:
+    epsilon: float                 # the point estimate
+    low: float                     # bootstrap interval (2.5%, 97.5%)
+    high: float
+    inserted_mean: float
+    inserted_std: float
+    unseen_mean: float
+    unseen_std: float
+    inserted: int                  # canaries inserted
+    unseen: int
+    cosines: dict[str, list[float]] = field(default_factory=dict, repr=False)
+
+
+def estimate(inserted: np.ndarray, unseen: np.ndarray, delta: float, bootstrap: int = 200,
+             seed: int = 0) -> CanaryEstimate:
+    """epsilon from the two sets of cosines, with a bootstrap interval."""
+    inserted, unseen = np.asarray(inserted, float), np.asarray(unseen, float)
+    if len(inserted) < 2 or len(unseen) < 2:
+        raise ValueError("the canary estimate needs at least 2 inserted and 2 unseen cosines")
+    point = gaussian_epsilon(_fit(inserted), _fit(unseen), delta)
+    gen = np.random.default_rng(seed)
+    boot = [gaussian_epsilon(_fit(gen.choice(inserted, len(inserted))), _fit(gen.choice(unseen, len(unseen))), delta)
+            for _ in range(bootstrap)]
+    low, high = (np.percentile(boot, [2.5, 97.5]) if boot else (point, point))
+    mi, si = _fit(inserted)
+    mu, su = _fit(unseen)
+    return CanaryEstimate(point, float(low), float(high), mi, si, mu, su, len(inserted), len(unseen),
+                          {"inserted": inserted.tolist(), "unseen": unseen.tolist()})
+
+
+# --- canary clients --------------------------------------------------------------------------
+
+def direction(numel: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A uniformly random unit vector of ``numel`` entries (float64), reproducible from ``seed``."""
+    gen = torch.Generator().manual_seed(int(seed) % (1 << 63))
+    v = torch.randn(numel, generator=gen, dtype=torch.float64)
+    return (v / torch.linalg.vector_norm(v)).to(device)
+
+
+def with_canaries(data: SimulationData, k: int) -> tuple[SimulationData, list[str]]:
+    """``data`` plus ``k`` canary clients. Their training data (a copy of a typical client's rows)
+    only sets their size: their updates are made by :class:`CanaryClients`, never by training."""
+    train = data.train
+    n = len(train)
+    sizes = [train.size(i) if isinstance(train, Partitioned) else num_examples(train[i]) for i in range(n)]
+    typical = int(np.argsort(sizes)[n // 2])
+    ids = [str(c) for c in data.client_ids] if data.client_ids is not None else [client_id(i) for i in range(n)]
+    canaries = [f"{CANARY_PREFIX}{j:04d}" for j in range(k)]
+    if isinstance(train, Partitioned):
+        new_train: Any = Partitioned(train.x, train.y, [*train.parts, *[train.parts[typical]] * k])
+    else:
+        new_train = [*train, *[train[typical]] * k]
+    client_test = None if data.client_test is None else [*data.client_test, *[None] * k]
+    return SimulationData(new_train, data.test, client_test, [*ids, *canaries]), canaries
+
+
+class CanaryClients:
+    """Replaces the training of canary clients by their crafted update (see the module doc)."""
+
+    def __init__(self, sim: InProcessSimulation, canaries: list[str], seed: int):
+        self.sim, self.seed = sim, seed
+        self.canaries = set(canaries)
+        self.index = {c: j for j, c in enumerate(canaries)}
+        self.participated: set[str] = set()
+        cfg = sim.cfg
+        self.local = cfg.privacy.mode == "local"
+        self.clip = cfg.privacy.clip_norm
+        target = sim.secure_aggregation if getattr(sim, "secure_aggregation", None) is not None else None
+        if target is not None:  # secure aggregation wraps the training it found at install time
+            inner = target._train
+            target._train = lambda tasks, g: self._train(inner, tasks, g)
+        else:
+            inner = sim.train_clients
+            sim.train_clients = lambda tasks, g: self._train(inner, tasks, g)
+
+    def direction(self, cid: str) -> torch.Tensor:
+        return direction(self.sim.spec.numel, derive_seed(self.seed, 0xCA7, self.index[cid]))
+
+    def _train(self, inner, tasks: list[Assignment], global_params: torch.Tensor):
+        real = [t for t in tasks if t.client_id not in self.canaries]
+        if real:
+            yield from inner(real, global_params)
+        for t in tasks:
+            if t.client_id in self.canaries:
+                self.participated.add(t.client_id)
+                delta = self._dp_sgd(t) if self.local else self.clip * self.direction(t.client_id)
+                n = self.sim.shards.size(self.sim._index[t.client_id])
+                yield t, Update(delta.to(torch.float32).to(global_params.device), n, t.version, t.client_id,
+                                {"train_loss": 0.0})
+
+    def _dp_sgd(self, task: Assignment) -> torch.Tensor:
+        """The update of DP-SGD with SGD(lr, momentum beta) on a client whose canary example's clipped
+        gradient is always -C u (a step moves along +u) and whose other examples' gradients are zero.
+
+        Step r's noisy gradient g_r = (-b_r C u + xi_r) / B (b_r ~ Bernoulli(B/n), xi_r ~ N(0, z²C²))
+        enters the update with weight w_r = (1 - beta^(S-r+1)) / (1 - beta) (1 without momentum):
+        delta = -lr sum_r w_r g_r. The noise sum is drawn at once: N(0, z²C² sum_r w_r²) / B. Weight
+        decay (a function of the parameters, not of the data) is left out."""
+        cfg = self.sim.cfg
+        n = self.sim.shards.size(self.sim._index[task.client_id])
+        b = cfg.train.batch(n)
+        steps = cfg.train.epochs * max(1, round(n / b))
+        z, c, beta = cfg.privacy.noise_multiplier, self.clip, cfg.train.momentum
+        r = np.arange(1, steps + 1)
+        w = (1 - beta ** (steps - r + 1)) / (1 - beta) if beta else np.ones(steps)
+        gen = torch.Generator().manual_seed(derive_seed(task.seed, 0xCA7))
+        sampled = torch.rand(steps, generator=gen, dtype=torch.float64).numpy() < b / n
+        u = self.direction(task.client_id)
+        noise = torch.randn(u.numel(), generator=gen, dtype=torch.float64) * (z * c * math.sqrt(float(np.sum(w**2))))
+        return -cfg.train.lr / b * (noise - c * float(np.sum(w[sampled])) * u)
+
+
+def cosines(delta: torch.Tensor, dirs) -> np.ndarray:
+    d = delta.double().cpu()
+    norm = float(torch.linalg.vector_norm(d))
+    return np.array([float(d @ u) / norm if norm > 0 else 0.0 for u in dirs])
+
+
+def audit_config(cfg: Config, num_clients: int, k: int) -> Config:
+    """The config of the audit run: N + k clients with the per-client sampling rate kept at K/N."""
+    c = copy.deepcopy(cfg)
+    q = c.simulation.clients_per_round / num_clients if c.simulation.clients_per_round else c.simulation.fraction
+    c.simulation.clients_per_round = 0
+    c.simulation.fraction = min(q, 1.0)
+    c.simulation.num_clients = num_clients + k
+    c.output.plots = False
+    return c.validate()
+
+
+def run_canary_audit(cfg: Config, data: SimulationData, task: Task | None, out_dir,
+                     canaries: int | None = None, unseen: int | None = None,
+                     prepare: Callable[[InProcessSimulation], None] | None = None) -> dict[str, Any]:
+    """One training run with canary clients; the estimate and that run's accounted epsilon.
+    ``prepare(sim)`` runs before training (e.g. to track participants, or to plant a bug)."""
+    k = cfg.privacy.canaries if canaries is None else canaries
+    m = cfg.privacy.canaries_unseen if unseen is None else unseen
+    data_a, ids = with_canaries(data, k)
+    c = audit_config(cfg, len(data.train), k)
+    sim = InProcessSimulation(c, data_a, task)
+    check_dimension(sim.spec.numel, k)
+    seed = derive_seed(c.simulation.seed, 0xA0D1)
+    clients = CanaryClients(sim, ids, seed)
+    if prepare is not None:
+        prepare(sim)
+    theta0 = sim.global_params.double().clone()
+    summary = run_simulation(c, out_dir, progress=False, sim=sim)
+    delta = sim.global_params.double() - theta0
+    # Every inserted canary counts, selected or not: DP protects a client's presence in the
+    # population, and with Poisson sampling a canary never selected is part of that mechanism.
+    ins = cosines(delta, (clients.direction(cid) for cid in ids))
+    numel = sim.spec.numel
+    outs = cosines(delta, (direction(numel, derive_seed(seed, 0x0DD, i)) for i in range(m)))
+    est = estimate(ins, outs, c.privacy.delta, seed=seed)
+    accounted = summary.get("epsilon", math.inf)
+    log.info("canary audit (%s): empirical epsilon %.3g [%.3g, %.3g] vs accounted %.3g (%d canaries, %d selected at "
+             "least once, %d unseen)", c.privacy.mode, est.epsilon, est.low, est.high, accounted, est.inserted,
+             len(clients.participated), est.unseen)
+    return {
+        "canary_epsilon": est.epsilon, "canary_epsilon_low": est.low, "canary_epsilon_high": est.high,
+        "canary_accounted_epsilon": accounted, "canaries": est.inserted, "canaries_unseen": est.unseen,
+        "canaries_selected": len(clients.participated),
+        "canary_cos_inserted": est.inserted_mean, "canary_cos_unseen_std": est.unseen_std,
+        "estimate": est,
+    }

@@ -1,0 +1,116 @@
+"""The canary audit (issue 14, item 4): a one-shot empirical epsilon (Andrew et al. 2024) that stays
+below the accounted epsilon in every DP mode and is large without DP."""
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from shoal.assembly import task_from_config
+from shoal.config import load_config
+from shoal.errors import ConfigError
+from shoal.simulations.canary_audit import direction, estimate, gaussian_epsilon, run_canary_audit, with_canaries
+from shoal.simulations.client_data import load_simulation_data
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.parametrize("mu", [0.5, 1.0, 2.0, 4.0])
+def test_two_gaussians_epsilon_is_the_gaussian_mechanisms(mu):
+    """Equal variances: N(mu, 1) vs N(0, 1) is the Gaussian mechanism of multiplier 1/mu, whose epsilon
+    dp-accounting's PLD accountant computes independently."""
+    import dp_accounting
+    from dp_accounting import pld
+
+    acc = pld.PLDAccountant()
+    acc.compose(dp_accounting.GaussianDpEvent(1 / mu))
+    assert gaussian_epsilon((mu, 1.0), (0.0, 1.0), 1e-5) == pytest.approx(acc.get_epsilon(1e-5), rel=0.01)
+    assert gaussian_epsilon((0.0, 1.0), (mu, 1.0), 1e-5) == pytest.approx(acc.get_epsilon(1e-5), rel=0.01)
+    assert gaussian_epsilon((0.0, 1.0), (0.0, 1.0), 1e-5) == 0.0
+
+
+def test_estimate_of_a_known_mechanism_and_its_interval():
+    """Cosines drawn from a Gaussian mechanism of mu = 2: the estimate lands near its epsilon and the
+    bootstrap interval covers it."""
+    gen = np.random.default_rng(0)
+    truth = gaussian_epsilon((2.0, 1.0), (0.0, 1.0), 1e-5)
+    est = estimate(2.0 + gen.standard_normal(2000), gen.standard_normal(2000), 1e-5)
+    assert est.low <= truth <= est.high
+    assert est.epsilon == pytest.approx(truth, rel=0.2)
+
+
+def test_canary_directions_are_unit_random_and_reproducible():
+    a, b = direction(50_000, 1), direction(50_000, 2)
+    assert float(a.norm()) == pytest.approx(1.0) and torch.equal(a, direction(50_000, 1))
+    assert abs(float(a @ b)) < 5 / math.sqrt(50_000)
+
+
+def test_canaries_join_the_data_as_extra_clients():
+    cfg = load_config(None, ["simulation.num_clients=6"])
+    task = task_from_config(cfg)
+    data = load_simulation_data(task, cfg)
+    more, ids = with_canaries(data, 3)
+    assert len(more.train) == 9 and ids == ["canary-0000", "canary-0001", "canary-0002"]
+    assert list(more.client_ids)[-3:] == ids and len(set(more.client_ids)) == 9
+    with pytest.raises(ConfigError, match="privacy.canaries = 1"):
+        load_config(None, ["privacy.canaries=1"])
+
+
+# q = 1/20 per round, 20 rounds, z = 0.7: the accountant charges 5.7 at delta 1e-5; the final model
+# alone gives away far less (about 2.3 for a canary, computed from its participation mixture).
+AUDIT = ["simulation.num_clients=20", "simulation.clients_per_round=1", "simulation.rounds=20", 'model.name="2nn"',
+         "train.epochs=1", "train.batch_size=10", "train.lr=0.05", "output.plots=false", "simulation.progress=false",
+         "privacy.canaries=500", "privacy.canaries_unseen=1000", "privacy.noise_multiplier=0.7"]
+
+MODES = {
+    "central": ['privacy.mode="central"'],
+    "distributed": ['privacy.mode="distributed"'],
+    "distributed+secagg+dropouts": ['privacy.mode="distributed"', "secure_aggregation.enabled=true",
+                                    "secure_aggregation.dropout_masked=0.1", "secure_aggregation.bits=20",
+                                    "secure_aggregation.clip=4"],
+    "local": ['privacy.mode="local"'],
+}
+
+
+def audit(tmp_path, sets):
+    cfg = load_config(None, [*AUDIT, *sets])
+    task = task_from_config(cfg)
+    return run_canary_audit(cfg, load_simulation_data(task, cfg), task, tmp_path)
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_empirical_epsilon_stays_below_the_accounted_one(tmp_path, mode):
+    out = audit(tmp_path, MODES[mode])
+    est = out["estimate"]
+    assert est.inserted == 500 and est.unseen == 1000 and out["canaries_selected"] > 250
+    assert math.isfinite(out["canary_accounted_epsilon"])
+    assert out["canary_epsilon"] < out["canary_accounted_epsilon"], (mode, out["canary_epsilon"],
+                                                                     out["canary_accounted_epsilon"])
+    assert est.low <= est.epsilon <= est.high
+
+
+def test_empirical_epsilon_is_large_without_dp(tmp_path):
+    out = audit(tmp_path, ['privacy.mode="none"'])
+    assert out["canary_epsilon"] > 100 and math.isinf(out["canary_accounted_epsilon"])
+    assert out["canary_epsilon_low"] > 50  # not an accident of the fit: the whole interval is large
+
+
+def test_the_audit_catches_noise_below_what_is_accounted(tmp_path):
+    """Plant the kind of bug issue 14 found (the sum carries a quarter of the accounted noise): the
+    estimate then exceeds the accounted epsilon."""
+    cfg = load_config(None, [*AUDIT, *MODES["central"]])
+    task = task_from_config(cfg)
+
+    def plant(sim):
+        sim.rounds.strategy.aggregator.sum_noise_multiplier = cfg.privacy.noise_multiplier / 4
+
+    out = run_canary_audit(cfg, load_simulation_data(task, cfg), task, tmp_path, prepare=plant)
+    assert out["canary_epsilon"] > out["canary_accounted_epsilon"]
+    assert out["canary_epsilon_low"] > out["canary_accounted_epsilon"]
