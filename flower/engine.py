@@ -28,12 +28,10 @@ import torch
 
 from shoal.config import Config
 from shoal.errors import ConfigError
-from shoal.metrics import MetricsLog
 from shoal.rounds import RoundSummary
+from shoal.simulations.run_loop import RunLoop
 
-from shoal.simulations.experiment import _progress, progress_status
 from .apps import make_client_app, make_server_app, setup_for, with_absolute_task
-from shoal.simulations.report import final_metrics, plot_curves
 
 log = logging.getLogger(__name__)
 
@@ -80,39 +78,26 @@ def run_flower(
     t0 = time.perf_counter()
     backend = backend_config(cfg)
     setup = setup_for(cfg, sim_cfg.device)  # the ServerApp (a thread here) reuses it
-    num_clients = setup.num_clients
     setup_s = time.perf_counter() - t0
-    metrics = MetricsLog(out)
-    show = sim_cfg.progress and sys.stderr.isatty() if progress is None else progress
     final: dict[str, torch.Tensor] = {}
-    last: dict[str, Any] = {}
+    model_bytes = 4 * setup.spec.numel  # Flower's ArrayRecord carries each float32 model raw
+    totals = {"up": 0, "down": 0, "round": 0}
 
-    with _progress(show, sim_cfg.rounds) as bar:
-        task = bar.add_task("sim", total=sim_cfg.rounds, status="") if bar else None
-        t_start = time.perf_counter()
-
-        model_bytes = 4 * setup.spec.numel  # Flower's ArrayRecord carries each float32 model raw
-        totals = {"up": 0, "down": 0}
+    with RunLoop(cfg, out, sim_cfg.rounds, setup.label, progress=progress, on_record=on_record) as loop:
 
         def on_round(summary: RoundSummary, ev: dict[str, float], params: torch.Tensor) -> None:
             up = model_bytes * (summary.num_results + sum(summary.rejected.values()))
             down = model_bytes * summary.num_selected
             totals["up"] += up
             totals["down"] += down
-            last.clear()
-            last.update({
+            loop.record({
                 "round": summary.round, "version": summary.version, **ev, "train_loss": summary.train_loss,
                 "num_results": summary.num_results, "num_examples": summary.num_examples,
-                "elapsed_s": round(time.perf_counter() - t_start, 4),
                 "bytes_up": up, "bytes_down": down, "bytes_up_total": totals["up"],
                 "bytes_down_total": totals["down"], "rejected": summary.rejected,
-            })
-            metrics.write(dict(last))
+            }, advance=summary.round - totals["round"])
+            totals["round"] = summary.round
             final["params"] = params
-            if on_record:
-                on_record(dict(last))
-            if bar is not None:
-                bar.update(task, completed=summary.round, status=progress_status(last))
 
         # Flower's per-round INFO lines, its deprecation notice for run_simulation and
         # its database layer's start-up lines stay out of shoal's log unless debugging.
@@ -126,7 +111,7 @@ def run_flower(
             run_simulation(
                 server_app=make_server_app(cfg, on_round, strict=True),
                 client_app=make_client_app(cfg, sim_cfg.device),
-                num_supernodes=num_clients,
+                num_supernodes=setup.num_clients,
                 backend_config=backend,
             )
         finally:
@@ -134,31 +119,18 @@ def run_flower(
                 lg.setLevel(levels[name])
             if started_ray and ray.is_initialized():
                 ray.shutdown()
-    wall = time.perf_counter() - t_start
-    if "params" not in final or last.get("round") != sim_cfg.rounds:
-        raise RuntimeError(f"the Flower simulation stopped after round {last.get('round', 0)} of {sim_cfg.rounds}")
-    accs = [r["test_accuracy"] for r in metrics.records if r.get("test_accuracy") is not None]
-    summary_out = {
-        "final_test_accuracy": last.get("test_accuracy"),
-        "final_test_loss": last.get("test_loss"),
-        "best_test_accuracy": max(accs) if accs else None,
-        "final_metrics": final_metrics(last),
-        "task": setup.label,
-        "rounds": sim_cfg.rounds,
-        "num_clients": num_clients,
-        "num_parameters": setup.spec.numel,
-        "device": str(setup.trainer.device),
-        "engine": "flower",
-        "wall_s": round(wall, 3),
-        "setup_s": round(setup_s, 3),
-        "bytes_up_total": totals["up"],
-        "bytes_down_total": totals["down"],
-        "config": cfg.to_dict(),
-    }
-    metrics.summary(summary_out)
-    if cfg.output.plots:
-        plot_curves(metrics.records, out, title=f"{setup.label} / {cfg.strategy.name} (flower)")
-    log.info("wrote %s", out)
+        if "params" not in final or loop.last.get("round") != sim_cfg.rounds:
+            raise RuntimeError(f"the Flower simulation stopped after round {loop.last.get('round', 0)} "
+                               f"of {sim_cfg.rounds}")
+        summary_out = loop.finish({
+            "rounds": sim_cfg.rounds,
+            "num_clients": setup.num_clients,
+            "num_parameters": setup.spec.numel,
+            "device": str(setup.trainer.device),
+            "engine": "flower",
+            "bytes_up_total": totals["up"],
+            "bytes_down_total": totals["down"],
+        }, setup_s, title=f"{setup.label} / {cfg.strategy.name} (flower)")
     return FlowerRun(summary_out, final["params"])
 
 

@@ -26,6 +26,7 @@ from shoal.update import Update
 
 from .attacks import attack_steps
 from .client_data import ClientShards, check_simulation_data, client_id, load_simulation_data, on_device
+from .run_loop import Step
 from .dp_hooks import PrivacyBudget, distributed_noise_step, round_sampling
 from .wire_step import WireStep
 
@@ -181,6 +182,45 @@ class InProcessSimulation:
         if self.privacy is not None:
             self.privacy.record_round(tasks)
         return summary
+
+    def steps(self) -> Iterator[Step]:
+        """``simulation.rounds`` rounds (fewer when the privacy budget runs out), as run-loop steps:
+        a record after every ``eval_every``-th round, the last and the one that exhausts the budget."""
+        sim_cfg = self.cfg.simulation
+        for r in range(1, sim_cfg.rounds + 1):
+            summary = self.run_round()
+            stop = self.privacy is not None and not self.privacy.allows_next_round()
+            record = None
+            if r % sim_cfg.eval_every == 0 or r == sim_cfg.rounds or stop:
+                record = {
+                    "round": summary.round,
+                    "version": summary.version,
+                    **self.evaluate(),
+                    "train_loss": summary.train_loss,
+                    "num_results": summary.num_results,
+                    "num_examples": summary.num_examples,
+                    **self.wire.counts(),
+                    "rejected": summary.rejected,
+                }
+                if self.privacy is not None:
+                    record.update(self.privacy.metrics())
+            yield Step(1, record)
+            if stop:
+                return
+
+    def figures(self) -> dict:
+        """This run's figures for summary.json."""
+        out = {
+            "rounds": self.rounds.version,
+            "num_clients": len(self.client_ids),
+            "num_parameters": self.spec.numel,
+            "device": str(self.device),
+            "bytes_up_total": self.wire.total_up,
+            "bytes_down_total": self.wire.total_down,
+        }
+        if self.privacy is not None:
+            out.update(self.privacy.summary())  # epsilon, delta, the sampling and the accountant
+        return out
 
     def evaluate(self) -> dict[str, float]:
         """The global model on the central test set (``test_<metric>``) and, when clients

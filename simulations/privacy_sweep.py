@@ -30,10 +30,11 @@ from shoal.seeding import derive_seed
 from shoal.task import SimulationData, Task
 
 from .client_data import load_simulation_data
-from .experiment import progress_bar, run_simulation
+from .experiment import run_simulation
 from .inprocess import InProcessSimulation
 from .canary_audit import AuditTooSmall, run_canary_audit
 from .mia import loss_threshold_audit
+from .run_loop import ProgressBar
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,7 @@ def run_privacy_sweep(cfg: Config, out_dir: str | Path) -> list[dict[str, Any]]:
     data = load_simulation_data(task, cfg)  # one split for every setting
     grid = settings(cfg)
     rows = []
-    with progress_bar(len(grid), "setting") as bar:
+    with ProgressBar(len(grid), "setting") as bar:
         for mode, z in grid:
             rows.append(run_setting(cfg, data, mode, z, out / (mode if mode == "none" else f"{mode}_z{z:g}"), task))
             bar.advance(f"{mode} z={z:g}: acc {rows[-1]['test_accuracy']:.4f}, AUC {rows[-1]['mia_auc']:.3f}, "
