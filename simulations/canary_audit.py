@@ -205,13 +205,8 @@ class CanaryClients:
         cfg = sim.cfg
         self.local = cfg.privacy.mode == "local"
         self.clip = cfg.privacy.clip_norm
-        target = sim.secure_aggregation if getattr(sim, "secure_aggregation", None) is not None else None
-        if target is not None:  # secure aggregation wraps the training it found at install time
-            inner = target._train
-            target._train = lambda tasks, g: self._train(inner, tasks, g)
-        else:
-            inner = sim.train_clients
-            sim.train_clients = lambda tasks, g: self._train(inner, tasks, g)
+        inner = sim.train_clients  # every round runner (plain or secure) trains through it
+        sim.train_clients = lambda tasks, g: self._train(inner, tasks, g)
 
     def direction(self, cid: str) -> torch.Tensor:
         return direction(self.sim.spec.numel, derive_seed(self.seed, 0xCA7, self.index[cid]))

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
+from typing import Protocol
 
 import torch
 
+from shoal.aggregation.secagg import SecAggAborted
 from shoal.assembly import initial_model, make_round_strategy, make_trainer, task_from_config
 from shoal.client.batched import make_batched_trainer
 from shoal.client.training import summarize_means
@@ -55,15 +57,39 @@ def batching_blocker(task: Task, trainer, shards: ClientShards) -> str | None:
 ClientStep = Callable[[Assignment, Update], Update]
 
 
+class RoundRunner(Protocol):
+    """How a round's selected clients turn into the updates the aggregator receives."""
+
+    def updates(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
+        """Aggregator-ready updates; raise SecAggAborted to abort the round (model unchanged)."""
+        ...
+
+
+class PlainRound:
+    """Each client trains, its update passes the client steps (attack, DP noise share, the
+    wire round trip) and reaches the aggregator on its own."""
+
+    def __init__(self, sim: "InProcessSimulation"):
+        self.sim = sim
+
+    def updates(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
+        for task, update in self.sim.train_clients(tasks, global_params):
+            update = self.sim.apply_client_steps(task, update)
+            if update is not None:
+                yield task, update
+
+
 class InProcessSimulation:
     """Builds data, model, trainer, strategy and rounds from a Config; runs rounds.
 
-    Extension points, so features stay in their own modules:
-    ``train_clients`` (how the selected clients train: one by one here, batched
-    elsewhere) and ``client_steps`` (what happens to each update before it is sent).
+    Composed, not patched: ``train_clients`` (how the selected clients train: one by one,
+    or batched), ``client_steps`` (what happens to each update before it is sent) and the
+    round runner (``PlainRound``, or secure aggregation's ``SecureAggregationRounds``,
+    chosen from the config or passed as ``runner``, a function of the simulation).
     """
 
-    def __init__(self, cfg: Config, data: SimulationData | None = None, task: Task | None = None):
+    def __init__(self, cfg: Config, data: SimulationData | None = None, task: Task | None = None,
+                 runner: Callable[["InProcessSimulation"], RoundRunner] | None = None):
         self.cfg = cfg
         sim = cfg.simulation
         self.device = select_device(sim.device)
@@ -108,10 +134,12 @@ class InProcessSimulation:
             log.info("training clients one by one: %s", blocker)
         else:
             log.debug("training clients one by one: %s", blocker)
-        if cfg.secure_aggregation.enabled:  # last: it wraps train_clients and the client steps
-            from shoal.simulations.secure_rounds import install
+        if runner is None and cfg.secure_aggregation.enabled:
+            from .secure_rounds import SecureAggregationRounds
 
-            install(self)
+            runner = SecureAggregationRounds
+        self.runner: RoundRunner = (runner or PlainRound)(self)
+        self.secure_aggregation = self.runner if cfg.secure_aggregation.enabled else None
         log.info(
             "simulation: %d clients, %d train examples, model of %d exchanged parameters on %s (%s)",
             len(self.client_ids), int(self.shards.bounds[-1]), self.spec.numel, self.device, self.task_label,
@@ -154,23 +182,31 @@ class InProcessSimulation:
                 self.local_states[task.client_id] = self.trainer.local_state()
             yield task, update
 
+    def apply_client_steps(self, task: Assignment, update: Update) -> Update | None:
+        """The client steps in order; None (counted) when validation refuses the payload."""
+        try:
+            for step in self.client_steps:
+                update = step(task, update)
+        except WireError as e:  # validation rejected the payload: counted, not aggregated
+            self.rounds.rejected[e.code] = self.rounds.rejected.get(e.code, 0) + 1
+            log.debug("update of %s rejected: %s", task.client_id, e)
+            return None
+        return update
+
     def run_round(self) -> RoundSummary:
-        """One synchronous round: select, train each selected client, aggregate."""
+        """One synchronous round: select, train the selected clients, aggregate what the
+        round runner delivers; a round the runner aborts leaves the model as it was."""
         tasks = self.rounds.start_round(self.client_ids)
         self.wire.broadcast(self.rounds.global_params, self.rounds.version, len(tasks))
-        for task, update in self.train_clients(tasks, self.rounds.global_params):
-            try:
-                for step in self.client_steps:
-                    update = step(task, update)
-            except WireError as e:  # validation rejected the payload: counted, not aggregated
-                self.rounds.rejected[e.code] = self.rounds.rejected.get(e.code, 0) + 1
-                log.debug("update of %s rejected: %s", task.client_id, e)
-                continue
-            try:
-                self.rounds.submit(task.client_id, update)
-            except Exception:
-                self.wire.not_accepted(task.client_id)  # top-k error feedback keeps what was refused
-                raise
+        try:
+            for task, update in self.runner.updates(tasks, self.rounds.global_params):
+                try:
+                    self.rounds.submit(task.client_id, update)
+                except Exception:
+                    self.wire.not_accepted(task.client_id)  # top-k error feedback keeps what was refused
+                    raise
+        except SecAggAborted as e:
+            return self._abort_round(str(e))
         try:
             summary = self.rounds.finish_round()
         except Exception:
@@ -182,6 +218,16 @@ class InProcessSimulation:
         if self.privacy is not None:
             self.privacy.record_round(tasks)
         return summary
+
+    def _abort_round(self, why: str) -> RoundSummary:
+        log.warning("round %d aborted, model unchanged: %s", self.rounds.round, why)
+        if self.secure_aggregation is not None:
+            self.secure_aggregation.last = {"aborted": why}
+        if self.privacy is not None:  # charged like any round that started (docs/privacy.md)
+            self.privacy.record_round([])
+        for cid in self.rounds.selected:  # nothing was applied: error feedback keeps it all
+            self.wire.not_accepted(cid)
+        return self.rounds.abort_round()
 
     def steps(self) -> Iterator[Step]:
         """``simulation.rounds`` rounds (fewer when the privacy budget runs out), as run-loop steps:

@@ -31,8 +31,8 @@ from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer
 from shoal.aggregation.secagg_encoding import FixedPoint, check_noise_range, example_weight
 from shoal.aggregation.secagg_group import secure_weighted_mean
 from shoal.aggregation.secagg_memory import STAGES, injected_dropouts
-from shoal.errors import NonFinite, WireError
-from shoal.rounds import RoundSummary, Assignment
+from shoal.errors import NonFinite
+from shoal.rounds import Assignment
 from shoal.seeding import derive_seed, rng
 from shoal.update import Update
 
@@ -42,8 +42,9 @@ log = logging.getLogger(__name__)
 
 
 class SecureAggregationRounds:
-    """Installed on an InProcessSimulation by :func:`install`; keeps the last round's
-    protocol outcome in ``last`` (included, dropped, server/client CPU seconds)."""
+    """The round runner of an InProcessSimulation with ``[secure_aggregation]``: the clients'
+    steps run before masking, the aggregator receives only the unmasked mean; keeps the last
+    round's protocol outcome in ``last`` (included, dropped, server/client CPU seconds)."""
 
     def __init__(self, sim):
         self.sim = sim
@@ -58,8 +59,6 @@ class SecureAggregationRounds:
         self.max_weight = self.cfg.max_weight or max(sim.shards.size(i) for i in range(len(sim.shards)))
         lost = 1 - math.prod(1 - getattr(self.cfg, f"dropout_{s}") for s in STAGES[:3])
         self.expected_dropout = min(max(lost, 0.1), 0.99)  # sizes an automatic secagg+ degree
-        self._train = sim.train_clients
-        self._steps = sim.client_steps
         self.last: dict = {}
         self.noise_shares = 0  # distributed DP: t, the fewest survivors a round may complete with
         p = sim.cfg.privacy
@@ -68,7 +67,7 @@ class SecureAggregationRounds:
             std = share_std(p.clip_norm, p.noise_multiplier, self.noise_shares)
             if p.noise_multiplier > 0:
                 check_noise_range(self.values, p.clip_norm, std, self.noise_shares)
-            for step in self._steps:
+            for step in sim.client_steps:
                 if isinstance(step, DistributedNoise):  # its shares are for t survivors
                     step.shares = lambda: self.noise_shares
             log.info("distributed DP with secure aggregation: %d clients per round, each adds N(0, %.4g^2) "
@@ -87,14 +86,13 @@ class SecureAggregationRounds:
         draws = rng(self.cfg.seed, self.sim.cfg.simulation.seed, round_, 1).random((len(ids), len(STAGES)))
         return injected_dropouts(ids, rates, draws)
 
-    def train_clients(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
+    def updates(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
+        """Train, apply the client steps, mask, run the protocol; the unmasked mean per included
+        client. Raises SecAggAborted when too few survive (the simulation keeps the model)."""
         trained = []
-        for task, update in self._train(tasks, global_params):
-            try:
-                for step in self._steps:
-                    update = step(task, update)
-            except WireError as e:  # validation refused the payload: counted, never masked in
-                self.sim.rounds.rejected[e.code] = self.sim.rounds.rejected.get(e.code, 0) + 1
+        for task, update in self.sim.train_clients(tasks, global_params):
+            update = self.sim.apply_client_steps(task, update)  # a payload validation refuses is counted
+            if update is None:
                 continue
             if not bool(torch.isfinite(update.delta).all()):  # as a node does: never mask a NaN into the sum
                 log.warning("round %d: %s's update has NaN/Inf entries; it is left out of the secure sum",
@@ -137,33 +135,7 @@ class SecureAggregationRounds:
             if task.client_id in included:
                 yield task, Update(mean, u.num_examples, u.base_version, u.sender, u.metrics)
 
-    def run_round(self, run_round) -> RoundSummary:
-        try:
-            return run_round()
-        except SecAggAborted as e:
-            log.warning("round %d aborted, model unchanged: %s", self.sim.rounds.round, e)
-            self.last = {"aborted": str(e)}
-            if self.sim.privacy is not None:  # charged like any round that started (docs/privacy.md)
-                self.sim.privacy.record_round([])
-            for cid in self.sim.rounds.selected:  # nothing was applied: error feedback keeps it all
-                self.sim.wire.not_accepted(cid)
-            return self.sim.rounds.abort_round()
-
-
 def poisson_cap(n: int, k: int) -> int:
     """The most clients a Poisson round (mean k of n) is encoded for: k + 7 sqrt(k) + 7, at most n.
     P(Binomial(n, k/n) above it) < 1e-9; a round that draws more is aborted (a sampling event)."""
     return min(n, int(k + 7 * math.sqrt(k) + 7))
-
-
-def install(sim) -> SecureAggregationRounds:
-    """Route ``sim``'s rounds through secure aggregation: its client steps run before
-    masking (inside the secure ``train_clients``), and an aborted round is closed
-    without touching the model."""
-    secure = SecureAggregationRounds(sim)
-    sim.client_steps = []
-    sim.train_clients = secure.train_clients
-    plain_round = sim.run_round
-    sim.run_round = lambda: secure.run_round(plain_round)
-    sim.secure_aggregation = secure
-    return secure
