@@ -168,10 +168,11 @@ def markdown_table(rows: list[dict[str, Any]]) -> str:
 def plot_sweep(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
     """Accuracy, attack AUC and (with the canary audit) empirical epsilon against the accounted
     epsilon, log x; the baseline dashed, the empirical panel with the line empirical = accounted."""
-    from .report import plt
+    from .report import new_figure
 
     audited = any(r.get("canaries") for r in rows)
-    fig, axes = plt.subplots(1, 3 if audited else 2, figsize=(15 if audited else 10, 4))
+    fig = new_figure((15 if audited else 10, 4))
+    axes = fig.subplots(1, 3 if audited else 2)
     base = next((r for r in rows if r["mode"] == "none"), None)
     if audited:
         ax = axes[2]
@@ -213,5 +214,4 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
         fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return path

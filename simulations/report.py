@@ -1,14 +1,17 @@
-"""PNG plots of a run's metrics (matplotlib, no display needed)."""
+"""PNG plots of a run's metrics (matplotlib's object API: no display and no global backend switch)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
 
-import matplotlib
+from matplotlib.figure import Figure
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+
+def new_figure(figsize: tuple[float, float]) -> Figure:
+    """A figure drawn off-screen through matplotlib's object API: no pyplot state, and the
+    backend of a program that imports shoal is left alone (its own windows keep working)."""
+    return Figure(figsize=figsize)
 
 
 EVAL_PREFIXES = ("test_", "fed_")  # central test set, clients' own test data (federated evaluation)
@@ -31,7 +34,8 @@ def plot_curves(records: list[dict[str, Any]], out_dir: str | Path, x: str = "ro
                 names.append(name)
     paths = []
     for name in names:
-        fig, ax = plt.subplots(figsize=(6, 4))
+        fig = new_figure((6, 4))
+        ax = fig.subplots()
         for prefix, label in (("test_", "central test set"), ("fed_", "clients' test data")):
             key = prefix + name
             pts = [(r[x], r[key]) for r in records if r.get(key) is not None and r.get(x) is not None]
@@ -45,14 +49,14 @@ def plot_curves(records: list[dict[str, Any]], out_dir: str | Path, x: str = "ro
             ax.set_title(title)
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=120)
-        plt.close(fig)
         paths.append(out / f"{name}.png")
     return paths
 
 
 def plot_compare(series: dict[str, list[tuple[float, float]]], path: str | Path, xlabel: str, ylabel: str, title: str = "") -> Path:
     """Several labelled curves on one axis (for docs: FedAvg vs FedProx, sync vs async...)."""
-    fig, ax = plt.subplots(figsize=(6.5, 4.2))
+    fig = new_figure((6.5, 4.2))
+    ax = fig.subplots()
     for label, pts in series.items():
         ax.plot([p[0] for p in pts], [p[1] for p in pts], label=label)
     ax.set_xlabel(xlabel)
@@ -63,5 +67,4 @@ def plot_compare(series: dict[str, list[tuple[float, float]]], path: str | Path,
         ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
     return Path(path)

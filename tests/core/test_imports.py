@@ -30,3 +30,14 @@ def test_the_deployed_server_client_and_peer_import_nothing_from_the_simulator()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "", f"imported: {out.stdout.strip()}"
+
+
+def test_importing_shoal_leaves_the_matplotlib_backend_alone(tmp_path):
+    code = ("import matplotlib\nmatplotlib.use('svg')\n"
+            "import shoal.simulations.experiment, shoal.simulations.privacy_sweep, shoal.simulations.report as r\n"
+            "assert matplotlib.get_backend() == 'svg', matplotlib.get_backend()\n"
+            f"r.plot_curves([{{'round': 1, 'test_accuracy': 0.5}}, {{'round': 2, 'test_accuracy': 0.6}}], {str(tmp_path)!r})\n"
+            "assert matplotlib.get_backend() == 'svg', matplotlib.get_backend()\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert (tmp_path / "accuracy.png").stat().st_size > 1000
