@@ -61,7 +61,6 @@ from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.assembly import initial_model, task_from_config, task_label
 from shoal.errors import WireError
-from shoal.metrics import MetricsLog
 from shoal.p2p.dpsgd import gossip_average, mixing_matrix, spectral_gap
 from shoal.p2p.gossip import GossipNode, ModelMessage
 from shoal.p2p.membership import Membership, ShuffleRequest, ShuffleResponse
@@ -74,9 +73,8 @@ from shoal.wire import encode_model
 
 from .attacks import choose_attackers, flip_labels, label_count
 from .client_data import ClientShards, check_simulation_data, load_simulation_data, on_device
-from .experiment import _progress, progress_status
 from .inprocess import weighted_means
-from .report import final_metrics, plot_curves
+from .run_loop import OnRecord, RunLoop, Step
 
 log = logging.getLogger(__name__)
 
@@ -416,48 +414,25 @@ def run_gossip_simulation(
     cfg: Config,
     out_dir: str | Path | None = None,
     progress: bool | None = None,
-    on_record: Callable[[dict[str, Any]], None] | None = None,
+    on_record: OnRecord | None = None,
 ) -> dict[str, Any]:
-    """Run ``simulation.rounds`` gossip rounds; writes metrics.jsonl, summary.json, plots."""
-    out = Path(out_dir or cfg.output.dir)
+    """Run ``simulation.rounds`` gossip rounds through the run loop (metrics.jsonl, summary.json, plots)."""
     sim_cfg = cfg.simulation
     t0 = time.perf_counter()
     sim = GossipSimulation(cfg)
     setup_s = time.perf_counter() - t0
-    metrics = MetricsLog(out)
-    show = sim_cfg.progress and sys.stderr.isatty() if progress is None else progress
-    last: dict[str, Any] = {}
-    t_start = time.perf_counter()
-    with _progress(show, sim_cfg.rounds) as bar:
-        task = bar.add_task("sim", total=sim_cfg.rounds, status="") if bar else None
+    with RunLoop(cfg, out_dir, sim_cfg.rounds, sim.task_label, progress=progress, on_record=on_record) as loop:
         for r in range(1, sim_cfg.rounds + 1):
             sim.run_round()
-            if r % sim_cfg.eval_every == 0 or r == sim_cfg.rounds:
-                last = {"round": r, **sim.evaluate(), "elapsed_s": round(time.perf_counter() - t_start, 4)}
-                metrics.write(last)
-                if on_record:
-                    on_record(last)
-            if bar is not None:
-                bar.update(task, advance=1, status=progress_status(last))
-    accs = [r["test_accuracy"] for r in metrics.records if r.get("test_accuracy") is not None]
-    summary = {
-        "final_test_accuracy": last.get("test_accuracy"),
-        "final_test_loss": last.get("test_loss"),
-        "best_test_accuracy": max(accs) if accs else None,
-        "final_metrics": final_metrics(last),
-        "final_average_model_accuracy": last.get("average_model_accuracy"),
-        "final_consensus_distance": last.get("consensus_distance"),
-        "bytes_sent_per_peer": last.get("bytes_sent_per_peer"),
-        "rounds": sim_cfg.rounds,
-        "num_clients": sim.n,
-        "num_parameters": sim.spec.numel,
-        "device": str(sim.device),
-        "wall_s": round(time.perf_counter() - t_start, 3),
-        "setup_s": round(setup_s, 3),
-        "config": cfg.to_dict(),
-    }
-    metrics.summary(summary)
-    if cfg.output.plots:
-        plot_curves(metrics.records, out, title=f"{sim.task_label} / {cfg.gossip.algorithm}")
-    log.info("wrote %s", out)
-    return summary
+            due = r % sim_cfg.eval_every == 0 or r == sim_cfg.rounds
+            loop.step(Step(1, {"round": r, **sim.evaluate()} if due else None))
+        last = loop.last
+        return loop.finish({
+            "final_average_model_accuracy": last.get("average_model_accuracy"),
+            "final_consensus_distance": last.get("consensus_distance"),
+            "bytes_sent_per_peer": last.get("bytes_sent_per_peer"),
+            "rounds": sim_cfg.rounds,
+            "num_clients": sim.n,
+            "num_parameters": sim.spec.numel,
+            "device": str(sim.device),
+        }, setup_s, title=f"{sim.task_label} / {cfg.gossip.algorithm}")
