@@ -52,7 +52,7 @@ from shoal.update import Update
 
 from .client_data import client_id
 from .experiment import run_simulation
-from .inprocess import InProcessSimulation
+from .inprocess import InProcessSimulation, LocalClients
 
 log = logging.getLogger(__name__)
 
@@ -195,26 +195,26 @@ def with_canaries(data: SimulationData, k: int) -> tuple[SimulationData, list[st
 
 
 class CanaryClients:
-    """Replaces the training of canary clients by their crafted update (see the module doc)."""
+    """The simulation's client pool: canary clients send their crafted update (see the module
+    doc), every other client trains as usual (LocalClients)."""
 
     def __init__(self, sim: InProcessSimulation, canaries: list[str], seed: int):
         self.sim, self.seed = sim, seed
+        self.inner = LocalClients(sim)
         self.canaries = set(canaries)
         self.index = {c: j for j, c in enumerate(canaries)}
         self.participated: set[str] = set()
         cfg = sim.cfg
         self.local = cfg.privacy.mode == "local"
         self.clip = cfg.privacy.clip_norm
-        inner = sim.train_clients  # every round runner (plain or secure) trains through it
-        sim.train_clients = lambda tasks, g: self._train(inner, tasks, g)
 
     def direction(self, cid: str) -> torch.Tensor:
         return direction(self.sim.spec.numel, derive_seed(self.seed, 0xCA7, self.index[cid]))
 
-    def _train(self, inner, tasks: list[Assignment], global_params: torch.Tensor):
+    def train(self, tasks: list[Assignment], global_params: torch.Tensor):
         real = [t for t in tasks if t.client_id not in self.canaries]
         if real:
-            yield from inner(real, global_params)
+            yield from self.inner.train(real, global_params)
         for t in tasks:
             if t.client_id in self.canaries:
                 self.participated.add(t.client_id)
@@ -271,10 +271,11 @@ def run_canary_audit(cfg: Config, data: SimulationData, task: Task | None, out_d
     m = cfg.privacy.canaries_unseen if unseen is None else unseen
     data_a, ids = with_canaries(data, k)
     c = audit_config(cfg, len(data.train), k)
-    sim = InProcessSimulation(c, data_a, task)
-    check_dimension(sim.spec.numel, k)
     seed = derive_seed(c.simulation.seed, 0xA0D1)
-    clients = CanaryClients(sim, ids, seed)
+    pool: list[CanaryClients] = []
+    sim = InProcessSimulation(c, data_a, task, clients=lambda s: pool.append(CanaryClients(s, ids, seed)) or pool[0])
+    check_dimension(sim.spec.numel, k)
+    clients = pool[0]
     if prepare is not None:
         prepare(sim)
     theta0 = sim.global_params.double().clone()

@@ -65,6 +65,44 @@ class RoundRunner(Protocol):
         ...
 
 
+class ClientPool(Protocol):
+    """Who trains the selected clients: this process (LocalClients) or workers elsewhere."""
+
+    def train(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
+        ...
+
+
+class LocalClients:
+    """The selected clients train here: batched when the model and task allow
+    (client/batched.py), else one by one with the simulation's LocalTrainer (keeping each
+    client's local buffers between its rounds when the task keeps them, FedBN)."""
+
+    def __init__(self, sim: "InProcessSimulation"):
+        self.sim = sim
+
+    def train(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
+        sim = self.sim
+        if sim.batched is not None:
+            idx = [sim._index[t.client_id] for t in tasks]
+            starts = [int(sim.shards.bounds[i]) for i in idx]
+            sizes = [sim.shards.size(i) for i in idx]
+            for j, update in sim.batched.train(global_params, sim.shards.x, sim.shards.y, starts, sizes,
+                                               [t.seed for t in tasks]):
+                task = tasks[j]
+                update.base_version, update.sender = task.version, task.client_id
+                yield task, update
+            return
+        trainer = sim.trainer
+        for task in tasks:
+            i = sim._index[task.client_id]
+            if trainer.local_names:
+                trainer.load_local_state(sim.local_states.get(task.client_id, sim._initial_local))
+            update = trainer.fit(global_params, sim.shards.data(i), task.seed, task.version, task.client_id)
+            if trainer.local_names:
+                sim.local_states[task.client_id] = trainer.local_state()
+            yield task, update
+
+
 class PlainRound:
     """Each client trains, its update passes the client steps (attack, DP noise share, the
     wire round trip) and reaches the aggregator on its own."""
@@ -82,14 +120,15 @@ class PlainRound:
 class InProcessSimulation:
     """Builds data, model, trainer, strategy and rounds from a Config; runs rounds.
 
-    Composed, not patched: ``train_clients`` (how the selected clients train: one by one,
-    or batched), ``client_steps`` (what happens to each update before it is sent) and the
+    Composed, not patched: the client pool (``LocalClients``: one by one or batched, here;
+    passed as ``clients`` to train elsewhere or to replace some clients), ``client_steps`` (what happens to each update before it is sent) and the
     round runner (``PlainRound``, or secure aggregation's ``SecureAggregationRounds``,
     chosen from the config or passed as ``runner``, a function of the simulation).
     """
 
     def __init__(self, cfg: Config, data: SimulationData | None = None, task: Task | None = None,
-                 runner: Callable[["InProcessSimulation"], RoundRunner] | None = None):
+                 runner: Callable[["InProcessSimulation"], RoundRunner] | None = None,
+                 clients: Callable[["InProcessSimulation"], ClientPool] | None = None):
         self.cfg = cfg
         sim = cfg.simulation
         self.device = select_device(sim.device)
@@ -134,6 +173,8 @@ class InProcessSimulation:
             log.info("training clients one by one: %s", blocker)
         else:
             log.debug("training clients one by one: %s", blocker)
+        self.participants: set[str] = set()  # every client that trained in some round
+        self.clients: ClientPool = (clients or LocalClients)(self)
         if runner is None and cfg.secure_aggregation.enabled:
             from .secure_rounds import SecureAggregationRounds
 
@@ -162,25 +203,9 @@ class InProcessSimulation:
         return [*steps, self.wire]
 
     def train_clients(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
-        """Local training of each task's client from ``global_params`` (batched: client/batched.py)."""
-        if self.batched is not None:
-            idx = [self._index[t.client_id] for t in tasks]
-            starts = [int(self.shards.bounds[i]) for i in idx]
-            sizes = [self.shards.size(i) for i in idx]
-            for j, update in self.batched.train(global_params, self.shards.x, self.shards.y, starts, sizes,
-                                                [t.seed for t in tasks]):
-                task = tasks[j]
-                update.base_version, update.sender = task.version, task.client_id
-                yield task, update
-            return
-        for task in tasks:
-            i = self._index[task.client_id]
-            if self.trainer.local_names:
-                self.trainer.load_local_state(self.local_states.get(task.client_id, self._initial_local))
-            update = self.trainer.fit(global_params, self.shards.data(i), task.seed, task.version, task.client_id)
-            if self.trainer.local_names:
-                self.local_states[task.client_id] = self.trainer.local_state()
-            yield task, update
+        """Local training of each task's client from ``global_params``, by ``self.clients``."""
+        self.participants.update(t.client_id for t in tasks)
+        return self.clients.train(tasks, global_params)
 
     def apply_client_steps(self, task: Assignment, update: Update) -> Update | None:
         """The client steps in order; None (counted) when validation refuses the payload."""

@@ -60,16 +60,8 @@ def run_setting(cfg: Config, data: SimulationData, mode: str, z: float, out: Pat
     c.validate()
     t0 = time.perf_counter()
     sim = InProcessSimulation(c, data, task)
-    participants: set[str] = set()
-    train = sim.train_clients
-
-    def tracked(tasks, global_params):
-        participants.update(t.client_id for t in tasks)
-        yield from train(tasks, global_params)
-
-    sim.train_clients = tracked  # the extension point: same training, plus who took part
     summary = run_simulation(c, out, progress=False, sim=sim)
-    members = [sim.shards.data(i) for i, cid in enumerate(sim.client_ids) if cid in participants]
+    members = [sim.shards.data(i) for i, cid in enumerate(sim.client_ids) if cid in sim.participants]
     audit = loss_threshold_audit(sim.trainer, sim.global_params, members, held_out(sim), c.privacy.mia_samples,
                                  derive_seed(c.simulation.seed, 0x41A))
     canary = dict(NO_AUDIT)
