@@ -20,16 +20,15 @@ many peers there are. Here:
 Members that vanish. Nothing waits past a deadline (``timeout`` per phase from the
 member's start, ``now`` passed in): a reducer averages the parts that arrived by its
 deadline (or as soon as every member not known gone has sent); a slice whose reducer
-went silent is *repaired*: every member that lacks it sends its own part of that slice
-to a backup, the first member after the silent reducer (in the group's order) that it
-got a slice from, and the backup answers with the slice's average if it holds it, else
-with the average of the parts it was sent plus its own. A slice neither reduced nor
-repaired by the last deadline keeps the member's own values. So when members vanish
-before they send, or after their part in a phase is done, every surviving member ends
-with the same model: per slice, the weighted average of the parts that arrived. A
-reducer that crashes while sending its averaged slice can leave the members it reached
-with that average and the others with the repaired one (one slice differs; the next
-round averages it away).
+went silent is averaged again among the survivors: every member that lacks it sends its
+own part of the slice to every other member; a member that holds the slice's average
+answers with it (and the asker adopts it), otherwise each averages the parts it got, its
+own included, by the last deadline. So every surviving member ends with the same model,
+per slice the weighted average of the parts that arrived, whether members vanish before
+they send, between phases, or while a reducer sends its average to some members only
+(those that got it answer the others). Survivors can still differ when messages among
+*them* are lost or late past the deadlines (the next round averages that away). A slice
+that nothing filled keeps the member's own values.
 
 Transports (the simulator's virtual network, the peer's HTTPS) deliver the returned
 :class:`SliceMessage` objects, call :meth:`GroupAverage.tick` at
@@ -47,7 +46,7 @@ from typing import Sequence
 
 import torch
 
-PHASES = ("part", "reduced", "repair", "repaired")
+PHASES = ("part", "reduced", "repair", "repaired", "forward")
 
 
 # --- who meets whom ------------------------------------------------------------------------
@@ -56,25 +55,29 @@ PHASES = ("part", "reduced", "repair", "repaired")
 def grid_dims(n: int, group_size: int) -> tuple[int, ...]:
     """Sides of a virtual grid with at least ``n`` cells and sides near ``group_size``.
 
-    d = round(log n / log group_size) axes; among the sides in [2, max(2 g, n^(1/d) + 1)]
-    the fewest empty cells win (a full grid when n factors so), then the most even sides.
+    d0 = round(log n / log group_size) axes. A full grid (n = the product of the sides) with
+    sides in [2, 3 group_size] is preferred, with d0 axes, else d0 + 1, else d0 - 1 (the sides
+    nearest ``group_size`` win); failing that, the d0-axis grid with the fewest empty cells.
     """
     if n <= 2 or group_size >= n:
         return (max(n, 1),)
-    d = max(1, round(math.log(n) / math.log(max(group_size, 2))))
-    if d == 1:
+    g = max(group_size, 2)
+    d0 = max(1, round(math.log(n) / math.log(g)))
+
+    def score(sides: tuple[int, ...]) -> tuple[int, float, tuple[int, ...]]:
+        return (math.prod(sides) - n, sum(abs(math.log(x / g)) for x in sides), sides)
+
+    for d in (d0, d0 + 1, d0 - 1):
+        if d == 1 and n <= 3 * g:
+            return (n,)
+        full = [c for c in itertools.combinations_with_replacement(range(2, 3 * g + 1), d) if math.prod(c) == n]
+        if d >= 2 and full:
+            return min(full, key=score)
+    if d0 == 1:
         return (n,)
-    hi = max(2 * group_size, math.ceil(n ** (1 / d)) + 1)
-    best: tuple[int, float, tuple[int, ...]] | None = None
-    for sides in itertools.combinations_with_replacement(range(2, hi + 1), d):
-        p = math.prod(sides)
-        if p < n:
-            continue
-        score = (p - n, sum(abs(math.log(s / group_size)) for s in sides), sides)
-        if best is None or score < best:
-            best = score
-    assert best is not None
-    return best[2]
+    hi = max(2 * g, math.ceil(n ** (1 / d0)) + 1)
+    cands = (c for c in itertools.combinations_with_replacement(range(2, hi + 1), d0) if math.prod(c) >= n)
+    return min(cands, key=score)
 
 
 def _order_key(seed: int, epoch: int, peer: str) -> bytes:
@@ -109,9 +112,9 @@ def group_of(peers: Sequence[str], me: str, round_: int, group_size: int, seed: 
     raise AssertionError("unreachable: every peer is in one group")
 
 
-def group_id(round_: int, members: Sequence[str]) -> str:
+def group_id(round_: int, members: Sequence[str], level: int = 0) -> str:
     """Names one group's exchange: members that disagree on the group never mix parts."""
-    text = "\n".join([str(round_), *members])
+    text = "\n".join([f"{round_}/{level}", *members])
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
@@ -126,8 +129,9 @@ def slice_bounds(numel: int, k: int) -> list[tuple[int, int]]:
 @dataclass(frozen=True)
 class SliceMessage:
     """A slice on its way: a member's ``part`` to the slice's reducer, the reducer's
-    ``reduced`` average to a member, a ``repair`` part to a backup, a backup's ``repaired``
-    answer. ``weight`` is the sender's weight (part, repair) or the summed weight of the
+    ``reduced`` average to a member, a member's own ``repair`` part of a slice whose reducer
+    went silent, an answer to it with the reducer's average passed on (``forward``) or the
+    average of repair parts (``repaired``). ``weight`` is the sender's weight (part, repair) or the summed weight of the
     average (reduced, repaired), ``count`` how many members' parts are in it."""
 
     sender: str
@@ -140,6 +144,7 @@ class SliceMessage:
     weight: float
     data: torch.Tensor
     count: int = 1        # parts in the average (reduced, repaired); 1 for a member's own part
+    level: int = 0        # which axis of a multi-level exchange (GridAverage); 0 for one group
 
 
 class Refusal(ValueError):
@@ -188,7 +193,10 @@ class GroupAverage:
     """One member's side of its group's all-reduce (module docstring)."""
 
     def __init__(self, me: str, members: Sequence[str], round_: int, values: torch.Tensor, weight: float,
-                 now: float, timeout: float):
+                 now: float, timeout: float, level: int = 0, hold: bool = False, patience: float = 0.0):
+        """``hold``: once our slice is reduced, wait for :meth:`release` (the slice averaged
+        further, by the next level of a :class:`GridAverage`) before sending it; ``patience``:
+        how much longer than ``timeout`` to wait for the others' slices (their next levels)."""
         members = tuple(members)
         if me not in members or len(set(members)) != len(members) or len(members) < 2:
             raise ValueError("a group has >= 2 distinct members, this member among them")
@@ -199,7 +207,8 @@ class GroupAverage:
         self.me, self.members, self.round = me, members, int(round_)
         self.k = len(members)
         self.index = members.index(me)
-        self.group = group_id(self.round, members)
+        self.level, self.hold, self.patience = int(level), bool(hold), float(patience)
+        self.group = group_id(self.round, members, self.level)
         self.own = values.detach().float().clone()
         self.weight = float(weight)
         self.bounds = slice_bounds(self.own.numel(), self.k)
@@ -210,7 +219,12 @@ class GroupAverage:
         self._contributed: set[str] = set()                   # whose parts are in our own slice
         self._repairs: dict[int, _Reduction] = {}             # orphaned slices: the parts we got of each
         self._answered: dict[int, set[str]] = {}              # members who answered our repair part, per slice
+        self._final: set[int] = set()                         # slices holding their reducer's average
+        self._asked: dict[int, set[str]] = {}                 # whom we sent our repair part of a slice
         self._gathered = False
+        self._held: _Slice | None = None                       # our reduction, waiting for release()
+        self._sent_at: float | None = None                     # when our reduced slice went out
+        self._gathered_at = 0.0
         self._repaired = 0
         self._late = 0
         self.started = False
@@ -224,28 +238,50 @@ class GroupAverage:
 
     def _msg(self, target: str, j: int, phase: str, weight: float, data: torch.Tensor, count: int = 1) -> SliceMessage:
         return SliceMessage(self.me, target, self.round, self.group, self.members, j, phase, float(weight),
-                            data.detach().clone(), int(count))
+                            data.detach().clone(), int(count), self.level)
 
     def _live_others(self) -> list[str]:
         return [m for m in self.members if m != self.me and m not in self.gone]
 
     def _answer(self, target: str, j: int) -> SliceMessage:
         avg, w, c = self._slices[j]
-        return self._msg(target, j, "repaired", w, avg, c)
-
-    @property
-    def deadlines(self) -> tuple[float, float, float]:
-        """(reduce, gather, repair): the phases' deadlines from this member's start."""
-        t, s = self.t0, self.timeout
-        return t + s, t + 2 * s, t + 3 * s
+        return self._msg(target, j, "forward" if j in self._final else "repaired", w, avg, c)
 
     def next_deadline(self) -> float | None:
+        """When :meth:`tick` must be called next: our reduction closes ``timeout`` after the
+        start; the gather waits ``timeout`` (+ ``patience``) after our slice went out (and 2
+        ``timeout`` after the start); orphaned slices wait ``timeout`` past the gather's
+        deadline. None when done or holding."""
         if self.done:
             return None
-        reduce_at, gather_at, repair_at = self.deadlines
         if not self._mine.closed:
-            return reduce_at
-        return gather_at if not self._gathered else repair_at
+            return self.t0 + self.timeout
+        if self._sent_at is None:
+            return None  # holding: released by the next level, whose own deadlines bound it
+        gather_at = max(self.t0 + 2 * self.timeout, self._sent_at + self.timeout + self.patience)
+        if not self._gathered:
+            return gather_at
+        # the others gather by their deadlines (about ours) at the latest: wait for their parts
+        return max(gather_at, self._gathered_at) + self.timeout
+
+    @property
+    def held(self) -> _Slice | None:
+        """Our reduced slice while it waits for :meth:`release` (None otherwise)."""
+        return self._held if self._sent_at is None else None
+
+    def release(self, values: torch.Tensor, weight: float, now: float) -> list[SliceMessage]:
+        """Send our reduced slice as ``values`` (what the next level made of it)."""
+        if self._held is None or self._sent_at is not None:
+            raise RuntimeError("release() comes once, after our slice is reduced with hold=True")
+        _, _, c = self._held
+        return self._send_reduced((values.detach().float(), float(weight), c), now) + self._progress(now)
+
+    def _send_reduced(self, value: _Slice, now: float) -> list[SliceMessage]:
+        self._sent_at = now
+        avg, w, c = value
+        out = self._finish_slice(self.index, value, final=True)
+        told = {m.target for m in out}
+        return out + [self._msg(m, self.index, "reduced", w, avg, c) for m in self._live_others() if m not in told]
 
     # --- the protocol ------------------------------------------------------------------------
 
@@ -258,7 +294,8 @@ class GroupAverage:
 
     def check(self, msg: SliceMessage) -> None:
         """Raise :class:`Refusal` unless ``msg`` belongs to this exchange and is well formed."""
-        if msg.round != self.round or msg.group != self.group or tuple(msg.members) != self.members:
+        if (msg.round != self.round or msg.group != self.group or tuple(msg.members) != self.members
+                or msg.level != self.level):
             raise Refusal("not_in_group", f"{self.me} is in group {self.group} of round {self.round} "
                           f"({len(self.members)} members), not {msg.group} of round {msg.round}")
         if msg.sender not in self.members or msg.sender == self.me or msg.target != self.me:
@@ -280,11 +317,21 @@ class GroupAverage:
             raise Refusal("malformed", f"reduced slice {msg.slice} from a member that does not reduce it")
 
     def on_message(self, msg: SliceMessage, now: float) -> list[SliceMessage]:
-        """Take one message (checked first: raises :class:`Refusal`); returns what to send."""
+        """Take one message (checked first: raises :class:`Refusal`); returns what to send.
+
+        A reducer's average (``reduced``, ``forward``) replaces a slice averaged from repair
+        parts, even after we are done: the transport reads the result once the exchange is
+        over, and then every survivor holds it (members that got it answer everyone who
+        sent them a repair part, and everyone they sent theirs to)."""
         self.check(msg)
         j, data = msg.slice, msg.data.detach().float()
-        if msg.phase == "repair" and j in self._slices:  # we hold it (even when done): answer with it
-            return [self._answer(msg.sender, j)]
+        value = (data, msg.weight, msg.count)
+        if msg.phase == "repair":
+            self._answered.setdefault(j, set()).add(msg.sender)
+            if j in self._slices:  # we hold it (even when done): answer with it
+                return [self._answer(msg.sender, j)]
+        if msg.phase in ("reduced", "forward") and j not in self._final and (self.done or j in self._slices):
+            return self._finish_slice(j, value, final=True)  # a late reducer's average wins
         if self.done:
             self._late += 1
             return []
@@ -294,26 +341,31 @@ class GroupAverage:
                 self._late += 1
             else:
                 self._mine.parts.setdefault(msg.sender, (msg.weight, data))
-        elif msg.phase == "reduced":
+        elif msg.phase in ("reduced", "forward"):
             if j not in self._slices:
-                out += self._finish_slice(j, (data, msg.weight, msg.count))
+                self._repaired += msg.phase == "forward"
+                out += self._finish_slice(j, value, final=True)
         elif msg.phase == "repair":
             self._repairs.setdefault(j, _Reduction()).parts.setdefault(msg.sender, (msg.weight, data))
-            self._answered.setdefault(j, set()).add(msg.sender)
-        else:  # repaired: someone holds the slice's average; adopt it
+        else:  # repaired: someone averaged the slice's repair parts; adopt it
             if j not in self._slices:
                 self._repaired += 1
-                out += self._finish_slice(j, (data, msg.weight, msg.count))
+                out += self._finish_slice(j, value, final=False)
         return out + self._progress(now)
 
-    def _finish_slice(self, j: int, value: _Slice) -> list[SliceMessage]:
-        """Keep slice j; members that asked us for it while we lacked it get it now."""
+    def _finish_slice(self, j: int, value: _Slice, final: bool) -> list[SliceMessage]:
+        """Keep slice j; members that sent us their repair part of it, and those we sent ours
+        to, get it now when it is the reducer's average (or when they asked us while we lacked it)."""
         self._slices[j] = value
+        if final:
+            self._final.add(j)
         rep = self._repairs.get(j)
-        if rep is None:
-            return []
-        rep.closed = True
-        return [self._answer(m, j) for m in rep.parts if m != self.me]
+        if rep is not None:
+            rep.closed = True
+        told = {m for m in (rep.parts if rep else ()) if m != self.me}
+        if final:
+            told |= self._asked.get(j, set())
+        return [self._answer(m, j) for m in sorted(told) if m not in self.gone]
 
     def on_unreachable(self, peer: str, now: float) -> list[SliceMessage]:
         """The transport could not reach ``peer`` (refused connection, error answer): gone."""
@@ -330,32 +382,37 @@ class GroupAverage:
         if self.done or not self.started:
             return []
         out: list[SliceMessage] = []
-        reduce_at, gather_at, repair_at = self.deadlines
         # 1. our reduction: all parts in (or every missing sender gone), or the deadline
         if not self._mine.closed:
             waiting = [m for m in self._live_others() if m not in self._mine.parts]
-            if not waiting or now >= reduce_at:
+            if not waiting or now >= self.t0 + self.timeout:
                 self._mine.closed = True
-                avg, w, c = _average(self._mine.parts)
                 self._contributed = set(self._mine.parts)
-                out += self._finish_slice(self.index, (avg, w, c))
-                out += [self._msg(m, self.index, "reduced", w, avg, c) for m in self._live_others()]
+                self._held = _average(self._mine.parts)
+                if not self.hold:
+                    out += self._send_reduced(self._held, now)
+        if self._sent_at is None:
+            return out  # holding our slice for the next level
         # 2. the gather: every slice whose reducer is not gone, or the deadline; then the
         #    orphaned slices are averaged again: our part of each goes to every other member
-        if self._mine.closed and not self._gathered:
+        if not self._gathered:
             waiting = [j for j, m in enumerate(self.members) if j not in self._slices and m not in self.gone]
-            if not waiting or now >= gather_at:
-                self._gathered = True
+            deadline = self.next_deadline()
+            if not waiting or (deadline is not None and now >= deadline):
+                self._gathered, self._gathered_at = True, now
                 for j in range(self.k):
                     if j in self._slices:
                         continue
                     rep = self._repairs.setdefault(j, _Reduction())
                     rep.parts[self.me] = (self.weight, self._slice(self.own, j))
-                    out += [self._msg(m, j, "repair", self.weight, self._slice(self.own, j))
-                            for m in self._live_others() if m != self.members[j]]
+                    targets = [m for m in self._live_others() if m != self.members[j]]
+                    self._asked[j] = set(targets)
+                    out += [self._msg(m, j, "repair", self.weight, self._slice(self.own, j)) for m in targets]
         # 3. each orphaned slice: every live member answered (its part, or the average it holds),
         #    or the deadline: the average of the parts we got, ours included
         if self._gathered:
+            repair_at = self.next_deadline()
+            assert repair_at is not None
             for j, rep in self._repairs.items():
                 if rep.closed or j in self._slices:
                     continue
@@ -364,9 +421,9 @@ class GroupAverage:
                     rep.closed = True
                     self._slices[j] = _average(rep.parts)
                     self._repaired += 1
-        # 4. done: every slice in, or the last deadline
-        if len(self._slices) == self.k or now >= repair_at:
-            self.done = True
+            # 4. done: every slice in (repairs closed at their deadline at the latest)
+            if len(self._slices) == self.k:
+                self.done = True
         return out
 
     def result(self) -> GroupResult:
@@ -386,3 +443,170 @@ class GroupAverage:
         missing = sorted(m for m in self.members if m in self.gone or (self._mine.closed and m not in self._contributed))
         return GroupResult(values, wsum / max(self.own.numel(), 1), complete, missing, self._repaired, kept,
                            self._late)
+
+
+# --- several axes in one exchange --------------------------------------------------------------
+
+
+def grid_path(peers: Sequence[str], me: str, step: int, group_size: int, levels: int, seed: int = 0
+              ) -> list[tuple[str, ...]]:
+    """``me``'s groups for one exchange of ``levels`` axes (0: every axis of the grid): the
+    group along axis ``step mod d``, then along the next axis, and so on (layout of epoch
+    ``step // d``, the same for every level). Only a full grid chains axes (its lines along
+    an axis all have the same length, so they cut the model into the same slices)."""
+    everyone = sorted(set(peers) | {me})
+    dims = grid_dims(len(everyone), group_size)
+    d = len(dims)
+    levels = d if levels <= 0 else min(levels, d)
+    if math.prod(dims) != len(everyone):
+        levels = 1  # lines of unequal length slice the model differently: one axis per exchange
+    base = (step // d) * d
+    path = []
+    for lv in range(levels):
+        axis = (step + lv) % d
+        for g in grid_groups(everyone, base + axis, group_size, seed):
+            if me in g:
+                path.append(g)
+                break
+    return path
+
+
+class GridAverage:
+    """An all-reduce across several grid axes in one exchange, still only in small groups.
+
+    Level 0 scatter-reduces the model in our group along the first axis; the slice we reduce
+    (averaged over our line) goes on, as the whole vector, to our group along the next axis,
+    which scatter-reduces it again; and so on. The last level averages its (smallest) vector
+    within its group; then each level all-gathers what the level below made of its slice,
+    back up to the whole model. On a full grid with every axis that is the exact global
+    (weighted) average, for about ``2 (1 - 1/n)`` models sent per member (a hierarchical,
+    bandwidth-optimal all-reduce, n the peers), where a group average along one axis per
+    exchange costs about ``2 (1 - 1/k)`` models and needs d exchanges for the same.
+
+    Members that vanish: each level is a :class:`GroupAverage` and averages what arrived; a
+    slice whose reducer vanished is averaged again within its group at that level only, so
+    survivors in different groups can then differ on it (the next exchange, along other axes,
+    averages that away). Nothing waits past the levels' deadlines: a level waits for the ones
+    below it at most ``3 timeout`` each beyond its own.
+    """
+
+    def __init__(self, me: str, path: Sequence[Sequence[str]], round_: int, values: torch.Tensor, weight: float,
+                 now: float, timeout: float):
+        self.me, self.round, self.timeout = me, int(round_), float(timeout)
+        self.path = [tuple(g) for g in path]
+        if not self.path or any(me not in g for g in self.path):
+            raise ValueError("every group of the path holds this member")
+        if len(self.path[0]) < 2 and len(self.path) == 1:
+            raise ValueError("a group has >= 2 distinct members")
+        self.values, self.weight, self.t0 = values.detach().float().clone(), float(weight), float(now)
+        self.levels: list[GroupAverage | None] = [None] * len(self.path)
+        self._skipped: dict[int, _Slice] = {}    # levels whose group is only us: the value passes through
+        self._early: list[SliceMessage] = []     # messages for a level we have not reached yet
+        self.groups = {group_id(self.round, g, lv): lv for lv, g in enumerate(self.path)}
+        self.started = False
+
+    @property
+    def done(self) -> bool:
+        top = self._top()
+        return top is not None and top.done
+
+    def _top(self) -> GroupAverage | None:
+        return next((lv for lv in self.levels if lv is not None), None)
+
+    def _open(self, lv: int, values: torch.Tensor, weight: float, now: float) -> list[SliceMessage]:
+        """Start level ``lv`` on ``values``; skip down through levels where we are alone."""
+        while lv < len(self.path) and len(self.path[lv]) < 2:
+            self._skipped[lv] = (values, weight, 1)
+            lv += 1
+        if lv >= len(self.path):
+            return []
+        last = lv == len(self.path) - 1
+        below = sum(1 for g in self.path[lv + 1:] if len(g) >= 2)
+        ga = GroupAverage(self.me, self.path[lv], self.round, values, weight, now, self.timeout, level=lv,
+                          hold=not last, patience=3 * self.timeout * below)
+        self.levels[lv] = ga
+        out = ga.start()
+        early, self._early = [m for m in self._early if m.level == lv], [m for m in self._early if m.level != lv]
+        for m in early:
+            try:
+                out += ga.on_message(m, now)
+            except Refusal:
+                pass
+        return out
+
+    def start(self) -> list[SliceMessage]:
+        self.started = True
+        out = self._open(0, self.values, self.weight, self.t0)
+        return out + self._advance(self.t0)
+
+    def _advance(self, now: float) -> list[SliceMessage]:
+        """Hand each level's held slice down, and the level below's result back up."""
+        out: list[SliceMessage] = []
+        changed = True
+        while changed:
+            changed = False
+            for lv, ga in enumerate(self.levels):
+                if ga is None or ga.held is None:
+                    continue
+                nxt = next((i for i in range(lv + 1, len(self.path)) if len(self.path[i]) >= 2), None)
+                if nxt is not None and self.levels[nxt] is None:
+                    avg, w, _ = ga.held
+                    out += self._open(lv + 1, avg, w, now)
+                    changed = True
+                below = self.levels[nxt] if nxt is not None else None
+                if nxt is None or (below is not None and below.done):
+                    if below is None:
+                        avg, w, _ = ga.held
+                    else:
+                        res = below.result()
+                        avg, w = res.values, res.weight
+                    out += ga.release(avg, w, now)
+                    changed = True
+        return out
+
+    def check(self, msg: SliceMessage) -> None:
+        lv = self.groups.get(msg.group)
+        if lv is None or msg.level != lv or msg.round != self.round or tuple(msg.members) != self.path[lv]:
+            raise Refusal("not_in_group", f"{self.me} has no group {msg.group} at level {msg.level} "
+                          f"of round {msg.round}")
+        ga = self.levels[lv]
+        if ga is not None:
+            ga.check(msg)
+
+    def on_message(self, msg: SliceMessage, now: float) -> list[SliceMessage]:
+        self.check(msg)
+        ga = self.levels[msg.level]
+        if ga is None:
+            if len(self._early) < 4 * sum(len(g) for g in self.path):
+                self._early.append(msg)
+            return []
+        return ga.on_message(msg, now) + self._advance(now)
+
+    def on_unreachable(self, peer: str, now: float) -> list[SliceMessage]:
+        out: list[SliceMessage] = []
+        for ga in self.levels:
+            if ga is not None:
+                out += ga.on_unreachable(peer, now)
+        return out + self._advance(now)
+
+    def tick(self, now: float) -> list[SliceMessage]:
+        out: list[SliceMessage] = []
+        for ga in self.levels:
+            if ga is not None:
+                out += ga.tick(now)
+        return out + self._advance(now)
+
+    def next_deadline(self) -> float | None:
+        times = [t for ga in self.levels if ga is not None and (t := ga.next_deadline()) is not None]
+        return min(times) if times else None
+
+    def result(self) -> GroupResult:
+        top = self._top()
+        if top is None:  # alone at every level
+            return GroupResult(self.values.clone(), self.weight, True, [], 0, 0, 0)
+        res = top.result()
+        inner = [ga.result() for ga in self.levels if ga is not None and ga is not top]
+        return GroupResult(res.values, res.weight, res.complete and all(r.complete for r in inner),
+                           sorted(set(res.missing).union(*(r.missing for r in inner))),
+                           res.repaired + sum(r.repaired for r in inner), res.kept + sum(r.kept for r in inner),
+                           res.late + sum(r.late for r in inner))

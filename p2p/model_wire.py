@@ -19,7 +19,7 @@ the dense model is built, and a model with NaN/Inf is rejected.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zstandard
@@ -29,6 +29,9 @@ from shoal.config import CompressionConfig
 from shoal.errors import Malformed, TooLarge
 from shoal.params import ParamSpec
 from shoal.wire import _unzstd, decode, decode_model, encode, encode_model, read_header
+
+if TYPE_CHECKING:
+    from .group_average import SliceMessage
 
 MODEL_ENCODINGS = ("dense", "q8")
 
@@ -83,3 +86,51 @@ def decode_gossip_model(body: bytes, spec: ParamSpec, max_bytes: int) -> tuple[t
         raise Malformed(f"header field 'version' must be an integer >= 0, got {version!r}")
     params = tensors["params"] if encoding == "dense" else decode_tensors(header, tensors, spec.numel)
     return params.float(), header
+
+
+# --- group averaging: one slice of a model (p2p/group_average.py) ---------------------------
+
+SLICE_KIND = "group_slice"
+MAX_GROUP_MEMBERS = 1024
+
+
+def encode_slice(msg: "SliceMessage", spec: ParamSpec) -> bytes:
+    """A group-averaging slice message: the float32 slice and its protocol fields in the header."""
+    header = {"kind": SLICE_KIND, "spec_hash": spec.hash, "sender": msg.sender, "target": msg.target,
+              "round": msg.round, "group": msg.group, "members": list(msg.members), "slice": msg.slice,
+              "phase": msg.phase, "weight": msg.weight, "count": msg.count, "level": msg.level}
+    return encode({"data": msg.data.detach().float()}, header)
+
+
+def _field(header: dict, key: str, kind: type | tuple[type, ...]) -> Any:
+    v = header.get(key)
+    if not isinstance(v, kind) or isinstance(v, bool):
+        raise Malformed(f"header field {key!r} = {v!r} must be {getattr(kind, '__name__', kind)}")
+    return v
+
+
+def decode_slice(body: bytes, spec: ParamSpec, max_bytes: int) -> "SliceMessage":
+    """A validated slice message (size, spec hash, fields, a finite float32 vector no longer
+    than the model); whether it fits the receiver's group is the protocol's check."""
+    from .group_average import SliceMessage
+
+    header, table = read_header(body, max_bytes)
+    if header.get("kind") != SLICE_KIND:
+        raise Malformed(f"message kind is {header.get('kind')!r}, expected {SLICE_KIND!r}")
+    shape = table.get("data", {}).get("shape")
+    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)
+            and 0 <= shape[0] <= spec.numel):
+        raise Malformed(f"tensor 'data' must be a vector of at most {spec.numel} values, got shape {shape!r}")
+    header, tensors = decode(body, {"data": (torch.float32, (shape[0],))}, max_bytes, spec.hash)
+    members = _field(header, "members", list)
+    if not 2 <= len(members) <= MAX_GROUP_MEMBERS or not all(isinstance(m, str) and 0 < len(m) <= 256
+                                                             for m in members):
+        raise Malformed(f"header field 'members' must list 2..{MAX_GROUP_MEMBERS} peer ids")
+    weight = _field(header, "weight", (int, float))
+    strings = {k: _field(header, k, str) for k in ("sender", "target", "group", "phase")}
+    ints = {k: _field(header, k, int) for k in ("round", "slice", "count", "level")}
+    if ints["round"] < 0 or not 0 <= ints["level"] < 64:
+        raise Malformed("header fields 'round' must be >= 0 and 'level' in [0, 64)")
+    return SliceMessage(strings["sender"], strings["target"], ints["round"], strings["group"], tuple(members),
+                        ints["slice"], strings["phase"], float(weight), tensors["data"].float(), ints["count"],
+                        ints["level"])

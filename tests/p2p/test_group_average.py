@@ -14,13 +14,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shoal.p2p.group_average import (GroupAverage, Refusal, SliceMessage, grid_dims, grid_groups, group_id,
-                                     group_of, slice_bounds)
+from shoal.p2p.group_average import (GridAverage, GroupAverage, Refusal, SliceMessage, grid_dims, grid_groups,
+                                     grid_path, group_id, group_of, slice_bounds)
 
 STAGES = (None, "never", "after_parts", "mid_reduce", "after_reduce")
 
 
-def drive(members, values, weights, crash=None, refuse=True, seed=0, timeout=1.0, latency=0.05, round_=0):
+def drive(members, values, weights, crash=None, refuse=True, seed=0, timeout=1.0, latency=0.05, round_=0,
+          make=None):
     """Run one group's exchange; returns ({member: GroupResult} for the survivors, messages sent).
 
     ``crash[m]``: "never" (never starts), "after_parts" (vanishes once its parts are sent),
@@ -29,7 +30,8 @@ def drive(members, values, weights, crash=None, refuse=True, seed=0, timeout=1.0
     refused (the sender learns it at once) when ``refuse``, else silently lost."""
     crash = crash or {}
     gen = torch.Generator().manual_seed(seed)
-    objs = {m: GroupAverage(m, members, round_, values[m], weights[m], 0.0, timeout) for m in members}
+    make = make or (lambda m: GroupAverage(m, members, round_, values[m], weights[m], 0.0, timeout))
+    objs = {m: make(m) for m in members}
     dead = {m for m in members if crash.get(m) == "never"}
     queue: list = []
     seq = itertools.count()
@@ -80,6 +82,7 @@ def drive(members, values, weights, crash=None, refuse=True, seed=0, timeout=1.0
         emit(msg.target, objs[msg.target].on_message(msg, t), t)
     survivors = [m for m in members if m not in dead]
     assert all(objs[m].done for m in survivors)
+    drive.last_time = t
     return {m: objs[m].result() for m in survivors}, sent
 
 
@@ -108,7 +111,7 @@ def test_a_group_averages_exactly_with_weights_and_sends_two_models_per_member()
 
 
 @pytest.mark.parametrize("n,g,dims", [(105, 4, (3, 5, 7)), (64, 4, (4, 4, 4)), (10, 4, (2, 5)), (3, 4, (3,)),
-                                      (1, 4, (1,)), (7, 4, (7,)), (9, 3, (3, 3))])
+                                      (1, 4, (1,)), (7, 4, (7,)), (9, 3, (3, 3)), (13, 4, (2, 7)), (101, 4, (3, 5, 7))])
 def test_grid_dims(n, g, dims):
     assert grid_dims(n, g) == dims
 
@@ -219,3 +222,56 @@ def test_messages_of_another_group_or_malformed_are_refused():
         GroupAverage("z", members, 0, torch.zeros(3), 1.0, 0.0, 1.0)
     with pytest.raises(ValueError):
         GroupAverage("a", members, 0, torch.zeros(3), 0.0, 0.0, 1.0)
+
+
+def _grid(n, g, seed=0):
+    peers = [f"p{i:03d}" for i in range(n)]
+    return peers
+
+
+@pytest.mark.parametrize("n,g,step,weighted", [(105, 4, 0, True), (27, 3, 4, False), (12, 4, 1, True),
+                                               (64, 4, 2, False)])
+def test_one_grid_exchange_gives_the_exact_global_average_for_two_models_per_member(n, g, step, weighted):
+    peers = _grid(n, g)
+    values = _vectors(peers, 211, n)
+    weights = {m: (float(1 + (i * 7) % 11) if weighted else 1.0) for i, m in enumerate(peers)}
+    paths = {m: grid_path([p for p in peers if p != m], m, step, g, 0, seed=5) for m in peers}
+    assert all(len(pth) == len(grid_dims(n, g)) for pth in paths.values())
+    out, sent = drive(peers, values, weights, make=lambda m: GridAverage(m, paths[m], step, values[m], weights[m],
+                                                                          0.0, 1.0))
+    want = _mean(values, weights, peers).float()
+    for r in out.values():
+        assert torch.allclose(r.values, want, atol=1e-5) and r.complete
+        assert r.weight == pytest.approx(sum(weights.values()))
+    # messages per member: 2 (k_l - 1) per level; values sent: about 2 (1 - 1/n) models
+    dims = grid_dims(n, g)
+    assert sent == n * sum(2 * (k - 1) for k in dims)
+
+
+def test_a_grid_exchange_on_a_grid_that_is_not_full_averages_one_axis():
+    peers = _grid(13, 4)
+    assert grid_dims(13, 4) == (2, 7)  # 14 cells
+    assert all(len(grid_path(peers, m, 0, 4, 0)) == 1 for m in peers)
+    assert grid_path(peers, "p000", 1, 4, 0)[0] == group_of(peers, "p000", 1, 4)
+
+
+@given(stages=st.lists(st.sampled_from(STAGES), min_size=12, max_size=12), refuse=st.booleans(),
+       seed=st.integers(0, 1000))
+@settings(max_examples=40, deadline=None)
+def test_a_grid_exchange_with_dropouts_finishes_within_its_deadlines_and_stays_an_average(stages, refuse, seed):
+    peers = _grid(12, 4)  # 3 x 4
+    crash = {m: s for m, s in zip(peers, stages) if s and (seed + peers.index(m)) % 3 == 0}
+    values = _vectors(peers, 50, seed)
+    weights = {m: 1.0 for m in peers}
+    paths = {m: grid_path(peers, m, seed % 2, 4, 0) for m in peers}
+    out, _ = drive(peers, values, weights, crash, refuse, seed,
+                   make=lambda m: GridAverage(m, paths[m], seed % 2, values[m], 1.0, 0.0, 1.0))
+    assert drive.last_time < 3 * 4 + 3 * 3 + 2  # level 1 waits for level 2 at most 3 timeouts a slice
+    stack = torch.stack(list(values.values()))
+    lo, hi = stack.min(0).values, stack.max(0).values
+    survivors = [m for m in peers if m not in crash]
+    for m in survivors:
+        r = out[m].values
+        assert bool(((r >= lo - 1e-5) & (r <= hi + 1e-5)).all())  # a convex combination, coordinate-wise
+    if not crash:
+        assert all(torch.allclose(out[m].values, stack.mean(0), atol=1e-5) for m in survivors)
