@@ -38,8 +38,10 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import ssl
 import struct
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,15 +59,18 @@ from shoal.task import ClientData, num_examples, task_name
 from shoal.wire import default_max_bytes
 
 from .gossip import GossipNode, ModelMessage
+from .group_average import GridAverage, Refusal, SliceMessage, grid_path
 from .membership import Membership, ShuffleRequest, ShuffleResponse
 from .merge import MergeRule
-from .model_wire import decode_gossip_model, encode_gossip_model
+from .model_wire import decode_gossip_model, decode_slice, encode_gossip_model, encode_slice
 from .robust import check_gossip_settings
 
 log = logging.getLogger(__name__)
 
 MAX_SHUFFLE_BYTES = 64 * 1024
 MAX_ID_CHARS = 256
+MAX_EARLY = 256        # slice messages held for an exchange this peer has not begun yet
+KEEP_EXCHANGES = 8     # finished exchanges kept to answer late repair requests
 
 
 @dataclass
@@ -166,6 +171,12 @@ class Peer:
         self.metrics = MetricsLog(settings.out_dir) if settings.out_dir else None
         self._lock = asyncio.Lock()
         self._session: aiohttp.ClientSession | None = None
+        # group averaging (gossip.algorithm = "group_average"): exchanges by step, early messages
+        self.exchanges: dict[int, GridAverage] = {}
+        self._early: dict[int, list[SliceMessage]] = {}
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self.group_stats = {"exchanges": 0, "incomplete": 0, "repaired_slices": 0, "refused": 0, "alone": 0}
 
     # --- HTTP handlers ---------------------------------------------------------------------
 
@@ -185,6 +196,7 @@ class Peer:
         app = web.Application(middlewares=[self._auth], client_max_size=self.max_bytes)
         app.router.add_post("/gossip", self.handle_gossip)
         app.router.add_post("/shuffle", self.handle_shuffle)
+        app.router.add_post("/group", self.handle_group)
         app.router.add_get("/status", self.handle_status)
         return app
 
@@ -235,6 +247,109 @@ class Peer:
         self.bytes_sent += len(body)
         return web.Response(body=body, content_type="application/octet-stream")
 
+    # --- group averaging: POST /group carries one slice message ------------------------------
+
+    def _current_step(self) -> int:
+        """The exchange step the wall clock is in: rounds are slots of ``gossip.period`` seconds
+        from the epoch, so peers that share a clock and a config agree on the round."""
+        return math.floor(time.time() / self.g.period) * self.g.exchanges_per_round
+
+    async def handle_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._read_model(request)
+            msg = decode_slice(body, self.spec, self.max_bytes)
+        except WireError as e:
+            self.rejected += 1
+            log.warning("refused a slice: %s", e)
+            return _error(413 if isinstance(e, _BodyTooLarge) else 400, e.code, str(e))
+        if msg.target != self.node.id or msg.sender == self.node.id:
+            return _error(400, "malformed", f"slice for {msg.target!r} from {msg.sender!r} sent to {self.node.id}")
+        now = asyncio.get_running_loop().time()
+        m = self.node.membership
+        m.seen(msg.sender, now)
+        for member in msg.members:
+            m.learn(member, now)
+        ex = self.exchanges.get(msg.round)
+        if ex is None:
+            cur, span = self._current_step(), 2 * self.g.exchanges_per_round
+            held = sum(map(len, self._early.values()))
+            if not cur - span <= msg.round <= cur + span or held >= MAX_EARLY:
+                return _error(409, "stale_round", f"round {msg.round} is not open here (now {cur})")
+            self._early.setdefault(msg.round, []).append(msg)
+            return web.json_response({"ok": True, "held": True})
+        try:
+            out = ex.on_message(msg, now)
+        except Refusal as e:
+            self.group_stats["refused"] += 1
+            return _error(409, e.code, str(e))
+        self._dispatch(ex, out)
+        self._wake.set()
+        return web.json_response({"ok": True})
+
+    def _dispatch(self, ex: GridAverage, msgs: list[SliceMessage]) -> None:
+        for msg in msgs:
+            task = asyncio.get_running_loop().create_task(self._send_slice(ex, msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send_slice(self, ex: GridAverage, msg: SliceMessage) -> None:
+        try:
+            await self._post(msg.target.rstrip("/") + "/group", encode_slice(msg, self.spec), "application/octet-stream")
+            return
+        except Refused as e:  # alive, but it will not take it (another group, a closed round, a bad body)
+            (log.warning if e.code == "spec_mismatch" else log.info)("%s refused a slice: %s", msg.target, e)
+            self.node.membership.seen(msg.target, asyncio.get_running_loop().time())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.info("slice to %s failed: %s", msg.target, e)
+            if self.node.membership.on_failure(msg.target, asyncio.get_running_loop().time()):
+                log.info("%s: removed %s after repeated failures", self.node.id, msg.target)
+        self._dispatch(ex, ex.on_unreachable(msg.target, asyncio.get_running_loop().time()))
+        self._wake.set()
+
+    async def group_exchange(self, step: int, weight: float) -> float:
+        """One group-averaging exchange (p2p/group_average.py) with the groups of ``step`` laid out
+        over our directory; returns the weight behind the averaged model."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        me = self.node.id
+        path = grid_path(self.node.membership.directory(), me, step, self.g.group_size, self.g.group_levels,
+                         self.cfg.simulation.seed)
+        for old in [k for k in self._early if k < step]:
+            del self._early[old]
+        if all(len(grp) < 2 for grp in path):
+            self.group_stats["alone"] += 1
+            return weight
+        ex = GridAverage(me, path, step, self.node.params, weight, now, self.g.timeout)
+        self.exchanges[step] = ex
+        for old in sorted(self.exchanges)[:-KEEP_EXCHANGES]:
+            del self.exchanges[old]
+        self._dispatch(ex, ex.start())
+        for msg in self._early.pop(step, []):
+            try:
+                self._dispatch(ex, ex.on_message(msg, now))
+            except Refusal:
+                self.group_stats["refused"] += 1
+        while True:
+            self._wake.clear()
+            self._dispatch(ex, ex.tick(loop.time()))
+            if ex.done:
+                break
+            deadline = ex.next_deadline()
+            wait = self.g.timeout if deadline is None else max(0.0, deadline - loop.time())
+            try:
+                await asyncio.wait_for(self._wake.wait(), wait + 1e-3)
+            except asyncio.TimeoutError:
+                pass
+        res = ex.result()
+        async with self._lock:
+            self.node.params.copy_(res.values)
+            self.node.version += 1
+            self.node.merges += 1
+        self.group_stats["exchanges"] += 1
+        self.group_stats["incomplete"] += int(not res.complete)
+        self.group_stats["repaired_slices"] += res.repaired
+        return res.weight
+
     async def handle_shuffle(self, request: web.Request) -> web.Response:
         try:
             req = self._parse_shuffle(await request.read(), ShuffleRequest)
@@ -273,7 +388,9 @@ class Peer:
         return {"id": n.id, "task": task_name(self.trainer.task), "spec_hash": self.spec.hash, "steps": self.steps,
                 "age": n.age, "version": n.version, "merges": n.merges, "metrics": _clean(self.last_eval),
                 "view": n.membership.peers(), "suspected": sorted(n.membership.suspected()),
-                "bytes_sent": self.bytes_sent, "rejected": self.rejected, "bounded": n.bounded}
+                "bytes_sent": self.bytes_sent, "rejected": self.rejected, "bounded": n.bounded,
+                "algorithm": self.g.algorithm, "directory": len(n.membership.known),
+                **({"group": dict(self.group_stats)} if self.g.algorithm == "group_average" else {})}
 
     # --- the outgoing side ------------------------------------------------------------------
 
@@ -360,7 +477,11 @@ class Peer:
             self.metrics.write({"round": self.steps, **self.last_eval, "train_loss": self.train_loss,
                                 "age": self.node.age, "merges": self.node.merges,
                                 "view_size": len(self.node.membership.view), "bytes_sent": self.bytes_sent,
-                                "rejected": self.rejected})
+                                "bytes_sent_per_round": self.bytes_sent / max(self.steps, 1),
+                                "rejected": self.rejected, "algorithm": self.g.algorithm,
+                                "directory": len(self.node.membership.known),
+                                **({f"group_{k}": v for k, v in self.group_stats.items()}
+                                   if self.g.algorithm == "group_average" else {})})
 
     async def run(self, host: str, port: int, stop: asyncio.Event) -> None:
         """Serve on host:port and gossip every ``period`` seconds until ``stop`` is set
@@ -371,22 +492,59 @@ class Peer:
         await site.start()
         timeout = aiohttp.ClientTimeout(total=self.g.timeout)
         self._session = aiohttp.ClientSession(timeout=timeout)
-        log.info("peer %s listening on %s:%d, bootstrap %s", self.node.id, host, port, ",".join(self.s.bootstrap) or "-")
+        log.info("peer %s listening on %s:%d, bootstrap %s, %s", self.node.id, host, port,
+                 ",".join(self.s.bootstrap) or "-", self.g.algorithm)
         try:
-            while not stop.is_set():
-                await self.local_step()
-                await asyncio.gather(self.exchange(), self.shuffle())
-                last = bool(self.g.rounds) and self.steps >= self.g.rounds
-                if last or self.steps % self.cfg.simulation.eval_every == 0:
-                    await self.evaluate()
-                async with self._lock:
-                    self.node.expire(asyncio.get_running_loop().time())
-                if last:
-                    break
-                try:
-                    await asyncio.wait_for(stop.wait(), self.g.period)
-                except asyncio.TimeoutError:
-                    pass
+            if self.g.algorithm == "gossip":
+                await self._run_push_pull(stop)
+            else:
+                await self._run_rounds(stop)
         finally:
+            for task in list(self._tasks):
+                task.cancel()
             await self._session.close()
             await runner.cleanup()
+
+    async def _step_done(self) -> bool:
+        """Evaluate when due; True when ``gossip.rounds`` local steps are done."""
+        last = bool(self.g.rounds) and self.steps >= self.g.rounds
+        if last or self.steps % self.cfg.simulation.eval_every == 0:
+            await self.evaluate()
+        return last
+
+    async def _run_push_pull(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.local_step()
+            await asyncio.gather(self.exchange(), self.shuffle())
+            last = await self._step_done()
+            async with self._lock:
+                self.node.expire(asyncio.get_running_loop().time())
+            if last:
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), self.g.period)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _run_rounds(self, stop: asyncio.Event) -> None:
+        """Synchronous rounds on the wall clock (slots of ``gossip.period`` seconds): at the start
+        of a slot, train, then ``exchanges_per_round`` exchanges of the algorithm; a Cyclon
+        shuffle per slot keeps the views and the directory fresh. A slot whose exchanges overrun
+        makes the peer skip to the next free slot."""
+        g = self.g
+        while not stop.is_set():
+            slot = math.floor(time.time() / g.period) + 1
+            try:
+                await asyncio.wait_for(stop.wait(), max(0.0, slot * g.period - time.time()))
+                break
+            except asyncio.TimeoutError:
+                pass
+            shuffle = asyncio.get_running_loop().create_task(self.shuffle())
+            await self.local_step()
+            weight = float(num_examples(self.data.train)) if g.group_weights == "examples" else 1.0
+            for k in range(g.exchanges_per_round):
+                if g.algorithm == "group_average":
+                    weight = await self.group_exchange(slot * g.exchanges_per_round + k, weight)
+            await shuffle
+            if await self._step_done():
+                break
