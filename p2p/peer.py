@@ -306,9 +306,12 @@ class Peer:
         self._dispatch(ex, ex.on_unreachable(msg.target, asyncio.get_running_loop().time()))
         self._wake.set()
 
-    async def group_exchange(self, step: int, weight: float) -> float:
+    async def group_exchange(self, step: int, weight: float, until: float | None = None) -> float:
         """One group-averaging exchange (p2p/group_average.py) with the groups of ``step`` laid out
-        over our directory; returns the weight behind the averaged model."""
+        over our directory; returns the weight behind the averaged model. ``until`` (loop time):
+        the exchange ends then even if some members never answered (the slices that did not come
+        keep our own values), so that a slot's exchange never spills into the next slot and the
+        peers stay in step; the object stays to answer late repair requests."""
         loop = asyncio.get_running_loop()
         now = loop.time()
         me = self.node.id
@@ -332,10 +335,12 @@ class Peer:
         while True:
             self._wake.clear()
             self._dispatch(ex, ex.tick(loop.time()))
-            if ex.done:
+            if ex.done or (until is not None and loop.time() >= until):
                 break
             deadline = ex.next_deadline()
             wait = self.g.timeout if deadline is None else max(0.0, deadline - loop.time())
+            if until is not None:
+                wait = min(wait, max(0.0, until - loop.time()))
             try:
                 await asyncio.wait_for(self._wake.wait(), wait + 1e-3)
             except asyncio.TimeoutError:
@@ -528,9 +533,10 @@ class Peer:
 
     async def _run_rounds(self, stop: asyncio.Event) -> None:
         """Synchronous rounds on the wall clock (slots of ``gossip.period`` seconds): at the start
-        of a slot, train, then ``exchanges_per_round`` exchanges of the algorithm; a Cyclon
-        shuffle per slot keeps the views and the directory fresh. A slot whose exchanges overrun
-        makes the peer skip to the next free slot."""
+        of a slot, train, then ``exchanges_per_round`` exchanges of the algorithm, all over by
+        0.8 of the slot (whatever did not arrive by then is left out); a Cyclon shuffle per slot
+        keeps the views and the directory fresh. Training that overruns a slot makes the peer
+        skip to the next one."""
         g = self.g
         while not stop.is_set():
             slot = math.floor(time.time() / g.period) + 1
@@ -542,9 +548,12 @@ class Peer:
             shuffle = asyncio.get_running_loop().create_task(self.shuffle())
             await self.local_step()
             weight = float(num_examples(self.data.train)) if g.group_weights == "examples" else 1.0
-            for k in range(g.exchanges_per_round):
+            m = g.exchanges_per_round
+            for k in range(m):
+                # exchange k ends by 0.8 (k + 1) / m of the slot, on the wall clock
+                end = asyncio.get_running_loop().time() + (slot + 0.8 * (k + 1) / m) * g.period - time.time()
                 if g.algorithm == "group_average":
-                    weight = await self.group_exchange(slot * g.exchanges_per_round + k, weight)
+                    weight = await self.group_exchange(slot * m + k, weight, end)
             await shuffle
             if await self._step_done():
                 break
