@@ -58,6 +58,7 @@ from shoal.seeding import derive_seed
 from shoal.task import ClientData, num_examples, task_name
 from shoal.wire import default_max_bytes
 
+from .dpsgd import DpsgdStep, MixMessage
 from .gossip import GossipNode, ModelMessage
 from .group_average import GridAverage, Refusal, SliceMessage, grid_path
 from .membership import Membership, ShuffleRequest, ShuffleResponse
@@ -177,6 +178,10 @@ class Peer:
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self.group_stats = {"exchanges": 0, "incomplete": 0, "repaired_slices": 0, "refused": 0, "alone": 0}
+        # D-PSGD (gossip.algorithm = "dpsgd"): the open mixing steps, and who waits for one
+        self.mixing: dict[int, DpsgdStep] = {}
+        self._step_open: dict[int, asyncio.Event] = {}
+        self.dpsgd_stats = {"steps": 0, "neighbours": 0, "refused": 0}
 
     # --- HTTP handlers ---------------------------------------------------------------------
 
@@ -197,6 +202,7 @@ class Peer:
         app.router.add_post("/gossip", self.handle_gossip)
         app.router.add_post("/shuffle", self.handle_shuffle)
         app.router.add_post("/group", self.handle_group)
+        app.router.add_post("/dpsgd", self.handle_dpsgd)
         app.router.add_get("/status", self.handle_status)
         return app
 
@@ -355,6 +361,94 @@ class Peer:
         self.group_stats["repaired_slices"] += res.repaired
         return res.weight
 
+    # --- D-PSGD: POST /dpsgd carries a node's model for one mixing step; the answer is ours ----
+
+    def _mix_body(self, msg: MixMessage) -> bytes:
+        extra = {"age": self.node.age, "num_examples": self.node.num_examples, "sender": msg.sender,
+                 "step": msg.step}
+        self._sent += 1
+        seed = derive_seed(self.cfg.simulation.seed, zlib.crc32(self.node.id.encode()), self._sent)
+        return encode_gossip_model(msg.params, self.spec, self.node.version, extra, self.cfg.compression, seed)
+
+    def _mix_message(self, body: bytes, reply: bool) -> MixMessage:
+        params, header = decode_gossip_model(body, self.spec, self.max_bytes)
+        return MixMessage(_check_id(header.get("sender"), "sender"), self.node.id, _check_int(header, "step", 0),
+                          params, reply)
+
+    async def handle_dpsgd(self, request: web.Request) -> web.Response:
+        try:
+            msg = self._mix_message(await self._read_model(request), reply=False)
+        except WireError as e:
+            self.rejected += 1
+            log.warning("refused a model: %s", e)
+            return _error(413 if isinstance(e, _BodyTooLarge) else 400, e.code, str(e))
+        loop = asyncio.get_running_loop()
+        st = self.mixing.get(msg.step)
+        if st is None:  # the sender is ahead of us (it trained faster): wait for our step, briefly
+            cur, m = self._current_step(), self.g.exchanges_per_round
+            if not cur <= msg.step <= cur + 2 * m or len(self._step_open) > 8:
+                return _error(409, "stale_round", f"step {msg.step} is not open here (now {cur})")
+            opened = self._step_open.setdefault(msg.step, asyncio.Event())
+            try:
+                await asyncio.wait_for(opened.wait(), 0.8 * self.g.period)
+            except asyncio.TimeoutError:
+                pass
+            st = self.mixing.get(msg.step)
+            if st is None:
+                return _error(409, "stale_round", f"step {msg.step} did not open here in time")
+        try:
+            answer = st.on_request(msg, loop.time())
+        except Refusal as e:
+            self.dpsgd_stats["refused"] += 1
+            return _error(409, e.code, str(e))
+        self.node.membership.seen(msg.sender, loop.time())
+        body = self._mix_body(answer)
+        self.bytes_sent += len(body)
+        return web.Response(body=body, content_type="application/octet-stream")
+
+    async def _mix_with(self, st: DpsgdStep, msg: MixMessage) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            data = await self._post(msg.target.rstrip("/") + "/dpsgd", self._mix_body(msg), "application/octet-stream")
+            st.on_reply(self._mix_message(data, reply=True), loop.time())
+            self.node.membership.on_success(msg.target, loop.time())
+        except Refused as e:  # busy, closed, another step: alive, no edge this step
+            (log.warning if e.code == "spec_mismatch" else log.debug)("%s refused to mix: %s", msg.target, e)
+            st.on_unreachable(msg.target, loop.time())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ShoalError) as e:
+            log.info("mixing with %s failed: %s", msg.target, e)
+            st.on_unreachable(msg.target, loop.time())
+            if self.node.membership.on_failure(msg.target, loop.time()):
+                log.info("%s: removed %s after repeated failures", self.node.id, msg.target)
+
+    async def dpsgd_step(self, step: int, until: float) -> None:
+        """One D-PSGD mixing step (p2p/dpsgd.py DpsgdStep) with partners from our view, open to
+        requests until ``until`` (loop time); then mix what we exchanged."""
+        loop = asyncio.get_running_loop()
+        m = self.node.membership
+        partners: list[str] = []
+        pool = [p for p in m.peers() if p not in m.suspected()] or m.peers()
+        rng = derive_seed(self.cfg.simulation.seed, zlib.crc32(self.node.id.encode()), step)
+        order = sorted(pool, key=lambda p: zlib.crc32(f"{rng}/{p}".encode()))
+        partners = order[: max(1, self.g.degree // 2)]
+        st = DpsgdStep(self.node.id, step, self.node.params, partners, self.g.degree, until)
+        self.mixing[step] = st
+        for old in sorted(self.mixing)[:-KEEP_EXCHANGES]:
+            del self.mixing[old]
+        self._step_open.setdefault(step, asyncio.Event()).set()
+        for old in [k for k in self._step_open if k < step]:
+            del self._step_open[old]
+        await asyncio.gather(*[self._mix_with(st, msg) for msg in st.start()])
+        await asyncio.sleep(max(0.0, until - loop.time()))  # others may still ask us
+        st.tick(loop.time())
+        mixed = st.result()
+        async with self._lock:
+            self.node.params.copy_(mixed)
+            self.node.version += 1
+            self.node.merges += 1
+        self.dpsgd_stats["steps"] += 1
+        self.dpsgd_stats["neighbours"] += len(st.neighbours)
+
     async def handle_shuffle(self, request: web.Request) -> web.Response:
         try:
             req = self._parse_shuffle(await request.read(), ShuffleRequest)
@@ -395,7 +489,8 @@ class Peer:
                 "view": n.membership.peers(), "suspected": sorted(n.membership.suspected()),
                 "bytes_sent": self.bytes_sent, "rejected": self.rejected, "bounded": n.bounded,
                 "algorithm": self.g.algorithm, "directory": len(n.membership.known),
-                **({"group": dict(self.group_stats)} if self.g.algorithm == "group_average" else {})}
+                **({"group": dict(self.group_stats)} if self.g.algorithm == "group_average" else {}),
+                **({"dpsgd": dict(self.dpsgd_stats)} if self.g.algorithm == "dpsgd" else {})}
 
     # --- the outgoing side ------------------------------------------------------------------
 
@@ -486,7 +581,9 @@ class Peer:
                                 "rejected": self.rejected, "algorithm": self.g.algorithm,
                                 "directory": len(self.node.membership.known),
                                 **({f"group_{k}": v for k, v in self.group_stats.items()}
-                                   if self.g.algorithm == "group_average" else {})})
+                                   if self.g.algorithm == "group_average" else {}),
+                                **({f"dpsgd_{k}": v for k, v in self.dpsgd_stats.items()}
+                                   if self.g.algorithm == "dpsgd" else {})})
 
     async def run(self, host: str, port: int, stop: asyncio.Event) -> None:
         """Serve on host:port and gossip every ``period`` seconds until ``stop`` is set
@@ -554,6 +651,8 @@ class Peer:
                 end = asyncio.get_running_loop().time() + (slot + 0.8 * (k + 1) / m) * g.period - time.time()
                 if g.algorithm == "group_average":
                     weight = await self.group_exchange(slot * m + k, weight, end)
+                else:
+                    await self.dpsgd_step(slot * m + k, end)
             await shuffle
             if await self._step_done():
                 break

@@ -156,3 +156,22 @@ def test_bad_slices_are_refused_and_change_nothing(tmp_path):
         await _close(peers, runners)
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_dpsgd_peers_mix_over_https_and_keep_the_sum(tmp_path):
+    async def main() -> None:
+        peers, runners, urls, _ = await _network(tmp_path, 4, 'gossip.algorithm="dpsgd"', "gossip.degree=2",
+                                                 "gossip.period=1.0")
+        before = torch.stack([p.node.params.clone() for p in peers])
+        step = peers[0]._current_step() + 1
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*[p.dpsgd_step(step, loop.time() + 1.5) for p in peers])
+        after = torch.stack([p.node.params for p in peers])
+        edges = sum(len(p.mixing[step].neighbours) for p in peers)
+        assert edges >= 2 and edges % 2 == 0  # every edge is mixed on both sides
+        assert torch.allclose(after.sum(0), before.sum(0), atol=1e-4)
+        assert not torch.equal(after, before)
+        await _close(peers, runners)
+
+    asyncio.run(main())
