@@ -63,7 +63,8 @@ from .gossip import GossipNode, ModelMessage
 from .group_average import GridAverage, Refusal, SliceMessage, grid_path
 from .membership import Membership, ShuffleRequest, ShuffleResponse
 from .merge import MergeRule
-from .model_wire import decode_gossip_model, decode_slice, encode_gossip_model, encode_slice
+from .model_wire import decode_gossip_model, decode_secure, decode_slice, encode_gossip_model, encode_secure, encode_slice
+from .secure_group import SecureGroup, SecureMessage
 from .robust import check_gossip_settings
 
 log = logging.getLogger(__name__)
@@ -182,6 +183,11 @@ class Peer:
         self.mixing: dict[int, DpsgdStep] = {}
         self._step_open: dict[int, asyncio.Event] = {}
         self.dpsgd_stats = {"steps": 0, "neighbours": 0, "refused": 0}
+        # secure groups (gossip.algorithm = "secure_groups"): the offset from the shared initial model is masked
+        self.init = params.clone()
+        self.secure: dict[int, SecureGroup] = {}
+        self._early_secure: dict[int, list[SecureMessage]] = {}
+        self.secure_stats = {"groups": 0, "averaged": 0, "aborted": 0, "alone": 0}
 
     # --- HTTP handlers ---------------------------------------------------------------------
 
@@ -203,6 +209,7 @@ class Peer:
         app.router.add_post("/shuffle", self.handle_shuffle)
         app.router.add_post("/group", self.handle_group)
         app.router.add_post("/dpsgd", self.handle_dpsgd)
+        app.router.add_post("/secure", self.handle_secure)
         app.router.add_get("/status", self.handle_status)
         return app
 
@@ -292,21 +299,28 @@ class Peer:
         self._wake.set()
         return web.json_response({"ok": True})
 
-    def _dispatch(self, ex: GridAverage, msgs: list[SliceMessage]) -> None:
+    def _dispatch(self, ex: GridAverage | SecureGroup, msgs: list) -> None:
         for msg in msgs:
-            task = asyncio.get_running_loop().create_task(self._send_slice(ex, msg))
+            task = asyncio.get_running_loop().create_task(self._send_msg(ex, msg))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
 
-    async def _send_slice(self, ex: GridAverage, msg: SliceMessage) -> None:
+    async def _send_msg(self, ex: GridAverage | SecureGroup, msg: SliceMessage | SecureMessage) -> None:
+        """POST a group message (a slice to /group, a secure group message to /secure); a member
+        that cannot be reached or refuses is gone for this exchange (and a connection failure
+        counts against it in the membership)."""
+        if isinstance(msg, SliceMessage):
+            path, body = "/group", encode_slice(msg, self.spec)
+        else:
+            path, body = "/secure", encode_secure(msg, self.spec)
         try:
-            await self._post(msg.target.rstrip("/") + "/group", encode_slice(msg, self.spec), "application/octet-stream")
+            await self._post(msg.target.rstrip("/") + path, body, "application/octet-stream")
             return
         except Refused as e:  # alive, but it will not take it (another group, a closed round, a bad body)
-            (log.warning if e.code == "spec_mismatch" else log.info)("%s refused a slice: %s", msg.target, e)
+            (log.warning if e.code == "spec_mismatch" else log.info)("%s refused a message: %s", msg.target, e)
             self.node.membership.seen(msg.target, asyncio.get_running_loop().time())
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            log.info("slice to %s failed: %s", msg.target, e)
+            log.info("%s to %s failed: %s", path, msg.target, e)
             if self.node.membership.on_failure(msg.target, asyncio.get_running_loop().time()):
                 log.info("%s: removed %s after repeated failures", self.node.id, msg.target)
         self._dispatch(ex, ex.on_unreachable(msg.target, asyncio.get_running_loop().time()))
@@ -360,6 +374,85 @@ class Peer:
         self.group_stats["incomplete"] += int(not res.complete)
         self.group_stats["repaired_slices"] += res.repaired
         return res.weight
+
+    # --- secure groups: POST /secure carries one secure aggregation message of a group ------------
+
+    async def handle_secure(self, request: web.Request) -> web.Response:
+        try:
+            msg = decode_secure(await self._read_model(request), self.spec, self.max_bytes)
+        except WireError as e:
+            self.rejected += 1
+            log.warning("refused a secure group message: %s", e)
+            return _error(413 if isinstance(e, _BodyTooLarge) else 400, e.code, str(e))
+        if msg.target != self.node.id or msg.sender == self.node.id:
+            return _error(400, "malformed", f"message for {msg.target!r} from {msg.sender!r} sent to {self.node.id}")
+        now = asyncio.get_running_loop().time()
+        self.node.membership.seen(msg.sender, now)
+        for member in msg.members:
+            self.node.membership.learn(member, now)
+        sg = self.secure.get(msg.round)
+        if sg is None:
+            cur, span = self._current_step(), 2 * self.g.exchanges_per_round
+            held = sum(map(len, self._early_secure.values()))
+            if not cur - span <= msg.round <= cur + span or held >= MAX_EARLY:
+                return _error(409, "stale_round", f"round {msg.round} is not open here (now {cur})")
+            self._early_secure.setdefault(msg.round, []).append(msg)
+            return web.json_response({"ok": True, "held": True})
+        try:
+            out = sg.on_message(msg, now)
+        except Refusal as e:
+            return _error(409, e.code, str(e))
+        self._dispatch(sg, out)
+        self._wake.set()
+        return web.json_response({"ok": True})
+
+    async def secure_exchange(self, step: int, until: float) -> None:
+        """One secure group average (p2p/secure_group.py) in our group of ``step`` (one grid axis),
+        the first member relaying; each stage waits at most min(timeout, period / 10); the group's
+        average offset from the initial model replaces ours, an aborted group keeps its models."""
+        loop = asyncio.get_running_loop()
+        g, sa = self.g, self.cfg.secure_aggregation
+        members = grid_path(self.node.membership.directory(), self.node.id, step, g.group_size, 1,
+                            self.cfg.simulation.seed)[0]
+        for old in [k for k in self._early_secure if k < step]:
+            del self._early_secure[old]
+        if len(members) < 2:
+            self.secure_stats["alone"] += 1
+            return
+        now = loop.time()
+        sg = SecureGroup(self.node.id, members, step, self.node.params - self.init, num_examples(self.data.train),
+                         now, min(g.timeout, g.period / 10), sa.clip, sa.bits, sa.threshold)
+        self.secure[step] = sg
+        for old in sorted(self.secure)[:-KEEP_EXCHANGES]:
+            del self.secure[old]
+        self.secure_stats["groups"] += 1
+        self._dispatch(sg, sg.start())
+        for msg in self._early_secure.pop(step, []):
+            try:
+                self._dispatch(sg, sg.on_message(msg, now))
+            except Refusal:
+                pass
+        while True:
+            self._wake.clear()
+            self._dispatch(sg, sg.tick(loop.time()))
+            if sg.done or loop.time() >= until:
+                break
+            deadline = sg.next_deadline()
+            wait = min(until, deadline if deadline is not None else until) - loop.time()
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.0, wait) + 1e-3)
+            except asyncio.TimeoutError:
+                pass
+        res = sg.result()
+        if res.mean is None:
+            self.secure_stats["aborted"] += 1
+            log.info("secure group of step %d: no average (%s)", step, res.reason or "out of time")
+            return
+        async with self._lock:
+            self.node.params.copy_(self.init + res.mean.to(self.init.device))
+            self.node.version += 1
+            self.node.merges += 1
+        self.secure_stats["averaged"] += 1
 
     # --- D-PSGD: POST /dpsgd carries a node's model for one mixing step; the answer is ours ----
 
@@ -490,7 +583,8 @@ class Peer:
                 "bytes_sent": self.bytes_sent, "rejected": self.rejected, "bounded": n.bounded,
                 "algorithm": self.g.algorithm, "directory": len(n.membership.known),
                 **({"group": dict(self.group_stats)} if self.g.algorithm == "group_average" else {}),
-                **({"dpsgd": dict(self.dpsgd_stats)} if self.g.algorithm == "dpsgd" else {})}
+                **({"dpsgd": dict(self.dpsgd_stats)} if self.g.algorithm == "dpsgd" else {}),
+                **({"secure": dict(self.secure_stats)} if self.g.algorithm == "secure_groups" else {})}
 
     # --- the outgoing side ------------------------------------------------------------------
 
@@ -583,7 +677,9 @@ class Peer:
                                 **({f"group_{k}": v for k, v in self.group_stats.items()}
                                    if self.g.algorithm == "group_average" else {}),
                                 **({f"dpsgd_{k}": v for k, v in self.dpsgd_stats.items()}
-                                   if self.g.algorithm == "dpsgd" else {})})
+                                   if self.g.algorithm == "dpsgd" else {}),
+                                **({f"secure_{k}": v for k, v in self.secure_stats.items()}
+                                   if self.g.algorithm == "secure_groups" else {})})
 
     async def run(self, host: str, port: int, stop: asyncio.Event) -> None:
         """Serve on host:port and gossip every ``period`` seconds until ``stop`` is set
@@ -651,6 +747,8 @@ class Peer:
                 end = asyncio.get_running_loop().time() + (slot + 0.8 * (k + 1) / m) * g.period - time.time()
                 if g.algorithm == "group_average":
                     weight = await self.group_exchange(slot * m + k, weight, end)
+                elif g.algorithm == "secure_groups":
+                    await self.secure_exchange(slot * m + k, end)
                 else:
                     await self.dpsgd_step(slot * m + k, end)
             await shuffle

@@ -175,3 +175,33 @@ def test_dpsgd_peers_mix_over_https_and_keep_the_sum(tmp_path):
         await _close(peers, runners)
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_secure_group_over_https_gives_every_member_the_weighted_average_and_a_dead_member_drops_out(tmp_path):
+    async def main() -> None:
+        peers, runners, urls, _ = await _network(tmp_path, 5, 'gossip.algorithm="secure_groups"', "gossip.group_size=5",
+                                                 "gossip.period=8.0", "secure_aggregation.bits=20")
+        for p in peers:  # the initial model is shared; each peer's model moved from it by a small offset
+            p.init.copy_(peers[0].init)
+            p.node.params.copy_(p.init + 0.1 * torch.randn(p.spec.numel, generator=torch.Generator().manual_seed(
+                len(p.node.id))))
+        from shoal.p2p.group_average import grid_path
+
+        step = peers[0]._current_step()
+        relay = grid_path(urls, urls[0], step, 5, 1)[0][0]  # the group's first member relays
+        dead = next(i for i in range(5) if urls[i] != relay)
+        await runners[dead].cleanup()  # one member is gone: its port refuses connections
+        live = [p for i, p in enumerate(peers) if i != dead]
+        w = torch.tensor([float(20 + 10 * i) for i in range(5) if i != dead])
+        offsets = torch.stack([(p.node.params - p.init).clamp(-1, 1) for p in live])
+        want = peers[0].init + (w[:, None] * offsets).sum(0) / w.sum()
+        loop = asyncio.get_running_loop()
+        await asyncio.gather(*[p.secure_exchange(step, loop.time() + 6.0) for p in live])
+        for p in live:
+            assert p.secure_stats["averaged"] == 1, p.secure_stats
+            assert torch.allclose(p.node.params, want, atol=1e-4)
+        assert all(p.bytes_sent > 4 * p.spec.numel for p in live)  # at least the masked vector
+        await _close(peers, [r for i, r in enumerate(runners) if i != dead])
+
+    asyncio.run(main())
