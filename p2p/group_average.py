@@ -440,7 +440,8 @@ class GroupAverage:
                 kept += 1
             wsum += w * (hi - lo)
         complete = kept == 0 and self._repaired == 0 and all(c == self.k for _, _, c in self._slices.values())
-        missing = sorted(m for m in self.members if m in self.gone or (self._mine.closed and m not in self._contributed))
+        missing = sorted(m for m in self.members
+                         if m in self.gone or (self._mine.closed and m not in self._contributed))
         return GroupResult(values, wsum / max(self.own.numel(), 1), complete, missing, self._repaired, kept,
                            self._late)
 

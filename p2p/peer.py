@@ -1,10 +1,20 @@
-"""The gossip peer service (`shoal peer`): aiohttp transport around GossipNode and Membership.
+"""The gossip peer service (`shoal peer`): aiohttp transport around the protocol objects of p2p/.
 
-One peer trains on its own data (the task's, shoal/task.py) every ``gossip.period`` seconds,
-then pushes its model
-to a peer drawn from its Cyclon view (``POST /gossip``, safetensors body, the answer is
-the other's pre-merge model) and shuffles views (``POST /shuffle``, JSON). The protocol
-decisions all live in the sans-I/O objects of p2p/; this module only moves bytes.
+One peer trains on its own data (the task's, shoal/task.py) and exchanges models as
+``gossip.algorithm`` says:
+
+- ``gossip``: every ``gossip.period`` seconds, train, then push the model to a peer drawn
+  from the Cyclon view (``POST /gossip``, safetensors body, the answer is the other's
+  pre-merge model; GossipNode);
+- ``group_average``, ``dpsgd``, ``secure_groups``: synchronous rounds on wall-clock slots
+  of ``gossip.period`` seconds: train at the slot's start, then exchange, over by 0.8 of the
+  slot with whatever arrived: group averaging's slices (``POST /group``, GridAverage), a
+  D-PSGD mixing step with partners from the view (``POST /dpsgd``, DpsgdStep), or a secure
+  group average (``POST /secure``, SecureGroup). Groups come from the directory of peers the
+  Membership has heard of, laid out on the virtual grid (p2p/group_average.py).
+
+Every slot or step also shuffles views (``POST /shuffle``, JSON). The protocol decisions
+all live in the sans-I/O objects of p2p/; this module only moves bytes.
 
 Every request carries the network credential (``Authorization: Bearer TOKEN``, one
 token shared by the peers of a network); a request without it gets 401. Every model
@@ -63,7 +73,8 @@ from .gossip import GossipNode, ModelMessage
 from .group_average import GridAverage, Refusal, SliceMessage, grid_path
 from .membership import Membership, ShuffleRequest, ShuffleResponse
 from .merge import MergeRule
-from .model_wire import decode_gossip_model, decode_secure, decode_slice, encode_gossip_model, encode_secure, encode_slice
+from .model_wire import (decode_gossip_model, decode_secure, decode_slice, encode_gossip_model, encode_secure,
+                         encode_slice)
 from .secure_group import SecureGroup, SecureMessage
 from .robust import check_gossip_settings
 
@@ -738,7 +749,9 @@ class Peer:
                 break
             except asyncio.TimeoutError:
                 pass
-            shuffle = asyncio.get_running_loop().create_task(self.shuffle())
+            shuffle = asyncio.get_running_loop().create_task(self.shuffle())  # never holds up the slot
+            self._tasks.add(shuffle)
+            shuffle.add_done_callback(self._tasks.discard)
             await self.local_step()
             weight = float(num_examples(self.data.train)) if g.group_weights == "examples" else 1.0
             m = g.exchanges_per_round
@@ -751,6 +764,5 @@ class Peer:
                     await self.secure_exchange(slot * m + k, end)
                 else:
                     await self.dpsgd_step(slot * m + k, end)
-            await shuffle
             if await self._step_done():
                 break

@@ -224,9 +224,8 @@ def test_messages_of_another_group_or_malformed_are_refused():
         GroupAverage("a", members, 0, torch.zeros(3), 0.0, 0.0, 1.0)
 
 
-def _grid(n, g, seed=0):
-    peers = [f"p{i:03d}" for i in range(n)]
-    return peers
+def _grid(n, g):
+    return [f"p{i:03d}" for i in range(n)]
 
 
 @pytest.mark.parametrize("n,g,step,weighted", [(105, 4, 0, True), (27, 3, 4, False), (12, 4, 1, True),
