@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .group_average import Refusal
+
 TOPOLOGIES = ("ring", "torus", "regular", "small-world", "complete")
 
 
@@ -204,8 +206,6 @@ class DpsgdStep:
 
     def on_request(self, msg: MixMessage, now: float) -> MixMessage:
         """Answer with our model and keep theirs for the mix (raises Refusal: busy, closed, stale)."""
-        from .group_average import Refusal
-
         if msg.step != self.step:
             raise Refusal("stale_round", f"{self.me} mixes step {self.step}, not {msg.step}")
         if msg.sender == self.me or msg.reply or tuple(msg.params.shape) != tuple(self.own.shape):
