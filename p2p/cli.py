@@ -35,7 +35,7 @@ from shoal.task import (ClientData, LocalData, SimulationData, Task, TaskError, 
 from shoal.tls import client_context, server_context
 
 from .peer import Peer, PeerData, PeerSettings
-from .robust import check_gossip_settings
+from .robust import check_gossip_settings, robust_mixing
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +104,20 @@ def load_peer_data(spec: str, cfg: Config, task: Task, device: torch.device) -> 
                     _on_device(data.central_test, device))
 
 
+def check_peer_algorithm(cfg: Config) -> None:
+    """What a real peer runs: every algorithm, D-PSGD with plain mixing."""
+    g = cfg.gossip
+    if g.algorithm == "dpsgd" and robust_mixing(cfg):
+        raise ConfigError("[robust] mixing with gossip.algorithm = 'dpsgd' runs in the simulator only; a peer "
+                          "mixes its neighbours' models plainly: set robust.rule = 'mean' and robust.norm_bound = 0")
+
+
 def run_peer(cfg: Config, listen: str, bootstrap: str, data: str, token: str | None, advertise: str | None,
              tls_cert: Path | None, tls_key: Path | None, ca_cert: Path | None, insecure: bool,
              out: Path | None) -> None:
     host, port = parse_listen(listen)
     check_gossip_settings(cfg)
+    check_peer_algorithm(cfg)
     token = token if token is not None else os.environ.get("SHOAL_TOKEN", "")
     if insecure:
         log.warning("--insecure: plain HTTP, models and the network token travel unencrypted")

@@ -14,9 +14,12 @@ stochastic for any undirected graph.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
+
+from .group_average import Refusal
 
 TOPOLOGIES = ("ring", "torus", "regular", "small-world", "complete")
 
@@ -150,3 +153,92 @@ def gossip_average(w: torch.Tensor, models: torch.Tensor, alive: torch.Tensor | 
         w = w * a[:, None] * a[None, :]
         w = w + torch.diag(1.0 - w.sum(dim=1))
     return w @ models
+
+
+# --- D-PSGD between peers that only know a partial view (sans-I/O) -------------------------------
+
+
+@dataclass(frozen=True)
+class MixMessage:
+    """A node's model of step ``step`` (after its local work) for a neighbour; ``reply`` marks
+    the answer to a request."""
+
+    sender: str
+    target: str
+    step: int
+    params: torch.Tensor
+    reply: bool = False
+
+
+class DpsgdStep:
+    """One node's mixing step of D-PSGD on a time-varying graph drawn from the peers' views.
+
+    Real peers have no global topology: each step, a node asks ``degree // 2`` peers drawn
+    from its Cyclon view for their models (sending its own), and answers the requests of
+    others while it has fewer than ``degree`` neighbours (a request beyond that is refused:
+    ``busy``). Every edge then has weight ``1 / (1 + degree)`` on both sides, so each step's
+    mixing matrix is symmetric and doubly stochastic (rows sum to at most
+    ``degree / (1 + degree)``, the rest on the diagonal) whatever the graph drawn: D-PSGD
+    over random time-varying graphs (Lian et al. 2017; Koloskova et al. 2020). A neighbour
+    that does not answer by the step's end (``close_at``) is left out: its weight stays on
+    the diagonal. ``now`` is passed in; no sockets, no clock.
+    """
+
+    def __init__(self, me: str, step: int, params: torch.Tensor, partners: list[str], degree: int,
+                 close_at: float):
+        if degree < 1:
+            raise ValueError("degree must be >= 1")
+        self.me, self.step, self.degree, self.close_at = me, int(step), int(degree), float(close_at)
+        self.own = params.detach().float().clone()
+        self.partners = [p for p in dict.fromkeys(partners) if p != me][: max(1, degree // 2)]
+        self.pending: set[str] = set()
+        self.neighbours: dict[str, torch.Tensor] = {}
+        self.refused = 0
+        self.closed = False
+
+    @property
+    def weight(self) -> float:
+        return 1.0 / (1 + self.degree)
+
+    def start(self) -> list[MixMessage]:
+        self.pending = set(self.partners)
+        return [MixMessage(self.me, p, self.step, self.own.clone()) for p in self.partners]
+
+    def on_request(self, msg: MixMessage, now: float) -> MixMessage:
+        """Answer with our model and keep theirs for the mix (raises Refusal: busy, closed, stale)."""
+        if msg.step != self.step:
+            raise Refusal("stale_round", f"{self.me} mixes step {self.step}, not {msg.step}")
+        if msg.sender == self.me or msg.reply or tuple(msg.params.shape) != tuple(self.own.shape):
+            raise Refusal("malformed", "a request from another node, of our model's size")
+        if self.closed or now >= self.close_at:
+            raise Refusal("closed", f"{self.me} has mixed step {self.step} already")
+        if msg.sender not in self.neighbours and len(self.neighbours) + len(self.pending) >= self.degree:
+            self.refused += 1
+            raise Refusal("busy", f"{self.me} has {self.degree} neighbours this step")
+        self.neighbours[msg.sender] = msg.params.detach().float()
+        return MixMessage(self.me, msg.sender, self.step, self.own.clone(), reply=True)
+
+    def on_reply(self, msg: MixMessage, now: float) -> None:
+        if msg.sender in self.pending and msg.step == self.step and not self.closed:
+            self.pending.discard(msg.sender)
+            self.neighbours[msg.sender] = msg.params.detach().float()
+
+    def on_unreachable(self, peer: str, now: float) -> None:
+        self.pending.discard(peer)
+
+    def tick(self, now: float) -> None:
+        if now >= self.close_at:
+            self.closed = True
+
+    @property
+    def done(self) -> bool:
+        return self.closed
+
+    def result(self) -> torch.Tensor:
+        """``x + w sum_j (x_j - x)`` over the neighbours that exchanged with us this step."""
+        self.closed = True
+        out = self.own.double()
+        acc = torch.zeros_like(out)
+        for x in self.neighbours.values():
+            acc += x.double() - out
+        return (out + self.weight * acc).float()

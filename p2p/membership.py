@@ -8,6 +8,10 @@ first into empty slots, then over the entries they sent. Dead peers drop out by
 themselves: the oldest entry is the one contacted, so a dead one is found and removed
 within a few shuffles.
 
+A directory on top: every peer this one has heard of (views, shuffles, direct messages),
+less the removed ones, up to ``max_known``. Group averaging (p2p/group_average.py) lays
+the directory out on its grid: peers that know the same peers form the same groups.
+
 Failure detection on top: a contact that fails (timeout or transport error) counts a
 failure; a peer with ``max_failures`` consecutive failures is removed and quarantined,
 so stale entries of it that still circulate are ignored for ``quarantine`` time units.
@@ -62,6 +66,7 @@ class Membership:
     seed: int = 0
     bootstrap_peers: tuple[str, ...] = ()
     view: dict[str, ViewEntry] = field(default_factory=dict)
+    max_known: int = 4096           # the directory's bound
 
     def __post_init__(self) -> None:
         if self.view_size < 1 or not 1 <= self.shuffle_length <= self.view_size:
@@ -70,6 +75,7 @@ class Membership:
         self._pending: dict[str, _Pending] = {}
         self._failures: dict[str, int] = {}
         self._removed: dict[str, float] = {}
+        self.known: set[str] = set()
         for p in self.bootstrap_peers:
             self.add(p)
 
@@ -77,6 +83,15 @@ class Membership:
 
     def peers(self) -> list[str]:
         return sorted(self.view)
+
+    def directory(self) -> list[str]:
+        """Every other peer we know of and have not removed (sorted)."""
+        return sorted(self.known)
+
+    def learn(self, peer: str, now: float) -> None:
+        """``peer`` was named to us (a group's member list): into the directory unless quarantined."""
+        if peer != self.self_id and not self._quarantined(peer, now) and len(self.known) < self.max_known:
+            self.known.add(peer)
 
     def suspected(self) -> set[str]:
         return {p for p, n in self._failures.items() if n > 0}
@@ -93,6 +108,8 @@ class Membership:
         """Put ``peer`` in the view if there is room (or it is there: keep the younger age)."""
         if peer == self.self_id:
             return False
+        if len(self.known) < self.max_known:
+            self.known.add(peer)
         if peer in self.view:
             self.view[peer].age = min(self.view[peer].age, age)
             return True
@@ -121,6 +138,13 @@ class Membership:
             del self.view[oldest.peer]
         self.add(peer, 0)
 
+    def seen(self, peer: str, now: float) -> None:
+        """A direct message from ``peer`` that is no view exchange (a group's slice): it is
+        alive and in the directory; it takes a view slot only if one is free."""
+        self._failures.pop(peer, None)
+        self._removed.pop(peer, None)
+        self.add(peer, 0)
+
     def on_failure(self, peer: str, now: float) -> bool:
         """A contact with ``peer`` failed; returns True when this removed it."""
         n = self._failures.get(peer, 0) + 1
@@ -135,6 +159,7 @@ class Membership:
 
     def remove(self, peer: str, now: float) -> None:
         self.view.pop(peer, None)
+        self.known.discard(peer)
         self._failures.pop(peer, None)
         self._pending.pop(peer, None)
         self._removed[peer] = now
@@ -194,6 +219,8 @@ class Membership:
         for peer, age in entries:
             if peer == self.self_id or self._quarantined(peer, now):
                 continue
+            if len(self.known) < self.max_known:
+                self.known.add(peer)
             if peer in self.view:
                 self.view[peer].age = min(self.view[peer].age, int(age))
                 continue

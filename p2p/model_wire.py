@@ -19,16 +19,21 @@ the dense model is built, and a model with NaN/Inf is rejected.
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from typing import TYPE_CHECKING, Any
 
 import torch
 import zstandard
 
 from shoal.aggregation.compression import Compressor, Encoded, decode_tensors, expected_tensors
 from shoal.config import CompressionConfig
-from shoal.errors import Malformed, TooLarge
+from shoal.errors import Malformed, SpecMismatch, TooLarge
 from shoal.params import ParamSpec
 from shoal.wire import _unzstd, decode, decode_model, encode, encode_model, read_header
+
+if TYPE_CHECKING:
+    from .group_average import SliceMessage
+    from .secure_group import SecureMessage
 
 MODEL_ENCODINGS = ("dense", "q8")
 
@@ -83,3 +88,103 @@ def decode_gossip_model(body: bytes, spec: ParamSpec, max_bytes: int) -> tuple[t
         raise Malformed(f"header field 'version' must be an integer >= 0, got {version!r}")
     params = tensors["params"] if encoding == "dense" else decode_tensors(header, tensors, spec.numel)
     return params.float(), header
+
+
+# --- group averaging: one slice of a model (p2p/group_average.py) ---------------------------
+
+SLICE_KIND = "group_slice"
+MAX_GROUP_MEMBERS = 1024
+
+
+def encode_slice(msg: "SliceMessage", spec: ParamSpec) -> bytes:
+    """A group-averaging slice message: the float32 slice and its protocol fields in the header."""
+    header = {"kind": SLICE_KIND, "spec_hash": spec.hash, "sender": msg.sender, "target": msg.target,
+              "round": msg.round, "group": msg.group, "members": list(msg.members), "slice": msg.slice,
+              "phase": msg.phase, "weight": msg.weight, "count": msg.count, "level": msg.level}
+    return encode({"data": msg.data.detach().float()}, header)
+
+
+def _field(header: dict, key: str, kind: type | tuple[type, ...]) -> Any:
+    v = header.get(key)
+    if not isinstance(v, kind) or isinstance(v, bool):
+        raise Malformed(f"header field {key!r} = {v!r} must be {getattr(kind, '__name__', kind)}")
+    return v
+
+
+def decode_slice(body: bytes, spec: ParamSpec, max_bytes: int) -> "SliceMessage":
+    """A validated slice message (size, spec hash, fields, a finite float32 vector no longer
+    than the model); whether it fits the receiver's group is the protocol's check."""
+    from .group_average import SliceMessage
+
+    header, table = read_header(body, max_bytes)
+    if header.get("kind") != SLICE_KIND:
+        raise Malformed(f"message kind is {header.get('kind')!r}, expected {SLICE_KIND!r}")
+    shape = table.get("data", {}).get("shape")
+    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)
+            and 0 <= shape[0] <= spec.numel):
+        raise Malformed(f"tensor 'data' must be a vector of at most {spec.numel} values, got shape {shape!r}")
+    header, tensors = decode(body, {"data": (torch.float32, (shape[0],))}, max_bytes, spec.hash)
+    members = _field(header, "members", list)
+    if not 2 <= len(members) <= MAX_GROUP_MEMBERS or not all(isinstance(m, str) and 0 < len(m) <= 256
+                                                             for m in members):
+        raise Malformed(f"header field 'members' must list 2..{MAX_GROUP_MEMBERS} peer ids")
+    weight = _field(header, "weight", (int, float))
+    strings = {k: _field(header, k, str) for k in ("sender", "target", "group", "phase")}
+    ints = {k: _field(header, k, int) for k in ("round", "slice", "count", "level")}
+    if ints["round"] < 0 or not 0 <= ints["level"] < 64:
+        raise Malformed("header fields 'round' must be >= 0 and 'level' in [0, 64)")
+    return SliceMessage(strings["sender"], strings["target"], ints["round"], strings["group"], tuple(members),
+                        ints["slice"], strings["phase"], float(weight), tensors["data"].float(), ints["count"],
+                        ints["level"])
+
+
+# --- secure groups: a secure aggregation message between a group's members (p2p/secure_group.py) --
+
+
+def encode_secure(msg: "SecureMessage", spec: ParamSpec) -> bytes:
+    """A secure group message: secagg messages as shoal.aggregation.secagg_wire writes them, the
+    group's mean as a float32 tensor; routing and example counts in ``meta``."""
+    from shoal.aggregation.secagg_wire import encode_message
+
+    meta = {"spec_hash": spec.hash, "sender": msg.sender, "target": msg.target, "round": msg.round,
+            "group": msg.group, "members": list(msg.members), "kind": msg.kind, "meta": dict(msg.meta)}
+    if msg.kind == "mean":
+        return encode({"mean": msg.payload.detach().float()}, {"kind": "secure_group_mean", "meta": meta})
+    if msg.kind == "abort":
+        return encode({}, {"kind": "secure_group_abort", "meta": meta})
+    return encode_message(msg.payload, meta)
+
+
+def decode_secure(body: bytes, spec: ParamSpec, max_bytes: int) -> "SecureMessage":
+    """A validated secure group message (wire checks, spec hash, routing fields, payload kind)."""
+    from shoal.aggregation.secagg_wire import decode_message
+
+    from .secure_group import TO_MEMBER, TO_RELAY, SecureMessage
+
+    header, _ = read_header(body, max_bytes)
+    meta = header.get("meta")
+    if not isinstance(meta, dict):
+        raise Malformed("a secure group message carries a 'meta' object")
+    if meta.get("spec_hash") != spec.hash:
+        raise SpecMismatch(f"the message has spec hash {meta.get('spec_hash')!r}, this peer's model {spec.hash!r}: "
+                           "another task, [task.args] or architecture")
+    kind = _field(meta, "kind", str)
+    if kind not in TO_RELAY + TO_MEMBER:
+        raise Malformed(f"kind {kind!r} is not a secure group message")
+    members = _field(meta, "members", list)
+    if not 2 <= len(members) <= MAX_GROUP_MEMBERS or not all(isinstance(m, str) and 0 < len(m) <= 256
+                                                             for m in members):
+        raise Malformed(f"meta field 'members' must list 2..{MAX_GROUP_MEMBERS} peer ids")
+    extra = meta.get("meta", {})
+    if not isinstance(extra, dict) or len(json.dumps(extra)) > 4096:
+        raise Malformed("meta field 'meta' must be a small object")
+    if kind == "mean":
+        _, tensors = decode(body, {"mean": (torch.float32, (spec.numel,))}, max_bytes)
+        payload: Any = tensors["mean"]
+    elif kind == "abort":
+        decode(body, {}, max_bytes)
+        payload = None
+    else:
+        payload = decode_message(body, spec.numel + 1, max_bytes)
+    return SecureMessage(_field(meta, "sender", str), _field(meta, "target", str), _field(meta, "round", int),
+                         _field(meta, "group", str), tuple(members), kind, payload, extra)

@@ -1,10 +1,20 @@
-"""The gossip peer service (`shoal peer`): aiohttp transport around GossipNode and Membership.
+"""The gossip peer service (`shoal peer`): aiohttp transport around the protocol objects of p2p/.
 
-One peer trains on its own data (the task's, shoal/task.py) every ``gossip.period`` seconds,
-then pushes its model
-to a peer drawn from its Cyclon view (``POST /gossip``, safetensors body, the answer is
-the other's pre-merge model) and shuffles views (``POST /shuffle``, JSON). The protocol
-decisions all live in the sans-I/O objects of p2p/; this module only moves bytes.
+One peer trains on its own data (the task's, shoal/task.py) and exchanges models as
+``gossip.algorithm`` says:
+
+- ``gossip``: every ``gossip.period`` seconds, train, then push the model to a peer drawn
+  from the Cyclon view (``POST /gossip``, safetensors body, the answer is the other's
+  pre-merge model; GossipNode);
+- ``group_average``, ``dpsgd``, ``secure_groups``: synchronous rounds on wall-clock slots
+  of ``gossip.period`` seconds: train at the slot's start, then exchange, over by 0.8 of the
+  slot with whatever arrived: group averaging's slices (``POST /group``, GridAverage), a
+  D-PSGD mixing step with partners from the view (``POST /dpsgd``, DpsgdStep), or a secure
+  group average (``POST /secure``, SecureGroup). Groups come from the directory of peers the
+  Membership has heard of, laid out on the virtual grid (p2p/group_average.py).
+
+Every slot or step also shuffles views (``POST /shuffle``, JSON). The protocol decisions
+all live in the sans-I/O objects of p2p/; this module only moves bytes.
 
 Every request carries the network credential (``Authorization: Bearer TOKEN``, one
 token shared by the peers of a network); a request without it gets 401. Every model
@@ -38,8 +48,10 @@ import asyncio
 import hmac
 import json
 import logging
+import math
 import ssl
 import struct
+import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,16 +68,22 @@ from shoal.seeding import derive_seed
 from shoal.task import ClientData, num_examples, task_name
 from shoal.wire import default_max_bytes
 
+from .dpsgd import DpsgdStep, MixMessage
 from .gossip import GossipNode, ModelMessage
+from .group_average import GridAverage, Refusal, SliceMessage, grid_path
 from .membership import Membership, ShuffleRequest, ShuffleResponse
 from .merge import MergeRule
-from .model_wire import decode_gossip_model, encode_gossip_model
+from .model_wire import (decode_gossip_model, decode_secure, decode_slice, encode_gossip_model, encode_secure,
+                         encode_slice)
+from .secure_group import SecureGroup, SecureMessage
 from .robust import check_gossip_settings
 
 log = logging.getLogger(__name__)
 
 MAX_SHUFFLE_BYTES = 64 * 1024
 MAX_ID_CHARS = 256
+MAX_EARLY = 256        # slice messages held for an exchange this peer has not begun yet
+KEEP_EXCHANGES = 8     # finished exchanges kept to answer late repair requests
 
 
 @dataclass
@@ -166,6 +184,21 @@ class Peer:
         self.metrics = MetricsLog(settings.out_dir) if settings.out_dir else None
         self._lock = asyncio.Lock()
         self._session: aiohttp.ClientSession | None = None
+        # group averaging (gossip.algorithm = "group_average"): exchanges by step, early messages
+        self.exchanges: dict[int, GridAverage] = {}
+        self._early: dict[int, list[SliceMessage]] = {}
+        self._wake = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self.group_stats = {"exchanges": 0, "incomplete": 0, "repaired_slices": 0, "refused": 0, "alone": 0}
+        # D-PSGD (gossip.algorithm = "dpsgd"): the open mixing steps, and who waits for one
+        self.mixing: dict[int, DpsgdStep] = {}
+        self._step_open: dict[int, asyncio.Event] = {}
+        self.dpsgd_stats = {"steps": 0, "neighbours": 0, "refused": 0}
+        # secure groups (gossip.algorithm = "secure_groups"): the offset from the shared initial model is masked
+        self.init = params.clone()
+        self.secure: dict[int, SecureGroup] = {}
+        self._early_secure: dict[int, list[SecureMessage]] = {}
+        self.secure_stats = {"groups": 0, "averaged": 0, "aborted": 0, "alone": 0}
 
     # --- HTTP handlers ---------------------------------------------------------------------
 
@@ -185,6 +218,9 @@ class Peer:
         app = web.Application(middlewares=[self._auth], client_max_size=self.max_bytes)
         app.router.add_post("/gossip", self.handle_gossip)
         app.router.add_post("/shuffle", self.handle_shuffle)
+        app.router.add_post("/group", self.handle_group)
+        app.router.add_post("/dpsgd", self.handle_dpsgd)
+        app.router.add_post("/secure", self.handle_secure)
         app.router.add_get("/status", self.handle_status)
         return app
 
@@ -235,6 +271,288 @@ class Peer:
         self.bytes_sent += len(body)
         return web.Response(body=body, content_type="application/octet-stream")
 
+    # --- group averaging: POST /group carries one slice message ------------------------------
+
+    def _current_step(self) -> int:
+        """The exchange step the wall clock is in: rounds are slots of ``gossip.period`` seconds
+        from the epoch, so peers that share a clock and a config agree on the round."""
+        return math.floor(time.time() / self.g.period) * self.g.exchanges_per_round
+
+    async def handle_group(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._read_model(request)
+            msg = decode_slice(body, self.spec, self.max_bytes)
+        except WireError as e:
+            self.rejected += 1
+            log.warning("refused a slice: %s", e)
+            return _error(413 if isinstance(e, _BodyTooLarge) else 400, e.code, str(e))
+        if msg.target != self.node.id or msg.sender == self.node.id:
+            return _error(400, "malformed", f"slice for {msg.target!r} from {msg.sender!r} sent to {self.node.id}")
+        now = asyncio.get_running_loop().time()
+        m = self.node.membership
+        m.seen(msg.sender, now)
+        for member in msg.members:
+            m.learn(member, now)
+        ex = self.exchanges.get(msg.round)
+        if ex is None:
+            cur, span = self._current_step(), 2 * self.g.exchanges_per_round
+            held = sum(map(len, self._early.values()))
+            if not cur - span <= msg.round <= cur + span or held >= MAX_EARLY:
+                return _error(409, "stale_round", f"round {msg.round} is not open here (now {cur})")
+            self._early.setdefault(msg.round, []).append(msg)
+            return web.json_response({"ok": True, "held": True})
+        try:
+            out = ex.on_message(msg, now)
+        except Refusal as e:
+            self.group_stats["refused"] += 1
+            return _error(409, e.code, str(e))
+        self._dispatch(ex, out)
+        self._wake.set()
+        return web.json_response({"ok": True})
+
+    def _dispatch(self, ex: GridAverage | SecureGroup, msgs: list) -> None:
+        for msg in msgs:
+            task = asyncio.get_running_loop().create_task(self._send_msg(ex, msg))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _send_msg(self, ex: GridAverage | SecureGroup, msg: SliceMessage | SecureMessage) -> None:
+        """POST a group message (a slice to /group, a secure group message to /secure); a member
+        that cannot be reached or refuses is gone for this exchange (and a connection failure
+        counts against it in the membership)."""
+        if isinstance(msg, SliceMessage):
+            path, body = "/group", encode_slice(msg, self.spec)
+        else:
+            path, body = "/secure", encode_secure(msg, self.spec)
+        try:
+            await self._post(msg.target.rstrip("/") + path, body, "application/octet-stream")
+            return
+        except Refused as e:  # alive, but it will not take it (another group, a closed round, a bad body)
+            (log.warning if e.code == "spec_mismatch" else log.info)("%s refused a message: %s", msg.target, e)
+            self.node.membership.seen(msg.target, asyncio.get_running_loop().time())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            log.info("%s to %s failed: %s", path, msg.target, e)
+            if self.node.membership.on_failure(msg.target, asyncio.get_running_loop().time()):
+                log.info("%s: removed %s after repeated failures", self.node.id, msg.target)
+        self._dispatch(ex, ex.on_unreachable(msg.target, asyncio.get_running_loop().time()))
+        self._wake.set()
+
+    async def group_exchange(self, step: int, weight: float, until: float | None = None) -> float:
+        """One group-averaging exchange (p2p/group_average.py) with the groups of ``step`` laid out
+        over our directory; returns the weight behind the averaged model. ``until`` (loop time):
+        the exchange ends then even if some members never answered (the slices that did not come
+        keep our own values), so that a slot's exchange never spills into the next slot and the
+        peers stay in step; the object stays to answer late repair requests."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        me = self.node.id
+        path = grid_path(self.node.membership.directory(), me, step, self.g.group_size, self.g.group_levels,
+                         self.cfg.simulation.seed)
+        for old in [k for k in self._early if k < step]:
+            del self._early[old]
+        if all(len(grp) < 2 for grp in path):
+            self.group_stats["alone"] += 1
+            return weight
+        ex = GridAverage(me, path, step, self.node.params, weight, now, self.g.timeout)
+        self.exchanges[step] = ex
+        for old in sorted(self.exchanges)[:-KEEP_EXCHANGES]:
+            del self.exchanges[old]
+        self._dispatch(ex, ex.start())
+        for msg in self._early.pop(step, []):
+            try:
+                self._dispatch(ex, ex.on_message(msg, now))
+            except Refusal:
+                self.group_stats["refused"] += 1
+        while True:
+            self._wake.clear()
+            self._dispatch(ex, ex.tick(loop.time()))
+            if ex.done or (until is not None and loop.time() >= until):
+                break
+            deadline = ex.next_deadline()
+            wait = self.g.timeout if deadline is None else max(0.0, deadline - loop.time())
+            if until is not None:
+                wait = min(wait, max(0.0, until - loop.time()))
+            try:
+                await asyncio.wait_for(self._wake.wait(), wait + 1e-3)
+            except asyncio.TimeoutError:
+                pass
+        res = ex.result()
+        async with self._lock:
+            self.node.params.copy_(res.values)
+            self.node.version += 1
+            self.node.merges += 1
+        self.group_stats["exchanges"] += 1
+        self.group_stats["incomplete"] += int(not res.complete)
+        self.group_stats["repaired_slices"] += res.repaired
+        return res.weight
+
+    # --- secure groups: POST /secure carries one secure aggregation message of a group ------------
+
+    async def handle_secure(self, request: web.Request) -> web.Response:
+        try:
+            msg = decode_secure(await self._read_model(request), self.spec, self.max_bytes)
+        except WireError as e:
+            self.rejected += 1
+            log.warning("refused a secure group message: %s", e)
+            return _error(413 if isinstance(e, _BodyTooLarge) else 400, e.code, str(e))
+        if msg.target != self.node.id or msg.sender == self.node.id:
+            return _error(400, "malformed", f"message for {msg.target!r} from {msg.sender!r} sent to {self.node.id}")
+        now = asyncio.get_running_loop().time()
+        self.node.membership.seen(msg.sender, now)
+        for member in msg.members:
+            self.node.membership.learn(member, now)
+        sg = self.secure.get(msg.round)
+        if sg is None:
+            cur, span = self._current_step(), 2 * self.g.exchanges_per_round
+            held = sum(map(len, self._early_secure.values()))
+            if not cur - span <= msg.round <= cur + span or held >= MAX_EARLY:
+                return _error(409, "stale_round", f"round {msg.round} is not open here (now {cur})")
+            self._early_secure.setdefault(msg.round, []).append(msg)
+            return web.json_response({"ok": True, "held": True})
+        try:
+            out = sg.on_message(msg, now)
+        except Refusal as e:
+            return _error(409, e.code, str(e))
+        self._dispatch(sg, out)
+        self._wake.set()
+        return web.json_response({"ok": True})
+
+    async def secure_exchange(self, step: int, until: float) -> None:
+        """One secure group average (p2p/secure_group.py) in our group of ``step`` (one grid axis),
+        the first member relaying; each stage waits at most min(timeout, period / 10); the group's
+        average offset from the initial model replaces ours, an aborted group keeps its models."""
+        loop = asyncio.get_running_loop()
+        g, sa = self.g, self.cfg.secure_aggregation
+        members = grid_path(self.node.membership.directory(), self.node.id, step, g.group_size, 1,
+                            self.cfg.simulation.seed)[0]
+        for old in [k for k in self._early_secure if k < step]:
+            del self._early_secure[old]
+        if len(members) < 2:
+            self.secure_stats["alone"] += 1
+            return
+        now = loop.time()
+        sg = SecureGroup(self.node.id, members, step, self.node.params - self.init, num_examples(self.data.train),
+                         now, min(g.timeout, g.period / 10), sa.clip, sa.bits, sa.threshold)
+        self.secure[step] = sg
+        for old in sorted(self.secure)[:-KEEP_EXCHANGES]:
+            del self.secure[old]
+        self.secure_stats["groups"] += 1
+        self._dispatch(sg, sg.start())
+        for msg in self._early_secure.pop(step, []):
+            try:
+                self._dispatch(sg, sg.on_message(msg, now))
+            except Refusal:
+                pass
+        while True:
+            self._wake.clear()
+            self._dispatch(sg, sg.tick(loop.time()))
+            if sg.done or loop.time() >= until:
+                break
+            deadline = sg.next_deadline()
+            wait = min(until, deadline if deadline is not None else until) - loop.time()
+            try:
+                await asyncio.wait_for(self._wake.wait(), max(0.0, wait) + 1e-3)
+            except asyncio.TimeoutError:
+                pass
+        res = sg.result()
+        if res.mean is None:
+            self.secure_stats["aborted"] += 1
+            log.info("secure group of step %d: no average (%s)", step, res.reason or "out of time")
+            return
+        async with self._lock:
+            self.node.params.copy_(self.init + res.mean.to(self.init.device))
+            self.node.version += 1
+            self.node.merges += 1
+        self.secure_stats["averaged"] += 1
+
+    # --- D-PSGD: POST /dpsgd carries a node's model for one mixing step; the answer is ours ----
+
+    def _mix_body(self, msg: MixMessage) -> bytes:
+        extra = {"age": self.node.age, "num_examples": self.node.num_examples, "sender": msg.sender,
+                 "step": msg.step}
+        self._sent += 1
+        seed = derive_seed(self.cfg.simulation.seed, zlib.crc32(self.node.id.encode()), self._sent)
+        return encode_gossip_model(msg.params, self.spec, self.node.version, extra, self.cfg.compression, seed)
+
+    def _mix_message(self, body: bytes, reply: bool) -> MixMessage:
+        params, header = decode_gossip_model(body, self.spec, self.max_bytes)
+        return MixMessage(_check_id(header.get("sender"), "sender"), self.node.id, _check_int(header, "step", 0),
+                          params, reply)
+
+    async def handle_dpsgd(self, request: web.Request) -> web.Response:
+        try:
+            msg = self._mix_message(await self._read_model(request), reply=False)
+        except WireError as e:
+            self.rejected += 1
+            log.warning("refused a model: %s", e)
+            return _error(413 if isinstance(e, _BodyTooLarge) else 400, e.code, str(e))
+        loop = asyncio.get_running_loop()
+        st = self.mixing.get(msg.step)
+        if st is None:  # the sender is ahead of us (it trained faster): wait for our step, briefly
+            cur, m = self._current_step(), self.g.exchanges_per_round
+            if not cur <= msg.step <= cur + 2 * m or len(self._step_open) > 8:
+                return _error(409, "stale_round", f"step {msg.step} is not open here (now {cur})")
+            opened = self._step_open.setdefault(msg.step, asyncio.Event())
+            try:
+                await asyncio.wait_for(opened.wait(), 0.8 * self.g.period)
+            except asyncio.TimeoutError:
+                pass
+            st = self.mixing.get(msg.step)
+            if st is None:
+                return _error(409, "stale_round", f"step {msg.step} did not open here in time")
+        try:
+            answer = st.on_request(msg, loop.time())
+        except Refusal as e:
+            self.dpsgd_stats["refused"] += 1
+            return _error(409, e.code, str(e))
+        self.node.membership.seen(msg.sender, loop.time())
+        body = self._mix_body(answer)
+        self.bytes_sent += len(body)
+        return web.Response(body=body, content_type="application/octet-stream")
+
+    async def _mix_with(self, st: DpsgdStep, msg: MixMessage) -> None:
+        loop = asyncio.get_running_loop()
+        try:
+            data = await self._post(msg.target.rstrip("/") + "/dpsgd", self._mix_body(msg), "application/octet-stream")
+            st.on_reply(self._mix_message(data, reply=True), loop.time())
+            self.node.membership.on_success(msg.target, loop.time())
+        except Refused as e:  # busy, closed, another step: alive, no edge this step
+            (log.warning if e.code == "spec_mismatch" else log.debug)("%s refused to mix: %s", msg.target, e)
+            st.on_unreachable(msg.target, loop.time())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ShoalError) as e:
+            log.info("mixing with %s failed: %s", msg.target, e)
+            st.on_unreachable(msg.target, loop.time())
+            if self.node.membership.on_failure(msg.target, loop.time()):
+                log.info("%s: removed %s after repeated failures", self.node.id, msg.target)
+
+    async def dpsgd_step(self, step: int, until: float) -> None:
+        """One D-PSGD mixing step (p2p/dpsgd.py DpsgdStep) with partners from our view, open to
+        requests until ``until`` (loop time); then mix what we exchanged."""
+        loop = asyncio.get_running_loop()
+        m = self.node.membership
+        partners: list[str] = []
+        pool = [p for p in m.peers() if p not in m.suspected()] or m.peers()
+        rng = derive_seed(self.cfg.simulation.seed, zlib.crc32(self.node.id.encode()), step)
+        order = sorted(pool, key=lambda p: zlib.crc32(f"{rng}/{p}".encode()))
+        partners = order[: max(1, self.g.degree // 2)]
+        st = DpsgdStep(self.node.id, step, self.node.params, partners, self.g.degree, until)
+        self.mixing[step] = st
+        for old in sorted(self.mixing)[:-KEEP_EXCHANGES]:
+            del self.mixing[old]
+        self._step_open.setdefault(step, asyncio.Event()).set()
+        for old in [k for k in self._step_open if k < step]:
+            del self._step_open[old]
+        await asyncio.gather(*[self._mix_with(st, msg) for msg in st.start()])
+        await asyncio.sleep(max(0.0, until - loop.time()))  # others may still ask us
+        st.tick(loop.time())
+        mixed = st.result()
+        async with self._lock:
+            self.node.params.copy_(mixed)
+            self.node.version += 1
+            self.node.merges += 1
+        self.dpsgd_stats["steps"] += 1
+        self.dpsgd_stats["neighbours"] += len(st.neighbours)
+
     async def handle_shuffle(self, request: web.Request) -> web.Response:
         try:
             req = self._parse_shuffle(await request.read(), ShuffleRequest)
@@ -273,7 +591,11 @@ class Peer:
         return {"id": n.id, "task": task_name(self.trainer.task), "spec_hash": self.spec.hash, "steps": self.steps,
                 "age": n.age, "version": n.version, "merges": n.merges, "metrics": _clean(self.last_eval),
                 "view": n.membership.peers(), "suspected": sorted(n.membership.suspected()),
-                "bytes_sent": self.bytes_sent, "rejected": self.rejected, "bounded": n.bounded}
+                "bytes_sent": self.bytes_sent, "rejected": self.rejected, "bounded": n.bounded,
+                "algorithm": self.g.algorithm, "directory": len(n.membership.known),
+                **({"group": dict(self.group_stats)} if self.g.algorithm == "group_average" else {}),
+                **({"dpsgd": dict(self.dpsgd_stats)} if self.g.algorithm == "dpsgd" else {}),
+                **({"secure": dict(self.secure_stats)} if self.g.algorithm == "secure_groups" else {})}
 
     # --- the outgoing side ------------------------------------------------------------------
 
@@ -360,7 +682,15 @@ class Peer:
             self.metrics.write({"round": self.steps, **self.last_eval, "train_loss": self.train_loss,
                                 "age": self.node.age, "merges": self.node.merges,
                                 "view_size": len(self.node.membership.view), "bytes_sent": self.bytes_sent,
-                                "rejected": self.rejected})
+                                "bytes_sent_per_round": self.bytes_sent / max(self.steps, 1),
+                                "rejected": self.rejected, "algorithm": self.g.algorithm,
+                                "directory": len(self.node.membership.known),
+                                **({f"group_{k}": v for k, v in self.group_stats.items()}
+                                   if self.g.algorithm == "group_average" else {}),
+                                **({f"dpsgd_{k}": v for k, v in self.dpsgd_stats.items()}
+                                   if self.g.algorithm == "dpsgd" else {}),
+                                **({f"secure_{k}": v for k, v in self.secure_stats.items()}
+                                   if self.g.algorithm == "secure_groups" else {})})
 
     async def run(self, host: str, port: int, stop: asyncio.Event) -> None:
         """Serve on host:port and gossip every ``period`` seconds until ``stop`` is set
@@ -371,22 +701,68 @@ class Peer:
         await site.start()
         timeout = aiohttp.ClientTimeout(total=self.g.timeout)
         self._session = aiohttp.ClientSession(timeout=timeout)
-        log.info("peer %s listening on %s:%d, bootstrap %s", self.node.id, host, port, ",".join(self.s.bootstrap) or "-")
+        log.info("peer %s listening on %s:%d, bootstrap %s, %s", self.node.id, host, port,
+                 ",".join(self.s.bootstrap) or "-", self.g.algorithm)
         try:
-            while not stop.is_set():
-                await self.local_step()
-                await asyncio.gather(self.exchange(), self.shuffle())
-                last = bool(self.g.rounds) and self.steps >= self.g.rounds
-                if last or self.steps % self.cfg.simulation.eval_every == 0:
-                    await self.evaluate()
-                async with self._lock:
-                    self.node.expire(asyncio.get_running_loop().time())
-                if last:
-                    break
-                try:
-                    await asyncio.wait_for(stop.wait(), self.g.period)
-                except asyncio.TimeoutError:
-                    pass
+            if self.g.algorithm == "gossip":
+                await self._run_push_pull(stop)
+            else:
+                await self._run_rounds(stop)
         finally:
+            for task in list(self._tasks):
+                task.cancel()
             await self._session.close()
             await runner.cleanup()
+
+    async def _step_done(self) -> bool:
+        """Evaluate when due; True when ``gossip.rounds`` local steps are done."""
+        last = bool(self.g.rounds) and self.steps >= self.g.rounds
+        if last or self.steps % self.cfg.simulation.eval_every == 0:
+            await self.evaluate()
+        return last
+
+    async def _run_push_pull(self, stop: asyncio.Event) -> None:
+        while not stop.is_set():
+            await self.local_step()
+            await asyncio.gather(self.exchange(), self.shuffle())
+            last = await self._step_done()
+            async with self._lock:
+                self.node.expire(asyncio.get_running_loop().time())
+            if last:
+                break
+            try:
+                await asyncio.wait_for(stop.wait(), self.g.period)
+            except asyncio.TimeoutError:
+                pass
+
+    async def _run_rounds(self, stop: asyncio.Event) -> None:
+        """Synchronous rounds on the wall clock (slots of ``gossip.period`` seconds): at the start
+        of a slot, train, then ``exchanges_per_round`` exchanges of the algorithm, all over by
+        0.8 of the slot (whatever did not arrive by then is left out); a Cyclon shuffle per slot
+        keeps the views and the directory fresh. Training that overruns a slot makes the peer
+        skip to the next one."""
+        g = self.g
+        while not stop.is_set():
+            slot = math.floor(time.time() / g.period) + 1
+            try:
+                await asyncio.wait_for(stop.wait(), max(0.0, slot * g.period - time.time()))
+                break
+            except asyncio.TimeoutError:
+                pass
+            shuffle = asyncio.get_running_loop().create_task(self.shuffle())  # never holds up the slot
+            self._tasks.add(shuffle)
+            shuffle.add_done_callback(self._tasks.discard)
+            await self.local_step()
+            weight = float(num_examples(self.data.train)) if g.group_weights == "examples" else 1.0
+            m = g.exchanges_per_round
+            for k in range(m):
+                # exchange k ends by 0.8 (k + 1) / m of the slot, on the wall clock
+                end = asyncio.get_running_loop().time() + (slot + 0.8 * (k + 1) / m) * g.period - time.time()
+                if g.algorithm == "group_average":
+                    weight = await self.group_exchange(slot * m + k, weight, end)
+                elif g.algorithm == "secure_groups":
+                    await self.secure_exchange(slot * m + k, end)
+                else:
+                    await self.dpsgd_step(slot * m + k, end)
+            if await self._step_done():
+                break

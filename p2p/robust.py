@@ -81,6 +81,20 @@ def check_gossip_settings(cfg: Config) -> None:
             "compression.encoding = 'topk' with gossip: top-k of a whole model drops most of it, and error "
             "feedback needs a reference model both peers share, which push-pull with random partners does not "
             "keep; use 'q8' (8-bit model) and/or compression.zstd = true")
+    if g.algorithm == "group_average":
+        if cfg.robust.rule != "mean" or cfg.robust.norm_bound > 0:
+            raise ConfigError(
+                "[robust] with gossip.algorithm = 'group_average': a group's reducers average exactly what "
+                "arrived, with no robust rule yet; set robust.rule = 'mean' and robust.norm_bound = 0, or use "
+                "gossip.algorithm = 'dpsgd' (robust mixing) or 'gossip' (bounded merges)")
+        if cfg.compression.encoding != "dense" or cfg.compression.zstd:
+            raise ConfigError(
+                "[compression] with gossip.algorithm = 'group_average': model slices travel as dense float32; "
+                "set compression.encoding = 'dense' and compression.zstd = false")
+        if cfg.attack.kind != "none" and cfg.attack.fraction > 0:
+            raise ConfigError(
+                "[attack] with gossip.algorithm = 'group_average' is not simulated (a forged part would go "
+                "straight into its group's exact average); set attack.kind = 'none'")
     if g.algorithm == "gossip" and cfg.robust.rule != "mean":
         raise ConfigError(
             f"robust.rule = {cfg.robust.rule!r} with gossip.algorithm = 'gossip': a push-pull merge sees one "

@@ -358,7 +358,12 @@ class GossipConfig:
     """Decentralized training without a server (p2p/): `simulation.mode = "gossip"` and `shoal peer`."""
 
     algorithm: str = "gossip"      # gossip (push-pull with Cyclon views) | dpsgd (Lian et al. 2017) | secure_groups
-    group_size: int = 4            # secure_groups: peers that securely average together each round
+                                   # | group_average (Moshpit-style exact averages in grid groups, p2p/group_average.py)
+    group_size: int = 4            # secure_groups: peers that securely average together each round;
+                                   # group_average: about this many per group (the virtual grid's side)
+    group_weights: str = "examples"  # group_average: weight each model by its training examples | "equal"
+    group_levels: int = 0          # group_average: grid axes one exchange averages across, each in small groups
+                                   # (0 = all: the exact global average on a full grid; 1 = one group, Moshpit's round)
     merge: str = "age"             # average | examples | age (Hegedus et al. 2019)
     staleness_exponent: float = 0.0  # weight * (1 + age gap) ** -a for models behind ours
     max_age_gap: int = 0           # models further behind are not merged, further ahead adopted (0: off)
@@ -383,7 +388,9 @@ class GossipConfig:
     rounds: int = 0                # `shoal peer`: stop after this many local steps (0 = run until stopped)
 
     def validate(self) -> None:
-        _choice("gossip.algorithm", self.algorithm, ("gossip", "dpsgd", "secure_groups"))
+        _choice("gossip.algorithm", self.algorithm, ("gossip", "dpsgd", "secure_groups", "group_average"))
+        _choice("gossip.group_weights", self.group_weights, ("examples", "equal"))
+        _positive("gossip.group_levels", self.group_levels, allow_zero=True)
         if self.group_size < 2:
             raise ConfigError(f"gossip.group_size = {self.group_size} must be >= 2 (a group of one averages nothing)")
         _choice("gossip.merge", self.merge, ("average", "examples", "age"))

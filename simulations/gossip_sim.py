@@ -17,6 +17,14 @@ float32 tensor, and one LocalTrainer trains every peer in turn. With
 work, then ``X <- W X`` with the topology's mixing matrix (links lost with
 probability ``gossip.loss`` in a round fall back on the diagonal).
 
+With ``gossip.algorithm = "group_average"`` every peer trains, then the peers average
+exactly within small groups of a virtual grid (p2p/group_average.py: the same protocol
+objects ``shoal peer`` drives over HTTPS), through ``gossip.group_levels`` of the grid's
+axes per exchange (0 = all: the global average on a full grid) and
+``gossip.exchanges_per_round`` exchanges per round; slice messages cross the same virtual
+network (latency, loss, partitions; a message to an offline peer is refused), and peers
+that churn out vanish mid-round.
+
 Churn is a two-state Markov chain per peer whose stationary offline share is
 ``gossip.churn`` and whose mean offline spell is ``gossip.churn_period`` rounds.
 
@@ -63,9 +71,10 @@ from shoal.assembly import initial_model, task_from_config, task_label
 from shoal.errors import WireError
 from shoal.p2p.dpsgd import gossip_average, mixing_matrix, spectral_gap
 from shoal.p2p.gossip import GossipNode, ModelMessage
+from shoal.p2p.group_average import GridAverage, Refusal, SliceMessage, grid_dims, grid_path
 from shoal.p2p.membership import Membership, ShuffleRequest, ShuffleResponse
 from shoal.p2p.merge import MergeRule
-from shoal.p2p.model_wire import decode_gossip_model, encode_gossip_model
+from shoal.p2p.model_wire import decode_gossip_model, encode_gossip_model, encode_slice
 from shoal.p2p.robust import robust_gossip_average, robust_mixing
 from shoal.seeding import derive_seed
 from shoal.task import SimulationData, Task, check_loss
@@ -122,6 +131,7 @@ class GossipSimulation:
                            quarantine=10 * g.churn_period, seed=derive_seed(sim.seed, 0xC1C, i), bootstrap_peers=boot)
             self.nodes.append(GossipNode(m, self.models[i], self.shards.size(i), rule, g.timeout))
         self.online = np.ones(n, dtype=bool)
+        self.leaving = np.zeros(n, dtype=bool)
         if g.churn > 0:
             self.online = self.rng.random(n) >= g.churn
         self.round = 0
@@ -134,6 +144,7 @@ class GossipSimulation:
         self.rejected = 0
         self.mix_bounded = 0  # D-PSGD: received models clipped by robust.norm_bound
         self.aborted_groups = 0  # secure_groups: groups left below the protocol's threshold
+        self.group_stats = {"groups": 0, "incomplete": 0, "repaired_slices": 0, "late": 0, "vanished": 0}
         self.max_bytes = self.model_bytes + (1 << 20)
         atk = cfg.attack
         self.attackers = np.zeros(n, dtype=bool)
@@ -151,6 +162,8 @@ class GossipSimulation:
         if g.algorithm == "dpsgd":
             self.w = mixing_matrix(g.topology, n, g.degree, g.rewire, sim.seed).to(self.device)
             log.info("D-PSGD on a %s of %d peers, spectral gap %.4f", g.topology, n, spectral_gap(self.w))
+        if g.algorithm == "group_average":
+            log.info("group averaging of %d peers on a %s grid", n, "x".join(map(str, grid_dims(n, g.group_size))))
         self.honest = np.flatnonzero(~self.attackers)
         eval_n = len(self.honest) if g.eval_peers == 0 else min(g.eval_peers, len(self.honest))
         self.eval_idx = np.sort(self.rng.choice(self.honest, size=eval_n, replace=False))
@@ -244,6 +257,7 @@ class GossipSimulation:
 
     def _churn(self) -> None:
         g = self.g
+        self.leaving = np.zeros(self.n, dtype=bool)
         if g.churn <= 0:
             return
         back = 1.0 / g.churn_period
@@ -254,6 +268,10 @@ class GossipSimulation:
         if g.churn_reset:
             for i in np.flatnonzero(returning):
                 self.nodes[i].restart(self.init)
+        if g.algorithm == "group_average":  # leavers vanish during this round's exchange (see there)
+            self.leaving = leaving
+            self.online = self.online | returning
+            return
         self.online = (self.online & ~leaving) | returning
 
     def _train(self, i: int) -> None:
@@ -269,6 +287,9 @@ class GossipSimulation:
             return
         if self.g.algorithm == "secure_groups":
             self._secure_groups_round()
+            return
+        if self.g.algorithm == "group_average":
+            self._group_average_round(start)
             return
         order = np.flatnonzero(self.online)
         wake = start + self.rng.random(len(order))
@@ -329,6 +350,114 @@ class GossipSimulation:
                 self.bytes_sent[i] += out.cost.sent.get(p, 0)
                 if p in out.included:
                     self.models[i].copy_(avg)
+
+    def _group_average_round(self, start: float) -> None:
+        """Every online peer trains, then the peers average exactly within the groups of the
+        virtual grid (p2p/group_average.py, the objects ``shoal peer`` runs),
+        ``gossip.exchanges_per_round`` = m times (each time along the grid's next axis: m = d on
+        a full grid gives every peer the exact global average), over the virtual network: slice
+        messages take the latency, are lost with ``gossip.loss``, never cross a partition; a
+        message to an offline peer is refused (the sender learns it after one latency, as a
+        refused connection); each phase waits at most ``gossip.timeout``. Every peer knows every
+        peer (the directory real peers build by gossip), offline ones included. A peer that goes
+        offline this round (churn) trains, starts, and vanishes at a uniformly random moment of
+        the round's m exchanges, mid-exchange or between them; it keeps the model it had then.
+        An exchange lasts until every group is done (deadlines included)."""
+        g = self.g
+        for i in np.flatnonzero(self.online):
+            self._train(int(i))
+        m = g.exchanges_per_round
+        vanish = {int(i): float(self.rng.random()) * m for i in np.flatnonzero(self.leaving)}
+        gone: set[int] = set()
+        # the weight behind each model: its examples (or 1), then the summed weight of the group
+        # average it holds, so that d exchanges on a full grid give the global weighted average
+        self.ga_weight = {i: (float(self.shards.size(i)) if g.group_weights == "examples" else 1.0)
+                          for i in range(self.n)}
+        for s in range(m):
+            at = {i: start + (u - s) for i, u in vanish.items() if s <= u < s + 1}
+            self._group_exchange((self.round - 1) * m + s, start, at, gone)
+        self.online &= ~self.leaving
+
+    def _group_exchange(self, step: int, start: float, vanish_at: dict[int, float], gone: set[int]) -> None:
+        """One group-averaging exchange of every online peer not ``gone``; adds those that vanish."""
+        g = self.g
+        seed = self.cfg.simulation.seed
+        paths = {p: grid_path(self.ids, p, step, g.group_size, g.group_levels, seed) for p in self.ids}
+        groups = sorted({pth[0] for pth in paths.values()})
+        self.last_groups = [[self.index[p] for p in grp] for grp in groups]
+        queue: list[tuple[float, int, str, Any]] = []
+        seq = 0
+
+        def push(t: float, kind: str, item: Any) -> None:
+            nonlocal seq
+            seq += 1
+            heapq.heappush(queue, (t, seq, kind, item))
+
+        def delay() -> float:
+            return float(self.rng.exponential(g.latency)) if g.latency > 0 else 0.0
+
+        objs: dict[int, GridAverage] = {}
+        self.group_stats["groups"] += sum(len(grp) >= 2 for grp in groups)
+        for p, path in paths.items():
+            i = self.index[p]
+            if self.online[i] and i not in gone and any(len(grp) >= 2 for grp in path):
+                objs[i] = GridAverage(p, path, step, self.models[i], self.ga_weight[i], start, g.timeout)
+                push(start, "start", i)
+        for i, t in vanish_at.items():
+            push(t, "vanish", i)
+        scheduled: dict[int, float] = {}
+
+        def send(src: int, msgs: list[SliceMessage], t: float) -> None:
+            for msg in msgs:
+                self.bytes_sent[src] += len(encode_slice(msg, self.spec))
+                dst = self.index[msg.target]
+                if self.rng.random() < g.loss or self._partitioned(src, dst):
+                    self.lost += 1
+                    continue
+                push(t + delay(), "msg", msg)
+            nxt = objs[src].next_deadline()
+            if nxt is not None and scheduled.get(src) != nxt:
+                scheduled[src] = nxt
+                push(max(nxt, t), "tick", src)
+
+        while queue:
+            t, _, kind, item = heapq.heappop(queue)
+            if kind == "vanish":
+                gone.add(item)
+                self.group_stats["vanished"] += 1
+                continue
+            if kind == "start":
+                if item not in gone:
+                    send(item, objs[item].start(), t)
+                continue
+            if kind == "tick":
+                if item not in gone and not objs[item].done:
+                    send(item, objs[item].tick(t), t)
+                continue
+            if kind == "refused":
+                src, dst = item
+                if src not in gone:
+                    send(src, objs[src].on_unreachable(self.ids[dst], t), t)
+                continue
+            msg: SliceMessage = item
+            src, dst = self.index[msg.sender], self.index[msg.target]
+            if dst in gone or dst not in objs:  # offline or vanished: the connection is refused
+                push(t + delay(), "refused", (src, dst))
+                continue
+            try:
+                send(dst, objs[dst].on_message(msg, t), t)
+            except Refusal as e:
+                self.rejected += 1
+                log.debug("%s refused a slice from %s: %s", msg.target, msg.sender, e)
+        for i, obj in objs.items():
+            if i in gone:
+                continue
+            res = obj.result()
+            self.models[i].copy_(res.values)
+            self.ga_weight[i] = res.weight
+            self.group_stats["late"] += res.late
+            self.group_stats["repaired_slices"] += res.repaired
+            self.group_stats["incomplete"] += int(not res.complete)
 
     def _dpsgd_round(self) -> None:
         alive = torch.as_tensor(self.online)
@@ -399,11 +528,13 @@ class GossipSimulation:
             **out,
             "consensus_distance": consensus,
             "bytes_sent_per_peer": float(self.bytes_sent.mean()),
+            "bytes_sent_per_peer_per_round": float(self.bytes_sent.mean()) / max(self.round, 1),
             "attackers": int(self.attackers.sum()),
             "rejected_messages": int(self.rejected),
             "bounded_merges": int(sum(nd.bounded for nd in self.nodes)) + self.mix_bounded,
             "online_peers": int(self.online.sum()),
             "aborted_groups": int(self.aborted_groups),
+            **({f"group_{k}": v for k, v in self.group_stats.items()} if self.g.algorithm == "group_average" else {}),
             "messages_lost": int(self.lost),
             "mean_age": float(np.mean([nd.age for nd in self.nodes])),
             "mean_view_size": float(np.mean([len(nd.membership.view) for nd in self.nodes])),
@@ -431,6 +562,7 @@ def run_gossip_simulation(
             "final_average_model_accuracy": last.get("average_model_accuracy"),
             "final_consensus_distance": last.get("consensus_distance"),
             "bytes_sent_per_peer": last.get("bytes_sent_per_peer"),
+            "bytes_sent_per_peer_per_round": last.get("bytes_sent_per_peer_per_round"),
             "rounds": sim_cfg.rounds,
             "num_clients": sim.n,
             "num_parameters": sim.spec.numel,

@@ -60,3 +60,39 @@ def test_dense_random_regular_graphs_are_drawn(n, k):
     edges = topology_edges("regular", n, degree=k)
     assert len(edges) == n * k // 2 and all(a != b for a, b in edges)
     assert all(len([e for e in edges if i in e]) == k for i in range(n))
+
+
+def test_a_mixing_step_between_view_partners_keeps_the_sum_and_refuses_beyond_its_degree():
+    import pytest
+
+    from shoal.p2p.dpsgd import DpsgdStep, MixMessage
+    from shoal.p2p.group_average import Refusal
+
+    g = torch.Generator().manual_seed(0)
+    ids = [f"n{i}" for i in range(5)]
+    x = {p: torch.randn(7, generator=g) for p in ids}
+    steps = {p: DpsgdStep(p, 3, x[p], [ids[(i + 1) % 5]], degree=4, close_at=1.0) for i, p in enumerate(ids)}
+    for p, st in steps.items():
+        for req in st.start():
+            steps[p].on_reply(steps[req.target].on_request(req, 0.1), 0.2)
+    mixed = {p: st.result() for p, st in steps.items()}
+    assert torch.allclose(sum(mixed.values()), sum(x.values()), atol=1e-5)  # doubly stochastic: the mean stays
+    for p in ids:  # each node mixed its two ring neighbours at weight 1/5
+        i = ids.index(p)
+        nb = [x[ids[(i + 1) % 5]], x[ids[(i - 1) % 5]]]
+        assert torch.allclose(mixed[p], x[p] + sum(n - x[p] for n in nb) / 5, atol=1e-6)
+    st = DpsgdStep("a", 0, x["n0"], ["b"], degree=2, close_at=1.0)
+    st.start()
+    st.on_request(MixMessage("c", "a", 0, x["n1"]), 0.1)
+    with pytest.raises(Refusal) as e:
+        st.on_request(MixMessage("d", "a", 0, x["n2"]), 0.1)
+    assert e.value.code == "busy"
+    with pytest.raises(Refusal) as e:
+        st.on_request(MixMessage("d", "a", 1, x["n2"]), 0.1)
+    assert e.value.code == "stale_round"
+    st.on_unreachable("b", 0.2)  # the partner never answered: its weight stays home
+    st.tick(1.0)
+    with pytest.raises(Refusal) as e:
+        st.on_request(MixMessage("c", "a", 0, x["n1"]), 1.0)
+    assert e.value.code == "closed"
+    assert torch.allclose(st.result(), x["n0"] + (x["n1"] - x["n0"]) / 3, atol=1e-6)

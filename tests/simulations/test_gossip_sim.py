@@ -173,3 +173,98 @@ def test_secure_groups_below_threshold_keep_their_models():
     assert sim.evaluate()["aborted_groups"] == len(sim.last_groups)
     for i in range(sim.n):
         assert torch.equal(sim.models[i], sim.trained[i])
+
+
+def test_group_average_gives_each_group_its_weighted_average_and_counts_the_bytes():
+    sim = _RecordingGossip(cfg('gossip.algorithm="group_average"', "gossip.group_size=4", "gossip.group_levels=1"))
+    sim.trained = {}
+    sim.run_round()
+    groups = sim.last_groups
+    assert sorted(i for g in groups for i in g) == list(range(sim.n))
+    assert sorted(map(len, groups)) == [3] * 4  # 12 peers on a 4 x 3 grid, round 0 groups along axis 0
+    for members in groups:
+        w = torch.tensor([float(sim.shards.size(i)) for i in members], dtype=torch.float64)
+        want = (w[:, None] * torch.stack([sim.trained[i].double() for i in members])).sum(0) / w.sum()
+        for i in members:
+            assert torch.allclose(sim.models[i].double(), want, atol=1e-6)
+    ev = sim.evaluate()
+    assert ev["group_groups"] == 4 and ev["group_incomplete"] == 0
+    # each member sends 2 (k - 1) slices of about 1/k of the model each, plus their headers
+    assert 2 * 2 / 3 * sim.spec.nbytes < ev["bytes_sent_per_peer"] < 2 * 2 / 3 * sim.spec.nbytes + 4 * 600
+    assert ev["bytes_sent_per_peer_per_round"] == ev["bytes_sent_per_peer"]
+    sim.run_round()  # the next round groups along the other axis: every group meets every earlier one
+    assert {len(g) for g in sim.last_groups} == {4}
+
+
+def test_group_average_equal_weights_and_determinism():
+    sim = _RecordingGossip(cfg('gossip.algorithm="group_average"', 'gossip.group_weights="equal"',
+                               "gossip.group_levels=1"))
+    sim.trained = {}
+    sim.run_round()
+    for members in sim.last_groups:
+        want = torch.stack([sim.trained[i] for i in members]).mean(0)
+        assert all(torch.allclose(sim.models[i], want, atol=1e-6) for i in members)
+    churn = ('gossip.algorithm="group_average"', "gossip.churn=0.3", "gossip.churn_period=2", "gossip.loss=0.05")
+    a = _run(GossipSimulation(cfg(*churn)), 4).models
+    b = _run(GossipSimulation(cfg(*churn)), 4).models
+    assert torch.equal(a, b)
+
+
+class _VanishingGossip(_RecordingGossip):
+    """Marks which peers were online at the start of each round and which vanished in it."""
+
+    def _group_average_round(self, start: float) -> None:
+        self.started_online = self.online.copy()
+        self.vanishing = self.leaving.copy()
+        super()._group_average_round(start)
+
+
+def test_group_average_with_churn_survivors_of_a_group_agree_and_vanished_peers_keep_their_models():
+    sim = _VanishingGossip(cfg('gossip.algorithm="group_average"', "simulation.num_clients=30", "gossip.churn=0.3",
+                               "gossip.churn_period=2"))
+    seen_vanish = seen_offline = 0
+    for _ in range(6):
+        sim.trained = {}
+        sim.run_round()
+        for members in sim.last_groups:
+            survivors = [i for i in members if sim.started_online[i] and not sim.vanishing[i]]
+            seen_offline += sum(not sim.started_online[i] for i in members)
+            for i in members:
+                if sim.vanishing[i]:
+                    seen_vanish += 1
+            # every survivor of a group ends with the same model (no loss: what arrived is the same for all)
+            for i in survivors[1:]:
+                assert torch.equal(sim.models[i], sim.models[survivors[0]])
+    ev = sim.evaluate()
+    assert seen_vanish > 0 and seen_offline > 0 and ev["group_vanished"] == seen_vanish
+    assert ev["group_incomplete"] > 0
+
+
+def test_group_average_settings_are_checked():
+    with pytest.raises(ConfigError, match="gossip.group_weights"):
+        cfg('gossip.algorithm="group_average"', 'gossip.group_weights="age"')
+    with pytest.raises(ConfigError, match="group_average"):
+        cfg('gossip.algorithm="group_average"', 'robust.rule="median"')
+    with pytest.raises(ConfigError, match="group_average"):
+        cfg('gossip.algorithm="group_average"', 'compression.encoding="q8"')
+    with pytest.raises(ConfigError, match="group_average"):
+        cfg('gossip.algorithm="group_average"', 'attack.kind="sign_flip"', "attack.fraction=0.2")
+
+
+def test_group_average_d_exchanges_per_round_on_a_full_grid_give_the_global_weighted_average():
+    sim = _RecordingGossip(cfg('gossip.algorithm="group_average"', "gossip.exchanges_per_round=2",
+                               "gossip.group_levels=1"))
+    sim.trained = {}
+    sim.run_round()  # 12 peers on a 3 x 4 grid: two exchanges, one along each axis
+    w = torch.tensor([float(sim.shards.size(i)) for i in range(sim.n)], dtype=torch.float64)
+    want = (w[:, None] * torch.stack([sim.trained[i].double() for i in range(sim.n)])).sum(0) / w.sum()
+    for i in range(sim.n):
+        assert torch.allclose(sim.models[i].double(), want, atol=1e-6)
+    bytes_two = sim.evaluate()["bytes_sent_per_peer"]
+    # the default: one exchange through both axes (a hierarchical all-reduce): the same average, fewer bytes
+    one = _RecordingGossip(cfg('gossip.algorithm="group_average"'))
+    one.trained = {}
+    one.run_round()
+    for i in range(one.n):
+        assert torch.allclose(one.models[i].double(), want, atol=1e-6)
+    assert one.evaluate()["bytes_sent_per_peer"] < bytes_two  # same messages, smaller slices (headers weigh here)
