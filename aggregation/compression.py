@@ -36,10 +36,10 @@ from typing import Any
 
 import torch
 
-from shoal.config import CompressionConfig
+from shoal.config import CompressionConfig, choices
 from shoal.errors import Malformed, NonFinite, short_repr
 
-ENCODINGS = ("dense", "q8", "topk")
+ENCODINGS = choices(CompressionConfig, "encoding")  # declared once, on the config field
 Q8_MAX = 127
 MAX_CHUNK = 1 << 24
 

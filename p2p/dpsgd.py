@@ -19,9 +19,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from shoal.config import GossipConfig, choices
+
 from .group_average import Refusal
 
-TOPOLOGIES = ("ring", "torus", "regular", "small-world", "complete")
+TOPOLOGIES = choices(GossipConfig, "topology")  # declared once, on the config field
 
 
 def _ring_edges(n: int, k: int = 1) -> set[tuple[int, int]]:

@@ -14,9 +14,10 @@ from math import prod
 
 from torch import nn
 
+from .config import ModelConfig, choices
 from .errors import ConfigError
 
-MODELS = ("logreg", "2nn", "cnn", "femnist_cnn")
+MODELS = choices(ModelConfig, "name")  # declared once, on the config field
 
 
 class LogisticRegression(nn.Module):

@@ -1,29 +1,43 @@
-"""Experiment and service configuration: dataclasses read from TOML.
+"""The config's sections: one dataclass per TOML table, each checking its own keys.
 
-A config file has one table per section (``[simulation]``, ``[data]``, ...). Command
-lines override single values with ``--set section.key=value`` (the value is read as a
-TOML value, so ``--set train.lr=0.05`` is a float and ``--set data.dir=/x`` a string).
-An unknown section or key, or a value of the wrong type, is a :class:`ConfigError`
-that names the key and says what is allowed.
+Allowed choices are declared once, as ``Literal`` types on the fields: the loader's type
+check, :func:`check_choices`, error messages and the factories (:func:`choices`) read them
+from there. Settings that are fine alone but not together are checked in ``rules.py``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
-from .errors import ConfigError
+from shoal.errors import ConfigError
+
+from .rules import check_combinations
 
 
-def _choice(key: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ConfigError(f"{key} = {value!r} is not one of {', '.join(map(repr, allowed))}")
+def choices(section: type | Any, key: str) -> tuple[str, ...]:
+    """The values a ``Literal`` field of a config section allows (declared once, on the field)."""
+    hint = typing.get_type_hints(section if isinstance(section, type) else type(section))[key]
+    if typing.get_origin(hint) is list:
+        (hint,) = typing.get_args(hint)
+    return typing.get_args(hint) if typing.get_origin(hint) is Literal else ()
+
+
+def check_choices(section: Any, name: str) -> None:
+    """Every ``Literal`` field holds one of its values (also for sections made in code, not TOML)."""
+    if not dataclasses.is_dataclass(section):
+        return
+    for f in dataclasses.fields(section):
+        allowed = choices(section, f.name)
+        if not allowed:
+            continue
+        value = getattr(section, f.name)
+        for v in value if isinstance(value, list) else [value]:
+            if v not in allowed:
+                raise ConfigError(f"{name}.{f.name} = {v!r} is not one of {', '.join(map(repr, allowed))}")
 
 
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
@@ -41,8 +55,8 @@ class SimulationConfig:
     clients_per_round: int = 10    # K; 0 means use `fraction`
     fraction: float = 0.1          # C: a fraction of all clients each round (at least 1)
     eval_every: int = 1            # evaluate the global model every k rounds (and the last)
-    engine: str = "inprocess"      # inprocess (simulations/inprocess.py) | flower (Ray, flower/engine.py)
-    mode: str = "sync"             # sync rounds | async (FedAsync/FedBuff, [asynchronous]) | gossip ([gossip], no server)
+    engine: Literal["inprocess", "flower"] = "inprocess"      # inprocess (simulations/inprocess.py) | flower (Ray, flower/engine.py)
+    mode: Literal["sync", "async", "gossip"] = "sync"             # sync rounds | async (FedAsync/FedBuff, [asynchronous]) | gossip ([gossip], no server)
     device: str = "auto"           # where simulated clients train: auto | cpu | cuda[:N]
     progress: bool = True          # progress bar on a terminal
     batch_clients: int | str = "auto"  # clients trained at once (vmap): auto | N | 1 (one by one)
@@ -58,8 +72,6 @@ class SimulationConfig:
         if not 0 < self.fraction <= 1:
             raise ConfigError(f"simulation.fraction = {self.fraction} must be in (0, 1]")
         _positive("simulation.eval_every", self.eval_every)
-        _choice("simulation.engine", self.engine, ("inprocess", "flower"))
-        _choice("simulation.mode", self.mode, ("sync", "async", "gossip"))
         b = self.batch_clients
         if not ((isinstance(b, int) and b >= 1) or b == "auto"):
             raise ConfigError(f"simulation.batch_clients = {b!r} must be \"auto\" or an integer >= 1 (1 trains clients one by one)")
@@ -72,9 +84,9 @@ class SimulationConfig:
 class DataConfig:
     """Which dataset and how it is split into client shards."""
 
-    dataset: str = "synthetic"     # synthetic | mnist | fashion-mnist | femnist
+    dataset: Literal["synthetic", "mnist", "fashion-mnist", "femnist"] = "synthetic"
     dir: str = ""                  # folder of the dataset files (not needed for synthetic)
-    partition: str = "natural"     # natural | iid | dirichlet | shards
+    partition: Literal["natural", "iid", "dirichlet", "shards"] = "natural"
     dirichlet_alpha: float = 0.5
     shards_per_client: int = 2     # McMahan's pathological non-IID split
     shard_size: int = 300
@@ -86,8 +98,6 @@ class DataConfig:
     verify_checksums: bool = True
 
     def validate(self) -> None:
-        _choice("data.dataset", self.dataset, ("synthetic", "mnist", "fashion-mnist", "femnist"))
-        _choice("data.partition", self.partition, ("natural", "iid", "dirichlet", "shards"))
         _positive("data.dirichlet_alpha", self.dirichlet_alpha)
         _positive("data.shards_per_client", self.shards_per_client)
         _positive("data.shard_size", self.shard_size)
@@ -102,10 +112,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: str = "logreg"           # logreg | 2nn | cnn | femnist_cnn
-
-    def validate(self) -> None:
-        _choice("model.name", self.name, ("logreg", "2nn", "cnn", "femnist_cnn"))
+    name: Literal["logreg", "2nn", "cnn", "femnist_cnn"] = "logreg"
 
 
 @dataclass
@@ -119,7 +126,7 @@ class TrainConfig:
     weight_decay: float = 0.0
     prox_mu: float = 0.0           # FedProx proximal term (Li et al. 2020); 0 is FedAvg
     device: str = "auto"           # auto | cpu | cuda | cuda:N (client nodes)
-    precision: str = "fp32"        # fp32 | bf16 (autocast of the forward pass)
+    precision: Literal["fp32", "bf16"] = "fp32"        # fp32 | bf16 (autocast of the forward pass)
 
     def validate(self) -> None:
         _positive("train.epochs", self.epochs)
@@ -133,7 +140,6 @@ class TrainConfig:
         _positive("train.prox_mu", self.prox_mu, allow_zero=True)
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ConfigError(f"train.device = {self.device!r}: use auto, cpu, cuda or cuda:N")
-        _choice("train.precision", self.precision, ("fp32", "bf16"))
 
     def batch(self, n: int) -> int:
         """The batch size for a client holding ``n`` examples."""
@@ -145,8 +151,8 @@ class TrainConfig:
 class StrategyConfig:
     """Server-side aggregation (Reddi et al. 2021 for the FedOpt family)."""
 
-    name: str = "fedavg"           # fedavg | fedavgm | fedadam | fedyogi | fedadagrad
-    weighting: str = "examples"    # examples (McMahan) | uniform
+    name: Literal["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad"] = "fedavg"
+    weighting: Literal["examples", "uniform"] = "examples"    # examples (McMahan) | uniform
     server_lr: float = 1.0         # eta
     server_momentum: float = 0.9   # FedAvgM's beta
     beta1: float = 0.9
@@ -154,8 +160,6 @@ class StrategyConfig:
     tau: float = 1e-3              # adaptivity (FedAdam/Yogi/Adagrad)
 
     def validate(self) -> None:
-        _choice("strategy.name", self.name, ("fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad"))
-        _choice("strategy.weighting", self.weighting, ("examples", "uniform"))
         _positive("strategy.server_lr", self.server_lr)
         _positive("strategy.tau", self.tau)
         for k in ("server_momentum", "beta1", "beta2"):
@@ -168,7 +172,7 @@ class StrategyConfig:
 class RobustConfig:
     """Robust aggregation against faulty or malicious clients (aggregation/robust.py)."""
 
-    rule: str = "mean"             # mean | median | trimmed_mean | krum | multikrum
+    rule: Literal["mean", "median", "trimmed_mean", "krum", "multikrum"] = "mean"
     trim_beta: float = 0.1         # trimmed_mean: drop this fraction at each end, per coordinate
     krum_f: int = 0                # krum/multikrum: Byzantine clients tolerated (needs n > 2f + 2)
     multikrum_m: int = 0           # multikrum: updates averaged; 0 means n - f
@@ -176,7 +180,6 @@ class RobustConfig:
     max_updates: int = 1024        # buffered rules hold at most this many updates (memory bound)
 
     def validate(self) -> None:
-        _choice("robust.rule", self.rule, ("mean", "median", "trimmed_mean", "krum", "multikrum"))
         if not 0 <= self.trim_beta < 0.5:
             raise ConfigError(f"robust.trim_beta = {self.trim_beta} must be in [0, 0.5)")
         _positive("robust.krum_f", self.krum_f, allow_zero=True)
@@ -189,13 +192,12 @@ class RobustConfig:
 class AttackConfig:
     """Simulated misbehaving clients (simulations/attacks.py)."""
 
-    kind: str = "none"             # none | sign_flip | scale | gaussian | label_flip | nan | inf
+    kind: Literal["none", "sign_flip", "scale", "gaussian", "label_flip", "nan", "inf"] = "none"
     fraction: float = 0.0          # share of clients that attack (the first ones of a seeded shuffle)
     scale: float = 10.0            # sign_flip: delta -> -scale*delta; scale: delta -> scale*delta;
                                    # gaussian: delta -> N(0, scale^2)
 
     def validate(self) -> None:
-        _choice("attack.kind", self.kind, ("none", "sign_flip", "scale", "gaussian", "label_flip", "nan", "inf"))
         if not 0 <= self.fraction <= 1:
             raise ConfigError(f"attack.fraction = {self.fraction} must be in [0, 1]")
         _positive("attack.scale", self.scale)
@@ -205,14 +207,13 @@ class AttackConfig:
 class CompressionConfig:
     """How client updates are encoded on the wire (aggregation/compression.py)."""
 
-    encoding: str = "dense"        # dense | q8 | topk
+    encoding: Literal["dense", "q8", "topk"] = "dense"
     topk_fraction: float = 0.01    # topk: share of coordinates sent (with error feedback)
     q8_chunk: int = 1024           # q8: coordinates per float32 scale
     zstd: bool = False             # zstd-compress the encoded tensors
     zstd_level: int = 3
 
     def validate(self) -> None:
-        _choice("compression.encoding", self.encoding, ("dense", "q8", "topk"))
         if not 0 < self.topk_fraction <= 0.5:
             raise ConfigError(
                 f"compression.topk_fraction = {self.topk_fraction} must be in (0, 0.5] "
@@ -236,7 +237,7 @@ class ServerConfig:
     port: int = 8443
     tls_cert: str = ""             # PEM certificate chain; HTTPS needs both, else --insecure
     tls_key: str = ""              # PEM private key
-    mode: str = "sync"             # sync rounds | async ([asynchronous] algorithm: fedbuff | fedasync)
+    mode: Literal["sync", "async"] = "sync"             # sync rounds | async ([asynchronous] algorithm: fedbuff | fedasync)
     rounds: int = 10               # global versions to produce, then the server reports done
     clients_per_round: int = 0     # K; 0 means `fraction` of the connected nodes
     fraction: float = 1.0
@@ -261,7 +262,6 @@ class ServerConfig:
     admin_token_file: str = ""     # file holding the token of GET /v1/status and /metrics ("" = routes off)
 
     def validate(self) -> None:
-        _choice("server.mode", self.mode, ("sync", "async"))
         if not 0 < self.port < 65536:
             raise ConfigError(f"server.port = {self.port} must be in 1..65535")
         if bool(self.tls_cert) != bool(self.tls_key):
@@ -297,28 +297,25 @@ class AsynchronousConfig:
     constant | polynomial (1 + t)^-a | hinge (1 if t <= b else 1 / (a (t - b) + 1)).
     """
 
-    algorithm: str = "fedbuff"     # fedbuff (Nguyen et al. 2022) | fedasync (Xie et al. 2019)
+    algorithm: Literal["fedbuff", "fedasync"] = "fedbuff"     # fedbuff (Nguyen et al. 2022) | fedasync (Xie et al. 2019)
     concurrency: int = 10          # clients training at the same time
     buffer_size: int = 10          # FedBuff's K: updates per server step
     alpha: float = 0.6             # FedAsync's mixing weight
-    fedasync_mix: str = "model"    # model: x_client = x_base + delta (paper) | delta: x + alpha_t delta
-    staleness_weight: str = "polynomial"  # constant | polynomial | hinge
+    fedasync_mix: Literal["model", "delta"] = "model"    # model: x_client = x_base + delta (paper) | delta: x + alpha_t delta
+    staleness_weight: Literal["constant", "polynomial", "hinge"] = "polynomial"
     staleness_a: float = 0.5
     staleness_b: int = 4
     max_staleness: int = 100       # older updates are rejected and counted
     over_selection: float = 0.0    # sync: select ceil(K (1 + over_selection)) clients
     deadline_s: float = 0.0        # sync: round deadline in (virtual) seconds; 0 = none
     min_fraction: float = 0.0      # sync: a round with fewer than this * K results at its deadline fails
-    late: str = "drop"             # sync: late results are dropped | folded into the next round (weight s(t))
+    late: Literal["drop", "fold"] = "drop"             # sync: late results are dropped | folded into the next round (weight s(t))
 
     def validate(self) -> None:
-        _choice("asynchronous.algorithm", self.algorithm, ("fedbuff", "fedasync"))
         _positive("asynchronous.concurrency", self.concurrency)
         _positive("asynchronous.buffer_size", self.buffer_size)
         if not 0 < self.alpha <= 1:
             raise ConfigError(f"asynchronous.alpha = {self.alpha} must be in (0, 1]")
-        _choice("asynchronous.fedasync_mix", self.fedasync_mix, ("model", "delta"))
-        _choice("asynchronous.staleness_weight", self.staleness_weight, ("constant", "polynomial", "hinge"))
         _positive("asynchronous.staleness_a", self.staleness_a, allow_zero=True)
         _positive("asynchronous.staleness_b", self.staleness_b, allow_zero=True)
         _positive("asynchronous.max_staleness", self.max_staleness, allow_zero=True)
@@ -326,7 +323,6 @@ class AsynchronousConfig:
         _positive("asynchronous.deadline_s", self.deadline_s, allow_zero=True)
         if not 0 <= self.min_fraction <= 1:
             raise ConfigError(f"asynchronous.min_fraction = {self.min_fraction} must be in [0, 1]")
-        _choice("asynchronous.late", self.late, ("drop", "fold"))
 
 
 @dataclass
@@ -357,23 +353,23 @@ class HeterogeneityConfig:
 class GossipConfig:
     """Decentralized training without a server (p2p/): `simulation.mode = "gossip"` and `shoal peer`."""
 
-    algorithm: str = "gossip"      # gossip (push-pull with Cyclon views) | dpsgd (Lian et al. 2017) | secure_groups
+    algorithm: Literal["gossip", "dpsgd", "secure_groups", "group_average"] = "gossip"      # gossip (push-pull with Cyclon views) | dpsgd (Lian et al. 2017) | secure_groups
                                    # | group_average (Moshpit-style exact averages in grid groups, p2p/group_average.py)
     group_size: int = 4            # secure_groups: peers that securely average together each round;
                                    # group_average: about this many per group (the virtual grid's side)
-    group_weights: str = "examples"  # group_average: weight each model by its training examples | "equal"
+    group_weights: Literal["examples", "equal"] = "examples"  # group_average: weight each model by its training examples | "equal"
     group_levels: int = 0          # group_average: grid axes one exchange averages across, each in small groups
                                    # (0 = all: the exact global average on a full grid; 1 = one group, Moshpit's round)
-    merge: str = "age"             # average | examples | age (Hegedus et al. 2019)
+    merge: Literal["average", "examples", "age"] = "age"             # average | examples | age (Hegedus et al. 2019)
     staleness_exponent: float = 0.0  # weight * (1 + age gap) ** -a for models behind ours
     max_age_gap: int = 0           # models further behind are not merged, further ahead adopted (0: off)
-    bound_mode: str = "clip"       # robust.norm_bound > 0: clip | reject models farther than it from ours
+    bound_mode: Literal["clip", "reject"] = "clip"       # robust.norm_bound > 0: clip | reject models farther than it from ours
     view_size: int = 8             # Cyclon partial view
     shuffle_length: int = 4        # entries swapped per shuffle
     exchanges_per_round: int = 1   # push-pull exchanges a peer starts after each local step
     timeout: float = 1.0           # rounds (simulator) or seconds (peer) before no answer is a failure
     max_failures: int = 2          # consecutive failures before a peer leaves a view
-    topology: str = "ring"         # dpsgd: ring | torus | regular | small-world | complete
+    topology: Literal["ring", "torus", "regular", "small-world", "complete"] = "ring"         # dpsgd: ring | torus | regular | small-world | complete
     degree: int = 4                # regular / small-world degree
     rewire: float = 0.1            # small-world rewiring probability
     latency: float = 0.1           # simulator: mean one-way delay, in rounds (exponential)
@@ -388,14 +384,9 @@ class GossipConfig:
     rounds: int = 0                # `shoal peer`: stop after this many local steps (0 = run until stopped)
 
     def validate(self) -> None:
-        _choice("gossip.algorithm", self.algorithm, ("gossip", "dpsgd", "secure_groups", "group_average"))
-        _choice("gossip.group_weights", self.group_weights, ("examples", "equal"))
         _positive("gossip.group_levels", self.group_levels, allow_zero=True)
         if self.group_size < 2:
             raise ConfigError(f"gossip.group_size = {self.group_size} must be >= 2 (a group of one averages nothing)")
-        _choice("gossip.merge", self.merge, ("average", "examples", "age"))
-        _choice("gossip.bound_mode", self.bound_mode, ("clip", "reject"))
-        _choice("gossip.topology", self.topology, ("ring", "torus", "regular", "small-world", "complete"))
         _positive("gossip.staleness_exponent", self.staleness_exponent, allow_zero=True)
         _positive("gossip.max_age_gap", self.max_age_gap, allow_zero=True)
         _positive("gossip.view_size", self.view_size)
@@ -430,7 +421,7 @@ class PrivacyConfig:
     al. 2016) with per-sample clipping to ``clip_norm``.
     """
 
-    mode: str = "none"               # none | central | local | distributed
+    mode: Literal["none", "central", "local", "distributed"] = "none"
     noise_multiplier: float = 1.0    # z: noise std = z * clip_norm
     clip_norm: float = 1.0           # C: update norm (central/distributed), per-sample gradient norm (local)
     adaptive_clipping: bool = False  # central: Andrew et al. 2021 quantile-based C
@@ -439,24 +430,22 @@ class PrivacyConfig:
     clipped_count_stddev: float = 0.0  # sigma_b of the noisy count; 0 = clients_per_round / 20 (the paper's choice)
     target_epsilon: float = 0.0      # stop before epsilon would exceed this; 0 = no limit
     delta: float = 1e-5
-    accountant: str = "rdp"          # rdp | pld (dp-accounting)
+    accountant: Literal["rdp", "pld"] = "rdp"          # rdp | pld (dp-accounting)
     # central/distributed: how a round picks clients, and so what the accountant assumes:
     # poisson = each client joins with probability q = K/N (add/remove-one analysis);
     # fixed = exactly K of N (replace-one analysis with sensitivity 2C, RDP only)
-    sampling: str = "poisson"
+    sampling: Literal["poisson", "fixed"] = "poisson"
     # distributed DP with secure aggregation: noise shares are sized for t = max(the protocol's
     # threshold, ceil(min_survivors * K)) survivors, and a round with fewer is aborted; 0 = the threshold
     min_survivors: float = 0.0
     # `shoal privacy-sweep`: the grid run after a non-private baseline
-    sweep_modes: list[str] = field(default_factory=lambda: ["central", "local"])
+    sweep_modes: list[Literal["central", "local", "distributed"]] = field(default_factory=lambda: ["central", "local"])
     sweep_noise_multipliers: list[float] = field(default_factory=lambda: [0.3, 0.6, 1.0, 2.0])
     mia_samples: int = 2000          # members and non-members each, for the membership-inference audit
     canaries: int = 500              # canary clients of the sweep's empirical-epsilon audit (0 = no audit)
     canaries_unseen: int = 1000      # random directions never inserted: the audit's null distribution
 
     def validate(self) -> None:
-        modes = ("none", "central", "local", "distributed")
-        _choice("privacy.mode", self.mode, modes)
         _positive("privacy.noise_multiplier", self.noise_multiplier, allow_zero=True)
         _positive("privacy.clip_norm", self.clip_norm)
         if not 0 < self.target_quantile < 1:
@@ -466,8 +455,6 @@ class PrivacyConfig:
         _positive("privacy.target_epsilon", self.target_epsilon, allow_zero=True)
         if not 0 < self.delta < 1:
             raise ConfigError(f"privacy.delta = {self.delta} must be in (0, 1)")
-        _choice("privacy.accountant", self.accountant, ("rdp", "pld"))
-        _choice("privacy.sampling", self.sampling, ("poisson", "fixed"))
         if not 0 <= self.min_survivors <= 1:
             raise ConfigError(f"privacy.min_survivors = {self.min_survivors} must be a fraction of the round's "
                               "clients in [0, 1]")
@@ -482,8 +469,6 @@ class PrivacyConfig:
                 f"privacy.adaptive_clipping needs privacy.mode = 'central' (it is {self.mode!r}): the noisy "
                 "count of clipped updates is computed by the server; set adaptive_clipping = false"
             )
-        for m in self.sweep_modes:
-            _choice("privacy.sweep_modes", m, modes[1:])
         for z in self.sweep_noise_multipliers:
             _positive("privacy.sweep_noise_multipliers", z)
         _positive("privacy.mia_samples", self.mia_samples)
@@ -502,7 +487,7 @@ class SecureAggregationConfig:
     Bell et al. 2020); see docs/secure_aggregation.md."""
 
     enabled: bool = False
-    graph: str = "full"            # full (every pair masks) | secagg+ (k-regular random graph)
+    graph: Literal["full", "secagg+"] = "full"            # full (every pair masks) | secagg+ (k-regular random graph)
     degree: int = 0                # secagg+ neighbours per client; 0 = about 3 log2(n)
     threshold: float = 0.5         # t = floor(threshold * neighbourhood) + 1 shares unmask
     clip: float = 1.0              # each update entry is clipped to [-clip, clip]
@@ -520,7 +505,6 @@ class SecureAggregationConfig:
 
     def validate(self) -> None:
         _positive("secure_aggregation.stage_s", self.stage_s)
-        _choice("secure_aggregation.graph", self.graph, ("full", "secagg+"))
         _positive("secure_aggregation.degree", self.degree, allow_zero=True)
         if not 0.5 <= self.threshold < 1:
             # t = floor(threshold x m) + 1 shares of m: t > m/2 (the full graph: m = n; SecAgg+: each
@@ -590,197 +574,13 @@ class Config:
     def validate(self) -> "Config":
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
+            check_choices(section, f.name)
             if hasattr(section, "validate"):
                 section.validate()
-        self._validate_combinations()
+        check_combinations(self)
         return self
-
-    def _validate_combinations(self) -> None:
-        """Settings that are fine alone but not together."""
-        if self.simulation.engine == "flower":
-            unsupported = [
-                name for name, on in (
-                    (f"simulation.mode = {self.simulation.mode!r}", self.simulation.mode != "sync"),
-                    ("heterogeneity.enabled", self.heterogeneity.enabled),
-                    (f"privacy.mode = {self.privacy.mode!r}", self.privacy.mode != "none"),
-                    ("secure_aggregation.enabled", self.secure_aggregation.enabled),
-                    (f"attack.kind = {self.attack.kind!r}", self.attack.kind != "none"),
-                    (f"compression.encoding = {self.compression.encoding!r}", self.compression.encoding != "dense"),
-                ) if on
-            ]
-            if unsupported:
-                raise ConfigError(
-                    f"simulation.engine = 'flower' runs plain sync rounds (robust rules included) and cannot run "
-                    f"{', '.join(unsupported)}; use simulation.engine = 'inprocess'"
-                )
-        if self.secure_aggregation.enabled:
-            why = None
-            if self.simulation.mode != "sync":
-                why = f"simulation.mode = {self.simulation.mode!r}: secure aggregation runs in sync rounds"
-            elif self.heterogeneity.enabled:
-                why = "heterogeneity.enabled = true: the virtual-clock engine trains clients one at a time"
-            elif self.server.mode != "sync":
-                why = f"server.mode = {self.server.mode!r}: secure aggregation runs in sync rounds"
-            elif self.robust.rule != "mean":
-                why = f"robust.rule = {self.robust.rule!r}: the server sees only the masked sum, not single updates"
-            elif self.compression.encoding != "dense":
-                why = (f"compression.encoding = {self.compression.encoding!r}: masks live in a fixed-point "
-                       "field over the dense vector")
-            elif self.privacy.mode == "central":
-                why = ("privacy.mode = 'central': the server cannot clip updates it cannot see; use "
-                       "privacy.mode = 'distributed' (clients clip and add noise shares before masking)")
-            if why:
-                raise ConfigError(f"secure_aggregation.enabled = true with {why}")
-        if self.simulation.mode == "gossip":
-            from shoal.p2p.robust import check_gossip_settings  # robust merges and model compression (p2p/)
-
-            check_gossip_settings(self)
-        self._validate_async_robust()
-        dp = self.privacy.mode
-        if dp in ("central", "distributed") and self.robust.rule != "mean":
-            raise ConfigError(
-                f"privacy.mode = {dp!r} with robust.rule = {self.robust.rule!r}: the DP mean's noise is "
-                "calibrated to a clipped sum, which a robust rule does not compute; use robust.rule = "
-                "'mean' (the clipping bounds each client's influence) or privacy.mode = 'local'"
-            )
-        if dp == "distributed" and self.compression.encoding != "dense":
-            raise ConfigError(
-                f"privacy.mode = 'distributed' with compression.encoding = {self.compression.encoding!r}: each "
-                "client's noise share would be added before the encoding, which then drops (topk) or rescales "
-                "(q8) the noise, so the sum would carry less noise than accounted; shoal does not add noise "
-                "after the encoding. Use compression.encoding = 'dense', or privacy.mode = 'central' (the "
-                "server clips the decoded update and adds the noise itself)"
-            )
-        if dp != "none" and self.heterogeneity.enabled:
-            raise ConfigError(
-                f"privacy.mode = {dp!r} with heterogeneity.enabled = true: the virtual-clock engine does not "
-                "count epsilon; set heterogeneity.enabled = false"
-            )
-        if dp != "none" and self.simulation.mode != "sync":
-            raise ConfigError(
-                f"privacy.mode = {dp!r} needs simulation.mode = 'sync' (it is {self.simulation.mode!r}): "
-                "the accountant counts sampled synchronous rounds"
-            )
-
-    def _validate_async_robust(self) -> None:
-        """Robust rules in async mode run over FedBuff's buffer of K updates (aggregation/fedbuff.py)."""
-        a, rb = self.asynchronous, self.robust
-        if "async" not in (self.simulation.mode, self.server.mode) or rb.rule == "mean":
-            return
-        if a.algorithm == "fedasync":
-            raise ConfigError(
-                f"robust.rule = {rb.rule!r} with asynchronous.algorithm = 'fedasync': FedAsync applies one update "
-                f"at a time, and a {rb.rule} of one update is that update; use asynchronous.algorithm = 'fedbuff' "
-                "(the rule combines its K buffered updates) or robust.rule = 'mean' with robust.norm_bound > 0"
-            )
-        if a.buffer_size > rb.max_updates:
-            raise ConfigError(f"asynchronous.buffer_size = {a.buffer_size} exceeds robust.max_updates = "
-                              f"{rb.max_updates}: FedBuff's rule holds the K buffered updates; raise the limit")
-        if rb.rule in ("krum", "multikrum") and a.buffer_size <= 2 * rb.krum_f + 2:
-            raise ConfigError(f"robust.rule = {rb.rule!r} with krum_f = {rb.krum_f} needs asynchronous.buffer_size "
-                              f"> 2 krum_f + 2 = {2 * rb.krum_f + 2} (it is {a.buffer_size})")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
-def _type_ok(value: Any, annotation: Any) -> tuple[bool, Any]:
-    """Check (and mildly coerce: int -> float) a TOML value against a field annotation."""
-    origin = typing.get_origin(annotation)
-    if origin in (typing.Union, types.UnionType):
-        for arm in typing.get_args(annotation):
-            ok, v = _type_ok(value, arm)
-            if ok:
-                return True, v
-        return False, value
-    if origin is list:
-        (inner,) = typing.get_args(annotation) or (Any,)
-        if not isinstance(value, list):
-            return False, value
-        out = []
-        for item in value:
-            ok, v = _type_ok(item, inner)
-            if not ok:
-                return False, value
-            out.append(v)
-        return True, out
-    if origin is dict:
-        return isinstance(value, dict), value
-    if annotation is Any:
-        return True, value
-    if annotation is bool:
-        return isinstance(value, bool), value
-    if annotation is int:
-        return isinstance(value, int) and not isinstance(value, bool), value
-    if annotation is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return True, float(value)
-        return False, value
-    if annotation is str:
-        return isinstance(value, str), value
-    return isinstance(value, annotation), value
-
-
-def _type_name(annotation: Any) -> str:
-    return getattr(annotation, "__name__", None) or str(annotation).replace("typing.", "")
-
-
-def _apply(section_obj: Any, section_name: str, values: dict[str, Any]) -> None:
-    hints = typing.get_type_hints(type(section_obj))
-    known = {f.name for f in dataclasses.fields(section_obj)}
-    for key, value in values.items():
-        if key not in known:
-            raise ConfigError(
-                f"unknown key '{section_name}.{key}' (known keys of [{section_name}]: {', '.join(sorted(known))})"
-            )
-        ok, coerced = _type_ok(value, hints[key])
-        if not ok:
-            raise ConfigError(
-                f"{section_name}.{key} = {value!r} has the wrong type: expected {_type_name(hints[key])}"
-            )
-        setattr(section_obj, key, coerced)
-
-
-def config_from_dict(data: dict[str, Any], base: Config | None = None) -> Config:
-    cfg = base or Config()
-    sections = {f.name for f in dataclasses.fields(cfg)}
-    for name, values in data.items():
-        if name not in sections:
-            raise ConfigError(f"unknown section [{name}] (known sections: {', '.join(sorted(sections))})")
-        if not isinstance(values, dict):
-            raise ConfigError(f"[{name}] must be a table of keys, got {values!r}")
-        _apply(getattr(cfg, name), name, values)
-    return cfg
-
-
-def parse_override(text: str) -> tuple[str, str, Any]:
-    """``section.key=value`` -> (section, key, value); the value is TOML, else a string."""
-    if "=" not in text:
-        raise ConfigError(f"--set {text!r}: expected section.key=value")
-    dotted, raw = text.split("=", 1)
-    parts = dotted.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"--set {text!r}: the key must look like section.key")
-    try:
-        value = tomllib.loads(f"v = {raw.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = raw.strip()
-    return parts[0], parts[1], value
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
-    """Defaults, then the TOML file, then each ``--set`` override; validated."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} not found")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as e:
-            raise ConfigError(f"{p}: not valid TOML: {e}") from None
-    cfg = config_from_dict(data)
-    for text in overrides:
-        section, key, value = parse_override(text)
-        config_from_dict({section: {key: value}}, base=cfg)
-    return cfg.validate()

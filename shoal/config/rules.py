@@ -1,0 +1,97 @@
+"""Settings that are fine alone but not together: one ConfigError naming both keys.
+
+``self`` in these functions is the whole :class:`shoal.config.Config`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shoal.errors import ConfigError
+
+
+def check_combinations(self: Any) -> None:
+    """Settings that are fine alone but not together."""
+    if self.simulation.engine == "flower":
+        unsupported = [
+            name for name, on in (
+                (f"simulation.mode = {self.simulation.mode!r}", self.simulation.mode != "sync"),
+                ("heterogeneity.enabled", self.heterogeneity.enabled),
+                (f"privacy.mode = {self.privacy.mode!r}", self.privacy.mode != "none"),
+                ("secure_aggregation.enabled", self.secure_aggregation.enabled),
+                (f"attack.kind = {self.attack.kind!r}", self.attack.kind != "none"),
+                (f"compression.encoding = {self.compression.encoding!r}", self.compression.encoding != "dense"),
+            ) if on
+        ]
+        if unsupported:
+            raise ConfigError(
+                f"simulation.engine = 'flower' runs plain sync rounds (robust rules included) and cannot run "
+                f"{', '.join(unsupported)}; use simulation.engine = 'inprocess'"
+            )
+    if self.secure_aggregation.enabled:
+        why = None
+        if self.simulation.mode != "sync":
+            why = f"simulation.mode = {self.simulation.mode!r}: secure aggregation runs in sync rounds"
+        elif self.heterogeneity.enabled:
+            why = "heterogeneity.enabled = true: the virtual-clock engine trains clients one at a time"
+        elif self.server.mode != "sync":
+            why = f"server.mode = {self.server.mode!r}: secure aggregation runs in sync rounds"
+        elif self.robust.rule != "mean":
+            why = f"robust.rule = {self.robust.rule!r}: the server sees only the masked sum, not single updates"
+        elif self.compression.encoding != "dense":
+            why = (f"compression.encoding = {self.compression.encoding!r}: masks live in a fixed-point "
+                   "field over the dense vector")
+        elif self.privacy.mode == "central":
+            why = ("privacy.mode = 'central': the server cannot clip updates it cannot see; use "
+                   "privacy.mode = 'distributed' (clients clip and add noise shares before masking)")
+        if why:
+            raise ConfigError(f"secure_aggregation.enabled = true with {why}")
+    if self.simulation.mode == "gossip":
+        from shoal.p2p.robust import check_gossip_settings  # robust merges and model compression (p2p/)
+
+        check_gossip_settings(self)
+    _check_async_robust(self)
+    dp = self.privacy.mode
+    if dp in ("central", "distributed") and self.robust.rule != "mean":
+        raise ConfigError(
+            f"privacy.mode = {dp!r} with robust.rule = {self.robust.rule!r}: the DP mean's noise is "
+            "calibrated to a clipped sum, which a robust rule does not compute; use robust.rule = "
+            "'mean' (the clipping bounds each client's influence) or privacy.mode = 'local'"
+        )
+    if dp == "distributed" and self.compression.encoding != "dense":
+        raise ConfigError(
+            f"privacy.mode = 'distributed' with compression.encoding = {self.compression.encoding!r}: each "
+            "client's noise share would be added before the encoding, which then drops (topk) or rescales "
+            "(q8) the noise, so the sum would carry less noise than accounted; shoal does not add noise "
+            "after the encoding. Use compression.encoding = 'dense', or privacy.mode = 'central' (the "
+            "server clips the decoded update and adds the noise itself)"
+        )
+    if dp != "none" and self.heterogeneity.enabled:
+        raise ConfigError(
+            f"privacy.mode = {dp!r} with heterogeneity.enabled = true: the virtual-clock engine does not "
+            "count epsilon; set heterogeneity.enabled = false"
+        )
+    if dp != "none" and self.simulation.mode != "sync":
+        raise ConfigError(
+            f"privacy.mode = {dp!r} needs simulation.mode = 'sync' (it is {self.simulation.mode!r}): "
+            "the accountant counts sampled synchronous rounds"
+        )
+
+
+def _check_async_robust(self: Any) -> None:
+    """Robust rules in async mode run over FedBuff's buffer of K updates (aggregation/fedbuff.py)."""
+    a, rb = self.asynchronous, self.robust
+    if "async" not in (self.simulation.mode, self.server.mode) or rb.rule == "mean":
+        return
+    if a.algorithm == "fedasync":
+        raise ConfigError(
+            f"robust.rule = {rb.rule!r} with asynchronous.algorithm = 'fedasync': FedAsync applies one update "
+            f"at a time, and a {rb.rule} of one update is that update; use asynchronous.algorithm = 'fedbuff' "
+            "(the rule combines its K buffered updates) or robust.rule = 'mean' with robust.norm_bound > 0"
+        )
+    if a.buffer_size > rb.max_updates:
+        raise ConfigError(f"asynchronous.buffer_size = {a.buffer_size} exceeds robust.max_updates = "
+                          f"{rb.max_updates}: FedBuff's rule holds the K buffered updates; raise the limit")
+    if rb.rule in ("krum", "multikrum") and a.buffer_size <= 2 * rb.krum_f + 2:
+        raise ConfigError(f"robust.rule = {rb.rule!r} with krum_f = {rb.krum_f} needs asynchronous.buffer_size "
+                          f"> 2 krum_f + 2 = {2 * rb.krum_f + 2} (it is {a.buffer_size})")
