@@ -53,7 +53,9 @@ class Encoded:
     header: dict[str, Any] = field(default_factory=dict)
 
 
-def quantize_q8(x: torch.Tensor, chunk: int, generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_q8(
+    x: torch.Tensor, chunk: int, generator: torch.Generator | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Unbiased stochastic 8-bit quantization of a flat vector: (int8 codes, float32 scales)."""
     x = x.detach().float().cpu()
     n = x.numel()
@@ -204,8 +206,10 @@ def decode_tensors(header: dict, tensors: dict[str, torch.Tensor], numel: int) -
         delta = dequantize_q8(q, scale, header["chunk"])
         # every field finite is not enough: 127 x a scale near FLT_MAX is +Inf
         if not bool(torch.isfinite(delta.sum())) and not bool(torch.isfinite(delta).all()):
-            raise NonFinite(f"q8 codes x scales decode to {int((~torch.isfinite(delta)).sum())} Inf values "
-                            f"(largest scale {float(scale.max()):.4g}; scales are max|x|/127)")
+            raise NonFinite(
+                f"q8 codes x scales decode to {int((~torch.isfinite(delta)).sum())} Inf values "
+                f"(largest scale {float(scale.max()):.4g}; scales are max|x|/127)"
+            )
         return delta
     if encoding == "topk":
         idx, values = tensors["indices"].long(), tensors["values"]

@@ -41,12 +41,11 @@ from dataclasses import dataclass
 
 import torch
 
-from shoal.config import PrivacyConfig, StrategyConfig
-from shoal.errors import ConfigError
-
 from shoal.aggregation.mean import EmptyAggregate
 from shoal.aggregation.server_opt import make_server_optimizer
 from shoal.aggregation.strategy import Strategy
+from shoal.config import PrivacyConfig, StrategyConfig
+from shoal.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -72,8 +71,9 @@ def gaussian(numel: int, std: float, generator: torch.Generator, dtype: torch.dt
     return noise.normal_(0.0, std, generator=generator)
 
 
-def noise_share(clipped: torch.Tensor, clip_norm: float, noise_multiplier: float, num_clients: int,
-                generator: torch.Generator) -> torch.Tensor:
+def noise_share(
+    clipped: torch.Tensor, clip_norm: float, noise_multiplier: float, num_clients: int, generator: torch.Generator
+) -> torch.Tensor:
     """Distributed DP: a client's clipped delta plus its share N(0, z² C² / t) of the noise, where
     ``num_clients`` = t is the fewest shares any completed sum holds (see the module doc)."""
     if num_clients <= 0:
@@ -116,9 +116,17 @@ class DPMean:
     :meth:`mean`, from the noisy count of unclipped updates.
     """
 
-    def __init__(self, numel: int, clip_norm: float | None, noise_multiplier: float, expected_clients: float,
-                 device: torch.device | str = "cpu", seed: int | None = None,
-                 adaptive: AdaptiveClipping | None = None, share_noise: tuple[float, float] | None = None):
+    def __init__(
+        self,
+        numel: int,
+        clip_norm: float | None,
+        noise_multiplier: float,
+        expected_clients: float,
+        device: torch.device | str = "cpu",
+        seed: int | None = None,
+        adaptive: AdaptiveClipping | None = None,
+        share_noise: tuple[float, float] | None = None,
+    ):
         """``share_noise=(z, C)``: clients add noise shares N(0, z²C²/t) (distributed DP, with
         ``clip_norm=None``); set t per round with :meth:`expect_shares`."""
         if numel <= 0 or expected_clients <= 0:
@@ -157,7 +165,8 @@ class DPMean:
     def releases_noise(self) -> bool:
         """True when :meth:`mean` adds noise, so it has something to release without updates."""
         return (self.sum_noise_multiplier > 0 and self.clip_norm is not None) or (
-            self.share_noise is not None and self.share_noise[0] > 0)
+            self.share_noise is not None and self.share_noise[0] > 0
+        )
 
     def reset(self) -> None:
         self._sum.zero_()
@@ -205,8 +214,12 @@ class DPMean:
             total = total + gaussian(self.numel, std, self._gen, torch.float64)
         missing = self.missing_share_std()
         if missing > 0:
-            log.info("distributed DP: %d noise shares of 1/%d reached the sum; the server adds the missing "
-                     "N(0, %.4g^2)", self.count, self.shares, missing)
+            log.info(
+                "distributed DP: %d noise shares of 1/%d reached the sum; the server adds the missing N(0, %.4g^2)",
+                self.count,
+                self.shares,
+                missing,
+            )
             total = total + gaussian(self.numel, missing, self._gen, torch.float64)
         out = (total / self.expected_clients).to(torch.float32)
         if self.adaptive is not None:
@@ -235,8 +248,14 @@ class DPStrategy(Strategy):
         return new_global
 
 
-def make_dp_strategy(strategy: StrategyConfig, privacy: PrivacyConfig, numel: int, expected_clients: int,
-                     device: torch.device | str = "cpu", seed: int | None = None) -> Strategy:
+def make_dp_strategy(
+    strategy: StrategyConfig,
+    privacy: PrivacyConfig,
+    numel: int,
+    expected_clients: int,
+    device: torch.device | str = "cpu",
+    seed: int | None = None,
+) -> Strategy:
     """The server side of ``privacy.mode`` central or distributed, over the configured server optimizer."""
     if privacy.mode == "central":
         adaptive = None
@@ -245,11 +264,11 @@ def make_dp_strategy(strategy: StrategyConfig, privacy: PrivacyConfig, numel: in
             adaptive = AdaptiveClipping(privacy.target_quantile, privacy.clip_lr, sb)
         agg = DPMean(numel, privacy.clip_norm, privacy.noise_multiplier, expected_clients, device, seed, adaptive)
     elif privacy.mode == "distributed":
-        agg = DPMean(numel, None, 0.0, expected_clients, device, seed,
-                     share_noise=(privacy.noise_multiplier, privacy.clip_norm))
+        agg = DPMean(
+            numel, None, 0.0, expected_clients, device, seed, share_noise=(privacy.noise_multiplier, privacy.clip_norm)
+        )
     else:
         raise ValueError(f"privacy.mode = {privacy.mode!r} has no DP server strategy")
     if strategy.weighting != "uniform":
-        log.info("privacy.mode = %s: updates are weighted uniformly (DP-FedAvg), not by example count",
-                 privacy.mode)
+        log.info("privacy.mode = %s: updates are weighted uniformly (DP-FedAvg), not by example count", privacy.mode)
     return DPStrategy(agg, make_server_optimizer(strategy), "uniform")

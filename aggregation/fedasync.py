@@ -30,9 +30,8 @@ import math
 
 import torch
 
-from shoal.update import Update
-
 from shoal.aggregation.staleness import StalenessWeight
+from shoal.update import Update
 
 MIX_RULES = ("model", "delta")
 

@@ -35,17 +35,24 @@ import math
 
 import torch
 
-from shoal.update import Update
-
 from shoal.aggregation.server_opt import ServerOptimizer, StateDict
 from shoal.aggregation.staleness import StalenessWeight
+from shoal.update import Update
 
 
 class FedBuff:
     """``accumulate(update, staleness)`` until ``full``; then ``flush(x) -> new x``."""
 
-    def __init__(self, k: int, optimizer: ServerOptimizer, weight: StalenessWeight, weighting: str = "uniform",
-                 numel: int | None = None, device: torch.device | str = "cpu", rule=None):
+    def __init__(
+        self,
+        k: int,
+        optimizer: ServerOptimizer,
+        weight: StalenessWeight,
+        weighting: str = "uniform",
+        numel: int | None = None,
+        device: torch.device | str = "cpu",
+        rule=None,
+    ):
         if k < 1:
             raise ValueError(f"FedBuff buffer size K = {k} must be >= 1")
         if weighting not in ("examples", "uniform"):
@@ -75,7 +82,9 @@ class FedBuff:
         base = float(update.num_examples) if self.weighting == "examples" else 1.0
         if not (base > 0 and math.isfinite(base)):
             who = update.sender or "a client"
-            raise ValueError(f"update from {who} has num_examples = {update.num_examples}; examples weighting needs > 0")
+            raise ValueError(
+                f"update from {who} has num_examples = {update.num_examples}; examples weighting needs > 0"
+            )
         s = self.weight(staleness)
         delta = update.delta
         if self.rule is not None:
@@ -136,6 +145,11 @@ class FedBuff:
         self._sum = None if buf is None else torch.as_tensor(buf, dtype=torch.float64).to(self.device).clone()
         held = state.get("held")
         weights = state.get("held_weights", [])
-        self._held = [] if held is None else [
-            (torch.as_tensor(d, dtype=torch.float32).to(self.device).clone(), float(w)) for d, w in zip(held, weights)
-        ]
+        self._held = (
+            []
+            if held is None
+            else [
+                (torch.as_tensor(d, dtype=torch.float32).to(self.device).clone(), float(w))
+                for d, w in zip(held, weights)
+            ]
+        )

@@ -83,11 +83,11 @@ class SecAggParams:
     session: bytes
     vector_size: int
     graph: str = "full"
-    degree: int = 0                   # secagg+ only; 0 = auto_degree(n, expected_dropout, ...)
-    threshold_fraction: float = 0.5   # t = floor(fraction * neighbourhood) + 1
-    expected_dropout: float = 0.1     # what an automatic secagg+ degree is sized to survive
-    graph_seed: int = 0               # public: the server and anyone can check the graph
-    malicious: bool = False           # the active-adversary variant: signed keys, consistency round
+    degree: int = 0  # secagg+ only; 0 = auto_degree(n, expected_dropout, ...)
+    threshold_fraction: float = 0.5  # t = floor(fraction * neighbourhood) + 1
+    expected_dropout: float = 0.1  # what an automatic secagg+ degree is sized to survive
+    graph_seed: int = 0  # public: the server and anyone can check the graph
+    malicious: bool = False  # the active-adversary variant: signed keys, consistency round
 
     def __post_init__(self) -> None:
         if self.graph not in GRAPHS:
@@ -95,8 +95,10 @@ class SecAggParams:
         if self.malicious and self.graph != "full":
             raise ValueError("the malicious-server variant runs over the full graph only")
         if self.malicious and self.threshold_fraction < 2 / 3:
-            raise ValueError(f"threshold fraction {self.threshold_fraction} with a malicious server: at least 2/3 "
-                             "(Bonawitz et al. 2017: t > 2n/3 against an active adversary)")
+            raise ValueError(
+                f"threshold fraction {self.threshold_fraction} with a malicious server: at least 2/3 "
+                "(Bonawitz et al. 2017: t > 2n/3 against an active adversary)"
+            )
         if self.vector_size < 1:
             raise ValueError(f"vector_size = {self.vector_size} must be >= 1")
         if self.degree < 0:
@@ -106,11 +108,12 @@ class SecAggParams:
 
 # --- messages ------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class PublicKeys:
     sender: str
-    enc_key: bytes    # c_pk: agrees the keys that encrypt shares
-    mask_key: bytes   # s_pk: agrees the pairwise masks
+    enc_key: bytes  # c_pk: agrees the keys that encrypt shares
+    mask_key: bytes  # s_pk: agrees the pairwise masks
     signature: bytes = b""  # malicious mode: the sender's Ed25519 signature over both keys
 
     @property
@@ -120,7 +123,7 @@ class PublicKeys:
 
 @dataclass(frozen=True)
 class PeerKeys:
-    index: int        # the Shamir evaluation point of this peer, >= 1
+    index: int  # the Shamir evaluation point of this peer, >= 1
     enc_key: bytes
     mask_key: bytes
     signature: bytes = b""  # malicious mode: as advertised, for the recipient to check
@@ -195,7 +198,7 @@ class ConsistencySignature:
 class UnmaskRequest:
     recipient: str
     survivors: list[str]  # neighbours whose self-mask shares are asked (U3)
-    dropped: list[str]    # neighbours whose mask-key shares are asked (U2 \ U3)
+    dropped: list[str]  # neighbours whose mask-key shares are asked (U2 \ U3)
     signatures: dict[str, bytes] = field(default_factory=dict)  # malicious mode: U4's signatures over U3
 
     @property
@@ -207,7 +210,7 @@ class UnmaskRequest:
 class UnmaskShares:
     sender: str
     self_mask: dict[str, np.ndarray] = field(default_factory=dict)  # peer -> share of b_peer
-    mask_key: dict[str, np.ndarray] = field(default_factory=dict)   # peer -> share of s_sk_peer
+    mask_key: dict[str, np.ndarray] = field(default_factory=dict)  # peer -> share of s_sk_peer
 
     @property
     def nbytes(self) -> int:
@@ -262,22 +265,31 @@ def keyed_graph_seed(params: SecAggParams, keys: dict[str, PublicKeys]) -> int:
 
 # --- client ----------------------------------------------------------------------------
 
+
 class SecAggClient:
     """One client's side: call the four stage methods in order with the server's messages.
 
     ``rand`` supplies keys, seeds and share polynomials (the OS CSPRNG by default).
     """
 
-    def __init__(self, client_id: str, params: SecAggParams, rand: C.Randomness | None = None,
-                 identity: bytes | None = None, roster: dict[str, bytes] | None = None):
+    def __init__(
+        self,
+        client_id: str,
+        params: SecAggParams,
+        rand: C.Randomness | None = None,
+        identity: bytes | None = None,
+        roster: dict[str, bytes] | None = None,
+    ):
         self.id = client_id
         self.params = params
         self.rand = rand or C.Randomness()
         # malicious mode: this client's Ed25519 key, and every node's public key (not from the server)
         self.identity, self.roster = identity, dict(roster or {})
         if params.malicious and (identity is None or self.roster.get(client_id) != ID.identity_public(identity)):
-            raise ValueError(f"client {client_id}: the malicious-server variant needs this client's identity key "
-                             "and a roster (keys file) that holds its public key")
+            raise ValueError(
+                f"client {client_id}: the malicious-server variant needs this client's identity key "
+                "and a roster (keys file) that holds its public key"
+            )
         self._u3: list[str] | None = None  # malicious mode: the survivors this client signed
         self.stage = "advertise"
         self._enc_sk = C.generate_private(self.rand)
@@ -287,7 +299,7 @@ class SecAggClient:
         self._peers: dict[str, PeerKeys] = {}
         self._threshold = 0
         self._received: dict[str, bytes] = {}
-        self._revealed: dict[str, str] = {}        # peer -> "self_mask" | "mask_key"
+        self._revealed: dict[str, str] = {}  # peer -> "self_mask" | "mask_key"
         self._share_keys: dict[str, bytes] = {}
 
     def _expect(self, stage: str) -> None:
@@ -304,8 +316,11 @@ class SecAggClient:
         self._expect("advertise")
         self.stage = "share"
         enc, mask = C.public_key(self._enc_sk), C.public_key(self._mask_sk)
-        signature = ID.sign(self.identity, ID.keys_message(self.params.session, self.id, enc, mask)) \
-            if self.params.malicious else b""
+        signature = (
+            ID.sign(self.identity, ID.keys_message(self.params.session, self.id, enc, mask))
+            if self.params.malicious
+            else b""
+        )
         return PublicKeys(self.id, enc, mask, signature)
 
     def share_keys(self, directory: KeyDirectory) -> EncryptedShares:
@@ -351,15 +366,18 @@ class SecAggClient:
         (from the roster, not from the server), and t > 2/3 of the peers shown."""
         floor = 2 * len(directory.peers) // 3 + 1
         if directory.threshold < floor:
-            raise self._abort(f"threshold {directory.threshold} with {len(directory.peers)} peers; against a "
-                              f"malicious server t > 2n/3 = at least {floor}")
+            raise self._abort(
+                f"threshold {directory.threshold} with {len(directory.peers)} peers; against a "
+                f"malicious server t > 2n/3 = at least {floor}"
+            )
         for v, p in directory.peers.items():
             public = self.roster.get(v)
             if public is None:
                 raise self._abort(f"peer {v!r} is not in the keys file")
             if not ID.verify(public, p.signature, ID.keys_message(self.params.session, v, p.enc_key, p.mask_key)):
-                raise self._abort(f"the keys of {v!r} are not signed by {v!r}'s identity key (the server changed "
-                                  "them?)")
+                raise self._abort(
+                    f"the keys of {v!r} are not signed by {v!r}'s identity key (the server changed them?)"
+                )
 
     def consistency_check(self, request: ConsistencyRequest) -> ConsistencySignature:
         """Malicious mode: sign the survivors the server claims, after checking them against
@@ -368,47 +386,54 @@ class SecAggClient:
         if request.recipient != self.id:
             raise SecAggRefused(f"client {self.id}: a consistency check addressed to {request.recipient!r}")
         survivors = set(request.survivors)
-        if len(survivors) != len(request.survivors) or self.id not in survivors \
-                or not survivors <= set(self._received):
-            raise self._abort("the survivors shown are not a subset of the clients that shared keys with it "
-                              "(or omit it)")
+        if len(survivors) != len(request.survivors) or self.id not in survivors or not survivors <= set(self._received):
+            raise self._abort(
+                "the survivors shown are not a subset of the clients that shared keys with it (or omit it)"
+            )
         if len(survivors) < self._threshold:
             raise self._abort(f"{len(survivors)} survivors, fewer than the threshold {self._threshold}")
         self._u3 = sorted(survivors)
         self.stage = "unmask"
-        return ConsistencySignature(self.id, ID.sign(self.identity, ID.consistency_message(self.params.session,
-                                                                                              self._u3)))
+        return ConsistencySignature(
+            self.id, ID.sign(self.identity, ID.consistency_message(self.params.session, self._u3))
+        )
 
     def _check_consistency(self, request: UnmaskRequest) -> None:
         """Malicious mode: the unmasking is for the survivors this client signed, and at
         least t clients signed that very list (an equivocating server cannot show it)."""
         if sorted(request.survivors) != self._u3:
-            raise self._abort(f"the unmasking asks about survivors {sorted(request.survivors)}, but this client "
-                              f"signed {self._u3}: the server equivocates")
+            raise self._abort(
+                f"the unmasking asks about survivors {sorted(request.survivors)}, but this client "
+                f"signed {self._u3}: the server equivocates"
+            )
         message = ID.consistency_message(self.params.session, self._u3)
         signers = set(request.signatures)
         if self.id not in signers or not signers <= set(self._u3) or len(signers) < self._threshold:
             raise self._abort(f"{len(signers)} consistency signatures from the survivors, threshold {self._threshold}")
         bad = sorted(v for v in signers if not ID.verify(self.roster.get(v, b""), request.signatures[v], message))
         if bad:
-            raise self._abort(f"{bad} did not sign the survivor list this client signed: the server showed "
-                              "different lists to different clients")
+            raise self._abort(
+                f"{bad} did not sign the survivor list this client signed: the server showed "
+                "different lists to different clients"
+            )
 
     def masked_input(self, delivery: ShareDelivery, encoded: np.ndarray) -> MaskedInput:
         """y_u = x_u + PRG(b_u) + sum over U2 neighbours v of +-PRG(s_uv), mod 2^32."""
         self._expect("masked")
         x = np.asarray(encoded)
         if x.dtype != np.uint32 or x.shape != (self.params.vector_size,):
-            raise ValueError(f"encoded input must be uint32 of shape ({self.params.vector_size},), "
-                             f"got {x.dtype} {x.shape}")
+            raise ValueError(
+                f"encoded input must be uint32 of shape ({self.params.vector_size},), got {x.dtype} {x.shape}"
+            )
         if delivery.recipient != self.id:  # in a SecAgg+ graph a misrouted delivery would mask with strangers
             raise SecAggRefused(f"client {self.id}: a share delivery addressed to {delivery.recipient!r}")
         senders = set(delivery.ciphertexts)
         if not senders <= set(self._peers) or self.id not in senders:
             raise SecAggRefused(f"client {self.id}: shares delivered from outside its neighbourhood")
         if len(senders) < self._threshold:
-            raise SecAggAborted(f"client {self.id}: {len(senders)} neighbours shared keys, "
-                                f"fewer than the threshold {self._threshold}")
+            raise SecAggAborted(
+                f"client {self.id}: {len(senders)} neighbours shared keys, fewer than the threshold {self._threshold}"
+            )
         self._received = dict(delivery.ciphertexts)
         expander = C.MaskExpander(self.params.vector_size)
         y = x.copy()
@@ -449,8 +474,10 @@ class SecAggClient:
         if unknown:
             raise SecAggRefused(f"client {self.id}: asked for shares it never received: {sorted(unknown)}")
         if len(survivors) < self._threshold:
-            raise SecAggAborted(f"client {self.id}: {len(survivors)} survivors in its neighbourhood, "
-                                f"fewer than the threshold {self._threshold}")
+            raise SecAggAborted(
+                f"client {self.id}: {len(survivors)} survivors in its neighbourhood, "
+                f"fewer than the threshold {self._threshold}"
+            )
         out = UnmaskShares(self.id)
         mine = self._peers[self.id].index
         for v in sorted(survivors | dropped):
@@ -466,7 +493,7 @@ class SecAggClient:
             if v in survivors:
                 out.self_mask[v] = row[: C.CHUNKS]
             else:
-                out.mask_key[v] = row[C.CHUNKS:]
+                out.mask_key[v] = row[C.CHUNKS :]
         for v in survivors:
             self._revealed[v] = "self_mask"
         for v in dropped:
@@ -476,11 +503,12 @@ class SecAggClient:
 
 # --- server ----------------------------------------------------------------------------
 
+
 @dataclass
 class SecAggResult:
-    total: np.ndarray     # sum of the included clients' encoded vectors, mod 2^32
-    included: list[str]   # U3: whose inputs the sum holds
-    dropped: list[str]    # U2 \ U3: whose pairwise masks were removed
+    total: np.ndarray  # sum of the included clients' encoded vectors, mod 2^32
+    included: list[str]  # U3: whose inputs the sum holds
+    dropped: list[str]  # U2 \ U3: whose pairwise masks were removed
 
 
 class SecAggServer:
@@ -516,9 +544,9 @@ class SecAggServer:
         self.u2: list[str] = []
         self._total = np.zeros(params.vector_size, dtype=np.uint32)
         self.u3: list[str] = []
-        self._signatures: dict[str, bytes] = {}           # malicious mode: consistency signatures (U4)
-        self._requests: dict[str, UnmaskRequest] = {}     # malicious mode: unmask requests, sent after them
-        self.u4: list[str] = []                           # who is asked to unmask (U3 in the honest mode)
+        self._signatures: dict[str, bytes] = {}  # malicious mode: consistency signatures (U4)
+        self._requests: dict[str, UnmaskRequest] = {}  # malicious mode: unmask requests, sent after them
+        self.u4: list[str] = []  # who is asked to unmask (U3 in the honest mode)
         self._unmask: dict[str, UnmaskShares] = {}
         # kind -> holder -> (peer -> row, shares matrix): the revealed shares, by holder
         self._rows: dict[str, dict[str, tuple[dict[str, int], np.ndarray]]] = {"self_mask": {}, "mask_key": {}}
@@ -577,10 +605,14 @@ class SecAggServer:
         self.u1 = sorted(alive)
         self.stage = "share"
         return {
-            u: KeyDirectory(u, self.threshold, {
-                v: PeerKeys(self.index[v], self._keys[v].enc_key, self._keys[v].mask_key, self._keys[v].signature)
-                for v in self._hood(u, alive)
-            })
+            u: KeyDirectory(
+                u,
+                self.threshold,
+                {
+                    v: PeerKeys(self.index[v], self._keys[v].enc_key, self._keys[v].mask_key, self._keys[v].signature)
+                    for v in self._hood(u, alive)
+                },
+            )
             for u in self.u1
         }
 
@@ -598,10 +630,7 @@ class SecAggServer:
             raise self._abort(f"{len(alive)} clients shared keys, the threshold is {self.threshold}")
         self.u2 = sorted(alive)
         self.stage = "masked"
-        return {
-            v: ShareDelivery(v, {u: self._shares[u].ciphertexts[v] for u in self._hood(v, alive)})
-            for v in self.u2
-        }
+        return {v: ShareDelivery(v, {u: self._shares[u].ciphertexts[v] for u in self._hood(v, alive)}) for v in self.u2}
 
     # stage 2
     def receive_masked(self, msg: MaskedInput) -> None:
@@ -616,15 +645,16 @@ class SecAggServer:
 
     def close_masked(self) -> dict[str, UnmaskRequest]:
         self._at("masked")
-        survivors, u2 = set(self.u3), set(self.u2)
+        survivors, _u2 = set(self.u3), set(self.u2)
         if len(survivors) < self.threshold:
             raise self._abort(f"{len(survivors)} clients sent masked input, the threshold is {self.threshold}")
         # a dropped client none of whose neighbours survived left no mask to remove
         needed = [u for u in self.u2 if u in survivors or set(self.graph[u]) & survivors]
         short = [u for u in needed if len(self._hood(u, survivors)) < self.threshold]
         if short:
-            raise self._abort(f"{len(short)} clients (e.g. {short[0]!r}) have fewer than "
-                              f"{self.threshold} surviving share holders")
+            raise self._abort(
+                f"{len(short)} clients (e.g. {short[0]!r}) have fewer than {self.threshold} surviving share holders"
+            )
         self.u3 = sorted(survivors)
         dropped = {u for u in needed if u not in survivors}
         requests = {v: UnmaskRequest(v, self._hood(v, survivors), self._hood(v, dropped)) for v in self.u3}
@@ -647,12 +677,16 @@ class SecAggServer:
         """Malicious mode: the unmask requests, each with every consistency signature (U4)."""
         self._at("consistency")
         if len(self._signatures) < self.threshold:
-            raise self._abort(f"{len(self._signatures)} clients signed the survivor list, the threshold is "
-                              f"{self.threshold}")
+            raise self._abort(
+                f"{len(self._signatures)} clients signed the survivor list, the threshold is {self.threshold}"
+            )
         self.u4 = sorted(self._signatures)
         self.stage = "unmask"
-        return {v: UnmaskRequest(r.recipient, r.survivors, r.dropped, dict(self._signatures))
-                for v, r in self._requests.items() if v in self._signatures}
+        return {
+            v: UnmaskRequest(r.recipient, r.survivors, r.dropped, dict(self._signatures))
+            for v, r in self._requests.items()
+            if v in self._signatures
+        }
 
     # stage 3
     def receive_unmask(self, msg: UnmaskShares) -> None:
@@ -680,8 +714,9 @@ class SecAggServer:
         for u in targets:
             holders = [v for v in self._hood(u, rows) if u in rows[v][0]]
             if len(holders) < self.threshold:
-                raise self._abort(f"{len(holders)} shares of {u!r}'s {kind.replace('_', ' ')}, "
-                                  f"the threshold is {self.threshold}")
+                raise self._abort(
+                    f"{len(holders)} shares of {u!r}'s {kind.replace('_', ' ')}, the threshold is {self.threshold}"
+                )
             groups[tuple(sorted(holders, key=self.index.__getitem__)[: self.threshold])].append(u)
         out: dict[str, bytes] = {}
         for holders, group in groups.items():

@@ -23,8 +23,8 @@ from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
 KEY_BYTES = 32
-PRIME = 2**31 - 1                # Mersenne prime: a product of two elements fits in int64
-CHUNKS = KEY_BYTES // 2          # field elements per 32-byte secret (16-bit chunks)
+PRIME = 2**31 - 1  # Mersenne prime: a product of two elements fits in int64
+CHUNKS = KEY_BYTES // 2  # field elements per 32-byte secret (16-bit chunks)
 _ZERO_IV = bytes(16)
 
 
@@ -58,6 +58,7 @@ def hkdf(secret: bytes, info: bytes, salt: bytes | None = None) -> bytes:
 
 
 # --- key agreement ------------------------------------------------------------------
+
 
 def generate_private(rand: Randomness) -> bytes:
     """A fresh X25519 private key as its 32 raw bytes (what gets secret-shared)."""
@@ -112,6 +113,7 @@ def agree(private: X25519PrivateKey, peer_public: bytes | X25519PublicKey, info:
 
 # --- authenticated encryption of shares ----------------------------------------------
 
+
 def encrypt(key: bytes, plaintext: bytes, associated: bytes, rand: Randomness) -> bytes:
     """AES-256-GCM; the 12-byte nonce is prepended to the ciphertext."""
     nonce = rand.bytes(12)
@@ -127,6 +129,7 @@ def decrypt(key: bytes, blob: bytes, associated: bytes) -> bytes | None:
 
 
 # --- pseudorandom generator ----------------------------------------------------------
+
 
 class MaskExpander:
     """AES-256-CTR keystreams of ``size`` uint32 values, one OpenSSL call per key.
@@ -155,6 +158,7 @@ def prg(key: bytes, size: int) -> np.ndarray:
 
 # --- Shamir secret sharing over GF(p) -------------------------------------------------
 
+
 def secret_to_field(secrets: list[bytes]) -> np.ndarray:
     """32-byte secrets -> one row of 16 field elements (16-bit chunks), concatenated."""
     for s in secrets:
@@ -170,7 +174,7 @@ def field_to_secrets(values: np.ndarray) -> list[bytes]:
     if v.min(initial=0) < 0 or v.max(initial=0) > 0xFFFF:
         raise ValueError("reconstructed value is not a valid secret: the shares are inconsistent")
     raw = v.astype("<u2").tobytes()
-    return [raw[i:i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
+    return [raw[i : i + KEY_BYTES] for i in range(0, len(raw), KEY_BYTES)]
 
 
 def shamir_share(values: np.ndarray, xs: np.ndarray, t: int, rand: Randomness) -> np.ndarray:
@@ -188,7 +192,7 @@ def shamir_share(values: np.ndarray, xs: np.ndarray, t: int, rand: Randomness) -
     values = np.asarray(values, dtype=np.int64)
     coeffs = (rand.uint64((t - 1, len(values))) % np.uint64(PRIME)).astype(np.int64)
     acc = np.zeros((len(xs), len(values)), dtype=np.int64)
-    for c in coeffs[::-1]:           # highest degree first
+    for c in coeffs[::-1]:  # highest degree first
         acc = (acc * xs[:, None] + c[None, :]) % PRIME
     return (acc * xs[:, None] + values[None, :]) % PRIME
 

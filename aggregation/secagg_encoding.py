@@ -99,28 +99,38 @@ def noise_range(clip_norm: float, share_std: float) -> float:
 def check_noise_range(values: FixedPoint, clip_norm: float, share_std: float, shares: int) -> None:
     """Refuse an encoding that would clip or coarsen a distributed-DP noise share (module doc)."""
     need = noise_range(clip_norm, share_std)
-    why = (f"with privacy.clip_norm = C = {clip_norm:g} and each of t = {shares} noise shares of std "
-           f"s = z*C/sqrt(t) = {share_std:.4g}, an entry of a client's noisy update reaches C + "
-           f"{HEADROOM_SIGMAS:g} s = {need:.4g}")
+    why = (
+        f"with privacy.clip_norm = C = {clip_norm:g} and each of t = {shares} noise shares of std "
+        f"s = z*C/sqrt(t) = {share_std:.4g}, an entry of a client's noisy update reaches C + "
+        f"{HEADROOM_SIGMAS:g} s = {need:.4g}"
+    )
     if values.clip < need:
         raise SecAggConfigError(
             f"secure_aggregation.clip = {values.clip:g} would clip the distributed-DP noise: {why}, so the "
             f"sum would carry less noise than the accountant assumes; set secure_aggregation.clip >= {need:.4g}"
         )
     if values.quantum > share_std / MIN_SIGMAS_PER_QUANTUM:
-        bits = next((b for b in range(values.bits, MODULUS_BITS + 1)
-                     if 2 * values.clip / (2**b - 1) <= share_std / MIN_SIGMAS_PER_QUANTUM), None)
+        bits = next(
+            (
+                b
+                for b in range(values.bits, MODULUS_BITS + 1)
+                if 2 * values.clip / (2**b - 1) <= share_std / MIN_SIGMAS_PER_QUANTUM
+            ),
+            None,
+        )
         raise SecAggConfigError(
             f"secure_aggregation.bits = {values.bits} with clip = {values.clip:g} gives a grid spacing of "
             f"{values.quantum:.4g}, coarser than 1/{MIN_SIGMAS_PER_QUANTUM:g} of the noise share's std "
             f"{share_std:.4g}: rounding would add noise the accountant does not model; raise "
-            "secure_aggregation.bits" + (f" to at least {bits}" if bits else "")
+            "secure_aggregation.bits"
+            + (f" to at least {bits}" if bits else "")
             + f" or lower secure_aggregation.clip (not below {need:.4g})"
         )
 
 
-def encode_weighted(x: np.ndarray, weight: float, values: FixedPoint, weights: FixedPoint,
-                    rng: np.random.Generator) -> np.ndarray:
+def encode_weighted(
+    x: np.ndarray, weight: float, values: FixedPoint, weights: FixedPoint, rng: np.random.Generator
+) -> np.ndarray:
     """``[w * clip(x), w]`` encoded for the secure sum; ``weight`` must be in [0, 1]."""
     if not 0 <= weight <= 1:
         raise ValueError(f"weight = {weight} must be in [0, 1] (divide by the round's max weight)")
@@ -131,8 +141,7 @@ def encode_weighted(x: np.ndarray, weight: float, values: FixedPoint, weights: F
     return np.concatenate([values.encode(weight * clipped, rng), weights.encode(np.array([weight]), rng)])
 
 
-def decode_weighted(total: np.ndarray, count: int, values: FixedPoint, weights: FixedPoint
-                    ) -> tuple[np.ndarray, float]:
+def decode_weighted(total: np.ndarray, count: int, values: FixedPoint, weights: FixedPoint) -> tuple[np.ndarray, float]:
     """(sum_k w_k x_k, sum_k w_k) from the integer sum of :func:`encode_weighted` vectors."""
     return values.decode_sum(total[:-1], count), float(weights.decode_sum(total[-1:], count)[0])
 

@@ -57,7 +57,7 @@ def neighbours(ids: list[str], graph: str, degree: int, seed: int) -> dict[str, 
         return {u: [v for v in ids if v != u] for u in ids}
     if degree < 1:
         raise ValueError(f"degree = {degree} must be >= 1 for the secagg+ graph")
-    order = np.random.default_rng(seed).permutation(n)       # random relabelling
+    order = np.random.default_rng(seed).permutation(n)  # random relabelling
     position = {int(node): p for p, node in enumerate(order)}
     half, odd = degree // 2, degree % 2
     if odd and n % 2:  # no odd-degree regular graph on an odd number of nodes: round up

@@ -21,9 +21,9 @@ from .secagg_memory import SecAggCost, run_in_memory
 
 @dataclass
 class SecureMean:
-    mean: np.ndarray        # float64: sum_k w_k clip(x_k) / sum_k w_k over the included
-    included: list[str]     # whose inputs are in it (the others dropped out)
-    total_weight: float     # sum_k w_k of the included, in units of max weight
+    mean: np.ndarray  # float64: sum_k w_k clip(x_k) / sum_k w_k over the included
+    included: list[str]  # whose inputs are in it (the others dropped out)
+    total_weight: float  # sum_k w_k of the included, in units of max weight
     cost: SecAggCost
 
 
@@ -75,6 +75,11 @@ def secure_group_average(
     n = len(vectors)
     params = SecAggParams(session, next(iter(sizes))[0] + 1, "full", threshold_fraction=threshold)
     return secure_weighted_mean(
-        vectors, {k: w / top for k, w in weights.items()}, params,
-        FixedPoint(clip, bits, n), FixedPoint(1.0, bits, n), drop_at, seed,
+        vectors,
+        {k: w / top for k, w in weights.items()},
+        params,
+        FixedPoint(clip, bits, n),
+        FixedPoint(1.0, bits, n),
+        drop_at,
+        seed,
     )

@@ -42,7 +42,7 @@ class SecAggCost:
 
     server_s: float = 0.0
     client_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))      # client -> server
+    sent: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # client -> server
     received: dict[str, int] = field(default_factory=lambda: defaultdict(int))  # server -> client
 
 
@@ -99,8 +99,12 @@ def run_in_memory(
     if params.malicious and identities is None:
         identities = {cid: ID.new_identity(client_randomness(seed, f"{cid}/identity").bytes(32)) for cid in ids}
     roster = {cid: ID.identity_public(k) for cid, k in (identities or {}).items()}
-    clients = {cid: SecAggClient(cid, params, client_randomness(seed, cid),
-                                 *((identities[cid], roster) if params.malicious else ())) for cid in ids}
+    clients = {
+        cid: SecAggClient(
+            cid, params, client_randomness(seed, cid), *((identities[cid], roster) if params.malicious else ())
+        )
+        for cid in ids
+    }
     keygen_s = (time.process_time() - t) / max(len(ids), 1)
     for cid in ids:
         cost.client_s[cid] += keygen_s

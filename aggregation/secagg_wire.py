@@ -34,8 +34,17 @@ from .secagg import (
     UnmaskShares,
 )
 
-Message = (PublicKeys | KeyDirectory | EncryptedShares | ShareDelivery | MaskedInput | UnmaskRequest | UnmaskShares
-           | ConsistencyRequest | ConsistencySignature)
+Message = (
+    PublicKeys
+    | KeyDirectory
+    | EncryptedShares
+    | ShareDelivery
+    | MaskedInput
+    | UnmaskRequest
+    | UnmaskShares
+    | ConsistencyRequest
+    | ConsistencySignature
+)
 SIGNATURE_BYTES = 64
 
 
@@ -60,8 +69,11 @@ def _str(v: Any, what: str) -> str:
 
 
 def _shares(v: Any, what: str) -> np.ndarray:
-    if not (isinstance(v, list) and len(v) == C.CHUNKS
-            and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < C.PRIME for x in v)):
+    if not (
+        isinstance(v, list)
+        and len(v) == C.CHUNKS
+        and all(isinstance(x, int) and not isinstance(x, bool) and 0 <= x < C.PRIME for x in v)
+    ):
         raise Malformed(f"{what}: expected {C.CHUNKS} integers in [0, 2^31 - 1)")
     return np.array(v, dtype=np.int64)
 
@@ -81,31 +93,50 @@ def encode_message(msg: Message, meta: dict[str, Any] | None = None) -> bytes:
         if msg.signature:
             h["signature"] = _b64(msg.signature)
     elif isinstance(msg, KeyDirectory):
-        h = {"kind": "key_directory", "recipient": msg.recipient, "threshold": msg.threshold,
-             "peers": {v: [p.index, _b64(p.enc_key), _b64(p.mask_key), *([_b64(p.signature)] if p.signature else [])]
-                       for v, p in msg.peers.items()}}
+        h = {
+            "kind": "key_directory",
+            "recipient": msg.recipient,
+            "threshold": msg.threshold,
+            "peers": {
+                v: [p.index, _b64(p.enc_key), _b64(p.mask_key), *([_b64(p.signature)] if p.signature else [])]
+                for v, p in msg.peers.items()
+            },
+        }
     elif isinstance(msg, ConsistencyRequest):
         h = {"kind": "consistency_request", "recipient": msg.recipient, "survivors": list(msg.survivors)}
     elif isinstance(msg, ConsistencySignature):
         h = {"kind": "consistency_signature", "sender": msg.sender, "signature": _b64(msg.signature)}
     elif isinstance(msg, EncryptedShares):
-        h = {"kind": "encrypted_shares", "sender": msg.sender,
-             "ciphertexts": {v: _b64(c) for v, c in msg.ciphertexts.items()}}
+        h = {
+            "kind": "encrypted_shares",
+            "sender": msg.sender,
+            "ciphertexts": {v: _b64(c) for v, c in msg.ciphertexts.items()},
+        }
     elif isinstance(msg, ShareDelivery):
-        h = {"kind": "share_delivery", "recipient": msg.recipient,
-             "ciphertexts": {v: _b64(c) for v, c in msg.ciphertexts.items()}}
+        h = {
+            "kind": "share_delivery",
+            "recipient": msg.recipient,
+            "ciphertexts": {v: _b64(c) for v, c in msg.ciphertexts.items()},
+        }
     elif isinstance(msg, MaskedInput):
         h = {"kind": "masked_input", "sender": msg.sender}
         tensors["masked"] = torch.from_numpy(np.ascontiguousarray(msg.vector, dtype=np.uint32).view(np.int32))
     elif isinstance(msg, UnmaskRequest):
-        h = {"kind": "unmask_request", "recipient": msg.recipient, "survivors": list(msg.survivors),
-             "dropped": list(msg.dropped)}
+        h = {
+            "kind": "unmask_request",
+            "recipient": msg.recipient,
+            "survivors": list(msg.survivors),
+            "dropped": list(msg.dropped),
+        }
         if msg.signatures:
             h["signatures"] = {v: _b64(sig) for v, sig in msg.signatures.items()}
     elif isinstance(msg, UnmaskShares):
-        h = {"kind": "unmask_shares", "sender": msg.sender,
-             "self_mask": {v: [int(x) for x in s] for v, s in msg.self_mask.items()},
-             "mask_key": {v: [int(x) for x in s] for v, s in msg.mask_key.items()}}
+        h = {
+            "kind": "unmask_shares",
+            "sender": msg.sender,
+            "self_mask": {v: [int(x) for x in s] for v, s in msg.self_mask.items()},
+            "mask_key": {v: [int(x) for x in s] for v, s in msg.mask_key.items()},
+        }
     else:
         raise TypeError(f"not a secure aggregation message: {type(msg).__name__}")
     if meta is not None:
@@ -121,10 +152,16 @@ def message_meta(body: bytes, vector_size: int, max_bytes: int | None = None) ->
 
 def params_to_json(params: SecAggParams) -> dict[str, Any]:
     """The round's protocol parameters as a server hands them to its nodes."""
-    return {"session": _b64(params.session), "vector_size": params.vector_size, "graph": params.graph,
-            "degree": params.degree, "threshold_fraction": params.threshold_fraction,
-            "expected_dropout": params.expected_dropout, "graph_seed": params.graph_seed,
-            "malicious": params.malicious}
+    return {
+        "session": _b64(params.session),
+        "vector_size": params.vector_size,
+        "graph": params.graph,
+        "degree": params.degree,
+        "threshold_fraction": params.threshold_fraction,
+        "expected_dropout": params.expected_dropout,
+        "graph_seed": params.graph_seed,
+        "malicious": params.malicious,
+    }
 
 
 def params_from_json(d: Any) -> SecAggParams:
@@ -132,9 +169,13 @@ def params_from_json(d: Any) -> SecAggParams:
     d = _dict(d, "secure_aggregation")
     try:
         return SecAggParams(
-            session=_bytes(d.get("session"), "session"), vector_size=int(d["vector_size"]), graph=str(d["graph"]),
-            degree=int(d["degree"]), threshold_fraction=float(d["threshold_fraction"]),
-            expected_dropout=float(d["expected_dropout"]), graph_seed=int(d["graph_seed"]),
+            session=_bytes(d.get("session"), "session"),
+            vector_size=int(d["vector_size"]),
+            graph=str(d["graph"]),
+            degree=int(d["degree"]),
+            threshold_fraction=float(d["threshold_fraction"]),
+            expected_dropout=float(d["expected_dropout"]),
+            graph_seed=int(d["graph_seed"]),
             malicious=d.get("malicious", False) is True,
         )
     except (KeyError, TypeError, ValueError) as e:
@@ -152,18 +193,29 @@ def decode_message(body: bytes, vector_size: int, max_bytes: int | None = None) 
     _, tensors = decode(body, {}, limit)
     if kind == "public_keys":
         sig = header.get("signature")
-        return PublicKeys(_str(header.get("sender"), "sender"), _bytes(header.get("enc_key"), "enc_key", 32),
-                          _bytes(header.get("mask_key"), "mask_key", 32),
-                          b"" if sig is None else _bytes(sig, "signature", SIGNATURE_BYTES))
+        return PublicKeys(
+            _str(header.get("sender"), "sender"),
+            _bytes(header.get("enc_key"), "enc_key", 32),
+            _bytes(header.get("mask_key"), "mask_key", 32),
+            b"" if sig is None else _bytes(sig, "signature", SIGNATURE_BYTES),
+        )
     if kind == "key_directory":
         peers = {}
         for v, p in _dict(header.get("peers"), "peers").items():
-            if not (isinstance(p, list) and len(p) in (3, 4) and isinstance(p[0], int) and not isinstance(p[0], bool)
-                    and 1 <= p[0] < C.PRIME):
+            if not (
+                isinstance(p, list)
+                and len(p) in (3, 4)
+                and isinstance(p[0], int)
+                and not isinstance(p[0], bool)
+                and 1 <= p[0] < C.PRIME
+            ):
                 raise Malformed(f"peers[{v!r}]: expected [index >= 1, enc_key, mask_key(, signature)]")
-            peers[v] = PeerKeys(p[0], _bytes(p[1], f"peers[{v!r}].enc_key", 32),
-                                _bytes(p[2], f"peers[{v!r}].mask_key", 32),
-                                _bytes(p[3], f"peers[{v!r}].signature", SIGNATURE_BYTES) if len(p) == 4 else b"")
+            peers[v] = PeerKeys(
+                p[0],
+                _bytes(p[1], f"peers[{v!r}].enc_key", 32),
+                _bytes(p[2], f"peers[{v!r}].mask_key", 32),
+                _bytes(p[3], f"peers[{v!r}].signature", SIGNATURE_BYTES) if len(p) == 4 else b"",
+            )
         t = header.get("threshold")
         if not isinstance(t, int) or t < 1:
             raise Malformed("threshold: expected an integer >= 1")
@@ -177,8 +229,10 @@ def decode_message(body: bytes, vector_size: int, max_bytes: int | None = None) 
         lists = [header.get("survivors"), header.get("dropped")]
         if not all(isinstance(x, list) and all(isinstance(i, str) for i in x) for x in lists):
             raise Malformed("survivors and dropped: expected lists of client ids")
-        sigs = {v: _bytes(b, f"signatures[{v!r}]", SIGNATURE_BYTES)
-                for v, b in _dict(header.get("signatures", {}), "signatures").items()}
+        sigs = {
+            v: _bytes(b, f"signatures[{v!r}]", SIGNATURE_BYTES)
+            for v, b in _dict(header.get("signatures", {}), "signatures").items()
+        }
         return UnmaskRequest(_str(header.get("recipient"), "recipient"), *lists, sigs)
     if kind == "consistency_request":
         survivors = header.get("survivors")
@@ -186,8 +240,9 @@ def decode_message(body: bytes, vector_size: int, max_bytes: int | None = None) 
             raise Malformed("survivors: expected a list of client ids")
         return ConsistencyRequest(_str(header.get("recipient"), "recipient"), survivors)
     if kind == "consistency_signature":
-        return ConsistencySignature(_str(header.get("sender"), "sender"),
-                                    _bytes(header.get("signature"), "signature", SIGNATURE_BYTES))
+        return ConsistencySignature(
+            _str(header.get("sender"), "sender"), _bytes(header.get("signature"), "signature", SIGNATURE_BYTES)
+        )
     if kind == "unmask_shares":
         return UnmaskShares(
             _str(header.get("sender"), "sender"),

@@ -12,11 +12,10 @@ from typing import Protocol
 
 import torch
 
-from shoal.config import StrategyConfig
-from shoal.update import Update
-
 from shoal.aggregation.mean import EmptyAggregate, WeightedMean
 from shoal.aggregation.server_opt import ServerOptimizer, StateDict, make_server_optimizer
+from shoal.config import StrategyConfig
+from shoal.update import Update
 
 
 class Aggregator(Protocol):
@@ -94,4 +93,6 @@ def make_strategy(
 ) -> Strategy:
     """The strategy a ``[strategy]`` config table describes, for a model of ``numel`` parameters;
     ``aggregator`` replaces the weighted mean (e.g. a robust rule, aggregation/robust.py)."""
-    return Strategy(WeightedMean(numel, device) if aggregator is None else aggregator, make_server_optimizer(cfg), cfg.weighting)
+    return Strategy(
+        WeightedMean(numel, device) if aggregator is None else aggregator, make_server_optimizer(cfg), cfg.weighting
+    )

@@ -37,9 +37,14 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(1)
     base = [
-        f"simulation.num_clients={args.clients}", f"simulation.clients_per_round={args.clients}",
-        f"simulation.rounds={args.rounds}", "simulation.device='cpu'", "simulation.progress=false",
-        "output.plots=false", f"simulation.ray_num_cpus={args.ray_cpus}", "simulation.flower_client_cpus=1",
+        f"simulation.num_clients={args.clients}",
+        f"simulation.clients_per_round={args.clients}",
+        f"simulation.rounds={args.rounds}",
+        "simulation.device='cpu'",
+        "simulation.progress=false",
+        "output.plots=false",
+        f"simulation.ray_num_cpus={args.ray_cpus}",
+        "simulation.flower_client_cpus=1",
     ]
     results = {}
     for engine in ("inprocess", "flower"):
@@ -48,7 +53,9 @@ def main() -> None:
             t0 = time.perf_counter()
             summary = run_simulation(cfg, out, progress=False)
             results[engine] = (time.perf_counter() - t0, summary["wall_s"], summary["final_test_accuracy"])
-    print(f"{args.clients} clients, all training in each of {args.rounds} rounds; Ray on {args.ray_cpus} CPU(s), 1 CPU per client actor")
+    print(
+        f"{args.clients} clients, all training in each of {args.rounds} rounds; Ray on {args.ray_cpus} CPU(s), 1 CPU per client actor"
+    )
     print(f"{'engine':<10} {'total s':>9} {'rounds s':>9} {'final acc':>10}")
     for engine, (total, rounds, acc) in results.items():
         print(f"{engine:<10} {total:>9.2f} {rounds:>9.2f} {acc:>10.4f}")

@@ -43,14 +43,21 @@ def timed_cases(tmp: Path) -> dict:
             sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
             tls = server.client_ssl.wrap_socket(sock, server_hostname="127.0.0.1")
             token = ctx.tokens[FUZZERS[i % 2]]
-            tls.sendall((f"POST /v1/update HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
-                         f"Content-Length: {body_len}\r\nExpect: 100-continue\r\n\r\n").encode())
+            tls.sendall(
+                (
+                    f"POST /v1/update HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+                    f"Content-Length: {body_len}\r\nExpect: 100-continue\r\n\r\n"
+                ).encode()
+            )
             holders.append((tls, time.perf_counter()))
         time.sleep(0.2)
         node = sorted(svc.rounds.selected)[0]
         t0 = time.perf_counter()
-        up_status, _, up_body = server.send(raw_request(
-            Request("POST", "/v1/update", node, server.call(lambda: good_update(svc, node)), expect100=True), ctx))
+        up_status, _, up_body = server.send(
+            raw_request(
+                Request("POST", "/v1/update", node, server.call(lambda: good_update(svc, node)), expect100=True), ctx
+            )
+        )
         upload_ms = (time.perf_counter() - t0) * 1e3
         answers = []
         for tls, t_start in holders:
@@ -66,10 +73,15 @@ def timed_cases(tmp: Path) -> dict:
             final = data.split(b"\r\n\r\n", 1)[1] if data.startswith(b"HTTP/1.1 100") else data
             answers.append((final[:12].decode("latin-1"), round(time.perf_counter() - t_start, 2)))
             tls.close()
-    return {"wait_nan": {"status": status, "ms": round(nan_ms, 1), "answer": json.loads(body)["error"]},
-            "held_slots": {"holders": slots, "body_timeout_s": svc.cfg.server.body_timeout_s,
-                           "good_upload": {"status": up_status, "ms": round(upload_ms, 1)},
-                           "holder_answers": answers}}
+    return {
+        "wait_nan": {"status": status, "ms": round(nan_ms, 1), "answer": json.loads(body)["error"]},
+        "held_slots": {
+            "holders": slots,
+            "body_timeout_s": svc.cfg.server.body_timeout_s,
+            "good_upload": {"status": up_status, "ms": round(upload_ms, 1)},
+            "holder_answers": answers,
+        },
+    }
 
 
 def main() -> None:
@@ -89,12 +101,16 @@ def main() -> None:
         (Path(tmp) / "timed").mkdir()
         timed = timed_cases(Path(tmp) / "timed")
     print()
-    print(f"{'mode':8} {'requests':>9} {'5xx':>5} {'not JSON':>9} {'malformed accepted':>19} "
-          f"{'well-formed refused':>20} {'state changed':>14} {'unchanged':>10} {'legit version':>14} {'seconds':>8}")
+    print(
+        f"{'mode':8} {'requests':>9} {'5xx':>5} {'not JSON':>9} {'malformed accepted':>19} "
+        f"{'well-formed refused':>20} {'state changed':>14} {'unchanged':>10} {'legit version':>14} {'seconds':>8}"
+    )
     for r in rows:
-        print(f"{r['mode']:8} {r['requests']:>9} {r['5xx']:>5} {r['not_json']:>9} {r['malformed_accepted']:>19} "
-              f"{r['wellformed_refused']:>20} {r['state_changed']:>14} {str(r['unchanged']):>10} "
-              f"{r['legit_round_version']:>14} {r['seconds']:>8}")
+        print(
+            f"{r['mode']:8} {r['requests']:>9} {r['5xx']:>5} {r['not_json']:>9} {r['malformed_accepted']:>19} "
+            f"{r['wellformed_refused']:>20} {r['state_changed']:>14} {str(r['unchanged']):>10} "
+            f"{r['legit_round_version']:>14} {r['seconds']:>8}"
+        )
     print()
     print("status counts:", {r["mode"]: r["status"] for r in rows})
     print("timed cases:", json.dumps(timed))

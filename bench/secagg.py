@@ -29,7 +29,9 @@ from shoal.aggregation.secagg_memory import run_in_memory
 
 # Bonawitz et al. 2017, Fig. 8 / Table 2: 100K entries, 500 clients (Java, one core)
 PAPER = {
-    ("server", 0.0): 2.0, ("server", 0.1): 62.0, ("client", None): 0.85,
+    ("server", 0.0): 2.0,
+    ("server", 0.1): 62.0,
+    ("client", None): 0.85,
 }
 
 
@@ -39,8 +41,9 @@ def one(n: int, entries: int, dropout: float, graph: str, seed: int) -> dict:
     inputs = {c: rng.integers(0, 2**20, entries, dtype=np.uint32) for c in ids}
     dropped = rng.choice(n, size=round(dropout * n), replace=False)
     drop_at = {ids[i]: "masked" for i in dropped}
-    params = SecAggParams(f"bench-{n}-{dropout}-{graph}".encode(), entries, graph, graph_seed=seed,
-                          expected_dropout=dropout)
+    params = SecAggParams(
+        f"bench-{n}-{dropout}-{graph}".encode(), entries, graph, graph_seed=seed, expected_dropout=dropout
+    )
     t = time.perf_counter()
     result, cost = run_in_memory(params, inputs, drop_at, seed=seed)
     wall = time.perf_counter() - t
@@ -49,8 +52,13 @@ def one(n: int, entries: int, dropout: float, graph: str, seed: int) -> dict:
         raise SystemExit(f"wrong sum: n={n} dropout={dropout} graph={graph}")
     server = SecAggServer(params, ids)
     return {
-        "n": n, "dropout": dropout, "graph": graph, "degree": server.degree, "threshold": server.threshold,
-        "wall_s": wall, "server_s": cost.server_s,
+        "n": n,
+        "dropout": dropout,
+        "graph": graph,
+        "degree": server.degree,
+        "threshold": server.threshold,
+        "wall_s": wall,
+        "server_s": cost.server_s,
         "client_s": float(np.mean([cost.client_s[c] for c in result.included])),
         "sent_kb": float(np.mean([cost.sent[c] for c in result.included])) / 1e3,
         "recv_kb": float(np.mean([cost.received[c] for c in result.included])) / 1e3,
@@ -80,17 +88,23 @@ def main() -> None:
                     continue
                 rows.append(r)
                 paper = PAPER.get(("server", d)) if n == 500 and g == "full" and args.entries == 100_000 else None
-                print(f"{n:>5} {g:>8} {r['degree']:>4} {r['threshold']:>4} {d:>5.0%} {r['server_s']:>9.3f} {r['client_s']:>9.3f} "
-                      f"{r['sent_kb']:>9.1f} {r['recv_kb']:>9.1f} {paper if paper is not None else '':>15}",
-                      flush=True)
-    print(f"# paper (Bonawitz et al. 2017, Fig. 8, 500 clients, 100K entries): server 2.0 s at 0% "
-          f"dropout, 62 s at 10%; client {PAPER[('client', None)]} s")
+                print(
+                    f"{n:>5} {g:>8} {r['degree']:>4} {r['threshold']:>4} {d:>5.0%} {r['server_s']:>9.3f} {r['client_s']:>9.3f} "
+                    f"{r['sent_kb']:>9.1f} {r['recv_kb']:>9.1f} {paper if paper is not None else '':>15}",
+                    flush=True,
+                )
+    print(
+        f"# paper (Bonawitz et al. 2017, Fig. 8, 500 clients, 100K entries): server 2.0 s at 0% "
+        f"dropout, 62 s at 10%; client {PAPER[('client', None)]} s"
+    )
     for n in args.clients:
         for d in args.dropout:
             by = {r["graph"]: r for r in rows if r["n"] == n and r["dropout"] == d}
             if "full" in by and "secagg+" in by and by["secagg+"]["server_s"] > 0:
-                print(f"# n={n} dropout={d:.0%}: SecAgg+ server {by['full']['server_s'] / by['secagg+']['server_s']:.1f}x "
-                      f"faster, client {by['full']['client_s'] / by['secagg+']['client_s']:.1f}x faster than the full graph")
+                print(
+                    f"# n={n} dropout={d:.0%}: SecAgg+ server {by['full']['server_s'] / by['secagg+']['server_s']:.1f}x "
+                    f"faster, client {by['full']['client_s'] / by['secagg+']['client_s']:.1f}x faster than the full graph"
+                )
 
 
 if __name__ == "__main__":

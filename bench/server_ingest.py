@@ -79,11 +79,13 @@ async def _nodes(url: str, tokens: list[str], body: bytes, pid: int) -> tuple[fl
     conn = aiohttp.TCPConnector(limit=0)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
+
         async def wait_for_server():
             for _ in range(600):
                 try:
-                    async with http.get(url + "/v1/task", params={"wait": "0"},
-                                        headers={"Authorization": f"Bearer {tokens[0]}"}) as r:
+                    async with http.get(
+                        url + "/v1/task", params={"wait": "0"}, headers={"Authorization": f"Bearer {tokens[0]}"}
+                    ) as r:
                         if r.status == 200:
                             return
                 except aiohttp.ClientConnectionError:
@@ -94,8 +96,9 @@ async def _nodes(url: str, tokens: list[str], body: bytes, pid: int) -> tuple[fl
         await wait_for_server()
 
         async def poll(token: str) -> None:
-            async with http.get(url + "/v1/task", params={"wait": "60"},
-                                headers={"Authorization": f"Bearer {token}"}) as r:
+            async with http.get(
+                url + "/v1/task", params={"wait": "60"}, headers={"Authorization": f"Bearer {token}"}
+            ) as r:
                 task = await r.json()
                 assert task["status"] == "work", task
 
@@ -103,9 +106,12 @@ async def _nodes(url: str, tokens: list[str], body: bytes, pid: int) -> tuple[fl
         cpu0, t0 = _cpu_s(pid), time.perf_counter()
 
         async def upload(token: str) -> None:
-            async with http.post(url + "/v1/update", data=body, expect100=True,
-                                 headers={"Authorization": f"Bearer {token}",
-                                          "Content-Type": "application/octet-stream"}) as r:
+            async with http.post(
+                url + "/v1/update",
+                data=body,
+                expect100=True,
+                headers={"Authorization": f"Bearer {token}", "Content-Type": "application/octet-stream"},
+            ) as r:
                 assert r.status == 200, await r.text()
 
         await asyncio.gather(*(upload(t) for t in tokens))
@@ -121,8 +127,12 @@ def run(n: int, body: bytes) -> dict:
         tokens = [reg.add(f"node-{i:04d}") for i in range(n)]
         reg.close()
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
-        server = subprocess.Popen([sys.executable, "-m", "shoal.cli", "server", "--config", str(cfg_path),
-                                   "--insecure"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+        server = subprocess.Popen(
+            [sys.executable, "-m", "shoal.cli", "server", "--config", str(cfg_path), "--insecure"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            env=env,
+        )
         try:
             seconds, cpu = asyncio.run(_nodes(f"http://127.0.0.1:{port}", tokens, body, server.pid))
             peak = _peak_rss_mb(server.pid)
@@ -133,8 +143,15 @@ def run(n: int, body: bytes) -> dict:
                 server.kill()
                 server.wait()
     mb = n * len(body) / 1e6
-    return {"n": n, "mb": mb, "seconds": seconds, "mb_per_s": mb / seconds, "peak_rss_mb": peak,
-            "server_cpu_s": cpu, "mb_per_cpu_s": mb / max(cpu, 1e-9)}
+    return {
+        "n": n,
+        "mb": mb,
+        "seconds": seconds,
+        "mb_per_s": mb / seconds,
+        "peak_rss_mb": peak,
+        "server_cpu_s": cpu,
+        "mb_per_cpu_s": mb / max(cpu, 1e-9),
+    }
 
 
 def main() -> None:
@@ -150,16 +167,22 @@ def main() -> None:
     print(f"model: {spec.numel:,} parameters, {model_mb:.2f} MB float32; update body {len(body) / 1e6:.2f} MB")
     results = [run(n, body) for n in args.n]
     print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (nodes and server share them)")
-    print(f"{'N':>5} {'MB sent':>9} {'seconds':>8} {'MB/s':>8} {'server CPU s':>13} {'MB per server CPU s':>20} "
-          f"{'server peak RSS MB':>19}")
+    print(
+        f"{'N':>5} {'MB sent':>9} {'seconds':>8} {'MB/s':>8} {'server CPU s':>13} {'MB per server CPU s':>20} "
+        f"{'server peak RSS MB':>19}"
+    )
     for r in results:
-        print(f"{r['n']:>5} {r['mb']:>9.1f} {r['seconds']:>8.2f} {r['mb_per_s']:>8.1f} {r['server_cpu_s']:>13.2f} "
-              f"{r['mb_per_cpu_s']:>20.1f} {r['peak_rss_mb']:>19.1f}")
+        print(
+            f"{r['n']:>5} {r['mb']:>9.1f} {r['seconds']:>8.2f} {r['mb_per_s']:>8.1f} {r['server_cpu_s']:>13.2f} "
+            f"{r['mb_per_cpu_s']:>20.1f} {r['peak_rss_mb']:>19.1f}"
+        )
     if len(results) >= 2:
         lo, hi = results[0], results[-1]
         grow = (hi["peak_rss_mb"] - lo["peak_rss_mb"]) / model_mb
-        print(f"peak RSS growth N={lo['n']} -> N={hi['n']}: {hi['peak_rss_mb'] - lo['peak_rss_mb']:.1f} MB "
-              f"= {grow:.2f} model sizes (target < 5); throughput ratio {hi['mb_per_s'] / lo['mb_per_s']:.2f}x")
+        print(
+            f"peak RSS growth N={lo['n']} -> N={hi['n']}: {hi['peak_rss_mb'] - lo['peak_rss_mb']:.1f} MB "
+            f"= {grow:.2f} model sizes (target < 5); throughput ratio {hi['mb_per_s'] / lo['mb_per_s']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -68,8 +68,10 @@ class BenchTask(Task):
 
 def make_clients(clients: int, per_client: int, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
-    return [(torch.rand(per_client, *INPUT, generator=g), torch.randint(0, 10, (per_client,), generator=g))
-            for _ in range(clients)]
+    return [
+        (torch.rand(per_client, *INPUT, generator=g), torch.randint(0, 10, (per_client,), generator=g))
+        for _ in range(clients)
+    ]
 
 
 def bare_round(model, global_sd, clients, tasks, epochs: int, bs: int, lr: float, as_dataset: bool):
@@ -107,11 +109,18 @@ def bare_round(model, global_sd, clients, tasks, epochs: int, bs: int, lr: float
 def run_case(args, clients, as_dataset: bool, profile: bool = False) -> dict[str, float]:
     """Median seconds (wall clock and this process's CPU time) of one shoal round and of one
     bare round, and the largest difference between the two global models."""
-    cfg = load_config(None, [
-        f"simulation.num_clients={args.clients}", f"simulation.clients_per_round={args.clients}",
-        f"train.epochs={args.epochs}", f"train.batch_size={args.batch}", "train.lr=0.05",
-        "simulation.device=\"cpu\"", "simulation.progress=false",
-    ])
+    cfg = load_config(
+        None,
+        [
+            f"simulation.num_clients={args.clients}",
+            f"simulation.clients_per_round={args.clients}",
+            f"train.epochs={args.epochs}",
+            f"train.batch_size={args.batch}",
+            "train.lr=0.05",
+            'simulation.device="cpu"',
+            "simulation.progress=false",
+        ],
+    )
     task = BenchTask(args.model, clients, as_dataset)
     sim = InProcessSimulation(cfg, task=task)
     model = build_model(args.model, INPUT, 10)
@@ -153,22 +162,32 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (0: leave torch's default)")
     ap.add_argument("--case", choices=("both", "tensors", "dataset"), default="both")
-    ap.add_argument("--profile", choices=("tensors", "dataset"), default=None,
-                    help="cProfile shoal's rounds of this case (top 25 by own time)")
+    ap.add_argument(
+        "--profile",
+        choices=("tensors", "dataset"),
+        default=None,
+        help="cProfile shoal's rounds of this case (top 25 by own time)",
+    )
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     clients = make_clients(args.clients, args.samples)
     cases = ["tensors", "dataset"] if args.case == "both" else [args.case]
     rows = [(case, run_case(args, clients, case == "dataset", profile=args.profile == case)) for case in cases]
-    print(f"model {args.model}, {args.clients} clients x {args.samples} samples, E={args.epochs}, B={args.batch}, "
-          f"torch threads {torch.get_num_threads()}, median of {args.repeats} rounds")
-    print(f"{'client data':<22} {'shoal s':>8} {'bare s':>8} {'ratio':>6} | {'shoal cpu s':>11} {'bare cpu s':>10} "
-          f"{'ratio':>6} | {'max |model diff|':>16}")
+    print(
+        f"model {args.model}, {args.clients} clients x {args.samples} samples, E={args.epochs}, B={args.batch}, "
+        f"torch threads {torch.get_num_threads()}, median of {args.repeats} rounds"
+    )
+    print(
+        f"{'client data':<22} {'shoal s':>8} {'bare s':>8} {'ratio':>6} | {'shoal cpu s':>11} {'bare cpu s':>10} "
+        f"{'ratio':>6} | {'max |model diff|':>16}"
+    )
     for case, r in rows:
         name = "tensors (fast path)" if case == "tensors" else "Dataset (DataLoader)"
-        print(f"{name:<22} {r['shoal']:8.3f} {r['bare']:8.3f} {r['shoal'] / r['bare']:6.3f} | {r['shoal_cpu']:11.3f} "
-              f"{r['bare_cpu']:10.3f} {r['shoal_cpu'] / r['bare_cpu']:6.3f} | {r['diff']:16.2e}")
+        print(
+            f"{name:<22} {r['shoal']:8.3f} {r['bare']:8.3f} {r['shoal'] / r['bare']:6.3f} | {r['shoal_cpu']:11.3f} "
+            f"{r['bare_cpu']:10.3f} {r['shoal_cpu'] / r['bare_cpu']:6.3f} | {r['diff']:16.2e}"
+        )
     print("target: ratio shoal / bare <= 1.10 (wall clock; CPU time is this process's, steadier on a shared machine)")
 
 

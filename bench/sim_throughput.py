@@ -159,10 +159,14 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=10)
     ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--momentum", type=float, default=0.0, help="local SGD momentum (0: plain SGD, the fused update)")
-    ap.add_argument("--seq-cap", type=int, default=0, help="time bare/seq on at most this many clients (default 100 CUDA, 20 CPU)")
+    ap.add_argument(
+        "--seq-cap", type=int, default=0, help="time bare/seq on at most this many clients (default 100 CUDA, 20 CPU)"
+    )
     ap.add_argument("--cnn-all", action="store_true", help="on CPU also run the CNN at K >= 100 (slow)")
     ap.add_argument("--repeats", type=int, default=3, help="time each way this many times, keep the best")
-    ap.add_argument("--threads", default="", help="torch CPU threads to run with, e.g. 1,2 (--quick: 1,2; default: torch's)")
+    ap.add_argument(
+        "--threads", default="", help="torch CPU threads to run with, e.g. 1,2 (--quick: 1,2; default: torch's)"
+    )
     ap.add_argument("--chunks", default="", help="clients per batched chunk to time (default: what auto picks)")
     ap.add_argument("--vmap", action="store_true", help="batch Linear chains with vmap too (to compare the two paths)")
     ap.add_argument("--quick", action="store_true", help="logreg and 2nn, K = 10, 100, with 1 and 2 threads")
@@ -179,12 +183,17 @@ def main() -> None:
     seq_cap = args.seq_cap or (100 if cuda else 20)
     cfg = TrainConfig(epochs=1, batch_size=args.batch_size, lr=0.05, momentum=args.momentum, precision=args.precision)
     peak, peak_note = peak_tflops(device, args.precision, args.peak_tflops) if cuda else (None, "")
-    print(f"device {device}" + (f" ({torch.cuda.get_device_name(device)})" if cuda else f" ({os.cpu_count()} cores)")
-          + f", {samples} samples per client, B = {args.batch_size}, 1 local epoch, momentum {args.momentum}, {args.precision}")
+    print(
+        f"device {device}"
+        + (f" ({torch.cuda.get_device_name(device)})" if cuda else f" ({os.cpu_count()} cores)")
+        + f", {samples} samples per client, B = {args.batch_size}, 1 local epoch, momentum {args.momentum}, {args.precision}"
+    )
     if cuda:
         print(f"peak: {peak} TFLOP/s ({peak_note})")
-    head = (f"{'model':7} {'thr':>3} {'K':>5} {'path':>5} {'chunk':>5} {'bare ce/s':>10} {'seq ce/s':>9} {'batched ce/s':>12} "
-            f"{'seq s/round':>11} {'batched s/round':>15} {'batched/seq':>11} {'batched/bare':>12} {'load':>5}")
+    head = (
+        f"{'model':7} {'thr':>3} {'K':>5} {'path':>5} {'chunk':>5} {'bare ce/s':>10} {'seq ce/s':>9} {'batched ce/s':>12} "
+        f"{'seq s/round':>11} {'batched s/round':>15} {'batched/seq':>11} {'batched/bare':>12} {'load':>5}"
+    )
     if cuda:
         head += f" {'TFLOP/s':>8} {'of peak':>8}"
     print(head)
@@ -217,17 +226,23 @@ def main() -> None:
                     run_bare(bare_model, g, spec, x, y, starts[:w], sizes[:w], cfg, device)
                     run_seq(trainer, g, spec, x, y, starts[:w], sizes[:w], device)
                     run_batched(batched, g, spec, x, y, starts[:w], sizes[:w], device)
-                    t_bare, t_seq, t_bat = timed([
-                        lambda: run_bare(bare_model, g, spec, x, y, starts[:m], sizes[:m], cfg, device),
-                        lambda: run_seq(trainer, g, spec, x, y, starts[:m], sizes[:m], device),
-                        lambda: run_batched(batched, g, spec, x, y, starts, sizes, device),
-                    ], device, args.repeats)
+                    t_bare, t_seq, t_bat = timed(
+                        [
+                            lambda: run_bare(bare_model, g, spec, x, y, starts[:m], sizes[:m], cfg, device),
+                            lambda: run_seq(trainer, g, spec, x, y, starts[:m], sizes[:m], device),
+                            lambda: run_batched(batched, g, spec, x, y, starts, sizes, device),
+                        ],
+                        device,
+                        args.repeats,
+                    )
                     r_bare, r_seq, r_bat = m / t_bare, m / t_seq, k / t_bat
                     path = "chain" if batched.chain is not None else "vmap"
                     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-                    line = (f"{name:7} {n_threads if not cuda else '-':>3} {k:>5} {path:>5} {batched.max_clients:>5} "
-                            f"{r_bare:>10.1f} {r_seq:>9.1f} {r_bat:>12.1f} {k / r_seq:>11.3f} {t_bat:>15.3f} "
-                            f"{r_bat / r_seq:>10.2f}x {r_bat / r_bare:>11.2f}x {load:>5.1f}")
+                    line = (
+                        f"{name:7} {n_threads if not cuda else '-':>3} {k:>5} {path:>5} {batched.max_clients:>5} "
+                        f"{r_bare:>10.1f} {r_seq:>9.1f} {r_bat:>12.1f} {k / r_seq:>11.3f} {t_bat:>15.3f} "
+                        f"{r_bat / r_seq:>10.2f}x {r_bat / r_bare:>11.2f}x {load:>5.1f}"
+                    )
                     if cuda:
                         achieved = fps * samples * k / t_bat / 1e12
                         line += f" {achieved:>8.2f} " + (f"{100 * achieved / peak:>7.2f}%" if peak else f"{'?':>8}")
@@ -236,14 +251,18 @@ def main() -> None:
                     print(line, flush=True)
                     if name == "cnn" and k == 1000 and samples == 600 and args.batch_size == 10:
                         verdict = "met" if t_bat <= 5.0 else "NOT met"
-                        print(f"  target: 1000 clients x 600 samples, CNN, B = 10: {t_bat:.2f} s per round (<= 5 s: {verdict})")
-                    del batched
-                del x, y
+                        print(
+                            f"  target: 1000 clients x 600 samples, CNN, B = 10: {t_bat:.2f} s per round (<= 5 s: {verdict})"
+                        )
+                    batched = None  # free the chunk before the next one
+                x = y = None  # free the clients before the next K
             notes[name] = f"  {name}: {spec.numel:,} parameters, {fps / 1e6:.2f} MFLOP per training sample (fwd+bwd)"
     print("\n".join(notes.values()))
-    print(f"ce/s = client-epochs per second; s/round = K clients' local epoch + the mean of their deltas (seq: "
-          f"extrapolated from the clients timed); best of {args.repeats}; ratios are side by side in this run; "
-          f"thr = torch threads; load = 1-minute load average after the cell.")
+    print(
+        f"ce/s = client-epochs per second; s/round = K clients' local epoch + the mean of their deltas (seq: "
+        f"extrapolated from the clients timed); best of {args.repeats}; ratios are side by side in this run; "
+        f"thr = torch threads; load = 1-minute load average after the cell."
+    )
 
 
 if __name__ == "__main__":

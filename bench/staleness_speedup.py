@@ -19,7 +19,12 @@ from pathlib import Path
 from shoal.metrics import read_jsonl
 from shoal.simulations.report import plot_compare
 
-LABELS = {"sync": "sync FedAvg", "sync_over": "sync FedAvg, 30% over-selection", "fedbuff": "FedBuff", "fedasync": "FedAsync"}
+LABELS = {
+    "sync": "sync FedAvg",
+    "sync_over": "sync FedAvg, 30% over-selection",
+    "fedbuff": "FedBuff",
+    "fedasync": "FedAsync",
+}
 
 
 def time_to(records: list[dict], target: float) -> float | None:
@@ -49,19 +54,27 @@ def main() -> None:
         stale = [(int(t), k) for r in rs for t, k in (r.get("staleness_hist") or {}).items()]
         tot = sum(k for _, k in stale)
         smean = f"{sum(t * k for t, k in stale) / tot:.2f} / {max(t for t, _ in stale)}" if tot else "0 / 0 (sync)"
-        row = (f"| {LABELS.get(name, name)} | {last['test_accuracy']:.4f} | {max(r['test_accuracy'] for r in rs):.4f} "
-               f"| {last['virtual_time_s']:.0f} | {last.get('accepted', n)} | {sum((last.get('rejected') or {}).values())} "
-               f"| {smean} |")
+        row = (
+            f"| {LABELS.get(name, name)} | {last['test_accuracy']:.4f} | {max(r['test_accuracy'] for r in rs):.4f} "
+            f"| {last['virtual_time_s']:.0f} | {last.get('accepted', n)} | {sum((last.get('rejected') or {}).values())} "
+            f"| {smean} |"
+        )
         for t in args.target:
             tt, tb = time_to(rs, t), time_to(recs[base], t)
             speed = f"{tb / tt:.2f}x" if tt and tb else "n/a"
             row += f" {tt if tt is not None else 'not reached'} | {speed} |"
         print(row)
     if args.plot:
-        series = {LABELS.get(n, n): [(r["virtual_time_s"] / 3600, r["test_accuracy"]) for r in rs]
-                  for n, rs in recs.items()}
-        plot_compare(series, args.plot, "virtual time (hours)", "test accuracy",
-                     "MNIST Dirichlet 0.3, 2NN, lognormal speeds (sigma 1.25)")
+        series = {
+            LABELS.get(n, n): [(r["virtual_time_s"] / 3600, r["test_accuracy"]) for r in rs] for n, rs in recs.items()
+        }
+        plot_compare(
+            series,
+            args.plot,
+            "virtual time (hours)",
+            "test accuracy",
+            "MNIST Dirichlet 0.3, 2NN, lognormal speeds (sigma 1.25)",
+        )
         print(f"\nplot: {args.plot}")
 
 

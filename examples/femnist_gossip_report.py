@@ -15,10 +15,14 @@ import json
 import sys
 from pathlib import Path
 
-RUNS = [("fedavg", "FedAvg, C = 1"), ("pushpull5", "push-pull, 5 exchanges/round"),
-        ("dpsgd10", "D-PSGD 4-regular, 10 mixing steps"),
-        ("group_average_1axis", "group averaging, one grid axis per round"),
-        ("group_average", "group averaging, every axis per round"), ("secure_groups", "secure groups of 4")]
+RUNS = [
+    ("fedavg", "FedAvg, C = 1"),
+    ("pushpull5", "push-pull, 5 exchanges/round"),
+    ("dpsgd10", "D-PSGD 4-regular, 10 mixing steps"),
+    ("group_average_1axis", "group averaging, one grid axis per round"),
+    ("group_average", "group averaging, every axis per round"),
+    ("secure_groups", "secure groups of 4"),
+]
 
 
 def load(folder: Path) -> tuple[list[dict], dict]:
@@ -44,11 +48,15 @@ def main() -> None:
             continue
         recs, summary = data[key]
         for r in recs:
-            cells = [label, str(r["round"]), f"{r['test_accuracy']:.4f}",
-                     f"{r['peer_accuracy_min']:.3f}" if "peer_accuracy_min" in r else "-",
-                     f"{r['average_model_accuracy']:.4f}" if "average_model_accuracy" in r else "-",
-                     f"{r['consensus_distance']:.3f}" if "consensus_distance" in r else "-",
-                     f"{mb_per_peer(r, summary):.1f}"]
+            cells = [
+                label,
+                str(r["round"]),
+                f"{r['test_accuracy']:.4f}",
+                f"{r['peer_accuracy_min']:.3f}" if "peer_accuracy_min" in r else "-",
+                f"{r['average_model_accuracy']:.4f}" if "average_model_accuracy" in r else "-",
+                f"{r['consensus_distance']:.3f}" if "consensus_distance" in r else "-",
+                f"{mb_per_peer(r, summary):.1f}",
+            ]
             print("| " + " | ".join(cells) + " |")
     if "fedavg" in data:
         frecs, fsum = data["fedavg"]
@@ -65,9 +73,11 @@ def main() -> None:
                 print(f"{label}: never within 1 point (best {best['test_accuracy']:.4f} at round {best['round']})")
                 continue
             mb = mb_per_peer(hit, summary)
-            print(f"{label}: {hit['test_accuracy']:.4f} at round {hit['round']} "
-                  f"({hit['round'] / target_round:.2f}x FedAvg's rounds), {mb:.1f} MB sent per peer "
-                  f"({mb / fbytes:.2f}x FedAvg's)")
+            print(
+                f"{label}: {hit['test_accuracy']:.4f} at round {hit['round']} "
+                f"({hit['round'] / target_round:.2f}x FedAvg's rounds), {mb:.1f} MB sent per peer "
+                f"({mb / fbytes:.2f}x FedAvg's)"
+            )
     if plot:
         import matplotlib
 
@@ -80,8 +90,7 @@ def main() -> None:
                 continue
             recs, summary = data[key]
             a.plot([r["round"] for r in recs], [r["test_accuracy"] for r in recs], marker="o", label=label)
-            b.plot([mb_per_peer(r, summary) for r in recs], [r["test_accuracy"] for r in recs], marker="o",
-                   label=label)
+            b.plot([mb_per_peer(r, summary) for r in recs], [r["test_accuracy"] for r in recs], marker="o", label=label)
         a.set(xlabel="round", ylabel="mean peer test accuracy (FedAvg: global model)")
         b.set(xlabel="MB sent per peer", ylabel="mean peer test accuracy", xscale="log")
         a.legend(fontsize=7)

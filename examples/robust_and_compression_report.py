@@ -1,6 +1,6 @@
 """Tables and plots for docs/results.md from the runs of examples/robust_and_compression.sh.
 
-    .venv/bin/python examples/robust_and_compression_report.py runs/issue10 docs/img
+.venv/bin/python examples/robust_and_compression_report.py runs/issue10 docs/img
 """
 
 from __future__ import annotations
@@ -40,8 +40,16 @@ def robust_table(runs: Path) -> None:
 def other_attacks_table(runs: Path) -> None:
     print("| run | final acc | lowest acc | rejected (last round) |")
     print("|---|---|---|---|")
-    for name in ("signflip1_mean", "labelflip_mean", "labelflip_median", "gaussian_mean", "gaussian_median",
-                 "signflip10_mean_normbound1", "scale100_mean_normbound1", "nan_mean"):
+    for name in (
+        "signflip1_mean",
+        "labelflip_mean",
+        "labelflip_median",
+        "gaussian_mean",
+        "gaussian_median",
+        "signflip10_mean_normbound1",
+        "scale100_mean_normbound1",
+        "nan_mean",
+    ):
         got = load(runs, name)
         if got is None:
             continue
@@ -60,28 +68,44 @@ def compression_table(runs: Path) -> None:
             continue
         s, _ = got
         frac = s["bytes_up_total"] / dense[0]["bytes_up_total"] if dense else float("nan")
-        print(f"| {name[2:]} | {s['final_test_accuracy']:.4f} | {s['best_test_accuracy']:.4f} | "
-              f"{s['bytes_up_total']:,} | {frac:.2%} | {s['bytes_down_total']:,} |")
+        print(
+            f"| {name[2:]} | {s['final_test_accuracy']:.4f} | {s['best_test_accuracy']:.4f} | "
+            f"{s['bytes_up_total']:,} | {frac:.2%} | {s['bytes_down_total']:,} |"
+        )
 
 
 def plots(runs: Path, img: Path) -> None:
     img.mkdir(parents=True, exist_ok=True)
     series = {}
-    for name, label in [("clean_mean", "clean, FedAvg"), ("signflip10_mean", "attacked, FedAvg"),
-                        ("signflip10_median", "attacked, median"), ("signflip10_trimmed_mean", "attacked, trimmed mean"),
-                        ("signflip10_multikrum", "attacked, Multi-Krum")]:
+    for name, label in [
+        ("clean_mean", "clean, FedAvg"),
+        ("signflip10_mean", "attacked, FedAvg"),
+        ("signflip10_median", "attacked, median"),
+        ("signflip10_trimmed_mean", "attacked, trimmed mean"),
+        ("signflip10_multikrum", "attacked, Multi-Krum"),
+    ]:
         got = load(runs, name)
         if got:
             series[label] = [(r["round"], r["test_accuracy"]) for r in got[1]]
-    plot_compare(series, img / "robust_signflip_mnist_logreg.png", "round", "test accuracy",
-                 "MNIST logreg, 20% sign-flip x10 attackers")
+    plot_compare(
+        series,
+        img / "robust_signflip_mnist_logreg.png",
+        "round",
+        "test accuracy",
+        "MNIST logreg, 20% sign-flip x10 attackers",
+    )
     series = {}
     for name in ("c_dense", "c_q8", "c_topk04", "c_topk04_zstd"):
         got = load(runs, name)
         if got:
             series[name[2:]] = [(r["bytes_up_total"] / 1e6, r["test_accuracy"]) for r in got[1]]
-    plot_compare(series, img / "compression_mnist_2nn.png", "MB uploaded (all clients)", "test accuracy",
-                 "MNIST 2NN, 20 clients: accuracy against upload bytes")
+    plot_compare(
+        series,
+        img / "compression_mnist_2nn.png",
+        "MB uploaded (all clients)",
+        "test accuracy",
+        "MNIST 2NN, 20 clients: accuracy against upload bytes",
+    )
 
 
 if __name__ == "__main__":

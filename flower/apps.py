@@ -35,7 +35,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
@@ -48,21 +47,20 @@ from shoal.client.training import LocalTrainer
 from shoal.config import Config, load_config
 from shoal.errors import ConfigError, SpecMismatch, UpdateRejected
 from shoal.params import ParamSpec
-from shoal.rounds import RoundSummary, SyncRounds, Assignment, i_hash
+from shoal.rounds import Assignment, RoundSummary, SyncRounds, i_hash
 from shoal.seeding import derive_seed
+from shoal.simulations.client_data import client_id, load_simulation_data, on_device
+from shoal.simulations.inprocess import weighted_means
 from shoal.task import ClientData, SimulationData, Task, check_loss
 from shoal.update import Update
 
-from shoal.simulations.client_data import client_id, load_simulation_data, on_device
-from shoal.simulations.inprocess import weighted_means
-
 log = logging.getLogger(__name__)
 
-ARRAYS = "arrays"            # Flower's default ArrayRecord key
-CONFIG = "config"            # Flower's default ConfigRecord key
+ARRAYS = "arrays"  # Flower's default ArrayRecord key
+CONFIG = "config"  # Flower's default ConfigRecord key
 METRICS = "metrics"
 NUM_EXAMPLES = "num-examples"  # Flower's default weighting key
-IDENTITY = "identity"        # the ConfigRecord of a QUERY reply: {"client-id": ...}
+IDENTITY = "identity"  # the ConfigRecord of a QUERY reply: {"client-id": ...}
 LOCAL_STATE = "shoal-local"  # a node's context.state ArrayRecord: the buffers its task keeps local (FedBN)
 RUN_CONFIG_KEY = "shoal-config"  # run_config key (pyproject.toml / --run-config) naming the TOML file
 
@@ -146,10 +144,21 @@ def _build(cfg: Config, device: str) -> Setup:
     model = initial_model(cfg, task).to(dev)  # seeded by simulation.seed, as InProcessSimulation does
     check_loss(task, model, data.train[0], dev)
     trainer = make_trainer(cfg, task, model, dev)
-    ids = [str(c) for c in data.client_ids] if data.client_ids is not None else [
-        client_id(i) for i in range(len(data.train))]
-    return Setup(cfg, task, data, trainer, trainer.flat.detach().clone().cpu(), trainer.local_state(), ids,
-                 on_device(data.test, dev))
+    ids = (
+        [str(c) for c in data.client_ids]
+        if data.client_ids is not None
+        else [client_id(i) for i in range(len(data.train))]
+    )
+    return Setup(
+        cfg,
+        task,
+        data,
+        trainer,
+        trainer.flat.detach().clone().cpu(),
+        trainer.local_state(),
+        ids,
+        on_device(data.test, dev),
+    )
 
 
 @functools.lru_cache(maxsize=2)
@@ -208,10 +217,19 @@ class ShoalStrategy(FlowerStrategy):
     UpdateRejected (the simulation engine is strict: a simulated client has no excuse to fail).
     """
 
-    def __init__(self, strategy: Strategy, spec: ParamSpec, clients_per_round: int = 0,
-                 fraction: float = 0.1, seed: int = 0, min_available_nodes: int = 1, strict: bool = False,
-                 device: torch.device | str = "cpu", federated_eval: Callable[[int], bool] | None = None,
-                 task: Task | None = None):
+    def __init__(
+        self,
+        strategy: Strategy,
+        spec: ParamSpec,
+        clients_per_round: int = 0,
+        fraction: float = 0.1,
+        seed: int = 0,
+        min_available_nodes: int = 1,
+        strict: bool = False,
+        device: torch.device | str = "cpu",
+        federated_eval: Callable[[int], bool] | None = None,
+        task: Task | None = None,
+    ):
         self.strategy = strategy
         self.task = task  # summarizes the pooled federated means (perplexity, R²...) once
         self.device = torch.device(device)  # where the strategy's buffers live (make_strategy's device)
@@ -232,7 +250,11 @@ class ShoalStrategy(FlowerStrategy):
     def summary(self) -> None:
         log.info(
             "ShoalStrategy: %s, K=%s, fraction=%s, seed=%d, %d parameters",
-            type(self.strategy.optimizer).__name__, self.clients_per_round, self.fraction, self.seed, self.spec.numel,
+            type(self.strategy.optimizer).__name__,
+            self.clients_per_round,
+            self.fraction,
+            self.seed,
+            self.spec.numel,
         )
 
     def identify(self, grid: Grid, timeout: float = 600) -> dict[str, int]:
@@ -271,8 +293,9 @@ class ShoalStrategy(FlowerStrategy):
         messages = []
         for node, task in self._tasks.items():
             conf = ConfigRecord(dict(config))
-            conf.update({"server-round": server_round, "client-id": task.client_id, "seed": task.seed,
-                         "version": task.version})
+            conf.update(
+                {"server-round": server_round, "client-id": task.client_id, "seed": task.seed, "version": task.version}
+            )
             content = RecordDict({ARRAYS: arrays, CONFIG: conf})
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
         return messages
@@ -295,8 +318,10 @@ class ShoalStrategy(FlowerStrategy):
                 local = from_arrays(reply.content.array_records[ARRAYS], self.spec).to(self.device)
                 metrics = reply.content.metric_records[METRICS]
                 update = Update(
-                    delta=local - rounds.global_params, num_examples=int(metrics[NUM_EXAMPLES]),
-                    base_version=task.version, sender=task.client_id,
+                    delta=local - rounds.global_params,
+                    num_examples=int(metrics[NUM_EXAMPLES]),
+                    base_version=task.version,
+                    sender=task.client_id,
                     metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
                 )
                 rounds.submit(task.client_id, update)
@@ -368,8 +393,9 @@ def evaluated_round(cfg: Config) -> Callable[[int], bool]:
     return lambda r: r > 0 and (r % sim.eval_every == 0 or r == sim.rounds)
 
 
-def make_server_app(cfg: Config | None = None, on_round: RoundCallback | None = None,
-                    timeout: float = 3600, strict: bool = False) -> ServerApp:
+def make_server_app(
+    cfg: Config | None = None, on_round: RoundCallback | None = None, timeout: float = 3600, strict: bool = False
+) -> ServerApp:
     """A ServerApp running ``cfg``'s rounds with :class:`ShoalStrategy`; every
     ``simulation.eval_every`` rounds (and the last) the task's metrics of the global model
     on its central test set (``test_<metric>``) and, when the task's clients have test
@@ -385,9 +411,15 @@ def make_server_app(cfg: Config | None = None, on_round: RoundCallback | None = 
         trainer = setup.trainer
         due = evaluated_round(c)
         strategy = ShoalStrategy(
-            make_round_strategy(c, setup.spec.numel, trainer.device, setup.num_clients), setup.spec,
-            sim.clients_per_round, sim.fraction, sim.seed, strict=strict, device=trainer.device,
-            federated_eval=due if setup.has_client_test else None, task=setup.task,
+            make_round_strategy(c, setup.spec.numel, trainer.device, setup.num_clients),
+            setup.spec,
+            sim.clients_per_round,
+            sim.fraction,
+            sim.seed,
+            strict=strict,
+            device=trainer.device,
+            federated_eval=due if setup.has_client_test else None,
+            task=setup.task,
         )
 
         def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:
@@ -403,8 +435,9 @@ def make_server_app(cfg: Config | None = None, on_round: RoundCallback | None = 
                 on_round(strategy.last_round, ev, params)
             return MetricRecord(ev) if ev else None
 
-        strategy.start(grid, to_arrays(setup.initial, setup.spec), num_rounds=sim.rounds,
-                       timeout=timeout, evaluate_fn=evaluate)
+        strategy.start(
+            grid, to_arrays(setup.initial, setup.spec), num_rounds=sim.rounds, timeout=timeout, evaluate_fn=evaluate
+        )
 
     return app
 
@@ -478,10 +511,12 @@ def make_client_app(cfg: Config | None = None, device: str | None = None) -> Cli
         update = setup.trainer.fit(global_flat, setup.client_train(pid), seed, version, cid)
         _save_local(setup, context)
         return Message(
-            RecordDict({
-                ARRAYS: to_arrays(setup.trainer.flat, setup.spec),
-                METRICS: MetricRecord({NUM_EXAMPLES: update.num_examples, **update.metrics}),
-            }),
+            RecordDict(
+                {
+                    ARRAYS: to_arrays(setup.trainer.flat, setup.spec),
+                    METRICS: MetricRecord({NUM_EXAMPLES: update.num_examples, **update.metrics}),
+                }
+            ),
             reply_to=msg,
         )
 
@@ -492,8 +527,9 @@ def make_client_app(cfg: Config | None = None, device: str | None = None) -> Cli
         metrics: dict[str, int | float] = {NUM_EXAMPLES: 0}
         if test is not None:
             _load_local(setup, context)
-            ev = setup.trainer.evaluate_data(from_arrays(msg.content.array_records[ARRAYS], setup.spec), test,
-                                             summarize=False)  # raw means: the strategy summarizes once
+            ev = setup.trainer.evaluate_data(
+                from_arrays(msg.content.array_records[ARRAYS], setup.spec), test, summarize=False
+            )  # raw means: the strategy summarizes once
             metrics = {NUM_EXAMPLES: int(ev.pop("num_examples")), **ev}
         return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
 

@@ -18,11 +18,11 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -90,12 +90,22 @@ def run_flower(
             down = model_bytes * summary.num_selected
             totals["up"] += up
             totals["down"] += down
-            loop.record({
-                "round": summary.round, "version": summary.version, **ev, "train_loss": summary.train_loss,
-                "num_results": summary.num_results, "num_examples": summary.num_examples,
-                "bytes_up": up, "bytes_down": down, "bytes_up_total": totals["up"],
-                "bytes_down_total": totals["down"], "rejected": summary.rejected,
-            }, advance=summary.round - totals["round"])
+            loop.record(
+                {
+                    "round": summary.round,
+                    "version": summary.version,
+                    **ev,
+                    "train_loss": summary.train_loss,
+                    "num_results": summary.num_results,
+                    "num_examples": summary.num_examples,
+                    "bytes_up": up,
+                    "bytes_down": down,
+                    "bytes_up_total": totals["up"],
+                    "bytes_down_total": totals["down"],
+                    "rejected": summary.rejected,
+                },
+                advance=summary.round - totals["round"],
+            )
             totals["round"] = summary.round
             final["params"] = params
 
@@ -120,17 +130,22 @@ def run_flower(
             if started_ray and ray.is_initialized():
                 ray.shutdown()
         if "params" not in final or loop.last.get("round") != sim_cfg.rounds:
-            raise RuntimeError(f"the Flower simulation stopped after round {loop.last.get('round', 0)} "
-                               f"of {sim_cfg.rounds}")
-        summary_out = loop.finish({
-            "rounds": sim_cfg.rounds,
-            "num_clients": setup.num_clients,
-            "num_parameters": setup.spec.numel,
-            "device": str(setup.trainer.device),
-            "engine": "flower",
-            "bytes_up_total": totals["up"],
-            "bytes_down_total": totals["down"],
-        }, setup_s, title=f"{setup.label} / {cfg.strategy.name} (flower)")
+            raise RuntimeError(
+                f"the Flower simulation stopped after round {loop.last.get('round', 0)} of {sim_cfg.rounds}"
+            )
+        summary_out = loop.finish(
+            {
+                "rounds": sim_cfg.rounds,
+                "num_clients": setup.num_clients,
+                "num_parameters": setup.spec.numel,
+                "device": str(setup.trainer.device),
+                "engine": "flower",
+                "bytes_up_total": totals["up"],
+                "bytes_down_total": totals["down"],
+            },
+            setup_s,
+            title=f"{setup.label} / {cfg.strategy.name} (flower)",
+        )
     return FlowerRun(summary_out, final["params"])
 
 

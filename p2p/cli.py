@@ -30,8 +30,19 @@ from shoal.client.device import select_device
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.errors import ConfigError, DataError
-from shoal.task import (ClientData, LocalData, SimulationData, Task, TaskError, as_tensors, call_part, check_data,
-                        check_loss, num_examples, task_name)
+from shoal.task import (
+    ClientData,
+    LocalData,
+    SimulationData,
+    Task,
+    TaskError,
+    as_tensors,
+    call_part,
+    check_data,
+    check_loss,
+    num_examples,
+    task_name,
+)
 from shoal.tls import client_context, server_context
 
 from .peer import Peer, PeerData, PeerSettings
@@ -54,12 +65,17 @@ def _on_device(data: ClientData | None, device: torch.device) -> ClientData | No
 
 
 def _local_data(task: Task, path: Path) -> PeerData:
-    fix = (f"--data {str(path)!r} does not exist" if not path.exists() else
-           f"check that --data {str(path)!r} holds the data local_data() reads")
+    fix = (
+        f"--data {str(path)!r} does not exist"
+        if not path.exists()
+        else f"check that --data {str(path)!r} holds the data local_data() reads"
+    )
     local = call_part(task, f"local_data({str(path)!r})", task.local_data, path, fix=fix)
     if not isinstance(local, LocalData):
-        raise TaskError(f"task {task_name(task)}: local_data() returned a {type(local).__name__}; "
-                        "return shoal.task.LocalData(train=..., test=None)")
+        raise TaskError(
+            f"task {task_name(task)}: local_data() returned a {type(local).__name__}; "
+            "return shoal.task.LocalData(train=..., test=None)"
+        )
     train = check_data(task, local.train, "local_data().train")
     test = check_data(task, local.test, "local_data().test", allow_none=True)
     return PeerData(train, test)  # type: ignore[arg-type]
@@ -69,14 +85,24 @@ def _simulation_client(task: Task, spec: str, index: str, cfg: Config) -> PeerDa
     """Client ``index`` of the task's simulation split: every peer with the same config derives
     the same split and keeps only its own part."""
     if not index.isdigit():
-        raise DataError(f"--data {spec!r}: expected client:<index> (a client of the task's simulation split) "
-                        "or a path the task's local_data() reads")
+        raise DataError(
+            f"--data {spec!r}: expected client:<index> (a client of the task's simulation split) "
+            "or a path the task's local_data() reads"
+        )
     sim = cfg.simulation
-    split = call_part(task, "simulation_data(num_clients, seed)", task.simulation_data, sim.num_clients, sim.seed,
-                      fix="--data client:<i> needs simulation_data(); give the peer its own data with --data PATH")
+    split = call_part(
+        task,
+        "simulation_data(num_clients, seed)",
+        task.simulation_data,
+        sim.num_clients,
+        sim.seed,
+        fix="--data client:<i> needs simulation_data(); give the peer its own data with --data PATH",
+    )
     if not isinstance(split, SimulationData):
-        raise TaskError(f"task {task_name(task)}: simulation_data() returned a {type(split).__name__}; "
-                        "return shoal.task.SimulationData(train=[one dataset per client], test=...)")
+        raise TaskError(
+            f"task {task_name(task)}: simulation_data() returned a {type(split).__name__}; "
+            "return shoal.task.SimulationData(train=[one dataset per client], test=...)"
+        )
     i, n = int(index), len(split.train)
     if i >= n:
         raise DataError(f"--data {spec!r}: the split has {n} clients (0..{n - 1})")
@@ -84,8 +110,10 @@ def _simulation_client(task: Task, spec: str, index: str, cfg: Config) -> PeerDa
     own = None
     if split.client_test is not None:
         if len(split.client_test) != n:
-            raise TaskError(f"task {task_name(task)}: client_test has {len(split.client_test)} entries for "
-                            f"{n} clients; give one (or None) per client")
+            raise TaskError(
+                f"task {task_name(task)}: client_test has {len(split.client_test)} entries for "
+                f"{n} clients; give one (or None) per client"
+            )
         own = check_data(task, split.client_test[i], f"simulation_data().client_test[{i}]", allow_none=True)
     central = check_data(task, split.test, "simulation_data().test", allow_none=True)
     return PeerData(train, own, central)  # type: ignore[arg-type]
@@ -100,21 +128,36 @@ def load_peer_data(spec: str, cfg: Config, task: Task, device: torch.device) -> 
         data = _local_data(task, Path(spec).expanduser())
     if num_examples(data.train) == 0:
         raise DataError(f"--data {spec!r}: task {task_name(task)} gave no training examples")
-    return PeerData(_on_device(data.train, device), _on_device(data.test, device),  # type: ignore[arg-type]
-                    _on_device(data.central_test, device))
+    return PeerData(
+        _on_device(data.train, device),
+        _on_device(data.test, device),  # type: ignore[arg-type]
+        _on_device(data.central_test, device),
+    )
 
 
 def check_peer_algorithm(cfg: Config) -> None:
     """What a real peer runs: every algorithm, D-PSGD with plain mixing."""
     g = cfg.gossip
     if g.algorithm == "dpsgd" and robust_mixing(cfg):
-        raise ConfigError("[robust] mixing with gossip.algorithm = 'dpsgd' runs in the simulator only; a peer "
-                          "mixes its neighbours' models plainly: set robust.rule = 'mean' and robust.norm_bound = 0")
+        raise ConfigError(
+            "[robust] mixing with gossip.algorithm = 'dpsgd' runs in the simulator only; a peer "
+            "mixes its neighbours' models plainly: set robust.rule = 'mean' and robust.norm_bound = 0"
+        )
 
 
-def run_peer(cfg: Config, listen: str, bootstrap: str, data: str, token: str | None, advertise: str | None,
-             tls_cert: Path | None, tls_key: Path | None, ca_cert: Path | None, insecure: bool,
-             out: Path | None) -> None:
+def run_peer(
+    cfg: Config,
+    listen: str,
+    bootstrap: str,
+    data: str,
+    token: str | None,
+    advertise: str | None,
+    tls_cert: Path | None,
+    tls_key: Path | None,
+    ca_cert: Path | None,
+    insecure: bool,
+    out: Path | None,
+) -> None:
     host, port = parse_listen(listen)
     check_gossip_settings(cfg)
     check_peer_algorithm(cfg)
@@ -137,10 +180,14 @@ def run_peer(cfg: Config, listen: str, bootstrap: str, data: str, token: str | N
     peer_data = load_peer_data(data, cfg, task, device)
     check_loss(task, model, peer_data.train, device)  # before the trainer binds the gradients to its buffer
     trainer = LocalTrainer(model, cfg.train, device, task=task)
-    log.info("task %s (spec hash %s): %d training examples, own test data %s, central test data %s",
-             task_name(task), trainer.spec.hash, num_examples(peer_data.train),
-             num_examples(peer_data.test) if peer_data.test is not None else "none",
-             num_examples(peer_data.central_test) if peer_data.central_test is not None else "none")
+    log.info(
+        "task %s (spec hash %s): %d training examples, own test data %s, central test data %s",
+        task_name(task),
+        trainer.spec.hash,
+        num_examples(peer_data.train),
+        num_examples(peer_data.test) if peer_data.test is not None else "none",
+        num_examples(peer_data.central_test) if peer_data.central_test is not None else "none",
+    )
     peer = Peer(cfg, trainer, peer_data, PeerSettings(me, boot, token, insecure, ssl_server, ssl_client, out))
 
     async def main() -> None:

@@ -186,8 +186,7 @@ class DpsgdStep:
     the diagonal. ``now`` is passed in; no sockets, no clock.
     """
 
-    def __init__(self, me: str, step: int, params: torch.Tensor, partners: list[str], degree: int,
-                 close_at: float):
+    def __init__(self, me: str, step: int, params: torch.Tensor, partners: list[str], degree: int, close_at: float):
         if degree < 1:
             raise ValueError("degree must be >= 1")
         self.me, self.step, self.degree, self.close_at = me, int(step), int(degree), float(close_at)

@@ -44,8 +44,14 @@ class ModelMessage:
 class GossipNode:
     """One peer's model, its age and version, and the push-pull exchange around them."""
 
-    def __init__(self, membership: Membership, params: torch.Tensor, num_examples: int,
-                 rule: MergeRule | None = None, timeout: float = 5.0):
+    def __init__(
+        self,
+        membership: Membership,
+        params: torch.Tensor,
+        num_examples: int,
+        rule: MergeRule | None = None,
+        timeout: float = 5.0,
+    ):
         self.membership = membership
         self.params = params
         self.num_examples = int(num_examples)
@@ -80,8 +86,9 @@ class GossipNode:
         self._pending.clear()
 
     def _message(self, target: str, reply: bool) -> ModelMessage:
-        return ModelMessage(self.id, target, self.params.detach().clone(), self.age, self.version,
-                            self.num_examples, reply)
+        return ModelMessage(
+            self.id, target, self.params.detach().clone(), self.age, self.version, self.num_examples, reply
+        )
 
     def start_exchange(self, now: float) -> ModelMessage | None:
         """Push our model to a peer drawn from the view (None when the view is empty)."""

@@ -41,8 +41,8 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import torch
 
@@ -95,7 +95,7 @@ def grid_groups(peers: Sequence[str], round_: int, group_size: int, seed: int = 
     d = len(dims)
     axis, epoch = round_ % d, round_ // d
     order = sorted(ids, key=lambda p: _order_key(seed, epoch, p))
-    strides = [math.prod(dims[a + 1:]) for a in range(d)]
+    strides = [math.prod(dims[a + 1 :]) for a in range(d)]
     lines: dict[tuple[int, ...], list[tuple[int, str]]] = {}
     for cell, peer in enumerate(order):
         coords = [(cell // strides[a]) % dims[a] for a in range(d)]
@@ -143,8 +143,8 @@ class SliceMessage:
     phase: str
     weight: float
     data: torch.Tensor
-    count: int = 1        # parts in the average (reduced, repaired); 1 for a member's own part
-    level: int = 0        # which axis of a multi-level exchange (GridAverage); 0 for one group
+    count: int = 1  # parts in the average (reduced, repaired); 1 for a member's own part
+    level: int = 0  # which axis of a multi-level exchange (GridAverage); 0 for one group
 
 
 class Refusal(ValueError):
@@ -157,13 +157,13 @@ class Refusal(ValueError):
 
 @dataclass
 class GroupResult:
-    values: torch.Tensor          # the member's new model
-    weight: float                 # summed weight behind it (per slice, averaged by slice length)
-    complete: bool                # every member's part is in every slice
-    missing: list[str]            # members found gone, or whose part did not reach our own slice
-    repaired: int                 # slices whose reducer was silent, filled by a backup
-    kept: int                     # slices left at the member's own values
-    late: int                     # messages that came after their phase closed
+    values: torch.Tensor  # the member's new model
+    weight: float  # summed weight behind it (per slice, averaged by slice length)
+    complete: bool  # every member's part is in every slice
+    missing: list[str]  # members found gone, or whose part did not reach our own slice
+    repaired: int  # slices whose reducer was silent, filled by a backup
+    kept: int  # slices left at the member's own values
+    late: int  # messages that came after their phase closed
 
 
 @dataclass
@@ -192,8 +192,19 @@ def _average(parts: dict[str, tuple[float, torch.Tensor]]) -> _Slice:
 class GroupAverage:
     """One member's side of its group's all-reduce (module docstring)."""
 
-    def __init__(self, me: str, members: Sequence[str], round_: int, values: torch.Tensor, weight: float,
-                 now: float, timeout: float, level: int = 0, hold: bool = False, patience: float = 0.0):
+    def __init__(
+        self,
+        me: str,
+        members: Sequence[str],
+        round_: int,
+        values: torch.Tensor,
+        weight: float,
+        now: float,
+        timeout: float,
+        level: int = 0,
+        hold: bool = False,
+        patience: float = 0.0,
+    ):
         """``hold``: once our slice is reduced, wait for :meth:`release` (the slice averaged
         further, by the next level of a :class:`GridAverage`) before sending it; ``patience``:
         how much longer than ``timeout`` to wait for the others' slices (their next levels)."""
@@ -215,15 +226,15 @@ class GroupAverage:
         self.t0, self.timeout = float(now), float(timeout)
         self.gone: set[str] = set()
         self._mine = _Reduction({me: (self.weight, self._slice(self.own, self.index))})
-        self._slices: dict[int, _Slice] = {}                  # finished slices
-        self._contributed: set[str] = set()                   # whose parts are in our own slice
-        self._repairs: dict[int, _Reduction] = {}             # orphaned slices: the parts we got of each
-        self._answered: dict[int, set[str]] = {}              # members who answered our repair part, per slice
-        self._final: set[int] = set()                         # slices holding their reducer's average
-        self._asked: dict[int, set[str]] = {}                 # whom we sent our repair part of a slice
+        self._slices: dict[int, _Slice] = {}  # finished slices
+        self._contributed: set[str] = set()  # whose parts are in our own slice
+        self._repairs: dict[int, _Reduction] = {}  # orphaned slices: the parts we got of each
+        self._answered: dict[int, set[str]] = {}  # members who answered our repair part, per slice
+        self._final: set[int] = set()  # slices holding their reducer's average
+        self._asked: dict[int, set[str]] = {}  # whom we sent our repair part of a slice
         self._gathered = False
-        self._held: _Slice | None = None                       # our reduction, waiting for release()
-        self._sent_at: float | None = None                     # when our reduced slice went out
+        self._held: _Slice | None = None  # our reduction, waiting for release()
+        self._sent_at: float | None = None  # when our reduced slice went out
         self._gathered_at = 0.0
         self._repaired = 0
         self._late = 0
@@ -237,8 +248,19 @@ class GroupAverage:
         return x[lo:hi]
 
     def _msg(self, target: str, j: int, phase: str, weight: float, data: torch.Tensor, count: int = 1) -> SliceMessage:
-        return SliceMessage(self.me, target, self.round, self.group, self.members, j, phase, float(weight),
-                            data.detach().clone(), int(count), self.level)
+        return SliceMessage(
+            self.me,
+            target,
+            self.round,
+            self.group,
+            self.members,
+            j,
+            phase,
+            float(weight),
+            data.detach().clone(),
+            int(count),
+            self.level,
+        )
 
     def _live_others(self) -> list[str]:
         return [m for m in self.members if m != self.me and m not in self.gone]
@@ -288,16 +310,26 @@ class GroupAverage:
     def start(self) -> list[SliceMessage]:
         """Send slice j of our model to member j; keep our own slice for our reduction."""
         self.started = True
-        out = [self._msg(m, j, "part", self.weight, self._slice(self.own, j))
-               for j, m in enumerate(self.members) if m != self.me]
+        out = [
+            self._msg(m, j, "part", self.weight, self._slice(self.own, j))
+            for j, m in enumerate(self.members)
+            if m != self.me
+        ]
         return out + self._progress(self.t0)
 
     def check(self, msg: SliceMessage) -> None:
         """Raise :class:`Refusal` unless ``msg`` belongs to this exchange and is well formed."""
-        if (msg.round != self.round or msg.group != self.group or tuple(msg.members) != self.members
-                or msg.level != self.level):
-            raise Refusal("not_in_group", f"{self.me} is in group {self.group} of round {self.round} "
-                          f"({len(self.members)} members), not {msg.group} of round {msg.round}")
+        if (
+            msg.round != self.round
+            or msg.group != self.group
+            or tuple(msg.members) != self.members
+            or msg.level != self.level
+        ):
+            raise Refusal(
+                "not_in_group",
+                f"{self.me} is in group {self.group} of round {self.round} "
+                f"({len(self.members)} members), not {msg.group} of round {msg.round}",
+            )
         if msg.sender not in self.members or msg.sender == self.me or msg.target != self.me:
             raise Refusal("malformed", f"sender {msg.sender!r} / target {msg.target!r} do not fit the group")
         if msg.phase not in PHASES:
@@ -440,17 +472,18 @@ class GroupAverage:
                 kept += 1
             wsum += w * (hi - lo)
         complete = kept == 0 and self._repaired == 0 and all(c == self.k for _, _, c in self._slices.values())
-        missing = sorted(m for m in self.members
-                         if m in self.gone or (self._mine.closed and m not in self._contributed))
-        return GroupResult(values, wsum / max(self.own.numel(), 1), complete, missing, self._repaired, kept,
-                           self._late)
+        missing = sorted(
+            m for m in self.members if m in self.gone or (self._mine.closed and m not in self._contributed)
+        )
+        return GroupResult(values, wsum / max(self.own.numel(), 1), complete, missing, self._repaired, kept, self._late)
 
 
 # --- several axes in one exchange --------------------------------------------------------------
 
 
-def grid_path(peers: Sequence[str], me: str, step: int, group_size: int, levels: int, seed: int = 0
-              ) -> list[tuple[str, ...]]:
+def grid_path(
+    peers: Sequence[str], me: str, step: int, group_size: int, levels: int, seed: int = 0
+) -> list[tuple[str, ...]]:
     """``me``'s groups for one exchange of ``levels`` axes (0: every axis of the grid): the
     group along axis ``step mod d``, then along the next axis, and so on (layout of epoch
     ``step // d``, the same for every level). Only a full grid chains axes (its lines along
@@ -491,8 +524,16 @@ class GridAverage:
     below it at most ``3 timeout`` each beyond its own.
     """
 
-    def __init__(self, me: str, path: Sequence[Sequence[str]], round_: int, values: torch.Tensor, weight: float,
-                 now: float, timeout: float):
+    def __init__(
+        self,
+        me: str,
+        path: Sequence[Sequence[str]],
+        round_: int,
+        values: torch.Tensor,
+        weight: float,
+        now: float,
+        timeout: float,
+    ):
         self.me, self.round, self.timeout = me, int(round_), float(timeout)
         self.path = [tuple(g) for g in path]
         if not self.path or any(me not in g for g in self.path):
@@ -501,8 +542,8 @@ class GridAverage:
             raise ValueError("a group has >= 2 distinct members")
         self.values, self.weight, self.t0 = values.detach().float().clone(), float(weight), float(now)
         self.levels: list[GroupAverage | None] = [None] * len(self.path)
-        self._skipped: dict[int, _Slice] = {}    # levels whose group is only us: the value passes through
-        self._early: list[SliceMessage] = []     # messages for a level we have not reached yet
+        self._skipped: dict[int, _Slice] = {}  # levels whose group is only us: the value passes through
+        self._early: list[SliceMessage] = []  # messages for a level we have not reached yet
         self.groups = {group_id(self.round, g, lv): lv for lv, g in enumerate(self.path)}
         self.started = False
 
@@ -522,9 +563,19 @@ class GridAverage:
         if lv >= len(self.path):
             return []
         last = lv == len(self.path) - 1
-        below = sum(1 for g in self.path[lv + 1:] if len(g) >= 2)
-        ga = GroupAverage(self.me, self.path[lv], self.round, values, weight, now, self.timeout, level=lv,
-                          hold=not last, patience=3 * self.timeout * below)
+        below = sum(1 for g in self.path[lv + 1 :] if len(g) >= 2)
+        ga = GroupAverage(
+            self.me,
+            self.path[lv],
+            self.round,
+            values,
+            weight,
+            now,
+            self.timeout,
+            level=lv,
+            hold=not last,
+            patience=3 * self.timeout * below,
+        )
         self.levels[lv] = ga
         out = ga.start()
         early, self._early = [m for m in self._early if m.level == lv], [m for m in self._early if m.level != lv]
@@ -568,8 +619,9 @@ class GridAverage:
     def check(self, msg: SliceMessage) -> None:
         lv = self.groups.get(msg.group)
         if lv is None or msg.level != lv or msg.round != self.round or tuple(msg.members) != self.path[lv]:
-            raise Refusal("not_in_group", f"{self.me} has no group {msg.group} at level {msg.level} "
-                          f"of round {msg.round}")
+            raise Refusal(
+                "not_in_group", f"{self.me} has no group {msg.group} at level {msg.level} of round {msg.round}"
+            )
         ga = self.levels[lv]
         if ga is not None:
             ga.check(msg)
@@ -607,7 +659,12 @@ class GridAverage:
             return GroupResult(self.values.clone(), self.weight, True, [], 0, 0, 0)
         res = top.result()
         inner = [ga.result() for ga in self.levels if ga is not None and ga is not top]
-        return GroupResult(res.values, res.weight, res.complete and all(r.complete for r in inner),
-                           sorted(set(res.missing).union(*(r.missing for r in inner))),
-                           res.repaired + sum(r.repaired for r in inner), res.kept + sum(r.kept for r in inner),
-                           res.late + sum(r.late for r in inner))
+        return GroupResult(
+            res.values,
+            res.weight,
+            res.complete and all(r.complete for r in inner),
+            sorted(set(res.missing).union(*(r.missing for r in inner))),
+            res.repaired + sum(r.repaired for r in inner),
+            res.kept + sum(r.kept for r in inner),
+            res.late + sum(r.late for r in inner),
+        )

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 @dataclass
 class ViewEntry:
-    peer: str   # the peer's identity, which is also its address (a URL for real peers)
+    peer: str  # the peer's identity, which is also its address (a URL for real peers)
     age: int = 0
 
 
@@ -60,13 +60,13 @@ class Membership:
     self_id: str
     view_size: int = 8
     shuffle_length: int = 4
-    timeout: float = 5.0            # a shuffle not answered by then counts as a failure
-    max_failures: int = 2           # consecutive failures before a peer is removed
-    quarantine: float = 30.0        # how long entries of a removed peer are ignored
+    timeout: float = 5.0  # a shuffle not answered by then counts as a failure
+    max_failures: int = 2  # consecutive failures before a peer is removed
+    quarantine: float = 30.0  # how long entries of a removed peer are ignored
     seed: int = 0
     bootstrap_peers: tuple[str, ...] = ()
     view: dict[str, ViewEntry] = field(default_factory=dict)
-    max_known: int = 4096           # the directory's bound
+    max_known: int = 4096  # the directory's bound
 
     def __post_init__(self) -> None:
         if self.view_size < 1 or not 1 <= self.shuffle_length <= self.view_size:

@@ -49,17 +49,17 @@ BOUND_MODES = ("clip", "reject")
 class ModelInfo:
     """What a merge needs to know about a model besides its parameters."""
 
-    age: int            # local updates folded in
-    num_examples: int   # training examples behind the model (the owner's shard size)
+    age: int  # local updates folded in
+    num_examples: int  # training examples behind the model (the owner's shard size)
 
 
 @dataclass(frozen=True)
 class MergeRule:
     rule: str = "age"
     staleness_exponent: float = 0.0  # 0: no staleness discount
-    max_age_gap: int = 0             # 0: no limit
-    norm_bound: float = 0.0          # > 0: bound ||other - own|| (L2) ...
-    bound_mode: str = "clip"         # ... by clipping it, or by rejecting the model
+    max_age_gap: int = 0  # 0: no limit
+    norm_bound: float = 0.0  # > 0: bound ||other - own|| (L2) ...
+    bound_mode: str = "clip"  # ... by clipping it, or by rejecting the model
 
     def __post_init__(self) -> None:
         if self.rule not in RULES:
@@ -103,7 +103,9 @@ class MergeRule:
             lam *= (1.0 + gap) ** -self.staleness_exponent
         return float(lam)
 
-    def merge(self, own: torch.Tensor, own_info: ModelInfo, other: torch.Tensor, other_info: ModelInfo) -> tuple[float, ModelInfo]:
+    def merge(
+        self, own: torch.Tensor, own_info: ModelInfo, other: torch.Tensor, other_info: ModelInfo
+    ) -> tuple[float, ModelInfo]:
         """Merge ``other`` into ``own`` in place; returns (lam, info of the merged model)."""
         lam = self.weight(own_info, other_info)
         if lam <= 0.0:

@@ -38,8 +38,14 @@ if TYPE_CHECKING:
 MODEL_ENCODINGS = ("dense", "q8")
 
 
-def encode_gossip_model(params: torch.Tensor, spec: ParamSpec, version: int, extra: dict[str, Any],
-                        cfg: CompressionConfig | None = None, seed: int = 0) -> bytes:
+def encode_gossip_model(
+    params: torch.Tensor,
+    spec: ParamSpec,
+    version: int,
+    extra: dict[str, Any],
+    cfg: CompressionConfig | None = None,
+    seed: int = 0,
+) -> bytes:
     """The model as a message body; q8 and zstd per ``cfg`` (dense when None)."""
     cfg = cfg or CompressionConfig()
     if cfg.encoding not in MODEL_ENCODINGS:
@@ -51,8 +57,14 @@ def encode_gossip_model(params: torch.Tensor, spec: ParamSpec, version: int, ext
     else:
         payload = Encoded("dense", {"params": params.detach().float()})
     tensors = payload.tensors
-    header = {"kind": "model", "spec_hash": spec.hash, "version": int(version), "encoding": cfg.encoding,
-              **payload.header, **extra}
+    header = {
+        "kind": "model",
+        "spec_hash": spec.hash,
+        "version": int(version),
+        "encoding": cfg.encoding,
+        **payload.header,
+        **extra,
+    }
     if cfg.zstd:
         packed = zstandard.ZstdCompressor(level=cfg.zstd_level).compress(encode(tensors, {"kind": "payload"}))
         tensors = {"zstd": torch.frombuffer(bytearray(packed), dtype=torch.uint8)}
@@ -70,7 +82,9 @@ def decode_gossip_model(body: bytes, spec: ParamSpec, max_bytes: int) -> tuple[t
     if encoding == "dense" and not zstd:
         return decode_model(body, spec, max_bytes)
     if encoding not in MODEL_ENCODINGS:
-        raise Malformed(f"header field 'encoding' = {encoding!r}: a gossip model is one of {', '.join(MODEL_ENCODINGS)}")
+        raise Malformed(
+            f"header field 'encoding' = {encoding!r}: a gossip model is one of {', '.join(MODEL_ENCODINGS)}"
+        )
     expect = {"params": (torch.float32, (spec.numel,))} if encoding == "dense" else expected_tensors(header, spec.numel)
     if zstd:
         size = table.get("zstd", {}).get("shape", [0])
@@ -96,11 +110,22 @@ SLICE_KIND = "group_slice"
 MAX_GROUP_MEMBERS = 1024
 
 
-def encode_slice(msg: "SliceMessage", spec: ParamSpec) -> bytes:
+def encode_slice(msg: SliceMessage, spec: ParamSpec) -> bytes:
     """A group-averaging slice message: the float32 slice and its protocol fields in the header."""
-    header = {"kind": SLICE_KIND, "spec_hash": spec.hash, "sender": msg.sender, "target": msg.target,
-              "round": msg.round, "group": msg.group, "members": list(msg.members), "slice": msg.slice,
-              "phase": msg.phase, "weight": msg.weight, "count": msg.count, "level": msg.level}
+    header = {
+        "kind": SLICE_KIND,
+        "spec_hash": spec.hash,
+        "sender": msg.sender,
+        "target": msg.target,
+        "round": msg.round,
+        "group": msg.group,
+        "members": list(msg.members),
+        "slice": msg.slice,
+        "phase": msg.phase,
+        "weight": msg.weight,
+        "count": msg.count,
+        "level": msg.level,
+    }
     return encode({"data": msg.data.detach().float()}, header)
 
 
@@ -111,7 +136,7 @@ def _field(header: dict, key: str, kind: type | tuple[type, ...]) -> Any:
     return v
 
 
-def decode_slice(body: bytes, spec: ParamSpec, max_bytes: int) -> "SliceMessage":
+def decode_slice(body: bytes, spec: ParamSpec, max_bytes: int) -> SliceMessage:
     """A validated slice message (size, spec hash, fields, a finite float32 vector no longer
     than the model); whether it fits the receiver's group is the protocol's check."""
     from .group_average import SliceMessage
@@ -120,34 +145,50 @@ def decode_slice(body: bytes, spec: ParamSpec, max_bytes: int) -> "SliceMessage"
     if header.get("kind") != SLICE_KIND:
         raise Malformed(f"message kind is {header.get('kind')!r}, expected {SLICE_KIND!r}")
     shape = table.get("data", {}).get("shape")
-    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int)
-            and 0 <= shape[0] <= spec.numel):
+    if not (isinstance(shape, list) and len(shape) == 1 and isinstance(shape[0], int) and 0 <= shape[0] <= spec.numel):
         raise Malformed(f"tensor 'data' must be a vector of at most {spec.numel} values, got shape {shape!r}")
     header, tensors = decode(body, {"data": (torch.float32, (shape[0],))}, max_bytes, spec.hash)
     members = _field(header, "members", list)
-    if not 2 <= len(members) <= MAX_GROUP_MEMBERS or not all(isinstance(m, str) and 0 < len(m) <= 256
-                                                             for m in members):
+    if not 2 <= len(members) <= MAX_GROUP_MEMBERS or not all(isinstance(m, str) and 0 < len(m) <= 256 for m in members):
         raise Malformed(f"header field 'members' must list 2..{MAX_GROUP_MEMBERS} peer ids")
     weight = _field(header, "weight", (int, float))
     strings = {k: _field(header, k, str) for k in ("sender", "target", "group", "phase")}
     ints = {k: _field(header, k, int) for k in ("round", "slice", "count", "level")}
     if ints["round"] < 0 or not 0 <= ints["level"] < 64:
         raise Malformed("header fields 'round' must be >= 0 and 'level' in [0, 64)")
-    return SliceMessage(strings["sender"], strings["target"], ints["round"], strings["group"], tuple(members),
-                        ints["slice"], strings["phase"], float(weight), tensors["data"].float(), ints["count"],
-                        ints["level"])
+    return SliceMessage(
+        strings["sender"],
+        strings["target"],
+        ints["round"],
+        strings["group"],
+        tuple(members),
+        ints["slice"],
+        strings["phase"],
+        float(weight),
+        tensors["data"].float(),
+        ints["count"],
+        ints["level"],
+    )
 
 
 # --- secure groups: a secure aggregation message between a group's members (p2p/secure_group.py) --
 
 
-def encode_secure(msg: "SecureMessage", spec: ParamSpec) -> bytes:
+def encode_secure(msg: SecureMessage, spec: ParamSpec) -> bytes:
     """A secure group message: secagg messages as shoal.aggregation.secagg_wire writes them, the
     group's mean as a float32 tensor; routing and example counts in ``meta``."""
     from shoal.aggregation.secagg_wire import encode_message
 
-    meta = {"spec_hash": spec.hash, "sender": msg.sender, "target": msg.target, "round": msg.round,
-            "group": msg.group, "members": list(msg.members), "kind": msg.kind, "meta": dict(msg.meta)}
+    meta = {
+        "spec_hash": spec.hash,
+        "sender": msg.sender,
+        "target": msg.target,
+        "round": msg.round,
+        "group": msg.group,
+        "members": list(msg.members),
+        "kind": msg.kind,
+        "meta": dict(msg.meta),
+    }
     if msg.kind == "mean":
         return encode({"mean": msg.payload.detach().float()}, {"kind": "secure_group_mean", "meta": meta})
     if msg.kind == "abort":
@@ -155,7 +196,7 @@ def encode_secure(msg: "SecureMessage", spec: ParamSpec) -> bytes:
     return encode_message(msg.payload, meta)
 
 
-def decode_secure(body: bytes, spec: ParamSpec, max_bytes: int) -> "SecureMessage":
+def decode_secure(body: bytes, spec: ParamSpec, max_bytes: int) -> SecureMessage:
     """A validated secure group message (wire checks, spec hash, routing fields, payload kind)."""
     from shoal.aggregation.secagg_wire import decode_message
 
@@ -166,14 +207,15 @@ def decode_secure(body: bytes, spec: ParamSpec, max_bytes: int) -> "SecureMessag
     if not isinstance(meta, dict):
         raise Malformed("a secure group message carries a 'meta' object")
     if meta.get("spec_hash") != spec.hash:
-        raise SpecMismatch(f"the message has spec hash {meta.get('spec_hash')!r}, this peer's model {spec.hash!r}: "
-                           "another task, [task.args] or architecture")
+        raise SpecMismatch(
+            f"the message has spec hash {meta.get('spec_hash')!r}, this peer's model {spec.hash!r}: "
+            "another task, [task.args] or architecture"
+        )
     kind = _field(meta, "kind", str)
     if kind not in TO_RELAY + TO_MEMBER:
         raise Malformed(f"kind {kind!r} is not a secure group message")
     members = _field(meta, "members", list)
-    if not 2 <= len(members) <= MAX_GROUP_MEMBERS or not all(isinstance(m, str) and 0 < len(m) <= 256
-                                                             for m in members):
+    if not 2 <= len(members) <= MAX_GROUP_MEMBERS or not all(isinstance(m, str) and 0 < len(m) <= 256 for m in members):
         raise Malformed(f"meta field 'members' must list 2..{MAX_GROUP_MEMBERS} peer ids")
     extra = meta.get("meta", {})
     if not isinstance(extra, dict) or len(json.dumps(extra)) > 4096:
@@ -186,5 +228,13 @@ def decode_secure(body: bytes, spec: ParamSpec, max_bytes: int) -> "SecureMessag
         payload = None
     else:
         payload = decode_message(body, spec.numel + 1, max_bytes)
-    return SecureMessage(_field(meta, "sender", str), _field(meta, "target", str), _field(meta, "round", int),
-                         _field(meta, "group", str), tuple(members), kind, payload, extra)
+    return SecureMessage(
+        _field(meta, "sender", str),
+        _field(meta, "target", str),
+        _field(meta, "round", int),
+        _field(meta, "group", str),
+        tuple(members),
+        kind,
+        payload,
+        extra,
+    )

@@ -73,17 +73,23 @@ from .gossip import GossipNode, ModelMessage
 from .group_average import GridAverage, Refusal, SliceMessage, grid_path
 from .membership import Membership, ShuffleRequest, ShuffleResponse
 from .merge import MergeRule
-from .model_wire import (decode_gossip_model, decode_secure, decode_slice, encode_gossip_model, encode_secure,
-                         encode_slice)
-from .secure_group import SecureGroup, SecureMessage
+from .model_wire import (
+    decode_gossip_model,
+    decode_secure,
+    decode_slice,
+    encode_gossip_model,
+    encode_secure,
+    encode_slice,
+)
 from .robust import check_gossip_settings
+from .secure_group import SecureGroup, SecureMessage
 
 log = logging.getLogger(__name__)
 
 MAX_SHUFFLE_BYTES = 64 * 1024
 MAX_ID_CHARS = 256
-MAX_EARLY = 256        # slice messages held for an exchange this peer has not begun yet
-KEEP_EXCHANGES = 8     # finished exchanges kept to answer late repair requests
+MAX_EARLY = 256  # slice messages held for an exchange this peer has not begun yet
+KEEP_EXCHANGES = 8  # finished exchanges kept to answer late repair requests
 
 
 @dataclass
@@ -99,7 +105,7 @@ class PeerData:
 
 @dataclass
 class PeerSettings:
-    advertise: str                       # our URL, also our identity
+    advertise: str  # our URL, also our identity
     bootstrap: tuple[str, ...] = ()
     token: str = ""
     insecure: bool = False
@@ -168,13 +174,24 @@ class Peer:
         self.spec = trainer.spec
         self.max_bytes = default_max_bytes(self.spec) + 64 * len(self.spec.entries)
         seed = derive_seed(cfg.simulation.seed, zlib.crc32(settings.advertise.encode()))
-        membership = Membership(settings.advertise, g.view_size, g.shuffle_length, g.timeout, g.max_failures,
-                                quarantine=max(30.0, 10 * g.period), seed=seed, bootstrap_peers=settings.bootstrap)
+        membership = Membership(
+            settings.advertise,
+            g.view_size,
+            g.shuffle_length,
+            g.timeout,
+            g.max_failures,
+            quarantine=max(30.0, 10 * g.period),
+            seed=seed,
+            bootstrap_peers=settings.bootstrap,
+        )
         params = trainer.flat.detach().clone()
-        self.node = GossipNode(membership, params, num_examples(data.train),
-                               MergeRule(g.merge, g.staleness_exponent, g.max_age_gap, cfg.robust.norm_bound,
-                                         g.bound_mode),
-                               g.timeout)
+        self.node = GossipNode(
+            membership,
+            params,
+            num_examples(data.train),
+            MergeRule(g.merge, g.staleness_exponent, g.max_age_gap, cfg.robust.norm_bound, g.bound_mode),
+            g.timeout,
+        )
         self.steps = 0
         self.bytes_sent = 0
         self.rejected = 0
@@ -232,16 +249,24 @@ class Peer:
 
     def _decode(self, body: bytes, target: str, reply: bool) -> ModelMessage:
         params, header = decode_gossip_model(body, self.spec, self.max_bytes)
-        return ModelMessage(_check_id(header.get("sender"), "sender"), target, params,
-                            _check_int(header, "age", 0), header["version"], _check_int(header, "num_examples", 1),
-                            reply)
+        return ModelMessage(
+            _check_id(header.get("sender"), "sender"),
+            target,
+            params,
+            _check_int(header, "age", 0),
+            header["version"],
+            _check_int(header, "num_examples", 1),
+            reply,
+        )
 
     def _check_spec_hash(self, body: bytes | bytearray) -> None:
         theirs = _peek_spec_hash(body)
         if theirs is not None and theirs != self.spec.hash:
-            raise SpecMismatch(f"the model sent has spec hash {theirs!r}, this peer's model {self.spec.hash!r}: "
-                               "another task, [task.args] or architecture; the peers of one network must run "
-                               "the same task and config")
+            raise SpecMismatch(
+                f"the model sent has spec hash {theirs!r}, this peer's model {self.spec.hash!r}: "
+                "another task, [task.args] or architecture; the peers of one network must run "
+                "the same task and config"
+            )
 
     async def _read_model(self, request: web.Request) -> bytes:
         """The body, read up to the size limit. A model of a peer that runs another task is
@@ -330,7 +355,7 @@ class Peer:
         except Refused as e:  # alive, but it will not take it (another group, a closed round, a bad body)
             (log.warning if e.code == "spec_mismatch" else log.info)("%s refused a message: %s", msg.target, e)
             self.node.membership.seen(msg.target, asyncio.get_running_loop().time())
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError) as e:
             log.info("%s to %s failed: %s", path, msg.target, e)
             if self.node.membership.on_failure(msg.target, asyncio.get_running_loop().time()):
                 log.info("%s: removed %s after repeated failures", self.node.id, msg.target)
@@ -346,8 +371,9 @@ class Peer:
         loop = asyncio.get_running_loop()
         now = loop.time()
         me = self.node.id
-        path = grid_path(self.node.membership.directory(), me, step, self.g.group_size, self.g.group_levels,
-                         self.cfg.simulation.seed)
+        path = grid_path(
+            self.node.membership.directory(), me, step, self.g.group_size, self.g.group_levels, self.cfg.simulation.seed
+        )
         for old in [k for k in self._early if k < step]:
             del self._early[old]
         if all(len(grp) < 2 for grp in path):
@@ -374,7 +400,7 @@ class Peer:
                 wait = min(wait, max(0.0, until - loop.time()))
             try:
                 await asyncio.wait_for(self._wake.wait(), wait + 1e-3)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         res = ex.result()
         async with self._lock:
@@ -423,16 +449,27 @@ class Peer:
         average offset from the initial model replaces ours, an aborted group keeps its models."""
         loop = asyncio.get_running_loop()
         g, sa = self.g, self.cfg.secure_aggregation
-        members = grid_path(self.node.membership.directory(), self.node.id, step, g.group_size, 1,
-                            self.cfg.simulation.seed)[0]
+        members = grid_path(
+            self.node.membership.directory(), self.node.id, step, g.group_size, 1, self.cfg.simulation.seed
+        )[0]
         for old in [k for k in self._early_secure if k < step]:
             del self._early_secure[old]
         if len(members) < 2:
             self.secure_stats["alone"] += 1
             return
         now = loop.time()
-        sg = SecureGroup(self.node.id, members, step, self.node.params - self.init, num_examples(self.data.train),
-                         now, min(g.timeout, g.period / 10), sa.clip, sa.bits, sa.threshold)
+        sg = SecureGroup(
+            self.node.id,
+            members,
+            step,
+            self.node.params - self.init,
+            num_examples(self.data.train),
+            now,
+            min(g.timeout, g.period / 10),
+            sa.clip,
+            sa.bits,
+            sa.threshold,
+        )
         self.secure[step] = sg
         for old in sorted(self.secure)[:-KEEP_EXCHANGES]:
             del self.secure[old]
@@ -452,7 +489,7 @@ class Peer:
             wait = min(until, deadline if deadline is not None else until) - loop.time()
             try:
                 await asyncio.wait_for(self._wake.wait(), max(0.0, wait) + 1e-3)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
         res = sg.result()
         if res.mean is None:
@@ -468,16 +505,16 @@ class Peer:
     # --- D-PSGD: POST /dpsgd carries a node's model for one mixing step; the answer is ours ----
 
     def _mix_body(self, msg: MixMessage) -> bytes:
-        extra = {"age": self.node.age, "num_examples": self.node.num_examples, "sender": msg.sender,
-                 "step": msg.step}
+        extra = {"age": self.node.age, "num_examples": self.node.num_examples, "sender": msg.sender, "step": msg.step}
         self._sent += 1
         seed = derive_seed(self.cfg.simulation.seed, zlib.crc32(self.node.id.encode()), self._sent)
         return encode_gossip_model(msg.params, self.spec, self.node.version, extra, self.cfg.compression, seed)
 
     def _mix_message(self, body: bytes, reply: bool) -> MixMessage:
         params, header = decode_gossip_model(body, self.spec, self.max_bytes)
-        return MixMessage(_check_id(header.get("sender"), "sender"), self.node.id, _check_int(header, "step", 0),
-                          params, reply)
+        return MixMessage(
+            _check_id(header.get("sender"), "sender"), self.node.id, _check_int(header, "step", 0), params, reply
+        )
 
     async def handle_dpsgd(self, request: web.Request) -> web.Response:
         try:
@@ -495,7 +532,7 @@ class Peer:
             opened = self._step_open.setdefault(msg.step, asyncio.Event())
             try:
                 await asyncio.wait_for(opened.wait(), 0.8 * self.g.period)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             st = self.mixing.get(msg.step)
             if st is None:
@@ -519,7 +556,7 @@ class Peer:
         except Refused as e:  # busy, closed, another step: alive, no edge this step
             (log.warning if e.code == "spec_mismatch" else log.debug)("%s refused to mix: %s", msg.target, e)
             st.on_unreachable(msg.target, loop.time())
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ShoalError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError, ShoalError) as e:
             log.info("mixing with %s failed: %s", msg.target, e)
             st.on_unreachable(msg.target, loop.time())
             if self.node.membership.on_failure(msg.target, loop.time()):
@@ -588,14 +625,26 @@ class Peer:
 
     def status(self) -> dict[str, Any]:
         n = self.node
-        return {"id": n.id, "task": task_name(self.trainer.task), "spec_hash": self.spec.hash, "steps": self.steps,
-                "age": n.age, "version": n.version, "merges": n.merges, "metrics": _clean(self.last_eval),
-                "view": n.membership.peers(), "suspected": sorted(n.membership.suspected()),
-                "bytes_sent": self.bytes_sent, "rejected": self.rejected, "bounded": n.bounded,
-                "algorithm": self.g.algorithm, "directory": len(n.membership.known),
-                **({"group": dict(self.group_stats)} if self.g.algorithm == "group_average" else {}),
-                **({"dpsgd": dict(self.dpsgd_stats)} if self.g.algorithm == "dpsgd" else {}),
-                **({"secure": dict(self.secure_stats)} if self.g.algorithm == "secure_groups" else {})}
+        return {
+            "id": n.id,
+            "task": task_name(self.trainer.task),
+            "spec_hash": self.spec.hash,
+            "steps": self.steps,
+            "age": n.age,
+            "version": n.version,
+            "merges": n.merges,
+            "metrics": _clean(self.last_eval),
+            "view": n.membership.peers(),
+            "suspected": sorted(n.membership.suspected()),
+            "bytes_sent": self.bytes_sent,
+            "rejected": self.rejected,
+            "bounded": n.bounded,
+            "algorithm": self.g.algorithm,
+            "directory": len(n.membership.known),
+            **({"group": dict(self.group_stats)} if self.g.algorithm == "group_average" else {}),
+            **({"dpsgd": dict(self.dpsgd_stats)} if self.g.algorithm == "dpsgd" else {}),
+            **({"secure": dict(self.secure_stats)} if self.g.algorithm == "secure_groups" else {}),
+        }
 
     # --- the outgoing side ------------------------------------------------------------------
 
@@ -605,8 +654,9 @@ class Peer:
     async def _post(self, url: str, body: bytes, content_type: str) -> bytes:
         assert self._session is not None
         self.bytes_sent += len(body)
-        async with self._session.post(url, data=body, headers={**self._headers(), "Content-Type": content_type},
-                                      ssl=self.s.ssl_client) as r:
+        async with self._session.post(
+            url, data=body, headers={**self._headers(), "Content-Type": content_type}, ssl=self.s.ssl_client
+        ) as r:
             data = await r.read()
             if r.status != 200:
                 raise _refusal(r.status, data)
@@ -621,7 +671,7 @@ class Peer:
         try:
             data = await self._post(msg.target.rstrip("/") + "/gossip", self._encode(msg), "application/octet-stream")
             answer = self._decode(data, self.node.id, reply=True)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ShoalError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError, ShoalError) as e:
             if isinstance(e, Refused) and e.code == "spec_mismatch":
                 log.warning("%s refused our model: %s", msg.target, e.detail)
             else:
@@ -644,7 +694,7 @@ class Peer:
         try:
             data = await self._post(req.target.rstrip("/") + "/shuffle", body, "application/json")
             resp = self._parse_shuffle(data, ShuffleResponse)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ShoalError) as e:
+        except (TimeoutError, aiohttp.ClientError, OSError, ShoalError) as e:
             log.info("shuffle with %s failed: %s", req.target, e)
             async with self._lock:
                 m.on_failure(req.target, asyncio.get_running_loop().time())
@@ -679,18 +729,32 @@ class Peer:
         async with self._lock:
             self.last_eval = self.evaluation()
         if self.metrics:
-            self.metrics.write({"round": self.steps, **self.last_eval, "train_loss": self.train_loss,
-                                "age": self.node.age, "merges": self.node.merges,
-                                "view_size": len(self.node.membership.view), "bytes_sent": self.bytes_sent,
-                                "bytes_sent_per_round": self.bytes_sent / max(self.steps, 1),
-                                "rejected": self.rejected, "algorithm": self.g.algorithm,
-                                "directory": len(self.node.membership.known),
-                                **({f"group_{k}": v for k, v in self.group_stats.items()}
-                                   if self.g.algorithm == "group_average" else {}),
-                                **({f"dpsgd_{k}": v for k, v in self.dpsgd_stats.items()}
-                                   if self.g.algorithm == "dpsgd" else {}),
-                                **({f"secure_{k}": v for k, v in self.secure_stats.items()}
-                                   if self.g.algorithm == "secure_groups" else {})})
+            self.metrics.write(
+                {
+                    "round": self.steps,
+                    **self.last_eval,
+                    "train_loss": self.train_loss,
+                    "age": self.node.age,
+                    "merges": self.node.merges,
+                    "view_size": len(self.node.membership.view),
+                    "bytes_sent": self.bytes_sent,
+                    "bytes_sent_per_round": self.bytes_sent / max(self.steps, 1),
+                    "rejected": self.rejected,
+                    "algorithm": self.g.algorithm,
+                    "directory": len(self.node.membership.known),
+                    **(
+                        {f"group_{k}": v for k, v in self.group_stats.items()}
+                        if self.g.algorithm == "group_average"
+                        else {}
+                    ),
+                    **({f"dpsgd_{k}": v for k, v in self.dpsgd_stats.items()} if self.g.algorithm == "dpsgd" else {}),
+                    **(
+                        {f"secure_{k}": v for k, v in self.secure_stats.items()}
+                        if self.g.algorithm == "secure_groups"
+                        else {}
+                    ),
+                }
+            )
 
     async def run(self, host: str, port: int, stop: asyncio.Event) -> None:
         """Serve on host:port and gossip every ``period`` seconds until ``stop`` is set
@@ -701,8 +765,14 @@ class Peer:
         await site.start()
         timeout = aiohttp.ClientTimeout(total=self.g.timeout)
         self._session = aiohttp.ClientSession(timeout=timeout)
-        log.info("peer %s listening on %s:%d, bootstrap %s, %s", self.node.id, host, port,
-                 ",".join(self.s.bootstrap) or "-", self.g.algorithm)
+        log.info(
+            "peer %s listening on %s:%d, bootstrap %s, %s",
+            self.node.id,
+            host,
+            port,
+            ",".join(self.s.bootstrap) or "-",
+            self.g.algorithm,
+        )
         try:
             if self.g.algorithm == "gossip":
                 await self._run_push_pull(stop)
@@ -732,7 +802,7 @@ class Peer:
                 break
             try:
                 await asyncio.wait_for(stop.wait(), self.g.period)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
 
     async def _run_rounds(self, stop: asyncio.Event) -> None:
@@ -747,7 +817,7 @@ class Peer:
             try:
                 await asyncio.wait_for(stop.wait(), max(0.0, slot * g.period - time.time()))
                 break
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 pass
             shuffle = asyncio.get_running_loop().create_task(self.shuffle())  # never holds up the slot
             self._tasks.add(shuffle)

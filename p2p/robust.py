@@ -24,9 +24,9 @@ as in the push-pull merge.
 
 from __future__ import annotations
 
-import torch
-
 import dataclasses
+
+import torch
 
 from shoal.aggregation.robust import make_aggregator
 from shoal.config import Config
@@ -38,8 +38,9 @@ def robust_mixing(cfg: Config) -> bool:
     return cfg.robust.rule != "mean" or cfg.robust.norm_bound > 0
 
 
-def robust_gossip_average(w: torch.Tensor, received: torch.Tensor, own: torch.Tensor,
-                          cfg: Config) -> tuple[torch.Tensor, int]:
+def robust_gossip_average(
+    w: torch.Tensor, received: torch.Tensor, own: torch.Tensor, cfg: Config
+) -> tuple[torch.Tensor, int]:
     """One robust D-PSGD mixing step.
 
     ``w``: the (n x n) mixing weights in force (lost links and rejected senders already
@@ -80,23 +81,28 @@ def check_gossip_settings(cfg: Config) -> None:
         raise ConfigError(
             "compression.encoding = 'topk' with gossip: top-k of a whole model drops most of it, and error "
             "feedback needs a reference model both peers share, which push-pull with random partners does not "
-            "keep; use 'q8' (8-bit model) and/or compression.zstd = true")
+            "keep; use 'q8' (8-bit model) and/or compression.zstd = true"
+        )
     if g.algorithm == "group_average":
         if cfg.robust.rule != "mean" or cfg.robust.norm_bound > 0:
             raise ConfigError(
                 "[robust] with gossip.algorithm = 'group_average': a group's reducers average exactly what "
                 "arrived, with no robust rule yet; set robust.rule = 'mean' and robust.norm_bound = 0, or use "
-                "gossip.algorithm = 'dpsgd' (robust mixing) or 'gossip' (bounded merges)")
+                "gossip.algorithm = 'dpsgd' (robust mixing) or 'gossip' (bounded merges)"
+            )
         if cfg.compression.encoding != "dense" or cfg.compression.zstd:
             raise ConfigError(
                 "[compression] with gossip.algorithm = 'group_average': model slices travel as dense float32; "
-                "set compression.encoding = 'dense' and compression.zstd = false")
+                "set compression.encoding = 'dense' and compression.zstd = false"
+            )
         if cfg.attack.kind != "none" and cfg.attack.fraction > 0:
             raise ConfigError(
                 "[attack] with gossip.algorithm = 'group_average' is not simulated (a forged part would go "
-                "straight into its group's exact average); set attack.kind = 'none'")
+                "straight into its group's exact average); set attack.kind = 'none'"
+            )
     if g.algorithm == "gossip" and cfg.robust.rule != "mean":
         raise ConfigError(
             f"robust.rule = {cfg.robust.rule!r} with gossip.algorithm = 'gossip': a push-pull merge sees one "
             "model at a time, so there is nothing to take a median of; use robust.norm_bound > 0 (clipped or "
-            "rejecting merge) or gossip.algorithm = 'dpsgd', which mixes a whole neighbourhood through the rule")
+            "rejecting merge) or gossip.algorithm = 'dpsgd', which mixes a whole neighbourhood through the rule"
+        )

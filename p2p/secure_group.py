@@ -23,15 +23,28 @@ local work is done). A member gives up ``6 timeout`` after its start (a silent r
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 import torch
 
-from shoal.aggregation.secagg import (EncryptedShares, KeyDirectory, MaskedInput, PublicKeys, SecAggAborted,
-                                      SecAggClient, SecAggParams, SecAggProtocolError, SecAggRefused, SecAggServer,
-                                      ShareDelivery, UnmaskRequest, UnmaskShares)
+from shoal.aggregation.secagg import (
+    EncryptedShares,
+    KeyDirectory,
+    MaskedInput,
+    PublicKeys,
+    SecAggAborted,
+    SecAggClient,
+    SecAggParams,
+    SecAggProtocolError,
+    SecAggRefused,
+    SecAggServer,
+    ShareDelivery,
+    UnmaskRequest,
+    UnmaskShares,
+)
 from shoal.aggregation.secagg_encoding import FixedPoint, encode_weighted, weighted_mean
 from shoal.aggregation.secagg_memory import client_randomness
 
@@ -39,8 +52,15 @@ from .group_average import Refusal, group_id
 
 TO_RELAY = ("keys", "shares", "masked", "unmask")
 TO_MEMBER = ("directory", "delivery", "request", "mean", "abort")
-_PAYLOAD = {"keys": PublicKeys, "shares": EncryptedShares, "masked": MaskedInput, "unmask": UnmaskShares,
-            "directory": KeyDirectory, "delivery": ShareDelivery, "request": UnmaskRequest}
+_PAYLOAD = {
+    "keys": PublicKeys,
+    "shares": EncryptedShares,
+    "masked": MaskedInput,
+    "unmask": UnmaskShares,
+    "directory": KeyDirectory,
+    "delivery": ShareDelivery,
+    "request": UnmaskRequest,
+}
 
 
 @dataclass(frozen=True)
@@ -60,17 +80,28 @@ class SecureMessage:
 
 @dataclass
 class SecureResult:
-    mean: torch.Tensor | None    # the group's weighted average offset (None: aborted or relay gone)
-    included: int                # members whose input is in it
-    reason: str = ""             # why there is none
+    mean: torch.Tensor | None  # the group's weighted average offset (None: aborted or relay gone)
+    included: int  # members whose input is in it
+    reason: str = ""  # why there is none
 
 
 class SecureGroup:
     """One member's side (and the relay's, for the first member) of a secure group average."""
 
-    def __init__(self, me: str, members: Sequence[str], round_: int, offset: torch.Tensor, num_examples: int,
-                 now: float, timeout: float, clip: float = 1.0, bits: int = 16, threshold: float = 0.5,
-                 seed: int | None = None):
+    def __init__(
+        self,
+        me: str,
+        members: Sequence[str],
+        round_: int,
+        offset: torch.Tensor,
+        num_examples: int,
+        now: float,
+        timeout: float,
+        clip: float = 1.0,
+        bits: int = 16,
+        threshold: float = 0.5,
+        seed: int | None = None,
+    ):
         self.members = tuple(members)
         if me not in self.members or len(set(self.members)) != len(self.members) or len(self.members) < 2:
             raise ValueError("a secure group has >= 2 distinct members, this member among them")
@@ -83,8 +114,9 @@ class SecureGroup:
         self.num_examples = int(num_examples)
         k = len(self.members)
         self.values, self.weights = FixedPoint(clip, bits, k), FixedPoint(1.0, bits, k)
-        self.params = SecAggParams(f"shoal-peer/{self.group}".encode(), self.offset.size + 1, "full",
-                                   threshold_fraction=threshold)
+        self.params = SecAggParams(
+            f"shoal-peer/{self.group}".encode(), self.offset.size + 1, "full", threshold_fraction=threshold
+        )
         self.client = SecAggClient(me, self.params, client_randomness(seed, f"{self.group}/{me}"))
         self._noise = np.random.default_rng(None if seed is None else [seed, self.round])
         self.gone: set[str] = set()
@@ -93,7 +125,7 @@ class SecureGroup:
         self._max_weight = 0.0
         # the relay's side
         self.server = SecAggServer(self.params, list(self.members)) if me == self.relay else None
-        self._stage = 0                      # index into TO_RELAY of the stage the relay collects
+        self._stage = 0  # index into TO_RELAY of the stage the relay collects
         self._stage_at = self.t0
         self._got: set[str] = set()
         self._weights: dict[str, int] = {}
@@ -193,8 +225,11 @@ class SecureGroup:
             res = self.server.finish()
         except SecAggAborted as e:
             self._finish(None, 0, str(e))
-            return [self._msg(m, "abort", None, {"reason": str(e)[:300]}) for m in self.members
-                    if m != self.me and m not in self.gone]
+            return [
+                self._msg(m, "abort", None, {"reason": str(e)[:300]})
+                for m in self.members
+                if m != self.me and m not in self.gone
+            ]
         mean, _ = weighted_mean(res.total, len(res.included), self.values, self.weights)
         vec = torch.from_numpy(mean).float()
         self._finish(vec if self.me in res.included else None, len(res.included))
@@ -221,8 +256,9 @@ class SecureGroup:
         want = _PAYLOAD.get(msg.kind)
         if want is not None and not isinstance(msg.payload, want):
             raise Refusal("malformed", f"a {msg.kind!r} message must carry a {want.__name__}")
-        if msg.kind == "mean" and not (isinstance(msg.payload, torch.Tensor)
-                                       and tuple(msg.payload.shape) == (self.offset.size,)):
+        if msg.kind == "mean" and not (
+            isinstance(msg.payload, torch.Tensor) and tuple(msg.payload.shape) == (self.offset.size,)
+        ):
             raise Refusal("malformed", f"a mean must be a vector of {self.offset.size} values")
 
     def on_message(self, msg: SecureMessage, now: float) -> list[SecureMessage]:
@@ -264,4 +300,3 @@ class SecureGroup:
         """The keys wait twice as long (members start when their local work is done), the later
         stages once (they only answer the relay)."""
         return self._stage_at + (2 if self._stage == 0 else 1) * self.timeout
-

@@ -29,8 +29,10 @@ SAMPLINGS = ("poisson", "fixed")
 def _accountant(kind: str, replace_one: bool = False) -> dp_accounting.PrivacyAccountant:
     if replace_one:
         if kind != "rdp":
-            raise ValueError("fixed-size (without replacement) sampling is accounted with RDP only; "
-                             "dp-accounting's PLD accountant has no SampledWithoutReplacementDpEvent")
+            raise ValueError(
+                "fixed-size (without replacement) sampling is accounted with RDP only; "
+                "dp-accounting's PLD accountant has no SampledWithoutReplacementDpEvent"
+            )
         return rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
     if kind == "rdp":
         return rdp.RdpAccountant()
@@ -50,15 +52,17 @@ def subsampled_gaussian(q: float, noise_multiplier: float, steps: int) -> dp_acc
     )
 
 
-def fixed_size_gaussian(num_clients: int, sample_size: int, noise_multiplier: float, steps: int
-                        ) -> dp_accounting.DpEvent:
+def fixed_size_gaussian(
+    num_clients: int, sample_size: int, noise_multiplier: float, steps: int
+) -> dp_accounting.DpEvent:
     """``steps`` rounds of K-of-N sampling without replacement, then a Gaussian of std z*C on a
     sum whose replace-one sensitivity is 2C: a Gaussian of multiplier z/2 for the accountant."""
     if steps <= 0:
         return dp_accounting.NoOpDpEvent()
     inner = dp_accounting.GaussianDpEvent(noise_multiplier / 2)
     return dp_accounting.SelfComposedDpEvent(
-        dp_accounting.SampledWithoutReplacementDpEvent(num_clients, sample_size, inner), steps)
+        dp_accounting.SampledWithoutReplacementDpEvent(num_clients, sample_size, inner), steps
+    )
 
 
 def _epsilon_of(event: dp_accounting.DpEvent, delta: float, kind: str, replace_one: bool = False) -> float:
@@ -86,8 +90,7 @@ def epsilon(q: float, noise_multiplier: float, steps: int, delta: float, kind: s
 
 
 @lru_cache(maxsize=4096)
-def epsilon_fixed_size(num_clients: int, sample_size: int, noise_multiplier: float, steps: int,
-                       delta: float) -> float:
+def epsilon_fixed_size(num_clients: int, sample_size: int, noise_multiplier: float, steps: int, delta: float) -> float:
     """epsilon (replace-one, RDP) after ``steps`` rounds that each take exactly ``sample_size``
     of ``num_clients`` clients without replacement (see :func:`fixed_size_gaussian`)."""
     if steps <= 0:
@@ -96,8 +99,9 @@ def epsilon_fixed_size(num_clients: int, sample_size: int, noise_multiplier: flo
         return float("inf")
     if not 1 <= sample_size <= num_clients:
         raise ValueError(f"sample_size = {sample_size} must be in [1, num_clients = {num_clients}]")
-    return _epsilon_of(fixed_size_gaussian(num_clients, sample_size, noise_multiplier, steps), delta, "rdp",
-                       replace_one=True)
+    return _epsilon_of(
+        fixed_size_gaussian(num_clients, sample_size, noise_multiplier, steps), delta, "rdp", replace_one=True
+    )
 
 
 class RoundAccountant:
@@ -108,8 +112,17 @@ class RoundAccountant:
     that starts is charged, whether or not anyone took part and whether or not it completed:
     what it releases (or that it released nothing) depends only on the sampling."""
 
-    def __init__(self, q: float, noise_multiplier: float, delta: float, kind: str = "rdp", *,
-                 sampling: str = "poisson", num_clients: int | None = None, sample_size: int | None = None):
+    def __init__(
+        self,
+        q: float,
+        noise_multiplier: float,
+        delta: float,
+        kind: str = "rdp",
+        *,
+        sampling: str = "poisson",
+        num_clients: int | None = None,
+        sample_size: int | None = None,
+    ):
         if sampling not in SAMPLINGS:
             raise ValueError(f"sampling = {sampling!r} is not one of {SAMPLINGS}")
         if sampling == "fixed" and (num_clients is None or sample_size is None):
@@ -128,11 +141,15 @@ class RoundAccountant:
     def describe(self) -> str:
         """The analysis behind the reported epsilon, for summaries and logs."""
         if self.sampling == "fixed":
-            return (f"fixed-size sampling of {self.sample_size} of {self.num_clients} clients without replacement, "
-                    f"replace-one client (sensitivity 2C, so multiplier z/2 = {self.z / 2:g}), "
-                    "RDP of the sampled-without-replacement Gaussian (Wang, Balle, Kasiviswanathan 2019)")
-        return (f"Poisson sampling of clients (q = {self.q:.4g}), add/remove-one client, "
-                f"{self.kind.upper()} of the Poisson-subsampled Gaussian (z = {self.z:g})")
+            return (
+                f"fixed-size sampling of {self.sample_size} of {self.num_clients} clients without replacement, "
+                f"replace-one client (sensitivity 2C, so multiplier z/2 = {self.z / 2:g}), "
+                "RDP of the sampled-without-replacement Gaussian (Wang, Balle, Kasiviswanathan 2019)"
+            )
+        return (
+            f"Poisson sampling of clients (q = {self.q:.4g}), add/remove-one client, "
+            f"{self.kind.upper()} of the Poisson-subsampled Gaussian (z = {self.z:g})"
+        )
 
     @property
     def epsilon(self) -> float:
@@ -154,8 +171,9 @@ class LocalDpSgdAccountant:
     participation is ``steps_k = epochs * round(n_k / B)`` steps with rate ``B / n_k``.
     """
 
-    def __init__(self, schedules: dict[str, tuple[float, int]], noise_multiplier: float, delta: float,
-                 kind: str = "rdp"):
+    def __init__(
+        self, schedules: dict[str, tuple[float, int]], noise_multiplier: float, delta: float, kind: str = "rdp"
+    ):
         """``schedules``: client id -> (sampling rate, steps per participation), see dp_sgd_schedule."""
         self.z, self.delta, self.kind = noise_multiplier, delta, kind
         self._rate_steps = dict(schedules)
@@ -177,9 +195,11 @@ class LocalDpSgdAccountant:
         return max((epsilon(q, self.z, s * k, self.delta, self.kind) for (q, s), k in by_schedule.items()), default=0.0)
 
     def describe(self) -> str:
-        return (f"example-level DP-SGD per client: Poisson sampling of examples (rate B/n_k) and "
-                f"{self.kind.upper()} composition over each client's realised participations, add/remove-one "
-                f"example; the worst client is reported (z = {self.z:g})")
+        return (
+            f"example-level DP-SGD per client: Poisson sampling of examples (rate B/n_k) and "
+            f"{self.kind.upper()} composition over each client's realised participations, add/remove-one "
+            f"example; the worst client is reported (z = {self.z:g})"
+        )
 
     def record_round(self, participants: list[str]) -> None:
         for c in participants:

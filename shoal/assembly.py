@@ -69,17 +69,31 @@ def make_round_strategy(cfg: Config, numel: int, device: torch.device | str, num
     return make_strategy(cfg.strategy, numel, device, make_aggregator(cfg.robust, numel, device))
 
 
-def make_deadline_rounds(cfg: Config, global_params: torch.Tensor, numel: int, clients_per_round: int,
-                         fraction: float, deadline_s: float | None, min_fraction: float,
-                         strategy: Strategy | None = None) -> SyncRounds:
+def make_deadline_rounds(
+    cfg: Config,
+    global_params: torch.Tensor,
+    numel: int,
+    clients_per_round: int,
+    fraction: float,
+    deadline_s: float | None,
+    min_fraction: float,
+    strategy: Strategy | None = None,
+) -> SyncRounds:
     """SyncRounds with the ``[asynchronous]`` over-selection and late-result keys."""
     a = cfg.asynchronous
     device = global_params.device
     strategy = strategy or make_strategy(cfg.strategy, numel, device, make_aggregator(cfg.robust, numel, device))
     return SyncRounds(
-        strategy, global_params, clients_per_round, fraction, cfg.simulation.seed,
-        over_selection=a.over_selection, deadline_s=deadline_s, min_fraction=min_fraction,
-        late=a.late, late_weight=make_staleness_weight(a.staleness_weight, a.staleness_a, a.staleness_b),
+        strategy,
+        global_params,
+        clients_per_round,
+        fraction,
+        cfg.simulation.seed,
+        over_selection=a.over_selection,
+        deadline_s=deadline_s,
+        min_fraction=min_fraction,
+        late=a.late,
+        late_weight=make_staleness_weight(a.staleness_weight, a.staleness_a, a.staleness_b),
         max_staleness=a.max_staleness,
     )
 
@@ -92,6 +106,13 @@ def make_async_rounds(cfg: Config, global_params: torch.Tensor, numel: int) -> A
         algorithm: FedAsync | FedBuff = FedAsync(a.alpha, weight, a.fedasync_mix, rb.norm_bound)
     else:  # a robust rule (or a norm bound) combines FedBuff's K buffered updates
         rule = None if rb.rule == "mean" and rb.norm_bound == 0 else make_aggregator(rb, numel, global_params.device)
-        algorithm = FedBuff(a.buffer_size, make_server_optimizer(cfg.strategy), weight, cfg.strategy.weighting,
-                            numel, global_params.device, rule)
+        algorithm = FedBuff(
+            a.buffer_size,
+            make_server_optimizer(cfg.strategy),
+            weight,
+            cfg.strategy.weighting,
+            numel,
+            global_params.device,
+            rule,
+        )
     return AsyncRounds(algorithm, global_params, cfg.simulation.seed, a.max_staleness)

@@ -40,7 +40,7 @@ class AsyncStats:
     examples: int = 0
     loss_sum: float = 0.0  # sum of train_loss * num_examples over accepted updates
 
-    def copy(self) -> "AsyncStats":
+    def copy(self) -> AsyncStats:
         return AsyncStats(self.accepted, dict(self.rejected), dict(self.staleness), self.examples, self.loss_sum)
 
 
@@ -54,8 +54,14 @@ class AsyncRounds:
     rejection is counted in ``stats.rejected`` and leaves the model unchanged.
     """
 
-    def __init__(self, algorithm: FedAsync | FedBuff, global_params: torch.Tensor, seed: int = 0,
-                 max_staleness: int | None = None, version: int = 0):
+    def __init__(
+        self,
+        algorithm: FedAsync | FedBuff,
+        global_params: torch.Tensor,
+        seed: int = 0,
+        max_staleness: int | None = None,
+        version: int = 0,
+    ):
         if max_staleness is not None and max_staleness < 0:
             raise ValueError(f"max_staleness = {max_staleness} must be >= 0 (or None for no limit)")
         self.algorithm = algorithm
@@ -105,12 +111,14 @@ class AsyncRounds:
         if update.base_version != task.version:
             raise UpdateRejected(
                 "bad_version",
-                f"update is based on version {update.base_version}, but node {client_id!r} was sent version {task.version}",
+                f"update is based on version {update.base_version}, but node {client_id!r} was sent "
+                f"version {task.version}",
             )
         t = self.staleness(update)
         if self.max_staleness is not None and t > self.max_staleness:
             raise UpdateRejected(
-                "too_stale", f"update is {t} versions old (version {update.base_version}, now {self.version}); "
+                "too_stale",
+                f"update is {t} versions old (version {update.base_version}, now {self.version}); "
                 f"the limit is max_staleness = {self.max_staleness}",
             )
         return t
@@ -166,8 +174,13 @@ class AsyncRounds:
             "outstanding": {c: [t.round, t.version, t.seed] for c, t in self.outstanding.items()},
             "counters": dict(self._counters),
             "history": {v: p.detach().clone() for v, p in self._history.items()},
-            "stats": {"accepted": s.accepted, "rejected": dict(s.rejected), "staleness": dict(s.staleness),
-                      "examples": s.examples, "loss_sum": s.loss_sum},
+            "stats": {
+                "accepted": s.accepted,
+                "rejected": dict(s.rejected),
+                "staleness": dict(s.staleness),
+                "examples": s.examples,
+                "loss_sum": s.loss_sum,
+            },
         }
         if isinstance(self.algorithm, FedBuff):
             state["algorithm"] = self.algorithm.state_dict()
@@ -180,8 +193,12 @@ class AsyncRounds:
         self._counters = {c: int(n) for c, n in state["counters"].items()}
         self._history = {int(v): torch.as_tensor(p).clone() for v, p in state["history"].items()}
         st = state["stats"]
-        self.stats = AsyncStats(int(st["accepted"]), dict(st["rejected"]),
-                                {int(k): int(v) for k, v in st["staleness"].items()},
-                                int(st["examples"]), float(st["loss_sum"]))
+        self.stats = AsyncStats(
+            int(st["accepted"]),
+            dict(st["rejected"]),
+            {int(k): int(v) for k, v in st["staleness"].items()},
+            int(st["examples"]),
+            float(st["loss_sum"]),
+        )
         if isinstance(self.algorithm, FedBuff):
             self.algorithm.load_state_dict(state["algorithm"])

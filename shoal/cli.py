@@ -6,7 +6,6 @@ import json
 import logging
 import sys
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -20,6 +19,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
+
 @app.callback()
 def _root() -> None:
     """Federated and decentralized training for PyTorch.
@@ -31,11 +31,16 @@ def _root() -> None:
 
 
 SetOpt = typer.Option(None, "--set", help="Override one config value: section.key=value (repeatable).")
-TaskOpt = typer.Option(None, "--task", "-t", help="Your task: path/to/file.py:name or package.module:name "
-                       "(default: [task] app, else the built-in task of [model] + [data]).")
+TaskOpt = typer.Option(
+    None,
+    "--task",
+    "-t",
+    help="Your task: path/to/file.py:name or package.module:name "
+    "(default: [task] app, else the built-in task of [model] + [data]).",
+)
 
 
-def with_task(set_: Optional[list[str]], task: Optional[str]) -> list[str]:
+def with_task(set_: list[str] | None, task: str | None) -> list[str]:
     """The --set overrides, plus ``task.app`` when ``--task`` is given."""
     out = list(set_ or [])
     if task:
@@ -53,25 +58,31 @@ def setup_logging(verbose: bool, quiet: bool = False) -> None:
 
 @app.command()
 def simulate(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML experiment file (default: built-in Synthetic(1,1) demo)."),
-    set_: Optional[list[str]] = SetOpt,
-    task: Optional[str] = TaskOpt,
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: output.dir)."),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="TOML experiment file (default: built-in Synthetic(1,1) demo)."
+    ),
+    set_: list[str] | None = SetOpt,
+    task: str | None = TaskOpt,
+    out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: output.dir)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="No progress bar, warnings only."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Simulate many clients on this machine; write metrics.jsonl, summary.json and plots."""
     setup_logging(verbose, quiet)
-    from .config import load_config
     from shoal.simulations.experiment import run_simulation
+
+    from .config import load_config
 
     cfg = load_config(config, with_task(set_, task))
     out_dir = out or Path(cfg.output.dir)
     summary = run_simulation(cfg, out_dir, progress=None if not quiet else False)
     figures = summary.get("final_metrics") or {}
     acc = summary.get("final_test_accuracy")
-    head = (f"final test accuracy {acc:.4f}" if acc is not None else
-            ", ".join(f"{k} {v:.4g}" for k, v in list(figures.items())[:3]) or "finished")
+    head = (
+        f"final test accuracy {acc:.4f}"
+        if acc is not None
+        else ", ".join(f"{k} {v:.4g}" for k, v in list(figures.items())[:3]) or "finished"
+    )
     typer.echo(f"{head} after {summary['rounds']} rounds ({summary['wall_s']:.1f} s); outputs in {out_dir}/")
 
 
@@ -90,9 +101,9 @@ app.add_typer(_data_app, name="data")
 
 @_data_app.command("split")
 def data_split(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML with [data] and [simulation]."),
-    set_: Optional[list[str]] = SetOpt,
-    task: Optional[str] = TaskOpt,
+    config: Path | None = typer.Option(None, "--config", "-c", help="TOML with [data] and [simulation]."),
+    set_: list[str] | None = SetOpt,
+    task: str | None = TaskOpt,
     out: Path = typer.Option(..., "--out", "-o", help="Folder for one <client-id>.safetensors per client."),
 ) -> None:
     """Write the simulator's client split as one shard file per node (x, y; with --task, the
@@ -109,43 +120,65 @@ def data_split(
 def peer(
     listen: str = typer.Option(..., "--listen", help="HOST:PORT to serve on."),
     bootstrap: str = typer.Option("", "--bootstrap", help="Comma-separated URLs of peers to join through."),
-    data: str = typer.Option(..., "--data", help="This peer's own data, read by the task's local_data(PATH); "
-                             "or client:<i>, client i of the task's simulation split (a simulation convenience)."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML file ([task], [train], [gossip])."),
-    set_: Optional[list[str]] = SetOpt,
-    task: Optional[str] = TaskOpt,
-    token: Optional[str] = typer.Option(None, "--token", help="Network token shared by the peers (default: $SHOAL_TOKEN)."),
-    advertise: Optional[str] = typer.Option(None, "--advertise", help="URL other peers reach this one at (default: from --listen)."),
-    tls_cert: Optional[Path] = typer.Option(None, "--tls-cert"),
-    tls_key: Optional[Path] = typer.Option(None, "--tls-key"),
-    ca_cert: Optional[Path] = typer.Option(None, "--ca-cert", help="CA that signed the other peers' certificates."),
+    data: str = typer.Option(
+        ...,
+        "--data",
+        help="This peer's own data, read by the task's local_data(PATH); "
+        "or client:<i>, client i of the task's simulation split (a simulation convenience).",
+    ),
+    config: Path | None = typer.Option(None, "--config", "-c", help="TOML file ([task], [train], [gossip])."),
+    set_: list[str] | None = SetOpt,
+    task: str | None = TaskOpt,
+    token: str | None = typer.Option(
+        None, "--token", help="Network token shared by the peers (default: $SHOAL_TOKEN)."
+    ),
+    advertise: str | None = typer.Option(
+        None, "--advertise", help="URL other peers reach this one at (default: from --listen)."
+    ),
+    tls_cert: Path | None = typer.Option(None, "--tls-cert"),
+    tls_key: Path | None = typer.Option(None, "--tls-key"),
+    ca_cert: Path | None = typer.Option(None, "--ca-cert", help="CA that signed the other peers' certificates."),
     insecure: bool = typer.Option(False, "--insecure", help="Plain HTTP (tests, trusted networks only)."),
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Folder for this peer's metrics.jsonl."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Folder for this peer's metrics.jsonl."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Gossip without a server: train locally, exchange and merge models with peers."""
     setup_logging(verbose)
-    from .config import load_config
     from shoal.p2p.cli import run_peer
 
-    run_peer(load_config(config, with_task(set_, task)), listen, bootstrap, data, token, advertise, tls_cert, tls_key,
-             ca_cert, insecure, out)
+    from .config import load_config
+
+    run_peer(
+        load_config(config, with_task(set_, task)),
+        listen,
+        bootstrap,
+        data,
+        token,
+        advertise,
+        tls_cert,
+        tls_key,
+        ca_cert,
+        insecure,
+        out,
+    )
 
 
 @app.command("privacy-sweep")
 def privacy_sweep(
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML file with a [privacy] sweep grid "
-                                          "(default: the built-in grid of [privacy])."),
-    set_: Optional[list[str]] = SetOpt,
-    task: Optional[str] = TaskOpt,
-    out: Optional[Path] = typer.Option(None, "--out", "-o", help="Output folder (default: output.dir)."),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="TOML file with a [privacy] sweep grid (default: the built-in grid of [privacy])."
+    ),
+    set_: list[str] | None = SetOpt,
+    task: str | None = TaskOpt,
+    out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: output.dir)."),
     quiet: bool = typer.Option(False, "--quiet", "-q", help="Warnings only."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Baseline + a grid of DP noise levels: accuracy vs epsilon and a membership-inference audit."""
     setup_logging(verbose, quiet)
-    from .config import load_config
     from shoal.simulations.privacy_sweep import markdown_table, run_privacy_sweep
+
+    from .config import load_config
 
     cfg = load_config(config, with_task(set_, task))
     out_dir = out or Path(cfg.output.dir)

@@ -295,6 +295,10 @@ def load_federated(cfg: DataConfig, num_clients: int, seed: int) -> FederatedDat
         train, parts = _keep_used(train, _split(cfg, train.y.numpy(), num_clients, split_rng))
     log.info(
         "%s: %d clients, %d train / %d test samples, loaded and split in %.2f s",
-        cfg.dataset, len(parts), len(train), len(test), time.perf_counter() - start,
+        cfg.dataset,
+        len(parts),
+        len(train),
+        len(test),
+        time.perf_counter() - start,
     )
     return FederatedData(cfg.dataset, train, test, parts, input_shape, num_classes)

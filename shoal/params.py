@@ -53,7 +53,7 @@ class ParamSpec:
         return hashlib.sha256(("float32:" + desc).encode()).hexdigest()[:16]
 
     @classmethod
-    def of(cls, module: nn.Module, exchange_buffers: bool = True) -> "ParamSpec":
+    def of(cls, module: nn.Module, exchange_buffers: bool = True) -> ParamSpec:
         """The exchanged state of ``module``, in state_dict order: every trainable parameter,
         and float buffers unless ``exchange_buffers`` is False (FedBN keeps BatchNorm
         statistics local). Frozen parameters (``requires_grad = False``, e.g. a pretrained
@@ -78,7 +78,7 @@ class ParamSpec:
         return [[e.name, list(e.shape)] for e in self.entries]
 
     @classmethod
-    def from_json(cls, data: list) -> "ParamSpec":
+    def from_json(cls, data: list) -> ParamSpec:
         entries, offset = [], 0
         for name, shape in data:
             e = Entry(str(name), tuple(int(s) for s in shape), offset)

@@ -109,6 +109,4 @@ def shards(
         )
     order = np.argsort(labels, kind="stable")
     chosen = rng.permutation(n // shard_size)[:needed].reshape(num_clients, shards_per_client)
-    return _finish(
-        [np.concatenate([order[s * shard_size : (s + 1) * shard_size] for s in row]) for row in chosen]
-    )
+    return _finish([np.concatenate([order[s * shard_size : (s + 1) * shard_size] for s in row]) for row in chosen])

@@ -56,8 +56,8 @@ class RoundSummary:
     num_examples: int
     train_loss: float
     rejected: dict[str, int] = field(default_factory=dict)
-    failed: bool = False           # closed below min_fraction at its deadline; model unchanged
-    num_late: int = 0              # late results folded into this round
+    failed: bool = False  # closed below min_fraction at its deadline; model unchanged
+    num_late: int = 0  # late results folded into this round
     late_staleness: dict[int, int] = field(default_factory=dict)
 
 
@@ -71,11 +71,23 @@ class SyncRounds:
     LATE_RULES = ("drop", "fold")
     SAMPLINGS = ("fixed", "poisson")
 
-    def __init__(self, strategy, global_params: torch.Tensor, clients_per_round: int = 0,
-                 fraction: float = 0.1, seed: int = 0, version: int = 0, *,
-                 over_selection: float = 0.0, deadline_s: float | None = None, min_fraction: float = 0.0,
-                 late: str = "drop", late_weight: Callable[[int], float] | None = None,
-                 max_staleness: int | None = None, sampling: str = "fixed"):
+    def __init__(
+        self,
+        strategy,
+        global_params: torch.Tensor,
+        clients_per_round: int = 0,
+        fraction: float = 0.1,
+        seed: int = 0,
+        version: int = 0,
+        *,
+        over_selection: float = 0.0,
+        deadline_s: float | None = None,
+        min_fraction: float = 0.0,
+        late: str = "drop",
+        late_weight: Callable[[int], float] | None = None,
+        max_staleness: int | None = None,
+        sampling: str = "fixed",
+    ):
         if sampling not in self.SAMPLINGS:
             raise ValueError(f"sampling = {sampling!r} must be one of {', '.join(self.SAMPLINGS)}")
         if sampling == "poisson" and over_selection > 0:
@@ -98,7 +110,7 @@ class SyncRounds:
         self.late_weight = late_weight
         self.max_staleness = max_staleness
         self.deadline_at: float | None = None
-        self.target = 0                      # K: results that close the round early
+        self.target = 0  # K: results that close the round early
         self.failed_rounds = 0
         self.late_pending: dict[str, Assignment] = {}  # selected in an earlier round, no result yet
         self._late_count = 0
@@ -205,8 +217,11 @@ class SyncRounds:
 
         del self.late_pending[client_id]
         if self.late == "drop":
-            reject("late", f"update for version {update.base_version} arrived after its round closed "
-                   f"(now version {self.version}); late results are dropped (late = 'drop')")
+            reject(
+                "late",
+                f"update for version {update.base_version} arrived after its round closed "
+                f"(now version {self.version}); late results are dropped (late = 'drop')",
+            )
         if self.max_staleness is not None and t > self.max_staleness:
             reject("too_stale", f"late update is {t} versions old; the limit is max_staleness = {self.max_staleness}")
         if not self.open:
@@ -236,8 +251,13 @@ class SyncRounds:
             raise RuntimeError("abort_round called with no open round")
         self.open = False
         return RoundSummary(
-            round=self.round, version=self.version, num_selected=len(self.selected), num_results=0,
-            num_examples=0, train_loss=float("nan"), rejected=dict(self.rejected),
+            round=self.round,
+            version=self.version,
+            num_selected=len(self.selected),
+            num_results=0,
+            num_examples=0,
+            train_loss=float("nan"),
+            rejected=dict(self.rejected),
         )
 
     def finish_round(self) -> RoundSummary:
@@ -288,10 +308,16 @@ class SyncRounds:
 
     def _summary(self, failed: bool) -> RoundSummary:
         return RoundSummary(
-            round=self.round, version=self.version, num_selected=len(self.selected),
-            num_results=len(self.received), num_examples=self._examples,
-            train_loss=self._loss_sum / max(self._examples, 1), rejected=dict(self.rejected),
-            failed=failed, num_late=self._late_count, late_staleness=dict(self._late_hist),
+            round=self.round,
+            version=self.version,
+            num_selected=len(self.selected),
+            num_results=len(self.received),
+            num_examples=self._examples,
+            train_loss=self._loss_sum / max(self._examples, 1),
+            rejected=dict(self.rejected),
+            failed=failed,
+            num_late=self._late_count,
+            late_staleness=dict(self._late_hist),
         )
 
     def state_dict(self) -> dict:
@@ -315,7 +341,9 @@ class SyncRounds:
         self.global_params = torch.as_tensor(state["global_params"]).clone()
         self.strategy.load_state_dict(state["strategy"])
         self.failed_rounds = int(state["failed_rounds"])
-        self.late_pending = {c: Assignment(c, int(r), int(v), int(sd)) for c, (r, v, sd) in state["late_pending"].items()}
+        self.late_pending = {
+            c: Assignment(c, int(r), int(v), int(sd)) for c, (r, v, sd) in state["late_pending"].items()
+        }
         self.open = False
 
 

@@ -55,8 +55,12 @@ def write_shards(cfg: Config, out_dir: str | Path) -> list[Path]:
     paths = []
     for i, idx in enumerate(data.client_indices):
         ix = torch.as_tensor(idx, dtype=torch.long)
-        meta = {"format": SHARD_FORMAT, "client_id": client_id(i), "dataset": data.name,
-                "num_classes": str(data.num_classes)}
+        meta = {
+            "format": SHARD_FORMAT,
+            "client_id": client_id(i),
+            "dataset": data.name,
+            "num_classes": str(data.num_classes),
+        }
         path = out / f"{client_id(i)}.safetensors"
         save_file({"x": data.train.x[ix].contiguous(), "y": data.train.y[ix].contiguous()}, str(path), metadata=meta)
         paths.append(path)
@@ -73,8 +77,11 @@ def write_task_shards(cfg: Config, out_dir: str | Path) -> list[Path]:
 
     task = task_from_config(cfg)
     data = load_simulation_data(task, cfg)
-    ids = [str(c) for c in data.client_ids] if data.client_ids is not None else [
-        client_id(i) for i in range(len(data.train))]
+    ids = (
+        [str(c) for c in data.client_ids]
+        if data.client_ids is not None
+        else [client_id(i) for i in range(len(data.train))]
+    )
     tests = data.client_test if data.client_test is not None else [None] * len(ids)
     files: list[tuple[str, dict[str, torch.Tensor]]] = []
     for i, (cid, train, test) in enumerate(zip(ids, data.train, tests)):
@@ -87,19 +94,26 @@ def write_task_shards(cfg: Config, out_dir: str | Path) -> list[Path]:
                 raise TaskError(
                     f"task {task_name(task)}: simulation_data().{what}[{i}] is a {type(part).__name__}, not tensors; "
                     "shoal data split writes (x, y) tensors only: give each node its own files and read them "
-                    "in the task's local_data(path)")
+                    "in the task's local_data(path)"
+                )
             tensors.update({keys[0]: pair[0].detach().cpu().contiguous(), keys[1]: pair[1].detach().cpu().contiguous()})
         if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", cid):
-            raise TaskError(f"task {task_name(task)}: client id {cid!r} cannot name a shard file "
-                            "(use letters, digits, '.', '_' and '-')")
+            raise TaskError(
+                f"task {task_name(task)}: client id {cid!r} cannot name a shard file "
+                "(use letters, digits, '.', '_' and '-')"
+            )
         files.append((cid, tensors))
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     num_classes = getattr(task, "num_classes", None)
     for cid, tensors in files:
-        meta = {"format": SHARD_FORMAT, "client_id": cid, "dataset": task_name(task),
-                "num_classes": str(int(num_classes or 0))}
+        meta = {
+            "format": SHARD_FORMAT,
+            "client_id": cid,
+            "dataset": task_name(task),
+            "num_classes": str(int(num_classes or 0)),
+        }
         path = out / f"{cid}.safetensors"
         save_file(tensors, str(path), metadata=meta)
         paths.append(path)
@@ -114,7 +128,9 @@ def load_shard(path: str | Path, check_dtypes: bool = True) -> Shard:
     if p.is_dir():
         files = sorted(p.glob("*.safetensors"))
         if len(files) != 1:
-            raise DataError(f"--data {str(p)!r}: expected exactly one *.safetensors shard in the folder, found {len(files)}")
+            raise DataError(
+                f"--data {str(p)!r}: expected exactly one *.safetensors shard in the folder, found {len(files)}"
+            )
         p = files[0]
     if not p.is_file():
         raise DataError(f"--data {str(p)!r} not found: make shards with `shoal data split --config F --out DIR`")

@@ -36,7 +36,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,7 @@ from torch.utils.data import Dataset, TensorDataset
 from .errors import ShoalError
 
 # Client data: a pair of tensors (x, y), first dimension = examples, or a torch Dataset of (x, y).
-ClientData = Union[tuple[torch.Tensor, torch.Tensor], Dataset]
+ClientData = tuple[torch.Tensor, torch.Tensor] | Dataset
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
 
@@ -110,8 +110,10 @@ class Task:
         """Per-batch means; shoal averages them over batches weighted by examples."""
         out = model(x).float()
         n = y.shape[0]  # means computed in float64 from sums, so example-weighting recovers exact totals
-        return {"loss": F.cross_entropy(out, y, reduction="sum").double() / n,
-                "accuracy": (out.argmax(-1) == y).sum().double() / n}
+        return {
+            "loss": F.cross_entropy(out, y, reduction="sum").double() / n,
+            "accuracy": (out.argmax(-1) == y).sum().double() / n,
+        }
 
     def summarize(self, metrics: dict[str, float]) -> dict[str, float]:
         """Figures derived from the example-weighted means (e.g. perplexity = exp(loss))."""
@@ -207,8 +209,10 @@ def load_task(spec_text: str, args: dict[str, Any] | None = None) -> Task:
     obj = getattr(module, attr)
     if isinstance(obj, Task) or (not callable(obj) and _looks_like_task(obj)):
         if args:
-            raise TaskError(f"task {spec_text} is an instance; [task.args] ({', '.join(args)}) can only be "
-                            "passed to a Task class or a function that returns one")
+            raise TaskError(
+                f"task {spec_text} is an instance; [task.args] ({', '.join(args)}) can only be "
+                "passed to a Task class or a function that returns one"
+            )
         task = obj
     elif callable(obj):
         try:
@@ -226,8 +230,10 @@ def load_task(spec_text: str, args: dict[str, Any] | None = None) -> Task:
     else:
         raise TaskError(f"task {spec_text}: {attr} is a {type(obj).__name__}, not a Task")
     if not _looks_like_task(task):
-        raise TaskError(f"task {spec_text}: {attr} gave a {type(task).__name__}, which has no model() method; "
-                        "subclass shoal.Task and implement model()")
+        raise TaskError(
+            f"task {spec_text}: {attr} gave a {type(task).__name__}, which has no model() method; "
+            "subclass shoal.Task and implement model()"
+        )
     task.__dict__.setdefault("_shoal_name", spec_text)
     return task
 
@@ -252,8 +258,9 @@ def call_part(task: Task, part: str, fn: Callable[..., Any], *args: Any, fix: st
     except NotImplementedError:
         raise TaskError(f"task {task_name(task)}: {part} is not implemented{'; ' + fix if fix else ''}") from None
     except Exception as e:
-        raise TaskError(f"task {task_name(task)}: {part} failed: {type(e).__name__}: {e}"
-                        f"{'; ' + fix if fix else ''}") from None
+        raise TaskError(
+            f"task {task_name(task)}: {part} failed: {type(e).__name__}: {e}{'; ' + fix if fix else ''}"
+        ) from None
 
 
 def make_model(task: Task, seed: int | None = None) -> nn.Module:
@@ -262,7 +269,9 @@ def make_model(task: Task, seed: int | None = None) -> nn.Module:
         torch.manual_seed(seed)
     model = call_part(task, "model()", task.model)
     if not isinstance(model, nn.Module):
-        raise TaskError(f"task {task_name(task)}: model() returned a {type(model).__name__}, expected a torch.nn.Module")
+        raise TaskError(
+            f"task {task_name(task)}: model() returned a {type(model).__name__}, expected a torch.nn.Module"
+        )
     if not any(p.requires_grad for p in model.parameters()):
         raise TaskError(f"task {task_name(task)}: model() has no trainable parameter (all requires_grad = False)")
     if task.optimizer is not None and task.optimizer not in OPTIMIZERS:
@@ -285,8 +294,10 @@ def check_data(task: Task, data: Any, what: str, allow_none: bool = False) -> Cl
         return data
     if isinstance(data, Dataset) and hasattr(data, "__len__") and hasattr(data, "__getitem__"):
         return data
-    raise TaskError(f"task {task_name(task)}: {what} is a {type(data).__name__}; expected an (x, y) pair of tensors "
-                    "or a map-style torch.utils.data.Dataset of (x, y) items")
+    raise TaskError(
+        f"task {task_name(task)}: {what} is a {type(data).__name__}; expected an (x, y) pair of tensors "
+        "or a map-style torch.utils.data.Dataset of (x, y) items"
+    )
 
 
 def check_loss(task: Task, model: nn.Module, data: ClientData, device: torch.device) -> None:
@@ -300,8 +311,15 @@ def check_loss(task: Task, model: nn.Module, data: ClientData, device: torch.dev
     rng_state = torch.random.get_rng_state()
     model.train()
     try:
-        loss = call_part(task, "loss(model, x, y)", task.loss, model, x, y,
-                         fix="the data's items must be (x, y) the model and loss accept")
+        loss = call_part(
+            task,
+            "loss(model, x, y)",
+            task.loss,
+            model,
+            x,
+            y,
+            fix="the data's items must be (x, y) the model and loss accept",
+        )
     finally:
         with torch.no_grad():
             for k, v in model.state_dict().items():
@@ -309,8 +327,10 @@ def check_loss(task: Task, model: nn.Module, data: ClientData, device: torch.dev
         torch.random.set_rng_state(rng_state)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
         shape = tuple(loss.shape) if isinstance(loss, torch.Tensor) else type(loss).__name__
-        raise TaskError(f"task {task_name(task)}: loss(model, x, y) returned {shape}, expected a scalar tensor; "
-                        "reduce it with .mean()")
+        raise TaskError(
+            f"task {task_name(task)}: loss(model, x, y) returned {shape}, expected a scalar tensor; "
+            "reduce it with .mean()"
+        )
     if not loss.requires_grad:
         raise TaskError(f"task {task_name(task)}: loss(model, x, y) has no gradient; compute it from model(x)")
     # No backward pass ran: gradients (possibly bound to a trainer's flat buffer) are untouched.
@@ -324,6 +344,8 @@ def first_batch(task: Task, data: ClientData, n: int) -> tuple[Any, torch.Tensor
     collate = task.collate_fn or torch.utils.data.default_collate
     batch = call_part(task, "collating a batch", collate, items)
     if not isinstance(batch, (tuple, list)) or len(batch) != 2:
-        raise TaskError(f"task {task_name(task)}: a batch of the data is a {type(batch).__name__}; items must be "
-                        "(x, y) pairs (or give collate_fn that returns (x, y))")
+        raise TaskError(
+            f"task {task_name(task)}: a batch of the data is a {type(batch).__name__}; items must be "
+            "(x, y) pairs (or give collate_fn that returns (x, y))"
+        )
     return batch[0], batch[1]

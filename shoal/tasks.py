@@ -27,14 +27,21 @@ from .task_data import Partitioned
 class BuiltinTask(Task):
     """A model of shoal.models on a dataset of shoal.datasets (cross-entropy, accuracy)."""
 
-    def __init__(self, model: str = "logreg", data: DataConfig | None = None, num_clients: int = 30, seed: int = 0,
-                 **data_keys: Any):
+    def __init__(
+        self,
+        model: str = "logreg",
+        data: DataConfig | None = None,
+        num_clients: int = 30,
+        seed: int = 0,
+        **data_keys: Any,
+    ):
         if data is None:
             known = {f.name for f in dataclasses.fields(DataConfig)}
             unknown = sorted(set(data_keys) - known)
             if unknown:
-                raise ConfigError(f"BuiltinTask: unknown [task.args] {', '.join(unknown)} "
-                                  f"(known: model, {', '.join(sorted(known))})")
+                raise ConfigError(
+                    f"BuiltinTask: unknown [task.args] {', '.join(unknown)} (known: model, {', '.join(sorted(known))})"
+                )
             data = DataConfig(**data_keys)
             data.validate()
         self.data_cfg = data

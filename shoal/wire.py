@@ -15,8 +15,8 @@ import struct
 from typing import Any
 
 import torch
-from safetensors.torch import load as st_load
 import zstandard
+from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from .aggregation.compression import Encoded, decode_tensors, expected_tensors
@@ -26,8 +26,15 @@ from .update import Update
 
 FORMAT = "shoal/1"
 MAX_HEADER_BYTES = 1 << 20
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
-           "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8}
+_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+}
 
 
 def default_max_bytes(spec: ParamSpec) -> int:
@@ -43,15 +50,28 @@ def encode(tensors: dict[str, torch.Tensor], header: dict[str, Any]) -> bytes:
 
 
 # Bounds on the JSON a peer can make us parse (the header itself is at most MAX_HEADER_BYTES).
-MAX_JSON_DEPTH = 16        # nesting of objects and arrays; our own headers need 4
-MAX_INT_DIGITS = 19        # every integer field fits an int64
-MAX_RANK = 8               # dimensions of one tensor
-MAX_METRICS = 64           # entries of an update's ``metrics``
-MAX_NAME = 256             # characters of a sender or metric name
-MAX_EXAMPLES = 2**53       # num_examples when the caller sets no lower limit (exact as a float)
+MAX_JSON_DEPTH = 16  # nesting of objects and arrays; our own headers need 4
+MAX_INT_DIGITS = 19  # every integer field fits an int64
+MAX_RANK = 8  # dimensions of one tensor
+MAX_METRICS = 64  # entries of an update's ``metrics``
+MAX_NAME = 256  # characters of a sender or metric name
+MAX_EXAMPLES = 2**53  # num_examples when the caller sets no lower limit (exact as a float)
 # Bytes per element of the safetensors dtypes we accept (a subset of the library's).
-DTYPE_SIZES = {"BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4,
-               "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+DTYPE_SIZES = {
+    "BOOL": 1,
+    "U8": 1,
+    "I8": 1,
+    "I16": 2,
+    "U16": 2,
+    "F16": 2,
+    "BF16": 2,
+    "I32": 4,
+    "U32": 4,
+    "F32": 4,
+    "I64": 8,
+    "U64": 8,
+    "F64": 8,
+}
 
 
 def _parse_int(text: str) -> int:
@@ -124,8 +144,10 @@ def read_header(body: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[str, 
         raise Malformed("safetensors header is not a JSON object")
     meta = table.pop("__metadata__", None)
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
-        raise Malformed("safetensors __metadata__ must be an object of string values (with the shoal header "
-                        "as JSON text under key 'shoal')")
+        raise Malformed(
+            "safetensors __metadata__ must be an object of string values (with the shoal header "
+            "as JSON text under key 'shoal')"
+        )
     if "shoal" not in meta:
         raise Malformed("no shoal header in the safetensors metadata (key 'shoal')")
     header = parse_json(meta["shoal"], "shoal header")
@@ -147,14 +169,18 @@ def read_header(body: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[str, 
         start, end = offsets
         need = math.prod(shape) * DTYPE_SIZES[dtype]
         if end < start or end - start != need:
-            raise Malformed(f"tensor {name!r}: data_offsets {start}..{end} do not hold the {need} bytes of a "
-                            f"{dtype} tensor of shape {shape}")
+            raise Malformed(
+                f"tensor {name!r}: data_offsets {start}..{end} do not hold the {need} bytes of a "
+                f"{dtype} tensor of shape {shape}"
+            )
         spans.append((start, end, name))
     pos = 0
     for start, end, name in sorted(spans):
         if start != pos:
-            raise Malformed(f"tensor {name!r}: data starts at byte {start}, expected {pos} "
-                            "(tensor data must be contiguous: no hole, no overlap)")
+            raise Malformed(
+                f"tensor {name!r}: data starts at byte {start}, expected {pos} "
+                "(tensor data must be contiguous: no hole, no overlap)"
+            )
         pos = end
     if pos != data_len:
         raise Malformed(f"body has {data_len} data bytes but the tensors use {pos} (truncated?)")
@@ -195,8 +221,11 @@ def decode(
         else:
             data = 8 + struct.unpack("<Q", body[:8])[0]
             tensors = {
-                name: torch.frombuffer(body, dtype=dtype, count=math.prod(shape), offset=data + table[name]["data_offsets"][0])
-                .view(shape) if math.prod(shape) else torch.zeros(shape, dtype=dtype)
+                name: torch.frombuffer(
+                    body, dtype=dtype, count=math.prod(shape), offset=data + table[name]["data_offsets"][0]
+                ).view(shape)
+                if math.prod(shape)
+                else torch.zeros(shape, dtype=dtype)
                 for name, (dtype, shape) in expect.items()
             }
     except Exception as e:  # the library's own checks, should ours have missed one
@@ -261,9 +290,14 @@ def _unzstd(packed: torch.Tensor, max_bytes: int) -> bytes:
         raise Malformed(f"tensor 'zstd' is not a valid zstd frame: {e}") from None
 
 
-def decode_update(body: bytes | bytearray | memoryview, spec: ParamSpec, max_bytes: int | None = None,
-                  copy: bool = True, max_examples: int | None = None,
-                  max_abs: float = 0.0) -> tuple[Update, dict]:
+def decode_update(
+    body: bytes | bytearray | memoryview,
+    spec: ParamSpec,
+    max_bytes: int | None = None,
+    copy: bool = True,
+    max_examples: int | None = None,
+    max_abs: float = 0.0,
+) -> tuple[Update, dict]:
     """Validated Update plus the raw header (for fields a caller adds, e.g. round ids).
     ``copy=False``: a dense delta is a view of ``body`` (see :func:`decode`).
 
@@ -301,12 +335,22 @@ def update_fields(header: dict, max_examples: int | None = None) -> dict[str, An
     limit = MAX_EXAMPLES if max_examples is None else max_examples
     n = header.get("num_examples")
     if isinstance(n, int) and not isinstance(n, bool) and n > limit:
-        raise OutOfRange(f"header field 'num_examples' = {n} is above the limit of {limit} "
-                         "(server.max_examples; raise it if a node really trains on more per round)")
+        raise OutOfRange(
+            f"header field 'num_examples' = {n} is above the limit of {limit} "
+            "(server.max_examples; raise it if a node really trains on more per round)"
+        )
     metrics = header.get("metrics", {})
-    if not isinstance(metrics, dict) or len(metrics) > MAX_METRICS or not all(
-        isinstance(k, str) and len(k) <= MAX_NAME and isinstance(v, (int, float)) and not isinstance(v, bool)
-        and math.isfinite(v) for k, v in metrics.items()
+    if (
+        not isinstance(metrics, dict)
+        or len(metrics) > MAX_METRICS
+        or not all(
+            isinstance(k, str)
+            and len(k) <= MAX_NAME
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            for k, v in metrics.items()
+        )
     ):
         raise Malformed(f"header field 'metrics' must map at most {MAX_METRICS} names to finite numbers")
     sender = header.get("sender", "")
@@ -316,8 +360,12 @@ def update_fields(header: dict, max_examples: int | None = None) -> dict[str, An
         _int_field(header, "round", 0)
     if not isinstance(header.get("spec_hash"), str):
         raise Malformed("header field 'spec_hash' must be a string")
-    return dict(num_examples=_int_field(header, "num_examples", 1), base_version=_int_field(header, "base_version", 0),
-                sender=sender, metrics={k: float(v) for k, v in metrics.items()})
+    return dict(
+        num_examples=_int_field(header, "num_examples", 1),
+        base_version=_int_field(header, "base_version", 0),
+        sender=sender,
+        metrics={k: float(v) for k, v in metrics.items()},
+    )
 
 
 def check_delta(delta: torch.Tensor, max_abs: float = 0.0, encoding: str = "dense") -> None:
@@ -330,8 +378,10 @@ def check_delta(delta: torch.Tensor, max_abs: float = 0.0, encoding: str = "dens
         bad = int((~torch.isfinite(delta)).sum())
         raise NonFinite(f"the {encoding} update decodes to {bad} NaN/Inf values")
     if max_abs > 0 and max(-low, high) > max_abs:
-        raise OutOfRange(f"the {encoding} update has an entry of magnitude {max(-low, high):.4g}, above the limit "
-                         f"of {max_abs:g} (server.max_delta_abs)")
+        raise OutOfRange(
+            f"the {encoding} update has an entry of magnitude {max(-low, high):.4g}, above the limit "
+            f"of {max_abs:g} (server.max_delta_abs)"
+        )
 
 
 def encode_model(flat: torch.Tensor, spec: ParamSpec, version: int, extra: dict[str, Any] | None = None) -> bytes:

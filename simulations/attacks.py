@@ -70,8 +70,10 @@ def label_count(sim) -> int:
     if not n:
         from shoal.errors import ConfigError
 
-        raise ConfigError("attack.kind = 'label_flip' needs the task to say its num_classes (an attribute); "
-                          "add `num_classes = C` to the task, or choose another attack.kind")
+        raise ConfigError(
+            "attack.kind = 'label_flip' needs the task to say its num_classes (an attribute); "
+            "add `num_classes = C` to the task, or choose another attack.kind"
+        )
     return int(n)
 
 

@@ -35,8 +35,8 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -70,10 +70,12 @@ def check_dimension(numel: int, k: int) -> None:
         raise AuditTooSmall(
             f"the canary audit needs a model of at least {DIMS_PER_CANARY} x privacy.canaries parameters: this one has "
             f"{numel}, and {k} canary directions would overlap (each cosine picks up the others' signal); lower "
-            f"privacy.canaries to at most {numel // DIMS_PER_CANARY} (set 0 to skip the audit)")
+            f"privacy.canaries to at most {numel // DIMS_PER_CANARY} (set 0 to skip the audit)"
+        )
 
 
 # --- epsilon of two Gaussians ----------------------------------------------------------------
+
 
 def _log_mass(mu: float, sd: float, lo: float, hi: float) -> float:
     """log P(lo < X < hi) for X ~ N(mu, sd^2), stable in the tails."""
@@ -117,6 +119,7 @@ def _delta_one_way(eps: float, p: tuple[float, float], q: tuple[float, float]) -
 def gaussian_epsilon(inserted: tuple[float, float], unseen: tuple[float, float], delta: float) -> float:
     """The smallest epsilon at which N(inserted) and N(unseen) (mean, std) are (epsilon, delta)-close
     both ways: the privacy of a mechanism whose outputs on neighbouring data are these Gaussians."""
+
     def worst(eps: float) -> float:
         return max(_delta_one_way(eps, inserted, unseen), _delta_one_way(eps, unseen, inserted))
 
@@ -139,36 +142,50 @@ def _fit(x: np.ndarray) -> tuple[float, float]:
 
 @dataclass
 class CanaryEstimate:
-    epsilon: float                 # the point estimate
-    low: float                     # bootstrap interval (2.5%, 97.5%)
+    epsilon: float  # the point estimate
+    low: float  # bootstrap interval (2.5%, 97.5%)
     high: float
     inserted_mean: float
     inserted_std: float
     unseen_mean: float
     unseen_std: float
-    inserted: int                  # canaries inserted
+    inserted: int  # canaries inserted
     unseen: int
     cosines: dict[str, list[float]] = field(default_factory=dict, repr=False)
 
 
-def estimate(inserted: np.ndarray, unseen: np.ndarray, delta: float, bootstrap: int = 200,
-             seed: int = 0) -> CanaryEstimate:
+def estimate(
+    inserted: np.ndarray, unseen: np.ndarray, delta: float, bootstrap: int = 200, seed: int = 0
+) -> CanaryEstimate:
     """epsilon from the two sets of cosines, with a bootstrap interval."""
     inserted, unseen = np.asarray(inserted, float), np.asarray(unseen, float)
     if len(inserted) < 2 or len(unseen) < 2:
         raise ValueError("the canary estimate needs at least 2 inserted and 2 unseen cosines")
     point = gaussian_epsilon(_fit(inserted), _fit(unseen), delta)
     gen = np.random.default_rng(seed)
-    boot = [gaussian_epsilon(_fit(gen.choice(inserted, len(inserted))), _fit(gen.choice(unseen, len(unseen))), delta)
-            for _ in range(bootstrap)]
-    low, high = (np.percentile(boot, [2.5, 97.5]) if boot else (point, point))
+    boot = [
+        gaussian_epsilon(_fit(gen.choice(inserted, len(inserted))), _fit(gen.choice(unseen, len(unseen))), delta)
+        for _ in range(bootstrap)
+    ]
+    low, high = np.percentile(boot, [2.5, 97.5]) if boot else (point, point)
     mi, si = _fit(inserted)
     mu, su = _fit(unseen)
-    return CanaryEstimate(point, float(low), float(high), mi, si, mu, su, len(inserted), len(unseen),
-                          {"inserted": inserted.tolist(), "unseen": unseen.tolist()})
+    return CanaryEstimate(
+        point,
+        float(low),
+        float(high),
+        mi,
+        si,
+        mu,
+        su,
+        len(inserted),
+        len(unseen),
+        {"inserted": inserted.tolist(), "unseen": unseen.tolist()},
+    )
 
 
 # --- canary clients --------------------------------------------------------------------------
+
 
 def direction(numel: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """A uniformly random unit vector of ``numel`` entries (float64), reproducible from ``seed``."""
@@ -220,8 +237,12 @@ class CanaryClients:
                 self.participated.add(t.client_id)
                 delta = self._dp_sgd(t) if self.local else self.clip * self.direction(t.client_id)
                 n = self.sim.shards.size(self.sim._index[t.client_id])
-                yield t, Update(delta.to(torch.float32).to(global_params.device), n, t.version, t.client_id,
-                                {"train_loss": 0.0})
+                yield (
+                    t,
+                    Update(
+                        delta.to(torch.float32).to(global_params.device), n, t.version, t.client_id, {"train_loss": 0.0}
+                    ),
+                )
 
     def _dp_sgd(self, task: Assignment) -> torch.Tensor:
         """The update of DP-SGD with SGD(lr, momentum beta) on a client whose canary example's clipped
@@ -262,9 +283,15 @@ def audit_config(cfg: Config, num_clients: int, k: int) -> Config:
     return c.validate()
 
 
-def run_canary_audit(cfg: Config, data: SimulationData, task: Task | None, out_dir,
-                     canaries: int | None = None, unseen: int | None = None,
-                     prepare: Callable[[InProcessSimulation], None] | None = None) -> dict[str, Any]:
+def run_canary_audit(
+    cfg: Config,
+    data: SimulationData,
+    task: Task | None,
+    out_dir,
+    canaries: int | None = None,
+    unseen: int | None = None,
+    prepare: Callable[[InProcessSimulation], None] | None = None,
+) -> dict[str, Any]:
     """One training run with canary clients; the estimate and that run's accounted epsilon.
     ``prepare(sim)`` runs before training (e.g. to track participants, or to plant a bug)."""
     k = cfg.privacy.canaries if canaries is None else canaries
@@ -288,13 +315,27 @@ def run_canary_audit(cfg: Config, data: SimulationData, task: Task | None, out_d
     outs = cosines(delta, (direction(numel, derive_seed(seed, 0x0DD, i)) for i in range(m)))
     est = estimate(ins, outs, c.privacy.delta, seed=seed)
     accounted = summary.get("epsilon", math.inf)
-    log.info("canary audit (%s): empirical epsilon %.3g [%.3g, %.3g] vs accounted %.3g (%d canaries, %d selected at "
-             "least once, %d unseen)", c.privacy.mode, est.epsilon, est.low, est.high, accounted, est.inserted,
-             len(clients.participated), est.unseen)
+    log.info(
+        "canary audit (%s): empirical epsilon %.3g [%.3g, %.3g] vs accounted %.3g (%d canaries, %d selected at "
+        "least once, %d unseen)",
+        c.privacy.mode,
+        est.epsilon,
+        est.low,
+        est.high,
+        accounted,
+        est.inserted,
+        len(clients.participated),
+        est.unseen,
+    )
     return {
-        "canary_epsilon": est.epsilon, "canary_epsilon_low": est.low, "canary_epsilon_high": est.high,
-        "canary_accounted_epsilon": accounted, "canaries": est.inserted, "canaries_unseen": est.unseen,
+        "canary_epsilon": est.epsilon,
+        "canary_epsilon_low": est.low,
+        "canary_epsilon_high": est.high,
+        "canary_accounted_epsilon": accounted,
+        "canaries": est.inserted,
+        "canaries_unseen": est.unseen,
         "canaries_selected": len(clients.participated),
-        "canary_cos_inserted": est.inserted_mean, "canary_cos_unseen_std": est.unseen_std,
+        "canary_cos_inserted": est.inserted_mean,
+        "canary_cos_unseen_std": est.unseen_std,
         "estimate": est,
     }

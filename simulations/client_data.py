@@ -15,7 +15,17 @@ import torch
 
 from shoal.config import Config
 from shoal.datasets import FederatedData
-from shoal.task import ClientData, SimulationData, Task, TaskError, as_tensors, call_part, check_data, num_examples, task_name
+from shoal.task import (
+    ClientData,
+    SimulationData,
+    Task,
+    TaskError,
+    as_tensors,
+    call_part,
+    check_data,
+    num_examples,
+    task_name,
+)
 from shoal.task_data import Partitioned
 
 log = logging.getLogger(__name__)
@@ -28,8 +38,14 @@ def client_id(i: int) -> str:
 def load_simulation_data(task: Task, cfg: Config) -> SimulationData:
     """``task.simulation_data(num_clients, seed)``, checked: one clear error per problem."""
     sim = cfg.simulation
-    data = call_part(task, "simulation_data(num_clients, seed)", task.simulation_data, sim.num_clients, sim.seed,
-                     fix="implement simulation_data() to return shoal.SimulationData(train=[...per client...])")
+    data = call_part(
+        task,
+        "simulation_data(num_clients, seed)",
+        task.simulation_data,
+        sim.num_clients,
+        sim.seed,
+        fix="implement simulation_data() to return shoal.SimulationData(train=[...per client...])",
+    )
     return check_simulation_data(task, data)
 
 
@@ -37,8 +53,10 @@ def check_simulation_data(task: Task, data: object) -> SimulationData:
     if isinstance(data, FederatedData):  # shoal.datasets' split, as the built-in task gives it
         data = SimulationData(Partitioned(data.train.x, data.train.y, data.client_indices), (data.test.x, data.test.y))
     if not isinstance(data, SimulationData):
-        raise TaskError(f"task {task_name(task)}: simulation_data() returned a {type(data).__name__}; "
-                        "return shoal.SimulationData(train=[one dataset per client], test=...)")
+        raise TaskError(
+            f"task {task_name(task)}: simulation_data() returned a {type(data).__name__}; "
+            "return shoal.SimulationData(train=[one dataset per client], test=...)"
+        )
     if len(data.train) == 0:
         raise TaskError(f"task {task_name(task)}: simulation_data() gave no clients (train is empty)")
     if not isinstance(data.train, Partitioned):
@@ -47,8 +65,10 @@ def check_simulation_data(task: Task, data: object) -> SimulationData:
     check_data(task, data.test, "simulation_data().test", allow_none=True)
     if data.client_test is not None:
         if len(data.client_test) != len(data.train):
-            raise TaskError(f"task {task_name(task)}: client_test has {len(data.client_test)} entries for "
-                            f"{len(data.train)} clients; give one (or None) per client")
+            raise TaskError(
+                f"task {task_name(task)}: client_test has {len(data.client_test)} entries for "
+                f"{len(data.train)} clients; give one (or None) per client"
+            )
         for i, d in enumerate(data.client_test):
             check_data(task, d, f"simulation_data().client_test[{i}]", allow_none=True)
     if data.client_ids is not None:
@@ -93,8 +113,10 @@ class ClientShards:
     def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Client i's (x, y) slices (in-memory data only)."""
         if self.datasets is not None:
-            raise TaskError("this simulation's client data are torch Datasets, not tensors, so this feature "
-                            "cannot slice them; return (x, y) tensors from simulation_data() to use it")
+            raise TaskError(
+                "this simulation's client data are torch Datasets, not tensors, so this feature "
+                "cannot slice them; return (x, y) tensors from simulation_data() to use it"
+            )
         a, b = int(self.bounds[i]), int(self.bounds[i + 1])
         return self.x[a:b], self.y[a:b]
 

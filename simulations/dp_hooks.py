@@ -88,8 +88,9 @@ class PrivacyBudget:
         else:
             n = len(client_sizes)
             k = expected_clients(cfg, n)
-            self.accountant = RoundAccountant(k / n, p.noise_multiplier, p.delta, p.accountant,
-                                              sampling=self.sampling, num_clients=n, sample_size=k)
+            self.accountant = RoundAccountant(
+                k / n, p.noise_multiplier, p.delta, p.accountant, sampling=self.sampling, num_clients=n, sample_size=k
+            )
         log.info("privacy accounting: %s", self.accountant.describe())
         if self.target and self.accountant.next_epsilon() > self.target:
             raise ConfigError(
@@ -112,8 +113,12 @@ class PrivacyBudget:
 
     def summary(self) -> dict:
         """What summary.json gets."""
-        return {"epsilon": self.epsilon, "delta": self.delta, "sampling": self.sampling,
-                "accountant": self.accountant.describe()}
+        return {
+            "epsilon": self.epsilon,
+            "delta": self.delta,
+            "sampling": self.sampling,
+            "accountant": self.accountant.describe(),
+        }
 
     def record_round(self, tasks: list[Assignment]) -> None:
         self.accountant.record_round([t.client_id for t in tasks])
@@ -127,6 +132,10 @@ class PrivacyBudget:
             return True
         log.warning(
             "stopping: privacy budget reached (epsilon = %.4g now, %.4g after one more round > "
-            "privacy.target_epsilon = %g at delta = %g)", self.epsilon, nxt, self.target, self.delta,
+            "privacy.target_epsilon = %g at delta = %g)",
+            self.epsilon,
+            nxt,
+            self.target,
+            self.delta,
         )
         return False

@@ -23,8 +23,10 @@ def flower_engine():
     except ImportError as e:
         if "flwr" not in str(e) and "ray" not in str(e):
             raise
-        raise ConfigError("simulation.engine = 'flower' needs Flower, an optional extra: "
-                          "pip install 'shoal[flower]' (or use simulation.engine = 'inprocess')") from None
+        raise ConfigError(
+            "simulation.engine = 'flower' needs Flower, an optional extra: "
+            "pip install 'shoal[flower]' (or use simulation.engine = 'inprocess')"
+        ) from None
     return run_flower_simulation
 
 

@@ -53,10 +53,9 @@ import dataclasses
 import heapq
 import json
 import logging
-import sys
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -64,10 +63,10 @@ import torch
 from shoal.aggregation.secagg import SecAggAborted
 from shoal.aggregation.secagg_group import secure_group_average
 from shoal.aggregation.secagg_memory import STAGES, injected_dropouts
+from shoal.assembly import initial_model, task_from_config, task_label
 from shoal.client.device import select_device
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
-from shoal.assembly import initial_model, task_from_config, task_label
 from shoal.errors import WireError
 from shoal.p2p.dpsgd import gossip_average, mixing_matrix, spectral_gap
 from shoal.p2p.gossip import GossipNode, ModelMessage
@@ -110,8 +109,9 @@ class GossipSimulation:
         self.trainer = LocalTrainer(model, cfg.train, self.device, task=self.task)
         self.spec = self.trainer.spec
         self.test = on_device(self.data.test, self.device)
-        self.client_test = None if self.data.client_test is None else [
-            on_device(d, self.device) for d in self.data.client_test]
+        self.client_test = (
+            None if self.data.client_test is None else [on_device(d, self.device) for d in self.data.client_test]
+        )
         self.num_classes: int | None = getattr(self.task, "num_classes", None)
         self.task_label = task_label(cfg, self.task)
         n = len(self.shards)
@@ -127,8 +127,16 @@ class GossipSimulation:
         for i in range(n):
             others = [j for j in self.rng.choice(n - 1, size=k0, replace=False)]
             boot = tuple(self.ids[j if j < i else j + 1] for j in others)  # a random initial view, never self
-            m = Membership(self.ids[i], g.view_size, g.shuffle_length, g.timeout, g.max_failures,
-                           quarantine=10 * g.churn_period, seed=derive_seed(sim.seed, 0xC1C, i), bootstrap_peers=boot)
+            m = Membership(
+                self.ids[i],
+                g.view_size,
+                g.shuffle_length,
+                g.timeout,
+                g.max_failures,
+                quarantine=10 * g.churn_period,
+                seed=derive_seed(sim.seed, 0xC1C, i),
+                bootstrap_peers=boot,
+            )
             self.nodes.append(GossipNode(m, self.models[i], self.shards.size(i), rule, g.timeout))
         self.online = np.ones(n, dtype=bool)
         self.leaving = np.zeros(n, dtype=bool)
@@ -138,7 +146,9 @@ class GossipSimulation:
         self._queue: list[tuple[float, int, Message]] = []
         self._seq = 0
         # Sizes of what travels, measured on the real wire encodings.
-        self.model_bytes = len(encode_model(self.init, self.spec, 0, {"age": 0, "num_examples": 1, "sender": self.ids[0]}))
+        self.model_bytes = len(
+            encode_model(self.init, self.spec, 0, {"age": 0, "num_examples": 1, "sender": self.ids[0]})
+        )
         self.bytes_sent = np.zeros(n, dtype=np.int64)
         self.lost = 0
         self.rejected = 0
@@ -167,8 +177,9 @@ class GossipSimulation:
         self.honest = np.flatnonzero(~self.attackers)
         eval_n = len(self.honest) if g.eval_peers == 0 else min(g.eval_peers, len(self.honest))
         self.eval_idx = np.sort(self.rng.choice(self.honest, size=eval_n, replace=False))
-        log.info("gossip simulation: %d peers, model %s (%d parameters), %s", n, cfg.model.name,
-                 self.spec.numel, g.algorithm)
+        log.info(
+            "gossip simulation: %d peers, model %s (%d parameters), %s", n, cfg.model.name, self.spec.numel, g.algorithm
+        )
 
     # --- the virtual network -------------------------------------------------------------
 
@@ -218,8 +229,9 @@ class GossipSimulation:
     def _send(self, msg: Message, now: float) -> None:
         src, dst = self.index[msg.sender], self.index[msg.target]
         if isinstance(msg, ModelMessage) and self.wire:
-            size, params = self._on_wire(msg.params, src, {"age": msg.age, "num_examples": msg.num_examples,
-                                                           "sender": msg.sender})
+            size, params = self._on_wire(
+                msg.params, src, {"age": msg.age, "num_examples": msg.num_examples, "sender": msg.sender}
+            )
             self.bytes_sent[src] += size
             if params is None:
                 return  # rejected by the receiver's validation: never merged, the sender times out
@@ -324,7 +336,7 @@ class GossipSimulation:
             self._train(i)
         order = self.rng.permutation(live).tolist()
         size = self.g.group_size
-        groups = [order[a:a + size] for a in range(0, len(order), size)]
+        groups = [order[a : a + size] for a in range(0, len(order), size)]
         if len(groups) > 1 and len(groups[-1]) < 2:  # no group of one: it joins the previous
             groups[-2].extend(groups.pop())
         self.last_groups = groups
@@ -338,9 +350,16 @@ class GossipSimulation:
             drop_at = injected_dropouts(ids, rates, self.rng.random((len(ids), len(STAGES))))
             session = f"shoal-gossip/{self.cfg.simulation.seed}/{self.round}/{gi}".encode()
             try:
-                out = secure_group_average(offsets, weights, session=session, clip=sa.clip, bits=sa.bits,
-                                           threshold=sa.threshold, drop_at=drop_at,
-                                           seed=derive_seed(sa.seed, self.cfg.simulation.seed, self.round, gi))
+                out = secure_group_average(
+                    offsets,
+                    weights,
+                    session=session,
+                    clip=sa.clip,
+                    bits=sa.bits,
+                    threshold=sa.threshold,
+                    drop_at=drop_at,
+                    seed=derive_seed(sa.seed, self.cfg.simulation.seed, self.round, gi),
+                )
             except SecAggAborted as e:
                 self.aborted_groups += 1
                 log.debug("round %d group %d aborted: %s", self.round, gi, e)
@@ -371,8 +390,9 @@ class GossipSimulation:
         gone: set[int] = set()
         # the weight behind each model: its examples (or 1), then the summed weight of the group
         # average it holds, so that d exchanges on a full grid give the global weighted average
-        self.ga_weight = {i: (float(self.shards.size(i)) if g.group_weights == "examples" else 1.0)
-                          for i in range(self.n)}
+        self.ga_weight = {
+            i: (float(self.shards.size(i)) if g.group_weights == "examples" else 1.0) for i in range(self.n)
+        }
         for s in range(m):
             at = {i: start + (u - s) for i, u in vanish.items() if s <= u < s + 1}
             self._group_exchange((self.round - 1) * m + s, start, at, gone)
@@ -482,8 +502,9 @@ class GossipSimulation:
                 continue
             sent, ok = self.models.clone(), torch.ones(self.n, dtype=torch.bool, device=w.device)
             for k, i in enumerate(live):  # each node encodes its model once and sends it to every neighbour
-                size, params = self._on_wire(self.models[i], int(i), {"age": self.nodes[i].age, "num_examples": 1,
-                                                                      "sender": self.ids[i]})
+                size, params = self._on_wire(
+                    self.models[i], int(i), {"age": self.nodes[i].age, "num_examples": 1, "sender": self.ids[i]}
+                )
                 self.bytes_sent[i] += size * int(nbrs[k])
                 if params is None:
                     ok[i] = False
@@ -516,13 +537,19 @@ class GossipSimulation:
             out.update({f"test_{k}": float(np.mean([p[k] for p in per_peer])) for k in names})
             if "accuracy" in names:
                 accs = [p["accuracy"] for p in per_peer]
-                out.update(peer_accuracy_mean=float(np.mean(accs)), peer_accuracy_min=float(np.min(accs)),
-                           peer_accuracy_max=float(np.max(accs)))
+                out.update(
+                    peer_accuracy_mean=float(np.mean(accs)),
+                    peer_accuracy_min=float(np.min(accs)),
+                    peer_accuracy_max=float(np.max(accs)),
+                )
             avg = self.trainer.evaluate_data(mean_model, self.test)
             out.update({f"average_model_{k}": v for k, v in avg.items() if k != "num_examples"})
         if self.client_test is not None:  # each peer's own model on its own test data
-            results = [self.trainer.evaluate_data(self.models[int(i)], self.client_test[int(i)], summarize=False)
-                       for i in self.eval_idx if self.client_test[int(i)] is not None]
+            results = [
+                self.trainer.evaluate_data(self.models[int(i)], self.client_test[int(i)], summarize=False)
+                for i in self.eval_idx
+                if self.client_test[int(i)] is not None
+            ]
             out.update({f"fed_{k}": v for k, v in weighted_means(results, self.task).items()})
         return {
             **out,
@@ -558,13 +585,17 @@ def run_gossip_simulation(
             due = r % sim_cfg.eval_every == 0 or r == sim_cfg.rounds
             loop.step(Step(1, {"round": r, **sim.evaluate()} if due else None))
         last = loop.last
-        return loop.finish({
-            "final_average_model_accuracy": last.get("average_model_accuracy"),
-            "final_consensus_distance": last.get("consensus_distance"),
-            "bytes_sent_per_peer": last.get("bytes_sent_per_peer"),
-            "bytes_sent_per_peer_per_round": last.get("bytes_sent_per_peer_per_round"),
-            "rounds": sim_cfg.rounds,
-            "num_clients": sim.n,
-            "num_parameters": sim.spec.numel,
-            "device": str(sim.device),
-        }, setup_s, title=f"{sim.task_label} / {cfg.gossip.algorithm}")
+        return loop.finish(
+            {
+                "final_average_model_accuracy": last.get("average_model_accuracy"),
+                "final_consensus_distance": last.get("consensus_distance"),
+                "bytes_sent_per_peer": last.get("bytes_sent_per_peer"),
+                "bytes_sent_per_peer_per_round": last.get("bytes_sent_per_peer_per_round"),
+                "rounds": sim_cfg.rounds,
+                "num_clients": sim.n,
+                "num_parameters": sim.spec.numel,
+                "device": str(sim.device),
+            },
+            setup_s,
+            title=f"{sim.task_label} / {cfg.gossip.algorithm}",
+        )

@@ -18,8 +18,8 @@ import torch
 from shoal.aggregation.secagg import SecAggAborted
 from shoal.assembly import initial_model, make_round_strategy, make_trainer, task_from_config
 from shoal.client.batched import make_batched_trainer
-from shoal.client.training import summarize_means
 from shoal.client.device import select_device
+from shoal.client.training import summarize_means
 from shoal.config import Config
 from shoal.errors import WireError
 from shoal.rounds import Assignment, RoundSummary, SyncRounds
@@ -28,8 +28,8 @@ from shoal.update import Update
 
 from .attacks import attack_steps
 from .client_data import ClientShards, check_simulation_data, client_id, load_simulation_data, on_device
-from .run_loop import Step
 from .dp_hooks import PrivacyBudget, distributed_noise_step, round_sampling
+from .run_loop import Step
 from .wire_step import WireStep
 
 log = logging.getLogger(__name__)
@@ -68,8 +68,7 @@ class RoundRunner(Protocol):
 class ClientPool(Protocol):
     """Who trains the selected clients: this process (LocalClients) or workers elsewhere."""
 
-    def train(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
-        ...
+    def train(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]: ...
 
 
 class LocalClients:
@@ -77,7 +76,7 @@ class LocalClients:
     (client/batched.py), else one by one with the simulation's LocalTrainer (keeping each
     client's local buffers between its rounds when the task keeps them, FedBN)."""
 
-    def __init__(self, sim: "InProcessSimulation"):
+    def __init__(self, sim: InProcessSimulation):
         self.sim = sim
 
     def train(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
@@ -86,8 +85,9 @@ class LocalClients:
             idx = [sim._index[t.client_id] for t in tasks]
             starts = [int(sim.shards.bounds[i]) for i in idx]
             sizes = [sim.shards.size(i) for i in idx]
-            for j, update in sim.batched.train(global_params, sim.shards.x, sim.shards.y, starts, sizes,
-                                               [t.seed for t in tasks]):
+            for j, update in sim.batched.train(
+                global_params, sim.shards.x, sim.shards.y, starts, sizes, [t.seed for t in tasks]
+            ):
                 task = tasks[j]
                 update.base_version, update.sender = task.version, task.client_id
                 yield task, update
@@ -107,7 +107,7 @@ class PlainRound:
     """Each client trains, its update passes the client steps (attack, DP noise share, the
     wire round trip) and reaches the aggregator on its own."""
 
-    def __init__(self, sim: "InProcessSimulation"):
+    def __init__(self, sim: InProcessSimulation):
         self.sim = sim
 
     def updates(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
@@ -121,14 +121,20 @@ class InProcessSimulation:
     """Builds data, model, trainer, strategy and rounds from a Config; runs rounds.
 
     Composed, not patched: the client pool (``LocalClients``: one by one or batched, here;
-    passed as ``clients`` to train elsewhere or to replace some clients), ``client_steps`` (what happens to each update before it is sent) and the
+    passed as ``clients`` to train elsewhere or to replace some clients), ``client_steps``
+    (what happens to each update before it is sent) and the
     round runner (``PlainRound``, or secure aggregation's ``SecureAggregationRounds``,
     chosen from the config or passed as ``runner``, a function of the simulation).
     """
 
-    def __init__(self, cfg: Config, data: SimulationData | None = None, task: Task | None = None,
-                 runner: Callable[["InProcessSimulation"], RoundRunner] | None = None,
-                 clients: Callable[["InProcessSimulation"], ClientPool] | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        data: SimulationData | None = None,
+        task: Task | None = None,
+        runner: Callable[[InProcessSimulation], RoundRunner] | None = None,
+        clients: Callable[[InProcessSimulation], ClientPool] | None = None,
+    ):
         self.cfg = cfg
         sim = cfg.simulation
         self.device = select_device(sim.device)
@@ -140,8 +146,9 @@ class InProcessSimulation:
         self.trainer = make_trainer(cfg, self.task, model, self.device)
         self.spec = self.trainer.spec
         self.test = on_device(self.data.test, self.device)
-        self.client_test = None if self.data.client_test is None else [
-            on_device(d, self.device) for d in self.data.client_test]
+        self.client_test = (
+            None if self.data.client_test is None else [on_device(d, self.device) for d in self.data.client_test]
+        )
         self.num_classes: int | None = getattr(self.task, "num_classes", None)
         ids = self.data.client_ids
         self.client_ids = [str(c) for c in ids] if ids is not None else [client_id(i) for i in range(len(self.shards))]
@@ -151,11 +158,17 @@ class InProcessSimulation:
         self.local_states: dict[str, dict[str, torch.Tensor]] = {}
         strategy = make_round_strategy(cfg, self.spec.numel, self.device, len(self.client_ids))
         self.rounds = SyncRounds(
-            strategy, self.trainer.flat.detach().clone(), sim.clients_per_round, sim.fraction, sim.seed,
+            strategy,
+            self.trainer.flat.detach().clone(),
+            sim.clients_per_round,
+            sim.fraction,
+            sim.seed,
             sampling=round_sampling(cfg),  # DP: the sampling its accountant assumes
         )
-        self.privacy = None if cfg.privacy.mode == "none" else PrivacyBudget(
-            cfg, {c: self.shards.size(i) for i, c in enumerate(self.client_ids)}, strategy
+        self.privacy = (
+            None
+            if cfg.privacy.mode == "none"
+            else PrivacyBudget(cfg, {c: self.shards.size(i) for i, c in enumerate(self.client_ids)}, strategy)
         )
         self.wire = WireStep(cfg.compression, self.spec)
         self.client_steps: list[ClientStep] = self._client_steps()
@@ -165,8 +178,13 @@ class InProcessSimulation:
             blocker = "privacy.mode = 'local' (DP-SGD) trains each client with Opacus"
         if blocker is None:
             self.batched = make_batched_trainer(
-                sim.batch_clients, self.trainer.model, self.spec, cfg.train, self.device,
-                tuple(self.shards.x.shape[1:]), self.rounds.sample_size(len(self.client_ids)),
+                sim.batch_clients,
+                self.trainer.model,
+                self.spec,
+                cfg.train,
+                self.device,
+                tuple(self.shards.x.shape[1:]),
+                self.rounds.sample_size(len(self.client_ids)),
                 max(map(self.shards.size, range(len(self.shards))), default=0),
             )
         elif sim.batch_clients != 1 and self.rounds.sample_size(len(self.client_ids)) > 1:
@@ -183,7 +201,11 @@ class InProcessSimulation:
         self.secure_aggregation = self.runner if cfg.secure_aggregation.enabled else None
         log.info(
             "simulation: %d clients, %d train examples, model of %d exchanged parameters on %s (%s)",
-            len(self.client_ids), int(self.shards.bounds[-1]), self.spec.numel, self.device, self.task_label,
+            len(self.client_ids),
+            int(self.shards.bounds[-1]),
+            self.spec.numel,
+            self.device,
+            self.task_label,
         )
 
     @property
@@ -202,7 +224,9 @@ class InProcessSimulation:
             steps.append(distributed_noise_step(self.cfg, len(self.client_ids), self.rounds))
         return [*steps, self.wire]
 
-    def train_clients(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
+    def train_clients(
+        self, tasks: list[Assignment], global_params: torch.Tensor
+    ) -> Iterator[tuple[Assignment, Update]]:
         """Local training of each task's client from ``global_params``, by ``self.clients``."""
         self.participants.update(t.client_id for t in tasks)
         return self.clients.train(tasks, global_params)

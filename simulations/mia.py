@@ -22,8 +22,9 @@ from shoal.task import ClientData, Task, as_tensors, call_part, num_examples
 
 
 @torch.no_grad()
-def per_sample_loss(trainer: LocalTrainer, params: torch.Tensor, data: ClientData, indices: np.ndarray,
-                    batch_size: int = 2048) -> np.ndarray:
+def per_sample_loss(
+    trainer: LocalTrainer, params: torch.Tensor, data: ClientData, indices: np.ndarray, batch_size: int = 2048
+) -> np.ndarray:
     """The task's loss of each selected sample under ``params`` (leaves the trainer's buffer changed).
 
     With the default loss (cross-entropy) one batched pass; with the task's own loss, which
@@ -74,8 +75,14 @@ def tpr_at_fpr(member: np.ndarray, nonmember: np.ndarray, fpr: float = 0.01) -> 
     return float(np.mean(member > threshold))
 
 
-def loss_threshold_audit(trainer: LocalTrainer, params: torch.Tensor, members: Sequence[ClientData],
-                         nonmembers: Sequence[ClientData], samples: int, seed: int) -> dict[str, float]:
+def loss_threshold_audit(
+    trainer: LocalTrainer,
+    params: torch.Tensor,
+    members: Sequence[ClientData],
+    nonmembers: Sequence[ClientData],
+    samples: int,
+    seed: int,
+) -> dict[str, float]:
     """AUC and TPR at 1% FPR of the loss attack on equal-sized random draws of each pool.
 
     A pool is a list of datasets (the participants' training data; the held-out data)."""

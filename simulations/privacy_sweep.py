@@ -29,20 +29,42 @@ from shoal.errors import ConfigError
 from shoal.seeding import derive_seed
 from shoal.task import SimulationData, Task
 
+from .canary_audit import AuditTooSmall, run_canary_audit
 from .client_data import load_simulation_data
 from .experiment import run_simulation
 from .inprocess import InProcessSimulation
-from .canary_audit import AuditTooSmall, run_canary_audit
 from .mia import loss_threshold_audit
 from .run_loop import ProgressBar
 
 log = logging.getLogger(__name__)
 
-COLUMNS = ["mode", "noise_multiplier", "epsilon", "delta", "sampling", "rounds", "test_accuracy",
-           "canary_epsilon", "canary_epsilon_low", "canary_epsilon_high", "canary_accounted_epsilon", "canaries",
-           "mia_auc", "mia_tpr_at_1pct_fpr", "member_loss", "nonmember_loss", "mia_samples", "wall_s"]
-NO_AUDIT = {"canary_epsilon": math.nan, "canary_epsilon_low": math.nan, "canary_epsilon_high": math.nan,
-            "canary_accounted_epsilon": math.nan, "canaries": 0}
+COLUMNS = [
+    "mode",
+    "noise_multiplier",
+    "epsilon",
+    "delta",
+    "sampling",
+    "rounds",
+    "test_accuracy",
+    "canary_epsilon",
+    "canary_epsilon_low",
+    "canary_epsilon_high",
+    "canary_accounted_epsilon",
+    "canaries",
+    "mia_auc",
+    "mia_tpr_at_1pct_fpr",
+    "member_loss",
+    "nonmember_loss",
+    "mia_samples",
+    "wall_s",
+]
+NO_AUDIT = {
+    "canary_epsilon": math.nan,
+    "canary_epsilon_low": math.nan,
+    "canary_epsilon_high": math.nan,
+    "canary_accounted_epsilon": math.nan,
+    "canaries": 0,
+}
 
 
 def settings(cfg: Config) -> list[tuple[str, float]]:
@@ -51,8 +73,9 @@ def settings(cfg: Config) -> list[tuple[str, float]]:
     return [("none", 0.0)] + [(m, z) for m in p.sweep_modes for z in p.sweep_noise_multipliers]
 
 
-def run_setting(cfg: Config, data: SimulationData, mode: str, z: float, out: Path,
-                task: Task | None = None) -> dict[str, Any]:
+def run_setting(
+    cfg: Config, data: SimulationData, mode: str, z: float, out: Path, task: Task | None = None
+) -> dict[str, Any]:
     """One simulation plus its audit; members are the samples of clients that trained."""
     c = copy.deepcopy(cfg)
     c.privacy.mode, c.privacy.noise_multiplier = mode, z
@@ -62,8 +85,14 @@ def run_setting(cfg: Config, data: SimulationData, mode: str, z: float, out: Pat
     sim = InProcessSimulation(c, data, task)
     summary = run_simulation(c, out, progress=False, sim=sim)
     members = [sim.shards.data(i) for i, cid in enumerate(sim.client_ids) if cid in sim.participants]
-    audit = loss_threshold_audit(sim.trainer, sim.global_params, members, held_out(sim), c.privacy.mia_samples,
-                                 derive_seed(c.simulation.seed, 0x41A))
+    audit = loss_threshold_audit(
+        sim.trainer,
+        sim.global_params,
+        members,
+        held_out(sim),
+        c.privacy.mia_samples,
+        derive_seed(c.simulation.seed, 0x41A),
+    )
     canary = dict(NO_AUDIT)
     if c.privacy.canaries > 0:
         try:
@@ -72,14 +101,26 @@ def run_setting(cfg: Config, data: SimulationData, mode: str, z: float, out: Pat
         except AuditTooSmall as e:
             log.warning("%s z=%g: no canary audit: %s", mode, z, e)
     row = {
-        "mode": mode, "noise_multiplier": z,
-        "epsilon": summary.get("epsilon", math.inf), "delta": c.privacy.delta if mode != "none" else 0.0,
+        "mode": mode,
+        "noise_multiplier": z,
+        "epsilon": summary.get("epsilon", math.inf),
+        "delta": c.privacy.delta if mode != "none" else 0.0,
         "sampling": summary.get("sampling", "fixed"),
-        "rounds": summary["rounds"], "test_accuracy": headline_accuracy(summary),
-        **canary, **audit, "wall_s": round(time.perf_counter() - t0, 1),
+        "rounds": summary["rounds"],
+        "test_accuracy": headline_accuracy(summary),
+        **canary,
+        **audit,
+        "wall_s": round(time.perf_counter() - t0, 1),
     }
-    log.info("%s z=%g: epsilon %.3g (empirical %.3g), accuracy %.4f, MIA AUC %.3f", mode, z, row["epsilon"],
-             row["canary_epsilon"], row["test_accuracy"], row["mia_auc"])
+    log.info(
+        "%s z=%g: epsilon %.3g (empirical %.3g), accuracy %.4f, MIA AUC %.3f",
+        mode,
+        z,
+        row["epsilon"],
+        row["canary_epsilon"],
+        row["test_accuracy"],
+        row["mia_auc"],
+    )
     return row
 
 
@@ -89,8 +130,10 @@ def held_out(sim: InProcessSimulation) -> list:
         return [sim.test]
     pool = [d for d in (sim.client_test or []) if d is not None]
     if not pool:
-        raise ConfigError("privacy-sweep's membership-inference audit needs held-out data the model never trained "
-                          "on: give the task's simulation_data() a central test set or per-client test sets")
+        raise ConfigError(
+            "privacy-sweep's membership-inference audit needs held-out data the model never trained "
+            "on: give the task's simulation_data() a central test set or per-client test sets"
+        )
     return pool
 
 
@@ -113,8 +156,10 @@ def run_privacy_sweep(cfg: Config, out_dir: str | Path) -> list[dict[str, Any]]:
     with ProgressBar(len(grid), "setting") as bar:
         for mode, z in grid:
             rows.append(run_setting(cfg, data, mode, z, out / (mode if mode == "none" else f"{mode}_z{z:g}"), task))
-            bar.advance(f"{mode} z={z:g}: acc {rows[-1]['test_accuracy']:.4f}, AUC {rows[-1]['mia_auc']:.3f}, "
-                        f"empirical eps {rows[-1]['canary_epsilon']:.3g}")
+            bar.advance(
+                f"{mode} z={z:g}: acc {rows[-1]['test_accuracy']:.4f}, AUC {rows[-1]['mia_auc']:.3f}, "
+                f"empirical eps {rows[-1]['canary_epsilon']:.3g}"
+            )
     write_csv(rows, out / "results.csv")
     (out / "results.md").write_text(markdown_table(rows))
     plot_sweep(rows, out / "accuracy_vs_epsilon.png", title=task_label(cfg, task))
@@ -137,7 +182,11 @@ def _fmt_canary(r: dict[str, Any]) -> str:
     """The empirical epsilon with its bootstrap interval, and the audit run's own accounted epsilon."""
     if not r.get("canaries"):
         return "-"
-    acc = "" if math.isinf(r["canary_accounted_epsilon"]) else f"; audit run accounted {r['canary_accounted_epsilon']:.3g}"
+    acc = (
+        ""
+        if math.isinf(r["canary_accounted_epsilon"])
+        else f"; audit run accounted {r['canary_accounted_epsilon']:.3g}"
+    )
     return f"{r['canary_epsilon']:.3g} [{r['canary_epsilon_low']:.3g}, {r['canary_epsilon_high']:.3g}]{acc}"
 
 
@@ -170,12 +219,17 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
         ax = axes[2]
         floor = 1e-2  # a log axis: estimates of 0 are drawn at the floor
         for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"] != "none"):
-            pts = sorted((r["epsilon"], r["canary_epsilon"], r["canary_epsilon_low"], r["canary_epsilon_high"])
-                         for r in rows if r["mode"] == mode and math.isfinite(r["epsilon"]) and r.get("canaries"))
+            pts = sorted(
+                (r["epsilon"], r["canary_epsilon"], r["canary_epsilon_low"], r["canary_epsilon_high"])
+                for r in rows
+                if r["mode"] == mode and math.isfinite(r["epsilon"]) and r.get("canaries")
+            )
             if pts:
                 x, y = [p[0] for p in pts], [max(p[1], floor) for p in pts]
-                err = [[y[i] - max(p[2], floor) for i, p in enumerate(pts)],
-                       [max(p[3], floor) - y[i] for i, p in enumerate(pts)]]
+                err = [
+                    [y[i] - max(p[2], floor) for i, p in enumerate(pts)],
+                    [max(p[3], floor) - y[i] for i, p in enumerate(pts)],
+                ]
                 ax.errorbar(x, y, yerr=err, marker="o", capsize=3, label=f"{mode} DP")
         finite = [r["epsilon"] for r in rows if math.isfinite(r["epsilon"])]
         if finite:

@@ -53,7 +53,9 @@ def plot_curves(records: list[dict[str, Any]], out_dir: str | Path, x: str = "ro
     return paths
 
 
-def plot_compare(series: dict[str, list[tuple[float, float]]], path: str | Path, xlabel: str, ylabel: str, title: str = "") -> Path:
+def plot_compare(
+    series: dict[str, list[tuple[float, float]]], path: str | Path, xlabel: str, ylabel: str, title: str = ""
+) -> Path:
     """Several labelled curves on one axis (for docs: FedAvg vs FedProx, sync vs async...)."""
     fig = new_figure((6.5, 4.2))
     ax = fig.subplots()

@@ -19,9 +19,10 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from shoal.config import Config
 from shoal.metrics import MetricsLog
@@ -51,12 +52,17 @@ class ProgressBar:
         self._bar: Any = None
         self._task: Any = None
 
-    def __enter__(self) -> "ProgressBar":
+    def __enter__(self) -> ProgressBar:
         if self.enabled:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._bar = Progress(TextColumn(f"[bold]{self.label}"), MofNCompleteColumn(), BarColumn(),
-                                 TextColumn("{task.fields[status]}"), TimeElapsedColumn())
+            self._bar = Progress(
+                TextColumn(f"[bold]{self.label}"),
+                MofNCompleteColumn(),
+                BarColumn(),
+                TextColumn("{task.fields[status]}"),
+                TimeElapsedColumn(),
+            )
             self._bar.__enter__()
             self._task = self._bar.add_task(self.label, total=self.total, status="")
         return self
@@ -85,8 +91,17 @@ def progress_status(record: dict[str, Any]) -> str:
 class RunLoop:
     """Progress, records and the summary of one run; engines report to it."""
 
-    def __init__(self, cfg: Config, out_dir: str | Path | None, total: int, label: str, x_axis: str = "round",
-                 progress: bool | None = None, on_record: OnRecord | None = None, unit: str = "round"):
+    def __init__(
+        self,
+        cfg: Config,
+        out_dir: str | Path | None,
+        total: int,
+        label: str,
+        x_axis: str = "round",
+        progress: bool | None = None,
+        on_record: OnRecord | None = None,
+        unit: str = "round",
+    ):
         self.cfg = cfg
         self.out = Path(out_dir or cfg.output.dir)
         self.metrics = MetricsLog(self.out)
@@ -97,7 +112,7 @@ class RunLoop:
         self.last: dict[str, Any] = {}
         self.t_start = time.perf_counter()
 
-    def __enter__(self) -> "RunLoop":
+    def __enter__(self) -> RunLoop:
         self.bar.__enter__()
         self.t_start = time.perf_counter()
         return self

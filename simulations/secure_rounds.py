@@ -70,13 +70,24 @@ class SecureAggregationRounds:
             for step in sim.client_steps:
                 if isinstance(step, DistributedNoise):  # its shares are for t survivors
                     step.shares = lambda: self.noise_shares
-            log.info("distributed DP with secure aggregation: %d clients per round, each adds N(0, %.4g^2) "
-                     "(t = %d survivors at least)", k, std, self.noise_shares)
+            log.info(
+                "distributed DP with secure aggregation: %d clients per round, each adds N(0, %.4g^2) "
+                "(t = %d survivors at least)",
+                k,
+                std,
+                self.noise_shares,
+            )
 
     def min_survivors(self, n: int) -> int:
         """The fewest survivors secure aggregation accepts in a round of ``n`` clients (its threshold)."""
-        params = SecAggParams(session=b"threshold", vector_size=1, graph=self.cfg.graph, degree=self.cfg.degree,
-                              threshold_fraction=self.cfg.threshold, expected_dropout=self.expected_dropout)
+        params = SecAggParams(
+            session=b"threshold",
+            vector_size=1,
+            graph=self.cfg.graph,
+            degree=self.cfg.degree,
+            threshold_fraction=self.cfg.threshold,
+            expected_dropout=self.expected_dropout,
+        )
         return SecAggServer(params, [f"c{i}" for i in range(max(n, 1))]).threshold
 
     def _drop_at(self, ids: list[str], round_: int) -> dict[str, str]:
@@ -95,16 +106,21 @@ class SecureAggregationRounds:
             if update is None:
                 continue
             if not bool(torch.isfinite(update.delta).all()):  # as a node does: never mask a NaN into the sum
-                log.warning("round %d: %s's update has NaN/Inf entries; it is left out of the secure sum",
-                            task.round, task.client_id)
+                log.warning(
+                    "round %d: %s's update has NaN/Inf entries; it is left out of the secure sum",
+                    task.round,
+                    task.client_id,
+                )
                 self.sim.rounds.rejected[NonFinite.code] = self.sim.rounds.rejected.get(NonFinite.code, 0) + 1
                 continue
             trained.append((task, update))
         if not trained:
             return
         if len(trained) > self.max_summands:
-            raise SecAggAborted(f"{len(trained)} clients exceed the fixed-point encoding's headroom of "
-                                f"{self.max_summands} summands (a Poisson draw that far above K)")
+            raise SecAggAborted(
+                f"{len(trained)} clients exceed the fixed-point encoding's headroom of "
+                f"{self.max_summands} summands (a Poisson draw that far above K)"
+            )
         round_ = trained[0][0].round
         seed = derive_seed(self.cfg.seed, self.sim.cfg.simulation.seed, round_)
         inputs, weights = {}, {}
@@ -112,28 +128,38 @@ class SecureAggregationRounds:
             weights[task.client_id] = example_weight(u.num_examples, self.max_weight, self.weighting)
             inputs[task.client_id] = u.delta.detach().cpu().numpy()
         params = SecAggParams(
-            session=f"shoal-sim/{seed}".encode(), vector_size=self.sim.spec.numel + 1, graph=self.cfg.graph,
-            degree=self.cfg.degree, threshold_fraction=self.cfg.threshold, graph_seed=seed,
-            expected_dropout=self.expected_dropout, malicious=self.cfg.malicious_server,
+            session=f"shoal-sim/{seed}".encode(),
+            vector_size=self.sim.spec.numel + 1,
+            graph=self.cfg.graph,
+            degree=self.cfg.degree,
+            threshold_fraction=self.cfg.threshold,
+            graph_seed=seed,
+            expected_dropout=self.expected_dropout,
+            malicious=self.cfg.malicious_server,
         )
         drop_at = self._drop_at(sorted(inputs), round_)
         out = secure_weighted_mean(inputs, weights, params, self.values, self.weights, drop_at, seed)
         if len(out.included) < self.noise_shares:
             # Fewer than t noise shares in the sum: it must not be used. A deployment checks this
             # before it asks for the unmasking shares; the simulator drops the sum it computed.
-            raise SecAggAborted(f"{len(out.included)} clients survived, fewer than the t = {self.noise_shares} "
-                                "noise shares distributed DP needs for N(0, z^2 C^2) on the sum")
+            raise SecAggAborted(
+                f"{len(out.included)} clients survived, fewer than the t = {self.noise_shares} "
+                "noise shares distributed DP needs for N(0, z^2 C^2) on the sum"
+            )
         mean = torch.from_numpy(out.mean).to(torch.float32).to(global_params.device)
         cost = out.cost
         self.last = {
-            "included": len(out.included), "dropped": len(drop_at),
-            "server_cpu_s": cost.server_s, "client_cpu_s": max(cost.client_s.values(), default=0.0),
+            "included": len(out.included),
+            "dropped": len(drop_at),
+            "server_cpu_s": cost.server_s,
+            "client_cpu_s": max(cost.client_s.values(), default=0.0),
         }
         log.info("round %d: secure sum of %d clients (%d dropped)", round_, len(out.included), len(drop_at))
         included = set(out.included)
         for task, u in trained:
             if task.client_id in included:
                 yield task, Update(mean, u.num_examples, u.base_version, u.sender, u.metrics)
+
 
 def poisson_cap(n: int, k: int) -> int:
     """The most clients a Poisson round (mean k of n) is encoded for: k + 7 sqrt(k) + 7, at most n.

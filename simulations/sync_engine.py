@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 def make_deadline_rounds(cfg: Config, global_params, numel: int) -> SyncRounds:
     """SyncRounds with the ``[asynchronous]`` deadline, over-selection and late-result keys."""
     a, sim = cfg.asynchronous, cfg.simulation
-    return assembly.make_deadline_rounds(cfg, global_params, numel, sim.clients_per_round, sim.fraction,
-                                         a.deadline_s or None, a.min_fraction)
+    return assembly.make_deadline_rounds(
+        cfg, global_params, numel, sim.clients_per_round, sim.fraction, a.deadline_s or None, a.min_fraction
+    )
 
 
 class VirtualSyncEngine:
@@ -42,7 +43,7 @@ class VirtualSyncEngine:
         self.clients = VirtualClients(cfg, sim)
         self.sim = self.clients.sim
         self.rounds = make_deadline_rounds(cfg, self.sim.trainer.flat.detach().clone(), self.sim.spec.numel)
-        self.live: set[str] = set()       # selected this round, still training
+        self.live: set[str] = set()  # selected this round, still training
         self.accepted = 0
         self.rejected: dict[str, int] = {}
         self.staleness: dict[int, int] = {}
@@ -149,8 +150,14 @@ class VirtualSyncEngine:
             hist = dict(s.late_staleness)
             if s.num_results:
                 hist[0] = hist.get(0, 0) + s.num_results  # on-time results have staleness 0
-            rec.update(train_loss=s.train_loss, num_results=s.num_results, num_examples=s.num_examples,
-                       num_late=s.num_late, failed=s.failed, **staleness_figures(hist))
+            rec.update(
+                train_loss=s.train_loss,
+                num_results=s.num_results,
+                num_examples=s.num_examples,
+                num_late=s.num_late,
+                failed=s.failed,
+                **staleness_figures(hist),
+            )
         rec.update(accepted=self.accepted, rejected=dict(self.rejected), failed_rounds=self.failed_rounds)
         return rec
 

@@ -97,11 +97,14 @@ class ClientTiming:
     def __init__(self, cfg: HeterogeneityConfig, client_ids: list[str], seed: int):
         self.cfg = cfg
         speed_gen = rng(seed, 0x5EED)
-        self.speed = {c: float(s) for c, s in zip(client_ids, speed_gen.lognormal(0.0, cfg.speed_sigma, len(client_ids)))}
+        self.speed = {
+            c: float(s) for c, s in zip(client_ids, speed_gen.lognormal(0.0, cfg.speed_sigma, len(client_ids)))
+        }
         self._net = {c: rng(seed, 0xDE1A, i) for i, c in enumerate(client_ids)}
         self._avail = (
             {c: _Availability(rng(seed, 0xA7A1, i), cfg.mean_on_s, cfg.mean_off_s) for i, c in enumerate(client_ids)}
-            if cfg.mean_on_s > 0 else {}
+            if cfg.mean_on_s > 0
+            else {}
         )
 
     def compute_s(self, client: str, local_steps: int) -> float:

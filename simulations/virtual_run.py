@@ -34,21 +34,26 @@ def run_virtual(
     algorithm = cfg.asynchronous.algorithm if cfg.simulation.mode == "async" else "sync"
     label = engine.sim.task_label
     # progress in server steps (sync: rounds closed; async: versions) out of simulation.rounds
-    with RunLoop(cfg, out_dir, cfg.simulation.rounds, label, x_axis="virtual_time_s", progress=progress,
-                 on_record=on_record) as loop:
+    with RunLoop(
+        cfg, out_dir, cfg.simulation.rounds, label, x_axis="virtual_time_s", progress=progress, on_record=on_record
+    ) as loop:
         done = 0
         for rec in engine.run():
             now = getattr(engine, "rounds_done", engine.rounds.version)
             loop.record(rec, advance=max(0, now - done))
             done = max(done, now)
             log.info("virtual %.0fs  version %d  %s", rec["virtual_time_s"], rec["version"], progress_status(rec))
-        return loop.finish({
-            # server steps taken (sync: rounds closed, failed ones included; async: versions)
-            "rounds": getattr(engine, "rounds_done", engine.rounds.version),
-            "mode": cfg.simulation.mode,
-            "algorithm": algorithm,
-            **engine.totals(),
-            "num_clients": len(engine.sim.client_ids),
-            "num_parameters": engine.sim.spec.numel,
-            "device": str(engine.sim.device),
-        }, setup_s, title=f"{label} / {algorithm}")
+        return loop.finish(
+            {
+                # server steps taken (sync: rounds closed, failed ones included; async: versions)
+                "rounds": getattr(engine, "rounds_done", engine.rounds.version),
+                "mode": cfg.simulation.mode,
+                "algorithm": algorithm,
+                **engine.totals(),
+                "num_clients": len(engine.sim.client_ids),
+                "num_parameters": engine.sim.spec.numel,
+                "device": str(engine.sim.device),
+            },
+            setup_s,
+            title=f"{label} / {algorithm}",
+        )

@@ -28,8 +28,8 @@ class WireStep:
         self.cfg = cfg
         self.spec = spec
         self.compressor = Compressor(cfg)
-        self.bytes_up = self.bytes_down = 0          # this round
-        self.total_up = self.total_down = 0          # since the start
+        self.bytes_up = self.bytes_down = 0  # this round
+        self.total_up = self.total_down = 0  # since the start
         self._model_size: tuple[int, int] | None = None  # (version, bytes) of the last model encoded
         self._tags: dict[str, tuple[int, int]] = {}  # client -> the tag of its upload in flight
 
@@ -75,5 +75,9 @@ class WireStep:
             self.compressor.not_accepted(client, tag)
 
     def counts(self) -> dict[str, int]:
-        return {"bytes_up": self.bytes_up, "bytes_down": self.bytes_down,
-                "bytes_up_total": self.total_up, "bytes_down_total": self.total_down}
+        return {
+            "bytes_up": self.bytes_up,
+            "bytes_down": self.bytes_down,
+            "bytes_up_total": self.total_up,
+            "bytes_down_total": self.total_down,
+        }

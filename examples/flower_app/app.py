@@ -46,8 +46,10 @@ def build_server_app(cfg: Config | None = None) -> ServerApp:
         setup = setup_for(c)  # the task (here the built-in one of shoal.toml), its initial model and ParamSpec
         due = evaluated_round(c)  # every simulation.eval_every rounds and the last
         strategy = ShoalStrategy(
-            make_round_strategy(c, setup.spec.numel, setup.trainer.device, setup.num_clients), setup.spec,
-            clients_per_round=c.simulation.clients_per_round, fraction=c.simulation.fraction,
+            make_round_strategy(c, setup.spec.numel, setup.trainer.device, setup.num_clients),
+            setup.spec,
+            clients_per_round=c.simulation.clients_per_round,
+            fraction=c.simulation.fraction,
             seed=c.simulation.seed,
             federated_eval=due if setup.has_client_test else None,  # nodes evaluate on their own test data
         )
@@ -63,8 +65,9 @@ def build_server_app(cfg: Config | None = None) -> ServerApp:
                 print(f"round {server_round:3d}: " + ", ".join(f"{k} {v:.4f}" for k, v in ev.items()))
             return MetricRecord(ev) if ev else None
 
-        strategy.start(grid, to_arrays(setup.initial, setup.spec), num_rounds=c.simulation.rounds,
-                       evaluate_fn=central_eval)
+        strategy.start(
+            grid, to_arrays(setup.initial, setup.spec), num_rounds=c.simulation.rounds, evaluate_fn=central_eval
+        )
 
     return app
 

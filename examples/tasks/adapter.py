@@ -34,7 +34,7 @@ from torch import nn
 from shoal.task import SimulationData, Task
 
 PRETRAINED_SEED = 20240601  # the "checkpoint": fixed, whatever the simulation's seed
-DOWNSTREAM_SEED = 7         # the low-rank change that defines the task being fine-tuned for
+DOWNSTREAM_SEED = 7  # the low-rank change that defines the task being fine-tuned for
 
 
 class LoRALinear(nn.Module):
@@ -93,8 +93,9 @@ class Adapted(nn.Module):
 
 
 class Adapter(Task):
-    def __init__(self, rank: int = 4, alpha: float = 8.0, in_dim: int = 32, hidden: int = 256, classes: int = 10,
-                 rows: int = 200):
+    def __init__(
+        self, rank: int = 4, alpha: float = 8.0, in_dim: int = 32, hidden: int = 256, classes: int = 10, rows: int = 200
+    ):
         self.rank, self.alpha, self.rows = rank, alpha, rows
         self.in_dim, self.hidden, self.classes = in_dim, hidden, classes
         self.num_classes = classes

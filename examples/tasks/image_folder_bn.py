@@ -68,13 +68,16 @@ class PngFolder(Dataset):
         self.items: list[tuple[Path, int]] = []
         for folder in sorted(p for p in root.iterdir() if p.is_dir()):
             if folder.name not in CLASSES:
-                raise TaskError(f"image_folder_bn: {folder} is not a class of this task; class folders are "
-                                f"{', '.join(CLASSES)}")
+                raise TaskError(
+                    f"image_folder_bn: {folder} is not a class of this task; class folders are {', '.join(CLASSES)}"
+                )
             label = CLASSES.index(folder.name)
             self.items += [(f, label) for f in sorted(folder.iterdir()) if f.suffix.lower() == ".png"]
         if not self.items:
-            raise TaskError(f"image_folder_bn: no .png file in class subfolders of {root} "
-                            f"(expected {root}/<class>/*.png, classes {', '.join(CLASSES)})")
+            raise TaskError(
+                f"image_folder_bn: no .png file in class subfolders of {root} "
+                f"(expected {root}/<class>/*.png, classes {', '.join(CLASSES)})"
+            )
 
     def __len__(self) -> int:
         return len(self.items)
@@ -105,8 +108,9 @@ class PictureArrays(Dataset):
         return to_tensor(self.pictures[i]), int(self.labels[i])
 
 
-def draw_shapes(n: int, size: int, rng: np.random.Generator, fg: np.ndarray, bg: np.ndarray
-                ) -> tuple[np.ndarray, np.ndarray]:
+def draw_shapes(
+    n: int, size: int, rng: np.random.Generator, fg: np.ndarray, bg: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
     """``n`` pictures (uint8, (n, size, size, 3)) of random shapes in colours fg on bg, and their labels."""
     labels = rng.integers(0, len(CLASSES), n)
     yy, xx = np.mgrid[0:size, 0:size].astype(np.float32)
@@ -116,7 +120,7 @@ def draw_shapes(n: int, size: int, rng: np.random.Generator, fg: np.ndarray, bg:
         cx, cy = rng.uniform(r, size - r, 2)
         dx, dy = xx - cx, yy - cy
         mask = {
-            "circle": dx ** 2 + dy ** 2 <= r ** 2,
+            "circle": dx**2 + dy**2 <= r**2,
             "square": (abs(dx) <= 0.8 * r) & (abs(dy) <= 0.8 * r),
             "triangle": (dy <= r) & (dy >= -r) & (abs(dx) <= (dy + r) / 2),
             "cross": ((abs(dx) <= r / 3) & (abs(dy) <= r)) | ((abs(dy) <= r / 3) & (abs(dx) <= r)),
@@ -150,9 +154,16 @@ class ImageFolderBN(Task):
     def model(self) -> nn.Module:
         c = self.channels
         return nn.Sequential(
-            nn.Conv2d(3, c, 3, padding=1), nn.BatchNorm2d(c), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(c, 2 * c, 3, padding=1), nn.BatchNorm2d(2 * c), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(2 * c * (self.size // 4) ** 2, len(CLASSES)),
+            nn.Conv2d(3, c, 3, padding=1),
+            nn.BatchNorm2d(c),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(c, 2 * c, 3, padding=1),
+            nn.BatchNorm2d(2 * c),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(2 * c * (self.size // 4) ** 2, len(CLASSES)),
         )
 
     # The default loss (cross-entropy) and metrics (loss, accuracy) fit a classifier: not overridden.
@@ -173,8 +184,10 @@ class ImageFolderBN(Task):
     def local_data(self, path: Path) -> LocalData:
         path = Path(path)
         if not path.is_dir():
-            raise TaskError(f"image_folder_bn: --data {str(path)!r} is not a folder; give a folder with train/ "
-                            "(and optionally test/) holding one subfolder of .png files per class")
+            raise TaskError(
+                f"image_folder_bn: --data {str(path)!r} is not a folder; give a folder with train/ "
+                "(and optionally test/) holding one subfolder of .png files per class"
+            )
         if (path / "train").is_dir():
             test = PngFolder(path / "test", self.size) if (path / "test").is_dir() else None
             return LocalData(train=PngFolder(path / "train", self.size), test=test)

@@ -49,8 +49,15 @@ from shoal.task import LocalData, SimulationData, Task, TaskError
 
 
 class Regression(Task):
-    def __init__(self, num_features: int = 8, hidden: int = 32, target: str = "y", features: list[str] | None = None,
-                 test_fraction: float = 0.2, rows: int = 200):
+    def __init__(
+        self,
+        num_features: int = 8,
+        hidden: int = 32,
+        target: str = "y",
+        features: list[str] | None = None,
+        test_fraction: float = 0.2,
+        rows: int = 200,
+    ):
         if features is not None and len(features) != num_features:
             raise TaskError(f"regression: features names {len(features)} columns but num_features = {num_features}")
         if not 0 <= test_fraction < 1:
@@ -62,8 +69,9 @@ class Regression(Task):
         return f"regression MLP ({self.num_features} features)"
 
     def model(self) -> nn.Module:
-        return nn.Sequential(nn.Linear(self.num_features, self.hidden), nn.ReLU(), nn.Linear(self.hidden, 1),
-                             nn.Flatten(0))  # (B, 1) -> (B,): one prediction per row
+        return nn.Sequential(
+            nn.Linear(self.num_features, self.hidden), nn.ReLU(), nn.Linear(self.hidden, 1), nn.Flatten(0)
+        )  # (B, 1) -> (B,): one prediction per row
 
     def loss(self, model, x, y):
         return F.mse_loss(model(x).float(), y)
@@ -86,7 +94,7 @@ class Regression(Task):
 
     def simulation_data(self, num_clients: int, seed: int) -> SimulationData:
         train, tests = [], []
-        for c, (x, y) in enumerate(generate_clients(num_clients, self.num_features, self.rows, seed)):
+        for _c, (x, y) in enumerate(generate_clients(num_clients, self.num_features, self.rows, seed)):
             n_test = max(1, int(len(y) * self.test_fraction)) if self.test_fraction else 0
             train.append((x[n_test:], y[n_test:]))
             tests.append((x[:n_test], y[:n_test]) if n_test else None)
@@ -103,8 +111,10 @@ class Regression(Task):
         else:
             train_file, test_file = path, path.with_name("test.csv")
         if not train_file.is_file():
-            raise TaskError(f"regression: {str(train_file)!r} not found; --data is a folder with train.csv "
-                            "(and optionally test.csv) or a .csv file")
+            raise TaskError(
+                f"regression: {str(train_file)!r} not found; --data is a folder with train.csv "
+                "(and optionally test.csv) or a .csv file"
+            )
         x, y = self.read_csv(train_file)
         if test_file.is_file() and test_file.resolve() != train_file.resolve():
             return LocalData(train=(x, y), test=self.read_csv(test_file))
@@ -126,15 +136,19 @@ class Regression(Task):
             raise TaskError(f"regression: {file} needs a header row and at least one data row")
         header = [h.strip() for h in rows[0]]
         if self.target not in header:
-            raise TaskError(f"regression: {file} has no target column {self.target!r} (columns: {', '.join(header)}); "
-                            "set the task arg target")
+            raise TaskError(
+                f"regression: {file} has no target column {self.target!r} (columns: {', '.join(header)}); "
+                "set the task arg target"
+            )
         names = self.features or [h for h in header if h != self.target]
         missing = [n for n in names if n not in header]
         if missing:
             raise TaskError(f"regression: {file} lacks feature columns {', '.join(missing)}")
         if len(names) != self.num_features:
-            raise TaskError(f"regression: {file} has {len(names)} feature columns ({', '.join(names)}), the model "
-                            f"takes num_features = {self.num_features}")
+            raise TaskError(
+                f"regression: {file} has {len(names)} feature columns ({', '.join(names)}), the model "
+                f"takes num_features = {self.num_features}"
+            )
         cols = [header.index(n) for n in names] + [header.index(self.target)]
         values = []
         for line, row in enumerate(rows[1:], start=2):
@@ -144,8 +158,9 @@ class Regression(Task):
                 values.append([float(row[i]) for i in cols])
             except ValueError:
                 bad = next(i for i in cols if not _is_number(row[i]))
-                raise TaskError(f"regression: {file} line {line}, column {header[bad]!r}: {row[bad]!r} is not a "
-                                "number") from None
+                raise TaskError(
+                    f"regression: {file} line {line}, column {header[bad]!r}: {row[bad]!r} is not a number"
+                ) from None
         t = torch.tensor(values, dtype=torch.float32)
         if not torch.isfinite(t).all():
             raise TaskError(f"regression: {file} holds inf or nan values; every value must be a finite number")
@@ -160,8 +175,9 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def generate_clients(num_clients: int, num_features: int, rows: int,
-                     seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def generate_clients(
+    num_clients: int, num_features: int, rows: int, seed: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Synthetic non-IID tables: one target function for all, each client's features shifted and scaled.
 
     y = x·w + 0.5 sin(2 x_0) + noise, where every client draws x around its own mean and with
@@ -183,8 +199,9 @@ def generate_clients(num_clients: int, num_features: int, rows: int,
 task = Regression
 
 
-def write_csvs(out: Path, nodes: int, seed: int = 0, num_features: int = 8, rows: int = 200,
-               test_fraction: float = 0.2) -> list[Path]:
+def write_csvs(
+    out: Path, nodes: int, seed: int = 0, num_features: int = 8, rows: int = 200, test_fraction: float = 0.2
+) -> list[Path]:
     """``out/node-<i>/train.csv`` and ``test.csv``: the simulation's clients as files, for --data."""
     data = Regression(num_features=num_features, rows=rows, test_fraction=test_fraction).simulation_data(nodes, seed)
     header = [f"x{j}" for j in range(num_features)] + ["y"]

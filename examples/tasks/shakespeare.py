@@ -95,13 +95,16 @@ def find_corpus(path: str | None) -> Path:
         for candidate in (p, here.parents[2] / p):
             if candidate.is_file():
                 return candidate
-        raise TaskError(f"shakespeare: corpus {path!r} not found (task arg path); give the path to "
-                        "tinyshakespeare/input.txt")
+        raise TaskError(
+            f"shakespeare: corpus {path!r} not found (task arg path); give the path to tinyshakespeare/input.txt"
+        )
     for folder in here.parents:
         if (folder / CORPUS).is_file():
             return folder / CORPUS
-    raise TaskError(f"shakespeare: {CORPUS} not found in any folder above {here.parent}; put the corpus at "
-                    "../shared/datasets/tinyshakespeare/input.txt beside the repository or set the task arg path")
+    raise TaskError(
+        f"shakespeare: {CORPUS} not found in any folder above {here.parent}; put the corpus at "
+        "../shared/datasets/tinyshakespeare/input.txt beside the repository or set the task arg path"
+    )
 
 
 def parse_roles(text: str) -> dict[str, list[str]]:
@@ -154,8 +157,16 @@ class CharLSTM(nn.Module):
 class Shakespeare(Task):
     num_classes = VOCAB_SIZE  # what a label-flipping attack flips among
 
-    def __init__(self, path: str | None = None, seq_len: int = 80, max_roles: int = 40, min_chars: int = 2000,
-                 embed_dim: int = 32, hidden: int = 128, layers: int = 1):
+    def __init__(
+        self,
+        path: str | None = None,
+        seq_len: int = 80,
+        max_roles: int = 40,
+        min_chars: int = 2000,
+        embed_dim: int = 32,
+        hidden: int = 128,
+        layers: int = 1,
+    ):
         if seq_len < 1 or max_roles < 1:
             raise TaskError(f"shakespeare: seq_len ({seq_len}) and max_roles ({max_roles}) must be >= 1")
         self.path, self.seq_len, self.max_roles, self.min_chars = path, seq_len, max_roles, min_chars
@@ -201,17 +212,22 @@ class Shakespeare(Task):
         if path.is_dir():
             train_file, test_file = path / "train.txt", path / "test.txt"
             if not train_file.is_file():
-                raise TaskError(f"shakespeare: {path} has no train.txt; --data is a folder with train.txt "
-                                "(and optionally test.txt), or one .txt file")
+                raise TaskError(
+                    f"shakespeare: {path} has no train.txt; --data is a folder with train.txt "
+                    "(and optionally test.txt), or one .txt file"
+                )
         elif path.is_file():
             train_file, test_file = path, None
         else:
-            raise TaskError(f"shakespeare: --data {str(path)!r} does not exist; give a folder with train.txt "
-                            "(and optionally test.txt), or one .txt file")
+            raise TaskError(
+                f"shakespeare: --data {str(path)!r} does not exist; give a folder with train.txt "
+                "(and optionally test.txt), or one .txt file"
+            )
         train = self._read(train_file)
         if len(train[1]) == 0:
-            raise TaskError(f"shakespeare: {train_file} has fewer than {self.seq_len + 1} characters, "
-                            "not one training sequence")
+            raise TaskError(
+                f"shakespeare: {train_file} has fewer than {self.seq_len + 1} characters, not one training sequence"
+            )
         test = self._read(test_file) if test_file is not None and test_file.is_file() else None
         return LocalData(train=train, test=test if test is not None and len(test[1]) else None)
 

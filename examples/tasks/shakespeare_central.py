@@ -68,14 +68,28 @@ def main() -> None:
         trainer.fit(params, (x[idx], y[idx]), derive_seed(cfg.simulation.seed, r, 0xCE))
         params = trainer.flat.detach().clone()
         ev = trainer.evaluate_data(params, test)
-        rec = {"round": r, **{f"test_{k}": v for k, v in ev.items() if k != "num_examples"},
-               "examples": per_round * cfg.train.epochs, "elapsed_s": round(time.perf_counter() - t0, 2)}
+        rec = {
+            "round": r,
+            **{f"test_{k}": v for k, v in ev.items() if k != "num_examples"},
+            "examples": per_round * cfg.train.epochs,
+            "elapsed_s": round(time.perf_counter() - t0, 2),
+        }
         records.append(rec)
         print(json.dumps(rec), flush=True)
     (args.out / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    (args.out / "summary.json").write_text(json.dumps(
-        {"most_frequent_char_accuracy": freq_acc, "train_sequences": len(y), "test_sequences": len(test[1]),
-         "final": records[-1], "wall_s": round(time.perf_counter() - t0, 2)}, indent=2) + "\n")
+    (args.out / "summary.json").write_text(
+        json.dumps(
+            {
+                "most_frequent_char_accuracy": freq_acc,
+                "train_sequences": len(y),
+                "test_sequences": len(test[1]),
+                "final": records[-1],
+                "wall_s": round(time.perf_counter() - t0, 2),
+            },
+            indent=2,
+        )
+        + "\n"
+    )
     if args.federated:
         print_table(args.federated / "metrics.jsonl", records)
 
@@ -88,8 +102,10 @@ def print_table(fed_path: Path, central: list[dict]) -> None:
     for c in central:
         f = fed.get(c["round"], {})
         fa, fp = f.get("test_accuracy"), f.get("test_perplexity")
-        print(f"| {c['round']} | {'' if fa is None else f'{fa:.4f}'} | {c['test_accuracy']:.4f} | "
-              f"{'' if fp is None else f'{fp:.2f}'} | {c['test_perplexity']:.2f} |")
+        print(
+            f"| {c['round']} | {'' if fa is None else f'{fa:.4f}'} | {c['test_accuracy']:.4f} | "
+            f"{'' if fp is None else f'{fp:.2f}'} | {c['test_perplexity']:.2f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -81,8 +81,9 @@ def _apply(section_obj: Any, section_name: str, values: dict[str, Any]) -> None:
         if not ok:
             hint = hints[key]
             if typing.get_origin(hint) is Literal and isinstance(value, str):
-                raise ConfigError(f"{section_name}.{key} = {value!r} is not one of "
-                                  f"{', '.join(map(repr, typing.get_args(hint)))}")
+                raise ConfigError(
+                    f"{section_name}.{key} = {value!r} is not one of {', '.join(map(repr, typing.get_args(hint)))}"
+                )
             raise ConfigError(f"{section_name}.{key} = {value!r} has the wrong type: expected {_type_name(hint)}")
         setattr(section_obj, key, coerced)
 

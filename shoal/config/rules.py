@@ -14,14 +14,16 @@ def check_combinations(self: Any) -> None:
     """Settings that are fine alone but not together."""
     if self.simulation.engine == "flower":
         unsupported = [
-            name for name, on in (
+            name
+            for name, on in (
                 (f"simulation.mode = {self.simulation.mode!r}", self.simulation.mode != "sync"),
                 ("heterogeneity.enabled", self.heterogeneity.enabled),
                 (f"privacy.mode = {self.privacy.mode!r}", self.privacy.mode != "none"),
                 ("secure_aggregation.enabled", self.secure_aggregation.enabled),
                 (f"attack.kind = {self.attack.kind!r}", self.attack.kind != "none"),
                 (f"compression.encoding = {self.compression.encoding!r}", self.compression.encoding != "dense"),
-            ) if on
+            )
+            if on
         ]
         if unsupported:
             raise ConfigError(
@@ -39,11 +41,15 @@ def check_combinations(self: Any) -> None:
         elif self.robust.rule != "mean":
             why = f"robust.rule = {self.robust.rule!r}: the server sees only the masked sum, not single updates"
         elif self.compression.encoding != "dense":
-            why = (f"compression.encoding = {self.compression.encoding!r}: masks live in a fixed-point "
-                   "field over the dense vector")
+            why = (
+                f"compression.encoding = {self.compression.encoding!r}: masks live in a fixed-point "
+                "field over the dense vector"
+            )
         elif self.privacy.mode == "central":
-            why = ("privacy.mode = 'central': the server cannot clip updates it cannot see; use "
-                   "privacy.mode = 'distributed' (clients clip and add noise shares before masking)")
+            why = (
+                "privacy.mode = 'central': the server cannot clip updates it cannot see; use "
+                "privacy.mode = 'distributed' (clients clip and add noise shares before masking)"
+            )
         if why:
             raise ConfigError(f"secure_aggregation.enabled = true with {why}")
     if self.simulation.mode == "gossip":
@@ -90,8 +96,12 @@ def _check_async_robust(self: Any) -> None:
             "(the rule combines its K buffered updates) or robust.rule = 'mean' with robust.norm_bound > 0"
         )
     if a.buffer_size > rb.max_updates:
-        raise ConfigError(f"asynchronous.buffer_size = {a.buffer_size} exceeds robust.max_updates = "
-                          f"{rb.max_updates}: FedBuff's rule holds the K buffered updates; raise the limit")
+        raise ConfigError(
+            f"asynchronous.buffer_size = {a.buffer_size} exceeds robust.max_updates = "
+            f"{rb.max_updates}: FedBuff's rule holds the K buffered updates; raise the limit"
+        )
     if rb.rule in ("krum", "multikrum") and a.buffer_size <= 2 * rb.krum_f + 2:
-        raise ConfigError(f"robust.rule = {rb.rule!r} with krum_f = {rb.krum_f} needs asynchronous.buffer_size "
-                          f"> 2 krum_f + 2 = {2 * rb.krum_f + 2} (it is {a.buffer_size})")
+        raise ConfigError(
+            f"robust.rule = {rb.rule!r} with krum_f = {rb.krum_f} needs asynchronous.buffer_size "
+            f"> 2 krum_f + 2 = {2 * rb.krum_f + 2} (it is {a.buffer_size})"
+        )

@@ -51,19 +51,23 @@ class SimulationConfig:
 
     seed: int = 0
     rounds: int = 50
-    num_clients: int = 30          # clients to make where the dataset has no natural split
-    clients_per_round: int = 10    # K; 0 means use `fraction`
-    fraction: float = 0.1          # C: a fraction of all clients each round (at least 1)
-    eval_every: int = 1            # evaluate the global model every k rounds (and the last)
-    engine: Literal["inprocess", "flower"] = "inprocess"      # inprocess (simulations/inprocess.py) | flower (Ray, flower/engine.py)
-    mode: Literal["sync", "async", "gossip"] = "sync"             # sync rounds | async (FedAsync/FedBuff, [asynchronous]) | gossip ([gossip], no server)
-    device: str = "auto"           # where simulated clients train: auto | cpu | cuda[:N]
-    progress: bool = True          # progress bar on a terminal
+    num_clients: int = 30  # clients to make where the dataset has no natural split
+    clients_per_round: int = 10  # K; 0 means use `fraction`
+    fraction: float = 0.1  # C: a fraction of all clients each round (at least 1)
+    eval_every: int = 1  # evaluate the global model every k rounds (and the last)
+    engine: Literal["inprocess", "flower"] = (
+        "inprocess"  # inprocess (simulations/inprocess.py) | flower (Ray, flower/engine.py)
+    )
+    mode: Literal["sync", "async", "gossip"] = (
+        "sync"  # sync rounds | async (FedAsync/FedBuff, [asynchronous]) | gossip ([gossip], no server)
+    )
+    device: str = "auto"  # where simulated clients train: auto | cpu | cuda[:N]
+    progress: bool = True  # progress bar on a terminal
     batch_clients: int | str = "auto"  # clients trained at once (vmap): auto | N | 1 (one by one)
     flower_client_cpus: float = 1.0  # engine=flower: CPUs Ray reserves per client (Flower's default is 2)
     flower_client_gpus: float = 0.0  # engine=flower: GPU fraction per client (0.25 = four per GPU)
-    ray_address: str = ""          # engine=flower: an existing Ray cluster ("auto", "ray://host:10001"); "" starts one here
-    ray_num_cpus: int = 0          # engine=flower without ray_address: CPUs the local Ray runtime may use (0 = all)
+    ray_address: str = ""  # engine=flower: an existing Ray cluster ("auto", "ray://host:10001"); "" starts one here
+    ray_num_cpus: int = 0  # engine=flower without ray_address: CPUs the local Ray runtime may use (0 = all)
 
     def validate(self) -> None:
         _positive("simulation.rounds", self.rounds)
@@ -74,7 +78,9 @@ class SimulationConfig:
         _positive("simulation.eval_every", self.eval_every)
         b = self.batch_clients
         if not ((isinstance(b, int) and b >= 1) or b == "auto"):
-            raise ConfigError(f"simulation.batch_clients = {b!r} must be \"auto\" or an integer >= 1 (1 trains clients one by one)")
+            raise ConfigError(
+                f'simulation.batch_clients = {b!r} must be "auto" or an integer >= 1 (1 trains clients one by one)'
+            )
         _positive("simulation.flower_client_cpus", self.flower_client_cpus)
         _positive("simulation.flower_client_gpus", self.flower_client_gpus, allow_zero=True)
         _positive("simulation.ray_num_cpus", self.ray_num_cpus, allow_zero=True)
@@ -85,16 +91,16 @@ class DataConfig:
     """Which dataset and how it is split into client shards."""
 
     dataset: Literal["synthetic", "mnist", "fashion-mnist", "femnist"] = "synthetic"
-    dir: str = ""                  # folder of the dataset files (not needed for synthetic)
+    dir: str = ""  # folder of the dataset files (not needed for synthetic)
     partition: Literal["natural", "iid", "dirichlet", "shards"] = "natural"
     dirichlet_alpha: float = 0.5
-    shards_per_client: int = 2     # McMahan's pathological non-IID split
+    shards_per_client: int = 2  # McMahan's pathological non-IID split
     shard_size: int = 300
-    synthetic_alpha: float = 1.0   # Synthetic(alpha, beta) of Li et al. (FedProx)
+    synthetic_alpha: float = 1.0  # Synthetic(alpha, beta) of Li et al. (FedProx)
     synthetic_beta: float = 1.0
     synthetic_iid: bool = False
-    test_fraction: float = 0.2     # held-out share of each synthetic client's samples
-    max_clients: int = 0           # femnist: use only the first N writers (0 = all)
+    test_fraction: float = 0.2  # held-out share of each synthetic client's samples
+    max_clients: int = 0  # femnist: use only the first N writers (0 = all)
     verify_checksums: bool = True
 
     def validate(self) -> None:
@@ -119,14 +125,14 @@ class ModelConfig:
 class TrainConfig:
     """Local training on a client (the same on simulated and real nodes)."""
 
-    epochs: int = 1                # E
-    batch_size: int | float = 10   # B; `inf` (TOML) or 0 means the full local dataset
+    epochs: int = 1  # E
+    batch_size: int | float = 10  # B; `inf` (TOML) or 0 means the full local dataset
     lr: float = 0.01
     momentum: float = 0.0
     weight_decay: float = 0.0
-    prox_mu: float = 0.0           # FedProx proximal term (Li et al. 2020); 0 is FedAvg
-    device: str = "auto"           # auto | cpu | cuda | cuda:N (client nodes)
-    precision: Literal["fp32", "bf16"] = "fp32"        # fp32 | bf16 (autocast of the forward pass)
+    prox_mu: float = 0.0  # FedProx proximal term (Li et al. 2020); 0 is FedAvg
+    device: str = "auto"  # auto | cpu | cuda | cuda:N (client nodes)
+    precision: Literal["fp32", "bf16"] = "fp32"  # fp32 | bf16 (autocast of the forward pass)
 
     def validate(self) -> None:
         _positive("train.epochs", self.epochs)
@@ -152,12 +158,12 @@ class StrategyConfig:
     """Server-side aggregation (Reddi et al. 2021 for the FedOpt family)."""
 
     name: Literal["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad"] = "fedavg"
-    weighting: Literal["examples", "uniform"] = "examples"    # examples (McMahan) | uniform
-    server_lr: float = 1.0         # eta
-    server_momentum: float = 0.9   # FedAvgM's beta
+    weighting: Literal["examples", "uniform"] = "examples"  # examples (McMahan) | uniform
+    server_lr: float = 1.0  # eta
+    server_momentum: float = 0.9  # FedAvgM's beta
     beta1: float = 0.9
     beta2: float = 0.99
-    tau: float = 1e-3              # adaptivity (FedAdam/Yogi/Adagrad)
+    tau: float = 1e-3  # adaptivity (FedAdam/Yogi/Adagrad)
 
     def validate(self) -> None:
         _positive("strategy.server_lr", self.server_lr)
@@ -173,11 +179,11 @@ class RobustConfig:
     """Robust aggregation against faulty or malicious clients (aggregation/robust.py)."""
 
     rule: Literal["mean", "median", "trimmed_mean", "krum", "multikrum"] = "mean"
-    trim_beta: float = 0.1         # trimmed_mean: drop this fraction at each end, per coordinate
-    krum_f: int = 0                # krum/multikrum: Byzantine clients tolerated (needs n > 2f + 2)
-    multikrum_m: int = 0           # multikrum: updates averaged; 0 means n - f
-    norm_bound: float = 0.0        # clip each update to this L2 norm first; 0 = off
-    max_updates: int = 1024        # buffered rules hold at most this many updates (memory bound)
+    trim_beta: float = 0.1  # trimmed_mean: drop this fraction at each end, per coordinate
+    krum_f: int = 0  # krum/multikrum: Byzantine clients tolerated (needs n > 2f + 2)
+    multikrum_m: int = 0  # multikrum: updates averaged; 0 means n - f
+    norm_bound: float = 0.0  # clip each update to this L2 norm first; 0 = off
+    max_updates: int = 1024  # buffered rules hold at most this many updates (memory bound)
 
     def validate(self) -> None:
         if not 0 <= self.trim_beta < 0.5:
@@ -193,9 +199,9 @@ class AttackConfig:
     """Simulated misbehaving clients (simulations/attacks.py)."""
 
     kind: Literal["none", "sign_flip", "scale", "gaussian", "label_flip", "nan", "inf"] = "none"
-    fraction: float = 0.0          # share of clients that attack (the first ones of a seeded shuffle)
-    scale: float = 10.0            # sign_flip: delta -> -scale*delta; scale: delta -> scale*delta;
-                                   # gaussian: delta -> N(0, scale^2)
+    fraction: float = 0.0  # share of clients that attack (the first ones of a seeded shuffle)
+    scale: float = 10.0  # sign_flip: delta -> -scale*delta; scale: delta -> scale*delta;
+    # gaussian: delta -> N(0, scale^2)
 
     def validate(self) -> None:
         if not 0 <= self.fraction <= 1:
@@ -208,9 +214,9 @@ class CompressionConfig:
     """How client updates are encoded on the wire (aggregation/compression.py)."""
 
     encoding: Literal["dense", "q8", "topk"] = "dense"
-    topk_fraction: float = 0.01    # topk: share of coordinates sent (with error feedback)
-    q8_chunk: int = 1024           # q8: coordinates per float32 scale
-    zstd: bool = False             # zstd-compress the encoded tensors
+    topk_fraction: float = 0.01  # topk: share of coordinates sent (with error feedback)
+    q8_chunk: int = 1024  # q8: coordinates per float32 scale
+    zstd: bool = False  # zstd-compress the encoded tensors
     zstd_level: int = 3
 
     def validate(self) -> None:
@@ -233,33 +239,33 @@ class ServerConfig:
     and ``shoal simulate`` on the same config start from the same model.
     """
 
-    host: str = "127.0.0.1"        # listen address
+    host: str = "127.0.0.1"  # listen address
     port: int = 8443
-    tls_cert: str = ""             # PEM certificate chain; HTTPS needs both, else --insecure
-    tls_key: str = ""              # PEM private key
-    mode: Literal["sync", "async"] = "sync"             # sync rounds | async ([asynchronous] algorithm: fedbuff | fedasync)
-    rounds: int = 10               # global versions to produce, then the server reports done
-    clients_per_round: int = 0     # K; 0 means `fraction` of the connected nodes
+    tls_cert: str = ""  # PEM certificate chain; HTTPS needs both, else --insecure
+    tls_key: str = ""  # PEM private key
+    mode: Literal["sync", "async"] = "sync"  # sync rounds | async ([asynchronous] algorithm: fedbuff | fedasync)
+    rounds: int = 10  # global versions to produce, then the server reports done
+    clients_per_round: int = 0  # K; 0 means `fraction` of the connected nodes
     fraction: float = 1.0
-    min_nodes: int = 1             # connected nodes needed before a round starts
-    deadline_s: float = 60.0       # a round closes this long after it starts
-    min_fraction: float = 0.5      # share of the selected nodes that must report by the deadline
-    poll_s: float = 20.0           # longest a node's GET /v1/task is held open
-    max_body_bytes: int = 0        # upload limit; 0 means one dense float32 model + 1 MiB
-    ingest_slots: int = 4          # uploads decoded at once (memory: slots x model size)
+    min_nodes: int = 1  # connected nodes needed before a round starts
+    deadline_s: float = 60.0  # a round closes this long after it starts
+    min_fraction: float = 0.5  # share of the selected nodes that must report by the deadline
+    poll_s: float = 20.0  # longest a node's GET /v1/task is held open
+    max_body_bytes: int = 0  # upload limit; 0 means one dense float32 model + 1 MiB
+    ingest_slots: int = 4  # uploads decoded at once (memory: slots x model size)
     checkpoint_dir: str = "server/checkpoints"
     keep_checkpoints: int = 3
     db: str = "server/nodes.sqlite"
-    out_dir: str = "server/run"    # metrics.jsonl
-    eval: bool = True              # evaluate each new version on the task's central_test_data() (if it gives one)
+    out_dir: str = "server/run"  # metrics.jsonl
+    eval: bool = True  # evaluate each new version on the task's central_test_data() (if it gives one)
     # hostile input (docs/protocol.md, "Limits"): what one node may send and hold
     max_examples: int = 1_000_000  # an update claiming more examples is refused (out_of_range)
-    max_delta_abs: float = 1e4     # an update with a larger |entry| after decoding is refused; 0 = finite only
-    body_timeout_s: float = 30.0   # longest wait for the next bytes of a request body (408 after it)
+    max_delta_abs: float = 1e4  # an update with a larger |entry| after decoding is refused; 0 = finite only
+    body_timeout_s: float = 30.0  # longest wait for the next bytes of a request body (408 after it)
     upload_timeout_s: float = 300.0  # longest a whole upload may take once its body flows
-    uploads_per_node: int = 2      # one node's uploads in flight at once (429 above it)
-    idle_timeout_s: float = 75.0   # a connection with no request in flight this long is closed
-    admin_token_file: str = ""     # file holding the token of GET /v1/status and /metrics ("" = routes off)
+    uploads_per_node: int = 2  # one node's uploads in flight at once (429 above it)
+    idle_timeout_s: float = 75.0  # a connection with no request in flight this long is closed
+    admin_token_file: str = ""  # file holding the token of GET /v1/status and /metrics ("" = routes off)
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
@@ -280,7 +286,9 @@ class ServerConfig:
         _positive("server.keep_checkpoints", self.keep_checkpoints)
         _positive("server.max_examples", self.max_examples)
         if not (math.isfinite(self.max_delta_abs) and self.max_delta_abs >= 0):
-            raise ConfigError(f"server.max_delta_abs = {self.max_delta_abs!r} must be a finite number >= 0 (0 = no bound)")
+            raise ConfigError(
+                f"server.max_delta_abs = {self.max_delta_abs!r} must be a finite number >= 0 (0 = no bound)"
+            )
         for key in ("body_timeout_s", "upload_timeout_s", "idle_timeout_s"):
             v = getattr(self, key)
             if not (math.isfinite(v) and v > 0):
@@ -297,19 +305,21 @@ class AsynchronousConfig:
     constant | polynomial (1 + t)^-a | hinge (1 if t <= b else 1 / (a (t - b) + 1)).
     """
 
-    algorithm: Literal["fedbuff", "fedasync"] = "fedbuff"     # fedbuff (Nguyen et al. 2022) | fedasync (Xie et al. 2019)
-    concurrency: int = 10          # clients training at the same time
-    buffer_size: int = 10          # FedBuff's K: updates per server step
-    alpha: float = 0.6             # FedAsync's mixing weight
-    fedasync_mix: Literal["model", "delta"] = "model"    # model: x_client = x_base + delta (paper) | delta: x + alpha_t delta
+    algorithm: Literal["fedbuff", "fedasync"] = "fedbuff"  # fedbuff (Nguyen et al. 2022) | fedasync (Xie et al. 2019)
+    concurrency: int = 10  # clients training at the same time
+    buffer_size: int = 10  # FedBuff's K: updates per server step
+    alpha: float = 0.6  # FedAsync's mixing weight
+    fedasync_mix: Literal["model", "delta"] = (
+        "model"  # model: x_client = x_base + delta (paper) | delta: x + alpha_t delta
+    )
     staleness_weight: Literal["constant", "polynomial", "hinge"] = "polynomial"
     staleness_a: float = 0.5
     staleness_b: int = 4
-    max_staleness: int = 100       # older updates are rejected and counted
-    over_selection: float = 0.0    # sync: select ceil(K (1 + over_selection)) clients
-    deadline_s: float = 0.0        # sync: round deadline in (virtual) seconds; 0 = none
-    min_fraction: float = 0.0      # sync: a round with fewer than this * K results at its deadline fails
-    late: Literal["drop", "fold"] = "drop"             # sync: late results are dropped | folded into the next round (weight s(t))
+    max_staleness: int = 100  # older updates are rejected and counted
+    over_selection: float = 0.0  # sync: select ceil(K (1 + over_selection)) clients
+    deadline_s: float = 0.0  # sync: round deadline in (virtual) seconds; 0 = none
+    min_fraction: float = 0.0  # sync: a round with fewer than this * K results at its deadline fails
+    late: Literal["drop", "fold"] = "drop"  # sync: late results are dropped | folded into the next round (weight s(t))
 
     def validate(self) -> None:
         _positive("asynchronous.concurrency", self.concurrency)
@@ -330,18 +340,25 @@ class HeterogeneityConfig:
     """Simulated client speed, network delay and availability on a virtual clock
     (simulations/virtual_clock.py). Async mode always runs on the virtual clock."""
 
-    enabled: bool = False          # sync mode: run on the virtual clock with these settings
-    step_time_s: float = 0.05      # seconds per local step for a client of speed 1
-    speed_sigma: float = 0.0       # client speed ~ lognormal(0, sigma); 0 = all equal
-    network_delay_s: float = 0.0   # mean of an exponential delay, each way
-    mean_on_s: float = 0.0         # mean available period (exponential); 0 = always available
-    mean_off_s: float = 0.0        # mean unavailable period (exponential)
+    enabled: bool = False  # sync mode: run on the virtual clock with these settings
+    step_time_s: float = 0.05  # seconds per local step for a client of speed 1
+    speed_sigma: float = 0.0  # client speed ~ lognormal(0, sigma); 0 = all equal
+    network_delay_s: float = 0.0  # mean of an exponential delay, each way
+    mean_on_s: float = 0.0  # mean available period (exponential); 0 = always available
+    mean_off_s: float = 0.0  # mean unavailable period (exponential)
     max_virtual_time_s: float = 0.0  # stop at this virtual time; 0 = run simulation.rounds
-    eval_interval_s: float = 0.0   # evaluate every so many virtual seconds; 0 = every eval_every versions
+    eval_interval_s: float = 0.0  # evaluate every so many virtual seconds; 0 = every eval_every versions
 
     def validate(self) -> None:
-        for k in ("step_time_s", "speed_sigma", "network_delay_s", "mean_on_s", "mean_off_s",
-                  "max_virtual_time_s", "eval_interval_s"):
+        for k in (
+            "step_time_s",
+            "speed_sigma",
+            "network_delay_s",
+            "mean_on_s",
+            "mean_off_s",
+            "max_virtual_time_s",
+            "eval_interval_s",
+        ):
             _positive(f"heterogeneity.{k}", getattr(self, k), allow_zero=True)
         if self.step_time_s == 0:
             raise ConfigError("heterogeneity.step_time_s = 0: local training would take no time; use > 0")
@@ -353,35 +370,43 @@ class HeterogeneityConfig:
 class GossipConfig:
     """Decentralized training without a server (p2p/): `simulation.mode = "gossip"` and `shoal peer`."""
 
-    algorithm: Literal["gossip", "dpsgd", "secure_groups", "group_average"] = "gossip"      # gossip (push-pull with Cyclon views) | dpsgd (Lian et al. 2017) | secure_groups
-                                   # | group_average (Moshpit-style exact averages in grid groups, p2p/group_average.py)
-    group_size: int = 4            # secure_groups: peers that securely average together each round;
-                                   # group_average: about this many per group (the virtual grid's side)
-    group_weights: Literal["examples", "equal"] = "examples"  # group_average: weight each model by its training examples | "equal"
-    group_levels: int = 0          # group_average: grid axes one exchange averages across, each in small groups
-                                   # (0 = all: the exact global average on a full grid; 1 = one group, Moshpit's round)
-    merge: Literal["average", "examples", "age"] = "age"             # average | examples | age (Hegedus et al. 2019)
+    algorithm: Literal["gossip", "dpsgd", "secure_groups", "group_average"] = (
+        "gossip"  # gossip (push-pull with Cyclon views) | dpsgd (Lian et al. 2017) | secure_groups
+    )
+    # | group_average (Moshpit-style exact averages in grid groups, p2p/group_average.py)
+    group_size: int = 4  # secure_groups: peers that securely average together each round;
+    # group_average: about this many per group (the virtual grid's side)
+    group_weights: Literal["examples", "equal"] = (
+        "examples"  # group_average: weight each model by its training examples | "equal"
+    )
+    group_levels: int = 0  # group_average: grid axes one exchange averages across, each in small groups
+    # (0 = all: the exact global average on a full grid; 1 = one group, Moshpit's round)
+    merge: Literal["average", "examples", "age"] = "age"  # average | examples | age (Hegedus et al. 2019)
     staleness_exponent: float = 0.0  # weight * (1 + age gap) ** -a for models behind ours
-    max_age_gap: int = 0           # models further behind are not merged, further ahead adopted (0: off)
-    bound_mode: Literal["clip", "reject"] = "clip"       # robust.norm_bound > 0: clip | reject models farther than it from ours
-    view_size: int = 8             # Cyclon partial view
-    shuffle_length: int = 4        # entries swapped per shuffle
-    exchanges_per_round: int = 1   # push-pull exchanges a peer starts after each local step
-    timeout: float = 1.0           # rounds (simulator) or seconds (peer) before no answer is a failure
-    max_failures: int = 2          # consecutive failures before a peer leaves a view
-    topology: Literal["ring", "torus", "regular", "small-world", "complete"] = "ring"         # dpsgd: ring | torus | regular | small-world | complete
-    degree: int = 4                # regular / small-world degree
-    rewire: float = 0.1            # small-world rewiring probability
-    latency: float = 0.1           # simulator: mean one-way delay, in rounds (exponential)
-    loss: float = 0.0              # simulator: probability that a message is lost
-    churn: float = 0.0             # simulator: share of peers offline at any time
-    churn_period: float = 10.0     # simulator: mean rounds a peer stays offline
-    churn_reset: bool = False      # simulator: a returning peer lost its model (starts at age 0)
-    partition_start: int = 0       # simulator: rounds [start, end) split the network in two halves
+    max_age_gap: int = 0  # models further behind are not merged, further ahead adopted (0: off)
+    bound_mode: Literal["clip", "reject"] = (
+        "clip"  # robust.norm_bound > 0: clip | reject models farther than it from ours
+    )
+    view_size: int = 8  # Cyclon partial view
+    shuffle_length: int = 4  # entries swapped per shuffle
+    exchanges_per_round: int = 1  # push-pull exchanges a peer starts after each local step
+    timeout: float = 1.0  # rounds (simulator) or seconds (peer) before no answer is a failure
+    max_failures: int = 2  # consecutive failures before a peer leaves a view
+    topology: Literal["ring", "torus", "regular", "small-world", "complete"] = (
+        "ring"  # dpsgd: ring | torus | regular | small-world | complete
+    )
+    degree: int = 4  # regular / small-world degree
+    rewire: float = 0.1  # small-world rewiring probability
+    latency: float = 0.1  # simulator: mean one-way delay, in rounds (exponential)
+    loss: float = 0.0  # simulator: probability that a message is lost
+    churn: float = 0.0  # simulator: share of peers offline at any time
+    churn_period: float = 10.0  # simulator: mean rounds a peer stays offline
+    churn_reset: bool = False  # simulator: a returning peer lost its model (starts at age 0)
+    partition_start: int = 0  # simulator: rounds [start, end) split the network in two halves
     partition_end: int = 0
-    eval_peers: int = 0            # evaluate this many peers each time (0 = all)
-    period: float = 1.0            # `shoal peer`: seconds between local steps
-    rounds: int = 0                # `shoal peer`: stop after this many local steps (0 = run until stopped)
+    eval_peers: int = 0  # evaluate this many peers each time (0 = all)
+    period: float = 1.0  # `shoal peer`: seconds between local steps
+    rounds: int = 0  # `shoal peer`: stop after this many local steps (0 = run until stopped)
 
     def validate(self) -> None:
         _positive("gossip.group_levels", self.group_levels, allow_zero=True)
@@ -422,15 +447,15 @@ class PrivacyConfig:
     """
 
     mode: Literal["none", "central", "local", "distributed"] = "none"
-    noise_multiplier: float = 1.0    # z: noise std = z * clip_norm
-    clip_norm: float = 1.0           # C: update norm (central/distributed), per-sample gradient norm (local)
+    noise_multiplier: float = 1.0  # z: noise std = z * clip_norm
+    clip_norm: float = 1.0  # C: update norm (central/distributed), per-sample gradient norm (local)
     adaptive_clipping: bool = False  # central: Andrew et al. 2021 quantile-based C
-    target_quantile: float = 0.5     # gamma: the share of updates left unclipped
-    clip_lr: float = 0.2             # eta_C: geometric step of the clip norm
+    target_quantile: float = 0.5  # gamma: the share of updates left unclipped
+    clip_lr: float = 0.2  # eta_C: geometric step of the clip norm
     clipped_count_stddev: float = 0.0  # sigma_b of the noisy count; 0 = clients_per_round / 20 (the paper's choice)
-    target_epsilon: float = 0.0      # stop before epsilon would exceed this; 0 = no limit
+    target_epsilon: float = 0.0  # stop before epsilon would exceed this; 0 = no limit
     delta: float = 1e-5
-    accountant: Literal["rdp", "pld"] = "rdp"          # rdp | pld (dp-accounting)
+    accountant: Literal["rdp", "pld"] = "rdp"  # rdp | pld (dp-accounting)
     # central/distributed: how a round picks clients, and so what the accountant assumes:
     # poisson = each client joins with probability q = K/N (add/remove-one analysis);
     # fixed = exactly K of N (replace-one analysis with sensitivity 2C, RDP only)
@@ -441,9 +466,9 @@ class PrivacyConfig:
     # `shoal privacy-sweep`: the grid run after a non-private baseline
     sweep_modes: list[Literal["central", "local", "distributed"]] = field(default_factory=lambda: ["central", "local"])
     sweep_noise_multipliers: list[float] = field(default_factory=lambda: [0.3, 0.6, 1.0, 2.0])
-    mia_samples: int = 2000          # members and non-members each, for the membership-inference audit
-    canaries: int = 500              # canary clients of the sweep's empirical-epsilon audit (0 = no audit)
-    canaries_unseen: int = 1000      # random directions never inserted: the audit's null distribution
+    mia_samples: int = 2000  # members and non-members each, for the membership-inference audit
+    canaries: int = 500  # canary clients of the sweep's empirical-epsilon audit (0 = no audit)
+    canaries_unseen: int = 1000  # random directions never inserted: the audit's null distribution
 
     def validate(self) -> None:
         _positive("privacy.noise_multiplier", self.noise_multiplier, allow_zero=True)
@@ -456,8 +481,9 @@ class PrivacyConfig:
         if not 0 < self.delta < 1:
             raise ConfigError(f"privacy.delta = {self.delta} must be in (0, 1)")
         if not 0 <= self.min_survivors <= 1:
-            raise ConfigError(f"privacy.min_survivors = {self.min_survivors} must be a fraction of the round's "
-                              "clients in [0, 1]")
+            raise ConfigError(
+                f"privacy.min_survivors = {self.min_survivors} must be a fraction of the round's clients in [0, 1]"
+            )
         if self.sampling == "fixed" and self.accountant != "rdp" and self.mode in ("central", "distributed"):
             raise ConfigError(
                 "privacy.sampling = 'fixed' is accounted with RDP (sampling without replacement, replace-one); "
@@ -474,8 +500,10 @@ class PrivacyConfig:
         _positive("privacy.mia_samples", self.mia_samples)
         _positive("privacy.canaries", self.canaries, allow_zero=True)
         if self.canaries == 1:
-            raise ConfigError("privacy.canaries = 1: the canary audit fits a Gaussian to the inserted canaries' "
-                              "cosines and needs at least 2 (or 0 to skip the audit)")
+            raise ConfigError(
+                "privacy.canaries = 1: the canary audit fits a Gaussian to the inserted canaries' "
+                "cosines and needs at least 2 (or 0 to skip the audit)"
+            )
         _positive("privacy.canaries_unseen", self.canaries_unseen)
         if self.canaries_unseen < 2:
             raise ConfigError(f"privacy.canaries_unseen = {self.canaries_unseen} must be >= 2")
@@ -487,21 +515,21 @@ class SecureAggregationConfig:
     Bell et al. 2020); see docs/secure_aggregation.md."""
 
     enabled: bool = False
-    graph: Literal["full", "secagg+"] = "full"            # full (every pair masks) | secagg+ (k-regular random graph)
-    degree: int = 0                # secagg+ neighbours per client; 0 = about 3 log2(n)
-    threshold: float = 0.5         # t = floor(threshold * neighbourhood) + 1 shares unmask
-    clip: float = 1.0              # each update entry is clipped to [-clip, clip]
-    bits: int = 16                 # fixed-point bits per entry; clients x 2^bits must fit 2^32
-    max_weight: float = 0.0        # examples weighting: n_k / max_weight (0 = largest client)
-    dropout_advertise: float = 0.0 # injected: probability a client drops at each stage
+    graph: Literal["full", "secagg+"] = "full"  # full (every pair masks) | secagg+ (k-regular random graph)
+    degree: int = 0  # secagg+ neighbours per client; 0 = about 3 log2(n)
+    threshold: float = 0.5  # t = floor(threshold * neighbourhood) + 1 shares unmask
+    clip: float = 1.0  # each update entry is clipped to [-clip, clip]
+    bits: int = 16  # fixed-point bits per entry; clients x 2^bits must fit 2^32
+    max_weight: float = 0.0  # examples weighting: n_k / max_weight (0 = largest client)
+    dropout_advertise: float = 0.0  # injected: probability a client drops at each stage
     dropout_share: float = 0.0
     dropout_masked: float = 0.0
     dropout_unmask: float = 0.0
-    seed: int = 0                  # protocol randomness and injected dropouts
-    stage_s: float = 30.0          # `shoal server`: seconds each stage after the first waits for nodes
-    malicious_server: bool = False # the active-adversary variant: signed keys, a consistency round
-    keys_file: str = ""            # malicious_server: JSON {node name: base64 Ed25519 public key}, given to every node
-    identity_key: str = ""         # malicious_server, on a node: its Ed25519 key (`shoal keygen`)
+    seed: int = 0  # protocol randomness and injected dropouts
+    stage_s: float = 30.0  # `shoal server`: seconds each stage after the first waits for nodes
+    malicious_server: bool = False  # the active-adversary variant: signed keys, a consistency round
+    keys_file: str = ""  # malicious_server: JSON {node name: base64 Ed25519 public key}, given to every node
+    identity_key: str = ""  # malicious_server, on a node: its Ed25519 key (`shoal keygen`)
 
     def validate(self) -> None:
         _positive("secure_aggregation.stage_s", self.stage_s)
@@ -510,17 +538,23 @@ class SecureAggregationConfig:
             # t = floor(threshold x m) + 1 shares of m: t > m/2 (the full graph: m = n; SecAgg+: each
             # neighbourhood of degree + 1), else the server can ask one half of a client's share holders
             # for its self-mask and the other half for its mask key, and unmask that client's input
-            raise ConfigError(f"secure_aggregation.threshold = {self.threshold} must be in [0.5, 1): below 0.5 "
-                              "a server could collect both secrets of one client and see its update")
+            raise ConfigError(
+                f"secure_aggregation.threshold = {self.threshold} must be in [0.5, 1): below 0.5 "
+                "a server could collect both secrets of one client and see its update"
+            )
         if self.malicious_server:
             if self.graph != "full":
                 raise ConfigError("secure_aggregation.malicious_server = true runs over graph = 'full' only")
             if self.threshold < 2 / 3:
-                raise ConfigError(f"secure_aggregation.threshold = {self.threshold} with malicious_server = true: "
-                                  "at least 2/3 (t > 2n/3 against an active server, Bonawitz et al. 2017)")
+                raise ConfigError(
+                    f"secure_aggregation.threshold = {self.threshold} with malicious_server = true: "
+                    "at least 2/3 (t > 2n/3 against an active server, Bonawitz et al. 2017)"
+                )
         if self.graph == "secagg+" and self.degree == 1:
-            raise ConfigError("secure_aggregation.degree = 1 splits the clients into pairs whose sums the server "
-                              "learns; use >= 2 (or 0 for about 3 log2 n)")
+            raise ConfigError(
+                "secure_aggregation.degree = 1 splits the clients into pairs whose sums the server "
+                "learns; use >= 2 (or 0 for about 3 log2 n)"
+            )
         _positive("secure_aggregation.clip", self.clip)
         if not 1 <= self.bits <= 31:
             raise ConfigError(f"secure_aggregation.bits = {self.bits} must be in [1, 31]")
@@ -571,7 +605,7 @@ class Config:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     secure_aggregation: SecureAggregationConfig = field(default_factory=SecureAggregationConfig)
 
-    def validate(self) -> "Config":
+    def validate(self) -> Config:
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             check_choices(section, f.name)
@@ -582,5 +616,3 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
-
-

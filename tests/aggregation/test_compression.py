@@ -93,37 +93,96 @@ def q8_parts(spec, chunk=64):
     "make, error, match",
     [
         # top-k: the header's k disagrees with what was sent
-        (lambda s: lying(s, {"indices": torch.arange(10, dtype=torch.int32), "values": torch.ones(10)},
-                         encoding="topk", k=5), SpecMismatch, "shape"),
-        (lambda s: lying(s, {"indices": torch.arange(400, dtype=torch.int32), "values": torch.ones(400)},
-                         encoding="topk", k=400), Malformed, "'k'"),
-        (lambda s: lying(s, {"indices": torch.tensor([1, 700], dtype=torch.int32), "values": torch.ones(2)},
-                         encoding="topk", k=2), Malformed, "outside"),
-        (lambda s: lying(s, {"indices": torch.tensor([-1, 3], dtype=torch.int32), "values": torch.ones(2)},
-                         encoding="topk", k=2), Malformed, "outside"),
-        (lambda s: lying(s, {"indices": torch.tensor([5, 3], dtype=torch.int32), "values": torch.ones(2)},
-                         encoding="topk", k=2), Malformed, "strictly increasing"),
-        (lambda s: lying(s, {"indices": torch.tensor([3, 3], dtype=torch.int32), "values": torch.ones(2)},
-                         encoding="topk", k=2), Malformed, "no duplicates"),
-        (lambda s: lying(s, {"indices": torch.tensor([1, 3], dtype=torch.int64), "values": torch.ones(2)},
-                         encoding="topk", k=2), SpecMismatch, "dtype"),
+        (
+            lambda s: lying(
+                s, {"indices": torch.arange(10, dtype=torch.int32), "values": torch.ones(10)}, encoding="topk", k=5
+            ),
+            SpecMismatch,
+            "shape",
+        ),
+        (
+            lambda s: lying(
+                s, {"indices": torch.arange(400, dtype=torch.int32), "values": torch.ones(400)}, encoding="topk", k=400
+            ),
+            Malformed,
+            "'k'",
+        ),
+        (
+            lambda s: lying(
+                s, {"indices": torch.tensor([1, 700], dtype=torch.int32), "values": torch.ones(2)}, encoding="topk", k=2
+            ),
+            Malformed,
+            "outside",
+        ),
+        (
+            lambda s: lying(
+                s, {"indices": torch.tensor([-1, 3], dtype=torch.int32), "values": torch.ones(2)}, encoding="topk", k=2
+            ),
+            Malformed,
+            "outside",
+        ),
+        (
+            lambda s: lying(
+                s, {"indices": torch.tensor([5, 3], dtype=torch.int32), "values": torch.ones(2)}, encoding="topk", k=2
+            ),
+            Malformed,
+            "strictly increasing",
+        ),
+        (
+            lambda s: lying(
+                s, {"indices": torch.tensor([3, 3], dtype=torch.int32), "values": torch.ones(2)}, encoding="topk", k=2
+            ),
+            Malformed,
+            "no duplicates",
+        ),
+        (
+            lambda s: lying(
+                s, {"indices": torch.tensor([1, 3], dtype=torch.int64), "values": torch.ones(2)}, encoding="topk", k=2
+            ),
+            SpecMismatch,
+            "dtype",
+        ),
         # q8: wrong chunk (so the scale count is wrong), wrong length, bad scales, bad codes
-        (lambda s: lying(s, dict(zip(("q", "scale"), q8_parts(s, 64))), encoding="q8", chunk=128),
-         SpecMismatch, "'scale' has shape"),
-        (lambda s: lying(s, {"q": q8_parts(s)[0][:-1], "scale": q8_parts(s)[1]}, encoding="q8", chunk=64),
-         SpecMismatch, "'q' has shape"),
-        (lambda s: lying(s, {"q": q8_parts(s)[0], "scale": -q8_parts(s)[1]}, encoding="q8", chunk=64),
-         Malformed, "negative"),
-        (lambda s: lying(s, {"q": q8_parts(s)[0], "scale": torch.full((10,), float("nan"))}, encoding="q8",
-                         chunk=64), NonFinite, "'scale'"),
-        (lambda s: lying(s, {"q": torch.full((s.numel,), -128, dtype=torch.int8), "scale": torch.ones(10)},
-                         encoding="q8", chunk=64), Malformed, "-128"),
-        (lambda s: lying(s, dict(zip(("q", "scale"), q8_parts(s, 64))), encoding="q8", chunk=0),
-         Malformed, "'chunk'"),
+        (
+            lambda s: lying(s, dict(zip(("q", "scale"), q8_parts(s, 64))), encoding="q8", chunk=128),
+            SpecMismatch,
+            "'scale' has shape",
+        ),
+        (
+            lambda s: lying(s, {"q": q8_parts(s)[0][:-1], "scale": q8_parts(s)[1]}, encoding="q8", chunk=64),
+            SpecMismatch,
+            "'q' has shape",
+        ),
+        (
+            lambda s: lying(s, {"q": q8_parts(s)[0], "scale": -q8_parts(s)[1]}, encoding="q8", chunk=64),
+            Malformed,
+            "negative",
+        ),
+        (
+            lambda s: lying(
+                s, {"q": q8_parts(s)[0], "scale": torch.full((10,), float("nan"))}, encoding="q8", chunk=64
+            ),
+            NonFinite,
+            "'scale'",
+        ),
+        (
+            lambda s: lying(
+                s,
+                {"q": torch.full((s.numel,), -128, dtype=torch.int8), "scale": torch.ones(10)},
+                encoding="q8",
+                chunk=64,
+            ),
+            Malformed,
+            "-128",
+        ),
+        (lambda s: lying(s, dict(zip(("q", "scale"), q8_parts(s, 64))), encoding="q8", chunk=0), Malformed, "'chunk'"),
         (lambda s: lying(s, {"delta": torch.zeros(s.numel)}, encoding="gzip"), Malformed, "'encoding'"),
         (lambda s: lying(s, {"delta": torch.zeros(s.numel)}, encoding="dense", zstd="yes"), Malformed, "'zstd'"),
-        (lambda s: lying(s, {"zstd": torch.arange(50, dtype=torch.uint8)}, encoding="dense", zstd=True),
-         Malformed, "zstd frame"),
+        (
+            lambda s: lying(s, {"zstd": torch.arange(50, dtype=torch.uint8)}, encoding="dense", zstd=True),
+            Malformed,
+            "zstd frame",
+        ),
     ],
 )
 def test_lying_header_is_rejected_with_a_clear_error(spec, make, error, match):

@@ -5,9 +5,8 @@ import math
 import pytest
 import torch
 
-from shoal.aggregation.dp import AdaptiveClipping, DPMean, clip_to_norm, make_generator, noise_share
+from shoal.aggregation.dp import AdaptiveClipping, DPMean, clip_to_norm, make_dp_strategy, make_generator, noise_share
 from shoal.config import PrivacyConfig, StrategyConfig
-from shoal.aggregation.dp import make_dp_strategy
 from shoal.errors import ConfigError
 from shoal.update import Update
 
@@ -105,7 +104,8 @@ def test_dp_strategy_releases_noise_for_an_empty_round_and_plain_mean_does_not()
     quiet.begin(torch.zeros(10))
     with pytest.raises(EmptyAggregate):
         quiet.finalize()
-    dist = make_dp_strategy(StrategyConfig(), PrivacyConfig(mode="distributed", noise_multiplier=1.5, clip_norm=2.0),
-                            100_000, 5, seed=4)
+    dist = make_dp_strategy(
+        StrategyConfig(), PrivacyConfig(mode="distributed", noise_multiplier=1.5, clip_norm=2.0), 100_000, 5, seed=4
+    )
     dist.begin(torch.zeros(100_000))  # no share arrived: the server adds the whole N(0, z²C²)
     assert float(dist.finalize().double().std()) == pytest.approx(1.5 * 2.0 / 5, rel=0.01)

@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from shoal.aggregation import make_strategy
-from shoal.aggregation.robust import CoordinateMedian, MultiKrum, NormBound, TrimmedMean, make_aggregator
 from shoal.aggregation.mean import EmptyAggregate, WeightedMean
+from shoal.aggregation.robust import CoordinateMedian, MultiKrum, NormBound, TrimmedMean, make_aggregator
 from shoal.config import RobustConfig, StrategyConfig
 from shoal.update import Update
 

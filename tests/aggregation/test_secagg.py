@@ -49,8 +49,7 @@ def test_unmasked_sum_is_the_plain_sum_of_the_included_or_the_round_aborts(case)
     encoded = {c: fp.encode(x, rng) for c, x in xs.items()}
     drop_at = {c: s for c, s in zip(ids(n), drops) if s is not None}
     params = SecAggParams(b"round-1", size, graph, degree, fraction, graph_seed=seed)
-    alive = {s: [c for c in ids(n) if c not in drop_at or STAGES.index(drop_at[c]) > STAGES.index(s)]
-             for s in STAGES}
+    alive = {s: [c for c in ids(n) if c not in drop_at or STAGES.index(drop_at[c]) > STAGES.index(s)] for s in STAGES}
     t = threshold(n, fraction)
     try:
         result, _ = run_in_memory(params, encoded, drop_at, seed=seed)
@@ -188,6 +187,7 @@ def test_server_rejects_a_malformed_masked_input():
     deliveries = server.close_share()
     good = clients["c00"].masked_input(deliveries["c00"], np.zeros(8, np.uint32))
     from shoal.aggregation.secagg import MaskedInput
+
     with pytest.raises(SecAggProtocolError, match="uint32 of shape"):
         server.receive_masked(MaskedInput("c00", good.vector.astype(np.int64)))
     with pytest.raises(SecAggProtocolError, match="may not send"):

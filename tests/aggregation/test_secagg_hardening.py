@@ -20,7 +20,6 @@ from shoal.aggregation.secagg import (
     SecAggRefused,
     SecAggServer,
     ShareDelivery,
-    UnmaskRequest,
 )
 from shoal.aggregation.secagg_encoding import FixedPoint, encode_weighted
 from shoal.aggregation.secagg_memory import run_in_memory
@@ -28,10 +27,15 @@ from shoal.config import load_config
 from shoal.errors import ConfigError
 
 P = 2**255 - 19
-SMALL_ORDER = [bytes(32), (1).to_bytes(32, "little"), (P - 1).to_bytes(32, "little"), P.to_bytes(32, "little"),
-               bytes.fromhex("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800"),
-               bytes.fromhex("5f9c95bca3508c24b1d0b1559c83ef5b04445cc4581c8e86d8224eddd09f1157"),
-               bytes.fromhex("ecffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f")]
+SMALL_ORDER = [
+    bytes(32),
+    (1).to_bytes(32, "little"),
+    (P - 1).to_bytes(32, "little"),
+    P.to_bytes(32, "little"),
+    bytes.fromhex("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800"),
+    bytes.fromhex("5f9c95bca3508c24b1d0b1559c83ef5b04445cc4581c8e86d8224eddd09f1157"),
+    bytes.fromhex("ecffffffffffffffffffffffffffffffffffffffffffffffffffffffffffff7f"),
+]
 
 
 def ids(n):
@@ -98,8 +102,16 @@ def test_a_misrouted_secagg_plus_delivery_would_change_the_sum_and_is_refused():
     for c, d in dirs.items():
         server.receive_shares(clients[c].share_keys(d))
     deliveries = server.close_share()
-    a, b = "c00", next(c for c in ids(8) if c != "c00" and set(deliveries[c].ciphertexts) != set(
-        deliveries["c00"].ciphertexts) and "c00" in deliveries[c].ciphertexts)
+    a, b = (
+        "c00",
+        next(
+            c
+            for c in ids(8)
+            if c != "c00"
+            and set(deliveries[c].ciphertexts) != set(deliveries["c00"].ciphertexts)
+            and "c00" in deliveries[c].ciphertexts
+        ),
+    )
     with pytest.raises(SecAggRefused):
         clients[a].masked_input(deliveries[b], np.zeros(6, np.uint32))
     relabelled = ShareDelivery(a, deliveries[b].ciphertexts)  # senders outside a's neighbourhood
@@ -175,16 +187,26 @@ def test_secagg_plus_graph_is_drawn_from_the_advertised_keys():
     assert graphs[0] == graphs[1] and graphs[0][0] != graphs[2][0] and graphs[0][1] != graphs[2][1]
 
 
-@pytest.mark.parametrize("extra, why", [
-    (["secure_aggregation.threshold=0.49"], "threshold = 0.49 must be in \\[0.5, 1\\)"),
-    (["secure_aggregation.threshold=0.0"], "threshold"),
-    (["secure_aggregation.graph='secagg+'", "secure_aggregation.degree=1"], "degree = 1"),
-])
+@pytest.mark.parametrize(
+    "extra, why",
+    [
+        (["secure_aggregation.threshold=0.49"], "threshold = 0.49 must be in \\[0.5, 1\\)"),
+        (["secure_aggregation.threshold=0.0"], "threshold"),
+        (["secure_aggregation.graph='secagg+'", "secure_aggregation.degree=1"], "degree = 1"),
+    ],
+)
 def test_threshold_floor_and_secagg_plus_degree_are_config_errors(extra, why):
     with pytest.raises(ConfigError, match=why):
         load_config(None, ["secure_aggregation.enabled=true", *extra])
-    load_config(None, ["secure_aggregation.enabled=true", "secure_aggregation.threshold=0.5",
-                       "secure_aggregation.graph='secagg+'", "secure_aggregation.degree=2"])
+    load_config(
+        None,
+        [
+            "secure_aggregation.enabled=true",
+            "secure_aggregation.threshold=0.5",
+            "secure_aggregation.graph='secagg+'",
+            "secure_aggregation.degree=2",
+        ],
+    )
 
 
 def test_simulator_leaves_a_nan_client_out_of_the_secure_sum():
@@ -192,8 +214,17 @@ def test_simulator_leaves_a_nan_client_out_of_the_secure_sum():
 
     from shoal.simulations.inprocess import InProcessSimulation
 
-    cfg = load_config(None, ["simulation.rounds=1", "simulation.num_clients=12", "simulation.clients_per_round=6",
-                             "secure_aggregation.enabled=true", "attack.kind='nan'", "attack.fraction=0.5"])
+    cfg = load_config(
+        None,
+        [
+            "simulation.rounds=1",
+            "simulation.num_clients=12",
+            "simulation.clients_per_round=6",
+            "secure_aggregation.enabled=true",
+            "attack.kind='nan'",
+            "attack.fraction=0.5",
+        ],
+    )
     sim = InProcessSimulation(cfg)
     s = sim.run_round()
     assert s.version == 1 and s.rejected.get("non_finite", 0) >= 1

@@ -95,9 +95,12 @@ def test_a_swapped_key_makes_every_honest_node_abort_before_sharing_anything():
         server.receive_keys(c.advertise_keys())
     directories = server.close_advertise()
     mine = C.public_key(C.generate_private(C.Randomness(b"server")))
-    swapped = {u: KeyDirectory(d.recipient, d.threshold,
-                               {**d.peers, "c01": dataclasses.replace(d.peers["c01"], mask_key=mine)})
-               for u, d in directories.items()}
+    swapped = {
+        u: KeyDirectory(
+            d.recipient, d.threshold, {**d.peers, "c01": dataclasses.replace(d.peers["c01"], mask_key=mine)}
+        )
+        for u, d in directories.items()
+    }
     for c in ids():
         if c == "c01":
             continue
@@ -108,8 +111,10 @@ def test_a_swapped_key_makes_every_honest_node_abort_before_sharing_anything():
     enc, mask = (C.public_key(C.generate_private(C.Randomness(s))) for s in (b"e", b"m"))
     own = ID.new_identity()
     sig = ID.sign(own, ID.keys_message(p.session, "zz", enc, mask))
-    sybil = {**directories["c01"].peers, "zz": dataclasses.replace(directories["c01"].peers["c02"], index=99,
-                                                                   enc_key=enc, mask_key=mask, signature=sig)}
+    sybil = {
+        **directories["c01"].peers,
+        "zz": dataclasses.replace(directories["c01"].peers["c02"], index=99, enc_key=enc, mask_key=mask, signature=sig),
+    }
     with pytest.raises(SecAggAborted, match="not in the keys file"):
         clients["c01"].share_keys(KeyDirectory("c01", directories["c01"].threshold + 1, sybil))
 
@@ -151,13 +156,21 @@ def test_unmask_requests_must_match_the_signed_list_and_carry_t_signatures():
     for c, r in requests.items():
         server.receive_consistency(clients[c].consistency_check(r))
     honest = server.close_consistency()
-    c0 = clients["c00"]
+    clients["c00"]
     r = honest["c00"]
-    cases = [("equivocates", "c00", UnmaskRequest("c00", r.survivors[:-1], [r.survivors[-1]], r.signatures)),
-             ("threshold", "c01", UnmaskRequest("c01", r.survivors, r.dropped,
-                                                {v: r.signatures[v] for v in ["c00", "c01", "c02"]})),  # t = 5 of 6
-             ("did not sign", "c02", UnmaskRequest("c02", r.survivors, r.dropped,
-                                                   {**r.signatures, "c03": r.signatures["c04"]}))]
+    cases = [
+        ("equivocates", "c00", UnmaskRequest("c00", r.survivors[:-1], [r.survivors[-1]], r.signatures)),
+        (
+            "threshold",
+            "c01",
+            UnmaskRequest("c01", r.survivors, r.dropped, {v: r.signatures[v] for v in ["c00", "c01", "c02"]}),
+        ),  # t = 5 of 6
+        (
+            "did not sign",
+            "c02",
+            UnmaskRequest("c02", r.survivors, r.dropped, {**r.signatures, "c03": r.signatures["c04"]}),
+        ),
+    ]
     for why, c, bad in cases:
         with pytest.raises(SecAggAborted, match=why):
             clients[c].unmask(bad)
@@ -182,7 +195,7 @@ def test_the_server_refuses_unsigned_keys_and_params_refuse_weak_settings():
 
 def test_signed_messages_survive_the_wire():
     p, clients, server = parties()
-    x = inputs()
+    inputs()
     for c in clients.values():
         msg = c.advertise_keys()
         assert decode_message(encode_message(msg), SIZE) == msg
@@ -223,8 +236,13 @@ def test_the_simulator_runs_the_signed_variant_and_matches_the_plain_one():
     from shoal.config import load_config
     from shoal.simulations.inprocess import InProcessSimulation
 
-    base = ["simulation.rounds=1", "simulation.num_clients=12", "simulation.clients_per_round=6",
-            "secure_aggregation.enabled=true", "secure_aggregation.threshold=0.7"]
+    base = [
+        "simulation.rounds=1",
+        "simulation.num_clients=12",
+        "simulation.clients_per_round=6",
+        "secure_aggregation.enabled=true",
+        "secure_aggregation.threshold=0.7",
+    ]
     plain = InProcessSimulation(load_config(None, base))
     signed = InProcessSimulation(load_config(None, [*base, "secure_aggregation.malicious_server=true"]))
     assert plain.run_round().version == signed.run_round().version == 1

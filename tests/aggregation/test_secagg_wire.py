@@ -40,9 +40,11 @@ def test_malformed_messages_raise_wire_errors():
     with pytest.raises(Malformed, match="enc_key: expected base64 of 32 bytes"):
         decode_message(encode({}, {"kind": "public_keys", "sender": "a", "enc_key": "AAAA", "mask_key": "AAAA"}), 4)
     with pytest.raises(Malformed, match=r"self_mask\['b'\]"):
-        decode_message(encode({}, {"kind": "unmask_shares", "sender": "a", "self_mask": {"b": [2**31] * 16},
-                                   "mask_key": {}}), 4)
+        decode_message(
+            encode({}, {"kind": "unmask_shares", "sender": "a", "self_mask": {"b": [2**31] * 16}, "mask_key": {}}), 4
+        )
     from shoal.aggregation.secagg import MaskedInput
+
     body = encode_message(MaskedInput("a", np.zeros(8, np.uint32)))
     with pytest.raises(WireError, match="shape"):
         decode_message(body, 9)

@@ -55,8 +55,11 @@ def test_fixed_size_sampling_is_replace_one_with_sensitivity_2c():
     from shoal.accounting import epsilon_fixed_size
 
     acc = rdp.RdpAccountant(neighboring_relation=dp_accounting.NeighboringRelation.REPLACE_ONE)
-    acc.compose(dp_accounting.SelfComposedDpEvent(
-        dp_accounting.SampledWithoutReplacementDpEvent(100, 10, dp_accounting.GaussianDpEvent(0.75)), 50))
+    acc.compose(
+        dp_accounting.SelfComposedDpEvent(
+            dp_accounting.SampledWithoutReplacementDpEvent(100, 10, dp_accounting.GaussianDpEvent(0.75)), 50
+        )
+    )
     assert epsilon_fixed_size(100, 10, 1.5, 50, 1e-5) == pytest.approx(acc.get_epsilon(1e-5))
     for n, k, z in [(10, 5, 1.0), (100, 10, 1.5), (1000, 50, 3.0)]:
         assert epsilon_fixed_size(n, k, z, 20, 1e-5) > epsilon(k / n, z, 20, 1e-5)

@@ -6,29 +6,35 @@ from shoal.config import load_config
 from shoal.errors import ConfigError
 
 
-@pytest.mark.parametrize("sets, named", [
-    (['secure_aggregation.enabled=true', 'robust.rule="median"'], "robust.rule"),
-    (['secure_aggregation.enabled=true', 'compression.encoding="topk"'], "compression.encoding"),
-    (['secure_aggregation.enabled=true', 'privacy.mode="central"'], "privacy.mode = 'distributed'"),
-    (['secure_aggregation.enabled=true', 'simulation.mode="async"'], "simulation.mode"),
-    (['secure_aggregation.enabled=true', 'heterogeneity.enabled=true'], "heterogeneity.enabled"),
-    (['privacy.mode="central"', 'heterogeneity.enabled=true'], "heterogeneity.enabled"),
-    (['privacy.mode="central"', 'robust.rule="krum"'], "robust.rule"),
-    (['privacy.mode="local"', 'simulation.mode="gossip"'], "simulation.mode = 'sync'"),
-    (['simulation.engine="flower"', 'privacy.mode="central"'], "privacy.mode = 'central'"),
-    (['simulation.engine="flower"', 'attack.kind="sign_flip"'], "attack.kind"),
-    (['simulation.engine="flower"', 'simulation.mode="async"'], "simulation.mode"),
-])
+@pytest.mark.parametrize(
+    "sets, named",
+    [
+        (["secure_aggregation.enabled=true", 'robust.rule="median"'], "robust.rule"),
+        (["secure_aggregation.enabled=true", 'compression.encoding="topk"'], "compression.encoding"),
+        (["secure_aggregation.enabled=true", 'privacy.mode="central"'], "privacy.mode = 'distributed'"),
+        (["secure_aggregation.enabled=true", 'simulation.mode="async"'], "simulation.mode"),
+        (["secure_aggregation.enabled=true", "heterogeneity.enabled=true"], "heterogeneity.enabled"),
+        (['privacy.mode="central"', "heterogeneity.enabled=true"], "heterogeneity.enabled"),
+        (['privacy.mode="central"', 'robust.rule="krum"'], "robust.rule"),
+        (['privacy.mode="local"', 'simulation.mode="gossip"'], "simulation.mode = 'sync'"),
+        (['simulation.engine="flower"', 'privacy.mode="central"'], "privacy.mode = 'central'"),
+        (['simulation.engine="flower"', 'attack.kind="sign_flip"'], "attack.kind"),
+        (['simulation.engine="flower"', 'simulation.mode="async"'], "simulation.mode"),
+    ],
+)
 def test_combinations_that_cannot_run_are_refused(sets, named):
     with pytest.raises(ConfigError) as e:
         load_config(None, sets)
     assert named in str(e.value)
 
 
-@pytest.mark.parametrize("sets", [
-    ['secure_aggregation.enabled=true', 'privacy.mode="distributed"'],
-    ['simulation.engine="flower"', 'robust.rule="median"'],
-    ['privacy.mode="local"', 'simulation.batch_clients=8'],
-])
+@pytest.mark.parametrize(
+    "sets",
+    [
+        ["secure_aggregation.enabled=true", 'privacy.mode="distributed"'],
+        ['simulation.engine="flower"', 'robust.rule="median"'],
+        ['privacy.mode="local"', "simulation.batch_clients=8"],
+    ],
+)
 def test_combinations_that_run_are_accepted(sets):
     load_config(None, sets)

@@ -16,8 +16,8 @@ import torch
 from shoal import synthetic
 from shoal.config import DataConfig
 from shoal.datasets import (
-    FederatedData,
     IDX_FILES,
+    FederatedData,
     load_federated,
     read_checksums,
     sha256_of,

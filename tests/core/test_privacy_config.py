@@ -11,13 +11,16 @@ def test_defaults_are_off_and_valid():
     assert cfg.privacy.mode == "none" and cfg.privacy.accountant == "rdp"
 
 
-@pytest.mark.parametrize("override,match", [
-    ("privacy.mode=cheap", "privacy.mode"),
-    ("privacy.clip_norm=0", "privacy.clip_norm"),
-    ("privacy.delta=1.5", "privacy.delta"),
-    ("privacy.accountant=moments", "privacy.accountant"),
-    ("privacy.sweep_modes=['none']", "privacy.sweep_modes"),
-])
+@pytest.mark.parametrize(
+    "override,match",
+    [
+        ("privacy.mode=cheap", "privacy.mode"),
+        ("privacy.clip_norm=0", "privacy.clip_norm"),
+        ("privacy.delta=1.5", "privacy.delta"),
+        ("privacy.accountant=moments", "privacy.accountant"),
+        ("privacy.sweep_modes=['none']", "privacy.sweep_modes"),
+    ],
+)
 def test_bad_values_name_the_key(override, match):
     with pytest.raises(ConfigError, match=match):
         load_config(None, [override])

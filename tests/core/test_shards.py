@@ -11,7 +11,7 @@ from shoal.errors import DataError
 from shoal.shards import load_shard, write_shards
 from shoal.task import TaskError
 
-TASK = '''
+TASK = """
 import torch
 from torch import nn
 from torch.utils.data import Dataset
@@ -44,7 +44,7 @@ class Regression(Task):
         test = [(torch.randn(2, 3, generator=g), torch.randn(2, generator=g)) if i == 1 else None
                 for i in range(num_clients)]
         return SimulationData(train=train, client_test=test, client_ids=[f"site-{i}" for i in range(num_clients)])
-'''
+"""
 
 
 def test_builtin_split_is_the_simulators(tmp_path):
@@ -62,8 +62,19 @@ def test_builtin_split_is_the_simulators(tmp_path):
 def test_task_split_writes_each_clients_tensors(tmp_path):
     (tmp_path / "reg.py").write_text(TASK)
     out = tmp_path / "shards"
-    res = CliRunner().invoke(app, ["data", "split", "--task", f"{tmp_path / 'reg.py'}:Regression",
-                                   "--set", "simulation.num_clients=3", "--out", str(out)])
+    res = CliRunner().invoke(
+        app,
+        [
+            "data",
+            "split",
+            "--task",
+            f"{tmp_path / 'reg.py'}:Regression",
+            "--set",
+            "simulation.num_clients=3",
+            "--out",
+            str(out),
+        ],
+    )
     assert res.exit_code == 0, res.output
     assert "wrote 3 shards" in res.output
     assert sorted(p.name for p in out.iterdir()) == [f"site-{i}.safetensors" for i in range(3)]
@@ -84,8 +95,10 @@ def test_task_split_writes_each_clients_tensors(tmp_path):
 
 def test_task_split_of_datasets_is_one_clear_error(tmp_path):
     (tmp_path / "reg.py").write_text(TASK)
-    cfg = load_config(None, [f"task.app='{tmp_path / 'reg.py'}:Regression'", "task.args={as_dataset = true}",
-                             "simulation.num_clients=2"])
+    cfg = load_config(
+        None,
+        [f"task.app='{tmp_path / 'reg.py'}:Regression'", "task.args={as_dataset = true}", "simulation.num_clients=2"],
+    )
     with pytest.raises(TaskError, match=r"train\[0\] is a Rows, not tensors.*local_data"):
         write_shards(cfg, tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing half-written

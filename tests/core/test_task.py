@@ -19,7 +19,7 @@ from shoal.params import ParamSpec
 from shoal.simulations.inprocess import InProcessSimulation
 from shoal.task import TaskError, check_loss, load_task
 
-TASK_FILE = '''
+TASK_FILE = """
 import torch
 from torch import nn
 import shoal
@@ -41,7 +41,7 @@ class Tiny(shoal.Task):
         return shoal.SimulationData(train=train, test=draw(200), client_test=tests)
 
 task = Tiny()
-'''
+"""
 
 
 @pytest.fixture
@@ -52,8 +52,17 @@ def task_file(tmp_path: Path) -> Path:
 
 
 def small(task: str, *extra: str):
-    return load_config(None, [f'task.app="{task}"', "simulation.rounds=3", "simulation.num_clients=6",
-                              "simulation.clients_per_round=3", "output.plots=false", *extra])
+    return load_config(
+        None,
+        [
+            f'task.app="{task}"',
+            "simulation.rounds=3",
+            "simulation.num_clients=6",
+            "simulation.clients_per_round=3",
+            "output.plots=false",
+            *extra,
+        ],
+    )
 
 
 # --- loading ----------------------------------------------------------------------------------
@@ -67,15 +76,18 @@ def test_a_task_loads_as_instance_class_with_args_or_module_path(task_file):
     assert builtin.model_name == "2nn"
 
 
-@pytest.mark.parametrize("spec, args, needle", [
-    ("no_colon", None, "expected path/to/file.py:name"),
-    ("{dir}/missing.py:task", None, "not found"),
-    ("{file}:nothing", None, "has no attribute 'nothing'"),
-    ("{file}:Tiny", {"depth": 3}, "[task.args] do not fit Tiny"),
-    ("{file}:task", {"width": 3}, "is an instance"),
-    ("{file}:torch", None, "torch is a module, not a Task"),
-    ("no.such.module:task", None, "cannot import module 'no.such.module'"),
-])
+@pytest.mark.parametrize(
+    "spec, args, needle",
+    [
+        ("no_colon", None, "expected path/to/file.py:name"),
+        ("{dir}/missing.py:task", None, "not found"),
+        ("{file}:nothing", None, "has no attribute 'nothing'"),
+        ("{file}:Tiny", {"depth": 3}, "[task.args] do not fit Tiny"),
+        ("{file}:task", {"width": 3}, "is an instance"),
+        ("{file}:torch", None, "torch is a module, not a Task"),
+        ("no.such.module:task", None, "cannot import module 'no.such.module'"),
+    ],
+)
 def test_loading_mistakes_are_one_clear_line(task_file, spec, args, needle):
     with pytest.raises(TaskError) as e:
         load_task(spec.format(dir=task_file.parent, file=task_file), args)
@@ -89,23 +101,34 @@ def test_a_task_file_that_fails_to_import_names_the_error(tmp_path):
         load_task(f"{bad}:task")
 
 
-@pytest.mark.parametrize("body, needle", [
-    ("def model(self): return 3", "model() returned a int"),
-    ("def simulation_data(self, n, seed): return [1, 2]", "simulation_data() returned a list"),
-    ("def simulation_data(self, n, seed): return shoal.SimulationData(train=[(torch.zeros(3, 4), torch.zeros(2))])",
-     "has 3 inputs but 2 targets"),
-    ("def simulation_data(self, n, seed): return shoal.SimulationData(train=['a'])", "train[0] is a str"),
-    ("def loss(self, model, x, y): return (model(x) - 1).pow(2).mean(1)", "expected a scalar tensor"),
-    ("def loss(self, model, x, y): return torch.tensor(1.0)", "has no gradient"),
-    ("def loss(self, model, x, y): return model(x.view(-1, 5)).sum()", "loss(model, x, y) failed: RuntimeError"),
-])
+@pytest.mark.parametrize(
+    "body, needle",
+    [
+        ("def model(self): return 3", "model() returned a int"),
+        ("def simulation_data(self, n, seed): return [1, 2]", "simulation_data() returned a list"),
+        (
+            "def simulation_data(self, n, seed): "
+            "return shoal.SimulationData(train=[(torch.zeros(3, 4), torch.zeros(2))])",
+            "has 3 inputs but 2 targets",
+        ),
+        ("def simulation_data(self, n, seed): return shoal.SimulationData(train=['a'])", "train[0] is a str"),
+        ("def loss(self, model, x, y): return (model(x) - 1).pow(2).mean(1)", "expected a scalar tensor"),
+        ("def loss(self, model, x, y): return torch.tensor(1.0)", "has no gradient"),
+        ("def loss(self, model, x, y): return model(x.view(-1, 5)).sum()", "loss(model, x, y) failed: RuntimeError"),
+    ],
+)
 def test_a_broken_task_part_is_named(tmp_path, body, needle):
     path = tmp_path / "t.py"
-    path.write_text(TASK_FILE.replace("task = Tiny()", textwrap.dedent(f"""
+    path.write_text(
+        TASK_FILE.replace(
+            "task = Tiny()",
+            textwrap.dedent(f"""
         class Broken(Tiny):
             {body}
         task = Broken()
-    """)))
+    """),
+        )
+    )
     with pytest.raises(TaskError, match=f"task {path}:task: .*") as e:
         InProcessSimulation(small(f"{path}:task"))
     assert needle in str(e.value)
@@ -114,8 +137,13 @@ def test_a_broken_task_part_is_named(tmp_path, body, needle):
 def test_the_cli_prints_one_line_and_exits_2_for_a_broken_task(tmp_path):
     path = tmp_path / "t.py"
     path.write_text("def broken(:\n")
-    proc = subprocess.run([sys.executable, "-m", "shoal.cli", "simulate", "--task", f"{path}:task", "-q"],
-                          capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, "-m", "shoal.cli", "simulate", "--task", f"{path}:task", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"error: task {path}:task: importing {path} failed: SyntaxError")
     assert "Traceback" not in proc.stderr
@@ -184,13 +212,18 @@ def test_tied_weights_are_exchanged_once():
 
 def test_fedbn_keeps_batchnorm_statistics_per_client(tmp_path):
     path = tmp_path / "bn.py"
-    path.write_text(TASK_FILE.replace("task = Tiny()", textwrap.dedent("""
+    path.write_text(
+        TASK_FILE.replace(
+            "task = Tiny()",
+            textwrap.dedent("""
         class BN(Tiny):
             exchange_buffers = False
             def model(self):
                 return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3))
         task = BN()
-    """)))
+    """),
+        )
+    )
     sim = InProcessSimulation(small(f"{path}:task", "simulation.clients_per_round=6"))
     assert not any("running" in e.name for e in sim.spec.entries)
     sim.run_round()
@@ -218,14 +251,19 @@ def test_a_task_optimizer_trains_and_a_bad_one_is_refused(task_file):
 
 def test_user_metrics_are_example_weighted_and_summarized(tmp_path):
     path = tmp_path / "m.py"
-    path.write_text(TASK_FILE.replace("task = Tiny()", textwrap.dedent("""
+    path.write_text(
+        TASK_FILE.replace(
+            "task = Tiny()",
+            textwrap.dedent("""
         class Metrics(Tiny):
             def metrics(self, model, x, y):
                 return {"mean_target": y.float().mean()}
             def summarize(self, means):
                 return {**means, "square": means["mean_target"] ** 2}
         task = Metrics(clients_with_tests=True)
-    """)))
+    """),
+        )
+    )
     sim = InProcessSimulation(small(f"{path}:task"))
     ev = sim.evaluate()
     test_y = sim.data.test[1].double()
@@ -264,7 +302,7 @@ def test_partition_dataset_splits_tensors_and_datasets_the_same_way():
     pairs = shoal.partition_dataset((x, y), 6, "dirichlet", seed=3, alpha=0.3)
     subsets = shoal.partition_dataset(TensorsAsDataset(x, y), 6, "dirichlet", seed=3, alpha=0.3, labels=y)
     assert isinstance(pairs, shoal.Partitioned) and len(pairs) == len(subsets) == 6
-    for (px, py), sub in zip(pairs, subsets):
+    for (_px, py), sub in zip(pairs, subsets):
         assert torch.equal(py, torch.stack([sub[i][1] for i in range(len(sub))]))
     assert sum(len(p[1]) for p in pairs) == 300
     natural = shoal.partition_dataset((x, y), 0, "natural", key=lambda i: int(y[i]))

@@ -17,8 +17,9 @@ def spec():
 
 
 def make_update(spec, **kw):
-    args = dict(delta=torch.randn(spec.numel), num_examples=17, base_version=3, sender="n1",
-                metrics={"train_loss": 0.5})
+    args = dict(
+        delta=torch.randn(spec.numel), num_examples=17, base_version=3, sender="n1", metrics={"train_loss": 0.5}
+    )
     args.update(kw)
     return Update(**args)
 
@@ -52,15 +53,19 @@ def test_other_architecture_is_a_spec_mismatch(spec):
 
 
 def test_wrong_shape_with_right_hash_is_rejected(spec):
-    body = encode({"delta": torch.zeros(spec.numel - 1)}, {"kind": "update", "spec_hash": spec.hash,
-                                                             "base_version": 0, "num_examples": 1})
+    body = encode(
+        {"delta": torch.zeros(spec.numel - 1)},
+        {"kind": "update", "spec_hash": spec.hash, "base_version": 0, "num_examples": 1},
+    )
     with pytest.raises(SpecMismatch, match="shape"):
         decode_update(body, spec)
 
 
 def test_wrong_dtype_is_rejected(spec):
-    body = encode({"delta": torch.zeros(spec.numel, dtype=torch.float16)},
-                  {"kind": "update", "spec_hash": spec.hash, "base_version": 0, "num_examples": 1})
+    body = encode(
+        {"delta": torch.zeros(spec.numel, dtype=torch.float16)},
+        {"kind": "update", "spec_hash": spec.hash, "base_version": 0, "num_examples": 1},
+    )
     with pytest.raises(SpecMismatch, match="dtype"):
         decode_update(body, spec)
 
@@ -87,8 +92,10 @@ def test_garbage_and_bad_header_fields(spec):
         decode_update(b"\xff" * 64, spec)
     with pytest.raises(Malformed, match="num_examples"):
         decode_update(encode_update(make_update(spec, num_examples=0), spec), spec)
-    body = encode({"delta": torch.zeros(spec.numel)}, {"kind": "update", "spec_hash": spec.hash,
-                                                        "base_version": "x", "num_examples": 1})
+    body = encode(
+        {"delta": torch.zeros(spec.numel)},
+        {"kind": "update", "spec_hash": spec.hash, "base_version": "x", "num_examples": 1},
+    )
     with pytest.raises(Malformed, match="base_version"):
         decode_update(body, spec)
     model_body = encode_model(torch.zeros(spec.numel), spec, 0)

@@ -25,8 +25,17 @@ def spec():
 
 
 def header(spec, **kw):
-    return {"format": FORMAT, "kind": "update", "spec_hash": spec.hash, "encoding": "dense", "base_version": 0,
-            "num_examples": 5, "sender": "n", "metrics": {}, **kw}
+    return {
+        "format": FORMAT,
+        "kind": "update",
+        "spec_hash": spec.hash,
+        "encoding": "dense",
+        "base_version": 0,
+        "num_examples": 5,
+        "sender": "n",
+        "metrics": {},
+        **kw,
+    }
 
 
 def raw(table_text: str | bytes, data: bytes = b"") -> bytes:
@@ -35,11 +44,14 @@ def raw(table_text: str | bytes, data: bytes = b"") -> bytes:
     return struct.pack("<Q", len(text)) + text + data
 
 
-def dense_raw(spec, hdr: dict | None = None, entry: dict | None = None, meta: dict | None = None,
-              data: bytes | None = None) -> bytes:
+def dense_raw(
+    spec, hdr: dict | None = None, entry: dict | None = None, meta: dict | None = None, data: bytes | None = None
+) -> bytes:
     n = spec.numel
-    table = {"__metadata__": meta if meta is not None else {"shoal": json.dumps(hdr or header(spec))},
-             "delta": entry or {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}}
+    table = {
+        "__metadata__": meta if meta is not None else {"shoal": json.dumps(hdr or header(spec))},
+        "delta": entry or {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]},
+    }
     return raw(json.dumps(table), bytes(4 * n) if data is None else data)
 
 
@@ -73,9 +85,21 @@ def test_largest_finite_dense_delta_needs_the_bound(spec):
     assert both_paths(small, spec, max_abs=1e4)[0] == "ok"
 
 
-@pytest.mark.parametrize("n, err", [(10**6 + 1, OutOfRange), (10**18, OutOfRange), (10**300, Malformed),
-                                    (10**400, Malformed), (0, Malformed), (-3, Malformed), (2.5, Malformed),
-                                    (True, Malformed), ("7", Malformed), (None, Malformed)])
+@pytest.mark.parametrize(
+    "n, err",
+    [
+        (10**6 + 1, OutOfRange),
+        (10**18, OutOfRange),
+        (10**300, Malformed),
+        (10**400, Malformed),
+        (0, Malformed),
+        (-3, Malformed),
+        (2.5, Malformed),
+        (True, Malformed),
+        ("7", Malformed),
+        (None, Malformed),
+    ],
+)
 def test_num_examples_is_bounded(spec, n, err):
     text = json.dumps(header(spec, num_examples=n))
     body = dense_raw(spec, meta={"shoal": text})
@@ -89,8 +113,10 @@ def test_integers_of_thousands_of_digits_are_malformed_not_a_crash(spec):
     text = json.dumps(header(spec)).replace('"base_version": 0', f'"base_version": {huge}')
     assert both_paths(dense_raw(spec, meta={"shoal": text}), spec)[0] is Malformed
     n = spec.numel
-    table = f'{{"__metadata__": {{"shoal": {json.dumps(json.dumps(header(spec)))}}}, ' \
-            f'"delta": {{"dtype": "F32", "shape": [{huge}], "data_offsets": [0, {4 * n}]}}}}'
+    table = (
+        f'{{"__metadata__": {{"shoal": {json.dumps(json.dumps(header(spec)))}}}, '
+        f'"delta": {{"dtype": "F32", "shape": [{huge}], "data_offsets": [0, {4 * n}]}}}}'
+    )
     kind, why = both_paths(raw(table, bytes(4 * n)), spec)
     assert kind is Malformed and "digits" in why
 
@@ -102,39 +128,54 @@ def test_deeply_nested_json_is_malformed(spec, where):
     if where == "shoal":
         body = dense_raw(spec, meta={"shoal": json.dumps(header(spec))[:-1] + f', "x": {deep}}}'})
     elif where == "table":
-        body = raw(f'{{"__metadata__": {{"shoal": {json.dumps(json.dumps(header(spec)))}}}, "x": {deep}}}',
-                   bytes(4 * n))
+        body = raw(
+            f'{{"__metadata__": {{"shoal": {json.dumps(json.dumps(header(spec)))}}}, "x": {deep}}}', bytes(4 * n)
+        )
     else:  # shallow enough for Python's parser, deeper than the wire allows
-        body = dense_raw(spec, meta={"shoal": json.dumps(header(spec, metrics={"a": [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]}))})
+        body = dense_raw(
+            spec, meta={"shoal": json.dumps(header(spec, metrics={"a": [[[[[[[[[[[[[[[[[[1]]]]]]]]]]]]]]]]]]}))}
+        )
     kind, why = both_paths(body, spec)
     assert kind is Malformed and "nested" in why
 
 
-@pytest.mark.parametrize("entry", [
-    {"dtype": "F32", "shape": [21], "data_offsets": "0,84"},
-    {"dtype": "F32", "shape": [21], "data_offsets": [0]},
-    {"dtype": "F32", "shape": [21], "data_offsets": [0, 84.0]},
-    {"dtype": "F32", "shape": [21], "data_offsets": [0, True]},
-    {"dtype": "F32", "shape": [21], "data_offsets": [-4, 80]},
-    {"dtype": "F32", "shape": [21], "data_offsets": {"a": 0}},
-    {"dtype": ["F32"], "shape": [21], "data_offsets": [0, 84]},
-    {"dtype": 4, "shape": [21], "data_offsets": [0, 84]},
-    {"dtype": "F128", "shape": [21], "data_offsets": [0, 84]},
-    {"dtype": "F32", "shape": [21.0], "data_offsets": [0, 84]},
-    {"dtype": "F32", "shape": 21, "data_offsets": [0, 84]},
-    {"dtype": "F32", "shape": [21, None], "data_offsets": [0, 84]},
-    {"dtype": "F32", "shape": [-21], "data_offsets": [0, 84]},
-    {"dtype": "F32", "shape": [20], "data_offsets": [0, 84]},  # bytes do not match dtype x shape
-    {"dtype": "F32", "shape": [21], "data_offsets": [0, 84], "extra": 1},
-])
+@pytest.mark.parametrize(
+    "entry",
+    [
+        {"dtype": "F32", "shape": [21], "data_offsets": "0,84"},
+        {"dtype": "F32", "shape": [21], "data_offsets": [0]},
+        {"dtype": "F32", "shape": [21], "data_offsets": [0, 84.0]},
+        {"dtype": "F32", "shape": [21], "data_offsets": [0, True]},
+        {"dtype": "F32", "shape": [21], "data_offsets": [-4, 80]},
+        {"dtype": "F32", "shape": [21], "data_offsets": {"a": 0}},
+        {"dtype": ["F32"], "shape": [21], "data_offsets": [0, 84]},
+        {"dtype": 4, "shape": [21], "data_offsets": [0, 84]},
+        {"dtype": "F128", "shape": [21], "data_offsets": [0, 84]},
+        {"dtype": "F32", "shape": [21.0], "data_offsets": [0, 84]},
+        {"dtype": "F32", "shape": 21, "data_offsets": [0, 84]},
+        {"dtype": "F32", "shape": [21, None], "data_offsets": [0, 84]},
+        {"dtype": "F32", "shape": [-21], "data_offsets": [0, 84]},
+        {"dtype": "F32", "shape": [20], "data_offsets": [0, 84]},  # bytes do not match dtype x shape
+        {"dtype": "F32", "shape": [21], "data_offsets": [0, 84], "extra": 1},
+    ],
+)
 def test_wrong_json_types_in_the_tensor_table_are_malformed(spec, entry):
     assert spec.numel == 21
     kind, why = both_paths(dense_raw(spec, entry=entry), spec)
     assert kind is Malformed, why
 
 
-@pytest.mark.parametrize("meta", [{"shoal": json.dumps({"format": FORMAT}), "x": 1}, {"shoal": {"format": FORMAT}},
-                                  {"shoal": json.dumps({"format": FORMAT}), "x": None}, ["shoal"], "shoal", {}])
+@pytest.mark.parametrize(
+    "meta",
+    [
+        {"shoal": json.dumps({"format": FORMAT}), "x": 1},
+        {"shoal": {"format": FORMAT}},
+        {"shoal": json.dumps({"format": FORMAT}), "x": None},
+        ["shoal"],
+        "shoal",
+        {},
+    ],
+)
 def test_metadata_values_must_be_strings(spec, meta):
     kind, _ = both_paths(dense_raw(spec, meta=meta), spec)
     assert kind is Malformed
@@ -143,11 +184,17 @@ def test_metadata_values_must_be_strings(spec, meta):
 def test_duplicate_keys_and_non_utf8_headers_are_malformed(spec):
     n = spec.numel
     h = json.dumps(json.dumps(header(spec)))
-    dup = f'{{"__metadata__": {{"shoal": {h}}}, "delta": {{"dtype": "F32", "shape": [{n}], ' \
-          f'"data_offsets": [0, {4 * n}], "dtype": "I32"}}}}'
+    dup = (
+        f'{{"__metadata__": {{"shoal": {h}}}, "delta": {{"dtype": "F32", "shape": [{n}], '
+        f'"data_offsets": [0, {4 * n}], "dtype": "I32"}}}}'
+    )
     assert both_paths(raw(dup, bytes(4 * n)), spec)[0] is Malformed
-    text = json.dumps({"__metadata__": {"shoal": json.dumps(header(spec))},
-                       "delta": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}}).encode()
+    text = json.dumps(
+        {
+            "__metadata__": {"shoal": json.dumps(header(spec))},
+            "delta": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]},
+        }
+    ).encode()
     latin = text.replace(b'"delta"', b'"d\xe9lta"')  # a Latin-1 byte, not UTF-8
     kind, why = both_paths(raw(latin, bytes(4 * n)), spec)
     assert kind is Malformed and "UTF-8" in why
@@ -156,8 +203,10 @@ def test_duplicate_keys_and_non_utf8_headers_are_malformed(spec):
 def test_two_tensor_table_with_a_hole_or_overlap_is_malformed_on_the_zero_copy_path(spec):
     """q8's two tensors: offsets that leave a hole or overlap are refused, as the library refuses them."""
     n = spec.numel
-    good = {"q": {"dtype": "I8", "shape": [n], "data_offsets": [0, n]},
-            "scale": {"dtype": "F32", "shape": [1], "data_offsets": [n, n + 4]}}
+    good = {
+        "q": {"dtype": "I8", "shape": [n], "data_offsets": [0, n]},
+        "scale": {"dtype": "F32", "shape": [1], "data_offsets": [n, n + 4]},
+    }
     hdr = json.dumps(header(spec, encoding="q8", chunk=n))
     data = bytes(n) + struct.pack("<f", 0.1)
 
@@ -171,16 +220,32 @@ def test_two_tensor_table_with_a_hole_or_overlap_is_malformed_on_the_zero_copy_p
     for table, d in ((hole, data + bytes(4)), (overlap, data[:-4])):
         kind, why = both_paths(body(table, d), spec)
         assert kind is Malformed and "contiguous" in why
-        with pytest.raises(Exception):
+        with pytest.raises(Exception):  # noqa: B017 - the safetensors library refuses it, with its own error type
             st_load(body(table, d))
 
 
-@pytest.mark.parametrize("hdr", [
-    {"metrics": {"loss": float("nan")}}, {"metrics": {"loss": float("inf")}}, {"metrics": {"loss": True}},
-    {"metrics": {"loss": "0.5"}}, {"metrics": [1]}, {"metrics": {f"m{i}": 1.0 for i in range(65)}},
-    {"sender": 5}, {"sender": "x" * 300}, {"round": "3"}, {"round": -1}, {"round": 1.5}, {"spec_hash": 7},
-    {"zstd": "yes"}, {"encoding": ["dense"]}, {"encoding": "q4"}, {"kind": "model"}, {"format": "shoal/0"},
-])
+@pytest.mark.parametrize(
+    "hdr",
+    [
+        {"metrics": {"loss": float("nan")}},
+        {"metrics": {"loss": float("inf")}},
+        {"metrics": {"loss": True}},
+        {"metrics": {"loss": "0.5"}},
+        {"metrics": [1]},
+        {"metrics": {f"m{i}": 1.0 for i in range(65)}},
+        {"sender": 5},
+        {"sender": "x" * 300},
+        {"round": "3"},
+        {"round": -1},
+        {"round": 1.5},
+        {"spec_hash": 7},
+        {"zstd": "yes"},
+        {"encoding": ["dense"]},
+        {"encoding": "q4"},
+        {"kind": "model"},
+        {"format": "shoal/0"},
+    ],
+)
 def test_every_header_field_is_type_checked(spec, hdr):
     body = dense_raw(spec, meta={"shoal": json.dumps({**header(spec), **hdr})})
     kind, why = both_paths(body, spec)
@@ -190,16 +255,17 @@ def test_every_header_field_is_type_checked(spec, hdr):
 
 # --- the table check agrees with the safetensors library ------------------------------
 
-_entry = st.fixed_dictionaries({
-    "dtype": st.sampled_from(["F32", "I8", "U8", "F16", "I64"]),
-    "shape": st.lists(st.integers(0, 6), max_size=3),
-    "data_offsets": st.lists(st.integers(0, 300), min_size=2, max_size=2),
-})
+_entry = st.fixed_dictionaries(
+    {
+        "dtype": st.sampled_from(["F32", "I8", "U8", "F16", "I64"]),
+        "shape": st.lists(st.integers(0, 6), max_size=3),
+        "data_offsets": st.lists(st.integers(0, 300), min_size=2, max_size=2),
+    }
+)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.dictionaries(st.sampled_from(["a", "b", "c"]), _entry, max_size=3), st.integers(0, 300),
-       st.booleans())
+@given(st.dictionaries(st.sampled_from(["a", "b", "c"]), _entry, max_size=3), st.integers(0, 300), st.booleans())
 def test_read_header_accepts_only_what_the_library_accepts(table, data_len, snap):
     """Random tables, often lying: whatever read_header accepts, safetensors loads; and a
     table whose offsets are the honest contiguous ones is accepted by both."""

@@ -40,8 +40,9 @@ def toml(name: str) -> str:
 @pytest.mark.parametrize("name", list(EXAMPLES))
 def test_example_task_on_a_server_and_three_tls_clients(tmp_path, name):
     files = node_files(name, tmp_path / "nodes")
-    records = run_server_and_clients(tmp_path, f"{TASKS / name}.py:task", [str(f) for f in files], toml(name),
-                                     rounds=2, timeout=300)
+    records = run_server_and_clients(
+        tmp_path, f"{TASKS / name}.py:task", [str(f) for f in files], toml(name), rounds=2, timeout=300
+    )
     fed = [r for r in records if r.get("evaluation") == "federated"]
     metric = "fed_" + EXAMPLES[name][3]
     assert fed and fed[-1]["version"] == 2 and fed[-1]["fed_nodes"] == 3, records

@@ -43,8 +43,9 @@ def simulate(tmp_path: Path, task: str, *sets: str) -> list[dict]:
     args = ["simulate", "-q", "--task", f"examples/tasks/{task}", "--out", str(tmp_path)]
     for s in sets:
         args += ["--set", s]
-    r = subprocess.run(SHOAL + args, capture_output=True, text=True, timeout=300, cwd=REPO,
-                       env={**os.environ, **ENV_1THREAD})
+    r = subprocess.run(
+        SHOAL + args, capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, **ENV_1THREAD}
+    )
     assert r.returncode == 0, r.stderr
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
@@ -67,9 +68,16 @@ def corpus() -> Path:
 
 
 def test_shakespeare_learns_above_the_most_frequent_character(tmp_path, corpus):
-    recs = simulate(tmp_path, "shakespeare.py:task", "task.args={max_roles = 4, hidden = 48, embed_dim = 16}",
-                    "simulation.rounds=4", "simulation.clients_per_round=0", "simulation.fraction=1.0",
-                    "train.batch_size=16", "train.lr=2.0")
+    recs = simulate(
+        tmp_path,
+        "shakespeare.py:task",
+        "task.args={max_roles = 4, hidden = 48, embed_dim = 16}",
+        "simulation.rounds=4",
+        "simulation.clients_per_round=0",
+        "simulation.fraction=1.0",
+        "train.batch_size=16",
+        "train.lr=2.0",
+    )
     assert [r["num_results"] for r in recs] == [4, 4, 4, 4]  # 4 roles, all train every round
     first, last = recs[0], recs[-1]
     assert last["test_loss"] < first["test_loss"] - 0.3
@@ -93,7 +101,7 @@ def test_shakespeare_roles_split_and_local_data_match_the_simulation(tmp_path, c
     task = load_task(str(TASKS / "shakespeare.py") + ":task", {"max_roles": 3})
     data = task.simulation_data(30, 0)  # max_roles caps the clients
     assert list(data.client_ids) == ["gloucester", "duke_vincentio", "king_richard_ii"]
-    for (x, y), (tx, ty) in zip(data.train, data.client_test):
+    for (x, y), (_tx, ty) in zip(data.train, data.client_test):
         assert x.dtype == torch.int64 and x.shape[1] == 80 and y.shape == x.shape
         assert torch.equal(x[:, 1:], y[:, :-1])  # y is x shifted by one character
         assert len(ty) > 0 and len(ty) < len(y) / 5  # every 10th speech is held out
@@ -113,10 +121,23 @@ def test_shakespeare_roles_split_and_local_data_match_the_simulation(tmp_path, c
 def test_shakespeare_central_baseline_script(tmp_path, corpus):
     """The docs' baseline script: same model and trainer on the pooled text, a table beside a federated run."""
     sets = ["task.args={max_roles = 2, hidden = 16, embed_dim = 8}", "simulation.rounds=2", "train.batch_size=16"]
-    fed = simulate(tmp_path / "fed", "shakespeare.py:task", *sets, "simulation.clients_per_round=0",
-                   "simulation.fraction=1.0", "train.lr=2.0")
-    args = ["examples/tasks/shakespeare_central.py", "-c", "examples/tasks/shakespeare.toml", "--out",
-            str(tmp_path / "central"), "--federated", str(tmp_path / "fed")]
+    fed = simulate(
+        tmp_path / "fed",
+        "shakespeare.py:task",
+        *sets,
+        "simulation.clients_per_round=0",
+        "simulation.fraction=1.0",
+        "train.lr=2.0",
+    )
+    args = [
+        "examples/tasks/shakespeare_central.py",
+        "-c",
+        "examples/tasks/shakespeare.toml",
+        "--out",
+        str(tmp_path / "central"),
+        "--federated",
+        str(tmp_path / "fed"),
+    ]
     for s in sets:
         args += ["--set", s]
     out = run_helper(*args).stdout
@@ -137,9 +158,23 @@ def test_shakespeare_bad_paths_give_one_clear_line(tmp_path):
     (tmp_path / "train.txt").write_text("too short")
     with pytest.raises(TaskError, match="fewer than 81 characters"):
         task.local_data(tmp_path)
-    r = subprocess.run(SHOAL + ["simulate", "-q", "--task", "examples/tasks/shakespeare.py:task", "--out",
-                                str(tmp_path / "o"), "--set", 'task.args={path = "/nonexistent/input.txt"}'],
-                       capture_output=True, text=True, timeout=120, cwd=REPO)
+    r = subprocess.run(
+        SHOAL
+        + [
+            "simulate",
+            "-q",
+            "--task",
+            "examples/tasks/shakespeare.py:task",
+            "--out",
+            str(tmp_path / "o"),
+            "--set",
+            'task.args={path = "/nonexistent/input.txt"}',
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "/nonexistent/input.txt" in lines[0], r.stderr
@@ -149,8 +184,15 @@ def test_shakespeare_bad_paths_give_one_clear_line(tmp_path):
 
 
 def test_regression_learns_and_r2_is_exact_from_the_means(tmp_path):
-    recs = simulate(tmp_path, "regression_csv.py:task", "simulation.rounds=12", "simulation.num_clients=8",
-                    "simulation.clients_per_round=4", "train.lr=0.05", "train.batch_size=16")
+    recs = simulate(
+        tmp_path,
+        "regression_csv.py:task",
+        "simulation.rounds=12",
+        "simulation.num_clients=8",
+        "simulation.clients_per_round=4",
+        "train.lr=0.05",
+        "train.batch_size=16",
+    )
     first, last = recs[0], recs[-1]
     assert last["test_mse"] < 0.5 * first["test_mse"]
     assert last["test_r2"] > 0.8
@@ -175,7 +217,7 @@ def test_regression_csv_files_round_trip(tmp_path):
     assert [f.name for f in folders] == ["node-0", "node-1", "node-2"]
     task = load_task(str(TASKS / "regression_csv.py") + ":task")
     sim = task.simulation_data(3, 0)
-    for folder, (x, y), (tx, ty) in zip(folders, sim.train, sim.client_test):
+    for folder, (x, y), (_tx, ty) in zip(folders, sim.train, sim.client_test):
         assert (folder / "train.csv").read_text().splitlines()[0] == "x0,x1,x2,x3,x4,x5,x6,x7,y"
         local = task.local_data(folder)
         assert torch.allclose(local.train[0], x, rtol=1e-5, atol=1e-5)  # written with 6 significant digits
@@ -194,15 +236,19 @@ def test_regression_csv_files_round_trip(tmp_path):
     assert update.num_examples == len(solo.train[1]) and torch.isfinite(update.delta).all()
 
 
-@pytest.mark.parametrize("text,needle", [
-    ("", "needs a header row and at least one data row"),
-    ("x0,x1,x2,x3,x4,x5,x6,x7,y\n", "needs a header row and at least one data row"),
-    ("x0,x1,x2,x3,x4,x5,x6,x7,target\n1,2,3,4,5,6,7,8,9\n", "no target column 'y'"),
-    ("x0,x1,x2,y\n1,2,3,4\n", "has 3 feature columns"),
-    ("x0,x1,x2,x3,x4,x5,x6,x7,y\n1,2,3,4,5,6,7,8,9\n1,2,3\n", "line 3 has 3 fields, the header has 9"),
-    ("x0,x1,x2,x3,x4,x5,x6,x7,y\n1,2,3,4,abc,6,7,8,9\n", "line 2, column 'x4': 'abc' is not a number"),
-    ("x0,x1,x2,x3,x4,x5,x6,x7,y\n1,2,3,4,5,6,7,8,nan\n", "inf or nan"),
-], ids=["empty", "header-only", "no-target", "feature-count", "ragged", "not-a-number", "nan"])
+@pytest.mark.parametrize(
+    "text,needle",
+    [
+        ("", "needs a header row and at least one data row"),
+        ("x0,x1,x2,x3,x4,x5,x6,x7,y\n", "needs a header row and at least one data row"),
+        ("x0,x1,x2,x3,x4,x5,x6,x7,target\n1,2,3,4,5,6,7,8,9\n", "no target column 'y'"),
+        ("x0,x1,x2,y\n1,2,3,4\n", "has 3 feature columns"),
+        ("x0,x1,x2,x3,x4,x5,x6,x7,y\n1,2,3,4,5,6,7,8,9\n1,2,3\n", "line 3 has 3 fields, the header has 9"),
+        ("x0,x1,x2,x3,x4,x5,x6,x7,y\n1,2,3,4,abc,6,7,8,9\n", "line 2, column 'x4': 'abc' is not a number"),
+        ("x0,x1,x2,x3,x4,x5,x6,x7,y\n1,2,3,4,5,6,7,8,nan\n", "inf or nan"),
+    ],
+    ids=["empty", "header-only", "no-target", "feature-count", "ragged", "not-a-number", "nan"],
+)
 def test_regression_malformed_csv_is_one_clear_error(tmp_path, text, needle):
     (tmp_path / "train.csv").write_text(text)
     task = load_task(str(TASKS / "regression_csv.py") + ":task")
@@ -227,9 +273,17 @@ def bn_buffer_numel(task) -> int:
 
 @pytest.mark.parametrize("exchange", [True, False], ids=["fedavg-bn-stats", "fedbn"])
 def test_image_task_learns_with_and_without_exchanging_bn_stats(tmp_path, exchange):
-    recs = simulate(tmp_path, "image_folder_bn.py:task", f"task.args={{exchange_buffers = {str(exchange).lower()}}}",
-                    "simulation.rounds=8", "simulation.num_clients=6", "simulation.clients_per_round=6",
-                    "train.lr=0.05", "train.batch_size=16", "train.epochs=2")
+    recs = simulate(
+        tmp_path,
+        "image_folder_bn.py:task",
+        f"task.args={{exchange_buffers = {str(exchange).lower()}}}",
+        "simulation.rounds=8",
+        "simulation.num_clients=6",
+        "simulation.clients_per_round=6",
+        "train.lr=0.05",
+        "train.batch_size=16",
+        "train.epochs=2",
+    )
     last = recs[-1]
     assert last["fed_accuracy"] > 0.5  # 4 classes: chance is 0.25
     assert last["fed_loss"] < recs[0]["fed_loss"]
@@ -248,8 +302,9 @@ def test_image_simulation_trains_through_the_dataloader_path():
     from shoal.config import load_config
     from shoal.simulations.inprocess import InProcessSimulation
 
-    cfg = load_config(None, [f'task.app="{TASKS / "image_folder_bn.py"}:task"', "simulation.num_clients=3",
-                             "simulation.rounds=1"])
+    cfg = load_config(
+        None, [f'task.app="{TASKS / "image_folder_bn.py"}:task"', "simulation.num_clients=3", "simulation.rounds=1"]
+    )
     sim = InProcessSimulation(cfg)
     assert not sim.shards.in_memory and sim.batched is None  # Datasets, not tensors: the DataLoader path
     sim.run_round()
@@ -257,12 +312,11 @@ def test_image_simulation_trains_through_the_dataloader_path():
 
 
 def test_image_png_folders_round_trip(tmp_path):
-    out = run_helper("examples/tasks/image_folder_bn.py", "write-pngs", str(tmp_path), "--nodes", "2",
-                     "--images", "12")
+    out = run_helper("examples/tasks/image_folder_bn.py", "write-pngs", str(tmp_path), "--nodes", "2", "--images", "12")
     folders = [Path(p) for p in out.stdout.split()]
     task = load_task(str(TASKS / "image_folder_bn.py") + ":task", {"images": 12})
     sim = task.simulation_data(2, 0)
-    for folder, train, test in zip(folders, sim.train, sim.client_test):
+    for folder, train, _test in zip(folders, sim.train, sim.client_test):
         local = task.local_data(folder)
         assert len(local.train) == 12 and len(local.test) == 3
         # PNG is lossless: every picture read back equals the generated one, under the same transform.
@@ -305,8 +359,16 @@ def test_image_bad_folders_give_clear_errors(tmp_path):
 
 
 def test_adapter_sends_only_the_adapter_and_learns(tmp_path):
-    recs = simulate(tmp_path, "adapter.py:task", "simulation.rounds=8", "simulation.num_clients=10",
-                    "simulation.clients_per_round=5", "train.lr=0.05", "train.batch_size=32", "train.epochs=2")
+    recs = simulate(
+        tmp_path,
+        "adapter.py:task",
+        "simulation.rounds=8",
+        "simulation.num_clients=10",
+        "simulation.clients_per_round=5",
+        "train.lr=0.05",
+        "train.batch_size=32",
+        "train.epochs=2",
+    )
     task = load_task(str(TASKS / "adapter.py") + ":task")
     model = make_model(task, 0)
     adapter = sum(p.numel() for n, p in model.named_parameters() if "lora_" in n)
@@ -316,8 +378,16 @@ def test_adapter_sends_only_the_adapter_and_learns(tmp_path):
     spec = ParamSpec.of(model)
     assert spec.numel == adapter and all("lora_" in e.name for e in spec.entries)
     # The wire overhead, measured: the same update message with a zero delta (header + safetensors framing).
-    body = encode_update(Update(delta=torch.zeros(spec.numel), num_examples=200, base_version=7, sender="client-00003",
-                                metrics={"train_loss": 1.2345678901234567, "local_steps": 14.0}), spec)
+    body = encode_update(
+        Update(
+            delta=torch.zeros(spec.numel),
+            num_examples=200,
+            base_version=7,
+            sender="client-00003",
+            metrics={"train_loss": 1.2345678901234567, "local_steps": 14.0},
+        ),
+        spec,
+    )
     overhead = len(body) - 4 * adapter
     assert 0 < overhead < 1024
     for r in recs:

@@ -13,18 +13,23 @@ import torch
 
 from shoal.config import load_config
 from shoal.errors import ConfigError, SpecMismatch
+from shoal.flower.apps import from_arrays, to_arrays
+from shoal.flower.engine import backend_config
 from shoal.metrics import read_jsonl
 from shoal.models import build_model
 from shoal.params import ParamSpec, flatten
 from shoal.simulations.experiment import run_simulation
-from shoal.flower.apps import from_arrays, to_arrays
-from shoal.flower.engine import backend_config
 from shoal.simulations.inprocess import InProcessSimulation
 
 SMALL = [
-    "simulation.num_clients=10", "simulation.clients_per_round=5", "simulation.rounds=3",
-    "simulation.device='cpu'", "simulation.progress=false", "output.plots=false",
-    "simulation.ray_num_cpus=2", "simulation.flower_client_cpus=1",
+    "simulation.num_clients=10",
+    "simulation.clients_per_round=5",
+    "simulation.rounds=3",
+    "simulation.device='cpu'",
+    "simulation.progress=false",
+    "output.plots=false",
+    "simulation.ray_num_cpus=2",
+    "simulation.flower_client_cpus=1",
 ]
 
 
@@ -46,8 +51,15 @@ def test_arrays_of_another_model_are_refused_by_name():
 
 
 def test_engine_choice_and_ray_settings_come_from_the_config():
-    cfg = load_config(None, ["simulation.engine='flower'", "simulation.flower_client_cpus=0.5",
-                             "simulation.flower_client_gpus=0.25", "simulation.ray_num_cpus=2"])
+    cfg = load_config(
+        None,
+        [
+            "simulation.engine='flower'",
+            "simulation.flower_client_cpus=0.5",
+            "simulation.flower_client_gpus=0.25",
+            "simulation.ray_num_cpus=2",
+        ],
+    )
     bc = backend_config(cfg)
     assert bc["client_resources"] == {"num_cpus": 0.5, "num_gpus": 0.25}
     assert bc["init_args"] == {"num_cpus": 2, "include_dashboard": False}
@@ -56,7 +68,9 @@ def test_engine_choice_and_ray_settings_come_from_the_config():
 
 
 def test_a_client_larger_than_the_ray_runtime_is_a_config_error():
-    cfg = load_config(None, ["simulation.engine='flower'", "simulation.flower_client_cpus=4", "simulation.ray_num_cpus=2"])
+    cfg = load_config(
+        None, ["simulation.engine='flower'", "simulation.flower_client_cpus=4", "simulation.ray_num_cpus=2"]
+    )
     with pytest.raises(ConfigError, match="flower_client_cpus"):
         backend_config(cfg)
     with pytest.raises(ConfigError, match="simulation.engine"):
@@ -187,16 +201,26 @@ def test_a_user_task_file_runs_through_the_flower_engine_as_in_process(tmp_path,
     (work / "sites.py").write_text(USER_TASK)
     monkeypatch.chdir(work)  # the task is named by a relative path, as a user would type it
     small = [
-        "task.app='sites.py:Sites'", "task.args={hidden = 6}", "simulation.num_clients=4",
-        "simulation.clients_per_round=2", "simulation.rounds=3", "simulation.eval_every=1",
-        "simulation.device='cpu'", "simulation.progress=false", "output.plots=false",
-        "simulation.ray_num_cpus=2", "simulation.flower_client_cpus=1", "train.batch_size=10", "train.lr=0.1",
+        "task.app='sites.py:Sites'",
+        "task.args={hidden = 6}",
+        "simulation.num_clients=4",
+        "simulation.clients_per_round=2",
+        "simulation.rounds=3",
+        "simulation.eval_every=1",
+        "simulation.device='cpu'",
+        "simulation.progress=false",
+        "output.plots=false",
+        "simulation.ray_num_cpus=2",
+        "simulation.flower_client_cpus=1",
+        "train.batch_size=10",
+        "train.lr=0.1",
     ]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        flower = run_flower(load_config(None, small + ["simulation.engine='flower'"]), tmp_path / "flower",
-                            progress=False)
+        flower = run_flower(
+            load_config(None, small + ["simulation.engine='flower'"]), tmp_path / "flower", progress=False
+        )
         cfg = load_config(None, small)
         sim = InProcessSimulation(cfg)
         for _ in range(cfg.simulation.rounds):

@@ -27,8 +27,11 @@ def test_topology_degrees():
 
 
 def test_denser_topologies_mix_faster():
-    assert spectral_gap(mixing_matrix("ring", 30)) < spectral_gap(mixing_matrix("torus", 30)) < spectral_gap(
-        mixing_matrix("complete", 30))
+    assert (
+        spectral_gap(mixing_matrix("ring", 30))
+        < spectral_gap(mixing_matrix("torus", 30))
+        < spectral_gap(mixing_matrix("complete", 30))
+    )
 
 
 def test_gossip_average_preserves_the_mean_and_reaches_consensus():

@@ -14,14 +14,23 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shoal.p2p.group_average import (GridAverage, GroupAverage, Refusal, SliceMessage, grid_dims, grid_groups,
-                                     grid_path, group_id, group_of, slice_bounds)
+from shoal.p2p.group_average import (
+    GridAverage,
+    GroupAverage,
+    Refusal,
+    SliceMessage,
+    grid_dims,
+    grid_groups,
+    grid_path,
+    group_id,
+    group_of,
+    slice_bounds,
+)
 
 STAGES = (None, "never", "after_parts", "mid_reduce", "after_reduce")
 
 
-def drive(members, values, weights, crash=None, refuse=True, seed=0, timeout=1.0, latency=0.05, round_=0,
-          make=None):
+def drive(members, values, weights, crash=None, refuse=True, seed=0, timeout=1.0, latency=0.05, round_=0, make=None):
     """Run one group's exchange; returns ({member: GroupResult} for the survivors, messages sent).
 
     ``crash[m]``: "never" (never starts), "after_parts" (vanishes once its parts are sent),
@@ -110,8 +119,20 @@ def test_a_group_averages_exactly_with_weights_and_sends_two_models_per_member()
     assert torch.allclose(equal["p0"].values, torch.stack(list(values.values())).mean(0), atol=1e-6)
 
 
-@pytest.mark.parametrize("n,g,dims", [(105, 4, (3, 5, 7)), (64, 4, (4, 4, 4)), (10, 4, (2, 5)), (3, 4, (3,)),
-                                      (1, 4, (1,)), (7, 4, (7,)), (9, 3, (3, 3)), (13, 4, (2, 7)), (101, 4, (3, 5, 7))])
+@pytest.mark.parametrize(
+    "n,g,dims",
+    [
+        (105, 4, (3, 5, 7)),
+        (64, 4, (4, 4, 4)),
+        (10, 4, (2, 5)),
+        (3, 4, (3,)),
+        (1, 4, (1,)),
+        (7, 4, (7,)),
+        (9, 3, (3, 3)),
+        (13, 4, (2, 7)),
+        (101, 4, (3, 5, 7)),
+    ],
+)
 def test_grid_dims(n, g, dims):
     assert grid_dims(n, g) == dims
 
@@ -159,8 +180,13 @@ def test_d_rounds_on_a_full_grid_give_the_exact_global_average(n, g, weighted):
         assert w[p] == pytest.approx(sum(weights.values()))
 
 
-@given(k=st.integers(2, 7), stages=st.lists(st.sampled_from(STAGES), min_size=7, max_size=7),
-       refuse=st.booleans(), seed=st.integers(0, 1000), weighted=st.booleans())
+@given(
+    k=st.integers(2, 7),
+    stages=st.lists(st.sampled_from(STAGES), min_size=7, max_size=7),
+    refuse=st.booleans(),
+    seed=st.integers(0, 1000),
+    weighted=st.booleans(),
+)
 @settings(max_examples=150, deadline=None)
 def test_with_dropouts_survivors_agree_on_the_average_of_what_arrived(k, stages, refuse, seed, weighted):
     members = [f"m{i}" for i in range(k)]
@@ -185,8 +211,11 @@ def test_with_dropouts_survivors_agree_on_the_average_of_what_arrived(k, stages,
         # every survivor's part, and those of crashed members that reached the reducer (or, for a
         # repaired slice, the survivors) before it learnt they were gone
         part = {m: v[lo:hi] for m, v in values.items()}
-        options = [survivors + list(extra) for n in range(len(crashed_started) + 1)
-                   for extra in itertools.combinations(crashed_started, n)]
+        options = [
+            survivors + list(extra)
+            for n in range(len(crashed_started) + 1)
+            for extra in itertools.combinations(crashed_started, n)
+        ]
         assert any(torch.allclose(first[lo:hi], _mean(part, weights, who).float(), atol=1e-6) for who in options), j
 
 
@@ -208,11 +237,22 @@ def test_messages_of_another_group_or_malformed_are_refused():
     ga.on_message(good, 0.1)
     cases = {
         "not_in_group": [dict(round=5), dict(group="x"), dict(members=("a", "b", "d"))],
-        "malformed": [dict(sender="z"), dict(sender="a"), dict(target="b"), dict(phase="hello"), dict(slice=3),
-                      dict(data=torch.ones(4)), dict(weight=0.0), dict(weight=float("nan")), dict(slice=1),
-                      dict(count=4), dict(phase="reduced", slice=0)],
+        "malformed": [
+            dict(sender="z"),
+            dict(sender="a"),
+            dict(target="b"),
+            dict(phase="hello"),
+            dict(slice=3),
+            dict(data=torch.ones(4)),
+            dict(weight=0.0),
+            dict(weight=float("nan")),
+            dict(slice=1),
+            dict(count=4),
+            dict(phase="reduced", slice=0),
+        ],
     }
     import dataclasses
+
     for code, changes in cases.items():
         for change in changes:
             with pytest.raises(Refusal) as e:
@@ -228,16 +268,18 @@ def _grid(n, g):
     return [f"p{i:03d}" for i in range(n)]
 
 
-@pytest.mark.parametrize("n,g,step,weighted", [(105, 4, 0, True), (27, 3, 4, False), (12, 4, 1, True),
-                                               (64, 4, 2, False)])
+@pytest.mark.parametrize(
+    "n,g,step,weighted", [(105, 4, 0, True), (27, 3, 4, False), (12, 4, 1, True), (64, 4, 2, False)]
+)
 def test_one_grid_exchange_gives_the_exact_global_average_for_two_models_per_member(n, g, step, weighted):
     peers = _grid(n, g)
     values = _vectors(peers, 211, n)
     weights = {m: (float(1 + (i * 7) % 11) if weighted else 1.0) for i, m in enumerate(peers)}
     paths = {m: grid_path([p for p in peers if p != m], m, step, g, 0, seed=5) for m in peers}
     assert all(len(pth) == len(grid_dims(n, g)) for pth in paths.values())
-    out, sent = drive(peers, values, weights, make=lambda m: GridAverage(m, paths[m], step, values[m], weights[m],
-                                                                          0.0, 1.0))
+    out, sent = drive(
+        peers, values, weights, make=lambda m: GridAverage(m, paths[m], step, values[m], weights[m], 0.0, 1.0)
+    )
     want = _mean(values, weights, peers).float()
     for r in out.values():
         assert torch.allclose(r.values, want, atol=1e-5) and r.complete
@@ -254,8 +296,9 @@ def test_a_grid_exchange_on_a_grid_that_is_not_full_averages_one_axis():
     assert grid_path(peers, "p000", 1, 4, 0)[0] == group_of(peers, "p000", 1, 4)
 
 
-@given(stages=st.lists(st.sampled_from(STAGES), min_size=12, max_size=12), refuse=st.booleans(),
-       seed=st.integers(0, 1000))
+@given(
+    stages=st.lists(st.sampled_from(STAGES), min_size=12, max_size=12), refuse=st.booleans(), seed=st.integers(0, 1000)
+)
 @settings(max_examples=40, deadline=None)
 def test_a_grid_exchange_with_dropouts_finishes_within_its_deadlines_and_stays_an_average(stages, refuse, seed):
     peers = _grid(12, 4)  # 3 x 4
@@ -263,8 +306,15 @@ def test_a_grid_exchange_with_dropouts_finishes_within_its_deadlines_and_stays_a
     values = _vectors(peers, 50, seed)
     weights = {m: 1.0 for m in peers}
     paths = {m: grid_path(peers, m, seed % 2, 4, 0) for m in peers}
-    out, _ = drive(peers, values, weights, crash, refuse, seed,
-                   make=lambda m: GridAverage(m, paths[m], seed % 2, values[m], 1.0, 0.0, 1.0))
+    out, _ = drive(
+        peers,
+        values,
+        weights,
+        crash,
+        refuse,
+        seed,
+        make=lambda m: GridAverage(m, paths[m], seed % 2, values[m], 1.0, 0.0, 1.0),
+    )
     assert drive.last_time < 3 * 4 + 3 * 3 + 2  # level 1 waits for level 2 at most 3 timeouts a slice
     stack = torch.stack(list(values.values()))
     lo, hi = stack.min(0).values, stack.max(0).values

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
-from shoal.p2p.membership import Membership, ShuffleRequest
+from shoal.p2p.membership import Membership
 
 
 def _network(n: int, view_size: int = 5, shuffle_length: int = 3) -> dict[str, Membership]:
     """n peers that each know only the next peer on a ring (no one knows everyone)."""
     ids = [f"p{i}" for i in range(n)]
-    return {p: Membership(p, view_size, shuffle_length, timeout=1.0, max_failures=1, quarantine=50.0, seed=i,
-                          bootstrap_peers=(ids[(i + 1) % n],))
-            for i, p in enumerate(ids)}
+    return {
+        p: Membership(
+            p,
+            view_size,
+            shuffle_length,
+            timeout=1.0,
+            max_failures=1,
+            quarantine=50.0,
+            seed=i,
+            bootstrap_peers=(ids[(i + 1) % n],),
+        )
+        for i, p in enumerate(ids)
+    }
 
 
 def _cycle(net: dict[str, Membership], now: float, dead: set[str] = frozenset()) -> None:
@@ -125,8 +133,7 @@ def test_bad_sizes_are_refused():
 
 
 def test_free_slots_are_topped_up_from_bootstrap_once_quarantine_ends():
-    m = Membership("me", view_size=4, shuffle_length=2, max_failures=1, quarantine=10.0,
-                   bootstrap_peers=("b1", "b2"))
+    m = Membership("me", view_size=4, shuffle_length=2, max_failures=1, quarantine=10.0, bootstrap_peers=("b1", "b2"))
     m.add("x")
     m.on_failure("b2", now=0.0)
     m.rejoin(now=5.0)

@@ -8,8 +8,8 @@ import torch
 from shoal.aggregation.compression import quantize_q8
 from shoal.config import CompressionConfig, load_config
 from shoal.errors import ConfigError, Malformed, NonFinite, WireError
-from shoal.params import ParamSpec
 from shoal.p2p.model_wire import decode_gossip_model, encode_gossip_model
+from shoal.params import ParamSpec
 from shoal.wire import encode
 
 SPEC = ParamSpec.of(torch.nn.Linear(100, 50))
@@ -21,8 +21,15 @@ def _model(seed=0):
     return torch.randn(SPEC.numel, generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("cc, ratio", [(CompressionConfig(), 1.0), (CompressionConfig("dense", zstd=True), 1.0),
-                                       (CompressionConfig("q8"), 0.3), (CompressionConfig("q8", zstd=True), 0.3)])
+@pytest.mark.parametrize(
+    "cc, ratio",
+    [
+        (CompressionConfig(), 1.0),
+        (CompressionConfig("dense", zstd=True), 1.0),
+        (CompressionConfig("q8"), 0.3),
+        (CompressionConfig("q8", zstd=True), 0.3),
+    ],
+)
 def test_round_trip_and_size(cc, ratio):
     x = _model()
     body = encode_gossip_model(x, SPEC, 4, EXTRA, cc, seed=1)
@@ -38,9 +45,15 @@ def test_round_trip_and_size(cc, ratio):
 
 def test_q8_model_is_unbiased_over_draws():
     x = _model(3)
-    mean = torch.stack([decode_gossip_model(encode_gossip_model(x, SPEC, 0, EXTRA, CompressionConfig("q8"), seed=s),
-                                            SPEC, LIMIT)[0] for s in range(200)]).mean(0)
-    single = decode_gossip_model(encode_gossip_model(x, SPEC, 0, EXTRA, CompressionConfig("q8"), seed=0), SPEC, LIMIT)[0]
+    mean = torch.stack(
+        [
+            decode_gossip_model(encode_gossip_model(x, SPEC, 0, EXTRA, CompressionConfig("q8"), seed=s), SPEC, LIMIT)[0]
+            for s in range(200)
+        ]
+    ).mean(0)
+    single = decode_gossip_model(encode_gossip_model(x, SPEC, 0, EXTRA, CompressionConfig("q8"), seed=0), SPEC, LIMIT)[
+        0
+    ]
     assert float((mean - x).abs().mean()) < 0.25 * float((single - x).abs().mean())
 
 
@@ -56,8 +69,14 @@ def test_nan_model_and_lying_headers_are_rejected():
     with pytest.raises(Malformed):  # a negative scale
         decode_gossip_model(encode({"q": q, "scale": -scale}, {**base, "chunk": 64}), SPEC, LIMIT)
     with pytest.raises(Malformed):  # top-k is not a gossip model encoding
-        decode_gossip_model(encode({"indices": torch.arange(3, dtype=torch.int32), "values": torch.ones(3)},
-                                   {**base, "encoding": "topk", "k": 3}), SPEC, LIMIT)
+        decode_gossip_model(
+            encode(
+                {"indices": torch.arange(3, dtype=torch.int32), "values": torch.ones(3)},
+                {**base, "encoding": "topk", "k": 3},
+            ),
+            SPEC,
+            LIMIT,
+        )
 
 
 def test_config_refuses_topk_and_buffered_rules_for_push_pull():
@@ -66,4 +85,4 @@ def test_config_refuses_topk_and_buffered_rules_for_push_pull():
     with pytest.raises(ConfigError, match="norm_bound"):
         load_config(None, ['simulation.mode="gossip"', 'robust.rule="median"'])
     load_config(None, ['simulation.mode="gossip"', 'robust.rule="median"', 'gossip.algorithm="dpsgd"'])
-    load_config(None, ['simulation.mode="gossip"', 'robust.norm_bound=1.0', 'compression.encoding="q8"'])
+    load_config(None, ['simulation.mode="gossip"', "robust.norm_bound=1.0", 'compression.encoding="q8"'])

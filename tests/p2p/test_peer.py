@@ -4,7 +4,6 @@ a good exchange. Garbage gets 4xx and leaves the receiver's model untouched."""
 from __future__ import annotations
 
 import asyncio
-import json
 import struct
 
 import aiohttp
@@ -131,17 +130,24 @@ def test_two_peers_exchange_and_shuffle_over_https(tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("args, message", [
-    (["--data", "client:0"], "--insecure"),
-    (["--data", "shard.bin", "--insecure"], "--data 'shard.bin' not found"),  # the built-in task reads shard files
-    (["--data", "client:99", "--insecure"], "the split has 30 clients"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--data", "client:0"], "--insecure"),
+        (["--data", "shard.bin", "--insecure"], "--data 'shard.bin' not found"),  # the built-in task reads shard files
+        (["--data", "client:99", "--insecure"], "the split has 30 clients"),
+    ],
+)
 def test_peer_command_refuses_what_it_cannot_run(args, message):
     import subprocess
     import sys
 
-    r = subprocess.run([sys.executable, "-m", "shoal.cli", "peer", "--listen", "127.0.0.1:1", *args],
-                       capture_output=True, text=True, timeout=100)
+    r = subprocess.run(
+        [sys.executable, "-m", "shoal.cli", "peer", "--listen", "127.0.0.1:1", *args],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert r.returncode == 2 and message in r.stderr, r.stderr
 
 

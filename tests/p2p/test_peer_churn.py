@@ -20,18 +20,27 @@ N = 10
 DEAD = (3, 7)
 TOKEN = "churn-token"
 COMMON = [
-    "simulation.num_clients=10", "simulation.seed=0", "model.name=\"logreg\"", "train.lr=0.01",
-    "train.batch_size=20", "gossip.period=0.5", "gossip.timeout=2.0", "gossip.view_size=4",
-    "gossip.shuffle_length=2", "gossip.max_failures=2",
+    "simulation.num_clients=10",
+    "simulation.seed=0",
+    'model.name="logreg"',
+    "train.lr=0.01",
+    "train.batch_size=20",
+    "gossip.period=0.5",
+    "gossip.timeout=2.0",
+    "gossip.view_size=4",
+    "gossip.shuffle_length=2",
+    "gossip.max_failures=2",
 ]
 # Thresholds: each live peer's model on the split's test set. The simulator with the same split
 # gets (20 rounds, mean / worst peer): group averaging 0.858 / 0.858, D-PSGD on a random 4-regular
 # graph 0.951 / 0.931, secure groups of 3 (random groups there) 0.868 / 0.850.
 ALGORITHMS = {
-    "group_average": (["gossip.algorithm=\"group_average\"", "gossip.group_size=3"], 0.75),
-    "dpsgd": (["gossip.algorithm=\"dpsgd\"", "gossip.degree=4"], 0.8),
-    "secure_groups": (["gossip.algorithm=\"secure_groups\"", "gossip.group_size=3", "gossip.period=1.0",
-                       "secure_aggregation.bits=20"], 0.7),
+    "group_average": (['gossip.algorithm="group_average"', "gossip.group_size=3"], 0.75),
+    "dpsgd": (['gossip.algorithm="dpsgd"', "gossip.degree=4"], 0.8),
+    "secure_groups": (
+        ['gossip.algorithm="secure_groups"', "gossip.group_size=3", "gossip.period=1.0", "secure_aggregation.bits=20"],
+        0.7,
+    ),
 }
 
 
@@ -46,8 +55,23 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _start(i: int, port: int, bootstrap: str, settings: list[str], tmp) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "shoal.cli", "peer", "--insecure", "--listen", f"127.0.0.1:{port}",
-           "--bootstrap", bootstrap, "--data", f"client:{i}", "--token", TOKEN, "--out", str(tmp / f"peer{i}")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shoal.cli",
+        "peer",
+        "--insecure",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--bootstrap",
+        bootstrap,
+        "--data",
+        f"client:{i}",
+        "--token",
+        TOKEN,
+        "--out",
+        str(tmp / f"peer{i}"),
+    ]
     for s in COMMON + settings:
         cmd += ["--set", s]
     log = open(tmp / f"peer{i}.log", "ab")
@@ -81,18 +105,24 @@ def test_ten_peers_converge_and_survive_two_killed(algorithm, tmp_path):
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     procs = {i: _start(i, ports[i], urls[(i + 1) % N], settings, tmp_path) for i in range(N)}
     try:
+
         def statuses(idx):
             out = {i: _status(ports[i]) for i in idx}
             return out if all(out.values()) else None
 
         def converged(idx, steps_after):
             st = statuses(idx)
-            ok = st and all(s["metrics"].get("test_accuracy", 0) >= threshold and s["steps"] >= steps_after[i]
-                            for i, s in st.items())
+            ok = st and all(
+                s["metrics"].get("test_accuracy", 0) >= threshold and s["steps"] >= steps_after[i]
+                for i, s in st.items()
+            )
             return st if ok else None
 
-        st = _wait(lambda: converged(range(N), {i: 5 for i in range(N)}), time.monotonic() + 150,
-                   f"all {N} peers above {threshold}")
+        st = _wait(
+            lambda: converged(range(N), {i: 5 for i in range(N)}),
+            time.monotonic() + 150,
+            f"all {N} peers above {threshold}",
+        )
         print(algorithm, {i: round(s["metrics"]["test_accuracy"], 3) for i, s in st.items()})
         assert all(s["algorithm"] == algorithm and s["directory"] >= N - 3 for s in st.values())
 
@@ -108,13 +138,22 @@ def test_ten_peers_converge_and_survive_two_killed(algorithm, tmp_path):
             st = statuses(live)
             if not st:
                 return None
-            ok = all(s["steps"] >= steps_at_kill[i] + 6 and s["metrics"].get("test_accuracy", 0) >= threshold
-                     and not set(s["view"]) & dead_urls for i, s in st.items())
+            ok = all(
+                s["steps"] >= steps_at_kill[i] + 6
+                and s["metrics"].get("test_accuracy", 0) >= threshold
+                and not set(s["view"]) & dead_urls
+                for i, s in st.items()
+            )
             return st if ok else None
 
         st = _wait(recovered, time.monotonic() + 120, "the survivors to keep training and converge")
-        print(algorithm, "after the kills", round(time.monotonic() - t_kill, 1), "s",
-              {i: (round(s["metrics"]["test_accuracy"], 3), s["steps"] - steps_at_kill[i]) for i, s in st.items()})
+        print(
+            algorithm,
+            "after the kills",
+            round(time.monotonic() - t_kill, 1),
+            "s",
+            {i: (round(s["metrics"]["test_accuracy"], 3), s["steps"] - steps_at_kill[i]) for i, s in st.items()},
+        )
         # every survivor's metrics.jsonl reports the bytes it sent, in total and per round
         for i in live:
             with open(tmp_path / f"peer{i}" / "metrics.jsonl") as f:

@@ -120,8 +120,9 @@ def test_bad_slices_are_refused_and_change_nothing(tmp_path):
         idx = members.index(target)
         n = b.spec.numel
         lo, hi = idx * n // 2, (idx + 1) * n // 2
-        good = SliceMessage(sender, target, step, group_id(step, members), members, idx, "part", 1.0,
-                            torch.ones(hi - lo))
+        good = SliceMessage(
+            sender, target, step, group_id(step, members), members, idx, "part", 1.0, torch.ones(hi - lo)
+        )
         other = ParamSpec.of(build_model("logreg", (31,), 5))
         nan = torch.ones(hi - lo)
         nan[0] = float("nan")
@@ -147,8 +148,9 @@ def test_bad_slices_are_refused_and_change_nothing(tmp_path):
             # an exchange is open at b: a slice of another group is refused by the protocol
             task = asyncio.get_running_loop().create_task(b.group_exchange(step, 1.0))
             await asyncio.sleep(0.2)
-            wrong = dataclasses.replace(good, members=(sender, "https://127.0.0.1:9"),
-                                        group=group_id(step, (sender, "https://127.0.0.1:9")))
+            wrong = dataclasses.replace(
+                good, members=(sender, "https://127.0.0.1:9"), group=group_id(step, (sender, "https://127.0.0.1:9"))
+            )
             async with s.post(target + "/group", data=encode_slice(wrong, b.spec), headers=auth, ssl=cctx) as r:
                 assert r.status == 409 and (await r.json())["error"] == "not_in_group"
             await task  # a never answers: b's exchange ends at its deadlines
@@ -161,8 +163,9 @@ def test_bad_slices_are_refused_and_change_nothing(tmp_path):
 @pytest.mark.timeout(60)
 def test_dpsgd_peers_mix_over_https_and_keep_the_sum(tmp_path):
     async def main() -> None:
-        peers, runners, urls, _ = await _network(tmp_path, 4, 'gossip.algorithm="dpsgd"', "gossip.degree=2",
-                                                 "gossip.period=1.0")
+        peers, runners, urls, _ = await _network(
+            tmp_path, 4, 'gossip.algorithm="dpsgd"', "gossip.degree=2", "gossip.period=1.0"
+        )
         before = torch.stack([p.node.params.clone() for p in peers])
         step = peers[0]._current_step() + 1
         loop = asyncio.get_running_loop()
@@ -180,12 +183,19 @@ def test_dpsgd_peers_mix_over_https_and_keep_the_sum(tmp_path):
 @pytest.mark.timeout(60)
 def test_a_secure_group_over_https_gives_every_member_the_weighted_average_and_a_dead_member_drops_out(tmp_path):
     async def main() -> None:
-        peers, runners, urls, _ = await _network(tmp_path, 5, 'gossip.algorithm="secure_groups"', "gossip.group_size=5",
-                                                 "gossip.period=8.0", "secure_aggregation.bits=20")
+        peers, runners, urls, _ = await _network(
+            tmp_path,
+            5,
+            'gossip.algorithm="secure_groups"',
+            "gossip.group_size=5",
+            "gossip.period=8.0",
+            "secure_aggregation.bits=20",
+        )
         for p in peers:  # the initial model is shared; each peer's model moved from it by a small offset
             p.init.copy_(peers[0].init)
-            p.node.params.copy_(p.init + 0.1 * torch.randn(p.spec.numel, generator=torch.Generator().manual_seed(
-                len(p.node.id))))
+            p.node.params.copy_(
+                p.init + 0.1 * torch.randn(p.spec.numel, generator=torch.Generator().manual_seed(len(p.node.id)))
+            )
         from shoal.p2p.group_average import grid_path
 
         step = peers[0]._current_step()

@@ -18,13 +18,21 @@ import urllib.request
 import pytest
 
 N = 8
-THRESHOLD = 0.85   # every live peer's accuracy on the split's global test set (the gossip
-                   # simulation of this config reaches 0.926 mean / 0.908 min peer accuracy in 10 rounds)
+THRESHOLD = 0.85  # every live peer's accuracy on the split's global test set (the gossip
+# simulation of this config reaches 0.926 mean / 0.908 min peer accuracy in 10 rounds)
 TOKEN = "test-network-token"
 SETTINGS = [
-    "simulation.num_clients=8", "simulation.seed=3", "model.name=\"logreg\"", "train.lr=0.01",
-    "train.batch_size=20", "gossip.period=0.3", "gossip.timeout=5.0", "gossip.view_size=4",
-    "gossip.shuffle_length=2", "gossip.max_failures=2", "gossip.max_age_gap=20",
+    "simulation.num_clients=8",
+    "simulation.seed=3",
+    'model.name="logreg"',
+    "train.lr=0.01",
+    "train.batch_size=20",
+    "gossip.period=0.3",
+    "gossip.timeout=5.0",
+    "gossip.view_size=4",
+    "gossip.shuffle_length=2",
+    "gossip.max_failures=2",
+    "gossip.max_age_gap=20",
 ]
 
 
@@ -39,8 +47,23 @@ def _free_ports(n: int) -> list[int]:
 
 
 def _start(i: int, port: int, bootstrap: str, tmp) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "shoal.cli", "peer", "--insecure", "--listen", f"127.0.0.1:{port}",
-           "--bootstrap", bootstrap, "--data", f"client:{i}", "--token", TOKEN, "--out", str(tmp / f"peer{i}")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shoal.cli",
+        "peer",
+        "--insecure",
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--bootstrap",
+        bootstrap,
+        "--data",
+        f"client:{i}",
+        "--token",
+        TOKEN,
+        "--out",
+        str(tmp / f"peer{i}"),
+    ]
     for s in SETTINGS:
         cmd += ["--set", s]
     log = open(tmp / f"peer{i}.log", "ab")
@@ -72,6 +95,7 @@ def test_eight_peers_converge_survive_kills_and_rejoin(tmp_path):
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     procs = {i: _start(i, ports[i], urls[(i + 1) % N] if i else urls[1], tmp_path) for i in range(N)}
     try:
+
         def statuses(idx):
             out = {i: _status(ports[i]) for i in idx}
             return out if all(out.values()) else None
@@ -96,8 +120,12 @@ def test_eight_peers_converge_survive_kills_and_rejoin(tmp_path):
 
         def dropped():
             st = statuses(live)
-            return st if st and all(not (set(s["view"]) & dead_urls) and s["steps"] > steps_at_kill[i] + 3
-                                    for i, s in st.items()) else None
+            return (
+                st
+                if st
+                and all(not (set(s["view"]) & dead_urls) and s["steps"] > steps_at_kill[i] + 3 for i, s in st.items())
+                else None
+            )
 
         _wait(dropped, time.monotonic() + 90, "the live peers to drop the killed ones and keep training")
 

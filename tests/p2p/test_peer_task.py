@@ -29,7 +29,7 @@ TOKEN = "peer-task-token"
 
 # A task as a user writes it from the README: a small MLP regressing y on 4 features; every
 # peer reads its own CSV file (last column = y) and keeps a fifth of it as its own test data.
-TASK_FILE = textwrap.dedent('''
+TASK_FILE = textwrap.dedent("""
     import numpy as np
     import torch
     from torch import nn
@@ -61,9 +61,9 @@ TASK_FILE = textwrap.dedent('''
             return SimulationData(train=train, test=(x[-200:], y[-200:]), client_test=own)
 
     task = Regression
-''')
+""")
 
-CONFIG = textwrap.dedent('''
+CONFIG = textwrap.dedent("""
     [simulation]
     num_clients = 3
     seed = 5
@@ -76,7 +76,7 @@ CONFIG = textwrap.dedent('''
     view_size = 2
     shuffle_length = 1
     max_failures = 3
-''')
+""")
 
 
 def _write_task(folder: Path, n_peers: int = 3) -> tuple[str, Path, list[Path]]:
@@ -108,8 +108,9 @@ def _free_ports(n: int) -> list[int]:
 
 def _start(args: list[str], log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "shoal.cli", "peer", "--token", TOKEN, *args]
-    return subprocess.Popen(cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return subprocess.Popen(
+        cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
 
 
 def _status(url: str, ctx: ssl.SSLContext | None) -> dict | None:
@@ -161,8 +162,21 @@ def _run_three(tmp_path: Path, data: list[str], tls: bool) -> tuple[list[list[di
     procs = []
     try:
         for i in range(3):
-            args = ["--listen", f"127.0.0.1:{ports[i]}", "--bootstrap", urls[(i + 1) % 3], "--task", task,
-                    "-c", str(config), "--data", data[i], "--out", str(tmp_path / f"out{i}"), *security]
+            args = [
+                "--listen",
+                f"127.0.0.1:{ports[i]}",
+                "--bootstrap",
+                urls[(i + 1) % 3],
+                "--task",
+                task,
+                "-c",
+                str(config),
+                "--data",
+                data[i],
+                "--out",
+                str(tmp_path / f"out{i}"),
+                *security,
+            ]
             procs.append(_start(args, tmp_path / f"peer{i}.log"))
 
         def trained():
@@ -208,18 +222,38 @@ def test_three_peers_on_clients_of_the_task_split_report_central_and_own_metrics
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("data, expect", [
-    ("missing.csv", r"local_data\('.*missing\.csv'\) failed: FileNotFoundError.*does not exist"),
-    ("bad.csv", r"local_data\('.*bad\.csv'\) failed: ValueError"),
-    ("client:7", r"the split has 3 clients"),
-])
+@pytest.mark.parametrize(
+    "data, expect",
+    [
+        ("missing.csv", r"local_data\('.*missing\.csv'\) failed: FileNotFoundError.*does not exist"),
+        ("bad.csv", r"local_data\('.*bad\.csv'\) failed: ValueError"),
+        ("client:7", r"the split has 3 clients"),
+    ],
+)
 def test_a_bad_data_path_is_one_clear_line(tmp_path, data, expect):
     task, config, _ = _write_task(tmp_path)
     (tmp_path / "bad.csv").write_text("not,a,number\n")
     arg = data if data.startswith("client:") else str(tmp_path / data)
-    r = subprocess.run([sys.executable, "-m", "shoal.cli", "peer", "--insecure", "--listen", "127.0.0.1:1",
-                        "--task", task, "-c", str(config), "--data", arg],
-                       capture_output=True, text=True, timeout=100)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shoal.cli",
+            "peer",
+            "--insecure",
+            "--listen",
+            "127.0.0.1:1",
+            "--task",
+            task,
+            "-c",
+            str(config),
+            "--data",
+            arg,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
     assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
     assert re.search(expect, lines[0]) and (data.startswith("client:") or "my_task.py:task" in lines[0]), lines[0]
@@ -237,9 +271,21 @@ def test_a_peer_with_another_model_is_refused_by_spec_hash_and_nothing_crashes(t
     procs = []
     try:
         for i in range(2):
-            args = ["--insecure", "--listen", f"127.0.0.1:{ports[i]}", "--bootstrap", urls[1 - i], "--task", task,
-                    "-c", str(configs[i]), "--data", str(files[i]),
-                    "--out", str(tmp_path / f"out{i}")]
+            args = [
+                "--insecure",
+                "--listen",
+                f"127.0.0.1:{ports[i]}",
+                "--bootstrap",
+                urls[1 - i],
+                "--task",
+                task,
+                "-c",
+                str(configs[i]),
+                "--data",
+                str(files[i]),
+                "--out",
+                str(tmp_path / f"out{i}"),
+            ]
             procs.append(_start(args, tmp_path / f"peer{i}.log"))
 
         def refused_both_ways():

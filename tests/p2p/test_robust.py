@@ -31,8 +31,9 @@ def test_a_hostile_neighbour_is_clipped_screened_or_outvoted():
     clip, n_clip = robust_gossip_average(W, sent, x, load_config(None, ["robust.norm_bound=1.0"]))
     assert n_clip >= len(nbrs)
     assert all(float((clip[i] - x[i]).norm()) <= 1.0 + 1e-6 for i in nbrs)
-    screen, n_screen = robust_gossip_average(W, sent, x, load_config(None, ["robust.norm_bound=100.0",
-                                                                            'gossip.bound_mode="reject"']))
+    screen, n_screen = robust_gossip_average(
+        W, sent, x, load_config(None, ["robust.norm_bound=100.0", 'gossip.bound_mode="reject"'])
+    )
     assert n_screen == len(nbrs)
     for i in nbrs:  # node 3's weight stayed with i; the rest is the plain mix
         w = W[i].clone()

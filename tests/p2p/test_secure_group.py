@@ -17,8 +17,9 @@ MEMBERS = ("a", "b", "c", "d")
 def run(offsets, examples, drop=None, refuse=True, timeout=1.0):
     """Deliver every message after 0.01; ``drop[m]`` = the kind of m's first message never sent."""
     drop = drop or {}
-    objs = {m: SecureGroup(m, MEMBERS, 7, offsets[m], examples[m], 0.0, timeout, clip=1.0, bits=20, seed=3)
-            for m in MEMBERS}
+    objs = {
+        m: SecureGroup(m, MEMBERS, 7, offsets[m], examples[m], 0.0, timeout, clip=1.0, bits=20, seed=3) for m in MEMBERS
+    }
     dead: set[str] = set()
     queue: list = []
     seq = itertools.count()

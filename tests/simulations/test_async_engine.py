@@ -21,11 +21,20 @@ def one_thread():
 
 
 def cfg(*extra):
-    return load_config(None, [
-        "simulation.num_clients=20", "simulation.clients_per_round=4", "simulation.rounds=8",
-        "heterogeneity.speed_sigma=1.0", "heterogeneity.network_delay_s=0.5",
-        "asynchronous.buffer_size=4", "asynchronous.concurrency=6", "output.plots=false", *extra,
-    ])
+    return load_config(
+        None,
+        [
+            "simulation.num_clients=20",
+            "simulation.clients_per_round=4",
+            "simulation.rounds=8",
+            "heterogeneity.speed_sigma=1.0",
+            "heterogeneity.network_delay_s=0.5",
+            "asynchronous.buffer_size=4",
+            "asynchronous.concurrency=6",
+            "output.plots=false",
+            *extra,
+        ],
+    )
 
 
 @pytest.mark.parametrize("algorithm", ["fedbuff", "fedasync"])
@@ -52,14 +61,18 @@ def test_async_same_seed_same_numbers():
         recs = list(e.run())
         return e.rounds.global_params.clone(), recs[-1]["virtual_time_s"]
 
-    (a, ta), (b, tb), (c, tc) = final(3), final(3), final(4)
+    (a, ta), (b, tb), (c, _tc) = final(3), final(3), final(4)
     assert torch.equal(a, b) and ta == tb
     assert not torch.equal(a, c)
 
 
 def test_too_stale_updates_are_rejected_and_counted(tmp_path):
-    c = cfg('simulation.mode="async"', 'asynchronous.algorithm="fedasync"', "asynchronous.max_staleness=1",
-            "asynchronous.concurrency=10")
+    c = cfg(
+        'simulation.mode="async"',
+        'asynchronous.algorithm="fedasync"',
+        "asynchronous.max_staleness=1",
+        "asynchronous.concurrency=10",
+    )
     summary = run_simulation(c, tmp_path)
     assert summary["updates_rejected"].get("too_stale", 0) > 0
     assert summary["staleness"]["staleness_max"] <= 1
@@ -75,8 +88,12 @@ def test_sync_on_the_virtual_clock_waits_for_the_slowest_and_deadlines_cut_it():
     assert plain.rounds.version == 8 and plain.failed_rounds == 0
     assert [r["round"] for r in recs] == list(range(0, 9))  # the final state is recorded once
     # with a deadline far shorter than the slow clients, rounds close early; late results fold in
-    cut, recs_cut = run("asynchronous.deadline_s=4.0", "asynchronous.over_selection=0.5",
-                        'asynchronous.late="fold"', "asynchronous.min_fraction=0.25")
+    cut, recs_cut = run(
+        "asynchronous.deadline_s=4.0",
+        "asynchronous.over_selection=0.5",
+        'asynchronous.late="fold"',
+        "asynchronous.min_fraction=0.25",
+    )
     assert cut.clients.now < plain.clients.now
     t = cut.totals()
     assert t["version"] + t["failed_rounds"] == 8
@@ -99,8 +116,13 @@ def test_sync_virtual_rounds_match_the_plain_engine_without_heterogeneity():
 
 
 def test_clients_going_offline_drop_out_and_the_run_goes_on():
-    c = cfg('simulation.mode="async"', 'asynchronous.algorithm="fedasync"',
-            "heterogeneity.mean_on_s=6.0", "heterogeneity.mean_off_s=6.0", "simulation.rounds=12")
+    c = cfg(
+        'simulation.mode="async"',
+        'asynchronous.algorithm="fedasync"',
+        "heterogeneity.mean_on_s=6.0",
+        "heterogeneity.mean_off_s=6.0",
+        "simulation.rounds=12",
+    )
     e = AsyncEngine(c)
     list(e.run())
     t = e.totals()

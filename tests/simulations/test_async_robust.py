@@ -20,15 +20,29 @@ def one_thread():
     torch.set_num_threads(n)
 
 
-ASYNC = ['simulation.mode="async"', "heterogeneity.speed_sigma=1.0", "heterogeneity.network_delay_s=0.5",
-         "output.plots=false"]
+ASYNC = [
+    'simulation.mode="async"',
+    "heterogeneity.speed_sigma=1.0",
+    "heterogeneity.network_delay_s=0.5",
+    "output.plots=false",
+]
 
 
 @pytest.mark.parametrize("algorithm", ["fedbuff", "fedasync"])
 def test_nan_attackers_are_rejected_counted_and_bytes_recorded(tmp_path, algorithm):
-    c = load_config(None, [*ASYNC, "simulation.num_clients=20", "simulation.rounds=6", "asynchronous.buffer_size=4",
-                           "asynchronous.concurrency=6", f'asynchronous.algorithm="{algorithm}"',
-                           'attack.kind="nan"', "attack.fraction=0.25"])
+    c = load_config(
+        None,
+        [
+            *ASYNC,
+            "simulation.num_clients=20",
+            "simulation.rounds=6",
+            "asynchronous.buffer_size=4",
+            "asynchronous.concurrency=6",
+            f'asynchronous.algorithm="{algorithm}"',
+            'attack.kind="nan"',
+            "attack.fraction=0.25",
+        ],
+    )
     summary = run_simulation(c, tmp_path)
     recs = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     rejected = summary["updates_rejected"].get("non_finite", 0)
@@ -47,8 +61,14 @@ def test_nan_attackers_are_rejected_counted_and_bytes_recorded(tmp_path, algorit
 def test_robust_fedbuff_survives_sign_flip_attackers_on_mnist(mnist_dir):
     """20% of 20 IID MNIST clients send -10x their update. FedBuff (K = 10) with the
     mean diverges; with the median or trimmed mean it stays within 2 points of a clean run."""
-    base = [f'data.dir="{mnist_dir}"', *ASYNC, "simulation.rounds=10", "simulation.seed=0",
-            "asynchronous.buffer_size=10", "asynchronous.concurrency=10"]
+    base = [
+        f'data.dir="{mnist_dir}"',
+        *ASYNC,
+        "simulation.rounds=10",
+        "simulation.seed=0",
+        "asynchronous.buffer_size=10",
+        "asynchronous.concurrency=10",
+    ]
     attack = ['attack.kind="sign_flip"', "attack.fraction=0.2", "attack.scale=10.0"]
     c0 = load_config("examples/mnist_logreg_attack.toml", base)
     data = load_federated(c0.data, c0.simulation.num_clients, c0.simulation.seed)

@@ -9,8 +9,16 @@ from shoal.simulations.inprocess import InProcessSimulation
 
 
 def cfg(*extra):
-    return load_config(None, ["simulation.rounds=2", "simulation.num_clients=10",
-                              "simulation.clients_per_round=10", "output.plots=false", *extra])
+    return load_config(
+        None,
+        [
+            "simulation.rounds=2",
+            "simulation.num_clients=10",
+            "simulation.clients_per_round=10",
+            "output.plots=false",
+            *extra,
+        ],
+    )
 
 
 def test_attackers_are_a_seeded_fraction():
@@ -21,7 +29,7 @@ def test_attackers_are_a_seeded_fraction():
 
 
 def test_nan_payloads_are_rejected_by_validation_and_counted():
-    sim = InProcessSimulation(cfg("attack.kind=\"nan\"", "attack.fraction=0.3"))
+    sim = InProcessSimulation(cfg('attack.kind="nan"', "attack.fraction=0.3"))
     summary = sim.run_round()
     assert summary.rejected == {"non_finite": 3}
     assert summary.num_results == 7
@@ -29,7 +37,7 @@ def test_nan_payloads_are_rejected_by_validation_and_counted():
 
 
 def test_sign_flip_step_changes_only_attackers():
-    sim = InProcessSimulation(cfg("attack.kind=\"sign_flip\"", "attack.fraction=0.2", "attack.scale=3.0"))
+    sim = InProcessSimulation(cfg('attack.kind="sign_flip"', "attack.fraction=0.2", "attack.scale=3.0"))
     attack = sim.client_steps[0]
     tasks = sim.rounds.start_round(sim.client_ids)
     for task in tasks[:4]:
@@ -43,7 +51,7 @@ def test_sign_flip_step_changes_only_attackers():
 
 def test_label_flip_changes_the_attackers_labels_only():
     clean = InProcessSimulation(cfg())
-    sim = InProcessSimulation(cfg("attack.kind=\"label_flip\"", "attack.fraction=0.2"))
+    sim = InProcessSimulation(cfg('attack.kind="label_flip"', "attack.fraction=0.2"))
     bad = choose_attackers(sim.client_ids, 0.2, 0)
     c = sim.num_classes
     for i, cid in enumerate(sim.client_ids):
@@ -53,8 +61,9 @@ def test_label_flip_changes_the_attackers_labels_only():
 
 def test_bytes_on_the_wire_per_round_in_metrics(tmp_path):
     dense = run_simulation(cfg(), tmp_path / "dense", progress=False)
-    topk = run_simulation(cfg("compression.encoding=\"topk\"", "compression.topk_fraction=0.05"),
-                          tmp_path / "topk", progress=False)
+    topk = run_simulation(
+        cfg('compression.encoding="topk"', "compression.topk_fraction=0.05"), tmp_path / "topk", progress=False
+    )
     rec = [json.loads(line) for line in (tmp_path / "topk" / "metrics.jsonl").read_text().splitlines()]
     assert all(r["bytes_up"] > 0 and r["bytes_down"] > 0 for r in rec)
     assert rec[-1]["bytes_up_total"] == sum(r["bytes_up"] for r in rec) == topk["bytes_up_total"]
@@ -71,6 +80,6 @@ def test_compressed_runs_repeat_with_the_same_seed():
         return sim.global_params.clone()
 
     for enc in ("q8", "topk"):
-        a, b = final(f"compression.encoding=\"{enc}\""), final(f"compression.encoding=\"{enc}\"")
+        a, b = final(f'compression.encoding="{enc}"'), final(f'compression.encoding="{enc}"')
         assert torch.equal(a, b)
         assert not torch.equal(a, final())  # lossy: not the dense result

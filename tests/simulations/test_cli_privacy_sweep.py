@@ -35,12 +35,20 @@ def test_privacy_sweep_writes_table_csv_and_plot(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(
         [sys.executable, "-m", "shoal.cli", "privacy-sweep", "--config", str(cfg), "--out", str(out), "-q"],
-        capture_output=True, text=True, timeout=300, env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
     )
     assert proc.returncode == 0, proc.stderr
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert [(r["mode"], float(r["noise_multiplier"])) for r in rows] == [
-        ("none", 0.0), ("central", 0.5), ("central", 4.0), ("local", 0.5), ("local", 4.0)]
+        ("none", 0.0),
+        ("central", 0.5),
+        ("central", 4.0),
+        ("local", 0.5),
+        ("local", 4.0),
+    ]
     assert math.isinf(float(rows[0]["epsilon"]))
     for mode in ("central", "local"):
         lo, hi = (float(r["epsilon"]) for r in rows if r["mode"] == mode)

@@ -41,7 +41,10 @@ def test_default_simulation_writes_metrics_summary_and_plots(tmp_path):
     "args,needle",
     [
         (["--set", "train.lrr=0.1"], "unknown key 'train.lrr'"),
-        (["--set", "data.dataset=mnist", "--set", "data.partition=iid", "--set", "data.dir=/nonexistent/mnist"], "/nonexistent/mnist"),
+        (
+            ["--set", "data.dataset=mnist", "--set", "data.partition=iid", "--set", "data.dir=/nonexistent/mnist"],
+            "/nonexistent/mnist",
+        ),
         (["--set", "model.name=cnn"], "needs 28x28 images"),
         (["--config", "/nonexistent.toml"], "not found"),
     ],

@@ -79,13 +79,21 @@ class Ledger:
             flying[c].index_add_(0, idx.long(), vals.double())
         assert self.produced
         for c, made in self.produced.items():
-            torch.testing.assert_close(self.applied[c] + tk.residuals[c].double() + flying[c], made,
-                                       atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(
+                self.applied[c] + tk.residuals[c].double() + flying[c], made, atol=1e-5, rtol=1e-5
+            )
 
 
-BASE = ["simulation.num_clients=16", "simulation.clients_per_round=4", "simulation.rounds=8",
-        'compression.encoding="topk"', "compression.topk_fraction=0.05", "output.plots=false",
-        "heterogeneity.speed_sigma=1.0", "heterogeneity.network_delay_s=0.5"]
+BASE = [
+    "simulation.num_clients=16",
+    "simulation.clients_per_round=4",
+    "simulation.rounds=8",
+    'compression.encoding="topk"',
+    "compression.topk_fraction=0.05",
+    "output.plots=false",
+    "heterogeneity.speed_sigma=1.0",
+    "heterogeneity.network_delay_s=0.5",
+]
 
 
 def test_inprocess_accepted_uploads_commit():
@@ -117,8 +125,11 @@ def test_inprocess_refused_uploads_fold_back():
 
 
 def test_late_uploads_dropped_fold_back():
-    e = VirtualSyncEngine(load_config(None, [*BASE, "heterogeneity.enabled=true", "asynchronous.deadline_s=3.0",
-                                             'asynchronous.late="drop"']))
+    e = VirtualSyncEngine(
+        load_config(
+            None, [*BASE, "heterogeneity.enabled=true", "asynchronous.deadline_s=3.0", 'asynchronous.late="drop"']
+        )
+    )
     ledger = Ledger(e.sim).watch_rounds(e.rounds)
     list(e.run())
     assert e.rejected.get("late", 0) > 0
@@ -126,8 +137,18 @@ def test_late_uploads_dropped_fold_back():
 
 
 def test_uploads_in_failed_rounds_fold_back():
-    e = VirtualSyncEngine(load_config(None, [*BASE, "heterogeneity.enabled=true", "asynchronous.deadline_s=3.0",
-                                             "asynchronous.min_fraction=0.9", "simulation.rounds=6"]))
+    e = VirtualSyncEngine(
+        load_config(
+            None,
+            [
+                *BASE,
+                "heterogeneity.enabled=true",
+                "asynchronous.deadline_s=3.0",
+                "asynchronous.min_fraction=0.9",
+                "simulation.rounds=6",
+            ],
+        )
+    )
     ledger = Ledger(e.sim).watch_rounds(e.rounds)
     list(e.run())
     assert e.failed_rounds > 0 and e.rounds.version > 0
@@ -136,9 +157,19 @@ def test_uploads_in_failed_rounds_fold_back():
 
 def test_never_sent_uploads_fold_back():
     """Clients going offline mid-task never deliver (async engine): what they encoded folds back."""
-    e = AsyncEngine(load_config(None, [*BASE, 'simulation.mode="async"', 'asynchronous.algorithm="fedasync"',
-                                       "heterogeneity.mean_on_s=6.0", "heterogeneity.mean_off_s=6.0",
-                                       "simulation.rounds=10"]))
+    e = AsyncEngine(
+        load_config(
+            None,
+            [
+                *BASE,
+                'simulation.mode="async"',
+                'asynchronous.algorithm="fedasync"',
+                "heterogeneity.mean_on_s=6.0",
+                "heterogeneity.mean_off_s=6.0",
+                "simulation.rounds=10",
+            ],
+        )
+    )
     ledger = Ledger(e.sim).watch_fedasync(e.rounds.algorithm)
     list(e.run())
     assert e.totals()["dropouts"] > 0

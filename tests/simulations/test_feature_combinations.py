@@ -8,14 +8,27 @@ from shoal.config import load_config
 from shoal.simulations.experiment import run_simulation
 from shoal.simulations.inprocess import InProcessSimulation
 
-BASE = ["simulation.rounds=2", "simulation.num_clients=12", "simulation.clients_per_round=6",
-        "output.plots=false", "simulation.progress=false"]
+BASE = [
+    "simulation.rounds=2",
+    "simulation.num_clients=12",
+    "simulation.clients_per_round=6",
+    "output.plots=false",
+    "simulation.progress=false",
+]
 
 
 def test_secure_aggregation_with_distributed_dp_counts_epsilon(tmp_path):
-    cfg = load_config(None, BASE + ["secure_aggregation.enabled=true", 'privacy.mode="distributed"',
-                                    "privacy.noise_multiplier=1.0", "privacy.clip_norm=0.5",
-                                    "secure_aggregation.clip=2.5"])  # C + 8 share stds (the range check)
+    cfg = load_config(
+        None,
+        BASE
+        + [
+            "secure_aggregation.enabled=true",
+            'privacy.mode="distributed"',
+            "privacy.noise_multiplier=1.0",
+            "privacy.clip_norm=0.5",
+            "secure_aggregation.clip=2.5",
+        ],
+    )  # C + 8 share stds (the range check)
     summary = run_simulation(cfg, tmp_path, progress=False)
     assert summary["epsilon"] > 0 and math.isfinite(summary["final_test_accuracy"])
 
@@ -30,8 +43,9 @@ def test_nan_attackers_are_rejected_before_masking():
 
 
 def test_local_dp_trains_clients_one_by_one_even_when_batching_is_asked():
-    cfg = load_config(None, BASE + ['privacy.mode="local"', "simulation.batch_clients=6",
-                                    "privacy.noise_multiplier=1.0"])
+    cfg = load_config(
+        None, BASE + ['privacy.mode="local"', "simulation.batch_clients=6", "privacy.noise_multiplier=1.0"]
+    )
     sim = InProcessSimulation(cfg)
     assert sim.batched is None
     assert sim.run_round().num_results == 6

@@ -17,8 +17,18 @@ torch.set_num_threads(1)
 
 
 def cfg(*extra):
-    return load_config(None, ["simulation.mode=\"gossip\"", "simulation.num_clients=12", "simulation.seed=1",
-                              "train.batch_size=20", "gossip.view_size=4", "gossip.shuffle_length=2", *extra])
+    return load_config(
+        None,
+        [
+            'simulation.mode="gossip"',
+            "simulation.num_clients=12",
+            "simulation.seed=1",
+            "train.batch_size=20",
+            "gossip.view_size=4",
+            "gossip.shuffle_length=2",
+            *extra,
+        ],
+    )
 
 
 def _run(sim: GossipSimulation, rounds: int) -> GossipSimulation:
@@ -55,20 +65,35 @@ def test_churn_takes_peers_offline_and_partitions_drop_messages():
 
 
 def test_dpsgd_on_a_ring_keeps_offline_models_and_mixes_the_rest():
-    sim = GossipSimulation(cfg("gossip.algorithm=\"dpsgd\"", "gossip.topology=\"ring\""))
+    sim = GossipSimulation(cfg('gossip.algorithm="dpsgd"', 'gossip.topology="ring"'))
     _run(sim, 3)
     ev = sim.evaluate()
     assert ev["consensus_distance"] > 0 and ev["bytes_sent_per_peer"] == 3 * 2 * sim.model_bytes
 
 
 def test_run_writes_the_gossip_metrics(tmp_path):
-    summary = run_simulation(cfg("simulation.rounds=6", "simulation.eval_every=3", "gossip.loss=0.1",
-                                 "gossip.churn=0.3", "gossip.churn_period=3", "output.plots=false"), tmp_path,
-                             progress=False)
+    summary = run_simulation(
+        cfg(
+            "simulation.rounds=6",
+            "simulation.eval_every=3",
+            "gossip.loss=0.1",
+            "gossip.churn=0.3",
+            "gossip.churn_period=3",
+            "output.plots=false",
+        ),
+        tmp_path,
+        progress=False,
+    )
     recs = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["round"] for r in recs] == [3, 6]
-    for key in ("peer_accuracy_mean", "peer_accuracy_min", "peer_accuracy_max", "average_model_accuracy",
-                "consensus_distance", "bytes_sent_per_peer"):
+    for key in (
+        "peer_accuracy_mean",
+        "peer_accuracy_min",
+        "peer_accuracy_max",
+        "average_model_accuracy",
+        "consensus_distance",
+        "bytes_sent_per_peer",
+    ):
         assert np.isfinite(recs[-1][key])
     assert recs[-1]["peer_accuracy_min"] <= recs[-1]["peer_accuracy_mean"] <= recs[-1]["peer_accuracy_max"]
     assert summary["final_test_accuracy"] == recs[-1]["test_accuracy"]
@@ -78,14 +103,19 @@ def test_gossip_config_is_checked():
     with pytest.raises(ConfigError, match="gossip.shuffle_length"):
         cfg("gossip.shuffle_length=9")
     with pytest.raises(ConfigError, match="gossip.merge"):
-        cfg("gossip.merge=\"median\"")
+        cfg('gossip.merge="median"')
     with pytest.raises(ConfigError, match="gossip.churn"):
         cfg("gossip.churn=1.0")
 
 
 def _attack(*extra):
-    return cfg("simulation.num_clients=20", "gossip.exchanges_per_round=2", 'attack.kind="sign_flip"',
-               "attack.fraction=0.2", *extra)
+    return cfg(
+        "simulation.num_clients=20",
+        "gossip.exchanges_per_round=2",
+        'attack.kind="sign_flip"',
+        "attack.fraction=0.2",
+        *extra,
+    )
 
 
 def test_sign_flip_peers_wreck_plain_merges_and_rejecting_merges_hold():
@@ -115,8 +145,10 @@ def test_q8_models_cost_a_third_of_the_bytes():
 
 def test_dpsgd_mixes_several_times_and_through_a_robust_rule():
     one = _run(GossipSimulation(cfg('gossip.algorithm="dpsgd"', 'gossip.topology="regular"')), 3).evaluate()
-    many = _run(GossipSimulation(cfg('gossip.algorithm="dpsgd"', 'gossip.topology="regular"',
-                                     "gossip.exchanges_per_round=5")), 3).evaluate()
+    many = _run(
+        GossipSimulation(cfg('gossip.algorithm="dpsgd"', 'gossip.topology="regular"', "gossip.exchanges_per_round=5")),
+        3,
+    ).evaluate()
     assert many["consensus_distance"] < 0.5 * one["consensus_distance"]
     assert many["bytes_sent_per_peer"] == pytest.approx(5 * one["bytes_sent_per_peer"])
     atk = ('gossip.algorithm="dpsgd"', 'gossip.topology="regular"', 'attack.kind="sign_flip"', "attack.fraction=0.25")
@@ -151,13 +183,12 @@ class _RecordingGossip(GossipSimulation):
 
 
 def test_secure_groups_give_each_member_its_group_weighted_average():
-    sim = _RecordingGossip(cfg('gossip.algorithm="secure_groups"', "gossip.group_size=4",
-                               "secure_aggregation.bits=20"))
+    sim = _RecordingGossip(cfg('gossip.algorithm="secure_groups"', "gossip.group_size=4", "secure_aggregation.bits=20"))
     sim.trained = {}
     sim.run_round()
     groups = sim.last_groups
     assert sorted(i for g in groups for i in g) == list(range(sim.n)) and min(map(len, groups)) >= 2
-    quantum = 2 * sim.cfg.secure_aggregation.clip / 2 ** 20
+    quantum = 2 * sim.cfg.secure_aggregation.clip / 2**20
     for members in groups:
         w = torch.tensor([float(sim.shards.size(i)) for i in members])
         offsets = torch.stack([(sim.trained[i] - sim.init).clamp(-1, 1) for i in members])
@@ -197,8 +228,9 @@ def test_group_average_gives_each_group_its_weighted_average_and_counts_the_byte
 
 
 def test_group_average_equal_weights_and_determinism():
-    sim = _RecordingGossip(cfg('gossip.algorithm="group_average"', 'gossip.group_weights="equal"',
-                               "gossip.group_levels=1"))
+    sim = _RecordingGossip(
+        cfg('gossip.algorithm="group_average"', 'gossip.group_weights="equal"', "gossip.group_levels=1")
+    )
     sim.trained = {}
     sim.run_round()
     for members in sim.last_groups:
@@ -220,8 +252,11 @@ class _VanishingGossip(_RecordingGossip):
 
 
 def test_group_average_with_churn_survivors_of_a_group_agree_and_vanished_peers_keep_their_models():
-    sim = _VanishingGossip(cfg('gossip.algorithm="group_average"', "simulation.num_clients=30", "gossip.churn=0.3",
-                               "gossip.churn_period=2"))
+    sim = _VanishingGossip(
+        cfg(
+            'gossip.algorithm="group_average"', "simulation.num_clients=30", "gossip.churn=0.3", "gossip.churn_period=2"
+        )
+    )
     seen_vanish = seen_offline = 0
     for _ in range(6):
         sim.trained = {}
@@ -252,8 +287,9 @@ def test_group_average_settings_are_checked():
 
 
 def test_group_average_d_exchanges_per_round_on_a_full_grid_give_the_global_weighted_average():
-    sim = _RecordingGossip(cfg('gossip.algorithm="group_average"', "gossip.exchanges_per_round=2",
-                               "gossip.group_levels=1"))
+    sim = _RecordingGossip(
+        cfg('gossip.algorithm="group_average"', "gossip.exchanges_per_round=2", "gossip.group_levels=1")
+    )
     sim.trained = {}
     sim.run_round()  # 12 peers on a 3 x 4 grid: two exchanges, one along each axis
     w = torch.tensor([float(sim.shards.size(i)) for i in range(sim.n)], dtype=torch.float64)

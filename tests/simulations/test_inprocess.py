@@ -5,8 +5,9 @@ from shoal.simulations.inprocess import InProcessSimulation
 
 
 def small_cfg(*extra):
-    return load_config(None, ["simulation.rounds=3", "simulation.num_clients=12",
-                              "simulation.clients_per_round=4", *extra])
+    return load_config(
+        None, ["simulation.rounds=3", "simulation.num_clients=12", "simulation.clients_per_round=4", *extra]
+    )
 
 
 def test_same_seed_same_numbers_other_seed_other_numbers():

@@ -18,7 +18,7 @@ def test_auc_of_separable_identical_and_reversed_scores():
 
 
 def test_tpr_at_fpr_keeps_false_positives_under_the_rate():
-    non = np.arange(1000.0)              # non-member scores 0..999
+    non = np.arange(1000.0)  # non-member scores 0..999
     mem = np.array([995.5, 989.5, 500.0, 2000.0])
     # 1% of 1000 = 10 non-members may score above the threshold (990..999): threshold 989
     assert tpr_at_fpr(mem, non, 0.01) == 0.75

@@ -82,8 +82,8 @@ def test_adaptive_clipping_moves_the_clip_norm_in_a_run():
 
 @pytest.mark.parametrize("k,fraction,n", [(0, 0.1, 100), (0, 0.01, 30), (5, 0.1, 3), (7, 0.5, 100)])
 def test_expected_clients_is_what_sync_rounds_selects(k, fraction, n):
-    from shoal.rounds import SyncRounds
     from shoal.assembly import expected_clients
+    from shoal.rounds import SyncRounds
 
     cfg = _cfg("central")
     cfg.simulation.clients_per_round, cfg.simulation.fraction = k, fraction

@@ -65,16 +65,31 @@ def test_canaries_join_the_data_as_extra_clients():
 
 # q = 1/20 per round, 20 rounds, z = 0.7: the accountant charges 5.7 at delta 1e-5; the final model
 # alone gives away far less (about 2.3 for a canary, computed from its participation mixture).
-AUDIT = ["simulation.num_clients=20", "simulation.clients_per_round=1", "simulation.rounds=20", 'model.name="2nn"',
-         "train.epochs=1", "train.batch_size=10", "train.lr=0.05", "output.plots=false", "simulation.progress=false",
-         "privacy.canaries=500", "privacy.canaries_unseen=1000", "privacy.noise_multiplier=0.7"]
+AUDIT = [
+    "simulation.num_clients=20",
+    "simulation.clients_per_round=1",
+    "simulation.rounds=20",
+    'model.name="2nn"',
+    "train.epochs=1",
+    "train.batch_size=10",
+    "train.lr=0.05",
+    "output.plots=false",
+    "simulation.progress=false",
+    "privacy.canaries=500",
+    "privacy.canaries_unseen=1000",
+    "privacy.noise_multiplier=0.7",
+]
 
 MODES = {
     "central": ['privacy.mode="central"'],
     "distributed": ['privacy.mode="distributed"'],
-    "distributed+secagg+dropouts": ['privacy.mode="distributed"', "secure_aggregation.enabled=true",
-                                    "secure_aggregation.dropout_masked=0.1", "secure_aggregation.bits=20",
-                                    "secure_aggregation.clip=4"],
+    "distributed+secagg+dropouts": [
+        'privacy.mode="distributed"',
+        "secure_aggregation.enabled=true",
+        "secure_aggregation.dropout_masked=0.1",
+        "secure_aggregation.bits=20",
+        "secure_aggregation.clip=4",
+    ],
     "local": ['privacy.mode="local"'],
 }
 
@@ -91,8 +106,11 @@ def test_empirical_epsilon_stays_below_the_accounted_one(tmp_path, mode):
     est = out["estimate"]
     assert est.inserted == 500 and est.unseen == 1000 and out["canaries_selected"] > 250
     assert math.isfinite(out["canary_accounted_epsilon"])
-    assert out["canary_epsilon"] < out["canary_accounted_epsilon"], (mode, out["canary_epsilon"],
-                                                                     out["canary_accounted_epsilon"])
+    assert out["canary_epsilon"] < out["canary_accounted_epsilon"], (
+        mode,
+        out["canary_epsilon"],
+        out["canary_accounted_epsilon"],
+    )
     assert est.low <= est.epsilon <= est.high
 
 

@@ -13,9 +13,7 @@ import torch
 
 from shoal.accounting import epsilon, epsilon_fixed_size
 from shoal.aggregation.dp import make_generator, noise_share, share_std
-from shoal.aggregation.secagg import SecAggParams
 from shoal.aggregation.secagg_encoding import FixedPoint, SecAggConfigError, check_noise_range, noise_range
-from shoal.aggregation.secagg_group import secure_weighted_mean
 from shoal.config import load_config
 from shoal.errors import ConfigError
 from shoal.metrics import read_jsonl
@@ -23,8 +21,16 @@ from shoal.simulations.experiment import run_simulation
 from shoal.simulations.inprocess import InProcessSimulation
 
 # 2NN on the synthetic data: 54,410 coordinates, so a std is measured to about +-0.6%
-BASE = ["simulation.num_clients=10", "simulation.clients_per_round=5", "simulation.rounds=1", 'model.name="2nn"',
-        "train.epochs=1", "train.batch_size=10", "output.plots=false", "simulation.progress=false"]
+BASE = [
+    "simulation.num_clients=10",
+    "simulation.clients_per_round=5",
+    "simulation.rounds=1",
+    'model.name="2nn"',
+    "train.epochs=1",
+    "train.batch_size=10",
+    "output.plots=false",
+    "simulation.progress=false",
+]
 
 
 def one_round(*sets: str, z: float) -> tuple[InProcessSimulation, torch.Tensor]:
@@ -42,6 +48,7 @@ def sum_noise(*sets: str, z: float) -> tuple[InProcessSimulation, torch.Tensor]:
 
 
 # --- sampling -------------------------------------------------------------------------------
+
 
 def test_dp_rounds_sample_clients_poisson_as_the_accountant_assumes():
     """Each client joins with probability q = K/N independently: inclusion rate q, round sizes Binomial."""
@@ -73,8 +80,9 @@ def test_an_empty_poisson_round_releases_the_noise_alone():
 
     z, c, m, numel = 2.0, 0.5, 4, 100_000
     ids = [f"c{i}" for i in range(100)]
-    dp = make_dp_strategy(StrategyConfig(), PrivacyConfig(mode="central", noise_multiplier=z, clip_norm=c),
-                          numel, m, seed=1)
+    dp = make_dp_strategy(
+        StrategyConfig(), PrivacyConfig(mode="central", noise_multiplier=z, clip_norm=c), numel, m, seed=1
+    )
     for strategy, moves in ((dp, True), (make_strategy(StrategyConfig(), numel), False)):
         rounds = SyncRounds(strategy, torch.zeros(numel), 1, sampling="poisson")  # q = 1/100
         while rounds.start_round(ids):
@@ -89,8 +97,10 @@ def test_an_empty_poisson_round_releases_the_noise_alone():
 
 
 def test_fixed_size_sampling_is_accounted_replace_one_and_said_so(tmp_path):
-    cfg = load_config(None, [*BASE, 'model.name="logreg"', 'privacy.mode="central"', 'privacy.sampling="fixed"',
-                             "simulation.rounds=2"])
+    cfg = load_config(
+        None,
+        [*BASE, 'model.name="logreg"', 'privacy.mode="central"', 'privacy.sampling="fixed"', "simulation.rounds=2"],
+    )
     summary = run_simulation(cfg, tmp_path)
     assert summary["sampling"] == "fixed" and "replace-one" in summary["accountant"]
     assert summary["epsilon"] == pytest.approx(epsilon_fixed_size(10, 5, 1.0, 2, 1e-5))
@@ -101,14 +111,14 @@ def test_fixed_size_sampling_is_accounted_replace_one_and_said_so(tmp_path):
 
 
 def test_summary_and_metrics_state_poisson_sampling(tmp_path):
-    summary = run_simulation(load_config(None, [*BASE, 'model.name="logreg"', 'privacy.mode="distributed"']),
-                             tmp_path)
+    summary = run_simulation(load_config(None, [*BASE, 'model.name="logreg"', 'privacy.mode="distributed"']), tmp_path)
     assert summary["sampling"] == "poisson" and "Poisson" in summary["accountant"]
     assert summary["epsilon"] == pytest.approx(epsilon(0.5, 1.0, 1, 1e-5))
     assert read_jsonl(tmp_path / "metrics.jsonl")[-1]["sampling"] == "poisson"
 
 
 # --- measured noise on the aggregate, per case ----------------------------------------------
+
 
 @pytest.mark.parametrize("sampling", ["poisson", "fixed"])
 def test_central_dp_sum_carries_z_c(sampling):
@@ -121,8 +131,9 @@ def test_central_dp_sum_carries_z_c(sampling):
 def test_distributed_dp_in_the_clear_sum_carries_z_c(sampling):
     """t = the clients the round selected: their shares sum to exactly N(0, z²C²)."""
     z, c = 2.0, 0.5
-    sim, noise = sum_noise('privacy.mode="distributed"', f"privacy.clip_norm={c}", f'privacy.sampling="{sampling}"',
-                           z=z)
+    sim, noise = sum_noise(
+        'privacy.mode="distributed"', f"privacy.clip_norm={c}", f'privacy.sampling="{sampling}"', z=z
+    )
     assert sim.rounds.strategy.aggregator.shares == len(sim.rounds.selected)
     assert float(noise.std()) == pytest.approx(z * c, rel=0.03)
 
@@ -142,8 +153,14 @@ def test_distributed_dp_tops_up_a_share_that_never_reached_the_sum():
 
 
 def secure(z: float, c: float, sa_clip: float | None = None, *extra: str, z_noise: float | None = None):
-    sets = ['privacy.mode="distributed"', f"privacy.clip_norm={c}", 'privacy.sampling="fixed"',
-            "secure_aggregation.enabled=true", "secure_aggregation.bits=20", *extra]
+    sets = [
+        'privacy.mode="distributed"',
+        f"privacy.clip_norm={c}",
+        'privacy.sampling="fixed"',
+        "secure_aggregation.enabled=true",
+        "secure_aggregation.bits=20",
+        *extra,
+    ]
     t = 3  # 5 clients, full graph, threshold 0.5: floor(2.5) + 1
     clip = sa_clip if sa_clip is not None else noise_range(c, share_std(c, z, t))
     return sum_noise(*sets, f"secure_aggregation.clip={clip}", z=z)
@@ -171,9 +188,19 @@ def test_distributed_dp_with_dropouts_sum_carries_at_least_z_c():
 
 
 def test_fewer_survivors_than_t_abort_and_are_still_charged(tmp_path):
-    cfg = load_config(None, [*BASE, 'privacy.mode="distributed"', 'privacy.sampling="fixed"',
-                             "secure_aggregation.enabled=true", "secure_aggregation.clip=9",
-                             "secure_aggregation.dropout_masked=0.6", "simulation.rounds=6", 'model.name="logreg"'])
+    cfg = load_config(
+        None,
+        [
+            *BASE,
+            'privacy.mode="distributed"',
+            'privacy.sampling="fixed"',
+            "secure_aggregation.enabled=true",
+            "secure_aggregation.clip=9",
+            "secure_aggregation.dropout_masked=0.6",
+            "simulation.rounds=6",
+            'model.name="logreg"',
+        ],
+    )
     sim = InProcessSimulation(cfg)
     assert sim.secure_aggregation.noise_shares == 3  # 5 clients, threshold 0.5
     aborted = 0
@@ -192,13 +219,17 @@ def test_fewer_survivors_than_t_abort_and_are_still_charged(tmp_path):
 
 # --- the issue's four configurations, re-run ------------------------------------------------
 
+
 def test_issue_case_1_secagg_range_no_longer_clips_the_noise():
     """Was: clip = 1 cut shares of std 3/sqrt(5) to [-1, 1]; the mean carried std 0.349, not 0.600,
     and a round reported epsilon for z = 3 while the noise delivered z = 1.75. Now clip = 1 is
     refused with the numbers, and at the derived range the noise on the mean is >= z C / K."""
     z, c, k = 3.0, 1.0, 5
-    with pytest.raises(SecAggConfigError, match=r"secure_aggregation.clip = 1 would clip.*s = z\*C/sqrt\(t\) = 1.732"
-                                                r".*C \+ 8 s = 14.86.*clip >= 14.86"):
+    with pytest.raises(
+        SecAggConfigError,
+        match=r"secure_aggregation.clip = 1 would clip.*s = z\*C/sqrt\(t\) = 1.732"
+        r".*C \+ 8 s = 14.86.*clip >= 14.86",
+    ):
         check_noise_range(FixedPoint(1.0, 16, k), c, share_std(c, z, 3), 3)
     with pytest.raises(ConfigError, match="would clip the distributed-DP noise"):
         secure(z, c, 1.0)
@@ -246,18 +277,28 @@ def test_issue_case_4_fixed_size_sampling_is_no_longer_accounted_as_poisson():
     cfg = load_config(None, [*BASE, 'model.name="logreg"', 'privacy.mode="central"', 'privacy.sampling="fixed"'])
     sim = InProcessSimulation(cfg)
     assert sim.rounds.sampling == "fixed" and sim.privacy.accountant.epsilon_after(15) == fixed
-    assert all(len(sim.rounds.start_round(sim.client_ids)) == 5 and not setattr(sim.rounds, "open", False)
-               for _ in range(20))
+    assert all(
+        len(sim.rounds.start_round(sim.client_ids)) == 5 and not setattr(sim.rounds, "open", False) for _ in range(20)
+    )
 
 
 def test_min_survivors_sizes_the_shares_for_more_survivors_and_aborts_below():
     """SecAgg+ accepts as few survivors as one neighbourhood's threshold, which would make every share
     huge; privacy.min_survivors = 0.8 sizes them for ceil(0.8 K) = 8 of 10 and aborts rounds below."""
     z, c = 2.0, 0.5
-    base = [*BASE, "simulation.num_clients=20", "simulation.clients_per_round=10", 'privacy.mode="distributed"',
-            f"privacy.clip_norm={c}", 'privacy.sampling="fixed"', "secure_aggregation.enabled=true",
-            'secure_aggregation.graph="secagg+"', "secure_aggregation.degree=4", "secure_aggregation.bits=20",
-            f"secure_aggregation.clip={noise_range(c, share_std(c, z, 3))}"]
+    base = [
+        *BASE,
+        "simulation.num_clients=20",
+        "simulation.clients_per_round=10",
+        'privacy.mode="distributed"',
+        f"privacy.clip_norm={c}",
+        'privacy.sampling="fixed"',
+        "secure_aggregation.enabled=true",
+        'secure_aggregation.graph="secagg+"',
+        "secure_aggregation.degree=4",
+        "secure_aggregation.bits=20",
+        f"secure_aggregation.clip={noise_range(c, share_std(c, z, 3))}",
+    ]
     plain = InProcessSimulation(load_config(None, [*base, f"privacy.noise_multiplier={z}"]))
     assert plain.secure_aggregation.noise_shares == 3  # a neighbourhood of 5, threshold 0.5
     sim, noise = sum_noise(*base, "privacy.min_survivors=0.8", z=z)

@@ -10,9 +10,18 @@ import torch
 from shoal.config import load_config
 from shoal.simulations.privacy_sweep import run_privacy_sweep
 
-SMALL = ["simulation.num_clients=6", "simulation.clients_per_round=3", "simulation.rounds=2", "train.epochs=1",
-         "train.batch_size=10", "train.lr=0.05", "privacy.mia_samples=100", "privacy.canaries_unseen=300",
-         "simulation.progress=false", "privacy.sweep_noise_multipliers=[1.0]"]
+SMALL = [
+    "simulation.num_clients=6",
+    "simulation.clients_per_round=3",
+    "simulation.rounds=2",
+    "train.epochs=1",
+    "train.batch_size=10",
+    "train.lr=0.05",
+    "privacy.mia_samples=100",
+    "privacy.canaries_unseen=300",
+    "simulation.progress=false",
+    "privacy.sweep_noise_multipliers=[1.0]",
+]
 
 
 @pytest.fixture(autouse=True)
@@ -24,8 +33,10 @@ def one_thread():
 
 
 def test_sweep_rows_csv_table_and_plot_carry_the_empirical_epsilon(tmp_path):
-    cfg = load_config(None, [*SMALL, 'model.name="2nn"', "privacy.canaries=200",
-                             'privacy.sweep_modes=["central", "distributed", "local"]'])
+    cfg = load_config(
+        None,
+        [*SMALL, 'model.name="2nn"', "privacy.canaries=200", 'privacy.sweep_modes=["central", "distributed", "local"]'],
+    )
     rows = run_privacy_sweep(cfg, tmp_path)
     assert [r["mode"] for r in rows] == ["none", "central", "distributed", "local"]
     for r in rows:

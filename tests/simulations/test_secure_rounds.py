@@ -11,8 +11,9 @@ from shoal.simulations.inprocess import InProcessSimulation
 
 
 def cfg(*extra):
-    return load_config(None, ["simulation.rounds=2", "simulation.num_clients=12",
-                              "simulation.clients_per_round=6", *extra])
+    return load_config(
+        None, ["simulation.rounds=2", "simulation.num_clients=12", "simulation.clients_per_round=6", *extra]
+    )
 
 
 def test_secure_round_matches_plain_fedavg_within_the_quantization_bound():
@@ -35,9 +36,16 @@ def test_secure_round_matches_plain_fedavg_within_the_quantization_bound():
 
 
 def test_secagg_plus_with_dropouts_aggregates_the_survivors_only():
-    sim = InProcessSimulation(cfg("secure_aggregation.enabled=true", "secure_aggregation.graph='secagg+'",
-                                  "secure_aggregation.degree=4", "secure_aggregation.threshold=0.5",
-                                  "secure_aggregation.dropout_masked=0.2", "secure_aggregation.seed=1"))
+    sim = InProcessSimulation(
+        cfg(
+            "secure_aggregation.enabled=true",
+            "secure_aggregation.graph='secagg+'",
+            "secure_aggregation.degree=4",
+            "secure_aggregation.threshold=0.5",
+            "secure_aggregation.dropout_masked=0.2",
+            "secure_aggregation.seed=1",
+        )
+    )
     summaries = [sim.run_round() for _ in range(2)]
     last = sim.secure_aggregation.last
     assert "aborted" not in last and last["dropped"] > 0

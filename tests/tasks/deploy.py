@@ -15,7 +15,6 @@ from pathlib import Path
 from shoal.metrics import read_jsonl
 from shoal.server.registry import Registry
 from shoal.tls import make_private_ca
-
 from tests.p2p.test_peer_task import _free_ports
 
 SERVER_TOML = """
@@ -37,8 +36,14 @@ tls_key = "{key}"
 
 def _spawn(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen([sys.executable, "-m", "shoal.cli", *args], cwd=cwd, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "shoal.cli", *args],
+        cwd=cwd,
+        stdout=log.open("w"),
+        stderr=subprocess.STDOUT,
+        env=env,
+        start_new_session=True,
+    )
 
 
 def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> None:
@@ -57,15 +62,18 @@ def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> 
     assert "Traceback" not in text, text
 
 
-def run_server_and_clients(folder: Path, task: str, data: list[str], extra_toml: str = "", rounds: int = 3,
-                           timeout: float = 240) -> list[dict]:
+def run_server_and_clients(
+    folder: Path, task: str, data: list[str], extra_toml: str = "", rounds: int = 3, timeout: float = 240
+) -> list[dict]:
     """`shoal server` and one `shoal client` per data path, over TLS; returns metrics.jsonl."""
     from tests.server.test_deploy import _free_port
 
     pki = make_private_ca(folder / "pki")
     port = _free_port()
-    (folder / "server.toml").write_text(SERVER_TOML.format(port=port, rounds=rounds, nodes=len(data), tmp=folder,
-                                                           cert=pki.cert, key=pki.key) + extra_toml)
+    (folder / "server.toml").write_text(
+        SERVER_TOML.format(port=port, rounds=rounds, nodes=len(data), tmp=folder, cert=pki.cert, key=pki.key)
+        + extra_toml
+    )
     reg = Registry(folder / "nodes.sqlite")
     for i in range(len(data)):
         (folder / f"node{i}.token").write_text(reg.add(f"node{i}"))
@@ -74,15 +82,36 @@ def run_server_and_clients(folder: Path, task: str, data: list[str], extra_toml:
     procs = [_spawn(["server", "--task", task, "-c", "server.toml"], folder, logs[0])]
     for i, path in enumerate(data):
         logs.append(folder / f"client{i}.log")
-        procs.append(_spawn(["client", "--task", task, "--data", path, "-c", "server.toml",
-                             "--server", f"https://127.0.0.1:{port}", "--token-file", f"node{i}.token",
-                             "--ca-cert", str(pki.ca_cert), "--device", "cpu"], folder, logs[-1]))
+        procs.append(
+            _spawn(
+                [
+                    "client",
+                    "--task",
+                    task,
+                    "--data",
+                    path,
+                    "-c",
+                    "server.toml",
+                    "--server",
+                    f"https://127.0.0.1:{port}",
+                    "--token-file",
+                    f"node{i}.token",
+                    "--ca-cert",
+                    str(pki.ca_cert),
+                    "--device",
+                    "cpu",
+                ],
+                folder,
+                logs[-1],
+            )
+        )
     _finish(procs, logs, timeout)
     return read_jsonl(folder / "run" / "metrics.jsonl")
 
 
-def run_peers(folder: Path, task: str, data: list[str], extra_toml: str = "", steps: int = 6,
-              timeout: float = 240) -> list[list[dict]]:
+def run_peers(
+    folder: Path, task: str, data: list[str], extra_toml: str = "", steps: int = 6, timeout: float = 240
+) -> list[list[dict]]:
     """One `shoal peer` per data path over TLS, in a ring of bootstraps, ``steps`` local steps
     each; returns every peer's metrics.jsonl records."""
     pki = make_private_ca(folder / "pki")
@@ -93,8 +122,29 @@ def run_peers(folder: Path, task: str, data: list[str], extra_toml: str = "", st
     procs, logs = [], []
     for i, path in enumerate(data):
         logs.append(folder / f"peer{i}.log")
-        procs.append(_spawn(["peer", "--task", task, "--data", path, "-c", "peer.toml",
-                             "--listen", f"127.0.0.1:{ports[i]}", "--bootstrap", urls[(i + 1) % len(urls)],
-                             "--token", "test-network-token", "--out", f"peer{i}", *tls], folder, logs[-1]))
+        procs.append(
+            _spawn(
+                [
+                    "peer",
+                    "--task",
+                    task,
+                    "--data",
+                    path,
+                    "-c",
+                    "peer.toml",
+                    "--listen",
+                    f"127.0.0.1:{ports[i]}",
+                    "--bootstrap",
+                    urls[(i + 1) % len(urls)],
+                    "--token",
+                    "test-network-token",
+                    "--out",
+                    f"peer{i}",
+                    *tls,
+                ],
+                folder,
+                logs[-1],
+            )
+        )
     _finish(procs, logs, timeout)
     return [read_jsonl(folder / f"peer{i}" / "metrics.jsonl") for i in range(len(data))]

@@ -34,15 +34,17 @@ def task_dir(tmp_path: Path) -> Path:
 
 def shoal(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-m", "shoal.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    proc = subprocess.run(
+        [sys.executable, "-m", "shoal.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
 
 def test_readme_task_simulates_and_learns(task_dir):
-    proc = shoal("simulate", "--task", "my_task.py:task", "-q", "--set", "simulation.rounds=8",
-                 "--out", "run", cwd=task_dir)
+    proc = shoal(
+        "simulate", "--task", "my_task.py:task", "-q", "--set", "simulation.rounds=8", "--out", "run", cwd=task_dir
+    )
     assert "final test accuracy" in proc.stdout
     records = [json.loads(line) for line in (task_dir / "run" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["test_accuracy"] > 0.7 > records[0]["test_accuracy"] - 0.3
@@ -52,9 +54,22 @@ def test_readme_task_simulates_and_learns(task_dir):
 
 @pytest.mark.slow
 def test_readme_task_privacy_sweep(task_dir):
-    proc = shoal("privacy-sweep", "--task", "my_task.py:task", "--set", "simulation.rounds=3",
-                 "--set", 'privacy.sweep_modes=["central"]', "--set", "privacy.sweep_noise_multipliers=[1.0]",
-                 "--set", "privacy.mia_samples=200", "--out", "sweep", cwd=task_dir)
+    proc = shoal(
+        "privacy-sweep",
+        "--task",
+        "my_task.py:task",
+        "--set",
+        "simulation.rounds=3",
+        "--set",
+        'privacy.sweep_modes=["central"]',
+        "--set",
+        "privacy.sweep_noise_multipliers=[1.0]",
+        "--set",
+        "privacy.mia_samples=200",
+        "--out",
+        "sweep",
+        cwd=task_dir,
+    )
     rows = (task_dir / "sweep" / "results.csv").read_text().splitlines()
     assert rows[0].startswith("mode,noise_multiplier,epsilon")
     assert [r.split(",")[0] for r in rows[1:]] == ["none", "central"]
@@ -108,11 +123,41 @@ def test_readme_task_three_tls_peers(task_dir):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_readme_task_on_the_flower_engine(task_dir):
-    shoal("simulate", "--task", "my_task.py:task", "-q", "--set", 'simulation.engine="flower"',
-          "--set", "simulation.ray_num_cpus=2", "--set", "simulation.rounds=3", "--set", "simulation.num_clients=6",
-          "--set", "simulation.clients_per_round=3", "--out", "flower", cwd=task_dir, timeout=280)
-    shoal("simulate", "--task", "my_task.py:task", "-q", "--set", "simulation.rounds=3",
-          "--set", "simulation.num_clients=6", "--set", "simulation.clients_per_round=3", "--out", "inproc", cwd=task_dir)
+    shoal(
+        "simulate",
+        "--task",
+        "my_task.py:task",
+        "-q",
+        "--set",
+        'simulation.engine="flower"',
+        "--set",
+        "simulation.ray_num_cpus=2",
+        "--set",
+        "simulation.rounds=3",
+        "--set",
+        "simulation.num_clients=6",
+        "--set",
+        "simulation.clients_per_round=3",
+        "--out",
+        "flower",
+        cwd=task_dir,
+        timeout=280,
+    )
+    shoal(
+        "simulate",
+        "--task",
+        "my_task.py:task",
+        "-q",
+        "--set",
+        "simulation.rounds=3",
+        "--set",
+        "simulation.num_clients=6",
+        "--set",
+        "simulation.clients_per_round=3",
+        "--out",
+        "inproc",
+        cwd=task_dir,
+    )
     flower = [json.loads(line) for line in (task_dir / "flower" / "metrics.jsonl").read_text().splitlines()]
     inproc = [json.loads(line) for line in (task_dir / "inproc" / "metrics.jsonl").read_text().splitlines()]
     assert [r["test_accuracy"] for r in flower] == pytest.approx([r["test_accuracy"] for r in inproc], abs=1e-6)
