@@ -71,8 +71,9 @@ def make_round_strategy(cfg: Config, numel: int, device: torch.device | str, num
 
 def make_deadline_rounds(cfg: Config, global_params: torch.Tensor, numel: int, clients_per_round: int,
                          fraction: float, deadline_s: float | None, min_fraction: float,
-                         strategy: Strategy | None = None) -> SyncRounds:
-    """SyncRounds with the ``[asynchronous]`` over-selection and late-result keys."""
+                         strategy: Strategy | None = None, sampling: str = "fixed") -> SyncRounds:
+    """SyncRounds with the ``[asynchronous]`` over-selection and late-result keys (``sampling``:
+    SyncRounds' fixed | poisson; a DP server samples Poisson, server/privacy.py)."""
     a = cfg.asynchronous
     device = global_params.device
     strategy = strategy or make_strategy(cfg.strategy, numel, device, make_aggregator(cfg.robust, numel, device))
@@ -80,7 +81,7 @@ def make_deadline_rounds(cfg: Config, global_params: torch.Tensor, numel: int, c
         strategy, global_params, clients_per_round, fraction, cfg.simulation.seed,
         over_selection=a.over_selection, deadline_s=deadline_s, min_fraction=min_fraction,
         late=a.late, late_weight=make_staleness_weight(a.staleness_weight, a.staleness_a, a.staleness_b),
-        max_staleness=a.max_staleness,
+        max_staleness=a.max_staleness, sampling=sampling,
     )
 
 
