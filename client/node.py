@@ -37,7 +37,7 @@ import torch
 
 from shoal.accounting import LocalDpSgdAccountant, dp_sgd_schedule
 from shoal.aggregation.compression import Compressor
-from shoal.aggregation.dp import clip_to_norm, make_generator, noise_share
+from shoal.aggregation.dp import clip_to_norm, make_generator, noise_share, share_std
 from shoal.assembly import initial_model, make_trainer, task_from_config
 from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, SpecMismatch, short_repr
@@ -202,8 +202,8 @@ class NodePrivacy:
         clipped, norm = clip_to_norm(update.delta, self.p.clip_norm)
         update.delta = noise_share(clipped, self.p.clip_norm, self.p.noise_multiplier, t,
                                    make_generator(update.delta.device, None))  # OS entropy
-        log.info("round %s: update norm %.4g clipped to %g, noise share for t = %d added", task.get("round"), norm,
-                 self.p.clip_norm, t)
+        log.info("round %s: update of norm %.4g clipped to C = %g, noise share N(0, %.4g^2) added (t = %d)",
+                 task.get("round"), norm, self.p.clip_norm, share_std(self.p.clip_norm, self.p.noise_multiplier, t), t)
         return update
 
     def spend(self, round_: int) -> dict | None:
