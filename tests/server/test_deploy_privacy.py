@@ -56,12 +56,12 @@ def _shards(tmp: Path, n: int = 5) -> list[Path]:
 
 
 def test_poisson_selection_samples_connected_nodes_at_k_over_the_registered(tmp_path):
-    """N = 10 registered nodes, K = 3, so q = 0.3; only 6 are connected. Over 120 rounds each
+    """N = 10 registered nodes, K = 3, so q = 0.3; only 6 are connected. Over 80 rounds each
     connected node is selected at rate 0.3 (within 4 standard errors), not 3/6 = 0.5; round
     sizes have the binomial mean and variance of 6 draws at q; every round is charged, and the
     reported epsilon is dp-accounting's for q = 0.3. The draws are secret: a second server
     with the same config (and seed) selects differently."""
-    rounds, connected = 120, [f"n{i}" for i in range(6)]  # ~0.1 s a round: the accountant's RDP
+    rounds, connected = 80, [f"n{i}" for i in range(6)]  # ~0.1 s a round: the accountant's RDP
     cfg = small_config(tmp_path, CENTRAL, clients_per_round=3, rounds=10**6, deadline_s=1.0, min_nodes=1)
 
     def run(svc: ServerService, count: int) -> list[list[str]]:
