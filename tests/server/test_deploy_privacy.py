@@ -264,11 +264,12 @@ def test_privacy_ledger_counts_every_charged_round_across_a_restart(tmp_path):
 # --- the noise that reaches a deployed aggregate --------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["central", "distributed+secagg"])
+@pytest.mark.parametrize("mode", ["central", "distributed", "distributed+secagg"])
 def test_noise_on_the_deployed_aggregate_is_what_the_accountant_assumes(tmp_path, mode):
     """Five in-process nodes that train with lr = 1e-12 (their updates are about 1e-12), one round, K = 5:
     the new model minus the old is the released noise / K. Central: std z C / K (the server's
-    draw); distributed + secure aggregation: five shares sized for t = 3 give z C sqrt(5/3) / K.
+    draw); distributed in the clear: five shares sized for the t = 5 selected, the same; with
+    secure aggregation five shares sized for t = 3 give z C sqrt(5/3) / K.
     Measured on the 610 coordinates of the model (standard error of a std: 2.9%)."""
     names = [f"client-{i:05d}" for i in range(5)]
     z = 2.0
