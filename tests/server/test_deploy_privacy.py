@@ -236,6 +236,42 @@ def test_survivor_check_aborts_before_any_unmasking_share_is_asked(tmp_path):
     assert records[1]["version"] == 1 and records[1]["epsilon"] == pytest.approx(epsilon(1.0, 1.0, 2, 1e-5))
 
 
+def test_nodes_refuse_to_unmask_a_sum_with_fewer_than_t_shares(tmp_path, caplog):
+    """A server that skips its survivor check (test-side fault injection: it hands out t = 5
+    for 4 nodes and does not abort): every real node, shown 4 survivors, sends no unmasking
+    share, so the sum is never unmasked and the model stays as it was."""
+    names = [f"client-{i:05d}" for i in range(4)]
+    sections = {"privacy": {"mode": "distributed", "noise_multiplier": 1.0, "clip_norm": 1.0},
+                "secure_aggregation": {"enabled": True, "stage_s": 2.0, "clip": 6.0}}
+
+    async def scenario():
+        server = {"min_nodes": 4, "clients_per_round": 4, "rounds": 1, "poll_s": 1.0, "deadline_s": 10.0}
+        async with live_server(tmp_path, names, clock=True, sections=sections, **server) as live:
+            svc = live.service
+            svc.privacy.noise_shares = 5
+            svc.privacy.check_survivors = lambda survivors, round_: None
+            before = svc.rounds.global_params.clone()
+            shards = _shards(tmp_path, 4)
+            nodes = [Node(live.url, live.tokens[n], load_shard(shards[i]), _node_cfg(sections), torch.device("cpu"),
+                          None, poll_s=1.0, name=n) for i, n in enumerate(names)]
+            runs = [asyncio.ensure_future(n.run()) for n in nodes]
+            with caplog.at_level(logging.INFO):
+                for _ in range(300):
+                    if svc.counters.rounds_abandoned:
+                        break
+                    await asyncio.sleep(0.05)
+                for n in nodes:
+                    n.stop.set()
+                assert await asyncio.wait_for(asyncio.gather(*runs), 20) == [0] * 4
+            return svc, before
+
+    svc, before = asyncio.run(scenario())
+    assert svc.counters.rounds_abandoned == 1 and svc.version == 0
+    assert torch.equal(svc.rounds.global_params, before)
+    assert svc.secure_last["sent"]["unmask"] == [] and len(svc.secure_last["sent"]["masked"]) == 4
+    assert caplog.text.count("asked to unmask a sum of 4 masked inputs, fewer than the t = 5") == 4
+
+
 def test_privacy_ledger_counts_every_charged_round_across_a_restart(tmp_path):
     """Two rounds, then a third opens and the server dies before any checkpoint of it: the
     restarted server has charged all three (the ledger is written when a round opens) and goes
