@@ -153,10 +153,14 @@ class NodePrivacy:
     def _save(self) -> None:
         if self.ledger is None:
             return
-        self.ledger.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.ledger.with_name(self.ledger.name + ".tmp")
-        tmp.write_text(json.dumps(self._ledger_entry()))
-        tmp.replace(self.ledger)
+        try:
+            self.ledger.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.ledger.with_name(self.ledger.name + ".tmp")
+            tmp.write_text(json.dumps(self._ledger_entry()))
+            tmp.replace(self.ledger)
+        except OSError as e:  # without its ledger the node cannot keep its own account: it stops
+            raise ConfigError(f"the privacy ledger {self.ledger} cannot be written ({e}); give --privacy-ledger "
+                              "a writable file") from None
 
     def check_task(self, task: dict) -> None:
         """NodeError unless the server's task runs this node's privacy mode (and, where the

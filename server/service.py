@@ -5,7 +5,9 @@ HTTP layer (app.py) turns requests into calls of :meth:`poll`, :meth:`submit` an
 :meth:`tick`, and answers what they return. Round logic itself lives in the objects
 the simulator drives: shoal.rounds.SyncRounds (``server.mode = "sync"``: selection,
 deadline, minimum fraction, late results) and shoal.async_rounds.AsyncRounds
-(``"async"``: FedAsync / FedBuff as ``[asynchronous]`` says).
+(``"async"``: FedAsync / FedBuff as ``[asynchronous]`` says). Differential privacy
+(``[privacy]``) is one object, server/privacy.py's ServerPrivacy: the DP strategy, Poisson
+selection over the registered nodes, the accountant, the budget and the nodes' reports.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from shoal.rounds import SyncRounds
 from shoal.task import Task, TaskError, call_part, check_data
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_durably
 from .privacy import ServerPrivacy, parse_report
 from .secure_round import SecureRound
 
@@ -137,7 +139,8 @@ class ServerService:
         self.privacy = ServerPrivacy(cfg, self.spec.numel) if cfg.privacy.mode != "none" else None
         if s.mode == "sync":
             strategy = self.privacy.strategy if self.privacy is not None else None
-            strategy = strategy or make_round_strategy(cfg, self.spec.numel, "cpu", max(s.clients_per_round, s.min_nodes))
+            strategy = strategy or make_round_strategy(cfg, self.spec.numel, "cpu",
+                                                       max(s.clients_per_round, s.min_nodes))
             sampling = "poisson" if self.privacy is not None and self.privacy.user_level else "fixed"
             self.rounds = make_deadline_rounds(cfg, flat, self.spec.numel, s.clients_per_round, s.fraction,
                                                s.deadline_s, s.min_fraction, strategy, sampling=sampling)
@@ -498,11 +501,8 @@ class ServerService:
         self._save_privacy()
 
     def _save_privacy(self) -> None:
-        """The ledger, written whole and renamed into place (a crash leaves the old or the new one)."""
-        self.privacy_path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.privacy_path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(self.privacy.state_dict()))
-        tmp.replace(self.privacy_path)
+        """The ledger, written whole, fsynced and renamed into place (a crash leaves the old or the new one)."""
+        write_durably(self.privacy_path, json.dumps(self.privacy.state_dict()).encode())
 
     def _load_privacy(self, resume: bool) -> None:
         if not self.privacy_path.exists():

@@ -20,9 +20,10 @@ uniformly without replacement; ``sampling="poisson"`` selects each available cli
 independently with probability q = K / n (n = available clients), so a round has K
 clients on average and may have none; with ``poisson_rate`` set, q is that fixed rate instead
 (a deployment's q = K / N over its N registered nodes, of which only the connected ones are
-available: a node's chance to be picked never exceeds the q its accountant assumes). Poisson sampling is what DP-FedAvg's accountant
-assumes (McMahan et al. 2018, Algorithm 1); an empty round still closes (a DP strategy
-then releases its noise alone, others keep the model).
+available: a node's chance to be picked never exceeds the q its accountant assumes).
+Poisson sampling is what DP-FedAvg's accountant assumes (McMahan et al. 2018,
+Algorithm 1); an empty round still closes (a DP strategy then releases its noise alone,
+others keep the model).
 """
 
 from __future__ import annotations
