@@ -25,6 +25,9 @@ def client(
     ca_cert: Optional[Path] = typer.Option(None, "--ca-cert", help="Trust only this CA (a private deployment)."),
     name: str = typer.Option("", "--name", help="Name for the logs (default: the shard's client id, else the "
                              "--data file's name)."),
+    privacy_ledger: Optional[Path] = typer.Option(
+        None, "--privacy-ledger", help="Local DP: the file where this node keeps the rounds it spent on its data, "
+        "so a restart goes on from them (default: the token file's name + .privacy.json)."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Long-poll for work, train locally, upload the update; the data never leaves this node."""
@@ -56,6 +59,7 @@ def client(
         name = name or shard.client_id
     else:
         local = read_local_data(the_task, data)
+    ledger = privacy_ledger or token_file.with_name(token_file.name + ".privacy.json")
     node = Node(server, token, local, cfg, select_device(device), ctx, poll_s=cfg.server.poll_s,
-                name=name or data.stem, task=the_task)
+                name=name or data.stem, task=the_task, privacy_ledger=ledger)
     raise typer.Exit(asyncio.run(node.run()))

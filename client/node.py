@@ -8,32 +8,45 @@ failures and server restarts are retried with exponential backoff and full jitte
 (AWS architecture blog, "Exponential Backoff And Jitter", 2015); a bad token, a
 revoked node, an untrusted certificate or another model than the server's are not
 retried. SIGINT/SIGTERM let the current step finish, then the node exits.
+
+With ``[privacy]`` (:class:`NodePrivacy`, docs/privacy.md "In deployment") the node follows
+its own config, not the server's word: in distributed mode it clips and adds its noise share
+before the update leaves it, in local mode it trains with DP-SGD on a seed only it knows and
+accounts its own epsilon; a server whose task names another privacy mode is refused.
+
+Top-k error feedback: each upload's outcome is reported to the compressor (accepted on 200;
+not accepted when refused, too late, or never sent), so what an upload carried is folded back
+into the residual unless the server took it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import random
 import re
+import secrets
 import signal
 import ssl
-from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
 import torch
 
+from shoal.accounting import LocalDpSgdAccountant, dp_sgd_schedule
 from shoal.aggregation.compression import Compressor
+from shoal.aggregation.dp import clip_to_norm, make_generator, noise_share, share_std
 from shoal.assembly import initial_model, make_trainer, task_from_config
 from shoal.config import Config
-from shoal.errors import ShoalError, SpecMismatch
+from shoal.errors import ConfigError, ShoalError, SpecMismatch, short_repr
 from shoal.params import ParamSpec
 from shoal.shards import Shard
 from shoal.task import (ClientData, LocalData, Task, TaskError, as_tensors, call_part, check_data, check_loss,
                         num_examples, task_name)
 from shoal.tasks import BuiltinTask
+from shoal.update import Update
 from shoal.wire import decode_model, encode_update, read_header
 
 from .http import Backoff, NodeError, Refused, Retry, check_response
@@ -66,12 +79,159 @@ def builtin_local_data(task: BuiltinTask, shard: Shard) -> LocalData:
     return LocalData(train=(shard.x, shard.y))
 
 
+class NodePrivacy:
+    """This node's side of ``[privacy]``; the node's own config is its promise to its data.
+
+    * ``central``: nothing is added here (the server clips and adds the noise, which is
+      what central DP trusts it to do); the node checks that the server runs central DP
+      with its z and C.
+    * ``distributed``: clip to C and add N(0, z²C²/t) before the update leaves the node
+      (masked, with secure aggregation), t from the task; the noise comes from the OS, never
+      from the server's seed.
+    * ``local``: DP-SGD (the trainer) on a seed only this node knows (with the server's
+      seed the server could redraw the noise and the example samples), and the node's own
+      epsilon over its data size, batch, epochs and the rounds it took part in. That count
+      is kept in a ledger file, so a restarted node goes on from it; the node reports it
+      with each update and takes no work that would pass ``privacy.target_epsilon``.
+    """
+
+    def __init__(self, cfg: Config, name: str, num_train: int, ledger: Path | None = None):
+        p = cfg.privacy
+        if p.noise_multiplier <= 0:
+            raise ConfigError(f"privacy.mode = {p.mode!r} with privacy.noise_multiplier = 0 adds no noise (epsilon "
+                              "is infinite); set a noise multiplier > 0, or privacy.mode = 'none'")
+        self.p, self.mode, self.name, self.ledger = p, p.mode, name, ledger
+        self.accountant: LocalDpSgdAccountant | None = None
+        if self.mode == "local":
+            self.schedule = dp_sgd_schedule(num_train, cfg.train.batch(num_train), cfg.train.epochs)
+            self.accountant = LocalDpSgdAccountant({name: self.schedule}, p.noise_multiplier, p.delta, p.accountant)
+            self.accountant.participations[name] = self._load()
+            if p.target_epsilon and self.rounds == 0 and self.accountant.next_epsilon() > p.target_epsilon:
+                raise ConfigError(
+                    f"privacy.target_epsilon = {p.target_epsilon:g} is below the epsilon of one round of DP-SGD on "
+                    f"this node's {num_train} examples ({self.accountant.next_epsilon():.3g} at delta = "
+                    f"{p.delta:g}); raise it or raise privacy.noise_multiplier")
+            q, steps = self.schedule
+            log.info("local DP: DP-SGD on %d examples, sampling rate %.4g, %d steps a round, z = %g; epsilon = %.4g "
+                     "after %d rounds so far", num_train, q, steps, p.noise_multiplier, self.epsilon, self.rounds)
+
+    @property
+    def rounds(self) -> int:
+        return self.accountant.participations.get(self.name, 0) if self.accountant is not None else 0
+
+    @property
+    def epsilon(self) -> float:
+        return self.accountant.epsilon if self.accountant is not None else 0.0
+
+    def _ledger_entry(self) -> dict:
+        return {"node": self.name, "schedule": list(self.schedule), "noise_multiplier": self.p.noise_multiplier,
+                "accountant": self.p.accountant, "rounds": self.rounds}
+
+    def _load(self) -> int:
+        """The rounds this node already spent on its data (0 without a ledger)."""
+        if self.ledger is None or not self.ledger.exists():
+            return 0
+        try:
+            saved = json.loads(self.ledger.read_text())
+            rounds = int(saved["rounds"])
+            same = (saved["node"], [float(v) for v in saved["schedule"]], float(saved["noise_multiplier"]),
+                    saved["accountant"]) == (self.name, [float(v) for v in self.schedule], self.p.noise_multiplier,
+                                             self.p.accountant)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ConfigError(f"the privacy ledger {self.ledger} cannot be read ({type(e).__name__}: {e}); without "
+                              "it the rounds already spent are unknown: restore it, or give --privacy-ledger another "
+                              "file if this node's data was never trained on") from None
+        if not same:
+            raise ConfigError(
+                f"the privacy ledger {self.ledger} was written for node {saved['node']!r} with DP-SGD schedule "
+                f"{saved['schedule']} (sampling rate, steps a round), z = {saved['noise_multiplier']} and the "
+                f"{saved['accountant']} accountant; this node now runs {list(self.schedule)}, z = "
+                f"{self.p.noise_multiplier}, {self.p.accountant}: its {rounds} earlier rounds cannot be composed "
+                "with these; keep the earlier settings, or use another ledger only for other data")
+        return rounds
+
+    def _save(self) -> None:
+        if self.ledger is None:
+            return
+        try:
+            self.ledger.parent.mkdir(parents=True, exist_ok=True)
+            tmp = self.ledger.with_name(self.ledger.name + ".tmp")
+            tmp.write_text(json.dumps(self._ledger_entry()))
+            tmp.replace(self.ledger)
+        except OSError as e:  # without its ledger the node cannot keep its own account: it stops
+            raise ConfigError(f"the privacy ledger {self.ledger} cannot be written ({e}); give --privacy-ledger "
+                              "a writable file") from None
+
+    def check_task(self, task: dict) -> None:
+        """NodeError unless the server's task runs this node's privacy mode (and, where the
+        server adds or divides the noise, with this node's z and C)."""
+        info = task.get("privacy")
+        if not isinstance(info, dict) or info.get("mode") != self.mode:
+            theirs = info.get("mode") if isinstance(info, dict) else "none"
+            raise NodeError(f"the server runs privacy.mode = {short_repr(theirs)}, this node's config says "
+                            f"{self.mode!r}: no update leaves this node with another privacy than its own config's")
+        if self.mode == "local":
+            return
+        for key in ("noise_multiplier", "clip_norm"):
+            v, mine = info.get(key), getattr(self.p, key)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isclose(v, mine, rel_tol=1e-9):
+                raise NodeError(f"the server runs privacy.{key} = {short_repr(v)}, this node's config says {mine:g}: "
+                                "run the node with the server's [privacy] table")
+        if self.mode == "distributed":
+            t = info.get("noise_shares")
+            if not isinstance(t, int) or isinstance(t, bool) or t < 1:
+                raise NodeError(f"the task's privacy.noise_shares = {short_repr(t)} must be an integer >= 1")
+
+    def allows_next_round(self) -> bool:
+        """Local DP: False (with a log line) when one more round would pass privacy.target_epsilon."""
+        target = self.p.target_epsilon
+        if self.accountant is None or not target:
+            return True
+        nxt = self.accountant.next_epsilon()
+        if nxt <= target:
+            return True
+        log.warning("stopping: privacy budget reached (epsilon = %.4g now, %.4g after one more round > "
+                    "privacy.target_epsilon = %g at delta = %g)", self.epsilon, nxt, target, self.p.delta)
+        return False
+
+    def training_seed(self, task_seed: int) -> int:
+        """Local DP trains on a seed only this node knows; otherwise the task's (reproducible runs)."""
+        return secrets.randbits(63) if self.mode == "local" else task_seed
+
+    def protect(self, update: Update, task: dict) -> Update:
+        """Distributed DP: clip to C, add this node's share N(0, z²C²/t), t from the task."""
+        if self.mode != "distributed":
+            return update
+        t = int(task["privacy"]["noise_shares"])
+        clipped, norm = clip_to_norm(update.delta, self.p.clip_norm)
+        update.delta = noise_share(clipped, self.p.clip_norm, self.p.noise_multiplier, t,
+                                   make_generator(update.delta.device, None))  # OS entropy
+        log.info("round %s: update of norm %.4g clipped to C = %g, noise share N(0, %.4g^2) added (t = %d)",
+                 task.get("round"), norm, self.p.clip_norm, share_std(self.p.clip_norm, self.p.noise_multiplier, t), t)
+        return update
+
+    def spend(self, round_: int) -> dict | None:
+        """Local DP: count this round (the update is about to leave), save the ledger, log and
+        return the report sent with the update: {epsilon, epsilon_next, delta, rounds}."""
+        if self.accountant is None:
+            return None
+        self.accountant.record_round([self.name])
+        self._save()
+        report = {"epsilon": self.epsilon, "epsilon_next": self.accountant.next_epsilon(), "delta": self.p.delta,
+                  "rounds": self.rounds}
+        log.info("round %d: local DP epsilon = %.4g at delta = %g after %d rounds (%.4g after one more%s)", round_,
+                 report["epsilon"], self.p.delta, self.rounds, report["epsilon_next"],
+                 f"; target {self.p.target_epsilon:g}" if self.p.target_epsilon else "")
+        return report
+
+
 class Node:
     """One node's loop; :meth:`run` returns when the server says done or on stop."""
 
     def __init__(self, server: str, token: str, data: LocalData | Shard, cfg: Config, device: torch.device,
                  ssl_context: ssl.SSLContext | None = None, poll_s: float = 20.0, name: str = "",
-                 task: Task | None = None):
+                 task: Task | None = None, privacy_ledger: Path | None = None):
+        """``privacy_ledger``: the file where a local-DP node keeps the rounds it spent (None: in memory)."""
         self.url = server.rstrip("/")
         self.token = token
         self.task = task if task is not None else task_from_config(cfg)
@@ -95,6 +255,8 @@ class Node:
             self.test = None
         check_loss(self.task, model, self.train, torch.device(device))  # before the trainer binds the gradients
         self.trainer = make_trainer(cfg, self.task, model, device)
+        self.privacy = None if cfg.privacy.mode == "none" else NodePrivacy(
+            cfg, self.name, num_examples(self.train), privacy_ledger)
         self.compressor = Compressor(cfg.compression)  # [compression]: the upload's encoding
         self.zstd_level = cfg.compression.zstd_level if cfg.compression.zstd else 0
         self.secure_cfg = cfg.secure_aggregation  # identity key and keys file (client/secure_node.py)
@@ -131,7 +293,8 @@ class Node:
                         break
                     self.backoff.reset()
                     if task["status"] == "done":
-                        log.info("server reports done at version %s", task.get("version"))
+                        log.info("server reports done at version %s%s", task.get("version"),
+                                 f" ({task['reason']})" if task.get("reason") else "")
                         if task.get("evaluate") and self.test is not None:  # the final model
                             params = await self._get_model(int(task["version"]))
                             if params is not None:
@@ -166,24 +329,50 @@ class Node:
         task.cancel()
         return None
 
+    def _check_privacy(self, task: dict) -> None:
+        """The task must run this node's privacy mode (NodeError otherwise: stop)."""
+        if self.privacy is not None:
+            self.privacy.check_task(task)
+        elif task.get("privacy") is not None:
+            mode = task["privacy"].get("mode") if isinstance(task["privacy"], dict) else task["privacy"]
+            raise NodeError(f"the server runs privacy.mode = {short_repr(mode)}, this node's config has no [privacy]: "
+                            "run the node with the server's [privacy] table")
+
     async def _work(self, task: dict) -> None:
         version = int(task["version"])
+        self._check_privacy(task)
+        if self.privacy is not None and not self.privacy.allows_next_round():
+            self.stop.set()  # this node's own budget: it takes no more work
+            return
         params = await self._get_model(version)
         if params is None:
             return  # the server moved on; ask again
         if task.get("evaluate") and self.test is not None:  # the global model, before training on it
             await self._evaluate(params, version)
-        update = await asyncio.to_thread(
-            self.trainer.fit, params, self.train, int(task["seed"]), version, self.name
-        )
+        seed = self.privacy.training_seed(int(task["seed"])) if self.privacy is not None else int(task["seed"])
+        update = await asyncio.to_thread(self.trainer.fit, params, self.train, seed, version, self.name)
+        report = None
+        if self.privacy is not None:
+            update = self.privacy.protect(update, task)
+            report = self.privacy.spend(int(task["round"]))  # counted before anything leaves the node
         if "secure_aggregation" in task:  # the update leaves this node only masked (client/secure_node.py)
             from .secure_node import run_secure_round  # secure aggregation only when the config asks
 
-            self.rounds_done += await run_secure_round(self, task, update)
+            self.rounds_done += await run_secure_round(self, task, update, report)
             return
-        payload = self.compressor.encode(update.delta, self.name, int(task["seed"]))
-        body = encode_update(update, self.trainer.spec, {"round": int(task["round"])},
-                             payload=payload, zstd_level=self.zstd_level)
+        extra = {"round": int(task["round"]), **({"privacy": report} if report is not None else {})}
+        tag = (int(task["round"]), int(task["seed"]))  # this upload's entry in the error feedback
+        payload = self.compressor.encode(update.delta, self.name, int(task["seed"]), tag)
+        accepted = False
+        try:
+            body = encode_update(update, self.trainer.spec, extra, payload=payload, zstd_level=self.zstd_level)
+            accepted = await self._upload(task, body)
+        finally:  # top-k: what the server did not take goes back into the residual (also on NodeError)
+            (self.compressor.accepted if accepted else self.compressor.not_accepted)(self.name, tag)
+
+    async def _upload(self, task: dict, body: bytes) -> bool:
+        """POST the update; True when the server accepted it (200), False when it refused it
+        or it was never sent (stopping)."""
         # Retry the upload through transient failures: the task (round, version, seed)
         # is deterministic, so the same update is right after a server restart too.
         backoff = Backoff()
@@ -193,17 +382,17 @@ class Node:
                                              headers={"Content-Type": "application/octet-stream"})
                 log.info("round %s: update accepted (version %s)", task["round"], result.get("version"))
                 self.rounds_done += 1
-                return
+                return True
             except Retry as e:
                 if self.stop.is_set():
                     log.warning("stopping with an unsent update: %s", e)
-                    return
+                    return False
                 delay = backoff.next(self.rand)
                 log.warning("upload failed (%s); retrying in %.2f s", e, delay)
                 await asyncio.sleep(delay)
             except Refused as e:
                 log.warning("round %s: update refused: %s", task["round"], e)
-                return
+                return False
 
     async def _evaluate(self, params: torch.Tensor, version: int) -> None:
         """Federated evaluation: the global model on this node's test data, reported with its

@@ -7,6 +7,12 @@ keys, post encrypted shares, fetch its own, post the masked fixed-point vector
 ``[w_k * clip(delta_k), w_k]`` (as the simulator does), fetch the unmasking request
 and post its shares. The state machine refuses a request for both the self-mask and
 the mask-key share of one peer. The routes are in docs/protocol.md.
+
+Distributed DP (the update already carries its noise share, client/node.py): the node takes
+part only when the fixed-point range leaves room for its noise (the range check of
+aggregation/secagg_encoding), when every node weighs the same, and, over the full graph, sends
+its unmasking shares only when the survivors it is shown number at least the t its share was
+sized for, so a server that would unmask a smaller sum gets no shares from this node.
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import torch
 
 from shoal.aggregation import secagg_identity as ID
 from shoal.aggregation.secagg import ConsistencyRequest, KeyDirectory, SecAggClient, ShareDelivery, UnmaskRequest
-from shoal.aggregation.secagg_encoding import FixedPoint, encode_weighted, example_weight
+from shoal.aggregation.dp import share_std
+from shoal.aggregation.secagg_encoding import FixedPoint, check_noise_range, encode_weighted, example_weight
 from shoal.aggregation.secagg_wire import decode_message, encode_message, message_meta, params_from_json
 from shoal.errors import Malformed, ShoalError
 from shoal.update import Update
@@ -73,8 +80,22 @@ async def _fetch(node, route: str, round_: int) -> bytes:
     raise _Left("stopping")
 
 
-async def run_secure_round(node, task: dict, update: Update) -> bool:
-    """The protocol for one task; True when this node's unmasking shares were accepted."""
+def _dp_shares(node, task: dict, values: FixedPoint, info: dict) -> int:
+    """Distributed DP: t, after checking the round can carry this node's noise share (0 otherwise)."""
+    privacy = getattr(node, "privacy", None)
+    if privacy is None or privacy.mode != "distributed":
+        return 0
+    t = int(task["privacy"]["noise_shares"])
+    check_noise_range(values, privacy.p.clip_norm, share_std(privacy.p.clip_norm, privacy.p.noise_multiplier, t), t)
+    if info.get("weighting") != "uniform":
+        raise Malformed(f"distributed DP needs every node to weigh the same; the round says weighting = "
+                        f"{info.get('weighting')!r}: refusing to take part")
+    return t
+
+
+async def run_secure_round(node, task: dict, update: Update, report: dict | None = None) -> bool:
+    """The protocol for one task; True when this node's unmasking shares were accepted.
+    ``report``: a local-DP node's privacy report, sent with its keys."""
     round_ = int(task["round"])
     try:
         info = task["secure_aggregation"]
@@ -88,6 +109,7 @@ async def run_secure_round(node, task: dict, update: Update) -> bool:
         if params.threshold_fraction < MIN_THRESHOLD:  # below it the server could unmask a single input
             raise Malformed(f"secure_aggregation threshold fraction {params.threshold_fraction} is below "
                             f"{MIN_THRESHOLD}: refusing to take part")
+        t = _dp_shares(node, task, values, info)
         bad = int((~torch.isfinite(update.delta)).sum())
         if bad or not update.num_examples >= 1:  # never mask what would corrupt the sum unseen
             log.warning("round %d: the update has %d NaN/Inf entries (%d examples): not joining the secure "
@@ -95,7 +117,8 @@ async def run_secure_round(node, task: dict, update: Update) -> bool:
             return False
         client = SecAggClient(node.name, params, None, *_identity(node, params))  # keys from the OS CSPRNG
         meta = {"round": round_, "num_examples": int(update.num_examples),
-                "train_loss": float(update.metrics.get("train_loss", float("nan")))}
+                "train_loss": float(update.metrics.get("train_loss", float("nan"))),
+                **({"privacy": report} if report is not None else {})}
         await _post(node, "keys", encode_message(client.advertise_keys(), meta))
         body = await _fetch(node, "keys", round_)
         directory = _expect(decode_message(body, size), KeyDirectory)
@@ -114,6 +137,9 @@ async def run_secure_round(node, task: dict, update: Update) -> bool:
             await _post(node, "consistency", encode_message(client.consistency_check(check), {"round": round_}))
             reply = decode_message(await _fetch(node, "consistency", round_), size)
         request = _expect(reply, UnmaskRequest)
+        if t and params.graph == "full" and len(request.survivors) < t:  # the server should have aborted
+            raise Malformed(f"asked to unmask a sum of {len(request.survivors)} masked inputs, fewer than the t = {t} "
+                            "noise shares this node's noise was sized for: refusing")
         await _post(node, "unmask", encode_message(client.unmask(request), {"round": round_}))
     except (_Left, ShoalError, KeyError, TypeError, ValueError) as e:
         log.warning("round %d: out of the secure aggregation: %s: %s", round_, type(e).__name__, e)

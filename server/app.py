@@ -507,6 +507,8 @@ def make_app(service: ServerService, registry: Registry) -> web.Application:
     app[SERVICE] = service
     app[REGISTRY] = registry
     app[ADMIN] = admin_token_hash(service.cfg)
+    if service.privacy is not None:  # N of central/distributed DP: the registered nodes, checked before any round
+        service.bind_registry(sum(1 for n in registry.list() if n.enabled))
     sa = service.cfg.secure_aggregation
     if sa.enabled and sa.malicious_server:  # checked before any round, not when the first one opens
         if not sa.keys_file:

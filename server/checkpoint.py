@@ -50,6 +50,24 @@ def save_checkpoint(directory: str | Path, version: int, tensors: dict[str, torc
     return final
 
 
+def write_durably(path: str | Path, data: bytes) -> None:
+    """``path`` holds ``data`` or what it held before, also after a crash: a temporary file,
+    fsynced, renamed over ``path``, the folder fsynced (the privacy ledger)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def latest_checkpoint(directory: str | Path) -> Path | None:
     d = Path(directory)
     if not d.is_dir():

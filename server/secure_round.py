@@ -16,6 +16,12 @@ unmasking closes, :meth:`close` hands the unmasked weighted mean to SyncRounds o
 included node, exactly as the simulator does (simulations/secure_rounds.py), so the
 strategy's own weighting reproduces the same mean; an aborted round is closed with
 ``SyncRounds.abort_round()`` (model and version unchanged).
+
+Distributed DP (server/privacy.py): every node weighs the same (the DP mean divides the
+plain sum by K), and when the masked stage closes with fewer masked inputs than the t
+noise shares each node sized its noise for, the round aborts there, before any node is
+asked for an unmasking share, so no sum with less noise than accounted is ever formed.
+With local DP a node's privacy report travels in the ``privacy`` meta of its keys.
 """
 
 from __future__ import annotations
@@ -48,27 +54,31 @@ from shoal.rounds import RoundSummary, SyncRounds
 from shoal.seeding import derive_seed
 from shoal.update import Update
 
+from .privacy import EXPECTED_DROPOUT, ServerPrivacy, parse_report
+
 log = logging.getLogger(__name__)
 
 ROUTES = {"keys": "advertise", "shares": "share", "masked": "masked", "consistency": "consistency", "unmask": "unmask"}
 MESSAGES = {"advertise": PublicKeys, "share": EncryptedShares, "masked": MaskedInput,
             "consistency": ConsistencySignature, "unmask": UnmaskShares}
 STAGES = tuple(ROUTES.values())
-EXPECTED_DROPOUT = 0.1  # what an automatic secagg+ degree is sized for in server rounds
 
 
 class SecureRound:
     """The secure aggregation of one open sync round (see the module doc)."""
 
-    def __init__(self, cfg: Config, rounds: SyncRounds, vector_size: int, now: float):
+    def __init__(self, cfg: Config, rounds: SyncRounds, vector_size: int, now: float,
+                 privacy: ServerPrivacy | None = None):
         sa = cfg.secure_aggregation
+        self.privacy = privacy
         self.cfg = sa
         self.round = rounds.round
         self.selected = sorted(rounds.selected)
         k = len(self.selected)
         self.values = FixedPoint(sa.clip, sa.bits, k)  # raises (ConfigError) if k x 2^bits > 2^32
         self.weights = FixedPoint(1.0, sa.bits, k)
-        self.weighting = cfg.strategy.weighting
+        # distributed DP's server divides the plain sum by K: every node weighs the same (as in the simulator)
+        self.weighting = "uniform" if privacy is not None and privacy.mode == "distributed" else cfg.strategy.weighting
         self.max_examples = cfg.server.max_examples
         self.params = SecAggParams(
             # fresh per aggregation: a round re-run after a restart never reuses keys or masks
@@ -151,6 +161,9 @@ class SecureRound:
             if n > self.max_examples:  # max_weight is the largest count: one huge claim would zero the others
                 raise OutOfRange(f"keys: num_examples = {n} is above the limit of {self.max_examples} "
                                  "(server.max_examples)")
+            report = None
+            if self.privacy is not None and self.privacy.mode == "local":
+                report = parse_report(meta.get("privacy"), self.privacy.p.delta)
         try:
             {"advertise": self.server.receive_keys, "share": self.server.receive_shares,
              "masked": self.server.receive_masked, "consistency": self.server.receive_consistency,
@@ -159,6 +172,8 @@ class SecureRound:
             raise Malformed(str(e)) from None
         if stage == "advertise":
             self.meta[node] = (n, float(loss))
+            if report is not None:
+                self.privacy.take_report(node, report)
         self.sent[stage].add(node)
         return {"status": "accepted", "round": self.round, "stage": route}
 
@@ -224,6 +239,8 @@ class SecureRound:
             self.replies["shares"] = {u: encode_message(d, {"round": r}) for u, d in s.close_share().items()}
             self.stage = "masked"
         elif self.stage == "masked":
+            if self.privacy is not None:  # before any unmasking share is asked for (SecAggAborted)
+                self.privacy.check_survivors(len(s.u3), r)
             self.replies["masked"] = {u: encode_message(q, {"round": r}) for u, q in s.close_masked().items()}
             self.stage = s.stage  # "consistency" with malicious_server, else "unmask"
         elif self.stage == "consistency":

@@ -5,7 +5,9 @@ HTTP layer (app.py) turns requests into calls of :meth:`poll`, :meth:`submit` an
 :meth:`tick`, and answers what they return. Round logic itself lives in the objects
 the simulator drives: shoal.rounds.SyncRounds (``server.mode = "sync"``: selection,
 deadline, minimum fraction, late results) and shoal.async_rounds.AsyncRounds
-(``"async"``: FedAsync / FedBuff as ``[asynchronous]`` says).
+(``"async"``: FedAsync / FedBuff as ``[asynchronous]`` says). Differential privacy
+(``[privacy]``) is one object, server/privacy.py's ServerPrivacy: the DP strategy, Poisson
+selection over the registered nodes, the accountant, the budget and the nodes' reports.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from shoal.rounds import SyncRounds
 from shoal.task import Task, TaskError, call_part, check_data
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_durably
+from .privacy import ServerPrivacy, parse_report
 from .secure_round import SecureRound
 
 log = logging.getLogger(__name__)
@@ -110,12 +113,9 @@ def spec_mismatch_detail(node_hash: str, server_hash: str) -> str:
 class ServerService:
     """One aggregator: its model, rounds, nodes seen, checkpoints and metrics."""
 
-    def __init__(self, cfg: Config, resume: bool = True, task: Task | None = None):
-        if cfg.privacy.mode != "none":  # refuse rather than train without the privacy the user asked for
-            raise ConfigError(
-                f"privacy.mode = {cfg.privacy.mode!r}: shoal server does not apply differential privacy yet "
-                "(it runs in `shoal simulate` and `shoal privacy-sweep`); set privacy.mode = 'none'"
-            )
+    def __init__(self, cfg: Config, resume: bool = True, task: Task | None = None, registered: int | None = None):
+        """``registered``: the enabled nodes of the registry (N of central and distributed DP);
+        when None, :func:`server.app.make_app` gives it with :meth:`bind_registry` before serving."""
         self.cfg = cfg
         s = cfg.server
         # The model comes from the task alone (shoal.assembly): the same seed gives the
@@ -135,10 +135,15 @@ class ServerService:
         self.mode = s.mode
         self.rounds: SyncRounds | AsyncRounds
         flat = self.trainer.flat.detach().clone()
+        # [privacy]: the DP strategy, Poisson sampling, the accountant and the budget (server/privacy.py)
+        self.privacy = ServerPrivacy(cfg, self.spec.numel) if cfg.privacy.mode != "none" else None
         if s.mode == "sync":
-            strategy = make_round_strategy(cfg, self.spec.numel, "cpu", max(s.clients_per_round, s.min_nodes))
+            strategy = self.privacy.strategy if self.privacy is not None else None
+            strategy = strategy or make_round_strategy(cfg, self.spec.numel, "cpu",
+                                                       max(s.clients_per_round, s.min_nodes))
+            sampling = "poisson" if self.privacy is not None and self.privacy.user_level else "fixed"
             self.rounds = make_deadline_rounds(cfg, flat, self.spec.numel, s.clients_per_round, s.fraction,
-                                               s.deadline_s, s.min_fraction, strategy)
+                                               s.deadline_s, s.min_fraction, strategy, sampling=sampling)
         else:
             self.rounds = make_async_rounds(cfg, flat, self.spec.numel)
         self.fed_every = cfg.simulation.eval_every
@@ -166,6 +171,11 @@ class ServerService:
             self._restore(path)
         elif not resume or not self.metrics_path.exists():
             self.metrics_path.write_text("")
+        self.privacy_path = self.ckpt_dir / "privacy.json"  # the ledger: every charged round, before it runs
+        if self.privacy is not None:
+            self._load_privacy(resume)
+            if registered is not None:
+                self.bind_registry(registered)
 
     # --- state ---------------------------------------------------------------------
 
@@ -175,7 +185,9 @@ class ServerService:
 
     @property
     def done(self) -> bool:
-        return self.rounds.version >= self.cfg.server.rounds
+        """Every round is run, or the privacy budget stopped the run."""
+        return self.rounds.version >= self.cfg.server.rounds or (
+            self.privacy is not None and self.privacy.stopped is not None)
 
     def finished(self, now: float) -> bool:
         """Done, and every connected node was told so (or one poll period passed)."""
@@ -224,7 +236,10 @@ class ServerService:
         self.seen(node, now)
         if self.done:
             self.told_done.add(node)
-            return self._with_eval({"status": "done", "version": self.version}, node, evaluates)
+            answer: dict[str, Any] = {"status": "done", "version": self.version}
+            if self.privacy is not None and self.privacy.stopped is not None:
+                answer["reason"] = self.privacy.stopped
+            return self._with_eval(answer, node, evaluates)
         r = self.rounds
         if isinstance(r, AsyncRounds):
             if len(self.connected(now)) < self.cfg.server.min_nodes:
@@ -241,6 +256,8 @@ class ServerService:
                     "deadline_s": round(max(left, 0.0), 3)}
             if self.secure_round is not None:
                 work["secure_aggregation"] = self.secure_round.task_info()
+            if self.privacy is not None:
+                work["privacy"] = self.privacy.task_info()
             return self._with_eval(work, node, evaluates)
         return None
 
@@ -365,10 +382,15 @@ class ServerService:
                     and "round" in header and header["round"] != r.round):
                 raise UpdateRejected("wrong_round", f"update is for round {header['round']!r}, the open round is {r.round}")
             update.sender = node  # the authenticated identity, not what the body claims
+            report = None
+            if self.privacy is not None and self.privacy.mode == "local":  # checked before anything changes
+                report = parse_report(header.get("privacy"), self.cfg.privacy.delta)
             advanced = r.submit(node, update)
         except Exception as e:
             self.refused(getattr(e, "code", "error"))
             raise
+        if report is not None:
+            self.privacy.take_report(node, report)
         self.counters.accepted += 1
         self.counters.bytes_received += len(body)
         if advanced:  # async: the update completed a new version
@@ -393,13 +415,22 @@ class ServerService:
         if self.done or not isinstance(r, SyncRounds):
             return False
         if not r.open:
+            if self.privacy is not None and not self.privacy.allows_next_round():
+                self._privacy_event({"round": r.round, "version": r.version, "stopped": self.privacy.stopped,
+                                     "epsilon_next": self.privacy.next_epsilon})
+                return True  # done now: every waiting node is told so
             avail = self.connected(now)
             if len(avail) < self.cfg.server.min_nodes:
                 return False
+            if self.privacy is not None and not self.privacy.bound:
+                raise ConfigError("privacy: the server does not know N, its registered nodes (bind_registry)")
             tasks = r.start_round(avail, now)
             log.info("round %d: %d of %d nodes selected, version %d", r.round, len(tasks), len(avail), r.version)
-            if self.cfg.secure_aggregation.enabled:
-                self.secure_round = SecureRound(self.cfg, r, self.spec.numel + 1, now)
+            if self.privacy is not None:
+                self.privacy.round_started(sorted(r.selected))
+                self._save_privacy()  # charged before anything of the round is released
+            if self.cfg.secure_aggregation.enabled and tasks:  # nobody selected: the round closes at once
+                self.secure_round = SecureRound(self.cfg, r, self.spec.numel + 1, now, self.privacy)
             return True
         if self.secure_round is not None:  # the protocol's stages decide when the round closes
             changed = self.secure_round.tick(now)
@@ -410,6 +441,8 @@ class ServerService:
             summary = secure.close(r)
             if summary is None:  # aborted: model and version unchanged, the next round runs
                 self.counters.rounds_abandoned += 1
+                if self.privacy is not None:  # charged all the same: say so in the record
+                    self._privacy_event({"round": r.round, "version": r.version, "aborted": secure.aborted})
                 return True
         elif not r.should_close(now):
             return False
@@ -419,6 +452,9 @@ class ServerService:
             self.counters.rounds_abandoned += 1
             log.warning("round %d failed at its deadline with %d of %d results (min_fraction %.2f); model unchanged",
                         r.round, summary.num_results, summary.num_selected, self.cfg.server.min_fraction)
+            if self.privacy is not None:
+                self._privacy_event({"round": r.round, "version": r.version, "failed": True,
+                                     "num_results": summary.num_results})
             return True
         if summary.num_results < summary.num_selected:
             log.info("round %d: deadline, closed with %d of %d results", r.round, summary.num_results,
@@ -436,13 +472,52 @@ class ServerService:
             ev = self.trainer.evaluate_data(self.rounds.global_params, self.test)
             record.update({f"test_{k}": v for k, v in ev.items() if k != "num_examples"})
         record.update(fields)
+        if self.privacy is not None:
+            record.update(self.privacy.record())
         record["elapsed_s"] = round(time.perf_counter() - self._t0, 4)
         self.last_record = _clean(record)
         self._checkpoint()  # first: a crash between the two loses a log line, never a version
+        if self.privacy is not None:
+            self._save_privacy()  # the adaptive clip norm and the nodes' reports of this version
         self._settle_fed()  # the nodes evaluated older versions before training on them
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(self.last_record) + "\n")
         log.info("version %d: %s", self.version, json.dumps(self.last_record))
+
+    # --- privacy ---------------------------------------------------------------------
+
+    def bind_registry(self, registered: int) -> None:
+        """N for central and distributed DP: the enabled nodes of the registry (server/privacy.py
+        says why that is the population the accountant needs). ConfigError if it cannot be sound."""
+        if self.privacy is not None and isinstance(self.rounds, SyncRounds):
+            self.privacy.bind(registered, self.rounds)
+
+    def _privacy_event(self, fields: dict[str, Any]) -> None:
+        """A metrics.jsonl record for a round that released no new version but changed the
+        privacy picture (charged and aborted or failed, or the budget stopped the run)."""
+        record = {**fields, **self.privacy.record(), "elapsed_s": round(time.perf_counter() - self._t0, 4)}
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(_clean(record)) + "\n")
+        self._save_privacy()
+
+    def _save_privacy(self) -> None:
+        """The ledger, written whole, fsynced and renamed into place (a crash leaves the old or the new one)."""
+        write_durably(self.privacy_path, json.dumps(self.privacy.state_dict()).encode())
+
+    def _load_privacy(self, resume: bool) -> None:
+        if not self.privacy_path.exists():
+            return
+        try:
+            state = json.loads(self.privacy_path.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"the privacy ledger {self.privacy_path} cannot be read ({e}): without it the rounds "
+                              "already charged are unknown; restore it, or use another server.checkpoint_dir") from None
+        if not resume:
+            log.warning("--fresh: a new privacy ledger; the earlier run charged %s rounds on the same nodes' data, "
+                        "which this run's epsilon does not include", state.get("rounds_charged"))
+            return
+        self.privacy.load_state_dict(state)
+        log.info("privacy ledger %s: %d rounds charged so far", self.privacy_path, self.privacy.rounds_charged)
 
     # --- checkpoints ---------------------------------------------------------------
 
@@ -486,6 +561,7 @@ class ServerService:
             "updates_accepted": self.counters.accepted, "updates_rejected": dict(self.counters.rejected),
             **({"secure_aggregation": self.secure_round.status() if self.secure_round else self.secure_last}
                if self.cfg.secure_aggregation.enabled else {}),
+            **({"privacy": self.privacy.status()} if self.privacy is not None else {}),
         }
 
     def prometheus(self, now: float) -> str:
@@ -509,6 +585,8 @@ class ServerService:
             "# HELP shoal_rounds_dropped_total Rounds dropped at the deadline with too few results.",
             "# TYPE shoal_rounds_dropped_total counter", f"shoal_rounds_dropped_total {c.rounds_abandoned}",
         ]
+        if self.privacy is not None:
+            lines += self.privacy.prometheus()
         gauges = {k: v for k, v in self.last_record.items() if k.startswith("test_") or k == "train_loss"}
         gauges.update((k, v) for k, v in self.last_fed.items() if k.startswith("fed_"))
         for key, v in sorted(gauges.items()):

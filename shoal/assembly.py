@@ -78,8 +78,10 @@ def make_deadline_rounds(
     deadline_s: float | None,
     min_fraction: float,
     strategy: Strategy | None = None,
+    sampling: str = "fixed",
 ) -> SyncRounds:
-    """SyncRounds with the ``[asynchronous]`` over-selection and late-result keys."""
+    """SyncRounds with the ``[asynchronous]`` over-selection and late-result keys (``sampling``:
+    SyncRounds' fixed | poisson; a DP server samples Poisson, server/privacy.py)."""
     a = cfg.asynchronous
     device = global_params.device
     strategy = strategy or make_strategy(cfg.strategy, numel, device, make_aggregator(cfg.robust, numel, device))
@@ -95,6 +97,7 @@ def make_deadline_rounds(
         late=a.late,
         late_weight=make_staleness_weight(a.staleness_weight, a.staleness_a, a.staleness_b),
         max_staleness=a.max_staleness,
+        sampling=sampling,
     )
 
 

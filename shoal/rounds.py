@@ -18,9 +18,12 @@ aggregation.staleness) when t <= ``max_staleness``.
 Sampling: ``sampling="fixed"`` (the default) selects exactly K of the available clients
 uniformly without replacement; ``sampling="poisson"`` selects each available client
 independently with probability q = K / n (n = available clients), so a round has K
-clients on average and may have none. Poisson sampling is what DP-FedAvg's accountant
-assumes (McMahan et al. 2018, Algorithm 1); an empty round still closes (a DP strategy
-then releases its noise alone, others keep the model).
+clients on average and may have none; with ``poisson_rate`` set, q is that fixed rate instead
+(a deployment's q = K / N over its N registered nodes, of which only the connected ones are
+available: a node's chance to be picked never exceeds the q its accountant assumes).
+Poisson sampling is what DP-FedAvg's accountant assumes (McMahan et al. 2018,
+Algorithm 1); an empty round still closes (a DP strategy then releases its noise alone,
+others keep the model).
 """
 
 from __future__ import annotations
@@ -87,6 +90,7 @@ class SyncRounds:
         late_weight: Callable[[int], float] | None = None,
         max_staleness: int | None = None,
         sampling: str = "fixed",
+        poisson_rate: float | None = None,
     ):
         if sampling not in self.SAMPLINGS:
             raise ValueError(f"sampling = {sampling!r} must be one of {', '.join(self.SAMPLINGS)}")
@@ -102,7 +106,10 @@ class SyncRounds:
             raise ValueError(f"late = {late!r} must be one of {', '.join(self.LATE_RULES)}")
         if late == "fold" and late_weight is None:
             raise ValueError("late='fold' needs a late_weight (a staleness weight, aggregation.staleness)")
+        if poisson_rate is not None and not 0 < poisson_rate <= 1:
+            raise ValueError(f"poisson_rate = {poisson_rate} must be in (0, 1]")
         self.sampling = sampling
+        self.poisson_rate = poisson_rate  # poisson: a fixed q instead of K / available (see the module doc)
         self.over_selection = over_selection
         self.deadline_s = deadline_s
         self.min_fraction = min_fraction
@@ -135,7 +142,9 @@ class SyncRounds:
         return min(k, num_available)
 
     def sampling_rate(self, num_available: int) -> float:
-        """q = K / n: each client's probability of being selected in a round."""
+        """q = K / n (or the fixed ``poisson_rate``): each client's probability of being selected in a round."""
+        if self.sampling == "poisson" and self.poisson_rate is not None:
+            return self.poisson_rate if num_available else 0.0
         return self.sample_size(num_available) / num_available if num_available else 0.0
 
     def start_round(self, available: list[str], now: float | None = None) -> list[Assignment]:
@@ -155,7 +164,8 @@ class SyncRounds:
         self.deadline_at = None if self.deadline_s is None else now + self.deadline_s
         if self.sampling == "poisson":
             draws = rng(self.seed, self.round, 0x9015).random(len(ids))
-            chosen = [i for i in range(len(ids)) if draws[i] < self.target / len(ids)]
+            q = self.poisson_rate if self.poisson_rate is not None else self.target / len(ids)
+            chosen = [i for i in range(len(ids)) if draws[i] < q]
             self.target = len(chosen)  # the round is complete when every selected client reported
         else:
             k = min(len(ids), math.ceil(self.target * (1 + self.over_selection) - 1e-9))

@@ -175,11 +175,13 @@ def test_expect_continue_refuses_oversized_before_the_body_and_accepts_a_good_on
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
-def test_server_refuses_a_privacy_config_it_would_not_apply(tmp_path):
+def test_server_refuses_a_privacy_config_it_cannot_make_sound(tmp_path):
+    """Central DP over a fraction of the connected nodes would make q change with the network:
+    refused, naming the key (test_deploy_privacy.py has the other cases)."""
     from shoal.config import load_config
     from shoal.errors import ConfigError
     from shoal.server.service import ServerService
 
     cfg = load_config(None, ['privacy.mode="central"', f'server.checkpoint_dir="{tmp_path}/ck"'])
-    with pytest.raises(ConfigError, match="privacy.mode"):
+    with pytest.raises(ConfigError, match="server.clients_per_round = K > 0"):
         ServerService(cfg)

@@ -1,0 +1,355 @@
+"""``[privacy]`` in `shoal server`: differential privacy in a deployment (docs/privacy.md).
+
+:class:`ServerPrivacy` is everything DP adds to the service, in one place and without I/O
+(the service calls it when a round opens or closes, when an update or a node's report
+arrives, and when it writes records, status and checkpoints). It is built from the
+objects the simulator runs, not a second implementation: the DP strategy of
+aggregation.dp (``make_dp_strategy``), the accountants of shoal.accounting, SyncRounds'
+Poisson sampling, and for secure aggregation the protocol's own threshold and the
+fixed-point range check of aggregation.secagg_encoding.
+
+* ``central``: DP-FedAvg. Each round selects every connected node independently with
+  probability q = K / N, where K = ``server.clients_per_round`` and N = the registered
+  (enabled) nodes when the server starts. N is the population the accountant needs:
+  add/remove-one-node DP amplified by Poisson sampling holds when every node that could
+  ever contribute joins a round with probability at most q, independently of the others
+  and of the data. Registered nodes are that population (a node must be registered to
+  send anything); the connected ones are a subset that changes with the network, so a
+  rate q = K / connected could exceed the q the accountant uses. A node not connected is
+  selected with probability 0 <= q, which only helps. The server clips each update to C
+  and adds N(0, z²C²) to the sum (fixed or adaptive clipping), divided by K.
+* ``distributed``: each node clips and adds N(0, z²C²/t). With secure aggregation t is
+  the fewest survivors the protocol accepts for a round of K (raised by
+  ``privacy.min_survivors``), and the round is aborted before any unmasking share is
+  asked for when fewer than t masked inputs arrived (:meth:`ServerPrivacy.check_survivors`);
+  in the clear t is the number the round selected and the server adds what a missing
+  share lacked (``DPMean.missing_share_std``).
+* ``local``: each node trains with DP-SGD and reports its own epsilon with its update
+  (:func:`parse_report`); the server shows them and stops when the worst node's next
+  round would pass ``privacy.target_epsilon``.
+
+Randomness the server's adversaries could know is not used where privacy depends on it:
+the central noise and the Poisson draws come from the OS (the config, and so
+``simulation.seed``, is given to every node), so nobody can redraw the noise or recompute
+which rounds a node was sampled in.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from typing import Any
+
+from shoal.accounting import RoundAccountant
+from shoal.aggregation.dp import DPMean, make_dp_strategy, share_std
+from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer
+from shoal.aggregation.secagg_encoding import FixedPoint, check_noise_range
+from shoal.aggregation.strategy import Strategy
+from shoal.config import Config
+from shoal.errors import ConfigError, Malformed, short_repr
+from shoal.rounds import SyncRounds
+
+log = logging.getLogger(__name__)
+
+#: what a secagg+ degree is sized for in server rounds (server/secure_round.py uses the same)
+EXPECTED_DROPOUT = 0.1
+#: the fields of a node's local-DP report (header field ``privacy`` of an update, or the
+#: ``privacy`` meta of its secure-aggregation keys)
+REPORT_FIELDS = ("epsilon", "epsilon_next", "delta", "rounds")
+MAX_NODE_EPSILONS = 10_000  # nodes shown one by one in status / Prometheus
+
+
+def check_deployable(cfg: Config) -> None:
+    """Refuse (ConfigError naming the key and the fix) a [privacy] config `shoal server`
+    cannot run with the guarantee it would report."""
+    p, s, a = cfg.privacy, cfg.server, cfg.asynchronous
+    mode = p.mode
+    if s.mode != "sync":
+        raise ConfigError(f"privacy.mode = {mode!r} needs server.mode = 'sync' (it is {s.mode!r}): the accountant "
+                          "counts sampled synchronous rounds")
+    if p.noise_multiplier <= 0:
+        raise ConfigError(f"privacy.mode = {mode!r} with privacy.noise_multiplier = 0 adds no noise (epsilon is "
+                          "infinite); set a noise multiplier > 0, or privacy.mode = 'none'")
+    if mode == "local":
+        return
+    if not s.clients_per_round:
+        raise ConfigError(f"privacy.mode = {mode!r} in shoal server needs server.clients_per_round = K > 0: each "
+                          "connected node joins a round with probability q = K / N (N = the registered nodes), "
+                          "and the noisy sum is divided by K (server.fraction of the connected nodes would make "
+                          "q change with the network)")
+    if p.sampling != "poisson":
+        raise ConfigError("privacy.sampling = 'fixed' in shoal server: the server can only pick among the "
+                          "connected nodes, so a node's chance K / connected can exceed the K / N that the "
+                          "fixed-size accountant assumes; use privacy.sampling = 'poisson'")
+    if a.over_selection:
+        raise ConfigError(f"asynchronous.over_selection = {a.over_selection} with privacy.mode = {mode!r}: Poisson "
+                          "sampling decides each node alone; set it to 0")
+    if a.late != "drop":
+        raise ConfigError(f"asynchronous.late = {a.late!r} with privacy.mode = {mode!r}: a late update would join a "
+                          "round it was not sampled for, which the accountant does not cover; set late = 'drop'")
+
+
+def secure_noise_shares(cfg: Config, k: int) -> int:
+    """t for distributed DP with secure aggregation: the fewest survivors the protocol accepts
+    in a round of ``k`` nodes (its threshold), raised to ceil(privacy.min_survivors k)."""
+    sa = cfg.secure_aggregation
+    params = SecAggParams(session=b"threshold", vector_size=1, graph=sa.graph, degree=sa.degree,
+                          threshold_fraction=sa.threshold, expected_dropout=EXPECTED_DROPOUT)
+    threshold = SecAggServer(params, [f"c{i}" for i in range(max(k, 1))]).threshold
+    return max(threshold, math.ceil(cfg.privacy.min_survivors * k - 1e-9))
+
+
+def _number(obj: dict, key: str, low: float, high: float = math.inf) -> float:
+    v = obj.get(key)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and low <= v <= high):
+        raise Malformed(f"privacy report field {key!r} must be a finite number in [{low:g}, {high:g}], "
+                        f"got {short_repr(v)}")
+    return float(v)
+
+
+def parse_report(obj: Any, delta: float) -> dict[str, float | int]:
+    """A node's local-DP report ``{epsilon, epsilon_next, delta, rounds}``, checked; Malformed if it is not one."""
+    if not isinstance(obj, dict):
+        raise Malformed("privacy.mode = 'local': the update must carry its node's privacy report, an object "
+                        f"{{{', '.join(REPORT_FIELDS)}}} (header field 'privacy')")
+    unknown = sorted(str(k)[:40] for k in set(obj) - set(REPORT_FIELDS))
+    if unknown:
+        raise Malformed(f"privacy report has unknown fields {unknown[:5]}; expected {', '.join(REPORT_FIELDS)}")
+    eps = _number(obj, "epsilon", 0.0)
+    nxt = _number(obj, "epsilon_next", eps)
+    d = _number(obj, "delta", 0.0, 1.0)
+    if not math.isclose(d, delta, rel_tol=1e-9):
+        raise Malformed(f"privacy report is at delta = {d:g}, the server's privacy.delta is {delta:g}: run the node "
+                        "with the server's [privacy] table")
+    rounds = obj.get("rounds")
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or not 1 <= rounds <= 2**31:
+        raise Malformed(f"privacy report field 'rounds' must be an integer >= 1, got {short_repr(rounds)}")
+    return {"epsilon": eps, "epsilon_next": nxt, "delta": d, "rounds": rounds}
+
+
+class ServerPrivacy:
+    """The DP state of one server (see the module doc). ``strategy`` is the round strategy for
+    central and distributed DP (None for local: the plain strategy averages DP-SGD updates)."""
+
+    def __init__(self, cfg: Config, numel: int, device: str = "cpu"):
+        check_deployable(cfg)
+        self.cfg, self.p = cfg, cfg.privacy
+        self.mode = self.p.mode
+        self.user_level = self.mode in ("central", "distributed")
+        self.secure = cfg.secure_aggregation.enabled
+        self.k = cfg.server.clients_per_round
+        self.strategy: Strategy | None = None
+        if self.user_level:  # the same strategy the simulator builds, its noise from the OS (seed=None)
+            self.strategy = make_dp_strategy(cfg.strategy, self.p, numel, self.k, device, seed=None)
+        self.noise_shares = 0  # t of distributed DP with secure aggregation
+        if self.mode == "distributed" and self.secure:
+            self.noise_shares = secure_noise_shares(cfg, self.k)
+        self.round_shares = 0  # t of the open round (in the clear: the nodes it selected)
+        self.registered: int | None = None
+        self.q: float | None = None
+        self.accountant: RoundAccountant | None = None
+        self.rounds_charged = 0
+        self.reports: dict[str, dict] = {}  # local: node -> its last report
+        self.stopped: str | None = None
+        self._saved_q: float | None = None
+
+    # --- set-up ----------------------------------------------------------------------
+
+    @property
+    def bound(self) -> bool:
+        return not self.user_level or self.accountant is not None
+
+    def bind(self, registered: int, rounds: SyncRounds) -> None:
+        """N is known (the registry's enabled nodes): fix q = K / N for the run, build the
+        accountant, and check what can be checked before any round (ConfigError)."""
+        if not self.user_level or self.accountant is not None:
+            return
+        p, sa = self.p, self.cfg.secure_aggregation
+        if registered < self.k:
+            raise ConfigError(f"privacy.mode = {self.mode!r}: server.clients_per_round = {self.k} is more than the "
+                              f"{registered} registered nodes (N); q = K / N must be <= 1: register more nodes "
+                              "(`shoal server nodes add`) or lower clients_per_round")
+        self.registered = registered
+        q = self.k / registered
+        if self._saved_q is not None and not math.isclose(self._saved_q, q):
+            log.warning("privacy: this run samples at q = %.4g (K / N when it started); the registry now gives "
+                        "%d / %d = %.4g: keeping q = %.4g, which every charged round used", self._saved_q, self.k,
+                        registered, q, self._saved_q)
+            q = self._saved_q
+        self.q = q
+        self.accountant = RoundAccountant(q, p.noise_multiplier, p.delta, p.accountant, sampling="poisson")
+        if self.secure:  # any round size up to N must fit the modulus; the noise must fit the range
+            FixedPoint(sa.clip, sa.bits, registered)
+            if self.mode == "distributed":
+                check_noise_range(FixedPoint(sa.clip, sa.bits, 1), p.clip_norm, self.share_std, self.noise_shares)
+        if p.target_epsilon and self.rounds_charged == 0 and self.accountant.next_epsilon() > p.target_epsilon:
+            raise ConfigError(
+                f"privacy.target_epsilon = {p.target_epsilon:g} is below the epsilon of a single round "
+                f"({self.accountant.next_epsilon():.3g} at delta = {p.delta:g}); raise it or raise "
+                "privacy.noise_multiplier"
+            )
+        self.accountant.rounds = self.rounds_charged
+        rounds.poisson_rate = q
+        rounds.seed = secrets.randbits(63)  # Poisson draws nobody can recompute from the config
+        log.info("privacy: %s; N = %d registered nodes, K = %d%s", self.accountant.describe(), registered, self.k,
+                 f"; each node adds N(0, {self.share_std:.4g}^2) for t = {self.noise_shares} survivors at least"
+                 if self.noise_shares else "")
+
+    @property
+    def share_std(self) -> float:
+        return share_std(self.p.clip_norm, self.p.noise_multiplier, max(self.noise_shares or self.round_shares, 1))
+
+    @property
+    def aggregator(self) -> DPMean | None:
+        return self.strategy.aggregator if self.strategy is not None else None
+
+    # --- rounds ----------------------------------------------------------------------
+
+    def allows_next_round(self) -> bool:
+        """False once one more round would take epsilon past ``privacy.target_epsilon``
+        (then :attr:`stopped` says why, and a log line said so)."""
+        if self.stopped is not None:
+            return False
+        target = self.p.target_epsilon
+        if not target:
+            return True
+        now, nxt = self.epsilon, self.next_epsilon
+        if nxt is None or nxt <= target:
+            return True
+        who = "" if self.user_level else f" (the worst node, {self.worst_node()})"
+        self.stopped = (f"privacy budget reached: epsilon = {now:.4g} now, {nxt:.4g} after one more round{who} > "
+                        f"privacy.target_epsilon = {target:g} at delta = {self.p.delta:g}")
+        log.warning("stopping: %s", self.stopped)
+        return False
+
+    def round_started(self, selected: list[str]) -> None:
+        """A round opened: it is charged now (every round that starts is, also one that selects
+        nobody or aborts), and a distributed-DP mean learns t."""
+        if self.user_level:
+            assert self.accountant is not None, "bind() before the first round"
+            self.rounds_charged += 1
+            self.accountant.rounds = self.rounds_charged
+        if self.mode == "distributed":
+            self.round_shares = self.noise_shares or max(1, len(selected))
+            self.aggregator.expect_shares(self.round_shares)
+
+    def check_survivors(self, survivors: int, round_: int) -> None:
+        """Secure distributed DP: before any unmasking share is asked for, the sum must hold
+        at least t noise shares; SecAggAborted otherwise (nothing is released)."""
+        if self.noise_shares and survivors < self.noise_shares:
+            raise SecAggAborted(f"round {round_}: {survivors} masked inputs, fewer than the t = {self.noise_shares} "
+                                "noise shares distributed DP needs for N(0, z^2 C^2) on the sum; not unmasking")
+
+    def task_info(self) -> dict[str, Any]:
+        """What a node's task says about privacy (the node checks it against its own config)."""
+        out: dict[str, Any] = {"mode": self.mode, "noise_multiplier": self.p.noise_multiplier,
+                               "clip_norm": self.p.clip_norm, "delta": self.p.delta}
+        if self.mode == "distributed":
+            out["noise_shares"] = self.round_shares
+        return out
+
+    # --- local DP: the nodes' reports ------------------------------------------------
+
+    def take_report(self, node: str, report: dict) -> None:
+        if node in self.reports or len(self.reports) < MAX_NODE_EPSILONS:
+            self.reports[node] = report
+        log.info("node %s: local DP epsilon = %.4g after %d rounds (%.4g after one more)", node,
+                 report["epsilon"], report["rounds"], report["epsilon_next"])
+
+    def worst_node(self) -> str | None:
+        return max(self.reports, key=lambda n: (self.reports[n]["epsilon_next"], n), default=None)
+
+    # --- what is reported ------------------------------------------------------------
+
+    @property
+    def epsilon(self) -> float:
+        if self.user_level:
+            return self.accountant.epsilon if self.accountant is not None else 0.0
+        return max((r["epsilon"] for r in self.reports.values()), default=0.0)
+
+    @property
+    def next_epsilon(self) -> float | None:
+        if self.user_level:
+            return self.accountant.next_epsilon() if self.accountant is not None else None
+        return max((r["epsilon_next"] for r in self.reports.values()), default=None)
+
+    def describe(self) -> str:
+        if self.accountant is not None:
+            return self.accountant.describe()
+        if self.user_level:
+            return "not bound to the registry yet"
+        return ("example-level DP-SGD on each node, accounted by the node over its own data size, batch, epochs "
+                "and the rounds it took part in; the worst node's report is shown")
+
+    def record(self) -> dict[str, Any]:
+        """The privacy fields of a metrics.jsonl record (as the simulator writes them)."""
+        out: dict[str, Any] = {"epsilon": self.epsilon, "delta": self.p.delta, "privacy_mode": self.mode,
+                               "accountant": self.describe()}
+        if self.user_level:
+            out.update(sampling="poisson", sampling_rate=self.q, rounds_charged=self.rounds_charged)
+            if self.p.adaptive_clipping:
+                out["clip_norm"] = float(self.aggregator.clip_norm)
+        else:
+            out.update(nodes_reporting=len(self.reports), epsilon_node=self.worst_node())
+        if self.p.target_epsilon:
+            out["target_epsilon"] = self.p.target_epsilon
+        return out
+
+    def status(self) -> dict[str, Any]:
+        out = {**self.record(), "epsilon_next": self.next_epsilon, "stopped": self.stopped,
+               "registered_nodes": self.registered}
+        if self.mode == "distributed":
+            out["noise_shares"] = self.noise_shares or self.round_shares
+        if not self.user_level:
+            out["node_epsilon"] = {n: dict(r) for n, r in sorted(self.reports.items())}
+        return out
+
+    def prometheus(self) -> list[str]:
+        lines = [
+            "# HELP shoal_privacy_epsilon Epsilon spent so far at shoal_privacy_delta (local DP: the worst node's).",
+            "# TYPE shoal_privacy_epsilon gauge", f"shoal_privacy_epsilon {self.epsilon}",
+            "# TYPE shoal_privacy_delta gauge", f"shoal_privacy_delta {self.p.delta}",
+            "# HELP shoal_privacy_budget_exhausted 1 once privacy.target_epsilon stopped the run.",
+            "# TYPE shoal_privacy_budget_exhausted gauge",
+            f"shoal_privacy_budget_exhausted {int(self.stopped is not None)}",
+        ]
+        if self.p.target_epsilon:
+            lines += ["# TYPE shoal_privacy_target_epsilon gauge",
+                      f"shoal_privacy_target_epsilon {self.p.target_epsilon}"]
+        if self.user_level:
+            lines += ["# HELP shoal_privacy_rounds_charged_total Rounds the accountant charged (every round "
+                      "that started).", "# TYPE shoal_privacy_rounds_charged_total counter",
+                      f"shoal_privacy_rounds_charged_total {self.rounds_charged}"]
+            if self.p.adaptive_clipping:
+                lines += ["# TYPE shoal_privacy_clip_norm gauge",
+                          f"shoal_privacy_clip_norm {float(self.aggregator.clip_norm)}"]
+        else:
+            lines += ["# HELP shoal_privacy_node_epsilon A node's own reported local-DP epsilon.",
+                      "# TYPE shoal_privacy_node_epsilon gauge"]
+            lines += [f'shoal_privacy_node_epsilon{{node="{n}"}} {r["epsilon"]}'
+                      for n, r in sorted(self.reports.items())]
+        return lines
+
+    # --- restart ---------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """The privacy ledger: charged rounds, q, the adaptive clip norm, the nodes' reports."""
+        out: dict[str, Any] = {"mode": self.mode, "rounds_charged": self.rounds_charged, "q": self.q,
+                               "reports": self.reports}
+        if self.user_level and self.p.adaptive_clipping:
+            out["clip_norm"] = float(self.aggregator.clip_norm)
+        return out
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state.get("mode") != self.mode:
+            raise ConfigError(f"the privacy ledger is of a privacy.mode = {state.get('mode')!r} run, this config is "
+                              f"{self.mode!r}: use the config it was made with, or another server.checkpoint_dir")
+        self.rounds_charged = int(state.get("rounds_charged", 0))
+        self._saved_q = state.get("q")
+        self.reports = {str(n): dict(r) for n, r in state.get("reports", {}).items()}
+        if state.get("clip_norm") is not None and self.aggregator is not None:
+            self.aggregator.clip_norm = float(state["clip_norm"])
+        if self.accountant is not None:
+            self.accountant.rounds = self.rounds_charged
+
