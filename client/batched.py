@@ -177,7 +177,11 @@ def activation_floats(model: nn.Module, input_shape: tuple[int, ...]) -> int:
 
 
 def clients_per_chunk(
-    model: nn.Module, spec: ParamSpec, input_shape: tuple[int, ...], batch_size: int, device: torch.device,
+    model: nn.Module,
+    spec: ParamSpec,
+    input_shape: tuple[int, ...],
+    batch_size: int,
+    device: torch.device,
     budget_bytes: int | None = None,
 ) -> int:
     """How many clients fit in one vmapped chunk within a fixed memory budget.
@@ -201,8 +205,9 @@ def clients_per_chunk(
 class BatchedTrainer:
     """Trains up to ``max_clients`` clients at once from one global vector."""
 
-    def __init__(self, model: nn.Module, spec: ParamSpec, cfg: TrainConfig, device: torch.device | str,
-                 max_clients: int):
+    def __init__(
+        self, model: nn.Module, spec: ParamSpec, cfg: TrainConfig, device: torch.device | str, max_clients: int
+    ):
         reason = unsupported_reason(model, cfg)
         if reason is not None:
             raise ValueError(f"cannot batch clients: {reason}")
@@ -250,8 +255,13 @@ class BatchedTrainer:
         for c in range(0, len(order), self.max_clients):
             chunk = order[c : c + self.max_clients]
             deltas, losses = train_chunk(
-                global_flat, x_all, y_all, [starts[i] for i in chunk], [sizes[i] for i in chunk],
-                [seeds[i] for i in chunk], [steps[i] for i in chunk],
+                global_flat,
+                x_all,
+                y_all,
+                [starts[i] for i in chunk],
+                [sizes[i] for i in chunk],
+                [seeds[i] for i in chunk],
+                [steps[i] for i in chunk],
             )
             for j, i in enumerate(chunk):
                 metrics = {"train_loss": float(losses[j]) / max(steps[i], 1), "local_steps": float(steps[i])}
@@ -311,7 +321,8 @@ class BatchedTrainer:
             with torch.no_grad():
                 for (e, _), grad in zip(train, grads):
                     self._step(
-                        self._rows(params, e, a), grad,
+                        self._rows(params, e, a),
+                        grad,
                         None if momentum is None else self._rows(momentum, e, a),
                         self._rows(global_flat.unsqueeze(0), e, 1),
                     )
@@ -377,11 +388,23 @@ class BatchedTrainer:
                     if layer.bias is not None:
                         self._rows(params, layer.bias, a).add_(d.sum(1), alpha=-cfg.lr)
                 else:
-                    self._chain_step(params, state, global_flat, layer.weight, a,
-                                     lambda buf, beta: buf.baddbmm_(d_t, saved, beta=beta))
+                    self._chain_step(
+                        params,
+                        state,
+                        global_flat,
+                        layer.weight,
+                        a,
+                        lambda buf, beta: buf.baddbmm_(d_t, saved, beta=beta),
+                    )
                     if layer.bias is not None:
-                        self._chain_step(params, state, global_flat, layer.bias, a, lambda buf, beta: (
-                            buf.mul_(beta).add_(d.sum(1)) if beta else torch.sum(d, 1, out=buf)))
+                        self._chain_step(
+                            params,
+                            state,
+                            global_flat,
+                            layer.bias,
+                            a,
+                            lambda buf, beta: buf.mul_(beta).add_(d.sum(1)) if beta else torch.sum(d, 1, out=buf),
+                        )
                 d = d_in
         return params - global_flat, loss_sum.cpu()
 
@@ -407,8 +430,7 @@ class BatchedTrainer:
         """The first ``a`` rows of tensor ``e`` in a (K, numel) buffer, shaped (a, *shape)."""
         return flat[:a, e.offset : e.offset + e.numel].view(a, *e.shape)
 
-    def _step(self, w: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor | None,
-              w_global: torch.Tensor) -> None:
+    def _step(self, w: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor | None, w_global: torch.Tensor) -> None:
         """LocalTrainer._step for one trainable tensor of every row (in place on w/momentum).
 
         Frozen tensors get no step at all, as in LocalTrainer (their gradient is zero and
@@ -426,8 +448,14 @@ class BatchedTrainer:
 
 
 def make_batched_trainer(
-    setting: int | str, model: nn.Module, spec: ParamSpec, cfg: TrainConfig, device: torch.device,
-    input_shape: tuple[int, ...], clients_per_round: int, max_client_size: int,
+    setting: int | str,
+    model: nn.Module,
+    spec: ParamSpec,
+    cfg: TrainConfig,
+    device: torch.device,
+    input_shape: tuple[int, ...],
+    clients_per_round: int,
+    max_client_size: int,
 ) -> BatchedTrainer | None:
     """``simulation.batch_clients`` -> a BatchedTrainer, or None to train one by one.
 
@@ -446,14 +474,19 @@ def make_batched_trainer(
         return None
     chain = cfg.precision == "fp32" and linear_chain(model, spec) is not None
     if setting == "auto" and device.type == "cpu" and not chain and spec.numel > CPU_AUTO_MAX_PARAMS:
-        log.info("simulation.batch_clients = 'auto': training clients one by one on the CPU because the model is "
-                 "not a Linear/ReLU chain and has %d > %d parameters (set an integer to batch anyway)",
-                 spec.numel, CPU_AUTO_MAX_PARAMS)
+        log.info(
+            "simulation.batch_clients = 'auto': training clients one by one on the CPU because the model is "
+            "not a Linear/ReLU chain and has %d > %d parameters (set an integer to batch anyway)",
+            spec.numel,
+            CPU_AUTO_MAX_PARAMS,
+        )
         return None
     fit = clients_per_chunk(model, spec, input_shape, cfg.batch(max(max_client_size, 1)), device)
     n = min(clients_per_round, fit if setting == "auto" else int(setting))
     if n <= 1:
-        log.info("simulation.batch_clients = %r: one client per chunk fits the memory budget; training one by one", setting)
+        log.info(
+            "simulation.batch_clients = %r: one client per chunk fits the memory budget; training one by one", setting
+        )
         return None
     trainer = BatchedTrainer(model, spec, cfg, device, n)
     log.info("training up to %d clients at once (%s) on %s", n, "Linear chain" if trainer.chain else "vmap", device)

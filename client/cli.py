@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -14,20 +13,33 @@ from shoal.errors import ConfigError
 def client(
     server: str = typer.Option(..., "--server", help="Server URL, e.g. https://host:8443"),
     token_file: Path = typer.Option(..., "--token-file", help="File holding this node's token."),
-    data: Path = typer.Option(..., "--data", help="This node's data, read by the task's local_data() (built-in "
-                              "task: a shard file, or a folder with one, from `shoal data split`)."),
-    task: Optional[str] = typer.Option(None, "--task", "-t", help="Your task: path/to/file.py:name or "
-                                       "package.module:name (default: [task] app, else the built-in task); "
-                                       "the server's task and model."),
-    config: Optional[Path] = typer.Option(None, "--config", "-c", help="TOML with [task] (or [model]) and [train]."),
-    set_: Optional[list[str]] = typer.Option(None, "--set", help="Override: section.key=value (repeatable)."),
+    data: Path = typer.Option(
+        ...,
+        "--data",
+        help="This node's data, read by the task's local_data() (built-in "
+        "task: a shard file, or a folder with one, from `shoal data split`).",
+    ),
+    task: str | None = typer.Option(
+        None,
+        "--task",
+        "-t",
+        help="Your task: path/to/file.py:name or "
+        "package.module:name (default: [task] app, else the built-in task); "
+        "the server's task and model.",
+    ),
+    config: Path | None = typer.Option(None, "--config", "-c", help="TOML with [task] (or [model]) and [train]."),
+    set_: list[str] | None = typer.Option(None, "--set", help="Override: section.key=value (repeatable)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
-    ca_cert: Optional[Path] = typer.Option(None, "--ca-cert", help="Trust only this CA (a private deployment)."),
-    name: str = typer.Option("", "--name", help="Name for the logs (default: the shard's client id, else the "
-                             "--data file's name)."),
-    privacy_ledger: Optional[Path] = typer.Option(
-        None, "--privacy-ledger", help="Local DP: the file where this node keeps the rounds it spent on its data, "
-        "so a restart goes on from them (default: the token file's name + .privacy.json)."),
+    ca_cert: Path | None = typer.Option(None, "--ca-cert", help="Trust only this CA (a private deployment)."),
+    name: str = typer.Option(
+        "", "--name", help="Name for the logs (default: the shard's client id, else the --data file's name)."
+    ),
+    privacy_ledger: Path | None = typer.Option(
+        None,
+        "--privacy-ledger",
+        help="Local DP: the file where this node keeps the rounds it spent on its data, "
+        "so a restart goes on from them (default: the token file's name + .privacy.json).",
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Long-poll for work, train locally, upload the update; the data never leaves this node."""
@@ -60,6 +72,16 @@ def client(
     else:
         local = read_local_data(the_task, data)
     ledger = privacy_ledger or token_file.with_name(token_file.name + ".privacy.json")
-    node = Node(server, token, local, cfg, select_device(device), ctx, poll_s=cfg.server.poll_s,
-                name=name or data.stem, task=the_task, privacy_ledger=ledger)
+    node = Node(
+        server,
+        token,
+        local,
+        cfg,
+        select_device(device),
+        ctx,
+        poll_s=cfg.server.poll_s,
+        name=name or data.stem,
+        task=the_task,
+        privacy_ledger=ledger,
+    )
     raise typer.Exit(asyncio.run(node.run()))

@@ -27,13 +27,12 @@ from opacus.validators import ModuleValidator
 from torch import nn
 
 from shoal.accounting import dp_sgd_schedule
+from shoal.client.training import LocalTrainer
 from shoal.config import PrivacyConfig, TrainConfig
 from shoal.errors import ConfigError
 from shoal.seeding import derive_seed
 from shoal.task import Task
 from shoal.update import Update
-
-from shoal.client.training import LocalTrainer
 
 log = logging.getLogger(__name__)
 
@@ -48,7 +47,8 @@ def fix_for_opacus(model: nn.Module) -> nn.Module:
     log.warning(
         "DP-SGD: the model was changed so that per-sample gradients exist: %s replaced by %s; "
         "the server's global model uses the same layers",
-        ", ".join(sorted((before - after).elements())), ", ".join(sorted((after - before).elements())),
+        ", ".join(sorted((before - after).elements())),
+        ", ".join(sorted((after - before).elements())),
     )
     remaining = ModuleValidator.validate(fixed, strict=False)
     if remaining:
@@ -59,29 +59,52 @@ def fix_for_opacus(model: nn.Module) -> nn.Module:
 class DpSgdTrainer(LocalTrainer):
     """LocalTrainer whose steps are DP-SGD: per-sample clipping + Gaussian noise (Opacus)."""
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, privacy: PrivacyConfig, device: torch.device | str = "cpu",
-                 task: Task | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        cfg: TrainConfig,
+        privacy: PrivacyConfig,
+        device: torch.device | str = "cpu",
+        task: Task | None = None,
+    ):
         if cfg.prox_mu:
             raise ConfigError("train.prox_mu must be 0 with privacy.mode = 'local' (DP-SGD trains plain SGD)")
         if task is not None and task.optimizer is not None:
-            raise ConfigError(f"task optimizer = {task.optimizer!r} with privacy.mode = 'local': DP-SGD brings its "
-                              "own optimizer (Opacus' DPOptimizer over SGD); leave the task's optimizer unset")
+            raise ConfigError(
+                f"task optimizer = {task.optimizer!r} with privacy.mode = 'local': DP-SGD brings its "
+                "own optimizer (Opacus' DPOptimizer over SGD); leave the task's optimizer unset"
+            )
         super().__init__(fix_for_opacus(model), cfg, device, task=task)
         self.privacy = privacy
         self.grad_sample_module = GradSampleModule(self.model, loss_reduction="mean")
-        self._sgd = torch.optim.SGD(self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                                    weight_decay=cfg.weight_decay)
+        self._sgd = torch.optim.SGD(
+            self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
+        )
         self._noise_gen = torch.Generator(device=self.device)
-        self._dp_opt = DPOptimizer(self._sgd, noise_multiplier=privacy.noise_multiplier,
-                                   max_grad_norm=privacy.clip_norm, expected_batch_size=1,
-                                   loss_reduction="mean", generator=self._noise_gen)
+        self._dp_opt = DPOptimizer(
+            self._sgd,
+            noise_multiplier=privacy.noise_multiplier,
+            max_grad_norm=privacy.clip_norm,
+            expected_batch_size=1,
+            loss_reduction="mean",
+            generator=self._noise_gen,
+        )
 
     def train_dataset(self, global_flat, dataset, seed, base_version=0, sender=""):  # noqa: D102
-        raise ConfigError("privacy.mode = 'local' (DP-SGD) needs the client's data as (x, y) tensors: Poisson "
-                          "sampling of examples draws from the whole local set; return tensors from the task")
+        raise ConfigError(
+            "privacy.mode = 'local' (DP-SGD) needs the client's data as (x, y) tensors: Poisson "
+            "sampling of examples draws from the whole local set; return tensors from the task"
+        )
 
-    def train(self, global_flat: torch.Tensor, x: torch.Tensor, y: torch.Tensor, seed: int,
-              base_version: int = 0, sender: str = "") -> Update:
+    def train(
+        self,
+        global_flat: torch.Tensor,
+        x: torch.Tensor,
+        y: torch.Tensor,
+        seed: int,
+        base_version: int = 0,
+        sender: str = "",
+    ) -> Update:
         """``epochs * round(n / B)`` DP-SGD steps on Poisson samples of rate B / n from ``global_flat``."""
         cfg, flat = self.cfg, self.flat
         global_flat = global_flat.to(self.device)

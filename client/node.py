@@ -40,11 +40,21 @@ from shoal.aggregation.compression import Compressor
 from shoal.aggregation.dp import clip_to_norm, make_generator, noise_share, share_std
 from shoal.assembly import initial_model, make_trainer, task_from_config
 from shoal.config import Config
-from shoal.errors import ConfigError, ShoalError, SpecMismatch, short_repr
+from shoal.errors import ConfigError, SpecMismatch, short_repr
 from shoal.params import ParamSpec
 from shoal.shards import Shard
-from shoal.task import (ClientData, LocalData, Task, TaskError, as_tensors, call_part, check_data, check_loss,
-                        num_examples, task_name)
+from shoal.task import (
+    ClientData,
+    LocalData,
+    Task,
+    TaskError,
+    as_tensors,
+    call_part,
+    check_data,
+    check_loss,
+    num_examples,
+    task_name,
+)
 from shoal.tasks import BuiltinTask
 from shoal.update import Update
 from shoal.wire import decode_model, encode_update, read_header
@@ -61,13 +71,20 @@ _METRIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")  # what the server t
 def read_local_data(task: Task, path: Path) -> LocalData:
     """The node's own data from ``--data PATH`` through the task's ``local_data``; a path the
     task cannot read is one TaskError line naming the task, the part and the path."""
-    local = call_part(task, f"local_data({str(path)!r})", task.local_data, path,
-                      fix="give --data a path in the format this task's local_data() reads")
+    local = call_part(
+        task,
+        f"local_data({str(path)!r})",
+        task.local_data,
+        path,
+        fix="give --data a path in the format this task's local_data() reads",
+    )
     if as_tensors(local) is not None and not isinstance(local, LocalData):
         local = LocalData(train=local)  # an (x, y) pair: training data only
     if not hasattr(local, "train"):
-        raise TaskError(f"task {task_name(task)}: local_data() returned a {type(local).__name__}; "
-                        "return shoal.task.LocalData(train=..., test=None)")
+        raise TaskError(
+            f"task {task_name(task)}: local_data() returned a {type(local).__name__}; "
+            "return shoal.task.LocalData(train=..., test=None)"
+        )
     return local
 
 
@@ -98,8 +115,10 @@ class NodePrivacy:
     def __init__(self, cfg: Config, name: str, num_train: int, ledger: Path | None = None):
         p = cfg.privacy
         if p.noise_multiplier <= 0:
-            raise ConfigError(f"privacy.mode = {p.mode!r} with privacy.noise_multiplier = 0 adds no noise (epsilon "
-                              "is infinite); set a noise multiplier > 0, or privacy.mode = 'none'")
+            raise ConfigError(
+                f"privacy.mode = {p.mode!r} with privacy.noise_multiplier = 0 adds no noise (epsilon "
+                "is infinite); set a noise multiplier > 0, or privacy.mode = 'none'"
+            )
         self.p, self.mode, self.name, self.ledger = p, p.mode, name, ledger
         self.accountant: LocalDpSgdAccountant | None = None
         if self.mode == "local":
@@ -110,10 +129,19 @@ class NodePrivacy:
                 raise ConfigError(
                     f"privacy.target_epsilon = {p.target_epsilon:g} is below the epsilon of one round of DP-SGD on "
                     f"this node's {num_train} examples ({self.accountant.next_epsilon():.3g} at delta = "
-                    f"{p.delta:g}); raise it or raise privacy.noise_multiplier")
+                    f"{p.delta:g}); raise it or raise privacy.noise_multiplier"
+                )
             q, steps = self.schedule
-            log.info("local DP: DP-SGD on %d examples, sampling rate %.4g, %d steps a round, z = %g; epsilon = %.4g "
-                     "after %d rounds so far", num_train, q, steps, p.noise_multiplier, self.epsilon, self.rounds)
+            log.info(
+                "local DP: DP-SGD on %d examples, sampling rate %.4g, %d steps a round, z = %g; epsilon = %.4g "
+                "after %d rounds so far",
+                num_train,
+                q,
+                steps,
+                p.noise_multiplier,
+                self.epsilon,
+                self.rounds,
+            )
 
     @property
     def rounds(self) -> int:
@@ -124,8 +152,13 @@ class NodePrivacy:
         return self.accountant.epsilon if self.accountant is not None else 0.0
 
     def _ledger_entry(self) -> dict:
-        return {"node": self.name, "schedule": list(self.schedule), "noise_multiplier": self.p.noise_multiplier,
-                "accountant": self.p.accountant, "rounds": self.rounds}
+        return {
+            "node": self.name,
+            "schedule": list(self.schedule),
+            "noise_multiplier": self.p.noise_multiplier,
+            "accountant": self.p.accountant,
+            "rounds": self.rounds,
+        }
 
     def _load(self) -> int:
         """The rounds this node already spent on its data (0 without a ledger)."""
@@ -134,20 +167,26 @@ class NodePrivacy:
         try:
             saved = json.loads(self.ledger.read_text())
             rounds = int(saved["rounds"])
-            same = (saved["node"], [float(v) for v in saved["schedule"]], float(saved["noise_multiplier"]),
-                    saved["accountant"]) == (self.name, [float(v) for v in self.schedule], self.p.noise_multiplier,
-                                             self.p.accountant)
+            same = (
+                saved["node"],
+                [float(v) for v in saved["schedule"]],
+                float(saved["noise_multiplier"]),
+                saved["accountant"],
+            ) == (self.name, [float(v) for v in self.schedule], self.p.noise_multiplier, self.p.accountant)
         except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(f"the privacy ledger {self.ledger} cannot be read ({type(e).__name__}: {e}); without "
-                              "it the rounds already spent are unknown: restore it, or give --privacy-ledger another "
-                              "file if this node's data was never trained on") from None
+            raise ConfigError(
+                f"the privacy ledger {self.ledger} cannot be read ({type(e).__name__}: {e}); without "
+                "it the rounds already spent are unknown: restore it, or give --privacy-ledger another "
+                "file if this node's data was never trained on"
+            ) from None
         if not same:
             raise ConfigError(
                 f"the privacy ledger {self.ledger} was written for node {saved['node']!r} with DP-SGD schedule "
                 f"{saved['schedule']} (sampling rate, steps a round), z = {saved['noise_multiplier']} and the "
                 f"{saved['accountant']} accountant; this node now runs {list(self.schedule)}, z = "
                 f"{self.p.noise_multiplier}, {self.p.accountant}: its {rounds} earlier rounds cannot be composed "
-                "with these; keep the earlier settings, or use another ledger only for other data")
+                "with these; keep the earlier settings, or use another ledger only for other data"
+            )
         return rounds
 
     def _save(self) -> None:
@@ -159,8 +198,9 @@ class NodePrivacy:
             tmp.write_text(json.dumps(self._ledger_entry()))
             tmp.replace(self.ledger)
         except OSError as e:  # without its ledger the node cannot keep its own account: it stops
-            raise ConfigError(f"the privacy ledger {self.ledger} cannot be written ({e}); give --privacy-ledger "
-                              "a writable file") from None
+            raise ConfigError(
+                f"the privacy ledger {self.ledger} cannot be written ({e}); give --privacy-ledger a writable file"
+            ) from None
 
     def check_task(self, task: dict) -> None:
         """NodeError unless the server's task runs this node's privacy mode (and, where the
@@ -168,15 +208,19 @@ class NodePrivacy:
         info = task.get("privacy")
         if not isinstance(info, dict) or info.get("mode") != self.mode:
             theirs = info.get("mode") if isinstance(info, dict) else "none"
-            raise NodeError(f"the server runs privacy.mode = {short_repr(theirs)}, this node's config says "
-                            f"{self.mode!r}: no update leaves this node with another privacy than its own config's")
+            raise NodeError(
+                f"the server runs privacy.mode = {short_repr(theirs)}, this node's config says "
+                f"{self.mode!r}: no update leaves this node with another privacy than its own config's"
+            )
         if self.mode == "local":
             return
         for key in ("noise_multiplier", "clip_norm"):
             v, mine = info.get(key), getattr(self.p, key)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isclose(v, mine, rel_tol=1e-9):
-                raise NodeError(f"the server runs privacy.{key} = {short_repr(v)}, this node's config says {mine:g}: "
-                                "run the node with the server's [privacy] table")
+                raise NodeError(
+                    f"the server runs privacy.{key} = {short_repr(v)}, this node's config says {mine:g}: "
+                    "run the node with the server's [privacy] table"
+                )
         if self.mode == "distributed":
             t = info.get("noise_shares")
             if not isinstance(t, int) or isinstance(t, bool) or t < 1:
@@ -190,8 +234,14 @@ class NodePrivacy:
         nxt = self.accountant.next_epsilon()
         if nxt <= target:
             return True
-        log.warning("stopping: privacy budget reached (epsilon = %.4g now, %.4g after one more round > "
-                    "privacy.target_epsilon = %g at delta = %g)", self.epsilon, nxt, target, self.p.delta)
+        log.warning(
+            "stopping: privacy budget reached (epsilon = %.4g now, %.4g after one more round > "
+            "privacy.target_epsilon = %g at delta = %g)",
+            self.epsilon,
+            nxt,
+            target,
+            self.p.delta,
+        )
         return False
 
     def training_seed(self, task_seed: int) -> int:
@@ -204,10 +254,17 @@ class NodePrivacy:
             return update
         t = int(task["privacy"]["noise_shares"])
         clipped, norm = clip_to_norm(update.delta, self.p.clip_norm)
-        update.delta = noise_share(clipped, self.p.clip_norm, self.p.noise_multiplier, t,
-                                   make_generator(update.delta.device, None))  # OS entropy
-        log.info("round %s: update of norm %.4g clipped to C = %g, noise share N(0, %.4g^2) added (t = %d)",
-                 task.get("round"), norm, self.p.clip_norm, share_std(self.p.clip_norm, self.p.noise_multiplier, t), t)
+        update.delta = noise_share(
+            clipped, self.p.clip_norm, self.p.noise_multiplier, t, make_generator(update.delta.device, None)
+        )  # OS entropy
+        log.info(
+            "round %s: update of norm %.4g clipped to C = %g, noise share N(0, %.4g^2) added (t = %d)",
+            task.get("round"),
+            norm,
+            self.p.clip_norm,
+            share_std(self.p.clip_norm, self.p.noise_multiplier, t),
+            t,
+        )
         return update
 
     def spend(self, round_: int) -> dict | None:
@@ -217,20 +274,40 @@ class NodePrivacy:
             return None
         self.accountant.record_round([self.name])
         self._save()
-        report = {"epsilon": self.epsilon, "epsilon_next": self.accountant.next_epsilon(), "delta": self.p.delta,
-                  "rounds": self.rounds}
-        log.info("round %d: local DP epsilon = %.4g at delta = %g after %d rounds (%.4g after one more%s)", round_,
-                 report["epsilon"], self.p.delta, self.rounds, report["epsilon_next"],
-                 f"; target {self.p.target_epsilon:g}" if self.p.target_epsilon else "")
+        report = {
+            "epsilon": self.epsilon,
+            "epsilon_next": self.accountant.next_epsilon(),
+            "delta": self.p.delta,
+            "rounds": self.rounds,
+        }
+        log.info(
+            "round %d: local DP epsilon = %.4g at delta = %g after %d rounds (%.4g after one more%s)",
+            round_,
+            report["epsilon"],
+            self.p.delta,
+            self.rounds,
+            report["epsilon_next"],
+            f"; target {self.p.target_epsilon:g}" if self.p.target_epsilon else "",
+        )
         return report
 
 
 class Node:
     """One node's loop; :meth:`run` returns when the server says done or on stop."""
 
-    def __init__(self, server: str, token: str, data: LocalData | Shard, cfg: Config, device: torch.device,
-                 ssl_context: ssl.SSLContext | None = None, poll_s: float = 20.0, name: str = "",
-                 task: Task | None = None, privacy_ledger: Path | None = None):
+    def __init__(
+        self,
+        server: str,
+        token: str,
+        data: LocalData | Shard,
+        cfg: Config,
+        device: torch.device,
+        ssl_context: ssl.SSLContext | None = None,
+        poll_s: float = 20.0,
+        name: str = "",
+        task: Task | None = None,
+        privacy_ledger: Path | None = None,
+    ):
         """``privacy_ledger``: the file where a local-DP node keeps the rounds it spent (None: in memory)."""
         self.url = server.rstrip("/")
         self.token = token
@@ -238,8 +315,10 @@ class Node:
         if isinstance(data, Shard):
             name = name or data.client_id
             if not isinstance(self.task, BuiltinTask):
-                raise TaskError(f"task {task_name(self.task)}: a shard file is data of the built-in task; "
-                                "give the data this task's local_data() reads")
+                raise TaskError(
+                    f"task {task_name(self.task)}: a shard file is data of the built-in task; "
+                    "give the data this task's local_data() reads"
+                )
             data = builtin_local_data(self.task, data)
         self.name = name or "node"
         self.ssl = ssl_context
@@ -255,8 +334,11 @@ class Node:
             self.test = None
         check_loss(self.task, model, self.train, torch.device(device))  # before the trainer binds the gradients
         self.trainer = make_trainer(cfg, self.task, model, device)
-        self.privacy = None if cfg.privacy.mode == "none" else NodePrivacy(
-            cfg, self.name, num_examples(self.train), privacy_ledger)
+        self.privacy = (
+            None
+            if cfg.privacy.mode == "none"
+            else NodePrivacy(cfg, self.name, num_examples(self.train), privacy_ledger)
+        )
         self.compressor = Compressor(cfg.compression)  # [compression]: the upload's encoding
         self.zstd_level = cfg.compression.zstd_level if cfg.compression.zstd else 0
         self.secure_cfg = cfg.secure_aggregation  # identity key and keys file (client/secure_node.py)
@@ -282,19 +364,26 @@ class Node:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.poll_s + 30)
         connector = aiohttp.TCPConnector(ssl=self._ssl)
         poll = {"wait": str(self.poll_s), **({"eval": "1"} if self.test is not None else {})}
-        async with aiohttp.ClientSession(timeout=timeout, connector=connector,
-                                         headers={"Authorization": f"Bearer {self.token}"}) as http:
+        async with aiohttp.ClientSession(
+            timeout=timeout, connector=connector, headers={"Authorization": f"Bearer {self.token}"}
+        ) as http:
             self.http = http
             while not self.stop.is_set():
                 try:
-                    task = await self._until_stop(self._request(
-                        "GET", "/v1/task", params=poll, headers={SPEC_HASH_HEADER: self.trainer.spec.hash}))
+                    task = await self._until_stop(
+                        self._request(
+                            "GET", "/v1/task", params=poll, headers={SPEC_HASH_HEADER: self.trainer.spec.hash}
+                        )
+                    )
                     if task is None:
                         break
                     self.backoff.reset()
                     if task["status"] == "done":
-                        log.info("server reports done at version %s%s", task.get("version"),
-                                 f" ({task['reason']})" if task.get("reason") else "")
+                        log.info(
+                            "server reports done at version %s%s",
+                            task.get("version"),
+                            f" ({task['reason']})" if task.get("reason") else "",
+                        )
                         if task.get("evaluate") and self.test is not None:  # the final model
                             params = await self._get_model(int(task["version"]))
                             if params is not None:
@@ -309,7 +398,7 @@ class Node:
                     log.warning("%s; retrying in %.2f s", e, delay)
                     try:
                         await asyncio.wait_for(self.stop.wait(), delay)
-                    except asyncio.TimeoutError:
+                    except TimeoutError:
                         pass
         log.info("node %s stops after %d rounds", self.name, self.rounds_done)
         return 0
@@ -335,8 +424,10 @@ class Node:
             self.privacy.check_task(task)
         elif task.get("privacy") is not None:
             mode = task["privacy"].get("mode") if isinstance(task["privacy"], dict) else task["privacy"]
-            raise NodeError(f"the server runs privacy.mode = {short_repr(mode)}, this node's config has no [privacy]: "
-                            "run the node with the server's [privacy] table")
+            raise NodeError(
+                f"the server runs privacy.mode = {short_repr(mode)}, this node's config has no [privacy]: "
+                "run the node with the server's [privacy] table"
+            )
 
     async def _work(self, task: dict) -> None:
         version = int(task["version"])
@@ -378,8 +469,13 @@ class Node:
         backoff = Backoff()
         while True:
             try:
-                result = await self._request("POST", "/v1/update", data=body, expect100=True,
-                                             headers={"Content-Type": "application/octet-stream"})
+                result = await self._request(
+                    "POST",
+                    "/v1/update",
+                    data=body,
+                    expect100=True,
+                    headers={"Content-Type": "application/octet-stream"},
+                )
                 log.info("round %s: update accepted (version %s)", task["round"], result.get("version"))
                 self.rounds_done += 1
                 return True
@@ -402,10 +498,16 @@ class Node:
         n = int(ev.pop("num_examples"))
         metrics = {k: v for k, v in ev.items() if _METRIC_NAME.fullmatch(k) and math.isfinite(v)}
         if len(metrics) < len(ev):
-            log.warning("metrics %s are not reported (names must match [A-Za-z][A-Za-z0-9_.-]*, values be finite)",
-                        sorted(set(ev) - set(metrics)))
-        log.info("version %d on %d local test examples: %s", version, n,
-                 ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()))
+            log.warning(
+                "metrics %s are not reported (names must match [A-Za-z][A-Za-z0-9_.-]*, values be finite)",
+                sorted(set(ev) - set(metrics)),
+            )
+        log.info(
+            "version %d on %d local test examples: %s",
+            version,
+            n,
+            ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()),
+        )
         if not metrics:
             return
         try:
@@ -416,14 +518,14 @@ class Node:
     async def _get_model(self, version: int) -> torch.Tensor | None:
         """The global model of ``version``, from the cache when the ETag still matches."""
         headers = {"If-None-Match": self._model[0]} if self._model else {}
-        for attempt in range(2):
+        for _attempt in range(2):
             try:
                 async with self.http.get(self.url + "/v1/model", headers=headers, ssl=self._ssl) as resp:
                     await self._check(resp)
                     if resp.status == 304 and self._model and self._model[1] == version:
                         return self._model[2]
                     body = await resp.read()
-            except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as e:
+            except (TimeoutError, aiohttp.ClientConnectionError) as e:
                 raise Retry(f"model download failed: {e}") from None
             if resp.status == 304:
                 headers = {}
@@ -448,11 +550,16 @@ class Node:
             return f"the server's model does not fit this node's: {e}"
         a, b = theirs.to_json(), mine.to_json()
         diff = next(((x, y) for x, y in zip(a, b) if x != y), None)
-        first = (f"first difference: server {diff[0][0]} {diff[0][1]}, node {diff[1][0]} {diff[1][1]}" if diff
-                 else f"server {len(a)} tensors, node {len(b)}")
-        return (f"model spec mismatch: the server's model has spec hash {header.get('spec_hash')!r}, this node's "
-                f"{mine.hash!r} ({first}): run the node with the same task and model as the server "
-                "(--task / [task] app and [task.args]; for the built-in task the same [model] and [data])")
+        first = (
+            f"first difference: server {diff[0][0]} {diff[0][1]}, node {diff[1][0]} {diff[1][1]}"
+            if diff
+            else f"server {len(a)} tensors, node {len(b)}"
+        )
+        return (
+            f"model spec mismatch: the server's model has spec hash {header.get('spec_hash')!r}, this node's "
+            f"{mine.hash!r} ({first}): run the node with the same task and model as the server "
+            "(--task / [task] app and [task.args]; for the built-in task the same [model] and [data])"
+        )
 
     @property
     def _ssl(self):
@@ -464,11 +571,13 @@ class Node:
                 await self._check(resp)
                 return await resp.json()
         except aiohttp.ClientConnectorCertificateError as e:
-            raise NodeError(f"the server's TLS certificate is not trusted: {e.certificate_error} "
-                            "(pass the private CA with --ca-cert)") from None
+            raise NodeError(
+                f"the server's TLS certificate is not trusted: {e.certificate_error} "
+                "(pass the private CA with --ca-cert)"
+            ) from None
         except aiohttp.ClientSSLError as e:
             raise NodeError(f"TLS handshake with {self.url} failed: {e}") from None
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
             raise Retry(f"{method} {path}: {type(e).__name__}: {e}") from None
 
     async def _check(self, resp: aiohttp.ClientResponse) -> None:

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 
 from shoal.aggregation import secagg_identity as ID
-from shoal.aggregation.secagg import ConsistencyRequest, KeyDirectory, SecAggClient, ShareDelivery, UnmaskRequest
 from shoal.aggregation.dp import share_std
+from shoal.aggregation.secagg import ConsistencyRequest, KeyDirectory, SecAggClient, ShareDelivery, UnmaskRequest
 from shoal.aggregation.secagg_encoding import FixedPoint, check_noise_range, encode_weighted, example_weight
 from shoal.aggregation.secagg_wire import decode_message, encode_message, message_meta, params_from_json
 from shoal.errors import Malformed, ShoalError
@@ -73,7 +73,7 @@ async def _fetch(node, route: str, round_: int) -> bytes:
                 return await resp.read()
         except Refused as e:
             raise _Left(f"{route}: {e}") from None
-        except (Retry, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, asyncio.TimeoutError) as e:
+        except (TimeoutError, Retry, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
             delay = backoff.next(node.rand)
             log.warning("secure aggregation %s fetch failed (%s); retrying in %.2f s", route, e, delay)
             await asyncio.sleep(delay)
@@ -88,8 +88,10 @@ def _dp_shares(node, task: dict, values: FixedPoint, info: dict) -> int:
     t = int(task["privacy"]["noise_shares"])
     check_noise_range(values, privacy.p.clip_norm, share_std(privacy.p.clip_norm, privacy.p.noise_multiplier, t), t)
     if info.get("weighting") != "uniform":
-        raise Malformed(f"distributed DP needs every node to weigh the same; the round says weighting = "
-                        f"{info.get('weighting')!r}: refusing to take part")
+        raise Malformed(
+            f"distributed DP needs every node to weigh the same; the round says weighting = "
+            f"{info.get('weighting')!r}: refusing to take part"
+        )
     return t
 
 
@@ -104,21 +106,33 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
         values, weights = FixedPoint(float(info["clip"]), bits, k), FixedPoint(1.0, bits, k)
         size = params.vector_size
         if size != update.delta.numel() + 1:
-            raise Malformed(f"secure_aggregation.vector_size = {size}, but this model has {update.delta.numel()} "
-                            "parameters (+1 weight entry)")
+            raise Malformed(
+                f"secure_aggregation.vector_size = {size}, but this model has {update.delta.numel()} "
+                "parameters (+1 weight entry)"
+            )
         if params.threshold_fraction < MIN_THRESHOLD:  # below it the server could unmask a single input
-            raise Malformed(f"secure_aggregation threshold fraction {params.threshold_fraction} is below "
-                            f"{MIN_THRESHOLD}: refusing to take part")
+            raise Malformed(
+                f"secure_aggregation threshold fraction {params.threshold_fraction} is below "
+                f"{MIN_THRESHOLD}: refusing to take part"
+            )
         t = _dp_shares(node, task, values, info)
         bad = int((~torch.isfinite(update.delta)).sum())
         if bad or not update.num_examples >= 1:  # never mask what would corrupt the sum unseen
-            log.warning("round %d: the update has %d NaN/Inf entries (%d examples): not joining the secure "
-                        "aggregation; the round goes on without this node", round_, bad, update.num_examples)
+            log.warning(
+                "round %d: the update has %d NaN/Inf entries (%d examples): not joining the secure "
+                "aggregation; the round goes on without this node",
+                round_,
+                bad,
+                update.num_examples,
+            )
             return False
         client = SecAggClient(node.name, params, None, *_identity(node, params))  # keys from the OS CSPRNG
-        meta = {"round": round_, "num_examples": int(update.num_examples),
-                "train_loss": float(update.metrics.get("train_loss", float("nan"))),
-                **({"privacy": report} if report is not None else {})}
+        meta = {
+            "round": round_,
+            "num_examples": int(update.num_examples),
+            "train_loss": float(update.metrics.get("train_loss", float("nan"))),
+            **({"privacy": report} if report is not None else {}),
+        }
         await _post(node, "keys", encode_message(client.advertise_keys(), meta))
         body = await _fetch(node, "keys", round_)
         directory = _expect(decode_message(body, size), KeyDirectory)
@@ -138,8 +152,10 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
             reply = decode_message(await _fetch(node, "consistency", round_), size)
         request = _expect(reply, UnmaskRequest)
         if t and params.graph == "full" and len(request.survivors) < t:  # the server should have aborted
-            raise Malformed(f"asked to unmask a sum of {len(request.survivors)} masked inputs, fewer than the t = {t} "
-                            "noise shares this node's noise was sized for: refusing")
+            raise Malformed(
+                f"asked to unmask a sum of {len(request.survivors)} masked inputs, fewer than the t = {t} "
+                "noise shares this node's noise was sized for: refusing"
+            )
         await _post(node, "unmask", encode_message(client.unmask(request), {"round": round_}))
     except (_Left, ShoalError, KeyError, TypeError, ValueError) as e:
         log.warning("round %d: out of the secure aggregation: %s: %s", round_, type(e).__name__, e)
@@ -153,13 +169,17 @@ def _identity(node, params) -> tuple[bytes | None, dict[str, bytes] | None]:
     variant; a node configured for that variant refuses a round that does not run it."""
     sa = getattr(node, "secure_cfg", None)
     if sa is not None and sa.malicious_server and not params.malicious:
-        raise Malformed("this node is set to secure_aggregation.malicious_server = true, but the server's round "
-                        "does not run that variant: refusing to take part")
+        raise Malformed(
+            "this node is set to secure_aggregation.malicious_server = true, but the server's round "
+            "does not run that variant: refusing to take part"
+        )
     if not params.malicious:
         return None, None
     if sa is None or not sa.keys_file or not sa.identity_key:
-        raise Malformed("the server runs the malicious-server variant: set secure_aggregation.keys_file and "
-                        "identity_key on this node")
+        raise Malformed(
+            "the server runs the malicious-server variant: set secure_aggregation.keys_file and "
+            "identity_key on this node"
+        )
     identity, roster = ID.read_identity(sa.identity_key), ID.read_roster(sa.keys_file)
     if roster.get(node.name) != ID.identity_public(identity):
         raise Malformed(f"the keys file does not hold this node's ({node.name!r}) identity key")

@@ -66,8 +66,9 @@ class SeededPermutations(Sampler[int]):
 class LocalTrainer:
     """Trains one bound model from a given global vector; reused across clients."""
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, device: torch.device | str = "cpu",
-                 task: Task | None = None):
+    def __init__(
+        self, model: nn.Module, cfg: TrainConfig, device: torch.device | str = "cpu", task: Task | None = None
+    ):
         self.cfg = cfg
         self.task = task if task is not None else Task()
         self.device = torch.device(device)
@@ -97,8 +98,9 @@ class LocalTrainer:
 
     # --- training -----------------------------------------------------------------------
 
-    def fit(self, global_flat: torch.Tensor, data: ClientData, seed: int, base_version: int = 0,
-            sender: str = "") -> Update:
+    def fit(
+        self, global_flat: torch.Tensor, data: ClientData, seed: int, base_version: int = 0, sender: str = ""
+    ) -> Update:
         """Train on ``data`` (tensors: the fast path; a Dataset: through a DataLoader)."""
         pair = as_tensors(data)
         if pair is not None:
@@ -136,16 +138,22 @@ class LocalTrainer:
 
         return self._run(global_flat, batches(), n, base_version, sender)
 
-    def train_dataset(self, global_flat: torch.Tensor, dataset: Any, seed: int, base_version: int = 0,
-                      sender: str = "") -> Update:
+    def train_dataset(
+        self, global_flat: torch.Tensor, dataset: Any, seed: int, base_version: int = 0, sender: str = ""
+    ) -> Update:
         """Local training on a torch Dataset through a DataLoader (workers, pinned memory on GPU)."""
         n = len(dataset)
         task = self.task
         # The sampler draws each epoch's permutation exactly as the tensor path does; the
         # loader's own generator (worker seeds) is separate, so the global RNG is untouched.
         loader = DataLoader(
-            dataset, batch_size=self.cfg.batch(n), sampler=SeededPermutations(n, seed), drop_last=False,
-            num_workers=task.num_workers, pin_memory=self.device.type == "cuda", collate_fn=task.collate_fn,
+            dataset,
+            batch_size=self.cfg.batch(n),
+            sampler=SeededPermutations(n, seed),
+            drop_last=False,
+            num_workers=task.num_workers,
+            pin_memory=self.device.type == "cuda",
+            collate_fn=task.collate_fn,
             generator=torch.Generator().manual_seed(derive_seed(seed, 0xDA7A) % (1 << 63)),
         )
 
@@ -211,14 +219,17 @@ class LocalTrainer:
     # --- evaluation ---------------------------------------------------------------------
 
     @torch.no_grad()
-    def evaluate(self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, batch_size: int = 2048) -> dict[str, float]:
+    def evaluate(
+        self, params: torch.Tensor, x: torch.Tensor, y: torch.Tensor, batch_size: int = 2048
+    ) -> dict[str, float]:
         """The task's metrics of ``params`` on (x, y); leaves the trainer's buffer changed."""
         n = int(y.shape[0])
         return self._evaluate(params, ((x[s : s + batch_size], y[s : s + batch_size]) for s in range(0, n, batch_size)))
 
     @torch.no_grad()
-    def evaluate_data(self, params: torch.Tensor, data: ClientData, batch_size: int = 2048,
-                      summarize: bool = True) -> dict[str, float]:
+    def evaluate_data(
+        self, params: torch.Tensor, data: ClientData, batch_size: int = 2048, summarize: bool = True
+    ) -> dict[str, float]:
         """Metrics on tensors or a Dataset (DataLoader, no shuffling); adds ``num_examples``.
 
         ``summarize=False`` returns the raw example-weighted means: what a client reports for
@@ -228,13 +239,20 @@ class LocalTrainer:
         if pair is not None:
             n = int(pair[1].shape[0])
             x, y = pair
-            out = self._evaluate(params, ((x[s : s + batch_size], y[s : s + batch_size]) for s in range(0, n, batch_size)),
-                                 summarize)
+            out = self._evaluate(
+                params, ((x[s : s + batch_size], y[s : s + batch_size]) for s in range(0, n, batch_size)), summarize
+            )
         else:
             task = self.task
-            loader = DataLoader(data, batch_size=batch_size, shuffle=False, num_workers=task.num_workers,
-                                pin_memory=self.device.type == "cuda", collate_fn=task.collate_fn,
-                                generator=torch.Generator().manual_seed(0))  # leaves the global RNG alone
+            loader = DataLoader(
+                data,
+                batch_size=batch_size,
+                shuffle=False,
+                num_workers=task.num_workers,
+                pin_memory=self.device.type == "cuda",
+                collate_fn=task.collate_fn,
+                generator=torch.Generator().manual_seed(0),
+            )  # leaves the global RNG alone
             out = self._evaluate(params, (tuple(b) for b in loader), summarize)
         return {**out, "num_examples": float(num_examples(data))}
 
@@ -254,8 +272,10 @@ class LocalTrainer:
             for name, v in means.items():
                 v = torch.as_tensor(v, device=self.device).detach().double()
                 if v.dim() != 0:
-                    raise TaskError(f"task {task_name(task)}: metrics() gave {name!r} of shape {tuple(v.shape)}; "
-                                    "each metric must be a scalar (the batch mean)")
+                    raise TaskError(
+                        f"task {task_name(task)}: metrics() gave {name!r} of shape {tuple(v.shape)}; "
+                        "each metric must be a scalar (the batch mean)"
+                    )
                 sums[name] = sums.get(name, 0) + v * k
             n += k
         means = {name: float(v) / max(n, 1) for name, v in sums.items()}

@@ -20,10 +20,9 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from shoal.aggregation.secagg_identity import read_roster
 from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, TooLarge, UpdateRejected, WireError
-
-from shoal.aggregation.secagg_identity import read_roster
 
 from .registry import AuthError, Registry, hash_token, well_formed
 from .service import MAX_EVAL_BODY, ServerService
@@ -146,12 +145,19 @@ def _authenticate_admin(request: web.Request) -> web.Response | None:
     token of server.admin_token_file, never to a node's token."""
     admin = request.app[ADMIN]
     if not admin:
-        return error(403, "admin_disabled", f"{request.path} is off: set server.admin_token_file "
-                     "(make one with `shoal server admin-token FILE`) and send that token")
+        return error(
+            403,
+            "admin_disabled",
+            f"{request.path} is off: set server.admin_token_file "
+            "(make one with `shoal server admin-token FILE`) and send that token",
+        )
     token = _bearer(request)
     if not token or not well_formed(token) or not hmac.compare_digest(hash_token(token), admin):
-        return error(401, "unauthenticated", f"{request.path} takes the admin token of server.admin_token_file, "
-                     "not a node's token")
+        return error(
+            401,
+            "unauthenticated",
+            f"{request.path} takes the admin token of server.admin_token_file, not a node's token",
+        )
     return None
 
 
@@ -174,8 +180,11 @@ def _seconds(request: web.Request, key: str, cap: float) -> float:
     if raw is None:
         return cap
     if not _SECONDS.fullmatch(raw) or not math.isfinite(float(raw)):
-        raise Refusal(400, "bad_request", f"query parameter {key!r} must be a number of seconds >= 0 "
-                      "(digits, optionally a decimal point)")
+        raise Refusal(
+            400,
+            "bad_request",
+            f"query parameter {key!r} must be a number of seconds >= 0 (digits, optionally a decimal point)",
+        )
     return min(float(raw), cap)
 
 
@@ -194,8 +203,9 @@ def _upload_of(request: web.Request):
     limit = svc.cfg.server.uploads_per_node
     if uploads.get(node, 0) >= limit:
         svc.refused("too_many_uploads")
-        raise Refusal(429, "too_many_uploads", f"node {node!r} already has {limit} uploads in flight "
-                      "(server.uploads_per_node)")
+        raise Refusal(
+            429, "too_many_uploads", f"node {node!r} already has {limit} uploads in flight (server.uploads_per_node)"
+        )
     uploads[node] = uploads.get(node, 0) + 1
     try:
         yield
@@ -223,8 +233,9 @@ async def _chunk(request: web.Request, timeout: float, what: str) -> bytes:
             return await request.content.readany()
     except TimeoutError:
         request.app[SERVICE].refused("body_timeout")
-        raise Refusal(408, "body_timeout", f"{what}: no body bytes for {timeout:g} s (server.body_timeout_s)",
-                      close=True) from None
+        raise Refusal(
+            408, "body_timeout", f"{what}: no body bytes for {timeout:g} s (server.body_timeout_s)", close=True
+        ) from None
 
 
 async def _read_into(request: web.Request, view: memoryview, length: int, first: bytes) -> None:
@@ -244,8 +255,12 @@ async def _read_into(request: web.Request, view: memoryview, length: int, first:
         left = deadline - loop.time()
         if left <= 0:
             request.app[SERVICE].refused("upload_timeout")
-            raise Refusal(408, "upload_timeout", f"body not complete after {s.upload_timeout_s:g} s "
-                          "(server.upload_timeout_s)", close=True)
+            raise Refusal(
+                408,
+                "upload_timeout",
+                f"body not complete after {s.upload_timeout_s:g} s (server.upload_timeout_s)",
+                close=True,
+            )
         chunk = await _chunk(request, min(s.body_timeout_s, left), "upload")
     if got < length:
         request.app[SERVICE].refused("malformed")
@@ -262,8 +277,9 @@ async def _take(request: web.Request, pool: str) -> Slot:
             return Slot(queue, await queue.get())
     except TimeoutError:
         request.app[SERVICE].refused("busy")
-        raise Refusal(503, "busy", f"every one of the {queue.maxsize} upload {pool} stayed taken; try again later",
-                      close=True) from None
+        raise Refusal(
+            503, "busy", f"every one of the {queue.maxsize} upload {pool} stayed taken; try again later", close=True
+        ) from None
 
 
 async def _invited(request: web.Request) -> Slot:
@@ -300,8 +316,9 @@ async def expect_update(request: web.Request) -> web.Response | None:
         node = request[NODE]
         if request.app[CHANGED]["uploads"].get(node, 0) >= request.app[SERVICE].cfg.server.uploads_per_node:
             request.app[SERVICE].refused("too_many_uploads")
-            return error(429, "too_many_uploads", f"node {node!r} has too many uploads in flight "
-                         "(server.uploads_per_node)")
+            return error(
+                429, "too_many_uploads", f"node {node!r} has too many uploads in flight (server.uploads_per_node)"
+            )
     except Refusal as e:
         return error(e.status, e.code, e.detail)
     except Exception:  # runs outside the middlewares: its own last line
@@ -404,8 +421,9 @@ async def post_secagg(request: web.Request) -> web.Response:
         invite = await _invited(request)  # bounds the bodies read at once here too
         try:
             body = bytearray(length)
-            first = await _chunk(request, svc.cfg.server.body_timeout_s, "secure aggregation message") \
-                if length else b""
+            first = (
+                await _chunk(request, svc.cfg.server.body_timeout_s, "secure aggregation message") if length else b""
+            )
             await _read_into(request, memoryview(body), length, first)
         finally:
             invite.release()
@@ -468,8 +486,7 @@ async def get_status(request: web.Request) -> web.Response:
 
 async def get_metrics(request: web.Request) -> web.Response:
     text = request.app[SERVICE].prometheus(time.monotonic())
-    return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                        headers={"X-Prometheus-Format": "0.0.4"})
+    return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})
 
 
 def admin_token_hash(cfg: Config) -> str:
@@ -482,8 +499,10 @@ def admin_token_hash(cfg: Config) -> str:
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"server.admin_token_file = {path!r} cannot be read: {e}") from None
     if len(token) < 32 or not well_formed(token):
-        raise ConfigError(f"server.admin_token_file = {path!r} must hold one token of 32 to 256 URL-safe "
-                          "characters (make one with `shoal server admin-token FILE`)")
+        raise ConfigError(
+            f"server.admin_token_file = {path!r} must hold one token of 32 to 256 URL-safe "
+            "characters (make one with `shoal server admin-token FILE`)"
+        )
     return hash_token(token)
 
 
@@ -512,8 +531,10 @@ def make_app(service: ServerService, registry: Registry) -> web.Application:
     sa = service.cfg.secure_aggregation
     if sa.enabled and sa.malicious_server:  # checked before any round, not when the first one opens
         if not sa.keys_file:
-            raise ConfigError("secure_aggregation.malicious_server = true needs keys_file: the nodes' public "
-                              "identity keys, given to every node with the config (`shoal keygen`)")
+            raise ConfigError(
+                "secure_aggregation.malicious_server = true needs keys_file: the nodes' public "
+                "identity keys, given to every node with the config (`shoal keygen`)"
+            )
         read_roster(sa.keys_file)
     slots: asyncio.Queue = asyncio.Queue(maxsize=service.cfg.server.ingest_slots)
     for _ in range(service.cfg.server.ingest_slots):
@@ -555,12 +576,13 @@ async def run_clock(app: web.Application, stop: asyncio.Event) -> None:
             pause = 1.0
         try:
             await asyncio.wait_for(stop.wait(), pause)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pass
 
 
-async def serve(service: ServerService, registry: Registry, ssl_context: ssl.SSLContext | None,
-                stop: asyncio.Event | None = None) -> None:
+async def serve(
+    service: ServerService, registry: Registry, ssl_context: ssl.SSLContext | None, stop: asyncio.Event | None = None
+) -> None:
     """Serve until every round is done (and the nodes were told), or SIGINT/SIGTERM."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

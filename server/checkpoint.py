@@ -27,14 +27,17 @@ FORMAT = "shoal-ckpt/1"
 _NAME = re.compile(r"^ckpt-(\d{8})\.safetensors$")
 
 
-def save_checkpoint(directory: str | Path, version: int, tensors: dict[str, torch.Tensor],
-                    state: dict[str, Any], keep: int = 3) -> Path:
+def save_checkpoint(
+    directory: str | Path, version: int, tensors: dict[str, torch.Tensor], state: dict[str, Any], keep: int = 3
+) -> Path:
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)
     final = d / f"ckpt-{version:08d}.safetensors"
     tmp = d / f".{final.name}.tmp"
-    body = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-                metadata={"format": FORMAT, "state": json.dumps(state)})
+    body = save(
+        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
+        metadata={"format": FORMAT, "state": json.dumps(state)},
+    )
     with open(tmp, "wb") as f:
         f.write(body)
         f.flush()

@@ -6,7 +6,6 @@ import asyncio
 import datetime as dt
 import logging
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -15,30 +14,38 @@ from shoal.errors import ConfigError
 
 log = logging.getLogger(__name__)
 
-app = typer.Typer(help="Run the aggregator server and manage its nodes.", invoke_without_command=True,
-                  no_args_is_help=False, pretty_exceptions_enable=False)
+app = typer.Typer(
+    help="Run the aggregator server and manage its nodes.",
+    invoke_without_command=True,
+    no_args_is_help=False,
+    pretty_exceptions_enable=False,
+)
 nodes_app = typer.Typer(help="The node registry: add, list, revoke.", no_args_is_help=True)
 app.add_typer(nodes_app, name="nodes")
 
 ConfigOpt = typer.Option(None, "--config", "-c", help="TOML config with a [server] table.")
 SetOpt = typer.Option(None, "--set", help="Override one config value: section.key=value (repeatable).")
 DbOpt = typer.Option(None, "--db", help="Node database (default: server.db of the config).")
-TaskOpt = typer.Option(None, "--task", "-t", help="Your task: path/to/file.py:name or package.module:name "
-                       "(default: [task] app, else the built-in task of [model] + [data]); the nodes use the same.")
+TaskOpt = typer.Option(
+    None,
+    "--task",
+    "-t",
+    help="Your task: path/to/file.py:name or package.module:name "
+    "(default: [task] app, else the built-in task of [model] + [data]); the nodes use the same.",
+)
 
 
-def _db(config: Optional[Path], set_: Optional[list[str]], db: Optional[Path]) -> Path:
+def _db(config: Path | None, set_: list[str] | None, db: Path | None) -> Path:
     return db or Path(load_config(config, set_ or []).server.db)
 
 
 def run_server(cfg: Config, insecure: bool = False, fresh: bool = False) -> None:
+    from shoal.assembly import task_from_config
     from shoal.tls import server_context
 
     from .app import serve
     from .registry import Registry
     from .service import ServerService
-
-    from shoal.assembly import task_from_config
 
     task = task_from_config(cfg)  # a task that does not load is one line, before anything starts
     s = cfg.server
@@ -48,8 +55,10 @@ def run_server(cfg: Config, insecure: bool = False, fresh: bool = False) -> None
         ctx = None
         log.warning("--insecure: serving plain HTTP; tokens and updates travel unencrypted")
     else:
-        raise ConfigError("server.tls_cert / server.tls_key are not set: give a certificate, "
-                          "or pass --insecure for plain HTTP on a trusted network")
+        raise ConfigError(
+            "server.tls_cert / server.tls_key are not set: give a certificate, "
+            "or pass --insecure for plain HTTP on a trusted network"
+        )
     registry = Registry(s.db)
     try:
         service = ServerService(cfg, resume=not fresh, task=task)
@@ -61,9 +70,9 @@ def run_server(cfg: Config, insecure: bool = False, fresh: bool = False) -> None
 @app.callback()
 def server(
     ctx: typer.Context,
-    config: Optional[Path] = ConfigOpt,
-    set_: Optional[list[str]] = SetOpt,
-    task: Optional[str] = TaskOpt,
+    config: Path | None = ConfigOpt,
+    set_: list[str] | None = SetOpt,
+    task: str | None = TaskOpt,
     insecure: bool = typer.Option(False, "--insecure", help="Serve plain HTTP (no TLS). Warns."),
     fresh: bool = typer.Option(False, "--fresh", help="Ignore existing checkpoints and start at version 0."),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
@@ -81,8 +90,9 @@ def server(
 
 
 @nodes_app.command("add")
-def nodes_add(name: str, config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
-              db: Optional[Path] = DbOpt) -> None:
+def nodes_add(
+    name: str, config: Path | None = ConfigOpt, set_: list[str] | None = SetOpt, db: Path | None = DbOpt
+) -> None:
     """Register NAME and print its token (shown only this once)."""
     from .registry import Registry
 
@@ -94,24 +104,25 @@ def nodes_add(name: str, config: Optional[Path] = ConfigOpt, set_: Optional[list
 
 
 @nodes_app.command("list")
-def nodes_list(config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
-               db: Optional[Path] = DbOpt) -> None:
+def nodes_list(config: Path | None = ConfigOpt, set_: list[str] | None = SetOpt, db: Path | None = DbOpt) -> None:
     """Registered nodes: name, enabled, last seen (UTC)."""
     from .registry import Registry
 
     reg = Registry(_db(config, set_, db))
     try:
         for n in reg.list():
-            seen = dt.datetime.fromtimestamp(n.last_seen, dt.timezone.utc).isoformat(timespec="seconds") \
-                if n.last_seen else "never"
+            seen = (
+                dt.datetime.fromtimestamp(n.last_seen, dt.UTC).isoformat(timespec="seconds") if n.last_seen else "never"
+            )
             typer.echo(f"{n.name}\t{'enabled' if n.enabled else 'revoked'}\t{seen}")
     finally:
         reg.close()
 
 
 @nodes_app.command("revoke")
-def nodes_revoke(name: str, config: Optional[Path] = ConfigOpt, set_: Optional[list[str]] = SetOpt,
-                 db: Optional[Path] = DbOpt) -> None:
+def nodes_revoke(
+    name: str, config: Path | None = ConfigOpt, set_: list[str] | None = SetOpt, db: Path | None = DbOpt
+) -> None:
     """Disable NAME: its token gets 403 from now on."""
     from .registry import Registry
 
@@ -124,8 +135,10 @@ def nodes_revoke(name: str, config: Optional[Path] = ConfigOpt, set_: Optional[l
 
 
 @app.command("admin-token")
-def admin_token(path: Path = typer.Argument(..., help="File to write; set server.admin_token_file to it."),
-                force: bool = typer.Option(False, "--force", help="Replace an existing file.")) -> None:
+def admin_token(
+    path: Path = typer.Argument(..., help="File to write; set server.admin_token_file to it."),
+    force: bool = typer.Option(False, "--force", help="Replace an existing file."),
+) -> None:
     """Make the admin token of GET /v1/status and /metrics (readable by this user only)."""
     import os
     import secrets
@@ -136,5 +149,7 @@ def admin_token(path: Path = typer.Argument(..., help="File to write; set server
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_urlsafe(32) + "\n")
-    typer.echo(f"admin token written to {path}; set server.admin_token_file = \"{path}\" and send it as "
-               "'Authorization: Bearer <token>' to /v1/status and /metrics")
+    typer.echo(
+        f'admin token written to {path}; set server.admin_token_file = "{path}" and send it as '
+        "'Authorization: Bearer <token>' to /v1/status and /metrics"
+    )

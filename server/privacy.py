@@ -66,36 +66,54 @@ def check_deployable(cfg: Config) -> None:
     p, s, a = cfg.privacy, cfg.server, cfg.asynchronous
     mode = p.mode
     if s.mode != "sync":
-        raise ConfigError(f"privacy.mode = {mode!r} needs server.mode = 'sync' (it is {s.mode!r}): the accountant "
-                          "counts sampled synchronous rounds")
+        raise ConfigError(
+            f"privacy.mode = {mode!r} needs server.mode = 'sync' (it is {s.mode!r}): the accountant "
+            "counts sampled synchronous rounds"
+        )
     if p.noise_multiplier <= 0:
-        raise ConfigError(f"privacy.mode = {mode!r} with privacy.noise_multiplier = 0 adds no noise (epsilon is "
-                          "infinite); set a noise multiplier > 0, or privacy.mode = 'none'")
+        raise ConfigError(
+            f"privacy.mode = {mode!r} with privacy.noise_multiplier = 0 adds no noise (epsilon is "
+            "infinite); set a noise multiplier > 0, or privacy.mode = 'none'"
+        )
     if mode == "local":
         return
     if not s.clients_per_round:
-        raise ConfigError(f"privacy.mode = {mode!r} in shoal server needs server.clients_per_round = K > 0: each "
-                          "connected node joins a round with probability q = K / N (N = the registered nodes), "
-                          "and the noisy sum is divided by K (server.fraction of the connected nodes would make "
-                          "q change with the network)")
+        raise ConfigError(
+            f"privacy.mode = {mode!r} in shoal server needs server.clients_per_round = K > 0: each "
+            "connected node joins a round with probability q = K / N (N = the registered nodes), "
+            "and the noisy sum is divided by K (server.fraction of the connected nodes would make "
+            "q change with the network)"
+        )
     if p.sampling != "poisson":
-        raise ConfigError("privacy.sampling = 'fixed' in shoal server: the server can only pick among the "
-                          "connected nodes, so a node's chance K / connected can exceed the K / N that the "
-                          "fixed-size accountant assumes; use privacy.sampling = 'poisson'")
+        raise ConfigError(
+            "privacy.sampling = 'fixed' in shoal server: the server can only pick among the "
+            "connected nodes, so a node's chance K / connected can exceed the K / N that the "
+            "fixed-size accountant assumes; use privacy.sampling = 'poisson'"
+        )
     if a.over_selection:
-        raise ConfigError(f"asynchronous.over_selection = {a.over_selection} with privacy.mode = {mode!r}: Poisson "
-                          "sampling decides each node alone; set it to 0")
+        raise ConfigError(
+            f"asynchronous.over_selection = {a.over_selection} with privacy.mode = {mode!r}: Poisson "
+            "sampling decides each node alone; set it to 0"
+        )
     if a.late != "drop":
-        raise ConfigError(f"asynchronous.late = {a.late!r} with privacy.mode = {mode!r}: a late update would join a "
-                          "round it was not sampled for, which the accountant does not cover; set late = 'drop'")
+        raise ConfigError(
+            f"asynchronous.late = {a.late!r} with privacy.mode = {mode!r}: a late update would join a "
+            "round it was not sampled for, which the accountant does not cover; set late = 'drop'"
+        )
 
 
 def secure_noise_shares(cfg: Config, k: int) -> int:
     """t for distributed DP with secure aggregation: the fewest survivors the protocol accepts
     in a round of ``k`` nodes (its threshold), raised to ceil(privacy.min_survivors k)."""
     sa = cfg.secure_aggregation
-    params = SecAggParams(session=b"threshold", vector_size=1, graph=sa.graph, degree=sa.degree,
-                          threshold_fraction=sa.threshold, expected_dropout=EXPECTED_DROPOUT)
+    params = SecAggParams(
+        session=b"threshold",
+        vector_size=1,
+        graph=sa.graph,
+        degree=sa.degree,
+        threshold_fraction=sa.threshold,
+        expected_dropout=EXPECTED_DROPOUT,
+    )
     threshold = SecAggServer(params, [f"c{i}" for i in range(max(k, 1))]).threshold
     return max(threshold, math.ceil(cfg.privacy.min_survivors * k - 1e-9))
 
@@ -103,16 +121,19 @@ def secure_noise_shares(cfg: Config, k: int) -> int:
 def _number(obj: dict, key: str, low: float, high: float = math.inf) -> float:
     v = obj.get(key)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and low <= v <= high):
-        raise Malformed(f"privacy report field {key!r} must be a finite number in [{low:g}, {high:g}], "
-                        f"got {short_repr(v)}")
+        raise Malformed(
+            f"privacy report field {key!r} must be a finite number in [{low:g}, {high:g}], got {short_repr(v)}"
+        )
     return float(v)
 
 
 def parse_report(obj: Any, delta: float) -> dict[str, float | int]:
     """A node's local-DP report ``{epsilon, epsilon_next, delta, rounds}``, checked; Malformed if it is not one."""
     if not isinstance(obj, dict):
-        raise Malformed("privacy.mode = 'local': the update must carry its node's privacy report, an object "
-                        f"{{{', '.join(REPORT_FIELDS)}}} (header field 'privacy')")
+        raise Malformed(
+            "privacy.mode = 'local': the update must carry its node's privacy report, an object "
+            f"{{{', '.join(REPORT_FIELDS)}}} (header field 'privacy')"
+        )
     unknown = sorted(str(k)[:40] for k in set(obj) - set(REPORT_FIELDS))
     if unknown:
         raise Malformed(f"privacy report has unknown fields {unknown[:5]}; expected {', '.join(REPORT_FIELDS)}")
@@ -120,8 +141,10 @@ def parse_report(obj: Any, delta: float) -> dict[str, float | int]:
     nxt = _number(obj, "epsilon_next", eps)
     d = _number(obj, "delta", 0.0, 1.0)
     if not math.isclose(d, delta, rel_tol=1e-9):
-        raise Malformed(f"privacy report is at delta = {d:g}, the server's privacy.delta is {delta:g}: run the node "
-                        "with the server's [privacy] table")
+        raise Malformed(
+            f"privacy report is at delta = {d:g}, the server's privacy.delta is {delta:g}: run the node "
+            "with the server's [privacy] table"
+        )
     rounds = obj.get("rounds")
     if not isinstance(rounds, int) or isinstance(rounds, bool) or not 1 <= rounds <= 2**31:
         raise Malformed(f"privacy report field 'rounds' must be an integer >= 1, got {short_repr(rounds)}")
@@ -167,15 +190,23 @@ class ServerPrivacy:
             return
         p, sa = self.p, self.cfg.secure_aggregation
         if registered < self.k:
-            raise ConfigError(f"privacy.mode = {self.mode!r}: server.clients_per_round = {self.k} is more than the "
-                              f"{registered} registered nodes (N); q = K / N must be <= 1: register more nodes "
-                              "(`shoal server nodes add`) or lower clients_per_round")
+            raise ConfigError(
+                f"privacy.mode = {self.mode!r}: server.clients_per_round = {self.k} is more than the "
+                f"{registered} registered nodes (N); q = K / N must be <= 1: register more nodes "
+                "(`shoal server nodes add`) or lower clients_per_round"
+            )
         self.registered = registered
         q = self.k / registered
         if self._saved_q is not None and not math.isclose(self._saved_q, q):
-            log.warning("privacy: this run samples at q = %.4g (K / N when it started); the registry now gives "
-                        "%d / %d = %.4g: keeping q = %.4g, which every charged round used", self._saved_q, self.k,
-                        registered, q, self._saved_q)
+            log.warning(
+                "privacy: this run samples at q = %.4g (K / N when it started); the registry now gives "
+                "%d / %d = %.4g: keeping q = %.4g, which every charged round used",
+                self._saved_q,
+                self.k,
+                registered,
+                q,
+                self._saved_q,
+            )
             q = self._saved_q
         self.q = q
         self.accountant = RoundAccountant(q, p.noise_multiplier, p.delta, p.accountant, sampling="poisson")
@@ -192,9 +223,15 @@ class ServerPrivacy:
         self.accountant.rounds = self.rounds_charged
         rounds.poisson_rate = q
         rounds.seed = secrets.randbits(63)  # Poisson draws nobody can recompute from the config
-        log.info("privacy: %s; N = %d registered nodes, K = %d%s", self.accountant.describe(), registered, self.k,
-                 f"; each node adds N(0, {self.share_std:.4g}^2) for t = {self.noise_shares} survivors at least"
-                 if self.noise_shares else "")
+        log.info(
+            "privacy: %s; N = %d registered nodes, K = %d%s",
+            self.accountant.describe(),
+            registered,
+            self.k,
+            f"; each node adds N(0, {self.share_std:.4g}^2) for t = {self.noise_shares} survivors at least"
+            if self.noise_shares
+            else "",
+        )
 
     @property
     def share_std(self) -> float:
@@ -218,8 +255,10 @@ class ServerPrivacy:
         if nxt is None or nxt <= target:
             return True
         who = "" if self.user_level else f" (the worst node, {self.worst_node()})"
-        self.stopped = (f"privacy budget reached: epsilon = {now:.4g} now, {nxt:.4g} after one more round{who} > "
-                        f"privacy.target_epsilon = {target:g} at delta = {self.p.delta:g}")
+        self.stopped = (
+            f"privacy budget reached: epsilon = {now:.4g} now, {nxt:.4g} after one more round{who} > "
+            f"privacy.target_epsilon = {target:g} at delta = {self.p.delta:g}"
+        )
         log.warning("stopping: %s", self.stopped)
         return False
 
@@ -238,13 +277,19 @@ class ServerPrivacy:
         """Secure distributed DP: before any unmasking share is asked for, the sum must hold
         at least t noise shares; SecAggAborted otherwise (nothing is released)."""
         if self.noise_shares and survivors < self.noise_shares:
-            raise SecAggAborted(f"round {round_}: {survivors} masked inputs, fewer than the t = {self.noise_shares} "
-                                "noise shares distributed DP needs for N(0, z^2 C^2) on the sum; not unmasking")
+            raise SecAggAborted(
+                f"round {round_}: {survivors} masked inputs, fewer than the t = {self.noise_shares} "
+                "noise shares distributed DP needs for N(0, z^2 C^2) on the sum; not unmasking"
+            )
 
     def task_info(self) -> dict[str, Any]:
         """What a node's task says about privacy (the node checks it against its own config)."""
-        out: dict[str, Any] = {"mode": self.mode, "noise_multiplier": self.p.noise_multiplier,
-                               "clip_norm": self.p.clip_norm, "delta": self.p.delta}
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            "noise_multiplier": self.p.noise_multiplier,
+            "clip_norm": self.p.clip_norm,
+            "delta": self.p.delta,
+        }
         if self.mode == "distributed":
             out["noise_shares"] = self.round_shares
         return out
@@ -254,8 +299,13 @@ class ServerPrivacy:
     def take_report(self, node: str, report: dict) -> None:
         if node in self.reports or len(self.reports) < MAX_NODE_EPSILONS:
             self.reports[node] = report
-        log.info("node %s: local DP epsilon = %.4g after %d rounds (%.4g after one more)", node,
-                 report["epsilon"], report["rounds"], report["epsilon_next"])
+        log.info(
+            "node %s: local DP epsilon = %.4g after %d rounds (%.4g after one more)",
+            node,
+            report["epsilon"],
+            report["rounds"],
+            report["epsilon_next"],
+        )
 
     def worst_node(self) -> str | None:
         return max(self.reports, key=lambda n: (self.reports[n]["epsilon_next"], n), default=None)
@@ -279,13 +329,19 @@ class ServerPrivacy:
             return self.accountant.describe()
         if self.user_level:
             return "not bound to the registry yet"
-        return ("example-level DP-SGD on each node, accounted by the node over its own data size, batch, epochs "
-                "and the rounds it took part in; the worst node's report is shown")
+        return (
+            "example-level DP-SGD on each node, accounted by the node over its own data size, batch, epochs "
+            "and the rounds it took part in; the worst node's report is shown"
+        )
 
     def record(self) -> dict[str, Any]:
         """The privacy fields of a metrics.jsonl record (as the simulator writes them)."""
-        out: dict[str, Any] = {"epsilon": self.epsilon, "delta": self.p.delta, "privacy_mode": self.mode,
-                               "accountant": self.describe()}
+        out: dict[str, Any] = {
+            "epsilon": self.epsilon,
+            "delta": self.p.delta,
+            "privacy_mode": self.mode,
+            "accountant": self.describe(),
+        }
         if self.user_level:
             out.update(sampling="poisson", sampling_rate=self.q, rounds_charged=self.rounds_charged)
             if self.p.adaptive_clipping:
@@ -297,8 +353,12 @@ class ServerPrivacy:
         return out
 
     def status(self) -> dict[str, Any]:
-        out = {**self.record(), "epsilon_next": self.next_epsilon, "stopped": self.stopped,
-               "registered_nodes": self.registered}
+        out = {
+            **self.record(),
+            "epsilon_next": self.next_epsilon,
+            "stopped": self.stopped,
+            "registered_nodes": self.registered,
+        }
         if self.mode == "distributed":
             out["noise_shares"] = self.noise_shares or self.round_shares
         if not self.user_level:
@@ -308,43 +368,60 @@ class ServerPrivacy:
     def prometheus(self) -> list[str]:
         lines = [
             "# HELP shoal_privacy_epsilon Epsilon spent so far at shoal_privacy_delta (local DP: the worst node's).",
-            "# TYPE shoal_privacy_epsilon gauge", f"shoal_privacy_epsilon {self.epsilon}",
-            "# TYPE shoal_privacy_delta gauge", f"shoal_privacy_delta {self.p.delta}",
+            "# TYPE shoal_privacy_epsilon gauge",
+            f"shoal_privacy_epsilon {self.epsilon}",
+            "# TYPE shoal_privacy_delta gauge",
+            f"shoal_privacy_delta {self.p.delta}",
             "# HELP shoal_privacy_budget_exhausted 1 once privacy.target_epsilon stopped the run.",
             "# TYPE shoal_privacy_budget_exhausted gauge",
             f"shoal_privacy_budget_exhausted {int(self.stopped is not None)}",
         ]
         if self.p.target_epsilon:
-            lines += ["# TYPE shoal_privacy_target_epsilon gauge",
-                      f"shoal_privacy_target_epsilon {self.p.target_epsilon}"]
+            lines += [
+                "# TYPE shoal_privacy_target_epsilon gauge",
+                f"shoal_privacy_target_epsilon {self.p.target_epsilon}",
+            ]
         if self.user_level:
-            lines += ["# HELP shoal_privacy_rounds_charged_total Rounds the accountant charged (every round "
-                      "that started).", "# TYPE shoal_privacy_rounds_charged_total counter",
-                      f"shoal_privacy_rounds_charged_total {self.rounds_charged}"]
+            lines += [
+                "# HELP shoal_privacy_rounds_charged_total Rounds the accountant charged (every round that started).",
+                "# TYPE shoal_privacy_rounds_charged_total counter",
+                f"shoal_privacy_rounds_charged_total {self.rounds_charged}",
+            ]
             if self.p.adaptive_clipping:
-                lines += ["# TYPE shoal_privacy_clip_norm gauge",
-                          f"shoal_privacy_clip_norm {float(self.aggregator.clip_norm)}"]
+                lines += [
+                    "# TYPE shoal_privacy_clip_norm gauge",
+                    f"shoal_privacy_clip_norm {float(self.aggregator.clip_norm)}",
+                ]
         else:
-            lines += ["# HELP shoal_privacy_node_epsilon A node's own reported local-DP epsilon.",
-                      "# TYPE shoal_privacy_node_epsilon gauge"]
-            lines += [f'shoal_privacy_node_epsilon{{node="{n}"}} {r["epsilon"]}'
-                      for n, r in sorted(self.reports.items())]
+            lines += [
+                "# HELP shoal_privacy_node_epsilon A node's own reported local-DP epsilon.",
+                "# TYPE shoal_privacy_node_epsilon gauge",
+            ]
+            lines += [
+                f'shoal_privacy_node_epsilon{{node="{n}"}} {r["epsilon"]}' for n, r in sorted(self.reports.items())
+            ]
         return lines
 
     # --- restart ---------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
         """The privacy ledger: charged rounds, q, the adaptive clip norm, the nodes' reports."""
-        out: dict[str, Any] = {"mode": self.mode, "rounds_charged": self.rounds_charged, "q": self.q,
-                               "reports": self.reports}
+        out: dict[str, Any] = {
+            "mode": self.mode,
+            "rounds_charged": self.rounds_charged,
+            "q": self.q,
+            "reports": self.reports,
+        }
         if self.user_level and self.p.adaptive_clipping:
             out["clip_norm"] = float(self.aggregator.clip_norm)
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("mode") != self.mode:
-            raise ConfigError(f"the privacy ledger is of a privacy.mode = {state.get('mode')!r} run, this config is "
-                              f"{self.mode!r}: use the config it was made with, or another server.checkpoint_dir")
+            raise ConfigError(
+                f"the privacy ledger is of a privacy.mode = {state.get('mode')!r} run, this config is "
+                f"{self.mode!r}: use the config it was made with, or another server.checkpoint_dir"
+            )
         self.rounds_charged = int(state.get("rounds_charged", 0))
         self._saved_q = state.get("q")
         self.reports = {str(n): dict(r) for n, r in state.get("reports", {}).items()}
@@ -352,4 +429,3 @@ class ServerPrivacy:
             self.aggregator.clip_norm = float(state["clip_norm"])
         if self.accountant is not None:
             self.accountant.rounds = self.rounds_charged
-

@@ -77,8 +77,9 @@ class Registry:
             raise ConfigError(f"node name {name!r}: use 1-128 letters, digits, '-', '_' or '.'")
         token = secrets.token_urlsafe(32)
         try:
-            self.db.execute("INSERT INTO nodes (name, token_hash, created) VALUES (?, ?, ?)",
-                            (name, hash_token(token), time.time()))
+            self.db.execute(
+                "INSERT INTO nodes (name, token_hash, created) VALUES (?, ?, ?)", (name, hash_token(token), time.time())
+            )
         except sqlite3.IntegrityError:
             raise ConfigError(f"node {name!r} already exists (revoke it and add a new name)") from None
         return token
@@ -97,7 +98,9 @@ class Registry:
         if not token:
             raise AuthError("unauthenticated", "no token: send 'Authorization: Bearer <token>'", 401)
         if not well_formed(token):  # e.g. non-UTF-8 header bytes, which aiohttp hands over as surrogates
-            raise AuthError("unauthenticated", "malformed token: a token is at most 256 URL-safe base64 characters", 401)
+            raise AuthError(
+                "unauthenticated", "malformed token: a token is at most 256 URL-safe base64 characters", 401
+            )
         h = hash_token(token)
         row = self.db.execute("SELECT name, enabled, token_hash FROM nodes WHERE token_hash = ?", (h,)).fetchone()
         if row is None or not hmac.compare_digest(row[2], h):

@@ -59,16 +59,22 @@ from .privacy import EXPECTED_DROPOUT, ServerPrivacy, parse_report
 log = logging.getLogger(__name__)
 
 ROUTES = {"keys": "advertise", "shares": "share", "masked": "masked", "consistency": "consistency", "unmask": "unmask"}
-MESSAGES = {"advertise": PublicKeys, "share": EncryptedShares, "masked": MaskedInput,
-            "consistency": ConsistencySignature, "unmask": UnmaskShares}
+MESSAGES = {
+    "advertise": PublicKeys,
+    "share": EncryptedShares,
+    "masked": MaskedInput,
+    "consistency": ConsistencySignature,
+    "unmask": UnmaskShares,
+}
 STAGES = tuple(ROUTES.values())
 
 
 class SecureRound:
     """The secure aggregation of one open sync round (see the module doc)."""
 
-    def __init__(self, cfg: Config, rounds: SyncRounds, vector_size: int, now: float,
-                 privacy: ServerPrivacy | None = None):
+    def __init__(
+        self, cfg: Config, rounds: SyncRounds, vector_size: int, now: float, privacy: ServerPrivacy | None = None
+    ):
         sa = cfg.secure_aggregation
         self.privacy = privacy
         self.cfg = sa
@@ -83,8 +89,12 @@ class SecureRound:
         self.params = SecAggParams(
             # fresh per aggregation: a round re-run after a restart never reuses keys or masks
             session=f"shoal-server/{self.round}/".encode() + secrets.token_bytes(16),
-            vector_size=vector_size, graph=sa.graph, degree=sa.degree, threshold_fraction=sa.threshold,
-            expected_dropout=EXPECTED_DROPOUT, graph_seed=derive_seed(sa.seed, cfg.simulation.seed, self.round),
+            vector_size=vector_size,
+            graph=sa.graph,
+            degree=sa.degree,
+            threshold_fraction=sa.threshold,
+            expected_dropout=EXPECTED_DROPOUT,
+            graph_seed=derive_seed(sa.seed, cfg.simulation.seed, self.round),
             malicious=sa.malicious_server,
         )
         # malicious_server: the server checks signatures too, so one node's bad signature is its own 400
@@ -94,8 +104,8 @@ class SecureRound:
         self.stage = "advertise"
         self.deadline_at = rounds.deadline_at if rounds.deadline_at is not None else now + sa.stage_s
         self.sent: dict[str, set[str]] = {s: set() for s in STAGES}
-        self.replies: dict[str, dict[str, bytes]] = {}       # route -> node -> body
-        self.meta: dict[str, tuple[int, float]] = {}          # node -> (num_examples, train_loss), in clear
+        self.replies: dict[str, dict[str, bytes]] = {}  # route -> node -> body
+        self.meta: dict[str, tuple[int, float]] = {}  # node -> (num_examples, train_loss), in clear
         self.max_weight = 0.0
         self.aborted: str | None = None
         self.mean: np.ndarray | None = None
@@ -108,8 +118,13 @@ class SecureRound:
 
     def task_info(self) -> dict[str, Any]:
         """What a selected node needs, sent with its task."""
-        return {**params_to_json(self.params), "clip": self.values.clip, "bits": self.values.bits,
-                "summands": self.values.max_summands, "weighting": self.weighting}
+        return {
+            **params_to_json(self.params),
+            "clip": self.values.clip,
+            "bits": self.values.bits,
+            "summands": self.values.max_summands,
+            "weighting": self.weighting,
+        }
 
     def wants_task(self, node: str) -> bool:
         """Hand the round's task out only until the node has joined the protocol."""
@@ -117,16 +132,21 @@ class SecureRound:
 
     def _expected(self, stage: str) -> set[str]:
         s = self.server
-        return {"advertise": set(self.selected), "share": set(s.u1), "masked": set(s.u2),
-                "consistency": set(s.u3) if s.stage == "consistency" else set(),
-                "unmask": set(s.u4) if s.stage == "unmask" else set()}[stage]
+        return {
+            "advertise": set(self.selected),
+            "share": set(s.u1),
+            "masked": set(s.u2),
+            "consistency": set(s.u3) if s.stage == "consistency" else set(),
+            "unmask": set(s.u4) if s.stage == "unmask" else set(),
+        }[stage]
 
     def _check(self, node: str, route: str, round_: Any) -> str:
         if route not in ROUTES:
             raise UpdateRejected("unknown_stage", f"{route!r} is not a secure aggregation stage: one of {list(ROUTES)}")
         if not isinstance(round_, int) or isinstance(round_, bool) or round_ != self.round:
-            raise UpdateRejected("wrong_round", f"message is for round {short_repr(round_)}, the open round is "
-                                 f"{self.round}")
+            raise UpdateRejected(
+                "wrong_round", f"message is for round {short_repr(round_)}, the open round is {self.round}"
+            )
         if node not in self.selected:
             raise UpdateRejected("not_selected", f"node {node!r} was not selected for round {self.round}")
         if self.aborted:
@@ -143,7 +163,9 @@ class SecureRound:
         if stage != self.stage:
             raise UpdateRejected("wrong_stage", f"a {route!r} message while the round is at stage {self.stage!r}")
         if node in self.sent[stage]:
-            raise UpdateRejected("duplicate", f"node {node!r} already sent its {route!r} message for round {self.round}")
+            raise UpdateRejected(
+                "duplicate", f"node {node!r} already sent its {route!r} message for round {self.round}"
+            )
         if node not in self._expected(stage):
             raise UpdateRejected("excluded", f"node {node!r} dropped out of round {self.round} at an earlier stage")
         msg = decode_message(body, self.params.vector_size)
@@ -155,19 +177,29 @@ class SecureRound:
             self._check_signature(node, stage, msg)
         if stage == "advertise":
             n, loss = meta.get("num_examples"), meta.get("train_loss", float("nan"))
-            if not isinstance(n, int) or isinstance(n, bool) or n < 1 or not isinstance(loss, (int, float)) \
-                    or isinstance(loss, bool):
+            if (
+                not isinstance(n, int)
+                or isinstance(n, bool)
+                or n < 1
+                or not isinstance(loss, (int, float))
+                or isinstance(loss, bool)
+            ):
                 raise Malformed("keys: meta needs num_examples (an integer >= 1) and train_loss (a number)")
             if n > self.max_examples:  # max_weight is the largest count: one huge claim would zero the others
-                raise OutOfRange(f"keys: num_examples = {n} is above the limit of {self.max_examples} "
-                                 "(server.max_examples)")
+                raise OutOfRange(
+                    f"keys: num_examples = {n} is above the limit of {self.max_examples} (server.max_examples)"
+                )
             report = None
             if self.privacy is not None and self.privacy.mode == "local":
                 report = parse_report(meta.get("privacy"), self.privacy.p.delta)
         try:
-            {"advertise": self.server.receive_keys, "share": self.server.receive_shares,
-             "masked": self.server.receive_masked, "consistency": self.server.receive_consistency,
-             "unmask": self.server.receive_unmask}[stage](msg)
+            {
+                "advertise": self.server.receive_keys,
+                "share": self.server.receive_shares,
+                "masked": self.server.receive_masked,
+                "consistency": self.server.receive_consistency,
+                "unmask": self.server.receive_unmask,
+            }[stage](msg)
         except (SecAggProtocolError, ValueError) as e:  # the state machine changed nothing
             raise Malformed(str(e)) from None
         if stage == "advertise":
@@ -186,8 +218,9 @@ class SecureRound:
         else:
             return
         if not ID.verify(self.roster.get(node, b""), msg.signature, message):
-            raise Malformed(f"the {stage} message of {node!r} is not signed by its identity key in "
-                            "secure_aggregation.keys_file")
+            raise Malformed(
+                f"the {stage} message of {node!r} is not signed by its identity key in secure_aggregation.keys_file"
+            )
 
     def reply(self, node: str, route: str, round_: Any) -> bytes | None:
         """The server's answer to ``route`` for ``node`` (None: the stage is still open)."""
@@ -198,8 +231,11 @@ class SecureRound:
             return None
         body = self.replies[route].get(node)
         if body is None:
-            raise UpdateRejected("excluded", f"node {node!r} is not in round {self.round} after stage {stage!r} "
-                                 "(it missed a stage or too few of its neighbours remain)")
+            raise UpdateRejected(
+                "excluded",
+                f"node {node!r} is not in round {self.round} after stage {stage!r} "
+                "(it missed a stage or too few of its neighbours remain)",
+            )
         return body
 
     # --- the clock ----------------------------------------------------------------
@@ -213,8 +249,13 @@ class SecureRound:
             return False
         missing = sorted(self._expected(self.stage) - self.sent[self.stage])
         if missing:
-            log.info("round %d: stage %r closed without %d nodes (dropouts: %s)", self.round, self.stage,
-                     len(missing), ", ".join(missing))
+            log.info(
+                "round %d: stage %r closed without %d nodes (dropouts: %s)",
+                self.round,
+                self.stage,
+                len(missing),
+                ", ".join(missing),
+            )
         try:
             self._close()
         except SecAggAborted as e:
@@ -232,8 +273,9 @@ class SecureRound:
         if self.stage == "advertise":
             directories = s.close_advertise()
             self.max_weight = self.cfg.max_weight or float(max(self.meta[u][0] for u in s.u1))
-            self.replies["keys"] = {u: encode_message(d, {"round": r, "max_weight": self.max_weight})
-                                    for u, d in directories.items()}
+            self.replies["keys"] = {
+                u: encode_message(d, {"round": r, "max_weight": self.max_weight}) for u, d in directories.items()
+            }
             self.stage = "share"
         elif self.stage == "share":
             self.replies["shares"] = {u: encode_message(d, {"round": r}) for u, d in s.close_share().items()}
@@ -244,22 +286,26 @@ class SecureRound:
             self.replies["masked"] = {u: encode_message(q, {"round": r}) for u, q in s.close_masked().items()}
             self.stage = s.stage  # "consistency" with malicious_server, else "unmask"
         elif self.stage == "consistency":
-            self.replies["consistency"] = {u: encode_message(q, {"round": r})
-                                           for u, q in s.close_consistency().items()}
+            self.replies["consistency"] = {u: encode_message(q, {"round": r}) for u, q in s.close_consistency().items()}
             self.stage = "unmask"
         else:
             result = s.finish()
             self.mean, _ = weighted_mean(result.total, len(result.included), self.values, self.weights)
             self.included, self.dropped = result.included, result.dropped
             self.stage = "done"
-            log.info("round %d: secure sum of %d nodes unmasked (%d dropped before their masked input)",
-                     r, len(self.included), len(self.dropped))
+            log.info(
+                "round %d: secure sum of %d nodes unmasked (%d dropped before their masked input)",
+                r,
+                len(self.included),
+                len(self.dropped),
+            )
 
     def close(self, rounds: SyncRounds) -> RoundSummary | None:
         """Hand the unmasked mean to ``rounds`` and finish it, or abort it; None if aborted."""
         if self.aborted is not None:
-            log.warning("round %d aborted by secure aggregation, model and version unchanged: %s",
-                        self.round, self.aborted)
+            log.warning(
+                "round %d aborted by secure aggregation, model and version unchanged: %s", self.round, self.aborted
+            )
             rounds.abort_round()
             return None
         mean = torch.from_numpy(self.mean).to(torch.float32)
@@ -270,6 +316,11 @@ class SecureRound:
         return rounds.finish_round()
 
     def status(self) -> dict[str, Any]:
-        return {"round": self.round, "stage": self.stage, "aborted": self.aborted,
-                "sent": {route: sorted(self.sent[stage]) for route, stage in ROUTES.items()},
-                "included": len(self.included), "dropped": len(self.dropped)}
+        return {
+            "round": self.round,
+            "stage": self.stage,
+            "aborted": self.aborted,
+            "sent": {route: sorted(self.sent[stage]) for route, stage in ROUTES.items()},
+            "included": len(self.included),
+            "dropped": len(self.dropped),
+        }

@@ -65,8 +65,8 @@ class FedVersion:
 
     asked: set[str] = field(default_factory=set)
     reported: set[str] = field(default_factory=set)
-    sums: dict[str, float] = field(default_factory=dict)    # metric -> sum of value x examples
-    counts: dict[str, int] = field(default_factory=dict)    # metric -> examples behind it
+    sums: dict[str, float] = field(default_factory=dict)  # metric -> sum of value x examples
+    counts: dict[str, int] = field(default_factory=dict)  # metric -> examples behind it
     num_examples: int = 0
 
 
@@ -93,8 +93,9 @@ def parse_eval_report(body: bytes) -> tuple[int, int, dict[str, float]]:
     out: dict[str, float] = {}
     for name, v in metrics.items():
         if not _METRIC_NAME.fullmatch(name) or name == "num_examples":
-            raise Malformed(f"metric name {name[:70]!r} must match [A-Za-z][A-Za-z0-9_.-]{{0,63}} "
-                            "and not be 'num_examples'")
+            raise Malformed(
+                f"metric name {name[:70]!r} must match [A-Za-z][A-Za-z0-9_.-]{{0,63}} and not be 'num_examples'"
+            )
         try:
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
                 raise ValueError
@@ -105,9 +106,11 @@ def parse_eval_report(body: bytes) -> tuple[int, int, dict[str, float]]:
 
 
 def spec_mismatch_detail(node_hash: str, server_hash: str) -> str:
-    return (f"model spec mismatch: the node's model has spec hash {node_hash!r}, the server's has {server_hash!r} "
-            "(another architecture or parameter layout): run the node with the same task and model as the server "
-            "(--task / [task] app and [task.args]; for the built-in task the same [model] and [data])")
+    return (
+        f"model spec mismatch: the node's model has spec hash {node_hash!r}, the server's has {server_hash!r} "
+        "(another architecture or parameter layout): run the node with the same task and model as the server "
+        "(--task / [task] app and [task.args]; for the built-in task the same [model] and [data])"
+    )
 
 
 class ServerService:
@@ -139,11 +142,21 @@ class ServerService:
         self.privacy = ServerPrivacy(cfg, self.spec.numel) if cfg.privacy.mode != "none" else None
         if s.mode == "sync":
             strategy = self.privacy.strategy if self.privacy is not None else None
-            strategy = strategy or make_round_strategy(cfg, self.spec.numel, "cpu",
-                                                       max(s.clients_per_round, s.min_nodes))
+            strategy = strategy or make_round_strategy(
+                cfg, self.spec.numel, "cpu", max(s.clients_per_round, s.min_nodes)
+            )
             sampling = "poisson" if self.privacy is not None and self.privacy.user_level else "fixed"
-            self.rounds = make_deadline_rounds(cfg, flat, self.spec.numel, s.clients_per_round, s.fraction,
-                                               s.deadline_s, s.min_fraction, strategy, sampling=sampling)
+            self.rounds = make_deadline_rounds(
+                cfg,
+                flat,
+                self.spec.numel,
+                s.clients_per_round,
+                s.fraction,
+                s.deadline_s,
+                s.min_fraction,
+                strategy,
+                sampling=sampling,
+            )
         else:
             self.rounds = make_async_rounds(cfg, flat, self.spec.numel)
         self.fed_every = cfg.simulation.eval_every
@@ -163,8 +176,11 @@ class ServerService:
         self._model_cache: tuple[int, bytes] | None = None
         self.secure_round: SecureRound | None = None  # [secure_aggregation]: the open round's protocol
         if cfg.secure_aggregation.enabled and s.clients_per_round:  # the headroom check, before any round
-            FixedPoint(cfg.secure_aggregation.clip, cfg.secure_aggregation.bits,
-                       math.ceil(s.clients_per_round * (1 + cfg.asynchronous.over_selection)))
+            FixedPoint(
+                cfg.secure_aggregation.clip,
+                cfg.secure_aggregation.bits,
+                math.ceil(s.clients_per_round * (1 + cfg.asynchronous.over_selection)),
+            )
         self.secure_last: dict[str, Any] = {}
         self._t0 = time.perf_counter()
         if resume and (path := latest_checkpoint(self.ckpt_dir)) is not None:
@@ -187,7 +203,8 @@ class ServerService:
     def done(self) -> bool:
         """Every round is run, or the privacy budget stopped the run."""
         return self.rounds.version >= self.cfg.server.rounds or (
-            self.privacy is not None and self.privacy.stopped is not None)
+            self.privacy is not None and self.privacy.stopped is not None
+        )
 
     def finished(self, now: float) -> bool:
         """Done, and every connected node was told so (or one poll period passed)."""
@@ -245,15 +262,21 @@ class ServerService:
             if len(self.connected(now)) < self.cfg.server.min_nodes:
                 return None
             t = r.task(node)
-            return self._with_eval({"status": "work", "round": t.round, "version": t.version, "seed": t.seed},
-                                   node, evaluates)
+            return self._with_eval(
+                {"status": "work", "round": t.round, "version": t.version, "seed": t.seed}, node, evaluates
+            )
         if r.open and node in r.selected and node not in r.received:
             if self.secure_round is not None and not self.secure_round.wants_task(node):
                 return None
             t = r.selected[node]
             left = (r.deadline_at or now) - now
-            work = {"status": "work", "round": t.round, "version": t.version, "seed": t.seed,
-                    "deadline_s": round(max(left, 0.0), 3)}
+            work = {
+                "status": "work",
+                "round": t.round,
+                "version": t.version,
+                "seed": t.seed,
+                "deadline_s": round(max(left, 0.0), 3),
+            }
             if self.secure_round is not None:
                 work["secure_aggregation"] = self.secure_round.task_info()
             if self.privacy is not None:
@@ -265,8 +288,11 @@ class ServerService:
 
     def wants_fed(self, version: int) -> bool:
         """Versions the nodes evaluate: every ``simulation.eval_every``-th, and the last."""
-        return not self.fed_finished and version >= 1 and (
-            version % self.fed_every == 0 or version >= self.cfg.server.rounds)
+        return (
+            not self.fed_finished
+            and version >= 1
+            and (version % self.fed_every == 0 or version >= self.cfg.server.rounds)
+        )
 
     def _with_eval(self, answer: dict[str, Any], node: str, evaluates: bool) -> dict[str, Any]:
         v = int(answer["version"])
@@ -288,8 +314,11 @@ class ServerService:
                 raise UpdateRejected("unknown_version", f"version {version} is newer than the server's {self.version}")
             if fed is None or node not in fed.asked:
                 what = "closed" if fed is None else "not asked of this node"
-                raise UpdateRejected("eval_not_open", f"evaluation of version {version} is {what} (the server is at "
-                                     f"version {self.version}); report only versions a task said to evaluate")
+                raise UpdateRejected(
+                    "eval_not_open",
+                    f"evaluation of version {version} is {what} (the server is at "
+                    f"version {self.version}); report only versions a task said to evaluate",
+                )
             if node in fed.reported:
                 raise UpdateRejected("duplicate", f"this node already reported its evaluation of version {version}")
             names = set(fed.counts) | set(metrics)
@@ -339,8 +368,11 @@ class ServerService:
             except TaskError as e:
                 log.warning("federated evaluation of version %d: %s; writing the raw means", v, e)
             record.update({f"fed_{k}": pooled[k] for k in pooled})
-            record.update(fed_num_examples=fed.num_examples, fed_nodes=len(fed.reported),
-                          elapsed_s=round(time.perf_counter() - self._t0, 4))
+            record.update(
+                fed_num_examples=fed.num_examples,
+                fed_nodes=len(fed.reported),
+                elapsed_s=round(time.perf_counter() - self._t0, 4),
+            )
             self.last_fed = _clean(record)
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(self.last_fed) + "\n")
@@ -362,8 +394,14 @@ class ServerService:
         try:
             s = self.cfg.server
             try:
-                update, header = decode_update(body, self.spec, self.max_body_bytes, copy=False,
-                                               max_examples=s.max_examples, max_abs=s.max_delta_abs)
+                update, header = decode_update(
+                    body,
+                    self.spec,
+                    self.max_body_bytes,
+                    copy=False,
+                    max_examples=s.max_examples,
+                    max_abs=s.max_delta_abs,
+                )
             except SpecMismatch:
                 sent = _sent_spec_hash(body, self.max_body_bytes)
                 if isinstance(sent, str) and sent != self.spec.hash:
@@ -371,16 +409,27 @@ class ServerService:
                 raise
             r = self.rounds
             if self.cfg.secure_aggregation.enabled:
-                raise UpdateRejected("secure_round", "rounds are securely aggregated: send masked input through "
-                                     "/v1/secagg (docs/protocol.md), not a plain update")
+                raise UpdateRejected(
+                    "secure_round",
+                    "rounds are securely aggregated: send masked input through "
+                    "/v1/secagg (docs/protocol.md), not a plain update",
+                )
             if self.done:
                 raise UpdateRejected("done", f"training is complete at version {r.version}; no more updates")
             if update.base_version > r.version:
-                raise UpdateRejected("unknown_version",
-                                     f"base version {update.base_version} is newer than the server's {r.version}")
-            if (isinstance(r, SyncRounds) and r.open and node not in r.late_pending
-                    and "round" in header and header["round"] != r.round):
-                raise UpdateRejected("wrong_round", f"update is for round {header['round']!r}, the open round is {r.round}")
+                raise UpdateRejected(
+                    "unknown_version", f"base version {update.base_version} is newer than the server's {r.version}"
+                )
+            if (
+                isinstance(r, SyncRounds)
+                and r.open
+                and node not in r.late_pending
+                and "round" in header
+                and header["round"] != r.round
+            ):
+                raise UpdateRejected(
+                    "wrong_round", f"update is for round {header['round']!r}, the open round is {r.round}"
+                )
             update.sender = node  # the authenticated identity, not what the body claims
             report = None
             if self.privacy is not None and self.privacy.mode == "local":  # checked before anything changes
@@ -416,8 +465,14 @@ class ServerService:
             return False
         if not r.open:
             if self.privacy is not None and not self.privacy.allows_next_round():
-                self._privacy_event({"round": r.round, "version": r.version, "stopped": self.privacy.stopped,
-                                     "epsilon_next": self.privacy.next_epsilon})
+                self._privacy_event(
+                    {
+                        "round": r.round,
+                        "version": r.version,
+                        "stopped": self.privacy.stopped,
+                        "epsilon_next": self.privacy.next_epsilon,
+                    }
+                )
                 return True  # done now: every waiting node is told so
             avail = self.connected(now)
             if len(avail) < self.cfg.server.min_nodes:
@@ -450,18 +505,31 @@ class ServerService:
             summary = r.finish_round()
         if summary.failed:
             self.counters.rounds_abandoned += 1
-            log.warning("round %d failed at its deadline with %d of %d results (min_fraction %.2f); model unchanged",
-                        r.round, summary.num_results, summary.num_selected, self.cfg.server.min_fraction)
+            log.warning(
+                "round %d failed at its deadline with %d of %d results (min_fraction %.2f); model unchanged",
+                r.round,
+                summary.num_results,
+                summary.num_selected,
+                self.cfg.server.min_fraction,
+            )
             if self.privacy is not None:
-                self._privacy_event({"round": r.round, "version": r.version, "failed": True,
-                                     "num_results": summary.num_results})
+                self._privacy_event(
+                    {"round": r.round, "version": r.version, "failed": True, "num_results": summary.num_results}
+                )
             return True
         if summary.num_results < summary.num_selected:
-            log.info("round %d: deadline, closed with %d of %d results", r.round, summary.num_results,
-                     summary.num_selected)
-        self._new_version({"round": summary.round, "train_loss": summary.train_loss,
-                           "num_results": summary.num_results, "num_examples": summary.num_examples,
-                           "num_late": summary.num_late})
+            log.info(
+                "round %d: deadline, closed with %d of %d results", r.round, summary.num_results, summary.num_selected
+            )
+        self._new_version(
+            {
+                "round": summary.round,
+                "train_loss": summary.train_loss,
+                "num_results": summary.num_results,
+                "num_examples": summary.num_examples,
+                "num_late": summary.num_late,
+            }
+        )
         return True
 
     def _new_version(self, fields: dict[str, Any]) -> None:
@@ -510,11 +578,16 @@ class ServerService:
         try:
             state = json.loads(self.privacy_path.read_text())
         except (OSError, ValueError) as e:
-            raise ConfigError(f"the privacy ledger {self.privacy_path} cannot be read ({e}): without it the rounds "
-                              "already charged are unknown; restore it, or use another server.checkpoint_dir") from None
+            raise ConfigError(
+                f"the privacy ledger {self.privacy_path} cannot be read ({e}): without it the rounds "
+                "already charged are unknown; restore it, or use another server.checkpoint_dir"
+            ) from None
         if not resume:
-            log.warning("--fresh: a new privacy ledger; the earlier run charged %s rounds on the same nodes' data, "
-                        "which this run's epsilon does not include", state.get("rounds_charged"))
+            log.warning(
+                "--fresh: a new privacy ledger; the earlier run charged %s rounds on the same nodes' data, "
+                "which this run's epsilon does not include",
+                state.get("rounds_charged"),
+            )
             return
         self.privacy.load_state_dict(state)
         log.info("privacy ledger %s: %d rounds charged so far", self.privacy_path, self.privacy.rounds_charged)
@@ -523,9 +596,15 @@ class ServerService:
 
     def _checkpoint(self) -> Path:
         tensors: dict[str, torch.Tensor] = {}
-        state = {"mode": self.mode, "version": self.version, "round": self._round,
-                 "spec_hash": self.spec.hash, "last_record": self.last_record, "last_fed": self.last_fed,
-                 "rounds": _split_tensors(self.rounds.state_dict(), "rounds", tensors)}
+        state = {
+            "mode": self.mode,
+            "version": self.version,
+            "round": self._round,
+            "spec_hash": self.spec.hash,
+            "last_record": self.last_record,
+            "last_fed": self.last_fed,
+            "rounds": _split_tensors(self.rounds.state_dict(), "rounds", tensors),
+        }
         return save_checkpoint(self.ckpt_dir, self.version, tensors, state, self.cfg.server.keep_checkpoints)
 
     def _restore(self, path: Path) -> None:
@@ -547,43 +626,60 @@ class ServerService:
     def status(self, now: float) -> dict[str, Any]:
         r = self.rounds
         return {
-            "mode": self.mode, "round": self._round, "version": r.version,
-            "rounds_target": self.cfg.server.rounds, "done": self.done,
+            "mode": self.mode,
+            "round": self._round,
+            "version": r.version,
+            "rounds_target": self.cfg.server.rounds,
+            "done": self.done,
             "round_open": bool(getattr(r, "open", False)),
             "selected": sorted(r.selected) if getattr(r, "open", False) else [],
             "received": len(r.received) if getattr(r, "open", False) else 0,
             "outstanding": len(r.outstanding) if isinstance(r, AsyncRounds) else 0,
-            "connected_nodes": self.connected(now), "last_metrics": self.last_record,
+            "connected_nodes": self.connected(now),
+            "last_metrics": self.last_record,
             "last_federated": self.last_fed,
-            "federated_open": {str(v): {"asked": len(f.asked), "reported": len(f.reported)}
-                               for v, f in sorted(self.fed.items())},
-            "spec_hash": self.spec.hash, "num_parameters": self.spec.numel,
-            "updates_accepted": self.counters.accepted, "updates_rejected": dict(self.counters.rejected),
-            **({"secure_aggregation": self.secure_round.status() if self.secure_round else self.secure_last}
-               if self.cfg.secure_aggregation.enabled else {}),
+            "federated_open": {
+                str(v): {"asked": len(f.asked), "reported": len(f.reported)} for v, f in sorted(self.fed.items())
+            },
+            "spec_hash": self.spec.hash,
+            "num_parameters": self.spec.numel,
+            "updates_accepted": self.counters.accepted,
+            "updates_rejected": dict(self.counters.rejected),
+            **(
+                {"secure_aggregation": self.secure_round.status() if self.secure_round else self.secure_last}
+                if self.cfg.secure_aggregation.enabled
+                else {}
+            ),
             **({"privacy": self.privacy.status()} if self.privacy is not None else {}),
         }
 
     def prometheus(self, now: float) -> str:
         c = self.counters
         lines = [
-            "# HELP shoal_version Current global model version.", "# TYPE shoal_version gauge",
+            "# HELP shoal_version Current global model version.",
+            "# TYPE shoal_version gauge",
             f"shoal_version {self.version}",
-            "# HELP shoal_round Current round number.", "# TYPE shoal_round gauge",
+            "# HELP shoal_round Current round number.",
+            "# TYPE shoal_round gauge",
             f"shoal_round {self._round}",
             "# HELP shoal_connected_nodes Nodes heard from within one poll period.",
-            "# TYPE shoal_connected_nodes gauge", f"shoal_connected_nodes {len(self.connected(now))}",
-            "# HELP shoal_updates_accepted_total Updates accepted.", "# TYPE shoal_updates_accepted_total counter",
+            "# TYPE shoal_connected_nodes gauge",
+            f"shoal_connected_nodes {len(self.connected(now))}",
+            "# HELP shoal_updates_accepted_total Updates accepted.",
+            "# TYPE shoal_updates_accepted_total counter",
             f"shoal_updates_accepted_total {c.accepted}",
             "# HELP shoal_updates_rejected_total Updates refused, by error code.",
             "# TYPE shoal_updates_rejected_total counter",
             *[f'shoal_updates_rejected_total{{code="{k}"}} {v}' for k, v in sorted(c.rejected.items())],
-            "# HELP shoal_update_bytes_total Bytes of accepted updates.", "# TYPE shoal_update_bytes_total counter",
+            "# HELP shoal_update_bytes_total Bytes of accepted updates.",
+            "# TYPE shoal_update_bytes_total counter",
             f"shoal_update_bytes_total {c.bytes_received}",
             "# HELP shoal_rounds_completed_total Rounds closed into a new version.",
-            "# TYPE shoal_rounds_completed_total counter", f"shoal_rounds_completed_total {c.rounds_completed}",
+            "# TYPE shoal_rounds_completed_total counter",
+            f"shoal_rounds_completed_total {c.rounds_completed}",
             "# HELP shoal_rounds_dropped_total Rounds dropped at the deadline with too few results.",
-            "# TYPE shoal_rounds_dropped_total counter", f"shoal_rounds_dropped_total {c.rounds_abandoned}",
+            "# TYPE shoal_rounds_dropped_total counter",
+            f"shoal_rounds_dropped_total {c.rounds_abandoned}",
         ]
         if self.privacy is not None:
             lines += self.privacy.prometheus()

@@ -75,11 +75,23 @@ def test_seed_decides_the_batches():
 
 
 def sim_params(batch_clients, *extra):
-    cfg = load_config(None, [
-        "simulation.rounds=3", "simulation.num_clients=12", "simulation.clients_per_round=5",
-        "model.name=2nn", "train.epochs=2", "train.batch_size=8", "train.lr=0.01", "train.momentum=0.5",
-        "train.weight_decay=1e-3", "train.prox_mu=0.1", f"simulation.batch_clients={batch_clients}", *extra,
-    ])
+    cfg = load_config(
+        None,
+        [
+            "simulation.rounds=3",
+            "simulation.num_clients=12",
+            "simulation.clients_per_round=5",
+            "model.name=2nn",
+            "train.epochs=2",
+            "train.batch_size=8",
+            "train.lr=0.01",
+            "train.momentum=0.5",
+            "train.weight_decay=1e-3",
+            "train.prox_mu=0.1",
+            f"simulation.batch_clients={batch_clients}",
+            *extra,
+        ],
+    )
     sim = InProcessSimulation(cfg)
     sizes = {sim.shards.size(i) for i in range(len(sim.shards))}
     assert len(sizes) > 3  # Synthetic(1,1) gives uneven client sizes
@@ -97,7 +109,9 @@ def test_simulation_rounds_batched_equal_sequential():
     two, p_two, _ = sim_params(2)
     assert seq.batched is None and five.batched.max_clients == 5 and two.batched.max_clients == 2
     torch.manual_seed(0)  # the initial model, as the simulator builds it
-    p0 = torch.cat([p.detach().flatten() for p in build_model("2nn", seq.task.input_shape, seq.task.num_classes).parameters()])
+    p0 = torch.cat(
+        [p.detach().flatten() for p in build_model("2nn", seq.task.input_shape, seq.task.num_classes).parameters()]
+    )
     assert (p_seq - p0).abs().max() > 1e-2  # training moved the model
     assert torch.allclose(p_five, p_seq, atol=1e-5, rtol=0)
     assert torch.allclose(p_two, p_seq, atol=1e-5, rtol=0)
@@ -148,7 +162,9 @@ def test_chunk_size_from_setting_and_budget():
     got = make_batched_trainer("auto", mlp, mlp_spec, TrainConfig(), cpu, (1, 28, 28), 100, 600)
     assert got.max_clients == fit and got.chain is not None
     # bf16 runs under autocast on the vmap path, which auto keeps for small models only on a CPU
-    assert make_batched_trainer("auto", mlp, mlp_spec, TrainConfig(precision="bf16"), cpu, (1, 28, 28), 100, 600) is None
+    assert (
+        make_batched_trainer("auto", mlp, mlp_spec, TrainConfig(precision="bf16"), cpu, (1, 28, 28), 100, 600) is None
+    )
 
 
 def test_config_validation():
@@ -215,7 +231,10 @@ def test_linear_chain_finds_plain_mlps_only():
 
 @pytest.mark.parametrize(
     "cfg",
-    [TrainConfig(epochs=2, batch_size=4, lr=0.1), TrainConfig(epochs=2, batch_size=4, lr=0.05, momentum=0.9, prox_mu=0.5)],
+    [
+        TrainConfig(epochs=2, batch_size=4, lr=0.1),
+        TrainConfig(epochs=2, batch_size=4, lr=0.05, momentum=0.9, prox_mu=0.5),
+    ],
     ids=["sgd", "momentum+fedprox"],
 )
 def test_chain_on_feature_vectors_without_bias_equals_local_trainer(cfg):

@@ -44,12 +44,16 @@ from safetensors.torch import load as st_load
 
 from shoal.tls import client_context, make_private_ca, server_context
 
-from .live import ADMIN, live_server
+from .live import live_server
 
 FORMAT = "shoal/1"
 FLT_MAX = float(np.finfo(np.float32).max)
-SMALL_ORDER = [bytes(32), (1).to_bytes(32, "little"), ((2**255 - 19) - 1).to_bytes(32, "little"),
-               bytes.fromhex("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800")]
+SMALL_ORDER = [
+    bytes(32),
+    (1).to_bytes(32, "little"),
+    ((2**255 - 19) - 1).to_bytes(32, "little"),
+    bytes.fromhex("e0eb7a7c3b41b8ae1656e3faf19fc46ada098deb9c32b1fd866205165f49b800"),
+]
 LEGIT = ["n0", "n1", "n2", "n3"]
 FUZZERS = ["f0", "f1"]
 MODES = ("sync", "async", "secure")
@@ -67,6 +71,7 @@ def mode_config(mode: str) -> tuple[dict, dict]:
 
 # --- the server, in a thread of its own ------------------------------------------------
 
+
 class ServerThread:
     """live_server over TLS in a background event loop; the fuzzer sends raw bytes to it."""
 
@@ -79,7 +84,7 @@ class ServerThread:
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.error: BaseException | None = None
 
-    def __enter__(self) -> "ServerThread":
+    def __enter__(self) -> ServerThread:
         self.thread.start()
         if not self.ready.wait(60):
             raise RuntimeError(f"fuzz server did not start: {self.error!r}")
@@ -111,9 +116,11 @@ class ServerThread:
 
     def call(self, fn, timeout: float = 60):
         """``fn()`` run in the server's loop (state is read and changed there only)."""
+
         async def wrap():
             out = fn()
             return await out if asyncio.iscoroutine(out) else out
+
         return asyncio.run_coroutine_threadsafe(wrap(), self.loop).result(timeout)
 
     def send(self, raw: bytes, timeout: float = 20) -> tuple[int, dict, bytes]:
@@ -145,10 +152,17 @@ class ServerThread:
 
 # --- what the fuzzer sends -------------------------------------------------------------
 
-json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.sampled_from([10**300, -1, 0, 2**63]),
-                      st.floats(allow_nan=True, allow_infinity=True), st.text(max_size=12))
-json_value = st.recursive(json_leaf, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c,
-                                                                                         max_size=3), max_leaves=8)
+json_leaf = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([10**300, -1, 0, 2**63]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=12),
+)
+json_value = st.recursive(
+    json_leaf, lambda c: st.lists(c, max_size=3) | st.dictionaries(st.text(max_size=6), c, max_size=3), max_leaves=8
+)
 FILLS = [0.0, 0.01, -0.5, 3.0, float("nan"), float("inf"), -float("inf"), FLT_MAX, 3e38, 1e5, 1e-40]
 DTYPE_SIZE = {"F32": 4, "I8": 1, "I32": 4, "F16": 2, "I64": 8, "U8": 1}
 NP_DTYPE = {"F32": "<f4", "I8": "i1", "I32": "<i4", "F16": "<f2", "I64": "<i8", "U8": "u1"}
@@ -194,7 +208,7 @@ def tensor_data(draw, dtype: str, count: int) -> bytes:
                 arr[draw(st.integers(0, count - 1))] = draw(st.sampled_from(FILLS))
         with np.errstate(over="ignore"):
             return arr.astype(NP_DTYPE[dtype]).tobytes()
-    lo, hi = {"I8": (-128, 127), "U8": (0, 255), "I32": (-2**31, 2**31 - 1), "I64": (-2**40, 2**40)}[dtype]
+    lo, hi = {"I8": (-128, 127), "U8": (0, 255), "I32": (-(2**31), 2**31 - 1), "I64": (-(2**40), 2**40)}[dtype]
     if draw(st.booleans()):  # sorted distinct, as top-k indices are
         start = draw(st.integers(-2, 3))
         arr = np.arange(start, start + count * draw(st.integers(1, 3)), max(1, draw(st.integers(1, 3))))[:count]
@@ -213,10 +227,17 @@ def update_body(draw, ctx: Ctx, sender: str) -> bytes:
     encoding = draw(st.sampled_from(["dense"] * 3 + ["q8", "topk", "zz"]))
     chunk = draw(st.sampled_from([n, max(1, n // 3), 7, 0, -1, 2**30]))
     k = draw(st.sampled_from([1, 5, max(1, n // 2), n, 0]))
-    h = {"format": FORMAT, "kind": "update", "spec_hash": ctx.spec_hash, "encoding": encoding,
-         "base_version": ctx.version, "num_examples": draw(st.sampled_from([10, 1, ctx.max_examples,
-                                                                          ctx.max_examples + 1])),
-         "sender": sender, "metrics": {"train_loss": 0.5}, "round": ctx.round}
+    h = {
+        "format": FORMAT,
+        "kind": "update",
+        "spec_hash": ctx.spec_hash,
+        "encoding": encoding,
+        "base_version": ctx.version,
+        "num_examples": draw(st.sampled_from([10, 1, ctx.max_examples, ctx.max_examples + 1])),
+        "sender": sender,
+        "metrics": {"train_loss": 0.5},
+        "round": ctx.round,
+    }
     if encoding == "q8":
         h["chunk"] = chunk
     if encoding == "topk":
@@ -238,7 +259,9 @@ def update_body(draw, ctx: Ctx, sender: str) -> bytes:
         name = draw(st.sampled_from(sorted(tensors)))
         dtype, shape = tensors.pop(name)
         tensors[draw(st.sampled_from([name, name, "x"]))] = (
-            draw(st.sampled_from([dtype, "F16", "I64", "U8"])), draw(st.sampled_from([shape, [shape[0] + 1], [0], []])))
+            draw(st.sampled_from([dtype, "F16", "I64", "U8"])),
+            draw(st.sampled_from([shape, [shape[0] + 1], [0], []])),
+        )
     table: dict = {}
     data = b""
     for name, (dtype, shape) in sorted(tensors.items()):
@@ -249,8 +272,9 @@ def update_body(draw, ctx: Ctx, sender: str) -> bytes:
     lie = draw(st.sampled_from(["none"] * 8 + ["offsets", "entry", "hole", "metadata"]))
     if lie == "offsets" and table:
         e = table[draw(st.sampled_from(sorted(table)))]
-        e["data_offsets"] = draw(st.one_of(json_value, st.lists(st.integers(-4, len(data) + 8), min_size=2,
-                                                                max_size=2)))
+        e["data_offsets"] = draw(
+            st.one_of(json_value, st.lists(st.integers(-4, len(data) + 8), min_size=2, max_size=2))
+        )
     elif lie == "entry" and table:
         e = table[draw(st.sampled_from(sorted(table)))]
         e[draw(st.sampled_from(["dtype", "shape", "data_offsets", "extra"]))] = draw(json_value)
@@ -293,18 +317,29 @@ def mutate(draw, body: bytes) -> bytes:
 @st.composite
 def keys_body(draw, ctx: Ctx, sender: str) -> bytes:
     """A secure aggregation ``public_keys`` message, often hostile."""
+
     def key():
-        return draw(st.one_of(
-            st.just(X25519PrivateKey.generate().public_key().public_bytes_raw()),
-            st.sampled_from(SMALL_ORDER), st.binary(min_size=31, max_size=33)))
+        return draw(
+            st.one_of(
+                st.just(X25519PrivateKey.generate().public_key().public_bytes_raw()),
+                st.sampled_from(SMALL_ORDER),
+                st.binary(min_size=31, max_size=33),
+            )
+        )
+
     import base64
 
     enc, mask = key(), key()
     if draw(st.integers(0, 4)) == 0:
         mask = enc
-    h = {"format": FORMAT, "kind": "public_keys", "sender": sender,
-         "enc_key": base64.b64encode(enc).decode(), "mask_key": base64.b64encode(mask).decode(),
-         "meta": {"round": ctx.round, "num_examples": 10, "train_loss": 0.5}}
+    h = {
+        "format": FORMAT,
+        "kind": "public_keys",
+        "sender": sender,
+        "enc_key": base64.b64encode(enc).decode(),
+        "mask_key": base64.b64encode(mask).decode(),
+        "meta": {"round": ctx.round, "num_examples": 10, "train_loss": 0.5},
+    }
     header = {}
     for key_, good in h.items():
         v = _field(draw, good)
@@ -314,10 +349,32 @@ def keys_body(draw, ctx: Ctx, sender: str) -> bytes:
     return draw(mutate(struct.pack("<Q", len(text)) + text.encode()))
 
 
-QUERY_WAIT = st.one_of(st.sampled_from(["0", "0.01", "0.0", "nan", "NaN", "inf", "-1", "1e400", "1e3", "abc", "",
-                                         "0x1", "1_0", "9" * 40, "%00", "0.01.2"]),
-                       st.text(alphabet="0123456789.-+eEnaif_x", max_size=12))
-QUERY_ROUND = st.one_of(st.sampled_from(["1", "0", "-1", "x", "1_0", "9" * 30, "", "1.0"]), st.integers(-3, 10).map(str))
+QUERY_WAIT = st.one_of(
+    st.sampled_from(
+        [
+            "0",
+            "0.01",
+            "0.0",
+            "nan",
+            "NaN",
+            "inf",
+            "-1",
+            "1e400",
+            "1e3",
+            "abc",
+            "",
+            "0x1",
+            "1_0",
+            "9" * 40,
+            "%00",
+            "0.01.2",
+        ]
+    ),
+    st.text(alphabet="0123456789.-+eEnaif_x", max_size=12),
+)
+QUERY_ROUND = st.one_of(
+    st.sampled_from(["1", "0", "-1", "x", "1_0", "9" * 30, "", "1.0"]), st.integers(-3, 10).map(str)
+)
 
 
 def _no_hold(wait: str) -> str:
@@ -329,9 +386,9 @@ def _no_hold(wait: str) -> str:
 class Request:
     method: str
     path: str
-    who: str                 # a node name, "admin", "none", "garbage", "bytes"
+    who: str  # a node name, "admin", "none", "garbage", "bytes"
     body: bytes = b""
-    kind: str = ""           # "update" | "keys" | "" (what the oracle checks)
+    kind: str = ""  # "update" | "keys" | "" (what the oracle checks)
     expect100: bool = False
 
 
@@ -342,8 +399,13 @@ def requests(ctx: Ctx, mode: str):
     @st.composite
     def one(draw):
         sender = draw(who)
-        route = draw(st.sampled_from(["update"] * 8 + ["keys"] * (6 if mode == "secure" else 1)
-                                     + ["secagg_post", "task", "model", "secagg_get", "status", "metrics", "junk"]))
+        route = draw(
+            st.sampled_from(
+                ["update"] * 8
+                + ["keys"] * (6 if mode == "secure" else 1)
+                + ["secagg_post", "task", "model", "secagg_get", "status", "metrics", "junk"]
+            )
+        )
         name = sender if sender in ctx.tokens else "f0"
         if route == "update":
             return Request("POST", "/v1/update", sender, draw(update_body(ctx, name)), "update", draw(st.booleans()))
@@ -365,8 +427,11 @@ def requests(ctx: Ctx, mode: str):
             return Request("GET", f"/v1/secagg/{stage}?round={draw(QUERY_ROUND)}&wait={wait}", sender)
         if route in ("status", "metrics"):
             return Request("GET", "/v1/status" if route == "status" else "/metrics", sender)
-        return Request(draw(st.sampled_from(["GET", "POST", "DELETE", "PUT"])),
-                       "/" + draw(st.text(alphabet="abcdefv1/%.", max_size=12)), sender)
+        return Request(
+            draw(st.sampled_from(["GET", "POST", "DELETE", "PUT"])),
+            "/" + draw(st.text(alphabet="abcdefv1/%.", max_size=12)),
+            sender,
+        )
 
     return one()
 
@@ -390,13 +455,16 @@ def raw_request(req: Request, ctx: Ctx) -> bytes:
 
 # --- the oracle ----------------------------------------------------------------------
 
+
 def _json(text_bytes: bytes):
     """Strict JSON as the protocol has it: UTF-8, no duplicate keys; None if not."""
+
     def pairs(p):
         d = dict(p)
         if len(d) != len(p):
             raise ValueError("duplicate key")
         return d
+
     try:
         return json.loads(text_bytes.decode("utf-8"), object_pairs_hook=pairs)
     except (ValueError, RecursionError):
@@ -437,8 +505,11 @@ def _header(body: bytes, limit: int):
     if d > 16 or g > 19 or not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         return None
     for e in table.values():  # the protocol's table rules, a little stricter than the library's
-        if set(e) != {"dtype", "shape", "data_offsets"} or len(e["shape"]) > 8 or e["dtype"] not in (
-                *DTYPE_SIZE, "BOOL", "I16", "U16", "BF16", "U32", "U64", "F64"):
+        if (
+            set(e) != {"dtype", "shape", "data_offsets"}
+            or len(e["shape"]) > 8
+            or e["dtype"] not in (*DTYPE_SIZE, "BOOL", "I16", "U16", "BF16", "U32", "U64", "F64")
+        ):
             return None
     h = _json(meta.get("shoal", "").encode()) if isinstance(meta.get("shoal"), str) else None
     if not isinstance(h, dict) or h.get("format") != FORMAT:
@@ -475,11 +546,23 @@ def oracle_update(body: bytes, ctx: Ctx) -> bool | None:
     if set(tensors) != set(want) or any((t.dtype, tuple(t.shape)) != want[k] for k, t in tensors.items()):
         return False
     m = h.get("metrics", {})
-    if not (_int(h.get("base_version"), 0) and _int(h.get("num_examples"), 1, ctx.max_examples)
-            and isinstance(h.get("sender", ""), str) and len(h.get("sender", "")) <= 256
-            and ("round" not in h or _int(h["round"], 0)) and isinstance(m, dict) and len(m) <= 64
-            and all(isinstance(k, str) and len(k) <= 256 and isinstance(v, (int, float)) and not isinstance(v, bool)
-                    and math.isfinite(v) for k, v in m.items())):
+    if not (
+        _int(h.get("base_version"), 0)
+        and _int(h.get("num_examples"), 1, ctx.max_examples)
+        and isinstance(h.get("sender", ""), str)
+        and len(h.get("sender", "")) <= 256
+        and ("round" not in h or _int(h["round"], 0))
+        and isinstance(m, dict)
+        and len(m) <= 64
+        and all(
+            isinstance(k, str)
+            and len(k) <= 256
+            and isinstance(v, (int, float))
+            and not isinstance(v, bool)
+            and math.isfinite(v)
+            for k, v in m.items()
+        )
+    ):
         return False
     if any(t.is_floating_point() and not bool(torch.isfinite(t).all()) for t in tensors.values()):
         return False
@@ -525,13 +608,19 @@ def oracle_keys(body: bytes, ctx: Ctx, sender: str, taken: set[bytes]) -> bool:
             return False
         keys.append((int.from_bytes(raw, "little") & ((1 << 255) - 1)) % (2**255 - 19))
     meta = h.get("meta")
-    return (keys[0] != keys[1] and not {k.to_bytes(32, "little") for k in keys} & taken
-            and isinstance(meta, dict) and meta.get("round") == ctx.round
-            and _int(meta.get("num_examples"), 1, ctx.max_examples)
-            and isinstance(meta.get("train_loss", 0.0), (int, float)) and not isinstance(meta.get("train_loss"), bool))
+    return (
+        keys[0] != keys[1]
+        and not {k.to_bytes(32, "little") for k in keys} & taken
+        and isinstance(meta, dict)
+        and meta.get("round") == ctx.round
+        and _int(meta.get("num_examples"), 1, ctx.max_examples)
+        and isinstance(meta.get("train_loss", 0.0), (int, float))
+        and not isinstance(meta.get("train_loss"), bool)
+    )
 
 
 # --- a fuzzing session ------------------------------------------------------------------
+
 
 @dataclass
 class Tally:
@@ -552,10 +641,21 @@ class Tally:
 def snapshot(svc) -> tuple:
     """Model bytes, version, checkpoints and counters: what no hostile request may change."""
     r, c = svc.rounds, svc.counters
-    ck = sorted(p.name for p in Path(svc.cfg.server.checkpoint_dir).glob("*")) if \
-        Path(svc.cfg.server.checkpoint_dir).exists() else []
-    base = (hashlib.sha256(r.global_params.numpy().tobytes()).hexdigest(), r.version, c.accepted, c.bytes_received,
-            c.rounds_completed, c.rounds_abandoned, tuple(ck), svc.model_body()[-64:])
+    ck = (
+        sorted(p.name for p in Path(svc.cfg.server.checkpoint_dir).glob("*"))
+        if Path(svc.cfg.server.checkpoint_dir).exists()
+        else []
+    )
+    base = (
+        hashlib.sha256(r.global_params.numpy().tobytes()).hexdigest(),
+        r.version,
+        c.accepted,
+        c.bytes_received,
+        c.rounds_completed,
+        c.rounds_abandoned,
+        tuple(ck),
+        svc.model_body()[-64:],
+    )
     if svc.mode == "async":
         return base + (r.stats.accepted, tuple(sorted(r.outstanding)), r.algorithm.count)
     return base + (r.round, r.open, tuple(sorted(r.received)), r.strategy.num_accumulated)
@@ -575,9 +675,17 @@ def prepare(server: ServerThread) -> Ctx:
             svc.seen(n, now)
         assert svc.tick(now) and svc.secure_round is not None
     s = svc.cfg.server
-    return Ctx(svc.spec.numel, svc.spec.hash, svc.version, getattr(svc.rounds, "round", 0), s.max_examples,
-               s.max_delta_abs, svc.max_body_bytes, dict(live.tokens),
-               svc.secure_round.task_info() if svc.secure_round else None)
+    return Ctx(
+        svc.spec.numel,
+        svc.spec.hash,
+        svc.version,
+        getattr(svc.rounds, "round", 0),
+        s.max_examples,
+        s.max_delta_abs,
+        svc.max_body_bytes,
+        dict(live.tokens),
+        svc.secure_round.task_info() if svc.secure_round else None,
+    )
 
 
 def check(server: ServerThread, ctx: Ctx, req: Request, tally: Tally, before: tuple, taken: set[bytes]) -> tuple:
@@ -613,6 +721,7 @@ def check(server: ServerThread, ctx: Ctx, req: Request, tally: Tally, before: tu
             tally.note(f"malformed keys accepted from {req.who}")
         got = _header(req.body, ctx.max_body)
         import base64
+
         for k in ("enc_key", "mask_key"):
             raw = base64.b64decode(got[1][k])
             taken.add(((int.from_bytes(raw, "little") & ((1 << 255) - 1)) % (2**255 - 19)).to_bytes(32, "little"))
@@ -624,6 +733,7 @@ def check(server: ServerThread, ctx: Ctx, req: Request, tally: Tally, before: tu
 
 
 # --- after the fuzzing: a legitimate round still completes ------------------------------
+
 
 def _post(server: ServerThread, ctx: Ctx, node: str, path: str, body: bytes) -> tuple[int, bytes]:
     status, _, out = server.send(raw_request(Request("POST", path, node, body), ctx))
@@ -674,7 +784,8 @@ async def _legit_secure(server: ServerThread) -> None:
         parties = []
         for n in LEGIT:
             http = await stack.enter_async_context(
-                live.session(n, connector=aiohttp.TCPConnector(ssl=server.client_ssl)))
+                live.session(n, connector=aiohttp.TCPConnector(ssl=server.client_ssl))
+            )
             parties.append(Party(live, n, http, rng))
         for p in parties:
             await p.task()
@@ -689,8 +800,9 @@ async def _legit_secure(server: ServerThread) -> None:
             assert status == 200
             max_weight = message_meta(body, p.params.vector_size)["max_weight"]
             directory = decode_message(body, p.params.vector_size)
-            assert (await p.post("shares", encode_message(p.client.share_keys(directory), {"round": p.round})))[0] \
-                == 200
+            assert (await p.post("shares", encode_message(p.client.share_keys(directory), {"round": p.round})))[
+                0
+            ] == 200
         for p in parties:
             status, delivery = await p.fetch("shares")
             assert status == 200 and (await p.post("masked", p.masked(delivery, max_weight)))[0] == 200
@@ -712,20 +824,39 @@ def run_mode(tmp: Path, mode: str, batches: int, batch: int = 50, seed: int | No
         state = {"before": server.call(lambda: snapshot(server.svc))}
         start = state["before"]
 
-        @settings(max_examples=batches, deadline=None, database=None, derandomize=seed is not None,
-                  suppress_health_check=list(HealthCheck))
+        @settings(
+            max_examples=batches,
+            deadline=None,
+            database=None,
+            derandomize=seed is not None,
+            suppress_health_check=list(HealthCheck),
+        )
         @given(st.lists(requests(ctx, mode), min_size=batch, max_size=batch))
         def fuzz(reqs):
             for req in reqs:
                 state["before"] = check(server, ctx, req, tally, state["before"], taken)
-            assert (tally.five_xx, tally.not_json, tally.malformed_accepted, tally.wellformed_refused,
-                    tally.state_changed) == (0, 0, 0, 0, 0), tally.examples
+            assert (
+                tally.five_xx,
+                tally.not_json,
+                tally.malformed_accepted,
+                tally.wellformed_refused,
+                tally.state_changed,
+            ) == (0, 0, 0, 0, 0), tally.examples
 
         fuzz()
         end = server.call(lambda: snapshot(server.svc))
         version = legit_round(server, ctx)
-    return {"mode": mode, "requests": tally.requests, "5xx": tally.five_xx, "not_json": tally.not_json,
-            "malformed_accepted": tally.malformed_accepted, "wellformed_refused": tally.wellformed_refused,
-            "state_changed": tally.state_changed, "unchanged": end == start, "legit_round_version": version,
-            "status": dict(sorted(tally.status.items())), "seconds": round(time.perf_counter() - t0, 1),
-            "examples": tally.examples}
+    return {
+        "mode": mode,
+        "requests": tally.requests,
+        "5xx": tally.five_xx,
+        "not_json": tally.not_json,
+        "malformed_accepted": tally.malformed_accepted,
+        "wellformed_refused": tally.wellformed_refused,
+        "state_changed": tally.state_changed,
+        "unchanged": end == start,
+        "legit_round_version": version,
+        "status": dict(sorted(tally.status.items())),
+        "seconds": round(time.perf_counter() - t0, 1),
+        "examples": tally.examples,
+    }

@@ -13,7 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from shoal.config import config_from_dict
-from shoal.server.app import run_clock, make_app
+from shoal.server.app import make_app, run_clock
 from shoal.server.registry import Registry
 from shoal.server.service import ServerService
 
@@ -28,8 +28,14 @@ def small_config(tmp: Path, sections: dict | None = None, **server):
         "data": {"dataset": "synthetic"},
         "model": {"name": "logreg"},
         "train": {"batch_size": 10, "lr": 0.05},
-        "server": {"checkpoint_dir": str(tmp / "ck"), "db": str(tmp / "nodes.sqlite"),
-                   "out_dir": str(tmp / "run"), "eval": False, "rounds": 5, **server},
+        "server": {
+            "checkpoint_dir": str(tmp / "ck"),
+            "db": str(tmp / "nodes.sqlite"),
+            "out_dir": str(tmp / "run"),
+            "eval": False,
+            "rounds": 5,
+            **server,
+        },
     }
     return config_from_dict({**data, **(sections or {})}).validate()
 
@@ -50,8 +56,14 @@ class Live:
 
 
 @asynccontextmanager
-async def live_server(tmp: Path, nodes: list[str], ssl_context: ssl.SSLContext | None = None,
-                      clock: bool = False, sections: dict | None = None, **server):
+async def live_server(
+    tmp: Path,
+    nodes: list[str],
+    ssl_context: ssl.SSLContext | None = None,
+    clock: bool = False,
+    sections: dict | None = None,
+    **server,
+):
     """``clock=True`` runs the server's clock (rounds open and close by themselves);
     without it the test drives ``service.tick`` itself."""
     admin = secrets.token_urlsafe(32)

@@ -21,8 +21,15 @@ from .test_validation import NODES, _open_round, _same, _selected_unselected, _s
 
 
 def _header(svc, node):
-    return {"kind": "update", "spec_hash": svc.spec.hash, "base_version": svc.version, "num_examples": 10,
-            "sender": node, "metrics": {}, "round": svc.rounds.round}
+    return {
+        "kind": "update",
+        "spec_hash": svc.spec.hash,
+        "base_version": svc.version,
+        "num_examples": 10,
+        "sender": node,
+        "metrics": {},
+        "round": svc.rounds.round,
+    }
 
 
 def _lie(case: str, svc, node: str) -> bytes:
@@ -84,12 +91,24 @@ def test_lying_compressed_header_is_a_400_and_changes_nothing(tmp_path, case):
 
 def test_nodes_upload_top_k_and_the_server_finishes_its_rounds(tmp_path):
     async def scenario():
-        async with live_server(tmp_path, ["n0", "n1"], clock=True, min_nodes=2, clients_per_round=2,
-                               rounds=2, poll_s=1) as live:
-            cfg = config_from_dict({"model": {"name": "logreg"},
-                                    "compression": {"encoding": "topk", "topk_fraction": 0.1}}).validate()
-            nodes = [Node(live.url, live.tokens[n], Shard(n, torch.randn(20, 60), torch.randint(0, 10, (20,)), 10),
-                          cfg, torch.device("cpu"), None, poll_s=1.0) for n in ("n0", "n1")]
+        async with live_server(
+            tmp_path, ["n0", "n1"], clock=True, min_nodes=2, clients_per_round=2, rounds=2, poll_s=1
+        ) as live:
+            cfg = config_from_dict(
+                {"model": {"name": "logreg"}, "compression": {"encoding": "topk", "topk_fraction": 0.1}}
+            ).validate()
+            nodes = [
+                Node(
+                    live.url,
+                    live.tokens[n],
+                    Shard(n, torch.randn(20, 60), torch.randint(0, 10, (20,)), 10),
+                    cfg,
+                    torch.device("cpu"),
+                    None,
+                    poll_s=1.0,
+                )
+                for n in ("n0", "n1")
+            ]
             assert await asyncio.gather(*(n.run() for n in nodes)) == [0, 0]
             svc = live.service
             assert svc.version == 2 and svc.counters.accepted == 4

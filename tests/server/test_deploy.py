@@ -66,8 +66,9 @@ def _shoal(args: list[str], log: Path, entry: Path | None = None) -> subprocess.
     """``shoal ARGS`` in a new process; ``entry``: a test-side script that wraps the CLI (fault injection)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # no spin-waiting threads on a shared CPU
     cmd = [sys.executable, str(entry)] if entry else [sys.executable, "-m", "shoal.cli"]
-    return subprocess.Popen([*cmd, *args], stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    return subprocess.Popen(
+        [*cmd, *args], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
+    )
 
 
 class Deployment:
@@ -76,8 +77,9 @@ class Deployment:
         self.config = tmp / "cfg.toml"
         self.admin = secrets.token_urlsafe(32)
         (tmp / "admin.token").write_text(self.admin)
-        self.config.write_text(CONFIG.format(n=n, port=self.port, rounds=rounds, deadline=deadline, tmp=tmp,
-                                              min_nodes=min_nodes or n))
+        self.config.write_text(
+            CONFIG.format(n=n, port=self.port, rounds=rounds, deadline=deadline, tmp=tmp, min_nodes=min_nodes or n)
+        )
         self.cfg = load_config(self.config)
         self.shards = write_shards(self.cfg, tmp / "shards")
         reg = Registry(self.cfg.server.db)
@@ -101,15 +103,29 @@ class Deployment:
         name = self.shards[i].stem
         log = self.tmp / f"{name}.log"
         self.logs.append(log)
-        p = _shoal(["client", "--server", self.url, "--token-file", str(self.tmp / f"{name}.token"),
-                    "--data", str(self.shards[i]), "--config", str(self.config), "--device", "cpu", *extra], log,
-                   entry)
+        p = _shoal(
+            [
+                "client",
+                "--server",
+                self.url,
+                "--token-file",
+                str(self.tmp / f"{name}.token"),
+                "--data",
+                str(self.shards[i]),
+                "--config",
+                str(self.config),
+                "--device",
+                "cpu",
+                *extra,
+            ],
+            log,
+            entry,
+        )
         self.procs.append(p)
         return p
 
     def status(self) -> dict | None:
-        req = urllib.request.Request(self.url + "/v1/status",
-                                     headers={"Authorization": f"Bearer {self.admin}"})
+        req = urllib.request.Request(self.url + "/v1/status", headers={"Authorization": f"Bearer {self.admin}"})
         try:
             with urllib.request.urlopen(req, timeout=2) as resp:
                 return json.loads(resp.read())
@@ -158,8 +174,12 @@ def test_tls_sync_rounds_match_the_simulator(tmp_path):
     with deployment(tmp_path, n=5, rounds=3) as d:
         pki = make_private_ca(tmp_path / "pki")
         d.url = d.url.replace("http://", "https://")
-        server = d.server("--set", f"server.tls_cert={json.dumps(str(pki.cert))}",
-                          "--set", f"server.tls_key={json.dumps(str(pki.key))}")
+        server = d.server(
+            "--set",
+            f"server.tls_cert={json.dumps(str(pki.cert))}",
+            "--set",
+            f"server.tls_key={json.dumps(str(pki.key))}",
+        )
         clients = [d.client(i, "--ca-cert", str(pki.ca_cert)) for i in range(5)]
         assert _wait(server, d, 120) == 0, d.dump()
         for c in clients:
@@ -169,8 +189,9 @@ def test_tls_sync_rounds_match_the_simulator(tmp_path):
     sim = InProcessSimulation(d.cfg)
     for _ in range(3):
         sim.run_round()
-    assert torch.allclose(tensors["params"], sim.global_params, atol=1e-6, rtol=0), \
-        float((tensors["params"] - sim.global_params).abs().max())
+    assert torch.allclose(tensors["params"], sim.global_params, atol=1e-6, rtol=0), float(
+        (tensors["params"] - sim.global_params).abs().max()
+    )
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in records] == [1, 2, 3]
     assert all(r["num_results"] == 5 for r in records)
@@ -190,8 +211,9 @@ def test_killed_client_and_killed_server(tmp_path):
         d.wait_status(lambda s: slow_name in s["connected_nodes"], 60)
         # ~1 s of training a round, so the test can see a round open and kill the server in it
         fast = [d.client(i, "--set", "train.epochs=40") for i in (0, 1)]
-        st = d.wait_status(lambda s: s["round_open"] and slow_name in s["selected"]
-                           and s["received"] == len(s["selected"]) - 1, 60)
+        st = d.wait_status(
+            lambda s: s["round_open"] and slow_name in s["selected"] and s["received"] == len(s["selected"]) - 1, 60
+        )
         os.killpg(slow.pid, signal.SIGKILL)
         killed_round, others = st["round"], len(st["selected"]) - 1
         st = d.wait_status(lambda s: s["version"] >= 2 and s["round_open"] and s["round"] > killed_round, 40)
@@ -204,7 +226,7 @@ def test_killed_client_and_killed_server(tmp_path):
         for c in fast:
             assert _wait(c, d, 30) == 0, d.dump()
         log = (tmp_path / "server-restarted.log").read_text()
-        assert f"resumed from" in log and f"version {saved}," in log, log
+        assert "resumed from" in log and f"version {saved}," in log, log
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in records] == [1, 2, 3, 4, 5, 6], records
     # the round the node died in closed at its deadline with the others' results

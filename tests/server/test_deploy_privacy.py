@@ -30,7 +30,7 @@ from shoal.errors import ConfigError
 from shoal.server.service import ServerService
 from shoal.shards import Shard, load_shard, write_shards
 from shoal.update import Update
-from shoal.wire import decode_update, encode_model, encode_update
+from shoal.wire import decode_update, encode_model
 
 from .hostile import good_update
 from .live import ADMIN, live_server, small_config
@@ -44,8 +44,9 @@ def _records(tmp: Path) -> list[dict]:
 
 
 def _node_cfg(sections: dict | None = None, **train):
-    return config_from_dict({"model": {"name": "logreg"}, "train": {"batch_size": 10, "lr": 0.05, **train},
-                             **(sections or {})}).validate()
+    return config_from_dict(
+        {"model": {"name": "logreg"}, "train": {"batch_size": 10, "lr": 0.05, **train}, **(sections or {})}
+    ).validate()
 
 
 def _shards(tmp: Path, n: int = 5) -> list[Path]:
@@ -90,23 +91,31 @@ def test_poisson_selection_samples_connected_nodes_at_k_over_the_registered(tmp_
     st = svc.status(0.0)["privacy"]
     assert st["rounds_charged"] == rounds and st["sampling_rate"] == pytest.approx(0.3)
     assert st["epsilon"] == pytest.approx(epsilon(0.3, 1.0, rounds, 1e-5))
-    other = ServerService(small_config(tmp_path / "b", CENTRAL, clients_per_round=3, rounds=10**6, deadline_s=1.0),
-                          registered=10)
+    other = ServerService(
+        small_config(tmp_path / "b", CENTRAL, clients_per_round=3, rounds=10**6, deadline_s=1.0), registered=10
+    )
     assert run(other, 10) != picks[:10]
 
 
-@pytest.mark.parametrize("sections,server,registered,match", [
-    ({}, {"mode": "async"}, 5, "server.mode = 'sync'"),
-    ({}, {"clients_per_round": 0}, 5, "server.clients_per_round = K > 0"),
-    ({"privacy": {"sampling": "fixed"}}, {}, 5, "privacy.sampling = 'fixed' in shoal server"),
-    ({"asynchronous": {"over_selection": 0.5}}, {}, 5, "over_selection"),
-    ({"asynchronous": {"late": "fold"}}, {}, 5, "late = 'fold'"),
-    ({"privacy": {"noise_multiplier": 0.0}}, {}, 5, "noise_multiplier = 0"),
-    ({}, {"clients_per_round": 6}, 5, "more than the 5 registered nodes"),
-    ({"privacy": {"target_epsilon": 1.0}}, {}, 5, "below the epsilon of a single round"),
-    ({"privacy": {"mode": "distributed"}, "secure_aggregation": {"enabled": True, "clip": 1.0}}, {}, 5,
-     r"would clip the distributed-DP noise.*t = 3 noise shares.*set secure_aggregation.clip >= 5\.619"),
-])
+@pytest.mark.parametrize(
+    "sections,server,registered,match",
+    [
+        ({}, {"mode": "async"}, 5, "server.mode = 'sync'"),
+        ({}, {"clients_per_round": 0}, 5, "server.clients_per_round = K > 0"),
+        ({"privacy": {"sampling": "fixed"}}, {}, 5, "privacy.sampling = 'fixed' in shoal server"),
+        ({"asynchronous": {"over_selection": 0.5}}, {}, 5, "over_selection"),
+        ({"asynchronous": {"late": "fold"}}, {}, 5, "late = 'fold'"),
+        ({"privacy": {"noise_multiplier": 0.0}}, {}, 5, "noise_multiplier = 0"),
+        ({}, {"clients_per_round": 6}, 5, "more than the 5 registered nodes"),
+        ({"privacy": {"target_epsilon": 1.0}}, {}, 5, "below the epsilon of a single round"),
+        (
+            {"privacy": {"mode": "distributed"}, "secure_aggregation": {"enabled": True, "clip": 1.0}},
+            {},
+            5,
+            r"would clip the distributed-DP noise.*t = 3 noise shares.*set secure_aggregation.clip >= 5\.619",
+        ),
+    ],
+)
 def test_configs_that_cannot_be_sound_are_refused_with_the_fix(tmp_path, sections, server, registered, match):
     privacy = {**CENTRAL["privacy"], **sections.get("privacy", {})}
     cfg = small_config(tmp_path, {**sections, "privacy": privacy}, **{"clients_per_round": 5, **server})
@@ -144,8 +153,19 @@ def test_budget_stops_before_target_and_the_nodes_are_told(tmp_path, caplog):
         server = {"min_nodes": 3, "clients_per_round": 3, "rounds": 10, "poll_s": 1.0, "deadline_s": 10.0}
         async with live_server(tmp_path, names, clock=True, sections=sections, **server) as live:
             shards = _shards(tmp_path, 3)
-            nodes = [Node(live.url, live.tokens[n], load_shard(shards[i]), _node_cfg(sections), torch.device("cpu"),
-                          None, poll_s=1.0, name=n) for i, n in enumerate(names)]
+            nodes = [
+                Node(
+                    live.url,
+                    live.tokens[n],
+                    load_shard(shards[i]),
+                    _node_cfg(sections),
+                    torch.device("cpu"),
+                    None,
+                    poll_s=1.0,
+                    name=n,
+                )
+                for i, n in enumerate(names)
+            ]
             with caplog.at_level(logging.INFO):
                 assert await asyncio.wait_for(asyncio.gather(*(n.run() for n in nodes)), 40) == [0, 0, 0]
             async with live.session(ADMIN) as http:
@@ -177,8 +197,10 @@ def test_survivor_check_aborts_before_any_unmasking_share_is_asked(tmp_path):
     t: the round aborts when the masked stage closes, no unmasking request is made, the model
     is unchanged and the round is charged. Round 2: all 4 mask and the sum is released."""
     names = ["n0", "n1", "n2", "n3"]
-    sections = {"privacy": {"mode": "distributed", "noise_multiplier": 1.0, "clip_norm": 1.0, "min_survivors": 1.0},
-                "secure_aggregation": {"enabled": True, "stage_s": 5.0, "clip": 6.0}}
+    sections = {
+        "privacy": {"mode": "distributed", "noise_multiplier": 1.0, "clip_norm": 1.0, "min_survivors": 1.0},
+        "secure_aggregation": {"enabled": True, "stage_s": 5.0, "clip": 6.0},
+    }
 
     async def secure_round(live, stack, maskers: int):
         svc, rng = live.service, np.random.default_rng(3)
@@ -191,24 +213,32 @@ def test_survivor_check_aborts_before_any_unmasking_share_is_asked(tmp_path):
             assert svc.tick(time.monotonic()) and svc.secure_round is not None
         for p in parties:
             task = await p.task()
-            assert task["privacy"] == {"mode": "distributed", "noise_multiplier": 1.0, "clip_norm": 1.0,
-                                       "delta": 1e-5, "noise_shares": 4}
+            assert task["privacy"] == {
+                "mode": "distributed",
+                "noise_multiplier": 1.0,
+                "clip_norm": 1.0,
+                "delta": 1e-5,
+                "noise_shares": 4,
+            }
             assert task["secure_aggregation"]["weighting"] == "uniform"
             p.start(task)
             assert (await p.post("keys", p.keys()))[0] == 200
         for p in parties:
             status, body = await p.fetch("keys")
             directory = decode_message(body, p.params.vector_size)
-            assert (await p.post("shares", encode_message(p.client.share_keys(directory), {"round": p.round})))[0] \
-                == 200
+            assert (await p.post("shares", encode_message(p.client.share_keys(directory), {"round": p.round})))[
+                0
+            ] == 200
         for p in parties[:maskers]:
             status, delivery = await p.fetch("shares")
             assert (await p.post("masked", p.masked(delivery, 1.0)))[0] == 200
         return parties
 
     async def scenario():
-        async with live_server(tmp_path, names, sections=sections, min_nodes=4, clients_per_round=4) as live, \
-                AsyncExitStack() as stack:
+        async with (
+            live_server(tmp_path, names, sections=sections, min_nodes=4, clients_per_round=4) as live,
+            AsyncExitStack() as stack,
+        ):
             svc = live.service
             assert svc.privacy.noise_shares == 4
             before = svc.rounds.global_params.clone()
@@ -225,8 +255,7 @@ def test_survivor_check_aborts_before_any_unmasking_share_is_asked(tmp_path):
             for p in parties:
                 status, body = await p.fetch("masked")
                 request = decode_message(body, p.params.vector_size)
-                assert (await p.post("unmask", encode_message(p.client.unmask(request), {"round": p.round})))[0] \
-                    == 200
+                assert (await p.post("unmask", encode_message(p.client.unmask(request), {"round": p.round})))[0] == 200
             assert svc.version == 1 and svc.privacy.rounds_charged == 2
 
     asyncio.run(asyncio.wait_for(scenario(), 40))
@@ -241,8 +270,10 @@ def test_nodes_refuse_to_unmask_a_sum_with_fewer_than_t_shares(tmp_path, caplog)
     for 4 nodes and does not abort): every real node, shown 4 survivors, sends no unmasking
     share, so the sum is never unmasked and the model stays as it was."""
     names = [f"client-{i:05d}" for i in range(4)]
-    sections = {"privacy": {"mode": "distributed", "noise_multiplier": 1.0, "clip_norm": 1.0},
-                "secure_aggregation": {"enabled": True, "stage_s": 2.0, "clip": 6.0}}
+    sections = {
+        "privacy": {"mode": "distributed", "noise_multiplier": 1.0, "clip_norm": 1.0},
+        "secure_aggregation": {"enabled": True, "stage_s": 2.0, "clip": 6.0},
+    }
 
     async def scenario():
         server = {"min_nodes": 4, "clients_per_round": 4, "rounds": 1, "poll_s": 1.0, "deadline_s": 10.0}
@@ -252,8 +283,19 @@ def test_nodes_refuse_to_unmask_a_sum_with_fewer_than_t_shares(tmp_path, caplog)
             svc.privacy.check_survivors = lambda survivors, round_: None
             before = svc.rounds.global_params.clone()
             shards = _shards(tmp_path, 4)
-            nodes = [Node(live.url, live.tokens[n], load_shard(shards[i]), _node_cfg(sections), torch.device("cpu"),
-                          None, poll_s=1.0, name=n) for i, n in enumerate(names)]
+            nodes = [
+                Node(
+                    live.url,
+                    live.tokens[n],
+                    load_shard(shards[i]),
+                    _node_cfg(sections),
+                    torch.device("cpu"),
+                    None,
+                    poll_s=1.0,
+                    name=n,
+                )
+                for i, n in enumerate(names)
+            ]
             runs = [asyncio.ensure_future(n.run()) for n in nodes]
             with caplog.at_level(logging.INFO):
                 for _ in range(300):
@@ -318,8 +360,19 @@ def test_noise_on_the_deployed_aggregate_is_what_the_accountant_assumes(tmp_path
         async with live_server(tmp_path, names, clock=True, sections=sections, **server) as live:
             before = live.service.rounds.global_params.clone()
             shards = _shards(tmp_path)
-            nodes = [Node(live.url, live.tokens[n], load_shard(shards[i]), _node_cfg(sections, lr=1e-12),
-                          torch.device("cpu"), None, poll_s=1.0, name=n) for i, n in enumerate(names)]
+            nodes = [
+                Node(
+                    live.url,
+                    live.tokens[n],
+                    load_shard(shards[i]),
+                    _node_cfg(sections, lr=1e-12),
+                    torch.device("cpu"),
+                    None,
+                    poll_s=1.0,
+                    name=n,
+                )
+                for i, n in enumerate(names)
+            ]
             assert await asyncio.wait_for(asyncio.gather(*(n.run() for n in nodes)), 40) == [0] * 5
             return (live.service.rounds.global_params - before).double()
 
@@ -356,10 +409,19 @@ def test_local_dp_nodes_report_their_own_epsilon_and_the_worst_stops_the_run(tmp
 
             clock = asyncio.ensure_future(run_clock(live.app, stop))
             gen = torch.Generator().manual_seed(0)
-            nodes = [Node(live.url, live.tokens[n], Shard(n, torch.randn(k, 60, generator=gen),
-                                                          torch.randint(0, 10, (k,), generator=gen), 10),
-                          _node_cfg(sections), torch.device("cpu"), None, poll_s=1.0, name=n)
-                     for n, k in zip(names, sizes)]
+            nodes = [
+                Node(
+                    live.url,
+                    live.tokens[n],
+                    Shard(n, torch.randn(k, 60, generator=gen), torch.randint(0, 10, (k,), generator=gen), 10),
+                    _node_cfg(sections),
+                    torch.device("cpu"),
+                    None,
+                    poll_s=1.0,
+                    name=n,
+                )
+                for n, k in zip(names, sizes)
+            ]
             assert await asyncio.wait_for(asyncio.gather(*(n.run() for n in nodes)), 60) == [0, 0, 0]
             stop.set()
             await clock
@@ -372,8 +434,12 @@ def test_local_dp_nodes_report_their_own_epsilon_and_the_worst_stops_the_run(tmp
         acc = LocalDpSgdAccountant({n: dp_sgd_schedule(k, 10, 1)}, 1.0, 1e-5)
         for _ in range(rounds):
             acc.record_round([n])
-        assert p["node_epsilon"][n] == {"epsilon": pytest.approx(acc.epsilon), "rounds": rounds,
-                                        "epsilon_next": pytest.approx(acc.next_epsilon()), "delta": 1e-5}
+        assert p["node_epsilon"][n] == {
+            "epsilon": pytest.approx(acc.epsilon),
+            "rounds": rounds,
+            "epsilon_next": pytest.approx(acc.next_epsilon()),
+            "delta": 1e-5,
+        }
     worst = max(names, key=lambda n: p["node_epsilon"][n]["epsilon_next"])
     assert p["epsilon"] == max(r["epsilon"] for r in p["node_epsilon"].values()) <= 12.0
     assert p["node_epsilon"][worst]["epsilon_next"] > 12.0 and status["done"]
@@ -387,18 +453,28 @@ def test_local_dp_nodes_report_their_own_epsilon_and_the_worst_stops_the_run(tmp
 def test_node_refuses_a_server_with_another_privacy(tmp_path):
     dist = _node_cfg({"privacy": {"mode": "distributed", "noise_multiplier": 1.0}})
     priv = NodePrivacy(dist, "n0", 20)
-    task = {"round": 1, "privacy": {"mode": "distributed", "noise_multiplier": 1.0, "clip_norm": 1.0,
-                                    "noise_shares": 3}}
+    task = {
+        "round": 1,
+        "privacy": {"mode": "distributed", "noise_multiplier": 1.0, "clip_norm": 1.0, "noise_shares": 3},
+    }
     priv.check_task(task)
-    for bad, match in (({**task["privacy"], "mode": "central"}, "privacy.mode = 'central'"),
-                       ({**task["privacy"], "noise_multiplier": 0.5}, "noise_multiplier = 0.5"),
-                       ({**task["privacy"], "noise_shares": 0}, "noise_shares"),
-                       (None, "privacy.mode = 'none'")):
+    for bad, match in (
+        ({**task["privacy"], "mode": "central"}, "privacy.mode = 'central'"),
+        ({**task["privacy"], "noise_multiplier": 0.5}, "noise_multiplier = 0.5"),
+        ({**task["privacy"], "noise_shares": 0}, "noise_shares"),
+        (None, "privacy.mode = 'none'"),
+    ):
         with pytest.raises(NodeError, match=match):
             priv.check_task({"round": 1, "privacy": bad})
     # a node without [privacy] does not train for a server that runs DP
-    node = Node("http://127.0.0.1:9", "t", Shard("n0", torch.randn(20, 60), torch.randint(0, 10, (20,)), 10),
-                _node_cfg(), torch.device("cpu"), name="n0")
+    node = Node(
+        "http://127.0.0.1:9",
+        "t",
+        Shard("n0", torch.randn(20, 60), torch.randint(0, 10, (20,)), 10),
+        _node_cfg(),
+        torch.device("cpu"),
+        name="n0",
+    )
     with pytest.raises(NodeError, match="this node's config has no \\[privacy\\]"):
         node._check_privacy(task)
     # distributed: clipped to C, plus a share of std z C / sqrt(t) drawn from the OS
@@ -418,8 +494,12 @@ def test_local_dp_node_ledger_budget_and_secret_seed(tmp_path):
     acc = LocalDpSgdAccountant({"n0": dp_sgd_schedule(40, 10, 1)}, 1.0, 1e-5)
     for i, r in enumerate(reports, 1):
         acc.record_round(["n0"])
-        assert r == {"epsilon": pytest.approx(acc.epsilon), "epsilon_next": pytest.approx(acc.next_epsilon()),
-                     "delta": 1e-5, "rounds": i}
+        assert r == {
+            "epsilon": pytest.approx(acc.epsilon),
+            "epsilon_next": pytest.approx(acc.next_epsilon()),
+            "delta": 1e-5,
+            "rounds": i,
+        }
     restarted = NodePrivacy(cfg, "n0", 40, ledger)  # goes on from the ledger
     assert restarted.rounds == 2 and restarted.epsilon == pytest.approx(acc.epsilon)
     while restarted.allows_next_round():
@@ -448,8 +528,10 @@ def test_node_settles_top_k_error_feedback_by_each_uploads_outcome(tmp_path):
 
     def ledger_ok():
         topk = node.compressor.topk
-        produced = sum((node.trainer.fit(g, node.train, s, v, "n0").delta for g, s, v in tasks),
-                       torch.zeros(node.trainer.spec.numel))
+        produced = sum(
+            (node.trainer.fit(g, node.train, s, v, "n0").delta for g, s, v in tasks),
+            torch.zeros(node.trainer.spec.numel),
+        )
         residual = topk.residuals.get("n0", torch.zeros_like(produced))
         in_flight = torch.zeros_like(produced)
         for idx, values in topk.in_flight.values():
@@ -492,8 +574,16 @@ def test_node_settles_top_k_error_feedback_by_each_uploads_outcome(tmp_path):
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         try:
-            node = Node(f"http://127.0.0.1:{runner.addresses[0][1]}", "token", shard, cfg, torch.device("cpu"),
-                        None, poll_s=1.0, name="n0")
+            node = Node(
+                f"http://127.0.0.1:{runner.addresses[0][1]}",
+                "token",
+                shard,
+                cfg,
+                torch.device("cpu"),
+                None,
+                poll_s=1.0,
+                name="n0",
+            )
             assert await asyncio.wait_for(node.run(), 30) == 0
         finally:
             await runner.cleanup()

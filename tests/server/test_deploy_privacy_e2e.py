@@ -49,8 +49,11 @@ def test_central_dp_with_adaptive_clipping_stops_at_the_target(tmp_path):
     """Central DP-FedAvg, z = 1, q = 5/5: epsilon 4.73, 7.08, 9.01 after rounds 1-3, 10.7
     after a fourth; target 10 stops the run after round 3 of 10. The clip norm adapts."""
     with deployment(tmp_path, n=N, rounds=10) as d:
-        _append(d, "\n[privacy]\nmode = \"central\"\nnoise_multiplier = 1.0\nclip_norm = 0.5\n"
-                   "adaptive_clipping = true\nclipped_count_stddev = 1.0\ntarget_epsilon = 10.0\n")
+        _append(
+            d,
+            '\n[privacy]\nmode = "central"\nnoise_multiplier = 1.0\nclip_norm = 0.5\n'
+            "adaptive_clipping = true\nclipped_count_stddev = 1.0\ntarget_epsilon = 10.0\n",
+        )
         server = d.server("--insecure", "--set", f"server.clients_per_round={N}")
         clients = [d.client(i, "--set", "train.epochs=20") for i in range(N)]
         st = d.wait_status(lambda s: s["version"] >= 1, 90)
@@ -62,8 +65,10 @@ def test_central_dp_with_adaptive_clipping_stops_at_the_target(tmp_path):
         assert "shoal_privacy_budget_exhausted 0" in prom
         _finish(d, server, clients)
         server_log = (tmp_path / "server.log").read_text()
-        assert "stopping: privacy budget reached: epsilon = 9.01 now, 10.73 after one more round > " \
-               "privacy.target_epsilon = 10" in server_log, server_log
+        assert (
+            "stopping: privacy budget reached: epsilon = 9.01 now, 10.73 after one more round > "
+            "privacy.target_epsilon = 10" in server_log
+        ), server_log
         for i in range(N):
             log = (tmp_path / f"client-{i:05d}.log").read_text()
             assert "server reports done at version 3 (privacy budget reached" in log, log
@@ -84,8 +89,11 @@ def test_distributed_dp_with_secure_aggregation_and_a_node_killed_after_masking(
     (>= t) are unmasked without its shares. Round 2 runs with the 4 others (the dead node is
     still selected until it times out: its keys stage closes at the deadline)."""
     with deployment(tmp_path, n=N, rounds=2, deadline=6.0) as d:
-        _append(d, "\n[privacy]\nmode = \"distributed\"\nnoise_multiplier = 1.0\nclip_norm = 1.0\n"
-                   "\n[secure_aggregation]\nenabled = true\nstage_s = 4.0\nclip = 6.0\n")
+        _append(
+            d,
+            '\n[privacy]\nmode = "distributed"\nnoise_multiplier = 1.0\nclip_norm = 1.0\n'
+            "\n[secure_aggregation]\nenabled = true\nstage_s = 4.0\nclip = 6.0\n",
+        )
         server = d.server("--insecure", "--set", f"server.clients_per_round={N}")
         clients = [d.client(i) for i in range(N - 1)]
         victim = d.client(N - 1, entry=KILL_AFTER_MASKED)
@@ -123,8 +131,7 @@ def test_local_dp_nodes_report_their_epsilon_and_the_target_stops_the_run(tmp_pa
 
         worst = max(sizes, key=lambda n: accounted(n, 2).next_epsilon())
         target = (accounted(worst, 2).epsilon + accounted(worst, 2).next_epsilon()) / 2
-        _append(d, f"\n[privacy]\nmode = \"local\"\nnoise_multiplier = 1.0\nclip_norm = 1.0\n"
-                   f"target_epsilon = {target}\n")
+        _append(d, f'\n[privacy]\nmode = "local"\nnoise_multiplier = 1.0\nclip_norm = 1.0\ntarget_epsilon = {target}\n')
         server = d.server("--insecure")
         clients = [d.client(i) for i in range(N)]
         st = d.wait_status(lambda s: s["version"] >= 1 and len(s["privacy"]["node_epsilon"]) == N, 120)
@@ -136,8 +143,10 @@ def test_local_dp_nodes_report_their_epsilon_and_the_target_stops_the_run(tmp_pa
         for name in sizes:
             log = (tmp_path / f"{name}.log").read_text()
             for k in (1, 2):
-                assert f"round {k}: local DP epsilon = {accounted(name, k).epsilon:.4g} at delta = 1e-05 after {k} " \
-                       "rounds" in log, log
+                assert (
+                    f"round {k}: local DP epsilon = {accounted(name, k).epsilon:.4g} at delta = 1e-05 after {k} "
+                    "rounds" in log
+                ), log
             assert "server reports done at version 2 (privacy budget reached" in log, log
             ledger = json.loads((tmp_path / f"{name}.token.privacy.json").read_text())
             assert ledger["rounds"] == 2 and ledger["node"] == name

@@ -22,7 +22,7 @@ GOOD = {"version": 1, "num_examples": 10, "metrics": {"loss": 0.5, "accuracy": 0
 
 def _fed_state(svc):
     f = svc.fed.get(1)
-    return (None if f is None else (set(f.reported), dict(f.sums), dict(f.counts), f.num_examples))
+    return None if f is None else (set(f.reported), dict(f.sums), dict(f.counts), f.num_examples)
 
 
 def _bad_reports(big: int) -> dict[str, tuple[int, str, bytes]]:
@@ -122,15 +122,17 @@ def test_a_node_with_another_model_is_refused_on_its_first_poll(tmp_path):
         async with live_server(tmp_path, NODES) as live:
             svc = live.service
             async with live.session("n0") as http:
-                async with http.get(live.url + "/v1/task", params={"wait": "0"},
-                                    headers={SPEC_HASH_HEADER: "0123456789abcdef"}) as resp:
+                async with http.get(
+                    live.url + "/v1/task", params={"wait": "0"}, headers={SPEC_HASH_HEADER: "0123456789abcdef"}
+                ) as resp:
                     info = await resp.json()
                     assert (resp.status, info["error"]) == (400, "spec_mismatch")
                 assert "0123456789abcdef" in info["detail"] and svc.spec.hash in info["detail"]
                 assert "same task" in info["detail"]
                 assert "n0" not in svc.last_seen  # refused before it counts as connected
-                async with http.get(live.url + "/v1/task", params={"wait": "0"},
-                                    headers={SPEC_HASH_HEADER: svc.spec.hash}) as resp:
+                async with http.get(
+                    live.url + "/v1/task", params={"wait": "0"}, headers={SPEC_HASH_HEADER: svc.spec.hash}
+                ) as resp:
                     assert resp.status == 200
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
@@ -139,12 +141,19 @@ def test_a_node_with_another_model_is_refused_on_its_first_poll(tmp_path):
 def _task_server(tmp_path, marks, monkeypatch, **args) -> ServerService:
     monkeypatch.setenv("REGTASK_MARKS", str(marks))
     task = write_task(tmp_path / "user")
-    cfg = config_from_dict({
-        "task": {"app": f"{task}:Regression", "args": args},
-        "simulation": {"seed": 3},
-        "server": {"checkpoint_dir": str(tmp_path / "ck"), "db": str(tmp_path / "db.sqlite"),
-                   "out_dir": str(tmp_path / "run"), "rounds": 2, "eval": True},
-    }).validate()
+    cfg = config_from_dict(
+        {
+            "task": {"app": f"{task}:Regression", "args": args},
+            "simulation": {"seed": 3},
+            "server": {
+                "checkpoint_dir": str(tmp_path / "ck"),
+                "db": str(tmp_path / "db.sqlite"),
+                "out_dir": str(tmp_path / "run"),
+                "rounds": 2,
+                "eval": True,
+            },
+        }
+    ).validate()
     return ServerService(cfg)
 
 
@@ -184,11 +193,30 @@ def test_async_nodes_with_test_data_report_federated_evaluations(tmp_path):
         return torch.randn(n, 60, generator=gen), torch.randint(0, 10, (n,), generator=gen)
 
     async def scenario():
-        async with live_server(tmp_path, names, clock=True, sections={"asynchronous": {"buffer_size": 2}},
-                               mode="async", rounds=4, poll_s=1.0, eval=True) as live:
+        async with live_server(
+            tmp_path,
+            names,
+            clock=True,
+            sections={"asynchronous": {"buffer_size": 2}},
+            mode="async",
+            rounds=4,
+            poll_s=1.0,
+            eval=True,
+        ) as live:
             cfg = config_from_dict({"model": {"name": "logreg"}, "train": {"batch_size": 10, "lr": 0.05}})
-            nodes = [Node(live.url, live.tokens[n], LocalData(train=data(30), test=data(10 + 5 * i)), cfg,
-                          torch.device("cpu"), None, poll_s=1.0, name=n) for i, n in enumerate(names)]
+            nodes = [
+                Node(
+                    live.url,
+                    live.tokens[n],
+                    LocalData(train=data(30), test=data(10 + 5 * i)),
+                    cfg,
+                    torch.device("cpu"),
+                    None,
+                    poll_s=1.0,
+                    name=n,
+                )
+                for i, n in enumerate(names)
+            ]
             assert await asyncio.wait_for(asyncio.gather(*(n.run() for n in nodes)), 60) == [0, 0, 0]
             return live.service
 

@@ -28,8 +28,9 @@ def test_wire_decoder_agrees_with_an_independent_oracle(body):
     everything else with a WireError."""
     want = oracle_update(body, CTX)
     try:
-        update, _ = decode_update(bytearray(body), SPEC, CTX.max_body, copy=False,
-                                  max_examples=CTX.max_examples, max_abs=CTX.max_delta_abs)
+        update, _ = decode_update(
+            bytearray(body), SPEC, CTX.max_body, copy=False, max_examples=CTX.max_examples, max_abs=CTX.max_delta_abs
+        )
         got = True
         assert bool(torch.isfinite(update.delta).all()) and float(update.delta.abs().max()) <= CTX.max_delta_abs
     except WireError:
@@ -43,7 +44,12 @@ def test_wire_decoder_agrees_with_an_independent_oracle(body):
 def test_fuzzing_a_live_server_finds_no_5xx_no_malformed_accepted_and_no_state_change(tmp_path, mode):
     out = run_mode(tmp_path, mode, batches=20, batch=50)
     assert out["requests"] == 1000
-    assert (out["5xx"], out["not_json"], out["malformed_accepted"], out["wellformed_refused"],
-            out["state_changed"]) == (0, 0, 0, 0, 0), out["examples"]
+    assert (
+        out["5xx"],
+        out["not_json"],
+        out["malformed_accepted"],
+        out["wellformed_refused"],
+        out["state_changed"],
+    ) == (0, 0, 0, 0, 0), out["examples"]
     assert out["unchanged"] and out["legit_round_version"] == 1
     assert out["status"].get(400, 0) > 100 and out["status"].get(409, 0) > 20  # both refusal paths exercised

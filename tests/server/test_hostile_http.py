@@ -20,8 +20,15 @@ from .hostile import good_update
 from .live import ADMIN, live_server, small_config
 
 NODES = ["n0", "n1", "n2", "n3", "n4", "n5"]
-FAST = {"body_timeout_s": 1.0, "upload_timeout_s": 3.0, "idle_timeout_s": 1.0, "ingest_slots": 2,
-        "uploads_per_node": 1, "clients_per_round": 6, "min_nodes": 6}
+FAST = {
+    "body_timeout_s": 1.0,
+    "upload_timeout_s": 3.0,
+    "idle_timeout_s": 1.0,
+    "ingest_slots": 2,
+    "uploads_per_node": 1,
+    "clients_per_round": 6,
+    "min_nodes": 6,
+}
 
 
 async def raw_request(url: str, data: bytes, read_timeout: float = 5.0) -> tuple[int, dict | bytes]:
@@ -44,8 +51,14 @@ async def raw_request(url: str, data: bytes, read_timeout: float = 5.0) -> tuple
 
 def get(path: str, token: str | bytes, extra: bytes = b"") -> bytes:
     tok = token.encode() if isinstance(token, str) else token
-    return (f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n".encode() + b"Authorization: Bearer " + tok
-            + b"\r\n" + extra + b"\r\n")
+    return (
+        f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n".encode()
+        + b"Authorization: Bearer "
+        + tok
+        + b"\r\n"
+        + extra
+        + b"\r\n"
+    )
 
 
 def test_non_utf8_token_and_garbage_auth_are_401_json(tmp_path):
@@ -61,8 +74,21 @@ def test_non_utf8_token_and_garbage_auth_are_401_json(tmp_path):
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
-@pytest.mark.parametrize("query", ["wait=nan", "wait=NaN", "wait=inf", "wait=-1", "wait=1e400", "wait=abc",
-                                   "wait=1_0", "wait=0x10", "wait=" + "9" * 40, "wait="])
+@pytest.mark.parametrize(
+    "query",
+    [
+        "wait=nan",
+        "wait=NaN",
+        "wait=inf",
+        "wait=-1",
+        "wait=1e400",
+        "wait=abc",
+        "wait=1_0",
+        "wait=0x10",
+        "wait=" + "9" * 40,
+        "wait=",
+    ],
+)
 def test_query_seconds_are_parsed_strictly(tmp_path, query):
     async def scenario():
         async with live_server(tmp_path, NODES[:1], poll_s=30) as live:
@@ -159,9 +185,12 @@ def test_admin_token_file_is_checked_up_front(tmp_path):
 
 
 def _upload_head(token: str, length: int, expect: bool) -> bytes:
-    return (f"POST /v1/update HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
-            f"Content-Type: application/octet-stream\r\nContent-Length: {length}\r\n"
-            + ("Expect: 100-continue\r\n" if expect else "") + "\r\n").encode()
+    return (
+        f"POST /v1/update HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {token}\r\n"
+        f"Content-Type: application/octet-stream\r\nContent-Length: {length}\r\n"
+        + ("Expect: 100-continue\r\n" if expect else "")
+        + "\r\n"
+    ).encode()
 
 
 def test_clients_that_send_no_body_hold_no_slot_and_are_timed_out(tmp_path, caplog):
@@ -194,8 +223,11 @@ def test_clients_that_send_no_body_hold_no_slot_and_are_timed_out(tmp_path, capl
             assert time.monotonic() - t0 < 0.9  # not queued behind the silent ones
             for reader, writer in held:
                 out = await asyncio.wait_for(reader.read(), 5)
-                final = out.split(b"\r\n\r\n", 1)[0] if not out.startswith(b"HTTP/1.1 100") else \
-                    out.split(b"\r\n\r\n", 1)[1]
+                final = (
+                    out.split(b"\r\n\r\n", 1)[0]
+                    if not out.startswith(b"HTTP/1.1 100")
+                    else out.split(b"\r\n\r\n", 1)[1]
+                )
                 assert final.startswith(b"HTTP/1.1 408"), out[:200]
                 writer.close()
             assert live.app[CHANGED]["slots"].qsize() == svc.cfg.server.ingest_slots
@@ -205,8 +237,9 @@ def test_clients_that_send_no_body_hold_no_slot_and_are_timed_out(tmp_path, capl
 
     with caplog.at_level(logging.DEBUG):
         asyncio.run(asyncio.wait_for(scenario(), 30))
-    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], \
-        [(r.name, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], [
+        (r.name, r.getMessage()) for r in caplog.records if r.levelno >= logging.WARNING
+    ]
 
 
 def test_one_node_cannot_hold_more_uploads_than_its_limit(tmp_path):

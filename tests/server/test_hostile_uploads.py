@@ -20,12 +20,17 @@ FEDBUFF_K2 = {"asynchronous": {"algorithm": "fedbuff", "buffer_size": 2}}
 
 def snapshot(svc):
     r, c = svc.rounds, svc.counters
-    common = (r.global_params.clone(), r.version, c.accepted, c.bytes_received, c.rounds_completed,
-              c.rounds_abandoned)
+    common = (r.global_params.clone(), r.version, c.accepted, c.bytes_received, c.rounds_completed, c.rounds_abandoned)
     if svc.mode == "async":
         s = r.stats
-        return common + (dict(r.outstanding), s.accepted, dict(s.rejected), s.examples, s.loss_sum,
-                         r.algorithm.state_dict()["count"] if hasattr(r.algorithm, "state_dict") else None)
+        return common + (
+            dict(r.outstanding),
+            s.accepted,
+            dict(s.rejected),
+            s.examples,
+            s.loss_sum,
+            r.algorithm.state_dict()["count"] if hasattr(r.algorithm, "state_dict") else None,
+        )
     return common + (r.round, set(r.received), r.strategy.num_accumulated, dict(r.rejected))
 
 

@@ -70,8 +70,10 @@ def test_secure_round_survives_a_node_killed_after_its_masked_input(tmp_path, mo
 
     # without the killed node the mean is another one: it really is in the sum
     five = InProcessSimulation(plain_cfg)
-    trained = dict((t.client_id, u.delta.double().numpy()) for t, u in five.train_clients(
-        five.rounds.start_round(five.client_ids), five.global_params))  # batched: not in task order
+    trained = dict(
+        (t.client_id, u.delta.double().numpy())
+        for t, u in five.train_clients(five.rounds.start_round(five.client_ids), five.global_params)
+    )  # batched: not in task order
     deltas = [trained[p.stem] for p in d.shards]
     assert np.allclose(sum(wk * x for wk, x in zip(w, deltas)) / w.sum(), expected, atol=1e-6)
     without = sum(wk * x for wk, x in zip(w[:-1], deltas[:-1])) / w[:-1].sum()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from contextlib import AsyncExitStack
 
 import torch
@@ -31,8 +30,10 @@ def test_colluding_nodes_with_all_zero_keys_get_400_and_the_round_goes_on(tmp_pa
     keys afterwards, they take part as usual."""
 
     async def scenario():
-        async with live_server(tmp_path, NODES + ["idle"], sections=SECURE, min_nodes=4) as live, \
-                AsyncExitStack() as stack:
+        async with (
+            live_server(tmp_path, NODES + ["idle"], sections=SECURE, min_nodes=4) as live,
+            AsyncExitStack() as stack,
+        ):
             svc = live.service
             parties = await _parties(live, stack)
             for p in parties[:2]:
@@ -71,8 +72,18 @@ def test_a_nan_node_refuses_to_mask_and_the_round_completes_without_it(tmp_path,
             for i, name in enumerate(names):
                 lr = 1e38 if i == 2 else 0.05
                 ncfg = config_from_dict({"model": {"name": "logreg"}, "train": {"batch_size": 10, "lr": lr}})
-                nodes.append(Node(live.url, live.tokens[name], load_shard(shards[i]), ncfg, torch.device("cpu"),
-                                  None, poll_s=1.0, name=name))
+                nodes.append(
+                    Node(
+                        live.url,
+                        live.tokens[name],
+                        load_shard(shards[i]),
+                        ncfg,
+                        torch.device("cpu"),
+                        None,
+                        poll_s=1.0,
+                        name=name,
+                    )
+                )
             with caplog.at_level(logging.INFO):
                 await asyncio.wait_for(asyncio.gather(*(n.run() for n in nodes)), 40)
             return live.service, nodes

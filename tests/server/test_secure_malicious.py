@@ -31,8 +31,13 @@ NAMES = [f"client-{i:05d}" for i in range(4)]
 def _keys(tmp_path, names):
     roster = {n: base64.b64encode(ID.write_identity(tmp_path / f"{n}.key")).decode() for n in names}
     (tmp_path / "keys.json").write_text(json.dumps(roster))
-    return {"enabled": True, "malicious_server": True, "threshold": 0.7, "keys_file": str(tmp_path / "keys.json"),
-            "stage_s": 5.0}
+    return {
+        "enabled": True,
+        "malicious_server": True,
+        "threshold": 0.7,
+        "keys_file": str(tmp_path / "keys.json"),
+        "stage_s": 5.0,
+    }
 
 
 def test_signed_rounds_with_a_consistency_check_complete_over_http(tmp_path):
@@ -45,10 +50,25 @@ def test_signed_rounds_with_a_consistency_check_complete_over_http(tmp_path):
             shards = write_shards(cfg, tmp_path / "shards")
             nodes = []
             for i, name in enumerate(NAMES):
-                ncfg = config_from_dict({"model": {"name": "logreg"}, "train": {"batch_size": 10, "lr": 0.05},
-                                         "secure_aggregation": {**sa, "identity_key": str(tmp_path / f"{name}.key")}})
-                nodes.append(Node(live.url, live.tokens[name], load_shard(shards[i]), ncfg, torch.device("cpu"),
-                                  None, poll_s=1.0, name=name))
+                ncfg = config_from_dict(
+                    {
+                        "model": {"name": "logreg"},
+                        "train": {"batch_size": 10, "lr": 0.05},
+                        "secure_aggregation": {**sa, "identity_key": str(tmp_path / f"{name}.key")},
+                    }
+                )
+                nodes.append(
+                    Node(
+                        live.url,
+                        live.tokens[name],
+                        load_shard(shards[i]),
+                        ncfg,
+                        torch.device("cpu"),
+                        None,
+                        poll_s=1.0,
+                        name=name,
+                    )
+                )
             await asyncio.wait_for(asyncio.gather(*(n.run() for n in nodes)), 60)
             return live.service, nodes
 

@@ -54,7 +54,9 @@ class Party:
             return r.status, await r.read()
 
     def keys(self, **meta) -> bytes:
-        return encode_message(self.public, {"round": self.round, "num_examples": self.examples, "train_loss": 0.5, **meta})
+        return encode_message(
+            self.public, {"round": self.round, "num_examples": self.examples, "train_loss": 0.5, **meta}
+        )
 
     def masked(self, delivery_body: bytes, max_weight: float) -> bytes:
         k, bits = self.info["summands"], self.info["bits"]
@@ -100,8 +102,10 @@ def test_secure_round_over_http_sums_the_survivors_and_removes_a_dropouts_masks(
     exact weighted mean of n0..n2 within the fixed-point bound."""
 
     async def scenario():
-        async with live_server(tmp_path, NODES + ["idle"], sections=SECURE, min_nodes=4) as live, \
-                AsyncExitStack() as stack:
+        async with (
+            live_server(tmp_path, NODES + ["idle"], sections=SECURE, min_nodes=4) as live,
+            AsyncExitStack() as stack,
+        ):
             svc = live.service
             before = svc.rounds.global_params.clone()
             parties = await _parties(live, stack)
@@ -135,8 +139,10 @@ def test_secure_round_over_http_sums_the_survivors_and_removes_a_dropouts_masks(
 
 def test_bad_secure_messages_get_4xx_json_and_change_nothing(tmp_path):
     async def scenario():
-        async with live_server(tmp_path, NODES + ["idle"], sections=SECURE, min_nodes=4) as live, \
-                AsyncExitStack() as stack:
+        async with (
+            live_server(tmp_path, NODES + ["idle"], sections=SECURE, min_nodes=4) as live,
+            AsyncExitStack() as stack,
+        ):
             svc = live.service
             parties = await _parties(live, stack)
             a, b = parties[0], parties[1]
@@ -151,10 +157,20 @@ def test_bad_secure_messages_get_4xx_json_and_change_nothing(tmp_path):
             cases = {
                 "garbage": (a, "keys", b"not a wire body", 400, "malformed"),
                 "wrong_round": (a, "keys", a.keys(round=a.round + 1), 409, "wrong_round"),
-                "forged_sender": (a, "keys", encode_message(other, {"round": a.round, "num_examples": 3}),
-                                  400, "malformed"),
-                "no_examples": (a, "keys", encode_message(SecAggClient("n0", a.params).advertise_keys(),
-                                                          {"round": a.round}), 400, "malformed"),
+                "forged_sender": (
+                    a,
+                    "keys",
+                    encode_message(other, {"round": a.round, "num_examples": 3}),
+                    400,
+                    "malformed",
+                ),
+                "no_examples": (
+                    a,
+                    "keys",
+                    encode_message(SecAggClient("n0", a.params).advertise_keys(), {"round": a.round}),
+                    400,
+                    "malformed",
+                ),
                 "wrong_kind": (a, "keys", encode_message(UnmaskShares("n0"), {"round": a.round}), 400, "malformed"),
                 "wrong_stage": (a, "shares", good, 409, "wrong_stage"),
                 "unknown_stage": (a, "nonsense", good, 409, "unknown_stage"),
@@ -167,8 +183,7 @@ def test_bad_secure_messages_get_4xx_json_and_change_nothing(tmp_path):
             async with idle.post(f"{live.url}/v1/secagg/keys", data=good) as r:  # not selected
                 assert r.status == 409 and (await r.json())["error"] == "not_selected"
             upd = Update(torch.zeros(svc.spec.numel), 10, svc.version, "n0")
-            async with a.http.post(f"{live.url}/v1/update",
-                                   data=encode_update(upd, svc.spec, {"round": a.round})) as r:
+            async with a.http.post(f"{live.url}/v1/update", data=encode_update(upd, svc.spec, {"round": a.round})) as r:
                 assert r.status == 409 and (await r.json())["error"] == "secure_round"
             assert (await a.fetch("keys"))[0] == 202  # the stage is still open
             async with a.http.get(f"{live.url}/v1/secagg/keys", params={"round": "x"}) as r:
@@ -217,8 +232,11 @@ def test_too_few_survivors_abort_the_round_and_the_next_round_runs(tmp_path, cap
             assert svc.secure_round is None and not svc.rounds.open
             assert svc.version == 0 and torch.equal(svc.rounds.global_params, before)
             assert svc.counters.rounds_abandoned == 1
-            assert any("aborted by secure aggregation, model and version unchanged" in r.message
-                       and "threshold is 3" in r.message for r in caplog.records)
+            assert any(
+                "aborted by secure aggregation, model and version unchanged" in r.message
+                and "threshold is 3" in r.message
+                for r in caplog.records
+            )
             status, body = await parties[0].fetch("keys", first)
             assert status == 409  # the aborted round is gone
             for p in parties:
@@ -238,5 +256,6 @@ def test_secure_server_config_is_checked_up_front(tmp_path):
     with pytest.raises(ConfigError, match="server.mode = 'async'"):
         small_config(tmp_path, SECURE, mode="async")
     with pytest.raises(ConfigError, match="lower bits"):  # 300 x 2^24 does not fit 2^32
-        ServerService(small_config(tmp_path, {"secure_aggregation": {"enabled": True, "bits": 24}},
-                                   clients_per_round=300))
+        ServerService(
+            small_config(tmp_path, {"secure_aggregation": {"enabled": True, "bits": 24}}, clients_per_round=300)
+        )

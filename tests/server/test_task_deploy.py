@@ -67,8 +67,9 @@ class TaskDeployment:
         self.task = write_task(tmp / "user")  # the user's own folder, outside the repository
         self.pki = make_private_ca(tmp / "pki")
         self.config = tmp / "cfg.toml"
-        self.config.write_text(CONFIG.format(port=self.port, rounds=rounds, nodes=nodes, tmp=tmp,
-                                             cert=self.pki.cert, key=self.pki.key))
+        self.config.write_text(
+            CONFIG.format(port=self.port, rounds=rounds, nodes=nodes, tmp=tmp, cert=self.pki.cert, key=self.pki.key)
+        )
         (tmp / "admin.token").write_text("admin-" + "x" * 40)  # GET /v1/status and /metrics
         reg = Registry(tmp / "nodes.sqlite")
         self.names = [f"node{i}" for i in range(nodes)]
@@ -84,8 +85,13 @@ class TaskDeployment:
         log = self.tmp / f"{tag}.log"
         self.logs.append(log)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "REGTASK_MARKS": str(self.marks)}
-        p = subprocess.Popen([sys.executable, "-m", "shoal.cli", *args], stdout=log.open("w"),
-                             stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        p = subprocess.Popen(
+            [sys.executable, "-m", "shoal.cli", *args],
+            stdout=log.open("w"),
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+        )
         self.procs.append(p)
         return p
 
@@ -94,10 +100,26 @@ class TaskDeployment:
 
     def client(self, i: int, task: str = "Regression") -> subprocess.Popen:
         name = self.names[i]
-        return self._run(["client", "--server", self.url, "--token-file", str(self.tmp / f"{name}.token"),
-                          "--task", f"{self.task}:{task}", "--data", str(self.tmp / "user" / f"{name}.pt"),
-                          "-c", str(self.config), "--ca-cert", str(self.pki.ca_cert), "--device", "cpu"],
-                         f"{name}-{task}")
+        return self._run(
+            [
+                "client",
+                "--server",
+                self.url,
+                "--token-file",
+                str(self.tmp / f"{name}.token"),
+                "--task",
+                f"{self.task}:{task}",
+                "--data",
+                str(self.tmp / "user" / f"{name}.pt"),
+                "-c",
+                str(self.config),
+                "--ca-cert",
+                str(self.pki.ca_cert),
+                "--device",
+                "cpu",
+            ],
+            f"{name}-{task}",
+        )
 
     def request(self, path: str, body: bytes | None = None, node: str = "node0") -> tuple[int, dict]:
         token = (self.tmp / f"{node}.token").read_text()
@@ -167,8 +189,7 @@ def test_user_task_server_and_three_clients_over_tls(deploy):
     # the server called no data part of the task; each node read its own file
     marks = sorted(p.name for p in d.marks.iterdir())
     assert not [m for m in marks if m.endswith(f"-{d.procs[0].pid}") and not m.startswith("central_test_data")]
-    assert sorted(int(m.split("-")[1]) for m in marks if m.startswith("local_data")) == \
-        sorted(c.pid for c in clients)
+    assert sorted(int(m.split("-")[1]) for m in marks if m.startswith("local_data")) == sorted(c.pid for c in clients)
     log = (d.tmp / "node0-Regression.log").read_text()
     assert "on 20 local test examples" in log, log
 
@@ -211,19 +232,33 @@ def test_unreadable_data_and_a_task_that_does_not_import_are_one_line(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
     def shoal(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run([sys.executable, "-m", "shoal.cli", *args], capture_output=True, text=True,
-                              timeout=60, env=env)
+        return subprocess.run(
+            [sys.executable, "-m", "shoal.cli", *args], capture_output=True, text=True, timeout=60, env=env
+        )
 
     client = ["client", "--server", "https://127.0.0.1:9", "--token-file", str(token)]
     cases = {
-        "data": (shoal(*client, "--task", f"{task}:Regression", "--data", str(missing)),
-                 ["task ", ":Regression", "local_data(", str(missing)]),
-        "client_import": (shoal(*client, "--task", f"{broken}:T", "--data", str(missing)),
-                          ["broken.py:T", "shoal_no_such_module_for_tests"]),
-        "server_import": (shoal("server", "--insecure", "--task", f"{broken}:T",
-                                "--set", f'server.db="{tmp_path}/db.sqlite"',
-                                "--set", f'server.checkpoint_dir="{tmp_path}/ck"'),
-                          ["broken.py:T", "shoal_no_such_module_for_tests"]),
+        "data": (
+            shoal(*client, "--task", f"{task}:Regression", "--data", str(missing)),
+            ["task ", ":Regression", "local_data(", str(missing)],
+        ),
+        "client_import": (
+            shoal(*client, "--task", f"{broken}:T", "--data", str(missing)),
+            ["broken.py:T", "shoal_no_such_module_for_tests"],
+        ),
+        "server_import": (
+            shoal(
+                "server",
+                "--insecure",
+                "--task",
+                f"{broken}:T",
+                "--set",
+                f'server.db="{tmp_path}/db.sqlite"',
+                "--set",
+                f'server.checkpoint_dir="{tmp_path}/ck"',
+            ),
+            ["broken.py:T", "shoal_no_such_module_for_tests"],
+        ),
     }
     for case, (res, words) in cases.items():
         lines = res.stderr.strip().splitlines()

@@ -38,8 +38,16 @@ def _selected_unselected(svc) -> tuple[str, str]:
 def _body(case: str, svc, node: str) -> tuple[str, bytes]:
     """(the node that sends, the body) for one bad-input case."""
     n, v, hash_ = svc.spec.numel, svc.version, svc.spec.hash
-    hdr = {"kind": "update", "spec_hash": hash_, "encoding": "dense", "base_version": v, "num_examples": 10,
-           "sender": node, "metrics": {}, "round": svc.rounds.round}
+    hdr = {
+        "kind": "update",
+        "spec_hash": hash_,
+        "encoding": "dense",
+        "base_version": v,
+        "num_examples": 10,
+        "sender": node,
+        "metrics": {},
+        "round": svc.rounds.round,
+    }
     if case == "wrong_spec":
         return node, encode({"delta": torch.zeros(n)}, {**hdr, "spec_hash": "0123456789abcdef"})
     if case == "wrong_shape":
@@ -78,8 +86,14 @@ CASES = {  # case: (status, error code)
 
 def _snapshot(svc):
     r = svc.rounds
-    return (r.global_params.clone(), r.version, r.round, set(r.received), r.strategy.num_accumulated,
-            svc.counters.accepted)
+    return (
+        r.global_params.clone(),
+        r.version,
+        r.round,
+        set(r.received),
+        r.strategy.num_accumulated,
+        svc.counters.accepted,
+    )
 
 
 def _same(a, b) -> None:
@@ -152,6 +166,7 @@ def test_auth_unknown_is_401_and_revoked_is_403(tmp_path):
 
 def test_expect_continue_refuses_oversized_before_the_body_and_accepts_a_good_one(tmp_path):
     """With Expect: 100-continue the size and token are checked before the body moves."""
+
     async def scenario():
         async with live_server(tmp_path, NODES, clients_per_round=2, min_nodes=3) as live:
             svc = live.service
