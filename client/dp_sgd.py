@@ -123,7 +123,7 @@ class DpSgdTrainer(LocalTrainer):
             if len(idx) == 0:
                 # An empty Poisson sample still takes a step: zero gradient, full noise.
                 for p in self.model.parameters():
-                    p.grad_sample = torch.zeros((1, *p.shape), device=p.device, dtype=p.dtype)
+                    p.grad_sample = torch.zeros((1, *p.shape), device=p.device, dtype=p.dtype)  # type: ignore[attr-defined]  # Opacus's per-sample gradient field
             else:
                 loss = self.task.loss(self.grad_sample_module, x[idx], y[idx])
                 loss.backward()

@@ -326,7 +326,9 @@ class Node:
         # The same initial model as the server (simulation.seed): frozen parameters and
         # client-local buffers never travel, so they must start equal everywhere.
         model = initial_model(cfg, self.task).to(device)
-        self.train = self._held(check_data(self.task, data.train, "local_data().train"), device)
+        train = self._held(check_data(self.task, data.train, "local_data().train"), device)
+        assert train is not None  # check_data refuses a missing training set
+        self.train: ClientData = train
         self.test = self._held(check_data(self.task, data.test, "local_data().test", allow_none=True), device)
         if num_examples(self.train) == 0:
             raise TaskError(f"task {task_name(self.task)}: local_data().train has no examples")
@@ -387,7 +389,7 @@ class Node:
                         if task.get("evaluate") and self.test is not None:  # the final model
                             params = await self._get_model(int(task["version"]))
                             if params is not None:
-                                await self._evaluate(params, int(task["version"]))
+                                await self._evaluate(params, int(task["version"]), self.test)
                         break
                     if task["status"] == "work":
                         await self._work(task)
@@ -439,7 +441,7 @@ class Node:
         if params is None:
             return  # the server moved on; ask again
         if task.get("evaluate") and self.test is not None:  # the global model, before training on it
-            await self._evaluate(params, version)
+            await self._evaluate(params, version, self.test)
         seed = self.privacy.training_seed(int(task["seed"])) if self.privacy is not None else int(task["seed"])
         update = await asyncio.to_thread(self.trainer.fit, params, self.train, seed, version, self.name)
         report = None
@@ -490,11 +492,11 @@ class Node:
                 log.warning("round %s: update refused: %s", task["round"], e)
                 return False
 
-    async def _evaluate(self, params: torch.Tensor, version: int) -> None:
+    async def _evaluate(self, params: torch.Tensor, version: int, test: ClientData) -> None:
         """Federated evaluation: the global model on this node's test data, reported with its
         example count (POST /v1/eval). Best effort: a failed report is logged, not retried."""
         # raw means: the server pools every node's means and summarizes once (docs/protocol.md)
-        ev = await asyncio.to_thread(self.trainer.evaluate_data, params, self.test, 2048, False)
+        ev = await asyncio.to_thread(self.trainer.evaluate_data, params, test, 2048, False)
         n = int(ev.pop("num_examples"))
         metrics = {k: v for k, v in ev.items() if _METRIC_NAME.fullmatch(k) and math.isfinite(v)}
         if len(metrics) < len(ev):

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Sampler
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from shoal.config import TrainConfig
 from shoal.params import ParamSpec, bind_module, trainable_mask
@@ -244,6 +244,7 @@ class LocalTrainer:
             )
         else:
             task = self.task
+            assert isinstance(data, Dataset)  # not a tensor pair (as_tensors gave None)
             loader = DataLoader(
                 data,
                 batch_size=batch_size,

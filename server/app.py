@@ -55,7 +55,8 @@ class Slot:
     the connection drop before the handler runs, when the connection's task ends."""
 
     def __init__(self, queue: asyncio.Queue, buf: bytearray):
-        self.queue, self.buf = queue, buf
+        self.queue = queue
+        self.buf: bytearray | None = buf
         self.task = asyncio.current_task()
         if self.task is not None:
             self.task.add_done_callback(self._on_task_done)
@@ -328,10 +329,11 @@ async def expect_update(request: web.Request) -> web.Response | None:
         await _invited(request)
     except Refusal as e:
         return error(e.status, e.code, e.detail)
-    if _gone(request):
+    transport = request.transport
+    if _gone(request) or transport is None:
         return error(400, "disconnected", "the connection was lost")
     if request.version >= (1, 1):
-        request.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     return None
 
 
@@ -395,6 +397,7 @@ async def post_update(request: web.Request) -> web.Response:
         try:
             first = await _chunk(request, svc.cfg.server.body_timeout_s, "upload") if length else b""
             slot = await _take(request, "slots")
+            assert slot.buf is not None  # a slot taken from the queue holds its buffer until released
             view = memoryview(slot.buf)
             try:
                 await _read_into(request, view, length, first)

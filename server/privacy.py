@@ -238,8 +238,18 @@ class ServerPrivacy:
         return share_std(self.p.clip_norm, self.p.noise_multiplier, max(self.noise_shares or self.round_shares, 1))
 
     @property
-    def aggregator(self) -> DPMean | None:
-        return self.strategy.aggregator if self.strategy is not None else None
+    def aggregator(self) -> DPMean:
+        """The DP mean of central and distributed DP (local DP adds its noise on the nodes)."""
+        agg = self.strategy.aggregator if self.strategy is not None else None
+        if not isinstance(agg, DPMean):
+            raise RuntimeError(f"privacy.mode = {self.mode!r} has no server-side DP mean")
+        return agg
+
+    @property
+    def clip_norm(self) -> float:
+        """C now (it moves with adaptive clipping)."""
+        c = self.aggregator.clip_norm
+        return float(c) if c is not None else float(self.p.clip_norm)
 
     # --- rounds ----------------------------------------------------------------------
 
@@ -345,7 +355,7 @@ class ServerPrivacy:
         if self.user_level:
             out.update(sampling="poisson", sampling_rate=self.q, rounds_charged=self.rounds_charged)
             if self.p.adaptive_clipping:
-                out["clip_norm"] = float(self.aggregator.clip_norm)
+                out["clip_norm"] = self.clip_norm
         else:
             out.update(nodes_reporting=len(self.reports), epsilon_node=self.worst_node())
         if self.p.target_epsilon:
@@ -390,7 +400,7 @@ class ServerPrivacy:
             if self.p.adaptive_clipping:
                 lines += [
                     "# TYPE shoal_privacy_clip_norm gauge",
-                    f"shoal_privacy_clip_norm {float(self.aggregator.clip_norm)}",
+                    f"shoal_privacy_clip_norm {self.clip_norm}",
                 ]
         else:
             lines += [
@@ -413,7 +423,7 @@ class ServerPrivacy:
             "reports": self.reports,
         }
         if self.user_level and self.p.adaptive_clipping:
-            out["clip_norm"] = float(self.aggregator.clip_norm)
+            out["clip_norm"] = self.clip_norm
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -425,7 +435,7 @@ class ServerPrivacy:
         self.rounds_charged = int(state.get("rounds_charged", 0))
         self._saved_q = state.get("q")
         self.reports = {str(n): dict(r) for n, r in state.get("reports", {}).items()}
-        if state.get("clip_norm") is not None and self.aggregator is not None:
+        if state.get("clip_norm") is not None and self.user_level:
             self.aggregator.clip_norm = float(state["clip_norm"])
         if self.accountant is not None:
             self.accountant.rounds = self.rounds_charged

@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -171,8 +172,9 @@ class SecureRound:
         msg = decode_message(body, self.params.vector_size)
         if not isinstance(msg, MESSAGES[stage]):
             raise Malformed(f"POST /v1/secagg/{route} takes a {MESSAGES[stage].__name__} message")
-        if msg.sender != node:
-            raise Malformed(f"message sender {msg.sender!r} is not the authenticated node {node!r}")
+        sender = getattr(msg, "sender", None)  # every message a node posts names its sender
+        if sender != node:
+            raise Malformed(f"message sender {sender!r} is not the authenticated node {node!r}")
         if self.params.malicious:
             self._check_signature(node, stage, msg)
         if stage == "advertise":
@@ -192,19 +194,20 @@ class SecureRound:
             report = None
             if self.privacy is not None and self.privacy.mode == "local":
                 report = parse_report(meta.get("privacy"), self.privacy.p.delta)
+        handlers: dict[str, Callable[[Any], object]] = {
+            "advertise": self.server.receive_keys,
+            "share": self.server.receive_shares,
+            "masked": self.server.receive_masked,
+            "consistency": self.server.receive_consistency,
+            "unmask": self.server.receive_unmask,
+        }
         try:
-            {
-                "advertise": self.server.receive_keys,
-                "share": self.server.receive_shares,
-                "masked": self.server.receive_masked,
-                "consistency": self.server.receive_consistency,
-                "unmask": self.server.receive_unmask,
-            }[stage](msg)
+            handlers[stage](msg)
         except (SecAggProtocolError, ValueError) as e:  # the state machine changed nothing
             raise Malformed(str(e)) from None
         if stage == "advertise":
-            self.meta[node] = (n, float(loss))
-            if report is not None:
+            self.meta[node] = (int(n), float(loss))  # type: ignore[arg-type]  # checked an int >= 1 above
+            if report is not None and self.privacy is not None:
                 self.privacy.take_report(node, report)
         self.sent[stage].add(node)
         return {"status": "accepted", "round": self.round, "stage": route}

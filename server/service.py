@@ -19,7 +19,7 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -438,11 +438,12 @@ class ServerService:
         except Exception as e:
             self.refused(getattr(e, "code", "error"))
             raise
-        if report is not None:
+        if report is not None and self.privacy is not None:
             self.privacy.take_report(node, report)
         self.counters.accepted += 1
         self.counters.bytes_received += len(body)
         if advanced:  # async: the update completed a new version
+            assert isinstance(self.rounds, AsyncRounds)  # only an async update completes a version
             self._new_version({"updates_accepted": self.rounds.stats.accepted})
         elif self.fed:
             self._settle_fed()  # this node's task from an older version is over
@@ -560,17 +561,23 @@ class ServerService:
         if self.privacy is not None and isinstance(self.rounds, SyncRounds):
             self.privacy.bind(registered, self.rounds)
 
+    def _dp(self) -> ServerPrivacy:
+        """The privacy state (the callers run only when [privacy] is on)."""
+        if self.privacy is None:
+            raise RuntimeError("privacy.mode = 'none': no privacy ledger")
+        return self.privacy
+
     def _privacy_event(self, fields: dict[str, Any]) -> None:
         """A metrics.jsonl record for a round that released no new version but changed the
         privacy picture (charged and aborted or failed, or the budget stopped the run)."""
-        record = {**fields, **self.privacy.record(), "elapsed_s": round(time.perf_counter() - self._t0, 4)}
+        record = {**fields, **self._dp().record(), "elapsed_s": round(time.perf_counter() - self._t0, 4)}
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(_clean(record)) + "\n")
         self._save_privacy()
 
     def _save_privacy(self) -> None:
         """The ledger, written whole, fsynced and renamed into place (a crash leaves the old or the new one)."""
-        write_durably(self.privacy_path, json.dumps(self.privacy.state_dict()).encode())
+        write_durably(self.privacy_path, json.dumps(self._dp().state_dict()).encode())
 
     def _load_privacy(self, resume: bool) -> None:
         if not self.privacy_path.exists():
@@ -589,8 +596,8 @@ class ServerService:
                 state.get("rounds_charged"),
             )
             return
-        self.privacy.load_state_dict(state)
-        log.info("privacy ledger %s: %d rounds charged so far", self.privacy_path, self.privacy.rounds_charged)
+        self._dp().load_state_dict(state)
+        log.info("privacy ledger %s: %d rounds charged so far", self.privacy_path, self._dp().rounds_charged)
 
     # --- checkpoints ---------------------------------------------------------------
 
@@ -632,8 +639,8 @@ class ServerService:
             "rounds_target": self.cfg.server.rounds,
             "done": self.done,
             "round_open": bool(getattr(r, "open", False)),
-            "selected": sorted(r.selected) if getattr(r, "open", False) else [],
-            "received": len(r.received) if getattr(r, "open", False) else 0,
+            "selected": sorted(getattr(r, "selected", ())) if getattr(r, "open", False) else [],
+            "received": len(getattr(r, "received", ())) if getattr(r, "open", False) else 0,
             "outstanding": len(r.outstanding) if isinstance(r, AsyncRounds) else 0,
             "connected_nodes": self.connected(now),
             "last_metrics": self.last_record,
@@ -697,7 +704,7 @@ _PROM_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 def _sent_spec_hash(body: bytes | memoryview, max_bytes: int) -> Any:
     """The spec hash an upload's header claims (None if the header cannot be read)."""
     try:
-        return read_header(body, max_bytes)[0].get("spec_hash")
+        return read_header(cast(bytes, body), max_bytes)[0].get("spec_hash")  # read_header takes any buffer
     except ShoalError:
         return None
 
