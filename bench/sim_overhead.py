@@ -29,7 +29,7 @@ import time
 
 import torch
 import torch.nn.functional as F
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from shoal.config import load_config
 from shoal.models import build_model
@@ -85,7 +85,8 @@ def bare_round(model, global_sd, clients, tasks, epochs: int, bs: int, lr: float
         gen = torch.Generator().manual_seed(task.seed % (1 << 63))
         n = len(y)
         if as_dataset:
-            loader = DataLoader(Rows(x, y), batch_size=bs, shuffle=True, generator=gen)
+            rows = Rows(x, y)  # a seeded RandomSampler: one randperm per epoch from the client's seed
+            loader = DataLoader(rows, batch_size=bs, sampler=RandomSampler(rows, generator=gen))
             for _ in range(epochs):
                 for xb, yb in loader:
                     opt.zero_grad()
