@@ -29,7 +29,7 @@ from shoal.aggregation.compression import Compressor, Encoded, decode_tensors, e
 from shoal.config import CompressionConfig
 from shoal.errors import Malformed, SpecMismatch, TooLarge
 from shoal.params import ParamSpec
-from shoal.wire import _unzstd, decode, decode_model, encode, encode_model, read_header
+from shoal.wire import decode, decode_model, encode, encode_model, read_header, unzstd
 
 if TYPE_CHECKING:
     from .group_average import SliceMessage
@@ -89,7 +89,7 @@ def decode_gossip_model(body: bytes, spec: ParamSpec, max_bytes: int) -> tuple[t
     if zstd:
         size = table.get("zstd", {}).get("shape", [0])
         header, outer = decode(body, {"zstd": (torch.uint8, tuple(size))}, max_bytes, spec.hash)
-        inner = _unzstd(outer["zstd"], max_bytes)
+        inner = unzstd(outer["zstd"], max_bytes)
         if len(inner) > max_bytes:
             raise TooLarge(f"zstd payload inflates to more than the limit of {max_bytes} bytes")
         _, tensors = decode(inner, expect, max_bytes)

@@ -63,7 +63,7 @@ from aiohttp import web
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.errors import Malformed, ShoalError, SpecMismatch, TooLarge, WireError
-from shoal.metrics import MetricsLog, _clean
+from shoal.metrics import MetricsLog, json_safe
 from shoal.seeding import derive_seed
 from shoal.task import ClientData, num_examples, task_name
 from shoal.wire import default_max_bytes
@@ -633,7 +633,7 @@ class Peer:
             "age": n.age,
             "version": n.version,
             "merges": n.merges,
-            "metrics": _clean(self.last_eval),
+            "metrics": json_safe(self.last_eval),
             "view": n.membership.peers(),
             "suspected": sorted(n.membership.suspected()),
             "bytes_sent": self.bytes_sent,

@@ -29,7 +29,7 @@ from shoal.async_rounds import AsyncRounds
 from shoal.client.training import LocalTrainer, summarize_means
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMismatch, UpdateRejected
-from shoal.metrics import _clean
+from shoal.metrics import json_safe
 from shoal.rounds import SyncRounds
 from shoal.task import Task, TaskError, call_part, check_data
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
@@ -373,7 +373,7 @@ class ServerService:
                 fed_nodes=len(fed.reported),
                 elapsed_s=round(time.perf_counter() - self._t0, 4),
             )
-            self.last_fed = _clean(record)
+            self.last_fed = json_safe(record)
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(self.last_fed) + "\n")
             log.info("version %d, federated evaluation: %s", v, json.dumps(self.last_fed))
@@ -544,7 +544,7 @@ class ServerService:
         if self.privacy is not None:
             record.update(self.privacy.record())
         record["elapsed_s"] = round(time.perf_counter() - self._t0, 4)
-        self.last_record = _clean(record)
+        self.last_record = json_safe(record)
         self._checkpoint()  # first: a crash between the two loses a log line, never a version
         if self.privacy is not None:
             self._save_privacy()  # the adaptive clip norm and the nodes' reports of this version
@@ -572,7 +572,7 @@ class ServerService:
         privacy picture (charged and aborted or failed, or the budget stopped the run)."""
         record = {**fields, **self._dp().record(), "elapsed_s": round(time.perf_counter() - self._t0, 4)}
         with self.metrics_path.open("a") as f:
-            f.write(json.dumps(_clean(record)) + "\n")
+            f.write(json.dumps(json_safe(record)) + "\n")
         self._save_privacy()
 
     def _save_privacy(self) -> None:

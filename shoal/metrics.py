@@ -8,14 +8,14 @@ from pathlib import Path
 from typing import Any
 
 
-def _clean(v: Any) -> Any:
+def json_safe(v: Any) -> Any:
     """JSON has no NaN/Inf: write them as null rather than invalid JSON."""
     if isinstance(v, float) and not math.isfinite(v):
         return None
     if isinstance(v, dict):
-        return {k: _clean(x) for k, x in v.items()}
+        return {k: json_safe(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_clean(x) for x in v]
+        return [json_safe(x) for x in v]
     return v
 
 
@@ -30,14 +30,14 @@ class MetricsLog:
         self.records: list[dict[str, Any]] = []
 
     def write(self, record: dict[str, Any]) -> None:
-        record = _clean(record)
+        record = json_safe(record)
         self.records.append(record)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
 
     def summary(self, summary: dict[str, Any]) -> Path:
         path = self.dir / "summary.json"
-        path.write_text(json.dumps(_clean(summary), indent=2) + "\n")
+        path.write_text(json.dumps(json_safe(summary), indent=2) + "\n")
         return path
 
 

@@ -279,7 +279,7 @@ def encode_update(
     return encode(tensors, header)
 
 
-def _unzstd(packed: torch.Tensor, max_bytes: int) -> bytes:
+def unzstd(packed: torch.Tensor, max_bytes: int) -> bytes:
     """Decompress at most ``max_bytes`` (a small body must not inflate without bound)."""
     try:
         # the window a frame may ask for is bounded too: memory stays O(max_bytes)
@@ -316,7 +316,7 @@ def decode_update(
     if zstd:
         size = table.get("zstd", {}).get("shape", [0])
         header, outer = decode(body, {"zstd": (torch.uint8, tuple(size))}, max_bytes, spec.hash)
-        inner = _unzstd(outer["zstd"], max_bytes)
+        inner = unzstd(outer["zstd"], max_bytes)
         if len(inner) > max_bytes:
             raise TooLarge(f"zstd payload inflates to more than the limit of {max_bytes} bytes")
         _, tensors = decode(inner, expect, max_bytes)

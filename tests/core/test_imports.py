@@ -57,3 +57,74 @@ def test_importing_shoal_leaves_the_matplotlib_backend_alone(tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert (tmp_path / "accuracy.png").stat().st_size > 1000
+
+
+def _module_graph():
+    """shoal's modules (card folders mapped as the install maps them), their module-level shoal imports,
+    and every private name imported from another module."""
+    import ast
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    folders = {
+        "shoal": "shoal",
+        "aggregation": "shoal.aggregation",
+        "client": "shoal.client",
+        "server": "shoal.server",
+        "p2p": "shoal.p2p",
+        "simulations": "shoal.simulations",
+        "flower": "shoal.flower",
+    }
+    mods = {}
+    for folder, pkg in folders.items():
+        for f in (repo / folder).glob("*.py"):
+            mods[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+    for f in (repo / "shoal").glob("*/*.py"):  # shoal/config/ and other core subpackages
+        pkg = f"shoal.{f.parent.name}"
+        mods[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+    graph, private = {}, []
+    for name, f in mods.items():
+        pkg = name if f.stem == "__init__" else name.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.parse(f.read_text()).body:  # module level: lazy imports in functions are deliberate
+            if isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = pkg.split(".")[: len(pkg.split(".")) - (node.level - 1)]
+                    target = ".".join(base + ([node.module] if node.module else []))
+                else:
+                    target = node.module or ""
+                if not target.startswith("shoal"):
+                    continue
+                for alias in node.names:
+                    full = f"{target}.{alias.name}"
+                    deps.add(full if full in mods else target)
+                    if alias.name.startswith("_") and not alias.name.startswith("__"):
+                        private.append(f"{name} imports {target}.{alias.name}")
+            elif isinstance(node, ast.Import):
+                deps.update(a.name for a in node.names if a.name.startswith("shoal"))
+        graph[name] = {d for d in deps if d in mods and d != name}
+    return graph, private
+
+
+def test_no_import_cycle_and_no_private_name_across_modules():
+    graph, private = _module_graph()
+    assert len(graph) > 80
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(u: str, stack: list[str]) -> None:
+        state[u] = 1
+        stack.append(u)
+        for v in sorted(graph[u]):
+            if state.get(v) == 1:
+                cycles.append(stack[stack.index(v) :] + [v])
+            elif not state.get(v):
+                visit(v, stack)
+        stack.pop()
+        state[u] = 2
+
+    for m in sorted(graph):
+        if not state.get(m):
+            visit(m, [])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+    assert not private, "private names imported across modules: " + "; ".join(private)
