@@ -154,6 +154,7 @@ class Compressor:
                 q, scale = quantize_q8(delta, self.cfg.q8_chunk, gen)
                 return Encoded("q8", {"q": q, "scale": scale}, {"chunk": self.cfg.q8_chunk})
             case "topk":
+                assert self.topk is not None  # __init__ makes one for encoding = 'topk'
                 idx, values = self.topk.compress(delta, client, tag)
                 return Encoded("topk", {"indices": idx, "values": values}, {"k": int(idx.numel())})
         raise ValueError(f"compression.encoding = {self.cfg.encoding!r} is not one of {ENCODINGS}")

@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from shoal.aggregation.mean import EmptyAggregate
-from shoal.aggregation.server_opt import make_server_optimizer
+from shoal.aggregation.server_opt import ServerOptimizer, make_server_optimizer
 from shoal.aggregation.strategy import Strategy
 from shoal.config import PrivacyConfig, StrategyConfig
 from shoal.errors import ConfigError
@@ -237,6 +237,11 @@ class DPMean:
 class DPStrategy(Strategy):
     """A Strategy over :class:`DPMean` that also closes a round nobody took part in: the noise is
     released alone (Poisson sampling makes such rounds; what they release must not differ)."""
+
+    aggregator: DPMean
+
+    def __init__(self, aggregator: DPMean, optimizer: ServerOptimizer, weighting: str = "examples"):
+        super().__init__(aggregator, optimizer, weighting)
 
     def finalize(self) -> torch.Tensor:
         agg = self.aggregator

@@ -32,12 +32,20 @@ fixed by the config, and the rule never sees more than K updates at once.
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from shoal.aggregation.server_opt import ServerOptimizer, StateDict
+from shoal.aggregation.server_opt import ServerOptimizer
 from shoal.aggregation.staleness import StalenessWeight
 from shoal.update import Update
+
+if TYPE_CHECKING:
+    from shoal.aggregation.strategy import Aggregator
+
+# A checkpoint record: the optimizer's state under "opt.", counts, the buffer tensors and the
+# held updates' weights (a list of floats), so not a server_opt.StateDict.
+BufferState = dict[str, Any]
 
 
 class FedBuff:
@@ -51,7 +59,7 @@ class FedBuff:
         weighting: str = "uniform",
         numel: int | None = None,
         device: torch.device | str = "cpu",
-        rule=None,
+        rule: Aggregator | None = None,
     ):
         if k < 1:
             raise ValueError(f"FedBuff buffer size K = {k} must be >= 1")
@@ -117,6 +125,8 @@ class FedBuff:
             mean = self.rule.mean().to(torch.float32)
             self.rule.reset()
         else:
+            if self._sum is None:  # held updates restored from a robust FedBuff's state, and no rule
+                raise RuntimeError("FedBuff.flush(): the buffer holds a robust rule's updates but no rule is set")
             mean = (self._sum / self.base_total).to(torch.float32)
             self._sum.zero_()
         new_x = self.optimizer.step(x, mean)
@@ -124,10 +134,10 @@ class FedBuff:
         self.base_total = 0.0
         return new_x
 
-    def state_dict(self) -> StateDict:
+    def state_dict(self) -> BufferState:
         """The server optimizer's state plus the partly filled buffer (async servers
         have no quiet point between rounds, so the buffer is part of a checkpoint)."""
-        state: StateDict = {f"opt.{k}": v for k, v in self.optimizer.state_dict().items()}
+        state: BufferState = {f"opt.{k}": v for k, v in self.optimizer.state_dict().items()}
         state["count"] = self.count
         state["base_total"] = self.base_total
         if self._sum is not None:
@@ -137,7 +147,7 @@ class FedBuff:
             state["held_weights"] = [w for _, w in self._held]
         return state
 
-    def load_state_dict(self, state: StateDict) -> None:
+    def load_state_dict(self, state: BufferState) -> None:
         self.optimizer.load_state_dict({k[4:]: v for k, v in state.items() if k.startswith("opt.")})
         self.count = int(state["count"])
         self.base_total = float(state["base_total"])

@@ -16,12 +16,16 @@ error rather than growing without limit. The rules work on column slices of that
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import torch
 
 from shoal.config import RobustConfig
 
 from .mean import EmptyAggregate, WeightedMean
+
+if TYPE_CHECKING:
+    from .strategy import Aggregator
 
 _COLUMNS = 1 << 16  # coordinates per slice when a rule sorts or multiplies across clients
 
@@ -165,7 +169,7 @@ class NormBound:
     "Can You Really Backdoor Federated Learning?"). Streaming: nothing is kept but the
     inner rule's state. ``clipped`` counts the updates scaled down since the last reset."""
 
-    def __init__(self, inner, bound: float):
+    def __init__(self, inner: Aggregator, bound: float):
         if not (bound > 0 and math.isfinite(bound)):
             raise ValueError(f"norm bound = {bound!r} must be a finite number > 0")
         self.inner = inner
@@ -191,8 +195,9 @@ class NormBound:
         return self.inner.mean()
 
 
-def make_aggregator(cfg: RobustConfig, numel: int, device: torch.device | str = "cpu"):
+def make_aggregator(cfg: RobustConfig, numel: int, device: torch.device | str = "cpu") -> Aggregator:
     """The aggregation rule a ``[robust]`` table names, with norm bounding in front if set."""
+    rule: Aggregator
     match cfg.rule:
         case "mean":
             rule = WeightedMean(numel, device)

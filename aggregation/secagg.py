@@ -306,6 +306,12 @@ class SecAggClient:
         if self.stage != stage:
             raise SecAggProtocolError(f"client {self.id}: a {stage!r} message at stage {self.stage!r}")
 
+    def _sign(self, message: bytes) -> bytes:
+        """Sign with this client's identity key (malicious mode, where __init__ requires one)."""
+        if self.identity is None:
+            raise SecAggProtocolError(f"client {self.id}: signing needs an identity key (malicious mode only)")
+        return ID.sign(self.identity, message)
+
     def _share_key(self, v: str) -> bytes:
         """The AES-GCM key of the pair (self, v), agreed once and kept for the unmasking."""
         if v not in self._share_keys:
@@ -317,9 +323,7 @@ class SecAggClient:
         self.stage = "share"
         enc, mask = C.public_key(self._enc_sk), C.public_key(self._mask_sk)
         signature = (
-            ID.sign(self.identity, ID.keys_message(self.params.session, self.id, enc, mask))
-            if self.params.malicious
-            else b""
+            self._sign(ID.keys_message(self.params.session, self.id, enc, mask)) if self.params.malicious else b""
         )
         return PublicKeys(self.id, enc, mask, signature)
 
@@ -394,9 +398,7 @@ class SecAggClient:
             raise self._abort(f"{len(survivors)} survivors, fewer than the threshold {self._threshold}")
         self._u3 = sorted(survivors)
         self.stage = "unmask"
-        return ConsistencySignature(
-            self.id, ID.sign(self.identity, ID.consistency_message(self.params.session, self._u3))
-        )
+        return ConsistencySignature(self.id, self._sign(ID.consistency_message(self.params.session, self._u3)))
 
     def _check_consistency(self, request: UnmaskRequest) -> None:
         """Malicious mode: the unmasking is for the survivors this client signed, and at
@@ -643,7 +645,9 @@ class SecAggServer:
         self._total += y  # streaming: the masked vector is not kept
         self.u3.append(msg.sender)
 
-    def close_masked(self) -> dict[str, UnmaskRequest]:
+    def close_masked(self) -> dict[str, UnmaskRequest] | dict[str, ConsistencyRequest]:
+        """The unmask requests; in malicious mode first the consistency requests (then
+        :meth:`close_consistency` gives the unmask requests)."""
         self._at("masked")
         survivors, _u2 = set(self.u3), set(self.u2)
         if len(survivors) < self.threshold:
@@ -719,9 +723,9 @@ class SecAggServer:
                 )
             groups[tuple(sorted(holders, key=self.index.__getitem__)[: self.threshold])].append(u)
         out: dict[str, bytes] = {}
-        for holders, group in groups.items():
-            shares = np.stack([rows[v][1][[rows[v][0][u] for u in group]] for v in holders])
-            values = C.shamir_reconstruct([self.index[v] for v in holders], shares.reshape(len(holders), -1))
+        for chosen, group in groups.items():
+            shares = np.stack([rows[v][1][[rows[v][0][u] for u in group]] for v in chosen])
+            values = C.shamir_reconstruct([self.index[v] for v in chosen], shares.reshape(len(chosen), -1))
             try:
                 out.update(zip(group, C.field_to_secrets(values)))
             except ValueError as e:

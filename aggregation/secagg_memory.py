@@ -98,11 +98,10 @@ def run_in_memory(
     t = time.process_time()
     if params.malicious and identities is None:
         identities = {cid: ID.new_identity(client_randomness(seed, f"{cid}/identity").bytes(32)) for cid in ids}
-    roster = {cid: ID.identity_public(k) for cid, k in (identities or {}).items()}
+    keys = identities or {}
+    roster = {cid: ID.identity_public(k) for cid, k in keys.items()}
     clients = {
-        cid: SecAggClient(
-            cid, params, client_randomness(seed, cid), *((identities[cid], roster) if params.malicious else ())
-        )
+        cid: SecAggClient(cid, params, client_randomness(seed, cid), *((keys[cid], roster) if params.malicious else ()))
         for cid in ids
     }
     keygen_s = (time.process_time() - t) / max(len(ids), 1)

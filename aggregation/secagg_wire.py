@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import base64
 import binascii
-from typing import Any
+from typing import Any, TypeGuard
 
 import numpy as np
 import torch
@@ -68,6 +68,10 @@ def _str(v: Any, what: str) -> str:
     return v
 
 
+def _is_ids(v: Any) -> TypeGuard[list[str]]:
+    return isinstance(v, list) and all(isinstance(i, str) for i in v)
+
+
 def _shares(v: Any, what: str) -> np.ndarray:
     if not (
         isinstance(v, list)
@@ -88,6 +92,7 @@ def encode_message(msg: Message, meta: dict[str, Any] | None = None) -> bytes:
     """One message as a shoal wire body; ``meta`` (JSON) travels beside it in the header
     (the HTTP rounds put the round number and clear-text metadata there)."""
     tensors: dict[str, torch.Tensor] = {}
+    h: dict[str, Any]
     if isinstance(msg, PublicKeys):
         h = {"kind": "public_keys", "sender": msg.sender, "enc_key": _b64(msg.enc_key), "mask_key": _b64(msg.mask_key)}
         if msg.signature:
@@ -226,17 +231,17 @@ def decode_message(body: bytes, vector_size: int, max_bytes: int | None = None) 
             return EncryptedShares(_str(header.get("sender"), "sender"), cts)
         return ShareDelivery(_str(header.get("recipient"), "recipient"), cts)
     if kind == "unmask_request":
-        lists = [header.get("survivors"), header.get("dropped")]
-        if not all(isinstance(x, list) and all(isinstance(i, str) for i in x) for x in lists):
+        survivors, dropped = header.get("survivors"), header.get("dropped")
+        if not (_is_ids(survivors) and _is_ids(dropped)):
             raise Malformed("survivors and dropped: expected lists of client ids")
         sigs = {
             v: _bytes(b, f"signatures[{v!r}]", SIGNATURE_BYTES)
             for v, b in _dict(header.get("signatures", {}), "signatures").items()
         }
-        return UnmaskRequest(_str(header.get("recipient"), "recipient"), *lists, sigs)
+        return UnmaskRequest(_str(header.get("recipient"), "recipient"), survivors, dropped, sigs)
     if kind == "consistency_request":
         survivors = header.get("survivors")
-        if not (isinstance(survivors, list) and all(isinstance(i, str) for i in survivors)):
+        if not _is_ids(survivors):
             raise Malformed("survivors: expected a list of client ids")
         return ConsistencyRequest(_str(header.get("recipient"), "recipient"), survivors)
     if kind == "consistency_signature":

@@ -21,7 +21,8 @@ from shoal.update import Update
 class Aggregator(Protocol):
     """What a strategy needs from its averaging rule (:class:`WeightedMean` is one)."""
 
-    count: int
+    @property
+    def count(self) -> int: ...
 
     def reset(self) -> None: ...
 

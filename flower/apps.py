@@ -30,12 +30,13 @@ import functools
 import json
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
+from flwr.app.typing import ConfigRecordValues, MetricRecordValues
 from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
@@ -63,6 +64,23 @@ NUM_EXAMPLES = "num-examples"  # Flower's default weighting key
 IDENTITY = "identity"  # the ConfigRecord of a QUERY reply: {"client-id": ...}
 LOCAL_STATE = "shoal-local"  # a node's context.state ArrayRecord: the buffers its task keeps local (FedBN)
 RUN_CONFIG_KEY = "shoal-config"  # run_config key (pyproject.toml / --run-config) naming the TOML file
+
+
+# --- records -----------------------------------------------------------------------------
+
+
+def _scalar(value: ConfigRecordValues, key: str) -> int | float | str | bytes:
+    """A record entry for int() or float(): a list (a node's bad reply) is a ValueError, which
+    the strategy turns into a dropped reply, not a TypeError that stops the run."""
+    if isinstance(value, list):
+        raise ValueError(f"{key!r} is a list, expected a number")
+    return value
+
+
+def _metric_record(values: Mapping[str, int | float]) -> MetricRecord:
+    """A MetricRecord of numbers (flwr's constructor takes an invariant dict of its value union)."""
+    record: dict[str, MetricRecordValues] = dict(values)
+    return MetricRecord(record)
 
 
 # --- the model as an ArrayRecord -------------------------------------------------------
@@ -304,6 +322,8 @@ class ShoalStrategy(FlowerStrategy):
         self, server_round: int, replies: Iterable[Message]
     ) -> tuple[ArrayRecord | None, MetricRecord | None]:
         rounds = self.rounds
+        if rounds is None:
+            raise RuntimeError("aggregate_train() before configure_train(): no round is open")
         order = {node: i for i, node in enumerate(self._tasks)}
         for reply in sorted(replies, key=lambda m: order.get(m.metadata.src_node_id, len(order))):
             node = reply.metadata.src_node_id
@@ -319,7 +339,7 @@ class ShoalStrategy(FlowerStrategy):
                 metrics = reply.content.metric_records[METRICS]
                 update = Update(
                     delta=local - rounds.global_params,
-                    num_examples=int(metrics[NUM_EXAMPLES]),
+                    num_examples=int(_scalar(metrics[NUM_EXAMPLES], NUM_EXAMPLES)),
                     base_version=task.version,
                     sender=task.client_id,
                     metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
@@ -372,7 +392,7 @@ class ShoalStrategy(FlowerStrategy):
                 continue
             try:
                 metrics = reply.content.metric_records[METRICS]
-                n = float(metrics[NUM_EXAMPLES])
+                n = float(_scalar(metrics[NUM_EXAMPLES], NUM_EXAMPLES))
             except (KeyError, TypeError, ValueError) as e:
                 self._drop(server_round, cid, f"evaluation reply rejected: {e}")
                 continue
@@ -380,7 +400,7 @@ class ShoalStrategy(FlowerStrategy):
                 ev = {k: float(v) for k, v in metrics.items() if k != NUM_EXAMPLES and isinstance(v, (int, float))}
                 results.append({**ev, "num_examples": n})
         self.last_federated = {f"fed_{k}": v for k, v in weighted_means(results, self.task).items()}
-        return MetricRecord(self.last_federated) if self.last_federated else None
+        return _metric_record(self.last_federated) if self.last_federated else None
 
 
 # Called after each evaluated round: (round summary, {"test_<metric>", "fed_<metric>", ...}, global params).
@@ -433,7 +453,7 @@ def make_server_app(
             ev.update(strategy.last_federated)  # this round's, from aggregate_evaluate (it runs first)
             if on_round is not None and strategy.last_round is not None:
                 on_round(strategy.last_round, ev, params)
-            return MetricRecord(ev) if ev else None
+            return _metric_record(ev) if ev else None
 
         strategy.start(
             grid, to_arrays(setup.initial, setup.spec), num_rounds=sim.rounds, timeout=timeout, evaluate_fn=evaluate
@@ -503,9 +523,9 @@ def make_client_app(cfg: Config | None = None, device: str | None = None) -> Cli
     def train(msg: Message, context: Context) -> Message:
         setup, pid, cid = _node(context, cfg, device)
         conf = msg.content.config_records.get(CONFIG, ConfigRecord())
-        rnd = int(conf.get("server-round", 1))
-        seed = int(conf.get("seed", derive_seed(setup.cfg.simulation.seed, rnd, i_hash(cid))))
-        version = int(conf.get("version", rnd - 1))
+        rnd = int(_scalar(conf.get("server-round", 1), "server-round"))
+        seed = int(_scalar(conf.get("seed", derive_seed(setup.cfg.simulation.seed, rnd, i_hash(cid))), "seed"))
+        version = int(_scalar(conf.get("version", rnd - 1), "version"))
         global_flat = from_arrays(msg.content.array_records[ARRAYS], setup.spec)
         _load_local(setup, context)
         update = setup.trainer.fit(global_flat, setup.client_train(pid), seed, version, cid)
@@ -531,6 +551,6 @@ def make_client_app(cfg: Config | None = None, device: str | None = None) -> Cli
                 from_arrays(msg.content.array_records[ARRAYS], setup.spec), test, summarize=False
             )  # raw means: the strategy summarizes once
             metrics = {NUM_EXAMPLES: int(ev.pop("num_examples")), **ev}
-        return Message(RecordDict({METRICS: MetricRecord(metrics)}), reply_to=msg)
+        return Message(RecordDict({METRICS: _metric_record(metrics)}), reply_to=msg)
 
     return app

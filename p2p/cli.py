@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 from pathlib import Path
+from typing import overload
 
 import torch
 
@@ -58,6 +59,12 @@ def parse_listen(text: str) -> tuple[str, int]:
     return host or "0.0.0.0", int(port)
 
 
+@overload
+def _on_device(data: ClientData, device: torch.device) -> ClientData: ...
+@overload
+def _on_device(data: None, device: torch.device) -> None: ...
+@overload
+def _on_device(data: ClientData | None, device: torch.device) -> ClientData | None: ...
 def _on_device(data: ClientData | None, device: torch.device) -> ClientData | None:
     """Tensor data moved to the device once (the trainer slices it there); Datasets as they are."""
     pair = as_tensors(data) if data is not None else None
@@ -130,7 +137,7 @@ def load_peer_data(spec: str, cfg: Config, task: Task, device: torch.device) -> 
         raise DataError(f"--data {spec!r}: task {task_name(task)} gave no training examples")
     return PeerData(
         _on_device(data.train, device),
-        _on_device(data.test, device),  # type: ignore[arg-type]
+        _on_device(data.test, device),
         _on_device(data.central_test, device),
     )
 

@@ -26,21 +26,26 @@ from .group_average import Refusal
 TOPOLOGIES = choices(GossipConfig, "topology")  # declared once, on the config field
 
 
+def _edge(a: int, b: int) -> tuple[int, int]:
+    """An undirected edge, smaller end first."""
+    return (a, b) if a <= b else (b, a)
+
+
 def _ring_edges(n: int, k: int = 1) -> set[tuple[int, int]]:
-    return {tuple(sorted((i, (i + d) % n))) for i in range(n) for d in range(1, k + 1) if n > 1 and i != (i + d) % n}
+    return {_edge(i, (i + d) % n) for i in range(n) for d in range(1, k + 1) if n > 1 and i != (i + d) % n}
 
 
 def _torus_edges(n: int) -> set[tuple[int, int]]:
     """A rows x cols wrap-around grid with rows the largest divisor of n up to sqrt(n)."""
     rows = max(d for d in range(1, int(math.isqrt(n)) + 1) if n % d == 0)
     cols = n // rows
-    edges = set()
+    edges: set[tuple[int, int]] = set()
     for r in range(rows):
         for c in range(cols):
             i = r * cols + c
             for j in (r * cols + (c + 1) % cols, ((r + 1) % rows) * cols + c):
                 if i != j:
-                    edges.add(tuple(sorted((i, j))))
+                    edges.add(_edge(i, j))
     return edges
 
 
@@ -51,39 +56,39 @@ def _regular_edges(n: int, k: int, rng: np.random.Generator) -> set[tuple[int, i
     for _ in range(1000):
         stubs = rng.permutation(np.repeat(np.arange(n), k))
         pairs = stubs.reshape(-1, 2)
-        edges = {tuple(sorted((int(a), int(b)))) for a, b in pairs}
+        edges = {_edge(int(a), int(b)) for a, b in pairs}
         if len(edges) == len(pairs) and all(a != b for a, b in edges) and _connected(n, edges):
             return edges
     # The pairing model's acceptance falls like exp(-(k^2 - 1) / 4) (~2e-4 at k = 6); past
     # that, pair the stubs one edge at a time among the pairs that keep the graph simple
     # (Steger & Wormald 1999), restarting on a dead end.
     for _ in range(1000):
-        edges, stubs = set(), [int(v) for v in rng.permutation(np.repeat(np.arange(n), k))]
-        while stubs:
+        edges, free = set(), [int(v) for v in rng.permutation(np.repeat(np.arange(n), k))]
+        while free:
             for _ in range(100):
-                i, j = (int(x) for x in rng.choice(len(stubs), 2, replace=False))
-                a, b = stubs[i], stubs[j]
+                i, j = (int(x) for x in rng.choice(len(free), 2, replace=False))
+                a, b = free[i], free[j]
                 if a != b and (min(a, b), max(a, b)) not in edges:
                     break
             else:
                 break  # no simple pair found: start over
             edges.add((min(a, b), max(a, b)))
             for idx in sorted((i, j), reverse=True):
-                stubs.pop(idx)
-        if not stubs and _connected(n, edges):
+                free.pop(idx)
+        if not free and _connected(n, edges):
             return edges
     raise ValueError(f"could not draw a simple connected {k}-regular graph on {n} nodes")
 
 
 def _small_world_edges(n: int, k: int, p: float, rng: np.random.Generator) -> set[tuple[int, int]]:
     """Watts-Strogatz: a ring lattice with k neighbours a side, each edge rewired with prob. p."""
-    edges = set()
+    edges: set[tuple[int, int]] = set()
     for i, j in sorted(_ring_edges(n, k)):
         if rng.random() < p:
-            choices = [m for m in range(n) if m != i and tuple(sorted((i, m))) not in edges]
+            choices = [m for m in range(n) if m != i and _edge(i, m) not in edges]
             if choices:
                 j = int(rng.choice(choices))
-        edges.add(tuple(sorted((i, j))))
+        edges.add(_edge(i, j))
     for a, b in _ring_edges(n, 1):  # keep the ring so the graph stays connected
         edges.add((a, b))
     return edges

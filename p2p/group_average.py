@@ -428,9 +428,9 @@ class GroupAverage:
         # 2. the gather: every slice whose reducer is not gone, or the deadline; then the
         #    orphaned slices are averaged again: our part of each goes to every other member
         if not self._gathered:
-            waiting = [j for j, m in enumerate(self.members) if j not in self._slices and m not in self.gone]
+            missing = [j for j, m in enumerate(self.members) if j not in self._slices and m not in self.gone]
             deadline = self.next_deadline()
-            if not waiting or (deadline is not None and now >= deadline):
+            if not missing or (deadline is not None and now >= deadline):
                 self._gathered, self._gathered_at = True, now
                 for j in range(self.k):
                     if j in self._slices:

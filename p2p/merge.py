@@ -110,11 +110,11 @@ class MergeRule:
         lam = self.weight(own_info, other_info)
         if lam <= 0.0:
             return lam, own_info
-        other, _ = self.bound(own, other)
-        if other is None:
+        bounded, _ = self.bound(own, other)
+        if bounded is None:
             return 0.0, own_info
         if lam >= 1.0:
-            own.copy_(other)
+            own.copy_(bounded)
             return lam, ModelInfo(other_info.age, own_info.num_examples)
-        own.lerp_(other, lam)
+        own.lerp_(bounded, lam)
         return lam, ModelInfo(max(own_info.age, other_info.age), own_info.num_examples)

@@ -85,7 +85,9 @@ def decode_gossip_model(body: bytes, spec: ParamSpec, max_bytes: int) -> tuple[t
         raise Malformed(
             f"header field 'encoding' = {encoding!r}: a gossip model is one of {', '.join(MODEL_ENCODINGS)}"
         )
-    expect = {"params": (torch.float32, (spec.numel,))} if encoding == "dense" else expected_tensors(header, spec.numel)
+    expect: dict[str, tuple[torch.dtype, tuple[int, ...]]] = (
+        {"params": (torch.float32, (spec.numel,))} if encoding == "dense" else expected_tensors(header, spec.numel)
+    )
     if zstd:
         size = table.get("zstd", {}).get("shape", [0])
         header, outer = decode(body, {"zstd": (torch.uint8, tuple(size))}, max_bytes, spec.hash)

@@ -55,7 +55,7 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import aiohttp
 from aiohttp import web
@@ -83,6 +83,8 @@ from .model_wire import (
 )
 from .robust import check_gossip_settings
 from .secure_group import SecureGroup, SecureMessage
+
+_Shuffle = TypeVar("_Shuffle", ShuffleRequest, ShuffleResponse)
 
 log = logging.getLogger(__name__)
 
@@ -603,7 +605,7 @@ class Peer:
         self.bytes_sent += len(body)
         return web.Response(body=body, content_type="application/json")
 
-    def _parse_shuffle(self, body: bytes, kind: type) -> ShuffleRequest | ShuffleResponse:
+    def _parse_shuffle(self, body: bytes, kind: type[_Shuffle]) -> _Shuffle:
         if len(body) > MAX_SHUFFLE_BYTES:
             raise Malformed(f"shuffle body of {len(body)} bytes is over {MAX_SHUFFLE_BYTES}")
         try:
@@ -655,7 +657,10 @@ class Peer:
         assert self._session is not None
         self.bytes_sent += len(body)
         async with self._session.post(
-            url, data=body, headers={**self._headers(), "Content-Type": content_type}, ssl=self.s.ssl_client
+            url,
+            data=body,
+            headers={**self._headers(), "Content-Type": content_type},
+            ssl=True if self.s.ssl_client is None else self.s.ssl_client,  # True: aiohttp's default checks
         ) as r:
             data = await r.read()
             if r.status != 200:

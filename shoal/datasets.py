@@ -275,6 +275,7 @@ def load_federated(cfg: DataConfig, num_clients: int, seed: int) -> FederatedDat
     start = time.perf_counter()
     data_rng, split_rng = (np.random.default_rng(s) for s in np.random.SeedSequence(seed).spawn(2))
     natural: list[np.ndarray] | None = None
+    input_shape: tuple[int, ...]
     if cfg.dataset == "synthetic":
         train, test, natural = _make_synthetic(cfg, num_clients, data_rng)
         input_shape, num_classes = (synthetic.DIMENSION,), synthetic.NUM_CLASSES
@@ -290,6 +291,7 @@ def load_federated(cfg: DataConfig, num_clients: int, seed: int) -> FederatedDat
         train, test = _load_idx(cfg, Path(cfg.dir).expanduser())
         input_shape, num_classes = IMAGE_SHAPE, 10
     if cfg.partition == "natural":
+        assert natural is not None  # datasets without their own clients were refused above
         parts = natural
     else:
         train, parts = _keep_used(train, _split(cfg, train.y.numpy(), num_clients, split_rng))

@@ -32,6 +32,7 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 import torch
 
@@ -156,12 +157,15 @@ class SyncRounds:
             raise RuntimeError("start_round called while a round is open")
         if not available:
             raise ValueError("no clients available to select")
-        if self.deadline_s is not None and now is None:
-            raise ValueError("this SyncRounds has a deadline: pass now= to start_round")
+        deadline_at: float | None = None
+        if self.deadline_s is not None:
+            if now is None:
+                raise ValueError("this SyncRounds has a deadline: pass now= to start_round")
+            deadline_at = now + self.deadline_s
         self.round += 1
         ids = sorted(available)
         self.target = self.sample_size(len(ids))
-        self.deadline_at = None if self.deadline_s is None else now + self.deadline_s
+        self.deadline_at = deadline_at
         if self.sampling == "poisson":
             draws = rng(self.seed, self.round, 0x9015).random(len(ids))
             q = self.poisson_rate if self.poisson_rate is not None else self.target / len(ids)
@@ -169,7 +173,7 @@ class SyncRounds:
             self.target = len(chosen)  # the round is complete when every selected client reported
         else:
             k = min(len(ids), math.ceil(self.target * (1 + self.over_selection) - 1e-9))
-            chosen = rng(self.seed, self.round).choice(len(ids), size=k, replace=False)
+            chosen = rng(self.seed, self.round).choice(len(ids), size=k, replace=False).tolist()
         self.selected = {
             ids[i]: Assignment(ids[i], self.round, self.version, derive_seed(self.seed, self.round, i_hash(ids[i])))
             for i in sorted(chosen)
@@ -221,7 +225,7 @@ class SyncRounds:
         self._loss_sum += update.metrics.get("train_loss", 0.0) * update.num_examples
 
     def _submit_late(self, client_id: str, update: Update, t: int) -> None:
-        def reject(code: str, detail: str) -> None:
+        def reject(code: str, detail: str) -> NoReturn:
             self.rejected[code] = self.rejected.get(code, 0) + 1
             raise UpdateRejected(code, detail)
 
@@ -236,6 +240,7 @@ class SyncRounds:
             reject("too_stale", f"late update is {t} versions old; the limit is max_staleness = {self.max_staleness}")
         if not self.open:
             reject("round_closed", f"late update arrived with no round open to fold it into (version {self.version})")
+        assert self.late_weight is not None  # __init__ refuses late='fold' without one
         self.strategy.accumulate(update, self.late_weight(t))
         self._late_count += 1
         self._late_hist[t] = self._late_hist.get(t, 0) + 1

@@ -149,6 +149,7 @@ def load_shard(path: str | Path, check_dtypes: bool = True) -> Shard:
         raise DataError(f"{p}: x and y must have the same (non-zero) number of rows")
     if check_dtypes and (x.dtype != torch.float32 or y.dtype != torch.int64):
         raise DataError(f"{p}: x must be float32 and y int64 with the same (non-zero) number of rows")
-    if (test_x is None) != (test_y is None) or (test_x is not None and test_x.shape[0] != test_y.shape[0]):
+    one_missing = (test_x is None) != (test_y is None)
+    if one_missing or (test_x is not None and test_y is not None and test_x.shape[0] != test_y.shape[0]):
         raise DataError(f"{p}: test_x and test_y must both be there, with the same number of rows")
     return Shard(meta.get("client_id", p.stem), x, y, int(json.loads(meta.get("num_classes", "0"))), test_x, test_y)

@@ -37,7 +37,7 @@ class Partitioned(Sequence):
     def __len__(self) -> int:
         return len(self.parts)
 
-    def __getitem__(self, i):  # type: ignore[override]
+    def __getitem__(self, i):
         if isinstance(i, slice):
             return Partitioned(self.x, self.y, self.parts[i])
         idx = torch.from_numpy(self.parts[i])

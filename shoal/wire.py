@@ -84,8 +84,10 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     out = dict(pairs)
     if len(out) != len(pairs):
         seen: set[str] = set()
-        dup = next(k for k, _ in pairs if k in seen or seen.add(k))
-        raise Malformed(f"key {dup!r} appears twice in one JSON object")
+        for k, _ in pairs:
+            if k in seen:
+                raise Malformed(f"key {k!r} appears twice in one JSON object")
+            seen.add(k)
     return out
 
 
@@ -101,7 +103,7 @@ def _depth_ok(value: Any, limit: int) -> bool:
     return True
 
 
-def parse_json(raw: bytes | str, what: str) -> Any:
+def parse_json(raw: bytes | bytearray | memoryview | str, what: str) -> Any:
     """``json.loads`` for text from the network: UTF-8 only, no duplicate keys, integers
     of at most 19 digits, nesting at most MAX_JSON_DEPTH deep; anything else is Malformed
     (never a RecursionError or a ValueError escaping to the caller)."""
@@ -125,7 +127,7 @@ def _uint(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
 
 
-def read_header(body: bytes, max_bytes: int) -> tuple[dict[str, Any], dict[str, dict]]:
+def read_header(body: bytes | bytearray | memoryview, max_bytes: int) -> tuple[dict[str, Any], dict[str, dict]]:
     """Parse and bound-check the safetensors header; returns (shoal header, tensor table).
 
     The table is checked as the safetensors library checks it (each entry's dtype,

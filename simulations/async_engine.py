@@ -27,6 +27,7 @@ from shoal.config import Config
 from shoal.errors import UpdateRejected, WireError
 from shoal.rounds import Assignment
 from shoal.seeding import rng
+from shoal.update import Update
 
 from .inprocess import InProcessSimulation
 from .virtual_clock import ClientTiming, EventQueue
@@ -81,11 +82,13 @@ class VirtualClients:
         self.sim.wire.download(global_params, task.version)
         ((_, update),) = list(self.sim.train_clients([task], global_params))
         steps = int(update.metrics.get("local_steps", 1))
+        arrival: Update | WireError
         try:
             for step in self.sim.client_steps:  # attacks, then the wire round trip (encode, decode, validate)
                 update = step(task, update)
+            arrival = update
         except WireError as e:  # the server refuses the payload when it arrives
-            update = e
+            arrival = e
         t = self.timing
         finish = self.now + t.network_s(c) + t.compute_s(c, steps) + t.network_s(c)
         offline = t.online_until(c, self.now)
@@ -93,7 +96,7 @@ class VirtualClients:
         if offline < finish:
             self.queue.schedule(offline, "dropout", (c, tag))
         else:
-            self.queue.schedule(finish, "arrive", (c, update, tag))
+            self.queue.schedule(finish, "arrive", (c, arrival, tag))
 
     def evaluate(self, params: torch.Tensor) -> dict[str, float]:
         """``test_<metric>`` / ``fed_<metric>`` of ``params``, as the in-process engine reports them."""

@@ -300,7 +300,12 @@ def run_canary_audit(
     c = audit_config(cfg, len(data.train), k)
     seed = derive_seed(c.simulation.seed, 0xA0D1)
     pool: list[CanaryClients] = []
-    sim = InProcessSimulation(c, data_a, task, clients=lambda s: pool.append(CanaryClients(s, ids, seed)) or pool[0])
+
+    def canary_pool(s: InProcessSimulation) -> CanaryClients:
+        pool.append(CanaryClients(s, ids, seed))
+        return pool[0]
+
+    sim = InProcessSimulation(c, data_a, task, clients=canary_pool)
     check_dimension(sim.spec.numel, k)
     clients = pool[0]
     if prepare is not None:

@@ -69,8 +69,8 @@ def check_simulation_data(task: Task, data: object) -> SimulationData:
                 f"task {task_name(task)}: client_test has {len(data.client_test)} entries for "
                 f"{len(data.train)} clients; give one (or None) per client"
             )
-        for i, d in enumerate(data.client_test):
-            check_data(task, d, f"simulation_data().client_test[{i}]", allow_none=True)
+        for i, ct in enumerate(data.client_test):
+            check_data(task, ct, f"simulation_data().client_test[{i}]", allow_none=True)
     if data.client_ids is not None:
         ids = list(map(str, data.client_ids))
         if len(ids) != len(data.train) or len(set(ids)) != len(ids):

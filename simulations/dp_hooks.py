@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 from shoal.accounting import LocalDpSgdAccountant, RoundAccountant, dp_sgd_schedule
 from shoal.aggregation import Strategy
-from shoal.aggregation.dp import clip_to_norm, make_generator, noise_share
+from shoal.aggregation.dp import DPMean, clip_to_norm, make_generator, noise_share
 from shoal.assembly import expected_clients
 from shoal.config import Config
 from shoal.errors import ConfigError
@@ -78,10 +78,13 @@ class PrivacyBudget:
 
     def __init__(self, cfg: Config, client_sizes: dict[str, int], strategy: Strategy | None = None):
         p = cfg.privacy
-        self._aggregator = strategy.aggregator if strategy is not None and p.adaptive_clipping else None
+        agg = strategy.aggregator if strategy is not None else None
+        # adaptive clipping is central DP's (config rules), whose strategy aggregates with a DPMean
+        self._aggregator = agg if isinstance(agg, DPMean) and p.adaptive_clipping else None
         self.target = p.target_epsilon
         self.delta = p.delta
         self.sampling = round_sampling(cfg)
+        self.accountant: LocalDpSgdAccountant | RoundAccountant
         if p.mode == "local":
             schedules = {c: dp_sgd_schedule(n, cfg.train.batch(n), cfg.train.epochs) for c, n in client_sizes.items()}
             self.accountant = LocalDpSgdAccountant(schedules, p.noise_multiplier, p.delta, p.accountant)
@@ -107,7 +110,7 @@ class PrivacyBudget:
         """What a metrics.jsonl record gets: ``epsilon``, the client ``sampling`` and the ``accountant``
         it assumes, and ``clip_norm`` when it adapts."""
         out = {"epsilon": self.epsilon, "sampling": self.sampling, "accountant": self.accountant.describe()}
-        if self._aggregator is not None:
+        if self._aggregator is not None and self._aggregator.clip_norm is not None:
             out["clip_norm"] = float(self._aggregator.clip_norm)
         return out
 

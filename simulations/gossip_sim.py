@@ -162,7 +162,7 @@ class GossipSimulation:
             for p in choose_attackers(self.ids, atk.fraction, sim.seed):
                 self.attackers[self.index[p]] = True
             if atk.kind == "label_flip":
-                for i in np.flatnonzero(self.attackers):
+                for i in np.flatnonzero(self.attackers).tolist():
                     flip_labels(self.shards.get(int(i))[1], label_count(self))
             log.info("attack %s: %d of %d peers", atk.kind, int(self.attackers.sum()), n)
         c = cfg.compression
@@ -295,7 +295,7 @@ class GossipSimulation:
         self._churn()
         start = float(self.round - 1)
         if self.w is not None:
-            self._dpsgd_round()
+            self._dpsgd_round(self.w)
             return
         if self.g.algorithm == "secure_groups":
             self._secure_groups_round()
@@ -479,11 +479,11 @@ class GossipSimulation:
             self.group_stats["repaired_slices"] += res.repaired
             self.group_stats["incomplete"] += int(not res.complete)
 
-    def _dpsgd_round(self) -> None:
+    def _dpsgd_round(self, w: torch.Tensor) -> None:
+        """One D-PSGD round with the mixing matrix ``w`` (``self.w``)."""
         alive = torch.as_tensor(self.online)
         for i in np.flatnonzero(self.online):
             self._train(int(i))
-        w = self.w
         if self.g.loss > 0:  # each link is down this round with probability `loss`, both ways
             up = torch.as_tensor(self.rng.random((self.n, self.n)) >= self.g.loss, device=w.device)
             up = torch.triu(up, 1)
@@ -532,7 +532,7 @@ class GossipSimulation:
         mean_model = honest.mean(0)
         consensus = float((honest - mean_model).norm(dim=1).mean())
         out: dict[str, float] = {}
-        if per_peer:
+        if per_peer and self.test is not None:
             names = [k for k in per_peer[0] if k != "num_examples"]
             out.update({f"test_{k}": float(np.mean([p[k] for p in per_peer])) for k in names})
             if "accuracy" in names:
@@ -546,9 +546,9 @@ class GossipSimulation:
             out.update({f"average_model_{k}": v for k, v in avg.items() if k != "num_examples"})
         if self.client_test is not None:  # each peer's own model on its own test data
             results = [
-                self.trainer.evaluate_data(self.models[int(i)], self.client_test[int(i)], summarize=False)
+                self.trainer.evaluate_data(self.models[int(i)], own, summarize=False)
                 for i in self.eval_idx
-                if self.client_test[int(i)] is not None
+                if (own := self.client_test[int(i)]) is not None
             ]
             out.update({f"fed_{k}": v for k, v in weighted_means(results, self.task).items()})
         return {

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -31,6 +31,9 @@ from .client_data import ClientShards, check_simulation_data, client_id, load_si
 from .dp_hooks import PrivacyBudget, distributed_noise_step, round_sampling
 from .run_loop import Step
 from .wire_step import WireStep
+
+if TYPE_CHECKING:
+    from .secure_rounds import SecureAggregationRounds
 
 log = logging.getLogger(__name__)
 
@@ -112,9 +115,9 @@ class PlainRound:
 
     def updates(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
         for task, update in self.sim.train_clients(tasks, global_params):
-            update = self.sim.apply_client_steps(task, update)
-            if update is not None:
-                yield task, update
+            sent = self.sim.apply_client_steps(task, update)
+            if sent is not None:
+                yield task, sent
 
 
 class InProcessSimulation:
@@ -198,7 +201,13 @@ class InProcessSimulation:
 
             runner = SecureAggregationRounds
         self.runner: RoundRunner = (runner or PlainRound)(self)
-        self.secure_aggregation = self.runner if cfg.secure_aggregation.enabled else None
+        # secure aggregation's runner: it keeps the last round's protocol outcome (``last``)
+        self.secure_aggregation: SecureAggregationRounds | None = None
+        if cfg.secure_aggregation.enabled:
+            from .secure_rounds import SecureAggregationRounds
+
+            if isinstance(self.runner, SecureAggregationRounds):
+                self.secure_aggregation = self.runner
         log.info(
             "simulation: %d clients, %d train examples, model of %d exchanged parameters on %s (%s)",
             len(self.client_ids),

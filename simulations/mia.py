@@ -56,7 +56,7 @@ def one_sample(task: Task, data: ClientData, i: int):
     if pair is not None:
         return pair[0][i : i + 1], pair[1][i : i + 1]
     collate = task.collate_fn or torch.utils.data.default_collate
-    return tuple(collate([data[i]]))  # type: ignore[index]
+    return tuple(collate([data[i]]))
 
 
 def roc_auc(member: np.ndarray, nonmember: np.ndarray) -> float:

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from shoal.assembly import task_from_config, task_label
-from shoal.config import Config
+from shoal.config import Config, PrivacyMode
 from shoal.errors import ConfigError
 from shoal.seeding import derive_seed
 from shoal.task import SimulationData, Task
@@ -67,14 +67,15 @@ NO_AUDIT = {
 }
 
 
-def settings(cfg: Config) -> list[tuple[str, float]]:
+def settings(cfg: Config) -> list[tuple[PrivacyMode, float]]:
     """The baseline, then every (mode, noise multiplier) of the grid."""
     p = cfg.privacy
-    return [("none", 0.0)] + [(m, z) for m in p.sweep_modes for z in p.sweep_noise_multipliers]
+    baseline: list[tuple[PrivacyMode, float]] = [("none", 0.0)]
+    return baseline + [(m, z) for m in p.sweep_modes for z in p.sweep_noise_multipliers]
 
 
 def run_setting(
-    cfg: Config, data: SimulationData, mode: str, z: float, out: Path, task: Task | None = None
+    cfg: Config, data: SimulationData, mode: PrivacyMode, z: float, out: Path, task: Task | None = None
 ) -> dict[str, Any]:
     """One simulation plus its audit; members are the samples of clients that trained."""
     c = copy.deepcopy(cfg)
@@ -245,8 +246,8 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
         ax.legend()
     for ax, key, label in ((axes[0], "test_accuracy", "test accuracy"), (axes[1], "mia_auc", "attack ROC AUC")):
         for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"] != "none"):
-            pts = sorted((r["epsilon"], r[key]) for r in rows if r["mode"] == mode and math.isfinite(r["epsilon"]))
-            ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{mode} DP")
+            curve = sorted((r["epsilon"], r[key]) for r in rows if r["mode"] == mode and math.isfinite(r["epsilon"]))
+            ax.plot([p[0] for p in curve], [p[1] for p in curve], marker="o", label=f"{mode} DP")
         if base is not None:
             ax.axhline(base[key], color="k", ls="--", lw=1, label="no DP")
         if key == "mia_auc":

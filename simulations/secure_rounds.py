@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -38,6 +39,9 @@ from shoal.update import Update
 
 from .dp_hooks import DistributedNoise
 
+if TYPE_CHECKING:
+    from .inprocess import InProcessSimulation
+
 log = logging.getLogger(__name__)
 
 
@@ -46,7 +50,7 @@ class SecureAggregationRounds:
     steps run before masking, the aggregator receives only the unmasked mean; keeps the last
     round's protocol outcome in ``last`` (included, dropped, server/client CPU seconds)."""
 
-    def __init__(self, sim):
+    def __init__(self, sim: InProcessSimulation) -> None:
         self.sim = sim
         self.cfg = sim.cfg.secure_aggregation
         # distributed DP's server divides the plain sum by K: every client weighs the same
@@ -102,10 +106,10 @@ class SecureAggregationRounds:
         client. Raises SecAggAborted when too few survive (the simulation keeps the model)."""
         trained = []
         for task, update in self.sim.train_clients(tasks, global_params):
-            update = self.sim.apply_client_steps(task, update)  # a payload validation refuses is counted
-            if update is None:
+            sent = self.sim.apply_client_steps(task, update)  # a payload validation refuses is counted
+            if sent is None:
                 continue
-            if not bool(torch.isfinite(update.delta).all()):  # as a node does: never mask a NaN into the sum
+            if not bool(torch.isfinite(sent.delta).all()):  # as a node does: never mask a NaN into the sum
                 log.warning(
                     "round %d: %s's update has NaN/Inf entries; it is left out of the secure sum",
                     task.round,
@@ -113,7 +117,7 @@ class SecureAggregationRounds:
                 )
                 self.sim.rounds.rejected[NonFinite.code] = self.sim.rounds.rejected.get(NonFinite.code, 0) + 1
                 continue
-            trained.append((task, update))
+            trained.append((task, sent))
         if not trained:
             return
         if len(trained) > self.max_summands:

@@ -435,6 +435,10 @@ class GossipConfig:
         _positive("gossip.rounds", self.rounds, allow_zero=True)
 
 
+# privacy.mode's choices, named: the privacy sweep runs a grid of them
+PrivacyMode = Literal["none", "central", "local", "distributed"]
+
+
 @dataclass
 class PrivacyConfig:
     """Differential privacy (docs/privacy.md): who adds the noise, how much, how it is counted.
@@ -446,7 +450,7 @@ class PrivacyConfig:
     al. 2016) with per-sample clipping to ``clip_norm``.
     """
 
-    mode: Literal["none", "central", "local", "distributed"] = "none"
+    mode: PrivacyMode = "none"
     noise_multiplier: float = 1.0  # z: noise std = z * clip_norm
     clip_norm: float = 1.0  # C: update norm (central/distributed), per-sample gradient norm (local)
     adaptive_clipping: bool = False  # central: Andrew et al. 2021 quantile-based C

@@ -242,3 +242,37 @@ def test_a_user_task_file_runs_through_the_flower_engine_as_in_process(tmp_path,
             assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), key
     assert flower.summary["task"] == f"{work / 'sites.py'}:Sites"
     assert flower.summary["final_metrics"]["fed_top2"] == ours[-1]["fed_top2"]
+
+
+def test_a_reply_with_a_list_for_its_example_count_is_dropped_not_a_crash():
+    """A node's metric record may hold lists; where a number is needed that is a bad reply
+    (dropped, the model unchanged), not a TypeError out of aggregate_train."""
+    import time
+
+    from flwr.app import Message, MessageType, Metadata, MetricRecord, RecordDict
+
+    from shoal.aggregation import make_strategy
+    from shoal.flower.apps import ARRAYS, METRICS, NUM_EXAMPLES, ShoalStrategy
+    from shoal.rounds import SyncRounds
+
+    model = build_model("logreg", (60,), 10)
+    spec = ParamSpec.of(model)
+    flat = flatten(model, spec)
+    strategy = ShoalStrategy(make_strategy(load_config(None, []).strategy, spec.numel), spec, clients_per_round=1)
+    strategy.rounds = SyncRounds(strategy.strategy, flat.clone(), 1)
+    (task,) = strategy.rounds.start_round(["a"])
+    strategy._tasks = {7: task}  # what configure_train records: node 7 was sent client a's task
+    meta = Metadata(
+        run_id=1,
+        message_id="",
+        src_node_id=7,
+        dst_node_id=0,
+        reply_to_message_id="m",
+        group_id="1",
+        created_at=time.time(),
+        ttl=60.0,
+        message_type=MessageType.TRAIN,
+    )
+    content = RecordDict({ARRAYS: to_arrays(flat, spec), METRICS: MetricRecord({NUM_EXAMPLES: [3, 4]})})
+    assert strategy.aggregate_train(1, [Message(content, metadata=meta)]) == (None, None)
+    assert strategy.rounds.version == 0 and torch.equal(strategy.rounds.global_params, flat)
