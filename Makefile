@@ -5,7 +5,7 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -16,7 +16,12 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)  ## the built-in simulation: Synthetic(1,1), 30 clients, logistic regression
 	$(BIN)/shoal simulate --out runs/demo
 
-test: $(STAMP)  ## the whole test suite
+lint: $(STAMP)  ## ruff (lint + format check) and mypy
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python .ci/typecheck.py
+
+test: lint  ## lint and types, then the whole test suite
 	$(BIN)/python -m pytest -q -p no:cacheprovider
 
 clean:
