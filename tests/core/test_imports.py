@@ -128,3 +128,23 @@ def test_no_import_cycle_and_no_private_name_across_modules():
             visit(m, [])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
     assert not private, "private names imported across modules: " + "; ".join(private)
+
+
+def test_every_package_folder_is_listed_for_installation():
+    """A non-editable `pip install .` ships only the packages pyproject lists: a new subpackage
+    (shoal/config/, ...) missing there would work in the dev venv and break on an edge node."""
+    import tomllib
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[2]
+    tool = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]
+    listed = set(tool["packages"])
+    folders = {pkg: repo / folder for pkg, folder in tool["package-dir"].items()}
+    found = set()
+    for pkg, folder in folders.items():
+        found.add(pkg)
+        for init in folder.rglob("__init__.py"):
+            rel = init.parent.relative_to(folder)
+            if rel.parts and "__pycache__" not in rel.parts:
+                found.add(".".join([pkg, *rel.parts]))
+    assert found - listed == set(), f"packages not listed in pyproject: {sorted(found - listed)}"
