@@ -8,7 +8,7 @@ side by side for the complete graph (Bonawitz et al. 2017) and the SecAgg+ graph
 Dropped clients leave after sharing their keys and before sending their masked input
 (the server's worst case, as in Bonawitz's Fig. 8: it must rebuild their mask keys and
 regenerate every pairwise mask they had with the survivors). The SecAgg+ degree k is
-sized for the dropout rate (secagg_graph.auto_degree; at 30% it needs far more than
+sized for the dropout rate (secagg.graph.auto_degree; at 30% it needs far more than
 3 log2 n neighbours to keep a majority threshold alive). Seconds are CPU seconds of
 each party's protocol work (process time: the machine may be shared): key agreement,
 sharing, encryption, masking, unmasking for a client, everything but encoding.
@@ -25,7 +25,7 @@ import time
 import numpy as np
 
 from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer
-from shoal.aggregation.secagg_memory import run_in_memory
+from shoal.aggregation.secagg.memory import run_in_memory
 
 # Bonawitz et al. 2017, Fig. 8 / Table 2: 100K entries, 500 clients (Java, one core)
 PAPER = {

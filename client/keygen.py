@@ -18,7 +18,7 @@ def keygen(
     Collect every node's entry into one JSON object (the keys file) and give it to every
     node with the config, outside the server: secure_aggregation.keys_file. Set
     secure_aggregation.identity_key to OUT on this node."""
-    from shoal.aggregation.secagg_identity import write_identity
+    from shoal.aggregation.secagg.identity import write_identity
 
     public = write_identity(out)
     typer.echo(json.dumps({name: base64.b64encode(public).decode()}))

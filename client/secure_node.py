@@ -1,7 +1,7 @@
 """A node's side of a secure `shoal server` round: its update leaves it only masked.
 
 When the task says ``secure_aggregation``, the node runs :class:`SecAggClient`
-(aggregation/secagg.py) over HTTP after training: post its public keys (with its
+(aggregation/secagg/protocol.py) over HTTP after training: post its public keys (with its
 example count and training loss, which are metadata in clear), fetch its neighbours'
 keys, post encrypted shares, fetch its own, post the masked fixed-point vector
 ``[w_k * clip(delta_k), w_k]`` (as the simulator does), fetch the unmasking request
@@ -10,7 +10,7 @@ the mask-key share of one peer. The routes are in docs/protocol.md.
 
 Distributed DP (the update already carries its noise share, client/node.py): the node takes
 part only when the fixed-point range leaves room for its noise (the range check of
-aggregation/secagg_encoding), when every node weighs the same, and, over the full graph, sends
+aggregation.secagg.encoding), when every node weighs the same, and, over the full graph, sends
 its unmasking shares only when the survivors it is shown number at least the t its share was
 sized for, so a server that would unmask a smaller sum gets no shares from this node.
 """
@@ -24,11 +24,11 @@ import aiohttp
 import numpy as np
 import torch
 
-from shoal.aggregation import secagg_identity as ID
 from shoal.aggregation.dp import share_std
 from shoal.aggregation.secagg import ConsistencyRequest, KeyDirectory, SecAggClient, ShareDelivery, UnmaskRequest
-from shoal.aggregation.secagg_encoding import FixedPoint, check_noise_range, encode_weighted, example_weight
-from shoal.aggregation.secagg_wire import decode_message, encode_message, message_meta, params_from_json
+from shoal.aggregation.secagg import identity as ID
+from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range, encode_weighted, example_weight
+from shoal.aggregation.secagg.wire import decode_message, encode_message, message_meta, params_from_json
 from shoal.errors import Malformed, ShoalError
 from shoal.update import Update
 

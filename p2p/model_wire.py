@@ -177,9 +177,9 @@ def decode_slice(body: bytes, spec: ParamSpec, max_bytes: int) -> SliceMessage:
 
 
 def encode_secure(msg: SecureMessage, spec: ParamSpec) -> bytes:
-    """A secure group message: secagg messages as shoal.aggregation.secagg_wire writes them, the
+    """A secure group message: secagg messages as shoal.aggregation.secagg.wire writes them, the
     group's mean as a float32 tensor; routing and example counts in ``meta``."""
-    from shoal.aggregation.secagg_wire import encode_message
+    from shoal.aggregation.secagg.wire import encode_message
 
     meta = {
         "spec_hash": spec.hash,
@@ -200,7 +200,7 @@ def encode_secure(msg: SecureMessage, spec: ParamSpec) -> bytes:
 
 def decode_secure(body: bytes, spec: ParamSpec, max_bytes: int) -> SecureMessage:
     """A validated secure group message (wire checks, spec hash, routing fields, payload kind)."""
-    from shoal.aggregation.secagg_wire import decode_message
+    from shoal.aggregation.secagg.wire import decode_message
 
     from .secure_group import TO_MEMBER, TO_RELAY, SecureMessage
 

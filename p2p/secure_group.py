@@ -45,8 +45,8 @@ from shoal.aggregation.secagg import (
     UnmaskRequest,
     UnmaskShares,
 )
-from shoal.aggregation.secagg_encoding import FixedPoint, encode_weighted, weighted_mean
-from shoal.aggregation.secagg_memory import client_randomness
+from shoal.aggregation.secagg.encoding import FixedPoint, encode_weighted, weighted_mean
+from shoal.aggregation.secagg.memory import client_randomness
 
 from .group_average import Refusal, group_id
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
-from shoal.aggregation.secagg_identity import read_roster
+from shoal.aggregation.secagg.identity import read_roster
 from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, TooLarge, UpdateRejected, WireError
 

@@ -6,7 +6,7 @@ arrives, and when it writes records, status and checkpoints). It is built from t
 objects the simulator runs, not a second implementation: the DP strategy of
 aggregation.dp (``make_dp_strategy``), the accountants of shoal.accounting, SyncRounds'
 Poisson sampling, and for secure aggregation the protocol's own threshold and the
-fixed-point range check of aggregation.secagg_encoding.
+fixed-point range check of aggregation.secagg.encoding.
 
 * ``central``: DP-FedAvg. Each round selects every connected node independently with
   probability q = K / N, where K = ``server.clients_per_round`` and N = the registered
@@ -44,7 +44,7 @@ from typing import Any
 from shoal.accounting import RoundAccountant
 from shoal.aggregation.dp import DPMean, make_dp_strategy, share_std
 from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer
-from shoal.aggregation.secagg_encoding import FixedPoint, check_noise_range
+from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range
 from shoal.aggregation.strategy import Strategy
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, short_repr

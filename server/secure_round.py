@@ -1,7 +1,7 @@
 """Secure aggregation in `shoal server` sync rounds: the protocol's stages as HTTP exchanges.
 
 One :class:`SecureRound` wraps the :class:`SecAggServer` state machine
-(aggregation/secagg.py, Bonawitz et al. 2017 with the SecAgg+ graph) for one open
+(aggregation/secagg/protocol.py, Bonawitz et al. 2017 with the SecAgg+ graph) for one open
 SyncRounds round. Like the service it has no sockets and no clocks (``now`` is passed
 in): server/app.py turns ``POST /v1/secagg/{stage}`` into :meth:`receive` and
 ``GET /v1/secagg/{stage}`` into :meth:`reply`, and the service's clock calls
@@ -35,7 +35,6 @@ from typing import Any
 import numpy as np
 import torch
 
-from shoal.aggregation import secagg_identity as ID
 from shoal.aggregation.secagg import (
     ConsistencySignature,
     EncryptedShares,
@@ -47,8 +46,9 @@ from shoal.aggregation.secagg import (
     SecAggServer,
     UnmaskShares,
 )
-from shoal.aggregation.secagg_encoding import FixedPoint, weighted_mean
-from shoal.aggregation.secagg_wire import decode_message, encode_message, message_meta, params_to_json
+from shoal.aggregation.secagg import identity as ID
+from shoal.aggregation.secagg.encoding import FixedPoint, weighted_mean
+from shoal.aggregation.secagg.wire import decode_message, encode_message, message_meta, params_to_json
 from shoal.config import Config
 from shoal.errors import Malformed, OutOfRange, UpdateRejected, short_repr
 from shoal.rounds import RoundSummary, SyncRounds

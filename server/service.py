@@ -23,7 +23,7 @@ from typing import Any, cast
 
 import torch
 
-from shoal.aggregation.secagg_encoding import FixedPoint
+from shoal.aggregation.secagg.encoding import FixedPoint
 from shoal.assembly import initial_model, make_async_rounds, make_deadline_rounds, make_round_strategy, task_from_config
 from shoal.async_rounds import AsyncRounds
 from shoal.client.training import LocalTrainer, summarize_means

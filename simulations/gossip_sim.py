@@ -61,8 +61,8 @@ import numpy as np
 import torch
 
 from shoal.aggregation.secagg import SecAggAborted
-from shoal.aggregation.secagg_group import secure_group_average
-from shoal.aggregation.secagg_memory import STAGES, injected_dropouts
+from shoal.aggregation.secagg.group import secure_group_average
+from shoal.aggregation.secagg.memory import STAGES, injected_dropouts
 from shoal.assembly import initial_model, task_from_config, task_label
 from shoal.client.device import select_device
 from shoal.client.training import LocalTrainer
@@ -324,7 +324,7 @@ class GossipSimulation:
 
     def _secure_groups_round(self) -> None:
         """Every online peer trains, then random groups of ``gossip.group_size`` peers
-        average securely (aggregation/secagg_group.py: Bonawitz et al.'s protocol among
+        average securely (aggregation/secagg/group.py: Bonawitz et al.'s protocol among
         the members, one relaying): each member learns only its group's example-weighted
         average. What is masked is the model's offset from the shared seeded initial
         model, in fixed point clipped to ``secure_aggregation.clip`` per entry. Injected

@@ -14,7 +14,7 @@ raised to ceil(privacy.min_survivors K) when set, e.g. for SecAgg+ whose thresho
 neighbourhood),
 and a round whose survivors number fewer than t is aborted before its sum is used, so every
 applied sum carries at least N(0, z²C²). The fixed-point range is checked against the share's
-std (aggregation/secagg_encoding.check_noise_range). Aborted rounds are charged by the
+std (aggregation.secagg.encoding.check_noise_range). Aborted rounds are charged by the
 accountant like any other.
 """
 
@@ -29,9 +29,9 @@ import torch
 
 from shoal.aggregation.dp import share_std
 from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer
-from shoal.aggregation.secagg_encoding import FixedPoint, check_noise_range, example_weight
-from shoal.aggregation.secagg_group import secure_weighted_mean
-from shoal.aggregation.secagg_memory import STAGES, injected_dropouts
+from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range, example_weight
+from shoal.aggregation.secagg.group import secure_weighted_mean
+from shoal.aggregation.secagg.memory import STAGES, injected_dropouts
 from shoal.errors import NonFinite
 from shoal.rounds import Assignment
 from shoal.seeding import derive_seed, rng

@@ -7,7 +7,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from scipy import stats
 
-from shoal.aggregation import secagg_crypto as C
 from shoal.aggregation.secagg import (
     SecAggAborted,
     SecAggClient,
@@ -17,9 +16,10 @@ from shoal.aggregation.secagg import (
     SecAggServer,
     UnmaskRequest,
 )
-from shoal.aggregation.secagg_encoding import FixedPoint
-from shoal.aggregation.secagg_graph import threshold
-from shoal.aggregation.secagg_memory import STAGES, run_in_memory
+from shoal.aggregation.secagg import crypto as C
+from shoal.aggregation.secagg.encoding import FixedPoint
+from shoal.aggregation.secagg.graph import threshold
+from shoal.aggregation.secagg.memory import STAGES, run_in_memory
 
 
 def ids(n):

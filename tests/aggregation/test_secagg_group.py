@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from shoal.aggregation.secagg import SecAggAborted
-from shoal.aggregation.secagg_group import secure_group_average
+from shoal.aggregation.secagg.group import secure_group_average
 
 
 def vectors(n, size=300, seed=0):

@@ -9,7 +9,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-from shoal.aggregation import secagg_crypto as C
 from shoal.aggregation.secagg import (
     KeyDirectory,
     PublicKeys,
@@ -21,8 +20,9 @@ from shoal.aggregation.secagg import (
     SecAggServer,
     ShareDelivery,
 )
-from shoal.aggregation.secagg_encoding import FixedPoint, encode_weighted
-from shoal.aggregation.secagg_memory import run_in_memory
+from shoal.aggregation.secagg import crypto as C
+from shoal.aggregation.secagg.encoding import FixedPoint, encode_weighted
+from shoal.aggregation.secagg.memory import run_in_memory
 from shoal.config import load_config
 from shoal.errors import ConfigError
 

@@ -10,8 +10,6 @@ import dataclasses
 import numpy as np
 import pytest
 
-from shoal.aggregation import secagg_crypto as C
-from shoal.aggregation import secagg_identity as ID
 from shoal.aggregation.secagg import (
     ConsistencyRequest,
     KeyDirectory,
@@ -22,8 +20,10 @@ from shoal.aggregation.secagg import (
     SecAggServer,
     UnmaskRequest,
 )
-from shoal.aggregation.secagg_memory import STAGES, run_in_memory
-from shoal.aggregation.secagg_wire import decode_message, encode_message
+from shoal.aggregation.secagg import crypto as C
+from shoal.aggregation.secagg import identity as ID
+from shoal.aggregation.secagg.memory import STAGES, run_in_memory
+from shoal.aggregation.secagg.wire import decode_message, encode_message
 from shoal.errors import ConfigError
 
 N, SIZE = 6, 12

@@ -5,9 +5,9 @@ import itertools
 import numpy as np
 import pytest
 
-from shoal.aggregation import secagg_crypto as C
-from shoal.aggregation.secagg_encoding import FixedPoint, SecAggConfigError, decode_weighted, encode_weighted
-from shoal.aggregation.secagg_graph import auto_degree, neighbours, threshold
+from shoal.aggregation.secagg import crypto as C
+from shoal.aggregation.secagg.encoding import FixedPoint, SecAggConfigError, decode_weighted, encode_weighted
+from shoal.aggregation.secagg.graph import auto_degree, neighbours, threshold
 
 
 def test_shamir_any_t_shares_rebuild_the_secrets_and_fewer_do_not():

@@ -3,9 +3,9 @@
 import numpy as np
 import pytest
 
-from shoal.aggregation import secagg_crypto as C
 from shoal.aggregation.secagg import SecAggClient, SecAggParams, SecAggServer
-from shoal.aggregation.secagg_wire import decode_message, encode_message
+from shoal.aggregation.secagg import crypto as C
+from shoal.aggregation.secagg.wire import decode_message, encode_message
 from shoal.errors import Malformed, WireError
 from shoal.wire import encode
 

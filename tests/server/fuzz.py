@@ -768,7 +768,7 @@ async def _legit_secure(server: ServerThread) -> None:
 
     import aiohttp
 
-    from shoal.aggregation.secagg_wire import decode_message, encode_message, message_meta
+    from shoal.aggregation.secagg.wire import decode_message, encode_message, message_meta
 
     from .test_secure_rounds import LATER, Party
 

@@ -22,7 +22,7 @@ import torch
 from aiohttp import web
 
 from shoal.accounting import LocalDpSgdAccountant, dp_sgd_schedule, epsilon
-from shoal.aggregation.secagg_wire import decode_message, encode_message
+from shoal.aggregation.secagg.wire import decode_message, encode_message
 from shoal.client.http import NodeError
 from shoal.client.node import Node, NodePrivacy
 from shoal.config import config_from_dict

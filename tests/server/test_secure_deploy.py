@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from shoal.aggregation.secagg_encoding import FixedPoint
+from shoal.aggregation.secagg.encoding import FixedPoint
 from shoal.server.checkpoint import latest_checkpoint, load_checkpoint
 from shoal.shards import load_shard
 from shoal.simulations.inprocess import InProcessSimulation

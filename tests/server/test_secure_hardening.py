@@ -11,7 +11,7 @@ from contextlib import AsyncExitStack
 import torch
 
 from shoal.aggregation.secagg import PublicKeys
-from shoal.aggregation.secagg_wire import decode_message, encode_message
+from shoal.aggregation.secagg.wire import decode_message, encode_message
 from shoal.client.node import Node
 from shoal.config import config_from_dict
 from shoal.shards import load_shard, write_shards

@@ -14,9 +14,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from shoal.aggregation import secagg_identity as ID
 from shoal.aggregation.secagg import SecAggClient, SecAggParams
-from shoal.aggregation.secagg_wire import encode_message, params_from_json
+from shoal.aggregation.secagg import identity as ID
+from shoal.aggregation.secagg.wire import encode_message, params_from_json
 from shoal.client.node import Node
 from shoal.client.secure_node import _identity
 from shoal.config import config_from_dict

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from shoal.aggregation.secagg import MaskedInput, SecAggClient, UnmaskShares
-from shoal.aggregation.secagg_encoding import FixedPoint, encode_weighted, example_weight
-from shoal.aggregation.secagg_wire import decode_message, encode_message, message_meta, params_from_json
+from shoal.aggregation.secagg.encoding import FixedPoint, encode_weighted, example_weight
+from shoal.aggregation.secagg.wire import decode_message, encode_message, message_meta, params_from_json
 from shoal.update import Update
 from shoal.wire import encode_update
 

@@ -13,7 +13,7 @@ import torch
 
 from shoal.accounting import epsilon, epsilon_fixed_size
 from shoal.aggregation.dp import make_generator, noise_share, share_std
-from shoal.aggregation.secagg_encoding import FixedPoint, SecAggConfigError, check_noise_range, noise_range
+from shoal.aggregation.secagg.encoding import FixedPoint, SecAggConfigError, check_noise_range, noise_range
 from shoal.config import load_config
 from shoal.errors import ConfigError
 from shoal.metrics import read_jsonl

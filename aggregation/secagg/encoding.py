@@ -29,7 +29,7 @@ import numpy as np
 
 from shoal.errors import ConfigError
 
-from .secagg import SecAggAborted
+from .protocol import SecAggAborted
 
 MODULUS_BITS = 32
 HEADROOM_SIGMAS = 8.0

@@ -3,7 +3,7 @@
 The protocol of Bonawitz et al. 2017 ("Practical Secure Aggregation for
 Privacy-Preserving Machine Learning", CCS'17, Fig. 4, honest-but-curious variant
 without signatures), over either the complete graph or the SecAgg+ graph of Bell et
-al. 2020 (:mod:`secagg_graph`). The server learns the sum of the surviving clients'
+al. 2020 (:mod:`.graph`). The server learns the sum of the surviving clients'
 vectors mod 2^32 and nothing else about any one of them.
 
 Stages (the server closes each when its transport decides nobody else will answer;
@@ -43,9 +43,9 @@ from cryptography.hazmat.primitives.asymmetric.x25519 import X25519PublicKey
 
 from shoal.errors import ShoalError
 
-from . import secagg_crypto as C
-from . import secagg_identity as ID
-from .secagg_graph import GRAPHS, auto_degree, neighbours, threshold
+from . import crypto as C
+from . import identity as ID
+from .graph import GRAPHS, auto_degree, neighbours, threshold
 
 log = logging.getLogger(__name__)
 

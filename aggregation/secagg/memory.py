@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import secagg_crypto as C
-from . import secagg_identity as ID
-from .secagg import SecAggClient, SecAggParams, SecAggResult, SecAggServer
+from . import crypto as C
+from . import identity as ID
+from .protocol import SecAggClient, SecAggParams, SecAggResult, SecAggServer
 
 STAGES = ("advertise", "share", "masked", "unmask")
 

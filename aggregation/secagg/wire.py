@@ -19,8 +19,8 @@ import torch
 from shoal.errors import Malformed
 from shoal.wire import MAX_HEADER_BYTES, decode, encode, read_header
 
-from . import secagg_crypto as C
-from .secagg import (
+from . import crypto as C
+from .protocol import (
     ConsistencyRequest,
     ConsistencySignature,
     EncryptedShares,

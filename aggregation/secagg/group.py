@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .secagg import SecAggParams
-from .secagg_encoding import FixedPoint, encode_weighted, weighted_mean
-from .secagg_memory import SecAggCost, run_in_memory
+from .encoding import FixedPoint, encode_weighted, weighted_mean
+from .memory import SecAggCost, run_in_memory
+from .protocol import SecAggParams
 
 
 @dataclass
