@@ -22,7 +22,7 @@ lint: $(STAMP)  ## ruff (lint + format check) and mypy
 	$(BIN)/python .ci/typecheck.py
 
 test: lint  ## lint and types, then the whole test suite
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
 
 clean:
 	rm -rf runs .pytest_cache
