@@ -35,7 +35,7 @@ from pathlib import Path
 import aiohttp
 import torch
 
-from shoal.accounting import LocalDpSgdAccountant, dp_sgd_schedule
+from shoal.accounting import LocalDpSgdAccountant, budget_allows, dp_sgd_schedule
 from shoal.aggregation.compression import Compressor
 from shoal.aggregation.dp import clip_to_norm, make_generator, noise_share, share_std
 from shoal.assembly import initial_model, make_trainer, task_from_config
@@ -228,21 +228,7 @@ class NodePrivacy:
 
     def allows_next_round(self) -> bool:
         """Local DP: False (with a log line) when one more round would pass privacy.target_epsilon."""
-        target = self.p.target_epsilon
-        if self.accountant is None or not target:
-            return True
-        nxt = self.accountant.next_epsilon()
-        if nxt <= target:
-            return True
-        log.warning(
-            "stopping: privacy budget reached (epsilon = %.4g now, %.4g after one more round > "
-            "privacy.target_epsilon = %g at delta = %g)",
-            self.epsilon,
-            nxt,
-            target,
-            self.p.delta,
-        )
-        return False
+        return self.accountant is None or budget_allows(self.accountant, self.p.target_epsilon, self.p.delta)
 
     def training_seed(self, task_seed: int) -> int:
         """Local DP trains on a seed only this node knows; otherwise the task's (reproducible runs)."""

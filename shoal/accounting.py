@@ -22,6 +22,8 @@ from functools import lru_cache
 import dp_accounting
 from dp_accounting import pld, rdp
 
+log = logging.getLogger(__name__)
+
 ACCOUNTANTS = ("rdp", "pld")
 SAMPLINGS = ("poisson", "fixed")
 
@@ -102,6 +104,25 @@ def epsilon_fixed_size(num_clients: int, sample_size: int, noise_multiplier: flo
     return _epsilon_of(
         fixed_size_gaussian(num_clients, sample_size, noise_multiplier, steps), delta, "rdp", replace_one=True
     )
+
+
+def budget_allows(accountant, target: float, delta: float) -> bool:
+    """Whether one more round keeps epsilon within ``target`` (0 = no limit); logs why not.
+    ``accountant``: anything with ``epsilon`` and ``next_epsilon()`` (every accountant here)."""
+    if not target:
+        return True
+    nxt = accountant.next_epsilon()
+    if nxt <= target:
+        return True
+    log.warning(
+        "stopping: privacy budget reached (epsilon = %.4g now, %.4g after one more round > "
+        "privacy.target_epsilon = %g at delta = %g)",
+        accountant.epsilon,
+        nxt,
+        target,
+        delta,
+    )
+    return False
 
 
 class RoundAccountant:

@@ -100,14 +100,7 @@ class VirtualClients:
 
     def evaluate(self, params: torch.Tensor) -> dict[str, float]:
         """``test_<metric>`` / ``fed_<metric>`` of ``params``, as the in-process engine reports them."""
-        sim = self.sim
-        out: dict[str, float] = {}
-        if sim.test is not None:
-            ev = sim.trainer.evaluate_data(params, sim.test)
-            out.update({f"test_{k}": v for k, v in ev.items() if k != "num_examples"})
-        if sim.client_test is not None:
-            out.update(sim.federated_evaluate(params))
-        return out
+        return self.sim.evaluate(params)
 
 
 def staleness_figures(hist: dict[int, int]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from shoal.accounting import LocalDpSgdAccountant, RoundAccountant, dp_sgd_schedule
+from shoal.accounting import LocalDpSgdAccountant, RoundAccountant, budget_allows, dp_sgd_schedule
 from shoal.aggregation import Strategy
 from shoal.aggregation.dp import DPMean, clip_to_norm, make_generator, noise_share
 from shoal.assembly import expected_clients
@@ -128,17 +128,4 @@ class PrivacyBudget:
 
     def allows_next_round(self) -> bool:
         """False (with a message) when one more round would take epsilon past the target."""
-        if not self.target:
-            return True
-        nxt = self.accountant.next_epsilon()
-        if nxt <= self.target:
-            return True
-        log.warning(
-            "stopping: privacy budget reached (epsilon = %.4g now, %.4g after one more round > "
-            "privacy.target_epsilon = %g at delta = %g)",
-            self.epsilon,
-            nxt,
-            self.target,
-            self.delta,
-        )
-        return False
+        return budget_allows(self.accountant, self.target, self.delta)

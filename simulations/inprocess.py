@@ -326,10 +326,10 @@ class InProcessSimulation:
             out.update(self.privacy.summary())  # epsilon, delta, the sampling and the accountant
         return out
 
-    def evaluate(self) -> dict[str, float]:
-        """The global model on the central test set (``test_<metric>``) and, when clients
-        have test data, on each client's own (``fed_<metric>``, example-weighted means)."""
-        params = self.rounds.global_params
+    def evaluate(self, params: torch.Tensor | None = None) -> dict[str, float]:
+        """``params`` (default: the global model) on the central test set (``test_<metric>``)
+        and, when clients have test data, on each client's own (``fed_<metric>``, example-weighted)."""
+        params = self.rounds.global_params if params is None else params
         out: dict[str, float] = {}
         if self.test is not None:
             ev = self.trainer.evaluate_data(params, self.test)
