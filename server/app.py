@@ -24,6 +24,7 @@ from shoal.aggregation.secagg.identity import read_roster
 from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, TooLarge, UpdateRejected, WireError
 
+from .exposition import prometheus_text
 from .registry import AuthError, Registry, hash_token, well_formed
 from .service import MAX_EVAL_BODY, ServerService
 
@@ -488,7 +489,7 @@ async def get_status(request: web.Request) -> web.Response:
 
 
 async def get_metrics(request: web.Request) -> web.Response:
-    text = request.app[SERVICE].prometheus(time.monotonic())
+    text = prometheus_text(request.app[SERVICE], time.monotonic())
     return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import logging
+import time
 from pathlib import Path
 
 import typer
@@ -45,7 +46,7 @@ def run_server(cfg: Config, insecure: bool = False, fresh: bool = False) -> None
 
     from .app import serve
     from .registry import Registry
-    from .service import ServerService
+    from .store import open_service
 
     task = task_from_config(cfg)  # a task that does not load is one line, before anything starts
     s = cfg.server
@@ -61,7 +62,7 @@ def run_server(cfg: Config, insecure: bool = False, fresh: bool = False) -> None
         )
     registry = Registry(s.db)
     try:
-        service = ServerService(cfg, resume=not fresh, task=task)
+        service = open_service(cfg, resume=not fresh, task=task, started_at=time.monotonic())
         asyncio.run(serve(service, registry, ctx))
     finally:
         registry.close()

@@ -1,13 +1,16 @@
-"""The aggregator's state machine: round objects + validation + checkpoints + metrics.
+"""The aggregator's state machine: round objects + validation + evaluation, without I/O.
 
-No sockets and no clocks here (time is passed in as ``now``, monotonic seconds): the
-HTTP layer (app.py) turns requests into calls of :meth:`poll`, :meth:`submit` and
-:meth:`tick`, and answers what they return. Round logic itself lives in the objects
-the simulator drives: shoal.rounds.SyncRounds (``server.mode = "sync"``: selection,
-deadline, minimum fraction, late results) and shoal.async_rounds.AsyncRounds
-(``"async"``: FedAsync / FedBuff as ``[asynchronous]`` says). Differential privacy
-(``[privacy]``) is one object, server/privacy.py's ServerPrivacy: the DP strategy, Poisson
-selection over the registered nodes, the accountant, the budget and the nodes' reports.
+No sockets, files or clocks here: time is passed in as ``now`` (monotonic seconds), and
+what must outlive the process leaves as events (:class:`Record` for metrics.jsonl,
+:class:`Checkpoint`, :class:`PrivacyLedger`) handed to ``emit`` in the order they must be
+made durable; server/store.py writes them, server/app.py turns requests into calls of
+:meth:`poll`, :meth:`submit` and :meth:`tick` and answers what they return. Round logic
+lives in the objects the simulator drives, behind shoal.rounds.Rounds:
+shoal.rounds.SyncRounds (``server.mode = "sync"``: selection, deadline, minimum fraction,
+late results) and shoal.async_rounds.AsyncRounds (``"async"``: FedAsync / FedBuff as
+``[asynchronous]`` says). Differential privacy (``[privacy]``) is one object,
+server/privacy.py's ServerPrivacy: the DP strategy, Poisson selection over the registered
+nodes, the accountant, the budget and the nodes' reports.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import json
 import logging
 import math
 import re
-import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -25,20 +28,52 @@ import torch
 
 from shoal.aggregation.secagg.encoding import FixedPoint
 from shoal.assembly import initial_model, make_async_rounds, make_deadline_rounds, make_round_strategy, task_from_config
-from shoal.async_rounds import AsyncRounds
 from shoal.client.training import LocalTrainer, summarize_means
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMismatch, UpdateRejected
 from shoal.metrics import json_safe
-from shoal.rounds import SyncRounds
-from shoal.task import Task, TaskError, call_part, check_data
+from shoal.rounds import Rounds, SyncRounds
+from shoal.task import ClientData, Task, TaskError
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_durably
 from .privacy import ServerPrivacy, parse_report
 from .secure_round import SecureRound
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Record:
+    """A line of metrics.jsonl (a new version, a federated evaluation, a privacy event)."""
+
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """The state a restart resumes from; written before the version's Record."""
+
+    version: int
+    tensors: dict[str, torch.Tensor]
+    state: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class PrivacyLedger:
+    """Every round charged so far; durable before anything of a charged round is released."""
+
+    state: dict[str, Any]
+
+
+Event = Record | Checkpoint | PrivacyLedger
+
+
+@dataclass(frozen=True)
+class Restored:
+    """What an earlier run left (read by server/store.py): its last checkpoint and privacy ledger."""
+
+    checkpoint: tuple[Path, dict[str, torch.Tensor], dict[str, Any]] | None = None
+    ledger: dict[str, Any] | None = None
 
 
 @dataclass
@@ -116,9 +151,22 @@ def spec_mismatch_detail(node_hash: str, server_hash: str) -> str:
 class ServerService:
     """One aggregator: its model, rounds, nodes seen, checkpoints and metrics."""
 
-    def __init__(self, cfg: Config, resume: bool = True, task: Task | None = None, registered: int | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        task: Task | None = None,
+        registered: int | None = None,
+        *,
+        test: ClientData | None = None,
+        restored: Restored | None = None,
+        emit: Callable[[Event], None] | None = None,
+        started_at: float | None = None,
+    ):
         """``registered``: the enabled nodes of the registry (N of central and distributed DP);
-        when None, :func:`server.app.make_app` gives it with :meth:`bind_registry` before serving."""
+        when None, :func:`server.app.make_app` gives it with :meth:`bind_registry` before serving.
+        ``test``: the central test set (server/store.py's ``open_service`` loads the task's).
+        ``restored``: what an earlier run left. ``emit``: where events go (default: ``self.events``).
+        ``started_at``: the ``now`` records' elapsed_s counts from (default: the first call's)."""
         self.cfg = cfg
         s = cfg.server
         # The model comes from the task alone (shoal.assembly): the same seed gives the
@@ -126,27 +174,26 @@ class ServerService:
         self.task = task if task is not None else task_from_config(cfg)
         self.trainer = LocalTrainer(initial_model(cfg, self.task), cfg.train, "cpu", task=self.task)
         self.spec = self.trainer.spec
-        # A central test set only when the task has one (the built-in task: the dataset's
-        # test split); a real aggregator usually has no data and relies on the nodes.
-        self.test = None
-        if s.eval:
-            data = call_part(self.task, "central_test_data()", self.task.central_test_data)
-            self.test = check_data(self.task, data, "central_test_data()", allow_none=True)
-            if self.test is None:
-                log.info("the task gives no central_test_data(): no central evaluation")
+        self.test = test
+        self.events: list[Event] = []
+        self.emit: Callable[[Event], None] = emit if emit is not None else self.events.append
+        self.started_at = started_at
         self.max_body_bytes = s.max_body_bytes or self.spec.nbytes + MAX_HEADER_BYTES
         self.mode = s.mode
-        self.rounds: SyncRounds | AsyncRounds
         flat = self.trainer.flat.detach().clone()
         # [privacy]: the DP strategy, Poisson sampling, the accountant and the budget (server/privacy.py)
         self.privacy = ServerPrivacy(cfg, self.spec.numel) if cfg.privacy.mode != "none" else None
+        # ``sync``: the rounds the clock opens and closes (tick); None in async mode, where
+        # versions advance with the updates themselves.
+        self.sync: SyncRounds | None = None
+        self.rounds: Rounds
         if s.mode == "sync":
             strategy = self.privacy.strategy if self.privacy is not None else None
             strategy = strategy or make_round_strategy(
                 cfg, self.spec.numel, "cpu", max(s.clients_per_round, s.min_nodes)
             )
             sampling = "poisson" if self.privacy is not None and self.privacy.user_level else "fixed"
-            self.rounds = make_deadline_rounds(
+            self.rounds = self.sync = make_deadline_rounds(
                 cfg,
                 flat,
                 self.spec.numel,
@@ -163,10 +210,6 @@ class ServerService:
         self.fed: dict[int, FedVersion] = {}  # versions whose federated evaluation is open
         self.fed_finished = False  # the final version's evaluation is written
         self.last_fed: dict[str, Any] = {}
-        self.ckpt_dir = Path(s.checkpoint_dir)
-        self.out_dir = Path(s.out_dir)
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        self.metrics_path = self.out_dir / "metrics.jsonl"
         self.counters = Counters()
         self.last_seen: dict[str, float] = {}
         self.told_done: set[str] = set()
@@ -182,14 +225,13 @@ class ServerService:
                 math.ceil(s.clients_per_round * (1 + cfg.asynchronous.over_selection)),
             )
         self.secure_last: dict[str, Any] = {}
-        self._t0 = time.perf_counter()
-        if resume and (path := latest_checkpoint(self.ckpt_dir)) is not None:
-            self._restore(path)
-        elif not resume or not self.metrics_path.exists():
-            self.metrics_path.write_text("")
-        self.privacy_path = self.ckpt_dir / "privacy.json"  # the ledger: every charged round, before it runs
+        restored = restored or Restored()
+        if restored.checkpoint is not None:
+            self._restore(*restored.checkpoint)
         if self.privacy is not None:
-            self._load_privacy(resume)
+            if restored.ledger is not None:
+                self.privacy.load_state_dict(restored.ledger)
+                log.info("privacy ledger: %d rounds charged so far", self.privacy.rounds_charged)
             if registered is not None:
                 self.bind_registry(registered)
 
@@ -206,6 +248,12 @@ class ServerService:
             self.privacy is not None and self.privacy.stopped is not None
         )
 
+    def _elapsed(self, now: float) -> float:
+        """Seconds since ``started_at`` (the first call's ``now`` unless given)."""
+        if self.started_at is None:
+            self.started_at = now
+        return round(now - self.started_at, 4)
+
     def finished(self, now: float) -> bool:
         """Done, and every connected node was told so (or one poll period passed)."""
         if not self.done:
@@ -217,7 +265,7 @@ class ServerService:
             waiting |= final.asked - final.reported
         if waiting and now - self.done_at <= self.cfg.server.poll_s + 5:
             return False
-        self._close_fed(lambda v: True)
+        self._close_fed(lambda v: True, now)
         self.fed_finished = True
         return True
 
@@ -227,6 +275,7 @@ class ServerService:
         return sorted(n for n, t in self.last_seen.items() if now - t <= horizon)
 
     def seen(self, node: str, now: float) -> None:
+        self._elapsed(now)  # the first call starts the clock records count from
         self.last_seen[node] = now
 
     def model_body(self) -> bytes:
@@ -258,31 +307,20 @@ class ServerService:
                 answer["reason"] = self.privacy.stopped
             return self._with_eval(answer, node, evaluates)
         r = self.rounds
-        if isinstance(r, AsyncRounds):
-            if len(self.connected(now)) < self.cfg.server.min_nodes:
-                return None
-            t = r.task(node)
-            return self._with_eval(
-                {"status": "work", "round": t.round, "version": t.version, "seed": t.seed}, node, evaluates
-            )
-        if r.open and node in r.selected and node not in r.received:
-            if self.secure_round is not None and not self.secure_round.wants_task(node):
-                return None
-            t = r.selected[node]
-            left = (r.deadline_at or now) - now
-            work = {
-                "status": "work",
-                "round": t.round,
-                "version": t.version,
-                "seed": t.seed,
-                "deadline_s": round(max(left, 0.0), 3),
-            }
-            if self.secure_round is not None:
-                work["secure_aggregation"] = self.secure_round.task_info()
-            if self.privacy is not None:
-                work["privacy"] = self.privacy.task_info()
-            return self._with_eval(work, node, evaluates)
-        return None
+        t = r.assignment(node, quorum=len(self.connected(now)) >= self.cfg.server.min_nodes)
+        if t is None:
+            return None
+        if self.secure_round is not None and not self.secure_round.wants_task(node):
+            return None
+        work: dict[str, Any] = {"status": "work", "round": t.round, "version": t.version, "seed": t.seed}
+        left = r.time_left(now)
+        if left is not None:
+            work["deadline_s"] = round(left, 3)
+        if self.secure_round is not None:
+            work["secure_aggregation"] = self.secure_round.task_info()
+        if self.privacy is not None:
+            work["privacy"] = self.privacy.task_info()
+        return self._with_eval(work, node, evaluates)
 
     # --- federated evaluation ------------------------------------------------------
 
@@ -335,27 +373,19 @@ class ServerService:
         if self.done:
             self.finished(now)  # the last report of the final version writes it at once
         else:
-            self._settle_fed()
+            self._settle_fed(now)
         return {"status": "accepted", "version": version}
 
     def _fed_pending(self, v: int, fed: FedVersion) -> bool:
         """A node asked to evaluate version ``v`` has not reported yet and still may: it holds
         a task from ``v`` (async: until that task is too stale to be taken)."""
-        waiting = fed.asked - fed.reported
-        r = self.rounds
-        if not waiting:
-            return False
-        if isinstance(r, AsyncRounds):
-            if r.max_staleness is not None and self.version - v > r.max_staleness:
-                return False
-            return any((t := r.outstanding.get(n)) is not None and t.version == v for n in waiting)
-        return r.open and r.version == v and any(n in r.selected and n not in r.received for n in waiting)
+        return any(self.rounds.holds_task(n, v) for n in fed.asked - fed.reported)
 
-    def _settle_fed(self) -> None:
+    def _settle_fed(self, now: float) -> None:
         """Write the evaluations of older versions that no node can still report."""
-        self._close_fed(lambda v: v < self.version and not self._fed_pending(v, self.fed[v]))
+        self._close_fed(lambda v: v < self.version and not self._fed_pending(v, self.fed[v]), now)
 
-    def _close_fed(self, which) -> None:
+    def _close_fed(self, which: Callable[[int], bool], now: float) -> None:
         """Write the federated evaluation of every open version ``which(v)`` selects (if any node reported)."""
         for v in sorted(k for k in self.fed if which(k)):
             fed = self.fed.pop(v)
@@ -371,11 +401,10 @@ class ServerService:
             record.update(
                 fed_num_examples=fed.num_examples,
                 fed_nodes=len(fed.reported),
-                elapsed_s=round(time.perf_counter() - self._t0, 4),
+                elapsed_s=self._elapsed(now),
             )
             self.last_fed = json_safe(record)
-            with self.metrics_path.open("a") as f:
-                f.write(json.dumps(self.last_fed) + "\n")
+            self.emit(Record(self.last_fed))
             log.info("version %d, federated evaluation: %s", v, json.dumps(self.last_fed))
 
     def secure(self, node: str, now: float) -> SecureRound:
@@ -420,16 +449,7 @@ class ServerService:
                 raise UpdateRejected(
                     "unknown_version", f"base version {update.base_version} is newer than the server's {r.version}"
                 )
-            if (
-                isinstance(r, SyncRounds)
-                and r.open
-                and node not in r.late_pending
-                and "round" in header
-                and header["round"] != r.round
-            ):
-                raise UpdateRejected(
-                    "wrong_round", f"update is for round {header['round']!r}, the open round is {r.round}"
-                )
+            r.check_round(node, header.get("round"))
             update.sender = node  # the authenticated identity, not what the body claims
             report = None
             if self.privacy is not None and self.privacy.mode == "local":  # checked before anything changes
@@ -443,11 +463,10 @@ class ServerService:
         self.counters.accepted += 1
         self.counters.bytes_received += len(body)
         if advanced:  # async: the update completed a new version
-            assert isinstance(self.rounds, AsyncRounds)  # only an async update completes a version
-            self._new_version({"updates_accepted": self.rounds.stats.accepted})
+            self._new_version(self.rounds.version_fields(), now)
         elif self.fed:
-            self._settle_fed()  # this node's task from an older version is over
-        return {"status": "accepted", "round": self._round, "version": self.version}
+            self._settle_fed(now)  # this node's task from an older version is over
+        return {"status": "accepted", "round": self.rounds.round, "version": self.version}
 
     def refused(self, code: str) -> None:
         """Count an upload refused with error ``code`` (here or by the transport)."""
@@ -455,14 +474,10 @@ class ServerService:
 
     # --- the clock -----------------------------------------------------------------
 
-    @property
-    def _round(self) -> int:
-        return self.rounds.round if isinstance(self.rounds, SyncRounds) else self.rounds.version
-
     def tick(self, now: float) -> bool:
         """Open or close a sync round if it is time; True when something changed."""
-        r = self.rounds
-        if self.done or not isinstance(r, SyncRounds):
+        r = self.sync
+        if self.done or r is None:  # async: versions advance in submit, not on the clock
             return False
         if not r.open:
             if self.privacy is not None and not self.privacy.allows_next_round():
@@ -472,7 +487,8 @@ class ServerService:
                         "version": r.version,
                         "stopped": self.privacy.stopped,
                         "epsilon_next": self.privacy.next_epsilon,
-                    }
+                    },
+                    now,
                 )
                 return True  # done now: every waiting node is told so
             avail = self.connected(now)
@@ -498,7 +514,7 @@ class ServerService:
             if summary is None:  # aborted: model and version unchanged, the next round runs
                 self.counters.rounds_abandoned += 1
                 if self.privacy is not None:  # charged all the same: say so in the record
-                    self._privacy_event({"round": r.round, "version": r.version, "aborted": secure.aborted})
+                    self._privacy_event({"round": r.round, "version": r.version, "aborted": secure.aborted}, now)
                 return True
         elif not r.should_close(now):
             return False
@@ -515,7 +531,7 @@ class ServerService:
             )
             if self.privacy is not None:
                 self._privacy_event(
-                    {"round": r.round, "version": r.version, "failed": True, "num_results": summary.num_results}
+                    {"round": r.round, "version": r.version, "failed": True, "num_results": summary.num_results}, now
                 )
             return True
         if summary.num_results < summary.num_selected:
@@ -529,28 +545,28 @@ class ServerService:
                 "num_results": summary.num_results,
                 "num_examples": summary.num_examples,
                 "num_late": summary.num_late,
-            }
+            },
+            now,
         )
         return True
 
-    def _new_version(self, fields: dict[str, Any]) -> None:
+    def _new_version(self, fields: dict[str, Any], now: float) -> None:
         """A new global version: evaluate, checkpoint, then log (the simulator's record shape)."""
         self.counters.rounds_completed += 1
-        record: dict[str, Any] = {"round": self._round, "version": self.version}
+        record: dict[str, Any] = {"round": self.rounds.round, "version": self.version}
         if self.test is not None:
             ev = self.trainer.evaluate_data(self.rounds.global_params, self.test)
             record.update({f"test_{k}": v for k, v in ev.items() if k != "num_examples"})
         record.update(fields)
         if self.privacy is not None:
             record.update(self.privacy.record())
-        record["elapsed_s"] = round(time.perf_counter() - self._t0, 4)
+        record["elapsed_s"] = self._elapsed(now)
         self.last_record = json_safe(record)
-        self._checkpoint()  # first: a crash between the two loses a log line, never a version
+        self.emit(self._checkpoint())  # first: a crash between the two loses a log line, never a version
         if self.privacy is not None:
             self._save_privacy()  # the adaptive clip norm and the nodes' reports of this version
-        self._settle_fed()  # the nodes evaluated older versions before training on them
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(self.last_record) + "\n")
+        self._settle_fed(now)  # the nodes evaluated older versions before training on them
+        self.emit(Record(self.last_record))
         log.info("version %d: %s", self.version, json.dumps(self.last_record))
 
     # --- privacy ---------------------------------------------------------------------
@@ -558,8 +574,8 @@ class ServerService:
     def bind_registry(self, registered: int) -> None:
         """N for central and distributed DP: the enabled nodes of the registry (server/privacy.py
         says why that is the population the accountant needs). ConfigError if it cannot be sound."""
-        if self.privacy is not None and isinstance(self.rounds, SyncRounds):
-            self.privacy.bind(registered, self.rounds)
+        if self.privacy is not None and self.sync is not None:
+            self.privacy.bind(registered, self.sync)
 
     def _dp(self) -> ServerPrivacy:
         """The privacy state (the callers run only when [privacy] is on)."""
@@ -567,55 +583,31 @@ class ServerService:
             raise RuntimeError("privacy.mode = 'none': no privacy ledger")
         return self.privacy
 
-    def _privacy_event(self, fields: dict[str, Any]) -> None:
+    def _privacy_event(self, fields: dict[str, Any], now: float) -> None:
         """A metrics.jsonl record for a round that released no new version but changed the
         privacy picture (charged and aborted or failed, or the budget stopped the run)."""
-        record = {**fields, **self._dp().record(), "elapsed_s": round(time.perf_counter() - self._t0, 4)}
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(json_safe(record)) + "\n")
+        self.emit(Record(json_safe({**fields, **self._dp().record(), "elapsed_s": self._elapsed(now)})))
         self._save_privacy()
 
     def _save_privacy(self) -> None:
-        """The ledger, written whole, fsynced and renamed into place (a crash leaves the old or the new one)."""
-        write_durably(self.privacy_path, json.dumps(self._dp().state_dict()).encode())
-
-    def _load_privacy(self, resume: bool) -> None:
-        if not self.privacy_path.exists():
-            return
-        try:
-            state = json.loads(self.privacy_path.read_text())
-        except (OSError, ValueError) as e:
-            raise ConfigError(
-                f"the privacy ledger {self.privacy_path} cannot be read ({e}): without it the rounds "
-                "already charged are unknown; restore it, or use another server.checkpoint_dir"
-            ) from None
-        if not resume:
-            log.warning(
-                "--fresh: a new privacy ledger; the earlier run charged %s rounds on the same nodes' data, "
-                "which this run's epsilon does not include",
-                state.get("rounds_charged"),
-            )
-            return
-        self._dp().load_state_dict(state)
-        log.info("privacy ledger %s: %d rounds charged so far", self.privacy_path, self._dp().rounds_charged)
+        self.emit(PrivacyLedger(self._dp().state_dict()))
 
     # --- checkpoints ---------------------------------------------------------------
 
-    def _checkpoint(self) -> Path:
+    def _checkpoint(self) -> Checkpoint:
         tensors: dict[str, torch.Tensor] = {}
         state = {
             "mode": self.mode,
             "version": self.version,
-            "round": self._round,
+            "round": self.rounds.round,
             "spec_hash": self.spec.hash,
             "last_record": self.last_record,
             "last_fed": self.last_fed,
             "rounds": _split_tensors(self.rounds.state_dict(), "rounds", tensors),
         }
-        return save_checkpoint(self.ckpt_dir, self.version, tensors, state, self.cfg.server.keep_checkpoints)
+        return Checkpoint(self.version, tensors, state)
 
-    def _restore(self, path: Path) -> None:
-        tensors, state = load_checkpoint(path)
+    def _restore(self, path: Path, tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
         if state.get("spec_hash") != self.spec.hash or state.get("mode") != self.mode:
             raise ConfigError(
                 f"checkpoint {path} is of a {state.get('mode')!r} server with model spec {state.get('spec_hash')!r}; "
@@ -626,7 +618,7 @@ class ServerService:
         self.last_record = state.get("last_record", {})
         self.last_fed = state.get("last_fed", {})
         self.resumed_from = path
-        log.info("resumed from %s: version %d, round %d", path, self.version, self._round)
+        log.info("resumed from %s: version %d, round %d", path, self.version, self.rounds.round)
 
     # --- observability -------------------------------------------------------------
 
@@ -634,14 +626,11 @@ class ServerService:
         r = self.rounds
         return {
             "mode": self.mode,
-            "round": self._round,
+            "round": r.round,
             "version": r.version,
             "rounds_target": self.cfg.server.rounds,
             "done": self.done,
-            "round_open": bool(getattr(r, "open", False)),
-            "selected": sorted(getattr(r, "selected", ())) if getattr(r, "open", False) else [],
-            "received": len(getattr(r, "received", ())) if getattr(r, "open", False) else 0,
-            "outstanding": len(r.outstanding) if isinstance(r, AsyncRounds) else 0,
+            **r.status_fields(),
             "connected_nodes": self.connected(now),
             "last_metrics": self.last_record,
             "last_federated": self.last_fed,
@@ -659,46 +648,6 @@ class ServerService:
             ),
             **({"privacy": self.privacy.status()} if self.privacy is not None else {}),
         }
-
-    def prometheus(self, now: float) -> str:
-        c = self.counters
-        lines = [
-            "# HELP shoal_version Current global model version.",
-            "# TYPE shoal_version gauge",
-            f"shoal_version {self.version}",
-            "# HELP shoal_round Current round number.",
-            "# TYPE shoal_round gauge",
-            f"shoal_round {self._round}",
-            "# HELP shoal_connected_nodes Nodes heard from within one poll period.",
-            "# TYPE shoal_connected_nodes gauge",
-            f"shoal_connected_nodes {len(self.connected(now))}",
-            "# HELP shoal_updates_accepted_total Updates accepted.",
-            "# TYPE shoal_updates_accepted_total counter",
-            f"shoal_updates_accepted_total {c.accepted}",
-            "# HELP shoal_updates_rejected_total Updates refused, by error code.",
-            "# TYPE shoal_updates_rejected_total counter",
-            *[f'shoal_updates_rejected_total{{code="{k}"}} {v}' for k, v in sorted(c.rejected.items())],
-            "# HELP shoal_update_bytes_total Bytes of accepted updates.",
-            "# TYPE shoal_update_bytes_total counter",
-            f"shoal_update_bytes_total {c.bytes_received}",
-            "# HELP shoal_rounds_completed_total Rounds closed into a new version.",
-            "# TYPE shoal_rounds_completed_total counter",
-            f"shoal_rounds_completed_total {c.rounds_completed}",
-            "# HELP shoal_rounds_dropped_total Rounds dropped at the deadline with too few results.",
-            "# TYPE shoal_rounds_dropped_total counter",
-            f"shoal_rounds_dropped_total {c.rounds_abandoned}",
-        ]
-        if self.privacy is not None:
-            lines += self.privacy.prometheus()
-        gauges = {k: v for k, v in self.last_record.items() if k.startswith("test_") or k == "train_loss"}
-        gauges.update((k, v) for k, v in self.last_fed.items() if k.startswith("fed_"))
-        for key, v in sorted(gauges.items()):
-            if isinstance(v, (int, float)) and not isinstance(v, bool) and _PROM_NAME.fullmatch(key):
-                lines += [f"# TYPE shoal_{key} gauge", f"shoal_{key} {v}"]
-        return "\n".join(lines) + "\n"
-
-
-_PROM_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
 
 
 def _sent_spec_hash(body: bytes | memoryview, max_bytes: int) -> Any:

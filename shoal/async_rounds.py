@@ -18,6 +18,7 @@ No clock is read here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -75,6 +76,11 @@ class AsyncRounds:
         # FedAsync mix="model" needs the model a stale client trained from: keep the
         # versions that some open task still refers to, and only those.
         self._history: dict[int, torch.Tensor] = {}
+
+    @property
+    def round(self) -> int:
+        """Async work is numbered by the version it starts from (the Rounds protocol)."""
+        return self.version
 
     @property
     def _keeps_history(self) -> bool:
@@ -155,6 +161,30 @@ class AsyncRounds:
             self.version += 1
         self._prune()
         return advanced
+
+    # --- the rest of the Rounds protocol (shoal.rounds.Rounds) -------------------------
+
+    def assignment(self, client_id: str, quorum: bool = True) -> Assignment | None:
+        """A new task from the current version, when enough nodes are connected."""
+        return self.task(client_id) if quorum else None
+
+    def time_left(self, now: float) -> float | None:
+        return None  # no deadline: an update is taken until it is too stale
+
+    def check_round(self, client_id: str, claimed: Any) -> None:
+        return None  # the task's version, checked in submit, is what an update must match
+
+    def holds_task(self, client_id: str, version: int) -> bool:
+        if self.max_staleness is not None and self.version - version > self.max_staleness:
+            return False
+        t = self.outstanding.get(client_id)
+        return t is not None and t.version == version
+
+    def status_fields(self) -> dict[str, Any]:
+        return {"round_open": False, "selected": [], "received": 0, "outstanding": len(self.outstanding)}
+
+    def version_fields(self) -> dict[str, Any]:
+        return {"updates_accepted": self.stats.accepted}
 
     def _prune(self) -> None:
         """Drop kept base versions no open task can still use (none, or too old to be accepted)."""

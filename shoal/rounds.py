@@ -32,7 +32,7 @@ import hashlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import Any, NoReturn, Protocol
 
 import torch
 
@@ -49,6 +49,50 @@ class Assignment:
     round: int
     version: int
     seed: int
+
+
+class Rounds(Protocol):
+    """What a server drives without knowing the mode: SyncRounds and AsyncRounds (async_rounds.py)
+    both implement it. ``round`` numbers the work handed out (sync: the round; async: the version)."""
+
+    version: int
+    global_params: torch.Tensor
+
+    @property
+    def round(self) -> int: ...
+
+    def assignment(self, client_id: str, quorum: bool) -> Assignment | None:
+        """The work ``client_id`` may fetch now (None: nothing for it). ``quorum``: enough
+        nodes are connected to hand out new work (async rounds hand out work on demand)."""
+        ...
+
+    def time_left(self, now: float) -> float | None:
+        """Seconds until the open round's deadline (None: no deadline in this mode)."""
+        ...
+
+    def check_round(self, client_id: str, claimed: Any) -> None:
+        """Refuse (UpdateRejected) an update whose header names another round than the open one."""
+        ...
+
+    def submit(self, client_id: str, update: Update) -> bool:
+        """Take one update; True when it completed a new global version by itself."""
+        ...
+
+    def holds_task(self, client_id: str, version: int) -> bool:
+        """``client_id`` holds work from ``version`` whose result would still be taken."""
+        ...
+
+    def status_fields(self) -> dict[str, Any]:
+        """round_open, selected, received, outstanding: the round's state for /v1/status."""
+        ...
+
+    def version_fields(self) -> dict[str, Any]:
+        """What the record of a version that :meth:`submit` completed says of the updates behind it."""
+        ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 @dataclass
@@ -208,12 +252,13 @@ class SyncRounds:
             return None
         return self.version - update.base_version
 
-    def submit(self, client_id: str, update: Update) -> None:
-        """Check, then stream the update into the strategy (late ones: see the module doc)."""
+    def submit(self, client_id: str, update: Update) -> bool:
+        """Check, then stream the update into the strategy (late ones: see the module doc).
+        False: a round closes into a new version in :meth:`finish_round`, never here."""
         t = self._late_staleness(client_id, update)
         if t is not None:
             self._submit_late(client_id, update, t)
-            return
+            return False
         try:
             self.check(client_id, update)
         except UpdateRejected as e:
@@ -223,6 +268,7 @@ class SyncRounds:
         self.received.add(client_id)
         self._examples += update.num_examples
         self._loss_sum += update.metrics.get("train_loss", 0.0) * update.num_examples
+        return False
 
     def _submit_late(self, client_id: str, update: Update, t: int) -> None:
         def reject(code: str, detail: str) -> NoReturn:
@@ -334,6 +380,36 @@ class SyncRounds:
             num_late=self._late_count,
             late_staleness=dict(self._late_hist),
         )
+
+    # --- the rest of the Rounds protocol (what the server asks) ---------------------------
+
+    def assignment(self, client_id: str, quorum: bool = True) -> Assignment | None:
+        """The client's task in the open round, until it reported (the round's selection
+        already needed the quorum)."""
+        if self.open and client_id in self.selected and client_id not in self.received:
+            return self.selected[client_id]
+        return None
+
+    def time_left(self, now: float) -> float | None:
+        return max((self.deadline_at if self.deadline_at is not None else now) - now, 0.0)
+
+    def check_round(self, client_id: str, claimed: Any) -> None:
+        if self.open and client_id not in self.late_pending and claimed is not None and claimed != self.round:
+            raise UpdateRejected("wrong_round", f"update is for round {claimed!r}, the open round is {self.round}")
+
+    def holds_task(self, client_id: str, version: int) -> bool:
+        return self.open and self.version == version and client_id in self.selected and client_id not in self.received
+
+    def status_fields(self) -> dict[str, Any]:
+        return {
+            "round_open": self.open,
+            "selected": sorted(self.selected) if self.open else [],
+            "received": len(self.received) if self.open else 0,
+            "outstanding": 0,
+        }
+
+    def version_fields(self) -> dict[str, Any]:
+        return {}  # a sync version's record is its RoundSummary (finish_round)
 
     def state_dict(self) -> dict:
         """What survives a restart between rounds: model, version, round counter, the

@@ -16,6 +16,7 @@ from shoal.config import config_from_dict
 from shoal.server.app import make_app, run_clock
 from shoal.server.registry import Registry
 from shoal.server.service import ServerService
+from shoal.server.store import open_service
 
 ADMIN = "admin"  # Live.session(ADMIN): the admin token of server.admin_token_file (GET /v1/status, /metrics)
 
@@ -72,7 +73,7 @@ async def live_server(
     registry = Registry(cfg.server.db)
     tokens = {n: registry.add(n) for n in nodes}
     tokens[ADMIN] = admin
-    service = ServerService(cfg)
+    service = open_service(cfg)
     app = make_app(service, registry)
     runner = web.AppRunner(app, access_log=None, keepalive_timeout=cfg.server.idle_timeout_s)
     await runner.setup()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shoal.errors import WireError
-from shoal.server.service import ServerService
+from shoal.server.store import open_service
 from shoal.update import Update
 from shoal.wire import encode_update
 
@@ -17,7 +17,7 @@ from .live import small_config
 
 def test_fedbuff_median_on_the_server_ignores_one_huge_update_and_refuses_nan(tmp_path):
     sections = {"asynchronous": {"algorithm": "fedbuff", "buffer_size": 3}, "robust": {"rule": "median"}}
-    svc = ServerService(small_config(tmp_path, sections, mode="async", rounds=4, min_nodes=1))
+    svc = open_service(small_config(tmp_path, sections, mode="async", rounds=4, min_nodes=1))
     x0 = svc.rounds.global_params.clone()
     now = time.monotonic()
     names = ["n0", "n1", "n2", "n3"]

@@ -11,7 +11,7 @@ import torch
 from shoal.client.node import Node
 from shoal.config import config_from_dict
 from shoal.server.checkpoint import latest_checkpoint, load_checkpoint
-from shoal.server.service import ServerService
+from shoal.server.store import open_service
 from shoal.shards import load_shard, write_shards
 from shoal.update import Update
 from shoal.wire import encode_update
@@ -73,7 +73,7 @@ def test_async_checkpoint_restores_model_tasks_and_buffer(tmp_path):
 
     svc = asyncio.run(scenario())
     assert svc.version == 1 and latest_checkpoint(tmp_path / "ck") is not None
-    again = ServerService(small_config(tmp_path, FEDBUFF_K2, **ASYNC))
+    again = open_service(small_config(tmp_path, FEDBUFF_K2, **ASYNC))
     assert again.version == 1 and torch.equal(again.rounds.global_params, svc.rounds.global_params)
     assert again.rounds.outstanding == svc.rounds.outstanding
     assert again.rounds.stats.accepted == svc.rounds.stats.accepted

@@ -28,6 +28,7 @@ from shoal.client.node import Node, NodePrivacy
 from shoal.config import config_from_dict
 from shoal.errors import ConfigError
 from shoal.server.service import ServerService
+from shoal.server.store import open_service
 from shoal.shards import Shard, load_shard, write_shards
 from shoal.update import Update
 from shoal.wire import decode_update, encode_model
@@ -76,7 +77,7 @@ def test_poisson_selection_samples_connected_nodes_at_k_over_the_registered(tmp_
             assert svc.tick(now) and not svc.rounds.open  # deadline: failed (nobody reports) or empty
         return picks
 
-    svc = ServerService(cfg, registered=10)
+    svc = open_service(cfg, registered=10)
     assert svc.rounds.sampling == "poisson" and svc.rounds.sampling_rate(6) == pytest.approx(0.3)
     picks = run(svc, rounds)
     se = math.sqrt(0.3 * 0.7 / rounds)
@@ -91,7 +92,7 @@ def test_poisson_selection_samples_connected_nodes_at_k_over_the_registered(tmp_
     st = svc.status(0.0)["privacy"]
     assert st["rounds_charged"] == rounds and st["sampling_rate"] == pytest.approx(0.3)
     assert st["epsilon"] == pytest.approx(epsilon(0.3, 1.0, rounds, 1e-5))
-    other = ServerService(
+    other = open_service(
         small_config(tmp_path / "b", CENTRAL, clients_per_round=3, rounds=10**6, deadline_s=1.0), registered=10
     )
     assert run(other, 10) != picks[:10]
@@ -120,7 +121,7 @@ def test_configs_that_cannot_be_sound_are_refused_with_the_fix(tmp_path, section
     privacy = {**CENTRAL["privacy"], **sections.get("privacy", {})}
     cfg = small_config(tmp_path, {**sections, "privacy": privacy}, **{"clients_per_round": 5, **server})
     with pytest.raises(ConfigError, match=match):
-        ServerService(cfg, registered=registered)
+        open_service(cfg, registered=registered)
 
 
 def test_make_app_binds_n_to_the_registered_nodes(tmp_path):
@@ -319,7 +320,7 @@ def test_privacy_ledger_counts_every_charged_round_across_a_restart(tmp_path):
     restarted server has charged all three (the ledger is written when a round opens) and goes
     on from there; --fresh starts a new ledger with a warning."""
     cfg = small_config(tmp_path, CENTRAL, clients_per_round=2, deadline_s=1.0)
-    svc = ServerService(cfg, registered=2)
+    svc = open_service(cfg, registered=2)
     now = 0.0
     for _ in range(2):
         for n in ("a", "b"):
@@ -332,10 +333,10 @@ def test_privacy_ledger_counts_every_charged_round_across_a_restart(tmp_path):
         svc.seen(n, now)
     assert svc.tick(now) and svc.rounds.open and svc.privacy.rounds_charged == 3
     del svc  # "killed" with round 3 open
-    again = ServerService(cfg, registered=2)
+    again = open_service(cfg, registered=2)
     assert again.version == 2 and again.privacy.rounds_charged == 3
     assert again.status(now)["privacy"]["epsilon"] == pytest.approx(epsilon(1.0, 1.0, 3, 1e-5))
-    fresh = ServerService(cfg, resume=False, registered=2)
+    fresh = open_service(cfg, resume=False, registered=2)
     assert fresh.privacy.rounds_charged == 0
 
 

@@ -11,7 +11,9 @@ import pytest
 
 from shoal.config import config_from_dict
 from shoal.server.app import SPEC_HASH_HEADER
+from shoal.server.exposition import prometheus_text
 from shoal.server.service import MAX_EVAL_METRICS, ServerService
+from shoal.server.store import open_service
 
 from .live import ADMIN, live_server
 from .task_files import write_task
@@ -154,7 +156,7 @@ def _task_server(tmp_path, marks, monkeypatch, **args) -> ServerService:
             },
         }
     ).validate()
-    return ServerService(cfg)
+    return open_service(cfg)
 
 
 @pytest.mark.parametrize("central", [False, True])
@@ -231,7 +233,7 @@ def test_async_nodes_with_test_data_report_federated_evaluations(tmp_path):
     for r in fed:
         assert 0 <= r["fed_accuracy"] <= 1 and r["fed_loss"] > 0 and 1 <= r["fed_nodes"] <= 3
     assert svc.status(time.monotonic())["last_federated"] == fed[-1]
-    assert "shoal_fed_accuracy" in svc.prometheus(time.monotonic())
+    assert "shoal_fed_accuracy" in prometheus_text(svc, time.monotonic())
 
 
 def test_a_node_stops_on_a_model_download_of_another_spec(tmp_path):

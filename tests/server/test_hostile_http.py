@@ -14,7 +14,7 @@ from aiohttp import web
 
 from shoal.server.app import CHANGED, make_app
 from shoal.server.registry import Registry
-from shoal.server.service import ServerService
+from shoal.server.store import open_service
 
 from .hostile import good_update
 from .live import ADMIN, live_server, small_config
@@ -131,7 +131,7 @@ def test_an_unexpected_exception_is_a_500_json_and_the_server_goes_on(tmp_path, 
         cfg = small_config(tmp_path)
         registry = Registry(cfg.server.db)
         token = registry.add("n0")
-        app = make_app(ServerService(cfg), registry)
+        app = make_app(open_service(cfg), registry)
         app.router.add_get("/v1/boom", boom)
         runner = web.AppRunner(app, access_log=None)
         await runner.setup()
@@ -181,7 +181,7 @@ def test_admin_token_file_is_checked_up_front(tmp_path):
     for path, why in ((tmp_path / "missing", "cannot be read"), (tmp_path / "short", "32 to 256")):
         cfg = small_config(tmp_path, admin_token_file=str(path))
         with pytest.raises(ConfigError, match=why):
-            make_app(ServerService(cfg), None)
+            make_app(open_service(cfg), None)
 
 
 def _upload_head(token: str, length: int, expect: bool) -> bytes:

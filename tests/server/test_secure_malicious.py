@@ -116,9 +116,9 @@ def test_a_node_set_to_the_malicious_variant_refuses_a_server_that_does_not_run_
 def test_the_server_refuses_to_start_without_a_readable_keys_file(tmp_path):
     from shoal.errors import ConfigError
     from shoal.server.app import make_app
-    from shoal.server.service import ServerService
+    from shoal.server.store import open_service
 
     for keys_file, why in (("", "needs keys_file"), (str(tmp_path / "missing.json"), "cannot be read")):
         sa = {"enabled": True, "malicious_server": True, "threshold": 0.7, "keys_file": keys_file}
         with pytest.raises(ConfigError, match=why):
-            make_app(ServerService(small_config(tmp_path, {"secure_aggregation": sa})), None)
+            make_app(open_service(small_config(tmp_path, {"secure_aggregation": sa})), None)

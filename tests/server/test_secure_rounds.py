@@ -249,13 +249,13 @@ def test_too_few_survivors_abort_the_round_and_the_next_round_runs(tmp_path, cap
 
 def test_secure_server_config_is_checked_up_front(tmp_path):
     from shoal.errors import ConfigError
-    from shoal.server.service import ServerService
+    from shoal.server.store import open_service
 
     from .live import small_config
 
     with pytest.raises(ConfigError, match="server.mode = 'async'"):
         small_config(tmp_path, SECURE, mode="async")
     with pytest.raises(ConfigError, match="lower bits"):  # 300 x 2^24 does not fit 2^32
-        ServerService(
+        open_service(
             small_config(tmp_path, {"secure_aggregation": {"enabled": True, "bits": 24}}, clients_per_round=300)
         )

@@ -195,8 +195,8 @@ def test_server_refuses_a_privacy_config_it_cannot_make_sound(tmp_path):
     refused, naming the key (test_deploy_privacy.py has the other cases)."""
     from shoal.config import load_config
     from shoal.errors import ConfigError
-    from shoal.server.service import ServerService
+    from shoal.server.store import open_service
 
     cfg = load_config(None, ['privacy.mode="central"', f'server.checkpoint_dir="{tmp_path}/ck"'])
     with pytest.raises(ConfigError, match="server.clients_per_round = K > 0"):
-        ServerService(cfg)
+        open_service(cfg)

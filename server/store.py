@@ -1,0 +1,117 @@
+"""Where the aggregator's events become files: metrics.jsonl, checkpoints, the privacy ledger.
+
+server/service.py decides and emits (:class:`~shoal.server.service.Record`,
+:class:`~shoal.server.service.Checkpoint`, :class:`~shoal.server.service.PrivacyLedger`);
+this module writes each at once, in the order emitted, so "a checkpoint before its
+metrics line" and "the ledger before a charged round's tasks" hold on disk. It also reads
+what an earlier run left (:meth:`ServerStore.restore`) and the task's central test set, and
+puts the three together in :func:`open_service`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from shoal.assembly import task_from_config
+from shoal.config import Config
+from shoal.errors import ConfigError
+from shoal.task import ClientData, Task, call_part, check_data
+
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_durably
+from .service import Checkpoint, Event, PrivacyLedger, Record, Restored, ServerService
+
+log = logging.getLogger(__name__)
+
+
+class ServerStore:
+    """The files of one aggregator: ``server.out_dir``/metrics.jsonl and, in
+    ``server.checkpoint_dir``, the checkpoints and privacy.json (the privacy ledger)."""
+
+    def __init__(self, cfg: Config):
+        s = cfg.server
+        self.cfg = cfg
+        self.ckpt_dir = Path(s.checkpoint_dir)
+        self.out_dir = Path(s.out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.metrics_path = self.out_dir / "metrics.jsonl"
+        self.privacy_path = self.ckpt_dir / "privacy.json"  # the ledger: every charged round, before it runs
+        self.keep = s.keep_checkpoints
+
+    def restore(self, resume: bool) -> Restored:
+        """The latest checkpoint and the privacy ledger when resuming; a fresh run starts an
+        empty metrics.jsonl (and, with ``resume=False``, a new ledger: the old one is reported)."""
+        checkpoint = None
+        if resume and (path := latest_checkpoint(self.ckpt_dir)) is not None:
+            checkpoint = (path, *load_checkpoint(path))
+        elif not resume or not self.metrics_path.exists():
+            self.metrics_path.write_text("")
+        ledger = self._read_ledger(resume) if self.cfg.privacy.mode != "none" else None
+        return Restored(checkpoint, ledger)
+
+    def _read_ledger(self, resume: bool) -> dict | None:
+        if not self.privacy_path.exists():
+            return None
+        try:
+            state = json.loads(self.privacy_path.read_text())
+        except (OSError, ValueError) as e:
+            raise ConfigError(
+                f"the privacy ledger {self.privacy_path} cannot be read ({e}): without it the rounds "
+                "already charged are unknown; restore it, or use another server.checkpoint_dir"
+            ) from None
+        if not resume:
+            log.warning(
+                "--fresh: a new privacy ledger; the earlier run charged %s rounds on the same nodes' data, "
+                "which this run's epsilon does not include",
+                state.get("rounds_charged"),
+            )
+            return None
+        return state
+
+    def write(self, event: Event) -> None:
+        """Make one event durable now (the service emits them in the order they must land)."""
+        if isinstance(event, Record):
+            with self.metrics_path.open("a") as f:
+                f.write(json.dumps(event.fields) + "\n")
+        elif isinstance(event, Checkpoint):
+            save_checkpoint(self.ckpt_dir, event.version, event.tensors, event.state, self.keep)
+        elif isinstance(event, PrivacyLedger):  # whole, fsynced, renamed into place
+            write_durably(self.privacy_path, json.dumps(event.state).encode())
+        else:
+            raise TypeError(f"unknown server event {type(event).__name__}")
+
+
+def central_test_data(cfg: Config, task: Task) -> ClientData | None:
+    """The task's central test set when ``server.eval`` asks for one (the built-in task: the
+    dataset's test split); a real aggregator usually has no data and relies on the nodes."""
+    if not cfg.server.eval:
+        return None
+    data = call_part(task, "central_test_data()", task.central_test_data)
+    test = check_data(task, data, "central_test_data()", allow_none=True)
+    if test is None:
+        log.info("the task gives no central_test_data(): no central evaluation")
+    return test
+
+
+def open_service(
+    cfg: Config,
+    resume: bool = True,
+    task: Task | None = None,
+    registered: int | None = None,
+    started_at: float | None = None,
+) -> ServerService:
+    """An aggregator whose events land in its files: restored from the latest checkpoint and
+    ledger unless ``resume`` is False, evaluating on the task's central test set."""
+    task = task if task is not None else task_from_config(cfg)
+    store = ServerStore(cfg)
+    restored = store.restore(resume)
+    return ServerService(
+        cfg,
+        task,
+        registered,
+        test=central_test_data(cfg, task),
+        restored=restored,
+        emit=store.write,
+        started_at=started_at,
+    )
