@@ -193,6 +193,35 @@ def _recording(config) -> GossipSimulation:
     return GossipSimulation(config, peers=_RecordingPeers)
 
 
+class _EagerPeers(LocalPeers):
+    """Trains a call's whole list before handing back any row, as a pool of remote workers
+    would, and keeps each call's peers."""
+
+    def __init__(self, net):
+        super().__init__(net)
+        self.calls = []
+
+    def train(self, indices, models, round):
+        self.calls.append(list(indices))
+        yield from list(super().train(indices, models, round))
+
+
+@pytest.mark.parametrize("algorithm", ["dpsgd", "group_average", "secure_groups", "gossip"])
+def test_a_pool_that_trains_the_whole_list_at_once_gives_the_same_models(algorithm):
+    conf = cfg(f'gossip.algorithm="{algorithm}"', "gossip.churn=0.3", "gossip.churn_period=2")
+    here = _run(GossipSimulation(conf), 2)
+    eager = GossipSimulation(conf, peers=_EagerPeers)
+    online = []
+    for _ in range(2):
+        eager.run_round()
+        online.append(sorted(int(i) for i in np.flatnonzero(eager.online | eager.leaving)))
+    assert torch.equal(eager.models, here.models)
+    if algorithm == "gossip":  # each peer trains at its own wake time
+        assert all(len(c) == 1 for c in eager.peers.calls) and len(eager.peers.calls) > 2
+    else:  # every peer online at the round's start, in one call per round
+        assert eager.peers.calls == online
+
+
 def test_secure_groups_give_each_member_its_group_weighted_average():
     sim = _recording(cfg('gossip.algorithm="secure_groups"', "gossip.group_size=4", "secure_aggregation.bits=20"))
     sim.run_round()
