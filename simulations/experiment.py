@@ -43,8 +43,8 @@ def run_simulation(
         run_flower_simulation = flower_engine()
 
         return run_flower_simulation(cfg, out_dir, progress, on_record)
-    if cfg.simulation.mode == "gossip":  # decentralized peers, no server (simulations/gossip_sim.py)
-        from .gossip_sim import run_gossip_simulation
+    if cfg.simulation.mode == "gossip":  # decentralized peers, no server (simulations/gossip/)
+        from .gossip import run_gossip_simulation
 
         return run_gossip_simulation(cfg, out_dir, progress, on_record)
     if cfg.simulation.mode == "async" or cfg.heterogeneity.enabled:  # on the virtual clock

@@ -16,7 +16,7 @@ CORE_MODULES = [
     "shoal.p2p.cli",
     "shoal.simulations.experiment",
     "shoal.simulations.privacy_sweep",
-    "shoal.simulations.gossip_sim",
+    "shoal.simulations.gossip",
     "shoal.simulations.virtual_run",
 ]
 
@@ -79,9 +79,10 @@ def _module_graph():
     for folder, pkg in folders.items():
         for f in (repo / folder).glob("*.py"):
             mods[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
-    for f in (repo / "shoal").glob("*/*.py"):  # shoal/config/ and other core subpackages
-        pkg = f"shoal.{f.parent.name}"
-        mods[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
+    for folder, base in folders.items():  # subpackages: shoal/config/, aggregation/secagg/, simulations/gossip/
+        for f in (repo / folder).glob("*/*.py"):
+            pkg = f"{base}.{f.parent.name}"
+            mods[pkg if f.stem == "__init__" else f"{pkg}.{f.stem}"] = f
     graph, private = {}, []
     for name, f in mods.items():
         pkg = name if f.stem == "__init__" else name.rsplit(".", 1)[0]

@@ -10,7 +10,7 @@ from shoal.config import load_config
 from shoal.errors import ConfigError
 from shoal.metrics import read_jsonl
 from shoal.simulations.experiment import run_simulation
-from shoal.simulations.gossip_sim import GossipSimulation
+from shoal.simulations.gossip import GossipSimulation, LocalPeers
 
 # Small tensors: one thread avoids oversubscribing a shared CPU (it made these tests 40x slower).
 torch.set_num_threads(1)
@@ -174,48 +174,85 @@ def test_other_attacks_run_and_only_honest_peers_are_measured(kind):
     assert ev["attackers"] == 3 and np.isfinite(ev["consensus_distance"])
 
 
-class _RecordingGossip(GossipSimulation):
-    """Keeps each peer's model as it was right after local training (before averaging)."""
+class _RecordingPeers(LocalPeers):
+    """Trains here and keeps each peer's model as it was right after local training (before
+    averaging), and which peers were online and leaving when the round's training began."""
 
-    def _train(self, i: int) -> None:
-        super()._train(i)
-        self.trained[i] = self.models[i].clone()
+    def __init__(self, net):
+        super().__init__(net)
+        self.trained = {}
+
+    def train(self, indices, models, round):
+        self.started_online, self.vanishing = self.net.online.copy(), self.net.leaving.copy()
+        for i, row in super().train(indices, models, round):
+            self.trained[i] = row.clone()
+            yield i, row
+
+
+def _recording(config) -> GossipSimulation:
+    return GossipSimulation(config, peers=_RecordingPeers)
+
+
+class _EagerPeers(LocalPeers):
+    """Trains a call's whole list before handing back any row, as a pool of remote workers
+    would, and keeps each call's peers."""
+
+    def __init__(self, net):
+        super().__init__(net)
+        self.calls = []
+
+    def train(self, indices, models, round):
+        self.calls.append(list(indices))
+        yield from list(super().train(indices, models, round))
+
+
+@pytest.mark.parametrize("algorithm", ["dpsgd", "group_average", "secure_groups", "gossip"])
+def test_a_pool_that_trains_the_whole_list_at_once_gives_the_same_models(algorithm):
+    conf = cfg(f'gossip.algorithm="{algorithm}"', "gossip.churn=0.3", "gossip.churn_period=2")
+    here = _run(GossipSimulation(conf), 2)
+    eager = GossipSimulation(conf, peers=_EagerPeers)
+    online = []
+    for _ in range(2):
+        eager.run_round()
+        online.append(sorted(int(i) for i in np.flatnonzero(eager.online | eager.leaving)))
+    assert torch.equal(eager.models, here.models)
+    if algorithm == "gossip":  # each peer trains at its own wake time
+        assert all(len(c) == 1 for c in eager.peers.calls) and len(eager.peers.calls) > 2
+    else:  # every peer online at the round's start, in one call per round
+        assert eager.peers.calls == online
 
 
 def test_secure_groups_give_each_member_its_group_weighted_average():
-    sim = _RecordingGossip(cfg('gossip.algorithm="secure_groups"', "gossip.group_size=4", "secure_aggregation.bits=20"))
-    sim.trained = {}
+    sim = _recording(cfg('gossip.algorithm="secure_groups"', "gossip.group_size=4", "secure_aggregation.bits=20"))
     sim.run_round()
-    groups = sim.last_groups
+    groups = sim.algorithm.last_groups
     assert sorted(i for g in groups for i in g) == list(range(sim.n)) and min(map(len, groups)) >= 2
     quantum = 2 * sim.cfg.secure_aggregation.clip / 2**20
     for members in groups:
         w = torch.tensor([float(sim.shards.size(i)) for i in members])
-        offsets = torch.stack([(sim.trained[i] - sim.init).clamp(-1, 1) for i in members])
+        offsets = torch.stack([(sim.peers.trained[i] - sim.init).clamp(-1, 1) for i in members])
         expected = sim.init + (w[:, None] * offsets).sum(0) / w.sum()
         for i in members:  # every member holds the same group average, and nothing else
             assert torch.allclose(sim.models[i], expected, atol=len(members) * quantum * 4, rtol=0)
 
 
 def test_secure_groups_below_threshold_keep_their_models():
-    sim = _RecordingGossip(cfg('gossip.algorithm="secure_groups"', "secure_aggregation.dropout_share=1.0"))
-    sim.trained = {}
+    sim = _recording(cfg('gossip.algorithm="secure_groups"', "secure_aggregation.dropout_share=1.0"))
     sim.run_round()
-    assert sim.evaluate()["aborted_groups"] == len(sim.last_groups)
+    assert sim.evaluate()["aborted_groups"] == len(sim.algorithm.last_groups)
     for i in range(sim.n):
-        assert torch.equal(sim.models[i], sim.trained[i])
+        assert torch.equal(sim.models[i], sim.peers.trained[i])
 
 
 def test_group_average_gives_each_group_its_weighted_average_and_counts_the_bytes():
-    sim = _RecordingGossip(cfg('gossip.algorithm="group_average"', "gossip.group_size=4", "gossip.group_levels=1"))
-    sim.trained = {}
+    sim = _recording(cfg('gossip.algorithm="group_average"', "gossip.group_size=4", "gossip.group_levels=1"))
     sim.run_round()
-    groups = sim.last_groups
+    groups = sim.algorithm.last_groups
     assert sorted(i for g in groups for i in g) == list(range(sim.n))
     assert sorted(map(len, groups)) == [3] * 4  # 12 peers on a 4 x 3 grid, round 0 groups along axis 0
     for members in groups:
         w = torch.tensor([float(sim.shards.size(i)) for i in members], dtype=torch.float64)
-        want = (w[:, None] * torch.stack([sim.trained[i].double() for i in members])).sum(0) / w.sum()
+        want = (w[:, None] * torch.stack([sim.peers.trained[i].double() for i in members])).sum(0) / w.sum()
         for i in members:
             assert torch.allclose(sim.models[i].double(), want, atol=1e-6)
     ev = sim.evaluate()
@@ -224,17 +261,14 @@ def test_group_average_gives_each_group_its_weighted_average_and_counts_the_byte
     assert 2 * 2 / 3 * sim.spec.nbytes < ev["bytes_sent_per_peer"] < 2 * 2 / 3 * sim.spec.nbytes + 4 * 600
     assert ev["bytes_sent_per_peer_per_round"] == ev["bytes_sent_per_peer"]
     sim.run_round()  # the next round groups along the other axis: every group meets every earlier one
-    assert {len(g) for g in sim.last_groups} == {4}
+    assert {len(g) for g in sim.algorithm.last_groups} == {4}
 
 
 def test_group_average_equal_weights_and_determinism():
-    sim = _RecordingGossip(
-        cfg('gossip.algorithm="group_average"', 'gossip.group_weights="equal"', "gossip.group_levels=1")
-    )
-    sim.trained = {}
+    sim = _recording(cfg('gossip.algorithm="group_average"', 'gossip.group_weights="equal"', "gossip.group_levels=1"))
     sim.run_round()
-    for members in sim.last_groups:
-        want = torch.stack([sim.trained[i] for i in members]).mean(0)
+    for members in sim.algorithm.last_groups:
+        want = torch.stack([sim.peers.trained[i] for i in members]).mean(0)
         assert all(torch.allclose(sim.models[i], want, atol=1e-6) for i in members)
     churn = ('gossip.algorithm="group_average"', "gossip.churn=0.3", "gossip.churn_period=2", "gossip.loss=0.05")
     a = _run(GossipSimulation(cfg(*churn)), 4).models
@@ -242,30 +276,20 @@ def test_group_average_equal_weights_and_determinism():
     assert torch.equal(a, b)
 
 
-class _VanishingGossip(_RecordingGossip):
-    """Marks which peers were online at the start of each round and which vanished in it."""
-
-    def _group_average_round(self, start: float) -> None:
-        self.started_online = self.online.copy()
-        self.vanishing = self.leaving.copy()
-        super()._group_average_round(start)
-
-
 def test_group_average_with_churn_survivors_of_a_group_agree_and_vanished_peers_keep_their_models():
-    sim = _VanishingGossip(
+    sim = _recording(
         cfg(
             'gossip.algorithm="group_average"', "simulation.num_clients=30", "gossip.churn=0.3", "gossip.churn_period=2"
         )
     )
     seen_vanish = seen_offline = 0
     for _ in range(6):
-        sim.trained = {}
         sim.run_round()
-        for members in sim.last_groups:
-            survivors = [i for i in members if sim.started_online[i] and not sim.vanishing[i]]
-            seen_offline += sum(not sim.started_online[i] for i in members)
+        for members in sim.algorithm.last_groups:
+            survivors = [i for i in members if sim.peers.started_online[i] and not sim.peers.vanishing[i]]
+            seen_offline += sum(not sim.peers.started_online[i] for i in members)
             for i in members:
-                if sim.vanishing[i]:
+                if sim.peers.vanishing[i]:
                     seen_vanish += 1
             # every survivor of a group ends with the same model (no loss: what arrived is the same for all)
             for i in survivors[1:]:
@@ -287,19 +311,15 @@ def test_group_average_settings_are_checked():
 
 
 def test_group_average_d_exchanges_per_round_on_a_full_grid_give_the_global_weighted_average():
-    sim = _RecordingGossip(
-        cfg('gossip.algorithm="group_average"', "gossip.exchanges_per_round=2", "gossip.group_levels=1")
-    )
-    sim.trained = {}
+    sim = _recording(cfg('gossip.algorithm="group_average"', "gossip.exchanges_per_round=2", "gossip.group_levels=1"))
     sim.run_round()  # 12 peers on a 3 x 4 grid: two exchanges, one along each axis
     w = torch.tensor([float(sim.shards.size(i)) for i in range(sim.n)], dtype=torch.float64)
-    want = (w[:, None] * torch.stack([sim.trained[i].double() for i in range(sim.n)])).sum(0) / w.sum()
+    want = (w[:, None] * torch.stack([sim.peers.trained[i].double() for i in range(sim.n)])).sum(0) / w.sum()
     for i in range(sim.n):
         assert torch.allclose(sim.models[i].double(), want, atol=1e-6)
     bytes_two = sim.evaluate()["bytes_sent_per_peer"]
     # the default: one exchange through both axes (a hierarchical all-reduce): the same average, fewer bytes
-    one = _RecordingGossip(cfg('gossip.algorithm="group_average"'))
-    one.trained = {}
+    one = _recording(cfg('gossip.algorithm="group_average"'))
     one.run_round()
     for i in range(one.n):
         assert torch.allclose(one.models[i].double(), want, atol=1e-6)
