@@ -85,7 +85,10 @@ class SyntheticPopulationTask(Task):
 
     The population is the same for every ``simulation.seed`` (that seed still picks the model's
     start and the clients of each round). Its central test set is the test data of the first
-    ``test_clients`` clients; each client's own test data serve federated evaluation.
+    ``test_clients`` clients (of the population, at most all of them); each client's own test
+    data serve federated evaluation. Every client has its own W_k, so a global model reaches a
+    modest accuracy on clients a run has rarely or never sampled: this task measures scale
+    (memory, time), not accuracy.
     """
 
     num_classes = NUM_CLASSES
@@ -94,6 +97,7 @@ class SyntheticPopulationTask(Task):
         self, alpha: float = 1.0, beta: float = 1.0, iid: bool = False, data_seed: int = 0, test_clients: int = 100
     ):
         self.alpha, self.beta, self.iid, self.data_seed, self.test_clients = alpha, beta, iid, data_seed, test_clients
+        self.num_clients = test_clients  # set by population() / simulation_data()
 
     def model(self) -> nn.Module:
         return build_model("logreg", (DIMENSION,), NUM_CLASSES)
@@ -102,6 +106,7 @@ class SyntheticPopulationTask(Task):
         return self._population(num_clients)
 
     def _population(self, num_clients: int) -> SyntheticPopulation:
+        self.num_clients = num_clients
         return SyntheticPopulation(num_clients, self.alpha, self.beta, self.iid, self.data_seed)
 
     def simulation_data(self, num_clients: int, seed: int) -> SimulationData:
@@ -114,8 +119,9 @@ class SyntheticPopulationTask(Task):
         )
 
     def central_test_data(self):
-        pop = self._population(self.test_clients)
-        parts = [pop.test_data(i) for i in range(self.test_clients)]
+        n = min(self.test_clients, self.num_clients)
+        pop = SyntheticPopulation(n, self.alpha, self.beta, self.iid, self.data_seed)
+        parts = [pop.test_data(i) for i in range(n)]
         return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
     def describe(self) -> str:

@@ -277,12 +277,24 @@ class PopulationShards:
 
     def gather(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
         """Clients ``idx`` loaded and concatenated into one tensor pair (the round's cohort only)."""
-        pairs = [self.get(i) for i in idx]
-        sizes = [int(p[1].shape[0]) for p in pairs]
+        sizes = [self.size(i) for i in idx]
         starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64).tolist() if idx else []
-        if not pairs:
+        x = y = None
+        for i, a, n in zip(idx, starts, sizes):  # copied into place as loaded: one client held besides
+            xi, yi = self.get(i)
+            if x is None or y is None:
+                x = xi.new_empty((sum(sizes), *xi.shape[1:]))
+                y = yi.new_empty((sum(sizes), *yi.shape[1:]))
+            if xi.shape[1:] != x.shape[1:] or xi.dtype != x.dtype or yi.dtype != y.dtype:
+                raise TaskError(
+                    f"task {task_name(self.task)}: population.train_data({i}) gives {xi.dtype} inputs of shape "
+                    f"{tuple(xi.shape[1:])} (labels {yi.dtype}), unlike client {idx[0]}'s {x.dtype} "
+                    f"{tuple(x.shape[1:])} (labels {y.dtype}); every client's tensors must match"
+                )
+            x[a : a + n], y[a : a + n] = xi, yi
+        if x is None or y is None:
             return torch.zeros(0, device=self.device), torch.zeros(0, device=self.device), [], []
-        return torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs]), starts, sizes
+        return x, y, starts, sizes
 
     def test_data(self, i: int) -> ClientData | None:
         what = f"population.test_data({i})"
