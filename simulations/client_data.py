@@ -47,9 +47,9 @@ def load_simulation_data(task: Task, cfg: Config) -> SimulationData:
     if type(task).simulation_data is Task.simulation_data and type(task).population is not Task.population:
         raise ConfigError(
             f"task {task_name(task)} gives its clients as a population() (loaded one client at a time), "
-            "but this job needs every client's data at once through simulation_data(); run it with "
-            "simulation.engine = 'inprocess' and simulation.mode = 'sync' or 'async', or implement "
-            "simulation_data() in the task"
+            "but this job needs every client's data at once through simulation_data() (gossip, the Flower "
+            "engine, privacy-sweep, data split, peer --data client:i); implement simulation_data() in the "
+            "task, or use `shoal simulate` with the in-process engine (sync or async)"
         )
     data = call_part(
         task,
@@ -215,8 +215,9 @@ class PopulationShards:
         self._flipped: set[int] = set()
         self._num_classes = 0
         self._last: tuple[int, ClientData] | None = None
-        first = self.data(0)
-        self._pair = as_tensors(first) is not None
+        first = as_tensors(self.data(0))
+        self._pair = first is not None
+        self._input_shape = tuple(first[0].shape[1:]) if first is not None else ()
 
     @property
     def in_memory(self) -> bool:
@@ -225,7 +226,8 @@ class PopulationShards:
 
     @property
     def input_shape(self) -> tuple[int, ...]:
-        return tuple(self.get(0)[0].shape[1:])
+        """One example's input shape (client 0's; tensor data)."""
+        return self._input_shape
 
     def __len__(self) -> int:
         return len(self.sizes)

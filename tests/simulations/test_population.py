@@ -180,6 +180,35 @@ def test_a_failing_client_later_names_the_client():
         sim.run_round()
 
 
+class Rows(torch.utils.data.Dataset):
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+class DatasetPopulation(Counting):
+    """Clients as torch Datasets: trained one by one through a DataLoader, loaded when selected."""
+
+    def train_data(self, i: int):
+        return Rows(*super().train_data(i))
+
+
+def test_dataset_clients_train_one_by_one_and_match_the_tensor_population():
+    as_rows, as_pairs = DatasetPopulation(300), Counting(300)
+    rows = InProcessSimulation(cfg(300, 8), data=as_rows, task=CountingTask(300))
+    pairs = InProcessSimulation(cfg(300, 8, "simulation.batch_clients=1"), data=as_pairs, task=CountingTask(300))
+    assert rows.batched is None and not rows.shards.in_memory
+    rows.run_round()
+    pairs.run_round()
+    assert len(as_rows.loaded) == 1 + 8
+    torch.testing.assert_close(rows.global_params, pairs.global_params, atol=1e-6, rtol=0)
+
+
 def test_synthetic_population_is_a_function_of_seed_and_client():
     small, big = SyntheticPopulation(30, seed=3), SyntheticPopulation(3_000, seed=3)
     for i in (0, 7, 29):
