@@ -154,10 +154,11 @@ class InProcessSimulation:
         self.task = task if task is not None else task_from_config(cfg)
         # A task's population (or one passed in) is loaded client by client as rounds select them;
         # SimulationData is held whole.
-        if isinstance(data, SimulationData):
-            population = None
-        else:
-            population = load_population(self.task, cfg) if data is None else check_population(self.task, data)
+        population = None
+        if data is None:
+            population = load_population(self.task, cfg)
+        elif isinstance(data, Population) or hasattr(data, "train_data"):
+            population = check_population(self.task, data)
         self.data: SimulationData | None = None
         self.shards: ClientShards | PopulationShards
         if population is not None:

@@ -164,7 +164,7 @@ class Broken(Counting):
     [
         (Broken(20, 0), r"population.train_data\(0\) failed: OSError: shard 0 unreadable"),
         (Broken(20, 0, wrong_size=True), r"train_data\(0\) has 2 examples but population.num_examples\(0\) said 3"),
-        (object(), "without __len__, num_examples, train_data"),
+        (type("Half", (), {"train_data": lambda self, i: None})(), "without __len__, num_examples"),
     ],
 )
 def test_population_errors_are_one_task_error_line(pop, needle):
