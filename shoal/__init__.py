@@ -9,12 +9,13 @@ _os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 
 __version__ = "0.1.0"
 
-from .task import LocalData, SimulationData, Task, TaskError, load_task  # noqa: E402
+from .task import LocalData, Population, SimulationData, Task, TaskError, load_task  # noqa: E402
 from .task_data import Partitioned, partition_dataset  # noqa: E402
 
 __all__ = [
     "LocalData",
     "Partitioned",
+    "Population",
     "SimulationData",
     "Task",
     "TaskError",

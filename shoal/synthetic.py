@@ -16,10 +16,16 @@ one device, which would make the default 30-client experiment slow for no insigh
 from __future__ import annotations
 
 import numpy as np
+import torch
+
+from .seeding import rng
+from .task import Population
 
 DIMENSION = 60
 NUM_CLASSES = 10
 MAX_SAMPLES_PER_DEVICE = 2000
+# streams of SyntheticPopulation (apart from each other and from client sampling)
+_SIZES, _SHARED, _CLIENT = 0x512E, 0x5A4ED, 0xC11E
 
 
 def device_sizes(num_devices: int, rng: np.random.Generator) -> np.ndarray:
@@ -56,3 +62,57 @@ def generate(
         y = np.argmax(x @ w.T + b, axis=1)  # softmax is monotone: its argmax is the logits'
         devices.append((x.astype(np.float32), y.astype(np.int64)))
     return devices
+
+
+class SyntheticPopulation(Population):
+    """Synthetic(alpha, beta) as a population whose client k is generated from ``(seed, k)``
+    alone, so any client can be made on demand, in any process, without the others.
+
+    Sizes come from one lognormal stream drawn once for all clients (a prefix of the same
+    stream for fewer clients, so client k has the same size in every population size);
+    each client's model, input mean and samples from its own stream. The last fifth of a
+    client's samples (``n // 5``) is its test data. Same distributions as :func:`generate`,
+    different draws.
+    """
+
+    def __init__(self, num_clients: int, alpha: float = 1.0, beta: float = 1.0, iid: bool = False, seed: int = 0):
+        self.n, self.alpha, self.beta, self.iid, self.seed = num_clients, alpha, beta, iid, seed
+        self.sizes = device_sizes(num_clients, rng(seed, _SIZES))
+        shared = rng(seed, _SHARED)
+        self.w_shared = shared.normal(0.0, 1.0, (NUM_CLASSES, DIMENSION))
+        self.b_shared = shared.normal(0.0, 1.0, NUM_CLASSES)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def client_id(self, i: int) -> str:
+        return f"client-{i:05d}"
+
+    def num_examples(self, i: int) -> int:
+        n = int(self.sizes[i])
+        return n - n // 5
+
+    def samples(self, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """All of client k's samples (train then test), from its own stream."""
+        g = rng(self.seed, _CLIENT, k)
+        if self.iid:
+            w, b, v = self.w_shared, self.b_shared, np.zeros(DIMENSION)
+        else:
+            u, big_b = g.normal(0.0, self.alpha), g.normal(0.0, self.beta)
+            w = g.normal(u, 1.0, (NUM_CLASSES, DIMENSION))
+            b = g.normal(u, 1.0, NUM_CLASSES)
+            v = g.normal(big_b, 1.0, DIMENSION)
+        std_x = np.arange(1, DIMENSION + 1, dtype=np.float64) ** -0.6
+        x = v + g.standard_normal((int(self.sizes[k]), DIMENSION)) * std_x
+        y = np.argmax(x @ w.T + b, axis=1)
+        return x.astype(np.float32), y.astype(np.int64)
+
+    def train_data(self, i: int):
+        x, y = self.samples(i)
+        n = self.num_examples(i)
+        return torch.from_numpy(x[:n]), torch.from_numpy(y[:n])
+
+    def test_data(self, i: int):
+        x, y = self.samples(i)
+        n = self.num_examples(i)
+        return torch.from_numpy(x[n:]), torch.from_numpy(y[n:])

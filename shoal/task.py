@@ -15,6 +15,9 @@ What a task gives (docs/tasks.md has the full reference):
   derived from the means (a language model's perplexity);
 - :meth:`Task.simulation_data` per-client training data (and optionally per-client
   and central test data) for ``shoal simulate``;
+- :meth:`Task.population` (optional) instead, a :class:`Population`: clients whose data
+  are loaded one client at a time when a round selects them, for populations far larger
+  than a round (100,000 clients, 1,000 a round) whose data never sit in memory at once;
 - :meth:`Task.local_data` a deployed node's or peer's own data, read from ``--data PATH``;
 - :meth:`Task.central_test_data` (optional) a test set ``shoal server`` evaluates on;
 - which state is exchanged: trainable parameters always, float buffers (BatchNorm
@@ -72,6 +75,38 @@ class SimulationData:
     client_ids: Sequence[str] | None = None
 
 
+class Population:
+    """A simulated population whose clients' data are loaded on demand, one client at a time.
+
+    Subclass it and return it from :meth:`Task.population`: the in-process simulator then
+    holds only each client's id and example count, and loads ``train_data(i)`` when a round
+    selects client i (memory O(round), not O(population)). Everything here must be a pure
+    function of the index (and whatever the population was built from), so that a worker
+    that rebuilds the task in another process gets the same client i.
+    """
+
+    def __len__(self) -> int:
+        """How many clients (normally ``simulation.num_clients``)."""
+        raise NotImplementedError
+
+    def client_id(self, i: int) -> str:
+        """Client i's name (default ``client-00042``, the same as a SimulationData's)."""
+        return f"client-{i:05d}"
+
+    def num_examples(self, i: int) -> int:
+        """Client i's number of training examples, WITHOUT loading its data: update weights,
+        privacy accounting and memory budgets read it for every client."""
+        raise NotImplementedError
+
+    def train_data(self, i: int) -> ClientData:
+        """Client i's training data (an (x, y) tensor pair or a Dataset), loaded now."""
+        raise NotImplementedError
+
+    def test_data(self, i: int) -> ClientData | None:
+        """Client i's own test data for federated evaluation (default: none)."""
+        return None
+
+
 @dataclass
 class LocalData:
     """A deployed node's or peer's own data: training data and optional test data."""
@@ -122,6 +157,12 @@ class Task:
     def simulation_data(self, num_clients: int, seed: int) -> SimulationData:
         """Per-client data for ``shoal simulate`` (``num_clients`` is ``simulation.num_clients``)."""
         raise NotImplementedError
+
+    def population(self, num_clients: int, seed: int) -> Population | None:
+        """A lazily loaded population for ``shoal simulate`` (in-process engine), or None
+        (the default) to use :meth:`simulation_data`. Its central test set is
+        :meth:`central_test_data`."""
+        return None
 
     def local_data(self, path: Path) -> LocalData:
         """This node's own data, read from ``--data PATH`` in whatever format the task uses."""

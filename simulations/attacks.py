@@ -85,9 +85,7 @@ def attack_steps(sim) -> list:
         return []
     attackers = choose_attackers(sim.client_ids, cfg.fraction, sim.cfg.simulation.seed)
     log.info("attack %s: %d of %d clients", cfg.kind, len(attackers), len(sim.client_ids))
-    if cfg.kind == "label_flip":
-        for cid in attackers:
-            _, y = sim.shards.get(sim.client_ids.index(cid))
-            flip_labels(y, label_count(sim))
+    if cfg.kind == "label_flip":  # label c becomes C - 1 - c (Tolpegin et al. 2020)
+        sim.shards.flip_labels(sorted(sim._index[cid] for cid in attackers), label_count(sim))
         return []
     return [UpdateAttack(cfg, attackers)]

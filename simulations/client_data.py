@@ -3,6 +3,10 @@
 Clients whose data are tensors are gathered into one device-resident tensor pair with a
 slice per client (the batched trainer and every in-memory path read it without copies);
 clients whose data are torch Datasets stay Datasets and train through a DataLoader.
+
+A task's :class:`~shoal.task.Population` is not held: :class:`PopulationShards` keeps each
+client's id and example count and loads a client's data when a round trains it, so memory
+follows the round's cohort, not the population (docs/tasks.md, "Populations").
 """
 
 from __future__ import annotations
@@ -15,8 +19,10 @@ import torch
 
 from shoal.config import Config
 from shoal.datasets import FederatedData
+from shoal.errors import ConfigError
 from shoal.task import (
     ClientData,
+    Population,
     SimulationData,
     Task,
     TaskError,
@@ -38,6 +44,13 @@ def client_id(i: int) -> str:
 def load_simulation_data(task: Task, cfg: Config) -> SimulationData:
     """``task.simulation_data(num_clients, seed)``, checked: one clear error per problem."""
     sim = cfg.simulation
+    if type(task).simulation_data is Task.simulation_data and type(task).population is not Task.population:
+        raise ConfigError(
+            f"task {task_name(task)} gives its clients as a population() (loaded one client at a time), "
+            "but this job needs every client's data at once through simulation_data() (gossip, the Flower "
+            "engine, privacy-sweep, data split, peer --data client:i); implement simulation_data() in the "
+            "task, or use `shoal simulate` with the in-process engine (sync or async)"
+        )
     data = call_part(
         task,
         "simulation_data(num_clients, seed)",
@@ -76,6 +89,40 @@ def check_simulation_data(task: Task, data: object) -> SimulationData:
         if len(ids) != len(data.train) or len(set(ids)) != len(ids):
             raise TaskError(f"task {task_name(task)}: client_ids must be {len(data.train)} distinct names")
     return data
+
+
+def load_population(task: Task, cfg: Config) -> Population | None:
+    """``task.population(num_clients, seed)``, checked; None when the task gives none."""
+    sim = cfg.simulation
+    pop = call_part(task, "population(num_clients, seed)", task.population, sim.num_clients, sim.seed)
+    return None if pop is None else check_population(task, pop)
+
+
+def check_population(task: Task, pop: object) -> Population:
+    missing = [m for m in ("__len__", "num_examples", "train_data") if not callable(getattr(pop, m, None))]
+    if missing:
+        raise TaskError(
+            f"task {task_name(task)}: population() returned a {type(pop).__name__} without "
+            f"{', '.join(missing)}; return a shoal.Population subclass"
+        )
+    n = call_part(task, "len(population)", len, pop)
+    if n <= 0:
+        raise TaskError(f"task {task_name(task)}: population() has no clients (len = {n})")
+    return pop  # type: ignore[return-value]
+
+
+def _each(task: Task, part: str, fn, n: int) -> list:
+    """``fn(i)`` for every client; an exception names the part and the client."""
+    out = []
+    i = 0
+    try:
+        for i in range(n):
+            out.append(fn(i))
+    except NotImplementedError:
+        raise TaskError(f"task {task_name(task)}: {part} is not implemented") from None
+    except Exception as e:
+        raise TaskError(f"task {task_name(task)}: {part} failed for client {i}: {type(e).__name__}: {e}") from None
+    return out
 
 
 class ClientShards:
@@ -126,6 +173,141 @@ class ClientShards:
 
     def size(self, i: int) -> int:
         return int(self.bounds[i + 1] - self.bounds[i])
+
+    def max_size(self) -> int:
+        return int(np.diff(self.bounds).max(initial=0))
+
+    def total_examples(self) -> int:
+        return int(self.bounds[-1])
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """One example's input shape (in-memory data)."""
+        return tuple(self.x.shape[1:])
+
+    def gather(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """Clients ``idx`` as ``(x, y, starts, sizes)``: here the held tensors, no copy."""
+        return self.x, self.y, [int(self.bounds[i]) for i in idx], [self.size(i) for i in idx]
+
+    def flip_labels(self, idx: list[int], num_classes: int) -> None:
+        """Label ``c`` becomes ``num_classes - 1 - c`` for clients ``idx`` (the label-flip attack)."""
+        for i in idx:
+            _, y = self.get(i)
+            y.copy_(num_classes - 1 - y)
+
+
+class PopulationShards:
+    """A :class:`~shoal.task.Population` as the engine reads clients: ids and example counts
+    held (cheap, O(population) integers), data loaded when asked for and not kept, except the
+    last client loaded (so the load check and a first training do not read it twice)."""
+
+    def __init__(self, task: Task, population: Population, device: torch.device):
+        self.task, self.population, self.device = task, population, device
+        n = len(population)
+        self.client_ids = [str(c) for c in _each(task, "population.client_id(i)", population.client_id, n)]
+        if len(set(self.client_ids)) != n:
+            raise TaskError(f"task {task_name(task)}: population.client_id(i) must give {n} distinct names")
+        sizes = _each(task, "population.num_examples(i)", population.num_examples, n)
+        if not all(isinstance(s, (int, np.integer)) and s >= 0 for s in sizes):
+            raise TaskError(f"task {task_name(task)}: population.num_examples(i) must be integers >= 0")
+        self.sizes = np.asarray(sizes, dtype=np.int64)
+        self.has_test = type(population).test_data is not Population.test_data
+        self._flipped: set[int] = set()
+        self._num_classes = 0
+        self._last: tuple[int, ClientData] | None = None
+        first = as_tensors(self.data(0))
+        self._pair = first is not None
+        self._input_shape = tuple(first[0].shape[1:]) if first is not None else ()
+
+    @property
+    def in_memory(self) -> bool:
+        """True when clients' data are tensors (gathered per round for the batched trainer)."""
+        return self._pair
+
+    @property
+    def input_shape(self) -> tuple[int, ...]:
+        """One example's input shape (client 0's; tensor data)."""
+        return self._input_shape
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+    def size(self, i: int) -> int:
+        return int(self.sizes[i])
+
+    def max_size(self) -> int:
+        return int(self.sizes.max(initial=0))
+
+    def total_examples(self) -> int:
+        return int(self.sizes.sum())
+
+    def data(self, i: int) -> ClientData:
+        """Client i's training data, loaded now (checked, on the device, labels flipped if it attacks)."""
+        if self._last is not None and self._last[0] == i:
+            return self._last[1]
+        task = self.task
+        what = f"population.train_data({i})"
+        raw = call_part(task, what, self.population.train_data, i)
+        data = check_data(task, raw, what)
+        assert data is not None
+        if num_examples(data) != self.sizes[i]:
+            raise TaskError(
+                f"task {task_name(task)}: {what} has {num_examples(data)} examples but "
+                f"population.num_examples({i}) said {int(self.sizes[i])}; they must agree"
+            )
+        data = on_device(data, self.device)
+        assert data is not None
+        if i in self._flipped:
+            pair = as_tensors(data)
+            if pair is None:
+                raise TaskError(
+                    f"task {task_name(task)}: {what} is a torch Dataset, whose labels the label-flip "
+                    "attack cannot change; give (x, y) tensors to use attack.kind = 'label_flip'"
+                )
+            data = (pair[0], self._num_classes - 1 - pair[1])
+        self._last = (i, data)
+        return data
+
+    def get(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        pair = as_tensors(self.data(i))
+        if pair is None:
+            raise TaskError(
+                f"task {task_name(self.task)}: population.train_data({i}) is a torch Dataset, not tensors; "
+                "this path needs (x, y) tensors from every client"
+            )
+        return pair
+
+    def gather(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """Clients ``idx`` loaded and concatenated into one tensor pair (the round's cohort only)."""
+        sizes = [self.size(i) for i in idx]
+        starts = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(np.int64).tolist() if idx else []
+        x = y = None
+        for i, a, n in zip(idx, starts, sizes):  # copied into place as loaded: one client held besides
+            xi, yi = self.get(i)
+            if x is None or y is None:
+                x = xi.new_empty((sum(sizes), *xi.shape[1:]))
+                y = yi.new_empty((sum(sizes), *yi.shape[1:]))
+            if xi.shape[1:] != x.shape[1:] or xi.dtype != x.dtype or yi.dtype != y.dtype:
+                raise TaskError(
+                    f"task {task_name(self.task)}: population.train_data({i}) gives {xi.dtype} inputs of shape "
+                    f"{tuple(xi.shape[1:])} (labels {yi.dtype}), unlike client {idx[0]}'s {x.dtype} "
+                    f"{tuple(x.shape[1:])} (labels {y.dtype}); every client's tensors must match"
+                )
+            x[a : a + n], y[a : a + n] = xi, yi
+        if x is None or y is None:
+            return torch.zeros(0, device=self.device), torch.zeros(0, device=self.device), [], []
+        return x, y, starts, sizes
+
+    def test_data(self, i: int) -> ClientData | None:
+        what = f"population.test_data({i})"
+        raw = call_part(self.task, what, self.population.test_data, i)
+        return on_device(check_data(self.task, raw, what, allow_none=True), self.device)
+
+    def flip_labels(self, idx: list[int], num_classes: int) -> None:
+        """Clients ``idx`` train on labels ``num_classes - 1 - y``, flipped as each is loaded."""
+        self._flipped.update(idx)
+        self._num_classes = num_classes
+        self._last = None
 
 
 def on_device(data: ClientData | None, device: torch.device) -> ClientData | None:

@@ -23,11 +23,21 @@ from shoal.client.training import summarize_means
 from shoal.config import Config
 from shoal.errors import WireError
 from shoal.rounds import Assignment, RoundSummary, SyncRounds
-from shoal.task import SimulationData, Task, check_loss
+from shoal.seeding import rng
+from shoal.task import ClientData, Population, SimulationData, Task, call_part, check_data, check_loss
 from shoal.update import Update
 
 from .attacks import attack_steps
-from .client_data import ClientShards, check_simulation_data, client_id, load_simulation_data, on_device
+from .client_data import (
+    ClientShards,
+    PopulationShards,
+    check_population,
+    check_simulation_data,
+    client_id,
+    load_population,
+    load_simulation_data,
+    on_device,
+)
 from .dp_hooks import PrivacyBudget, distributed_noise_step, round_sampling
 from .run_loop import Step
 from .wire_step import WireStep
@@ -40,7 +50,10 @@ log = logging.getLogger(__name__)
 __all__ = ["ClientShards", "InProcessSimulation", "client_id"]
 
 
-def batching_blocker(task: Task, trainer, shards: ClientShards) -> str | None:
+_FED_EVAL_STREAM = 0xFEDE  # seeds a population's federated-evaluation sample apart from client sampling
+
+
+def batching_blocker(task: Task, trainer, shards: ClientShards | PopulationShards) -> str | None:
     """Why the task rules out the batched many-clients path (None: it may batch)."""
     if not shards.in_memory:
         return "the clients' data are torch Datasets (read through a DataLoader), not tensors"
@@ -85,12 +98,9 @@ class LocalClients:
     def train(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
         sim = self.sim
         if sim.batched is not None:
-            idx = [sim._index[t.client_id] for t in tasks]
-            starts = [int(sim.shards.bounds[i]) for i in idx]
-            sizes = [sim.shards.size(i) for i in idx]
-            for j, update in sim.batched.train(
-                global_params, sim.shards.x, sim.shards.y, starts, sizes, [t.seed for t in tasks]
-            ):
+            # a population's cohort is loaded and concatenated here; held data are sliced in place
+            x, y, starts, sizes = sim.shards.gather([sim._index[t.client_id] for t in tasks])
+            for j, update in sim.batched.train(global_params, x, y, starts, sizes, [t.seed for t in tasks]):
                 task = tasks[j]
                 update.base_version, update.sender = task.version, task.client_id
                 yield task, update
@@ -133,7 +143,7 @@ class InProcessSimulation:
     def __init__(
         self,
         cfg: Config,
-        data: SimulationData | None = None,
+        data: SimulationData | Population | None = None,
         task: Task | None = None,
         runner: Callable[[InProcessSimulation], RoundRunner] | None = None,
         clients: Callable[[InProcessSimulation], ClientPool] | None = None,
@@ -142,19 +152,36 @@ class InProcessSimulation:
         sim = cfg.simulation
         self.device = select_device(sim.device)
         self.task = task if task is not None else task_from_config(cfg)
-        self.data = load_simulation_data(self.task, cfg) if data is None else check_simulation_data(self.task, data)
+        # A task's population (or one passed in) is loaded client by client as rounds select them;
+        # SimulationData is held whole.
+        population = None
+        if data is None:
+            population = load_population(self.task, cfg)
+        elif isinstance(data, Population) or hasattr(data, "train_data"):
+            population = check_population(self.task, data)
+        self.data: SimulationData | None = None
+        self.shards: ClientShards | PopulationShards
+        if population is not None:
+            self.shards = PopulationShards(self.task, population, self.device)
+            self.client_ids = self.shards.client_ids
+            central = call_part(self.task, "central_test_data()", self.task.central_test_data)
+            self.test = on_device(check_data(self.task, central, "central_test_data()", allow_none=True), self.device)
+            self.client_test = None
+        else:
+            self.data = load_simulation_data(self.task, cfg) if data is None else check_simulation_data(self.task, data)
+            self.shards = ClientShards(self.data.train, self.device)
+            self.test = on_device(self.data.test, self.device)
+            self.client_test = (
+                None if self.data.client_test is None else [on_device(d, self.device) for d in self.data.client_test]
+            )
+            ids = self.data.client_ids
+            n = len(self.shards)
+            self.client_ids = [str(c) for c in ids] if ids is not None else [client_id(i) for i in range(n)]
         model = initial_model(cfg, self.task).to(self.device)  # seeded by simulation.seed: the same start everywhere
-        self.shards = ClientShards(self.data.train, self.device)
         check_loss(self.task, model, self.shards.data(0), self.device)
         self.trainer = make_trainer(cfg, self.task, model, self.device)
         self.spec = self.trainer.spec
-        self.test = on_device(self.data.test, self.device)
-        self.client_test = (
-            None if self.data.client_test is None else [on_device(d, self.device) for d in self.data.client_test]
-        )
         self.num_classes: int | None = getattr(self.task, "num_classes", None)
-        ids = self.data.client_ids
-        self.client_ids = [str(c) for c in ids] if ids is not None else [client_id(i) for i in range(len(self.shards))]
         self._index = {cid: i for i, cid in enumerate(self.client_ids)}
         # Buffers the task keeps on each client (FedBN): saved per client between its rounds.
         self._initial_local = self.trainer.local_state()
@@ -186,15 +213,22 @@ class InProcessSimulation:
                 self.spec,
                 cfg.train,
                 self.device,
-                tuple(self.shards.x.shape[1:]),
+                self.shards.input_shape,
                 self.rounds.sample_size(len(self.client_ids)),
-                max(map(self.shards.size, range(len(self.shards))), default=0),
+                self.shards.max_size(),
             )
         elif sim.batch_clients != 1 and self.rounds.sample_size(len(self.client_ids)) > 1:
             log.info("training clients one by one: %s", blocker)
         else:
             log.debug("training clients one by one: %s", blocker)
         self.participants: set[str] = set()  # every client that trained in some round
+        # A population's federated evaluation: a fixed, seeded sample of a round's size (the same
+        # clients every evaluation, so the curve compares rounds), loaded one client at a time.
+        self.fed_eval_clients: list[int] = []
+        if isinstance(self.shards, PopulationShards) and self.shards.has_test:
+            n, k = len(self.client_ids), self.rounds.sample_size(len(self.client_ids))
+            picked = rng(sim.seed, _FED_EVAL_STREAM).choice(n, size=min(n, k), replace=False)
+            self.fed_eval_clients = sorted(int(i) for i in picked)
         self.clients: ClientPool = (clients or LocalClients)(self)
         if runner is None and cfg.secure_aggregation.enabled:
             from .secure_rounds import SecureAggregationRounds
@@ -211,7 +245,7 @@ class InProcessSimulation:
         log.info(
             "simulation: %d clients, %d train examples, model of %d exchanged parameters on %s (%s)",
             len(self.client_ids),
-            int(self.shards.bounds[-1]),
+            self.shards.total_examples(),
             self.spec.numel,
             self.device,
             self.task_label,
@@ -334,14 +368,23 @@ class InProcessSimulation:
         if self.test is not None:
             ev = self.trainer.evaluate_data(params, self.test)
             out.update({f"test_{k}": v for k, v in ev.items() if k != "num_examples"})
-        if self.client_test is not None:
+        if self.client_test is not None or self.fed_eval_clients:
             out.update(self.federated_evaluate(params))
         return out
 
+    def _client_tests(self) -> Iterator[tuple[str, ClientData | None]]:
+        """(client id, its test data): every client's held data, or a population's evaluation sample."""
+        if self.client_test is not None:
+            yield from zip(self.client_ids, self.client_test)
+        elif isinstance(self.shards, PopulationShards):
+            for i in self.fed_eval_clients:
+                yield self.client_ids[i], self.shards.test_data(i)
+
     def federated_evaluate(self, params: torch.Tensor) -> dict[str, float]:
-        """Every client with test data evaluates ``params`` (with its own local buffers)."""
+        """Every client with test data evaluates ``params`` (with its own local buffers); in a
+        population, the clients of ``fed_eval_clients``."""
         results = []
-        for cid, data in zip(self.client_ids, self.client_test or []):
+        for cid, data in self._client_tests():
             if data is None:
                 continue
             if self.trainer.local_names:

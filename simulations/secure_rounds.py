@@ -60,7 +60,7 @@ class SecureAggregationRounds:
         self.max_summands = poisson_cap(n, k) if sim.rounds.sampling == "poisson" else k
         self.values = FixedPoint(self.cfg.clip, self.cfg.bits, self.max_summands)  # raises if too many x 2^bits
         self.weights = FixedPoint(1.0, self.cfg.bits, self.max_summands)
-        self.max_weight = self.cfg.max_weight or max(sim.shards.size(i) for i in range(len(sim.shards)))
+        self.max_weight = self.cfg.max_weight or sim.shards.max_size()
         lost = 1 - math.prod(1 - getattr(self.cfg, f"dropout_{s}") for s in STAGES[:3])
         self.expected_dropout = min(max(lost, 0.1), 0.99)  # sizes an automatic secagg+ degree
         self.last: dict = {}
