@@ -74,29 +74,39 @@ class VirtualClients:
         self._wake_at = math.inf
 
     def launch(self, task: Assignment, global_params: torch.Tensor, tag: Any = None) -> None:
-        """Train ``task`` now; schedule ``arrive`` (client, update, tag) or ``dropout``.
+        """Train ``task`` now; schedule ``arrive`` (client, update, tag) or ``dropout``."""
+        self.launch_all([task], global_params, tag)
+
+    def launch_all(self, tasks: list[Assignment], global_params: torch.Tensor, tag: Any = None) -> None:
+        """Train ``tasks`` now, handed the model at the same virtual time: one call to the
+        client pool (a batch for the batched trainer, one round trip to Ray's workers), then
+        each task's client steps and its ``arrive`` or ``dropout`` event, in ``tasks`` order,
+        exactly as one launch after another.
 
         An update that fails wire validation (e.g. a NaN attacker's) arrives as its
         WireError, so the engine counts the rejection at the time the server would."""
-        c = task.client_id
-        self.sim.wire.download(global_params, task.version)
-        ((_, update),) = list(self.sim.train_clients([task], global_params))
-        steps = int(update.metrics.get("local_steps", 1))
-        arrival: Update | WireError
-        try:
-            for step in self.sim.client_steps:  # attacks, then the wire round trip (encode, decode, validate)
-                update = step(task, update)
-            arrival = update
-        except WireError as e:  # the server refuses the payload when it arrives
-            arrival = e
-        t = self.timing
-        finish = self.now + t.network_s(c) + t.compute_s(c, steps) + t.network_s(c)
-        offline = t.online_until(c, self.now)
-        self.busy.add(c)
-        if offline < finish:
-            self.queue.schedule(offline, "dropout", (c, tag))
-        else:
-            self.queue.schedule(finish, "arrive", (c, arrival, tag))
+        if not tasks:
+            return
+        for task in tasks:
+            self.sim.wire.download(global_params, task.version)
+        for task, update in self.sim.train_clients(tasks, global_params):
+            c = task.client_id
+            steps = int(update.metrics.get("local_steps", 1))
+            arrival: Update | WireError
+            try:
+                for step in self.sim.client_steps:  # attacks, then the wire round trip (encode, decode, validate)
+                    update = step(task, update)
+                arrival = update
+            except WireError as e:  # the server refuses the payload when it arrives
+                arrival = e
+            t = self.timing
+            finish = self.now + t.network_s(c) + t.compute_s(c, steps) + t.network_s(c)
+            offline = t.online_until(c, self.now)
+            self.busy.add(c)
+            if offline < finish:
+                self.queue.schedule(offline, "dropout", (c, tag))
+            else:
+                self.queue.schedule(finish, "arrive", (c, arrival, tag))
 
     def evaluate(self, params: torch.Tensor) -> dict[str, float]:
         """``test_<metric>`` / ``fed_<metric>`` of ``params``, as the in-process engine reports them."""
@@ -129,8 +139,8 @@ class AsyncEngine:
         if free <= 0:
             return
         candidates = self.clients.idle_online()
-        for c in self.clients.pick(candidates, free):
-            self.clients.launch(self.rounds.task(c), self.rounds.global_params)
+        tasks = [self.rounds.task(c) for c in self.clients.pick(candidates, free)]
+        self.clients.launch_all(tasks, self.rounds.global_params)
         if len(candidates) < free:
             self.clients.wake_when_someone_is_online()
 

@@ -24,7 +24,7 @@ from shoal.config import Config
 from shoal.errors import WireError
 from shoal.rounds import Assignment, RoundSummary, SyncRounds
 from shoal.task import SimulationData, Task, check_loss
-from shoal.update import Update
+from shoal.update import PartialSum, Update
 
 from .attacks import attack_steps
 from .client_data import ClientShards, check_simulation_data, client_id, load_simulation_data, on_device
@@ -72,6 +72,13 @@ class ClientPool(Protocol):
     """Who trains the selected clients: this process (LocalClients) or workers elsewhere."""
 
     def train(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]: ...
+
+
+class SummingRunner(Protocol):
+    """A round runner whose clients' updates arrive already summed (the Ray engine's workers, when
+    the pipeline is a plain weighted mean): ``run_round`` submits each part with SyncRounds.submit_sum."""
+
+    def partial_sums(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[PartialSum]: ...
 
 
 class LocalClients:
@@ -217,6 +224,14 @@ class InProcessSimulation:
             self.task_label,
         )
 
+    def client_index(self, client_id: str) -> int:
+        """The position of ``client_id`` in the task's clients (its data's index)."""
+        return self._index[client_id]
+
+    def local_state(self, client_id: str) -> dict[str, torch.Tensor]:
+        """The buffers ``client_id`` keeps between its rounds (FedBN; empty when the task exchanges them)."""
+        return self.local_states.get(client_id, self._initial_local)
+
     @property
     def task_label(self) -> str:
         describe = getattr(self.task, "describe", None)
@@ -256,13 +271,18 @@ class InProcessSimulation:
         round runner delivers; a round the runner aborts leaves the model as it was."""
         tasks = self.rounds.start_round(self.client_ids)
         self.wire.broadcast(self.rounds.global_params, self.rounds.version, len(tasks))
+        summed = getattr(self.runner, "partial_sums", None)  # a SummingRunner
         try:
-            for task, update in self.runner.updates(tasks, self.rounds.global_params):
-                try:
-                    self.rounds.submit(task.client_id, update)
-                except Exception:
-                    self.wire.not_accepted(task.client_id)  # top-k error feedback keeps what was refused
-                    raise
+            if summed is not None:
+                for part in summed(tasks, self.rounds.global_params):
+                    self.rounds.submit_sum(part)
+            else:
+                for task, update in self.runner.updates(tasks, self.rounds.global_params):
+                    try:
+                        self.rounds.submit(task.client_id, update)
+                    except Exception:
+                        self.wire.not_accepted(task.client_id)  # top-k error feedback keeps what was refused
+                        raise
         except SecAggAborted as e:
             return self._abort_round(str(e))
         try:
@@ -324,7 +344,13 @@ class InProcessSimulation:
         }
         if self.privacy is not None:
             out.update(self.privacy.summary())  # epsilon, delta, the sampling and the accountant
+        out.update(self.pool_figures())
         return out
+
+    def pool_figures(self) -> dict:
+        """What the client pool says of itself for summary.json (the Ray engine: its workers)."""
+        figures = getattr(self.clients, "figures", None)
+        return figures() if callable(figures) else {}
 
     def evaluate(self, params: torch.Tensor | None = None) -> dict[str, float]:
         """``params`` (default: the global model) on the central test set (``test_<metric>``)

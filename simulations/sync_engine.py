@@ -62,10 +62,8 @@ class VirtualSyncEngine:
         tasks = r.start_round(online, now=self.clients.now)
         if r.deadline_at is not None:
             self.clients.queue.schedule(r.deadline_at, "deadline", r.round)
-        self.live = set()
-        for t in tasks:
-            self.clients.launch(t, r.global_params, tag=r.round)
-            self.live.add(t.client_id)
+        self.live = {t.client_id for t in tasks}
+        self.clients.launch_all(tasks, r.global_params, tag=r.round)
         return True
 
     def _close(self) -> RoundSummary | None:
