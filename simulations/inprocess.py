@@ -255,6 +255,18 @@ class InProcessSimulation:
         self.participants.update(t.client_id for t in tasks)
         return self.clients.train(tasks, global_params)
 
+    def submit_clients(
+        self, tasks: list[Assignment], global_params: torch.Tensor
+    ) -> Callable[[], list[tuple[Assignment, Update]]]:
+        """Start the local training of ``tasks``; returns a function that gives the results. A pool
+        that trains elsewhere (``submit``: the Ray engine) works meanwhile; here it is done at once."""
+        submit = getattr(self.clients, "submit", None)
+        if submit is not None:
+            self.participants.update(t.client_id for t in tasks)
+            return submit(tasks, global_params)
+        results = list(self.train_clients(tasks, global_params))
+        return lambda: results
+
     def apply_client_steps(self, task: Assignment, update: Update) -> Update | None:
         """The client steps in order; None (counted) when validation refuses the payload."""
         try:

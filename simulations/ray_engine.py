@@ -36,6 +36,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -157,7 +158,7 @@ class RayWorker:
             return
         cfg = setup.cfg
         task = task_from_config(cfg)
-        self.device = select_device(cfg.simulation.device)
+        self.device = worker_device(cfg)
         self.data = WorkerData(task, cfg, self.device)
         model = initial_model(cfg, task).to(self.device)
         self.trainer = make_trainer(cfg, task, model, self.device)
@@ -256,8 +257,20 @@ class RayWorker:
             "local_states": locals_,
         }
 
-    def pid(self) -> int:
-        return os.getpid()
+    def stats(self) -> dict[str, Any]:
+        """This worker process's peak resident memory (MiB) and where it runs."""
+        import resource
+
+        return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "pid": os.getpid()}
+
+
+def worker_device(cfg: Config) -> torch.device:
+    """``simulation.device``, where ``auto`` means a GPU only for workers that reserved a share of one
+    (``ray_gpus_per_worker``): a worker must not train on a GPU Ray did not give it."""
+    sim = cfg.simulation
+    if sim.device == "auto" and sim.ray_gpus_per_worker == 0:
+        return torch.device("cpu")
+    return select_device(sim.device)
 
 
 def _node_id() -> str:
@@ -270,11 +283,18 @@ def _node_id() -> str:
 
 
 def ray_init_args(cfg: Config) -> dict[str, Any]:
-    """``ray.init`` arguments: the cluster at ``simulation.ray_address``, or a local runtime."""
+    """``ray.init`` arguments: the cluster at ``simulation.ray_address``, or a new local runtime
+    (never one found on the machine) whose workers run at the driver's priority: Ray's default
+    niceness of 15 made them lose the CPU to any other process (docs/results.md, "Ray engine")."""
     sim = cfg.simulation
     if sim.ray_address:
         return {"address": sim.ray_address}
-    return {"address": "local", "num_cpus": sim.ray_num_cpus or os.cpu_count() or 1, "include_dashboard": False}
+    return {
+        "address": "local",
+        "num_cpus": sim.ray_num_cpus or os.cpu_count() or 1,
+        "include_dashboard": False,
+        "_system_config": {"worker_niceness": 0},
+    }
 
 
 def worker_count(cfg: Config, cpus: float, gpus: float, nodes: int) -> int:
@@ -296,6 +316,16 @@ def worker_count(cfg: Config, cpus: float, gpus: float, nodes: int) -> int:
     return n
 
 
+@dataclass
+class Submission:
+    """Calls sent to workers, not read yet (WorkerPool.submit / collect)."""
+
+    method: str
+    args: list[tuple]
+    owners: list[int]
+    refs: list[Any]
+
+
 class WorkerPool:
     """Long-lived RayWorker actors and calls that survive a worker's death.
 
@@ -308,9 +338,12 @@ class WorkerPool:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+        t0 = time.perf_counter()
         self._started = not ray.is_initialized()
         if self._started:
-            ray.init(**ray_init_args(cfg))
+            with warnings.catch_warnings():  # Ray's notice of a future default; workers pick devices themselves
+                warnings.filterwarnings("ignore", category=FutureWarning, module="ray")
+                ray.init(**ray_init_args(cfg))
         sim = cfg.simulation
         nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
         res = ray.cluster_resources()
@@ -336,6 +369,7 @@ class WorkerPool:
             self.actors = [actor.options(**opts).remote(threads) for _ in range(self.size)]
         self.on_submitted: Callable[[WorkerPool, str], None] | None = None
         self.resubmitted = 0  # calls sent again after their worker died
+        self.start_s = time.perf_counter() - t0
         log.info("ray: %d worker(s) on %d node(s)", len(self.actors), len(nodes))
 
     def __len__(self) -> int:
@@ -344,16 +378,19 @@ class WorkerPool:
     def call(self, method: str, args: list[tuple], offset: int = 0) -> list[Any]:
         """``method(*args[p])`` on worker ``(offset + p) % size`` for each part p, in parallel;
         the results in ``args`` order. A call whose worker dies is sent again (see the module doc)."""
+        return self.collect(self.submit(method, args, offset))
 
+    def submit(self, method: str, args: list[tuple], offset: int = 0) -> Submission:
+        """Send the calls of :meth:`call` without waiting; :meth:`collect` reads them."""
         n = len(self.actors)
         owners = [(offset + p) % n for p in range(len(args))]
         refs = [getattr(self.actors[w], method).remote(*a) for w, a in zip(owners, args)]
         if self.on_submitted is not None:
             self.on_submitted(self, method)
-        out = []
-        for p, ref in enumerate(refs):
-            out.append(self._result(method, args[p], owners[p], ref))
-        return out
+        return Submission(method, args, owners, refs)
+
+    def collect(self, sub: Submission) -> list[Any]:
+        return [self._result(sub.method, a, w, ref) for a, w, ref in zip(sub.args, sub.owners, sub.refs)]
 
     def _result(self, method: str, args: tuple, worker: int, ref: Any) -> Any:
         """The call's result; while its worker restarts (ActorUnavailableError) the call is sent
@@ -442,7 +479,9 @@ class RayClients:
             sim.rounds.sample_size(n),
             max(sizes, default=0),
         )
+        t0 = time.perf_counter()
         infos = pool.call("prepare", [(self.setup,)] * len(pool))
+        self.prepare_s = time.perf_counter() - t0
         mine = clients_digest(sim.shards, sim.client_ids)
         for i, info in enumerate(infos):
             if info["numel"] != sim.spec.numel or info["digest"] != mine:
@@ -479,19 +518,33 @@ class RayClients:
         return ray.put(global_params.detach().float().cpu().numpy())
 
     def train(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
-        if not tasks:
-            return
+        if tasks:
+            yield from self.submit(tasks, global_params)()
+
+    def submit(
+        self, tasks: list[Assignment], global_params: torch.Tensor
+    ) -> Callable[[], list[tuple[Assignment, Update]]]:
+        """Send ``tasks`` to the workers now; the returned function waits for their updates (in the
+        order LocalClients gives them), so the virtual clock goes on while the workers train."""
         parts, offset = self._parts(tasks)
         g = self._global(global_params)
-        results = self.pool.call("train", [(self.setup, g, part) for part in parts], offset)
-        done = [(it, res) for part, chunk in zip(parts, results) for it, res in zip(part, chunk)]
+        sub = self.pool.submit("train", [(self.setup, g, part) for part in parts], offset)
         device = global_params.device
-        for k in self._order(tasks):
-            it, (delta, n, metrics, local) = done[k]
-            if local is not None:
-                self.sim.local_states[it.task.client_id] = local
-            t = it.task
-            yield t, Update(torch.from_numpy(np.array(delta)).to(device), int(n), t.version, t.client_id, metrics)
+
+        def results() -> list[tuple[Assignment, Update]]:
+            chunks = self.pool.collect(sub)
+            done = [(it, res) for part, chunk in zip(parts, chunks) for it, res in zip(part, chunk)]
+            out = []
+            for k in self._order(tasks):
+                it, (delta, n, metrics, local) = done[k]
+                if local is not None:
+                    self.sim.local_states[it.task.client_id] = local
+                t = it.task
+                update = Update(torch.from_numpy(np.array(delta)).to(device), int(n), t.version, t.client_id, metrics)
+                out.append((t, update))
+            return out
+
+        return results
 
     def _order(self, tasks: list[Assignment]) -> list[int]:
         """The order LocalClients would hand these results on in (the batched trainer's: most local
@@ -527,11 +580,16 @@ class RayClients:
             )
 
     def figures(self) -> dict[str, Any]:
+        """For summary.json: the workers, their nodes, re-sent calls, start-up and peak memory."""
+        peaks = [round(st["peak_rss_mb"], 1) for st in self.pool.call("stats", [()] * len(self.pool))]
         return {
+            "ray_worker_peak_rss_mb": peaks,
             "engine": "ray",
             "ray_workers": len(self.infos),
             "ray_nodes": len({i["node"] for i in self.infos}),
             "ray_resubmitted": self.pool.resubmitted,
+            "ray_start_s": round(self.pool.start_s, 3),  # Ray runtime and worker processes
+            "ray_prepare_s": round(self.prepare_s, 3),  # workers loading the task, data and model
         }
 
     def close(self) -> None:

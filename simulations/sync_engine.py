@@ -106,18 +106,19 @@ class VirtualSyncEngine:
             if ev.kind == "wake":
                 self.clients.woke()
             elif ev.kind in ("arrive", "dropout"):
-                c, tag = ev.payload[0], ev.payload[-1]
+                c, launch, tag = ev.payload
+                arrival = self.clients.resolve(launch)  # a dropped client trained and encoded too
                 self.clients.busy.discard(c)
                 if tag == r.round:
                     self.live.discard(c)
                 if ev.kind == "dropout":
                     self.clients.dropouts += 1
                     self.sim.wire.not_accepted(c)  # never delivered: error feedback keeps it
-                elif isinstance(ev.payload[1], WireError):  # refused by validation: counted, not aggregated
-                    self.rejected[ev.payload[1].code] = self.rejected.get(ev.payload[1].code, 0) + 1
+                elif isinstance(arrival, WireError):  # refused by validation: counted, not aggregated
+                    self.rejected[arrival.code] = self.rejected.get(arrival.code, 0) + 1
                 else:
                     try:
-                        r.submit(c, ev.payload[1])
+                        r.submit(c, arrival)
                         self._submitted.append(c)
                     except UpdateRejected as e:  # late and dropped, too stale, ...: folded back
                         self.rejected[e.code] = self.rejected.get(e.code, 0) + 1
@@ -135,6 +136,7 @@ class VirtualSyncEngine:
             yield self._record(None)
 
     def _record(self, s: RoundSummary | None) -> dict[str, Any]:
+        self.clients.flush()  # every upload handed out so far is counted, as at its launch
         r = self.rounds
         self._recorded = (self.rounds_done, self.clients.now)
         ev = self.clients.evaluate(r.global_params)
@@ -160,6 +162,7 @@ class VirtualSyncEngine:
         return rec
 
     def totals(self) -> dict[str, Any]:
+        self.clients.flush()
         return {
             "updates_accepted": self.accepted,
             "updates_rejected": dict(self.rejected),

@@ -22,6 +22,7 @@ from shoal.metrics import read_jsonl
 from shoal.simulations.async_engine import AsyncEngine
 from shoal.simulations.experiment import run_simulation
 from shoal.simulations.inprocess import InProcessSimulation, PlainRound
+from shoal.simulations.sync_engine import VirtualSyncEngine
 from shoal.tasks import BuiltinTask
 
 ray = pytest.importorskip("ray")
@@ -153,6 +154,30 @@ def test_features_give_the_in_process_model(pool, features, runner):
     assert type(there.runner).__name__ == runner
     if here.privacy is not None:
         assert there.privacy is not None and math.isclose(here.privacy.epsilon, there.privacy.epsilon)
+
+
+@pytest.mark.timeout(120)
+def test_sync_rounds_on_the_virtual_clock_with_dropouts_and_late_folds_give_the_in_process_model(pool):
+    extra = [
+        "heterogeneity.enabled=true",
+        "heterogeneity.speed_sigma=1.0",
+        "heterogeneity.mean_on_s=1.0",
+        "heterogeneity.mean_off_s=0.5",
+        "asynchronous.over_selection=0.5",
+        "asynchronous.deadline_s=0.8",
+        "asynchronous.late='fold'",
+        "compression.encoding='topk'",
+        "compression.topk_fraction=0.2",
+    ]
+    here = VirtualSyncEngine(config(*extra))
+    there = VirtualSyncEngine(config(*extra, engine="ray"), ray_simulation(config(*extra, engine="ray"), pool))
+    a, b = list(here.run()), list(there.run())
+    assert [r["virtual_time_s"] for r in a] == [r["virtual_time_s"] for r in b]
+    assert here.totals()["dropouts"] == there.totals()["dropouts"] > 0  # dropped clients' uploads resolve too
+    assert here.totals()["staleness"] == there.totals()["staleness"]
+    assert "1" in here.totals()["staleness"]["staleness_hist"]  # a late result was folded
+    assert here.totals()["bytes_up_total"] == there.totals()["bytes_up_total"]
+    assert (here.rounds.global_params - there.rounds.global_params).abs().max().item() <= 1e-5
 
 
 @pytest.mark.timeout(120)
