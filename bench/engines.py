@@ -12,7 +12,7 @@ cores. Prints setup and round-loop seconds, seconds per round, the ratio to in-p
 the final accuracy (the engines should agree) and the peak memory of driver and workers.
 
     .venv/bin/python bench/engines.py [--clients 100] [--cohort 20] [--rounds 3]
-        [--engines inprocess,ray1,ray2,flower] [--dataset mnist|synthetic] [--model cnn]
+        [--engines inprocess,ray1,ray2,flower] [--mode sync|async] [--dataset mnist|synthetic] [--model cnn]
 """
 
 from __future__ import annotations
@@ -151,6 +151,12 @@ def main() -> None:
     ap.add_argument("--cohort", type=int, default=20)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--engines", default="inprocess,ray1,ray2,flower")
+    ap.add_argument(
+        "--mode",
+        default="sync",
+        choices=["sync", "async"],
+        help="async: FedBuff with concurrency = cohort and buffer = cohort / 2 on the virtual clock (not on Flower)",
+    )
     ap.add_argument("--dataset", default="mnist", choices=["mnist", "synthetic"])
     ap.add_argument("--model", default="cnn")
     ap.add_argument("--data-dir", default=str(MNIST), help="the MNIST folder (idx .gz files)")
@@ -166,6 +172,7 @@ def main() -> None:
         f"simulation.clients_per_round={args.cohort}",
         f"simulation.rounds={args.rounds}",
         f"simulation.eval_every={args.rounds}",
+        "simulation.batch_clients='auto'",
         "simulation.device='cpu'",
         "simulation.progress=false",
         "output.plots=false",
@@ -173,6 +180,13 @@ def main() -> None:
         "train.batch_size=10",
         "train.epochs=1",
     ]
+    if args.mode == "async":
+        overrides += [
+            "simulation.mode='async'",
+            f"asynchronous.concurrency={args.cohort}",
+            f"asynchronous.buffer_size={max(1, args.cohort // 2)}",
+            "heterogeneity.speed_sigma=0.5",
+        ]
     if args.dataset == "mnist":
         overrides += [
             "data.dataset='mnist'",
@@ -192,7 +206,8 @@ def main() -> None:
             continue
         results.append(json.loads(lines[-1]))
     desc = f"{args.dataset} / {args.model if args.dataset == 'mnist' else 'logreg'}"
-    print(f"{desc}: {args.clients} clients, {args.cohort} per round, {args.rounds} rounds; {os.cpu_count()} CPU(s)")
+    what = f"{args.cohort} per round" if args.mode == "sync" else f"FedBuff, {args.cohort} training at once"
+    print(f"{desc}: {args.clients} clients, {what}, {args.rounds} server steps; {os.cpu_count()} CPU(s)")
     print(
         f"{'engine':<10} {'total s':>8} {'rounds s':>9} {'s/round':>8} {'x inproc':>9} {'final acc':>9} "
         f"{'driver MiB':>10} {'workers MiB (peak each)':>24}"

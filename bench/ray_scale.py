@@ -7,7 +7,7 @@ that, and the time a 1,000-client round takes. Workers return partial sums (plai
 so the driver receives one model-sized vector per worker per round. Prints seconds per
 round, the driver's peak RSS and each worker's (reported by the worker itself).
 
-    .venv/bin/python bench/ray_scale.py [--clients 100000] [--cohort 1000] [--rounds 3] [--workers 2]
+    .venv/bin/python bench/ray_scale.py [--clients 100000] [--cohort 1000] [--rounds 3] [--workers 2] [--engine ray|inprocess]
 """
 
 from __future__ import annotations
@@ -57,6 +57,9 @@ def main() -> None:
     ap.add_argument("--cohort", type=int, default=1000)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument(
+        "--engine", default="ray", choices=["ray", "inprocess"], help="inprocess: the same run for reference"
+    )
     args = ap.parse_args()
     torch.set_num_threads(1)
     from shoal.config import load_config
@@ -70,7 +73,7 @@ def main() -> None:
             f"simulation.num_clients={args.clients}",
             f"simulation.clients_per_round={args.cohort}",
             f"simulation.rounds={args.rounds}",
-            "simulation.engine='ray'",
+            f"simulation.engine='{args.engine}'",
             f"simulation.ray_workers={args.workers}",
             f"simulation.ray_num_cpus={args.workers}",
             "simulation.device='cpu'",
@@ -87,6 +90,7 @@ def main() -> None:
     print(
         json.dumps(
             {
+                "engine": args.engine,
                 "clients": args.clients,
                 "cohort": args.cohort,
                 "rounds": summary["rounds"],
@@ -94,8 +98,8 @@ def main() -> None:
                 "s_per_round": round(summary["wall_s"] / summary["rounds"], 3),
                 "final_test_accuracy": round(summary["final_test_accuracy"], 4),
                 "driver_peak_rss_mb": round(driver, 1),
-                "worker_peak_rss_mb": summary["ray_worker_peak_rss_mb"],
-                "ray_prepare_s": summary["ray_prepare_s"],
+                "worker_peak_rss_mb": summary.get("ray_worker_peak_rss_mb"),
+                "ray_prepare_s": summary.get("ray_prepare_s"),
             }
         )
     )
