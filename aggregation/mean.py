@@ -59,6 +59,17 @@ class WeightedMean:
         self.total_weight += float(weight)
         self.count += 1
 
+    def add_sum(self, weighted_sum: torch.Tensor, total_weight: float, count: int) -> None:
+        """Add ``count`` updates summed elsewhere (``sum_i w_i delta_i`` and ``sum_i w_i``): the same
+        state as adding each, up to float64 summation order (a Ray worker's partial sum)."""
+        if weighted_sum.shape != (self.numel,):
+            raise ValueError(f"weighted sum has shape {tuple(weighted_sum.shape)}, expected ({self.numel},)")
+        if count <= 0 or not (total_weight > 0 and math.isfinite(total_weight)):
+            raise ValueError(f"a partial sum of {count} updates with total weight {total_weight!r}: need both > 0")
+        self._sum.add_(weighted_sum.to(self.device, self._sum.dtype))
+        self.total_weight += float(total_weight)
+        self.count += count
+
     def mean(self) -> torch.Tensor:
         """The weighted mean as a new float32 vector (the dtype of the parameter buffer)."""
         if self.count == 0:

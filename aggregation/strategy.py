@@ -15,7 +15,7 @@ import torch
 from shoal.aggregation.mean import EmptyAggregate, WeightedMean
 from shoal.aggregation.server_opt import ServerOptimizer, StateDict, make_server_optimizer
 from shoal.config import StrategyConfig
-from shoal.update import Update
+from shoal.update import PartialSum, Update
 
 
 class Aggregator(Protocol):
@@ -64,6 +64,19 @@ class Strategy:
             )
         base = update.num_examples if self.weighting == "examples" else 1
         self.aggregator.add(update.delta, base * weight)
+
+    def accumulate_sum(self, part: PartialSum) -> None:
+        """Add a partial sum of several updates (shoal.update.PartialSum), weighted as this strategy
+        weighs them. Only a plain :class:`WeightedMean` can take one: a robust rule or a DP mean
+        must see each update."""
+        if self._global is None:
+            raise RuntimeError("accumulate_sum() before begin(): start the round with the global parameters")
+        if part.weighting != self.weighting:
+            raise ValueError(f"a partial sum weighted by {part.weighting!r} reached a {self.weighting!r} strategy")
+        agg = self.aggregator
+        if not isinstance(agg, WeightedMean) or type(agg) is not WeightedMean:  # subclasses may look at each
+            raise TypeError(f"{type(agg).__name__} needs each update, not a partial sum")
+        agg.add_sum(part.weighted_sum, part.total_weight, len(part.senders))
 
     @property
     def num_accumulated(self) -> int:

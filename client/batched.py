@@ -246,9 +246,8 @@ class BatchedTrainer:
         clients with more local steps first. ``update.base_version``/``sender`` are left
         for the caller to fill. ``x_all``/``y_all`` should live on the trainer's device.
         """
-        cfg = self.cfg
-        steps = [cfg.epochs * -(-n // cfg.batch(n)) if n else 0 for n in sizes]
-        order = sorted(range(len(sizes)), key=lambda i: (-steps[i], i))
+        steps = self.local_steps(sizes)
+        order = self.order(sizes)
         global_flat = global_flat.to(self.device)
         chain = self.chain is not None and (x_all.dim() == 2 or self.chain[0].kind == "flatten")
         train_chunk = self._train_chunk_chain if chain else self._train_chunk
@@ -266,6 +265,16 @@ class BatchedTrainer:
             for j, i in enumerate(chunk):
                 metrics = {"train_loss": float(losses[j]) / max(steps[i], 1), "local_steps": float(steps[i])}
                 yield i, Update(delta=deltas[j], num_examples=int(sizes[i]), metrics=metrics)
+
+    def local_steps(self, sizes: Sequence[int]) -> list[int]:
+        """Each client's number of local steps (epochs x batches)."""
+        return [self.cfg.epochs * -(-n // self.cfg.batch(n)) if n else 0 for n in sizes]
+
+    def order(self, sizes: Sequence[int]) -> list[int]:
+        """The order :meth:`train` yields clients of these sizes in: most local steps first, then
+        as given (a pool training them elsewhere hands results on in the same order)."""
+        steps = self.local_steps(sizes)
+        return sorted(range(len(sizes)), key=lambda i: (-steps[i], i))
 
     def _batch_plan(self, starts, sizes, seeds, steps) -> tuple[torch.Tensor, torch.Tensor]:
         """Row indices into the data (K, T, B) and per-row loss weights (K, T, B).

@@ -25,14 +25,12 @@ not answer is ``node-<id>``.
 
 from __future__ import annotations
 
-import copy
 import functools
 import json
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
@@ -189,20 +187,6 @@ def _cached(cfg_json: str, device: str) -> Setup:
 def setup_for(cfg: Config, device: str | None = None) -> Setup:
     """The (cached) Setup of ``cfg``; ``device`` defaults to ``cfg.train.device``."""
     return _cached(json.dumps(cfg.to_dict(), sort_keys=True), device or cfg.train.device)
-
-
-def with_absolute_task(cfg: Config) -> Config:
-    """``cfg`` with a task file path (``[task] app = "dir/file.py:name"``) made absolute, so
-    processes started elsewhere (Ray workers, other nodes) import the same file."""
-    target, sep, attr = cfg.task.app.rpartition(":")
-    if not sep or not (target.endswith(".py") or "/" in target or "\\" in target):
-        return cfg
-    path = Path(target).expanduser()
-    if path.is_absolute():
-        return cfg
-    out = copy.deepcopy(cfg)
-    out.task.app = f"{path.resolve()}:{attr}"
-    return out
 
 
 def config_from_context(context: Context) -> Config:

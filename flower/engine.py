@@ -26,12 +26,13 @@ from typing import Any
 
 import torch
 
+from shoal.assembly import with_absolute_task
 from shoal.config import Config
 from shoal.errors import ConfigError
 from shoal.rounds import RoundSummary
 from shoal.simulations.run_loop import RunLoop
 
-from .apps import make_client_app, make_server_app, setup_for, with_absolute_task
+from .apps import make_client_app, make_server_app, setup_for
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,9 @@ wherever it runs.
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
+
 import torch
 from torch import nn
 
@@ -30,6 +33,20 @@ def task_from_config(cfg: Config) -> Task:
     if cfg.task.app:
         return load_task(cfg.task.app, cfg.task.args)
     return BuiltinTask(cfg.model.name, cfg.data, cfg.simulation.num_clients, cfg.simulation.seed)
+
+
+def with_absolute_task(cfg: Config) -> Config:
+    """``cfg`` with a task file path (``[task] app = "dir/file.py:name"``) made absolute, so
+    processes started elsewhere (Ray workers, other nodes) import the same file."""
+    target, sep, attr = cfg.task.app.rpartition(":")
+    if not sep or not (target.endswith(".py") or "/" in target or "\\" in target):
+        return cfg
+    path = Path(target).expanduser()
+    if path.is_absolute():
+        return cfg
+    out = copy.deepcopy(cfg)
+    out.task.app = f"{path.resolve()}:{attr}"
+    return out
 
 
 def task_label(cfg: Config, task: Task) -> str:

@@ -38,7 +38,7 @@ import torch
 
 from .errors import UpdateRejected
 from .seeding import derive_seed, rng
-from .update import Update
+from .update import PartialSum, Update
 
 
 @dataclass(frozen=True)
@@ -269,6 +269,28 @@ class SyncRounds:
         self._examples += update.num_examples
         self._loss_sum += update.metrics.get("train_loss", 0.0) * update.num_examples
         return False
+
+    def submit_sum(self, part: PartialSum) -> None:
+        """Several selected clients' updates summed where they trained (shoal.update.PartialSum):
+        each sender is checked as :meth:`submit` checks one (all or nothing), then the sum enters
+        the strategy, which must be a plain weighted mean (Strategy.accumulate_sum)."""
+        seen: set[str] = set()
+        for cid in part.senders:
+            if cid in seen:
+                self.rejected["duplicate"] = self.rejected.get("duplicate", 0) + 1
+                raise UpdateRejected("duplicate", f"node {cid!r} appears twice in one partial sum")
+            seen.add(cid)
+            try:
+                self.check(cid, Update(torch.empty(0), 0, part.base_version, cid))
+            except UpdateRejected as e:
+                self.rejected[e.code] = self.rejected.get(e.code, 0) + 1
+                raise
+        if not part.senders:
+            return
+        self.strategy.accumulate_sum(part)
+        self.received.update(part.senders)
+        self._examples += part.num_examples
+        self._loss_sum += part.loss_sum
 
     def _submit_late(self, client_id: str, update: Update, t: int) -> None:
         def reject(code: str, detail: str) -> NoReturn:

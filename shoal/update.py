@@ -20,3 +20,23 @@ class Update:
     base_version: int = 0
     sender: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class PartialSum:
+    """Several clients' updates of one round, already summed where they were trained (the Ray
+    engine's workers): ``weighted_sum = sum_k w_k delta_k`` in float64 with ``w_k`` as the
+    strategy's ``weighting`` gives it (n_k for ``examples``, 1 for ``uniform``).
+
+    Only a plain weighted mean may take one (SyncRounds.submit_sum): nothing that looks at a
+    single update (clipping, a robust rule, masking, a per-client step) can run on a sum.
+    ``loss_sum`` is ``sum_k train_loss_k n_k`` so the round's train loss stays example-weighted.
+    """
+
+    weighted_sum: torch.Tensor
+    total_weight: float
+    weighting: str
+    senders: list[str]
+    num_examples: int
+    loss_sum: float
+    base_version: int = 0

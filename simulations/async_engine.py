@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -35,6 +36,36 @@ from .virtual_clock import ClientTiming, EventQueue
 log = logging.getLogger(__name__)
 
 
+def planned_steps(cfg: Config, n: int) -> int:
+    """Local steps of a client with ``n`` examples: ``train.epochs`` x its batches (LocalTrainer's
+    and the batched trainer's count; the partial last batch is a step)."""
+    return cfg.train.epochs * -(-n // cfg.train.batch(n)) if n else 0
+
+
+class TrainedBatch:
+    """The updates of clients launched together, fetched from the pool once, when first needed."""
+
+    def __init__(self, results: Callable[[], list[tuple[Assignment, Update]]]):
+        self._results: Callable[[], list[tuple[Assignment, Update]]] | None = results
+        self._updates: dict[str, Update] = {}
+
+    def update(self, client: str) -> Update:
+        if self._results is not None:
+            self._updates = {t.client_id: u for t, u in self._results()}
+            self._results = None
+        return self._updates.pop(client)
+
+
+@dataclass(eq=False)
+class Launch:
+    """One client's task handed out at a virtual time; ``arrival`` is made by VirtualClients.resolve."""
+
+    task: Assignment
+    batch: TrainedBatch
+    steps: int
+    arrival: Update | WireError | None = None
+
+
 class VirtualClients:
     """The simulated clients' side of a virtual-clock run: who is busy, who is online,
     training a task and scheduling its arrival (or drop-out) on the event queue."""
@@ -49,6 +80,7 @@ class VirtualClients:
         self._pick = rng(seed, 0xD15C)
         self._wake_at = math.inf
         self.dropouts = 0
+        self.pending: dict[Launch, None] = {}  # launches whose upload is not made yet, in launch order
 
     @property
     def now(self) -> float:
@@ -74,29 +106,64 @@ class VirtualClients:
         self._wake_at = math.inf
 
     def launch(self, task: Assignment, global_params: torch.Tensor, tag: Any = None) -> None:
-        """Train ``task`` now; schedule ``arrive`` (client, update, tag) or ``dropout``.
+        """Hand ``task`` out now; schedule ``arrive`` or ``dropout`` (client, Launch, tag)."""
+        self.launch_all([task], global_params, tag)
 
-        An update that fails wire validation (e.g. a NaN attacker's) arrives as its
-        WireError, so the engine counts the rejection at the time the server would."""
-        c = task.client_id
-        self.sim.wire.download(global_params, task.version)
-        ((_, update),) = list(self.sim.train_clients([task], global_params))
-        steps = int(update.metrics.get("local_steps", 1))
-        arrival: Update | WireError
-        try:
-            for step in self.sim.client_steps:  # attacks, then the wire round trip (encode, decode, validate)
-                update = step(task, update)
-            arrival = update
-        except WireError as e:  # the server refuses the payload when it arrives
-            arrival = e
+    def launch_all(self, tasks: list[Assignment], global_params: torch.Tensor, tag: Any = None) -> None:
+        """Hand ``tasks`` out now, at one virtual time, as one call to the client pool (a batch for
+        the batched trainer; on Ray, work that runs while the driver goes on with later events),
+        and schedule each one's ``arrive`` or ``dropout`` at its simulated finish time:
+
+            now + download delay + local_steps * step_time_s / speed + upload delay
+
+        The local steps are planned from the client's data (epochs x batches; checked against the
+        trained update). What a client uploads (its update after the client steps: attacks,
+        then the wire round trip) is made by :meth:`resolve` when its event comes, or by
+        :meth:`flush` before anything reads the counters: per-client steps give the same
+        updates and the same totals as if they had run at the launch."""
+        if not tasks:
+            return
+        for task in tasks:
+            self.sim.wire.download(global_params, task.version)
+        batch = TrainedBatch(self.sim.submit_clients(tasks, global_params))
         t = self.timing
-        finish = self.now + t.network_s(c) + t.compute_s(c, steps) + t.network_s(c)
-        offline = t.online_until(c, self.now)
-        self.busy.add(c)
-        if offline < finish:
-            self.queue.schedule(offline, "dropout", (c, tag))
-        else:
-            self.queue.schedule(finish, "arrive", (c, arrival, tag))
+        for task in tasks:
+            c = task.client_id
+            steps = planned_steps(self.cfg, self.sim.shards.size(self.sim.client_index(c)))
+            launch = Launch(task, batch, steps)
+            self.pending[launch] = None
+            finish = self.now + t.network_s(c) + t.compute_s(c, steps) + t.network_s(c)
+            offline = t.online_until(c, self.now)
+            self.busy.add(c)
+            if offline < finish:
+                self.queue.schedule(offline, "dropout", (c, launch, tag))
+            else:
+                self.queue.schedule(finish, "arrive", (c, launch, tag))
+
+    def resolve(self, launch: Launch) -> Update | WireError:
+        """What ``launch``'s client uploads: its update after the client steps, or the WireError
+        of a payload validation refuses (the engine counts it when it arrives)."""
+        if launch.arrival is None:
+            task = launch.task
+            update = launch.batch.update(task.client_id)
+            trained = int(update.metrics.get("local_steps", launch.steps))
+            if trained != launch.steps:
+                raise RuntimeError(
+                    f"{task.client_id} trained {trained} local steps; the virtual clock planned {launch.steps}"
+                )
+            try:
+                for step in self.sim.client_steps:  # attacks, then the wire round trip (encode, decode, validate)
+                    update = step(task, update)
+                launch.arrival = update
+            except WireError as e:  # the server refuses the payload when it arrives
+                launch.arrival = e
+            self.pending.pop(launch, None)
+        return launch.arrival
+
+    def flush(self) -> None:
+        """Resolve every launch still open, in launch order (before records and totals are read)."""
+        for launch in list(self.pending):
+            self.resolve(launch)
 
     def evaluate(self, params: torch.Tensor) -> dict[str, float]:
         """``test_<metric>`` / ``fed_<metric>`` of ``params``, as the in-process engine reports them."""
@@ -129,8 +196,8 @@ class AsyncEngine:
         if free <= 0:
             return
         candidates = self.clients.idle_online()
-        for c in self.clients.pick(candidates, free):
-            self.clients.launch(self.rounds.task(c), self.rounds.global_params)
+        tasks = [self.rounds.task(c) for c in self.clients.pick(candidates, free)]
+        self.clients.launch_all(tasks, self.rounds.global_params)
         if len(candidates) < free:
             self.clients.wake_when_someone_is_online()
 
@@ -158,13 +225,15 @@ class AsyncEngine:
             if ev.kind == "wake":
                 self.clients.woke()
             elif ev.kind == "dropout":
-                c, _ = ev.payload
+                c, launch, _ = ev.payload
+                self.clients.resolve(launch)  # it trained and encoded; nothing reaches the server
                 self.clients.busy.discard(c)
                 self.clients.dropouts += 1
                 r.forget(c)
                 self.sim.wire.not_accepted(c)  # never delivered: top-k error feedback keeps it
             elif ev.kind == "arrive":
-                c, update, _ = ev.payload
+                c, launch, _ = ev.payload
+                update = self.clients.resolve(launch)
                 self.clients.busy.discard(c)
                 if isinstance(update, WireError):  # refused by validation: counted, never applied
                     r.stats.rejected[update.code] = r.stats.rejected.get(update.code, 0) + 1
@@ -187,6 +256,7 @@ class AsyncEngine:
 
     def _record(self, since: AsyncStats) -> dict[str, Any]:
         """Test metrics of the current model and what happened since ``since``."""
+        self.clients.flush()  # every upload handed out so far is counted, as at its launch
         r, s = self.rounds, self.rounds.stats
         self._recorded = (r.version, self.clients.now)
         ev = self.clients.evaluate(r.global_params)
@@ -213,6 +283,7 @@ class AsyncEngine:
         }
 
     def totals(self) -> dict[str, Any]:
+        self.clients.flush()
         s = self.rounds.stats
         return {
             "updates_accepted": s.accepted,

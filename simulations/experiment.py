@@ -30,6 +30,20 @@ def flower_engine():
     return run_flower_simulation
 
 
+def ray_engine():
+    """``shoal.simulations.ray_engine.run_ray_simulation``, or a ConfigError naming the extra to install."""
+    try:
+        import ray  # noqa: F401
+    except ImportError:
+        raise ConfigError(
+            "simulation.engine = 'ray' needs Ray, an optional extra: pip install 'shoal[ray]' "
+            "(or use simulation.engine = 'inprocess')"
+        ) from None
+    from .ray_engine import run_ray_simulation
+
+    return run_ray_simulation
+
+
 def run_simulation(
     cfg: Config,
     out_dir: str | Path | None = None,
@@ -38,11 +52,14 @@ def run_simulation(
     sim: InProcessSimulation | None = None,
 ) -> dict[str, Any]:
     """Run ``cfg.simulation.rounds`` rounds (fewer if the privacy budget runs out); returns
-    the summary (also written to disk). ``sim``: a simulation built by the caller."""
+    the summary (also written to disk). ``sim``: a simulation built by the caller (the Ray
+    engine passes one whose clients train on its workers)."""
     if cfg.simulation.engine == "flower":  # Flower's simulation runtime (Ray) drives shoal's rounds
         run_flower_simulation = flower_engine()
 
         return run_flower_simulation(cfg, out_dir, progress, on_record)
+    if cfg.simulation.engine == "ray" and sim is None:  # shoal's rounds here, clients on Ray workers
+        return ray_engine()(cfg, out_dir, progress, on_record)
     if cfg.simulation.mode == "gossip":  # decentralized peers, no server (simulations/gossip/)
         from .gossip import run_gossip_simulation
 
@@ -50,7 +67,7 @@ def run_simulation(
     if cfg.simulation.mode == "async" or cfg.heterogeneity.enabled:  # on the virtual clock
         from .virtual_run import run_virtual
 
-        return run_virtual(cfg, out_dir, progress, on_record)
+        return run_virtual(cfg, out_dir, progress, on_record, sim=sim)
     t0 = time.perf_counter()
     sim = sim or InProcessSimulation(cfg)
     setup_s = time.perf_counter() - t0

@@ -25,7 +25,7 @@ from shoal.errors import WireError
 from shoal.rounds import Assignment, RoundSummary, SyncRounds
 from shoal.seeding import rng
 from shoal.task import ClientData, Population, SimulationData, Task, call_part, check_data, check_loss
-from shoal.update import Update
+from shoal.update import PartialSum, Update
 
 from .attacks import attack_steps
 from .client_data import (
@@ -85,6 +85,13 @@ class ClientPool(Protocol):
     """Who trains the selected clients: this process (LocalClients) or workers elsewhere."""
 
     def train(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]: ...
+
+
+class SummingRunner(Protocol):
+    """A round runner whose clients' updates arrive already summed (the Ray engine's workers, when
+    the pipeline is a plain weighted mean): ``run_round`` submits each part with SyncRounds.submit_sum."""
+
+    def partial_sums(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[PartialSum]: ...
 
 
 class LocalClients:
@@ -251,6 +258,14 @@ class InProcessSimulation:
             self.task_label,
         )
 
+    def client_index(self, client_id: str) -> int:
+        """The position of ``client_id`` in the task's clients (its data's index)."""
+        return self._index[client_id]
+
+    def local_state(self, client_id: str) -> dict[str, torch.Tensor]:
+        """The buffers ``client_id`` keeps between its rounds (FedBN; empty when the task exchanges them)."""
+        return self.local_states.get(client_id, self._initial_local)
+
     @property
     def task_label(self) -> str:
         describe = getattr(self.task, "describe", None)
@@ -274,6 +289,18 @@ class InProcessSimulation:
         self.participants.update(t.client_id for t in tasks)
         return self.clients.train(tasks, global_params)
 
+    def submit_clients(
+        self, tasks: list[Assignment], global_params: torch.Tensor
+    ) -> Callable[[], list[tuple[Assignment, Update]]]:
+        """Start the local training of ``tasks``; returns a function that gives the results. A pool
+        that trains elsewhere (``submit``: the Ray engine) works meanwhile; here it is done at once."""
+        submit = getattr(self.clients, "submit", None)
+        if submit is not None:
+            self.participants.update(t.client_id for t in tasks)
+            return submit(tasks, global_params)
+        results = list(self.train_clients(tasks, global_params))
+        return lambda: results
+
     def apply_client_steps(self, task: Assignment, update: Update) -> Update | None:
         """The client steps in order; None (counted) when validation refuses the payload."""
         try:
@@ -290,13 +317,18 @@ class InProcessSimulation:
         round runner delivers; a round the runner aborts leaves the model as it was."""
         tasks = self.rounds.start_round(self.client_ids)
         self.wire.broadcast(self.rounds.global_params, self.rounds.version, len(tasks))
+        summed = getattr(self.runner, "partial_sums", None)  # a SummingRunner
         try:
-            for task, update in self.runner.updates(tasks, self.rounds.global_params):
-                try:
-                    self.rounds.submit(task.client_id, update)
-                except Exception:
-                    self.wire.not_accepted(task.client_id)  # top-k error feedback keeps what was refused
-                    raise
+            if summed is not None:
+                for part in summed(tasks, self.rounds.global_params):
+                    self.rounds.submit_sum(part)
+            else:
+                for task, update in self.runner.updates(tasks, self.rounds.global_params):
+                    try:
+                        self.rounds.submit(task.client_id, update)
+                    except Exception:
+                        self.wire.not_accepted(task.client_id)  # top-k error feedback keeps what was refused
+                        raise
         except SecAggAborted as e:
             return self._abort_round(str(e))
         try:
@@ -358,7 +390,13 @@ class InProcessSimulation:
         }
         if self.privacy is not None:
             out.update(self.privacy.summary())  # epsilon, delta, the sampling and the accountant
+        out.update(self.pool_figures())
         return out
+
+    def pool_figures(self) -> dict:
+        """What the client pool says of itself for summary.json (the Ray engine: its workers)."""
+        figures = getattr(self.clients, "figures", None)
+        return figures() if callable(figures) else {}
 
     def evaluate(self, params: torch.Tensor | None = None) -> dict[str, float]:
         """``params`` (default: the global model) on the central test set (``test_<metric>``)

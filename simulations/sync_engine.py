@@ -62,10 +62,8 @@ class VirtualSyncEngine:
         tasks = r.start_round(online, now=self.clients.now)
         if r.deadline_at is not None:
             self.clients.queue.schedule(r.deadline_at, "deadline", r.round)
-        self.live = set()
-        for t in tasks:
-            self.clients.launch(t, r.global_params, tag=r.round)
-            self.live.add(t.client_id)
+        self.live = {t.client_id for t in tasks}
+        self.clients.launch_all(tasks, r.global_params, tag=r.round)
         return True
 
     def _close(self) -> RoundSummary | None:
@@ -108,18 +106,19 @@ class VirtualSyncEngine:
             if ev.kind == "wake":
                 self.clients.woke()
             elif ev.kind in ("arrive", "dropout"):
-                c, tag = ev.payload[0], ev.payload[-1]
+                c, launch, tag = ev.payload
+                arrival = self.clients.resolve(launch)  # a dropped client trained and encoded too
                 self.clients.busy.discard(c)
                 if tag == r.round:
                     self.live.discard(c)
                 if ev.kind == "dropout":
                     self.clients.dropouts += 1
                     self.sim.wire.not_accepted(c)  # never delivered: error feedback keeps it
-                elif isinstance(ev.payload[1], WireError):  # refused by validation: counted, not aggregated
-                    self.rejected[ev.payload[1].code] = self.rejected.get(ev.payload[1].code, 0) + 1
+                elif isinstance(arrival, WireError):  # refused by validation: counted, not aggregated
+                    self.rejected[arrival.code] = self.rejected.get(arrival.code, 0) + 1
                 else:
                     try:
-                        r.submit(c, ev.payload[1])
+                        r.submit(c, arrival)
                         self._submitted.append(c)
                     except UpdateRejected as e:  # late and dropped, too stale, ...: folded back
                         self.rejected[e.code] = self.rejected.get(e.code, 0) + 1
@@ -137,6 +136,7 @@ class VirtualSyncEngine:
             yield self._record(None)
 
     def _record(self, s: RoundSummary | None) -> dict[str, Any]:
+        self.clients.flush()  # every upload handed out so far is counted, as at its launch
         r = self.rounds
         self._recorded = (self.rounds_done, self.clients.now)
         ev = self.clients.evaluate(r.global_params)
@@ -162,6 +162,7 @@ class VirtualSyncEngine:
         return rec
 
     def totals(self) -> dict[str, Any]:
+        self.clients.flush()
         return {
             "updates_accepted": self.accepted,
             "updates_rejected": dict(self.rejected),

@@ -16,6 +16,7 @@ from typing import Any
 from shoal.config import Config
 
 from .async_engine import AsyncEngine
+from .inprocess import InProcessSimulation
 from .run_loop import OnRecord, RunLoop, progress_status
 from .sync_engine import VirtualSyncEngine
 
@@ -27,9 +28,11 @@ def run_virtual(
     out_dir: str | Path | None = None,
     progress: bool | None = None,
     on_record: OnRecord | None = None,
+    sim: InProcessSimulation | None = None,
 ) -> dict[str, Any]:
+    """``sim``: the clients' simulation, built by the caller (the Ray engine's), else made here."""
     t0 = time.perf_counter()
-    engine = AsyncEngine(cfg) if cfg.simulation.mode == "async" else VirtualSyncEngine(cfg)
+    engine = AsyncEngine(cfg, sim) if cfg.simulation.mode == "async" else VirtualSyncEngine(cfg, sim)
     setup_s = time.perf_counter() - t0
     algorithm = cfg.asynchronous.algorithm if cfg.simulation.mode == "async" else "sync"
     label = engine.sim.task_label
@@ -53,6 +56,7 @@ def run_virtual(
                 "num_clients": len(engine.sim.client_ids),
                 "num_parameters": engine.sim.spec.numel,
                 "device": str(engine.sim.device),
+                **engine.sim.pool_figures(),
             },
             setup_s,
             title=f"{label} / {algorithm}",

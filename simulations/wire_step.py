@@ -62,6 +62,11 @@ class WireStep:
         received.delta = received.delta.to(update.delta.device)
         return received
 
+    def count_up(self, nbytes: int) -> None:
+        """Count uploads encoded elsewhere (a Ray worker's round trip of the clients it summed)."""
+        self.bytes_up += nbytes
+        self.total_up += nbytes
+
     def accepted(self, client: str) -> None:
         """``client``'s upload in flight was applied (top-k: its sent coordinates are delivered)."""
         tag = self._tags.pop(client, None)

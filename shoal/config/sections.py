@@ -55,8 +55,8 @@ class SimulationConfig:
     clients_per_round: int = 10  # K; 0 means use `fraction`
     fraction: float = 0.1  # C: a fraction of all clients each round (at least 1)
     eval_every: int = 1  # evaluate the global model every k rounds (and the last)
-    engine: Literal["inprocess", "flower"] = (
-        "inprocess"  # inprocess (simulations/inprocess.py) | flower (Ray, flower/engine.py)
+    engine: Literal["inprocess", "ray", "flower"] = (
+        "inprocess"  # inprocess (simulations/inprocess.py) | ray (workers, simulations/ray_engine.py) | flower
     )
     mode: Literal["sync", "async", "gossip"] = (
         "sync"  # sync rounds | async (FedAsync/FedBuff, [asynchronous]) | gossip ([gossip], no server)
@@ -66,8 +66,14 @@ class SimulationConfig:
     batch_clients: int | str = "auto"  # clients trained at once (vmap): auto | N | 1 (one by one)
     flower_client_cpus: float = 1.0  # engine=flower: CPUs Ray reserves per client (Flower's default is 2)
     flower_client_gpus: float = 0.0  # engine=flower: GPU fraction per client (0.25 = four per GPU)
-    ray_address: str = ""  # engine=flower: an existing Ray cluster ("auto", "ray://host:10001"); "" starts one here
-    ray_num_cpus: int = 0  # engine=flower without ray_address: CPUs the local Ray runtime may use (0 = all)
+    ray_address: str = ""  # engine=ray|flower: an existing Ray cluster ("auto", "host:6379"); "" starts one here
+    ray_num_cpus: int = 0  # engine=ray|flower without ray_address: CPUs the local Ray runtime may use (0 = all)
+    ray_workers: int = 0  # engine=ray: worker actors; 0 = ray_workers_per_node on each node, else fill the CPUs
+    ray_workers_per_node: int = 0  # engine=ray: workers placed on every node of the cluster (0 = Ray places them)
+    ray_cpus_per_worker: float = 1.0  # engine=ray: CPUs reserved per worker (also its torch threads)
+    ray_gpus_per_worker: float = 0.0  # engine=ray: GPU fraction per worker (0.25 = four workers share a GPU)
+    ray_max_restarts: int = 3  # engine=ray: a dead worker is restarted this often; its clients are re-run
+    ray_partial_sums: bool = True  # engine=ray: workers sum their clients' updates when the pipeline allows
 
     def validate(self) -> None:
         _positive("simulation.rounds", self.rounds)
@@ -84,6 +90,16 @@ class SimulationConfig:
         _positive("simulation.flower_client_cpus", self.flower_client_cpus)
         _positive("simulation.flower_client_gpus", self.flower_client_gpus, allow_zero=True)
         _positive("simulation.ray_num_cpus", self.ray_num_cpus, allow_zero=True)
+        _positive("simulation.ray_workers", self.ray_workers, allow_zero=True)
+        _positive("simulation.ray_workers_per_node", self.ray_workers_per_node, allow_zero=True)
+        _positive("simulation.ray_cpus_per_worker", self.ray_cpus_per_worker)
+        _positive("simulation.ray_gpus_per_worker", self.ray_gpus_per_worker, allow_zero=True)
+        _positive("simulation.ray_max_restarts", self.ray_max_restarts, allow_zero=True)
+        if self.ray_workers and self.ray_workers_per_node:
+            raise ConfigError(
+                "simulation.ray_workers and simulation.ray_workers_per_node are both set: "
+                "give the total or the number per node, not both"
+            )
 
 
 @dataclass

@@ -74,7 +74,7 @@ def test_a_client_larger_than_the_ray_runtime_is_a_config_error():
     with pytest.raises(ConfigError, match="flower_client_cpus"):
         backend_config(cfg)
     with pytest.raises(ConfigError, match="simulation.engine"):
-        load_config(None, ["simulation.engine='ray'"])
+        load_config(None, ["simulation.engine='spark'"])
 
 
 @pytest.fixture(scope="module")
@@ -179,7 +179,7 @@ class Sites(Task):
 
 
 def test_task_file_path_is_made_absolute_for_the_workers(tmp_path, monkeypatch):
-    from shoal.flower.apps import with_absolute_task
+    from shoal.assembly import with_absolute_task
 
     monkeypatch.chdir(tmp_path)
     cfg = load_config(None, ["task.app='sub/my_task.py:Sites'"])

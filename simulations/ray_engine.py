@@ -1,0 +1,683 @@
+"""The Ray engine: shoal's own protocols in the driver, local training on a pool of Ray actors.
+
+``simulation.engine = "ray"``. The driver is an :class:`InProcessSimulation` (sync rounds, the
+virtual clock's FedBuff / FedAsync and deadline rounds, the client steps: attacks, distributed-DP
+noise shares, compression and the wire; secure aggregation; central DP; accounting; evaluation),
+whose client pool is :class:`RayClients`: a round's assignments are cut into contiguous parts of
+about equal examples, one per worker, and the updates come back in assignment order.
+
+Workers (:class:`RayWorker`) are long-lived actors, each with one model replica, the trainer and
+the batched trainer, built by shoal.assembly with the in-process engine's rules; the task is
+rebuilt from the config's ``[task] app`` (a task object does not travel) and the clients' data
+are loaded once per worker (:class:`WorkerData`), never shipped per call. Each client trains
+with its assignment's seed, so its update does not depend on the worker that trains it; FedBN
+buffers stay with the driver and travel with the assignment. Hence the same config and seed
+give the in-process engine's model (up to float summation order).
+
+Partial sums (:class:`SummedRound`): when a round's pipeline is a plain weighted mean (no client
+step but a dense wire, no secure aggregation, no robust rule or DP mean), each worker returns
+``sum_k w_k delta_k`` of its clients instead of their updates, so the driver's memory and
+traffic are O(model) per worker, not per client.
+
+Restarts: actors restart up to ``simulation.ray_max_restarts`` times; a call lost with its actor
+is sent again, to the restarted actor or to another, and since training depends only on the
+global model, the data, the seed and the local state, the round's result does not change.
+
+Ray is an optional extra (``shoal[ray]``) and is imported only inside functions here.
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import itertools
+import json
+import logging
+import math
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+from shoal.aggregation import Strategy, WeightedMean
+from shoal.assembly import initial_model, make_trainer, task_from_config, with_absolute_task
+from shoal.client.batched import make_batched_trainer
+from shoal.client.device import select_device
+from shoal.config import Config
+from shoal.errors import ConfigError, WireError
+from shoal.rounds import Assignment
+from shoal.task import ClientData
+from shoal.tasks import BuiltinTask
+from shoal.update import PartialSum, Update
+
+from .attacks import choose_attackers
+from .client_data import ClientShards, PopulationShards, client_id, load_population, load_simulation_data
+from .inprocess import InProcessSimulation, PlainRound, RoundRunner, batching_blocker
+from .run_loop import OnRecord
+from .wire_step import WireStep
+
+if TYPE_CHECKING:
+    from shoal.task import Task
+
+log = logging.getLogger(__name__)
+
+# How long a call waits for its worker to come back after a crash before it goes to another.
+RESTART_WAIT_S = 120.0
+
+
+# --- the worker side ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a worker builds itself from; sent with every call (small), so a restarted worker
+    (or one that served another run) rebuilds when the ``key`` it holds differs."""
+
+    key: str
+    cfg: Config
+    sample_size: int  # K: bounds the batched trainer's chunk, as in-process
+    max_client_size: int  # the largest client: sizes that chunk, as in-process
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    """One assignment as a worker receives it: the client's index in the task's data, the
+    assignment, and its local buffers (FedBN) when the task keeps them on clients."""
+
+    index: int
+    task: Assignment
+    local_state: dict[str, torch.Tensor] | None = None
+
+
+class WorkerData:
+    """Where a worker gets its clients' training data: the one place that knows how.
+
+    A task with a ``population()`` gives its clients one at a time: the worker loads only the
+    clients it is asked to train, when it trains them (simulations/client_data.py's
+    PopulationShards). Otherwise the task's ``simulation_data()`` is loaded once when the worker
+    is set up (never per call) and client i is a slice. Label-flip attackers' labels are flipped
+    exactly as the in-process engine does (simulations/attacks.py)."""
+
+    def __init__(self, task: Task, cfg: Config, device: torch.device):
+        population = load_population(task, cfg)
+        self.shards: ClientShards | PopulationShards
+        if population is not None:
+            self.shards = PopulationShards(task, population, device)
+            self.client_ids = list(self.shards.client_ids)
+        else:
+            data = load_simulation_data(task, cfg)
+            self.shards = ClientShards(data.train, device)
+            ids = data.client_ids
+            n = len(self.shards)
+            self.client_ids = [str(c) for c in ids] if ids is not None else [client_id(i) for i in range(n)]
+        a = cfg.attack
+        if a.kind == "label_flip" and a.fraction > 0:
+            classes = int(getattr(task, "num_classes", 0) or 0)
+            index = {c: i for i, c in enumerate(self.client_ids)}
+            attackers = choose_attackers(self.client_ids, a.fraction, cfg.simulation.seed)
+            self.shards.flip_labels(sorted(index[c] for c in attackers), classes)
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def size(self, i: int) -> int:
+        return self.shards.size(i)
+
+    def client(self, i: int) -> ClientData:
+        """Client i's training data, as LocalTrainer.fit takes it."""
+        return self.shards.data(i)
+
+    def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
+        """(x, y, starts, sizes) of these clients for the batched trainer (loaded now for a population)."""
+        return self.shards.gather(indices)
+
+    def digest(self) -> str:
+        return clients_digest(self.shards, self.client_ids)
+
+
+def clients_digest(shards: ClientShards | PopulationShards, ids: list[str]) -> str:
+    """A fingerprint of the clients' ids and sizes: the driver checks that workers see its data."""
+    sizes = np.asarray([shards.size(i) for i in range(len(shards))], dtype=np.int64).tobytes()
+    return hashlib.blake2b(sizes + "\0".join(ids).encode(), digest_size=8).hexdigest()
+
+
+class RayWorker:
+    """A long-lived worker (a Ray actor): one model replica, the trainer and the batched trainer,
+    its clients' data; trains many clients per call and returns their updates or their sum."""
+
+    def __init__(self, threads: int = 1):
+        self.threads = max(1, threads)
+        os.environ["OMP_NUM_THREADS"] = str(self.threads)
+        torch.set_num_threads(self.threads)
+        self.key: str | None = None
+
+    def _ensure(self, setup: WorkerSetup) -> None:
+        if self.key == setup.key:
+            return
+        cfg = setup.cfg
+        task = task_from_config(cfg)
+        self.device = worker_device(cfg)
+        self.data = WorkerData(task, cfg, self.device)
+        model = initial_model(cfg, task).to(self.device)
+        self.trainer = make_trainer(cfg, task, model, self.device)
+        self.batched = None
+        blocker = batching_blocker(task, self.trainer, self.data.shards)
+        if cfg.privacy.mode == "local":
+            blocker = "DP-SGD"
+        if blocker is None:
+            self.batched = make_batched_trainer(
+                cfg.simulation.batch_clients,
+                self.trainer.model,
+                self.trainer.spec,
+                cfg.train,
+                self.device,
+                self.data.shards.input_shape,
+                setup.sample_size,
+                setup.max_client_size,
+            )
+        self.wire = WireStep(cfg.compression, self.trainer.spec)
+        self.weighting = cfg.strategy.weighting
+        self.key = setup.key
+
+    def prepare(self, setup: WorkerSetup) -> dict[str, Any]:
+        """Build for ``setup``; what the driver checks (model size, the clients' fingerprint)."""
+        self._ensure(setup)
+        return {
+            "pid": os.getpid(),
+            "node": _node_id(),
+            "device": str(self.device),
+            "numel": self.trainer.spec.numel,
+            "num_clients": len(self.data),
+            "digest": self.data.digest(),
+            "batched": self.batched.max_clients if self.batched is not None else 1,
+        }
+
+    def _train(self, items: list[WorkItem], global_flat: torch.Tensor) -> list[tuple[Update, dict | None]]:
+        """Each item's update (and new local state), in ``items`` order: LocalClients' rules."""
+        out: list[tuple[Update, dict | None] | None] = [None] * len(items)
+        if self.batched is not None:
+            x, y, starts, sizes = self.data.batch([it.index for it in items])
+            for j, update in self.batched.train(global_flat, x, y, starts, sizes, [it.task.seed for it in items]):
+                update.base_version, update.sender = items[j].task.version, items[j].task.client_id
+                out[j] = (update, None)
+        else:
+            trainer = self.trainer
+            for j, it in enumerate(items):
+                if trainer.local_names and it.local_state is not None:
+                    trainer.load_local_state(it.local_state)
+                t = it.task
+                update = trainer.fit(global_flat, self.data.client(it.index), t.seed, t.version, t.client_id)
+                out[j] = (update, trainer.local_state() if trainer.local_names else None)
+        return [r for r in out if r is not None]
+
+    def train(self, setup: WorkerSetup, global_np: np.ndarray, items: list[WorkItem]) -> list[tuple]:
+        """Train ``items``; each one's (delta as float32 numpy, num_examples, metrics, local state)."""
+        self._ensure(setup)
+        g = torch.from_numpy(np.array(global_np, dtype=np.float32)).to(self.device)
+        return [
+            (u.delta.detach().float().cpu().numpy(), u.num_examples, u.metrics, local)
+            for u, local in self._train(items, g)
+        ]
+
+    def train_sum(self, setup: WorkerSetup, global_np: np.ndarray, items: list[WorkItem]) -> dict[str, Any]:
+        """Train ``items`` and return their sum (PartialSum's fields): each update takes the wire
+        round trip first (encode, decode, validate), as in-process, and a refused one is counted."""
+        self._ensure(setup)
+        g = torch.from_numpy(np.array(global_np, dtype=np.float32)).to(self.device)
+        acc = torch.zeros(g.numel(), dtype=torch.float64, device=self.device)
+        weight, senders, examples, loss_sum = 0.0, [], 0, 0.0
+        rejected: dict[str, int] = {}
+        locals_: dict[str, dict] = {}
+        up0 = self.wire.total_up
+        for it, (update, local) in zip(items, self._train(items, g)):
+            if local is not None:
+                locals_[it.task.client_id] = local
+            try:
+                sent = self.wire(it.task, update)
+            except WireError as e:
+                rejected[e.code] = rejected.get(e.code, 0) + 1
+                continue
+            self.wire.accepted(it.task.client_id)  # dense: nothing in flight to settle
+            w = float(sent.num_examples) if self.weighting == "examples" else 1.0
+            acc.add_(sent.delta.to(self.device), alpha=w)  # as WeightedMean.add: the product in float64
+            weight += w
+            senders.append(it.task.client_id)
+            examples += sent.num_examples
+            loss_sum += sent.metrics.get("train_loss", 0.0) * sent.num_examples
+        return {
+            "weighted_sum": acc.cpu().numpy(),
+            "total_weight": weight,
+            "senders": senders,
+            "num_examples": examples,
+            "loss_sum": loss_sum,
+            "bytes_up": self.wire.total_up - up0,
+            "rejected": rejected,
+            "local_states": locals_,
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """This worker process's peak resident memory (MiB) and where it runs."""
+        import resource
+
+        return {"peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, "pid": os.getpid()}
+
+
+def worker_device(cfg: Config) -> torch.device:
+    """``simulation.device``, where ``auto`` means a GPU only for workers that reserved a share of one
+    (``ray_gpus_per_worker``): a worker must not train on a GPU Ray did not give it."""
+    sim = cfg.simulation
+    if sim.device == "auto" and sim.ray_gpus_per_worker == 0:
+        return torch.device("cpu")
+    return select_device(sim.device)
+
+
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+# --- the driver side ----------------------------------------------------------------------
+
+
+def ray_init_args(cfg: Config) -> dict[str, Any]:
+    """``ray.init`` arguments: the cluster at ``simulation.ray_address``, or a new local runtime
+    (never one found on the machine) whose workers run at the driver's priority: Ray's default
+    niceness of 15 made them lose the CPU to any other process (docs/results.md, "Ray engine")."""
+    sim = cfg.simulation
+    if sim.ray_address:
+        return {"address": sim.ray_address}
+    return {
+        "address": "local",
+        "num_cpus": sim.ray_num_cpus or os.cpu_count() or 1,
+        "include_dashboard": False,
+        "_system_config": {"worker_niceness": 0},
+    }
+
+
+def worker_count(cfg: Config, cpus: float, gpus: float, nodes: int) -> int:
+    """How many workers: ``ray_workers``, or ``ray_workers_per_node`` on each node, or as many
+    as the cluster's CPUs (and GPUs, when workers take a share of one) hold; a ConfigError
+    when the cluster cannot hold what was asked."""
+    sim = cfg.simulation
+    per_cpu, per_gpu = sim.ray_cpus_per_worker, sim.ray_gpus_per_worker
+    fit = math.floor(cpus / per_cpu + 1e-9)
+    if per_gpu > 0:
+        fit = min(fit, math.floor(gpus / per_gpu + 1e-9))
+    n = sim.ray_workers or sim.ray_workers_per_node * nodes or fit
+    if n < 1 or n > fit:
+        raise ConfigError(
+            f"the Ray cluster has {cpus:g} CPU(s) and {gpus:g} GPU(s) on {nodes} node(s): it holds {fit} worker(s) "
+            f"of simulation.ray_cpus_per_worker = {per_cpu:g} and ray_gpus_per_worker = {per_gpu:g}, "
+            f"not {max(n, 1)}; lower simulation.ray_workers / ray_workers_per_node or the per-worker resources"
+        )
+    return n
+
+
+@dataclass
+class Submission:
+    """Calls sent to workers, not read yet (WorkerPool.submit / collect)."""
+
+    method: str
+    args: list[tuple]
+    owners: list[int]
+    refs: list[Any]
+
+
+class WorkerPool:
+    """Long-lived RayWorker actors and calls that survive a worker's death.
+
+    Starts a local Ray runtime (or joins ``simulation.ray_address``) unless Ray is already
+    initialised, and shuts it down on :meth:`close` only if it started it. A pool may serve
+    several simulations one after another (workers rebuild when the config changes).
+    ``on_submitted`` (a test hook) runs after a call's work was sent, before its results are read."""
+
+    def __init__(self, cfg: Config):
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        t0 = time.perf_counter()
+        self._started = not ray.is_initialized()
+        if self._started:
+            with warnings.catch_warnings():  # Ray's notice of a future default; workers pick devices themselves
+                warnings.filterwarnings("ignore", category=FutureWarning, module="ray")
+                ray.init(**ray_init_args(cfg))
+        sim = cfg.simulation
+        nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
+        res = ray.cluster_resources()
+        self.size = worker_count(cfg, res.get("CPU", 0.0), res.get("GPU", 0.0), len(nodes))
+        threads = max(1, int(sim.ray_cpus_per_worker))
+        actor = ray.remote(RayWorker)
+        opts: dict[str, Any] = {
+            "num_cpus": sim.ray_cpus_per_worker,
+            "num_gpus": sim.ray_gpus_per_worker,
+            "max_restarts": sim.ray_max_restarts,
+            "max_task_retries": 0,  # the driver re-sends a lost call itself (possibly to another worker)
+        }
+        self.actors: list[Any]
+        if sim.ray_workers_per_node:
+            places = [n["NodeID"] for n in nodes for _ in range(sim.ray_workers_per_node)]
+            self.actors = [
+                actor.options(**opts, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
+                    threads
+                )
+                for node in places
+            ]
+        else:
+            self.actors = [actor.options(**opts).remote(threads) for _ in range(self.size)]
+        self.on_submitted: Callable[[WorkerPool, str], None] | None = None
+        self.resubmitted = 0  # calls sent again after their worker died
+        self.start_s = time.perf_counter() - t0
+        log.info("ray: %d worker(s) on %d node(s)", len(self.actors), len(nodes))
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def call(self, method: str, args: list[tuple], offset: int = 0) -> list[Any]:
+        """``method(*args[p])`` on worker ``(offset + p) % size`` for each part p, in parallel;
+        the results in ``args`` order. A call whose worker dies is sent again (see the module doc)."""
+        return self.collect(self.submit(method, args, offset))
+
+    def submit(self, method: str, args: list[tuple], offset: int = 0) -> Submission:
+        """Send the calls of :meth:`call` without waiting; :meth:`collect` reads them."""
+        n = len(self.actors)
+        owners = [(offset + p) % n for p in range(len(args))]
+        refs = [getattr(self.actors[w], method).remote(*a) for w, a in zip(owners, args)]
+        if self.on_submitted is not None:
+            self.on_submitted(self, method)
+        return Submission(method, args, owners, refs)
+
+    def collect(self, sub: Submission) -> list[Any]:
+        return [self._result(sub.method, a, w, ref) for a, w, ref in zip(sub.args, sub.owners, sub.refs)]
+
+    def _result(self, method: str, args: tuple, worker: int, ref: Any) -> Any:
+        """The call's result; while its worker restarts (ActorUnavailableError) the call is sent
+        to it again, and once it is gone for good (ActorDiedError) to the next worker."""
+        import ray
+        from ray.exceptions import ActorDiedError, RayActorError
+
+        n = len(self.actors)
+        w = worker
+        for _ in range(n):
+            deadline = time.monotonic() + RESTART_WAIT_S
+            delay = 0.05
+            while True:
+                try:
+                    return ray.get(ref)
+                except RayActorError as e:
+                    self.resubmitted += 1
+                    log.warning("ray worker %d lost a %s call (%s); sending it again", w, method, type(e).__name__)
+                    if isinstance(e, ActorDiedError) or time.monotonic() > deadline:
+                        break
+                    time.sleep(delay)
+                    delay = min(2 * delay, 2.0)
+                    ref = getattr(self.actors[w], method).remote(*args)
+            w = (w + 1) % n
+            ref = getattr(self.actors[w], method).remote(*args)
+        raise RuntimeError(f"every Ray worker failed the {method} call; the round cannot finish")
+
+    def close(self) -> None:
+        """Stop the workers (and the Ray runtime if this pool started it)."""
+        import ray
+
+        if not ray.is_initialized():
+            return
+        for a in self.actors:
+            ray.kill(a, no_restart=True)
+        self.actors = []
+        if self._started:
+            ray.shutdown()
+
+    def __enter__(self) -> WorkerPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def split_contiguous(weights: list[int], parts: int) -> list[range]:
+    """``len(weights)`` items cut into at most ``parts`` contiguous, non-empty runs of about equal weight."""
+    n = len(weights)
+    parts = min(parts, n)
+    if parts <= 1:
+        return [range(n)] if n else []
+    cum = list(itertools.accumulate(max(w, 1) for w in weights))
+    cuts: list[int] = []
+    for p in range(1, parts):
+        cut = bisect.bisect_left(cum, cum[-1] * p / parts) + 1
+        cut = min(max(cut, (cuts[-1] if cuts else 0) + 1), n - (parts - p))
+        cuts.append(cut)
+    return [range(a, b) for a, b in zip([0, *cuts], [*cuts, n])]
+
+
+def setup_key(cfg: Config, *extra: Any) -> str:
+    text = json.dumps([cfg.to_dict(), *extra], sort_keys=True, default=str)
+    return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
+
+
+class RayClients:
+    """The ClientPool of the Ray engine: the selected clients train on the pool's workers."""
+
+    def __init__(self, sim: InProcessSimulation, pool: WorkerPool, owns_pool: bool = False):
+        cfg = sim.cfg
+        if not cfg.task.app and type(sim.task) is not BuiltinTask:
+            raise ConfigError(
+                f"simulation.engine = 'ray' rebuilds the task on every worker from [task] app, but this run's "
+                f"task ({type(sim.task).__name__}) was given as an object: name it with task.app = "
+                "'path/to/file.py:name' (or --task) so that workers can load it"
+            )
+        self.sim = sim
+        self.pool = pool
+        self.owns_pool = owns_pool
+        n = len(sim.client_ids)
+        sizes = [sim.shards.size(i) for i in range(n)]
+        self.setup = WorkerSetup(
+            setup_key(cfg, sim.rounds.sample_size(n), max(sizes, default=0)),
+            cfg,
+            sim.rounds.sample_size(n),
+            max(sizes, default=0),
+        )
+        t0 = time.perf_counter()
+        infos = pool.call("prepare", [(self.setup,)] * len(pool))
+        self.prepare_s = time.perf_counter() - t0
+        mine = clients_digest(sim.shards, sim.client_ids)
+        for i, info in enumerate(infos):
+            if info["numel"] != sim.spec.numel or info["digest"] != mine:
+                raise ConfigError(
+                    f"Ray worker {i} built a task with {info['num_clients']} clients and a model of "
+                    f"{info['numel']} parameters, not the driver's {n} clients and {sim.spec.numel}: "
+                    "the task must give the same data and model wherever it is loaded (task.app, [task.args], seed)"
+                )
+        self.infos = infos
+        self._offset = 0
+        log.info(
+            "ray: %d worker(s) on %d node(s), devices %s, up to %d clients batched per worker",
+            len(infos),
+            len({i["node"] for i in infos}),
+            ",".join(sorted({i["device"] for i in infos})),
+            max(i["batched"] for i in infos),
+        )
+
+    def _parts(self, tasks: list[Assignment]) -> tuple[list[list[WorkItem]], int]:
+        sim = self.sim
+        keeps_local = bool(sim.trainer.local_names)
+        items = [
+            WorkItem(sim.client_index(t.client_id), t, sim.local_state(t.client_id) if keeps_local else None)
+            for t in tasks
+        ]
+        runs = split_contiguous([sim.shards.size(it.index) for it in items], len(self.pool))
+        offset = self._offset
+        self._offset = (self._offset + len(runs)) % len(self.pool)  # spread single launches over workers
+        return [[items[i] for i in r] for r in runs], offset
+
+    def _global(self, global_params: torch.Tensor):
+        import ray
+
+        return ray.put(global_params.detach().float().cpu().numpy())
+
+    def train(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
+        if tasks:
+            yield from self.submit(tasks, global_params)()
+
+    def submit(
+        self, tasks: list[Assignment], global_params: torch.Tensor
+    ) -> Callable[[], list[tuple[Assignment, Update]]]:
+        """Send ``tasks`` to the workers now; the returned function waits for their updates (in the
+        order LocalClients gives them), so the virtual clock goes on while the workers train."""
+        parts, offset = self._parts(tasks)
+        g = self._global(global_params)
+        sub = self.pool.submit("train", [(self.setup, g, part) for part in parts], offset)
+        device = global_params.device
+
+        def results() -> list[tuple[Assignment, Update]]:
+            chunks = self.pool.collect(sub)
+            done = [(it, res) for part, chunk in zip(parts, chunks) for it, res in zip(part, chunk)]
+            out = []
+            for k in self._order(tasks):
+                it, (delta, n, metrics, local) = done[k]
+                if local is not None:
+                    self.sim.local_states[it.task.client_id] = local
+                t = it.task
+                update = Update(torch.from_numpy(np.array(delta)).to(device), int(n), t.version, t.client_id, metrics)
+                out.append((t, update))
+            return out
+
+        return results
+
+    def _order(self, tasks: list[Assignment]) -> list[int]:
+        """The order LocalClients would hand these results on in (the batched trainer's: most local
+        steps first), so that whatever follows (secure aggregation's stochastic rounding draws from
+        one generator in arrival order; sums round in it) sees the in-process engine's order."""
+        batched = self.sim.batched
+        if batched is None:
+            return list(range(len(tasks)))
+        return batched.order([self.sim.shards.size(self.sim.client_index(t.client_id)) for t in tasks])
+
+    def train_sums(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[PartialSum]:
+        """Each worker's partial sum of its part of ``tasks`` (SummedRound)."""
+        if not tasks:
+            return
+        sim = self.sim
+        sim.participants.update(t.client_id for t in tasks)
+        parts, offset = self._parts(tasks)
+        g = self._global(global_params)
+        results = self.pool.call("train_sum", [(self.setup, g, part) for part in parts], offset)
+        for res in results:
+            sim.wire.count_up(res["bytes_up"])
+            for code, k in res["rejected"].items():
+                sim.rounds.rejected[code] = sim.rounds.rejected.get(code, 0) + k
+            sim.local_states.update(res["local_states"])
+            yield PartialSum(
+                torch.from_numpy(np.array(res["weighted_sum"])),
+                float(res["total_weight"]),
+                sim.cfg.strategy.weighting,
+                list(res["senders"]),
+                int(res["num_examples"]),
+                float(res["loss_sum"]),
+                tasks[0].version,
+            )
+
+    def figures(self) -> dict[str, Any]:
+        """For summary.json: the workers, their nodes, re-sent calls, start-up and peak memory."""
+        peaks = [round(st["peak_rss_mb"], 1) for st in self.pool.call("stats", [()] * len(self.pool))]
+        return {
+            "ray_worker_peak_rss_mb": peaks,
+            "engine": "ray",
+            "ray_workers": len(self.infos),
+            "ray_nodes": len({i["node"] for i in self.infos}),
+            "ray_resubmitted": self.pool.resubmitted,
+            "ray_start_s": round(self.pool.start_s, 3),  # Ray runtime and worker processes
+            "ray_prepare_s": round(self.prepare_s, 3),  # workers loading the task, data and model
+        }
+
+    def close(self) -> None:
+        if self.owns_pool:
+            self.pool.close()
+
+
+def summing_blocker(sim: InProcessSimulation) -> str | None:
+    """Why this simulation's rounds need each client's update (None: workers may sum them)."""
+    cfg = sim.cfg
+    if not cfg.simulation.ray_partial_sums:
+        return "simulation.ray_partial_sums = false"
+    if cfg.secure_aggregation.enabled:
+        return "secure aggregation masks each update"
+    if cfg.compression.encoding != "dense":
+        return f"compression.encoding = {cfg.compression.encoding!r} encodes each update"
+    steps = [type(s).__name__ for s in sim.client_steps if s is not sim.wire]
+    if steps:
+        return f"client steps act on each update ({', '.join(steps)})"
+    strategy = sim.rounds.strategy
+    agg = getattr(strategy, "aggregator", None)
+    if type(strategy) is not Strategy or type(agg) is not WeightedMean:
+        return f"the {type(agg).__name__} aggregator needs each update"
+    return None
+
+
+class SummedRound:
+    """The round runner when workers may sum: each worker's clients reach the strategy as one
+    PartialSum (InProcessSimulation.run_round submits it with SyncRounds.submit_sum)."""
+
+    def __init__(self, sim: InProcessSimulation):
+        if not isinstance(sim.clients, RayClients):
+            raise TypeError("SummedRound needs the Ray engine's client pool")
+        self.sim = sim
+        self.clients = sim.clients
+
+    def updates(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
+        return PlainRound(self.sim).updates(tasks, global_params)
+
+    def partial_sums(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[PartialSum]:
+        return self.clients.train_sums(tasks, global_params)
+
+
+def ray_simulation(cfg: Config, pool: WorkerPool | None = None) -> InProcessSimulation:
+    """An InProcessSimulation whose clients train on Ray workers: ``pool`` (shared by the caller)
+    or a pool made here, closed by ``sim.clients.close()``."""
+    cfg = with_absolute_task(cfg)  # workers import the task file themselves, maybe elsewhere
+    own = pool is None
+    pool = pool if pool is not None else WorkerPool(cfg)
+
+    def runner(sim: InProcessSimulation) -> RoundRunner:
+        if cfg.secure_aggregation.enabled:
+            from .secure_rounds import SecureAggregationRounds
+
+            return SecureAggregationRounds(sim)
+        why = summing_blocker(sim)
+        if why is None:
+            log.info("ray: workers send partial sums (plain weighted mean)")
+            return SummedRound(sim)
+        log.info("ray: workers send each client's update: %s", why)
+        return PlainRound(sim)
+
+    try:
+        return InProcessSimulation(cfg, clients=lambda s: RayClients(s, pool, owns_pool=own), runner=runner)
+    except BaseException:
+        if own:
+            pool.close()
+        raise
+
+
+def run_ray_simulation(
+    cfg: Config,
+    out_dir: str | Path | None = None,
+    progress: bool | None = None,
+    on_record: OnRecord | None = None,
+    pool: WorkerPool | None = None,
+) -> dict[str, Any]:
+    """``simulation.engine = "ray"``: the run of experiment.run_simulation (sync rounds, or the
+    virtual clock for async / heterogeneity) with the clients on Ray workers."""
+    from .experiment import run_simulation
+
+    sim = ray_simulation(cfg, pool)
+    try:
+        return run_simulation(sim.cfg, out_dir, progress, on_record, sim=sim)
+    finally:
+        if isinstance(sim.clients, RayClients):
+            sim.clients.close()
