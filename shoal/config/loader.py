@@ -100,18 +100,22 @@ def config_from_dict(data: dict[str, Any], base: Config | None = None) -> Config
     return cfg
 
 
-def parse_override(text: str) -> tuple[str, str, Any]:
-    """``section.key=value`` -> (section, key, value); the value is TOML, else a string."""
+def parse_override(text: str, base: Config | None = None) -> tuple[str, str, Any]:
+    """``section.key=value`` -> (section, key, value); the value is TOML, else a string.
+    ``task.args.NAME=value`` sets one argument of the task: (task, args, the args with it)."""
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected section.key=value")
     dotted, raw = text.split("=", 1)
     parts = dotted.strip().split(".")
-    if len(parts) != 2 or not all(parts):
-        raise ConfigError(f"--set {text!r}: the key must look like section.key")
+    if not all(parts) or not (len(parts) == 2 or (len(parts) == 3 and parts[:2] == ["task", "args"])):
+        raise ConfigError(f"--set {text!r}: the key must look like section.key (or task.args.name)")
     try:
         value = tomllib.loads(f"v = {raw.strip()}")["v"]
     except tomllib.TOMLDecodeError:
         value = raw.strip()
+    if len(parts) == 3:
+        args = dict(base.task.args) if base is not None else {}
+        return "task", "args", {**args, parts[2]: value}
     return parts[0], parts[1], value
 
 
@@ -128,6 +132,6 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
             raise ConfigError(f"{p}: not valid TOML: {e}") from None
     cfg = config_from_dict(data)
     for text in overrides:
-        section, key, value = parse_override(text)
+        section, key, value = parse_override(text, cfg)
         config_from_dict({section: {key: value}}, base=cfg)
     return cfg.validate()

@@ -49,3 +49,13 @@ def test_bad_file(tmp_path):
     p.write_text("[train]\nnope = 1\n")
     with pytest.raises(ConfigError, match="unknown key 'train.nope'"):
         load_config(p)
+
+
+def test_set_one_task_argument_adds_to_the_files_args(tmp_path):
+    path = tmp_path / "run.toml"
+    path.write_text('[task]\napp = "shoal.tasks:SyntheticPopulationTask"\n[task.args]\nalpha = 0.5\n')
+    cfg = load_config(path, ["task.args.test_clients=20", "task.args.iid=true", "task.args.alpha=0.25"])
+    assert cfg.task.args == {"alpha": 0.25, "test_clients": 20, "iid": True}
+    for bad in ("model.name.x=1", "task.args.=3", "train.args.x=1"):
+        with pytest.raises(ConfigError, match="section.key"):
+            load_config(None, [bad])
