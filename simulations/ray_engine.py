@@ -49,21 +49,26 @@ from shoal.aggregation import Strategy, WeightedMean
 from shoal.assembly import initial_model, make_trainer, task_from_config, with_absolute_task
 from shoal.client.batched import make_batched_trainer
 from shoal.client.device import select_device
+from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.errors import ConfigError, WireError
 from shoal.rounds import Assignment
+from shoal.seeding import derive_seed
 from shoal.task import ClientData
 from shoal.tasks import BuiltinTask
 from shoal.update import PartialSum, Update
 
 from .attacks import choose_attackers
 from .client_data import ClientShards, PopulationShards, client_id, load_population, load_simulation_data
+from .gossip.network import GossipNetwork, peer_id
 from .inprocess import InProcessSimulation, PlainRound, RoundRunner, batching_blocker
 from .run_loop import OnRecord
 from .wire_step import WireStep
 
 if TYPE_CHECKING:
     from shoal.task import Task
+
+    from .gossip import GossipSimulation
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +125,10 @@ class WorkerData:
         if a.kind == "label_flip" and a.fraction > 0:
             classes = int(getattr(task, "num_classes", 0) or 0)
             index = {c: i for i, c in enumerate(self.client_ids)}
-            attackers = choose_attackers(self.client_ids, a.fraction, cfg.simulation.seed)
+            # gossip chooses its attackers among peer names (simulations/gossip/network.py)
+            names = [peer_id(i) for i in range(len(self.client_ids))] if cfg.simulation.mode == "gossip" else None
+            index = {c: i for i, c in enumerate(names)} if names is not None else index
+            attackers = choose_attackers(names or self.client_ids, a.fraction, cfg.simulation.seed)
             self.shards.flip_labels(sorted(index[c] for c in attackers), classes)
 
     def __len__(self) -> int:
@@ -165,7 +173,10 @@ class RayWorker:
         self.device = worker_device(cfg)
         self.data = WorkerData(task, cfg, self.device)
         model = initial_model(cfg, task).to(self.device)
-        self.trainer = make_trainer(cfg, task, model, self.device)
+        if cfg.simulation.mode == "gossip":  # peers train as GossipNetwork's LocalPeers do
+            self.trainer = LocalTrainer(model, cfg.train, self.device, task=task)
+        else:
+            self.trainer = make_trainer(cfg, task, model, self.device)
         self.batched = None
         blocker = batching_blocker(task, self.trainer, self.data.shards)
         if cfg.privacy.mode == "local":
@@ -197,6 +208,15 @@ class RayWorker:
             "digest": self.data.digest(),
             "batched": self.batched.max_clients if self.batched is not None else 1,
         }
+
+    def train_peers(self, setup: WorkerSetup, items: list[tuple[int, np.ndarray, int]]) -> list[np.ndarray]:
+        """Gossip: one round of local work for each (peer, its model row, seed), in order."""
+        self._ensure(setup)
+        out = []
+        for i, row, seed in items:
+            self.trainer.fit(torch.from_numpy(row).to(self.device), self.data.client(i), seed)
+            out.append(self.trainer.flat.detach().cpu().numpy().copy())
+        return out
 
     def _train(self, items: list[WorkItem], global_flat: torch.Tensor) -> list[tuple[Update, dict | None]]:
         """Each item's update (and new local state), in ``items`` order: LocalClients' rules."""
@@ -637,6 +657,49 @@ class SummedRound:
         return self.clients.train_sums(tasks, global_params)
 
 
+class RayPeers:
+    """The PeerPool of gossip on Ray (simulations/gossip/network.py): the peers a round trains
+    are cut into contiguous parts, one per worker; each new model row comes back in order.
+    The driver keeps the network, the models, the algorithm and every message."""
+
+    def __init__(self, net: GossipNetwork, pool: WorkerPool):
+        self.net, self.pool = net, pool
+        n = len(net.shards)
+        self.setup = WorkerSetup(setup_key(net.cfg, "gossip"), net.cfg, 1, max(map(net.shards.size, range(n))))
+        infos = pool.call("prepare", [(self.setup,)] * len(pool))
+        ids = net.data.client_ids
+        mine = clients_digest(
+            net.shards, [str(c) for c in ids] if ids is not None else [client_id(i) for i in range(n)]
+        )
+        for i, info in enumerate(infos):
+            if info["numel"] != net.spec.numel or info["digest"] != mine:
+                raise ConfigError(
+                    f"Ray worker {i} built a task with {info['num_clients']} clients and a model of "
+                    f"{info['numel']} parameters, not the driver's {n} peers and {net.spec.numel}: the task must "
+                    "give the same data and model wherever it is loaded (task.app, [task.args], seed)"
+                )
+        self._offset = 0
+
+    def train(self, indices: list[int], models: torch.Tensor, round: int) -> Iterator[tuple[int, torch.Tensor]]:
+        net = self.net
+        seed = net.cfg.simulation.seed
+        items = [(i, models[i].detach().cpu().numpy(), derive_seed(seed, round, i)) for i in indices]
+        runs = split_contiguous([net.shards.size(i) for i in indices], len(self.pool))
+        offset = self._offset
+        self._offset = (self._offset + len(runs)) % len(self.pool)  # spread single wakes over workers
+        results = self.pool.call("train_peers", [(self.setup, [items[k] for k in r]) for r in runs], offset)
+        rows = [row for part in results for row in part]
+        for i, row in zip(indices, rows):
+            yield i, torch.from_numpy(row).to(net.device)
+
+
+def ray_gossip_simulation(cfg: Config, pool: WorkerPool) -> GossipSimulation:
+    """A GossipSimulation whose peers train on ``pool``'s workers."""
+    from .gossip import GossipSimulation
+
+    return GossipSimulation(with_absolute_task(cfg), peers=lambda net: RayPeers(net, pool))
+
+
 def ray_simulation(cfg: Config, pool: WorkerPool | None = None) -> InProcessSimulation:
     """An InProcessSimulation whose clients train on Ray workers: ``pool`` (shared by the caller)
     or a pool made here, closed by ``sim.clients.close()``."""
@@ -675,6 +738,16 @@ def run_ray_simulation(
     virtual clock for async / heterogeneity) with the clients on Ray workers."""
     from .experiment import run_simulation
 
+    if cfg.simulation.mode == "gossip":  # the network and its messages here, local training on the workers
+        from .gossip import run_gossip_simulation
+
+        own = pool is None
+        pool = pool if pool is not None else WorkerPool(with_absolute_task(cfg))
+        try:
+            return run_gossip_simulation(cfg, out_dir, progress, on_record, sim=ray_gossip_simulation(cfg, pool))
+        finally:
+            if own:
+                pool.close()
     sim = ray_simulation(cfg, pool)
     try:
         return run_simulation(sim.cfg, out_dir, progress, on_record, sim=sim)

@@ -69,11 +69,13 @@ def run_gossip_simulation(
     out_dir: str | Path | None = None,
     progress: bool | None = None,
     on_record: OnRecord | None = None,
+    sim: GossipSimulation | None = None,
 ) -> dict[str, Any]:
-    """Run ``simulation.rounds`` gossip rounds through the run loop (metrics.jsonl, summary.json, plots)."""
+    """Run ``simulation.rounds`` gossip rounds through the run loop (metrics.jsonl, summary.json, plots).
+    ``sim``: one built by the caller (the Ray engine passes one whose peers train on its workers)."""
     sim_cfg = cfg.simulation
     t0 = time.perf_counter()
-    sim = GossipSimulation(cfg)
+    sim = sim or GossipSimulation(cfg)
     setup_s = time.perf_counter() - t0
     with RunLoop(cfg, out_dir, sim_cfg.rounds, sim.task_label, progress=progress, on_record=on_record) as loop:
         for r in range(1, sim_cfg.rounds + 1):
