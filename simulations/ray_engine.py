@@ -49,7 +49,6 @@ from shoal.aggregation import Strategy, WeightedMean
 from shoal.assembly import initial_model, make_trainer, task_from_config, with_absolute_task
 from shoal.client.batched import make_batched_trainer
 from shoal.client.device import select_device
-from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.errors import ConfigError, WireError
 from shoal.rounds import Assignment
@@ -67,8 +66,6 @@ from .wire_step import WireStep
 
 if TYPE_CHECKING:
     from shoal.task import Task
-
-    from .gossip import GossipSimulation
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +107,8 @@ class WorkerData:
     exactly as the in-process engine does (simulations/attacks.py)."""
 
     def __init__(self, task: Task, cfg: Config, device: torch.device):
-        population = load_population(task, cfg)
+        gossip = cfg.simulation.mode == "gossip"  # gossip peers come from simulation_data() (network.py)
+        population = None if gossip else load_population(task, cfg)
         self.shards: ClientShards | PopulationShards
         if population is not None:
             self.shards = PopulationShards(task, population, device)
@@ -124,11 +122,10 @@ class WorkerData:
         a = cfg.attack
         if a.kind == "label_flip" and a.fraction > 0:
             classes = int(getattr(task, "num_classes", 0) or 0)
-            index = {c: i for i, c in enumerate(self.client_ids)}
             # gossip chooses its attackers among peer names (simulations/gossip/network.py)
-            names = [peer_id(i) for i in range(len(self.client_ids))] if cfg.simulation.mode == "gossip" else None
-            index = {c: i for i, c in enumerate(names)} if names is not None else index
-            attackers = choose_attackers(names or self.client_ids, a.fraction, cfg.simulation.seed)
+            names = [peer_id(i) for i in range(len(self.client_ids))] if gossip else self.client_ids
+            index = {c: i for i, c in enumerate(names)}
+            attackers = choose_attackers(names, a.fraction, cfg.simulation.seed)
             self.shards.flip_labels(sorted(index[c] for c in attackers), classes)
 
     def __len__(self) -> int:
@@ -173,14 +170,13 @@ class RayWorker:
         self.device = worker_device(cfg)
         self.data = WorkerData(task, cfg, self.device)
         model = initial_model(cfg, task).to(self.device)
-        if cfg.simulation.mode == "gossip":  # peers train as GossipNetwork's LocalPeers do
-            self.trainer = LocalTrainer(model, cfg.train, self.device, task=task)
-        else:
-            self.trainer = make_trainer(cfg, task, model, self.device)
+        self.trainer = make_trainer(cfg, task, model, self.device)
         self.batched = None
         blocker = batching_blocker(task, self.trainer, self.data.shards)
         if cfg.privacy.mode == "local":
             blocker = "DP-SGD"
+        if cfg.simulation.mode == "gossip":  # peers train one by one, as GossipNetwork's LocalPeers
+            blocker = "gossip"
         if blocker is None:
             self.batched = make_batched_trainer(
                 cfg.simulation.batch_clients,
@@ -214,7 +210,7 @@ class RayWorker:
         self._ensure(setup)
         out = []
         for i, row, seed in items:
-            self.trainer.fit(torch.from_numpy(row).to(self.device), self.data.client(i), seed)
+            self.trainer.fit(torch.from_numpy(np.array(row)).to(self.device), self.data.client(i), seed)
             out.append(self.trainer.flat.detach().cpu().numpy().copy())
         return out
 
@@ -481,17 +477,48 @@ def setup_key(cfg: Config, *extra: Any) -> str:
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
+def prepare_workers(
+    pool: WorkerPool, setup: WorkerSetup, task: Task, numel: int, digest: str, count: str
+) -> list[dict[str, Any]]:
+    """Every worker builds itself for ``setup``; its model size and clients' fingerprint must be
+    the driver's (``numel``, ``digest`` of ``count``, e.g. "8 clients"), else a ConfigError."""
+    cfg = setup.cfg
+    if not cfg.task.app and type(task) is not BuiltinTask:
+        raise ConfigError(
+            f"simulation.engine = 'ray' rebuilds the task on every worker from [task] app, but this run's "
+            f"task ({type(task).__name__}) was given as an object: name it with task.app = "
+            "'path/to/file.py:name' (or --task) so that workers can load it"
+        )
+    infos = pool.call("prepare", [(setup,)] * len(pool))
+    for i, info in enumerate(infos):
+        if info["numel"] != numel or info["digest"] != digest:
+            raise ConfigError(
+                f"Ray worker {i} built a task with {info['num_clients']} clients and a model of "
+                f"{info['numel']} parameters, not the driver's {count} and {numel}: the task must give "
+                "the same data and model wherever it is loaded (task.app, [task.args], seed)"
+            )
+    return infos
+
+
+def worker_figures(pool: WorkerPool, infos: list[dict[str, Any]], prepare_s: float) -> dict[str, Any]:
+    """For summary.json: the workers, their nodes, re-sent calls, start-up and peak memory."""
+    peaks = [round(st["peak_rss_mb"], 1) for st in pool.call("stats", [()] * len(pool))]
+    return {
+        "ray_worker_peak_rss_mb": peaks,
+        "engine": "ray",
+        "ray_workers": len(infos),
+        "ray_nodes": len({i["node"] for i in infos}),
+        "ray_resubmitted": pool.resubmitted,
+        "ray_start_s": round(pool.start_s, 3),  # Ray runtime and worker processes
+        "ray_prepare_s": round(prepare_s, 3),  # workers loading the task, data and model
+    }
+
+
 class RayClients:
     """The ClientPool of the Ray engine: the selected clients train on the pool's workers."""
 
     def __init__(self, sim: InProcessSimulation, pool: WorkerPool, owns_pool: bool = False):
         cfg = sim.cfg
-        if not cfg.task.app and type(sim.task) is not BuiltinTask:
-            raise ConfigError(
-                f"simulation.engine = 'ray' rebuilds the task on every worker from [task] app, but this run's "
-                f"task ({type(sim.task).__name__}) was given as an object: name it with task.app = "
-                "'path/to/file.py:name' (or --task) so that workers can load it"
-            )
         self.sim = sim
         self.pool = pool
         self.owns_pool = owns_pool
@@ -504,16 +531,9 @@ class RayClients:
             max(sizes, default=0),
         )
         t0 = time.perf_counter()
-        infos = pool.call("prepare", [(self.setup,)] * len(pool))
+        digest = clients_digest(sim.shards, sim.client_ids)
+        infos = prepare_workers(pool, self.setup, sim.task, sim.spec.numel, digest, f"{n} clients")
         self.prepare_s = time.perf_counter() - t0
-        mine = clients_digest(sim.shards, sim.client_ids)
-        for i, info in enumerate(infos):
-            if info["numel"] != sim.spec.numel or info["digest"] != mine:
-                raise ConfigError(
-                    f"Ray worker {i} built a task with {info['num_clients']} clients and a model of "
-                    f"{info['numel']} parameters, not the driver's {n} clients and {sim.spec.numel}: "
-                    "the task must give the same data and model wherever it is loaded (task.app, [task.args], seed)"
-                )
         self.infos = infos
         self._offset = 0
         log.info(
@@ -604,17 +624,7 @@ class RayClients:
             )
 
     def figures(self) -> dict[str, Any]:
-        """For summary.json: the workers, their nodes, re-sent calls, start-up and peak memory."""
-        peaks = [round(st["peak_rss_mb"], 1) for st in self.pool.call("stats", [()] * len(self.pool))]
-        return {
-            "ray_worker_peak_rss_mb": peaks,
-            "engine": "ray",
-            "ray_workers": len(self.infos),
-            "ray_nodes": len({i["node"] for i in self.infos}),
-            "ray_resubmitted": self.pool.resubmitted,
-            "ray_start_s": round(self.pool.start_s, 3),  # Ray runtime and worker processes
-            "ray_prepare_s": round(self.prepare_s, 3),  # workers loading the task, data and model
-        }
+        return worker_figures(self.pool, self.infos, self.prepare_s)
 
     def close(self) -> None:
         if self.owns_pool:
@@ -666,18 +676,12 @@ class RayPeers:
         self.net, self.pool = net, pool
         n = len(net.shards)
         self.setup = WorkerSetup(setup_key(net.cfg, "gossip"), net.cfg, 1, max(map(net.shards.size, range(n))))
-        infos = pool.call("prepare", [(self.setup,)] * len(pool))
         ids = net.data.client_ids
-        mine = clients_digest(
-            net.shards, [str(c) for c in ids] if ids is not None else [client_id(i) for i in range(n)]
-        )
-        for i, info in enumerate(infos):
-            if info["numel"] != net.spec.numel or info["digest"] != mine:
-                raise ConfigError(
-                    f"Ray worker {i} built a task with {info['num_clients']} clients and a model of "
-                    f"{info['numel']} parameters, not the driver's {n} peers and {net.spec.numel}: the task must "
-                    "give the same data and model wherever it is loaded (task.app, [task.args], seed)"
-                )
+        names = [str(c) for c in ids] if ids is not None else [client_id(i) for i in range(n)]
+        t0 = time.perf_counter()
+        digest = clients_digest(net.shards, names)
+        self.infos = prepare_workers(pool, self.setup, net.task, net.spec.numel, digest, f"{n} peers")
+        self.prepare_s = time.perf_counter() - t0
         self._offset = 0
 
     def train(self, indices: list[int], models: torch.Tensor, round: int) -> Iterator[tuple[int, torch.Tensor]]:
@@ -690,14 +694,15 @@ class RayPeers:
         results = self.pool.call("train_peers", [(self.setup, [items[k] for k in r]) for r in runs], offset)
         rows = [row for part in results for row in part]
         for i, row in zip(indices, rows):
-            yield i, torch.from_numpy(row).to(net.device)
+            yield i, torch.from_numpy(np.array(row)).to(net.device)  # Ray hands back read-only arrays
+
+    def figures(self) -> dict[str, Any]:
+        return worker_figures(self.pool, self.infos, self.prepare_s)
 
 
-def ray_gossip_simulation(cfg: Config, pool: WorkerPool) -> GossipSimulation:
-    """A GossipSimulation whose peers train on ``pool``'s workers."""
-    from .gossip import GossipSimulation
-
-    return GossipSimulation(with_absolute_task(cfg), peers=lambda net: RayPeers(net, pool))
+def ray_peers(pool: WorkerPool) -> Callable[[GossipNetwork], RayPeers]:
+    """The ``peers`` factory of a gossip simulation whose peers train on ``pool``'s workers."""
+    return lambda net: RayPeers(net, pool)
 
 
 def ray_simulation(cfg: Config, pool: WorkerPool | None = None) -> InProcessSimulation:
@@ -741,10 +746,11 @@ def run_ray_simulation(
     if cfg.simulation.mode == "gossip":  # the network and its messages here, local training on the workers
         from .gossip import run_gossip_simulation
 
+        cfg = with_absolute_task(cfg)
         own = pool is None
-        pool = pool if pool is not None else WorkerPool(with_absolute_task(cfg))
+        pool = pool if pool is not None else WorkerPool(cfg)
         try:
-            return run_gossip_simulation(cfg, out_dir, progress, on_record, sim=ray_gossip_simulation(cfg, pool))
+            return run_gossip_simulation(cfg, out_dir, progress, on_record, peers=ray_peers(pool))
         finally:
             if own:
                 pool.close()
