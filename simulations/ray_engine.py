@@ -52,12 +52,14 @@ from shoal.client.device import select_device
 from shoal.config import Config
 from shoal.errors import ConfigError, WireError
 from shoal.rounds import Assignment
+from shoal.seeding import derive_seed
 from shoal.task import ClientData
 from shoal.tasks import BuiltinTask
 from shoal.update import PartialSum, Update
 
 from .attacks import choose_attackers
 from .client_data import ClientShards, PopulationShards, client_id, load_population, load_simulation_data
+from .gossip.network import GossipNetwork, peer_id
 from .inprocess import InProcessSimulation, PlainRound, RoundRunner, batching_blocker
 from .run_loop import OnRecord
 from .wire_step import WireStep
@@ -105,7 +107,8 @@ class WorkerData:
     exactly as the in-process engine does (simulations/attacks.py)."""
 
     def __init__(self, task: Task, cfg: Config, device: torch.device):
-        population = load_population(task, cfg)
+        gossip = cfg.simulation.mode == "gossip"  # gossip peers come from simulation_data() (network.py)
+        population = None if gossip else load_population(task, cfg)
         self.shards: ClientShards | PopulationShards
         if population is not None:
             self.shards = PopulationShards(task, population, device)
@@ -119,8 +122,10 @@ class WorkerData:
         a = cfg.attack
         if a.kind == "label_flip" and a.fraction > 0:
             classes = int(getattr(task, "num_classes", 0) or 0)
-            index = {c: i for i, c in enumerate(self.client_ids)}
-            attackers = choose_attackers(self.client_ids, a.fraction, cfg.simulation.seed)
+            # gossip chooses its attackers among peer names (simulations/gossip/network.py)
+            names = [peer_id(i) for i in range(len(self.client_ids))] if gossip else self.client_ids
+            index = {c: i for i, c in enumerate(names)}
+            attackers = choose_attackers(names, a.fraction, cfg.simulation.seed)
             self.shards.flip_labels(sorted(index[c] for c in attackers), classes)
 
     def __len__(self) -> int:
@@ -170,6 +175,8 @@ class RayWorker:
         blocker = batching_blocker(task, self.trainer, self.data.shards)
         if cfg.privacy.mode == "local":
             blocker = "DP-SGD"
+        if cfg.simulation.mode == "gossip":  # peers train one by one, as GossipNetwork's LocalPeers
+            blocker = "gossip"
         if blocker is None:
             self.batched = make_batched_trainer(
                 cfg.simulation.batch_clients,
@@ -197,6 +204,15 @@ class RayWorker:
             "digest": self.data.digest(),
             "batched": self.batched.max_clients if self.batched is not None else 1,
         }
+
+    def train_peers(self, setup: WorkerSetup, items: list[tuple[int, np.ndarray, int]]) -> list[np.ndarray]:
+        """Gossip: one round of local work for each (peer, its model row, seed), in order."""
+        self._ensure(setup)
+        out = []
+        for i, row, seed in items:
+            self.trainer.fit(torch.from_numpy(np.array(row)).to(self.device), self.data.client(i), seed)
+            out.append(self.trainer.flat.detach().cpu().numpy().copy())
+        return out
 
     def _train(self, items: list[WorkItem], global_flat: torch.Tensor) -> list[tuple[Update, dict | None]]:
         """Each item's update (and new local state), in ``items`` order: LocalClients' rules."""
@@ -461,17 +477,48 @@ def setup_key(cfg: Config, *extra: Any) -> str:
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
+def prepare_workers(
+    pool: WorkerPool, setup: WorkerSetup, task: Task, numel: int, digest: str, count: str
+) -> list[dict[str, Any]]:
+    """Every worker builds itself for ``setup``; its model size and clients' fingerprint must be
+    the driver's (``numel``, ``digest`` of ``count``, e.g. "8 clients"), else a ConfigError."""
+    cfg = setup.cfg
+    if not cfg.task.app and type(task) is not BuiltinTask:
+        raise ConfigError(
+            f"simulation.engine = 'ray' rebuilds the task on every worker from [task] app, but this run's "
+            f"task ({type(task).__name__}) was given as an object: name it with task.app = "
+            "'path/to/file.py:name' (or --task) so that workers can load it"
+        )
+    infos = pool.call("prepare", [(setup,)] * len(pool))
+    for i, info in enumerate(infos):
+        if info["numel"] != numel or info["digest"] != digest:
+            raise ConfigError(
+                f"Ray worker {i} built a task with {info['num_clients']} clients and a model of "
+                f"{info['numel']} parameters, not the driver's {count} and {numel}: the task must give "
+                "the same data and model wherever it is loaded (task.app, [task.args], seed)"
+            )
+    return infos
+
+
+def worker_figures(pool: WorkerPool, infos: list[dict[str, Any]], prepare_s: float) -> dict[str, Any]:
+    """For summary.json: the workers, their nodes, re-sent calls, start-up and peak memory."""
+    peaks = [round(st["peak_rss_mb"], 1) for st in pool.call("stats", [()] * len(pool))]
+    return {
+        "ray_worker_peak_rss_mb": peaks,
+        "engine": "ray",
+        "ray_workers": len(infos),
+        "ray_nodes": len({i["node"] for i in infos}),
+        "ray_resubmitted": pool.resubmitted,
+        "ray_start_s": round(pool.start_s, 3),  # Ray runtime and worker processes
+        "ray_prepare_s": round(prepare_s, 3),  # workers loading the task, data and model
+    }
+
+
 class RayClients:
     """The ClientPool of the Ray engine: the selected clients train on the pool's workers."""
 
     def __init__(self, sim: InProcessSimulation, pool: WorkerPool, owns_pool: bool = False):
         cfg = sim.cfg
-        if not cfg.task.app and type(sim.task) is not BuiltinTask:
-            raise ConfigError(
-                f"simulation.engine = 'ray' rebuilds the task on every worker from [task] app, but this run's "
-                f"task ({type(sim.task).__name__}) was given as an object: name it with task.app = "
-                "'path/to/file.py:name' (or --task) so that workers can load it"
-            )
         self.sim = sim
         self.pool = pool
         self.owns_pool = owns_pool
@@ -484,16 +531,9 @@ class RayClients:
             max(sizes, default=0),
         )
         t0 = time.perf_counter()
-        infos = pool.call("prepare", [(self.setup,)] * len(pool))
+        digest = clients_digest(sim.shards, sim.client_ids)
+        infos = prepare_workers(pool, self.setup, sim.task, sim.spec.numel, digest, f"{n} clients")
         self.prepare_s = time.perf_counter() - t0
-        mine = clients_digest(sim.shards, sim.client_ids)
-        for i, info in enumerate(infos):
-            if info["numel"] != sim.spec.numel or info["digest"] != mine:
-                raise ConfigError(
-                    f"Ray worker {i} built a task with {info['num_clients']} clients and a model of "
-                    f"{info['numel']} parameters, not the driver's {n} clients and {sim.spec.numel}: "
-                    "the task must give the same data and model wherever it is loaded (task.app, [task.args], seed)"
-                )
         self.infos = infos
         self._offset = 0
         log.info(
@@ -584,17 +624,7 @@ class RayClients:
             )
 
     def figures(self) -> dict[str, Any]:
-        """For summary.json: the workers, their nodes, re-sent calls, start-up and peak memory."""
-        peaks = [round(st["peak_rss_mb"], 1) for st in self.pool.call("stats", [()] * len(self.pool))]
-        return {
-            "ray_worker_peak_rss_mb": peaks,
-            "engine": "ray",
-            "ray_workers": len(self.infos),
-            "ray_nodes": len({i["node"] for i in self.infos}),
-            "ray_resubmitted": self.pool.resubmitted,
-            "ray_start_s": round(self.pool.start_s, 3),  # Ray runtime and worker processes
-            "ray_prepare_s": round(self.prepare_s, 3),  # workers loading the task, data and model
-        }
+        return worker_figures(self.pool, self.infos, self.prepare_s)
 
     def close(self) -> None:
         if self.owns_pool:
@@ -637,6 +667,44 @@ class SummedRound:
         return self.clients.train_sums(tasks, global_params)
 
 
+class RayPeers:
+    """The PeerPool of gossip on Ray (simulations/gossip/network.py): the peers a round trains
+    are cut into contiguous parts, one per worker; each new model row comes back in order.
+    The driver keeps the network, the models, the algorithm and every message."""
+
+    def __init__(self, net: GossipNetwork, pool: WorkerPool):
+        self.net, self.pool = net, pool
+        n = len(net.shards)
+        self.setup = WorkerSetup(setup_key(net.cfg, "gossip"), net.cfg, 1, max(map(net.shards.size, range(n))))
+        ids = net.data.client_ids
+        names = [str(c) for c in ids] if ids is not None else [client_id(i) for i in range(n)]
+        t0 = time.perf_counter()
+        digest = clients_digest(net.shards, names)
+        self.infos = prepare_workers(pool, self.setup, net.task, net.spec.numel, digest, f"{n} peers")
+        self.prepare_s = time.perf_counter() - t0
+        self._offset = 0
+
+    def train(self, indices: list[int], models: torch.Tensor, round: int) -> Iterator[tuple[int, torch.Tensor]]:
+        net = self.net
+        seed = net.cfg.simulation.seed
+        items = [(i, models[i].detach().cpu().numpy(), derive_seed(seed, round, i)) for i in indices]
+        runs = split_contiguous([net.shards.size(i) for i in indices], len(self.pool))
+        offset = self._offset
+        self._offset = (self._offset + len(runs)) % len(self.pool)  # spread single wakes over workers
+        results = self.pool.call("train_peers", [(self.setup, [items[k] for k in r]) for r in runs], offset)
+        rows = [row for part in results for row in part]
+        for i, row in zip(indices, rows):
+            yield i, torch.from_numpy(np.array(row)).to(net.device)  # Ray hands back read-only arrays
+
+    def figures(self) -> dict[str, Any]:
+        return worker_figures(self.pool, self.infos, self.prepare_s)
+
+
+def ray_peers(pool: WorkerPool) -> Callable[[GossipNetwork], RayPeers]:
+    """The ``peers`` factory of a gossip simulation whose peers train on ``pool``'s workers."""
+    return lambda net: RayPeers(net, pool)
+
+
 def ray_simulation(cfg: Config, pool: WorkerPool | None = None) -> InProcessSimulation:
     """An InProcessSimulation whose clients train on Ray workers: ``pool`` (shared by the caller)
     or a pool made here, closed by ``sim.clients.close()``."""
@@ -675,6 +743,17 @@ def run_ray_simulation(
     virtual clock for async / heterogeneity) with the clients on Ray workers."""
     from .experiment import run_simulation
 
+    if cfg.simulation.mode == "gossip":  # the network and its messages here, local training on the workers
+        from .gossip import run_gossip_simulation
+
+        cfg = with_absolute_task(cfg)
+        own = pool is None
+        pool = pool if pool is not None else WorkerPool(cfg)
+        try:
+            return run_gossip_simulation(cfg, out_dir, progress, on_record, peers=ray_peers(pool))
+        finally:
+            if own:
+                pool.close()
     sim = ray_simulation(cfg, pool)
     try:
         return run_simulation(sim.cfg, out_dir, progress, on_record, sim=sim)

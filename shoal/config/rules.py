@@ -30,11 +30,6 @@ def check_combinations(self: Any) -> None:
                 f"simulation.engine = 'flower' runs plain sync rounds (robust rules included) and cannot run "
                 f"{', '.join(unsupported)}; use simulation.engine = 'inprocess'"
             )
-    if self.simulation.engine == "ray" and self.simulation.mode == "gossip":
-        raise ConfigError(
-            "simulation.engine = 'ray' runs sync and async rounds; simulation.mode = 'gossip' is not on Ray "
-            "yet: use simulation.engine = 'inprocess'"
-        )
     if self.secure_aggregation.enabled:
         why = None
         if self.simulation.mode != "sync":

@@ -59,6 +59,11 @@ class GossipSimulation(GossipNetwork):
         self.churn(leave_mid_round=self.algorithm.leave_mid_round)
         self.algorithm.run_round()
 
+    def pool_figures(self) -> dict[str, Any]:
+        """What the peer pool says of itself for summary.json (the Ray engine: its workers)."""
+        figures = getattr(self.peers, "figures", None)
+        return figures() if callable(figures) else {}
+
     def evaluate(self) -> dict[str, float]:
         """Metrics over the honest peers (all peers when there is no attack)."""
         return self.peer_metrics(self.algorithm.metrics())
@@ -69,11 +74,13 @@ def run_gossip_simulation(
     out_dir: str | Path | None = None,
     progress: bool | None = None,
     on_record: OnRecord | None = None,
+    peers: Callable[[GossipNetwork], PeerPool] | None = None,
 ) -> dict[str, Any]:
-    """Run ``simulation.rounds`` gossip rounds through the run loop (metrics.jsonl, summary.json, plots)."""
+    """Run ``simulation.rounds`` gossip rounds through the run loop (metrics.jsonl, summary.json, plots).
+    ``peers``: who trains the peers (default here; the Ray engine passes its workers)."""
     sim_cfg = cfg.simulation
     t0 = time.perf_counter()
-    sim = GossipSimulation(cfg)
+    sim = GossipSimulation(cfg, peers=peers)
     setup_s = time.perf_counter() - t0
     with RunLoop(cfg, out_dir, sim_cfg.rounds, sim.task_label, progress=progress, on_record=on_record) as loop:
         for r in range(1, sim_cfg.rounds + 1):
@@ -91,6 +98,7 @@ def run_gossip_simulation(
                 "num_clients": sim.n,
                 "num_parameters": sim.spec.numel,
                 "device": str(sim.device),
+                **sim.pool_figures(),
             },
             setup_s,
             title=f"{sim.task_label} / {cfg.gossip.algorithm}",

@@ -1,7 +1,8 @@
 """The Ray engine on a real two-node Ray cluster started here: the same config and seed give
 the in-process engine's model (1e-5) with DP, secure aggregation, compression, attacks,
 robust rules, async rounds and FedBN buffers, with and without partial sums, and when a
-worker is killed in the middle of a round.
+worker is killed in the middle of a round; gossip (every algorithm, secure groups, churn,
+attacks) gives the in-process peers' models.
 
 Slow by nature (marked): a Ray cluster and its workers take ~25 s to start on two cores,
 so the module starts ONE cluster (two 1-CPU nodes, one worker each) and every test shares
@@ -22,6 +23,7 @@ from shoal.metrics import read_jsonl
 from shoal.simulations.async_engine import AsyncEngine
 from shoal.simulations.client_data import PopulationShards
 from shoal.simulations.experiment import run_simulation
+from shoal.simulations.gossip import GossipSimulation
 from shoal.simulations.inprocess import InProcessSimulation, PlainRound
 from shoal.simulations.sync_engine import VirtualSyncEngine
 from shoal.tasks import BuiltinTask
@@ -30,8 +32,10 @@ ray = pytest.importorskip("ray")
 
 from shoal.simulations.ray_engine import (  # noqa: E402 - after the skip when Ray is missing
     RayClients,
+    RayPeers,
     SummedRound,
     WorkerPool,
+    ray_peers,
     ray_simulation,
     run_ray_simulation,
     split_contiguous,
@@ -243,7 +247,7 @@ def test_a_worker_killed_mid_round_does_not_change_the_result(pool):
     killed: list[int] = []
 
     def kill_first_worker(p: WorkerPool, method: str) -> None:
-        if method.startswith("train") and len(killed) < 2:  # in a round; twice: once per engine path
+        if method.startswith("train") and len(killed) < 3:  # in a round; once per engine path
             ray.kill(p.actors[0], no_restart=False)  # its process dies; Ray restarts it
             killed.append(1)
 
@@ -253,9 +257,15 @@ def test_a_worker_killed_mid_round_does_not_change_the_result(pool):
         assert isinstance(there.runner, PlainRound)
         again = ray_simulation(config(engine="ray"), pool)
         assert (rounds(again) - here.global_params).abs().max().item() <= 1e-5  # the summed path too
+        peers = GossipSimulation(config(*GOSSIP, engine="ray"), peers=ray_peers(pool))  # and gossip's
+        alone = GossipSimulation(config(*GOSSIP))
+        for _ in range(2):
+            peers.run_round()
+            alone.run_round()
+        assert (peers.models - alone.models).abs().max().item() <= 1e-5
     finally:
         pool.on_submitted = None
-    assert len(killed) == 2 and pool.resubmitted >= 2
+    assert len(killed) == 3 and pool.resubmitted >= 3
 
 
 def test_a_task_object_that_workers_cannot_rebuild_is_a_config_error(pool):
@@ -281,8 +291,6 @@ def test_split_and_worker_count_rules():
     assert worker_count(gpu, cpus=16, gpus=1, nodes=1) == 4  # four workers share the GPU
     with pytest.raises(ConfigError, match="ray_workers"):
         worker_count(load_config(None, ["simulation.ray_workers=5"]), cpus=4, gpus=0, nodes=1)
-    with pytest.raises(ConfigError, match="gossip"):
-        load_config(None, ["simulation.engine='ray'", "simulation.mode='gossip'"])
 
 
 @pytest.mark.timeout(120)
@@ -296,3 +304,62 @@ def test_a_lazily_loaded_population_trains_on_the_workers_as_in_process(pool):
     here, there = same_model(pool, *population)
     assert there.participants == here.participants and len(here.participants) <= 24
     assert isinstance(there.shards, PopulationShards)  # the driver holds ids and sizes, not the clients' data
+
+
+GOSSIP = ["simulation.mode='gossip'", "gossip.view_size=4", "gossip.shuffle_length=2", "train.batch_size=20"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "features",
+    [
+        pytest.param(["gossip.churn=0.25", "gossip.churn_period=2", "gossip.loss=0.1"], id="push-pull-churn"),
+        pytest.param(  # forged models through the q8 wire, bounded merges
+            ["compression.encoding='q8'", "compression.zstd=true", "attack.kind='sign_flip'", "attack.fraction=0.25"]
+            + ["robust.norm_bound=1.0"],
+            id="push-pull-q8-sign-flip",
+        ),
+        pytest.param(  # the workers flip the attackers' labels, chosen among peer names
+            ["gossip.algorithm='dpsgd'", "gossip.topology='regular'", "attack.kind='label_flip'"]
+            + ["attack.fraction=0.25", "robust.rule='median'"],
+            id="dpsgd-label-flip-median",
+        ),
+        pytest.param(
+            ["gossip.algorithm='group_average'", "gossip.group_size=2", "gossip.churn=0.25", "gossip.churn_period=2"],
+            id="group-average-churn",
+        ),
+        pytest.param(  # secure aggregation within each group, members dropping out mid-protocol
+            ["gossip.algorithm='secure_groups'", "gossip.group_size=4", "secure_aggregation.dropout_masked=0.2"],
+            id="secure-groups-dropouts",
+        ),
+    ],
+)
+def test_gossip_peers_train_on_the_workers_and_give_the_in_process_models(pool, features):
+    here = GossipSimulation(config(*GOSSIP, *features))
+    there = GossipSimulation(config(*GOSSIP, *features, engine="ray"), peers=ray_peers(pool))
+    assert isinstance(there.peers, RayPeers)
+    assert (here.attackers == there.attackers).all()
+    start = here.models.clone()
+    for _ in range(3):
+        here.run_round()
+        there.run_round()
+    diff = (here.models - there.models).abs().max().item()
+    assert diff <= 1e-5, diff
+    assert (here.models - start).abs().max().item() > 1e-3  # the peers did train
+    a, b = here.evaluate(), there.evaluate()
+    assert a.keys() == b.keys()
+    for key, value in a.items():
+        assert math.isclose(value, b[key], rel_tol=1e-5, abs_tol=1e-6), key
+
+
+@pytest.mark.timeout(120)
+def test_a_gossip_run_on_ray_writes_the_in_process_records(pool, tmp_path):
+    extra = [*GOSSIP, "gossip.algorithm='dpsgd'", "gossip.topology='ring'"]
+    ours = run_ray_simulation(config(*extra, engine="ray"), tmp_path / "ray", pool=pool)
+    run_simulation(config(*extra), tmp_path / "inprocess")
+    assert ours["engine"] == "ray" and ours["ray_nodes"] == 2
+    a, b = read_jsonl(tmp_path / "ray" / "metrics.jsonl"), read_jsonl(tmp_path / "inprocess" / "metrics.jsonl")
+    assert [r["round"] for r in a] == [1, 2, 3]
+    for x, y in zip(a, b, strict=True):
+        for key in ("test_accuracy", "average_model_accuracy", "consensus_distance", "bytes_sent_per_peer"):
+            assert math.isclose(x[key], y[key], rel_tol=1e-5, abs_tol=1e-6), key
