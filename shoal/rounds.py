@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
@@ -192,7 +192,7 @@ class SyncRounds:
             return self.poisson_rate if num_available else 0.0
         return self.sample_size(num_available) / num_available if num_available else 0.0
 
-    def start_round(self, available: list[str], now: float | None = None) -> list[Assignment]:
+    def start_round(self, available: Sequence[str], now: float | None = None) -> list[Assignment]:
         """Open the next round over ``available`` client ids; returns the tasks to hand out.
 
         K = sample_size(len(available)) results are wanted; ceil(K (1 + over_selection))

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, overload
 
 import torch
 
@@ -66,6 +66,34 @@ class Launch:
     arrival: Update | WireError | None = None
 
 
+class IdleClients(Sequence[str]):
+    """``ids`` without the positions ``busy`` (ascending), in order, without a copy:
+    the k-th idle client is ids[k] moved past each busy position at or before it."""
+
+    def __init__(self, ids: Sequence[str], busy: list[int]):
+        self.ids, self.busy = ids, busy
+
+    def __len__(self) -> int:
+        return len(self.ids) - len(self.busy)
+
+    @overload
+    def __getitem__(self, k: int) -> str: ...
+    @overload
+    def __getitem__(self, k: slice) -> list[str]: ...
+    def __getitem__(self, k: int | slice) -> str | list[str]:
+        if isinstance(k, slice):
+            return [self[i] for i in range(*k.indices(len(self)))]
+        n = len(self)
+        if not -n <= k < n:
+            raise IndexError(k)
+        p = k % n
+        for b in self.busy:
+            if b > p:
+                break
+            p += 1
+        return self.ids[p]
+
+
 class VirtualClients:
     """The simulated clients' side of a virtual-clock run: who is busy, who is online,
     training a task and scheduling its arrival (or drop-out) on the event queue."""
@@ -86,11 +114,16 @@ class VirtualClients:
     def now(self) -> float:
         return self.queue.now
 
-    def idle_online(self) -> list[str]:
+    def idle_online(self) -> Sequence[str]:
+        """The clients neither busy nor offline now, in client order. Without on/off periods
+        that is every client but the busy few: a view, so an async run over a population of
+        100,000 does not list it at every launch."""
+        if self.timing.always_available:
+            return IdleClients(self.sim.client_ids, sorted(map(self.sim.client_index, self.busy)))
         now = self.now
         return [c for c in self.sim.client_ids if c not in self.busy and self.timing.available(c, now)]
 
-    def pick(self, candidates: list[str], n: int) -> list[str]:
+    def pick(self, candidates: Sequence[str], n: int) -> list[str]:
         idx = self._pick.choice(len(candidates), size=min(n, len(candidates)), replace=False)
         return [candidates[i] for i in sorted(idx)]
 

@@ -100,7 +100,11 @@ class ClientTiming:
         self.speed = {
             c: float(s) for c, s in zip(client_ids, speed_gen.lognormal(0.0, cfg.speed_sigma, len(client_ids)))
         }
-        self._net = {c: rng(seed, 0xDE1A, i) for i, c in enumerate(client_ids)}
+        # a client's network generator is made when it first downloads: a population of
+        # 100,000 clients does not hold (or seed) 100,000 generators up front
+        self._seed = seed
+        self._index = {c: i for i, c in enumerate(client_ids)}
+        self._net: dict[str, np.random.Generator] = {}
         self._avail = (
             {c: _Availability(rng(seed, 0xA7A1, i), cfg.mean_on_s, cfg.mean_off_s) for i, c in enumerate(client_ids)}
             if cfg.mean_on_s > 0
@@ -112,7 +116,17 @@ class ClientTiming:
 
     def network_s(self, client: str) -> float:
         d = self.cfg.network_delay_s
-        return float(self._net[client].exponential(d)) if d > 0 else 0.0
+        if d <= 0:
+            return 0.0
+        gen = self._net.get(client)
+        if gen is None:
+            gen = self._net[client] = rng(self._seed, 0xDE1A, self._index[client])
+        return float(gen.exponential(d))
+
+    @property
+    def always_available(self) -> bool:
+        """No on/off periods (``mean_on_s = 0``): every client is online at every time."""
+        return not self._avail
 
     def available(self, client: str, t: float) -> bool:
         return not self._avail or self._avail[client].available(t)

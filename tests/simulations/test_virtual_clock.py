@@ -48,3 +48,30 @@ def test_availability_alternates_with_the_configured_duty_cycle():
     else:
         back = t.next_online([c], now)
         assert back > now and t.available(c, back)
+
+
+def test_idle_clients_view_is_the_list_without_the_busy_ones():
+    """The async engine's view of idle clients equals the list it replaces, for any busy set."""
+    import random
+
+    from shoal.simulations.async_engine import IdleClients
+
+    gen = random.Random(0)
+    for _ in range(300):
+        n = gen.randint(1, 40)
+        ids = [f"c{i}" for i in range(n)]
+        busy = sorted(gen.sample(range(n), gen.randint(0, n)))
+        view, want = IdleClients(ids, busy), [c for i, c in enumerate(ids) if i not in busy]
+        assert len(view) == len(want) and list(view) == want and view[:] == want
+        if want:
+            assert view[-1] == want[-1]
+        with pytest.raises(IndexError):
+            view[len(want)]
+
+
+def test_network_delays_are_drawn_per_client_whatever_the_order_of_first_use():
+    cfg = HeterogeneityConfig(network_delay_s=2.0)
+    a, b = ClientTiming(cfg, IDS, seed=3), ClientTiming(cfg, IDS, seed=3)
+    first = [a.network_s(c) for c in IDS[:20]]
+    second = [b.network_s(c) for c in reversed(IDS[:20])][::-1]  # generators made in the other order
+    assert first == second and len(set(first)) == 20
