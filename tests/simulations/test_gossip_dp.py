@@ -11,6 +11,7 @@ from shoal.errors import ConfigError
 from shoal.metrics import read_jsonl
 from shoal.simulations.experiment import run_simulation
 from shoal.simulations.gossip import GossipSimulation
+from shoal.simulations.privacy_sweep import run_privacy_sweep
 
 torch.set_num_threads(1)
 
@@ -89,6 +90,18 @@ def test_target_epsilon_stops_before_the_round_that_would_pass_it(tmp_path):
     assert summary["delta"] == DELTA and summary["accountant"] == recs[0]["accountant"]
     with pytest.raises(ConfigError, match="single round"):
         GossipSimulation(cfg(f"privacy.target_epsilon={expected_epsilon(probe, [1] * probe.n) / 2}"))
+
+
+@pytest.mark.parametrize("mode", ["central", "distributed"])
+def test_gossip_refuses_server_noise_and_names_local(mode):
+    with pytest.raises(ConfigError, match="privacy.mode = 'local'"):
+        cfg(f'privacy.mode="{mode}"')
+
+
+def test_privacy_sweep_refuses_gossip_instead_of_auditing_the_wrong_run(tmp_path):
+    with pytest.raises(ConfigError, match="simulation.mode = 'gossip' is not swept"):
+        run_privacy_sweep(cfg('privacy.sweep_modes=["local"]'), tmp_path)
+    assert not any(tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("algorithm", ["gossip", "dpsgd", "group_average", "secure_groups"])
