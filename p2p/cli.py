@@ -152,6 +152,20 @@ def check_peer_algorithm(cfg: Config) -> None:
         )
 
 
+def check_peer_privacy(cfg: Config) -> None:
+    """A deployed peer trains without DP: refuse [privacy] rather than run without the claimed noise.
+
+    DP-SGD with per-peer accounting runs in the simulator (simulation.mode = 'gossip',
+    privacy.mode = 'local'); a deployed peer would also need noise drawn on a seed only it
+    knows (as client/node.py does), its epsilon in its records and a stop at the target."""
+    if cfg.privacy.mode != "none":
+        raise ConfigError(
+            f"privacy.mode = {cfg.privacy.mode!r}: `shoal peer` does not train with differential privacy yet "
+            "(no DP-SGD, no epsilon accounting); set privacy.mode = 'none', or simulate it with "
+            "simulation.mode = 'gossip' and privacy.mode = 'local'"
+        )
+
+
 def run_peer(
     cfg: Config,
     listen: str,
@@ -168,6 +182,7 @@ def run_peer(
     host, port = parse_listen(listen)
     check_gossip_settings(cfg)
     check_peer_algorithm(cfg)
+    check_peer_privacy(cfg)
     token = token if token is not None else os.environ.get("SHOAL_TOKEN", "")
     if insecure:
         log.warning("--insecure: plain HTTP, models and the network token travel unencrypted")

@@ -76,14 +76,22 @@ def distributed_noise_step(cfg: Config, num_clients: int, rounds=None) -> Distri
 class PrivacyBudget:
     """epsilon so far, and whether one more round stays within ``target_epsilon``."""
 
-    def __init__(self, cfg: Config, client_sizes: dict[str, int], strategy: Strategy | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        client_sizes: dict[str, int],
+        strategy: Strategy | None = None,
+        sampling: str | None = None,
+    ):
+        """``sampling``: how the engine picks who trains, for records (default: the sync rounds'
+        sampling, :func:`round_sampling`; gossip says ``online``: every online peer trains)."""
         p = cfg.privacy
         agg = strategy.aggregator if strategy is not None else None
         # adaptive clipping is central DP's (config rules), whose strategy aggregates with a DPMean
         self._aggregator = agg if isinstance(agg, DPMean) and p.adaptive_clipping else None
         self.target = p.target_epsilon
         self.delta = p.delta
-        self.sampling = round_sampling(cfg)
+        self.sampling = sampling or round_sampling(cfg)
         self.accountant: LocalDpSgdAccountant | RoundAccountant
         if p.mode == "local":
             schedules = {c: dp_sgd_schedule(n, cfg.train.batch(n), cfg.train.epochs) for c, n in client_sizes.items()}
@@ -124,7 +132,11 @@ class PrivacyBudget:
         }
 
     def record_round(self, tasks: list[Assignment]) -> None:
-        self.accountant.record_round([t.client_id for t in tasks])
+        self.record_participants([t.client_id for t in tasks])
+
+    def record_participants(self, client_ids: list[str]) -> None:
+        """One round in which these clients (or gossip peers) trained; one listed twice trained twice."""
+        self.accountant.record_round(client_ids)
 
     def allows_next_round(self) -> bool:
         """False (with a message) when one more round would take epsilon past the target."""

@@ -148,6 +148,11 @@ def headline_accuracy(summary: dict[str, Any]) -> float:
 
 
 def run_privacy_sweep(cfg: Config, out_dir: str | Path) -> list[dict[str, Any]]:
+    if cfg.simulation.mode == "gossip":  # run_setting trains and audits an InProcessSimulation's rounds
+        raise ConfigError(
+            "privacy-sweep runs and audits synchronous rounds; simulation.mode = 'gossip' is not swept: run "
+            "`shoal simulate` with privacy.mode = 'local' per noise multiplier, or set simulation.mode = 'sync'"
+        )
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     task = task_from_config(cfg)

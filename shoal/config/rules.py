@@ -72,14 +72,30 @@ def check_combinations(self: Any) -> None:
             "after the encoding. Use compression.encoding = 'dense', or privacy.mode = 'central' (the "
             "server clips the decoded update and adds the noise itself)"
         )
-    if dp != "none" and self.heterogeneity.enabled:
+    if dp != "none":
+        _check_privacy_mode(self, dp)
+
+
+def _check_privacy_mode(self: Any, dp: str) -> None:
+    """Where each privacy.mode is accounted: sync rounds (all three), gossip (local DP-SGD only)."""
+    mode = self.simulation.mode
+    if mode == "gossip":
+        if dp != "local":
+            raise ConfigError(
+                f"privacy.mode = {dp!r} with simulation.mode = 'gossip': no server clips and adds noise to "
+                "an aggregate in gossip; use privacy.mode = 'local' (every peer trains with DP-SGD and its "
+                "example-level epsilon is accounted per peer)"
+            )
+        return  # gossip runs its own rounds, never on the virtual clock (heterogeneity is not used)
+    if self.heterogeneity.enabled:
         raise ConfigError(
             f"privacy.mode = {dp!r} with heterogeneity.enabled = true: the virtual-clock engine does not "
             "count epsilon; set heterogeneity.enabled = false"
         )
-    if dp != "none" and self.simulation.mode != "sync":
+    if mode != "sync":
+        local = " or 'gossip' (privacy.mode = 'local' only)" if dp == "local" else ""
         raise ConfigError(
-            f"privacy.mode = {dp!r} needs simulation.mode = 'sync' (it is {self.simulation.mode!r}): "
+            f"privacy.mode = {dp!r} needs simulation.mode = 'sync'{local} (it is {mode!r}): "
             "the accountant counts sampled synchronous rounds"
         )
 

@@ -463,7 +463,8 @@ class PrivacyConfig:
     noise of std ``noise_multiplier * clip_norm`` to the sum (DP-FedAvg, McMahan et al.
     2018). ``distributed``: each client clips and adds its 1/n share of that noise, so
     the (securely aggregated) sum carries it. ``local``: DP-SGD on each client (Abadi et
-    al. 2016) with per-sample clipping to ``clip_norm``.
+    al. 2016) with per-sample clipping to ``clip_norm``; the one mode gossip simulations
+    take (each peer, accounted per peer; config rules refuse the others there).
     """
 
     mode: PrivacyMode = "none"

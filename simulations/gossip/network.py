@@ -37,9 +37,8 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from shoal.assembly import initial_model, task_from_config, task_label
+from shoal.assembly import initial_model, make_trainer, task_from_config, task_label
 from shoal.client.device import select_device
-from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.errors import WireError
 from shoal.p2p.gossip import GossipNode, ModelMessage
@@ -73,7 +72,8 @@ class PeerPool(Protocol):
 
 
 class LocalPeers:
-    """The peers train here, one after another, with the network's LocalTrainer."""
+    """The peers train here, one after another, with the network's trainer (DP-SGD with
+    privacy.mode = 'local')."""
 
     def __init__(self, net: GossipNetwork):
         self.net = net
@@ -104,7 +104,9 @@ class GossipNetwork:
         model = initial_model(cfg, self.task).to(self.device)  # every peer starts from the same model
         self.shards = ClientShards(self.data.train, self.device)
         check_loss(self.task, model, self.shards.data(0), self.device)
-        self.trainer = LocalTrainer(model, cfg.train, self.device, task=self.task)
+        # DP-SGD (Opacus) with privacy.mode = 'local'; it may swap layers (BatchNorm), so the
+        # exchanged spec and the initial model are read from the trainer, never from ``model``
+        self.trainer = make_trainer(cfg, self.task, model, self.device)
         self.spec = self.trainer.spec
         self.test = on_device(self.data.test, self.device)
         self.client_test = (
@@ -141,6 +143,7 @@ class GossipNetwork:
         if g.churn > 0:
             self.online = self.rng.random(n) >= g.churn
         self.round = 0
+        self.trained: list[int] = []  # every local training so far this round, in order (privacy accounting)
         self._queue: list[tuple[float, int, Message]] = []
         self._seq = 0
         # Sizes of what travels, measured on the real wire encodings.
@@ -282,8 +285,10 @@ class GossipNetwork:
         self.online = (self.online & ~leaving) | returning
 
     def train(self, indices: list[int]) -> None:
-        """One round of local work for these peers, through the peer pool."""
+        """One round of local work for these peers, through the peer pool: the one place peers
+        train, so ``trained`` lists every local training (what DP-SGD's accounting charges)."""
         for i, row in self.peers.train(indices, self.models, self.round):
+            self.trained.append(i)
             self.nodes[i].local_update(row)
 
     def online_peers(self) -> list[int]:

@@ -1,5 +1,13 @@
 """The gossip simulation (``simulation.mode = "gossip"``): the shared virtual network plus the
-algorithm ``gossip.algorithm`` names, driven through the run loop like every engine."""
+algorithm ``gossip.algorithm`` names, driven through the run loop like every engine.
+
+With ``privacy.mode = "local"`` every peer trains with DP-SGD (the network's trainer) and
+:class:`~shoal.simulations.dp_hooks.PrivacyBudget` accounts each peer's example-level epsilon
+over the local trainings it actually ran (``GossipNetwork.trained``, round by round): whatever
+a peer sends is post-processing of its DP-SGD outputs and of other peers' independent data.
+Records and the summary get ``epsilon`` (the worst peer), ``delta`` and the ``accountant``; the
+run stops before a round that could take epsilon past ``privacy.target_epsilon``.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +19,7 @@ from typing import Any, Protocol
 from shoal.config import Config
 from shoal.task import SimulationData, Task
 
+from ..dp_hooks import PrivacyBudget
 from ..run_loop import OnRecord, RunLoop, Step
 from .dpsgd import DPSGD
 from .group_average import GroupAverage
@@ -53,20 +62,37 @@ class GossipSimulation(GossipNetwork):
     ):
         super().__init__(cfg, data, task, peers)
         self.algorithm = ALGORITHMS[cfg.gossip.algorithm](self)
+        # local DP-SGD (config rules refuse the other modes in gossip); refuses a target below one round
+        self.privacy = (
+            None
+            if cfg.privacy.mode == "none"
+            else PrivacyBudget(cfg, {p: self.shards.size(i) for i, p in enumerate(self.ids)}, sampling="online")
+        )
 
     def run_round(self) -> None:
         self.round += 1
+        self.trained = []
         self.churn(leave_mid_round=self.algorithm.leave_mid_round)
         self.algorithm.run_round()
+        if self.privacy is not None:
+            self.privacy.record_participants([self.ids[i] for i in self.trained])
 
     def pool_figures(self) -> dict[str, Any]:
         """What the peer pool says of itself for summary.json (the Ray engine: its workers)."""
         figures = getattr(self.peers, "figures", None)
         return figures() if callable(figures) else {}
 
-    def evaluate(self) -> dict[str, float]:
-        """Metrics over the honest peers (all peers when there is no attack)."""
-        return self.peer_metrics(self.algorithm.metrics())
+    def allows_next_round(self) -> bool:
+        """False (with a message) when one more round could take epsilon past privacy.target_epsilon."""
+        return self.privacy is None or self.privacy.allows_next_round()
+
+    def evaluate(self) -> dict[str, Any]:
+        """Metrics over the honest peers (all peers when there is no attack); with DP, the epsilon
+        so far (the worst peer's), delta, who trains (``sampling``) and the accountant."""
+        out: dict[str, Any] = self.peer_metrics(self.algorithm.metrics())
+        if self.privacy is not None:
+            out.update(self.privacy.summary())
+        return out
 
 
 def run_gossip_simulation(
@@ -76,7 +102,8 @@ def run_gossip_simulation(
     on_record: OnRecord | None = None,
     peers: Callable[[GossipNetwork], PeerPool] | None = None,
 ) -> dict[str, Any]:
-    """Run ``simulation.rounds`` gossip rounds through the run loop (metrics.jsonl, summary.json, plots).
+    """Run ``simulation.rounds`` gossip rounds (fewer when the privacy budget runs out) through the
+    run loop (metrics.jsonl, summary.json, plots); the round that exhausts the budget is evaluated.
     ``peers``: who trains the peers (default here; the Ray engine passes its workers)."""
     sim_cfg = cfg.simulation
     t0 = time.perf_counter()
@@ -85,21 +112,23 @@ def run_gossip_simulation(
     with RunLoop(cfg, out_dir, sim_cfg.rounds, sim.task_label, progress=progress, on_record=on_record) as loop:
         for r in range(1, sim_cfg.rounds + 1):
             sim.run_round()
-            due = r % sim_cfg.eval_every == 0 or r == sim_cfg.rounds
+            stop = not sim.allows_next_round()
+            due = r % sim_cfg.eval_every == 0 or r == sim_cfg.rounds or stop
             loop.step(Step(1, {"round": r, **sim.evaluate()} if due else None))
+            if stop:
+                break
         last = loop.last
-        return loop.finish(
-            {
-                "final_average_model_accuracy": last.get("average_model_accuracy"),
-                "final_consensus_distance": last.get("consensus_distance"),
-                "bytes_sent_per_peer": last.get("bytes_sent_per_peer"),
-                "bytes_sent_per_peer_per_round": last.get("bytes_sent_per_peer_per_round"),
-                "rounds": sim_cfg.rounds,
-                "num_clients": sim.n,
-                "num_parameters": sim.spec.numel,
-                "device": str(sim.device),
-                **sim.pool_figures(),
-            },
-            setup_s,
-            title=f"{sim.task_label} / {cfg.gossip.algorithm}",
-        )
+        figures: dict[str, Any] = {
+            "final_average_model_accuracy": last.get("average_model_accuracy"),
+            "final_consensus_distance": last.get("consensus_distance"),
+            "bytes_sent_per_peer": last.get("bytes_sent_per_peer"),
+            "bytes_sent_per_peer_per_round": last.get("bytes_sent_per_peer_per_round"),
+            "rounds": sim.round,
+            "num_clients": sim.n,
+            "num_parameters": sim.spec.numel,
+            "device": str(sim.device),
+            **sim.pool_figures(),
+        }
+        if sim.privacy is not None:
+            figures.update(sim.privacy.summary())  # epsilon, delta, sampling, accountant
+        return loop.finish(figures, setup_s, title=f"{sim.task_label} / {cfg.gossip.algorithm}")

@@ -16,7 +16,11 @@ from shoal.errors import ConfigError
         (["secure_aggregation.enabled=true", "heterogeneity.enabled=true"], "heterogeneity.enabled"),
         (['privacy.mode="central"', "heterogeneity.enabled=true"], "heterogeneity.enabled"),
         (['privacy.mode="central"', 'robust.rule="krum"'], "robust.rule"),
-        (['privacy.mode="local"', 'simulation.mode="gossip"'], "simulation.mode = 'sync'"),
+        (['privacy.mode="central"', 'simulation.mode="gossip"'], "privacy.mode = 'local'"),
+        (['privacy.mode="distributed"', 'simulation.mode="gossip"'], "privacy.mode = 'local'"),
+        (['privacy.mode="local"', 'simulation.mode="async"'], "simulation.mode = 'sync' or 'gossip'"),
+        (['privacy.mode="central"', 'simulation.mode="async"'], "simulation.mode = 'sync'"),
+        (['privacy.mode="local"', "heterogeneity.enabled=true"], "heterogeneity.enabled"),
         (['simulation.engine="flower"', 'privacy.mode="central"'], "privacy.mode = 'central'"),
         (['simulation.engine="flower"', 'attack.kind="sign_flip"'], "attack.kind"),
         (['simulation.engine="flower"', 'simulation.mode="async"'], "simulation.mode"),
@@ -34,6 +38,9 @@ def test_combinations_that_cannot_run_are_refused(sets, named):
         ["secure_aggregation.enabled=true", 'privacy.mode="distributed"'],
         ['simulation.engine="flower"', 'robust.rule="median"'],
         ['privacy.mode="local"', "simulation.batch_clients=8"],
+        ['privacy.mode="local"', 'simulation.mode="gossip"'],
+        ['privacy.mode="local"', 'simulation.mode="gossip"', 'gossip.algorithm="secure_groups"'],
+        ['privacy.mode="local"', 'simulation.mode="gossip"', "privacy.target_epsilon=5"],
     ],
 )
 def test_combinations_that_run_are_accepted(sets):

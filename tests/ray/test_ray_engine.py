@@ -2,7 +2,7 @@
 the in-process engine's model (1e-5) with DP, secure aggregation, compression, attacks,
 robust rules, async rounds and FedBN buffers, with and without partial sums, and when a
 worker is killed in the middle of a round; gossip (every algorithm, secure groups, churn,
-attacks) gives the in-process peers' models.
+attacks, DP-SGD with per-peer accounting) gives the in-process peers' models.
 
 Slow by nature (marked): a Ray cluster and its workers take ~25 s to start on two cores,
 so the module starts ONE cluster (two 1-CPU nodes, one worker each) and every test shares
@@ -328,6 +328,10 @@ GOSSIP = ["simulation.mode='gossip'", "gossip.view_size=4", "gossip.shuffle_leng
             ["gossip.algorithm='group_average'", "gossip.group_size=2", "gossip.churn=0.25", "gossip.churn_period=2"],
             id="group-average-churn",
         ),
+        pytest.param(  # every peer trains with DP-SGD on its worker; epsilon is counted on the driver
+            ["privacy.mode='local'", "privacy.noise_multiplier=1.0", "gossip.churn=0.25", "gossip.churn_period=2"],
+            id="push-pull-dp-sgd-churn",
+        ),
         pytest.param(  # secure aggregation within each group, members dropping out mid-protocol
             ["gossip.algorithm='secure_groups'", "gossip.group_size=4", "secure_aggregation.dropout_masked=0.2"],
             id="secure-groups-dropouts",
@@ -349,7 +353,14 @@ def test_gossip_peers_train_on_the_workers_and_give_the_in_process_models(pool, 
     a, b = here.evaluate(), there.evaluate()
     assert a.keys() == b.keys()
     for key, value in a.items():
-        assert math.isclose(value, b[key], rel_tol=1e-5, abs_tol=1e-6), key
+        if isinstance(value, str):
+            assert value == b[key], key
+        else:
+            assert math.isclose(value, b[key], rel_tol=1e-5, abs_tol=1e-6), key
+    if "privacy.mode='local'" in features:  # the peers that trained on workers are the ones charged
+        assert there.privacy is not None and here.privacy is not None
+        assert there.privacy.accountant.participations == here.privacy.accountant.participations
+        assert 0 < b["epsilon"] and len(set(here.privacy.accountant.participations.values())) > 1  # churn
 
 
 @pytest.mark.timeout(120)
