@@ -173,7 +173,7 @@ class GossipNetwork:
         self.eval_idx = np.sort(self.rng.choice(self.honest, size=eval_n, replace=False))
         self.peers: PeerPool = (peers or LocalPeers)(self)
         log.info(
-            "gossip simulation: %d peers, model %s (%d parameters), %s", n, cfg.model.name, self.spec.numel, g.algorithm
+            "gossip simulation: %d peers, %s (%d parameters), %s", n, self.task_label, self.spec.numel, g.algorithm
         )
 
     # --- the virtual network -------------------------------------------------------------
