@@ -6,15 +6,13 @@ bounded and every process is stopped by the test."""
 from __future__ import annotations
 
 import json
-import os
 import signal
-import socket
 import subprocess
-import sys
 import time
-import urllib.request
 
 import pytest
+
+from .processes import free_ports, peer_status, start_peer, stop_peers, wait_for
 
 N = 10
 DEAD = (3, 7)
@@ -44,56 +42,16 @@ ALGORITHMS = {
 }
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
 def _start(i: int, port: int, bootstrap: str, settings: list[str], tmp) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "shoal.cli",
-        "peer",
-        "--insecure",
-        "--listen",
-        f"127.0.0.1:{port}",
-        "--bootstrap",
-        bootstrap,
-        "--data",
-        f"client:{i}",
-        "--token",
-        TOKEN,
-        "--out",
-        str(tmp / f"peer{i}"),
-    ]
+    args = ["--insecure", "--listen", f"127.0.0.1:{port}", "--bootstrap", bootstrap, "--data", f"client:{i}"]
+    args += ["--out", str(tmp / f"peer{i}")]
     for s in COMMON + settings:
-        cmd += ["--set", s]
-    log = open(tmp / f"peer{i}.log", "ab")
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        args += ["--set", s]
+    return start_peer(args, TOKEN, tmp / f"peer{i}.log")
 
 
 def _status(port: int) -> dict | None:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/status", headers={"Authorization": f"Bearer {TOKEN}"})
-    try:
-        with urllib.request.urlopen(req, timeout=3) as r:
-            return json.load(r)
-    except OSError:
-        return None
-
-
-def _wait(pred, deadline: float, what: str):
-    while time.monotonic() < deadline:
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.5)
-    pytest.fail(f"timed out waiting for {what}")
+    return peer_status(f"http://127.0.0.1:{port}", TOKEN)
 
 
 @pytest.mark.slow
@@ -101,7 +59,7 @@ def _wait(pred, deadline: float, what: str):
 @pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_ten_peers_converge_and_survive_two_killed(algorithm, tmp_path):
     settings, threshold = ALGORITHMS[algorithm]
-    ports = _free_ports(N)
+    ports = free_ports(N)
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     procs = {i: _start(i, ports[i], urls[(i + 1) % N], settings, tmp_path) for i in range(N)}
     try:
@@ -118,11 +76,7 @@ def test_ten_peers_converge_and_survive_two_killed(algorithm, tmp_path):
             )
             return st if ok else None
 
-        st = _wait(
-            lambda: converged(range(N), {i: 5 for i in range(N)}),
-            time.monotonic() + 150,
-            f"all {N} peers above {threshold}",
-        )
+        st = wait_for(lambda: converged(range(N), {i: 5 for i in range(N)}), 150, f"all {N} peers above {threshold}")
         print(algorithm, {i: round(s["metrics"]["test_accuracy"], 3) for i, s in st.items()})
         assert all(s["algorithm"] == algorithm and s["directory"] >= N - 3 for s in st.values())
 
@@ -146,7 +100,7 @@ def test_ten_peers_converge_and_survive_two_killed(algorithm, tmp_path):
             )
             return st if ok else None
 
-        st = _wait(recovered, time.monotonic() + 120, "the survivors to keep training and converge")
+        st = wait_for(recovered, 120, "the survivors to keep training and converge")
         print(
             algorithm,
             "after the kills",
@@ -160,11 +114,4 @@ def test_ten_peers_converge_and_survive_two_killed(algorithm, tmp_path):
                 last = [json.loads(line) for line in f][-1]
             assert last["bytes_sent"] > 0 and last["bytes_sent_per_round"] > 0
     finally:
-        for p in procs.values():
-            if p.poll() is None:
-                p.terminate()
-        for p in procs.values():
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop_peers(procs.values())

@@ -6,17 +6,11 @@ Every wait is bounded and every process is stopped by the test."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import signal
-import socket
 import ssl
 import subprocess
 import sys
 import textwrap
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -24,6 +18,8 @@ import torch
 
 from shoal.metrics import read_jsonl
 from shoal.tls import make_private_ca
+
+from .processes import free_ports, peer_status, start_peer, stop_peers, wait_for
 
 TOKEN = "peer-task-token"
 
@@ -96,61 +92,11 @@ def _write_task(folder: Path, n_peers: int = 3) -> tuple[str, Path, list[Path]]:
     return f"{folder / 'my_task.py'}:task", folder / "peer.toml", files
 
 
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def _start(args: list[str], log: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "shoal.cli", "peer", "--token", TOKEN, *args]
-    return subprocess.Popen(
-        cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-
-
-def _status(url: str, ctx: ssl.SSLContext | None) -> dict | None:
-    req = urllib.request.Request(f"{url}/status", headers={"Authorization": f"Bearer {TOKEN}"})
-    try:
-        with urllib.request.urlopen(req, timeout=3, context=ctx) as r:
-            return json.load(r)
-    except OSError:
-        return None
-
-
-def _wait(pred, seconds: float, what: str, procs: list[subprocess.Popen]):
-    deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
-        if any(p.poll() is not None for p in procs):
-            pytest.fail(f"a peer exited (status {[p.poll() for p in procs]}) while waiting for {what}")
-        got = pred()
-        if got:
-            return got
-        time.sleep(0.5)
-    pytest.fail(f"timed out waiting for {what}")
-
-
-def _stop(procs: list[subprocess.Popen]) -> None:
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
-        try:
-            p.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            p.wait()
-
-
 def _run_three(tmp_path: Path, data: list[str], tls: bool) -> tuple[list[list[dict]], list[dict]]:
     """Three peers in a line of bootstraps; run until every one has trained 5 steps and merged
     a model, stop them, return their metrics records and last statuses."""
     task, config, _ = _write_task(tmp_path)
-    ports = _free_ports(3)
+    ports = free_ports(3)
     scheme = "https" if tls else "http"
     urls = [f"{scheme}://127.0.0.1:{p}" for p in ports]
     ctx = None
@@ -177,15 +123,15 @@ def _run_three(tmp_path: Path, data: list[str], tls: bool) -> tuple[list[list[di
                 str(tmp_path / f"out{i}"),
                 *security,
             ]
-            procs.append(_start(args, tmp_path / f"peer{i}.log"))
+            procs.append(start_peer(args, TOKEN, tmp_path / f"peer{i}.log"))
 
         def trained():
-            st = [_status(u, ctx) for u in urls]
+            st = [peer_status(u, TOKEN, ctx) for u in urls]
             return st if all(s and s["steps"] >= 5 and s["merges"] >= 1 for s in st) else None
 
-        statuses = _wait(trained, 150, "3 peers to train 5 steps and merge", procs)
+        statuses = wait_for(trained, 150, "3 peers to train 5 steps and merge", procs)
     finally:
-        _stop(procs)
+        stop_peers(procs)
     logs = "\n".join((tmp_path / f"peer{i}.log").read_text() for i in range(3))
     assert all(p.returncode == 0 for p in procs), logs[-3000:]
     assert "Traceback" not in logs
@@ -262,7 +208,7 @@ def test_a_bad_data_path_is_one_clear_line(tmp_path, data, expect):
 @pytest.mark.timeout(180)
 def test_a_peer_with_another_model_is_refused_by_spec_hash_and_nothing_crashes(tmp_path):
     task, config, files = _write_task(tmp_path, 2)
-    ports = _free_ports(2)
+    ports = free_ports(2)
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     configs = []
     for hidden in (16, 8):  # the same task file with another width: another parameter spec
@@ -286,15 +232,15 @@ def test_a_peer_with_another_model_is_refused_by_spec_hash_and_nothing_crashes(t
                 "--out",
                 str(tmp_path / f"out{i}"),
             ]
-            procs.append(_start(args, tmp_path / f"peer{i}.log"))
+            procs.append(start_peer(args, TOKEN, tmp_path / f"peer{i}.log"))
 
         def refused_both_ways():
-            st = [_status(u, None) for u in urls]
+            st = [peer_status(u, TOKEN) for u in urls]
             return st if all(s and s["rejected"] >= 1 and s["steps"] >= 3 for s in st) else None
 
-        statuses = _wait(refused_both_ways, 120, "each peer to refuse the other's model", procs)
+        statuses = wait_for(refused_both_ways, 120, "each peer to refuse the other's model", procs)
     finally:
-        _stop(procs)
+        stop_peers(procs)
     assert all(p.returncode == 0 for p in procs)
     hashes = [s["spec_hash"] for s in statuses]
     assert hashes[0] != hashes[1]
