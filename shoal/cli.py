@@ -83,6 +83,9 @@ def simulate(
         if acc is not None
         else ", ".join(f"{k} {v:.4g}" for k, v in list(figures.items())[:3]) or "finished"
     )
+    avg = summary.get("final_average_model_accuracy")  # gossip: the peers' mean, and their average model
+    if acc is not None and avg is not None:
+        head = f"final test accuracy {acc:.4f} (mean over peers; their average model {avg:.4f})"
     typer.echo(f"{head} after {summary['rounds']} rounds ({summary['wall_s']:.1f} s); outputs in {out_dir}/")
 
 
