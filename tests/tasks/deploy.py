@@ -15,7 +15,7 @@ from pathlib import Path
 from shoal.metrics import read_jsonl
 from shoal.server.registry import Registry
 from shoal.tls import make_private_ca
-from tests.p2p.test_peer_task import _free_ports
+from tests.p2p.processes import free_ports
 
 SERVER_TOML = """
 [server]
@@ -116,7 +116,7 @@ def run_peers(
     each; returns every peer's metrics.jsonl records."""
     pki = make_private_ca(folder / "pki")
     (folder / "peer.toml").write_text(f"[gossip]\nperiod = 0.3\nrounds = {steps}\n" + extra_toml)
-    ports = _free_ports(len(data))
+    ports = free_ports(len(data))
     urls = [f"https://127.0.0.1:{p}" for p in ports]
     tls = ["--tls-cert", str(pki.cert), "--tls-key", str(pki.key), "--ca-cert", str(pki.ca_cert)]
     procs, logs = [], []
