@@ -259,6 +259,7 @@ class ServerConfig:
     port: int = 8443
     tls_cert: str = ""  # PEM certificate chain; HTTPS needs both, else --insecure
     tls_key: str = ""  # PEM private key
+    tls_client_ca: str = ""  # CA of node certificates (`shoal pki`): nodes enrolled by key log in with them
     mode: Literal["sync", "async"] = "sync"  # sync rounds | async ([asynchronous] algorithm: fedbuff | fedasync)
     rounds: int = 10  # global versions to produce, then the server reports done
     clients_per_round: int = 0  # K; 0 means `fraction` of the connected nodes
@@ -288,6 +289,10 @@ class ServerConfig:
             raise ConfigError(f"server.port = {self.port} must be in 1..65535")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("server.tls_cert and server.tls_key go together: set both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError(
+                "server.tls_client_ca needs server.tls_cert and server.tls_key: node certificates are checked over TLS"
+            )
         _positive("server.rounds", self.rounds)
         _positive("server.clients_per_round", self.clients_per_round, allow_zero=True)
         if not 0 < self.fraction <= 1:
