@@ -1,7 +1,8 @@
 """Local training on a CUDA device gives what it gives on the CPU (skipped without CUDA).
 
-bench/gpu_suite.sh runs these on a GPU machine. Convolutions may use TF32 on the GPU (cuDNN's
-default), so CNN results are compared relative to the update's norm, not bit for bit.
+bench/gpu_suite.sh runs these on a GPU machine. cuDNN convolutions use TF32 by default (PyTorch's
+setting, kept for users: it is what makes fp32 CNNs fast on the GPU); the tests turn it off so
+that differences show a bug, not TF32's 10-bit mantissa (which moved CNN updates by ~2% here).
 """
 
 import pytest
@@ -16,6 +17,14 @@ from shoal.models import build_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 SIZES = [23, 5, 40, 1, 17, 9]
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _clients(shape):
@@ -46,7 +55,7 @@ def test_batched_on_cuda_equals_local_trainer_on_cuda(model, path):
         want = trainer.train(g, x[a : a + n], y[a : a + n], 3 + i)
         assert got[i].delta.device.type == "cuda"
         assert got[i].delta.abs().max() > 0
-        assert _close(got[i].delta, want.delta, 1e-4 if model == "2nn" else 1e-2), (model, path, i)
+        assert _close(got[i].delta, want.delta, 1e-4), (model, path, i)
 
 
 @pytest.mark.parametrize("model", ["2nn", "cnn"])
@@ -59,7 +68,7 @@ def test_one_client_on_cuda_follows_the_cpu(model):
         t = LocalTrainer(build_model(model, (1, 28, 28), 10), cfg, device)
         g = t.flat.detach().clone()
         deltas.append(t.train(g, x.to(device), y.to(device), seed=5).delta.cpu())
-    assert _close(deltas[1], deltas[0], 1e-4 if model == "2nn" else 1e-2)
+    assert _close(deltas[1], deltas[0], 1e-4)
 
 
 def test_dp_sgd_on_cuda_clips_and_adds_noise_of_std_z_c_over_batch():
