@@ -3,6 +3,7 @@
 #
 #   bash bench/gpu_suite.sh --prepare   # here, with the package registry: fill .gpudata/ (ignored by git)
 #   bash bench/gpu_suite.sh             # on the GPU machine, from the repository root
+#   bash bench/gpu_suite.sh --only cuda_tests,dp_sgd   # some sections (names in the summary table)
 #
 # --prepare copies MNIST from ../shared/datasets into .gpudata/mnist and downloads into
 # .gpudata/whl the Python 3.12 wheels a CUDA image without shoal's dependencies lacks (opacus,
@@ -65,10 +66,13 @@ EOF
   echo "gpu_suite: prepared $DATA (carry it with the checkout)"
 }
 
-if [[ ${1:-} == --prepare ]]; then
-  prepare
-  exit 0
-fi
+ONLY=""
+case ${1:-} in
+  --prepare) prepare; exit 0 ;;
+  --only) ONLY=",${2:?--only takes section names, comma-separated},"; ;;
+  "") ;;
+  *) echo "usage: bash bench/gpu_suite.sh [--prepare | --only SECTION,...]"; exit 2 ;;
+esac
 
 if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
   echo "gpu_suite: no CUDA device visible to $PY (torch.cuda.is_available() is False): nothing to measure"
@@ -104,6 +108,7 @@ names=() statuses=() seconds=()
 section() {  # section NAME LIMIT_S COMMAND...: run with a time limit, keep its output, note how it ended
   local name=$1 limit=$2
   shift 2
+  [[ -z $ONLY || $ONLY == *",$name,"* ]] || return 0
   echo
   echo "=== $name (at most ${limit} s)"
   local t0=$SECONDS rc

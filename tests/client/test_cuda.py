@@ -1,13 +1,15 @@
 """Local training on a CUDA device gives what it gives on the CPU (skipped without CUDA).
 
-bench/gpu_suite.sh runs these on a GPU machine. Convolutions may use TF32 on the GPU (cuDNN's
-default), so CNN results are compared relative to the update's norm, not bit for bit.
+bench/gpu_suite.sh runs these on a GPU machine. cuDNN convolutions use TF32 by default (PyTorch's
+setting, kept for users: it is what makes fp32 CNNs fast on the GPU); the tests turn it off so
+that differences show a bug, not TF32's 10-bit mantissa (which moved CNN updates by ~2% here).
 """
 
 import pytest
 import torch
 
 from shoal.client.batched import BatchedTrainer
+from shoal.client.device import select_device
 from shoal.client.dp_sgd import DpSgdTrainer
 from shoal.client.training import LocalTrainer
 from shoal.config import PrivacyConfig, TrainConfig
@@ -16,6 +18,14 @@ from shoal.models import build_model
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 SIZES = [23, 5, 40, 1, 17, 9]
+
+
+@pytest.fixture(autouse=True)
+def no_tf32():
+    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    yield
+    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 def _clients(shape):
@@ -46,7 +56,7 @@ def test_batched_on_cuda_equals_local_trainer_on_cuda(model, path):
         want = trainer.train(g, x[a : a + n], y[a : a + n], 3 + i)
         assert got[i].delta.device.type == "cuda"
         assert got[i].delta.abs().max() > 0
-        assert _close(got[i].delta, want.delta, 1e-4 if model == "2nn" else 1e-2), (model, path, i)
+        assert _close(got[i].delta, want.delta, 1e-4), (model, path, i)
 
 
 @pytest.mark.parametrize("model", ["2nn", "cnn"])
@@ -59,7 +69,7 @@ def test_one_client_on_cuda_follows_the_cpu(model):
         t = LocalTrainer(build_model(model, (1, 28, 28), 10), cfg, device)
         g = t.flat.detach().clone()
         deltas.append(t.train(g, x.to(device), y.to(device), seed=5).delta.cpu())
-    assert _close(deltas[1], deltas[0], 1e-4 if model == "2nn" else 1e-2)
+    assert _close(deltas[1], deltas[0], 1e-4)
 
 
 def test_dp_sgd_on_cuda_clips_and_adds_noise_of_std_z_c_over_batch():
@@ -79,3 +89,13 @@ def test_dp_sgd_on_cuda_clips_and_adds_noise_of_std_z_c_over_batch():
     noisy = DpSgdTrainer(build_model("logreg", (1, 28, 28), 10), cfg, privacy, "cuda")
     d = noisy.train(start, x, y, seed=2).delta
     assert float(d.std()) == pytest.approx(z * c / 40, rel=0.05)
+
+
+def test_choosing_a_gpu_turns_on_the_cudnn_autotuner():
+    saved = torch.backends.cudnn.benchmark
+    try:
+        torch.backends.cudnn.benchmark = False
+        assert select_device("cpu").type == "cpu" and not torch.backends.cudnn.benchmark
+        assert select_device("auto").type == "cuda" and torch.backends.cudnn.benchmark
+    finally:
+        torch.backends.cudnn.benchmark = saved
