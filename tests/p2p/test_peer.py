@@ -28,7 +28,12 @@ def _peer(url: str, ssl_server=None, ssl_client=None, cfg: Config | None = None)
     trainer = LocalTrainer(build_model("logreg", (60,), 10), cfg.train)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(40, 60, generator=g), torch.randint(0, 10, (40,), generator=g)
-    return Peer(cfg, trainer, PeerData((x, y), (x, y)), PeerSettings(url, (), TOKEN, False, ssl_server, ssl_client))
+    return Peer(
+        cfg,
+        trainer,
+        PeerData((x, y), (x, y)),
+        PeerSettings(url, (), TOKEN, url.startswith("http:"), ssl_server, ssl_client),
+    )
 
 
 async def _serve(peer: Peer, ctx) -> tuple[web.AppRunner, int]:
@@ -54,7 +59,7 @@ def test_garbage_gets_4xx_and_the_model_is_kept(tmp_path):
         url = f"https://127.0.0.1:{port}/gossip"
         before = peer.node.params.clone()
         version = peer.node.version
-        good = torch.full_like(before, 0.5)
+        good = before + 0.01  # near ours: within the default merge bound
         nan = good.clone()
         nan[3] = float("nan")
         wrong = torch.zeros(peer.spec.numel + 1)
@@ -179,7 +184,7 @@ def test_q8_models_over_http_and_a_rejecting_merge():
                 assert r.status == 200
                 body2 = await r.read()
             assert peer.node.merges == 1 and float((peer.node.params - near).abs().max()) < 0.01
-            assert peer.bytes_sent == len(body) + len(body2)
+            assert peer.svc.bytes_sent == len(body) + len(body2)
         await runner.cleanup()
 
     asyncio.run(main())
@@ -209,7 +214,7 @@ def test_a_model_of_another_spec_is_refused_naming_both_hashes():
                     answer = await r.json()
                 assert answer["error"] == "spec_mismatch"
                 assert other.hash in answer["detail"] and peer.spec.hash in answer["detail"], answer
-        assert torch.equal(peer.node.params, before) and peer.rejected == 2
+        assert torch.equal(peer.node.params, before) and peer.svc.rejected == 2
         await runner.cleanup()
 
     asyncio.run(main())
