@@ -59,6 +59,7 @@ import aiohttp
 from aiohttp import web
 from aiohttp.web_protocol import RequestHandler
 
+from shoal.client.node import NodePrivacy
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.errors import ShoalError, TooLarge
@@ -209,6 +210,19 @@ class Peer:
         self.train_loss: float | None = None
         self.last_eval: dict[str, float] = {}  # the latest evaluation's metrics (GET /status)
         self.metrics = MetricsLog(settings.out_dir) if settings.out_dir else None
+        # local DP (privacy.mode = "local"): the trainer runs DP-SGD; this peer's epsilon over its own
+        # trainings, kept in a ledger in --out so a restarted peer goes on from it
+        self.privacy = (
+            NodePrivacy(
+                cfg,
+                settings.advertise,
+                num_examples(data.train),
+                settings.out_dir / "privacy_ledger.json" if settings.out_dir else None,
+            )
+            if cfg.privacy.mode == "local"
+            else None
+        )
+        self.privacy_report: dict[str, Any] = {}
         self.guard = _Connections(MAX_CONNECTIONS_PER_ADDRESS, HEADER_TIMEOUT_S)
         self.errors = 0  # requests answered 500 (a bug: logged with its traceback)
         self._lock = asyncio.Lock()
@@ -376,6 +390,18 @@ class Peer:
             "metrics": json_safe(self.last_eval),
             "connections_refused": self.guard.refused,
             "errors": self.errors,
+            **self._privacy_fields(),
+        }
+
+    def _privacy_fields(self) -> dict[str, Any]:
+        """Local DP: this peer's epsilon so far (over its trainings), delta, trainings, the accountant."""
+        if self.privacy is None or self.privacy.accountant is None:
+            return {}
+        return {
+            "epsilon": self.privacy.epsilon,
+            "delta": self.cfg.privacy.delta,
+            "dp_trainings": self.privacy.rounds,
+            "accountant": self.privacy.accountant.describe(),
         }
 
     # --- the outgoing side ------------------------------------------------------------------
@@ -388,7 +414,8 @@ class Peer:
 
     async def _post(self, out: Outgoing) -> bytes:
         """POST ``out``; the answer's body (at most our body limit), or Refused / a transport error."""
-        assert self._session is not None
+        if self._session is None or self._session.closed:
+            raise Refused(0, "stopping", "this peer is stopping")
         if not out.url.startswith("https://") and not self.s.insecure:
             raise Refused(0, "insecure", f"{out.url}: plain HTTP without --insecure")
         async with self._session.post(
@@ -563,13 +590,22 @@ class Peer:
 
     # --- training, evaluation, the loops ---------------------------------------------------
 
-    async def local_step(self) -> None:
+    async def local_step(self) -> bool:
+        """One round of local training; False (nothing trained) when local DP's budget is spent:
+        one more training would take epsilon past ``privacy.target_epsilon``."""
         async with self._lock:
+            if self.privacy is not None and not self.privacy.allows_next_round():
+                return False
             seed = derive_seed(self.cfg.simulation.seed, self.steps, zlib.crc32(self.node.id.encode()))
+            if self.privacy is not None:
+                seed = self.privacy.training_seed(seed)  # DP-SGD's noise and sampling on a seed only we know
             update = self.trainer.fit(self.node.params, self.data.train, seed)
             self.train_loss = update.metrics.get("train_loss")
             self.node.local_update(self.trainer.flat)
             self.steps += 1
+            if self.privacy is not None:  # the model leaves this peer with its next message
+                self.privacy_report = self.privacy.spend(self.steps) or {}
+            return True
 
     def evaluation(self) -> dict[str, float]:
         """Every metric the task gives for the current (merged) model: ``test_<metric>`` on
@@ -608,6 +644,7 @@ class Peer:
                     "algorithm": algo,
                     "directory": len(self.node.membership.known),
                     **({f"{stats}_{k}": v for k, v in c[stats].items()} if stats else {}),
+                    **self._privacy_fields(),
                     **({"final": True} if final else {}),
                 }
             )
@@ -648,10 +685,11 @@ class Peer:
             else:
                 await self._run_rounds(stop)
         finally:
+            await runner.cleanup()  # no new requests, so no new messages to send
             for task in list(self._tasks):
                 task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
             await self._session.close()
-            await runner.cleanup()
             if stop.is_set():  # stopped by a signal: the last record marks it
                 await self.evaluate(final=True)
             saved = self.save_model()
@@ -666,7 +704,9 @@ class Peer:
 
     async def _run_push_pull(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            await self.local_step()
+            if not await self.local_step():
+                await self.evaluate(final=True)
+                return
             await asyncio.gather(self.exchange(), self.shuffle())
             last = await self._step_done()
             self.node.expire(self._now())
@@ -692,7 +732,9 @@ class Peer:
             except TimeoutError:
                 pass
             self._spawn(self.shuffle())  # never holds up the slot
-            await self.local_step()
+            if not await self.local_step():
+                await self.evaluate(final=True)
+                return
             weight = float(num_examples(self.data.train)) if g.group_weights == "examples" else 1.0
             m = g.exchanges_per_round
             for k in range(m):
