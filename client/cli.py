@@ -7,12 +7,15 @@ from pathlib import Path
 
 import typer
 
+from shoal.cli_help import as_written
 from shoal.errors import ConfigError
 
 
 def client(
     server: str = typer.Option(..., "--server", help="Server URL, e.g. https://host:8443"),
-    token_file: Path = typer.Option(..., "--token-file", help="File holding this node's token."),
+    token_file: Path | None = typer.Option(
+        None, "--token-file", help="File holding this node's token (or enroll by key: --cert and --key)."
+    ),
     data: Path = typer.Option(
         ...,
         "--data",
@@ -23,14 +26,22 @@ def client(
         None,
         "--task",
         "-t",
-        help="Your task: path/to/file.py:name or "
-        "package.module:name (default: [task] app, else the built-in task); "
-        "the server's task and model.",
+        help=as_written(
+            "Your task: path/to/file.py:name or "
+            "package.module:name (default: [task] app, else the built-in task); "
+            "the server's task and model."
+        ),
     ),
-    config: Path | None = typer.Option(None, "--config", "-c", help="TOML with [task] (or [model]) and [train]."),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help=as_written("TOML with [task] (or [model]) and [train].")
+    ),
     set_: list[str] | None = typer.Option(None, "--set", help="Override: section.key=value (repeatable)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
     ca_cert: Path | None = typer.Option(None, "--ca-cert", help="Trust only this CA (a private deployment)."),
+    cert: Path | None = typer.Option(
+        None, "--cert", help="This node's certificate (NAME.pem from the operator's `shoal server nodes add --csr`)."
+    ),
+    key: Path | None = typer.Option(None, "--key", help="This node's private key (NAME.key of `shoal pki node-key`)."),
     name: str = typer.Option(
         "", "--name", help="Name for the logs (default: the shard's client id, else the --data file's name)."
     ),
@@ -38,7 +49,7 @@ def client(
         None,
         "--privacy-ledger",
         help="Local DP: the file where this node keeps the rounds it spent on its data, "
-        "so a restart goes on from them (default: the token file's name + .privacy.json).",
+        "so a restart goes on from them (default: the token or cert file's name + .privacy.json).",
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
@@ -54,13 +65,21 @@ def client(
     from .node import Node, builtin_local_data, read_local_data
 
     setup_logging(verbose)
-    if not token_file.is_file():
-        raise ConfigError(f"--token-file {str(token_file)!r} not found")
-    token = token_file.read_text().strip()
+    if (token_file is None) == (cert is None):
+        raise ConfigError(
+            "give --token-file (a node added with a token) or --cert and --key (a node enrolled by key), one of the two"
+        )
+    token = ""
+    if token_file is not None:
+        if not token_file.is_file():
+            raise ConfigError(f"--token-file {str(token_file)!r} not found")
+        token = token_file.read_text().strip()
     cfg = load_config(config, with_task(set_, task))
     if server.startswith("https://"):
-        ctx = client_context(ca_cert)
+        ctx = client_context(ca_cert, cert, key)
     elif server.startswith("http://"):
+        if cert is not None:
+            raise ConfigError("--cert and --key authenticate over TLS: give an https:// --server")
         ctx = None
     else:
         raise ConfigError(f"--server {server!r} must start with https:// (or http:// for an --insecure server)")
@@ -71,7 +90,9 @@ def client(
         name = name or shard.client_id
     else:
         local = read_local_data(the_task, data)
-    ledger = privacy_ledger or token_file.with_name(token_file.name + ".privacy.json")
+    credential = token_file if token_file is not None else cert
+    assert credential is not None  # one of the two, checked above
+    ledger = privacy_ledger or credential.with_name(credential.name + ".privacy.json")
     node = Node(
         server,
         token,

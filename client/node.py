@@ -56,10 +56,12 @@ from shoal.task import (
     task_name,
 )
 from shoal.tasks import BuiltinTask
+from shoal.tls import certificate_problem, speaks_tls
 from shoal.update import Update
 from shoal.wire import decode_model, encode_update, read_header
 
 from .http import Backoff, NodeError, Refused, Retry, check_response
+from .training import summarize_means
 
 log = logging.getLogger(__name__)
 
@@ -94,6 +96,22 @@ def builtin_local_data(task: BuiltinTask, shard: Shard) -> LocalData:
     task.input_shape = shard.input_shape
     task.num_classes = shard.num_classes or task.num_classes
     return LocalData(train=(shard.x, shard.y))
+
+
+def figures_line(task: Task, means: dict[str, float]) -> str:
+    """The task's summarized figures of raw means, for a log line: what ``summarize`` derives
+    (R², macro-F1, perplexity) first, then loss and accuracy; the raw parts a task derives them
+    from (sums of squares, per-class counts) only when it derives nothing."""
+    try:
+        summary = summarize_means(task, means)
+    except TaskError as e:
+        log.warning("%s; the raw means are shown", e)
+        summary = dict(means)
+    derived = {k: v for k, v in summary.items() if k not in means or means[k] != v}
+    shown: dict[str, float] = summary
+    if derived:
+        shown = {**derived, **{k: summary[k] for k in ("loss", "accuracy") if k in summary}}
+    return ", ".join(f"{k} {v:.4g}" for k, v in shown.items()) or "no metrics"
 
 
 class NodePrivacy:
@@ -352,9 +370,8 @@ class Node:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.poll_s + 30)
         connector = aiohttp.TCPConnector(ssl=self._ssl)
         poll = {"wait": str(self.poll_s), **({"eval": "1"} if self.test is not None else {})}
-        async with aiohttp.ClientSession(
-            timeout=timeout, connector=connector, headers={"Authorization": f"Bearer {self.token}"}
-        ) as http:
+        auth = {"Authorization": f"Bearer {self.token}"} if self.token else {}  # else a client certificate
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=auth) as http:
             self.http = http
             while not self.stop.is_set():
                 try:
@@ -490,12 +507,7 @@ class Node:
                 "metrics %s are not reported (names must match [A-Za-z][A-Za-z0-9_.-]*, values be finite)",
                 sorted(set(ev) - set(metrics)),
             )
-        log.info(
-            "version %d on %d local test examples: %s",
-            version,
-            n,
-            ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()),
-        )
+        log.info("version %d on %d local test examples: %s", version, n, figures_line(self.task, ev))
         if not metrics:
             return
         try:
@@ -559,13 +571,21 @@ class Node:
                 await self._check(resp)
                 return await resp.json()
         except aiohttp.ClientConnectorCertificateError as e:
-            raise NodeError(
-                f"the server's TLS certificate is not trusted: {e.certificate_error} "
-                "(pass the private CA with --ca-cert)"
-            ) from None
+            raise NodeError(await certificate_problem(self.url, e.certificate_error)) from None
         except aiohttp.ClientSSLError as e:
-            raise NodeError(f"TLS handshake with {self.url} failed: {e}") from None
+            plain = "WRONG_VERSION_NUMBER" in str(e)  # the server answered in plain HTTP
+            hint = f": it speaks plain HTTP (an --insecure server); use {self.url.replace('https', 'http', 1)}"
+            raise NodeError(f"TLS handshake with {self.url} failed{hint if plain else f': {e}'}") from None
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+            hung_up = isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and not isinstance(
+                e,
+                aiohttp.ClientConnectorError,  # nobody listening: the server is down, not a TLS one
+            )
+            if hung_up and self.url.startswith("http://") and await speaks_tls(self.url):
+                raise NodeError(
+                    f"the server at {self.url} speaks HTTPS and hangs up on plain HTTP: use "
+                    f"{self.url.replace('http', 'https', 1)} (with --ca-cert for a private CA)"
+                ) from None
             raise Retry(f"{method} {path}: {type(e).__name__}: {e}") from None
 
     async def _check(self, resp: aiohttp.ClientResponse) -> None:
