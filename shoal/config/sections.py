@@ -433,7 +433,8 @@ class GossipConfig:
     partition_end: int = 0  # simulator: the round the partition heals
     eval_peers: int = 0  # evaluate this many peers each time (0 = all)
     period: float = 1.0  # `shoal peer`: seconds between local steps
-    rounds: int = 0  # `shoal peer`: stop after this many local steps (0 = run until stopped)
+    rounds: int = 0  # `shoal peer`: stop after this many local steps, writing the final model and metrics
+    # (0 = until SIGINT/SIGTERM, which do the same)
 
     def validate(self) -> None:
         _positive("gossip.group_levels", self.group_levels, allow_zero=True)
