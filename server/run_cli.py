@@ -31,6 +31,9 @@ TokenOpt = typer.Option(
 CaOpt = typer.Option(None, "--ca-cert", envvar="SHOAL_CA_CERT", help="Trust only this CA (a private deployment).")
 
 
+CONNECT_S = 30.0  # a refused connection (the server still starting) is retried this long
+
+
 class Api:
     """Requests to /v1/runs with the submitter's token; a refusal is one ConfigError line."""
 
@@ -55,8 +58,7 @@ class Api:
             headers={"Authorization": f"Bearer {self.token}", **({"Content-Type": "application/json"} if data else {})},
         )
         try:
-            with urllib.request.urlopen(req, timeout=timeout, context=self.ssl) as resp:
-                return resp.read()
+            return self._send(req, timeout)
         except urllib.error.HTTPError as e:
             try:
                 info = json.loads(e.read())
@@ -66,6 +68,17 @@ class Api:
             raise ConfigError(f"the server refused {method} {path}: {e.code} {msg}") from None
         except (urllib.error.URLError, OSError) as e:
             raise ConfigError(f"cannot reach {self.url}: {getattr(e, 'reason', e)}") from None
+
+    def _send(self, req: urllib.request.Request, timeout: float) -> bytes:
+        end = time.monotonic() + CONNECT_S
+        while True:
+            try:
+                with urllib.request.urlopen(req, timeout=timeout, context=self.ssl) as resp:
+                    return resp.read()
+            except urllib.error.URLError as e:  # a server still starting: retried for CONNECT_S
+                if not isinstance(e.reason, ConnectionRefusedError) or time.monotonic() > end:
+                    raise
+                time.sleep(0.5)
 
 
 @app.command("submit")
