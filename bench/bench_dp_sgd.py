@@ -2,6 +2,10 @@
 DP-SGD with Opacus (per-sample gradients, clipping, noise) on the same bound model.
 
     OMP_NUM_THREADS=1 python bench/bench_dp_sgd.py [--model 2nn] [--n 500] [--repeats 3]
+    python bench/bench_dp_sgd.py --device cuda --model 2nn,cnn --n 6000
+
+Data lives on the device (as the simulator and a node hold it); times are synchronised with
+the device, best of ``--repeats``.
 """
 
 from __future__ import annotations
@@ -11,44 +15,55 @@ import time
 
 import torch
 
+from shoal.client.device import select_device
 from shoal.client.dp_sgd import DpSgdTrainer
 from shoal.client.training import LocalTrainer
 from shoal.config import PrivacyConfig, TrainConfig
 from shoal.models import build_model
 
 
-def best_of(trainer, g, x, y, repeats: int) -> float:
+def best_of(trainer, g, x, y, repeats: int, device: torch.device) -> float:
     trainer.train(g, x, y, seed=0)  # warm-up
     times = []
     for r in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         trainer.train(g, x, y, seed=r)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     return min(times)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--model", default="2nn")
+    ap.add_argument("--model", default="2nn", help="one or more of shoal.models, comma-separated")
     ap.add_argument("--n", type=int, default=500)
     ap.add_argument("--batch", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
     a = ap.parse_args()
+    device = select_device(a.device)
     g = torch.Generator().manual_seed(0)
-    x, y = torch.rand(a.n, 1, 28, 28, generator=g), torch.randint(0, 10, (a.n,), generator=g)
+    x = torch.rand(a.n, 1, 28, 28, generator=g).to(device)
+    y = torch.randint(0, 10, (a.n,), generator=g).to(device)
     cfg = TrainConfig(epochs=1, batch_size=a.batch, lr=0.05)
-    torch.manual_seed(0)
-    plain = LocalTrainer(build_model(a.model, (1, 28, 28), 10), cfg)
-    torch.manual_seed(0)
-    dp = DpSgdTrainer(build_model(a.model, (1, 28, 28), 10), cfg, PrivacyConfig(mode="local"))
-    start = plain.flat.detach().clone()
-    t_plain = best_of(plain, start, x, y, a.repeats)
-    t_dp = best_of(dp, start, x, y, a.repeats)
     steps = a.n // a.batch
-    print(f"model {a.model}, {a.n} examples, batch {a.batch}, {steps} steps, {torch.get_num_threads()} thread(s)")
-    print(f"plain SGD   {1e3 * t_plain / steps:8.2f} ms/step")
-    print(f"DP-SGD      {1e3 * t_dp / steps:8.2f} ms/step")
-    print(f"ratio DP-SGD / plain: {t_dp / t_plain:.1f}x")
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} thread(s)"
+    print(f"DP-SGD (Opacus per-sample gradients) vs plain SGD on {device} ({where}): {a.n} examples, batch {a.batch}")
+    print(f"{'model':<7} {'plain ms/step':>13} {'DP-SGD ms/step':>14} {'DP/plain':>9}")
+    for name in a.model.split(","):
+        torch.manual_seed(0)
+        plain = LocalTrainer(build_model(name, (1, 28, 28), 10), cfg, device)
+        torch.manual_seed(0)
+        dp = DpSgdTrainer(build_model(name, (1, 28, 28), 10), cfg, PrivacyConfig(mode="local"), device)
+        start = plain.flat.detach().clone()
+        t_plain = best_of(plain, start, x, y, a.repeats, device)
+        t_dp = best_of(dp, start, x, y, a.repeats, device)
+        print(
+            f"{name:<7} {1e3 * t_plain / steps:>13.2f} {1e3 * t_dp / steps:>14.2f} {t_dp / t_plain:>8.1f}x", flush=True
+        )
 
 
 if __name__ == "__main__":

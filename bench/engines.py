@@ -13,6 +13,7 @@ the final accuracy (the engines should agree) and the peak memory of driver and 
 
     .venv/bin/python bench/engines.py [--clients 100] [--cohort 20] [--rounds 3]
         [--engines inprocess,ray1,ray2,flower] [--mode sync|async|gossip] [--dataset mnist|synthetic] [--model cnn]
+    .venv/bin/python bench/engines.py --device cuda --engines inprocess,ray2gpu   # a GPU shared by two workers
 
 ``--mode gossip``: ``--algorithm`` (gossip.algorithm: push-pull "gossip", "dpsgd",
 "group_average", "secure_groups") among ``--clients`` peers, all of which train every round
@@ -50,6 +51,8 @@ ENGINES = {
     "inprocess": ["simulation.engine='inprocess'"],
     "ray1": ["simulation.engine='ray'", "simulation.ray_workers=1"],
     "ray2": ["simulation.engine='ray'", "simulation.ray_workers=2"],
+    # two workers sharing one GPU (run with --device cuda)
+    "ray2gpu": ["simulation.engine='ray'", "simulation.ray_workers=2", "simulation.ray_gpus_per_worker=0.5"],
     "flower": ["simulation.engine='flower'", "simulation.flower_client_cpus=1"],
 }
 
@@ -168,6 +171,7 @@ def main() -> None:
     ap.add_argument("--dataset", default="mnist", choices=["mnist", "synthetic"])
     ap.add_argument("--model", default="cnn")
     ap.add_argument("--data-dir", default=str(MNIST), help="the MNIST folder (idx .gz files)")
+    ap.add_argument("--device", default="cpu", help="simulation.device: cpu | cuda (ray2gpu: 0.5 GPU per worker)")
     ap.add_argument("--ray-cpus", type=int, default=os.cpu_count() or 1, help="CPUs the local Ray runtime may use")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--overrides", help=argparse.SUPPRESS)
@@ -181,7 +185,7 @@ def main() -> None:
         f"simulation.rounds={args.rounds}",
         f"simulation.eval_every={args.rounds}",
         "simulation.batch_clients='auto'",
-        "simulation.device='cpu'",
+        f"simulation.device='{args.device}'",
         "simulation.progress=false",
         "output.plots=false",
         f"simulation.ray_num_cpus={args.ray_cpus}",
@@ -221,7 +225,10 @@ def main() -> None:
         "async": f"FedBuff, {args.cohort} training at once",
         "gossip": f"gossip.algorithm = {args.algorithm}, every peer trains each round",
     }[args.mode]
-    print(f"{desc}: {args.clients} clients, {what}, {args.rounds} server steps; {os.cpu_count()} CPU(s)")
+    print(
+        f"{desc}: {args.clients} clients, {what}, {args.rounds} server steps; {os.cpu_count()} CPU(s), "
+        f"device {args.device}"
+    )
     print(
         f"{'engine':<10} {'total s':>8} {'rounds s':>9} {'s/round':>8} {'x inproc':>9} {'final acc':>9} "
         f"{'driver MiB':>10} {'workers MiB (peak each)':>24}"

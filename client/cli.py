@@ -12,7 +12,9 @@ from shoal.errors import ConfigError
 
 def client(
     server: str = typer.Option(..., "--server", help="Server URL, e.g. https://host:8443"),
-    token_file: Path = typer.Option(..., "--token-file", help="File holding this node's token."),
+    token_file: Path | None = typer.Option(
+        None, "--token-file", help="File holding this node's token (or enroll by key: --cert and --key)."
+    ),
     data: Path = typer.Option(
         ...,
         "--data",
@@ -31,6 +33,10 @@ def client(
     set_: list[str] | None = typer.Option(None, "--set", help="Override: section.key=value (repeatable)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
     ca_cert: Path | None = typer.Option(None, "--ca-cert", help="Trust only this CA (a private deployment)."),
+    cert: Path | None = typer.Option(
+        None, "--cert", help="This node's certificate (NAME.pem from the operator's `shoal server nodes add --csr`)."
+    ),
+    key: Path | None = typer.Option(None, "--key", help="This node's private key (NAME.key of `shoal pki node-key`)."),
     name: str = typer.Option(
         "", "--name", help="Name for the logs (default: the shard's client id, else the --data file's name)."
     ),
@@ -38,7 +44,7 @@ def client(
         None,
         "--privacy-ledger",
         help="Local DP: the file where this node keeps the rounds it spent on its data, "
-        "so a restart goes on from them (default: the token file's name + .privacy.json).",
+        "so a restart goes on from them (default: the token or cert file's name + .privacy.json).",
     ),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
@@ -54,13 +60,21 @@ def client(
     from .node import Node, builtin_local_data, read_local_data
 
     setup_logging(verbose)
-    if not token_file.is_file():
-        raise ConfigError(f"--token-file {str(token_file)!r} not found")
-    token = token_file.read_text().strip()
+    if (token_file is None) == (cert is None):
+        raise ConfigError(
+            "give --token-file (a node added with a token) or --cert and --key (a node enrolled by key), one of the two"
+        )
+    token = ""
+    if token_file is not None:
+        if not token_file.is_file():
+            raise ConfigError(f"--token-file {str(token_file)!r} not found")
+        token = token_file.read_text().strip()
     cfg = load_config(config, with_task(set_, task))
     if server.startswith("https://"):
-        ctx = client_context(ca_cert)
+        ctx = client_context(ca_cert, cert, key)
     elif server.startswith("http://"):
+        if cert is not None:
+            raise ConfigError("--cert and --key authenticate over TLS: give an https:// --server")
         ctx = None
     else:
         raise ConfigError(f"--server {server!r} must start with https:// (or http:// for an --insecure server)")
@@ -71,7 +85,9 @@ def client(
         name = name or shard.client_id
     else:
         local = read_local_data(the_task, data)
-    ledger = privacy_ledger or token_file.with_name(token_file.name + ".privacy.json")
+    credential = token_file if token_file is not None else cert
+    assert credential is not None  # one of the two, checked above
+    ledger = privacy_ledger or credential.with_name(credential.name + ".privacy.json")
     node = Node(
         server,
         token,
@@ -117,10 +133,18 @@ def node(
     if config is None:
         raise ConfigError("give the node config with --config (see docs/deploy.md, 'Nodes')")
     cfg = load_node_config(config)
-    if not cfg.token_file.is_file():
-        raise ConfigError(f"node.token_file {str(cfg.token_file)!r} not found")
-    ctx_ssl = client_context(cfg.ca_cert) if cfg.server.startswith("https://") else None
-    daemon = NodeDaemon(cfg, cfg.token_file.read_text().strip(), select_device(cfg.device), ctx_ssl)
+    token = ""
+    if cfg.token_file is not None:
+        if not cfg.token_file.is_file():
+            raise ConfigError(f"node.token_file {str(cfg.token_file)!r} not found")
+        token = cfg.token_file.read_text().strip()
+    if cfg.server.startswith("https://"):
+        ctx_ssl = client_context(cfg.ca_cert, cfg.cert, cfg.key)
+    elif cfg.cert is not None:
+        raise ConfigError("node.cert and node.key authenticate over TLS: give an https:// node.server")
+    else:
+        ctx_ssl = None
+    daemon = NodeDaemon(cfg, token, select_device(cfg.device), ctx_ssl)
     raise typer.Exit(asyncio.run(daemon.run()))
 
 

@@ -55,6 +55,7 @@ class NodeDaemon:
     """One node's life in a federation: offers in, a Node per accepted run."""
 
     def __init__(self, cfg: NodeConfig, token: str, device: torch.device, ssl_context: ssl.SSLContext | None):
+        """``token``: the node's token, or "" when it logs in with its TLS client certificate."""
         self.cfg = cfg
         self.token = token
         self.device = device
@@ -73,9 +74,8 @@ class NodeDaemon:
                 pass
         timeout = aiohttp.ClientTimeout(total=60, sock_connect=10)
         backoff = Backoff()
-        async with aiohttp.ClientSession(
-            timeout=timeout, headers={"Authorization": f"Bearer {self.token}"}
-        ) as self.http:
+        auth = {"Authorization": f"Bearer {self.token}"} if self.token else {}  # else a client certificate
+        async with aiohttp.ClientSession(timeout=timeout, headers=auth) as self.http:
             log.info("node %s joins %s with %d allowed tasks", self.cfg.name, self.cfg.server, len(self.cfg.tasks))
             while not self.stop.is_set():
                 try:

@@ -353,9 +353,8 @@ class Node:
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.poll_s + 30)
         connector = aiohttp.TCPConnector(ssl=self._ssl)
         poll = {"wait": str(self.poll_s), **({"eval": "1"} if self.test is not None else {})}
-        async with aiohttp.ClientSession(
-            timeout=timeout, connector=connector, headers={"Authorization": f"Bearer {self.token}"}
-        ) as http:
+        auth = {"Authorization": f"Bearer {self.token}"} if self.token else {}  # else a client certificate
+        async with aiohttp.ClientSession(timeout=timeout, connector=connector, headers=auth) as http:
             self.http = http
             while not self.stop.is_set():
                 try:

@@ -54,9 +54,14 @@ class Limits:
 
 @dataclass
 class NodeConfig:
+    """[node]: the federation's URL, this node's credential (a token file, or a certificate and key
+    enrolled with `shoal server nodes add --csr`), its device, state folder and poll period."""
+
     server: str
-    token_file: Path
+    token_file: Path | None
     name: str
+    cert: Path | None = None
+    key: Path | None = None
     ca_cert: Path | None = None
     device: str = "auto"
     state_dir: Path = Path("node-state")
@@ -118,12 +123,20 @@ def load_node_config(path: Path) -> NodeConfig:
     if unknown:
         raise ConfigError(f"node config {path}: unknown table [{unknown[0]}]; expected [node], [limits], [[tasks]]")
     node = dict(raw.get("node", {}))
-    for key in ("server", "token_file", "name"):
+    for key in ("server", "name"):
         if not isinstance(node.get(key), str) or not node[key]:
             raise ConfigError(f"node config {path}: node.{key} (a string) is needed")
-    known = {"server", "token_file", "name", "ca_cert", "device", "state_dir", "poll_s"}
+    known = {"server", "token_file", "cert", "key", "name", "ca_cert", "device", "state_dir", "poll_s"}
     if set(node) - known:
         raise ConfigError(f"node config {path}: unknown key node.{sorted(set(node) - known)[0]}")
+    for key in known - {"poll_s"}:
+        if key in node and (not isinstance(node[key], str) or not node[key]):
+            raise ConfigError(f"node config {path}: node.{key} must be a non-empty string")
+    if ("token_file" in node) == ("cert" in node) or ("cert" in node) != ("key" in node):
+        raise ConfigError(
+            f"node config {path}: give node.token_file (a node added with a token) or node.cert and node.key "
+            "(a node enrolled by key), one of the two"
+        )
     if not node["server"].startswith(("https://", "http://")):
         raise ConfigError(f"node.server = {node['server']!r} must start with https:// (or http:// for --insecure)")
     poll_s = node.get("poll_s", 2.0)
@@ -155,8 +168,10 @@ def load_node_config(path: Path) -> NodeConfig:
         tasks[t["ref"]] = AllowedTask(t["ref"], t["sha256"], Path(t["data"]).expanduser())
     return NodeConfig(
         server=node["server"].rstrip("/"),
-        token_file=Path(node["token_file"]).expanduser(),
+        token_file=Path(node["token_file"]).expanduser() if "token_file" in node else None,
         name=node["name"],
+        cert=Path(node["cert"]).expanduser() if "cert" in node else None,
+        key=Path(node["key"]).expanduser() if "key" in node else None,
         ca_cert=Path(node["ca_cert"]).expanduser() if node.get("ca_cert") else None,
         device=str(node.get("device", "auto")),
         state_dir=Path(node.get("state_dir", f"{node['name']}-state")).expanduser(),

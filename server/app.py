@@ -25,6 +25,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from shoal.aggregation.secagg.identity import read_roster
 from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, TooLarge, UpdateRejected, WireError
+from shoal.pki import peer_fingerprint
 
 from .exposition import prometheus_text
 from .federation import DEFAULT_FEDERATION_BODY, Federation, RunError
@@ -164,10 +165,20 @@ def _bearer(request: web.Request) -> str | None:
     return header[7:].strip() if header.startswith("Bearer ") else None
 
 
+def _client_key(request: web.Request) -> str | None:
+    """The registry fingerprint of the TLS client certificate (server.tls_client_ca), if any:
+    the TLS handshake already proved the client holds its key and that the CA signed it."""
+    transport = request.transport
+    ssl_object = transport.get_extra_info("ssl_object") if transport is not None else None
+    return peer_fingerprint(ssl_object.getpeercert(binary_form=True)) if ssl_object is not None else None
+
+
 def _authenticate(request: web.Request) -> web.Response | None:
     registry = request.app[REGISTRY]
     try:
-        node = request[NODE] = registry.authenticate(_bearer(request))
+        token = _bearer(request)
+        key = _client_key(request) if token is None else None
+        node = request[NODE] = registry.authenticate_key(key) if key else registry.authenticate(token)
     except AuthError as e:
         return error(e.status, e.code, str(e))
     touched = request.app[CHANGED]["touched"]

@@ -51,7 +51,7 @@ def run_server(cfg: Config, insecure: bool = False, fresh: bool = False) -> None
     s = cfg.server
     task = None if cfg.federation.enabled else task_from_config(cfg)  # a task that does not load is one line
     if s.tls_cert:
-        ctx = server_context(s.tls_cert, s.tls_key)
+        ctx = server_context(s.tls_cert, s.tls_key, s.tls_client_ca or None)
     elif insecure:
         ctx = None
         log.warning("--insecure: serving plain HTTP; tokens and updates travel unencrypted")
@@ -116,16 +116,75 @@ def server(
 
 @nodes_app.command("add")
 def nodes_add(
-    name: str, config: Path | None = ConfigOpt, set_: list[str] | None = SetOpt, db: Path | None = DbOpt
+    name: str,
+    config: Path | None = ConfigOpt,
+    set_: list[str] | None = SetOpt,
+    db: Path | None = DbOpt,
+    token_file: Path | None = typer.Option(
+        None, "--token-file", help="Write the token to this file (mode 0600) instead of printing it."
+    ),
+    csr: Path | None = typer.Option(
+        None,
+        "--csr",
+        help="Enroll by key: the node's NAME.csr from `shoal pki node-key`; its public key is "
+        "registered and the CA of --ca-dir signs the node's certificate. No token.",
+    ),
+    ca_dir: Path | None = typer.Option(None, "--ca-dir", help="With --csr: the folder of ca.pem and ca.key."),
+    cert_out: Path | None = typer.Option(
+        None, "--cert-out", help="With --csr: where the node's certificate goes (default: NAME.pem beside the CSR)."
+    ),
+    days: int = typer.Option(825, "--days", help="With --csr: days the node's certificate is valid."),
 ) -> None:
-    """Register NAME and print its token (shown only this once)."""
+    """Register NAME: print its token (shown only this once), or with --csr enroll its key."""
+    import os
+
+    from shoal.pki import fingerprint, load_ca, read_node_csr, sign_node
+
     from .registry import Registry
 
+    if csr is None and (ca_dir is not None or cert_out is not None):
+        raise ConfigError("--ca-dir and --cert-out go with --csr (enrollment by key)")
+    if csr is not None:
+        if token_file is not None:
+            raise ConfigError("--token-file and --csr exclude each other: a node has a token or a key")
+        if ca_dir is None:
+            raise ConfigError("--csr needs --ca-dir: the folder of the CA (ca.pem, ca.key) that signs node certs")
+        request = read_node_csr(csr, name)
+        load_ca(ca_dir)  # checked before the node is registered
+        reg = Registry(_db(config, set_, db))
+        try:
+            reg.add_key(name, fingerprint(request))
+        finally:
+            reg.close()
+        out = sign_node(ca_dir, request, name, cert_out or csr.with_suffix(".pem"), days)
+        typer.echo(
+            f"node {name!r} enrolled by key {fingerprint(request)}; give it {out} and {ca_dir / 'ca.pem'} "
+            "(both public); set server.tls_client_ca to that ca.pem"
+        )
+        return
+    fd = None
+    if token_file is not None:  # opened before the node is registered: a token is never lost
+        token_file.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(token_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            raise ConfigError(f"--token-file {str(token_file)!r} exists: give a new file") from None
     reg = Registry(_db(config, set_, db))
     try:
-        typer.echo(reg.add(name))
+        token = reg.add(name)
+    except ConfigError:
+        if fd is not None and token_file is not None:
+            os.close(fd)
+            token_file.unlink()
+        raise
     finally:
         reg.close()
+    if fd is None or token_file is None:
+        typer.echo(token)
+        return
+    with os.fdopen(fd, "w") as f:
+        f.write(token + "\n")
+    typer.echo(f"node {name!r} added; its token is in {token_file} (mode 0600)")
 
 
 @nodes_app.command("list")
@@ -139,7 +198,8 @@ def nodes_list(config: Path | None = ConfigOpt, set_: list[str] | None = SetOpt,
             seen = (
                 dt.datetime.fromtimestamp(n.last_seen, dt.UTC).isoformat(timespec="seconds") if n.last_seen else "never"
             )
-            typer.echo(f"{n.name}\t{'enabled' if n.enabled else 'revoked'}\t{seen}")
+            how = f"key {n.key}" if n.key else "token"
+            typer.echo(f"{n.name}\t{'enabled' if n.enabled else 'revoked'}\t{seen}\t{how}")
     finally:
         reg.close()
 

@@ -1,4 +1,10 @@
-"""The node registry: an embedded SQLite table of nodes and their hashed tokens.
+"""The node registry: an embedded SQLite table of nodes and how each proves who it is.
+
+A node has a token, or a key: the SHA-256 fingerprint of the public key of its TLS client
+certificate (`shoal pki node-key` on the node, `shoal server nodes add NAME --csr` here;
+shoal/pki.py). A key node's ``token_hash`` holds ``key:<fingerprint>``, which no token's
+hash (64 hex digits) can equal. The database holds who may connect: it is created with
+mode 0600 (and a world-readable one is made private, with a warning).
 
 Tokens are 32 random bytes (``secrets.token_urlsafe(32)``), so a single SHA-256 is
 enough to store them: a slow password hash (scrypt) guards low-entropy secrets that
@@ -10,13 +16,18 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import os
 import secrets
 import sqlite3
+import stat
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 from shoal.errors import ConfigError, ShoalError
+
+log = logging.getLogger(__name__)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -28,6 +39,9 @@ CREATE TABLE IF NOT EXISTS nodes (
     last_seen REAL
 )
 """
+_KEY_COLUMN = "ALTER TABLE nodes ADD COLUMN key_sha256 TEXT"
+_KEY_INDEX = "CREATE UNIQUE INDEX IF NOT EXISTS nodes_key ON nodes (key_sha256)"
+_FINGERPRINT = frozenset("0123456789abcdef")
 
 
 class AuthError(ShoalError):
@@ -44,6 +58,7 @@ class Node:
     name: str
     enabled: bool
     last_seen: float | None
+    key: str | None = None  # the fingerprint of a key node (None: a token node)
 
 
 TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
@@ -64,25 +79,49 @@ class Registry:
     def __init__(self, path: str | Path):
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        _private_file(self.path)
         self.db = sqlite3.connect(str(self.path), isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute(_SCHEMA)
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(nodes)")}
+        if "key_sha256" not in columns:  # a registry from before key enrollment
+            self.db.execute(_KEY_COLUMN)
+        self.db.execute(_KEY_INDEX)
+        for suffix in ("-wal", "-shm"):  # SQLite gives them the database's mode; older ones may differ
+            side = self.path.with_name(self.path.name + suffix)
+            if side.exists():
+                _private_file(side)
 
     def close(self) -> None:
         self.db.close()
 
     def add(self, name: str) -> str:
         """Register ``name``; returns its new token (shown once, stored only as a hash)."""
-        if not name or len(name) > 128 or not all(c.isalnum() or c in "-_." for c in name):
-            raise ConfigError(f"node name {name!r}: use 1-128 letters, digits, '-', '_' or '.'")
+        _check_name(name)
         token = secrets.token_urlsafe(32)
+        self._insert(name, hash_token(token), None)
+        return token
+
+    def add_key(self, name: str, key_sha256: str) -> None:
+        """Register ``name`` by the fingerprint of its public key (shoal.pki.fingerprint):
+        it authenticates with a TLS client certificate for that key, no token."""
+        _check_name(name)
+        if not well_formed_fingerprint(key_sha256):
+            raise ConfigError(f"key fingerprint {key_sha256[:80]!r}: expected sha256:<64 hex digits>")
+        self._insert(name, f"key:{key_sha256}", key_sha256)
+
+    def _insert(self, name: str, token_hash: str, key: str | None) -> None:
+        if key is not None:
+            row = self.db.execute("SELECT name FROM nodes WHERE key_sha256 = ?", (key,)).fetchone()
+            if row is not None:
+                raise ConfigError(f"this public key is already registered as node {row[0]!r}: each node makes its own")
         try:
             self.db.execute(
-                "INSERT INTO nodes (name, token_hash, created) VALUES (?, ?, ?)", (name, hash_token(token), time.time())
+                "INSERT INTO nodes (name, token_hash, created, key_sha256) VALUES (?, ?, ?, ?)",
+                (name, token_hash, time.time(), key),
             )
         except sqlite3.IntegrityError:
             raise ConfigError(f"node {name!r} already exists (revoke it and add a new name)") from None
-        return token
 
     def revoke(self, name: str) -> None:
         cur = self.db.execute("UPDATE nodes SET enabled = 0 WHERE name = ?", (name,))
@@ -90,8 +129,8 @@ class Registry:
             raise ConfigError(f"no node named {name!r} (see `shoal server nodes list`)")
 
     def list(self) -> list[Node]:
-        rows = self.db.execute("SELECT id, name, enabled, last_seen FROM nodes ORDER BY id").fetchall()
-        return [Node(r[0], r[1], bool(r[2]), r[3]) for r in rows]
+        rows = self.db.execute("SELECT id, name, enabled, last_seen, key_sha256 FROM nodes ORDER BY id").fetchall()
+        return [Node(r[0], r[1], bool(r[2]), r[3], r[4]) for r in rows]
 
     def authenticate(self, token: str | None) -> str:
         """The node name for ``token``; AuthError 401 (unknown) or 403 (revoked)."""
@@ -109,5 +148,41 @@ class Registry:
             raise AuthError("revoked", f"node {row[0]!r} was revoked", 403)
         return row[0]
 
+    def authenticate_key(self, key_sha256: str) -> str:
+        """The node name of a TLS client certificate's key; AuthError 401 (unknown) or 403 (revoked)."""
+        row = self.db.execute("SELECT name, enabled FROM nodes WHERE key_sha256 = ?", (key_sha256,)).fetchone()
+        if row is None:
+            raise AuthError(
+                "unauthenticated",
+                "this client certificate's key is not registered: add the node with "
+                "`shoal server nodes add NAME --csr NAME.csr --ca-dir DIR`",
+                401,
+            )
+        if not row[1]:
+            raise AuthError("revoked", f"node {row[0]!r} was revoked", 403)
+        return row[0]
+
     def touch(self, name: str, now: float) -> None:
         self.db.execute("UPDATE nodes SET last_seen = ? WHERE name = ?", (now, name))
+
+
+def _check_name(name: str) -> None:
+    if not name or len(name) > 128 or not all(c.isalnum() or c in "-_." for c in name):
+        raise ConfigError(f"node name {name!r}: use 1-128 letters, digits, '-', '_' or '.'")
+
+
+def well_formed_fingerprint(text: str) -> bool:
+    return len(text) == 71 and text.startswith("sha256:") and all(c in _FINGERPRINT for c in text[7:])
+
+
+def _private_file(path: Path) -> None:
+    """Create ``path`` with mode 0600, or make an existing one private (with a warning)."""
+    try:
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        return
+    except FileExistsError:
+        pass
+    mode = stat.S_IMODE(path.stat().st_mode)
+    if mode & 0o077:
+        log.warning("%s was readable by others (mode %o); made it 0600: it says who may connect", path, mode)
+        path.chmod(0o600)

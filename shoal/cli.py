@@ -103,6 +103,9 @@ app.add_typer(_run_app, name="run")
 from shoal.client.keygen import keygen as _keygen_command  # noqa: E402
 
 app.command("keygen")(_keygen_command)
+from shoal.pki_cli import app as _pki_app  # noqa: E402
+
+app.add_typer(_pki_app, name="pki")
 _data_app = typer.Typer(help="Node data shards.", no_args_is_help=True)
 app.add_typer(_data_app, name="data")
 

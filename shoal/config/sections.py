@@ -49,8 +49,8 @@ def _positive(key: str, value: float, allow_zero: bool = False) -> None:
 class SimulationConfig:
     """The many-clients-on-one-machine experiment."""
 
-    seed: int = 0
-    rounds: int = 50
+    seed: int = 0  # seeds the model, the split, client selection and training (same seed, same numbers)
+    rounds: int = 50  # server rounds (sync) or global versions (async) to run
     num_clients: int = 30  # clients to make where the dataset has no natural split
     clients_per_round: int = 10  # K; 0 means use `fraction`
     fraction: float = 0.1  # C: a fraction of all clients each round (at least 1)
@@ -106,18 +106,18 @@ class SimulationConfig:
 class DataConfig:
     """Which dataset and how it is split into client shards."""
 
-    dataset: Literal["synthetic", "mnist", "fashion-mnist", "femnist"] = "synthetic"
+    dataset: Literal["synthetic", "mnist", "fashion-mnist", "femnist"] = "synthetic"  # the built-in task's data
     dir: str = ""  # folder of the dataset files (not needed for synthetic)
-    partition: Literal["natural", "iid", "dirichlet", "shards"] = "natural"
-    dirichlet_alpha: float = 0.5
+    partition: Literal["natural", "iid", "dirichlet", "shards"] = "natural"  # how examples go to clients
+    dirichlet_alpha: float = 0.5  # dirichlet: label skew (smaller is more skewed)
     shards_per_client: int = 2  # McMahan's pathological non-IID split
-    shard_size: int = 300
+    shard_size: int = 300  # shards: examples per shard
     synthetic_alpha: float = 1.0  # Synthetic(alpha, beta) of Li et al. (FedProx)
-    synthetic_beta: float = 1.0
-    synthetic_iid: bool = False
+    synthetic_beta: float = 1.0  # how much the clients' features differ
+    synthetic_iid: bool = False  # Synthetic-IID: every client draws from one distribution
     test_fraction: float = 0.2  # held-out share of each synthetic client's samples
     max_clients: int = 0  # femnist: use only the first N writers (0 = all)
-    verify_checksums: bool = True
+    verify_checksums: bool = True  # check the dataset files' SHA-256 before reading them
 
     def validate(self) -> None:
         _positive("data.dirichlet_alpha", self.dirichlet_alpha)
@@ -134,7 +134,7 @@ class DataConfig:
 
 @dataclass
 class ModelConfig:
-    name: Literal["logreg", "2nn", "cnn", "femnist_cnn"] = "logreg"
+    name: Literal["logreg", "2nn", "cnn", "femnist_cnn"] = "logreg"  # the built-in task's model
 
 
 @dataclass
@@ -143,9 +143,9 @@ class TrainConfig:
 
     epochs: int = 1  # E
     batch_size: int | float = 10  # B; `inf` (TOML) or 0 means the full local dataset
-    lr: float = 0.01
-    momentum: float = 0.0
-    weight_decay: float = 0.0
+    lr: float = 0.01  # the local SGD learning rate
+    momentum: float = 0.0  # local SGD momentum
+    weight_decay: float = 0.0  # local L2 weight decay
     prox_mu: float = 0.0  # FedProx proximal term (Li et al. 2020); 0 is FedAvg
     device: str = "auto"  # auto | cpu | cuda | cuda:N (client nodes)
     precision: Literal["fp32", "bf16"] = "fp32"  # fp32 | bf16 (autocast of the forward pass)
@@ -173,12 +173,12 @@ class TrainConfig:
 class StrategyConfig:
     """Server-side aggregation (Reddi et al. 2021 for the FedOpt family)."""
 
-    name: Literal["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad"] = "fedavg"
+    name: Literal["fedavg", "fedavgm", "fedadam", "fedyogi", "fedadagrad"] = "fedavg"  # the server optimizer
     weighting: Literal["examples", "uniform"] = "examples"  # examples (McMahan) | uniform
     server_lr: float = 1.0  # eta
     server_momentum: float = 0.9  # FedAvgM's beta
-    beta1: float = 0.9
-    beta2: float = 0.99
+    beta1: float = 0.9  # FedAdam/FedYogi first-moment decay
+    beta2: float = 0.99  # FedAdam/FedYogi second-moment decay
     tau: float = 1e-3  # adaptivity (FedAdam/Yogi/Adagrad)
 
     def validate(self) -> None:
@@ -194,7 +194,7 @@ class StrategyConfig:
 class RobustConfig:
     """Robust aggregation against faulty or malicious clients (aggregation/robust.py)."""
 
-    rule: Literal["mean", "median", "trimmed_mean", "krum", "multikrum"] = "mean"
+    rule: Literal["mean", "median", "trimmed_mean", "krum", "multikrum"] = "mean"  # how updates are combined
     trim_beta: float = 0.1  # trimmed_mean: drop this fraction at each end, per coordinate
     krum_f: int = 0  # krum/multikrum: Byzantine clients tolerated (needs n > 2f + 2)
     multikrum_m: int = 0  # multikrum: updates averaged; 0 means n - f
@@ -214,7 +214,7 @@ class RobustConfig:
 class AttackConfig:
     """Simulated misbehaving clients (simulations/attacks.py)."""
 
-    kind: Literal["none", "sign_flip", "scale", "gaussian", "label_flip", "nan", "inf"] = "none"
+    kind: Literal["none", "sign_flip", "scale", "gaussian", "label_flip", "nan", "inf"] = "none"  # what attackers send
     fraction: float = 0.0  # share of clients that attack (the first ones of a seeded shuffle)
     scale: float = 10.0  # sign_flip: delta -> -scale*delta; scale: delta -> scale*delta;
     # gaussian: delta -> N(0, scale^2)
@@ -229,11 +229,11 @@ class AttackConfig:
 class CompressionConfig:
     """How client updates are encoded on the wire (aggregation/compression.py)."""
 
-    encoding: Literal["dense", "q8", "topk"] = "dense"
+    encoding: Literal["dense", "q8", "topk"] = "dense"  # dense float32 | q8 (8-bit, chunked) | topk (sparse)
     topk_fraction: float = 0.01  # topk: share of coordinates sent (with error feedback)
     q8_chunk: int = 1024  # q8: coordinates per float32 scale
     zstd: bool = False  # zstd-compress the encoded tensors
-    zstd_level: int = 3
+    zstd_level: int = 3  # zstd: compression level
 
     def validate(self) -> None:
         if not 0 < self.topk_fraction <= 0.5:
@@ -256,24 +256,26 @@ class ServerConfig:
     """
 
     host: str = "127.0.0.1"  # listen address
-    port: int = 8443
+    port: int = 8443  # listen port
     tls_cert: str = ""  # PEM certificate chain; HTTPS needs both, else --insecure
     tls_key: str = ""  # PEM private key
+    tls_client_ca: str = ""  # CA of node certificates (`shoal pki`): nodes enrolled by key log in with them
     mode: Literal["sync", "async"] = "sync"  # sync rounds | async ([asynchronous] algorithm: fedbuff | fedasync)
     rounds: int = 10  # global versions to produce, then the server reports done
     clients_per_round: int = 0  # K; 0 means `fraction` of the connected nodes
-    fraction: float = 1.0
+    fraction: float = 1.0  # clients_per_round = 0: this share of the connected nodes each round
     min_nodes: int = 1  # connected nodes needed before a round starts
     deadline_s: float = 60.0  # a round closes this long after it starts
     min_fraction: float = 0.5  # share of the selected nodes that must report by the deadline
     poll_s: float = 20.0  # longest a node's GET /v1/task is held open
     max_body_bytes: int = 0  # upload limit; 0 means one dense float32 model + 1 MiB
     ingest_slots: int = 4  # uploads decoded at once (memory: slots x model size)
-    checkpoint_dir: str = "server/checkpoints"
-    keep_checkpoints: int = 3
-    db: str = "server/nodes.sqlite"
+    checkpoint_dir: str = "server/checkpoints"  # checkpoints and the privacy ledger (privacy.json)
+    keep_checkpoints: int = 3  # the newest checkpoints kept
+    db: str = "server/nodes.sqlite"  # the node registry (SQLite, mode 0600)
     out_dir: str = "server/run"  # metrics.jsonl
     eval: bool = True  # evaluate each new version on the task's central_test_data() (if it gives one)
+
     # hostile input (docs/protocol.md, "Limits"): what one node may send and hold
     max_examples: int = 1_000_000  # an update claiming more examples is refused (out_of_range)
     max_delta_abs: float = 1e4  # an update with a larger |entry| after decoding is refused; 0 = finite only
@@ -291,6 +293,10 @@ class ServerConfig:
             raise ConfigError(f"server.port = {self.port} must be in 1..65535")
         if bool(self.tls_cert) != bool(self.tls_key):
             raise ConfigError("server.tls_cert and server.tls_key go together: set both or neither")
+        if self.tls_client_ca and not self.tls_cert:
+            raise ConfigError(
+                "server.tls_client_ca needs server.tls_cert and server.tls_key: node certificates are checked over TLS"
+            )
         _positive("server.rounds", self.rounds)
         _positive("server.clients_per_round", self.clients_per_round, allow_zero=True)
         if not 0 < self.fraction <= 1:
@@ -336,9 +342,9 @@ class AsynchronousConfig:
     fedasync_mix: Literal["model", "delta"] = (
         "model"  # model: x_client = x_base + delta (paper) | delta: x + alpha_t delta
     )
-    staleness_weight: Literal["constant", "polynomial", "hinge"] = "polynomial"
-    staleness_a: float = 0.5
-    staleness_b: int = 4
+    staleness_weight: Literal["constant", "polynomial", "hinge"] = "polynomial"  # s(t), see the section
+    staleness_a: float = 0.5  # a of polynomial and hinge
+    staleness_b: int = 4  # hinge: staleness before the weight decays
     max_staleness: int = 100  # older updates are rejected and counted
     over_selection: float = 0.0  # sync: select ceil(K (1 + over_selection)) clients
     deadline_s: float = 0.0  # sync: round deadline in (virtual) seconds; 0 = none
@@ -427,7 +433,7 @@ class GossipConfig:
     churn_period: float = 10.0  # simulator: mean rounds a peer stays offline
     churn_reset: bool = False  # simulator: a returning peer lost its model (starts at age 0)
     partition_start: int = 0  # simulator: rounds [start, end) split the network in two halves
-    partition_end: int = 0
+    partition_end: int = 0  # simulator: the round the partition heals
     eval_peers: int = 0  # evaluate this many peers each time (0 = all)
     period: float = 1.0  # `shoal peer`: seconds between local steps
     rounds: int = 0  # `shoal peer`: stop after this many local steps (0 = run until stopped)
@@ -475,7 +481,7 @@ class PrivacyConfig:
     take (each peer, accounted per peer; config rules refuse the others there).
     """
 
-    mode: PrivacyMode = "none"
+    mode: PrivacyMode = "none"  # none | central | local | distributed (who adds the noise)
     noise_multiplier: float = 1.0  # z: noise std = z * clip_norm
     clip_norm: float = 1.0  # C: update norm (central/distributed), per-sample gradient norm (local)
     adaptive_clipping: bool = False  # central: Andrew et al. 2021 quantile-based C
@@ -483,7 +489,7 @@ class PrivacyConfig:
     clip_lr: float = 0.2  # eta_C: geometric step of the clip norm
     clipped_count_stddev: float = 0.0  # sigma_b of the noisy count; 0 = clients_per_round / 20 (the paper's choice)
     target_epsilon: float = 0.0  # stop before epsilon would exceed this; 0 = no limit
-    delta: float = 1e-5
+    delta: float = 1e-5  # the delta of (epsilon, delta)-DP
     accountant: Literal["rdp", "pld"] = "rdp"  # rdp | pld (dp-accounting)
     # central/distributed: how a round picks clients, and so what the accountant assumes:
     # poisson = each client joins with probability q = K/N (add/remove-one analysis);
@@ -494,7 +500,7 @@ class PrivacyConfig:
     min_survivors: float = 0.0
     # `shoal privacy-sweep`: the grid run after a non-private baseline
     sweep_modes: list[Literal["central", "local", "distributed"]] = field(default_factory=lambda: ["central", "local"])
-    sweep_noise_multipliers: list[float] = field(default_factory=lambda: [0.3, 0.6, 1.0, 2.0])
+    sweep_noise_multipliers: list[float] = field(default_factory=lambda: [0.3, 0.6, 1.0, 2.0])  # the sweep's z values
     mia_samples: int = 2000  # members and non-members each, for the membership-inference audit
     canaries: int = 500  # canary clients of the sweep's empirical-epsilon audit (0 = no audit)
     canaries_unseen: int = 1000  # random directions never inserted: the audit's null distribution
@@ -543,7 +549,7 @@ class SecureAggregationConfig:
     """Secure aggregation of each round's updates (Bonawitz et al. 2017; SecAgg+ graph of
     Bell et al. 2020); see docs/secure_aggregation.md."""
 
-    enabled: bool = False
+    enabled: bool = False  # securely aggregate each round (the server sees only the sum)
     graph: Literal["full", "secagg+"] = "full"  # full (every pair masks) | secagg+ (k-regular random graph)
     degree: int = 0  # secagg+ neighbours per client; 0 = about 3 log2(n)
     threshold: float = 0.5  # t = floor(threshold * neighbourhood) + 1 shares unmask
@@ -551,9 +557,9 @@ class SecureAggregationConfig:
     bits: int = 16  # fixed-point bits per entry; clients x 2^bits must fit 2^32
     max_weight: float = 0.0  # examples weighting: n_k / max_weight (0 = largest client)
     dropout_advertise: float = 0.0  # injected: probability a client drops at each stage
-    dropout_share: float = 0.0
-    dropout_masked: float = 0.0
-    dropout_unmask: float = 0.0
+    dropout_share: float = 0.0  # injected: drops at the share stage
+    dropout_masked: float = 0.0  # injected: drops at the masked-input stage
+    dropout_unmask: float = 0.0  # injected: drops at the unmasking stage
     seed: int = 0  # protocol randomness and injected dropouts
     stage_s: float = 30.0  # `shoal server`: seconds each stage after the first waits for nodes
     malicious_server: bool = False  # the active-adversary variant: signed keys, a consistency round
@@ -599,8 +605,8 @@ class TaskConfig:
     """The user's task (shoal/task.py): ``app = "path/to/file.py:name"`` or ``"package.module:name"``;
     ``[task.args]`` are passed to it. Empty: the built-in task of ``[model]`` + ``[data]``."""
 
-    app: str = ""
-    args: dict[str, Any] = field(default_factory=dict)
+    app: str = ""  # the task: path/to/file.py:name or package.module:name ("" = built-in)
+    args: dict[str, Any] = field(default_factory=dict)  # keyword arguments passed to the task
 
     def validate(self) -> None:
         if self.app and ":" not in self.app:
@@ -611,8 +617,8 @@ class TaskConfig:
 
 @dataclass
 class OutputConfig:
-    dir: str = "runs/latest"
-    plots: bool = True
+    dir: str = "runs/latest"  # `shoal simulate`: metrics.jsonl, summary.json and plots go here
+    plots: bool = True  # draw the plots (matplotlib)
 
 
 @dataclass

@@ -96,6 +96,7 @@ class LiveFederation:
             )
         )
         cfg = load_node_config(toml)
+        assert cfg.token_file is not None
         daemon = NodeDaemon(cfg, cfg.token_file.read_text().strip(), torch.device("cpu"), None)
         self.daemons[name] = daemon
         self.runners[name] = asyncio.ensure_future(daemon.run())

@@ -1,0 +1,151 @@
+#!/usr/bin/env bash
+# Every GPU path of shoal measured in one run of a few minutes on one NVIDIA GPU.
+#
+#   bash bench/gpu_suite.sh --prepare   # here, with the package registry: fill .gpudata/ (ignored by git)
+#   bash bench/gpu_suite.sh             # on the GPU machine, from the repository root
+#   bash bench/gpu_suite.sh --only cuda_tests,dp_sgd   # some sections (names in the summary table)
+#
+# --prepare copies MNIST from ../shared/datasets into .gpudata/mnist and downloads into
+# .gpudata/whl the Python 3.12 wheels a CUDA image without shoal's dependencies lacks (opacus,
+# dp-accounting, zstandard, cryptography, ray and what they need; ray without its Java jar and
+# its RL/serving/data libraries, which shoal never imports, so the folder travels under 64 MiB).
+# Carry .gpudata to the GPU machine with the checkout.
+#
+# The run installs the missing wheels and shoal (editable, no downloads), then, each section
+# bounded in time and reported even when another fails:
+#   1. batched simulation vs one-by-one training on the same GPU: MNIST CNN, 2NN and logistic
+#      regression with 10, 100 and 1,000 clients per round (600 examples each, E = 1, B = 10),
+#      seconds per round and FLOP/s against the GPU's data-sheet peak (bench/sim_throughput.py);
+#      the CNN at 1,000 clients once more in bf16;
+#   2. DP-SGD (Opacus per-sample gradients) against plain SGD on the GPU (bench/bench_dp_sgd.py);
+#   3. the CUDA tests (and the training/aggregation test files around them) with pytest;
+#   4. the Ray engine with two workers sharing the GPU (ray_gpus_per_worker = 0.5) against the
+#      in-process engine on the same GPU (bench/engines.py);
+#   5. `shoal server` + two `shoal client` nodes training on CUDA vs on the CPU (bench/gpu_node.py).
+# Each section's output goes to $OUT (or /tmp/gpu_suite) and a summary table ends the run.
+# On a machine without CUDA it says so and exits 0.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+DATA=.gpudata
+
+prepare() {
+  local shared=../shared/datasets/mnist-reconstructed
+  [[ -d $shared ]] || { echo "gpu_suite: $shared not found (../shared beside the checkout)"; exit 2; }
+  grep -qx '/.gpudata/' .git/info/exclude 2>/dev/null || echo '/.gpudata/' >>.git/info/exclude
+  mkdir -p "$DATA/mnist" "$DATA/whl"
+  cp "$shared"/*.gz "$DATA/mnist/"
+  local plat=(--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
+    --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform manylinux1_x86_64)
+  local p
+  for p in opacus==1.6.0 dp-accounting==0.6.0 dm-tree==0.1.10 zstandard==0.25.0 cryptography==50.0.2 \
+    cffi==2.1.1 pycparser==3.12 ray==2.55.1 jsonschema==4.26.0 referencing==0.37.0 \
+    jsonschema-specifications==2025.9.1 rpds-py; do
+    "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+      "${plat[@]}" -d "$DATA/whl" "$p" || exit 2
+  done
+  "$PY" - "$DATA/whl" <<'EOF'
+import sys, zipfile
+from pathlib import Path
+drop = ("ray/jars/", "ray/rllib/", "ray/serve/", "ray/data/", "ray/llm/", "ray/train/", "ray/tune/",
+        "ray/dashboard/client/")
+for whl in Path(sys.argv[1]).glob("ray-*.whl"):
+    tmp = whl.with_suffix(".tmp")
+    with zipfile.ZipFile(whl) as src, zipfile.ZipFile(tmp, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as dst:
+        for info in src.infolist():
+            if info.filename.startswith(drop):
+                continue
+            data = src.read(info)
+            if info.filename.endswith(".dist-info/RECORD"):
+                keep = [ln for ln in data.decode().splitlines() if not ln.startswith(drop)]
+                data = ("\n".join(keep) + "\n").encode()
+            dst.writestr(info, data)
+    tmp.replace(whl)
+EOF
+  du -sh "$DATA" "$DATA"/*
+  echo "gpu_suite: prepared $DATA (carry it with the checkout)"
+}
+
+ONLY=""
+case ${1:-} in
+  --prepare) prepare; exit 0 ;;
+  --only) ONLY=",${2:?--only takes section names, comma-separated},"; ;;
+  "") ;;
+  *) echo "usage: bash bench/gpu_suite.sh [--prepare | --only SECTION,...]"; exit 2 ;;
+esac
+
+if ! "$PY" -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+  echo "gpu_suite: no CUDA device visible to $PY (torch.cuda.is_available() is False): nothing to measure"
+  exit 0
+fi
+
+OUT=${OUT:-/tmp/gpu_suite}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 FLWR_TELEMETRY_ENABLED=0 FLWR_DISABLE_UPDATE_CHECK=1
+start=$(date +%s)
+
+# What the image lacks, from the prepared wheels; then shoal itself (editable, no index, no deps).
+if [[ -d $DATA/whl ]]; then
+  missing=()
+  for whl in "$DATA"/whl/*.whl; do
+    name=$(basename "$whl" | cut -d- -f1)
+    "$PY" -m pip show -q "${name//_/-}" >/dev/null 2>&1 || missing+=("$whl")
+  done
+  if ((${#missing[@]})); then
+    "$PY" -m pip install -q --no-index --no-deps --no-compile "${missing[@]}" >"$OUT/install.log" 2>&1 ||
+      { echo "gpu_suite: installing the prepared wheels failed:"; tail -20 "$OUT/install.log"; exit 1; }
+  fi
+fi
+"$PY" -c 'import shoal.aggregation' 2>/dev/null ||
+  "$PY" -m pip install -q --no-index --no-deps --no-build-isolation -e . >>"$OUT/install.log" 2>&1 ||
+  { echo "gpu_suite: installing shoal failed:"; tail -20 "$OUT/install.log"; exit 1; }
+
+nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
+"$PY" -c 'import torch; print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")'
+MNIST=$(realpath "$DATA/mnist" 2>/dev/null || echo "$DATA/mnist")
+
+names=() statuses=() seconds=()
+section() {  # section NAME LIMIT_S COMMAND...: run with a time limit, keep its output, note how it ended
+  local name=$1 limit=$2
+  shift 2
+  [[ -z $ONLY || $ONLY == *",$name,"* ]] || return 0
+  echo
+  echo "=== $name (at most ${limit} s)"
+  local t0=$SECONDS rc
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -E 'Warning|warnings.warn|^\s*$'
+  rc=${PIPESTATUS[0]}
+  names+=("$name")
+  seconds+=($((SECONDS - t0)))
+  case $rc in
+    0) statuses+=(ok) ;;
+    124 | 137) statuses+=("timed out") ;;
+    *) statuses+=("failed ($rc)") ;;
+  esac
+}
+
+section batched_fp32 200 "$PY" bench/sim_throughput.py --device cuda --models cnn,2nn,logreg --ks 10,100,1000 \
+  --samples 600 --repeats 2 --seq-cap 50
+section batched_bf16 60 "$PY" bench/sim_throughput.py --device cuda --models cnn --ks 1000 --samples 600 \
+  --precision bf16 --repeats 2 --seq-cap 20
+section dp_sgd 60 "$PY" bench/bench_dp_sgd.py --device cuda --model 2nn,cnn --n 3000 --repeats 2
+section cuda_tests 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs \
+  tests/aggregation/test_mean.py tests/aggregation/test_strategy.py tests/client
+section ray_gpu 120 "$PY" bench/engines.py --device cuda --engines inprocess,ray2gpu --clients 200 --cohort 100 \
+  --rounds 3 --model cnn --data-dir "$MNIST" --ray-cpus 4
+section node_cuda 120 "$PY" bench/gpu_node.py --data-dir "$MNIST" --rounds 3 --examples 3000
+
+echo
+echo "=== summary ($(($(date +%s) - start)) s in all; logs in $OUT)"
+printf '%-14s %-12s %6s  %s\n' section status seconds "key figure"
+key() {  # the line of a section's log that answers its question
+  case $1 in
+    batched_fp32 | batched_bf16) grep -m1 'target:' "$OUT/$1.log" ;;
+    dp_sgd) grep -E '^cnn ' "$OUT/$1.log" | awk '{print "cnn DP-SGD " $3 " ms/step, " $4 " of plain"}' ;;
+    cuda_tests) grep -E '(passed|failed)' "$OUT/$1.log" | tail -1 ;;
+    ray_gpu) grep -E '^ray2gpu' "$OUT/$1.log" | awk '{print "ray2gpu " $4 " s/round, " $5 "x in-process, acc " $6}' ;;
+    node_cuda) grep -E '^cpu / cuda' "$OUT/$1.log" ;;
+  esac
+}
+for i in "${!names[@]}"; do
+  printf '%-14s %-12s %6s  %s\n' "${names[$i]}" "${statuses[$i]}" "${seconds[$i]}" "$(key "${names[$i]}" | head -1)"
+done

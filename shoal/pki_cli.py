@@ -1,0 +1,65 @@
+"""`shoal pki`: the federation's CA, the server's certificate and node keys (shoal/pki.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(
+    help="Provisioning without openssl: a private CA, the server's certificate, node keys.",
+    no_args_is_help=True,
+    rich_markup_mode=None,
+)
+
+
+@app.command("ca")
+def ca(
+    out: Path = typer.Option(..., "--out", "-o", help="Folder for ca.pem (public) and ca.key (mode 0600)."),
+    name: str = typer.Option("shoal private CA", "--name", help="The CA's name (the issuer of every certificate)."),
+    days: int = typer.Option(3650, "--days", help="Days the CA is valid (1 to 3650)."),
+) -> None:
+    """Make the federation's private CA. Keep ca.key on the operator's machine, give ca.pem to every node."""
+    from .pki import make_ca
+
+    cert, key = make_ca(out, name, days)
+    typer.echo(f"CA written: {cert} (give it to every node: --ca-cert) and {key} (private, mode 0600)")
+
+
+@app.command("server-cert")
+def server_cert(
+    ca_dir: Path = typer.Option(..., "--ca-dir", help="The folder of ca.pem and ca.key (`shoal pki ca`)."),
+    host: list[str] = typer.Option(
+        ..., "--host", help="A host name or IP address nodes dial (repeat for each; all go in the subjectAltName)."
+    ),
+    out: Path | None = typer.Option(
+        None, "--out", "-o", help="Folder for server.pem and server.key (default: --ca-dir)."
+    ),
+    days: int = typer.Option(825, "--days", help="Days the certificate is valid (1 to 3650)."),
+) -> None:
+    """Make the server's certificate and key for every --host; set server.tls_cert and server.tls_key to them."""
+    from .pki import issue_server_cert
+
+    cert, key = issue_server_cert(ca_dir, host, out or ca_dir, days)
+    typer.echo(
+        f"server certificate for {', '.join(host)}: {cert} and {key} (mode 0600); "
+        f'set server.tls_cert = "{cert}" and server.tls_key = "{key}"'
+    )
+
+
+@app.command("node-key")
+def node_key(
+    name: str = typer.Option(..., "--name", help="The node's name, as the operator registers it."),
+    out: Path = typer.Option(Path("."), "--out", "-o", help="Folder for NAME.key (mode 0600) and NAME.csr."),
+) -> None:
+    """On the node: make its key pair. NAME.key stays here; send NAME.csr (public) to the operator."""
+    from .pki import make_node_key
+
+    made = make_node_key(out, name)
+    typer.echo(
+        f"{made.key} (private, stays on this node) and {made.csr} (send it to the operator); "
+        f"key fingerprint {made.fingerprint} (compare it with the operator's). The operator runs "
+        f"`shoal server nodes add {name} --csr {made.csr.name} --ca-dir CA_DIR` and gives back "
+        f"{name}.pem and ca.pem; then: shoal client --cert {made.csr.with_suffix('.pem')} --key {made.key} "
+        "--ca-cert ca.pem ..."
+    )
