@@ -763,8 +763,7 @@ async def get_run_metrics(request: web.Request) -> web.Response:
     """The run's metrics lines after ``after``; with ``wait``, held until one comes (logs --follow)."""
     fed = request.app[FEDERATION]
     run, after = request.match_info["run"], _integer(request, "after") if "after" in request.query else 0
-    end = time.monotonic() + _seconds(request, "wait", 0.0) if "wait" in request.query else time.monotonic()
-    end = min(end, time.monotonic() + 60.0)
+    end = time.monotonic() + (_seconds(request, "wait", 60.0) if "wait" in request.query else 0.0)
     while True:
         event = request.app[CHANGED]["event"]
         lines = _fed_call(fed.metrics, run, after)

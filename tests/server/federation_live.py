@@ -146,3 +146,45 @@ async def live_federation(tmp: Path, nodes: list[str], **server):
         await runner.cleanup()
         registry.close()
         db.close()
+
+
+@dataclass
+class ServedFederation:
+    url: str
+    fed: Federation
+    registry: Registry
+    tokens: dict[str, str]  # node -> token, and "admin" -> the admin token
+    app: web.Application
+
+
+@asynccontextmanager
+async def served_federation(tmp: Path, nodes: list[str], run: dict, ssl_context=None, **server):
+    """A federation on 127.0.0.1 with one built-in-task run already started (``run``: its config);
+    no clock: the test drives ``fed.tick`` or the run's ``tick`` itself (the fuzzer does)."""
+    admin = secrets.token_urlsafe(32)
+    (tmp / "admin.token").write_text(admin)
+    cfg = config_from_dict(
+        {
+            "server": {"db": str(tmp / "nodes.sqlite"), "admin_token_file": str(tmp / "admin.token"), **server},
+            "federation": {"enabled": True, "dir": str(tmp / "fed")},
+        }
+    ).validate()
+    registry = Registry(cfg.server.db)
+    tokens = {n: registry.add(n) for n in nodes}
+    tokens["admin"] = admin
+    db = RunsDB(tmp / "fed" / "runs.sqlite")
+    fed = Federation(cfg, db, registered=lambda: len(nodes))
+    fed.submit("builtin", run, "admin", time.monotonic())
+    fed.tick(time.monotonic())
+    app = make_federation_app(fed, registry)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=ssl_context)
+    await site.start()
+    scheme = "https" if ssl_context else "http"
+    try:
+        yield ServedFederation(f"{scheme}://127.0.0.1:{runner.addresses[0][1]}", fed, registry, tokens, app)
+    finally:
+        await runner.cleanup()
+        registry.close()
+        db.close()
