@@ -170,11 +170,20 @@ def main() -> None:
     ap.add_argument("--chunks", default="", help="clients per batched chunk to time (default: what auto picks)")
     ap.add_argument("--vmap", action="store_true", help="batch Linear chains with vmap too (to compare the two paths)")
     ap.add_argument("--quick", action="store_true", help="logreg and 2nn, K = 10, 100, with 1 and 2 threads")
+    ap.add_argument(
+        "--no-cudnn-benchmark",
+        action="store_true",
+        help="turn off cuDNN's autotuner (select_device turns it on for a GPU, as the simulator runs)",
+    )
+    ap.add_argument("--tf32-matmul", action="store_true", help="torch.backends.cuda.matmul.allow_tf32 = True")
     ap.add_argument("--peak-tflops", type=float, default=None, help="the device's peak, if not in the table")
     args = ap.parse_args()
 
     device = select_device(args.device)
     cuda = device.type == "cuda"
+    if args.no_cudnn_benchmark:
+        torch.backends.cudnn.benchmark = False
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32_matmul
     samples = args.samples or (600 if cuda else 60)
     models = (args.models or ("logreg,2nn" if args.quick else "logreg,2nn,cnn")).split(",")
     ks = [int(k) for k in (args.ks or ("10,100" if args.quick else "1,10,100,1000")).split(",")]
@@ -187,6 +196,7 @@ def main() -> None:
         f"device {device}"
         + (f" ({torch.cuda.get_device_name(device)})" if cuda else f" ({os.cpu_count()} cores)")
         + f", {samples} samples per client, B = {args.batch_size}, 1 local epoch, momentum {args.momentum}, {args.precision}"
+        + (f", cudnn.benchmark {torch.backends.cudnn.benchmark}, TF32 matmul {args.tf32_matmul}" if cuda else "")
     )
     if cuda:
         print(f"peak: {peak} TFLOP/s ({peak_note})")

@@ -156,30 +156,73 @@ def linear_chain(model: nn.Module, spec: ParamSpec) -> list[ChainLayer] | None:
     return layers
 
 
-def activation_floats(model: nn.Module, input_shape: tuple[int, ...]) -> int:
+def as_example(model: nn.Module, example: torch.Tensor | tuple[int, ...]) -> torch.Tensor:
+    """A batch of one input on the model's device: ``example``'s dtype (token ids stay integers),
+    or zeros of the parameters' dtype when only an input shape is given."""
+    p = next(model.parameters())
+    if isinstance(example, torch.Tensor):
+        return torch.zeros_like(example[:1], device=p.device)
+    return torch.zeros((1, *example), dtype=p.dtype, device=p.device)
+
+
+def _tensors(out: object) -> list[torch.Tensor]:
+    """The tensors in a module's output (a tensor, or tuples/lists/dicts of them, as RNNs return)."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, (tuple, list)):
+        return [t for o in out for t in _tensors(o)]
+    if isinstance(out, dict):
+        return [t for o in out.values() for t in _tensors(o)]
+    return []
+
+
+def activation_floats(model: nn.Module, example: torch.Tensor | tuple[int, ...]) -> int:
     """Floats the forward pass of one sample produces (sum over leaf modules' outputs)."""
     total = 0
 
     def count(_m, _i, out):
         nonlocal total
-        total += out.numel()
+        total += sum(t.numel() for t in _tensors(out))
 
     leaves = [m for m in model.modules() if not list(m.children())]
     hooks = [m.register_forward_hook(count) for m in leaves]
     try:
         with torch.no_grad():
-            p = next(model.parameters())
-            model(torch.zeros((1, *input_shape), dtype=p.dtype, device=p.device))
+            model(as_example(model, example))
     finally:
         for h in hooks:
             h.remove()
     return total
 
 
+def vmap_blocker(model: nn.Module, example: torch.Tensor | tuple[int, ...]) -> str | None:
+    """Why the vmap path cannot run ``model`` (None: it can), found by trying it: a forward pass of
+    two stacked copies of the parameters on a zero input under ``torch.func.vmap``. Recurrent
+    layers (no batching rule for aten::gru/lstm), outputs that are not one logits tensor, and any
+    op vmap cannot batch are caught here, once, instead of failing in the first round."""
+    x = as_example(model, example)
+    params = {n: torch.stack([p.detach(), p.detach()]) for n, p in model.named_parameters()}
+
+    def forward(p: dict[str, torch.Tensor]) -> object:
+        return functional_call(model, p, (x,))
+
+    try:
+        with torch.no_grad():
+            out = vmap(forward)(params)
+    except Exception as e:  # noqa: BLE001 - any failure means: not batchable, say why
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        return f"the model's forward cannot run under torch.func.vmap ({type(e).__name__}: {first})"
+    if not isinstance(out, torch.Tensor):
+        return f"the model returns {type(out).__name__}, not one tensor of logits"
+    if out.dim() != 3 or out.shape[:2] != (2, 1):
+        return f"the model's output has shape {tuple(out.shape[1:])} for one example, not (1, classes)"
+    return None
+
+
 def clients_per_chunk(
     model: nn.Module,
     spec: ParamSpec,
-    input_shape: tuple[int, ...],
+    example: torch.Tensor | tuple[int, ...],
     batch_size: int,
     device: torch.device,
     budget_bytes: int | None = None,
@@ -198,7 +241,7 @@ def clients_per_chunk(
             budget_bytes = torch.cuda.get_device_properties(device).total_memory // 3
         else:
             budget_bytes = CPU_CHUNK_BYTES
-    per_client = 4 * (3 * spec.numel + 3 * batch_size * activation_floats(model, input_shape))
+    per_client = 4 * (3 * spec.numel + 3 * batch_size * activation_floats(model, example))
     return max(1, budget_bytes // max(per_client, 1))
 
 
@@ -462,7 +505,7 @@ def make_batched_trainer(
     spec: ParamSpec,
     cfg: TrainConfig,
     device: torch.device,
-    input_shape: tuple[int, ...],
+    example: torch.Tensor | tuple[int, ...],
     clients_per_round: int,
     max_client_size: int,
 ) -> BatchedTrainer | None:
@@ -472,16 +515,19 @@ def make_batched_trainer(
     :func:`clients_per_chunk` (on a CPU only Linear/ReLU chains, any size, and other
     models up to CPU_AUTO_MAX_PARAMS); an
     integer N trains N at once as asked (1 = sequential; the memory is then the user's call). A model
-    or option that cannot be batched falls back to sequential and says why, once.
+    or option that cannot be batched falls back to sequential and says why, once. ``example`` is
+    one input (a batch of one, with the data's dtype), or just its shape.
     """
     if setting == 1 or clients_per_round <= 1:
         return None
     reason = unsupported_reason(model, cfg)
+    chain = reason is None and cfg.precision == "fp32" and linear_chain(model, spec) is not None
+    if reason is None and not chain:
+        reason = vmap_blocker(model, example)
     if reason is not None:
         level = logging.INFO if setting == "auto" else logging.WARNING
         log.log(level, "simulation.batch_clients = %r: training clients one by one because %s", setting, reason)
         return None
-    chain = cfg.precision == "fp32" and linear_chain(model, spec) is not None
     if setting == "auto" and device.type == "cpu" and not chain and spec.numel > CPU_AUTO_MAX_PARAMS:
         log.info(
             "simulation.batch_clients = 'auto': training clients one by one on the CPU because the model is "
@@ -490,7 +536,7 @@ def make_batched_trainer(
             CPU_AUTO_MAX_PARAMS,
         )
         return None
-    fit = clients_per_chunk(model, spec, input_shape, cfg.batch(max(max_client_size, 1)), device)
+    fit = clients_per_chunk(model, spec, example, cfg.batch(max(max_client_size, 1)), device)
     n = min(clients_per_round, fit if setting == "auto" else int(setting))
     if n <= 1:
         log.info(

@@ -18,6 +18,7 @@ sized for, so a server that would unmask a smaller sum gets no shares from this 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 
 import aiohttp
@@ -25,7 +26,14 @@ import numpy as np
 import torch
 
 from shoal.aggregation.dp import share_std
-from shoal.aggregation.secagg import ConsistencyRequest, KeyDirectory, SecAggClient, ShareDelivery, UnmaskRequest
+from shoal.aggregation.secagg import (
+    ConsistencyRequest,
+    KeyDirectory,
+    SecAggClient,
+    SecAggParams,
+    ShareDelivery,
+    UnmaskRequest,
+)
 from shoal.aggregation.secagg import identity as ID
 from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range, encode_weighted, example_weight
 from shoal.aggregation.secagg.wire import decode_message, encode_message, message_meta, params_from_json
@@ -115,6 +123,7 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
                 f"secure_aggregation threshold fraction {params.threshold_fraction} is below "
                 f"{MIN_THRESHOLD}: refusing to take part"
             )
+        params = _own_minimum(node, params, k)
         t = _dp_shares(node, task, values, info)
         bad = int((~torch.isfinite(update.delta)).sum())
         if bad or not update.num_examples >= 1:  # never mask what would corrupt the sum unseen
@@ -162,6 +171,19 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
         return False
     log.info("round %d: unmasking shares accepted", round_)
     return True
+
+
+def _own_minimum(node, params: SecAggParams, selected: int) -> SecAggParams:
+    """The round's parameters with this node's own secure_aggregation.min_inputs (the larger of
+    the server's and its own): the node itself never unmasks a smaller sum, whatever the server says."""
+    sa = getattr(node, "secure_cfg", None)
+    least = max(params.min_inputs, sa.min_inputs if sa is not None else 1)
+    if selected < least:
+        raise Malformed(
+            f"the round selects {selected} nodes, fewer than this node's secure_aggregation.min_inputs = "
+            f"{least}: a sum that small is never unmasked, refusing to take part"
+        )
+    return dataclasses.replace(params, min_inputs=least)
 
 
 def _identity(node, params) -> tuple[bytes | None, dict[str, bytes] | None]:

@@ -6,10 +6,18 @@ the metadata (round, version, optimizer scalars; client selection and task seeds
 derived from (seed, round), so no RNG state beyond those two is needed). It is written
 to a temporary file, fsynced, renamed over the final name and the folder fsynced, so a
 crash leaves either the old or the new checkpoint, never a torn one.
+
+A disk can still damage a file later (a bad sector, a copy cut short, an operator's
+mistake), so each checkpoint carries the SHA-256 of its content (every tensor's name, dtype,
+shape and bytes, and the state JSON) in its metadata. :func:`newest_intact` reads the newest
+checkpoint whose file parses and whose checksum matches, naming each damaged one it passes
+over in one line: a truncated, empty, random or bit-flipped latest checkpoint costs the
+versions since the one before it, not the run.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -18,13 +26,32 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
+
+from shoal.errors import ConfigError, ShoalError
 
 log = logging.getLogger(__name__)
 
 FORMAT = "shoal-ckpt/1"
 _NAME = re.compile(r"^ckpt-(\d{8})\.safetensors$")
+
+
+class CorruptCheckpoint(ShoalError):
+    """A checkpoint file that cannot be read back as it was written."""
+
+    code = "corrupt_checkpoint"
+
+
+def content_digest(tensors: dict[str, torch.Tensor], state_json: str) -> str:
+    """SHA-256 over every tensor (name, dtype, shape, bytes, in name order) and the state JSON."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().contiguous().cpu()
+        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # no copy
+    h.update(state_json.encode())
+    return h.hexdigest()
 
 
 def save_checkpoint(
@@ -34,10 +61,9 @@ def save_checkpoint(
     d.mkdir(parents=True, exist_ok=True)
     final = d / f"ckpt-{version:08d}.safetensors"
     tmp = d / f".{final.name}.tmp"
-    body = save(
-        {k: v.detach().contiguous().cpu() for k, v in tensors.items()},
-        metadata={"format": FORMAT, "state": json.dumps(state)},
-    )
+    cpu = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    state_json = json.dumps(state)
+    body = save(cpu, metadata={"format": FORMAT, "state": state_json, "sha256": content_digest(cpu, state_json)})
     with open(tmp, "wb") as f:
         f.write(body)
         f.flush()
@@ -80,9 +106,53 @@ def latest_checkpoint(directory: str | Path) -> Path | None:
 
 
 def load_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    with safe_open(str(path), framework="pt") as f:
-        meta = f.metadata() or {}
-        if meta.get("format") != FORMAT:
-            raise ValueError(f"{path}: format {meta.get('format')!r}, expected {FORMAT!r}")
-        tensors = {k: f.get_tensor(k) for k in f.keys()}
-    return tensors, json.loads(meta["state"])
+    """The tensors and state of one checkpoint; CorruptCheckpoint (saying what is wrong) if the
+    file does not parse or its content does not match its checksum."""
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except (SafetensorError, OSError, ValueError, RuntimeError) as e:
+        raise CorruptCheckpoint(f"not a whole safetensors file ({type(e).__name__}: {str(e)[:120]})") from None
+    if meta.get("format") != FORMAT:
+        raise CorruptCheckpoint(f"format {str(meta.get('format'))[:40]!r}, expected {FORMAT!r}")
+    state_json = meta.get("state")
+    if not isinstance(state_json, str):
+        raise CorruptCheckpoint("no state in its metadata")
+    expected = meta.get("sha256")
+    if expected is None:  # written before checkpoints carried checksums: nothing to check against
+        log.info("checkpoint %s has no checksum (written by an older shoal); not verified", path)
+    elif content_digest(tensors, state_json) != expected:
+        raise CorruptCheckpoint("checksum mismatch: its content changed after it was written")
+    try:
+        state = json.loads(state_json)
+    except ValueError:
+        raise CorruptCheckpoint("its state is not JSON") from None
+    if not isinstance(state, dict):
+        raise CorruptCheckpoint("its state is not a JSON object")
+    return tensors, state
+
+
+def newest_intact(directory: str | Path) -> tuple[Path, dict[str, torch.Tensor], dict[str, Any]] | None:
+    """The newest checkpoint that reads back whole (path, tensors, state); None if there is none.
+    Damaged newer ones are named, with what is wrong, in one warning; ConfigError if all are."""
+    d = Path(directory)
+    if not d.is_dir():
+        return None
+    found = sorted((p for p in d.iterdir() if _NAME.match(p.name)), reverse=True)
+    damaged: list[str] = []
+    for path in found:
+        try:
+            tensors, state = load_checkpoint(path)
+        except CorruptCheckpoint as e:
+            damaged.append(f"{path} ({e})")
+            continue
+        if damaged:
+            log.warning("damaged checkpoint %s; resuming from %s, the newest intact one", "; ".join(damaged), path.name)
+        return path, tensors, state
+    if damaged:
+        raise ConfigError(
+            f"every checkpoint in {d} is damaged: {'; '.join(damaged)}. Restore one from a backup, "
+            "or start at version 0 with --fresh (or another server.checkpoint_dir)"
+        )
+    return None

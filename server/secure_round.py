@@ -97,6 +97,7 @@ class SecureRound:
             expected_dropout=EXPECTED_DROPOUT,
             graph_seed=derive_seed(sa.seed, cfg.simulation.seed, self.round),
             malicious=sa.malicious_server,
+            min_inputs=sa.min_inputs,
         )
         # malicious_server: the server checks signatures too, so one node's bad signature is its own 400
         # and does not make every honest node abort (the nodes check them again: they trust no server)

@@ -525,7 +525,8 @@ class ServerService:
                 )
                 return True  # done now: every waiting node is told so
             avail = self.connected(now)
-            if len(avail) < self.cfg.server.min_nodes:
+            sa = self.cfg.secure_aggregation  # a secure round of fewer than min_inputs nodes would only abort
+            if len(avail) < max(self.cfg.server.min_nodes, sa.min_inputs if sa.enabled else 1):
                 return False
             if self.privacy is not None and not self.privacy.bound:
                 raise ConfigError("privacy: the server does not know N, its registered nodes (bind_registry)")

@@ -20,7 +20,7 @@ from shoal.config import Config
 from shoal.errors import ConfigError
 from shoal.task import ClientData, Task, call_part, check_data
 
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_durably
+from .checkpoint import newest_intact, save_checkpoint, write_durably
 from .service import Checkpoint, Event, PrivacyLedger, Record, Restored, ServerService
 
 log = logging.getLogger(__name__)
@@ -44,8 +44,8 @@ class ServerStore:
         """The latest checkpoint and the privacy ledger when resuming; a fresh run starts an
         empty metrics.jsonl (and, with ``resume=False``, a new ledger: the old one is reported)."""
         checkpoint = None
-        if resume and (path := latest_checkpoint(self.ckpt_dir)) is not None:
-            checkpoint = (path, *load_checkpoint(path))
+        if resume and (found := newest_intact(self.ckpt_dir)) is not None:
+            checkpoint = found
         elif not resume or not self.metrics_path.exists():
             self.metrics_path.write_text("")
         ledger = self._read_ledger(resume) if self.cfg.privacy.mode != "none" else None

@@ -35,6 +35,7 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import logging
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -47,6 +48,8 @@ from torch import nn
 from torch.utils.data import Dataset, TensorDataset
 
 from .errors import ShoalError
+
+log = logging.getLogger(__name__)
 
 # Client data: a pair of tensors (x, y), first dimension = examples, or a torch Dataset of (x, y).
 ClientData = tuple[torch.Tensor, torch.Tensor] | Dataset
@@ -361,6 +364,9 @@ def check_loss(task: Task, model: nn.Module, data: ClientData, device: torch.dev
             y,
             fix="the data's items must be (x, y) the model and loss accept",
         )
+        with torch.no_grad():
+            out = model(x)
+        warn_if_broadcast(task, out, y)
     finally:
         with torch.no_grad():
             for k, v in model.state_dict().items():
@@ -375,6 +381,32 @@ def check_loss(task: Task, model: nn.Module, data: ClientData, device: torch.dev
     if not loss.requires_grad:
         raise TaskError(f"task {task_name(task)}: loss(model, x, y) has no gradient; compute it from model(x)")
     # No backward pass ran: gradients (possibly bound to a trainer's flat buffer) are untouched.
+
+
+def warn_if_broadcast(task: Task, out: object, y: object) -> None:
+    """One warning when the model's output and the targets have the same number of values but
+    not the same shape, (B, 1) against (B,): a loss written as ``(model(x) - y)`` broadcasts
+    them to (B, B) and trains to nothing without an error (a regression reached R² -0.01 so)."""
+    if not (isinstance(out, torch.Tensor) and isinstance(y, torch.Tensor)):
+        return
+    if out.shape != y.shape and out.numel() == y.numel() and out.shape[0] == y.shape[0] and out.numel() > 1:
+        log.warning(
+            "task %s: model(x) has shape %s and y has shape %s for a batch of %d: a loss that combines them "
+            "element-wise broadcasts to %s; squeeze the output (model(x).squeeze(-1)) or reshape y",
+            task_name(task),
+            tuple(out.shape),
+            tuple(y.shape),
+            out.shape[0],
+            tuple(torch.broadcast_shapes(out.shape, y.shape)) if _broadcastable(out.shape, y.shape) else "an error",
+        )
+
+
+def _broadcastable(a: torch.Size, b: torch.Size) -> bool:
+    try:
+        torch.broadcast_shapes(a, b)
+    except RuntimeError:
+        return False
+    return True
 
 
 def first_batch(task: Task, data: ClientData, n: int) -> tuple[Any, torch.Tensor]:

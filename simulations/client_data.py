@@ -185,6 +185,11 @@ class ClientShards:
         """One example's input shape (in-memory data)."""
         return tuple(self.x.shape[1:])
 
+    @property
+    def example(self) -> torch.Tensor:
+        """A batch of one input, with the data's dtype (what the batched path probes the model with)."""
+        return self.x[:1]
+
     def gather(self, idx: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int]]:
         """Clients ``idx`` as ``(x, y, starts, sizes)``: here the held tensors, no copy."""
         return self.x, self.y, [int(self.bounds[i]) for i in idx], [self.size(i) for i in idx]
@@ -218,6 +223,7 @@ class PopulationShards:
         first = as_tensors(self.data(0))
         self._pair = first is not None
         self._input_shape = tuple(first[0].shape[1:]) if first is not None else ()
+        self._example = first[0][:1].clone() if first is not None else torch.zeros(1)
 
     @property
     def in_memory(self) -> bool:
@@ -228,6 +234,11 @@ class PopulationShards:
     def input_shape(self) -> tuple[int, ...]:
         """One example's input shape (client 0's; tensor data)."""
         return self._input_shape
+
+    @property
+    def example(self) -> torch.Tensor:
+        """A batch of one input (client 0's first), with the data's dtype."""
+        return self._example
 
     def __len__(self) -> int:
         return len(self.sizes)

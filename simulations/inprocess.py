@@ -220,7 +220,7 @@ class InProcessSimulation:
                 self.spec,
                 cfg.train,
                 self.device,
-                self.shards.input_shape,
+                self.shards.example,
                 self.rounds.sample_size(len(self.client_ids)),
                 self.shards.max_size(),
             )

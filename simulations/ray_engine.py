@@ -184,7 +184,7 @@ class RayWorker:
                 self.trainer.spec,
                 cfg.train,
                 self.device,
-                self.data.shards.input_shape,
+                self.data.shards.example,
                 setup.sample_size,
                 setup.max_client_size,
             )

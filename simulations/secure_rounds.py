@@ -140,6 +140,7 @@ class SecureAggregationRounds:
             graph_seed=seed,
             expected_dropout=self.expected_dropout,
             malicious=self.cfg.malicious_server,
+            min_inputs=self.cfg.min_inputs,
         )
         drop_at = self._drop_at(sorted(inputs), round_)
         out = secure_weighted_mean(inputs, weights, params, self.values, self.weights, drop_at, seed)

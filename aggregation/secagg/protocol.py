@@ -88,6 +88,9 @@ class SecAggParams:
     expected_dropout: float = 0.1  # what an automatic secagg+ degree is sized to survive
     graph_seed: int = 0  # public: the server and anyone can check the graph
     malicious: bool = False  # the active-adversary variant: signed keys, consistency round
+    # the fewest masked inputs a sum may hold to be unmasked: a sum of one input is that input,
+    # of two it is the other's to either of them (secure_aggregation.min_inputs; 1 = the threshold only)
+    min_inputs: int = 1
 
     def __post_init__(self) -> None:
         if self.graph not in GRAPHS:
@@ -103,6 +106,8 @@ class SecAggParams:
             raise ValueError(f"vector_size = {self.vector_size} must be >= 1")
         if self.degree < 0:
             raise ValueError(f"degree = {self.degree} must be >= 0 (0 = automatic)")
+        if self.min_inputs < 1:
+            raise ValueError(f"min_inputs = {self.min_inputs} must be >= 1")
         threshold(1, self.threshold_fraction)  # validates the fraction
 
 
@@ -480,6 +485,13 @@ class SecAggClient:
                 f"client {self.id}: {len(survivors)} survivors in its neighbourhood, "
                 f"fewer than the threshold {self._threshold}"
             )
+        # the full graph shows every survivor; over SecAgg+ a client sees its neighbourhood only
+        least = self.params.min_inputs if self.params.graph == "full" else min(self.params.min_inputs, len(self._peers))
+        if len(survivors) < least:
+            raise SecAggRefused(
+                f"client {self.id}: asked to unmask a sum of {len(survivors)} masked inputs, fewer than "
+                f"secure_aggregation.min_inputs = {self.params.min_inputs}: refusing"
+            )
         out = UnmaskShares(self.id)
         mine = self._peers[self.id].index
         for v in sorted(survivors | dropped):
@@ -652,6 +664,11 @@ class SecAggServer:
         survivors, _u2 = set(self.u3), set(self.u2)
         if len(survivors) < self.threshold:
             raise self._abort(f"{len(survivors)} clients sent masked input, the threshold is {self.threshold}")
+        if len(survivors) < self.params.min_inputs:
+            raise self._abort(
+                f"a sum of {len(survivors)} masked inputs is not unmasked: fewer than "
+                f"secure_aggregation.min_inputs = {self.params.min_inputs}"
+            )
         # a dropped client none of whose neighbours survived left no mask to remove
         needed = [u for u in self.u2 if u in survivors or set(self.graph[u]) & survivors]
         short = [u for u in needed if len(self._hood(u, survivors)) < self.threshold]

@@ -166,6 +166,7 @@ def params_to_json(params: SecAggParams) -> dict[str, Any]:
         "expected_dropout": params.expected_dropout,
         "graph_seed": params.graph_seed,
         "malicious": params.malicious,
+        "min_inputs": params.min_inputs,
     }
 
 
@@ -182,9 +183,16 @@ def params_from_json(d: Any) -> SecAggParams:
             expected_dropout=float(d["expected_dropout"]),
             graph_seed=int(d["graph_seed"]),
             malicious=d.get("malicious", False) is True,
+            min_inputs=_min_inputs(d.get("min_inputs", 1)),
         )
     except (KeyError, TypeError, ValueError) as e:
         raise Malformed(f"secure_aggregation parameters: {e}") from None
+
+
+def _min_inputs(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 2**31:
+        raise ValueError(f"min_inputs must be an integer >= 1, got {str(v)[:40]}")
+    return v
 
 
 def decode_message(body: bytes, vector_size: int, max_bytes: int | None = None) -> Message:

@@ -52,6 +52,15 @@ def check_combinations(self: Any) -> None:
             )
         if why:
             raise ConfigError(f"secure_aggregation.enabled = true with {why}")
+        least = self.secure_aggregation.min_inputs
+        for key in ("simulation.clients_per_round", "server.clients_per_round"):
+            k = getattr(self, key.split(".")[0]).clients_per_round
+            if 0 < k < least:
+                raise ConfigError(
+                    f"{key} = {k} with secure aggregation: a sum of fewer than secure_aggregation.min_inputs = "
+                    f"{least} masked inputs is never unmasked, so every round would abort; select at least "
+                    f"{least} (or lower min_inputs, knowing a sum of 1 input is that input)"
+                )
     if self.simulation.mode == "gossip":
         from shoal.p2p.robust import check_gossip_settings  # robust merges and model compression (p2p/)
 

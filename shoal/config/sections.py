@@ -562,12 +562,18 @@ class SecureAggregationConfig:
     dropout_unmask: float = 0.0  # injected: drops at the unmasking stage
     seed: int = 0  # protocol randomness and injected dropouts
     stage_s: float = 30.0  # `shoal server`: seconds each stage after the first waits for nodes
+    min_inputs: int = 3  # a sum of fewer masked inputs is never unmasked (server and every node refuse)
     malicious_server: bool = False  # the active-adversary variant: signed keys, a consistency round
     keys_file: str = ""  # malicious_server: JSON {node name: base64 Ed25519 public key}, given to every node
     identity_key: str = ""  # malicious_server, on a node: its Ed25519 key (`shoal keygen`)
 
     def validate(self) -> None:
         _positive("secure_aggregation.stage_s", self.stage_s)
+        if self.min_inputs < 1:
+            raise ConfigError(
+                f"secure_aggregation.min_inputs = {self.min_inputs} must be >= 1 (3 or more: a sum of one "
+                "masked input is that input, of two the other's to either node)"
+            )
         _positive("secure_aggregation.degree", self.degree, allow_zero=True)
         if not 0.5 <= self.threshold < 1:
             # t = floor(threshold x m) + 1 shares of m: t > m/2 (the full graph: m = n; SecAgg+: each

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from shoal.client.batched import BatchedTrainer
+from shoal.client.device import select_device
 from shoal.client.dp_sgd import DpSgdTrainer
 from shoal.client.training import LocalTrainer
 from shoal.config import PrivacyConfig, TrainConfig
@@ -88,3 +89,13 @@ def test_dp_sgd_on_cuda_clips_and_adds_noise_of_std_z_c_over_batch():
     noisy = DpSgdTrainer(build_model("logreg", (1, 28, 28), 10), cfg, privacy, "cuda")
     d = noisy.train(start, x, y, seed=2).delta
     assert float(d.std()) == pytest.approx(z * c / 40, rel=0.05)
+
+
+def test_choosing_a_gpu_turns_on_the_cudnn_autotuner():
+    saved = torch.backends.cudnn.benchmark
+    try:
+        torch.backends.cudnn.benchmark = False
+        assert select_device("cpu").type == "cpu" and not torch.backends.cudnn.benchmark
+        assert select_device("auto").type == "cuda" and torch.backends.cudnn.benchmark
+    finally:
+        torch.backends.cudnn.benchmark = saved

@@ -65,13 +65,21 @@ def test_a_nan_node_refuses_to_mask_and_the_round_completes_without_it(tmp_path,
 
     async def scenario():
         server = {"min_nodes": 3, "rounds": 1, "deadline_s": 4.0, "poll_s": 1.0}
-        async with live_server(tmp_path, names, clock=True, sections=SECURE, **server) as live:
+        # two of three nodes are summed: this test allows a sum of 2 (the default minimum is 3)
+        sections = {"secure_aggregation": {**SECURE["secure_aggregation"], "min_inputs": 2}}
+        async with live_server(tmp_path, names, clock=True, sections=sections, **server) as live:
             cfg = small_config(tmp_path)
             shards = write_shards(cfg, tmp_path / "shards")
             nodes = []
             for i, name in enumerate(names):
                 lr = 1e38 if i == 2 else 0.05
-                ncfg = config_from_dict({"model": {"name": "logreg"}, "train": {"batch_size": 10, "lr": lr}})
+                ncfg = config_from_dict(
+                    {
+                        "model": {"name": "logreg"},
+                        "train": {"batch_size": 10, "lr": lr},
+                        "secure_aggregation": {"min_inputs": 2},  # each node allows the sum of two, too
+                    }
+                )
                 nodes.append(
                     Node(
                         live.url,

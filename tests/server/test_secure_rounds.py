@@ -247,6 +247,29 @@ def test_too_few_survivors_abort_the_round_and_the_next_round_runs(tmp_path, cap
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
+def test_a_sum_below_min_inputs_is_not_unmasked_by_the_server(tmp_path, caplog):
+    """Four nodes, min_inputs = 4: three masked inputs pass the threshold (3) but not the minimum."""
+    sections = {"secure_aggregation": {**SECURE["secure_aggregation"], "min_inputs": 4}}
+
+    async def scenario():
+        async with live_server(tmp_path, NODES, sections=sections, min_nodes=4) as live, AsyncExitStack() as stack:
+            svc = live.service
+            parties = await _parties(live, stack)
+            assert all(p.params.min_inputs == 4 for p in parties)  # the nodes are told it with the task
+            max_weight = await _through_shares(parties)
+            assert svc.secure_round.stage == "masked"
+            for p in parties[:3]:
+                status, delivery = await p.fetch("shares")
+                assert status == 200 and (await p.post("masked", p.masked(delivery, max_weight)))[0] == 200
+            with caplog.at_level(logging.WARNING, logger="shoal.server.secure_round"):
+                assert svc.tick(time.monotonic() + LATER)
+            assert svc.secure_round is None and svc.version == 0 and svc.counters.rounds_abandoned == 1
+            assert "a sum of 3 masked inputs is not unmasked" in svc.secure_last["aborted"]
+            assert any("min_inputs = 4" in r.message for r in caplog.records)
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
 def test_secure_server_config_is_checked_up_front(tmp_path):
     from shoal.errors import ConfigError
     from shoal.server.store import open_service
