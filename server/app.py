@@ -63,6 +63,7 @@ _SECONDS = re.compile(r"[0-9]{1,9}(\.[0-9]{0,9})?")
 _INTEGER = re.compile(r"[0-9]{1,18}")
 _SLICE_S = 1.0  # a long-poll looks this often whether its client is still there
 SHUTDOWN_S = 3.0  # on SIGTERM, requests in flight get this long before they are cut
+REVOKED_EVERY_S = 0.25  # a federation reads the revoked nodes this often (`shoal server nodes revoke`)
 
 
 class Refusal(Exception):
@@ -815,13 +816,13 @@ def researcher_tokens(cfg: Config) -> dict[str, str]:
 async def run_clock(app: web.Application, stop: asyncio.Event) -> None:
     """Drive the service's time: open rounds when nodes are there, close them at deadlines.
     It never dies of an exception: a failing tick is logged (at most once a minute) and retried.
-    A federation also learns each second which nodes were revoked, so no run selects them."""
+    A federation also reads which nodes were revoked every REVOKED_EVERY_S, so no run selects them."""
     svc = app[CLOCK]
     last_logged, revoked_at = -math.inf, -math.inf
     while not stop.is_set():
         pause = 0.05
         try:
-            if FEDERATION in app and time.monotonic() - revoked_at >= 1.0:
+            if FEDERATION in app and time.monotonic() - revoked_at >= REVOKED_EVERY_S:
                 app[FEDERATION].forget({n.name for n in app[REGISTRY].list() if not n.enabled})
                 revoked_at = time.monotonic()
             if svc.tick(time.monotonic()):

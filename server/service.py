@@ -274,9 +274,13 @@ class ServerService:
             log.info("run stopped at version %d: %s", self.version, reason)
 
     def forget(self, nodes: set[str]) -> None:
-        """Revoked nodes: no longer counted as connected, so no round selects them again."""
+        """Revoked nodes: no longer counted as connected, so no round selects them again; the open
+        round stops waiting for their results (it closes once the others reported)."""
+        r = self.sync
         for n in nodes:
             self.last_seen.pop(n, None)
+            if r is not None and r.open and n in r.selected and n not in r.received:
+                self.refused_task[n] = (r.round, r.version)
 
     def _elapsed(self, now: float) -> float:
         """Seconds since ``started_at`` (the first call's ``now`` unless given)."""

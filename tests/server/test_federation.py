@@ -69,3 +69,37 @@ def test_two_runs_at_once_a_policy_refusal_and_a_diverging_run(tmp_path):
             assert all(d.stop.is_set() is False for d in f.daemons.values())  # no daemon was restarted
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(90)
+def test_a_revoked_node_is_never_selected_again(tmp_path):
+    """`shoal server nodes revoke` in the middle of a run: from the next round on no run selects the
+    node (it was connected a moment ago), its requests get 403, and the run goes on with the others."""
+
+    async def main():
+        async with live_federation(tmp_path, NODES) as f:
+            for n in NODES:
+                f.start_node(n)
+            cfg = run_config(rounds=12)
+            cfg["server"]["min_nodes"] = 2  # every connected node is selected (server.fraction = 1)
+            run = await f.submit(cfg)
+            while (svc := f.fed.active.get(run)) is None or svc.version < 2:
+                await asyncio.sleep(0.01)
+            assert "n2" in svc.rounds.selected or svc.version >= 2
+            f.registry.revoke("n2")
+            loop = asyncio.get_running_loop()
+            revoked_at, before, selected = loop.time(), set(), {}
+            while run in f.fed.active:  # the rounds that open once the server read the revocation
+                r = svc.rounds
+                if r.open and r.round not in before:
+                    if loop.time() - revoked_at < 0.3:
+                        before.add(r.round)  # opened before (n2 may be in it; it waits for its deadline)
+                    else:
+                        selected.setdefault(r.round, set(r.selected))
+                await asyncio.sleep(0.005)
+            assert selected and all(s == {"n0", "n1"} for s in selected.values()), selected
+            status = await f.status(run)
+            assert status["status"] == "finished", status
+            assert f.daemons["n2"].stop.is_set()  # its daemon was told 403 (revoked) and stopped
+
+    asyncio.run(main())
