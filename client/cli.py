@@ -7,6 +7,7 @@ from pathlib import Path
 
 import typer
 
+from shoal.cli_help import as_written
 from shoal.errors import ConfigError
 
 
@@ -25,11 +26,15 @@ def client(
         None,
         "--task",
         "-t",
-        help="Your task: path/to/file.py:name or "
-        "package.module:name (default: [task] app, else the built-in task); "
-        "the server's task and model.",
+        help=as_written(
+            "Your task: path/to/file.py:name or "
+            "package.module:name (default: [task] app, else the built-in task); "
+            "the server's task and model."
+        ),
     ),
-    config: Path | None = typer.Option(None, "--config", "-c", help="TOML with [task] (or [model]) and [train]."),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help=as_written("TOML with [task] (or [model]) and [train].")
+    ),
     set_: list[str] | None = typer.Option(None, "--set", help="Override: section.key=value (repeatable)."),
     device: str = typer.Option("auto", "--device", help="auto | cpu | cuda | cuda:N"),
     ca_cert: Path | None = typer.Option(None, "--ca-cert", help="Trust only this CA (a private deployment)."),

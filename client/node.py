@@ -61,6 +61,7 @@ from shoal.update import Update
 from shoal.wire import decode_model, encode_update, read_header
 
 from .http import Backoff, NodeError, Refused, Retry, check_response
+from .training import summarize_means
 
 log = logging.getLogger(__name__)
 
@@ -95,6 +96,22 @@ def builtin_local_data(task: BuiltinTask, shard: Shard) -> LocalData:
     task.input_shape = shard.input_shape
     task.num_classes = shard.num_classes or task.num_classes
     return LocalData(train=(shard.x, shard.y))
+
+
+def figures_line(task: Task, means: dict[str, float]) -> str:
+    """The task's summarized figures of raw means, for a log line: what ``summarize`` derives
+    (R², macro-F1, perplexity) first, then loss and accuracy; the raw parts a task derives them
+    from (sums of squares, per-class counts) only when it derives nothing."""
+    try:
+        summary = summarize_means(task, means)
+    except TaskError as e:
+        log.warning("%s; the raw means are shown", e)
+        summary = dict(means)
+    derived = {k: v for k, v in summary.items() if k not in means or means[k] != v}
+    shown: dict[str, float] = summary
+    if derived:
+        shown = {**derived, **{k: summary[k] for k in ("loss", "accuracy") if k in summary}}
+    return ", ".join(f"{k} {v:.4g}" for k, v in shown.items()) or "no metrics"
 
 
 class NodePrivacy:
@@ -491,12 +508,7 @@ class Node:
                 "metrics %s are not reported (names must match [A-Za-z][A-Za-z0-9_.-]*, values be finite)",
                 sorted(set(ev) - set(metrics)),
             )
-        log.info(
-            "version %d on %d local test examples: %s",
-            version,
-            n,
-            ", ".join(f"{k} {v:.4g}" for k, v in metrics.items()),
-        )
+        log.info("version %d on %d local test examples: %s", version, n, figures_line(self.task, ev))
         if not metrics:
             return
         try:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import typer
 
+from shoal.cli_help import as_written
 from shoal.config import Config, load_config
 from shoal.errors import ConfigError
 
@@ -24,15 +25,17 @@ app = typer.Typer(
 nodes_app = typer.Typer(help="The node registry: add, list, revoke.", no_args_is_help=True)
 app.add_typer(nodes_app, name="nodes")
 
-ConfigOpt = typer.Option(None, "--config", "-c", help="TOML config with a [server] table.")
+ConfigOpt = typer.Option(None, "--config", "-c", help=as_written("TOML config with a [server] table."))
 SetOpt = typer.Option(None, "--set", help="Override one config value: section.key=value (repeatable).")
 DbOpt = typer.Option(None, "--db", help="Node database (default: server.db of the config).")
 TaskOpt = typer.Option(
     None,
     "--task",
     "-t",
-    help="Your task: path/to/file.py:name or package.module:name "
-    "(default: [task] app, else the built-in task of [model] + [data]); the nodes use the same.",
+    help=as_written(
+        "Your task: path/to/file.py:name or package.module:name "
+        "(default: [task] app, else the built-in task of [model] + [data]); the nodes use the same."
+    ),
 )
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import typer
 
+from .cli_help import as_written
 from .errors import ShoalError
 
 app = typer.Typer(
@@ -35,8 +36,10 @@ TaskOpt = typer.Option(
     None,
     "--task",
     "-t",
-    help="Your task: path/to/file.py:name or package.module:name "
-    "(default: [task] app, else the built-in task of [model] + [data]).",
+    help=as_written(
+        "Your task: path/to/file.py:name or package.module:name "
+        "(default: [task] app, else the built-in task of [model] + [data])."
+    ),
 )
 
 
@@ -112,7 +115,7 @@ app.add_typer(_data_app, name="data")
 
 @_data_app.command("split")
 def data_split(
-    config: Path | None = typer.Option(None, "--config", "-c", help="TOML with [data] and [simulation]."),
+    config: Path | None = typer.Option(None, "--config", "-c", help=as_written("TOML with [data] and [simulation].")),
     set_: list[str] | None = SetOpt,
     task: str | None = TaskOpt,
     out: Path = typer.Option(..., "--out", "-o", help="Folder for one <client-id>.safetensors per client."),
@@ -137,7 +140,9 @@ def peer(
         help="This peer's own data, read by the task's local_data(PATH); "
         "or client:<i>, client i of the task's simulation split (a simulation convenience).",
     ),
-    config: Path | None = typer.Option(None, "--config", "-c", help="TOML file ([task], [train], [gossip])."),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help=as_written("TOML file ([task], [train], [gossip]).")
+    ),
     set_: list[str] | None = SetOpt,
     task: str | None = TaskOpt,
     token: str | None = typer.Option(
@@ -177,7 +182,10 @@ def peer(
 @app.command("privacy-sweep")
 def privacy_sweep(
     config: Path | None = typer.Option(
-        None, "--config", "-c", help="TOML file with a [privacy] sweep grid (default: the built-in grid of [privacy])."
+        None,
+        "--config",
+        "-c",
+        help=as_written("TOML file with a [privacy] sweep grid (default: the built-in grid of [privacy])."),
     ),
     set_: list[str] | None = SetOpt,
     task: str | None = TaskOpt,

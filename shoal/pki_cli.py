@@ -9,7 +9,6 @@ import typer
 app = typer.Typer(
     help="Provisioning without openssl: a private CA, the server's certificate, node keys.",
     no_args_is_help=True,
-    rich_markup_mode=None,
 )
 
 

@@ -417,6 +417,11 @@ class GossipConfig:
     bound_mode: Literal["clip", "reject"] = (
         "clip"  # robust.norm_bound > 0: clip | reject models farther than it from ours
     )
+    merge_bound: float = 1.0  # a received model moves ours by at most this x max(||own||, recent merges, 1) (L2),
+    # clipped or refused per bound_mode; 0 = off (p2p/merge.py MergeBound)
+    max_abs: float = 1e4  # a received model with a value beyond this (absolute) is refused; 0 = finite only
+    allow_networks: list[str] = field(default_factory=list)  # `shoal peer`: CIDRs contacted whatever their
+    # kind (by default only addresses of the kinds of --advertise and --bootstrap; p2p/addresses.py)
     view_size: int = 8  # Cyclon partial view
     shuffle_length: int = 4  # entries swapped per shuffle
     exchanges_per_round: int = 1  # push-pull exchanges a peer starts after each local step
@@ -436,13 +441,16 @@ class GossipConfig:
     partition_end: int = 0  # simulator: the round the partition heals
     eval_peers: int = 0  # evaluate this many peers each time (0 = all)
     period: float = 1.0  # `shoal peer`: seconds between local steps
-    rounds: int = 0  # `shoal peer`: stop after this many local steps (0 = run until stopped)
+    rounds: int = 0  # `shoal peer`: stop after this many local steps, writing the final model and metrics
+    # (0 = until SIGINT/SIGTERM, which do the same)
 
     def validate(self) -> None:
         _positive("gossip.group_levels", self.group_levels, allow_zero=True)
         if self.group_size < 2:
             raise ConfigError(f"gossip.group_size = {self.group_size} must be >= 2 (a group of one averages nothing)")
         _positive("gossip.staleness_exponent", self.staleness_exponent, allow_zero=True)
+        _positive("gossip.merge_bound", self.merge_bound, allow_zero=True)
+        _positive("gossip.max_abs", self.max_abs, allow_zero=True)
         _positive("gossip.max_age_gap", self.max_age_gap, allow_zero=True)
         _positive("gossip.view_size", self.view_size)
         if not 1 <= self.shuffle_length <= self.view_size:
