@@ -119,7 +119,9 @@ node_app = typer.Typer(
 @node_app.callback()
 def node(
     ctx: typer.Context,
-    config: Path = typer.Option(None, "--config", "-c", help="The node config: [node], [limits], [[tasks]]."),
+    config: Path = typer.Option(
+        None, "--config", "-c", help=as_written("The node config: [node], [limits], [[tasks]].")
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Run as a long-lived daemon: wait for runs, check each against this node's config
@@ -155,7 +157,7 @@ def node(
 
 @node_app.command("pin")
 def pin(ref: str = typer.Argument(..., help="A task reference: path/to/file.py:name or package.module:name.")) -> None:
-    """Print the SHA-256 that pins REF's source (the sha256 of its [[tasks]] entry)."""
+    """Print the SHA-256 that pins REF's source (the sha256 of its tasks entry in a node config)."""
     from .node_config import source_sha256
 
     typer.echo(source_sha256(ref))

@@ -20,6 +20,7 @@ from typing import Any
 
 import typer
 
+from shoal.cli_help import as_written
 from shoal.errors import ConfigError
 
 app = typer.Typer(help="Submit runs to a federation server and follow them.", no_args_is_help=True)
@@ -83,7 +84,9 @@ class Api:
 
 @app.command("submit")
 def submit(
-    config: Path = typer.Option(..., "--config", "-c", help="The run's TOML: [server] rounds, [train], [privacy] ..."),
+    config: Path = typer.Option(
+        ..., "--config", "-c", help=as_written("The run's TOML: [server] rounds, [train], [privacy] ...")
+    ),
     task: str = typer.Option(..., "--task", "-t", help="The task, as the server and the nodes have it installed."),
     server: str = ServerOpt,
     token_file: Path = TokenOpt,
