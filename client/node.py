@@ -98,6 +98,18 @@ def builtin_local_data(task: BuiltinTask, shard: Shard) -> LocalData:
     return LocalData(train=(shard.x, shard.y))
 
 
+def diverged(update: Update) -> str | None:
+    """What is wrong with a trained update that must not be uploaded (None if nothing): a
+    non-finite training loss, or NaN/Inf entries in the update itself."""
+    loss = update.metrics.get("train_loss")
+    if loss is not None and not math.isfinite(loss):
+        return f"loss {loss}"
+    bad = int((~torch.isfinite(update.delta)).sum())
+    if bad:
+        return f"the update has {bad} NaN/Inf entries of {update.delta.numel()}"
+    return None
+
+
 def figures_line(task: Task, means: dict[str, float]) -> str:
     """The task's summarized figures of raw means, for a log line: what ``summarize`` derives
     (R², macro-F1, perplexity) first, then loss and accuracy; the raw parts a task derives them
@@ -353,6 +365,7 @@ class Node:
         self.backoff = Backoff()
         self._model: tuple[str, int, torch.Tensor] | None = None  # (etag, version, params)
         self.rounds_done = 0
+        self.failed_tasks: set[tuple[int, int]] = set()  # (round, version): diverged or refused, not retried
 
     @staticmethod
     def _held(data: ClientData | None, device: torch.device) -> ClientData | None:
@@ -436,6 +449,9 @@ class Node:
 
     async def _work(self, task: dict) -> None:
         version = int(task["version"])
+        if (int(task["round"]), version) in self.failed_tasks:  # trained once, diverged or refused: not again
+            await self._pause(self.poll_s)  # a server that hands it out again is not asked in a tight loop
+            return
         self._check_privacy(task)
         if self.privacy is not None and not self.privacy.allows_next_round():
             self.stop.set()  # this node's own budget: it takes no more work
@@ -447,6 +463,10 @@ class Node:
             await self._evaluate(params, version, self.test)
         seed = self.privacy.training_seed(int(task["seed"])) if self.privacy is not None else int(task["seed"])
         update = await asyncio.to_thread(self.trainer.fit, params, self.train, seed, version, self.name)
+        problem = diverged(update)
+        if problem is not None:  # checked before any privacy is spent or anything leaves the node
+            await self._failed(task, "diverged", problem)
+            return
         report = None
         if self.privacy is not None:
             update = self.privacy.protect(update, task)
@@ -465,6 +485,25 @@ class Node:
             accepted = await self._upload(task, body)
         finally:  # top-k: what the server did not take goes back into the residual (also on NodeError)
             (self.compressor.accepted if accepted else self.compressor.not_accepted)(self.name, tag)
+
+    async def _failed(self, task: dict, reason: str, detail: str) -> None:
+        """This task failed here: one line, the server told (POST /v1/failed, docs/protocol.md),
+        and the task is remembered so that it is not trained again."""
+        round_, version = int(task["round"]), int(task["version"])
+        run = self.url.rsplit("/runs/", 1)[1] if "/runs/" in self.url else None
+        where = f"run {run}, round {round_}" if run else f"round {round_}"
+        log.warning("training diverged in %s: %s; not uploading", where, detail)
+        self.failed_tasks.add((round_, version))
+        try:
+            await self._request("POST", "/v1/failed", json={"round": round_, "version": version, "reason": reason})
+        except (Refused, Retry) as e:
+            log.info("%s: the failure was not reported to the server: %s", where, e)
+
+    async def _pause(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self.stop.wait(), seconds)
+        except TimeoutError:
+            pass
 
     async def _upload(self, task: dict, body: bytes) -> bool:
         """POST the update; True when the server accepted it (200), False when it refused it
@@ -491,8 +530,9 @@ class Node:
                 delay = backoff.next(self.rand)
                 log.warning("upload failed (%s); retrying in %.2f s", e, delay)
                 await asyncio.sleep(delay)
-            except Refused as e:
+            except Refused as e:  # the same update would be refused again: this task is not trained twice
                 log.warning("round %s: update refused: %s", task["round"], e)
+                self.failed_tasks.add((int(task["round"]), int(task["version"])))
                 return False
 
     async def _evaluate(self, params: torch.Tensor, version: int, test: ClientData) -> None:
