@@ -45,7 +45,11 @@ class FlowerRun:
 
 def backend_config(cfg: Config) -> dict[str, Any]:
     """Flower's backend config: client resources from the config, and ray.init arguments
-    (an existing cluster's address, or a local runtime limited to ``ray_num_cpus``)."""
+    (an existing cluster's address, or a new local runtime limited to ``ray_num_cpus``).
+
+    ``address = "local"`` matters: without an address ``ray.init`` joins a Ray instance it finds
+    running on the machine, and when another session's instance held the CPUs Flower's actors
+    never started and the run waited forever (shoal's Ray engine starts its own the same way)."""
     sim = cfg.simulation
     if sim.ray_address:
         init_args: dict[str, Any] = {"address": sim.ray_address}
@@ -56,7 +60,7 @@ def backend_config(cfg: Config) -> dict[str, Any]:
                 f"simulation.flower_client_cpus = {sim.flower_client_cpus} is more than the "
                 f"{cpus} CPU(s) Ray may use here: no client could start; lower it or raise simulation.ray_num_cpus"
             )
-        init_args = {"num_cpus": cpus, "include_dashboard": False}
+        init_args = {"address": "local", "num_cpus": cpus, "include_dashboard": False}
     return {
         "client_resources": {"num_cpus": sim.flower_client_cpus, "num_gpus": sim.flower_client_gpus},
         "init_args": init_args,

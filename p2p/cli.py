@@ -26,9 +26,8 @@ from typing import overload
 
 import torch
 
-from shoal.assembly import initial_model, task_from_config
+from shoal.assembly import initial_model, make_trainer, task_from_config
 from shoal.client.device import select_device
-from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.errors import ConfigError, DataError
 from shoal.task import (
@@ -153,16 +152,12 @@ def check_peer_algorithm(cfg: Config) -> None:
 
 
 def check_peer_privacy(cfg: Config) -> None:
-    """A deployed peer trains without DP: refuse [privacy] rather than run without the claimed noise.
-
-    DP-SGD with per-peer accounting runs in the simulator (simulation.mode = 'gossip',
-    privacy.mode = 'local'); a deployed peer would also need noise drawn on a seed only it
-    knows (as client/node.py does), its epsilon in its records and a stop at the target."""
-    if cfg.privacy.mode != "none":
+    """A peer has no server to add central or distributed noise: only local DP (DP-SGD on the
+    peer's own data, its own epsilon) runs; refuse the others rather than run without the claimed noise."""
+    if cfg.privacy.mode not in ("none", "local"):
         raise ConfigError(
-            f"privacy.mode = {cfg.privacy.mode!r}: `shoal peer` does not train with differential privacy yet "
-            "(no DP-SGD, no epsilon accounting); set privacy.mode = 'none', or simulate it with "
-            "simulation.mode = 'gossip' and privacy.mode = 'local'"
+            f"privacy.mode = {cfg.privacy.mode!r}: a gossip peer has no server to add central or distributed "
+            "noise; use privacy.mode = 'local' (DP-SGD on each peer's own data, per-peer epsilon) or 'none'"
         )
 
 
@@ -201,7 +196,7 @@ def run_peer(
     model = initial_model(cfg, task).to(device)  # seeded by simulation.seed: the same start on every peer
     peer_data = load_peer_data(data, cfg, task, device)
     check_loss(task, model, peer_data.train, device)  # before the trainer binds the gradients to its buffer
-    trainer = LocalTrainer(model, cfg.train, device, task=task)
+    trainer = make_trainer(cfg, task, model, device)  # DP-SGD for privacy.mode = "local"
     log.info(
         "task %s (spec hash %s): %d training examples, own test data %s, central test data %s",
         task_name(task),

@@ -9,6 +9,9 @@ deliver the returned message, and hand back answers or failures.
 
 A model carries an ``age`` (local updates folded in, the merge rules' weight) and a
 ``version`` (bumped on every change of the parameters, so a reader can tell them apart).
+Both stop at MAX_COUNT (a received one above it is refused by p2p/messages.py), so no
+count can outgrow what the wire accepts, however long a network runs or whatever a peer
+claims. Every received model passes the peer's MergeBound (p2p/merge.py) before it is merged.
 """
 
 from __future__ import annotations
@@ -19,9 +22,16 @@ from dataclasses import dataclass
 import torch
 
 from .membership import Membership
-from .merge import MergeRule, ModelInfo
+from .merge import MergeBound, MergeRule, ModelInfo
 
 log = logging.getLogger(__name__)
+
+MAX_COUNT = 2**53  # ages, versions and counters saturate here (exact as a float, far below the wire's int64)
+
+
+def bump(count: int) -> int:
+    """``count + 1``, saturating at MAX_COUNT: overflow impossible by construction."""
+    return min(count + 1, MAX_COUNT)
 
 
 @dataclass(frozen=True)
@@ -51,12 +61,14 @@ class GossipNode:
         num_examples: int,
         rule: MergeRule | None = None,
         timeout: float = 5.0,
+        bound: MergeBound | None = None,
     ):
         self.membership = membership
         self.params = params
         self.num_examples = int(num_examples)
         self.rule = rule or MergeRule()
         self.timeout = timeout
+        self.merge_bound = bound if bound is not None else MergeBound()
         self.age = 0
         self.version = 0
         self.merges = 0
@@ -75,15 +87,29 @@ class GossipNode:
     def local_update(self, new_params: torch.Tensor) -> None:
         """Adopt the result of one round of local training on our own data."""
         self.params.copy_(new_params)
-        self.age += 1
-        self.version += 1
+        self.age = bump(self.age)
+        self.version = bump(self.version)
 
     def restart(self, params: torch.Tensor) -> None:
         """Forget the model (a crash or a fresh start): back to ``params`` at age 0."""
         self.params.copy_(params)
         self.age = 0
-        self.version += 1
+        self.version = bump(self.version)
         self._pending.clear()
+
+    def adopt(self, values: torch.Tensor) -> bool:
+        """Take an exchange's result (a group average, a D-PSGD mix, a secure group's mean) as
+        our model, through the merge bound; False (model kept) when the bound refuses it."""
+        before = self.merge_bound.clipped + self.merge_bound.refused
+        bounded = self.merge_bound.apply(self.params, values)
+        self.bounded += self.merge_bound.clipped + self.merge_bound.refused - before
+        if bounded is None:
+            self.skipped += 1
+            return False
+        self.params.copy_(bounded)
+        self.version = bump(self.version)
+        self.merges = bump(self.merges)
+        return True
 
     def _message(self, target: str, reply: bool) -> ModelMessage:
         return ModelMessage(
@@ -125,12 +151,21 @@ class GossipNode:
         return late
 
     def _merge(self, msg: ModelMessage) -> None:
+        if self.rule.weight(self.info, msg.info) <= 0.0:  # too stale: not merged, not counted against the bound
+            self.skipped += 1
+            return
+        before = self.merge_bound.clipped + self.merge_bound.refused
+        other = self.merge_bound.apply(self.params, msg.params)
+        self.bounded += self.merge_bound.clipped + self.merge_bound.refused - before
+        if other is None:
+            self.skipped += 1
+            return
         if self.rule.norm_bound > 0:
-            self.bounded += int(self.rule.bound(self.params, msg.params)[1])
-        lam, info = self.rule.merge(self.params, self.info, msg.params, msg.info)
+            self.bounded += int(self.rule.bound(self.params, other)[1])
+        lam, info = self.rule.merge(self.params, self.info, other, msg.info)
         if lam <= 0.0:
             self.skipped += 1
             return
-        self.age = info.age
-        self.version += 1
-        self.merges += 1
+        self.age = min(info.age, MAX_COUNT)
+        self.version = bump(self.version)
+        self.merges = bump(self.merges)

@@ -118,3 +118,80 @@ class MergeRule:
             return lam, ModelInfo(other_info.age, own_info.num_examples)
         own.lerp_(bounded, lam)
         return lam, ModelInfo(max(own_info.age, other_info.age), own_info.num_examples)
+
+
+# --- the safe-merge bound every algorithm applies by default ------------------------------------
+
+RECENT_MERGES = 16  # accepted merge distances remembered for the bound's scale
+SCALE_FLOOR = 1.0  # the bound's scale never drops below this L2 norm (a model near zero still merges)
+
+
+class MergeBound:
+    """How far one received model (or one exchange's result) may move a peer's model.
+
+    Always on unless set to 0 (``gossip.merge_bound``, ``gossip.max_abs``), whatever
+    ``robust.norm_bound`` says, because one hostile message must never poison a peer:
+
+    - a model with any value beyond ``max_abs`` in absolute value is refused outright (no
+      honest model holds 1e30; merging it would overflow ours);
+    - a model farther (L2) than ``relative x scale`` from ours is clipped to that distance
+      (``bound_mode = "clip"``) or refused (``"reject"``), where the scale is the largest of
+      our own model's norm, the median distance of our last RECENT_MERGES accepted merges
+      and SCALE_FLOOR. Only merges that needed no clipping enter the median, so a stream of
+      hostile models cannot raise the bound faster than honest merges already did.
+
+    A peer that keeps merging with an attacker is still pulled (at most ``lam x bound`` per
+    merge); the bound makes each step small and finite, and honest merges pull it back.
+    Stateful (the recent distances), one per peer; sans-I/O.
+    """
+
+    def __init__(self, relative: float = 1.0, max_abs: float = 1e4, mode: str = "clip"):
+        if not relative >= 0 or not max_abs >= 0:
+            raise ValueError(f"merge bound {relative!r} and max_abs {max_abs!r} must be >= 0")
+        if mode not in BOUND_MODES:
+            raise ValueError(f"merge bound mode {mode!r} is not one of {BOUND_MODES}")
+        self.relative, self.max_abs, self.mode = float(relative), float(max_abs), mode
+        self.recent: list[float] = []
+        self.clipped = 0
+        self.refused = 0
+
+    @property
+    def active(self) -> bool:
+        return self.relative > 0 or self.max_abs > 0
+
+    def within_max_abs(self, other: torch.Tensor) -> bool:
+        """True when every value of ``other`` is finite and within ``max_abs`` (0: finite only)."""
+        if not bool(torch.isfinite(other).all()):
+            return False
+        return self.max_abs <= 0 or other.numel() == 0 or float(other.abs().max()) <= self.max_abs
+
+    def limit(self, own: torch.Tensor) -> float:
+        """The largest distance a received model may have from ``own`` (inf when off)."""
+        if self.relative <= 0:
+            return float("inf")
+        recent = sorted(self.recent)
+        median = recent[len(recent) // 2] if recent else 0.0
+        scale = max(float(torch.linalg.vector_norm(own.float())), median, SCALE_FLOOR)
+        return self.relative * scale
+
+    def apply(self, own: torch.Tensor, other: torch.Tensor) -> torch.Tensor | None:
+        """``other`` as it may be merged into ``own``: unchanged, clipped to the bound, or
+        None when refused (beyond ``max_abs``, or beyond the bound in reject mode). Counts
+        what it did (``clipped``, ``refused``)."""
+        other = other.to(own.device, own.dtype)
+        if not self.within_max_abs(other):
+            self.refused += 1
+            return None
+        if self.relative <= 0:
+            return other
+        limit = self.limit(own)
+        diff = other - own
+        dist = float(torch.linalg.vector_norm(diff))
+        if dist <= limit:
+            self.recent = [*self.recent[-(RECENT_MERGES - 1) :], dist]
+            return other
+        if self.mode == "reject":
+            self.refused += 1
+            return None
+        self.clipped += 1
+        return own + diff * (limit / dist)

@@ -1,4 +1,4 @@
-"""The gossip peer service (`shoal peer`): aiohttp transport around the protocol objects of p2p/.
+"""The gossip peer's transport (`shoal peer`): aiohttp around the sans-I/O PeerService.
 
 One peer trains on its own data (the task's, shoal/task.py) and exchanges models as
 ``gossip.algorithm`` says:
@@ -13,27 +13,26 @@ One peer trains on its own data (the task's, shoal/task.py) and exchanges models
   group average (``POST /secure``, SecureGroup). Groups come from the directory of peers the
   Membership has heard of, laid out on the virtual grid (p2p/group_average.py).
 
-Every slot or step also shuffles views (``POST /shuffle``, JSON). The protocol decisions
-all live in the sans-I/O objects of p2p/; this module only moves bytes.
+Every slot or step also shuffles views (``POST /shuffle``, JSON). Every decision is a call
+into p2p/service.py (PeerService: bodies and time in, bodies and decisions out); every body
+is parsed by p2p/messages.py; this module moves bytes, keeps time and bounds connections:
 
-Every request carries the network credential (``Authorization: Bearer TOKEN``, one
-token shared by the peers of a network); a request without it gets 401. Every model
-that arrives is validated by shoal.wire (size, spec hash, dtype, shape, finite) and its
-header fields (age, num_examples, sender) are type-checked before anything is merged;
-a bad one gets 4xx ``{"error": code, "detail": message}`` and the model is untouched. A
-model of another spec (a peer running another task) gets 400 ``spec_mismatch`` naming both
-spec hashes, even when it is also over the size limit, and the sender logs that detail.
-Models travel as ``[compression]`` says (p2p/model_wire.py: dense or q8, optionally
-zstd; the header names the encoding, so peers with different settings understand each
-other), and a merge bounds the received model's pull to ``robust.norm_bound`` if set
-(``gossip.bound_mode``: clip or reject; p2p/merge.py).
-HTTPS with a certificate by default; plain HTTP only with ``insecure=True``.
+- every request carries the network credential (``Authorization: Bearer TOKEN``); a
+  request without it gets 401, before ``100 Continue`` when the client asks for one;
+- every connection has a deadline: a request's headers must arrive within
+  HEADER_TIMEOUT_S of the connection's start (or of the previous answer), its body within
+  ``body_timeout`` (no byte for that long: 408, closed), and an idle keep-alive connection
+  is closed after IDLE_TIMEOUT_S; at most MAX_CONNECTIONS_PER_ADDRESS connections per
+  remote address;
+- a bad body gets 4xx ``{"error": code, "detail": message}`` and changes nothing; an
+  unexpected exception is logged once and answered 500, state untouched;
+- outgoing contacts go only where the address policy allows (p2p/addresses.py), with the
+  token only over HTTPS (plain HTTP only with ``insecure=True``).
 
-A peer's identity is its advertised URL, so a peer restarted on the same address is
-the same peer to the others; after a restart it has an empty view, refills it from
-``--bootstrap`` and catches up by merging (the age-gap rule adopts a model far ahead).
-Training runs on the event loop between requests (it is short: one round of local
-work); requests that arrive meanwhile wait for it.
+A peer's identity is its advertised URL, so a peer restarted on the same address is the
+same peer to the others. It stops after ``gossip.rounds`` local steps (0: until stopped),
+or at SIGINT/SIGTERM: it ends the step it is in (waits are cut short), writes its final
+model (``model.safetensors``) and a last metrics record to ``--out``, and exits.
 
 Every ``simulation.eval_every`` local steps (and the last) the peer evaluates its current
 model with every metric the task gives: ``test_<metric>`` on the central test set (only
@@ -46,52 +45,41 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import math
 import ssl
-import struct
 import time
 import zlib
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.web_protocol import RequestHandler
 
+from shoal.client.node import NodePrivacy
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
-from shoal.errors import Malformed, ShoalError, SpecMismatch, TooLarge, WireError
+from shoal.errors import ShoalError, TooLarge
 from shoal.metrics import MetricsLog, json_safe
 from shoal.seeding import derive_seed
 from shoal.task import ClientData, num_examples, task_name
-from shoal.wire import default_max_bytes
+from shoal.wire import encode_model
 
-from .dpsgd import DpsgdStep, MixMessage
-from .gossip import GossipNode, ModelMessage
-from .group_average import GridAverage, Refusal, SliceMessage, grid_path
-from .membership import Membership, ShuffleRequest, ShuffleResponse
-from .merge import MergeRule
-from .model_wire import (
-    decode_gossip_model,
-    decode_secure,
-    decode_slice,
-    encode_gossip_model,
-    encode_secure,
-    encode_slice,
-)
+from .group_average import GridAverage, SliceMessage
+from .messages import Refused, parse_refusal
 from .robust import check_gossip_settings
 from .secure_group import SecureGroup, SecureMessage
-
-_Shuffle = TypeVar("_Shuffle", ShuffleRequest, ShuffleResponse)
+from .service import Outgoing, PeerService, Rejected
 
 log = logging.getLogger(__name__)
 
-MAX_SHUFFLE_BYTES = 64 * 1024
-MAX_ID_CHARS = 256
-MAX_EARLY = 256  # slice messages held for an exchange this peer has not begun yet
-KEEP_EXCHANGES = 8  # finished exchanges kept to answer late repair requests
+HEADER_TIMEOUT_S = 10.0  # a connection's next request headers must be complete by then
+IDLE_TIMEOUT_S = 30.0  # an idle keep-alive connection is closed after this long
+MAX_CONNECTIONS_PER_ADDRESS = 64  # open connections from one remote address
+OUTGOING_PER_HOST = 8  # our own connections to one peer
 
 
 @dataclass
@@ -120,222 +108,373 @@ def _error(status: int, code: str, detail: str) -> web.Response:
     return web.json_response({"error": code, "detail": detail}, status=status)
 
 
-class Refused(ShoalError):
-    """The other peer answered our message with an error (its code and detail)."""
-
-    def __init__(self, status: int, code: str, detail: str):
-        super().__init__(f"HTTP {status} {code}: {detail}")
-        self.status, self.code, self.detail = status, code, detail
+class _HangUp(Rejected):
+    """A refusal after which the connection is closed (the rest of its body is not waited for)."""
 
 
-def _refusal(status: int, body: bytes) -> Refused:
-    try:
-        data = json.loads(body)
-        return Refused(status, str(data["error"]), str(data.get("detail", ""))[:500])
-    except (ValueError, KeyError, TypeError):
-        return Refused(status, "error", body[:200].decode(errors="replace"))
+class _Connections:
+    """Open connections per remote address, and each connection's deadline for its next request."""
+
+    def __init__(self, per_address: int, header_timeout: float):
+        self.per_address, self.header_timeout = per_address, header_timeout
+        self.open: dict[str, int] = {}
+        self.refused = 0
 
 
-def _peek_spec_hash(body: bytes | bytearray) -> str | None:
-    """The ``spec_hash`` in a message's header, read from its first bytes (None if there is none)."""
-    try:
-        hlen = struct.unpack("<Q", bytes(body[:8]))[0]
-        if hlen > len(body) - 8:
-            return None
-        meta = json.loads(bytes(body[8 : 8 + hlen]))["__metadata__"]["shoal"]
-        value = json.loads(meta).get("spec_hash")
-    except (struct.error, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return value if isinstance(value, str) else None
+class _GuardedHandler(RequestHandler):
+    """aiohttp's connection handler with a per-address cap and a deadline on each request's headers."""
+
+    guard: _Connections
+    _addr: str | None = None
+    _deadline: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        super().connection_made(transport)
+        peer = transport.get_extra_info("peername")
+        addr = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if self.guard.open.get(addr, 0) >= self.guard.per_address:
+            self.guard.refused += 1
+            self.force_close()
+            return
+        self._addr = addr
+        self.guard.open[addr] = self.guard.open.get(addr, 0) + 1
+        self.arm()
+
+    def arm(self) -> None:
+        """(Re)start the deadline for the next request's headers."""
+        self.disarm()
+        self._deadline = asyncio.get_running_loop().call_later(self.guard.header_timeout, self.force_close)
+
+    def disarm(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self.disarm()
+        if self._addr is not None:
+            left = self.guard.open.get(self._addr, 1) - 1
+            if left > 0:
+                self.guard.open[self._addr] = left
+            else:
+                self.guard.open.pop(self._addr, None)
+            self._addr = None
+        super().connection_lost(exc)
 
 
-class _BodyTooLarge(TooLarge):
-    """A request body over the peer's limit (HTTP 413)."""
+class _GuardedServer(web.Server):
+    def __init__(self, *args: Any, guard: _Connections, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.guard = guard
+
+    def __call__(self) -> RequestHandler:
+        handler = _GuardedHandler(self, loop=self._loop, **self._kwargs)
+        handler.guard = self.guard
+        return handler
 
 
-def _check_id(value: Any, key: str) -> str:
-    if not isinstance(value, str) or not value or len(value) > MAX_ID_CHARS:
-        raise Malformed(f"field {key!r} must be a non-empty string of at most {MAX_ID_CHARS} characters")
-    return value
+class _GuardedRunner(web.AppRunner):
+    """An AppRunner whose connections are guarded (header deadline, per-address cap)."""
 
+    def __init__(self, app: web.Application, guard: _Connections, **kwargs: Any):
+        super().__init__(app, **kwargs)
+        self.guard = guard
 
-def _check_int(header: dict, key: str, minimum: int) -> int:
-    v = header.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or v < minimum:
-        raise Malformed(f"header field {key!r} must be an integer >= {minimum}, got {v!r}")
-    return v
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        return _GuardedServer(
+            server.request_handler,
+            request_factory=server.request_factory,
+            handler_cancellation=server.handler_cancellation,
+            loop=server._loop,
+            guard=self.guard,
+            **server._kwargs,  # the runner's handler settings (keep-alive timeout, access log)
+        )
 
 
 class Peer:
-    """State and handlers of one gossip peer; ``run`` serves and trains until stopped."""
+    """One gossip peer: the PeerService, its trainer and data, and the HTTP around them."""
 
     def __init__(self, cfg: Config, trainer: LocalTrainer, data: PeerData, settings: PeerSettings):
         g = cfg.gossip
         check_gossip_settings(cfg)
         self.cfg, self.g, self.trainer, self.data, self.s = cfg, g, trainer, data, settings
         self.spec = trainer.spec
-        self.max_bytes = default_max_bytes(self.spec) + 64 * len(self.spec.entries)
-        seed = derive_seed(cfg.simulation.seed, zlib.crc32(settings.advertise.encode()))
-        membership = Membership(
-            settings.advertise,
-            g.view_size,
-            g.shuffle_length,
-            g.timeout,
-            g.max_failures,
-            quarantine=max(30.0, 10 * g.period),
-            seed=seed,
-            bootstrap_peers=settings.bootstrap,
-        )
         params = trainer.flat.detach().clone()
-        self.node = GossipNode(
-            membership,
-            params,
-            num_examples(data.train),
-            MergeRule(g.merge, g.staleness_exponent, g.max_age_gap, cfg.robust.norm_bound, g.bound_mode),
-            g.timeout,
+        self.svc = PeerService(
+            cfg, self.spec, params, num_examples(data.train), settings.advertise, settings.bootstrap, settings.insecure
         )
+        self.max_bytes = self.svc.max_bytes
+        self.body_timeout = max(5.0, 4 * g.timeout)
         self.steps = 0
-        self.bytes_sent = 0
-        self.rejected = 0
-        self._sent = 0  # messages encoded: seeds q8's stochastic rounding
         self.train_loss: float | None = None
         self.last_eval: dict[str, float] = {}  # the latest evaluation's metrics (GET /status)
         self.metrics = MetricsLog(settings.out_dir) if settings.out_dir else None
+        # local DP (privacy.mode = "local"): the trainer runs DP-SGD; this peer's epsilon over its own
+        # trainings, kept in a ledger in --out so a restarted peer goes on from it
+        self.privacy = (
+            NodePrivacy(
+                cfg,
+                settings.advertise,
+                num_examples(data.train),
+                settings.out_dir / "privacy_ledger.json" if settings.out_dir else None,
+            )
+            if cfg.privacy.mode == "local"
+            else None
+        )
+        self.privacy_report: dict[str, Any] = {}
+        self.guard = _Connections(MAX_CONNECTIONS_PER_ADDRESS, HEADER_TIMEOUT_S)
+        self.errors = 0  # requests answered 500 (a bug: logged with its traceback)
         self._lock = asyncio.Lock()
         self._session: aiohttp.ClientSession | None = None
-        # group averaging (gossip.algorithm = "group_average"): exchanges by step, early messages
-        self.exchanges: dict[int, GridAverage] = {}
-        self._early: dict[int, list[SliceMessage]] = {}
         self._wake = asyncio.Event()
+        self._stop = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
-        self.group_stats = {"exchanges": 0, "incomplete": 0, "repaired_slices": 0, "refused": 0, "alone": 0}
-        # D-PSGD (gossip.algorithm = "dpsgd"): the open mixing steps, and who waits for one
-        self.mixing: dict[int, DpsgdStep] = {}
         self._step_open: dict[int, asyncio.Event] = {}
-        self.dpsgd_stats = {"steps": 0, "neighbours": 0, "refused": 0}
-        # secure groups (gossip.algorithm = "secure_groups"): the offset from the shared initial model is masked
-        self.init = params.clone()
-        self.secure: dict[int, SecureGroup] = {}
-        self._early_secure: dict[int, list[SecureMessage]] = {}
-        self.secure_stats = {"groups": 0, "averaged": 0, "aborted": 0, "alone": 0}
 
-    # --- HTTP handlers ---------------------------------------------------------------------
+    @property
+    def node(self):
+        return self.svc.node
 
-    def _authorized(self, request: web.Request) -> bool:
+    # --- the incoming side -------------------------------------------------------------------
+
+    def _authorized(self, request: web.BaseRequest) -> bool:
         if not self.s.token:
             return True
         got = request.headers.get("Authorization", "")
-        return hmac.compare_digest(got.encode(), f"Bearer {self.s.token}".encode())
+        return hmac.compare_digest(got.encode(errors="replace"), f"Bearer {self.s.token}".encode())
 
     @web.middleware
-    async def _auth(self, request: web.Request, handler):
+    async def _last_line(self, request: web.Request, handler):
+        """Every answer is JSON; a known refusal its 4xx; anything else a logged 500 with nothing
+        applied. The connection's header deadline is off while a request is handled."""
+        conn = request.protocol
+        if isinstance(conn, _GuardedHandler):
+            conn.disarm()
+        try:
+            if not self._authorized(request):
+                return _error(401, "unauthorized", "missing or wrong network token (Authorization: Bearer TOKEN)")
+            return await handler(request)
+        except _HangUp as e:
+            resp = _error(e.status, e.code, e.detail)
+            resp.force_close()
+            if request.transport is not None and not request.transport.is_closing():
+                await resp.prepare(request)
+                await resp.write_eof()
+            request.protocol.force_close()
+            return resp
+        except Rejected as e:
+            return _error(e.status, e.code, e.detail)
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return _error(e.status, e.reason.lower().replace(" ", "_"), e.text or e.reason)
+        except ConnectionError:
+            return _error(400, "disconnected", "the connection was lost")
+        except Exception:
+            self.errors += 1
+            log.exception("unexpected error in %s %s; answered 500, nothing applied", request.method, request.path)
+            return _error(500, "internal", "the peer hit an unexpected error; nothing was applied (see its log)")
+        finally:
+            if isinstance(conn, _GuardedHandler) and conn.transport is not None:
+                conn.arm()
+
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect: 100-continue``: the token and the size are checked before the body is asked for."""
         if not self._authorized(request):
             return _error(401, "unauthorized", "missing or wrong network token (Authorization: Bearer TOKEN)")
-        return await handler(request)
+        if request.content_length is not None and request.content_length > self.max_bytes:
+            return _error(413, TooLarge.code, f"body of {request.content_length} bytes is over {self.max_bytes}")
+        if request.version >= (1, 1) and request.transport is not None:
+            request.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
 
     def app(self) -> web.Application:
-        app = web.Application(middlewares=[self._auth], client_max_size=self.max_bytes)
-        app.router.add_post("/gossip", self.handle_gossip)
-        app.router.add_post("/shuffle", self.handle_shuffle)
-        app.router.add_post("/group", self.handle_group)
-        app.router.add_post("/dpsgd", self.handle_dpsgd)
-        app.router.add_post("/secure", self.handle_secure)
+        app = web.Application(middlewares=[self._last_line], client_max_size=self.max_bytes + 1)
+        for path, handler in (
+            ("/gossip", self.handle_gossip),
+            ("/shuffle", self.handle_shuffle),
+            ("/group", self.handle_group),
+            ("/dpsgd", self.handle_dpsgd),
+            ("/secure", self.handle_secure),
+        ):
+            app.router.add_post(path, handler, expect_handler=self._expect)
         app.router.add_get("/status", self.handle_status)
         return app
 
-    def _encode(self, msg: ModelMessage) -> bytes:
-        extra = {"age": msg.age, "num_examples": msg.num_examples, "sender": msg.sender}
-        self._sent += 1
-        seed = derive_seed(self.cfg.simulation.seed, zlib.crc32(self.node.id.encode()), self._sent)
-        return encode_gossip_model(msg.params, self.spec, msg.version, extra, self.cfg.compression, seed)
-
-    def _decode(self, body: bytes, target: str, reply: bool) -> ModelMessage:
-        params, header = decode_gossip_model(body, self.spec, self.max_bytes)
-        return ModelMessage(
-            _check_id(header.get("sender"), "sender"),
-            target,
-            params,
-            _check_int(header, "age", 0),
-            header["version"],
-            _check_int(header, "num_examples", 1),
-            reply,
-        )
-
-    def _check_spec_hash(self, body: bytes | bytearray) -> None:
-        theirs = _peek_spec_hash(body)
-        if theirs is not None and theirs != self.spec.hash:
-            raise SpecMismatch(
-                f"the model sent has spec hash {theirs!r}, this peer's model {self.spec.hash!r}: "
-                "another task, [task.args] or architecture; the peers of one network must run "
-                "the same task and config"
-            )
-
-    async def _read_model(self, request: web.Request) -> bytes:
-        """The body, read up to the size limit. A model of a peer that runs another task is
-        refused for its spec hash, even when it is also too large: that says what is wrong."""
+    async def _body(self, request: web.Request) -> bytes:
+        """The body, up to the size limit, each wait for bytes bounded by ``body_timeout``. A body
+        over the limit of a peer that runs another task is refused for its spec hash."""
+        if request.content_length is not None and request.content_length > self.max_bytes:
+            head = await self._chunk(request)
+            self._check_spec_hash(head)
+            self.svc.rejected += 1
+            raise _HangUp(413, TooLarge.code, f"body over the limit of {self.max_bytes} bytes")
         buf = bytearray()
-        while chunk := await request.content.read(1 << 16):
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 4 * self.body_timeout
+        while chunk := await self._chunk(request, max(0.0, min(self.body_timeout, deadline - loop.time()))):
             buf += chunk
             if len(buf) > self.max_bytes:
                 self._check_spec_hash(buf)
-                raise _BodyTooLarge(f"body over the limit of {self.max_bytes} bytes")
-        self._check_spec_hash(buf)
+                self.svc.rejected += 1
+                raise _HangUp(413, TooLarge.code, f"body over the limit of {self.max_bytes} bytes")
         return bytes(buf)
 
-    async def handle_gossip(self, request: web.Request) -> web.Response:
+    def _check_spec_hash(self, head: bytes | bytearray) -> None:
         try:
-            body = await self._read_model(request)
-            msg = self._decode(body, self.node.id, reply=False)
-        except WireError as e:
-            self.rejected += 1
-            log.warning("refused a model: %s", e)
-            return _error(413 if isinstance(e, _BodyTooLarge) else 400, e.code, str(e))
-        if msg.sender == self.node.id:
-            return _error(400, "malformed", "a peer does not gossip with itself")
-        async with self._lock:
-            answer = self.node.on_push(msg, asyncio.get_running_loop().time())
-        body = self._encode(answer)
-        self.bytes_sent += len(body)
-        return web.Response(body=body, content_type="application/octet-stream")
+            self.svc.check_spec_hash(head)
+        except Rejected as e:
+            raise _HangUp(e.status, e.code, e.detail) from None
 
-    # --- group averaging: POST /group carries one slice message ------------------------------
+    async def _chunk(self, request: web.Request, timeout: float | None = None) -> bytes:
+        try:
+            async with asyncio.timeout(self.body_timeout if timeout is None else timeout):
+                return await request.content.readany()
+        except TimeoutError:
+            raise _HangUp(408, "body_timeout", f"no body bytes for {self.body_timeout:g} s") from None
 
-    def _current_step(self) -> int:
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def _wall_step(self) -> int:
         """The exchange step the wall clock is in: rounds are slots of ``gossip.period`` seconds
         from the epoch, so peers that share a clock and a config agree on the round."""
         return math.floor(time.time() / self.g.period) * self.g.exchanges_per_round
 
+    async def handle_gossip(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        return web.Response(body=self.svc.on_gossip(body, self._now()), content_type="application/octet-stream")
+
+    async def handle_shuffle(self, request: web.Request) -> web.Response:
+        body = await self._body(request)
+        return web.Response(body=self.svc.on_shuffle(body, self._now()), content_type="application/json")
+
     async def handle_group(self, request: web.Request) -> web.Response:
-        try:
-            body = await self._read_model(request)
-            msg = decode_slice(body, self.spec, self.max_bytes)
-        except WireError as e:
-            self.rejected += 1
-            log.warning("refused a slice: %s", e)
-            return _error(413 if isinstance(e, _BodyTooLarge) else 400, e.code, str(e))
-        if msg.target != self.node.id or msg.sender == self.node.id:
-            return _error(400, "malformed", f"slice for {msg.target!r} from {msg.sender!r} sent to {self.node.id}")
-        now = asyncio.get_running_loop().time()
-        m = self.node.membership
-        m.seen(msg.sender, now)
-        for member in msg.members:
-            m.learn(member, now)
-        ex = self.exchanges.get(msg.round)
+        ex, out = self.svc.on_group(await self._body(request), self._now(), self._wall_step())
         if ex is None:
-            cur, span = self._current_step(), 2 * self.g.exchanges_per_round
-            held = sum(map(len, self._early.values()))
-            if not cur - span <= msg.round <= cur + span or held >= MAX_EARLY:
-                return _error(409, "stale_round", f"round {msg.round} is not open here (now {cur})")
-            self._early.setdefault(msg.round, []).append(msg)
             return web.json_response({"ok": True, "held": True})
-        try:
-            out = ex.on_message(msg, now)
-        except Refusal as e:
-            self.group_stats["refused"] += 1
-            return _error(409, e.code, str(e))
         self._dispatch(ex, out)
         self._wake.set()
         return web.json_response({"ok": True})
+
+    async def handle_secure(self, request: web.Request) -> web.Response:
+        sg, out = self.svc.on_secure(await self._body(request), self._now(), self._wall_step())
+        if sg is None:
+            return web.json_response({"ok": True, "held": True})
+        self._dispatch(sg, out)
+        self._wake.set()
+        return web.json_response({"ok": True})
+
+    async def handle_dpsgd(self, request: web.Request) -> web.Response:
+        msg = self.svc.parse_mix_request(await self._body(request), self._wall_step())
+        if msg.step not in self.svc.mixing:  # the sender is ahead of us: wait for our step, briefly
+            if len(self._step_open) > 8:
+                raise Rejected(503, "busy", "too many requests wait for steps about to open")
+            opened = self._step_open.setdefault(msg.step, asyncio.Event())
+            try:
+                await asyncio.wait_for(opened.wait(), 0.8 * self.g.period)
+            except TimeoutError:
+                pass
+        body = self.svc.on_mix_request(msg, self._now())
+        return web.Response(body=body, content_type="application/octet-stream")
+
+    async def handle_status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.status())
+
+    def status(self) -> dict[str, Any]:
+        return {
+            **self.svc.counters(),
+            "task": task_name(self.trainer.task),
+            "steps": self.steps,
+            "metrics": json_safe(self.last_eval),
+            "connections_refused": self.guard.refused,
+            "errors": self.errors,
+            **self._privacy_fields(),
+        }
+
+    def _privacy_fields(self) -> dict[str, Any]:
+        """Local DP: this peer's epsilon so far (over its trainings), delta, trainings, the accountant."""
+        if self.privacy is None or self.privacy.accountant is None:
+            return {}
+        return {
+            "epsilon": self.privacy.epsilon,
+            "delta": self.cfg.privacy.delta,
+            "dp_trainings": self.privacy.rounds,
+            "accountant": self.privacy.accountant.describe(),
+        }
+
+    # --- the outgoing side ------------------------------------------------------------------
+
+    def _headers(self, url: str) -> dict[str, str]:
+        """The token, never over plain HTTP unless --insecure."""
+        if not self.s.token or (url.startswith("http://") and not self.s.insecure):
+            return {}
+        return {"Authorization": f"Bearer {self.s.token}"}
+
+    async def _post(self, out: Outgoing) -> bytes:
+        """POST ``out``; the answer's body (at most our body limit), or Refused / a transport error."""
+        if self._session is None or self._session.closed:
+            raise Refused(0, "stopping", "this peer is stopping")
+        if not out.url.startswith("https://") and not self.s.insecure:
+            raise Refused(0, "insecure", f"{out.url}: plain HTTP without --insecure")
+        async with self._session.post(
+            out.url,
+            data=out.body,
+            headers={**self._headers(out.url), "Content-Type": out.content_type},
+            ssl=True if self.s.ssl_client is None else self.s.ssl_client,  # True: aiohttp's default checks
+            allow_redirects=False,
+        ) as r:
+            data = await r.content.read(self.max_bytes + 1)
+            if len(data) > self.max_bytes:
+                raise Refused(r.status, "too_large", "answer over our body limit")
+            if r.status != 200:
+                raise parse_refusal(r.status, data)
+            return data
+
+    async def _contact(self, out: Outgoing, ok: Callable[[bytes], None], failed: Callable[[Exception], None]) -> None:
+        """POST ``out``; hand the answer to ``ok`` or the failure to ``failed``. Never raises
+        (a peer's answer, however wrong, is a failure of that peer, not of ours)."""
+        try:
+            data = await self._post(out)
+        except (TimeoutError, aiohttp.ClientError, OSError, ShoalError, ValueError, UnicodeError) as e:
+            failed(e)
+            return
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # a bug on our side: logged, the contact counts as failed
+            log.exception("contacting %s failed unexpectedly", out.url)
+            failed(e)
+            return
+        ok(data)
+
+    async def exchange(self) -> None:
+        now = self._now()
+        out = self.svc.start_exchange(now)
+        if out is None:
+            return
+        target = out.url.rsplit("/", 1)[0]
+
+        def failed(e: Exception) -> None:
+            if isinstance(e, Refused) and e.code == "spec_mismatch":
+                log.warning("%s refused our model: %s", target, e.detail)
+            else:
+                log.info("exchange with %s failed: %s", target, e)
+            self.svc.on_contact_failure(target, self._now())
+
+        await self._contact(out, lambda data: self.svc.on_exchange_reply(target, data, self._now()), failed)
+
+    async def shuffle(self) -> None:
+        out = self.svc.start_shuffle(self._now())
+        if out is None:
+            return
+        target = out.url.rsplit("/", 1)[0]
+
+        def failed(e: Exception) -> None:
+            log.info("shuffle with %s failed: %s", target, e)
+            self.svc.node.membership.on_failure(target, self._now())
+
+        await self._contact(out, lambda data: self.svc.on_shuffle_reply(target, data, self._now()), failed)
 
     def _dispatch(self, ex: GridAverage | SecureGroup, msgs: list) -> None:
         for msg in msgs:
@@ -344,376 +483,129 @@ class Peer:
             task.add_done_callback(self._tasks.discard)
 
     async def _send_msg(self, ex: GridAverage | SecureGroup, msg: SliceMessage | SecureMessage) -> None:
-        """POST a group message (a slice to /group, a secure group message to /secure); a member
-        that cannot be reached or refuses is gone for this exchange (and a connection failure
-        counts against it in the membership)."""
-        if isinstance(msg, SliceMessage):
-            path, body = "/group", encode_slice(msg, self.spec)
-        else:
-            path, body = "/secure", encode_secure(msg, self.spec)
-        try:
-            await self._post(msg.target.rstrip("/") + path, body, "application/octet-stream")
+        """POST a group message; a member that cannot be reached or refuses is gone for this
+        exchange (and a connection failure counts against it in the membership)."""
+        m = self.svc.node.membership
+        if not self.svc.may_contact(msg.target, self._now()):
+            self._dispatch(ex, ex.on_unreachable(msg.target, self._now()))
+            self._wake.set()
             return
-        except Refused as e:  # alive, but it will not take it (another group, a closed round, a bad body)
+        out = self.svc.encode_group_message(msg)
+        result: list[Exception] = []
+        await self._contact(out, lambda data: None, result.append)
+        if not result:
+            self.svc.policy.on_success(msg.target)
+            return
+        e = result[0]
+        if isinstance(e, Refused):  # alive, but it will not take it (another group, a closed round, a bad body)
             (log.warning if e.code == "spec_mismatch" else log.info)("%s refused a message: %s", msg.target, e)
-            self.node.membership.seen(msg.target, asyncio.get_running_loop().time())
-        except (TimeoutError, aiohttp.ClientError, OSError) as e:
-            log.info("%s to %s failed: %s", path, msg.target, e)
-            if self.node.membership.on_failure(msg.target, asyncio.get_running_loop().time()):
-                log.info("%s: removed %s after repeated failures", self.node.id, msg.target)
-        self._dispatch(ex, ex.on_unreachable(msg.target, asyncio.get_running_loop().time()))
+            m.seen(msg.target, self._now())
+        else:
+            log.info("%s failed: %s", out.url, e)
+            if m.on_failure(msg.target, self._now()):
+                log.info("%s: removed %s after repeated failures", self.svc.id, msg.target)
+        self._dispatch(ex, ex.on_unreachable(msg.target, self._now()))
         self._wake.set()
+
+    async def _wait(self, seconds: float) -> None:
+        """Wait for a message (``_wake``), ``seconds`` at most, or less when the peer is stopping."""
+        if self._stop.is_set():
+            return
+        waits = [asyncio.ensure_future(self._wake.wait()), asyncio.ensure_future(self._stop.wait())]
+        try:
+            await asyncio.wait(waits, timeout=max(0.0, seconds) + 1e-3, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+
+    async def _drive(self, obj: GridAverage | SecureGroup, until: float) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self._wake.clear()
+            self._dispatch(obj, obj.tick(loop.time()))
+            if obj.done or loop.time() >= until or self._stop.is_set():
+                break
+            deadline = obj.next_deadline()
+            wait = min(until, deadline if deadline is not None else until) - loop.time()
+            await self._wait(wait)
 
     async def group_exchange(self, step: int, weight: float, until: float | None = None) -> float:
-        """One group-averaging exchange (p2p/group_average.py) with the groups of ``step`` laid out
-        over our directory; returns the weight behind the averaged model. ``until`` (loop time):
-        the exchange ends then even if some members never answered (the slices that did not come
-        keep our own values), so that a slot's exchange never spills into the next slot and the
-        peers stay in step; the object stays to answer late repair requests."""
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        me = self.node.id
-        path = grid_path(
-            self.node.membership.directory(), me, step, self.g.group_size, self.g.group_levels, self.cfg.simulation.seed
-        )
-        for old in [k for k in self._early if k < step]:
-            del self._early[old]
-        if all(len(grp) < 2 for grp in path):
-            self.group_stats["alone"] += 1
+        """One group-averaging exchange with the groups of ``step`` laid out over our directory;
+        returns the weight behind the averaged model. It ends by ``until`` (loop time) even if
+        some members never answered, so a slot's exchange never spills into the next slot."""
+        now = self._now()
+        until = now + 4 * self.g.timeout if until is None else until
+        ex, out = self.svc.open_group(step, weight, now, until)
+        if ex is None:
             return weight
-        ex = GridAverage(me, path, step, self.node.params, weight, now, self.g.timeout)
-        self.exchanges[step] = ex
-        for old in sorted(self.exchanges)[:-KEEP_EXCHANGES]:
-            del self.exchanges[old]
-        self._dispatch(ex, ex.start())
-        for msg in self._early.pop(step, []):
-            try:
-                self._dispatch(ex, ex.on_message(msg, now))
-            except Refusal:
-                self.group_stats["refused"] += 1
-        while True:
-            self._wake.clear()
-            self._dispatch(ex, ex.tick(loop.time()))
-            if ex.done or (until is not None and loop.time() >= until):
-                break
-            deadline = ex.next_deadline()
-            wait = self.g.timeout if deadline is None else max(0.0, deadline - loop.time())
-            if until is not None:
-                wait = min(wait, max(0.0, until - loop.time()))
-            try:
-                await asyncio.wait_for(self._wake.wait(), wait + 1e-3)
-            except TimeoutError:
-                pass
-        res = ex.result()
+        self._dispatch(ex, out)
+        await self._drive(ex, until)
         async with self._lock:
-            self.node.params.copy_(res.values)
-            self.node.version += 1
-            self.node.merges += 1
-        self.group_stats["exchanges"] += 1
-        self.group_stats["incomplete"] += int(not res.complete)
-        self.group_stats["repaired_slices"] += res.repaired
-        return res.weight
-
-    # --- secure groups: POST /secure carries one secure aggregation message of a group ------------
-
-    async def handle_secure(self, request: web.Request) -> web.Response:
-        try:
-            msg = decode_secure(await self._read_model(request), self.spec, self.max_bytes)
-        except WireError as e:
-            self.rejected += 1
-            log.warning("refused a secure group message: %s", e)
-            return _error(413 if isinstance(e, _BodyTooLarge) else 400, e.code, str(e))
-        if msg.target != self.node.id or msg.sender == self.node.id:
-            return _error(400, "malformed", f"message for {msg.target!r} from {msg.sender!r} sent to {self.node.id}")
-        now = asyncio.get_running_loop().time()
-        self.node.membership.seen(msg.sender, now)
-        for member in msg.members:
-            self.node.membership.learn(member, now)
-        sg = self.secure.get(msg.round)
-        if sg is None:
-            cur, span = self._current_step(), 2 * self.g.exchanges_per_round
-            held = sum(map(len, self._early_secure.values()))
-            if not cur - span <= msg.round <= cur + span or held >= MAX_EARLY:
-                return _error(409, "stale_round", f"round {msg.round} is not open here (now {cur})")
-            self._early_secure.setdefault(msg.round, []).append(msg)
-            return web.json_response({"ok": True, "held": True})
-        try:
-            out = sg.on_message(msg, now)
-        except Refusal as e:
-            return _error(409, e.code, str(e))
-        self._dispatch(sg, out)
-        self._wake.set()
-        return web.json_response({"ok": True})
+            return self.svc.finish_group(ex)
 
     async def secure_exchange(self, step: int, until: float) -> None:
-        """One secure group average (p2p/secure_group.py) in our group of ``step`` (one grid axis),
-        the first member relaying; each stage waits at most min(timeout, period / 10); the group's
-        average offset from the initial model replaces ours, an aborted group keeps its models."""
-        loop = asyncio.get_running_loop()
-        g, sa = self.g, self.cfg.secure_aggregation
-        members = grid_path(
-            self.node.membership.directory(), self.node.id, step, g.group_size, 1, self.cfg.simulation.seed
-        )[0]
-        for old in [k for k in self._early_secure if k < step]:
-            del self._early_secure[old]
-        if len(members) < 2:
-            self.secure_stats["alone"] += 1
+        """One secure group average (p2p/secure_group.py) in our group of ``step`` (one grid axis)."""
+        sg, out = self.svc.open_secure(step, num_examples(self.data.train), self._now())
+        if sg is None:
             return
-        now = loop.time()
-        sg = SecureGroup(
-            self.node.id,
-            members,
-            step,
-            self.node.params - self.init,
-            num_examples(self.data.train),
-            now,
-            min(g.timeout, g.period / 10),
-            sa.clip,
-            sa.bits,
-            sa.threshold,
-        )
-        self.secure[step] = sg
-        for old in sorted(self.secure)[:-KEEP_EXCHANGES]:
-            del self.secure[old]
-        self.secure_stats["groups"] += 1
-        self._dispatch(sg, sg.start())
-        for msg in self._early_secure.pop(step, []):
-            try:
-                self._dispatch(sg, sg.on_message(msg, now))
-            except Refusal:
-                pass
-        while True:
-            self._wake.clear()
-            self._dispatch(sg, sg.tick(loop.time()))
-            if sg.done or loop.time() >= until:
-                break
-            deadline = sg.next_deadline()
-            wait = min(until, deadline if deadline is not None else until) - loop.time()
-            try:
-                await asyncio.wait_for(self._wake.wait(), max(0.0, wait) + 1e-3)
-            except TimeoutError:
-                pass
-        res = sg.result()
-        if res.mean is None:
-            self.secure_stats["aborted"] += 1
-            log.info("secure group of step %d: no average (%s)", step, res.reason or "out of time")
-            return
+        self._dispatch(sg, out)
+        await self._drive(sg, until)
         async with self._lock:
-            self.node.params.copy_(self.init + res.mean.to(self.init.device))
-            self.node.version += 1
-            self.node.merges += 1
-        self.secure_stats["averaged"] += 1
-
-    # --- D-PSGD: POST /dpsgd carries a node's model for one mixing step; the answer is ours ----
-
-    def _mix_body(self, msg: MixMessage) -> bytes:
-        extra = {"age": self.node.age, "num_examples": self.node.num_examples, "sender": msg.sender, "step": msg.step}
-        self._sent += 1
-        seed = derive_seed(self.cfg.simulation.seed, zlib.crc32(self.node.id.encode()), self._sent)
-        return encode_gossip_model(msg.params, self.spec, self.node.version, extra, self.cfg.compression, seed)
-
-    def _mix_message(self, body: bytes, reply: bool) -> MixMessage:
-        params, header = decode_gossip_model(body, self.spec, self.max_bytes)
-        return MixMessage(
-            _check_id(header.get("sender"), "sender"), self.node.id, _check_int(header, "step", 0), params, reply
-        )
-
-    async def handle_dpsgd(self, request: web.Request) -> web.Response:
-        try:
-            msg = self._mix_message(await self._read_model(request), reply=False)
-        except WireError as e:
-            self.rejected += 1
-            log.warning("refused a model: %s", e)
-            return _error(413 if isinstance(e, _BodyTooLarge) else 400, e.code, str(e))
-        loop = asyncio.get_running_loop()
-        st = self.mixing.get(msg.step)
-        if st is None:  # the sender is ahead of us (it trained faster): wait for our step, briefly
-            cur, m = self._current_step(), self.g.exchanges_per_round
-            if not cur <= msg.step <= cur + 2 * m or len(self._step_open) > 8:
-                return _error(409, "stale_round", f"step {msg.step} is not open here (now {cur})")
-            opened = self._step_open.setdefault(msg.step, asyncio.Event())
-            try:
-                await asyncio.wait_for(opened.wait(), 0.8 * self.g.period)
-            except TimeoutError:
-                pass
-            st = self.mixing.get(msg.step)
-            if st is None:
-                return _error(409, "stale_round", f"step {msg.step} did not open here in time")
-        try:
-            answer = st.on_request(msg, loop.time())
-        except Refusal as e:
-            self.dpsgd_stats["refused"] += 1
-            return _error(409, e.code, str(e))
-        self.node.membership.seen(msg.sender, loop.time())
-        body = self._mix_body(answer)
-        self.bytes_sent += len(body)
-        return web.Response(body=body, content_type="application/octet-stream")
-
-    async def _mix_with(self, st: DpsgdStep, msg: MixMessage) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            data = await self._post(msg.target.rstrip("/") + "/dpsgd", self._mix_body(msg), "application/octet-stream")
-            st.on_reply(self._mix_message(data, reply=True), loop.time())
-            self.node.membership.on_success(msg.target, loop.time())
-        except Refused as e:  # busy, closed, another step: alive, no edge this step
-            (log.warning if e.code == "spec_mismatch" else log.debug)("%s refused to mix: %s", msg.target, e)
-            st.on_unreachable(msg.target, loop.time())
-        except (TimeoutError, aiohttp.ClientError, OSError, ShoalError) as e:
-            log.info("mixing with %s failed: %s", msg.target, e)
-            st.on_unreachable(msg.target, loop.time())
-            if self.node.membership.on_failure(msg.target, loop.time()):
-                log.info("%s: removed %s after repeated failures", self.node.id, msg.target)
+            self.svc.finish_secure(sg, step)
 
     async def dpsgd_step(self, step: int, until: float) -> None:
-        """One D-PSGD mixing step (p2p/dpsgd.py DpsgdStep) with partners from our view, open to
-        requests until ``until`` (loop time); then mix what we exchanged."""
-        loop = asyncio.get_running_loop()
-        m = self.node.membership
-        partners: list[str] = []
-        pool = [p for p in m.peers() if p not in m.suspected()] or m.peers()
-        rng = derive_seed(self.cfg.simulation.seed, zlib.crc32(self.node.id.encode()), step)
-        order = sorted(pool, key=lambda p: zlib.crc32(f"{rng}/{p}".encode()))
-        partners = order[: max(1, self.g.degree // 2)]
-        st = DpsgdStep(self.node.id, step, self.node.params, partners, self.g.degree, until)
-        self.mixing[step] = st
-        for old in sorted(self.mixing)[:-KEEP_EXCHANGES]:
-            del self.mixing[old]
+        """One D-PSGD mixing step with partners from our view, open to requests until ``until``."""
+        st, outs = self.svc.open_mix(step, until)
         self._step_open.setdefault(step, asyncio.Event()).set()
         for old in [k for k in self._step_open if k < step]:
             del self._step_open[old]
-        await asyncio.gather(*[self._mix_with(st, msg) for msg in st.start()])
-        await asyncio.sleep(max(0.0, until - loop.time()))  # others may still ask us
-        st.tick(loop.time())
-        mixed = st.result()
-        async with self._lock:
-            self.node.params.copy_(mixed)
-            self.node.version += 1
-            self.node.merges += 1
-        self.dpsgd_stats["steps"] += 1
-        self.dpsgd_stats["neighbours"] += len(st.neighbours)
 
-    async def handle_shuffle(self, request: web.Request) -> web.Response:
+        async def mix(out: Outgoing) -> None:
+            target = out.url.rsplit("/", 1)[0]
+
+            def failed(e: Exception) -> None:
+                if isinstance(e, Refused):  # busy, closed, another step: alive, no edge this step
+                    (log.warning if e.code == "spec_mismatch" else log.debug)("%s refused to mix: %s", target, e)
+                else:
+                    log.info("mixing with %s failed: %s", target, e)
+                    self.svc.node.membership.on_failure(target, self._now())
+                st.on_unreachable(target, self._now())
+
+            if not self.svc.may_contact(target, self._now()):
+                st.on_unreachable(target, self._now())
+                return
+            await self._contact(out, lambda data: self.svc.on_mix_reply(st, target, data, self._now()), failed)
+
+        await asyncio.gather(*[mix(o) for o in outs])
+        await self._wait_until(until)  # others may still ask us
+        async with self._lock:
+            self.svc.finish_mix(st, self._now())
+
+    async def _wait_until(self, until: float) -> None:
+        loop = asyncio.get_running_loop()
         try:
-            req = self._parse_shuffle(await request.read(), ShuffleRequest)
-        except web.HTTPRequestEntityTooLarge:
-            return _error(413, "too_large", f"body over the limit of {self.max_bytes} bytes")
-        except WireError as e:
-            return _error(400, e.code, str(e))
+            await asyncio.wait_for(self._stop.wait(), max(0.0, until - loop.time()))
+        except TimeoutError:
+            pass
+
+    # --- training, evaluation, the loops ---------------------------------------------------
+
+    async def local_step(self) -> bool:
+        """One round of local training; False (nothing trained) when local DP's budget is spent:
+        one more training would take epsilon past ``privacy.target_epsilon``."""
         async with self._lock:
-            resp = self.node.membership.on_shuffle_request(req, asyncio.get_running_loop().time())
-        body = json.dumps({"sender": resp.sender, "entries": resp.entries}).encode()
-        self.bytes_sent += len(body)
-        return web.Response(body=body, content_type="application/json")
-
-    def _parse_shuffle(self, body: bytes, kind: type[_Shuffle]) -> _Shuffle:
-        if len(body) > MAX_SHUFFLE_BYTES:
-            raise Malformed(f"shuffle body of {len(body)} bytes is over {MAX_SHUFFLE_BYTES}")
-        try:
-            data = json.loads(body)
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise Malformed(f"shuffle body is not JSON: {e}") from None
-        if not isinstance(data, dict) or not isinstance(data.get("entries"), list):
-            raise Malformed("shuffle body must be {'sender': URL, 'entries': [[URL, age], ...]}")
-        sender = _check_id(data.get("sender"), "sender")
-        entries = []
-        for item in data["entries"][: self.g.view_size]:
-            if not (isinstance(item, list) and len(item) == 2 and isinstance(item[1], int) and item[1] >= 0):
-                raise Malformed("each shuffle entry must be [URL, age >= 0]")
-            entries.append((_check_id(item[0], "entry"), int(item[1])))
-        return kind(sender, self.node.id, tuple(entries))
-
-    async def handle_status(self, request: web.Request) -> web.Response:
-        return web.json_response(self.status())
-
-    def status(self) -> dict[str, Any]:
-        n = self.node
-        return {
-            "id": n.id,
-            "task": task_name(self.trainer.task),
-            "spec_hash": self.spec.hash,
-            "steps": self.steps,
-            "age": n.age,
-            "version": n.version,
-            "merges": n.merges,
-            "metrics": json_safe(self.last_eval),
-            "view": n.membership.peers(),
-            "suspected": sorted(n.membership.suspected()),
-            "bytes_sent": self.bytes_sent,
-            "rejected": self.rejected,
-            "bounded": n.bounded,
-            "algorithm": self.g.algorithm,
-            "directory": len(n.membership.known),
-            **({"group": dict(self.group_stats)} if self.g.algorithm == "group_average" else {}),
-            **({"dpsgd": dict(self.dpsgd_stats)} if self.g.algorithm == "dpsgd" else {}),
-            **({"secure": dict(self.secure_stats)} if self.g.algorithm == "secure_groups" else {}),
-        }
-
-    # --- the outgoing side ------------------------------------------------------------------
-
-    def _headers(self) -> dict[str, str]:
-        return {"Authorization": f"Bearer {self.s.token}"} if self.s.token else {}
-
-    async def _post(self, url: str, body: bytes, content_type: str) -> bytes:
-        assert self._session is not None
-        self.bytes_sent += len(body)
-        async with self._session.post(
-            url,
-            data=body,
-            headers={**self._headers(), "Content-Type": content_type},
-            ssl=True if self.s.ssl_client is None else self.s.ssl_client,  # True: aiohttp's default checks
-        ) as r:
-            data = await r.read()
-            if r.status != 200:
-                raise _refusal(r.status, data)
-            return data
-
-    async def exchange(self) -> None:
-        now = asyncio.get_running_loop().time()
-        async with self._lock:
-            msg = self.node.start_exchange(now)
-        if msg is None:
-            return
-        try:
-            data = await self._post(msg.target.rstrip("/") + "/gossip", self._encode(msg), "application/octet-stream")
-            answer = self._decode(data, self.node.id, reply=True)
-        except (TimeoutError, aiohttp.ClientError, OSError, ShoalError) as e:
-            if isinstance(e, Refused) and e.code == "spec_mismatch":
-                log.warning("%s refused our model: %s", msg.target, e.detail)
-            else:
-                log.info("exchange with %s failed: %s", msg.target, e)
-            async with self._lock:
-                self.node.on_failure(msg.target, asyncio.get_running_loop().time())
-            return
-        async with self._lock:
-            self.node.on_reply(answer, asyncio.get_running_loop().time())
-
-    async def shuffle(self) -> None:
-        m = self.node.membership
-        now = asyncio.get_running_loop().time()
-        async with self._lock:
-            m.expire(now)
-            req = m.start_shuffle(now)
-        if req is None:
-            return
-        body = json.dumps({"sender": req.sender, "entries": req.entries}).encode()
-        try:
-            data = await self._post(req.target.rstrip("/") + "/shuffle", body, "application/json")
-            resp = self._parse_shuffle(data, ShuffleResponse)
-        except (TimeoutError, aiohttp.ClientError, OSError, ShoalError) as e:
-            log.info("shuffle with %s failed: %s", req.target, e)
-            async with self._lock:
-                m.on_failure(req.target, asyncio.get_running_loop().time())
-            return
-        async with self._lock:
-            m.on_shuffle_response(resp, asyncio.get_running_loop().time())
-
-    async def local_step(self) -> None:
-        async with self._lock:
+            if self.privacy is not None and not self.privacy.allows_next_round():
+                return False
             seed = derive_seed(self.cfg.simulation.seed, self.steps, zlib.crc32(self.node.id.encode()))
+            if self.privacy is not None:
+                seed = self.privacy.training_seed(seed)  # DP-SGD's noise and sampling on a seed only we know
             update = self.trainer.fit(self.node.params, self.data.train, seed)
             self.train_loss = update.metrics.get("train_loss")
             self.node.local_update(self.trainer.flat)
             self.steps += 1
+            if self.privacy is not None:  # the model leaves this peer with its next message
+                self.privacy_report = self.privacy.spend(self.steps) or {}
+            return True
 
     def evaluation(self) -> dict[str, float]:
         """Every metric the task gives for the current (merged) model: ``test_<metric>`` on
@@ -729,11 +621,14 @@ class Peer:
             out["local_test_num_examples"] = int(ev["num_examples"])
         return out
 
-    async def evaluate(self) -> None:
+    async def evaluate(self, final: bool = False) -> None:
         """Evaluate the current model; one metrics record (with age, view size, bytes sent)."""
         async with self._lock:
             self.last_eval = self.evaluation()
         if self.metrics:
+            c = self.svc.counters()
+            algo = self.g.algorithm
+            stats = {"group_average": "group", "dpsgd": "dpsgd", "secure_groups": "secure"}.get(algo)
             self.metrics.write(
                 {
                     "round": self.steps,
@@ -742,37 +637,43 @@ class Peer:
                     "age": self.node.age,
                     "merges": self.node.merges,
                     "view_size": len(self.node.membership.view),
-                    "bytes_sent": self.bytes_sent,
-                    "bytes_sent_per_round": self.bytes_sent / max(self.steps, 1),
-                    "rejected": self.rejected,
-                    "algorithm": self.g.algorithm,
+                    "bytes_sent": self.svc.bytes_sent,
+                    "bytes_sent_per_round": self.svc.bytes_sent / max(self.steps, 1),
+                    "rejected": self.svc.rejected,
+                    "bounded": self.node.bounded,
+                    "algorithm": algo,
                     "directory": len(self.node.membership.known),
-                    **(
-                        {f"group_{k}": v for k, v in self.group_stats.items()}
-                        if self.g.algorithm == "group_average"
-                        else {}
-                    ),
-                    **({f"dpsgd_{k}": v for k, v in self.dpsgd_stats.items()} if self.g.algorithm == "dpsgd" else {}),
-                    **(
-                        {f"secure_{k}": v for k, v in self.secure_stats.items()}
-                        if self.g.algorithm == "secure_groups"
-                        else {}
-                    ),
+                    **({f"{stats}_{k}": v for k, v in c[stats].items()} if stats else {}),
+                    **self._privacy_fields(),
+                    **({"final": True} if final else {}),
                 }
             )
 
+    def save_model(self) -> Path | None:
+        """The current model as ``model.safetensors`` in the output folder (written whole, then renamed)."""
+        if self.s.out_dir is None:
+            return None
+        self.s.out_dir.mkdir(parents=True, exist_ok=True)
+        path = self.s.out_dir / "model.safetensors"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(encode_model(self.node.params, self.spec, self.node.version, {"age": self.node.age}))
+        tmp.replace(path)
+        return path
+
     async def run(self, host: str, port: int, stop: asyncio.Event) -> None:
-        """Serve on host:port and gossip every ``period`` seconds until ``stop`` is set
-        (or ``gossip.rounds`` local steps are done)."""
-        runner = web.AppRunner(self.app(), access_log=None)
+        """Serve on host:port and gossip every ``period`` seconds until ``stop`` is set (or
+        ``gossip.rounds`` local steps are done); then save the final model and metrics."""
+        self._stop = stop
+        runner = _GuardedRunner(self.app(), self.guard, access_log=None, keepalive_timeout=IDLE_TIMEOUT_S)
         await runner.setup()
         site = web.TCPSite(runner, host, port, ssl_context=self.s.ssl_server)
         await site.start()
-        timeout = aiohttp.ClientTimeout(total=self.g.timeout)
-        self._session = aiohttp.ClientSession(timeout=timeout)
+        timeout = aiohttp.ClientTimeout(total=self.g.timeout, sock_connect=self.g.timeout)
+        connector = aiohttp.TCPConnector(limit_per_host=OUTGOING_PER_HOST)
+        self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         log.info(
             "peer %s listening on %s:%d, bootstrap %s, %s",
-            self.node.id,
+            self.svc.id,
             host,
             port,
             ",".join(self.s.bootstrap) or "-",
@@ -784,25 +685,31 @@ class Peer:
             else:
                 await self._run_rounds(stop)
         finally:
+            await runner.cleanup()  # no new requests, so no new messages to send
             for task in list(self._tasks):
                 task.cancel()
+            await asyncio.gather(*self._tasks, return_exceptions=True)
             await self._session.close()
-            await runner.cleanup()
+            if stop.is_set():  # stopped by a signal: the last record marks it
+                await self.evaluate(final=True)
+            saved = self.save_model()
+            log.info("stopped after %d local steps%s", self.steps, f"; final model in {saved}" if saved else "")
 
     async def _step_done(self) -> bool:
         """Evaluate when due; True when ``gossip.rounds`` local steps are done."""
         last = bool(self.g.rounds) and self.steps >= self.g.rounds
         if last or self.steps % self.cfg.simulation.eval_every == 0:
-            await self.evaluate()
+            await self.evaluate(final=last)
         return last
 
     async def _run_push_pull(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
-            await self.local_step()
+            if not await self.local_step():
+                await self.evaluate(final=True)
+                return
             await asyncio.gather(self.exchange(), self.shuffle())
             last = await self._step_done()
-            async with self._lock:
-                self.node.expire(asyncio.get_running_loop().time())
+            self.node.expire(self._now())
             if last:
                 break
             try:
@@ -824,15 +731,17 @@ class Peer:
                 break
             except TimeoutError:
                 pass
-            shuffle = asyncio.get_running_loop().create_task(self.shuffle())  # never holds up the slot
-            self._tasks.add(shuffle)
-            shuffle.add_done_callback(self._tasks.discard)
-            await self.local_step()
+            self._spawn(self.shuffle())  # never holds up the slot
+            if not await self.local_step():
+                await self.evaluate(final=True)
+                return
             weight = float(num_examples(self.data.train)) if g.group_weights == "examples" else 1.0
             m = g.exchanges_per_round
             for k in range(m):
+                if stop.is_set():
+                    break
                 # exchange k ends by 0.8 (k + 1) / m of the slot, on the wall clock
-                end = asyncio.get_running_loop().time() + (slot + 0.8 * (k + 1) / m) * g.period - time.time()
+                end = self._now() + (slot + 0.8 * (k + 1) / m) * g.period - time.time()
                 if g.algorithm == "group_average":
                     weight = await self.group_exchange(slot * m + k, weight, end)
                 elif g.algorithm == "secure_groups":
@@ -841,3 +750,8 @@ class Peer:
                     await self.dpsgd_step(slot * m + k, end)
             if await self._step_done():
                 break
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)

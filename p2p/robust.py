@@ -32,6 +32,14 @@ from shoal.aggregation.robust import make_aggregator
 from shoal.config import Config
 from shoal.errors import ConfigError
 
+from .merge import MergeBound
+
+
+def make_merge_bound(cfg: Config) -> MergeBound:
+    """A peer's safe-merge bound from ``gossip.merge_bound``, ``gossip.max_abs`` and ``gossip.bound_mode``."""
+    g = cfg.gossip
+    return MergeBound(g.merge_bound, g.max_abs, g.bound_mode)
+
 
 def robust_mixing(cfg: Config) -> bool:
     """True when D-PSGD must mix node by node through a robust rule (not ``W @ X``)."""

@@ -284,6 +284,9 @@ class ServerConfig:
     uploads_per_node: int = 2  # one node's uploads in flight at once (429 above it)
     idle_timeout_s: float = 75.0  # a connection with no request in flight this long is closed
     admin_token_file: str = ""  # file holding the token of GET /v1/status and /metrics ("" = routes off)
+    max_failed_rounds: int = 5  # a run ends after this many rounds in a row without an accepted update (0 = never)
+    min_upload_rate: float = 16384.0  # bytes/s an upload must keep after upload_grace_s (408 below it; 0 = off)
+    upload_grace_s: float = 5.0  # seconds an upload may send slower than min_upload_rate at first
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
@@ -316,6 +319,11 @@ class ServerConfig:
             if not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"server.{key} = {v!r} must be a finite number of seconds > 0")
         _positive("server.uploads_per_node", self.uploads_per_node)
+        _positive("server.max_failed_rounds", self.max_failed_rounds, allow_zero=True)
+        for key in ("min_upload_rate", "upload_grace_s"):
+            v = getattr(self, key)
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"server.{key} = {v!r} must be a finite number >= 0")
 
 
 @dataclass
@@ -409,6 +417,11 @@ class GossipConfig:
     bound_mode: Literal["clip", "reject"] = (
         "clip"  # robust.norm_bound > 0: clip | reject models farther than it from ours
     )
+    merge_bound: float = 1.0  # a received model moves ours by at most this x max(||own||, recent merges, 1) (L2),
+    # clipped or refused per bound_mode; 0 = off (p2p/merge.py MergeBound)
+    max_abs: float = 1e4  # a received model with a value beyond this (absolute) is refused; 0 = finite only
+    allow_networks: list[str] = field(default_factory=list)  # `shoal peer`: CIDRs contacted whatever their
+    # kind (by default only addresses of the kinds of --advertise and --bootstrap; p2p/addresses.py)
     view_size: int = 8  # Cyclon partial view
     shuffle_length: int = 4  # entries swapped per shuffle
     exchanges_per_round: int = 1  # push-pull exchanges a peer starts after each local step
@@ -428,13 +441,16 @@ class GossipConfig:
     partition_end: int = 0  # simulator: the round the partition heals
     eval_peers: int = 0  # evaluate this many peers each time (0 = all)
     period: float = 1.0  # `shoal peer`: seconds between local steps
-    rounds: int = 0  # `shoal peer`: stop after this many local steps (0 = run until stopped)
+    rounds: int = 0  # `shoal peer`: stop after this many local steps, writing the final model and metrics
+    # (0 = until SIGINT/SIGTERM, which do the same)
 
     def validate(self) -> None:
         _positive("gossip.group_levels", self.group_levels, allow_zero=True)
         if self.group_size < 2:
             raise ConfigError(f"gossip.group_size = {self.group_size} must be >= 2 (a group of one averages nothing)")
         _positive("gossip.staleness_exponent", self.staleness_exponent, allow_zero=True)
+        _positive("gossip.merge_bound", self.merge_bound, allow_zero=True)
+        _positive("gossip.max_abs", self.max_abs, allow_zero=True)
         _positive("gossip.max_age_gap", self.max_age_gap, allow_zero=True)
         _positive("gossip.view_size", self.view_size)
         if not 1 <= self.shuffle_length <= self.view_size:
@@ -620,6 +636,22 @@ class OutputConfig:
 
 
 @dataclass
+class FederationConfig:
+    """A long-running server that hosts runs submitted with `shoal run submit` (server/federation.py)."""
+
+    enabled: bool = False  # `shoal server` hosts submitted runs instead of one run of its own [task]
+    dir: str = "server/federation"  # runs.sqlite and one folder per run (checkpoints, metrics, final model)
+    max_runs: int = 2  # runs trained at once; later submissions wait in the queue
+    max_queued: int = 32  # runs waiting at once; a submission above it is refused (429)
+    tasks: list[str] = field(default_factory=list)  # task references a run may name ([] = any the server can load)
+    researcher_tokens_file: str = ""  # file of "name token" lines allowed to submit and follow runs
+
+    def validate(self) -> None:
+        _positive("federation.max_runs", self.max_runs)
+        _positive("federation.max_queued", self.max_queued, allow_zero=True)
+
+
+@dataclass
 class Config:
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -637,6 +669,7 @@ class Config:
     gossip: GossipConfig = field(default_factory=GossipConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     secure_aggregation: SecureAggregationConfig = field(default_factory=SecureAggregationConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
 
     def validate(self) -> Config:
         for f in dataclasses.fields(self):

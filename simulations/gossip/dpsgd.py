@@ -48,7 +48,7 @@ class DPSGD:
         nbrs = (w[live][:, live] > 0).sum(1).cpu().numpy() - 1
         for _ in range(net.g.exchanges_per_round):  # m gossip steps per round: X <- W^m X
             if not net.wire and not robust_mixing(net.cfg):
-                net.models.copy_(gossip_average(w, net.models, alive).float())
+                self.adopt(gossip_average(w, net.models, alive).float(), live)
                 net.bytes_sent[live] += nbrs * net.model_bytes
                 continue
             sent, ok = net.models.clone(), torch.ones(net.n, dtype=torch.bool, device=w.device)
@@ -69,7 +69,13 @@ class DPSGD:
             else:
                 own = net.models.double()
                 mixed = wk.to(own.dtype) @ sent.double() + torch.diag(wk).to(own.dtype)[:, None] * (own - sent.double())
-            net.models.copy_(mixed.float())
+            self.adopt(mixed.float(), live)
+
+    def adopt(self, mixed: torch.Tensor, live: np.ndarray) -> None:
+        """Each online peer takes its row of the mix through its merge bound (as DpsgdStep's peer
+        does); offline rows are unchanged by the mix."""
+        for i in live:
+            self.net.nodes[int(i)].adopt(mixed[int(i)])
 
     def metrics(self) -> dict[str, float]:
         return {}

@@ -45,6 +45,7 @@ from shoal.p2p.gossip import GossipNode, ModelMessage
 from shoal.p2p.membership import Membership, ShuffleRequest, ShuffleResponse
 from shoal.p2p.merge import MergeRule
 from shoal.p2p.model_wire import decode_gossip_model, encode_gossip_model
+from shoal.p2p.robust import make_merge_bound
 from shoal.seeding import derive_seed
 from shoal.task import SimulationData, Task, check_loss
 from shoal.wire import encode_model
@@ -137,7 +138,9 @@ class GossipNetwork:
                 seed=derive_seed(sim.seed, 0xC1C, i),
                 bootstrap_peers=boot,
             )
-            self.nodes.append(GossipNode(m, self.models[i], self.shards.size(i), rule, g.timeout))
+            self.nodes.append(
+                GossipNode(m, self.models[i], self.shards.size(i), rule, g.timeout, make_merge_bound(cfg))
+            )
         self.online = np.ones(n, dtype=bool)
         self.leaving = np.zeros(n, dtype=bool)
         if g.churn > 0:

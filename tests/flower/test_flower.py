@@ -62,7 +62,7 @@ def test_engine_choice_and_ray_settings_come_from_the_config():
     )
     bc = backend_config(cfg)
     assert bc["client_resources"] == {"num_cpus": 0.5, "num_gpus": 0.25}
-    assert bc["init_args"] == {"num_cpus": 2, "include_dashboard": False}
+    assert bc["init_args"] == {"address": "local", "num_cpus": 2, "include_dashboard": False}  # never a found one
     cluster = load_config(None, ["simulation.engine='flower'", "simulation.ray_address='ray://head:10001'"])
     assert backend_config(cluster)["init_args"] == {"address": "ray://head:10001"}
 

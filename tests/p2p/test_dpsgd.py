@@ -99,3 +99,28 @@ def test_a_mixing_step_between_view_partners_keeps_the_sum_and_refuses_beyond_it
         st.on_request(MixMessage("c", "a", 0, x["n1"]), 1.0)
     assert e.value.code == "closed"
     assert torch.allclose(st.result(), x["n0"] + (x["n1"] - x["n0"]) / 3, atol=1e-6)
+
+
+def test_the_simulators_matrix_form_gives_the_same_models_as_mixing_steps():
+    """simulations/gossip/dpsgd.py mixes all peers at once (``X <- W X``); deployed peers run one
+    DpsgdStep each. On the same graph (a ring: each node asks its successor, degree 2, so every
+    edge weighs 1/3 as the ring's Metropolis-Hastings matrix does) both give the same models,
+    and through the same merge bound both adopt them alike."""
+    from shoal.p2p.dpsgd import DpsgdStep, gossip_average, mixing_matrix
+    from shoal.p2p.merge import MergeBound
+
+    n = 6
+    ids = [f"https://127.0.0.1:{9000 + i}" for i in range(n)]
+    x = torch.randn(n, 11, generator=torch.Generator().manual_seed(2))
+    steps = [DpsgdStep(ids[i], 5, x[i], [ids[(i + 1) % n]], degree=2, close_at=1.0) for i in range(n)]
+    for st in steps:
+        for req in st.start():
+            st.on_reply(steps[ids.index(req.target)].on_request(req, 0.1), 0.2)
+    per_node = torch.stack([st.result() for st in steps])
+    matrix = gossip_average(mixing_matrix("ring", n), x).float()
+    assert torch.allclose(per_node, matrix, atol=1e-6)
+    tight = [MergeBound(0.05), MergeBound(0.05)]  # the bound acts, on both forms alike
+    a = [tight[0].apply(x[i], per_node[i]) for i in range(n)]
+    b = [tight[1].apply(x[i], matrix[i]) for i in range(n)]
+    assert tight[0].clipped == tight[1].clipped > 0
+    assert all(u is not None and v is not None and torch.allclose(u, v, atol=1e-6) for u, v in zip(a, b))

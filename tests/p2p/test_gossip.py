@@ -6,11 +6,13 @@ import torch
 
 from shoal.p2p.gossip import GossipNode
 from shoal.p2p.membership import Membership
-from shoal.p2p.merge import MergeRule
+from shoal.p2p.merge import MergeBound, MergeRule
 
 
 def _node(pid: str, value: float, peers: tuple[str, ...], rule: MergeRule | None = None) -> GossipNode:
-    return GossipNode(Membership(pid, 4, 2, bootstrap_peers=peers), torch.full((3,), value), 10, rule, timeout=2.0)
+    # the merge bound off: these toy models sit farther apart than a trained network's (tests/p2p/test_merge.py)
+    no_bound = MergeBound(0.0, 0.0)
+    return GossipNode(Membership(pid, 4, 2, bootstrap_peers=peers), torch.full((3,), value), 10, rule, 2.0, no_bound)
 
 
 def test_push_pull_merges_both_sides_with_pre_merge_models():

@@ -71,3 +71,41 @@ def test_reject_mode_ignores_a_model_beyond_the_bound():
     assert lam == 0.0 and info == ModelInfo(2, 1) and own.sum() == 0
     lam, _ = rule.merge(own, ModelInfo(2, 1), torch.full((4,), 0.25), ModelInfo(2, 1))
     assert lam == 0.5 and torch.allclose(own, torch.full((4,), 0.125))
+
+
+def test_merge_bound_refuses_huge_values_and_clips_far_models():
+    from shoal.p2p.merge import MergeBound
+
+    b = MergeBound(1.0, 1e4)
+    own = torch.full((4,), 2.0)  # ||own|| = 4
+    for huge in (torch.finfo(torch.float32).max, 1e30, 1e5):
+        assert b.apply(own, torch.full((4,), huge)) is None
+    assert b.refused == 3
+    far = own + torch.tensor([100.0, 0, 0, 0])
+    clipped = b.apply(own, far)
+    assert clipped is not None and torch.isclose(torch.linalg.vector_norm(clipped - own), torch.tensor(4.0))
+    assert b.clipped == 1 and b.recent == []  # a clipped merge does not widen the bound
+    near = own + 0.5
+    assert torch.equal(b.apply(own, near), near) and b.recent == [1.0]
+    assert MergeBound(1.0, 1e4, "reject").apply(own, far) is None
+    off = MergeBound(0.0, 0.0)
+    assert torch.equal(off.apply(own, far), far)
+    assert off.apply(own, torch.full((4,), float("inf"))) is None  # never a non-finite model
+
+
+def test_merge_bound_cannot_be_ratcheted_by_models_just_inside_it():
+    """A stream of models each just inside the bound grows it at most by the relative factor
+    per RECENT_MERGES / 2 merges, and never past max_abs."""
+    from shoal.p2p.merge import MergeBound
+
+    b = MergeBound(1.0, 1e4)
+    own = torch.zeros(10)
+    for _ in range(200):
+        limit = b.limit(own)
+        direction = torch.zeros(10)
+        direction[0] = 1.0
+        other = b.apply(own, own + direction * limit * 0.999)
+        if other is None:
+            break
+        own = own.lerp(other, 0.5)
+        assert torch.isfinite(own).all() and float(own.abs().max()) <= 1e4

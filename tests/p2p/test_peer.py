@@ -28,7 +28,12 @@ def _peer(url: str, ssl_server=None, ssl_client=None, cfg: Config | None = None)
     trainer = LocalTrainer(build_model("logreg", (60,), 10), cfg.train)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(40, 60, generator=g), torch.randint(0, 10, (40,), generator=g)
-    return Peer(cfg, trainer, PeerData((x, y), (x, y)), PeerSettings(url, (), TOKEN, False, ssl_server, ssl_client))
+    return Peer(
+        cfg,
+        trainer,
+        PeerData((x, y), (x, y)),
+        PeerSettings(url, (), TOKEN, url.startswith("http:"), ssl_server, ssl_client),
+    )
 
 
 async def _serve(peer: Peer, ctx) -> tuple[web.AppRunner, int]:
@@ -54,7 +59,7 @@ def test_garbage_gets_4xx_and_the_model_is_kept(tmp_path):
         url = f"https://127.0.0.1:{port}/gossip"
         before = peer.node.params.clone()
         version = peer.node.version
-        good = torch.full_like(before, 0.5)
+        good = before + 0.01  # near ours: within the default merge bound
         nan = good.clone()
         nan[3] = float("nan")
         wrong = torch.zeros(peer.spec.numel + 1)
@@ -179,7 +184,7 @@ def test_q8_models_over_http_and_a_rejecting_merge():
                 assert r.status == 200
                 body2 = await r.read()
             assert peer.node.merges == 1 and float((peer.node.params - near).abs().max()) < 0.01
-            assert peer.bytes_sent == len(body) + len(body2)
+            assert peer.svc.bytes_sent == len(body) + len(body2)
         await runner.cleanup()
 
     asyncio.run(main())
@@ -209,7 +214,7 @@ def test_a_model_of_another_spec_is_refused_naming_both_hashes():
                     answer = await r.json()
                 assert answer["error"] == "spec_mismatch"
                 assert other.hash in answer["detail"] and peer.spec.hash in answer["detail"], answer
-        assert torch.equal(peer.node.params, before) and peer.rejected == 2
+        assert torch.equal(peer.node.params, before) and peer.svc.rejected == 2
         await runner.cleanup()
 
     asyncio.run(main())
@@ -253,3 +258,76 @@ def test_a_peer_trains_and_evaluates_on_torch_datasets(tmp_path):
     assert {"local_test_loss", "local_test_accuracy"} <= set(record) and record["local_test_num_examples"] == 30
     assert not any(k.startswith("test_") for k in record)
     assert peer.status()["metrics"]["local_test_accuracy"] == record["local_test_accuracy"]
+
+
+@pytest.mark.timeout(60)
+def test_connections_are_capped_per_address_and_silent_ones_closed():
+    """One address may hold at most MAX_CONNECTIONS_PER_ADDRESS connections (here 4); a
+    connection that sends half a request's headers is closed at the header deadline, and the
+    peer still answers."""
+    from shoal.p2p.peer import _GuardedRunner
+
+    async def main() -> None:
+        peer = _peer("http://127.0.0.1:0")
+        peer.guard.per_address, peer.guard.header_timeout = 4, 1.0
+        runner = _GuardedRunner(peer.app(), peer.guard, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        conns = []
+        for _ in range(6):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST /gossip HTTP/1.1\r\nHost: x\r\n")
+            await writer.drain()
+            conns.append((reader, writer))
+        t0 = asyncio.get_running_loop().time()
+        closed = await asyncio.gather(*[asyncio.wait_for(r.read(), 5) for r, _ in conns])
+        took = asyncio.get_running_loop().time() - t0
+        assert all(c == b"" for c in closed) and took < 3  # the last two at once, the others at 1 s
+        assert peer.guard.refused == 2 and peer.guard.open == {}
+        async with aiohttp.ClientSession() as s:
+            async with s.get(f"http://127.0.0.1:{port}/status", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+                assert r.status == 200 and (await r.json())["connections_refused"] == 2
+        for _, w in conns:
+            w.close()
+        await runner.cleanup()
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_the_token_never_goes_over_plain_http_without_insecure():
+    """A peer on HTTPS that is handed an http:// address (a bootstrap typo) sends it nothing,
+    token least of all: a plain HTTP server on 127.0.0.1 sees no request."""
+    from shoal.p2p.service import Outgoing
+
+    async def main() -> None:
+        seen: list[dict] = []
+
+        async def record(request: web.Request) -> web.Response:
+            seen.append(dict(request.headers))
+            return web.Response(body=b"{}")
+
+        app = web.Application()
+        app.router.add_post("/shuffle", record)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]
+        peer = _peer("https://127.0.0.1:1")
+        peer._session = aiohttp.ClientSession()
+        failures: list[Exception] = []
+        out = Outgoing(f"http://127.0.0.1:{port}/shuffle", b"{}", "application/json")
+        await peer._contact(out, lambda data: None, failures.append)
+        assert seen == [] and len(failures) == 1 and "insecure" in str(failures[0])
+        insecure = _peer("http://127.0.0.1:1")  # with --insecure it is sent, as the user asked
+        insecure._session = aiohttp.ClientSession()
+        await insecure._contact(out, lambda data: None, failures.append)
+        assert len(seen) == 1 and seen[0]["Authorization"] == f"Bearer {TOKEN}"
+        await peer._session.close()
+        await insecure._session.close()
+        await runner.cleanup()
+
+    asyncio.run(main())

@@ -31,7 +31,9 @@ def _peer(i: int, sctx, cctx, *settings: str) -> Peer:
     g = torch.Generator().manual_seed(10 + i)
     x, y = torch.randn(20 + 10 * i, 30, generator=g), torch.randint(0, 5, (20 + 10 * i,), generator=g)
     peer = Peer(cfg, trainer, PeerData((x, y)), PeerSettings("https://127.0.0.1:0", (), TOKEN, False, sctx, cctx))
-    peer.node.params.copy_(torch.randn(peer.spec.numel, generator=g))  # a distinct model per peer
+    base = torch.randn(peer.spec.numel, generator=torch.Generator().manual_seed(0))
+    # a distinct model per peer, near the others as trained peers' are (within the default merge bound)
+    peer.node.params.copy_(base + 0.3 * torch.randn(peer.spec.numel, generator=g))
     return peer
 
 
@@ -71,16 +73,16 @@ def test_an_exchange_over_https_gives_every_peer_the_weighted_average(tmp_path):
         peers, runners, urls, _ = await _network(tmp_path, 6, "gossip.group_size=3")  # a 2 x 3 grid
         w = torch.tensor([20.0 + 10 * i for i in range(6)], dtype=torch.float64)
         want = (w[:, None] * torch.stack([p.node.params.double() for p in peers])).sum(0) / w.sum()
-        step = peers[0]._current_step()
+        step = peers[0]._wall_step()
         weights = await asyncio.gather(*[p.group_exchange(step, float(w[i])) for i, p in enumerate(peers)])
         for p, wt in zip(peers, weights):
             assert torch.allclose(p.node.params.double(), want, atol=1e-6)
             assert wt == pytest.approx(float(w.sum()))
-            assert p.group_stats["incomplete"] == 0 and p.group_stats["exchanges"] == 1
+            assert p.svc.group_stats["incomplete"] == 0 and p.svc.group_stats["exchanges"] == 1
         # two levels (2 and 3 members): 2 (1 + 2) slice messages per peer, about 2 (1 - 1/6) models
         model = peers[0].spec.nbytes
         for p in peers:
-            assert 2 * 5 / 6 * model < p.bytes_sent < 2 * 5 / 6 * model + 6 * 1200
+            assert 2 * 5 / 6 * model < p.svc.bytes_sent < 2 * 5 / 6 * model + 6 * 1200
         await _close(peers, runners)
 
     asyncio.run(main())
@@ -92,7 +94,7 @@ def test_a_dead_peer_costs_its_deadlines_and_the_others_agree(tmp_path):
         peers, runners, urls, _ = await _network(tmp_path, 4, "gossip.group_size=4", "gossip.timeout=1.0")
         await runners[3].cleanup()  # peer 3 is gone: its port refuses connections
         live = peers[:3]
-        step = peers[0]._current_step()
+        step = peers[0]._wall_step()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         await asyncio.gather(*[p.group_exchange(step, 1.0) for p in live])
@@ -100,7 +102,7 @@ def test_a_dead_peer_costs_its_deadlines_and_the_others_agree(tmp_path):
         want = torch.stack([p.node.params for p in live]).mean(0)  # (after the exchange all hold it)
         for p in live:
             assert torch.equal(p.node.params, live[0].node.params)
-            assert p.group_stats["incomplete"] == 1
+            assert p.svc.group_stats["incomplete"] == 1
             assert urls[3] in p.node.membership.suspected() or urls[3] not in p.node.membership.known
         assert torch.allclose(live[0].node.params, want)
         await _close(peers, runners[:3])
@@ -113,7 +115,7 @@ def test_bad_slices_are_refused_and_change_nothing(tmp_path):
     async def main() -> None:
         peers, runners, urls, cctx = await _network(tmp_path, 2, "gossip.group_size=2")
         a, b = peers
-        step = a._current_step()
+        step = a._wall_step()
         members = tuple(sorted(urls))
         target = b.node.id
         sender = a.node.id
@@ -154,7 +156,7 @@ def test_bad_slices_are_refused_and_change_nothing(tmp_path):
             async with s.post(target + "/group", data=encode_slice(wrong, b.spec), headers=auth, ssl=cctx) as r:
                 assert r.status == 409 and (await r.json())["error"] == "not_in_group"
             await task  # a never answers: b's exchange ends at its deadlines
-        assert torch.equal(b.node.params, before) and b.rejected == 5
+        assert torch.equal(b.node.params, before) and b.svc.rejected == 6
         await _close(peers, runners)
 
     asyncio.run(main())
@@ -167,11 +169,11 @@ def test_dpsgd_peers_mix_over_https_and_keep_the_sum(tmp_path):
             tmp_path, 4, 'gossip.algorithm="dpsgd"', "gossip.degree=2", "gossip.period=1.0"
         )
         before = torch.stack([p.node.params.clone() for p in peers])
-        step = peers[0]._current_step() + 1
+        step = peers[0]._wall_step() + 1
         loop = asyncio.get_running_loop()
         await asyncio.gather(*[p.dpsgd_step(step, loop.time() + 1.5) for p in peers])
         after = torch.stack([p.node.params for p in peers])
-        edges = sum(len(p.mixing[step].neighbours) for p in peers)
+        edges = sum(len(p.svc.mixing[step].neighbours) for p in peers)
         assert edges >= 2 and edges % 2 == 0  # every edge is mixed on both sides
         assert torch.allclose(after.sum(0), before.sum(0), atol=1e-4)
         assert not torch.equal(after, before)
@@ -192,26 +194,26 @@ def test_a_secure_group_over_https_gives_every_member_the_weighted_average_and_a
             "secure_aggregation.bits=20",
         )
         for p in peers:  # the initial model is shared; each peer's model moved from it by a small offset
-            p.init.copy_(peers[0].init)
+            p.svc.init.copy_(peers[0].svc.init)
             p.node.params.copy_(
-                p.init + 0.1 * torch.randn(p.spec.numel, generator=torch.Generator().manual_seed(len(p.node.id)))
+                p.svc.init + 0.1 * torch.randn(p.spec.numel, generator=torch.Generator().manual_seed(len(p.node.id)))
             )
         from shoal.p2p.group_average import grid_path
 
-        step = peers[0]._current_step()
+        step = peers[0]._wall_step()
         relay = grid_path(urls, urls[0], step, 5, 1)[0][0]  # the group's first member relays
         dead = next(i for i in range(5) if urls[i] != relay)
         await runners[dead].cleanup()  # one member is gone: its port refuses connections
         live = [p for i, p in enumerate(peers) if i != dead]
         w = torch.tensor([float(20 + 10 * i) for i in range(5) if i != dead])
-        offsets = torch.stack([(p.node.params - p.init).clamp(-1, 1) for p in live])
-        want = peers[0].init + (w[:, None] * offsets).sum(0) / w.sum()
+        offsets = torch.stack([(p.node.params - p.svc.init).clamp(-1, 1) for p in live])
+        want = peers[0].svc.init + (w[:, None] * offsets).sum(0) / w.sum()
         loop = asyncio.get_running_loop()
         await asyncio.gather(*[p.secure_exchange(step, loop.time() + 6.0) for p in live])
         for p in live:
-            assert p.secure_stats["averaged"] == 1, p.secure_stats
+            assert p.svc.secure_stats["averaged"] == 1, p.svc.secure_stats
             assert torch.allclose(p.node.params, want, atol=1e-4)
-        assert all(p.bytes_sent > 4 * p.spec.numel for p in live)  # at least the masked vector
+        assert all(p.svc.bytes_sent > 4 * p.spec.numel for p in live)  # at least the masked vector
         await _close(peers, [r for i, r in enumerate(runners) if i != dead])
 
     asyncio.run(main())

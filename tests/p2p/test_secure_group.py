@@ -89,3 +89,26 @@ def test_below_the_threshold_the_group_aborts_and_a_silent_relay_is_given_up():
     assert out["a"].mean is None and "threshold" in out["a"].reason
     out = run(offsets, examples, {"a": "directory"}, refuse=False)  # the relay vanishes after the keys
     assert all(r.mean is None and "relay" in r.reason for r in out.values())
+
+
+def test_the_simulators_one_call_form_gives_the_same_mean_as_the_message_objects():
+    """simulations/gossip/secure_groups.py averages a group in one call (secure_group_average);
+    deployed peers drive SecureGroup message by message. The same offsets and weights give the
+    same mean (both in the same fixed point), to float32 precision."""
+    from shoal.aggregation.secagg.group import secure_group_average
+
+    offsets = _offsets(4)
+    examples = {"a": 10, "b": 20, "c": 5, "d": 40}
+    objects = run(offsets, examples)
+    one_call = secure_group_average(
+        {m: offsets[m].numpy() for m in MEMBERS},
+        {m: float(examples[m]) for m in MEMBERS},
+        session=b"equivalence",
+        clip=1.0,
+        bits=20,
+        seed=3,
+    )
+    want = torch.from_numpy(one_call.mean).float()
+    for m in MEMBERS:
+        assert torch.allclose(objects[m].mean.float(), want, atol=1e-5), m
+    assert sorted(one_call.included) == sorted(MEMBERS)

@@ -120,13 +120,16 @@ def _attack(*extra):
 
 def test_sign_flip_peers_wreck_plain_merges_and_rejecting_merges_hold():
     clean = _run(GossipSimulation(cfg("simulation.num_clients=20", "gossip.exchanges_per_round=2")), 8).evaluate()
-    plain = _run(GossipSimulation(_attack()), 8).evaluate()
+    plain = _run(GossipSimulation(_attack("gossip.merge_bound=0", "gossip.max_abs=0")), 8).evaluate()
+    default = _run(GossipSimulation(_attack()), 8).evaluate()  # the default merge bound
     robust = _run(GossipSimulation(_attack("robust.norm_bound=1.0", 'gossip.bound_mode="reject"')), 8).evaluate()
     assert plain["attackers"] == robust["attackers"] == 4
     assert plain["consensus_distance"] > 10 * clean["consensus_distance"]  # forged models poisoned the honest ones
     assert robust["bounded_merges"] > 0
     assert robust["consensus_distance"] < 2 * clean["consensus_distance"]
     assert robust["peer_accuracy_mean"] > plain["peer_accuracy_mean"] + 0.1
+    assert default["bounded_merges"] > 0
+    assert default["consensus_distance"] < plain["consensus_distance"] / 2
 
 
 def test_nan_peers_are_rejected_by_validation_and_counted():

@@ -1,0 +1,314 @@
+"""The sans-I/O peer (p2p/service.py) against every hostile probe we know of, without a
+network: each probe is refused with a 4xx (or bounded), the model stays finite and within
+the merge bound, nothing but ``rejected`` moves, and an honest merge still goes through."""
+
+from __future__ import annotations
+
+import json
+import struct
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from shoal.config import Config, load_config
+from shoal.errors import Malformed
+from shoal.models import build_model
+from shoal.p2p.addresses import AddressPolicy, check_url, kind_of
+from shoal.p2p.gossip import MAX_COUNT
+from shoal.p2p.group_average import SliceMessage, group_id
+from shoal.p2p.model_wire import encode_gossip_model, encode_slice
+from shoal.p2p.secure_group import SecureMessage
+from shoal.p2p.service import MAX_HELD, PeerService, Rejected
+from shoal.params import ParamSpec
+from shoal.wire import encode
+
+ME = "https://127.0.0.1:9000"
+HONEST = "https://127.0.0.1:9001"
+LONG_LABEL = "https://" + "a" * 64 + ".example.org:9000"
+
+
+def _service(cfg: Config | None = None, me: str = ME, insecure: bool = False) -> PeerService:
+    cfg = cfg or Config()
+    torch.manual_seed(0)
+    spec = ParamSpec.of(build_model("logreg", (20,), 4))
+    params = 0.1 * torch.randn(spec.numel, generator=torch.Generator().manual_seed(0))
+    return PeerService(cfg, spec, params, 30, me, (HONEST,), insecure)
+
+
+def _model(svc: PeerService, params: torch.Tensor, **header) -> bytes:
+    extra = {"age": 3, "num_examples": 10, "sender": HONEST, **header}
+    return encode_gossip_model(params, svc.spec, 1, extra)
+
+
+def _raw_model(svc: PeerService, params: torch.Tensor, header: dict) -> bytes:
+    """A model body with any header fields (types shoal would never write)."""
+    full = {"kind": "model", "spec_hash": svc.spec.hash, "version": 1, **header}
+    return encode({"params": params}, full)
+
+
+def _state(svc: PeerService) -> tuple:
+    n = svc.node
+    return (n.params.clone(), n.age, n.version, n.merges, sorted(n.membership.known), sorted(n.membership.view))
+
+
+def _unchanged(svc: PeerService, before: tuple) -> None:
+    after = _state(svc)
+    assert torch.equal(after[0], before[0]) and after[1:] == before[1:]
+
+
+def _honest_merge_goes_on(svc: PeerService) -> None:
+    merges = svc.node.merges
+    near = svc.node.params + 0.001
+    svc.on_gossip(_model(svc, near, age=svc.node.age + 1), 1.0)
+    assert svc.node.merges == merges + 1
+    assert torch.isfinite(svc.node.params).all()
+
+
+def _refused(svc: PeerService, call, status: int | None = None, code: str | None = None) -> Rejected:
+    before = _state(svc)
+    with pytest.raises(Rejected) as e:
+        call()
+    assert 400 <= e.value.status < 500
+    if status is not None:
+        assert e.value.status == status, e.value.detail
+    if code is not None:
+        assert e.value.code == code, e.value.detail
+    _unchanged(svc, before)
+    return e.value
+
+
+def test_urls_are_checked_by_one_function():
+    assert check_url("https://127.0.0.1:9000") == "https://127.0.0.1:9000"
+    assert check_url("https://Peer-1.Example.org:8443/") == "https://peer-1.example.org:8443"
+    assert check_url("https://[::1]:9000") == "https://[::1]:9000"
+    assert check_url("https://bücher.example:9000") == "https://xn--bcher-kva.example:9000"
+    assert check_url("http://10.0.0.1:9000", insecure=True) == "http://10.0.0.1:9000"
+    for bad in (
+        LONG_LABEL,
+        "https://user:pass@127.0.0.1:9000",
+        "http://127.0.0.1:9000",
+        "https://127.0.0.1:70000",
+        "https://127.0.0.1:0",
+        "https://[zz::1]:9000",
+        "https://a..b:9000",
+        "https://-a.b:9000",
+        "https://127.0.0.1:9000/x?y",
+        "ftp://127.0.0.1:9000",
+        "https://" + "a" * 300,
+        "https://1.2.3:9000",
+        "https://" + "é" * 70 + ".org:9000",
+        "https://a b:9000",
+        7,
+        None,
+        "",
+    ):
+        with pytest.raises(Malformed):
+            check_url(bad)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.text(max_size=120))
+def test_any_text_is_a_url_or_malformed(text):
+    for candidate in (text, "https://" + text, "https://" + text + ":9000"):
+        try:
+            out = check_url(candidate)
+        except Malformed:
+            continue
+        assert check_url(out) == out  # canonical forms are fixed points
+
+
+def test_address_policy_contacts_only_our_kinds_and_limits_new_contacts():
+    policy = AddressPolicy([ME, HONEST], interval=1.0, burst=2)
+    for forbidden in (
+        "https://169.254.169.254:80",
+        "https://192.0.2.1:9000",
+        "https://[2001:db8::1]:9000",
+        "https://attacker.invalid:9000",
+        "https://[fe80::1]:9000",
+        "https://0.0.0.0:9000",
+    ):
+        assert kind_of(forbidden) == "forbidden" or not policy.allowed(forbidden)
+        assert not policy.may_contact(forbidden, 0.0)
+    assert not policy.allowed("https://8.8.8.8:9000")  # a global address: not a kind of ours (loopback)
+    assert not policy.allowed("https://peer.example.org:9000")  # a name: neither
+    assert policy.may_contact(HONEST, 0.0)  # bootstrap: verified
+    news = [f"https://127.0.0.{i}:9000" for i in range(2, 8)]
+    assert [policy.may_contact(u, 0.0) for u in news] == [True, True, False, False, False, False]
+    assert policy.may_contact(news[2], 1.0)  # one more per interval
+    wide = AddressPolicy([ME], allow_networks=["8.8.8.0/24"])
+    assert wide.allowed("https://8.8.8.8:9000") and not wide.allowed("https://8.8.4.4:9000")
+
+
+def test_a_long_host_label_or_userinfo_is_refused_wherever_it_comes():
+    svc = _service()
+    good = svc.node.params + 0.001
+    _refused(svc, lambda: svc.on_gossip(_model(svc, good, sender=LONG_LABEL), 0.0), 400)
+    _refused(svc, lambda: svc.on_gossip(_model(svc, good, sender="https://u:p@127.0.0.1:1"), 0.0), 400)
+    shuffle = {"sender": HONEST, "entries": [[LONG_LABEL, 0]]}
+    _refused(svc, lambda: svc.on_shuffle(json.dumps(shuffle).encode(), 0.0), 400)
+    shuffle = {"sender": HONEST, "entries": [["https://u:p@127.0.0.1:1", 0]]}
+    _refused(svc, lambda: svc.on_shuffle(json.dumps(shuffle).encode(), 0.0), 400)
+    # the same in an answer to our own shuffle: a failure of that peer, nothing learned
+    out = svc.start_shuffle(0.0)
+    assert out is not None
+    known = set(svc.node.membership.known)
+    svc.on_shuffle_reply(HONEST, json.dumps({"sender": HONEST, "entries": [[LONG_LABEL, 0]]}).encode(), 0.1)
+    assert set(svc.node.membership.known) <= known
+    _honest_merge_goes_on(svc)
+
+
+def test_huge_models_are_refused_and_far_ones_clipped():
+    svc = _service()
+    big = torch.finfo(torch.float32).max
+    for value in (big, 1e30, 2e4):
+        e = _refused(svc, lambda v=value: svc.on_gossip(_model(svc, torch.full_like(svc.node.params, v)), 0.0), 400)
+        assert e.code == "out_of_range"
+    own = svc.node.params.clone()
+    limit = svc.node.merge_bound.limit(own)
+    svc.on_gossip(_model(svc, torch.full_like(own, 9e3), age=10**6), 0.0)  # within max_abs, far: clipped
+    assert svc.node.merge_bound.clipped == 1 and svc.node.bounded == 1
+    assert float(torch.linalg.vector_norm(svc.node.params - own)) <= limit * (1 + 1e-5)
+    assert torch.isfinite(svc.node.params).all()
+    _honest_merge_goes_on(svc)
+
+
+def test_ages_and_counts_are_bounded_and_cannot_overflow():
+    svc = _service()
+    good = svc.node.params + 0.001
+    for age in (9999999999999999999, MAX_COUNT + 1, -1, True, 1.5, "3", None):
+        _refused(
+            svc, lambda a=age: svc.on_gossip(_raw_model(svc, good, {"age": a, "num_examples": 1, "sender": HONEST}), 0)
+        )
+    for n in (0, True, 10**19):
+        _refused(
+            svc, lambda n=n: svc.on_gossip(_raw_model(svc, good, {"age": 1, "num_examples": n, "sender": HONEST}), 0)
+        )
+    _refused(svc, lambda: svc.on_shuffle(json.dumps({"sender": HONEST, "entries": [[HONEST, True]]}).encode(), 0))
+    svc.on_gossip(_model(svc, good, age=MAX_COUNT), 0.0)  # the largest age a peer takes ...
+    assert svc.node.age == MAX_COUNT
+    svc.node.local_update(svc.node.params)  # ... and one more local step does not pass it
+    assert svc.node.age == MAX_COUNT
+    answer = svc.on_gossip(_model(svc, good, age=MAX_COUNT), 1.0)  # our answer is still a valid message
+    other = _service(me=HONEST)
+    other.on_exchange_reply(ME, answer, 1.0)
+    assert other.node.age == MAX_COUNT
+
+
+def test_hostile_json_gets_400_not_a_crash():
+    svc = _service()
+    deep = b"[" * 5000 + b"]" * 5000
+    digits = b'{"sender": "' + HONEST.encode() + b'", "entries": [["' + HONEST.encode() + b'", ' + b"9" * 5000 + b"]]}"
+    for body in (deep, digits, b"\xff\xfe", b'{"sender": 1, "sender": 2, "entries": []}', b"NaN", b"{}" * 40000):
+        _refused(svc, lambda b=body: svc.on_shuffle(b, 0.0), None)
+    # the same in a model's safetensors header (read for its spec hash before anything else)
+    for meta in (deep, b"9" * 5000):
+        body = struct.pack("<Q", len(meta)) + meta
+        _refused(svc, lambda b=body: svc.on_gossip(b, 0.0), 400)
+    _honest_merge_goes_on(svc)
+
+
+def _slice(svc: PeerService, sender: str, round_: int, members: tuple[str, ...], data: torch.Tensor) -> bytes:
+    idx = members.index(svc.id) if svc.id in members else 0
+    return encode_slice(
+        SliceMessage(sender, svc.id, round_, group_id(round_, members), members, idx, "part", 1.0, data), svc.spec
+    )
+
+
+def test_group_and_secure_messages_are_held_only_for_open_rounds_with_a_cap():
+    plain = _service()  # runs push-pull gossip: takes no group message at all
+    members = (HONEST, ME)
+    body = _slice(plain, HONEST, 10, members, torch.zeros(plain.spec.numel // 2))
+    e = _refused(plain, lambda: plain.on_group(body, 0.0, 10), 409)
+    assert e.code == "not_running" and plain.held == {}
+    secure = SecureMessage(HONEST, ME, 10, "g", members, "abort", None)
+    from shoal.p2p.model_wire import encode_secure
+
+    e = _refused(plain, lambda: plain.on_secure(encode_secure(secure, plain.spec), 0.0, 10), 409)
+    assert e.code == "not_running" and plain.held == {}
+
+    svc = _service(load_config(None, ['gossip.algorithm="group_average"']))
+    n = svc.spec.numel
+    part = torch.zeros(n - n // 2)
+    held = 0
+    for i in range(300):  # model-sized slices from many claimed senders for a round about to open
+        sender = f"https://127.0.0.{2 + i % 200}:{9000 + i}"
+        try:
+            out = svc.on_group(_slice(svc, sender, 11, (ME, sender), part), 0.0, 10)
+            held += out[0] is None
+        except Rejected as e:
+            assert e.status == 503 and e.code == "busy"
+    assert held == MAX_HELD == sum(map(len, svc.held.values()))
+    assert len(svc.node.membership.known) == 1  # held messages teach the directory nothing
+    for r in (9, 10 + 2 * svc.g.exchanges_per_round, 10**12):  # closed, too far ahead, absurd
+        _refused(svc, lambda r=r: svc.on_group(_slice(svc, HONEST, r, members, part), 0.0, 10), 409)
+    _refused(svc, lambda: svc.on_group(_slice(svc, HONEST, 10, (HONEST, "https://127.0.0.5:1"), part), 0.0, 10))
+    svc.open_group(12, 1.0, 0.0, 1.0)  # a later round opens: the held ones of round 11 expire
+    svc.on_group(_slice(svc, HONEST, 13, members, part), 0.0, 12)
+    assert sum(map(len, svc.held.values())) == 1
+
+
+def test_a_model_for_a_peer_that_runs_another_algorithm_or_itself_is_refused():
+    svc = _service(load_config(None, ['gossip.algorithm="dpsgd"']))
+    good = svc.node.params + 0.001
+    _refused(svc, lambda: svc.on_gossip(_model(svc, good), 0.0), 409)
+    body = encode_gossip_model(good, svc.spec, 1, {"age": 1, "num_examples": 1, "sender": ME, "step": 10})
+    _refused(svc, lambda: svc.parse_mix_request(body, 10), 400)  # from ourselves
+    body = encode_gossip_model(good, svc.spec, 1, {"age": 1, "num_examples": 1, "sender": HONEST, "step": 10**6})
+    _refused(svc, lambda: svc.parse_mix_request(body, 10), 409)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=80),
+        lambda inner: st.lists(inner, max_size=6) | st.dictionaries(st.text(max_size=10), inner, max_size=6),
+        max_leaves=30,
+    )
+)
+def test_any_json_shuffle_is_taken_or_refused_with_a_4xx(value):
+    svc = _service()
+    for body in (json.dumps(value).encode(), json.dumps({"sender": HONEST, "entries": value}).encode()):
+        before = _state(svc)
+        try:
+            svc.on_shuffle(body, 0.0)
+        except Rejected as e:
+            assert 400 <= e.status < 500
+            _unchanged(svc, before)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    st.dictionaries(
+        st.sampled_from(["age", "num_examples", "sender", "version", "kind", "spec_hash", "zstd", "encoding"]),
+        st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=300),
+        max_size=8,
+    ),
+    st.sampled_from([0.0, 1e-3, 1.0, 1e3, 1e5, float("inf"), float("nan")]),
+)
+def test_any_model_header_is_merged_within_the_bound_or_refused(header, value):
+    svc = _service()
+    before = _state(svc)
+    limit = svc.node.merge_bound.limit(svc.node.params)
+    params = svc.node.params + value
+    body = encode(
+        {"params": params},
+        {
+            "kind": "model",
+            "spec_hash": svc.spec.hash,
+            "version": 1,
+            "age": 2,
+            "num_examples": 3,
+            "sender": HONEST,
+            **header,
+        },
+    )
+    try:
+        svc.on_gossip(body, 0.0)
+    except Rejected as e:
+        assert 400 <= e.status < 500
+        _unchanged(svc, before)
+        return
+    assert torch.isfinite(svc.node.params).all()
+    assert float(torch.linalg.vector_norm(svc.node.params - before[0])) <= limit * (1 + 1e-5)
