@@ -56,11 +56,10 @@ from shoal.task import (
     task_name,
 )
 from shoal.tasks import BuiltinTask
-from shoal.tls import certificate_problem, speaks_tls
 from shoal.update import Update
 from shoal.wire import decode_model, encode_update, read_header
 
-from .http import Backoff, NodeError, Refused, Retry, check_response
+from .http import Backoff, NodeError, Refused, Retry, check_response, connection_problem
 from .training import summarize_means
 
 log = logging.getLogger(__name__)
@@ -611,22 +610,10 @@ class Node:
             async with self.http.request(method, self.url + path, ssl=self._ssl, **kw) as resp:
                 await self._check(resp)
                 return await resp.json()
-        except aiohttp.ClientConnectorCertificateError as e:
-            raise NodeError(await certificate_problem(self.url, e.certificate_error)) from None
-        except aiohttp.ClientSSLError as e:
-            plain = "WRONG_VERSION_NUMBER" in str(e)  # the server answered in plain HTTP
-            hint = f": it speaks plain HTTP (an --insecure server); use {self.url.replace('https', 'http', 1)}"
-            raise NodeError(f"TLS handshake with {self.url} failed{hint if plain else f': {e}'}") from None
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
-            hung_up = isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and not isinstance(
-                e,
-                aiohttp.ClientConnectorError,  # nobody listening: the server is down, not a TLS one
-            )
-            if hung_up and self.url.startswith("http://") and await speaks_tls(self.url):
-                raise NodeError(
-                    f"the server at {self.url} speaks HTTPS and hangs up on plain HTTP: use "
-                    f"{self.url.replace('http', 'https', 1)} (with --ca-cert for a private CA)"
-                ) from None
+            problem = await connection_problem(self.url, e)  # a bad certificate, the wrong scheme: one line
+            if problem is not None:
+                raise problem from None
             raise Retry(f"{method} {path}: {type(e).__name__}: {e}") from None
 
     async def _check(self, resp: aiohttp.ClientResponse) -> None:
