@@ -20,9 +20,9 @@ is parsed by p2p/messages.py; this module moves bytes, keeps time and bounds con
 - every request carries the network credential (``Authorization: Bearer TOKEN``); a
   request without it gets 401, before ``100 Continue`` when the client asks for one;
 - every connection has a deadline: a request's headers must arrive within
-  HEADER_TIMEOUT_S of the connection's start (or of the previous answer), its body within
-  ``body_timeout`` (no byte for that long: 408, closed), and an idle keep-alive connection
-  is closed after IDLE_TIMEOUT_S; at most MAX_CONNECTIONS_PER_ADDRESS connections per
+  HEADER_TIMEOUT_S of the connection's start, the next request's within IDLE_TIMEOUT_S of
+  the previous answer (an idle keep-alive connection is closed then), and a body may not
+  pause for more than ``body_timeout`` (408, closed); at most MAX_CONNECTIONS_PER_ADDRESS connections per
   remote address;
 - a bad body gets 4xx ``{"error": code, "detail": message}`` and changes nothing; an
   unexpected exception is logged once and answered 500, state untouched;
@@ -80,7 +80,7 @@ from .service import Outgoing, PeerService, Rejected
 
 log = logging.getLogger(__name__)
 
-HEADER_TIMEOUT_S = 10.0  # a connection's next request headers must be complete by then
+HEADER_TIMEOUT_S = 10.0  # a new connection's first request headers must be complete by then
 IDLE_TIMEOUT_S = 30.0  # an idle keep-alive connection is closed after this long
 MAX_CONNECTIONS_PER_ADDRESS = 64  # open connections from one remote address
 MAX_CONNECTIONS = 1024  # open connections in all (less where the open-file limit is lower)
@@ -132,8 +132,8 @@ def _total_connections() -> int:
 class _Connections:
     """Open connections per remote address and in all, and each connection's deadline for its next request."""
 
-    def __init__(self, per_address: int, header_timeout: float, total: int | None = None):
-        self.per_address, self.header_timeout = per_address, header_timeout
+    def __init__(self, per_address: int, header_timeout: float, idle_timeout: float, total: int | None = None):
+        self.per_address, self.header_timeout, self.idle_timeout = per_address, header_timeout, idle_timeout
         self.total = _total_connections() if total is None else total
         self.open: dict[str, int] = {}
         self.count = 0
@@ -160,10 +160,12 @@ class _GuardedHandler(RequestHandler):
         self.guard.count += 1
         self.arm()
 
-    def arm(self) -> None:
-        """(Re)start the deadline for the next request's headers."""
+    def arm(self, timeout: float | None = None) -> None:
+        """(Re)start the deadline for the next request's headers (``header_timeout`` from the
+        connection's start, ``idle_timeout`` after an answer on a keep-alive connection)."""
         self.disarm()
-        self._deadline = asyncio.get_running_loop().call_later(self.guard.header_timeout, self.force_close)
+        wait = self.guard.header_timeout if timeout is None else timeout
+        self._deadline = asyncio.get_running_loop().call_later(wait, self.force_close)
 
     def disarm(self) -> None:
         if self._deadline is not None:
@@ -264,7 +266,7 @@ class Peer:
             else None
         )
         self.privacy_report: dict[str, Any] = {}
-        self.guard = _Connections(MAX_CONNECTIONS_PER_ADDRESS, HEADER_TIMEOUT_S)
+        self.guard = _Connections(MAX_CONNECTIONS_PER_ADDRESS, HEADER_TIMEOUT_S, IDLE_TIMEOUT_S)
         self.errors = 0  # requests answered 500 (a bug: logged with its traceback)
         self._lock = asyncio.Lock()
         self._session: aiohttp.ClientSession | None = None
@@ -318,7 +320,7 @@ class Peer:
             return _error(500, "internal", "the peer hit an unexpected error; nothing was applied (see its log)")
         finally:
             if isinstance(conn, _GuardedHandler) and conn.transport is not None:
-                conn.arm()
+                conn.arm(self.guard.idle_timeout)
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue``: the token and the size are checked before the body is asked for."""

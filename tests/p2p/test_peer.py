@@ -294,6 +294,17 @@ def test_connections_are_capped_per_address_and_silent_ones_closed():
         async with aiohttp.ClientSession() as s:
             async with s.get(f"http://127.0.0.1:{port}/status", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
                 assert r.status == 200 and (await r.json())["connections_refused"] == 4
+        peer.guard.idle_timeout = 1.0  # after an answer, the next request's headers are due by then
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET /status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200")
+        writer.write(b"POST /gossip HTTP/1.1\r\nHost: x\r\n")  # and then nothing
+        t0 = asyncio.get_running_loop().time()
+        while await asyncio.wait_for(reader.read(1 << 16), 5):
+            pass
+        assert asyncio.get_running_loop().time() - t0 < 3
+        conns.append((reader, writer))
         for _, w in conns:
             w.close()
         await runner.cleanup()
