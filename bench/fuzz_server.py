@@ -1,8 +1,10 @@
 """Fuzz a live `shoal server`-like aggregator over TLS with 10,000 hostile requests per mode.
 
-    .venv/bin/python bench/fuzz_server.py [--requests 10000] [--modes sync,async,secure]
+    .venv/bin/python bench/fuzz_server.py [--requests 10000] [--modes sync,async,secure,federation]
 
-For each of sync, async and secure mode (tests/server/fuzz.py says what is drawn and how each
+For each of sync, async, secure and federation mode (a federation server hosting one run: its
+node routes under /runs/run-1, offers, answers and the runs routes of `shoal run`;
+tests/server/fuzz.py says what is drawn and how each
 answer is checked) it prints: the requests sent, answers of 5xx, error answers that are not
 JSON, malformed bodies accepted (by an oracle independent of shoal.wire), well-formed bodies
 refused, requests after which model bytes / version / checkpoints / counters differed, whether
@@ -102,12 +104,12 @@ def main() -> None:
         timed = timed_cases(Path(tmp) / "timed")
     print()
     print(
-        f"{'mode':8} {'requests':>9} {'5xx':>5} {'not JSON':>9} {'malformed accepted':>19} "
+        f"{'mode':10} {'requests':>9} {'5xx':>5} {'not JSON':>9} {'malformed accepted':>19} "
         f"{'well-formed refused':>20} {'state changed':>14} {'unchanged':>10} {'legit version':>14} {'seconds':>8}"
     )
     for r in rows:
         print(
-            f"{r['mode']:8} {r['requests']:>9} {r['5xx']:>5} {r['not_json']:>9} {r['malformed_accepted']:>19} "
+            f"{r['mode']:10} {r['requests']:>9} {r['5xx']:>5} {r['not_json']:>9} {r['malformed_accepted']:>19} "
             f"{r['wellformed_refused']:>20} {r['state_changed']:>14} {str(r['unchanged']):>10} "
             f"{r['legit_round_version']:>14} {r['seconds']:>8}"
         )

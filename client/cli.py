@@ -106,3 +106,58 @@ def client(
         privacy_ledger=ledger,
     )
     raise typer.Exit(asyncio.run(node.run()))
+
+
+node_app = typer.Typer(
+    help="Join a federation once and take part in every run this node allows.",
+    invoke_without_command=True,
+    no_args_is_help=False,
+    pretty_exceptions_enable=False,
+)
+
+
+@node_app.callback()
+def node(
+    ctx: typer.Context,
+    config: Path = typer.Option(
+        None, "--config", "-c", help=as_written("The node config: [node], [limits], [[tasks]].")
+    ),
+    verbose: bool = typer.Option(False, "--verbose", "-v"),
+) -> None:
+    """Run as a long-lived daemon: wait for runs, check each against this node's config
+    (allowed tasks pinned by hash, limits), take part or refuse with the reason; reconnect
+    with backoff when the server goes away. Stop with SIGINT/SIGTERM."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from shoal.cli import setup_logging
+    from shoal.client.device import select_device
+    from shoal.tls import client_context
+
+    from .daemon import NodeDaemon
+    from .node_config import load_node_config
+
+    setup_logging(verbose)
+    if config is None:
+        raise ConfigError("give the node config with --config (see docs/deploy.md, 'Nodes')")
+    cfg = load_node_config(config)
+    token = ""
+    if cfg.token_file is not None:
+        if not cfg.token_file.is_file():
+            raise ConfigError(f"node.token_file {str(cfg.token_file)!r} not found")
+        token = cfg.token_file.read_text().strip()
+    if cfg.server.startswith("https://"):
+        ctx_ssl = client_context(cfg.ca_cert, cfg.cert, cfg.key)
+    elif cfg.cert is not None:
+        raise ConfigError("node.cert and node.key authenticate over TLS: give an https:// node.server")
+    else:
+        ctx_ssl = None
+    daemon = NodeDaemon(cfg, token, select_device(cfg.device), ctx_ssl)
+    raise typer.Exit(asyncio.run(daemon.run()))
+
+
+@node_app.command("pin")
+def pin(ref: str = typer.Argument(..., help="A task reference: path/to/file.py:name or package.module:name.")) -> None:
+    """Print the SHA-256 that pins REF's source (the sha256 of its tasks entry in a node config)."""
+    from .node_config import source_sha256
+
+    typer.echo(source_sha256(ref))

@@ -360,9 +360,10 @@ class Node:
         pair = as_tensors(data) if data is not None else None
         return (pair[0].to(device), pair[1].to(device)) if pair is not None else data
 
-    async def run(self) -> int:
+    async def run(self, signals: bool = True) -> int:
+        """``signals``: SIGINT/SIGTERM stop this node (False: its owner, `shoal node`, sets ``stop``)."""
         loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
+        for sig in (signal.SIGINT, signal.SIGTERM) if signals else ():
             try:
                 loop.add_signal_handler(sig, self._on_signal)
             except (NotImplementedError, RuntimeError):

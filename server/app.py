@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
 import logging
 import math
 import re
@@ -16,6 +17,7 @@ import ssl
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -26,12 +28,28 @@ from shoal.errors import ConfigError, ShoalError, TooLarge, UpdateRejected, Wire
 from shoal.pki import peer_fingerprint
 
 from .exposition import prometheus_text
+from .federation import DEFAULT_FEDERATION_BODY, Federation, RunError
 from .registry import AuthError, Registry, hash_token, well_formed
 from .service import MAX_EVAL_BODY, ServerService
 
 log = logging.getLogger(__name__)
 
 SERVICE = web.AppKey("service", ServerService)
+FEDERATION = web.AppKey("federation", Federation)
+
+
+class Clock(Protocol):
+    """What run_clock drives: the one ServerService, or the Federation."""
+
+    def tick(self, now: float) -> bool: ...
+
+    def finished(self, now: float) -> bool: ...
+
+
+CLOCK = web.AppKey("clock", Clock)
+SETTINGS = web.AppKey("settings", Config)  # the server's own config (listen, limits)
+SUBMITTERS = web.AppKey("submitters", dict)  # token hash -> "admin" or a researcher's name
+SUBMITTER = web.RequestKey("submitter", str)
 REGISTRY = web.AppKey("registry", Registry)
 CHANGED = web.AppKey("changed", dict)
 ADMIN = web.AppKey("admin", str)
@@ -39,9 +57,13 @@ NODE = web.RequestKey("node", str)
 SPEC_HASH_HEADER = "X-Shoal-Spec-Hash"  # a node's model spec hash, sent with every poll
 INVITES_PER_SLOT = 4
 ADMIN_PATHS = frozenset({"/v1/status", "/metrics"})
+RUNS_PATH = "/v1/runs"  # a federation's runs: the admin's and researchers' routes (shoal run ...)
+MAX_RUN_BODY = 128 * 1024  # POST /v1/runs: a task reference and the run's config
 _SECONDS = re.compile(r"[0-9]{1,9}(\.[0-9]{0,9})?")
 _INTEGER = re.compile(r"[0-9]{1,18}")
 _SLICE_S = 1.0  # a long-poll looks this often whether its client is still there
+SHUTDOWN_S = 3.0  # on SIGTERM, requests in flight get this long before they are cut
+REVOKED_EVERY_S = 0.25  # a federation reads the revoked nodes this often (`shoal server nodes revoke`)
 
 
 class Refusal(Exception):
@@ -75,6 +97,21 @@ class Slot:
 
 
 INVITE = web.RequestKey("invite", Slot)
+
+
+def _svc(request: web.Request) -> ServerService:
+    """The service a node's request is for: the server's one run, or in a federation the run
+    of ``/runs/{run}/v1/...`` (404 if there is no such run, 409 once it ended)."""
+    run = request.match_info.get("run")
+    if run is None:
+        return request.app[SERVICE]
+    try:
+        svc = request.app[FEDERATION].service(run)
+    except RunError as e:
+        raise Refusal(e.status, e.code, str(e)) from None
+    if svc is None:
+        raise Refusal(409, "run_over", f"{run} has ended; poll GET /v1/offers for the runs open now")
+    return svc
 
 
 def error(status: int, code: str, detail: str) -> web.Response:
@@ -155,8 +192,15 @@ def _authenticate(request: web.Request) -> web.Response | None:
 
 def _authenticate_admin(request: web.Request) -> web.Response | None:
     """/v1/status and /metrics show node names, selections and counters: only to the admin
-    token of server.admin_token_file, never to a node's token."""
+    token of server.admin_token_file, never to a node's token. A federation's runs routes
+    also take a researcher's token (federation.researcher_tokens_file)."""
     admin = request.app[ADMIN]
+    token = _bearer(request)
+    if token and well_formed(token) and request.path.startswith(RUNS_PATH):
+        who = request.app[SUBMITTERS].get(hash_token(token))
+        if who is not None:
+            request[SUBMITTER] = who
+            return None
     if not admin:
         return error(
             403,
@@ -164,13 +208,14 @@ def _authenticate_admin(request: web.Request) -> web.Response | None:
             f"{request.path} is off: set server.admin_token_file "
             "(make one with `shoal server admin-token FILE`) and send that token",
         )
-    token = _bearer(request)
     if not token or not well_formed(token) or not hmac.compare_digest(hash_token(token), admin):
         return error(
             401,
             "unauthenticated",
-            f"{request.path} takes the admin token of server.admin_token_file, not a node's token",
+            f"{request.path[:80]} takes the admin token of server.admin_token_file"
+            f"{' or a researcher token' if request.path.startswith(RUNS_PATH) else ''}, not a node's token",
         )
+    request[SUBMITTER] = "admin"
     return None
 
 
@@ -178,7 +223,7 @@ def _authenticate_admin(request: web.Request) -> web.Response | None:
 async def auth(request: web.Request, handler):
     """Every route needs ``Authorization: Bearer <token>``: of an enabled node, or for the
     admin routes the admin token."""
-    if request.path in ADMIN_PATHS:
+    if request.path in ADMIN_PATHS or request.path == RUNS_PATH or request.path.startswith(RUNS_PATH + "/"):
         refused = _authenticate_admin(request)
     elif NODE not in request:
         refused = _authenticate(request)
@@ -211,7 +256,7 @@ def _integer(request: web.Request, key: str) -> int:
 @contextmanager
 def _upload_of(request: web.Request):
     """Count the node's uploads in flight; 429 above server.uploads_per_node."""
-    node, svc = request[NODE], request.app[SERVICE]
+    node, svc = request[NODE], _svc(request)
     uploads: dict[str, int] = request.app[CHANGED]["uploads"]
     limit = svc.cfg.server.uploads_per_node
     if uploads.get(node, 0) >= limit:
@@ -229,7 +274,7 @@ def _upload_of(request: web.Request):
 
 
 def _check_length(request: web.Request) -> int:
-    svc = request.app[SERVICE]
+    svc = _svc(request)
     length = request.content_length
     if length is None:
         svc.refused("length_required")
@@ -245,7 +290,7 @@ async def _chunk(request: web.Request, timeout: float, what: str) -> bytes:
         async with asyncio.timeout(timeout):
             return await request.content.readany()
     except TimeoutError:
-        request.app[SERVICE].refused("body_timeout")
+        _svc(request).refused("body_timeout")
         raise Refusal(
             408, "body_timeout", f"{what}: no body bytes for {timeout:g} s (server.body_timeout_s)", close=True
         ) from None
@@ -253,43 +298,85 @@ async def _chunk(request: web.Request, timeout: float, what: str) -> bytes:
 
 async def _read_into(request: web.Request, view: memoryview, length: int, first: bytes) -> None:
     """Fill ``view[:length]``, starting with ``first``: each wait for bytes bounded by
-    server.body_timeout_s, the whole body by server.upload_timeout_s."""
-    s = request.app[SERVICE].cfg.server
+    server.body_timeout_s, the whole body by server.upload_timeout_s and by the open round's
+    deadline (a held buffer never outlives its round), and after server.upload_grace_s the
+    bytes so far must keep server.min_upload_rate (a slow drip cannot hold a buffer)."""
+    svc = _svc(request)
+    s = svc.cfg.server
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + s.upload_timeout_s
-    got, chunk = 0, first
+    start = loop.time()
+    deadline = start + s.upload_timeout_s
+    left_in_round = svc.rounds.time_left(time.monotonic()) if svc.sync is not None and svc.sync.open else None
+    if left_in_round is not None:
+        deadline = min(deadline, start + left_in_round + 1.0)
+    got, quiet_since = 0, start
+    chunk: bytes | None = first
     while True:
-        if got + len(chunk) > length:
-            raise Refusal(400, "malformed", f"body is longer than its Content-Length of {length} bytes", close=True)
-        view[got : got + len(chunk)] = chunk
-        got += len(chunk)
-        if got == length or not chunk:
+        if chunk:
+            if got + len(chunk) > length:
+                raise Refusal(400, "malformed", f"body is longer than its Content-Length of {length} bytes", close=True)
+            view[got : got + len(chunk)] = chunk
+            got += len(chunk)
+            quiet_since = loop.time()
+            if got == length:
+                break
+        elif chunk is not None:  # b"": the body ended
             break
-        left = deadline - loop.time()
-        if left <= 0:
-            request.app[SERVICE].refused("upload_timeout")
+        now = loop.time()
+        if now - quiet_since >= s.body_timeout_s:
+            svc.refused("body_timeout")
+            raise Refusal(
+                408,
+                "body_timeout",
+                f"upload: no body bytes for {s.body_timeout_s:g} s (server.body_timeout_s)",
+                close=True,
+            )
+        elapsed = now - start
+        if s.min_upload_rate and elapsed > s.upload_grace_s and got < s.min_upload_rate * elapsed:
+            svc.refused("too_slow")
+            raise Refusal(
+                408,
+                "too_slow",
+                f"upload sent {got} bytes in {elapsed:.1f} s, below server.min_upload_rate = "
+                f"{s.min_upload_rate:g} bytes/s after the {s.upload_grace_s:g} s grace",
+                close=True,
+            )
+        if now >= deadline:
+            svc.refused("upload_timeout")
             raise Refusal(
                 408,
                 "upload_timeout",
-                f"body not complete after {s.upload_timeout_s:g} s (server.upload_timeout_s)",
+                f"body not complete after {elapsed:.1f} s (server.upload_timeout_s, or the round's deadline)",
                 close=True,
             )
-        chunk = await _chunk(request, min(s.body_timeout_s, left), "upload")
+        wait = min(s.body_timeout_s - (now - quiet_since), deadline - now)
+        if s.min_upload_rate:  # wake in time to check the rate, not only at body_timeout_s
+            wait = min(wait, max(s.upload_grace_s - elapsed, 0.0) + 0.5)
+        chunk = await _next_chunk(request, max(wait, 0.01))
     if got < length:
-        request.app[SERVICE].refused("malformed")
+        svc.refused("malformed")
         raise Refusal(400, "malformed", f"body ended after {got} of {length} bytes (truncated)")
+
+
+async def _next_chunk(request: web.Request, timeout: float) -> bytes | None:
+    """The next body bytes (b"" at the end), or None if none came within ``timeout``."""
+    try:
+        async with asyncio.timeout(timeout):
+            return await request.content.readany()
+    except TimeoutError:
+        return None
 
 
 async def _take(request: web.Request, pool: str) -> Slot:
     """A free body buffer (``pool = "slots"``) or upload invitation (``"invites"``); 503
     (retry later) if none frees up within server.upload_timeout_s."""
-    s = request.app[SERVICE].cfg.server
+    s = _svc(request).cfg.server
     queue: asyncio.Queue = request.app[CHANGED][pool]
     try:
         async with asyncio.timeout(s.upload_timeout_s):
             return Slot(queue, await queue.get())
     except TimeoutError:
-        request.app[SERVICE].refused("busy")
+        _svc(request).refused("busy")
         raise Refusal(
             503, "busy", f"every one of the {queue.maxsize} upload {pool} stayed taken; try again later", close=True
         ) from None
@@ -311,7 +398,7 @@ def _tick(app: web.Application) -> None:
     """Advance the service's clock after a request; a failure here is the clock's to log
     (run_clock retries), never the request's (its update was already applied)."""
     try:
-        if app[SERVICE].tick(time.monotonic()):
+        if app[CLOCK].tick(time.monotonic()):
             _notify(app)
     except Exception:
         log.exception("the service's clock failed after a request; run_clock retries")
@@ -327,8 +414,8 @@ async def expect_update(request: web.Request) -> web.Response | None:
             return refused
         _check_length(request)
         node = request[NODE]
-        if request.app[CHANGED]["uploads"].get(node, 0) >= request.app[SERVICE].cfg.server.uploads_per_node:
-            request.app[SERVICE].refused("too_many_uploads")
+        if request.app[CHANGED]["uploads"].get(node, 0) >= _svc(request).cfg.server.uploads_per_node:
+            _svc(request).refused("too_many_uploads")
             return error(
                 429, "too_many_uploads", f"node {node!r} has too many uploads in flight (server.uploads_per_node)"
             )
@@ -365,7 +452,14 @@ async def _wait_event(event: asyncio.Event, timeout: float) -> None:
 
 async def get_task(request: web.Request) -> web.Response:
     app, node = request.app, request[NODE]
-    svc = app[SERVICE]
+    run = request.match_info.get("run")
+    if run is not None and FEDERATION in app:
+        try:
+            if app[FEDERATION].service(run) is None:  # the run ended: its nodes go back to the offers
+                return web.json_response({"status": "done", "run": run, **app[FEDERATION].ended(run)})
+        except RunError as e:
+            return error(e.status, e.code, str(e))
+    svc = _svc(request)
     end = time.monotonic() + _seconds(request, "wait", svc.cfg.server.poll_s)
     try:  # a node with another model is refused before it is counted as connected
         svc.check_spec(request.headers.get(SPEC_HASH_HEADER))
@@ -386,7 +480,7 @@ async def get_task(request: web.Request) -> web.Response:
 
 
 async def get_model(request: web.Request) -> web.Response:
-    svc = request.app[SERVICE]
+    svc = _svc(request)
     svc.seen(request[NODE], time.monotonic())
     etag = svc.etag
     headers = {"ETag": etag, "X-Shoal-Version": str(svc.version), "Cache-Control": "no-cache"}
@@ -397,7 +491,7 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def post_update(request: web.Request) -> web.Response:
     app, node = request.app, request[NODE]
-    svc = app[SERVICE]
+    svc = _svc(request)
     length = _check_length(request)
     # At most ``ingest_slots`` bodies are read at once, each into a preallocated buffer
     # that the update is decoded in place from and streamed into the aggregate. A buffer
@@ -430,7 +524,7 @@ async def post_update(request: web.Request) -> web.Response:
 async def post_secagg(request: web.Request) -> web.Response:
     """One secure aggregation message of the open round (server/secure_round.py)."""
     app, node = request.app, request[NODE]
-    svc = app[SERVICE]
+    svc = _svc(request)
     length = _check_length(request)
     with _upload_of(request):
         invite = await _invited(request)  # bounds the bodies read at once here too
@@ -457,7 +551,7 @@ async def get_secagg(request: web.Request) -> web.Response:
     """Long-poll for the server's answer to a stage: 200 with the message once the stage
     closed, 202 ``{"status": "wait"}`` if it is still open when ``wait`` runs out."""
     app, node = request.app, request[NODE]
-    svc = app[SERVICE]
+    svc = _svc(request)
     round_ = _integer(request, "round")
     end = time.monotonic() + _seconds(request, "wait", svc.cfg.server.poll_s)
     while True:
@@ -478,7 +572,7 @@ async def get_secagg(request: web.Request) -> web.Response:
 
 async def post_eval(request: web.Request) -> web.Response:
     """A node's evaluation of a global version on its own test data (JSON, docs/protocol.md)."""
-    svc, node = request.app[SERVICE], request[NODE]
+    svc, node = _svc(request), request[NODE]
     length = request.content_length
     if length is None:
         svc.refused("length_required")
@@ -496,11 +590,11 @@ async def post_eval(request: web.Request) -> web.Response:
 
 
 async def get_status(request: web.Request) -> web.Response:
-    return web.json_response(request.app[SERVICE].status(time.monotonic()))
+    return web.json_response(_svc(request).status(time.monotonic()))
 
 
 async def get_metrics(request: web.Request) -> web.Response:
-    text = prometheus_text(request.app[SERVICE], time.monotonic())
+    text = prometheus_text(_svc(request), time.monotonic())
     return web.Response(text=text, content_type="text/plain", charset="utf-8", headers={"X-Prometheus-Format": "0.0.4"})
 
 
@@ -537,10 +631,9 @@ class _QuietBadRequests(logging.Filter):
 def make_app(service: ServerService, registry: Registry) -> web.Application:
     """The aiohttp application (run it with ``web.AppRunner(app, keepalive_timeout=server.idle_timeout_s)``,
     as :func:`serve` does, so idle connections are closed)."""
-    app = web.Application(middlewares=[last_line, auth], client_max_size=service.max_body_bytes + 1024)
+    app = _base_app(service.cfg, registry, service.max_body_bytes)
     app[SERVICE] = service
-    app[REGISTRY] = registry
-    app[ADMIN] = admin_token_hash(service.cfg)
+    app[CLOCK] = service
     if service.privacy is not None:  # N of central/distributed DP: the registered nodes, checked before any round
         service.bind_registry(sum(1 for n in registry.list() if n.enabled))
     sa = service.cfg.secure_aggregation
@@ -551,35 +644,187 @@ def make_app(service: ServerService, registry: Registry) -> web.Application:
                 "identity keys, given to every node with the config (`shoal keygen`)"
             )
         read_roster(sa.keys_file)
-    slots: asyncio.Queue = asyncio.Queue(maxsize=service.cfg.server.ingest_slots)
-    for _ in range(service.cfg.server.ingest_slots):
-        slots.put_nowait(bytearray(service.max_body_bytes))
-    invites: asyncio.Queue = asyncio.Queue(maxsize=INVITES_PER_SLOT * service.cfg.server.ingest_slots)
+    _node_routes(app, "")
+    app.router.add_get("/v1/status", get_status)
+    app.router.add_get("/metrics", get_metrics)
+    return app
+
+
+def _base_app(cfg: Config, registry: Registry, max_body: int) -> web.Application:
+    """What every server has: middlewares, the registry, the admin token, the body buffers."""
+    app = web.Application(middlewares=[last_line, auth], client_max_size=max_body + 1024)
+    app[REGISTRY] = registry
+    app[SETTINGS] = cfg
+    app[ADMIN] = admin_token_hash(cfg)
+    app[SUBMITTERS] = {}
+    slots: asyncio.Queue = asyncio.Queue(maxsize=cfg.server.ingest_slots)
+    for _ in range(cfg.server.ingest_slots):
+        slots.put_nowait(bytearray(max_body))
+    invites: asyncio.Queue = asyncio.Queue(maxsize=INVITES_PER_SLOT * cfg.server.ingest_slots)
     for _ in range(invites.maxsize):
         invites.put_nowait(True)
     app[CHANGED] = {"event": asyncio.Event(), "slots": slots, "invites": invites, "touched": {}, "uploads": {}}
-    app.router.add_get("/v1/task", get_task)
-    app.router.add_get("/v1/model", get_model)
-    app.router.add_post("/v1/update", post_update, expect_handler=expect_update)
-    app.router.add_post("/v1/secagg/{stage}", post_secagg)
-    app.router.add_get("/v1/secagg/{stage}", get_secagg)
-    app.router.add_post("/v1/eval", post_eval)
-    app.router.add_get("/v1/status", get_status)
-    app.router.add_get("/metrics", get_metrics)
     quiet = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, _QuietBadRequests) for f in quiet.filters):
         quiet.addFilter(_QuietBadRequests())
     return app
 
 
+def _node_routes(app: web.Application, prefix: str) -> None:
+    """The node protocol (docs/protocol.md), under ``prefix`` (a federation: ``/runs/{run}``)."""
+    app.router.add_get(prefix + "/v1/task", get_task)
+    app.router.add_get(prefix + "/v1/model", get_model)
+    app.router.add_post(prefix + "/v1/update", post_update, expect_handler=expect_update)
+    app.router.add_post(prefix + "/v1/secagg/{stage}", post_secagg)
+    app.router.add_get(prefix + "/v1/secagg/{stage}", get_secagg)
+    app.router.add_post(prefix + "/v1/eval", post_eval)
+
+
+def make_federation_app(federation: Federation, registry: Registry) -> web.Application:
+    """A federation's server: each run speaks the node protocol under ``/runs/{run}``; nodes find
+    the open runs at ``GET /v1/offers`` and answer them; ``/v1/runs`` is `shoal run`'s."""
+    cfg = federation.cfg
+    app = _base_app(cfg, registry, cfg.server.max_body_bytes or DEFAULT_FEDERATION_BODY)
+    app[FEDERATION] = federation
+    app[CLOCK] = federation
+    app[SUBMITTERS] = researcher_tokens(cfg)
+    _node_routes(app, "/runs/{run}")
+    app.router.add_get("/v1/offers", get_offers)
+    app.router.add_post("/runs/{run}/v1/answer", post_answer)
+    app.router.add_post(RUNS_PATH, post_run)
+    app.router.add_get(RUNS_PATH, get_runs)
+    app.router.add_get("/v1/status", get_runs)
+    app.router.add_get(RUNS_PATH + "/{run}", get_run)
+    app.router.add_get(RUNS_PATH + "/{run}/metrics", get_run_metrics)
+    app.router.add_post(RUNS_PATH + "/{run}/stop", post_run_stop)
+    app.router.add_get(RUNS_PATH + "/{run}/files/{name}", get_run_file)
+    return app
+
+
+async def _json_body(request: web.Request, limit: int) -> object:
+    length = request.content_length
+    if length is None:
+        raise Refusal(411, "length_required", "send the body with a Content-Length header")
+    if length > limit:
+        raise Refusal(413, TooLarge.code, f"body of {length} bytes is over the limit of {limit} bytes")
+    try:
+        async with asyncio.timeout(_settings(request).server.body_timeout_s):
+            body = await request.read()
+        return json.loads(body)
+    except TimeoutError:
+        raise Refusal(408, "body_timeout", "the body did not arrive in server.body_timeout_s", close=True) from None
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise Refusal(400, "malformed", "the body is not JSON") from None
+
+
+def _settings(request: web.Request) -> Config:
+    return request.app[SETTINGS]
+
+
+def _fed_call(fn, *args):
+    try:
+        return fn(*args)
+    except RunError as e:
+        raise Refusal(e.status, e.code, str(e)) from None
+
+
+async def get_offers(request: web.Request) -> web.Response:
+    """The runs this node may join now (a node daemon polls this)."""
+    return web.json_response({"runs": request.app[FEDERATION].offers(request[NODE])})
+
+
+async def post_answer(request: web.Request) -> web.Response:
+    """A node joins a run, or refuses it with its operator's reason (shown in the run's status)."""
+    body = await _json_body(request, 4096)
+    fed = request.app[FEDERATION]
+    return web.json_response(_fed_call(fed.answer, request.match_info["run"], request[NODE], body))
+
+
+async def post_run(request: web.Request) -> web.Response:
+    """`shoal run submit`: {"task": REF, "config": {section: {key: value}}}."""
+    body = await _json_body(request, MAX_RUN_BODY)
+    if not isinstance(body, dict) or set(body) - {"task", "config"}:
+        raise Refusal(400, "malformed", 'send {"task": REF, "config": {...}}')
+    fed = request.app[FEDERATION]
+    result = _fed_call(fed.submit, body.get("task"), body.get("config", {}), request[SUBMITTER], time.monotonic())
+    _tick(request.app)
+    return web.json_response(result, status=201)
+
+
+async def get_runs(request: web.Request) -> web.Response:
+    return web.json_response({"runs": request.app[FEDERATION].runs()})
+
+
+async def get_run(request: web.Request) -> web.Response:
+    fed = request.app[FEDERATION]
+    return web.json_response(_fed_call(fed.status, request.match_info["run"], time.monotonic()))
+
+
+async def get_run_metrics(request: web.Request) -> web.Response:
+    """The run's metrics lines after ``after``; with ``wait``, held until one comes (logs --follow)."""
+    fed = request.app[FEDERATION]
+    run, after = request.match_info["run"], _integer(request, "after") if "after" in request.query else 0
+    end = time.monotonic() + (_seconds(request, "wait", 60.0) if "wait" in request.query else 0.0)
+    while True:
+        event = request.app[CHANGED]["event"]
+        lines = _fed_call(fed.metrics, run, after)
+        row = fed.db.get(run)
+        status = row.status if row is not None else "unknown"
+        left = end - time.monotonic()
+        if lines or left <= 0 or status not in ("queued", "running") or _gone(request):
+            return web.json_response({"run": run, "status": status, "lines": [{"seq": n, **f} for n, f in lines]})
+        await _wait_event(event, min(left, _SLICE_S))
+
+
+async def post_run_stop(request: web.Request) -> web.Response:
+    fed = request.app[FEDERATION]
+    result = _fed_call(fed.stop, request.match_info["run"], request[SUBMITTER])
+    _tick(request.app)
+    return web.json_response(result)
+
+
+async def get_run_file(request: web.Request) -> web.StreamResponse:
+    """`shoal run pull`: the final model, metrics.jsonl or summary.json of an ended run."""
+    fed, name = request.app[FEDERATION], request.match_info["name"]
+    path = _fed_call(fed.file, request.match_info["run"], name)
+    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+
+
+def researcher_tokens(cfg: Config) -> dict[str, str]:
+    """federation.researcher_tokens_file: lines of ``name token`` -> {token hash: name}."""
+    path = cfg.federation.researcher_tokens_file
+    if not path:
+        return {}
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"federation.researcher_tokens_file = {path!r} cannot be read: {e}") from None
+    out = {}
+    for i, line in enumerate(lines, 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        parts = line.split()
+        if len(parts) != 2 or len(parts[1]) < 32 or not well_formed(parts[1]) or parts[0] == "admin":
+            raise ConfigError(
+                f"{path}:{i}: expected 'NAME TOKEN' (a token of 32 to 256 URL-safe characters; "
+                "`shoal server admin-token FILE` makes one)"
+            )
+        out[hash_token(parts[1])] = parts[0]
+    return out
+
+
 async def run_clock(app: web.Application, stop: asyncio.Event) -> None:
     """Drive the service's time: open rounds when nodes are there, close them at deadlines.
-    It never dies of an exception: a failing tick is logged (at most once a minute) and retried."""
-    svc = app[SERVICE]
-    last_logged = -math.inf
+    It never dies of an exception: a failing tick is logged (at most once a minute) and retried.
+    A federation also reads which nodes were revoked every REVOKED_EVERY_S, so no run selects them."""
+    svc = app[CLOCK]
+    last_logged, revoked_at = -math.inf, -math.inf
     while not stop.is_set():
         pause = 0.05
         try:
+            if FEDERATION in app and time.monotonic() - revoked_at >= REVOKED_EVERY_S:
+                app[FEDERATION].forget({n.name for n in app[REGISTRY].list() if not n.enabled})
+                revoked_at = time.monotonic()
             if svc.tick(time.monotonic()):
                 _notify(app)
             if svc.finished(time.monotonic()):
@@ -596,9 +841,14 @@ async def run_clock(app: web.Application, stop: asyncio.Event) -> None:
 
 
 async def serve(
-    service: ServerService, registry: Registry, ssl_context: ssl.SSLContext | None, stop: asyncio.Event | None = None
+    service: ServerService | Federation,
+    registry: Registry,
+    ssl_context: ssl.SSLContext | None,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve until every round is done (and the nodes were told), or SIGINT/SIGTERM."""
+    """Serve until every round is done (and the nodes were told), or SIGINT/SIGTERM; a
+    federation serves until SIGINT/SIGTERM. A signal stops it within SHUTDOWN_S: requests in
+    flight are cut (an upload not yet applied is not applied; its node sends it again)."""
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -606,17 +856,25 @@ async def serve(
             loop.add_signal_handler(sig, stop.set)
         except (NotImplementedError, RuntimeError):
             pass
-    app = make_app(service, registry)
+    app = make_federation_app(service, registry) if isinstance(service, Federation) else make_app(service, registry)
     s = service.cfg.server
-    runner = web.AppRunner(app, access_log=None, handle_signals=False, keepalive_timeout=s.idle_timeout_s)
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, keepalive_timeout=s.idle_timeout_s, shutdown_timeout=SHUTDOWN_S
+    )
     await runner.setup()
     site = web.TCPSite(runner, s.host, s.port, ssl_context=ssl_context)
     await site.start()
     scheme = "https" if ssl_context else "http"
-    log.info("listening on %s://%s:%d (version %d of %d)", scheme, s.host, s.port, service.version, s.rounds)
+    if isinstance(service, Federation):
+        log.info("listening on %s://%s:%d: a federation of %d runs at once", scheme, s.host, s.port, service.max_runs)
+    else:
+        log.info("listening on %s://%s:%d (version %d of %d)", scheme, s.host, s.port, service.version, s.rounds)
     try:
         await run_clock(app, stop)
     finally:
         _notify(app)
         await runner.cleanup()
-    log.info("stopped at version %d", service.version)
+    if isinstance(service, Federation):
+        log.info("stopped; runs in progress resume from their checkpoints on the next start")
+    else:
+        log.info("stopped at version %d", service.version)

@@ -51,8 +51,8 @@ def run_server(cfg: Config, insecure: bool = False, fresh: bool = False) -> None
     from .registry import Registry
     from .store import open_service
 
-    task = task_from_config(cfg)  # a task that does not load is one line, before anything starts
     s = cfg.server
+    task = None if cfg.federation.enabled else task_from_config(cfg)  # a task that does not load is one line
     if s.tls_cert:
         ctx = server_context(s.tls_cert, s.tls_key, s.tls_client_ca or None)
     elif insecure:
@@ -65,10 +65,31 @@ def run_server(cfg: Config, insecure: bool = False, fresh: bool = False) -> None
         )
     registry = Registry(s.db)
     try:
+        if cfg.federation.enabled:
+            _serve_federation(cfg, registry, ctx, fresh)
+            return
         service = open_service(cfg, resume=not fresh, task=task, started_at=time.monotonic())
         asyncio.run(serve(service, registry, ctx))
     finally:
         registry.close()
+
+
+def _serve_federation(cfg: Config, registry, ctx, fresh: bool) -> None:
+    """[federation] enabled: host the runs submitted with `shoal run submit`, resuming the running ones."""
+    from pathlib import Path
+
+    from .app import serve
+    from .federation import Federation
+    from .runs_db import RunsDB
+
+    if fresh:
+        raise ConfigError("--fresh is for a one-run server; a federation's runs are stopped with `shoal run stop`")
+    db = RunsDB(Path(cfg.federation.dir) / "runs.sqlite")
+    try:
+        fed = Federation(cfg, db, registered=lambda: sum(1 for n in registry.list() if n.enabled))
+        asyncio.run(serve(fed, registry, ctx))
+    finally:
+        db.close()
 
 
 @app.callback()
@@ -82,6 +103,9 @@ def server(
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Serve rounds over HTTPS until server.rounds versions are made; resumes from the latest checkpoint.
+
+    With federation.enabled = true it serves until stopped and hosts the runs submitted with
+    `shoal run submit` (several at once), resuming every running run after a restart.
 
     The model is the task's (--task); the server loads no data unless the task gives
     central_test_data() (evaluated each version when server.eval is true)."""

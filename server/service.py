@@ -225,6 +225,12 @@ class ServerService:
                 math.ceil(s.clients_per_round * (1 + cfg.asynchronous.over_selection)),
             )
         self.secure_last: dict[str, Any] = {}
+        # guards of the run loop: rounds in a row without an accepted update (server.max_failed_rounds),
+        # the sync task of each node whose upload was refused (not handed out again), and why the run
+        # ended early (the failed rounds, or a `shoal run stop`)
+        self.failed_streak = 0
+        self.refused_task: dict[str, tuple[int, int]] = {}
+        self.stopped: str | None = None
         restored = restored or Restored()
         if restored.checkpoint is not None:
             self._restore(*restored.checkpoint)
@@ -244,9 +250,37 @@ class ServerService:
     @property
     def done(self) -> bool:
         """Every round is run, or the privacy budget stopped the run."""
-        return self.rounds.version >= self.cfg.server.rounds or (
-            self.privacy is not None and self.privacy.stopped is not None
+        return (
+            self.rounds.version >= self.cfg.server.rounds
+            or (self.privacy is not None and self.privacy.stopped is not None)
+            or self.stopped is not None
         )
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the run ended before its last round (None if it did not)."""
+        if self.stopped is not None:
+            return self.stopped
+        return self.privacy.stopped if self.privacy is not None else None
+
+    def stop(self, reason: str) -> None:
+        """End the run now (`shoal run stop`, the federation's SIGTERM is not this): the open
+        round is dropped, the model stays at its last version, every node is told done."""
+        if self.stopped is None and not self.done:
+            self.stopped = reason
+            if self.sync is not None and self.sync.open:
+                self.sync.abort_round()
+            self.secure_round = None
+            log.info("run stopped at version %d: %s", self.version, reason)
+
+    def forget(self, nodes: set[str]) -> None:
+        """Revoked nodes: no longer counted as connected, so no round selects them again; the open
+        round stops waiting for their results (it closes once the others reported)."""
+        r = self.sync
+        for n in nodes:
+            self.last_seen.pop(n, None)
+            if r is not None and r.open and n in r.selected and n not in r.received:
+                self.refused_task[n] = (r.round, r.version)
 
     def _elapsed(self, now: float) -> float:
         """Seconds since ``started_at`` (the first call's ``now`` unless given)."""
@@ -303,13 +337,13 @@ class ServerService:
         if self.done:
             self.told_done.add(node)
             answer: dict[str, Any] = {"status": "done", "version": self.version}
-            if self.privacy is not None and self.privacy.stopped is not None:
-                answer["reason"] = self.privacy.stopped
+            if self.stop_reason is not None:
+                answer["reason"] = self.stop_reason
             return self._with_eval(answer, node, evaluates)
         r = self.rounds
         t = r.assignment(node, quorum=len(self.connected(now)) >= self.cfg.server.min_nodes)
-        if t is None:
-            return None
+        if t is None or self.refused_task.get(node) == (t.round, t.version):
+            return None  # nothing to do, or this round's upload was refused: no second try
         if self.secure_round is not None and not self.secure_round.wants_task(node):
             return None
         work: dict[str, Any] = {"status": "work", "round": t.round, "version": t.version, "seed": t.seed}
@@ -457,6 +491,9 @@ class ServerService:
             advanced = r.submit(node, update)
         except Exception as e:
             self.refused(getattr(e, "code", "error"))
+            held = self.sync.assignment(node) if self.sync is not None else None
+            if held is not None and getattr(e, "code", "") not in ("round_closed", "duplicate"):
+                self.refused_task[node] = (held.round, held.version)  # retraining gives the same refusal
             raise
         if report is not None and self.privacy is not None:
             self.privacy.take_report(node, report)
@@ -513,23 +550,23 @@ class ServerService:
             self.secure_last = secure.status()
             summary = secure.close(r)
             if summary is None:  # aborted: model and version unchanged, the next round runs
-                self.counters.rounds_abandoned += 1
+                self._round_failed(r.round, now)
                 if self.privacy is not None:  # charged all the same: say so in the record
                     self._privacy_event({"round": r.round, "version": r.version, "aborted": secure.aborted}, now)
                 return True
-        elif not r.should_close(now):
+        elif not r.should_close(now) and not self._all_answered(r):
             return False
         else:
             summary = r.finish_round()
         if summary.failed:
-            self.counters.rounds_abandoned += 1
             log.warning(
-                "round %d failed at its deadline with %d of %d results (min_fraction %.2f); model unchanged",
+                "round %d failed with %d of %d results (min_fraction %.2f); model unchanged",
                 r.round,
                 summary.num_results,
                 summary.num_selected,
                 self.cfg.server.min_fraction,
             )
+            self._round_failed(r.round, now)
             if self.privacy is not None:
                 self._privacy_event(
                     {"round": r.round, "version": r.version, "failed": True, "num_results": summary.num_results}, now
@@ -551,9 +588,41 @@ class ServerService:
         )
         return True
 
+    def _all_answered(self, r: SyncRounds) -> bool:
+        """Every selected node sent its update or had it refused: waiting for the deadline gains nothing."""
+        if not r.open or not r.selected:
+            return False
+        refused = {n for n, t in self.refused_task.items() if t == (r.round, r.version)}
+        return bool(refused) and set(r.selected) <= r.received | refused
+
+    def _round_failed(self, round_: int, now: float) -> None:
+        """A round ended without a new version; after server.max_failed_rounds in a row the run ends."""
+        self.counters.rounds_abandoned += 1
+        self.failed_streak += 1
+        limit = self.cfg.server.max_failed_rounds
+        if limit and self.failed_streak >= limit and self.stopped is None:
+            self.stopped = (
+                f"{self.failed_streak} rounds in a row without an accepted update (server.max_failed_rounds = "
+                f"{limit}); updates refused so far: {dict(self.counters.rejected)}"
+            )
+            log.warning("round %d failed; the run ends: %s", round_, self.stopped)
+            self.emit(
+                Record(
+                    json_safe(
+                        {
+                            "round": round_,
+                            "version": self.version,
+                            "stopped": self.stopped,
+                            "elapsed_s": self._elapsed(now),
+                        }
+                    )
+                )
+            )
+
     def _new_version(self, fields: dict[str, Any], now: float) -> None:
         """A new global version: evaluate, checkpoint, then log (the simulator's record shape)."""
         self.counters.rounds_completed += 1
+        self.failed_streak = 0
         record: dict[str, Any] = {"round": self.rounds.round, "version": self.version}
         if self.test is not None:
             ev = self.trainer.evaluate_data(self.rounds.global_params, self.test)
@@ -631,6 +700,7 @@ class ServerService:
             "version": r.version,
             "rounds_target": self.cfg.server.rounds,
             "done": self.done,
+            **({"stopped": self.stop_reason} if self.stop_reason is not None else {}),
             **r.status_fields(),
             "connected_nodes": self.connected(now),
             "last_metrics": self.last_record,

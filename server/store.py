@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from shoal.assembly import task_from_config
@@ -94,15 +95,25 @@ def central_test_data(cfg: Config, task: Task) -> ClientData | None:
     return test
 
 
+def _both(first: Callable[[Event], None], then: Callable[[Event], None]) -> Callable[[Event], None]:
+    def emit(event: Event) -> None:
+        first(event)
+        then(event)
+
+    return emit
+
+
 def open_service(
     cfg: Config,
     resume: bool = True,
     task: Task | None = None,
     registered: int | None = None,
     started_at: float | None = None,
+    also: Callable[[Event], None] | None = None,
 ) -> ServerService:
     """An aggregator whose events land in its files: restored from the latest checkpoint and
-    ledger unless ``resume`` is False, evaluating on the task's central test set."""
+    ledger unless ``resume`` is False, evaluating on the task's central test set. ``also``
+    sees each event after it is written (a federation's database keeps the metrics lines)."""
     task = task if task is not None else task_from_config(cfg)
     store = ServerStore(cfg)
     restored = store.restore(resume)
@@ -112,6 +123,6 @@ def open_service(
         registered,
         test=central_test_data(cfg, task),
         restored=restored,
-        emit=store.write,
+        emit=store.write if also is None else _both(store.write, also),
         started_at=started_at,
     )

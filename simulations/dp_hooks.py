@@ -73,6 +73,32 @@ def distributed_noise_step(cfg: Config, num_clients: int, rounds=None) -> Distri
     return DistributedNoise(cfg, rounds)
 
 
+def check_delta(delta: float, mode: str, client_sizes: dict[str, int]) -> None:
+    """Refuse delta >= 1/N, N the count the guarantee is about: clients (central and distributed DP
+    protect a whole client) or the smallest client's examples (local DP-SGD protects one example).
+    A mechanism that publishes one of N records in the clear meets (0, 1/N)-DP, so such a delta
+    promises nothing; warn above 1/(10 N), where the usual advice (delta well below 1/N) is not met."""
+    if mode == "local":
+        n, unit = min(client_sizes.values(), default=0), "examples of the smallest client"
+    else:
+        n, unit = len(client_sizes), "clients"
+    if n <= 0:
+        return
+    if delta >= 1.0 / n:
+        raise ConfigError(
+            f"privacy.delta = {delta:g} is at least 1/N = {1.0 / n:.3g} (N = {n} {unit}): an epsilon at that "
+            f"delta allows publishing a record in the clear; set privacy.delta below {0.1 / n:.3g}"
+        )
+    if delta > 0.1 / n:
+        log.warning(
+            "privacy.delta = %g is above 1/(10 N) = %.3g (N = %d %s): delta should be well below 1/N",
+            delta,
+            0.1 / n,
+            n,
+            unit,
+        )
+
+
 class PrivacyBudget:
     """epsilon so far, and whether one more round stays within ``target_epsilon``."""
 
@@ -102,6 +128,7 @@ class PrivacyBudget:
             self.accountant = RoundAccountant(
                 k / n, p.noise_multiplier, p.delta, p.accountant, sampling=self.sampling, num_clients=n, sample_size=k
             )
+        check_delta(p.delta, p.mode, client_sizes)
         log.info("privacy accounting: %s", self.accountant.describe())
         if self.target and self.accountant.next_epsilon() > self.target:
             raise ConfigError(

@@ -9,8 +9,13 @@ al. 2024) to set beside the accounted one. Writes, under the output folder:
 
 * ``<setting>/``: each run's metrics.jsonl and summary.json (the audit run's in ``canary_audit/``),
 * ``results.csv`` and ``results.md``: one row per setting,
-* ``accuracy_vs_epsilon.png``: test accuracy, attack AUC and empirical epsilon against the
-  accounted epsilon (log x).
+* ``accuracy_vs_epsilon.png``: the task's utility metric, attack AUC and empirical epsilon
+  against the accounted epsilon (log x).
+
+The utility column is the task's own headline figure: accuracy when the task reports one, else
+R², macro-F1 or F1, else its loss (read from the baseline run's final metrics, central test set
+first, then the clients' own test data). A setting whose run fails (a noise level that makes
+training diverge, say) is recorded as failed with its reason, and the sweep goes on.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Any
 
 from shoal.assembly import task_from_config, task_label
 from shoal.config import Config, PrivacyMode
-from shoal.errors import ConfigError
+from shoal.errors import ConfigError, ShoalError
 from shoal.seeding import derive_seed
 from shoal.task import SimulationData, Task
 
@@ -41,10 +46,13 @@ log = logging.getLogger(__name__)
 COLUMNS = [
     "mode",
     "noise_multiplier",
+    "status",
     "epsilon",
     "delta",
     "sampling",
     "rounds",
+    "metric",
+    "utility",
     "test_accuracy",
     "canary_epsilon",
     "canary_epsilon_low",
@@ -58,6 +66,9 @@ COLUMNS = [
     "mia_samples",
     "wall_s",
 ]
+# The utility figure, in order of preference (higher is better for each but the losses).
+UTILITY = ("accuracy", "r2", "macro_f1", "f1", "loss", "mse")
+LOWER_IS_BETTER = ("loss", "mse")
 NO_AUDIT = {
     "canary_epsilon": math.nan,
     "canary_epsilon_low": math.nan,
@@ -75,9 +86,16 @@ def settings(cfg: Config) -> list[tuple[PrivacyMode, float]]:
 
 
 def run_setting(
-    cfg: Config, data: SimulationData, mode: PrivacyMode, z: float, out: Path, task: Task | None = None
+    cfg: Config,
+    data: SimulationData,
+    mode: PrivacyMode,
+    z: float,
+    out: Path,
+    task: Task | None = None,
+    metric: str | None = None,
 ) -> dict[str, Any]:
-    """One simulation plus its audit; members are the samples of clients that trained."""
+    """One simulation plus its audit; members are the samples of clients that trained.
+    ``metric``: the final metric reported as the utility (None: chosen from this run's)."""
     c = copy.deepcopy(cfg)
     c.privacy.mode, c.privacy.noise_multiplier = mode, z
     c.output.plots = False
@@ -85,6 +103,7 @@ def run_setting(
     t0 = time.perf_counter()
     sim = InProcessSimulation(c, data, task)
     summary = run_simulation(c, out, progress=False, sim=sim)
+    metric = metric or utility_metric(summary)
     members = [sim.shards.data(i) for i, cid in enumerate(sim.client_ids) if cid in sim.participants]
     audit = loss_threshold_audit(
         sim.trainer,
@@ -107,22 +126,51 @@ def run_setting(
         "epsilon": summary.get("epsilon", math.inf),
         "delta": c.privacy.delta if mode != "none" else 0.0,
         "sampling": summary.get("sampling", "fixed"),
+        "status": "ok",
         "rounds": summary["rounds"],
+        "metric": metric or "",
+        "utility": final_metric(summary, metric),
         "test_accuracy": headline_accuracy(summary),
         **canary,
         **audit,
         "wall_s": round(time.perf_counter() - t0, 1),
     }
     log.info(
-        "%s z=%g: epsilon %.3g (empirical %.3g), accuracy %.4f, MIA AUC %.3f",
+        "%s z=%g: epsilon %.3g (empirical %.3g), %s %.4f, MIA AUC %.3f",
         mode,
         z,
         row["epsilon"],
         row["canary_epsilon"],
-        row["test_accuracy"],
+        row["metric"] or "utility",
+        row["utility"],
         row["mia_auc"],
     )
     return row
+
+
+def failed_row(mode: PrivacyMode, z: float, delta: float, metric: str | None, reason: str) -> dict[str, Any]:
+    """A setting whose run or audit raised: recorded with its reason, every figure NaN."""
+    row: dict[str, Any] = {k: math.nan for k in COLUMNS}
+    row.update(mode=mode, noise_multiplier=z, status=f"failed: {reason}", metric=metric or "", canaries=0)
+    row.update(delta=delta if mode != "none" else 0.0, sampling="", rounds=0)
+    return row
+
+
+def utility_metric(summary: dict[str, Any]) -> str | None:
+    """The task's headline final metric: accuracy, else R², macro-F1, F1, else a loss; central
+    test set before the clients' own test data. None when the run reported no metric."""
+    figures = {k: v for k, v in (summary.get("final_metrics") or {}).items() if isinstance(v, (int, float))}
+    for name in UTILITY:
+        for prefix in ("test_", "fed_"):
+            value = figures.get(prefix + name)
+            if value is not None and math.isfinite(value):
+                return prefix + name
+    return None
+
+
+def final_metric(summary: dict[str, Any], metric: str | None) -> float:
+    value = (summary.get("final_metrics") or {}).get(metric or "")
+    return float(value) if isinstance(value, (int, float)) else math.nan
 
 
 def held_out(sim: InProcessSimulation) -> list:
@@ -158,14 +206,30 @@ def run_privacy_sweep(cfg: Config, out_dir: str | Path) -> list[dict[str, Any]]:
     task = task_from_config(cfg)
     data = load_simulation_data(task, cfg)  # one split for every setting
     grid = settings(cfg)
-    rows = []
+    rows: list[dict[str, Any]] = []
+    metric: str | None = None
     with ProgressBar(len(grid), "setting") as bar:
         for mode, z in grid:
-            rows.append(run_setting(cfg, data, mode, z, out / (mode if mode == "none" else f"{mode}_z{z:g}"), task))
+            where = out / (mode if mode == "none" else f"{mode}_z{z:g}")
+            try:
+                row = run_setting(cfg, data, mode, z, where, task, metric)
+            except (ShoalError, RuntimeError, ValueError, ArithmeticError) as e:
+                reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+                log.warning("%s z=%g failed, the sweep goes on: %s", mode, z, reason)
+                row = failed_row(mode, z, cfg.privacy.delta, metric, reason)
+            metric = metric or row["metric"] or None
+            rows.append(row)
             bar.advance(
-                f"{mode} z={z:g}: acc {rows[-1]['test_accuracy']:.4f}, AUC {rows[-1]['mia_auc']:.3f}, "
-                f"empirical eps {rows[-1]['canary_epsilon']:.3g}"
+                f"{mode} z={z:g}: "
+                + (
+                    f"{row['metric'] or 'utility'} {row['utility']:.4f}, AUC {row['mia_auc']:.3f}, "
+                    f"empirical eps {row['canary_epsilon']:.3g}"
+                    if row["status"] == "ok"
+                    else row["status"]
+                )
             )
+    if not any(r["status"] == "ok" for r in rows):
+        raise ConfigError(f"privacy-sweep: every setting failed; the first: {rows[0]['status']}")
     write_csv(rows, out / "results.csv")
     (out / "results.md").write_text(markdown_table(rows))
     plot_sweep(rows, out / "accuracy_vs_epsilon.png", title=task_label(cfg, task))
@@ -197,16 +261,20 @@ def _fmt_canary(r: dict[str, Any]) -> str:
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
+    metric = next((r["metric"] for r in rows if r["metric"]), "") or "utility"
     lines = [
         "| mode | noise multiplier z | accounted epsilon (delta) | empirical epsilon (canaries, 95% interval) | rounds "
-        "| test accuracy | attack AUC | TPR @ 1% FPR | loss member / non-member |",
+        f"| {metric} | attack AUC | TPR @ 1% FPR | loss member / non-member |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         eps = _fmt_eps(r["epsilon"]) + ("" if r["mode"] == "none" else f" ({r['delta']:g})")
+        if r["status"] != "ok":
+            lines.append(f"| {r['mode']} | {r['noise_multiplier']:g} | {r['status']} | | | | | | |")
+            continue
         lines.append(
             f"| {r['mode']} | {r['noise_multiplier']:g} | {eps} | {_fmt_canary(r)} | {r['rounds']} | "
-            f"{r['test_accuracy']:.4f} | {r['mia_auc']:.3f} | {r['mia_tpr_at_1pct_fpr']:.3f} | "
+            f"{r['utility']:.4f} | {r['mia_auc']:.3f} | {r['mia_tpr_at_1pct_fpr']:.3f} | "
             f"{r['member_loss']:.3f} / {r['nonmember_loss']:.3f} |"
         )
     return "\n".join(lines) + "\n"
@@ -217,6 +285,8 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
     epsilon, log x; the baseline dashed, the empirical panel with the line empirical = accounted."""
     from .report import new_figure
 
+    rows = [r for r in rows if r["status"] == "ok"]
+    metric = next((r["metric"] for r in rows if r["metric"]), "") or "utility"
     audited = any(r.get("canaries") for r in rows)
     fig = new_figure((15 if audited else 10, 4))
     axes = fig.subplots(1, 3 if audited else 2)
@@ -243,21 +313,21 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
             ax.plot([lo, hi], [lo, hi], color="grey", ls=":", lw=1, label="empirical = accounted")
         if base is not None and base.get("canaries"):
             ax.axhline(base["canary_epsilon"], color="k", ls="--", lw=1, label="no DP")
-        ax.set_xscale("log")
-        ax.set_yscale("log")
+        _log_axis(ax, "x", [p for r in rows for p in (r["epsilon"],)])
+        _log_axis(ax, "y", [max(r["canary_epsilon"], floor) for r in rows if r.get("canaries")])
         ax.set_xlabel("accounted epsilon (log scale)")
         ax.set_ylabel("empirical epsilon, canaries (log scale)")
         ax.grid(alpha=0.3, which="both")
         ax.legend()
-    for ax, key, label in ((axes[0], "test_accuracy", "test accuracy"), (axes[1], "mia_auc", "attack ROC AUC")):
+    for ax, key, label in ((axes[0], "utility", metric.replace("_", " ")), (axes[1], "mia_auc", "attack ROC AUC")):
         for mode in dict.fromkeys(r["mode"] for r in rows if r["mode"] != "none"):
             curve = sorted((r["epsilon"], r[key]) for r in rows if r["mode"] == mode and math.isfinite(r["epsilon"]))
             ax.plot([p[0] for p in curve], [p[1] for p in curve], marker="o", label=f"{mode} DP")
-        if base is not None:
+        if base is not None and math.isfinite(base[key]):
             ax.axhline(base[key], color="k", ls="--", lw=1, label="no DP")
         if key == "mia_auc":
             ax.axhline(0.5, color="grey", ls=":", lw=1, label="chance")
-        ax.set_xscale("log")
+        _log_axis(ax, "x", [r["epsilon"] for r in rows])
         ax.set_xlabel("accounted epsilon (log scale)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, which="both")
@@ -267,3 +337,9 @@ def plot_sweep(rows: list[dict[str, Any]], path: Path, title: str = "") -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return path
+
+
+def _log_axis(ax: Any, which: str, values: list[float]) -> None:
+    """A log scale only where something positive and finite is drawn (matplotlib refuses otherwise)."""
+    if any(math.isfinite(v) and v > 0 for v in values):
+        (ax.set_xscale if which == "x" else ax.set_yscale)("log")

@@ -284,6 +284,9 @@ class ServerConfig:
     uploads_per_node: int = 2  # one node's uploads in flight at once (429 above it)
     idle_timeout_s: float = 75.0  # a connection with no request in flight this long is closed
     admin_token_file: str = ""  # file holding the token of GET /v1/status and /metrics ("" = routes off)
+    max_failed_rounds: int = 5  # a run ends after this many rounds in a row without an accepted update (0 = never)
+    min_upload_rate: float = 16384.0  # bytes/s an upload must keep after upload_grace_s (408 below it; 0 = off)
+    upload_grace_s: float = 5.0  # seconds an upload may send slower than min_upload_rate at first
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
@@ -316,6 +319,11 @@ class ServerConfig:
             if not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"server.{key} = {v!r} must be a finite number of seconds > 0")
         _positive("server.uploads_per_node", self.uploads_per_node)
+        _positive("server.max_failed_rounds", self.max_failed_rounds, allow_zero=True)
+        for key in ("min_upload_rate", "upload_grace_s"):
+            v = getattr(self, key)
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"server.{key} = {v!r} must be a finite number >= 0")
 
 
 @dataclass
@@ -628,6 +636,22 @@ class OutputConfig:
 
 
 @dataclass
+class FederationConfig:
+    """A long-running server that hosts runs submitted with `shoal run submit` (server/federation.py)."""
+
+    enabled: bool = False  # `shoal server` hosts submitted runs instead of one run of its own [task]
+    dir: str = "server/federation"  # runs.sqlite and one folder per run (checkpoints, metrics, final model)
+    max_runs: int = 2  # runs trained at once; later submissions wait in the queue
+    max_queued: int = 32  # runs waiting at once; a submission above it is refused (429)
+    tasks: list[str] = field(default_factory=list)  # task references a run may name ([] = any the server can load)
+    researcher_tokens_file: str = ""  # file of "name token" lines allowed to submit and follow runs
+
+    def validate(self) -> None:
+        _positive("federation.max_runs", self.max_runs)
+        _positive("federation.max_queued", self.max_queued, allow_zero=True)
+
+
+@dataclass
 class Config:
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -645,6 +669,7 @@ class Config:
     gossip: GossipConfig = field(default_factory=GossipConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     secure_aggregation: SecureAggregationConfig = field(default_factory=SecureAggregationConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
 
     def validate(self) -> Config:
         for f in dataclasses.fields(self):

@@ -19,6 +19,12 @@ request goes over its own TLS connection as raw bytes, and its answer is checked
   fuzzing nodes hold no task, so even a well-formed update must be refused by the protocol).
 
 Afterwards a legitimate round must still complete (see ``legit_round``).
+
+``federation`` mode fuzzes a federation server (server/federation.py) hosting one sync run: the
+node protocol under ``/runs/run-1`` (and under runs that do not exist), and the federation's own
+routes: offers, a node's answer to a run, and the runs routes of `shoal run` with malformed
+submissions, stops of runs that do not exist, lookups of junk ids and files. Its state also
+counts the runs table and the nodes' answers: no hostile request may add, stop or answer a run.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from safetensors.torch import load as st_load
 
 from shoal.tls import client_context, make_private_ca, server_context
 
+from .federation_live import served_federation
 from .live import live_server
 
 FORMAT = "shoal/1"
@@ -56,7 +63,20 @@ SMALL_ORDER = [
 ]
 LEGIT = ["n0", "n1", "n2", "n3"]
 FUZZERS = ["f0", "f1"]
-MODES = ("sync", "async", "secure")
+MODES = ("sync", "async", "secure", "federation")
+RUN = "run-1"  # the federation's one run
+RUN_CONFIG = {  # the run the federation mode hosts: the same model and rounds as sync mode's
+    "simulation": {"seed": 1, "num_clients": 5},
+    "data": {"dataset": "synthetic"},
+    "model": {"name": "logreg"},
+    "train": {"batch_size": 10, "lr": 0.05},
+    "server": {"rounds": 5, "eval": False, "deadline_s": 600.0, "poll_s": 2.0, "clients_per_round": 2, "min_nodes": 2},
+}
+
+
+def prefix(mode: str) -> str:
+    """Where the node protocol lives: a one-run server's root, or the federation's run."""
+    return f"/runs/{RUN}" if mode == "federation" else ""
 
 
 def mode_config(mode: str) -> tuple[dict, dict]:
@@ -64,6 +84,8 @@ def mode_config(mode: str) -> tuple[dict, dict]:
     server = {"deadline_s": 600.0, "poll_s": 2.0, "body_timeout_s": 2.0, "rounds": 5, "uploads_per_node": 4}
     if mode == "sync":
         return {**server, "clients_per_round": 2, "min_nodes": 2}, {}
+    if mode == "federation":
+        return {k: v for k, v in server.items() if k in ("body_timeout_s", "uploads_per_node")}, {}
     if mode == "async":
         return {**server, "mode": "async"}, {"asynchronous": {"algorithm": "fedbuff", "buffer_size": 2}}
     return {**server, "min_nodes": 6}, {"secure_aggregation": {"enabled": True, "stage_s": 600.0}}
@@ -107,6 +129,16 @@ class ServerThread:
     async def _main(self) -> None:
         server, sections = mode_config(self.mode)
         ctx = server_context(self.pki.cert, self.pki.key)
+        if self.mode == "federation":
+            async with served_federation(self.tmp, LEGIT + FUZZERS, RUN_CONFIG, ssl_context=ctx, **server) as live:
+                self.live, self.fed = live, live.fed
+                self.svc = live.fed.active[RUN]
+                self.port = int(live.url.rsplit(":", 1)[1])
+                self._stop = asyncio.Event()
+                self.ready.set()
+                await self._stop.wait()
+            return
+        self.fed = None
         async with live_server(self.tmp, LEGIT + FUZZERS, ssl_context=ctx, sections=sections, **server) as live:
             self.live, self.svc = live, live.service
             self.port = int(live.url.rsplit(":", 1)[1])
@@ -396,6 +428,8 @@ def requests(ctx: Ctx, mode: str):
     """The strategy of one hostile request against a server in ``mode``."""
     who = st.sampled_from(FUZZERS * 4 + ["admin", "none", "garbage", "bytes"] + (LEGIT if mode == "secure" else []))
 
+    federation = ["offers", "answer", "runs_post", "runs_get", "run_get", "run_stop", "run_file", "elsewhere"]
+
     @st.composite
     def one(draw):
         sender = draw(who)
@@ -404,27 +438,34 @@ def requests(ctx: Ctx, mode: str):
                 ["update"] * 8
                 + ["keys"] * (6 if mode == "secure" else 1)
                 + ["secagg_post", "task", "model", "secagg_get", "status", "metrics", "junk"]
+                + (federation * 2 if mode == "federation" else [])
             )
         )
         name = sender if sender in ctx.tokens else "f0"
+        at = prefix(mode)
+        if route == "elsewhere":  # the node protocol of a run that does not exist (or a junk id)
+            at, route = "/runs/" + draw(RUN_IDS.filter(lambda r: r != RUN)), draw(st.sampled_from(["task", "model"]))
+        if route in federation:
+            return draw(federation_request(ctx, route, sender))
         if route == "update":
-            return Request("POST", "/v1/update", sender, draw(update_body(ctx, name)), "update", draw(st.booleans()))
+            body = draw(update_body(ctx, name))
+            return Request("POST", at + "/v1/update", sender, body, "update", draw(st.booleans()))
         if route == "keys":
-            return Request("POST", "/v1/secagg/keys", sender, draw(keys_body(ctx, name)), "keys")
+            return Request("POST", at + "/v1/secagg/keys", sender, draw(keys_body(ctx, name)), "keys")
         if route == "secagg_post":
             stage = draw(st.sampled_from(["shares", "masked", "unmask", "nonsense", "keys"]))
-            return Request("POST", f"/v1/secagg/{stage}", sender, draw(mutate(draw(keys_body(ctx, name)))))
+            return Request("POST", f"{at}/v1/secagg/{stage}", sender, draw(mutate(draw(keys_body(ctx, name)))))
         if route == "task":
             wait = _no_hold(draw(QUERY_WAIT))
             if mode == "async" and wait == "0":
                 wait = "nan"  # a valid poll would hand the fuzzing node a task (state, not a refusal)
-            return Request("GET", f"/v1/task?wait={wait}", sender)
+            return Request("GET", f"{at}/v1/task?wait={wait}", sender)
         if route == "model":
-            return Request("GET", "/v1/model", sender)
+            return Request("GET", at + "/v1/model", sender)
         if route == "secagg_get":
             stage = draw(st.sampled_from(["keys", "shares", "masked", "unmask", "zz"]))
             wait = _no_hold(draw(QUERY_WAIT))
-            return Request("GET", f"/v1/secagg/{stage}?round={draw(QUERY_ROUND)}&wait={wait}", sender)
+            return Request("GET", f"{at}/v1/secagg/{stage}?round={draw(QUERY_ROUND)}&wait={wait}", sender)
         if route in ("status", "metrics"):
             return Request("GET", "/v1/status" if route == "status" else "/metrics", sender)
         return Request(
@@ -434,6 +475,83 @@ def requests(ctx: Ctx, mode: str):
         )
 
     return one()
+
+
+RUN_IDS = st.one_of(
+    st.just(RUN),
+    st.sampled_from(["run-2", "run-0", "run-999999999", "run-1x", "RUN-1", "run--1", "run-1.", "%72un-1"]),
+    st.text(alphabet="abcdefrun-0123456789%.~_", min_size=1, max_size=14),
+)
+
+
+def _valid_answer(body: bytes) -> bool:
+    """What POST /runs/{run}/v1/answer takes (docs/protocol.md): the fuzzer sends only others."""
+    try:
+        obj = json.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    if not isinstance(obj, dict) or obj.get("answer") not in ("joined", "refused"):
+        return False
+    reason = obj.get("reason", "")
+    return (
+        isinstance(reason, str)
+        and len(reason) <= 500
+        and reason.isprintable()
+        and (obj["answer"] == "joined" or bool(reason))
+    )
+
+
+def _json_body(value) -> bytes:
+    return json.dumps(value, allow_nan=True).encode()
+
+
+def federation_request(ctx: Ctx, route: str, sender: str):
+    """One hostile request to a federation's own routes; none may change its runs (see the module doc)."""
+    if route == "offers":
+        return st.just(Request("GET", "/v1/offers", sender))
+    if route == "answer":
+        bodies = st.one_of(
+            st.binary(max_size=40),
+            json_value.map(_json_body),
+            st.fixed_dictionaries(
+                {"answer": st.sampled_from(["joined", "refused", "maybe", ""]), "reason": json_value}
+            ).map(_json_body),
+            st.just(_json_body({"answer": "refused", "reason": "x" * 501})),
+            st.just(_json_body({"answer": "refused", "reason": "a\x00b"})),
+        ).filter(lambda b: not _valid_answer(b))
+        return st.builds(lambda run, body: Request("POST", f"/runs/{run}/v1/answer", sender, body), RUN_IDS, bodies)
+    if route == "runs_post":  # never a task the server can load: no submission may be accepted
+        task = st.one_of(
+            st.just(""),
+            st.text(alphabet="abc/:.", max_size=10).map(lambda t: f"/nonexistent{t}.py:task"),
+            json_value,
+        ).filter(lambda t: t != "builtin")
+        config = st.one_of(json_value, st.just({"federation": {"enabled": True}}), st.just({"server": {"port": 1}}))
+        body = st.one_of(
+            st.binary(max_size=40),
+            json_value.map(_json_body),
+            st.builds(lambda t, c: _json_body({"task": t, "config": c}), task, config),
+        )
+        return st.builds(lambda b: Request("POST", "/v1/runs", sender, b), body)
+    if route == "runs_get":
+        return st.just(Request("GET", "/v1/runs", sender))
+    if route == "run_get":
+        after = st.one_of(st.just("0"), st.just("-1"), st.just("nan"), st.text(alphabet="0123456789e.", max_size=20))
+        return st.builds(
+            lambda run, what, a, w: Request(
+                "GET", f"/v1/runs/{run}" + (f"/metrics?after={a}&wait={_no_hold(w)}" if what else ""), sender
+            ),
+            RUN_IDS,
+            st.booleans(),
+            after,
+            QUERY_WAIT,
+        )
+    if route == "run_stop":  # never the run itself: stopping it is the admin's right
+        return st.builds(
+            lambda run: Request("POST", f"/v1/runs/{run}/stop", sender), RUN_IDS.filter(lambda r: r != RUN)
+        )
+    names = st.sampled_from(["model.safetensors", "summary.json", "metrics.jsonl", "..%2f..%2fnodes.sqlite", "x"])
+    return st.builds(lambda run, n: Request("GET", f"/v1/runs/{run}/files/{n}", sender), RUN_IDS, names)
 
 
 def raw_request(req: Request, ctx: Ctx) -> bytes:
@@ -638,8 +756,13 @@ class Tally:
             self.examples.append(what)
 
 
-def snapshot(svc) -> tuple:
-    """Model bytes, version, checkpoints and counters: what no hostile request may change."""
+def snapshot(svc, fed=None) -> tuple:
+    """Model bytes, version, checkpoints and counters: what no hostile request may change (and a
+    federation's runs table, the nodes' answers and the runs' metrics lines)."""
+    if fed is not None:
+        runs = json.dumps([(r.id, r.status, r.reason) for r in fed.db.runs()])
+        answers = json.dumps(fed.db.answers(RUN), sort_keys=True)
+        return snapshot(svc) + (runs, answers, len(fed.db.metrics(RUN)))
     r, c = svc.rounds, svc.counters
     ck = (
         sorted(p.name for p in Path(svc.cfg.server.checkpoint_dir).glob("*"))
@@ -666,7 +789,7 @@ def prepare(server: ServerThread) -> Ctx:
     a round at its key stage with every node (the fuzzing ones too) selected."""
     svc, live = server.svc, server.live
     now = time.monotonic()
-    if server.mode == "sync":
+    if server.mode in ("sync", "federation"):
         for n in LEGIT:
             svc.seen(n, now)
         assert svc.tick(now) and set(svc.rounds.selected) <= set(LEGIT)
@@ -725,7 +848,7 @@ def check(server: ServerThread, ctx: Ctx, req: Request, tally: Tally, before: tu
         for k in ("enc_key", "mask_key"):
             raw = base64.b64decode(got[1][k])
             taken.add(((int.from_bytes(raw, "little") & ((1 << 255) - 1)) % (2**255 - 19)).to_bytes(32, "little"))
-    after = server.call(lambda: snapshot(server.svc))
+    after = server.call(lambda: snapshot(server.svc, server.fed))
     if after != before:
         tally.state_changed += 1
         tally.note(f"state changed by {req.method} {req.path} as {req.who} ({status})")
@@ -745,10 +868,10 @@ def legit_round(server: ServerThread, ctx: Ctx) -> int:
     from .hostile import good_update
 
     svc = server.svc
-    if server.mode == "sync":
+    if server.mode in ("sync", "federation"):
         for n in sorted(svc.rounds.selected):
             body = server.call(lambda n=n: good_update(svc, n))
-            status, out = _post(server, ctx, n, "/v1/update", body)
+            status, out = _post(server, ctx, n, prefix(server.mode) + "/v1/update", body)
             assert status == 200, out
     elif server.mode == "async":
         for n in LEGIT[:2]:
@@ -821,7 +944,7 @@ def run_mode(tmp: Path, mode: str, batches: int, batch: int = 50, seed: int | No
     with ServerThread(tmp, mode) as server:
         ctx = server.call(lambda: prepare(server))
         tally, taken = Tally(), set()
-        state = {"before": server.call(lambda: snapshot(server.svc))}
+        state = {"before": server.call(lambda: snapshot(server.svc, server.fed))}
         start = state["before"]
 
         @settings(
@@ -844,7 +967,7 @@ def run_mode(tmp: Path, mode: str, batches: int, batch: int = 50, seed: int | No
             ) == (0, 0, 0, 0, 0), tally.examples
 
         fuzz()
-        end = server.call(lambda: snapshot(server.svc))
+        end = server.call(lambda: snapshot(server.svc, server.fed))
         version = legit_round(server, ctx)
     return {
         "mode": mode,

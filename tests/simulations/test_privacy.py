@@ -88,3 +88,19 @@ def test_expected_clients_is_what_sync_rounds_selects(k, fraction, n):
     cfg = _cfg("central")
     cfg.simulation.clients_per_round, cfg.simulation.fraction = k, fraction
     assert expected_clients(cfg, n) == SyncRounds(None, torch.zeros(1), k, fraction).sample_size(n)
+
+
+def test_delta_at_or_above_one_over_n_is_refused_and_near_it_warned(caplog):
+    import logging
+
+    from shoal.simulations.dp_hooks import check_delta
+
+    clients = {f"c{i}": 50 for i in range(20)}
+    with pytest.raises(ConfigError, match=r"privacy.delta = 0.05 is at least 1/N = 0.05 \(N = 20 clients\)"):
+        check_delta(0.05, "central", clients)
+    with pytest.raises(ConfigError, match=r"N = 8 examples of the smallest client"):
+        check_delta(0.2, "local", {**clients, "small": 8})
+    with caplog.at_level(logging.WARNING):
+        check_delta(0.01, "distributed", clients)  # above 1/(10 N) = 0.005
+        check_delta(1e-5, "central", clients)
+    assert [r.getMessage()[:22] for r in caplog.records] == ["privacy.delta = 0.01 i"]

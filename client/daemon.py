@@ -1,0 +1,193 @@
+"""`shoal node`: a node that joins a federation once and takes part in every run it allows.
+
+It asks the server for the runs open now (``GET /v1/offers``), checks each against its
+operator's config (client/node_config.py: the task must be installed here with the same
+source hash, the run's settings within this node's limits), refuses the others with the
+reason (``POST /runs/{run}/v1/answer``, shown in the run's status), and runs each accepted
+one as a client/node.py Node on the run's routes (``/runs/{run}/v1/...``), several at once.
+When the server goes away it retries with full-jitter backoff; a run's Node does the same.
+SIGINT/SIGTERM let the current steps finish, then it exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import re
+import signal
+import ssl
+from typing import Any
+
+import aiohttp
+import torch
+
+from shoal.config import config_from_dict
+from shoal.errors import ShoalError
+
+from .http import Backoff, NodeError, Refused, Retry, check_response
+from .node import Node, builtin_local_data, read_local_data
+from .node_config import BUILTIN, NodeConfig
+
+log = logging.getLogger(__name__)
+
+_RUN_ID = re.compile(r"run-[0-9]{1,9}")
+_SHA = re.compile(r"[0-9a-f]{64}|builtin")
+MAX_OFFERS = 64
+
+
+def well_formed_offer(offer: Any) -> bool:
+    """The server's offer has the shape this node reads (it comes from the network)."""
+    return (
+        isinstance(offer, dict)
+        and isinstance(offer.get("run"), str)
+        and _RUN_ID.fullmatch(offer["run"]) is not None
+        and isinstance(offer.get("task"), str)
+        and 0 < len(offer["task"]) <= 1024
+        and isinstance(offer.get("task_sha256"), str)
+        and _SHA.fullmatch(offer["task_sha256"]) is not None
+        and isinstance(offer.get("config"), dict)
+        and all(isinstance(v, dict) for v in offer["config"].values())
+    )
+
+
+class NodeDaemon:
+    """One node's life in a federation: offers in, a Node per accepted run."""
+
+    def __init__(self, cfg: NodeConfig, token: str, device: torch.device, ssl_context: ssl.SSLContext | None):
+        """``token``: the node's token, or "" when it logs in with its TLS client certificate."""
+        self.cfg = cfg
+        self.token = token
+        self.device = device
+        self.ssl = ssl_context
+        self.stop = asyncio.Event()
+        self.rand = random.Random()
+        self.runs: dict[str, asyncio.Task] = {}  # accepted runs (running or over)
+        self.refused: dict[str, str] = {}  # run -> this node's reason
+
+    async def run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                loop.add_signal_handler(sig, self._on_signal)
+            except (NotImplementedError, RuntimeError):
+                pass
+        timeout = aiohttp.ClientTimeout(total=60, sock_connect=10)
+        backoff = Backoff()
+        auth = {"Authorization": f"Bearer {self.token}"} if self.token else {}  # else a client certificate
+        async with aiohttp.ClientSession(timeout=timeout, headers=auth) as self.http:
+            log.info("node %s joins %s with %d allowed tasks", self.cfg.name, self.cfg.server, len(self.cfg.tasks))
+            while not self.stop.is_set():
+                try:
+                    offers = await self._request("GET", "/v1/offers")
+                    backoff.reset()
+                    runs = offers.get("runs") if isinstance(offers, dict) else None
+                    for offer in runs[:MAX_OFFERS] if isinstance(runs, list) else []:
+                        if not well_formed_offer(offer):
+                            log.warning("ignoring a malformed offer from the server: %s", str(offer)[:200])
+                            continue
+                        if offer["run"] not in self.runs and offer["run"] not in self.refused:
+                            await self._consider(offer)
+                    delay = self.cfg.poll_s
+                except Retry as e:
+                    delay = backoff.next(self.rand)
+                    log.warning("%s; retrying in %.2f s", e, delay)
+                except NodeError as e:
+                    log.error("%s", e)
+                    self.stop.set()
+                    break
+                try:
+                    await asyncio.wait_for(self.stop.wait(), delay)
+                except TimeoutError:
+                    pass
+            if self.runs:  # each run's Node sees the same stop and finishes its step
+                await asyncio.wait(list(self.runs.values()), timeout=30)
+        log.info("node %s stops: took part in %d runs, refused %d", self.cfg.name, len(self.runs), len(self.refused))
+        return 0
+
+    def _on_signal(self) -> None:
+        log.info("signal received: finishing the current steps, then exiting")
+        self.stop.set()
+
+    async def _consider(self, offer: dict[str, Any]) -> None:
+        run = offer["run"]
+        reason = self.cfg.check(offer)
+        node = None
+        if reason is None:
+            try:
+                node = await asyncio.to_thread(self._node_for, offer)
+            except (ShoalError, OSError) as e:  # a run this node cannot take part in: say why
+                reason = f"node {self.cfg.name} cannot run it: {e}"
+        if node is None:
+            self.refused[run] = reason or "refused"
+            log.warning("%s refused: %s", run, self.refused[run])
+            await self._answer(run, {"answer": "refused", "reason": self.refused[run][:500]})
+            return
+        await self._answer(run, {"answer": "joined"})
+        log.info("%s joined: task %s", run, offer["task"])
+        self.runs[run] = asyncio.ensure_future(self._take_part(run, node))
+
+    def _node_for(self, offer: dict[str, Any]) -> Node:
+        """The run's config with this node's device, its task, its data: a Node on the run's routes."""
+        from shoal.assembly import task_from_config
+        from shoal.shards import load_shard
+
+        allowed = self.cfg.tasks[offer["task"]]
+        raw = {k: dict(v) for k, v in offer["config"].items()}
+        if offer["task"] != BUILTIN:
+            raw["task"] = {**raw.get("task", {}), "app": offer["task"]}
+        raw["train"] = {**raw.get("train", {}), "device": str(self.device)}
+        cfg = config_from_dict(raw).validate()
+        task = task_from_config(cfg)
+        if offer["task"] == BUILTIN:
+            local = builtin_local_data(task, load_shard(allowed.data))  # type: ignore[arg-type]
+        else:
+            local = read_local_data(task, allowed.data)
+        return Node(
+            f"{self.cfg.server}/runs/{offer['run']}",
+            self.token,
+            local,
+            cfg,
+            self.device,
+            self.ssl,
+            poll_s=cfg.server.poll_s,
+            name=self.cfg.name,
+            task=task,
+            privacy_ledger=self.cfg.state_dir / f"{offer['run']}.privacy.json",
+        )
+
+    async def _take_part(self, run: str, node: Node) -> None:
+        node.stop = self.stop  # the daemon's signal stops every run's loop
+        try:
+            await node.run(signals=False)
+            log.info("%s: over for this node after %d rounds", run, node.rounds_done)
+        except ShoalError as e:
+            log.error("%s: this node stops taking part: %s", run, e)
+            try:
+                await self._answer(run, {"answer": "refused", "reason": str(e)[:500]})
+            except (Retry, NodeError):
+                pass
+        except Exception:
+            log.exception("%s: unexpected error; this node stops taking part", run)
+
+    async def _answer(self, run: str, body: dict[str, Any]) -> None:
+        try:
+            await self._request("POST", f"/runs/{run}/v1/answer", json=body)
+        except Refused as e:
+            log.warning("%s: the server did not take this node's answer: %s", run, e)
+
+    async def _request(self, method: str, path: str, **kw) -> Any:
+        url = self.cfg.server + path
+        try:
+            async with self.http.request(method, url, ssl=self.ssl if self.ssl is not None else True, **kw) as resp:
+                await check_response(resp)
+                return await resp.json()
+        except aiohttp.ClientConnectorCertificateError as e:
+            raise NodeError(
+                f"the server's TLS certificate is not trusted: {e.certificate_error} "
+                "(set node.ca_cert to the private CA)"
+            ) from None
+        except aiohttp.ClientSSLError as e:
+            raise NodeError(f"TLS handshake with {self.cfg.server} failed: {e}") from None
+        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ValueError) as e:
+            raise Retry(f"{method} {path}: {type(e).__name__}: {e}") from None

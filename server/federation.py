@@ -1,0 +1,389 @@
+"""A federation that stays up: one server hosting many runs, each its own ServerService.
+
+A run is a task reference and the submitter's config (mode, rounds, training settings,
+DP, secure aggregation, compression, robust rule). :class:`Federation` keeps the runs
+table (server/runs_db.py), starts queued runs while fewer than ``federation.max_runs``
+train, drives each run's clock, ends a run when its service is finished (every round
+run, its privacy budget spent, ``server.max_failed_rounds`` failed rounds in a row, or
+``shoal run stop``) and, after a restart, reopens every run that was running from its
+checkpoints. Each run's protocol state stays in its own ServerService (sans-I/O); its
+events go to its own folder through server/store.py and its metrics lines also to the
+database, so ``shoal run logs`` can follow them. server/app.py only moves messages.
+
+No code travels: a run names a task the server can already load (``federation.tasks``
+lists the allowed references when set), pinned by the SHA-256 of its source file, and the
+nodes run only tasks their operator installed with the same hash (client/daemon.py).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import importlib.util
+import json
+import logging
+import math
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import save_file
+
+from shoal.config import Config, config_from_dict
+from shoal.errors import ConfigError, ShoalError
+from shoal.task import load_task
+
+from .runs_db import ACTIVE, RunRow, RunsDB
+from .service import Event, Record, ServerService
+from .store import open_service
+
+log = logging.getLogger(__name__)
+
+#: The [server] keys a run sets (its rounds); every other [server] key is the federation's
+#: (listen, TLS, limits, and the operator's guards such as server.max_failed_rounds).
+RUN_SERVER_KEYS = frozenset(
+    {
+        "mode",
+        "rounds",
+        "clients_per_round",
+        "fraction",
+        "min_nodes",
+        "deadline_s",
+        "min_fraction",
+        "poll_s",
+        "eval",
+        "max_examples",
+        "max_delta_abs",
+    }
+)
+#: Tables a run may not set: they are the federation's or the simulator's.
+NOT_A_RUNS = frozenset({"federation", "output", "heterogeneity", "gossip", "attack"})
+BUILTIN = "builtin"  # --task builtin: shoal's own task of [model] + [data]
+MAX_RUN_CONFIG_BYTES = 64 * 1024
+_RUN_ID = re.compile(r"run-[0-9]{1,9}")
+
+
+class RunError(ShoalError):
+    """A run request that cannot be met; ``status`` is the HTTP status to answer."""
+
+    def __init__(self, code: str, detail: str, status: int = 400):
+        super().__init__(detail)
+        self.code, self.status = code, status
+
+
+def task_sha256(ref: str) -> str:
+    """The SHA-256 of the source file behind a task reference (what nodes pin it by)."""
+    if ref == BUILTIN:
+        return BUILTIN
+    target, sep, _attr = ref.rpartition(":")
+    if not sep or not target:
+        raise RunError("bad_task", f"task {ref[:200]!r}: expected path/to/file.py:name or package.module:name")
+    if target.endswith(".py") or "/" in target:
+        path = Path(target).expanduser()
+    else:
+        try:
+            spec = importlib.util.find_spec(target)
+        except (ImportError, ValueError) as e:
+            raise RunError("bad_task", f"task {ref[:200]!r}: module {target!r} cannot be found: {e}") from None
+        if spec is None or not spec.origin or not Path(spec.origin).is_file():
+            raise RunError("bad_task", f"task {ref[:200]!r}: module {target!r} has no source file on this machine")
+        path = Path(spec.origin)
+    try:
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    except OSError as e:
+        raise RunError("bad_task", f"task {ref[:200]!r}: {path} cannot be read: {e.strerror}") from None
+
+
+def check_run_config(raw: Any) -> dict[str, Any]:
+    """The submitter's config (a TOML document as JSON): only tables and [server] keys a run
+    may set; RunError naming the key otherwise."""
+    if not isinstance(raw, dict):
+        raise RunError("bad_config", "the run's config must be a table of sections ([train], [server], ...)")
+    for name, table in raw.items():
+        if name in NOT_A_RUNS:
+            raise RunError("bad_config", f"[{name}] is not a run's to set (it belongs to the federation or simulator)")
+        if not isinstance(table, dict):
+            raise RunError("bad_config", f"{str(name)[:40]} must be a table")
+    server = raw.get("server", {})
+    other = sorted(set(server) - RUN_SERVER_KEYS)
+    if other:
+        raise RunError(
+            "bad_config",
+            f"server.{other[0][:40]} is the federation's, not a run's; "
+            f"a run sets server.{{{', '.join(sorted(RUN_SERVER_KEYS))}}}",
+        )
+    if "app" in raw.get("task", {}):
+        raise RunError("bad_config", "task.app: name the task with --task, not in the run's config")
+    return raw
+
+
+def run_config(fed: Config, raw: dict[str, Any], task: str, run_dir: Path) -> Config:
+    """A run's whole config: the federation's [server] (listen, TLS, limits), the run's
+    round keys and sections, its task, and its own checkpoint and metrics folders."""
+    server = {k: v for k, v in fed.server.__dict__.items() if k not in RUN_SERVER_KEYS}
+    server.update(raw.get("server", {}))
+    server.update(checkpoint_dir=str(run_dir / "checkpoints"), out_dir=str(run_dir))
+    data = {**copy.deepcopy(raw), "server": server}
+    if task != BUILTIN:
+        data["task"] = {**data.get("task", {}), "app": task}
+    try:
+        return config_from_dict(data).validate()
+    except ConfigError as e:
+        raise RunError("bad_config", f"the run's config: {e}") from None
+
+
+class Federation:
+    """The runs of one long-running server: submitted, queued, running, ended."""
+
+    def __init__(self, cfg: Config, db: RunsDB, registered: Callable[[], int] = lambda: 0):
+        """``registered``: how many nodes are enabled now (N of a run's central/distributed DP)."""
+        self.cfg = cfg
+        self.db = db
+        self.dir = Path(cfg.federation.dir)
+        self.registered = registered
+        self.active: dict[str, ServerService] = {}
+        self.user_stopped: set[str] = set()
+        self.revoked: set[str] = set()
+        self._failing: dict[str, float] = {}  # run -> when its clock's failure was last logged
+        for row in db.runs(("running",)):  # a restart: every run that was running goes on
+            self._open(row, resume=True)
+
+    # --- submitting and following runs --------------------------------------------------------
+
+    def submit(self, task: str, raw: Any, who: str, now: float) -> dict[str, Any]:
+        """Queue a run; RunError (nothing stored) if its task or config cannot run here."""
+        allowed = self.cfg.federation.tasks
+        if not isinstance(task, str) or not task or len(task) > 1024:
+            raise RunError("bad_task", "name the run's task (--task REF)")
+        if allowed and task not in allowed:
+            raise RunError("task_not_allowed", f"task {task[:200]!r} is not in federation.tasks ({allowed[:10]})", 403)
+        raw = check_run_config(raw)
+        if len(json.dumps(raw)) > MAX_RUN_CONFIG_BYTES:
+            raise RunError("too_large", f"the run's config is over {MAX_RUN_CONFIG_BYTES} bytes", 413)
+        queued = self.db.count("queued")
+        if queued >= self.cfg.federation.max_queued:
+            raise RunError("queue_full", f"{queued} runs already wait (federation.max_queued); try later", 429)
+        digest = task_sha256(task)
+        run_id = f"run-{len(self.db.runs()) + 1}"
+        cfg = run_config(self.cfg, raw, task, self.dir / run_id)
+        try:  # the task loads and its model fits the federation's upload limit, before it is queued
+            svc = ServerService(cfg, self._task(cfg))
+        except ShoalError as e:
+            raise RunError("bad_task", f"the run cannot start: {e}") from None
+        limit = self.cfg.server.max_body_bytes or DEFAULT_FEDERATION_BODY
+        if svc.max_body_bytes > limit:
+            raise RunError(
+                "too_large",
+                f"the run's uploads of {svc.max_body_bytes} bytes are over the federation's server.max_body_bytes "
+                f"= {limit}",
+                413,
+            )
+        self.db.add(run_id, task, digest, raw, who, time.time())
+        log.info("%s submitted by %s: task %s (sha256 %s), %s", run_id, who, task, digest[:12], json.dumps(raw))
+        return {"run": run_id, "status": "queued", "task_sha256": digest}
+
+    def stop(self, run_id: str, who: str) -> dict[str, Any]:
+        row = self._row(run_id)
+        if row.status not in ACTIVE:
+            return {"run": run_id, "status": row.status}
+        reason = f"stopped by {who}"
+        svc = self.active.get(run_id)
+        if svc is not None:
+            self.user_stopped.add(run_id)
+            svc.stop(reason)
+        else:
+            self.db.set_status(run_id, "stopped", reason, time.time())
+        return {"run": run_id, "status": "stopping" if svc is not None else "stopped", "reason": reason}
+
+    def runs(self) -> list[dict[str, Any]]:
+        return [self._summary(r) for r in self.db.runs()]
+
+    def status(self, run_id: str, now: float) -> dict[str, Any]:
+        row = self._row(run_id)
+        out = self._summary(row)
+        out["config"] = row.config
+        out["nodes"] = self.db.answers(run_id)
+        svc = self.active.get(run_id)
+        if svc is not None:
+            out["service"] = svc.status(now)
+        return out
+
+    def metrics(self, run_id: str, after: int) -> list[tuple[int, dict[str, Any]]]:
+        self._row(run_id)
+        return self.db.metrics(run_id, after)
+
+    def file(self, run_id: str, name: str) -> Path:
+        """One of the run's results for `shoal run pull`."""
+        self._row(run_id)
+        if name not in PULLED:
+            raise RunError("not_found", f"a run's files are {', '.join(PULLED)}", 404)
+        path = self.dir / run_id / name
+        if not path.is_file():
+            raise RunError("not_found", f"{run_id} has no {name} yet (it is written when the run ends)", 404)
+        return path
+
+    def _summary(self, row: RunRow) -> dict[str, Any]:
+        svc = self.active.get(row.id)
+        out: dict[str, Any] = {"run": row.id, "task": row.task, "status": row.status, "submitted_by": row.submitted_by}
+        if row.reason:
+            out["reason"] = row.reason
+        if svc is not None:
+            out.update(version=svc.version, round=svc.rounds.round, rounds_target=svc.cfg.server.rounds)
+        return out
+
+    def _row(self, run_id: str) -> RunRow:
+        row = self.db.get(run_id) if isinstance(run_id, str) and _RUN_ID.fullmatch(run_id) else None
+        if row is None:
+            raise RunError("unknown_run", f"no run {run_id[:40]!r} (see `shoal run list`)", 404)
+        return row
+
+    # --- what nodes see ---------------------------------------------------------------------
+
+    def offers(self, node: str) -> list[dict[str, Any]]:
+        """The running runs ``node`` has not refused: task, its pin and the run's config."""
+        out = []
+        for run_id, svc in self.active.items():
+            if svc.done:
+                continue
+            row = self.db.get(run_id)
+            if row is None or self.db.answers(run_id).get(node, {}).get("answer") == "refused":
+                continue
+            config = {**row.config, "server": {**row.config.get("server", {}), "poll_s": svc.cfg.server.poll_s}}
+            out.append({"run": run_id, "task": row.task, "task_sha256": row.task_sha256, "config": config})
+        return out
+
+    def answer(self, run_id: str, node: str, body: Any) -> dict[str, Any]:
+        """A node joins a run, or refuses it with its reason (its operator's policy)."""
+        row = self._row(run_id)
+        if not isinstance(body, dict) or body.get("answer") not in ("joined", "refused"):
+            raise RunError("malformed", 'send {"answer": "joined"} or {"answer": "refused", "reason": "..."}')
+        reason = body.get("reason", "")
+        if not isinstance(reason, str) or len(reason) > 500 or not reason.isprintable():
+            raise RunError("malformed", "reason must be printable text of at most 500 characters")
+        if body["answer"] == "refused" and not reason:
+            raise RunError("malformed", "a refusal needs its reason")
+        self.db.answer(row.id, node, body["answer"], reason, time.time())
+        if body["answer"] == "refused":
+            log.info("%s: node %s refused it: %s", run_id, node, reason)
+        return {"run": run_id, "answer": body["answer"]}
+
+    def service(self, run_id: str) -> ServerService | None:
+        """The run's protocol state while it trains; None once it ended (RunError if unknown)."""
+        svc = self.active.get(run_id)
+        if svc is None:
+            self._row(run_id)
+        return svc
+
+    def ended(self, run_id: str) -> dict[str, Any]:
+        """What a node polling an ended run is told: its status and why it ended."""
+        row = self._row(run_id)
+        return {"run_status": row.status, **({"reason": row.reason} if row.reason else {})}
+
+    @property
+    def max_runs(self) -> int:
+        return self.cfg.federation.max_runs
+
+    def forget(self, revoked: set[str]) -> None:
+        """Revoked nodes: no run selects them again."""
+        self.revoked = revoked
+        for svc in self.active.values():
+            svc.forget(revoked)
+
+    # --- the clock ------------------------------------------------------------------------
+
+    def tick(self, now: float) -> bool:
+        """Each run's clock; end the finished ones, start queued ones. True when something changed."""
+        changed = False
+        for run_id, svc in list(self.active.items()):
+            try:
+                if self.revoked:
+                    svc.forget(self.revoked)
+                changed |= svc.tick(now)
+                if svc.finished(now):
+                    self._end(run_id, svc)
+                    changed = True
+                self._failing.pop(run_id, None)
+            except Exception:  # one run's fault never stops the others' clocks
+                if now - self._failing.get(run_id, -math.inf) > 60:
+                    log.exception("%s: its clock failed; retrying (logged at most once a minute)", run_id)
+                    self._failing[run_id] = now
+        for row in self.db.runs(("queued",)):
+            if len(self.active) >= self.cfg.federation.max_runs:
+                break
+            self._open(row, resume=False)
+            changed = True
+        return changed
+
+    def finished(self, now: float) -> bool:
+        return False  # a federation stays up until it is stopped
+
+    def _task(self, cfg: Config):
+        from shoal.assembly import task_from_config
+
+        return task_from_config(cfg) if not cfg.task.app else load_task(cfg.task.app, cfg.task.args)
+
+    def _open(self, row: RunRow, resume: bool) -> None:
+        run_dir = self.dir / row.id
+        try:
+            cfg = run_config(self.cfg, row.config, row.task, run_dir)
+            if task_sha256(row.task) != row.task_sha256:
+                raise RunError("task_changed", f"the source of task {row.task} changed since the run was submitted")
+            task = self._task(cfg)
+            svc = open_service(
+                cfg,
+                resume=resume,
+                task=task,
+                registered=self.registered(),
+                started_at=time.monotonic(),
+                also=functools.partial(self._record, row.id),
+            )
+        except ShoalError as e:
+            log.warning("%s cannot start: %s", row.id, e)
+            self.db.set_status(row.id, "failed", f"cannot start: {e}", time.time())
+            return
+        self.active[row.id] = svc
+        if row.status != "running":
+            self.db.set_status(row.id, "running")
+        log.info("%s %s: task %s, %d rounds", row.id, "resumed" if resume else "started", row.task, cfg.server.rounds)
+
+    def _record(self, run_id: str, event: Event) -> None:
+        if isinstance(event, Record):
+            self.db.add_metric(run_id, event.fields)
+
+    def _end(self, run_id: str, svc: ServerService) -> None:
+        """The run is over: its final model and summary into its folder, its status into the table."""
+        del self.active[run_id]
+        reason = svc.stop_reason or ""
+        if run_id in self.user_stopped:
+            status = "stopped"
+        elif svc.stopped is not None:  # server.max_failed_rounds
+            status = "failed"
+        else:
+            status = "finished"
+        run_dir = self.dir / run_id
+        save_file(
+            {k: v.contiguous() for k, v in svc.spec.views(svc.rounds.global_params.detach().clone()).items()},
+            str(run_dir / "model.safetensors"),
+            metadata={"version": str(svc.version), "spec_hash": svc.spec.hash},
+        )
+        summary = {
+            "run": run_id,
+            "status": status,
+            **({"reason": reason} if reason else {}),
+            "version": svc.version,
+            "rounds": svc.rounds.round,
+            "last_metrics": svc.last_record,
+            "last_federated": svc.last_fed,
+            "updates_accepted": svc.counters.accepted,
+            "updates_rejected": dict(svc.counters.rejected),
+        }
+        (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        self.db.set_status(run_id, status, reason, time.time())
+        log.info("%s %s at version %d%s", run_id, status, svc.version, f": {reason}" if reason else "")
+
+
+PULLED = ("model.safetensors", "metrics.jsonl", "summary.json")
+DEFAULT_FEDERATION_BODY = 64 * 1024 * 1024  # server.max_body_bytes = 0 in a federation: runs' uploads up to this

@@ -1,0 +1,105 @@
+"""One federation server hosting runs, node daemons that join once (in the test's event loop)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from tests.server.federation_live import live_federation
+
+NODES = ["n0", "n1", "n2"]
+
+
+def run_config(rounds: int = 3, **train) -> dict:
+    return {
+        "simulation": {"seed": 5},
+        "train": {"batch_size": 16, "lr": 0.05, **train},
+        "server": {"rounds": rounds, "min_nodes": 3, "deadline_s": 20.0, "poll_s": 1.0, "eval": False},
+    }
+
+
+def rounds_of(path) -> list[dict]:
+    """The training rounds' lines of a metrics.jsonl (not the federated evaluations)."""
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "evaluation" not in r]
+
+
+@pytest.mark.timeout(120)
+def test_two_runs_at_once_a_policy_refusal_and_a_diverging_run(tmp_path):
+    """Two runs train at once on the same daemons; a run over one node's epochs limit is refused by
+    that node with its reason in the run's status and trains on the others; a run whose updates
+    diverge ends after server.max_failed_rounds failed rounds, each node uploading at most that often."""
+
+    async def main():
+        async with live_federation(tmp_path, NODES, max_failed_rounds=2) as f:
+            f.start_node("n0")
+            f.start_node("n1")
+            f.start_node("n2", max_epochs=2)
+            a = await f.submit(run_config())
+            b = await f.submit(run_config(rounds=2, lr=0.02))
+            sa, sb = await asyncio.gather(f.wait_ended(a, 60), f.wait_ended(b, 60))
+            assert sa["status"] == sb["status"] == "finished", (sa, sb)
+            assert set(sa["nodes"]) == set(NODES) and all(v["answer"] == "joined" for v in sa["nodes"].values())
+            for run, rounds in ((a, 3), (b, 2)):
+                lines = rounds_of(tmp_path / "fed" / run / "metrics.jsonl")
+                assert [r["version"] for r in lines] == list(range(1, rounds + 1))
+                assert all(r["num_results"] == 3 for r in lines)
+
+            # over n2's limit of 2 epochs: n2 refuses, the others train (min_nodes 2)
+            cfg = run_config(rounds=2, epochs=3)
+            cfg["server"]["min_nodes"] = 2
+            c = await f.submit(cfg)
+            sc = await f.wait_ended(c, 60)
+            assert sc["status"] == "finished", sc
+            assert sc["nodes"]["n2"]["answer"] == "refused"
+            assert "train.epochs = 3 is over node n2's limit of 2" in sc["nodes"]["n2"]["reason"]
+            lines = rounds_of(tmp_path / "fed" / c / "metrics.jsonl")
+            assert [r["num_results"] for r in lines] == [2, 2]
+
+            # lr = 50 diverges: every upload is refused (non-finite or too large), the run ends
+            d = await f.submit(run_config(rounds=10, lr=50.0, epochs=2))
+            sd = await f.wait_ended(d, 90)
+            assert sd["status"] == "failed", sd
+            assert "2 rounds in a row without an accepted update" in sd["reason"], sd
+            summary = json.loads((tmp_path / "fed" / d / "summary.json").read_text())
+            assert summary["version"] == 0 and summary["updates_accepted"] == 0
+            uploads = sum(v for k, v in summary["updates_rejected"].items())
+            assert 1 <= uploads <= 2 * 3, summary  # each node at most max_failed_rounds uploads
+            assert all(d.stop.is_set() is False for d in f.daemons.values())  # no daemon was restarted
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(90)
+def test_a_revoked_node_is_never_selected_again(tmp_path):
+    """`shoal server nodes revoke` in the middle of a run: from the next round on no run selects the
+    node (it was connected a moment ago), its requests get 403, and the run goes on with the others."""
+
+    async def main():
+        async with live_federation(tmp_path, NODES) as f:
+            for n in NODES:
+                f.start_node(n)
+            cfg = run_config(rounds=12)
+            cfg["server"]["min_nodes"] = 2  # every connected node is selected (server.fraction = 1)
+            run = await f.submit(cfg)
+            while (svc := f.fed.active.get(run)) is None or svc.version < 2:
+                await asyncio.sleep(0.01)
+            assert "n2" in svc.rounds.selected or svc.version >= 2
+            f.registry.revoke("n2")
+            loop = asyncio.get_running_loop()
+            revoked_at, before, selected = loop.time(), set(), {}
+            while run in f.fed.active:  # the rounds that open once the server read the revocation
+                r = svc.rounds
+                if r.open and r.round not in before:
+                    if loop.time() - revoked_at < 0.3:
+                        before.add(r.round)  # opened before (n2 may be in it; it waits for its deadline)
+                    else:
+                        selected.setdefault(r.round, set(r.selected))
+                await asyncio.sleep(0.005)
+            assert selected and all(s == {"n0", "n1"} for s in selected.values()), selected
+            status = await f.status(run)
+            assert status["status"] == "finished", status
+            assert f.daemons["n2"].stop.is_set()  # its daemon was told 403 (revoked) and stopped
+
+    asyncio.run(main())
