@@ -452,6 +452,8 @@ class ServerService:
             raise
         self.refused_task[node] = (round_, version)
         self.refused(reason)
+        if self.secure_round is not None:  # its first stage stops waiting for this node's keys
+            self.secure_round.failed_node(node)
         log.warning("round %d: node %s reports its training %s; its task is not handed out again", round_, node, reason)
         return {"status": "noted", "round": round_}
 
