@@ -167,7 +167,7 @@ class Federation:
         if queued >= self.cfg.federation.max_queued:
             raise RunError("queue_full", f"{queued} runs already wait (federation.max_queued); try later", 429)
         digest = task_sha256(task)
-        run_id = f"run-{len(self.db.runs()) + 1}"
+        run_id = f"run-{self.db.count() + 1}"
         cfg = run_config(self.cfg, raw, task, self.dir / run_id)
         try:  # the task loads and its model fits the federation's upload limit, before it is queued
             svc = ServerService(cfg, self._task(cfg))
