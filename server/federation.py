@@ -354,8 +354,8 @@ class Federation:
             self.db.add_metric(run_id, event.fields)
 
     def _end(self, run_id: str, svc: ServerService) -> None:
-        """The run is over: its final model and summary into its folder, its status into the table."""
-        del self.active[run_id]
+        """The run is over: its final model and summary into its folder, its status into the table
+        (should a write fail, the run stays active and the next tick tries again)."""
         reason = svc.stop_reason or ""
         if run_id in self.user_stopped:
             status = "stopped"
@@ -382,6 +382,7 @@ class Federation:
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.db.set_status(run_id, status, reason, time.time())
+        del self.active[run_id]
         log.info("%s %s at version %d%s", run_id, status, svc.version, f": {reason}" if reason else "")
 
 
