@@ -27,7 +27,7 @@ import torch
 from shoal.config import config_from_dict
 from shoal.errors import ShoalError
 
-from .http import Backoff, NodeError, Refused, Retry, check_response
+from .http import Backoff, NodeError, Refused, Retry, check_response, connection_problem
 from .node import Node, builtin_local_data, read_local_data
 from .node_config import BUILTIN, NodeConfig
 
@@ -203,12 +203,8 @@ class NodeDaemon:
             async with self.http.request(method, url, ssl=self.ssl if self.ssl is not None else True, **kw) as resp:
                 await check_response(resp)
                 return await resp.json()
-        except aiohttp.ClientConnectorCertificateError as e:
-            raise NodeError(
-                f"the server's TLS certificate is not trusted: {e.certificate_error} "
-                "(set node.ca_cert to the private CA)"
-            ) from None
-        except aiohttp.ClientSSLError as e:
-            raise NodeError(f"TLS handshake with {self.cfg.server} failed: {e}") from None
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ValueError) as e:
+            problem = await connection_problem(self.cfg.server, e)  # a bad certificate, the wrong scheme
+            if problem is not None:
+                raise problem from None
             raise Retry(f"{method} {path}: {type(e).__name__}: {e}") from None

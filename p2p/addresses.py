@@ -21,8 +21,9 @@ anything else, whatever the text.
   ``interval`` seconds (a token bucket), so a flood of forged entries cannot turn the
   peer into a scanner.
 
-A DNS name is checked as a name: what it resolves to is the resolver's business (use IP
-addresses and ``allow_networks`` where that matters).
+A DNS name is checked as a name here; the transport checks what it resolves to with
+:meth:`AddressPolicy.resolved_ok` (p2p/peer.py's resolver drops forbidden addresses, so a name
+that points at a metadata or link-local address is never connected to).
 """
 
 from __future__ import annotations
@@ -127,12 +128,12 @@ def kind_of(url: str) -> str:
         return "forbidden" if host.rsplit(".", 1)[-1] in _SPECIAL_TLDS else "name"
     if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
         ip = ip.ipv4_mapped
+    if ip.is_loopback:  # first: ::1 is also in the IPv6 reserved block
+        return "loopback"
     if any(ip in n for n in _METADATA) or any(ip in n for n in _DOCUMENTATION):
         return "forbidden"
     if ip.is_link_local or ip.is_unspecified or ip.is_multicast or ip.is_reserved:
         return "forbidden"
-    if ip.is_loopback:
-        return "loopback"
     if ip.is_private:
         return "private"
     return "global"
@@ -172,6 +173,12 @@ class AddressPolicy:
     def allowed(self, url: str) -> bool:
         """Whether ``url`` (canonical) is of a kind this peer contacts at all."""
         return self._allowed_network(url) or kind_of(url) in self.kinds
+
+    def resolved_ok(self, ip: str) -> bool:
+        """Whether a name may be connected at the address ``ip`` it resolved to: never a forbidden
+        kind (link-local, metadata, documentation, unspecified, multicast) unless allowed."""
+        host = f"[{ip}]" if ":" in ip else ip
+        return self._allowed_network(f"https://{host}") or kind_of(f"https://{host}") != "forbidden"
 
     def may_contact(self, url: str, now: float) -> bool:
         """True to contact ``url`` now: an allowed kind, and verified or within the rate of new contacts."""

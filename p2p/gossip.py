@@ -143,6 +143,10 @@ class GossipNode:
         if self.membership.on_failure(peer, now):
             log.info("%s: removed %s from its view after repeated failures", self.id, peer)
 
+    def cancel(self, peer: str) -> None:
+        """Our push to ``peer`` was never sent (the transport would not contact it): no answer to wait for."""
+        self._pending.pop(peer, None)
+
     def expire(self, now: float) -> list[str]:
         """Pushes unanswered past their deadline count as failures; returns those peers."""
         late = [p for p, d in self._pending.items() if d <= now]

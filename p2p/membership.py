@@ -199,6 +199,10 @@ class Membership:
         self.heard_from(msg.sender, now)
         return reply
 
+    def cancel(self, peer: str) -> None:
+        """Our shuffle with ``peer`` was never sent (the transport would not contact it)."""
+        self._pending.pop(peer, None)
+
     def on_shuffle_response(self, msg: ShuffleResponse, now: float) -> None:
         pending = self._pending.pop(msg.sender, None)
         self._fold(msg.entries, replaceable=pending.sent if pending else [], now=now)

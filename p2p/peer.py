@@ -20,9 +20,9 @@ is parsed by p2p/messages.py; this module moves bytes, keeps time and bounds con
 - every request carries the network credential (``Authorization: Bearer TOKEN``); a
   request without it gets 401, before ``100 Continue`` when the client asks for one;
 - every connection has a deadline: a request's headers must arrive within
-  HEADER_TIMEOUT_S of the connection's start (or of the previous answer), its body within
-  ``body_timeout`` (no byte for that long: 408, closed), and an idle keep-alive connection
-  is closed after IDLE_TIMEOUT_S; at most MAX_CONNECTIONS_PER_ADDRESS connections per
+  HEADER_TIMEOUT_S of the connection's start, the next request's within IDLE_TIMEOUT_S of
+  the previous answer (an idle keep-alive connection is closed then), and a body may not
+  pause for more than ``body_timeout`` (408, closed); at most MAX_CONNECTIONS_PER_ADDRESS connections per
   remote address;
 - a bad body gets 4xx ``{"error": code, "detail": message}`` and changes nothing; an
   unexpected exception is logged once and answered 500, state untouched;
@@ -47,6 +47,7 @@ import asyncio
 import hmac
 import logging
 import math
+import socket
 import ssl
 import time
 import zlib
@@ -57,6 +58,8 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
+from aiohttp.abc import AbstractResolver, ResolveResult
+from aiohttp.resolver import DefaultResolver
 from aiohttp.web_protocol import RequestHandler
 
 from shoal.client.node import NodePrivacy
@@ -68,6 +71,7 @@ from shoal.seeding import derive_seed
 from shoal.task import ClientData, num_examples, task_name
 from shoal.wire import encode_model
 
+from .addresses import AddressPolicy
 from .group_average import GridAverage, SliceMessage
 from .messages import Refused, parse_refusal
 from .robust import check_gossip_settings
@@ -76,9 +80,10 @@ from .service import Outgoing, PeerService, Rejected
 
 log = logging.getLogger(__name__)
 
-HEADER_TIMEOUT_S = 10.0  # a connection's next request headers must be complete by then
+HEADER_TIMEOUT_S = 10.0  # a new connection's first request headers must be complete by then
 IDLE_TIMEOUT_S = 30.0  # an idle keep-alive connection is closed after this long
 MAX_CONNECTIONS_PER_ADDRESS = 64  # open connections from one remote address
+MAX_CONNECTIONS = 1024  # open connections in all (less where the open-file limit is lower)
 OUTGOING_PER_HOST = 8  # our own connections to one peer
 
 
@@ -112,12 +117,26 @@ class _HangUp(Rejected):
     """A refusal after which the connection is closed (the rest of its body is not waited for)."""
 
 
-class _Connections:
-    """Open connections per remote address, and each connection's deadline for its next request."""
+def _total_connections() -> int:
+    """Connections served at once: half the process's open-file limit (the rest for its own
+    connections, files and models), at most MAX_CONNECTIONS."""
+    try:
+        import resource
 
-    def __init__(self, per_address: int, header_timeout: float):
-        self.per_address, self.header_timeout = per_address, header_timeout
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return MAX_CONNECTIONS
+    return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(16, min(MAX_CONNECTIONS, soft // 2))
+
+
+class _Connections:
+    """Open connections per remote address and in all, and each connection's deadline for its next request."""
+
+    def __init__(self, per_address: int, header_timeout: float, idle_timeout: float, total: int | None = None):
+        self.per_address, self.header_timeout, self.idle_timeout = per_address, header_timeout, idle_timeout
+        self.total = _total_connections() if total is None else total
         self.open: dict[str, int] = {}
+        self.count = 0
         self.refused = 0
 
 
@@ -132,18 +151,21 @@ class _GuardedHandler(RequestHandler):
         super().connection_made(transport)
         peer = transport.get_extra_info("peername")
         addr = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        if self.guard.open.get(addr, 0) >= self.guard.per_address:
+        if self.guard.open.get(addr, 0) >= self.guard.per_address or self.guard.count >= self.guard.total:
             self.guard.refused += 1
             self.force_close()
             return
         self._addr = addr
         self.guard.open[addr] = self.guard.open.get(addr, 0) + 1
+        self.guard.count += 1
         self.arm()
 
-    def arm(self) -> None:
-        """(Re)start the deadline for the next request's headers."""
+    def arm(self, timeout: float | None = None) -> None:
+        """(Re)start the deadline for the next request's headers (``header_timeout`` from the
+        connection's start, ``idle_timeout`` after an answer on a keep-alive connection)."""
         self.disarm()
-        self._deadline = asyncio.get_running_loop().call_later(self.guard.header_timeout, self.force_close)
+        wait = self.guard.header_timeout if timeout is None else timeout
+        self._deadline = asyncio.get_running_loop().call_later(wait, self.force_close)
 
     def disarm(self) -> None:
         if self._deadline is not None:
@@ -153,6 +175,7 @@ class _GuardedHandler(RequestHandler):
     def connection_lost(self, exc: BaseException | None) -> None:
         self.disarm()
         if self._addr is not None:
+            self.guard.count -= 1
             left = self.guard.open.get(self._addr, 1) - 1
             if left > 0:
                 self.guard.open[self._addr] = left
@@ -160,6 +183,26 @@ class _GuardedHandler(RequestHandler):
                 self.guard.open.pop(self._addr, None)
             self._addr = None
         super().connection_lost(exc)
+
+
+class _PolicyResolver(AbstractResolver):
+    """The default resolver, less the addresses the policy forbids (a name that resolves to a
+    metadata or link-local address is not connected to)."""
+
+    def __init__(self, policy: AddressPolicy):
+        self.policy = policy
+        self.inner = DefaultResolver()
+
+    async def resolve(
+        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
+    ) -> list[ResolveResult]:
+        found = [r for r in await self.inner.resolve(host, port, family) if self.policy.resolved_ok(r["host"])]
+        if not found:
+            raise OSError(f"{host} resolves only to addresses this peer does not contact")
+        return found
+
+    async def close(self) -> None:
+        await self.inner.close()
 
 
 class _GuardedServer(web.Server):
@@ -223,7 +266,7 @@ class Peer:
             else None
         )
         self.privacy_report: dict[str, Any] = {}
-        self.guard = _Connections(MAX_CONNECTIONS_PER_ADDRESS, HEADER_TIMEOUT_S)
+        self.guard = _Connections(MAX_CONNECTIONS_PER_ADDRESS, HEADER_TIMEOUT_S, IDLE_TIMEOUT_S)
         self.errors = 0  # requests answered 500 (a bug: logged with its traceback)
         self._lock = asyncio.Lock()
         self._session: aiohttp.ClientSession | None = None
@@ -277,7 +320,7 @@ class Peer:
             return _error(500, "internal", "the peer hit an unexpected error; nothing was applied (see its log)")
         finally:
             if isinstance(conn, _GuardedHandler) and conn.transport is not None:
-                conn.arm()
+                conn.arm(self.guard.idle_timeout)
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
         """``Expect: 100-continue``: the token and the size are checked before the body is asked for."""
@@ -472,7 +515,7 @@ class Peer:
 
         def failed(e: Exception) -> None:
             log.info("shuffle with %s failed: %s", target, e)
-            self.svc.node.membership.on_failure(target, self._now())
+            self.svc.on_contact_failure(target, self._now())
 
         await self._contact(out, lambda data: self.svc.on_shuffle_reply(target, data, self._now()), failed)
 
@@ -502,7 +545,7 @@ class Peer:
             m.seen(msg.target, self._now())
         else:
             log.info("%s failed: %s", out.url, e)
-            if m.on_failure(msg.target, self._now()):
+            if self.svc.on_contact_failure(msg.target, self._now()):
                 log.info("%s: removed %s after repeated failures", self.svc.id, msg.target)
         self._dispatch(ex, ex.on_unreachable(msg.target, self._now()))
         self._wake.set()
@@ -568,7 +611,7 @@ class Peer:
                     (log.warning if e.code == "spec_mismatch" else log.debug)("%s refused to mix: %s", target, e)
                 else:
                     log.info("mixing with %s failed: %s", target, e)
-                    self.svc.node.membership.on_failure(target, self._now())
+                    self.svc.on_contact_failure(target, self._now())
                 st.on_unreachable(target, self._now())
 
             if not self.svc.may_contact(target, self._now()):
@@ -669,7 +712,7 @@ class Peer:
         site = web.TCPSite(runner, host, port, ssl_context=self.s.ssl_server)
         await site.start()
         timeout = aiohttp.ClientTimeout(total=self.g.timeout, sock_connect=self.g.timeout)
-        connector = aiohttp.TCPConnector(limit_per_host=OUTGOING_PER_HOST)
+        connector = aiohttp.TCPConnector(limit_per_host=OUTGOING_PER_HOST, resolver=_PolicyResolver(self.svc.policy))
         self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         log.info(
             "peer %s listening on %s:%d, bootstrap %s, %s",

@@ -188,7 +188,9 @@ class PeerService:
         if msg is None:
             return None
         if not self.policy.may_contact(msg.target, now):
-            self.node.on_failure(msg.target, now)
+            self.node.cancel(msg.target)
+            if not self.policy.allowed(msg.target):
+                self.node.membership.remove(msg.target, now)  # a kind we never contact: out of the view
             return None
         return Outgoing(msg.target + PATHS["gossip"], self.encode_model(msg))
 
@@ -207,10 +209,19 @@ class PeerService:
         self.policy.on_success(target)
         self.node.on_reply(answer, now)
 
-    def on_contact_failure(self, target: str, now: float) -> None:
-        self.node.on_failure(target, now)
-        if target not in self.node.membership.view:
+    def on_contact_failure(self, target: str, now: float) -> bool:
+        """A contact with ``target`` failed (no answer, refused, a bad answer): a failure in the
+        membership; an address only heard of (never reached) is removed at its first failure.
+        Returns True when ``target`` was removed."""
+        self.node.cancel(target)
+        m = self.node.membership
+        removed = m.on_failure(target, now)
+        if not removed and target not in self.policy.verified:
+            m.remove(target, now)
+            removed = True
+        if removed:
             self.policy.forget(target)
+        return removed
 
     # --- Cyclon shuffles --------------------------------------------------------------------------
 
@@ -239,7 +250,9 @@ class PeerService:
         if req is None:
             return None
         if not self.policy.may_contact(req.target, now):
-            m.on_failure(req.target, now)
+            m.cancel(req.target)
+            if not self.policy.allowed(req.target):
+                m.remove(req.target, now)
             return None
         body = json.dumps({"sender": req.sender, "entries": [list(e) for e in req.entries]}).encode()
         self.bytes_sent += len(body)
@@ -250,10 +263,10 @@ class PeerService:
             resp = parse_shuffle(body, self.limits, ShuffleResponse, self.id)
         except WireError as e:
             log.info("shuffle answer of %s refused: %s", target, e)
-            self.node.membership.on_failure(target, now)
+            self.on_contact_failure(target, now)
             return
         if resp.sender != target:
-            self.node.membership.on_failure(target, now)
+            self.on_contact_failure(target, now)
             return
         self.policy.on_success(target)
         usable = ShuffleResponse(resp.sender, resp.target, self._usable(resp.entries))

@@ -30,7 +30,7 @@ from shoal.pki import peer_fingerprint
 from .exposition import prometheus_text
 from .federation import DEFAULT_FEDERATION_BODY, Federation, RunError
 from .registry import AuthError, Registry, hash_token, well_formed
-from .service import MAX_EVAL_BODY, ServerService
+from .service import MAX_EVAL_BODY, MAX_FAILURE_BODY, ServerService
 
 log = logging.getLogger(__name__)
 
@@ -591,6 +591,26 @@ async def post_eval(request: web.Request) -> web.Response:
     return web.json_response(result)
 
 
+async def post_failed(request: web.Request) -> web.Response:
+    """A node's report that its task failed on the node (JSON, docs/protocol.md)."""
+    svc, node = _svc(request), request[NODE]
+    length = request.content_length
+    if length is None:
+        svc.refused("length_required")
+        return error(411, "length_required", "send the report with a Content-Length header")
+    if length > MAX_FAILURE_BODY:
+        svc.refused(TooLarge.code)
+        return error(413, TooLarge.code, f"report of {length} bytes is over the limit of {MAX_FAILURE_BODY} bytes")
+    body = await request.read()
+    try:
+        result = svc.report_failure(node, body, time.monotonic())
+    except ShoalError as e:
+        log.info("failure report from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
+        return error(_status_of(e), getattr(e, "code", "error"), str(e))
+    _tick(request.app)  # every selected node answered or failed: the round may close now
+    return web.json_response(result)
+
+
 async def get_status(request: web.Request) -> web.Response:
     return web.json_response(_svc(request).status(time.monotonic()))
 
@@ -680,6 +700,7 @@ def _node_routes(app: web.Application, prefix: str) -> None:
     app.router.add_post(prefix + "/v1/secagg/{stage}", post_secagg)
     app.router.add_get(prefix + "/v1/secagg/{stage}", get_secagg)
     app.router.add_post(prefix + "/v1/eval", post_eval)
+    app.router.add_post(prefix + "/v1/failed", post_failed)
 
 
 def make_federation_app(federation: Federation, registry: Registry) -> web.Application:

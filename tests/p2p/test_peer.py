@@ -285,10 +285,26 @@ def test_connections_are_capped_per_address_and_silent_ones_closed():
         closed = await asyncio.gather(*[asyncio.wait_for(r.read(), 5) for r, _ in conns])
         took = asyncio.get_running_loop().time() - t0
         assert all(c == b"" for c in closed) and took < 3  # the last two at once, the others at 1 s
-        assert peer.guard.refused == 2 and peer.guard.open == {}
+        assert peer.guard.refused == 2 and peer.guard.open == {} and peer.guard.count == 0
+        peer.guard.per_address, peer.guard.total = 10, 3  # and a cap on all connections
+        more = [await asyncio.open_connection("127.0.0.1", port) for _ in range(5)]
+        closed = await asyncio.gather(*[asyncio.wait_for(r.read(), 5) for r, _ in more])
+        assert all(c == b"" for c in closed) and peer.guard.refused == 4
+        conns += more
         async with aiohttp.ClientSession() as s:
             async with s.get(f"http://127.0.0.1:{port}/status", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
-                assert r.status == 200 and (await r.json())["connections_refused"] == 2
+                assert r.status == 200 and (await r.json())["connections_refused"] == 4
+        peer.guard.idle_timeout = 1.0  # after an answer, the next request's headers are due by then
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(f"GET /status HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\n\r\n".encode())
+        head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+        assert head.startswith(b"HTTP/1.1 200")
+        writer.write(b"POST /gossip HTTP/1.1\r\nHost: x\r\n")  # and then nothing
+        t0 = asyncio.get_running_loop().time()
+        while await asyncio.wait_for(reader.read(1 << 16), 5):
+            pass
+        assert asyncio.get_running_loop().time() - t0 < 3
+        conns.append((reader, writer))
         for _, w in conns:
             w.close()
         await runner.cleanup()

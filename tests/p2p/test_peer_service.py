@@ -131,12 +131,17 @@ def test_address_policy_contacts_only_our_kinds_and_limits_new_contacts():
     ):
         assert kind_of(forbidden) == "forbidden" or not policy.allowed(forbidden)
         assert not policy.may_contact(forbidden, 0.0)
+    assert policy.allowed("https://[::1]:9000") and policy.allowed("https://localhost:9000")
     assert not policy.allowed("https://8.8.8.8:9000")  # a global address: not a kind of ours (loopback)
     assert not policy.allowed("https://peer.example.org:9000")  # a name: neither
     assert policy.may_contact(HONEST, 0.0)  # bootstrap: verified
     news = [f"https://127.0.0.{i}:9000" for i in range(2, 8)]
     assert [policy.may_contact(u, 0.0) for u in news] == [True, True, False, False, False, False]
     assert policy.may_contact(news[2], 1.0)  # one more per interval
+    # what a name resolves to: never a forbidden address (unless allowed)
+    assert policy.resolved_ok("10.1.2.3") and policy.resolved_ok("::1")
+    assert not policy.resolved_ok("169.254.169.254") and not policy.resolved_ok("fe80::1")
+    assert AddressPolicy([ME], allow_networks=["169.254.0.0/16"]).resolved_ok("169.254.1.1")
     wide = AddressPolicy([ME], allow_networks=["8.8.8.0/24"])
     assert wide.allowed("https://8.8.8.8:9000") and not wide.allowed("https://8.8.4.4:9000")
 
@@ -312,3 +317,23 @@ def test_any_model_header_is_merged_within_the_bound_or_refused(header, value):
         return
     assert torch.isfinite(svc.node.params).all()
     assert float(torch.linalg.vector_norm(svc.node.params - before[0])) <= limit * (1 + 1e-5)
+
+
+def test_second_hand_entries_stay_unverified_until_reached_and_go_at_their_first_failure():
+    svc = _service()
+    heard = "https://127.0.0.7:9000"
+    body = json.dumps({"sender": HONEST, "entries": [[heard, 0], ["https://169.254.169.254:80", 0]]}).encode()
+    svc.on_shuffle(body, 0.0)
+    m = svc.node.membership
+    assert heard in m.view and "https://169.254.169.254:80" not in m.known  # a forbidden kind is dropped
+    assert heard not in svc.policy.verified
+    assert svc.on_contact_failure(heard, 1.0) and heard not in m.view and heard not in m.known
+    assert not svc.on_contact_failure(HONEST, 1.0) and HONEST in m.view  # verified: max_failures apply
+    reached = "https://127.0.0.8:9000"
+    svc.on_shuffle(json.dumps({"sender": HONEST, "entries": [[reached, 0]]}).encode(), 2.0)
+    out = svc.start_shuffle(3.0)
+    while out is not None and not out.url.startswith(reached):
+        out = svc.start_shuffle(3.0)
+    answer = json.dumps({"sender": reached, "entries": []}).encode()
+    svc.on_shuffle_reply(reached, answer, 3.1)
+    assert reached in svc.policy.verified
