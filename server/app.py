@@ -16,7 +16,6 @@ import signal
 import ssl
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Protocol
 
 from aiohttp import web
@@ -25,7 +24,7 @@ from aiohttp.http_exceptions import HttpProcessingError
 from shoal.aggregation.secagg.identity import read_roster
 from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, TooLarge, UpdateRejected, WireError
-from shoal.pki import peer_fingerprint
+from shoal.pki import peer_fingerprint, read_secret
 
 from .exposition import prometheus_text
 from .federation import DEFAULT_FEDERATION_BODY, Federation, RunError
@@ -306,7 +305,9 @@ async def _read_into(request: web.Request, view: memoryview, length: int, first:
     loop = asyncio.get_running_loop()
     start = loop.time()
     deadline = start + s.upload_timeout_s
-    left_in_round = svc.rounds.time_left(time.monotonic()) if svc.sync is not None and svc.sync.open else None
+    # a plain sync round closes at its deadline (a secure round's stages keep their own clocks)
+    plain_round = svc.sync is not None and svc.sync.open and svc.secure_round is None
+    left_in_round = svc.rounds.time_left(time.monotonic()) if plain_round else None
     if left_in_round is not None:
         deadline = min(deadline, start + left_in_round + 1.0)
     got, quiet_since = 0, start
@@ -623,10 +624,7 @@ def admin_token_hash(cfg: Config) -> str:
     path = cfg.server.admin_token_file
     if not path:
         return ""
-    try:
-        token = Path(path).read_text().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"server.admin_token_file = {path!r} cannot be read: {e}") from None
+    token = read_secret(path, "server.admin_token_file")
     if len(token) < 32 or not well_formed(token):
         raise ConfigError(
             f"server.admin_token_file = {path!r} must hold one token of 32 to 256 URL-safe "
@@ -816,10 +814,7 @@ def researcher_tokens(cfg: Config) -> dict[str, str]:
     path = cfg.federation.researcher_tokens_file
     if not path:
         return {}
-    try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"federation.researcher_tokens_file = {path!r} cannot be read: {e}") from None
+    lines = read_secret(path, "federation.researcher_tokens_file").splitlines()
     out = {}
     for i, line in enumerate(lines, 1):
         if not line.strip() or line.lstrip().startswith("#"):
