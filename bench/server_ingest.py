@@ -1,14 +1,15 @@
 """Server ingest: N nodes upload updates of the 1.66M-parameter MNIST CNN at once.
 
-A real `shoal server` process (plain HTTP on 127.0.0.1, so the number is the server's
-own cost, not TLS's) runs one sync round with K = N; this process plays the N nodes
-with aiohttp: each long-polls for its task, then all upload together. Printed per N:
-throughput (update bytes / time from the first upload to the last answer) and the
-server's peak RSS (VmHWM). Streaming aggregation means the peak should not grow
-with N: at most ``server.ingest_slots`` bodies are held at once, the rest wait in
-their sockets.
+A real `shoal server` process on 127.0.0.1 runs one sync round with K = N; this process
+plays the N nodes with aiohttp: each long-polls for its task, then all upload together.
+Each N runs twice, side by side: plain HTTP (the server's own cost) and HTTPS (the same
+with TLS, a certificate of a private CA made here). Printed per N and transport:
+throughput (update bytes / time from the first upload to the last answer), the server's
+CPU seconds, and its peak RSS (VmHWM) and the growth of it during the uploads, in model
+sizes. Streaming aggregation means the peak should not grow with N: at most
+``server.ingest_slots`` bodies are held at once, the rest wait in their sockets.
 
-    .venv/bin/python bench/server_ingest.py [--n 20 200]
+    .venv/bin/python bench/server_ingest.py [--n 20 200] [--transports plain tls]
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ import torch
 from shoal.models import build_model
 from shoal.params import ParamSpec
 from shoal.server.registry import Registry
+from shoal.tls import client_context, make_private_ca
 from shoal.update import Update
 from shoal.wire import encode_update
 
@@ -68,15 +70,16 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def _peak_rss_mb(pid: int) -> float:
+def _rss_mb(pid: int, field: str = "VmHWM") -> float:
+    """The process's peak (VmHWM) or current (VmRSS) resident memory, in MB."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmHWM in /proc status")
+    raise RuntimeError(f"no {field} in /proc status")
 
 
-async def _nodes(url: str, tokens: list[str], body: bytes, pid: int) -> tuple[float, float]:
-    conn = aiohttp.TCPConnector(limit=0)
+async def _nodes(url: str, tokens: list[str], body: bytes, pid: int, ssl_ctx=None) -> tuple[float, float, float]:
+    conn = aiohttp.TCPConnector(limit=0, ssl=ssl_ctx if ssl_ctx is not None else False)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
 
@@ -103,6 +106,7 @@ async def _nodes(url: str, tokens: list[str], body: bytes, pid: int) -> tuple[fl
                 assert task["status"] == "work", task
 
         await asyncio.gather(*(poll(t) for t in tokens))
+        rss0 = _rss_mb(pid, "VmRSS")
         cpu0, t0 = _cpu_s(pid), time.perf_counter()
 
         async def upload(token: str) -> None:
@@ -115,27 +119,33 @@ async def _nodes(url: str, tokens: list[str], body: bytes, pid: int) -> tuple[fl
                 assert r.status == 200, await r.text()
 
         await asyncio.gather(*(upload(t) for t in tokens))
-        return time.perf_counter() - t0, _cpu_s(pid) - cpu0
+        return time.perf_counter() - t0, _cpu_s(pid) - cpu0, rss0
 
 
-def run(n: int, body: bytes) -> dict:
+def run(n: int, body: bytes, tls: bool = False) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         port = _free_port()
         cfg_path = Path(tmp) / "server.toml"
-        cfg_path.write_text(CONFIG.format(port=port, n=n, tmp=tmp))
+        config = CONFIG.format(port=port, n=n, tmp=tmp)
+        ssl_ctx, flags, scheme = None, ["--insecure"], "http"
+        if tls:
+            pki = make_private_ca(Path(tmp) / "pki")
+            config += f'tls_cert = "{pki.cert}"\ntls_key = "{pki.key}"\n'
+            ssl_ctx, flags, scheme = client_context(pki.ca_cert), [], "https"
+        cfg_path.write_text(config)
         reg = Registry(Path(tmp) / "nodes.sqlite")
         tokens = [reg.add(f"node-{i:04d}") for i in range(n)]
         reg.close()
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         server = subprocess.Popen(
-            [sys.executable, "-m", "shoal.cli", "server", "--config", str(cfg_path), "--insecure"],
+            [sys.executable, "-m", "shoal.cli", "server", "--config", str(cfg_path), *flags],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env=env,
         )
         try:
-            seconds, cpu = asyncio.run(_nodes(f"http://127.0.0.1:{port}", tokens, body, server.pid))
-            peak = _peak_rss_mb(server.pid)
+            seconds, cpu, rss0 = asyncio.run(_nodes(f"{scheme}://127.0.0.1:{port}", tokens, body, server.pid, ssl_ctx))
+            peak = _rss_mb(server.pid)
             server.terminate()  # it would otherwise wait for the nodes to hear "done"
             server.wait(60)
         finally:
@@ -145,7 +155,9 @@ def run(n: int, body: bytes) -> dict:
     mb = n * len(body) / 1e6
     return {
         "n": n,
+        "transport": "tls" if tls else "plain",
         "mb": mb,
+        "rss_before_mb": rss0,
         "seconds": seconds,
         "mb_per_s": mb / seconds,
         "peak_rss_mb": peak,
@@ -157,6 +169,7 @@ def run(n: int, body: bytes) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, nargs="+", default=[20, 200])
+    ap.add_argument("--transports", nargs="+", choices=["plain", "tls"], default=["plain", "tls"])
     args = ap.parse_args()
     torch.manual_seed(0)
     model = build_model("cnn", (1, 28, 28), 10)
@@ -165,19 +178,26 @@ def main() -> None:
     body = encode_update(Update(delta, num_examples=600, base_version=0), spec, {"round": 1})
     model_mb = spec.nbytes / 1e6
     print(f"model: {spec.numel:,} parameters, {model_mb:.2f} MB float32; update body {len(body) / 1e6:.2f} MB")
-    results = [run(n, body) for n in args.n]
-    print(f"load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs (nodes and server share them)")
+    load = os.getloadavg()[0]
+    results = [run(n, body, tls=t == "tls") for n in args.n for t in args.transports]
+    print(f"load average before: {load:.1f} on {os.cpu_count()} CPUs (nodes and server share them)")
     print(
-        f"{'N':>5} {'MB sent':>9} {'seconds':>8} {'MB/s':>8} {'server CPU s':>13} {'MB per server CPU s':>20} "
-        f"{'server peak RSS MB':>19}"
+        f"{'N':>5} {'transport':>9} {'MB sent':>9} {'seconds':>8} {'MB/s':>8} {'server CPU s':>13} "
+        f"{'MB per server CPU s':>20} {'server peak RSS MB':>19} {'growth (models)':>16}"
     )
     for r in results:
+        growth = (r["peak_rss_mb"] - r["rss_before_mb"]) / model_mb
         print(
-            f"{r['n']:>5} {r['mb']:>9.1f} {r['seconds']:>8.2f} {r['mb_per_s']:>8.1f} {r['server_cpu_s']:>13.2f} "
-            f"{r['mb_per_cpu_s']:>20.1f} {r['peak_rss_mb']:>19.1f}"
+            f"{r['n']:>5} {r['transport']:>9} {r['mb']:>9.1f} {r['seconds']:>8.2f} {r['mb_per_s']:>8.1f} "
+            f"{r['server_cpu_s']:>13.2f} {r['mb_per_cpu_s']:>20.1f} {r['peak_rss_mb']:>19.1f} {growth:>16.2f}"
         )
-    if len(results) >= 2:
-        lo, hi = results[0], results[-1]
+    for n in args.n:
+        pair = {r["transport"]: r for r in results if r["n"] == n}
+        if len(pair) == 2:
+            print(f"N={n}: TLS / plain throughput {pair['tls']['mb_per_s'] / pair['plain']['mb_per_s']:.2f}x")
+    plain = [r for r in results if r["transport"] == "plain"]
+    if len(plain) >= 2:
+        lo, hi = plain[0], plain[-1]
         grow = (hi["peak_rss_mb"] - lo["peak_rss_mb"]) / model_mb
         print(
             f"peak RSS growth N={lo['n']} -> N={hi['n']}: {hi['peak_rss_mb'] - lo['peak_rss_mb']:.1f} MB "

@@ -9,6 +9,7 @@ import typer
 
 from shoal.cli_help import as_written
 from shoal.errors import ConfigError
+from shoal.pki import read_secret
 
 
 def client(
@@ -73,7 +74,7 @@ def client(
     if token_file is not None:
         if not token_file.is_file():
             raise ConfigError(f"--token-file {str(token_file)!r} not found")
-        token = token_file.read_text().strip()
+        token = read_secret(token_file, "--token-file")
     cfg = load_config(config, with_task(set_, task))
     if server.startswith("https://"):
         ctx = client_context(ca_cert, cert, key)
@@ -144,7 +145,7 @@ def node(
     if cfg.token_file is not None:
         if not cfg.token_file.is_file():
             raise ConfigError(f"node.token_file {str(cfg.token_file)!r} not found")
-        token = cfg.token_file.read_text().strip()
+        token = read_secret(cfg.token_file, "node.token_file")
     if cfg.server.startswith("https://"):
         ctx_ssl = client_context(cfg.ca_cert, cfg.cert, cfg.key)
     elif cfg.cert is not None:

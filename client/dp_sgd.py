@@ -27,7 +27,7 @@ from opacus.validators import ModuleValidator
 from torch import nn
 
 from shoal.accounting import dp_sgd_schedule
-from shoal.client.training import LocalTrainer
+from shoal.client.training import LocalTrainer, Objective
 from shoal.config import PrivacyConfig, TrainConfig
 from shoal.errors import ConfigError
 from shoal.seeding import derive_seed
@@ -90,7 +90,7 @@ class DpSgdTrainer(LocalTrainer):
             generator=self._noise_gen,
         )
 
-    def train_dataset(self, global_flat, dataset, seed, base_version=0, sender=""):  # noqa: D102
+    def train_dataset(self, global_flat, dataset, seed, base_version=0, sender="", objective=None):  # noqa: D102
         raise ConfigError(
             "privacy.mode = 'local' (DP-SGD) needs the client's data as (x, y) tensors: Poisson "
             "sampling of examples draws from the whole local set; return tensors from the task"
@@ -104,8 +104,11 @@ class DpSgdTrainer(LocalTrainer):
         seed: int,
         base_version: int = 0,
         sender: str = "",
+        objective: Objective | None = None,
     ) -> Update:
         """``epochs * round(n / B)`` DP-SGD steps on Poisson samples of rate B / n from ``global_flat``."""
+        if objective is not None:  # config rules refuse [algorithm] with privacy.mode = 'local'
+            raise ConfigError("DP-SGD (privacy.mode = 'local') trains plain local SGD; it takes no algorithm objective")
         cfg, flat = self.cfg, self.flat
         global_flat = global_flat.to(self.device)
         flat.copy_(global_flat)

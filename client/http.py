@@ -48,6 +48,32 @@ class Backoff:
         self.attempt = 0
 
 
+async def connection_problem(url: str, e: BaseException) -> NodeError | None:
+    """A failed connection to ``url`` that retrying cannot fix, as one NodeError line with the
+    fix (shoal/tls.py finds out what is wrong); None when it may be transient (retry)."""
+    from shoal.tls import certificate_problem, speaks_tls
+
+    if isinstance(e, aiohttp.ClientConnectorCertificateError):
+        return NodeError(await certificate_problem(url, e.certificate_error))
+    if isinstance(e, aiohttp.ClientSSLError):
+        if "WRONG_VERSION_NUMBER" in str(e):  # the server answered in plain HTTP
+            plain = url.replace("https://", "http://", 1)
+            return NodeError(
+                f"TLS handshake with {url} failed: it speaks plain HTTP (an --insecure server); use {plain}"
+            )
+        return NodeError(f"TLS handshake with {url} failed: {e}")
+    hung_up = isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and not isinstance(
+        e,
+        aiohttp.ClientConnectorError,  # nobody listening: the server is down, not a TLS one
+    )
+    if hung_up and url.startswith("http://") and await speaks_tls(url):
+        return NodeError(
+            f"the server at {url} speaks HTTPS and hangs up on plain HTTP: use "
+            f"{url.replace('http://', 'https://', 1)} (with the federation's CA for a private one)"
+        )
+    return None
+
+
 async def check_response(resp: aiohttp.ClientResponse) -> None:
     """Return for 2xx/3xx; else raise NodeError, Retry or Refused with the server's JSON error."""
     if resp.status < 400:

@@ -56,11 +56,10 @@ from shoal.task import (
     task_name,
 )
 from shoal.tasks import BuiltinTask
-from shoal.tls import certificate_problem, speaks_tls
 from shoal.update import Update
 from shoal.wire import decode_model, encode_update, read_header
 
-from .http import Backoff, NodeError, Refused, Retry, check_response
+from .http import Backoff, NodeError, Refused, Retry, check_response, connection_problem
 from .training import summarize_means
 
 log = logging.getLogger(__name__)
@@ -96,6 +95,18 @@ def builtin_local_data(task: BuiltinTask, shard: Shard) -> LocalData:
     task.input_shape = shard.input_shape
     task.num_classes = shard.num_classes or task.num_classes
     return LocalData(train=(shard.x, shard.y))
+
+
+def diverged(update: Update) -> str | None:
+    """What is wrong with a trained update that must not be uploaded (None if nothing): a
+    non-finite training loss, or NaN/Inf entries in the update itself."""
+    loss = update.metrics.get("train_loss")
+    if loss is not None and not math.isfinite(loss):
+        return f"loss {loss}"
+    bad = int((~torch.isfinite(update.delta)).sum())
+    if bad:
+        return f"the update has {bad} NaN/Inf entries of {update.delta.numel()}"
+    return None
 
 
 def figures_line(task: Task, means: dict[str, float]) -> str:
@@ -353,6 +364,7 @@ class Node:
         self.backoff = Backoff()
         self._model: tuple[str, int, torch.Tensor] | None = None  # (etag, version, params)
         self.rounds_done = 0
+        self.failed_tasks: set[tuple[int, int]] = set()  # (round, version): diverged or refused, not retried
 
     @staticmethod
     def _held(data: ClientData | None, device: torch.device) -> ClientData | None:
@@ -437,6 +449,9 @@ class Node:
 
     async def _work(self, task: dict) -> None:
         version = int(task["version"])
+        if (int(task["round"]), version) in self.failed_tasks:  # trained once, diverged or refused: not again
+            await self._pause(self.poll_s)  # a server that hands it out again is not asked in a tight loop
+            return
         self._check_privacy(task)
         if self.privacy is not None and not self.privacy.allows_next_round():
             self.stop.set()  # this node's own budget: it takes no more work
@@ -448,6 +463,10 @@ class Node:
             await self._evaluate(params, version, self.test)
         seed = self.privacy.training_seed(int(task["seed"])) if self.privacy is not None else int(task["seed"])
         update = await asyncio.to_thread(self.trainer.fit, params, self.train, seed, version, self.name)
+        problem = diverged(update)
+        if problem is not None:  # checked before any privacy is spent or anything leaves the node
+            await self._failed(task, "diverged", problem)
+            return
         report = None
         if self.privacy is not None:
             update = self.privacy.protect(update, task)
@@ -466,6 +485,25 @@ class Node:
             accepted = await self._upload(task, body)
         finally:  # top-k: what the server did not take goes back into the residual (also on NodeError)
             (self.compressor.accepted if accepted else self.compressor.not_accepted)(self.name, tag)
+
+    async def _failed(self, task: dict, reason: str, detail: str) -> None:
+        """This task failed here: one line, the server told (POST /v1/failed, docs/protocol.md),
+        and the task is remembered so that it is not trained again."""
+        round_, version = int(task["round"]), int(task["version"])
+        run = self.url.rsplit("/runs/", 1)[1] if "/runs/" in self.url else None
+        where = f"run {run}, round {round_}" if run else f"round {round_}"
+        log.warning("training diverged in %s: %s; not uploading", where, detail)
+        self.failed_tasks.add((round_, version))
+        try:
+            await self._request("POST", "/v1/failed", json={"round": round_, "version": version, "reason": reason})
+        except (Refused, Retry) as e:
+            log.info("%s: the failure was not reported to the server: %s", where, e)
+
+    async def _pause(self, seconds: float) -> None:
+        try:
+            await asyncio.wait_for(self.stop.wait(), seconds)
+        except TimeoutError:
+            pass
 
     async def _upload(self, task: dict, body: bytes) -> bool:
         """POST the update; True when the server accepted it (200), False when it refused it
@@ -492,8 +530,9 @@ class Node:
                 delay = backoff.next(self.rand)
                 log.warning("upload failed (%s); retrying in %.2f s", e, delay)
                 await asyncio.sleep(delay)
-            except Refused as e:
+            except Refused as e:  # the same update would be refused again: this task is not trained twice
                 log.warning("round %s: update refused: %s", task["round"], e)
+                self.failed_tasks.add((int(task["round"]), int(task["version"])))
                 return False
 
     async def _evaluate(self, params: torch.Tensor, version: int, test: ClientData) -> None:
@@ -571,22 +610,10 @@ class Node:
             async with self.http.request(method, self.url + path, ssl=self._ssl, **kw) as resp:
                 await self._check(resp)
                 return await resp.json()
-        except aiohttp.ClientConnectorCertificateError as e:
-            raise NodeError(await certificate_problem(self.url, e.certificate_error)) from None
-        except aiohttp.ClientSSLError as e:
-            plain = "WRONG_VERSION_NUMBER" in str(e)  # the server answered in plain HTTP
-            hint = f": it speaks plain HTTP (an --insecure server); use {self.url.replace('https', 'http', 1)}"
-            raise NodeError(f"TLS handshake with {self.url} failed{hint if plain else f': {e}'}") from None
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
-            hung_up = isinstance(e, (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)) and not isinstance(
-                e,
-                aiohttp.ClientConnectorError,  # nobody listening: the server is down, not a TLS one
-            )
-            if hung_up and self.url.startswith("http://") and await speaks_tls(self.url):
-                raise NodeError(
-                    f"the server at {self.url} speaks HTTPS and hangs up on plain HTTP: use "
-                    f"{self.url.replace('http', 'https', 1)} (with --ca-cert for a private CA)"
-                ) from None
+            problem = await connection_problem(self.url, e)  # a bad certificate, the wrong scheme: one line
+            if problem is not None:
+                raise problem from None
             raise Retry(f"{method} {path}: {type(e).__name__}: {e}") from None
 
     async def _check(self, resp: aiohttp.ClientResponse) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -47,6 +48,24 @@ def summarize_means(task: Task, means: dict[str, float]) -> dict[str, float]:
     if not isinstance(out, dict):
         raise TaskError(f"task {task_name(task)}: summarize() returned a {type(out).__name__}, expected a dict")
     return {k: float(v) for k, v in out.items()}
+
+
+@dataclass
+class Objective:
+    """What an algorithm changes in plain local SGD (client/algorithms.py); None keeps the default.
+
+    The step on the flat buffer becomes ``w -= lr * m(g + correction + wd w + mu (w - anchor))``
+    (``m`` the momentum, masked by ``mask``): SCAFFOLD's correction ``c - c_i``, FedDyn's
+    ``-grad_k`` with ``mu = alpha``, Ditto's personal model (``start`` v_k, ``anchor`` the
+    global model, ``mu = lambda``), FedRep's phases (``mask``: the entries that move)."""
+
+    start: torch.Tensor | None = None  # start here, not at the global model
+    anchor: torch.Tensor | None = None  # the proximal term's centre (default: the global model)
+    prox_mu: float | None = None  # replaces train.prox_mu
+    correction: torch.Tensor | None = None  # added to every gradient
+    mask: torch.Tensor | None = None  # float 0/1 over the flat buffer: only entries with 1 move
+    epochs: int | None = None  # replaces train.epochs
+    max_steps: int | None = None  # stop after this many steps (personalised fine-tuning)
 
 
 class SeededPermutations(Sampler[int]):
@@ -99,14 +118,21 @@ class LocalTrainer:
     # --- training -----------------------------------------------------------------------
 
     def fit(
-        self, global_flat: torch.Tensor, data: ClientData, seed: int, base_version: int = 0, sender: str = ""
+        self,
+        global_flat: torch.Tensor,
+        data: ClientData,
+        seed: int,
+        base_version: int = 0,
+        sender: str = "",
+        objective: Objective | None = None,
     ) -> Update:
         """Train on ``data`` (tensors: the fast path; a Dataset: through a DataLoader)."""
+        extra = {} if objective is None else {"objective": objective}  # DP-SGD's trainer takes none
         pair = as_tensors(data)
         if pair is not None:
             x, y = pair
-            return self.train(global_flat, self._on_device(x), self._on_device(y), seed, base_version, sender)
-        return self.train_dataset(global_flat, data, seed, base_version, sender)
+            return self.train(global_flat, self._on_device(x), self._on_device(y), seed, base_version, sender, **extra)
+        return self.train_dataset(global_flat, data, seed, base_version, sender, **extra)
 
     def _on_device(self, t: torch.Tensor) -> torch.Tensor:
         return t if t.device == self.device else t.to(self.device)
@@ -119,6 +145,7 @@ class LocalTrainer:
         seed: int,
         base_version: int = 0,
         sender: str = "",
+        objective: Objective | None = None,
     ) -> Update:
         """Run local training on (x, y) starting from ``global_flat``; return the Update.
 
@@ -128,18 +155,25 @@ class LocalTrainer:
         n = int(y.shape[0])
         bs = self.cfg.batch(n)
         gen = torch.Generator().manual_seed(int(seed) % (1 << 63))
+        epochs = self.cfg.epochs if objective is None or objective.epochs is None else objective.epochs
 
         def batches():
-            for _ in range(self.cfg.epochs):
+            for _ in range(epochs):
                 perm = torch.randperm(n, generator=gen).to(self.device)
                 for start in range(0, n, bs):
                     idx = perm[start : start + bs]
                     yield x[idx], y[idx]
 
-        return self._run(global_flat, batches(), n, base_version, sender)
+        return self._run(global_flat, batches(), n, base_version, sender, objective)
 
     def train_dataset(
-        self, global_flat: torch.Tensor, dataset: Any, seed: int, base_version: int = 0, sender: str = ""
+        self,
+        global_flat: torch.Tensor,
+        dataset: Any,
+        seed: int,
+        base_version: int = 0,
+        sender: str = "",
+        objective: Objective | None = None,
     ) -> Update:
         """Local training on a torch Dataset through a DataLoader (workers, pinned memory on GPU)."""
         n = len(dataset)
@@ -157,18 +191,31 @@ class LocalTrainer:
             generator=torch.Generator().manual_seed(derive_seed(seed, 0xDA7A) % (1 << 63)),
         )
 
+        epochs = self.cfg.epochs if objective is None or objective.epochs is None else objective.epochs
+
         def batches():
-            for _ in range(self.cfg.epochs):
+            for _ in range(epochs):
                 for batch in loader:
                     x, y = task.to_device(batch, self.device)
                     yield x, y
 
-        return self._run(global_flat, batches(), n, base_version, sender)
+        return self._run(global_flat, batches(), n, base_version, sender, objective)
 
-    def _run(self, global_flat: torch.Tensor, batches, n: int, base_version: int, sender: str) -> Update:
+    def _run(
+        self,
+        global_flat: torch.Tensor,
+        batches,
+        n: int,
+        base_version: int,
+        sender: str,
+        objective: Objective | None = None,
+    ) -> Update:
         cfg, flat, grad, model, task = self.cfg, self.flat, self.grad, self.model, self.task
+        obj = objective or Objective()
         global_flat = global_flat.to(self.device)
-        flat.copy_(global_flat)
+        flat.copy_(global_flat if obj.start is None else obj.start.to(self.device))
+        anchor = global_flat if obj.anchor is None else obj.anchor.to(self.device)
+        mu = cfg.prox_mu if obj.prox_mu is None else obj.prox_mu
         if self._momentum is not None:
             self._momentum.zero_()
         optim = self._make_optimizer() if self._optim_name else None
@@ -176,15 +223,21 @@ class LocalTrainer:
         steps = 0
         model.train()
         for xb, yb in batches:
+            if obj.max_steps is not None and steps >= obj.max_steps:
+                break
             grad.zero_()
             with autocast(self.device, cfg.precision):
                 loss = task.loss(model, xb, yb)
             loss.float().backward()
+            if obj.correction is not None:
+                grad.add_(self._masked(obj.correction))
             if optim is None:
-                self._step(global_flat)
+                self._step(anchor, mu, obj.mask)
             else:
-                if cfg.prox_mu:  # FedProx term with any optimizer
-                    grad.add_(self._masked(flat - global_flat), alpha=cfg.prox_mu)
+                if mu:  # FedProx term with any optimizer
+                    grad.add_(self._masked(flat - anchor), alpha=mu)
+                if obj.mask is not None:
+                    grad.mul_(obj.mask)
                 optim.step()
             loss_sum += loss.detach().float()
             steps += 1
@@ -202,12 +255,14 @@ class LocalTrainer:
         except (TypeError, ValueError) as e:
             raise TaskError(f"task {task_name(self.task)}: optimizer {self._optim_name}({args}) failed: {e}") from None
 
-    def _step(self, global_flat: torch.Tensor) -> None:
+    def _step(self, anchor: torch.Tensor, mu: float, mask: torch.Tensor | None = None) -> None:
         cfg, flat, grad = self.cfg, self.flat, self.grad
         if cfg.weight_decay:
             grad.add_(self._masked(flat), alpha=cfg.weight_decay)
-        if cfg.prox_mu:  # FedProx: gradient of (mu/2)||w - w_global||^2
-            grad.add_(self._masked(flat - global_flat), alpha=cfg.prox_mu)
+        if mu:  # FedProx: gradient of (mu/2)||w - anchor||^2 (anchor: the global model)
+            grad.add_(self._masked(flat - anchor), alpha=mu)
+        if mask is not None:
+            grad.mul_(mask)
         step = grad
         if self._momentum is not None:
             step = self._momentum.mul_(cfg.momentum).add_(grad)

@@ -16,7 +16,6 @@ import signal
 import ssl
 import time
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Protocol
 
 from aiohttp import web
@@ -25,12 +24,12 @@ from aiohttp.http_exceptions import HttpProcessingError
 from shoal.aggregation.secagg.identity import read_roster
 from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, TooLarge, UpdateRejected, WireError
-from shoal.pki import peer_fingerprint
+from shoal.pki import peer_fingerprint, read_secret
 
 from .exposition import prometheus_text
 from .federation import DEFAULT_FEDERATION_BODY, Federation, RunError
 from .registry import AuthError, Registry, hash_token, well_formed
-from .service import MAX_EVAL_BODY, ServerService
+from .service import MAX_EVAL_BODY, MAX_FAILURE_BODY, ServerService
 
 log = logging.getLogger(__name__)
 
@@ -306,7 +305,9 @@ async def _read_into(request: web.Request, view: memoryview, length: int, first:
     loop = asyncio.get_running_loop()
     start = loop.time()
     deadline = start + s.upload_timeout_s
-    left_in_round = svc.rounds.time_left(time.monotonic()) if svc.sync is not None and svc.sync.open else None
+    # a plain sync round closes at its deadline (a secure round's stages keep their own clocks)
+    plain_round = svc.sync is not None and svc.sync.open and svc.secure_round is None
+    left_in_round = svc.rounds.time_left(time.monotonic()) if plain_round else None
     if left_in_round is not None:
         deadline = min(deadline, start + left_in_round + 1.0)
     got, quiet_since = 0, start
@@ -589,6 +590,26 @@ async def post_eval(request: web.Request) -> web.Response:
     return web.json_response(result)
 
 
+async def post_failed(request: web.Request) -> web.Response:
+    """A node's report that its task failed on the node (JSON, docs/protocol.md)."""
+    svc, node = _svc(request), request[NODE]
+    length = request.content_length
+    if length is None:
+        svc.refused("length_required")
+        return error(411, "length_required", "send the report with a Content-Length header")
+    if length > MAX_FAILURE_BODY:
+        svc.refused(TooLarge.code)
+        return error(413, TooLarge.code, f"report of {length} bytes is over the limit of {MAX_FAILURE_BODY} bytes")
+    body = await request.read()
+    try:
+        result = svc.report_failure(node, body, time.monotonic())
+    except ShoalError as e:
+        log.info("failure report from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
+        return error(_status_of(e), getattr(e, "code", "error"), str(e))
+    _tick(request.app)  # every selected node answered or failed: the round may close now
+    return web.json_response(result)
+
+
 async def get_status(request: web.Request) -> web.Response:
     return web.json_response(_svc(request).status(time.monotonic()))
 
@@ -603,10 +624,7 @@ def admin_token_hash(cfg: Config) -> str:
     path = cfg.server.admin_token_file
     if not path:
         return ""
-    try:
-        token = Path(path).read_text().strip()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"server.admin_token_file = {path!r} cannot be read: {e}") from None
+    token = read_secret(path, "server.admin_token_file")
     if len(token) < 32 or not well_formed(token):
         raise ConfigError(
             f"server.admin_token_file = {path!r} must hold one token of 32 to 256 URL-safe "
@@ -678,6 +696,7 @@ def _node_routes(app: web.Application, prefix: str) -> None:
     app.router.add_post(prefix + "/v1/secagg/{stage}", post_secagg)
     app.router.add_get(prefix + "/v1/secagg/{stage}", get_secagg)
     app.router.add_post(prefix + "/v1/eval", post_eval)
+    app.router.add_post(prefix + "/v1/failed", post_failed)
 
 
 def make_federation_app(federation: Federation, registry: Registry) -> web.Application:
@@ -795,10 +814,7 @@ def researcher_tokens(cfg: Config) -> dict[str, str]:
     path = cfg.federation.researcher_tokens_file
     if not path:
         return {}
-    try:
-        lines = Path(path).read_text().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ConfigError(f"federation.researcher_tokens_file = {path!r} cannot be read: {e}") from None
+    lines = read_secret(path, "federation.researcher_tokens_file").splitlines()
     out = {}
     for i, line in enumerate(lines, 1):
         if not line.strip() or line.lstrip().startswith("#"):

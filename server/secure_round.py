@@ -113,6 +113,7 @@ class SecureRound:
         self.mean: np.ndarray | None = None
         self.included: list[str] = []
         self.dropped: list[str] = []
+        self.failed: set[str] = set()  # selected nodes whose training failed (POST /v1/failed): not waited for
 
     @property
     def over(self) -> bool:
@@ -132,10 +133,16 @@ class SecureRound:
         """Hand the round's task out only until the node has joined the protocol."""
         return self.stage == "advertise" and node not in self.sent["advertise"]
 
+    def failed_node(self, node: str) -> None:
+        """``node`` reported that its training failed before it advertised keys: the first stage
+        closes without waiting for it (it is a dropout, as the protocol handles any)."""
+        if self.stage == "advertise" and node not in self.sent["advertise"]:
+            self.failed.add(node)
+
     def _expected(self, stage: str) -> set[str]:
         s = self.server
         return {
-            "advertise": set(self.selected),
+            "advertise": set(self.selected) - self.failed,
             "share": set(s.u1),
             "masked": set(s.u2),
             "consistency": set(s.u3) if s.stage == "consistency" else set(),

@@ -140,6 +140,28 @@ def parse_eval_report(body: bytes) -> tuple[int, int, dict[str, float]]:
     return ints["version"], ints["num_examples"], out
 
 
+#: A node's report that its task failed on the node (POST /v1/failed, docs/protocol.md).
+MAX_FAILURE_BODY = 1024
+FAILURE_REASONS = ("diverged",)
+
+
+def parse_failure_report(body: bytes) -> tuple[int, int, str]:
+    """``(round, version, reason)`` of a JSON failure report; Malformed if it is not one."""
+    try:
+        obj = json.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise Malformed(f"failure report is not JSON: {type(e).__name__}") from None
+    if not isinstance(obj, dict) or set(obj) != {"round", "version", "reason"}:
+        raise Malformed('a failure report is a JSON object {"round": r, "version": v, "reason": "diverged"}')
+    for key in ("round", "version"):
+        v = obj[key]
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 2**53:
+            raise Malformed(f"failure report field {key!r} must be an integer >= 0, got {str(v)[:40]}")
+    if obj["reason"] not in FAILURE_REASONS:
+        raise Malformed(f"failure report reason {str(obj['reason'])[:40]!r} is not one of {list(FAILURE_REASONS)}")
+    return obj["round"], obj["version"], obj["reason"]
+
+
 def spec_mismatch_detail(node_hash: str, server_hash: str) -> str:
     return (
         f"model spec mismatch: the node's model has spec hash {node_hash!r}, the server's has {server_hash!r} "
@@ -409,6 +431,31 @@ class ServerService:
         else:
             self._settle_fed(now)
         return {"status": "accepted", "version": version}
+
+    def report_failure(self, node: str, body: bytes, now: float) -> dict[str, Any]:
+        """A node's task failed on the node (its training diverged, so nothing was uploaded):
+        counted as a refused update of that reason, and the task is not handed to the node
+        again (``refused_task``, as for a refused upload). A ShoalError with nothing changed
+        if the report is refused."""
+        self.seen(node, now)
+        try:
+            round_, version, reason = parse_failure_report(body)
+            r = self.rounds
+            if r.round != round_ or not r.holds_task(node, version) or self.refused_task.get(node) == (round_, version):
+                raise UpdateRejected(
+                    "not_selected",
+                    f"node {node!r} holds no task of round {round_} from version {version} (the server is at "
+                    f"round {r.round}, version {r.version}); report only the task the node holds, once",
+                )
+        except ShoalError as e:
+            self.refused(getattr(e, "code", "error"))
+            raise
+        self.refused_task[node] = (round_, version)
+        self.refused(reason)
+        if self.secure_round is not None:  # its first stage stops waiting for this node's keys
+            self.secure_round.failed_node(node)
+        log.warning("round %d: node %s reports its training %s; its task is not handed out again", round_, node, reason)
+        return {"status": "noted", "round": round_}
 
     def _fed_pending(self, v: int, fed: FedVersion) -> bool:
         """A node asked to evaluate version ``v`` has not reported yet and still may: it holds

@@ -14,12 +14,13 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from shoal.aggregation import Strategy, make_server_optimizer, make_strategy
+from shoal.aggregation import Strategy, WeightedMean, make_server_optimizer, make_strategy
 from shoal.aggregation.fedasync import FedAsync
 from shoal.aggregation.fedbuff import FedBuff
 from shoal.aggregation.robust import make_aggregator
 from shoal.aggregation.staleness import make_staleness_weight
 from shoal.async_rounds import AsyncRounds
+from shoal.client.algorithms import ClientProgram, make_program
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.rounds import SyncRounds
@@ -83,7 +84,20 @@ def make_round_strategy(cfg: Config, numel: int, device: torch.device | str, num
         seed = derive_seed(cfg.simulation.seed, 0xD9)
         k = expected_clients(cfg, num_clients)
         return make_dp_strategy(cfg.strategy, cfg.privacy, numel, k, device, seed)
+    if cfg.algorithm.name == "fednova":  # config rules allow it only with the plain mean, no DP
+        from shoal.aggregation.fednova import FedNovaStrategy
+
+        return FedNovaStrategy(WeightedMean(numel, device), make_server_optimizer(cfg.strategy), cfg.strategy.weighting)
+    if cfg.algorithm.name == "feddyn":
+        from shoal.aggregation.feddyn import FedDynStrategy
+
+        return FedDynStrategy(numel, num_clients, cfg.algorithm.feddyn_alpha, device, cfg.strategy.weighting)
     return make_strategy(cfg.strategy, numel, device, make_aggregator(cfg.robust, numel, device))
+
+
+def make_client_program(cfg: Config, task: Task, trainer: LocalTrainer) -> ClientProgram:
+    """The client step of ``[algorithm]`` (client/algorithms.py), around ``trainer``."""
+    return make_program(cfg, task, trainer)
 
 
 def make_deadline_rounds(

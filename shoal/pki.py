@@ -22,8 +22,10 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 import ipaddress
+import logging
 import os
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +37,8 @@ from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKey
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from .errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 CA_CERT, CA_KEY = "ca.pem", "ca.key"
 SERVER_CERT, SERVER_KEY = "server.pem", "server.key"
@@ -68,6 +72,27 @@ def write_secret(path: Path, data: bytes) -> None:
         raise ConfigError(f"{path} exists: a private key is made once; remove it to make a new one") from None
     with os.fdopen(fd, "wb") as f:
         f.write(data)
+
+
+def warn_if_shared(path: str | Path, what: str) -> None:
+    """One warning when a file holding a secret (a private key, a token) can be read by other
+    users of this machine: whoever reads it is that node, that server or that admin."""
+    try:
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return  # a missing file is its reader's error to report
+    if mode & 0o077:
+        log.warning("%s %s is readable by other users (mode %o): chmod 600 %s", what, path, mode, path)
+
+
+def read_secret(path: str | Path, what: str) -> str:
+    """The stripped text of a token file (ConfigError naming ``what`` if it cannot be read),
+    after :func:`warn_if_shared`."""
+    warn_if_shared(path, what)
+    try:
+        return Path(path).read_text().strip()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{what} {str(path)!r} cannot be read: {e}") from None
 
 
 def _write_public(path: Path, data: bytes) -> None:

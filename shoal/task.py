@@ -128,6 +128,9 @@ class Task:
     #: exchange float buffers (BatchNorm running statistics) with the parameters;
     #: False keeps them on each client (FedBN, Li et al. 2021).
     exchange_buffers: bool = True
+    #: parameters that stay on each client under algorithm.name = "fedper" / "fedrep": names or
+    #: module prefixes, e.g. ``("head",)`` keeps ``head.weight`` and ``head.bias`` local.
+    personal: tuple[str, ...] = ()
     #: None: shoal's SGD (train.lr, momentum, weight_decay, prox_mu) on the flat buffer;
     #: "sgd" | "adam" | "adamw": that torch.optim class, lr = train.lr unless given here.
     optimizer: str | None = None

@@ -17,7 +17,7 @@ from urllib.parse import urlsplit
 from cryptography import x509
 
 from .errors import ConfigError
-from .pki import issue_server_cert, make_ca
+from .pki import issue_server_cert, make_ca, warn_if_shared
 
 
 def _need(path: str | Path, what: str) -> str:
@@ -33,6 +33,7 @@ def server_context(cert: str | Path, key: str | Path, client_ca: str | Path | No
     none); a certificate of another CA fails the handshake."""
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+    warn_if_shared(key, "the server's TLS key")
     try:
         ctx.load_cert_chain(_need(cert, "tls.cert"), _need(key, "tls.key"))
     except ssl.SSLError as e:
@@ -57,6 +58,7 @@ def client_context(
     if bool(cert) != bool(key):
         raise ConfigError("--cert and --key go together: the node's certificate and its private key")
     if cert and key:
+        warn_if_shared(key, "this node's private key")
         try:
             ctx.load_cert_chain(_need(cert, "--cert"), _need(key, "--key"))
         except ssl.SSLError as e:

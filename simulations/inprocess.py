@@ -15,15 +15,18 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from shoal.aggregation.scaffold import ScaffoldControl
 from shoal.aggregation.secagg import SecAggAborted
-from shoal.assembly import initial_model, make_round_strategy, make_trainer, task_from_config
+from shoal.assembly import initial_model, make_client_program, make_round_strategy, make_trainer, task_from_config
+from shoal.client.algorithms import ClientResult
 from shoal.client.batched import make_batched_trainer
 from shoal.client.device import select_device
+from shoal.client.state import State, make_client_state
 from shoal.client.training import summarize_means
 from shoal.config import Config
 from shoal.errors import WireError
 from shoal.rounds import Assignment, RoundSummary, SyncRounds
-from shoal.seeding import rng
+from shoal.seeding import derive_seed, rng
 from shoal.task import ClientData, Population, SimulationData, Task, call_part, check_data, check_loss
 from shoal.update import PartialSum, Update
 
@@ -53,8 +56,12 @@ __all__ = ["ClientShards", "InProcessSimulation", "client_id"]
 _FED_EVAL_STREAM = 0xFEDE  # seeds a population's federated-evaluation sample apart from client sampling
 
 
-def batching_blocker(task: Task, trainer, shards: ClientShards | PopulationShards) -> str | None:
-    """Why the task rules out the batched many-clients path (None: it may batch)."""
+def batching_blocker(
+    task: Task, trainer, shards: ClientShards | PopulationShards, algorithm: str = "fedavg"
+) -> str | None:
+    """Why the task (or ``algorithm.name``) rules out the batched many-clients path (None: it may batch)."""
+    if algorithm != "fedavg":
+        return f"algorithm.name = {algorithm!r} runs its own local step with per-client state"
     if not shards.in_memory:
         return "the clients' data are torch Datasets (read through a DataLoader), not tensors"
     if type(task).loss is not Task.loss:
@@ -96,8 +103,9 @@ class SummingRunner(Protocol):
 
 class LocalClients:
     """The selected clients train here: batched when the model and task allow
-    (client/batched.py), else one by one with the simulation's LocalTrainer (keeping each
-    client's local buffers between its rounds when the task keeps them, FedBN)."""
+    (client/batched.py), else one by one with the simulation's client program (client/algorithms.py:
+    the algorithm's local step, with the client's state from ``sim.states``: FedBN's buffers,
+    control variates, personal parameters)."""
 
     def __init__(self, sim: InProcessSimulation):
         self.sim = sim
@@ -112,15 +120,12 @@ class LocalClients:
                 update.base_version, update.sender = task.version, task.client_id
                 yield task, update
             return
-        trainer = sim.trainer
+        broadcast = sim.broadcast()
         for task in tasks:
             i = sim._index[task.client_id]
-            if trainer.local_names:
-                trainer.load_local_state(sim.local_states.get(task.client_id, sim._initial_local))
-            update = trainer.fit(global_params, sim.shards.data(i), task.seed, task.version, task.client_id)
-            if trainer.local_names:
-                sim.local_states[task.client_id] = trainer.local_state()
-            yield task, update
+            state = sim.client_state(task.client_id)
+            result = sim.program.fit(sim.shards.data(i), task, global_params, state, broadcast)
+            yield task, sim.keep_result(task.client_id, result)
 
 
 class PlainRound:
@@ -188,12 +193,18 @@ class InProcessSimulation:
         check_loss(self.task, model, self.shards.data(0), self.device)
         self.trainer = make_trainer(cfg, self.task, model, self.device)
         self.spec = self.trainer.spec
+        # One client step (client/algorithms.py) and the clients' state between their rounds.
+        self.program = make_client_program(cfg, self.task, self.trainer)
+        self.states = make_client_state(cfg.algorithm.state_dir, self.device)
+        self._pending: dict[str, ClientResult] = {}  # SCAFFOLD: kept once the server accepted the update
         self.num_classes: int | None = getattr(self.task, "num_classes", None)
         self._index = {cid: i for i, cid in enumerate(self.client_ids)}
-        # Buffers the task keeps on each client (FedBN): saved per client between its rounds.
-        self._initial_local = self.trainer.local_state()
-        self.local_states: dict[str, dict[str, torch.Tensor]] = {}
         strategy = make_round_strategy(cfg, self.spec.numel, self.device, len(self.client_ids))
+        self.control = (
+            ScaffoldControl(self.spec.numel, len(self.client_ids), self.device)
+            if cfg.algorithm.name == "scaffold"
+            else None
+        )
         self.rounds = SyncRounds(
             strategy,
             self.trainer.flat.detach().clone(),
@@ -210,7 +221,7 @@ class InProcessSimulation:
         self.wire = WireStep(cfg.compression, self.spec)
         self.client_steps: list[ClientStep] = self._client_steps()
         self.batched = None
-        blocker = batching_blocker(self.task, self.trainer, self.shards)
+        blocker = batching_blocker(self.task, self.trainer, self.shards, cfg.algorithm.name)
         if cfg.privacy.mode == "local":  # DP-SGD clips per sample with Opacus: never batched across clients
             blocker = "privacy.mode = 'local' (DP-SGD) trains each client with Opacus"
         if blocker is None:
@@ -264,7 +275,44 @@ class InProcessSimulation:
 
     def local_state(self, client_id: str) -> dict[str, torch.Tensor]:
         """The buffers ``client_id`` keeps between its rounds (FedBN; empty when the task exchanges them)."""
-        return self.local_states.get(client_id, self._initial_local)
+        state = self.states.get(client_id)
+        initial = self.program.initial_buffers
+        return {n: state.get(f"buffer/{n}", initial[n]) for n in self.trainer.local_names}
+
+    @property
+    def local_states(self) -> dict[str, dict[str, torch.Tensor]]:
+        """Every client that trained: its local buffers (FedBN)."""
+        if not self.trainer.local_names:
+            return {}
+        return {c: self.local_state(c) for c in sorted(self.participants) if c in self.states}
+
+    def client_state(self, client_id: str) -> State:
+        """What ``client_id`` kept from its last round (empty when the algorithm keeps nothing)."""
+        return self.states.get(client_id) if self.program.keeps_state else {}
+
+    def broadcast(self) -> State:
+        """What the server sends with the model this round (SCAFFOLD's control variate)."""
+        return self.control.broadcast() if self.control is not None else {}
+
+    def keep_result(self, client_id: str, result: ClientResult) -> Update:
+        """Store the client's new state (or hold it until the round settles, SCAFFOLD); its update."""
+        if self.program.settles:
+            self._pending[client_id] = result
+        elif self.program.keeps_state:
+            self.states.put(client_id, result.state)
+        return result.update
+
+    def settle(self, accepted: set[str] | None) -> None:
+        """Close the round for the algorithm: the accepted clients' held state is kept and their
+        ``to_server`` reaches the server's step; the others' is dropped (``None``: none accepted)."""
+        pending, self._pending = self._pending, {}
+        for cid, result in pending.items():
+            if accepted is not None and cid in accepted:
+                self.states.put(cid, result.state)
+                if self.control is not None:
+                    self.control.add(result.to_server)
+        if self.control is not None:
+            self.control.step()
 
     @property
     def task_label(self) -> str:
@@ -336,7 +384,9 @@ class InProcessSimulation:
         except Exception:
             for cid in self.rounds.received:
                 self.wire.not_accepted(cid)
+            self.settle(None)
             raise
+        self.settle(None if summary.failed else set(self.rounds.received))
         for cid in self.rounds.received:  # applied (or, in a failed round, dropped): settle error feedback
             (self.wire.not_accepted if summary.failed else self.wire.accepted)(cid)
         if self.privacy is not None:
@@ -351,6 +401,7 @@ class InProcessSimulation:
             self.privacy.record_round([])
         for cid in self.rounds.selected:  # nothing was applied: error feedback keeps it all
             self.wire.not_accepted(cid)
+        self.settle(None)
         return self.rounds.abort_round()
 
     def steps(self) -> Iterator[Step]:
@@ -421,14 +472,22 @@ class InProcessSimulation:
     def federated_evaluate(self, params: torch.Tensor) -> dict[str, float]:
         """Every client with test data evaluates ``params`` (with its own local buffers); in a
         population, the clients of ``fed_eval_clients``."""
-        results = []
+        results, personal = [], []
+        steps = self.cfg.algorithm.personal_eval_steps
         for cid, data in self._client_tests():
             if data is None:
                 continue
-            if self.trainer.local_names:
-                self.trainer.load_local_state(self.local_states.get(cid, self._initial_local))
+            state = self.client_state(cid)
+            self.program.load_buffers(state)
             results.append(self.trainer.evaluate_data(params, data, summarize=False))
-        return {f"fed_{k}": v for k, v in weighted_means(results, self.task).items()}
+            if steps >= 0:
+                i = self._index[cid]
+                seed = derive_seed(self.cfg.simulation.seed, i, self.rounds.version)
+                tuned = self.program.fine_tuned(self.shards.data(i), params, state, steps, seed)
+                personal.append(self.trainer.evaluate_data(tuned, data, summarize=False))
+        out = {f"fed_{k}": v for k, v in weighted_means(results, self.task).items()}
+        out.update({f"fed_personal_{k}": v for k, v in weighted_means(personal, self.task).items()})
+        return out
 
 
 def weighted_means(results: list[dict[str, float]], task: Task | None = None) -> dict[str, float]:

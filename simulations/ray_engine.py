@@ -10,8 +10,10 @@ Workers (:class:`RayWorker`) are long-lived actors, each with one model replica,
 the batched trainer, built by shoal.assembly with the in-process engine's rules; the task is
 rebuilt from the config's ``[task] app`` (a task object does not travel) and the clients' data
 are loaded once per worker (:class:`WorkerData`), never shipped per call. Each client trains
-with its assignment's seed, so its update does not depend on the worker that trains it; FedBN
-buffers stay with the driver and travel with the assignment. Hence the same config and seed
+with its assignment's seed, so its update does not depend on the worker that trains it. A
+client's state (FedBN buffers, SCAFFOLD's control variate, personal parameters: client/state.py)
+stays in the driver's store; it travels with the assignment, the worker runs the same client step
+as in-process (client/algorithms.py) and the new state comes back with the update. Hence the same config and seed
 give the in-process engine's model (up to float summation order).
 
 Partial sums (:class:`SummedRound`): when a round's pipeline is a plain weighted mean (no client
@@ -46,7 +48,8 @@ import numpy as np
 import torch
 
 from shoal.aggregation import Strategy, WeightedMean
-from shoal.assembly import initial_model, make_trainer, task_from_config, with_absolute_task
+from shoal.assembly import initial_model, make_client_program, make_trainer, task_from_config, with_absolute_task
+from shoal.client.algorithms import ClientResult
 from shoal.client.batched import make_batched_trainer
 from shoal.client.device import select_device
 from shoal.config import Config
@@ -90,11 +93,11 @@ class WorkerSetup:
 @dataclass(frozen=True)
 class WorkItem:
     """One assignment as a worker receives it: the client's index in the task's data, the
-    assignment, and its local buffers (FedBN) when the task keeps them on clients."""
+    assignment, and the client's state (client/state.py) when the algorithm keeps one."""
 
     index: int
     task: Assignment
-    local_state: dict[str, torch.Tensor] | None = None
+    state: dict[str, torch.Tensor] | None = None
 
 
 class WorkerData:
@@ -171,8 +174,9 @@ class RayWorker:
         self.data = WorkerData(task, cfg, self.device)
         model = initial_model(cfg, task).to(self.device)
         self.trainer = make_trainer(cfg, task, model, self.device)
+        self.program = make_client_program(cfg, task, self.trainer)
         self.batched = None
-        blocker = batching_blocker(task, self.trainer, self.data.shards)
+        blocker = batching_blocker(task, self.trainer, self.data.shards, cfg.algorithm.name)
         if cfg.privacy.mode == "local":
             blocker = "DP-SGD"
         if cfg.simulation.mode == "gossip":  # peers train one by one, as GossipNetwork's LocalPeers
@@ -214,31 +218,47 @@ class RayWorker:
             out.append(self.trainer.flat.detach().cpu().numpy().copy())
         return out
 
-    def _train(self, items: list[WorkItem], global_flat: torch.Tensor) -> list[tuple[Update, dict | None]]:
-        """Each item's update (and new local state), in ``items`` order: LocalClients' rules."""
-        out: list[tuple[Update, dict | None] | None] = [None] * len(items)
+    def _train(
+        self, items: list[WorkItem], global_flat: torch.Tensor, broadcast: dict[str, torch.Tensor] | None = None
+    ) -> list[ClientResult]:
+        """Each item's result (update, new state, what the server needs), in ``items`` order: LocalClients' rules."""
+        out: list[ClientResult | None] = [None] * len(items)
         if self.batched is not None:
             x, y, starts, sizes = self.data.batch([it.index for it in items])
             for j, update in self.batched.train(global_flat, x, y, starts, sizes, [it.task.seed for it in items]):
                 update.base_version, update.sender = items[j].task.version, items[j].task.client_id
-                out[j] = (update, None)
+                out[j] = ClientResult(update)
         else:
-            trainer = self.trainer
             for j, it in enumerate(items):
-                if trainer.local_names and it.local_state is not None:
-                    trainer.load_local_state(it.local_state)
-                t = it.task
-                update = trainer.fit(global_flat, self.data.client(it.index), t.seed, t.version, t.client_id)
-                out[j] = (update, trainer.local_state() if trainer.local_names else None)
+                data = self.data.client(it.index)
+                out[j] = self.program.fit(data, it.task, global_flat, it.state or {}, broadcast or {})
         return [r for r in out if r is not None]
 
-    def train(self, setup: WorkerSetup, global_np: np.ndarray, items: list[WorkItem]) -> list[tuple]:
-        """Train ``items``; each one's (delta as float32 numpy, num_examples, metrics, local state)."""
+    def _state_back(self, result: ClientResult) -> dict[str, torch.Tensor] | None:
+        """The new state as it travels back (on the CPU); None when the algorithm keeps none."""
+        if not self.program.keeps_state:
+            return None
+        return {k: v.detach().cpu() for k, v in result.state.items()}
+
+    def train(
+        self,
+        setup: WorkerSetup,
+        global_np: np.ndarray,
+        items: list[WorkItem],
+        broadcast: dict[str, torch.Tensor] | None = None,
+    ) -> list[tuple]:
+        """Train ``items``; each one's (delta as float32 numpy, num_examples, metrics, new state, to_server)."""
         self._ensure(setup)
         g = torch.from_numpy(np.array(global_np, dtype=np.float32)).to(self.device)
         return [
-            (u.delta.detach().float().cpu().numpy(), u.num_examples, u.metrics, local)
-            for u, local in self._train(items, g)
+            (
+                r.update.delta.detach().float().cpu().numpy(),
+                r.update.num_examples,
+                r.update.metrics,
+                self._state_back(r),
+                {k: v.detach().cpu() for k, v in r.to_server.items()},
+            )
+            for r in self._train(items, g, broadcast)
         ]
 
     def train_sum(self, setup: WorkerSetup, global_np: np.ndarray, items: list[WorkItem]) -> dict[str, Any]:
@@ -251,7 +271,8 @@ class RayWorker:
         rejected: dict[str, int] = {}
         locals_: dict[str, dict] = {}
         up0 = self.wire.total_up
-        for it, (update, local) in zip(items, self._train(items, g)):
+        for it, result in zip(items, self._train(items, g)):
+            update, local = result.update, self._state_back(result)
             if local is not None:
                 locals_[it.task.client_id] = local
             try:
@@ -546,9 +567,13 @@ class RayClients:
 
     def _parts(self, tasks: list[Assignment]) -> tuple[list[list[WorkItem]], int]:
         sim = self.sim
-        keeps_local = bool(sim.trainer.local_names)
+        keeps = sim.program.keeps_state
         items = [
-            WorkItem(sim.client_index(t.client_id), t, sim.local_state(t.client_id) if keeps_local else None)
+            WorkItem(
+                sim.client_index(t.client_id),
+                t,
+                {k: v.cpu() for k, v in sim.client_state(t.client_id).items()} if keeps else None,
+            )
             for t in tasks
         ]
         runs = split_contiguous([sim.shards.size(it.index) for it in items], len(self.pool))
@@ -572,7 +597,8 @@ class RayClients:
         order LocalClients gives them), so the virtual clock goes on while the workers train."""
         parts, offset = self._parts(tasks)
         g = self._global(global_params)
-        sub = self.pool.submit("train", [(self.setup, g, part) for part in parts], offset)
+        broadcast = {k: v.detach().cpu() for k, v in self.sim.broadcast().items()}
+        sub = self.pool.submit("train", [(self.setup, g, part, broadcast) for part in parts], offset)
         device = global_params.device
 
         def results() -> list[tuple[Assignment, Update]]:
@@ -580,12 +606,11 @@ class RayClients:
             done = [(it, res) for part, chunk in zip(parts, chunks) for it, res in zip(part, chunk)]
             out = []
             for k in self._order(tasks):
-                it, (delta, n, metrics, local) = done[k]
-                if local is not None:
-                    self.sim.local_states[it.task.client_id] = local
+                it, (delta, n, metrics, state, to_server) = done[k]
                 t = it.task
                 update = Update(torch.from_numpy(np.array(delta)).to(device), int(n), t.version, t.client_id, metrics)
-                out.append((t, update))
+                result = ClientResult(update, state or {}, to_server)
+                out.append((t, self.sim.keep_result(t.client_id, result)))
             return out
 
         return results
@@ -612,7 +637,8 @@ class RayClients:
             sim.wire.count_up(res["bytes_up"])
             for code, k in res["rejected"].items():
                 sim.rounds.rejected[code] = sim.rounds.rejected.get(code, 0) + k
-            sim.local_states.update(res["local_states"])
+            for cid, state in res["local_states"].items():
+                sim.states.put(cid, state)
             yield PartialSum(
                 torch.from_numpy(np.array(res["weighted_sum"])),
                 float(res["total_weight"]),
@@ -636,6 +662,8 @@ def summing_blocker(sim: InProcessSimulation) -> str | None:
     cfg = sim.cfg
     if not cfg.simulation.ray_partial_sums:
         return "simulation.ray_partial_sums = false"
+    if cfg.algorithm.name != "fedavg":
+        return f"algorithm.name = {cfg.algorithm.name!r} returns each client's state and step"
     if cfg.secure_aggregation.enabled:
         return "secure aggregation masks each update"
     if cfg.compression.encoding != "dense":

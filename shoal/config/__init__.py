@@ -7,6 +7,7 @@ type checks. Everything a caller needs is importable from ``shoal.config``.
 
 from .loader import config_from_dict, load_config, parse_override
 from .sections import (
+    AlgorithmConfig,
     AsynchronousConfig,
     AttackConfig,
     CompressionConfig,
@@ -31,6 +32,7 @@ from .sections import (
 )
 
 __all__ = [
+    "AlgorithmConfig",
     "AsynchronousConfig",
     "AttackConfig",
     "CompressionConfig",

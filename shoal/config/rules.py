@@ -66,6 +66,7 @@ def check_combinations(self: Any) -> None:
 
         check_gossip_settings(self)
     _check_async_robust(self)
+    _check_algorithm(self)
     dp = self.privacy.mode
     if dp in ("central", "distributed") and self.robust.rule != "mean":
         raise ConfigError(
@@ -130,3 +131,73 @@ def _check_async_robust(self: Any) -> None:
             f"robust.rule = {rb.rule!r} with krum_f = {rb.krum_f} needs asynchronous.buffer_size "
             f"> 2 krum_f + 2 = {2 * rb.krum_f + 2} (it is {a.buffer_size})"
         )
+
+
+# Why each algorithm cannot run with a setting: (algorithms, setting is on, the reason).
+_DRIFT = ("scaffold", "fednova", "feddyn")
+
+
+def _check_algorithm(self: Any) -> None:
+    """``[algorithm]`` runs in the simulator's sync rounds; where its math needs each client's
+    update, or a second per-client message, the combination is refused with the reason."""
+    name, sim = self.algorithm.name, self.simulation
+    if self.algorithm.personal_eval_steps >= 0 and self.privacy.mode != "none":
+        raise ConfigError(
+            f"algorithm.personal_eval_steps = {self.algorithm.personal_eval_steps} with privacy.mode = "
+            f"{self.privacy.mode!r}: the fine-tuned models are trained on clients' data without noise and their "
+            "metrics are released in metrics.jsonl, outside the epsilon; set personal_eval_steps = -1"
+        )
+    if name == "fedavg":
+        if sim.engine == "flower" and self.algorithm.personal_eval_steps >= 0:
+            raise ConfigError(
+                "algorithm.personal_eval_steps with simulation.engine = 'flower': use 'inprocess' or 'ray'"
+            )
+        return
+    why = None
+    if sim.mode != "sync":
+        why = (
+            f"simulation.mode = {sim.mode!r}: the algorithm's client state and server step assume a client trains "
+            "from the round's model and its result belongs to that round (stale results would apply control "
+            "variates or regularisers of another model)"
+        )
+    elif self.heterogeneity.enabled:
+        why = "heterogeneity.enabled = true: the virtual-clock engine does not carry client state yet"
+    elif sim.engine == "flower":
+        why = "simulation.engine = 'flower': use 'inprocess' or 'ray'"
+    elif self.privacy.mode == "local":
+        why = "privacy.mode = 'local': the DP-SGD trainer (Opacus) does not take the algorithm's local objective"
+    elif name in _DRIFT and self.robust.rule != "mean":
+        why = f"robust.rule = {self.robust.rule!r}: the algorithm's server step is defined on the mean of updates"
+    elif name in _DRIFT and self.privacy.mode != "none":
+        why = {
+            "scaffold": (
+                f"privacy.mode = {self.privacy.mode!r}: each client's control-variate delta is a second release "
+                "of its data that the DP mean neither clips nor noises"
+            ),
+            "fednova": (
+                f"privacy.mode = {self.privacy.mode!r}: the normaliser rescales each clipped update by its "
+                "client's step count, so the noise no longer matches the sensitivity"
+            ),
+            "feddyn": (
+                f"privacy.mode = {self.privacy.mode!r}: FedDyn's server step over the DP mean is not wired "
+                "(its client regulariser would also see unclipped state)"
+            ),
+        }[name]
+    elif name in _DRIFT and self.secure_aggregation.enabled:
+        why = {
+            "scaffold": "secure_aggregation.enabled: the control-variate deltas would have to go through the masked "
+            "sum as well, which shoal does not do; sending them in the clear would reveal each client's update",
+            "fednova": "secure_aggregation.enabled: the server must normalise each client's update by its own "
+            "number of local steps, which the masked sum hides",
+            "feddyn": "secure_aggregation.enabled: FedDyn's server step over the masked sum is not wired",
+        }[name]
+    elif name in ("scaffold", "feddyn", "fednova") and self.strategy.name != "fedavg":
+        why = (
+            f"strategy.name = {self.strategy.name!r}: the algorithm has its own server step (strategy.name = 'fedavg')"
+        )
+    elif name == "fednova" and self.train.prox_mu:
+        why = "train.prox_mu > 0: FedNova's normaliser here is that of SGD with momentum (no proximal term)"
+    elif name in ("feddyn", "ditto") and self.train.prox_mu:
+        why = "train.prox_mu > 0: the algorithm sets its own proximal term"
+    if why:
+        raise ConfigError(f"algorithm.name = {name!r} with {why}")

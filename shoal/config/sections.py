@@ -190,6 +190,32 @@ class StrategyConfig:
                 raise ConfigError(f"strategy.{k} = {v} must be in [0, 1)")
 
 
+AlgorithmName = Literal["fedavg", "scaffold", "fednova", "feddyn", "ditto", "fedper", "fedrep"]
+
+
+@dataclass
+class AlgorithmConfig:
+    """What clients do beyond plain local SGD, and what they keep between their rounds
+    (simulation, sync rounds; docs/algorithms.md). The personal part of FedPer / FedRep is the
+    task's ``personal`` parameters (shoal/task.py)."""
+
+    name: AlgorithmName = (
+        "fedavg"  # fedavg (FedProx: train.prox_mu) | scaffold | fednova | feddyn | ditto | fedper | fedrep
+    )
+    feddyn_alpha: float = 0.01  # feddyn: alpha, the weight of the dynamic regulariser (Acar et al. 2021)
+    ditto_lambda: float = 0.1  # ditto: lambda, how strongly the personal model is pulled to the global one
+    personal_epochs: int = 1  # ditto: epochs on the personal model; fedrep: epochs on the head first
+    personal_eval_steps: int = -1  # fed_personal_* metrics after this many fine-tuning steps; -1 = off
+    state_dir: str = ""  # clients' state between rounds: "" in memory, else safetensors files in this folder
+
+    def validate(self) -> None:
+        _positive("algorithm.feddyn_alpha", self.feddyn_alpha)
+        _positive("algorithm.ditto_lambda", self.ditto_lambda, allow_zero=True)
+        _positive("algorithm.personal_epochs", self.personal_epochs)
+        if self.personal_eval_steps < -1:
+            raise ConfigError(f"algorithm.personal_eval_steps = {self.personal_eval_steps} must be >= -1 (-1 = off)")
+
+
 @dataclass
 class RobustConfig:
     """Robust aggregation against faulty or malicious clients (aggregation/robust.py)."""
@@ -659,6 +685,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     robust: RobustConfig = field(default_factory=RobustConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     compression: CompressionConfig = field(default_factory=CompressionConfig)

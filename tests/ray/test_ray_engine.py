@@ -1,6 +1,6 @@
 """The Ray engine on a real two-node Ray cluster started here: the same config and seed give
 the in-process engine's model (1e-5) with DP, secure aggregation, compression, attacks,
-robust rules, async rounds and FedBN buffers, with and without partial sums, and when a
+robust rules, async rounds, FedBN buffers and SCAFFOLD's client state, with and without partial sums, and when a
 worker is killed in the middle of a round; gossip (every algorithm, secure groups, churn,
 attacks, DP-SGD with per-peer accounting) gives the in-process peers' models.
 
@@ -240,6 +240,18 @@ def test_fedbn_buffers_stay_with_each_client_across_rounds(pool, tmp_path):
     for cid, state in here.local_states.items():
         for name, t in state.items():
             assert torch.allclose(t, there.local_states[cid][name], atol=1e-5), (cid, name)
+
+
+@pytest.mark.timeout(120)
+def test_scaffold_state_follows_each_client_to_its_worker(pool):
+    """SCAFFOLD's control variates live in the driver's store, travel with each call and come
+    back: the model, the server's c and every client's c_i are the in-process engine's."""
+    here, there = same_model(pool, "algorithm.name='scaffold'", "simulation.rounds=4")
+    assert here.control is not None and there.control is not None
+    assert torch.allclose(here.control.c, there.control.c, atol=1e-5) and here.control.c.abs().max() > 0
+    assert len(here.states) == len(there.states) > 0
+    for cid in here.participants:
+        assert torch.allclose(here.states.get(cid)["scaffold/c"], there.states.get(cid)["scaffold/c"], atol=1e-5)
 
 
 @pytest.mark.timeout(180)

@@ -80,7 +80,8 @@ class LiveFederation:
             await asyncio.sleep(0.1)
         raise AssertionError(f"{run} did not end in {timeout} s: {await self.status(run)}")
 
-    def start_node(self, name: str, max_epochs: int = 10) -> NodeDaemon:
+    def start_node(self, name: str, max_epochs: int = 10, sha: str | None = None) -> NodeDaemon:
+        """A daemon allowing the regression task (pinned by ``sha``, default its true hash)."""
         data = write_node_data(self.tmp / f"{name}.pt", seed=int(name[-1]) + 1)
         toml = self.tmp / f"{name}.toml"
         toml.write_text(
@@ -91,7 +92,7 @@ class LiveFederation:
                 state=self.tmp / f"{name}-state",
                 max_epochs=max_epochs,
                 ref=self.task_ref,
-                sha=source_sha256(self.task_ref),
+                sha=sha or source_sha256(self.task_ref),
                 data=data,
             )
         )
@@ -104,8 +105,9 @@ class LiveFederation:
 
 
 @asynccontextmanager
-async def live_federation(tmp: Path, nodes: list[str], **server):
-    """A federation on 127.0.0.1 with the regression task of tests/server/task_files.py installed."""
+async def live_federation(tmp: Path, nodes: list[str], researchers: dict[str, str] | None = None, **server):
+    """A federation on 127.0.0.1 with the regression task of tests/server/task_files.py installed;
+    ``researchers``: name -> token of federation.researcher_tokens_file."""
     torch.set_num_threads(1)
     admin = secrets.token_urlsafe(32)
     (tmp / "admin.token").write_text(admin)
@@ -117,9 +119,16 @@ async def live_federation(tmp: Path, nodes: list[str], **server):
                 "admin_token_file": str(tmp / "admin.token"),
                 **server,
             },
-            "federation": {"enabled": True, "dir": str(tmp / "fed"), "max_runs": 2},
+            "federation": {
+                "enabled": True,
+                "dir": str(tmp / "fed"),
+                "max_runs": 2,
+                "researcher_tokens_file": str(tmp / "researchers") if researchers else "",
+            },
         }
     ).validate()
+    if researchers:
+        (tmp / "researchers").write_text("".join(f"{n} {t}\n" for n, t in researchers.items()))
     registry = Registry(cfg.server.db)
     for n in nodes:
         (tmp / f"{n}.token").write_text(registry.add(n))

@@ -41,6 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import unquote
 
 import numpy as np
 import torch
@@ -409,6 +410,44 @@ QUERY_ROUND = st.one_of(
 )
 
 
+@st.composite
+def failure_body(draw) -> bytes:
+    """Near-valid and broken failure reports: {"round", "version", "reason"} with wrong types,
+    extra or missing fields, other reasons, or not JSON at all."""
+    good = {"round": draw(st.integers(-2, 5)), "version": draw(st.integers(-2, 5)), "reason": "diverged"}
+    value = st.one_of(st.integers(-(2**63), 2**63), st.floats(), st.text(max_size=8), st.booleans(), st.none())
+    kind = draw(st.sampled_from(["good", "field", "extra", "missing", "reason", "raw"]))
+    if kind == "field":
+        good[draw(st.sampled_from(sorted(good)))] = draw(value)
+    elif kind == "extra":
+        good[draw(st.text(max_size=6))] = draw(value)
+    elif kind == "missing":
+        good.pop(draw(st.sampled_from(sorted(good))))
+    elif kind == "reason":
+        good["reason"] = draw(st.sampled_from(["", "Diverged", "nan", "x" * 300]))
+    elif kind == "raw":
+        return draw(st.binary(max_size=64))
+    return json.dumps(good).encode()
+
+
+def oracle_failure(body: bytes) -> bool:
+    """An independent reading of docs/protocol.md's failure report: exactly round and version
+    (integers >= 0) and reason "diverged"."""
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return False
+    ints = (
+        all(
+            isinstance(obj.get(k), int) and not isinstance(obj.get(k), bool) and obj[k] >= 0
+            for k in ("round", "version")
+        )
+        if isinstance(obj, dict)
+        else False
+    )
+    return isinstance(obj, dict) and set(obj) == {"round", "version", "reason"} and ints and obj["reason"] == "diverged"
+
+
 def _no_hold(wait: str) -> str:
     """A valid ``wait`` becomes 0: the fuzzer checks refusals, it does not sit in long-polls."""
     return "0" if re.fullmatch(r"[0-9]{1,9}(\.[0-9]{0,9})?", wait) else wait
@@ -437,16 +476,20 @@ def requests(ctx: Ctx, mode: str):
             st.sampled_from(
                 ["update"] * 8
                 + ["keys"] * (6 if mode == "secure" else 1)
-                + ["secagg_post", "task", "model", "secagg_get", "status", "metrics", "junk"]
+                + ["secagg_post", "task", "model", "secagg_get", "status", "metrics", "junk", "failed"]
                 + (federation * 2 if mode == "federation" else [])
             )
         )
         name = sender if sender in ctx.tokens else "f0"
         at = prefix(mode)
         if route == "elsewhere":  # the node protocol of a run that does not exist (or a junk id)
-            at, route = "/runs/" + draw(RUN_IDS.filter(lambda r: r != RUN)), draw(st.sampled_from(["task", "model"]))
+            at = "/runs/" + draw(RUN_IDS.filter(lambda r: unquote(r) != RUN))
+            route = draw(st.sampled_from(["task", "model"]))
         if route in federation:
             return draw(federation_request(ctx, route, sender))
+        if route == "failed":  # a failure report (POST /v1/failed) from a node that holds no task
+            who_ = sender if sender not in LEGIT else "f0"
+            return Request("POST", at + "/v1/failed", who_, draw(failure_body()), "failed")
         if route == "update":
             body = draw(update_body(ctx, name))
             return Request("POST", at + "/v1/update", sender, body, "update", draw(st.booleans()))
@@ -506,7 +549,9 @@ def _json_body(value) -> bytes:
 
 
 def federation_request(ctx: Ctx, route: str, sender: str):
-    """One hostile request to a federation's own routes; none may change its runs (see the module doc)."""
+    """One hostile request to a federation's own routes; none may change its runs (see the module doc).
+    Paths are percent-decoded by the server: ``%72un-1`` is run-1, so only ids that do not decode to
+    it are stopped."""
     if route == "offers":
         return st.just(Request("GET", "/v1/offers", sender))
     if route == "answer":
@@ -548,7 +593,7 @@ def federation_request(ctx: Ctx, route: str, sender: str):
         )
     if route == "run_stop":  # never the run itself: stopping it is the admin's right
         return st.builds(
-            lambda run: Request("POST", f"/v1/runs/{run}/stop", sender), RUN_IDS.filter(lambda r: r != RUN)
+            lambda run: Request("POST", f"/v1/runs/{run}/stop", sender), RUN_IDS.filter(lambda r: unquote(r) != RUN)
         )
     names = st.sampled_from(["model.safetensors", "summary.json", "metrics.jsonl", "..%2f..%2fnodes.sqlite", "x"])
     return st.builds(lambda run, n: Request("GET", f"/v1/runs/{run}/files/{n}", sender), RUN_IDS, names)
@@ -838,6 +883,9 @@ def check(server: ServerThread, ctx: Ctx, req: Request, tally: Tally, before: tu
         if ok is True and status in (400, 413):
             tally.wellformed_refused += 1
             tally.note(f"well-formed update refused {status}: {info}")
+    if req.kind == "failed" and status == 200 and not oracle_failure(req.body):
+        tally.malformed_accepted += 1
+        tally.note(f"malformed failure report accepted: {req.body[:80]!r}")
     if req.kind == "keys" and node_ok and status == 200:
         if not oracle_keys(req.body, ctx, req.who, taken):
             tally.malformed_accepted += 1

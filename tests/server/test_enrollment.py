@@ -4,6 +4,7 @@ the modes of the files that hold secrets: token files and the node registry."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import stat
 
 import pytest
@@ -83,3 +84,27 @@ def test_token_files_and_the_registry_are_private(tmp_path):
     db.chmod(0o644)
     Registry(db).close()
     assert _mode(db) == 0o600
+
+
+def test_a_secret_readable_by_others_is_one_warning_naming_the_fix(tmp_path, caplog):
+    from shoal.pki import read_secret
+    from shoal.tls import client_context
+
+    token = tmp_path / "n1.token"
+    token.write_text("x" * 43 + "\n")
+    token.chmod(0o644)  # what `nodes add NAME > n1.token` gave under a usual umask
+    with caplog.at_level(logging.WARNING, logger="shoal.pki"):
+        assert read_secret(token, "--token-file") == "x" * 43
+    assert [r.getMessage() for r in caplog.records] == [
+        f"--token-file {token} is readable by other users (mode 644): chmod 600 {token}"
+    ]
+    caplog.clear()
+    made = make_node_key(tmp_path / "node", "edge-1")  # 0600: no warning
+    make_ca(tmp_path / "pki")
+    cert = sign_node(tmp_path / "pki", read_node_csr(made.csr, "edge-1"), "edge-1", tmp_path / "edge-1.pem")
+    with caplog.at_level(logging.WARNING, logger="shoal.pki"):
+        client_context(tmp_path / "pki" / "ca.pem", cert, made.key)
+        assert not caplog.records
+        made.key.chmod(0o640)
+        client_context(tmp_path / "pki" / "ca.pem", cert, made.key)
+    assert len(caplog.records) == 1 and "this node's private key" in caplog.records[0].getMessage()

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 
+import aiohttp
 import pytest
 
 from tests.server.federation_live import live_federation
@@ -37,14 +39,29 @@ def test_two_runs_at_once_a_policy_refusal_and_a_diverging_run(tmp_path):
             f.start_node("n1")
             f.start_node("n2", max_epochs=2)
             a = await f.submit(run_config())
-            b = await f.submit(run_config(rounds=2, lr=0.02))
+            fedbuff = run_config(rounds=2, lr=0.02)  # the other run is asynchronous (FedBuff, K = 3)
+            fedbuff["server"]["mode"] = "async"
+            fedbuff["asynchronous"] = {"algorithm": "fedbuff", "buffer_size": 3, "concurrency": 3}
+            b = await f.submit(fedbuff)
             sa, sb = await asyncio.gather(f.wait_ended(a, 60), f.wait_ended(b, 60))
             assert sa["status"] == sb["status"] == "finished", (sa, sb)
             assert set(sa["nodes"]) == set(NODES) and all(v["answer"] == "joined" for v in sa["nodes"].values())
-            for run, rounds in ((a, 3), (b, 2)):
-                lines = rounds_of(tmp_path / "fed" / run / "metrics.jsonl")
-                assert [r["version"] for r in lines] == list(range(1, rounds + 1))
-                assert all(r["num_results"] == 3 for r in lines)
+            lines = rounds_of(tmp_path / "fed" / a / "metrics.jsonl")
+            assert [(r["version"], r["num_results"]) for r in lines] == [(1, 3), (2, 3), (3, 3)], lines
+            lines = rounds_of(tmp_path / "fed" / b / "metrics.jsonl")
+            assert [r["version"] for r in lines] == [1, 2], lines
+
+            # `shoal run stop`: the run ends at its last version, its summary and model are written
+            long = await f.submit(run_config(rounds=10_000))
+            while (await f.status(long)).get("version", 0) < 1:
+                await asyncio.sleep(0.02)
+            async with f.session() as s, s.post(f"{f.url}/v1/runs/{long}/stop") as r:
+                assert r.status == 200 and (await r.json())["status"] == "stopping"
+            st = await f.wait_ended(long, 30)
+            assert st["status"] == "stopped" and st["reason"] == "stopped by admin", st
+            summary = json.loads((tmp_path / "fed" / long / "summary.json").read_text())
+            assert summary["status"] == "stopped" and 1 <= summary["version"] < 10_000
+            assert (tmp_path / "fed" / long / "model.safetensors").stat().st_size > 0
 
             # over n2's limit of 2 epochs: n2 refuses, the others train (min_nodes 2)
             cfg = run_config(rounds=2, epochs=3)
@@ -101,5 +118,67 @@ def test_a_revoked_node_is_never_selected_again(tmp_path):
             status = await f.status(run)
             assert status["status"] == "finished", status
             assert f.daemons["n2"].stop.is_set()  # its daemon was told 403 (revoked) and stopped
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(90)
+def test_a_researcher_submits_a_secure_run_and_a_node_pinning_another_hash_refuses_it(tmp_path):
+    """A researcher's token (federation.researcher_tokens_file) submits and follows runs, a node's
+    token cannot; the run is securely aggregated over three nodes; a fourth node that pinned another
+    source hash of the task refuses it with that reason."""
+
+    async def main():
+        alice = secrets.token_urlsafe(32)
+        async with live_federation(tmp_path, [*NODES, "n3"], researchers={"alice": alice}) as f:
+            for n in NODES:
+                f.start_node(n)
+            f.start_node("n3", sha="0" * 64)
+            headers = {"Authorization": f"Bearer {(tmp_path / 'n0.token').read_text()}"}
+            async with aiohttp.ClientSession(headers=headers) as s, s.get(f.url + "/v1/runs") as r:
+                assert r.status == 401 and (await r.json())["error"] == "unauthenticated"
+            cfg = run_config(rounds=2)
+            cfg["server"]["clients_per_round"] = 3
+            cfg["secure_aggregation"] = {"enabled": True, "stage_s": 10.0}
+            f.admin = alice  # from here on, requests carry the researcher's token
+            run = await f.submit(cfg)
+            st = await f.wait_ended(run, 60)
+            assert st["status"] == "finished" and st["submitted_by"] == "alice", st
+            assert st["nodes"]["n3"]["answer"] == "refused" and "pins 0000000000000000" in st["nodes"]["n3"]["reason"]
+            lines = rounds_of(tmp_path / "fed" / run / "metrics.jsonl")
+            assert [(r["version"], r["num_results"]) for r in lines] == [(1, 3), (2, 3)], lines
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(90)
+def test_local_dp_runs_spend_one_budget_per_data_set(tmp_path):
+    """A node's local-DP ledger is per data set, across runs: a second local-DP run on the same data
+    while one trains is refused with the reason, and a later run goes on from the rounds spent."""
+
+    async def main():
+        async with live_federation(tmp_path, NODES) as f:
+            for n in NODES:
+                f.start_node(n)
+            cfg = run_config(rounds=2)
+            cfg["privacy"] = {"mode": "local", "noise_multiplier": 1.0, "clip_norm": 1.0}
+            first = await f.submit(cfg)
+            while len((await f.status(first))["nodes"]) < 3:
+                await asyncio.sleep(0.02)
+            second = await f.submit(cfg)  # while the first trains (federation.max_runs = 2)
+            while len((st := await f.status(second))["nodes"]) < 3:
+                await asyncio.sleep(0.02)
+            assert all(
+                v["answer"] == "refused" and f"trained with local DP by {first}" in v["reason"]
+                for v in st["nodes"].values()
+            ), st
+            assert (await f.wait_ended(first, 60))["status"] == "finished"
+            async with f.session() as s, s.post(f"{f.url}/v1/runs/{second}/stop") as r:
+                assert r.status == 200
+            third = await f.submit(cfg)
+            assert (await f.wait_ended(third, 60))["status"] == "finished"
+            for n in NODES:
+                (ledger,) = (tmp_path / f"{n}-state").glob("data-*.privacy.json")
+                assert json.loads(ledger.read_text())["rounds"] == 4  # 2 rounds of the first run + 2 of the third
 
     asyncio.run(main())
