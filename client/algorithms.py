@@ -102,6 +102,11 @@ class ClientProgram:
         """The model this client would use itself: the global one, unless it keeps a personal part."""
         return global_flat
 
+    @property
+    def tune_mask(self) -> torch.Tensor | None:
+        """What personalised evaluation's fine-tuning may move (None: every trainable entry)."""
+        return None
+
     def load_buffers(self, state: State) -> None:
         """This client's local buffers (FedBN) into the model, before evaluating its model."""
         if self.trainer.local_names:
@@ -117,7 +122,7 @@ class ClientProgram:
         self.load_buffers(state)
         if steps <= 0:
             return start.clone()
-        obj = Objective(start=start, anchor=start, prox_mu=0.0, epochs=steps, max_steps=steps)
+        obj = Objective(start=start, anchor=start, prox_mu=0.0, mask=self.tune_mask, epochs=steps, max_steps=steps)
         self.trainer.fit(global_flat, data, derive_seed(seed, _FINE_TUNE_STREAM), objective=obj)
         return self.trainer.flat.detach().clone()
 
@@ -272,6 +277,11 @@ class FedRep(FedPer):
     fixed (line 6); the body's change is sent, the head stays on the client."""
 
     name = "fedrep"
+
+    @property
+    def tune_mask(self) -> torch.Tensor | None:
+        """FedRep adapts a client by its head alone (the body is the shared representation)."""
+        return self.mask.float()
 
     def local(self, data, task, global_flat, state, broadcast) -> ClientResult:
         a = self.cfg.algorithm

@@ -12,11 +12,13 @@ SIGINT/SIGTERM let the current steps finish, then it exits.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import random
 import re
 import signal
 import ssl
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -64,6 +66,7 @@ class NodeDaemon:
         self.rand = random.Random()
         self.runs: dict[str, asyncio.Task] = {}  # accepted runs (running or over)
         self.refused: dict[str, str] = {}  # run -> this node's reason
+        self.ledgers: dict[Path, str] = {}  # local-DP ledger in use -> the run spending that data's budget
 
     async def run(self) -> int:
         loop = asyncio.get_running_loop()
@@ -112,6 +115,12 @@ class NodeDaemon:
     async def _consider(self, offer: dict[str, Any]) -> None:
         run = offer["run"]
         reason = self.cfg.check(offer)
+        ledger = self.ledger(offer)
+        if reason is None and self.ledgers.get(ledger, run) != run:
+            reason = (
+                f"node {self.cfg.name}'s data for task {offer['task'][:200]} is trained with local DP by "
+                f"{self.ledgers[ledger]}; one local-DP run at a time spends a data set's budget"
+            )
         node = None
         if reason is None:
             try:
@@ -125,7 +134,16 @@ class NodeDaemon:
             return
         await self._answer(run, {"answer": "joined"})
         log.info("%s joined: task %s", run, offer["task"])
-        self.runs[run] = asyncio.ensure_future(self._take_part(run, node))
+        if node.privacy is not None and node.privacy.mode == "local":
+            self.ledgers[ledger] = run
+        self.runs[run] = asyncio.ensure_future(self._take_part(run, node, ledger))
+
+    def ledger(self, offer: dict[str, Any]) -> Path:
+        """Where a local-DP node keeps the rounds spent on the data a task reads: one ledger per data
+        set, across runs, so every run's epsilon goes on from what the earlier runs spent on it."""
+        allowed = self.cfg.tasks.get(offer["task"])
+        data = str(allowed.data.expanduser().resolve()) if allowed is not None else offer["task"]
+        return self.cfg.state_dir / f"data-{hashlib.sha256(data.encode()).hexdigest()[:16]}.privacy.json"
 
     def _node_for(self, offer: dict[str, Any]) -> Node:
         """The run's config with this node's device, its task, its data: a Node on the run's routes."""
@@ -153,10 +171,10 @@ class NodeDaemon:
             poll_s=cfg.server.poll_s,
             name=self.cfg.name,
             task=task,
-            privacy_ledger=self.cfg.state_dir / f"{offer['run']}.privacy.json",
+            privacy_ledger=self.ledger(offer),
         )
 
-    async def _take_part(self, run: str, node: Node) -> None:
+    async def _take_part(self, run: str, node: Node, ledger: Path) -> None:
         node.stop = self.stop  # the daemon's signal stops every run's loop
         try:
             await node.run(signals=False)
@@ -169,6 +187,9 @@ class NodeDaemon:
                 pass
         except Exception:
             log.exception("%s: unexpected error; this node stops taking part", run)
+        finally:
+            if self.ledgers.get(ledger) == run:
+                del self.ledgers[ledger]
 
     async def _answer(self, run: str, body: dict[str, Any]) -> None:
         try:

@@ -305,7 +305,9 @@ async def _read_into(request: web.Request, view: memoryview, length: int, first:
     loop = asyncio.get_running_loop()
     start = loop.time()
     deadline = start + s.upload_timeout_s
-    left_in_round = svc.rounds.time_left(time.monotonic()) if svc.sync is not None and svc.sync.open else None
+    # a plain sync round closes at its deadline (a secure round's stages keep their own clocks)
+    plain_round = svc.sync is not None and svc.sync.open and svc.secure_round is None
+    left_in_round = svc.rounds.time_left(time.monotonic()) if plain_round else None
     if left_in_round is not None:
         deadline = min(deadline, start + left_in_round + 1.0)
     got, quiet_since = 0, start

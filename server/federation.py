@@ -167,7 +167,7 @@ class Federation:
         if queued >= self.cfg.federation.max_queued:
             raise RunError("queue_full", f"{queued} runs already wait (federation.max_queued); try later", 429)
         digest = task_sha256(task)
-        run_id = f"run-{len(self.db.runs()) + 1}"
+        run_id = f"run-{self.db.count() + 1}"
         cfg = run_config(self.cfg, raw, task, self.dir / run_id)
         try:  # the task loads and its model fits the federation's upload limit, before it is queued
             svc = ServerService(cfg, self._task(cfg))
@@ -354,8 +354,8 @@ class Federation:
             self.db.add_metric(run_id, event.fields)
 
     def _end(self, run_id: str, svc: ServerService) -> None:
-        """The run is over: its final model and summary into its folder, its status into the table."""
-        del self.active[run_id]
+        """The run is over: its final model and summary into its folder, its status into the table
+        (should a write fail, the run stays active and the next tick tries again)."""
         reason = svc.stop_reason or ""
         if run_id in self.user_stopped:
             status = "stopped"
@@ -382,6 +382,7 @@ class Federation:
         }
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.db.set_status(run_id, status, reason, time.time())
+        del self.active[run_id]
         log.info("%s %s at version %d%s", run_id, status, svc.version, f": {reason}" if reason else "")
 
 

@@ -97,13 +97,19 @@ class RunsDB:
         return _row(row) if row else None
 
     def runs(self, statuses: tuple[str, ...] | None = None) -> list[RunRow]:
+        """Every run (or those in ``statuses``), oldest first."""
+        where = f" WHERE status IN ({', '.join('?' * len(statuses))})" if statuses else ""
         rows = self.db.execute(
-            "SELECT id, task, task_sha256, config, status, reason, submitted_by, created, ended FROM runs ORDER BY seq"
+            "SELECT id, task, task_sha256, config, status, reason, submitted_by, created, ended FROM runs"
+            f"{where} ORDER BY seq",
+            statuses or (),
         ).fetchall()
-        out = [_row(r) for r in rows]
-        return [r for r in out if statuses is None or r.status in statuses]
+        return [_row(r) for r in rows]
 
-    def count(self, status: str) -> int:
+    def count(self, status: str | None = None) -> int:
+        """Runs in ``status`` (all runs when None)."""
+        if status is None:
+            return int(self.db.execute("SELECT COUNT(*) FROM runs").fetchone()[0])
         return int(self.db.execute("SELECT COUNT(*) FROM runs WHERE status = ?", (status,)).fetchone()[0])
 
     def answer(self, run_id: str, node: str, answer: str, reason: str, now: float) -> None:

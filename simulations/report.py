@@ -29,14 +29,18 @@ def plot_curves(records: list[dict[str, Any]], out_dir: str | Path, x: str = "ro
     names: list[str] = []
     for r in records:
         for k in final_metrics(r):
-            name = k.split("_", 1)[1]
+            name = k.split("_", 1)[1].removeprefix("personal_")  # fed_personal_*: on the fed_ figure
             if name != "num_examples" and name not in names:
                 names.append(name)
     paths = []
     for name in names:
         fig = new_figure((6, 4))
         ax = fig.subplots()
-        for prefix, label in (("test_", "central test set"), ("fed_", "clients' test data")):
+        for prefix, label in (
+            ("test_", "central test set"),
+            ("fed_", "clients' test data"),
+            ("fed_personal_", "clients' own models, their test data"),
+        ):
             key = prefix + name
             pts = [(r[x], r[key]) for r in records if r.get(key) is not None and r.get(x) is not None]
             if pts:

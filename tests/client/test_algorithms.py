@@ -126,3 +126,9 @@ def test_fine_tuning_for_personalised_evaluation_starts_from_the_personal_model(
     tuned = prog.fine_tuned(DATA, t(1.0), {"ditto/v": t(2.0)}, steps=1, seed=0)
     assert tuned.item() == pytest.approx(2.0 - 0.1 * 4.0, abs=1e-6)
     assert prog.fine_tuned(DATA, t(1.0), {}, steps=0, seed=0).item() == 1.0
+
+
+def test_fedrep_fine_tunes_the_head_alone():
+    prog, _ = program("fedrep", BodyHead())
+    tuned = prog.fine_tuned(DATA, t(1.0, 1.0), {"personal": t(1.0)}, steps=1, seed=0)
+    assert tuned.tolist() == pytest.approx([1.0, 0.8], abs=1e-6)  # dL/dh = 2: the head moves, the body stays

@@ -41,6 +41,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from urllib.parse import unquote
 
 import numpy as np
 import torch
@@ -482,7 +483,8 @@ def requests(ctx: Ctx, mode: str):
         name = sender if sender in ctx.tokens else "f0"
         at = prefix(mode)
         if route == "elsewhere":  # the node protocol of a run that does not exist (or a junk id)
-            at, route = "/runs/" + draw(RUN_IDS.filter(lambda r: r != RUN)), draw(st.sampled_from(["task", "model"]))
+            at = "/runs/" + draw(RUN_IDS.filter(lambda r: unquote(r) != RUN))
+            route = draw(st.sampled_from(["task", "model"]))
         if route in federation:
             return draw(federation_request(ctx, route, sender))
         if route == "failed":  # a failure report (POST /v1/failed) from a node that holds no task
@@ -547,7 +549,9 @@ def _json_body(value) -> bytes:
 
 
 def federation_request(ctx: Ctx, route: str, sender: str):
-    """One hostile request to a federation's own routes; none may change its runs (see the module doc)."""
+    """One hostile request to a federation's own routes; none may change its runs (see the module doc).
+    Paths are percent-decoded by the server: ``%72un-1`` is run-1, so only ids that do not decode to
+    it are stopped."""
     if route == "offers":
         return st.just(Request("GET", "/v1/offers", sender))
     if route == "answer":
@@ -589,7 +593,7 @@ def federation_request(ctx: Ctx, route: str, sender: str):
         )
     if route == "run_stop":  # never the run itself: stopping it is the admin's right
         return st.builds(
-            lambda run: Request("POST", f"/v1/runs/{run}/stop", sender), RUN_IDS.filter(lambda r: r != RUN)
+            lambda run: Request("POST", f"/v1/runs/{run}/stop", sender), RUN_IDS.filter(lambda r: unquote(r) != RUN)
         )
     names = st.sampled_from(["model.safetensors", "summary.json", "metrics.jsonl", "..%2f..%2fnodes.sqlite", "x"])
     return st.builds(lambda run, n: Request("GET", f"/v1/runs/{run}/files/{n}", sender), RUN_IDS, names)

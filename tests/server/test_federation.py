@@ -149,3 +149,36 @@ def test_a_researcher_submits_a_secure_run_and_a_node_pinning_another_hash_refus
             assert [(r["version"], r["num_results"]) for r in lines] == [(1, 3), (2, 3)], lines
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(90)
+def test_local_dp_runs_spend_one_budget_per_data_set(tmp_path):
+    """A node's local-DP ledger is per data set, across runs: a second local-DP run on the same data
+    while one trains is refused with the reason, and a later run goes on from the rounds spent."""
+
+    async def main():
+        async with live_federation(tmp_path, NODES) as f:
+            for n in NODES:
+                f.start_node(n)
+            cfg = run_config(rounds=2)
+            cfg["privacy"] = {"mode": "local", "noise_multiplier": 1.0, "clip_norm": 1.0}
+            first = await f.submit(cfg)
+            while len((await f.status(first))["nodes"]) < 3:
+                await asyncio.sleep(0.02)
+            second = await f.submit(cfg)  # while the first trains (federation.max_runs = 2)
+            while len((st := await f.status(second))["nodes"]) < 3:
+                await asyncio.sleep(0.02)
+            assert all(
+                v["answer"] == "refused" and f"trained with local DP by {first}" in v["reason"]
+                for v in st["nodes"].values()
+            ), st
+            assert (await f.wait_ended(first, 60))["status"] == "finished"
+            async with f.session() as s, s.post(f"{f.url}/v1/runs/{second}/stop") as r:
+                assert r.status == 200
+            third = await f.submit(cfg)
+            assert (await f.wait_ended(third, 60))["status"] == "finished"
+            for n in NODES:
+                (ledger,) = (tmp_path / f"{n}-state").glob("data-*.privacy.json")
+                assert json.loads(ledger.read_text())["rounds"] == 4  # 2 rounds of the first run + 2 of the third
+
+    asyncio.run(main())
