@@ -54,15 +54,17 @@ def summarize_means(task: Task, means: dict[str, float]) -> dict[str, float]:
 class Objective:
     """What an algorithm changes in plain local SGD (client/algorithms.py); None keeps the default.
 
-    The step on the flat buffer becomes ``w -= lr * m(g + correction + wd w + mu (w - anchor))``
-    (``m`` the momentum, masked by ``mask``): SCAFFOLD's correction ``c - c_i``, FedDyn's
-    ``-grad_k`` with ``mu = alpha``, Ditto's personal model (``start`` v_k, ``anchor`` the
+    The step on the flat buffer becomes ``w -= lr * (m(g + correction + wd w + mu (w - anchor)) + drift)``
+    (``m`` the momentum, masked by ``mask``): SCAFFOLD's drift ``c - c_i`` (outside the momentum:
+    option II estimates the c's at the scale of the momentum step), FedDyn's ``-grad_k`` with
+    ``mu = alpha``, Ditto's personal model (``start`` v_k, ``anchor`` the
     global model, ``mu = lambda``), FedRep's phases (``mask``: the entries that move)."""
 
     start: torch.Tensor | None = None  # start here, not at the global model
     anchor: torch.Tensor | None = None  # the proximal term's centre (default: the global model)
     prox_mu: float | None = None  # replaces train.prox_mu
-    correction: torch.Tensor | None = None  # added to every gradient
+    correction: torch.Tensor | None = None  # added to every gradient (before the momentum)
+    drift: torch.Tensor | None = None  # added to every step after the momentum: w -= lr (m + drift)
     mask: torch.Tensor | None = None  # float 0/1 over the flat buffer: only entries with 1 move
     epochs: int | None = None  # replaces train.epochs
     max_steps: int | None = None  # stop after this many steps (personalised fine-tuning)
@@ -253,6 +255,9 @@ class LocalTrainer:
                 if obj.mask is not None:
                     grad.mul_(obj.mask)
                 optim.step()
+            if obj.drift is not None:
+                with torch.no_grad():
+                    flat.add_(self._masked(obj.drift), alpha=-cfg.lr)
             loss_sum += loss.detach().float()
             steps += 1
         delta = flat - global_flat

@@ -150,3 +150,11 @@ def test_kept_optimizer_state_is_refused_where_it_has_no_meaning():
         load_config(None, ["algorithm.keep_optimizer_state=true"])
     with pytest.raises(ConfigError, match="two local trainings"):
         load_config(None, ["algorithm.keep_optimizer_state=true", "train.momentum=0.9", "algorithm.name='ditto'"])
+
+
+def test_scaffold_correction_is_added_after_the_momentum():
+    prog, _ = program("scaffold", Square(), "train.momentum=0.5", "train.epochs=2")
+    out = prog.fit(DATA, assignment(), t(1.0), {"scaffold/c": t(0.2)}, {"scaffold/c": t(0.5)})
+    # step 1: m = 2, w = 1 - 0.1 (2 + 0.3) = 0.77; step 2: m = 0.5 * 2 + 1.54 = 2.54,
+    # w = 0.77 - 0.1 (2.54 + 0.3) = 0.486 (through the momentum it would be 0.471)
+    assert out.update.delta.item() == pytest.approx(0.486 - 1.0, abs=1e-6)
