@@ -364,7 +364,7 @@ class Node:
         self.backoff = Backoff()
         self._model: tuple[str, int, torch.Tensor] | None = None  # (etag, version, params)
         self.rounds_done = 0
-        self.failed_tasks: set[tuple[int, int]] = set()  # (round, version): diverged or refused, not retried
+        self.failed_tasks: set[tuple[int, int]] = set()  # (round, version): diverged or content refused
 
     @staticmethod
     def _held(data: ClientData | None, device: torch.device) -> ClientData | None:
@@ -449,7 +449,7 @@ class Node:
 
     async def _work(self, task: dict) -> None:
         version = int(task["version"])
-        if (int(task["round"]), version) in self.failed_tasks:  # trained once, diverged or refused: not again
+        if (int(task["round"]), version) in self.failed_tasks:  # diverged or its content refused: not again
             await self._pause(self.poll_s)  # a server that hands it out again is not asked in a tight loop
             return
         self._check_privacy(task)
@@ -530,10 +530,11 @@ class Node:
                 delay = backoff.next(self.rand)
                 log.warning("upload failed (%s); retrying in %.2f s", e, delay)
                 await asyncio.sleep(delay)
-            except Refused as e:  # the same update would be refused again: this task is not trained twice
+            except Refused as e:
                 log.warning("round %s: update refused: %s", task["round"], e)
-                self.failed_tasks.add((int(task["round"]), int(task["version"])))
-                return False
+                if e.status in (400, 413):  # its content: retraining the task gives the same refusal
+                    self.failed_tasks.add((int(task["round"]), int(task["version"])))
+                return False  # 409 (round closed, restarted server, ...): the task may come back, and is taken
 
     async def _evaluate(self, params: torch.Tensor, version: int, test: ClientData) -> None:
         """Federated evaluation: the global model on this node's test data, reported with its
