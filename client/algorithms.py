@@ -7,7 +7,8 @@ workers call the same objects; the server halves live in aggregation/ (scaffold.
 fednova.py, feddyn.py). Equations are cited from each paper.
 
 State names: ``buffer/<name>`` (FedBN's local BatchNorm statistics), ``scaffold/c``,
-``feddyn/grad``, ``ditto/v``, ``personal`` (the FedPer / FedRep personal entries).
+``feddyn/grad``, ``ditto/v``, ``personal`` (the FedPer / FedRep personal entries),
+``optimizer/momentum`` (algorithm.keep_optimizer_state).
 """
 
 from __future__ import annotations
@@ -69,11 +70,12 @@ class ClientProgram:
         self.device = trainer.flat.device
         self.trainable = trainer._train_mask.to(self.device).float()
         self.initial_buffers: State = trainer.local_state()  # a client's buffers before its first round
+        self.keep_optimizer = cfg.algorithm.keep_optimizer_state
 
     @property
     def keeps_state(self) -> bool:
         """Whether clients keep anything between rounds (else the store is never read)."""
-        return bool(self.trainer.local_names)
+        return bool(self.trainer.local_names) or self.keep_optimizer
 
     def fit(
         self, data: ClientData, task: Assignment, global_flat: torch.Tensor, state: State, broadcast: State
@@ -83,9 +85,14 @@ class ClientProgram:
         if trainer.local_names:
             saved = {n: state[f"buffer/{n}"] for n in trainer.local_names if f"buffer/{n}" in state}
             trainer.load_local_state({**self.initial_buffers, **saved})
+        if self.keep_optimizer:
+            trainer.set_momentum(state.get("optimizer/momentum"))
         result = self.local(data, task, global_flat.to(self.device), state, broadcast)
         for n, t in trainer.local_state().items():
             result.state[f"buffer/{n}"] = t
+        momentum = trainer.momentum() if self.keep_optimizer else None
+        if momentum is not None:
+            result.state["optimizer/momentum"] = momentum
         return result
 
     def local(

@@ -95,6 +95,7 @@ class LocalTrainer:
         self.spec = ParamSpec.of(self.model, exchange_buffers=self.task.exchange_buffers)
         self.flat, self.grad = bind_module(self.model, self.spec)
         self._momentum = torch.zeros_like(self.flat) if cfg.momentum > 0 else None
+        self._next_momentum: torch.Tensor | None = None  # set_momentum(): the next training's start
         # Weight decay and the proximal term act on trainable entries only.
         self._train_mask = trainable_mask(self.model, self.spec).to(self.device)
         self._all_trainable = bool(self._train_mask.all())
@@ -116,6 +117,15 @@ class LocalTrainer:
             bufs[n].copy_(t)
 
     # --- training -----------------------------------------------------------------------
+
+    def set_momentum(self, momentum: torch.Tensor | None) -> None:
+        """Start the next local training with this momentum buffer instead of zeros (a client's
+        optimizer state kept between its rounds); None: zeros."""
+        self._next_momentum = momentum
+
+    def momentum(self) -> torch.Tensor | None:
+        """A copy of the momentum buffer as the last local training left it (None without momentum)."""
+        return None if self._momentum is None else self._momentum.detach().clone()
 
     def fit(
         self,
@@ -217,7 +227,11 @@ class LocalTrainer:
         anchor = global_flat if obj.anchor is None else obj.anchor.to(self.device)
         mu = cfg.prox_mu if obj.prox_mu is None else obj.prox_mu
         if self._momentum is not None:
-            self._momentum.zero_()
+            if self._next_momentum is not None:  # a client's momentum from its last round
+                self._momentum.copy_(self._next_momentum.to(self.device))
+            else:
+                self._momentum.zero_()
+        self._next_momentum = None
         optim = self._make_optimizer() if self._optim_name else None
         loss_sum = torch.zeros((), device=self.device)
         steps = 0

@@ -29,6 +29,10 @@ is parsed by p2p/messages.py; this module moves bytes, keeps time and bounds con
 - outgoing contacts go only where the address policy allows (p2p/addresses.py), with the
   token only over HTTPS (plain HTTP only with ``insecure=True``).
 
+With ``privacy.mode = "local"`` the trainer runs DP-SGD on a seed only this peer knows, and
+the peer keeps its own epsilon over its trainings (client/node.py's NodePrivacy, the
+simulator's accountant), stopping before a training that would pass ``target_epsilon``.
+
 A peer's identity is its advertised URL, so a peer restarted on the same address is the
 same peer to the others. It stops after ``gossip.rounds`` local steps (0: until stopped),
 or at SIGINT/SIGTERM: it ends the step it is in (waits are cut short), writes its final
@@ -47,7 +51,6 @@ import asyncio
 import hmac
 import logging
 import math
-import socket
 import ssl
 import time
 import zlib
@@ -58,9 +61,6 @@ from typing import Any
 
 import aiohttp
 from aiohttp import web
-from aiohttp.abc import AbstractResolver, ResolveResult
-from aiohttp.resolver import DefaultResolver
-from aiohttp.web_protocol import RequestHandler
 
 from shoal.client.node import NodePrivacy
 from shoal.client.training import LocalTrainer
@@ -71,7 +71,16 @@ from shoal.seeding import derive_seed
 from shoal.task import ClientData, num_examples, task_name
 from shoal.wire import encode_model
 
-from .addresses import AddressPolicy
+from .connections import (
+    HEADER_TIMEOUT_S,
+    IDLE_TIMEOUT_S,
+    MAX_CONNECTIONS_PER_ADDRESS,
+    Connections,
+    GuardedHandler,
+    GuardedRunner,
+    PolicyResolver,
+)
+from .gossip import GossipNode
 from .group_average import GridAverage, SliceMessage
 from .messages import Refused, parse_refusal
 from .robust import check_gossip_settings
@@ -80,10 +89,6 @@ from .service import Outgoing, PeerService, Rejected
 
 log = logging.getLogger(__name__)
 
-HEADER_TIMEOUT_S = 10.0  # a new connection's first request headers must be complete by then
-IDLE_TIMEOUT_S = 30.0  # an idle keep-alive connection is closed after this long
-MAX_CONNECTIONS_PER_ADDRESS = 64  # open connections from one remote address
-MAX_CONNECTIONS = 1024  # open connections in all (less where the open-file limit is lower)
 OUTGOING_PER_HOST = 8  # our own connections to one peer
 
 
@@ -117,124 +122,6 @@ class _HangUp(Rejected):
     """A refusal after which the connection is closed (the rest of its body is not waited for)."""
 
 
-def _total_connections() -> int:
-    """Connections served at once: half the process's open-file limit (the rest for its own
-    connections, files and models), at most MAX_CONNECTIONS."""
-    try:
-        import resource
-
-        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    except (ImportError, OSError, ValueError):
-        return MAX_CONNECTIONS
-    return MAX_CONNECTIONS if soft == resource.RLIM_INFINITY else max(16, min(MAX_CONNECTIONS, soft // 2))
-
-
-class _Connections:
-    """Open connections per remote address and in all, and each connection's deadline for its next request."""
-
-    def __init__(self, per_address: int, header_timeout: float, idle_timeout: float, total: int | None = None):
-        self.per_address, self.header_timeout, self.idle_timeout = per_address, header_timeout, idle_timeout
-        self.total = _total_connections() if total is None else total
-        self.open: dict[str, int] = {}
-        self.count = 0
-        self.refused = 0
-
-
-class _GuardedHandler(RequestHandler):
-    """aiohttp's connection handler with a per-address cap and a deadline on each request's headers."""
-
-    guard: _Connections
-    _addr: str | None = None
-    _deadline: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        peer = transport.get_extra_info("peername")
-        addr = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        if self.guard.open.get(addr, 0) >= self.guard.per_address or self.guard.count >= self.guard.total:
-            self.guard.refused += 1
-            self.force_close()
-            return
-        self._addr = addr
-        self.guard.open[addr] = self.guard.open.get(addr, 0) + 1
-        self.guard.count += 1
-        self.arm()
-
-    def arm(self, timeout: float | None = None) -> None:
-        """(Re)start the deadline for the next request's headers (``header_timeout`` from the
-        connection's start, ``idle_timeout`` after an answer on a keep-alive connection)."""
-        self.disarm()
-        wait = self.guard.header_timeout if timeout is None else timeout
-        self._deadline = asyncio.get_running_loop().call_later(wait, self.force_close)
-
-    def disarm(self) -> None:
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
-
-    def connection_lost(self, exc: BaseException | None) -> None:
-        self.disarm()
-        if self._addr is not None:
-            self.guard.count -= 1
-            left = self.guard.open.get(self._addr, 1) - 1
-            if left > 0:
-                self.guard.open[self._addr] = left
-            else:
-                self.guard.open.pop(self._addr, None)
-            self._addr = None
-        super().connection_lost(exc)
-
-
-class _PolicyResolver(AbstractResolver):
-    """The default resolver, less the addresses the policy forbids (a name that resolves to a
-    metadata or link-local address is not connected to)."""
-
-    def __init__(self, policy: AddressPolicy):
-        self.policy = policy
-        self.inner = DefaultResolver()
-
-    async def resolve(
-        self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
-    ) -> list[ResolveResult]:
-        found = [r for r in await self.inner.resolve(host, port, family) if self.policy.resolved_ok(r["host"])]
-        if not found:
-            raise OSError(f"{host} resolves only to addresses this peer does not contact")
-        return found
-
-    async def close(self) -> None:
-        await self.inner.close()
-
-
-class _GuardedServer(web.Server):
-    def __init__(self, *args: Any, guard: _Connections, **kwargs: Any):
-        super().__init__(*args, **kwargs)
-        self.guard = guard
-
-    def __call__(self) -> RequestHandler:
-        handler = _GuardedHandler(self, loop=self._loop, **self._kwargs)
-        handler.guard = self.guard
-        return handler
-
-
-class _GuardedRunner(web.AppRunner):
-    """An AppRunner whose connections are guarded (header deadline, per-address cap)."""
-
-    def __init__(self, app: web.Application, guard: _Connections, **kwargs: Any):
-        super().__init__(app, **kwargs)
-        self.guard = guard
-
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        return _GuardedServer(
-            server.request_handler,
-            request_factory=server.request_factory,
-            handler_cancellation=server.handler_cancellation,
-            loop=server._loop,
-            guard=self.guard,
-            **server._kwargs,  # the runner's handler settings (keep-alive timeout, access log)
-        )
-
-
 class Peer:
     """One gossip peer: the PeerService, its trainer and data, and the HTTP around them."""
 
@@ -266,7 +153,7 @@ class Peer:
             else None
         )
         self.privacy_report: dict[str, Any] = {}
-        self.guard = _Connections(MAX_CONNECTIONS_PER_ADDRESS, HEADER_TIMEOUT_S, IDLE_TIMEOUT_S)
+        self.guard = Connections(MAX_CONNECTIONS_PER_ADDRESS, HEADER_TIMEOUT_S, IDLE_TIMEOUT_S)
         self.errors = 0  # requests answered 500 (a bug: logged with its traceback)
         self._lock = asyncio.Lock()
         self._session: aiohttp.ClientSession | None = None
@@ -276,7 +163,7 @@ class Peer:
         self._step_open: dict[int, asyncio.Event] = {}
 
     @property
-    def node(self):
+    def node(self) -> GossipNode:
         return self.svc.node
 
     # --- the incoming side -------------------------------------------------------------------
@@ -292,7 +179,7 @@ class Peer:
         """Every answer is JSON; a known refusal its 4xx; anything else a logged 500 with nothing
         applied. The connection's header deadline is off while a request is handled."""
         conn = request.protocol
-        if isinstance(conn, _GuardedHandler):
+        if isinstance(conn, GuardedHandler):
             conn.disarm()
         try:
             if not self._authorized(request):
@@ -319,7 +206,7 @@ class Peer:
             log.exception("unexpected error in %s %s; answered 500, nothing applied", request.method, request.path)
             return _error(500, "internal", "the peer hit an unexpected error; nothing was applied (see its log)")
         finally:
-            if isinstance(conn, _GuardedHandler) and conn.transport is not None:
+            if isinstance(conn, GuardedHandler) and conn.transport is not None:
                 conn.arm(self.guard.idle_timeout)
 
     async def _expect(self, request: web.Request) -> web.StreamResponse | None:
@@ -707,12 +594,12 @@ class Peer:
         """Serve on host:port and gossip every ``period`` seconds until ``stop`` is set (or
         ``gossip.rounds`` local steps are done); then save the final model and metrics."""
         self._stop = stop
-        runner = _GuardedRunner(self.app(), self.guard, access_log=None, keepalive_timeout=IDLE_TIMEOUT_S)
+        runner = GuardedRunner(self.app(), self.guard, access_log=None, keepalive_timeout=IDLE_TIMEOUT_S)
         await runner.setup()
         site = web.TCPSite(runner, host, port, ssl_context=self.s.ssl_server)
         await site.start()
         timeout = aiohttp.ClientTimeout(total=self.g.timeout, sock_connect=self.g.timeout)
-        connector = aiohttp.TCPConnector(limit_per_host=OUTGOING_PER_HOST, resolver=_PolicyResolver(self.svc.policy))
+        connector = aiohttp.TCPConnector(limit_per_host=OUTGOING_PER_HOST, resolver=PolicyResolver(self.svc.policy))
         self._session = aiohttp.ClientSession(timeout=timeout, connector=connector)
         log.info(
             "peer %s listening on %s:%d, bootstrap %s, %s",

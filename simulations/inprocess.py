@@ -222,6 +222,8 @@ class InProcessSimulation:
         self.client_steps: list[ClientStep] = self._client_steps()
         self.batched = None
         blocker = batching_blocker(self.task, self.trainer, self.shards, cfg.algorithm.name)
+        if blocker is None and cfg.algorithm.keep_optimizer_state:
+            blocker = "algorithm.keep_optimizer_state keeps each client's momentum between its rounds"
         if cfg.privacy.mode == "local":  # DP-SGD clips per sample with Opacus: never batched across clients
             blocker = "privacy.mode = 'local' (DP-SGD) trains each client with Opacus"
         if blocker is None:

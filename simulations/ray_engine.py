@@ -177,6 +177,8 @@ class RayWorker:
         self.program = make_client_program(cfg, task, self.trainer)
         self.batched = None
         blocker = batching_blocker(task, self.trainer, self.data.shards, cfg.algorithm.name)
+        if blocker is None and cfg.algorithm.keep_optimizer_state:
+            blocker = "algorithm.keep_optimizer_state"
         if cfg.privacy.mode == "local":
             blocker = "DP-SGD"
         if cfg.simulation.mode == "gossip":  # peers train one by one, as GossipNetwork's LocalPeers

@@ -147,6 +147,22 @@ def _check_algorithm(self: Any) -> None:
             f"{self.privacy.mode!r}: the fine-tuned models are trained on clients' data without noise and their "
             "metrics are released in metrics.jsonl, outside the epsilon; set personal_eval_steps = -1"
         )
+    if self.algorithm.keep_optimizer_state:
+        keep = None
+        if self.train.momentum == 0:
+            keep = "train.momentum = 0: plain SGD has no optimizer state"
+        elif name in ("fednova", "ditto", "fedrep"):
+            keep = f"algorithm.name = {name!r}: " + (
+                "FedNova's normaliser assumes momentum starts at zero"
+                if name == "fednova"
+                else "it runs two local trainings a round (one momentum buffer would mix them)"
+            )
+        elif sim.mode != "sync" or self.heterogeneity.enabled or sim.engine == "flower":
+            keep = "a mode or engine other than sync rounds in-process or on Ray"
+        elif self.privacy.mode == "local":
+            keep = "privacy.mode = 'local': the DP-SGD trainer keeps its own optimizer"
+        if keep:
+            raise ConfigError(f"algorithm.keep_optimizer_state = true with {keep}")
     if name == "fedavg":
         if sim.engine == "flower" and self.algorithm.personal_eval_steps >= 0:
             raise ConfigError(

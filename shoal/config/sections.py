@@ -207,6 +207,7 @@ class AlgorithmConfig:
     personal_epochs: int = 1  # ditto: epochs on the personal model; fedrep: epochs on the head first
     personal_eval_steps: int = -1  # fed_personal_* metrics after this many fine-tuning steps; -1 = off
     state_dir: str = ""  # clients' state between rounds: "" in memory, else safetensors files in this folder
+    keep_optimizer_state: bool = False  # each client's SGD momentum carries over to its next round (else zero)
 
     def validate(self) -> None:
         _positive("algorithm.feddyn_alpha", self.feddyn_alpha)

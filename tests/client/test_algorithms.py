@@ -132,3 +132,21 @@ def test_fedrep_fine_tunes_the_head_alone():
     prog, _ = program("fedrep", BodyHead())
     tuned = prog.fine_tuned(DATA, t(1.0, 1.0), {"personal": t(1.0)}, steps=1, seed=0)
     assert tuned.tolist() == pytest.approx([1.0, 0.8], abs=1e-6)  # dL/dh = 2: the head moves, the body stays
+
+
+def test_kept_optimizer_state_starts_the_next_round_from_the_last_momentum():
+    prog, _ = program("fedavg", Square(), "train.momentum=0.5", "algorithm.keep_optimizer_state=true")
+    first = prog.fit(DATA, assignment(), t(1.0), {}, {})
+    # m = 2 (grad at w = 1), w = 0.8; saved m = 2
+    assert first.state["optimizer/momentum"].item() == pytest.approx(2.0)
+    second = prog.fit(DATA, assignment(), t(1.0), first.state, {})
+    # m = 0.5 * 2 + 2 = 3, w = 1 - 0.3 = 0.7 (from zero momentum it would be 0.8 again)
+    assert second.update.delta.item() == pytest.approx(-0.3, abs=1e-6)
+    assert prog.fit(DATA, assignment(), t(1.0), {}, {}).update.delta.item() == pytest.approx(-0.2, abs=1e-6)
+
+
+def test_kept_optimizer_state_is_refused_where_it_has_no_meaning():
+    with pytest.raises(ConfigError, match="no optimizer state"):
+        load_config(None, ["algorithm.keep_optimizer_state=true"])
+    with pytest.raises(ConfigError, match="two local trainings"):
+        load_config(None, ["algorithm.keep_optimizer_state=true", "train.momentum=0.9", "algorithm.name='ditto'"])

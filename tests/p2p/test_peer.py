@@ -265,12 +265,12 @@ def test_connections_are_capped_per_address_and_silent_ones_closed():
     """One address may hold at most MAX_CONNECTIONS_PER_ADDRESS connections (here 4); a
     connection that sends half a request's headers is closed at the header deadline, and the
     peer still answers."""
-    from shoal.p2p.peer import _GuardedRunner
+    from shoal.p2p.connections import GuardedRunner
 
     async def main() -> None:
         peer = _peer("http://127.0.0.1:0")
         peer.guard.per_address, peer.guard.header_timeout = 4, 1.0
-        runner = _GuardedRunner(peer.app(), peer.guard, access_log=None)
+        runner = GuardedRunner(peer.app(), peer.guard, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()

@@ -1,8 +1,9 @@
 """The Ray engine on a real two-node Ray cluster started here: the same config and seed give
 the in-process engine's model (1e-5) with DP, secure aggregation, compression, attacks,
-robust rules, async rounds, FedBN buffers and SCAFFOLD's client state, with and without partial sums, and when a
-worker is killed in the middle of a round; gossip (every algorithm, secure groups, churn,
-attacks, DP-SGD with per-peer accounting) gives the in-process peers' models.
+robust rules, async rounds, FedBN buffers and client state (SCAFFOLD, Ditto), with and
+without partial sums, and when a worker is killed in the middle of a round; gossip (every
+algorithm, secure groups, churn, attacks, DP-SGD with per-peer accounting) gives the
+in-process peers' models.
 
 Slow by nature (marked): a Ray cluster and its workers take ~25 s to start on two cores,
 so the module starts ONE cluster (two 1-CPU nodes, one worker each) and every test shares
@@ -243,15 +244,18 @@ def test_fedbn_buffers_stay_with_each_client_across_rounds(pool, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_scaffold_state_follows_each_client_to_its_worker(pool):
-    """SCAFFOLD's control variates live in the driver's store, travel with each call and come
-    back: the model, the server's c and every client's c_i are the in-process engine's."""
-    here, there = same_model(pool, "algorithm.name='scaffold'", "simulation.rounds=4")
-    assert here.control is not None and there.control is not None
-    assert torch.allclose(here.control.c, there.control.c, atol=1e-5) and here.control.c.abs().max() > 0
+@pytest.mark.parametrize(("name", "key"), [("scaffold", "scaffold/c"), ("ditto", "ditto/v")])
+def test_client_state_follows_each_client_to_its_worker(pool, name, key):
+    """Client state (SCAFFOLD's control variates, Ditto's personal models) lives in the driver's
+    store, travels with each call and comes back: the model, SCAFFOLD's server c and every
+    client's state are the in-process engine's."""
+    here, there = same_model(pool, f"algorithm.name='{name}'", "simulation.rounds=4")
+    if name == "scaffold":
+        assert here.control is not None and there.control is not None
+        assert torch.allclose(here.control.c, there.control.c, atol=1e-5) and here.control.c.abs().max() > 0
     assert len(here.states) == len(there.states) > 0
     for cid in here.participants:
-        assert torch.allclose(here.states.get(cid)["scaffold/c"], there.states.get(cid)["scaffold/c"], atol=1e-5)
+        assert torch.allclose(here.states.get(cid)[key], there.states.get(cid)[key], atol=1e-5)
 
 
 @pytest.mark.timeout(180)

@@ -17,6 +17,7 @@ from aiohttp import web
 from shoal.client.daemon import NodeDaemon
 from shoal.client.node_config import load_node_config, source_sha256
 from shoal.config import config_from_dict
+from shoal.pki import write_secret
 from shoal.server.app import make_federation_app, run_clock
 from shoal.server.federation import Federation
 from shoal.server.registry import Registry
@@ -110,7 +111,7 @@ async def live_federation(tmp: Path, nodes: list[str], researchers: dict[str, st
     ``researchers``: name -> token of federation.researcher_tokens_file."""
     torch.set_num_threads(1)
     admin = secrets.token_urlsafe(32)
-    (tmp / "admin.token").write_text(admin)
+    write_secret(tmp / "admin.token", admin.encode())
     task = write_task(tmp / "tasks")
     cfg = config_from_dict(
         {
@@ -131,7 +132,7 @@ async def live_federation(tmp: Path, nodes: list[str], researchers: dict[str, st
         (tmp / "researchers").write_text("".join(f"{n} {t}\n" for n, t in researchers.items()))
     registry = Registry(cfg.server.db)
     for n in nodes:
-        (tmp / f"{n}.token").write_text(registry.add(n))
+        write_secret(tmp / f"{n}.token", registry.add(n).encode())
     db = RunsDB(tmp / "fed" / "runs.sqlite")
     fed = Federation(cfg, db, registered=lambda: sum(1 for n in registry.list() if n.enabled))
     app = make_federation_app(fed, registry)
@@ -171,7 +172,7 @@ async def served_federation(tmp: Path, nodes: list[str], run: dict, ssl_context=
     """A federation on 127.0.0.1 with one built-in-task run already started (``run``: its config);
     no clock: the test drives ``fed.tick`` or the run's ``tick`` itself (the fuzzer does)."""
     admin = secrets.token_urlsafe(32)
-    (tmp / "admin.token").write_text(admin)
+    write_secret(tmp / "admin.token", admin.encode())
     cfg = config_from_dict(
         {
             "server": {"db": str(tmp / "nodes.sqlite"), "admin_token_file": str(tmp / "admin.token"), **server},

@@ -13,6 +13,7 @@ import aiohttp
 from aiohttp import web
 
 from shoal.config import config_from_dict
+from shoal.pki import write_secret
 from shoal.server.app import make_app, run_clock
 from shoal.server.registry import Registry
 from shoal.server.service import ServerService
@@ -68,7 +69,7 @@ async def live_server(
     """``clock=True`` runs the server's clock (rounds open and close by themselves);
     without it the test drives ``service.tick`` itself."""
     admin = secrets.token_urlsafe(32)
-    (tmp / "admin.token").write_text(admin)
+    write_secret(tmp / "admin.token", admin.encode())
     cfg = small_config(tmp, sections, **{"admin_token_file": str(tmp / "admin.token"), **server})
     registry = Registry(cfg.server.db)
     tokens = {n: registry.add(n) for n in nodes}

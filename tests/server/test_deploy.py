@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from shoal.config import load_config
+from shoal.pki import write_secret
 from shoal.server.checkpoint import latest_checkpoint, load_checkpoint
 from shoal.server.registry import Registry
 from shoal.shards import write_shards
@@ -76,7 +77,7 @@ class Deployment:
         self.tmp, self.port = tmp, _free_port()
         self.config = tmp / "cfg.toml"
         self.admin = secrets.token_urlsafe(32)
-        (tmp / "admin.token").write_text(self.admin)
+        write_secret(tmp / "admin.token", self.admin.encode())
         self.config.write_text(
             CONFIG.format(n=n, port=self.port, rounds=rounds, deadline=deadline, tmp=tmp, min_nodes=min_nodes or n)
         )
@@ -85,7 +86,7 @@ class Deployment:
         reg = Registry(self.cfg.server.db)
         self.tokens = {}
         for p in self.shards:
-            (tmp / f"{p.stem}.token").write_text(reg.add(p.stem))
+            write_secret(tmp / f"{p.stem}.token", reg.add(p.stem).encode())
             self.tokens[p.stem] = (tmp / f"{p.stem}.token").read_text()
         reg.close()
         self.procs: list[subprocess.Popen] = []

@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from shoal.params import ParamSpec
+from shoal.pki import write_secret
 from shoal.server.registry import Registry
 from shoal.task import load_task, make_model
 from shoal.tls import make_private_ca
@@ -70,11 +71,11 @@ class TaskDeployment:
         self.config.write_text(
             CONFIG.format(port=self.port, rounds=rounds, nodes=nodes, tmp=tmp, cert=self.pki.cert, key=self.pki.key)
         )
-        (tmp / "admin.token").write_text("admin-" + "x" * 40)  # GET /v1/status and /metrics
+        write_secret(tmp / "admin.token", ("admin-" + "x" * 40).encode())  # GET /v1/status and /metrics
         reg = Registry(tmp / "nodes.sqlite")
         self.names = [f"node{i}" for i in range(nodes)]
         for i, name in enumerate(self.names):
-            (tmp / f"{name}.token").write_text(reg.add(name))
+            write_secret(tmp / f"{name}.token", reg.add(name).encode())
             write_node_data(tmp / "user" / f"{name}.pt", seed=i)
         reg.close()
         self.url = f"https://127.0.0.1:{self.port}"

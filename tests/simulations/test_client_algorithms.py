@@ -126,3 +126,11 @@ def test_personalised_metrics_reach_metrics_jsonl(tmp_path, task_app, name):
 def test_unsound_combinations_are_refused_with_the_reason(extra, match):
     with pytest.raises(ConfigError, match=match):
         config(*extra)
+
+
+def test_kept_momentum_changes_the_run_and_trains_one_by_one():
+    plain = run(InProcessSimulation(config("train.momentum=0.5")))
+    sim = InProcessSimulation(config("train.momentum=0.5", "algorithm.keep_optimizer_state=true"))
+    kept = run(sim)
+    assert sim.batched is None and all("optimizer/momentum" in sim.states.get(c) for c in sim.participants)
+    assert (kept - plain).abs().max() > 1e-5

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from shoal.metrics import read_jsonl
+from shoal.pki import write_secret
 from shoal.server.registry import Registry
 from shoal.tls import make_private_ca
 from tests.p2p.processes import free_ports
@@ -76,7 +77,7 @@ def run_server_and_clients(
     )
     reg = Registry(folder / "nodes.sqlite")
     for i in range(len(data)):
-        (folder / f"node{i}.token").write_text(reg.add(f"node{i}"))
+        write_secret(folder / f"node{i}.token", reg.add(f"node{i}").encode())
     reg.close()
     logs = [folder / "server.log"]
     procs = [_spawn(["server", "--task", task, "-c", "server.toml"], folder, logs[0])]
