@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -75,6 +75,20 @@ def dequantize_q8(q: torch.Tensor, scale: torch.Tensor, chunk: int) -> torch.Ten
     return (q.float() * scale.repeat_interleave(chunk)[:n]).contiguous()
 
 
+class Residuals(Protocol):
+    """Where top-k keeps each client's residual: a dict, or a client-state store's view."""
+
+    def get(self, client: str, default: Any = None, /) -> Any: ...
+
+    def __getitem__(self, client: str, /) -> torch.Tensor: ...
+
+    def __setitem__(self, client: str, value: torch.Tensor, /) -> None: ...
+
+    def __contains__(self, client: object, /) -> bool: ...
+
+    def pop(self, client: str, default: Any = None, /) -> Any: ...
+
+
 class TopK:
     """Top-k sparsification with error feedback, one residual per client.
 
@@ -88,14 +102,16 @@ class TopK:
 
     Memory note: a residual is a float32 vector of the model's size, kept for each
     client that has sent at least one update (in the simulator: ``participants x model``
-    floats; on a real client node just its own). :meth:`forget` drops one.
+    floats, unless ``residuals`` keeps them elsewhere: the simulator's client-state store on
+    disk, shoal.client.state.StateMapping; on a real client node just its own). :meth:`forget`
+    drops one.
     """
 
-    def __init__(self, fraction: float):
+    def __init__(self, fraction: float, residuals: Residuals | None = None):
         if not 0 < fraction <= 0.5:
             raise ValueError(f"top-k fraction = {fraction} must be in (0, 0.5]")
         self.fraction = fraction
-        self.residuals: dict[str, torch.Tensor] = {}
+        self.residuals: Residuals | dict[str, torch.Tensor] = {} if residuals is None else residuals
         self.in_flight: dict[tuple[str, Any], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def k(self, numel: int) -> int:
@@ -128,7 +144,8 @@ class TopK:
         if sent is None:
             return
         idx, values = sent
-        self.residuals[client].index_add_(0, idx, values)  # compress made it; forget() drops both
+        # compress made it; forget() drops both. Stored anew: the store may be a file per client.
+        self.residuals[client] = self.residuals[client].index_add(0, idx, values)
 
     def forget(self, client: str) -> None:
         self.residuals.pop(client, None)
@@ -139,9 +156,9 @@ class TopK:
 class Compressor:
     """Client side: turns a delta into an :class:`Encoded` payload per the ``[compression]`` table."""
 
-    def __init__(self, cfg: CompressionConfig):
+    def __init__(self, cfg: CompressionConfig, residuals: Residuals | None = None):
         self.cfg = cfg
-        self.topk = TopK(cfg.topk_fraction) if cfg.encoding == "topk" else None
+        self.topk = TopK(cfg.topk_fraction, residuals) if cfg.encoding == "topk" else None
 
     def encode(self, delta: torch.Tensor, client: str = "", seed: int = 0, tag: Any = None) -> Encoded:
         """The payload of ``delta``; with top-k it is in flight under ``(client, tag)`` until the

@@ -28,12 +28,11 @@ class Retry(Exception):
 
 
 class Refused(Exception):
-    """The server refused this request (4xx): do not send it again. ``status`` tells a refusal
-    of what was sent (400, 413: the same bytes are refused again) from one of when (409)."""
+    """The server refused this request (4xx): do not send it again. ``code``: the server's error code."""
 
-    def __init__(self, msg: str, status: int = 400):
+    def __init__(self, msg: str, code: str = ""):
         super().__init__(msg)
-        self.status = status
+        self.code = code
 
 
 @dataclass
@@ -94,4 +93,4 @@ async def check_response(resp: aiohttp.ClientResponse) -> None:
         raise NodeError(f"server refused this node ({resp.status}): {info.get('detail')}")
     if resp.status >= 500 or resp.status in (408, 429):  # busy, timed out, too many in flight: retry
         raise Retry(msg)
-    raise Refused(msg, resp.status)
+    raise Refused(msg, str(info.get("error") or ""))

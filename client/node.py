@@ -66,6 +66,10 @@ log = logging.getLogger(__name__)
 
 
 SPEC_HASH_HEADER = "X-Shoal-Spec-Hash"  # sent with every poll (docs/protocol.md)
+# Refusals that say nothing against the update itself: no round was open for it (a restarted
+# server reopens the same round, with the same task, once its nodes are back), or it already
+# arrived. The server hands such a task out again, and the node trains it again.
+RETRAINABLE = frozenset({"round_closed", "duplicate"})
 _METRIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")  # what the server takes in an evaluation report
 
 
@@ -364,7 +368,7 @@ class Node:
         self.backoff = Backoff()
         self._model: tuple[str, int, torch.Tensor] | None = None  # (etag, version, params)
         self.rounds_done = 0
-        self.failed_tasks: set[tuple[int, int]] = set()  # (round, version): diverged or content refused
+        self.failed_tasks: set[tuple[int, int]] = set()  # (round, version): diverged or refused, not retried
 
     @staticmethod
     def _held(data: ClientData | None, device: torch.device) -> ClientData | None:
@@ -449,7 +453,7 @@ class Node:
 
     async def _work(self, task: dict) -> None:
         version = int(task["version"])
-        if (int(task["round"]), version) in self.failed_tasks:  # diverged or its content refused: not again
+        if (int(task["round"]), version) in self.failed_tasks:  # trained once, diverged or refused: not again
             await self._pause(self.poll_s)  # a server that hands it out again is not asked in a tight loop
             return
         self._check_privacy(task)
@@ -530,11 +534,11 @@ class Node:
                 delay = backoff.next(self.rand)
                 log.warning("upload failed (%s); retrying in %.2f s", e, delay)
                 await asyncio.sleep(delay)
-            except Refused as e:
+            except Refused as e:  # the same update would be refused again: this task is not trained twice
                 log.warning("round %s: update refused: %s", task["round"], e)
-                if e.status in (400, 413):  # its content: retraining the task gives the same refusal
+                if e.code not in RETRAINABLE:
                     self.failed_tasks.add((int(task["round"]), int(task["version"])))
-                return False  # 409 (round closed, restarted server, ...): the task may come back, and is taken
+                return False
 
     async def _evaluate(self, params: torch.Tensor, version: int, test: ClientData) -> None:
         """Federated evaluation: the global model on this node's test data, reported with its

@@ -104,6 +104,36 @@ class DiskClientState:
         return sum(1 for _ in self.folder.glob("*.safetensors"))
 
 
+class StateMapping:
+    """One named tensor of each client's state in a store, used like a dict keyed by client
+    (``get``, ``[c]``, ``in``, ``pop``): top-k error feedback's residuals on disk."""
+
+    def __init__(self, store: ClientState, name: str):
+        self.store, self.name = store, name
+
+    def get(self, client_id: str, default: torch.Tensor | None = None) -> torch.Tensor | None:
+        return self.store.get(client_id).get(self.name, default)
+
+    def __getitem__(self, client_id: str) -> torch.Tensor:
+        t = self.get(client_id)
+        if t is None:
+            raise KeyError(client_id)
+        return t
+
+    def __setitem__(self, client_id: str, value: torch.Tensor) -> None:
+        self.store.put(client_id, {**self.store.get(client_id), self.name: value})
+
+    def __contains__(self, client_id: object) -> bool:
+        return isinstance(client_id, str) and self.get(client_id) is not None
+
+    def pop(self, client_id: str, default: torch.Tensor | None = None) -> torch.Tensor | None:
+        state = self.store.get(client_id)
+        value = state.pop(self.name, default)
+        if client_id in self.store:
+            self.store.put(client_id, state)
+        return value
+
+
 def make_client_state(folder: str, device: torch.device | str = "cpu") -> ClientState:
     """``algorithm.state_dir``: "" keeps every client's state in memory, a folder keeps it on disk."""
     if folder:

@@ -21,7 +21,7 @@ from shoal.assembly import initial_model, make_client_program, make_round_strate
 from shoal.client.algorithms import ClientResult
 from shoal.client.batched import make_batched_trainer
 from shoal.client.device import select_device
-from shoal.client.state import State, make_client_state
+from shoal.client.state import State, StateMapping, make_client_state
 from shoal.client.training import summarize_means
 from shoal.config import Config
 from shoal.errors import WireError
@@ -218,7 +218,11 @@ class InProcessSimulation:
             if cfg.privacy.mode == "none"
             else PrivacyBudget(cfg, {c: self.shards.size(i) for i, c in enumerate(self.client_ids)}, strategy)
         )
-        self.wire = WireStep(cfg.compression, self.spec)
+        # top-k residuals: in memory, or beside the clients' state on disk (algorithm.state_dir)
+        residuals = None
+        if cfg.algorithm.state_dir and cfg.compression.encoding == "topk":
+            residuals = StateMapping(make_client_state(f"{cfg.algorithm.state_dir}/residuals"), "residual")
+        self.wire = WireStep(cfg.compression, self.spec, residuals)
         self.client_steps: list[ClientStep] = self._client_steps()
         self.batched = None
         blocker = batching_blocker(self.task, self.trainer, self.shards, cfg.algorithm.name)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from shoal.aggregation.compression import Compressor
+from shoal.aggregation.compression import Compressor, Residuals
 from shoal.config import CompressionConfig
 from shoal.params import ParamSpec
 from shoal.rounds import Assignment
@@ -24,10 +24,10 @@ from shoal.wire import decode_update, encode_model, encode_update
 class WireStep:
     """A client step (last in the pipeline) that round-trips updates through shoal.wire."""
 
-    def __init__(self, cfg: CompressionConfig, spec: ParamSpec):
+    def __init__(self, cfg: CompressionConfig, spec: ParamSpec, residuals: Residuals | None = None):
         self.cfg = cfg
         self.spec = spec
-        self.compressor = Compressor(cfg)
+        self.compressor = Compressor(cfg, residuals)  # top-k residuals: a dict, or a store's view
         self.bytes_up = self.bytes_down = 0  # this round
         self.total_up = self.total_down = 0  # since the start
         self._model_size: tuple[int, int] | None = None  # (version, bytes) of the last model encoded

@@ -134,3 +134,16 @@ def test_kept_momentum_changes_the_run_and_trains_one_by_one():
     kept = run(sim)
     assert sim.batched is None and all("optimizer/momentum" in sim.states.get(c) for c in sim.participants)
     assert (kept - plain).abs().max() > 1e-5
+
+
+def test_top_k_residuals_on_disk_give_the_in_memory_run(tmp_path):
+    topk = ["compression.encoding='topk'", "compression.topk_fraction=0.2"]
+    memory = InProcessSimulation(config(*topk))
+    a = run(memory)
+    sim = InProcessSimulation(config(*topk, f"algorithm.state_dir='{tmp_path}'"))
+    assert torch.equal(run(sim), a)
+    files = list((tmp_path / "residuals").glob("*.safetensors"))
+    assert len(files) == len(sim.participants) > 0
+    tk, disk = memory.wire.compressor.topk, sim.wire.compressor.topk
+    assert tk is not None and disk is not None
+    assert all(torch.equal(tk.residuals[c], disk.residuals[c]) for c in memory.participants)
