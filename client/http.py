@@ -28,7 +28,11 @@ class Retry(Exception):
 
 
 class Refused(Exception):
-    """The server refused this request (4xx): do not send it again."""
+    """The server refused this request (4xx): do not send it again. ``code``: the server's error code."""
+
+    def __init__(self, msg: str, code: str = ""):
+        super().__init__(msg)
+        self.code = code
 
 
 @dataclass
@@ -89,4 +93,4 @@ async def check_response(resp: aiohttp.ClientResponse) -> None:
         raise NodeError(f"server refused this node ({resp.status}): {info.get('detail')}")
     if resp.status >= 500 or resp.status in (408, 429):  # busy, timed out, too many in flight: retry
         raise Retry(msg)
-    raise Refused(msg)
+    raise Refused(msg, str(info.get("error") or ""))

@@ -66,6 +66,10 @@ log = logging.getLogger(__name__)
 
 
 SPEC_HASH_HEADER = "X-Shoal-Spec-Hash"  # sent with every poll (docs/protocol.md)
+# Refusals that say nothing against the update itself: no round was open for it (a restarted
+# server reopens the same round, with the same task, once its nodes are back), or it already
+# arrived. The server hands such a task out again, and the node trains it again.
+RETRAINABLE = frozenset({"round_closed", "duplicate"})
 _METRIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")  # what the server takes in an evaluation report
 
 
@@ -532,7 +536,8 @@ class Node:
                 await asyncio.sleep(delay)
             except Refused as e:  # the same update would be refused again: this task is not trained twice
                 log.warning("round %s: update refused: %s", task["round"], e)
-                self.failed_tasks.add((int(task["round"]), int(task["version"])))
+                if e.code not in RETRAINABLE:
+                    self.failed_tasks.add((int(task["round"]), int(task["version"])))
                 return False
 
     async def _evaluate(self, params: torch.Tensor, version: int, test: ClientData) -> None:

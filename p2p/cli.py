@@ -29,7 +29,7 @@ import torch
 from shoal.assembly import initial_model, make_trainer, task_from_config
 from shoal.client.device import select_device
 from shoal.config import Config
-from shoal.errors import ConfigError, DataError
+from shoal.errors import ConfigError, DataError, Malformed
 from shoal.task import (
     ClientData,
     LocalData,
@@ -45,6 +45,7 @@ from shoal.task import (
 )
 from shoal.tls import client_context, server_context
 
+from .addresses import check_url
 from .peer import Peer, PeerData, PeerSettings
 from .robust import check_gossip_settings, robust_mixing
 
@@ -141,6 +142,15 @@ def load_peer_data(spec: str, cfg: Config, task: Task, device: torch.device) -> 
     )
 
 
+def _peer_url(text: str, flag: str, insecure: bool) -> str:
+    """A peer address from the command line in the canonical form the other peers will see
+    (p2p/addresses.py), or a ConfigError naming the flag."""
+    try:
+        return check_url(text.strip(), insecure)
+    except Malformed as e:
+        raise ConfigError(f"{flag} {text.strip()[:100]!r}: {e}") from None
+
+
 def check_peer_algorithm(cfg: Config) -> None:
     """What a real peer runs: every algorithm, D-PSGD with plain mixing."""
     g = cfg.gossip
@@ -189,8 +199,14 @@ def run_peer(
     if not token:
         log.warning("no network token (--token or SHOAL_TOKEN): any client can send this peer models")
     scheme = "http" if insecure else "https"
-    me = advertise or f"{scheme}://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}"
-    boot = tuple(b.strip().rstrip("/") for b in bootstrap.split(",") if b.strip() and b.strip().rstrip("/") != me)
+    me = _peer_url(
+        advertise or f"{scheme}://{'127.0.0.1' if host == '0.0.0.0' else host}:{port}", "--advertise", insecure
+    )
+    boot = tuple(
+        dict.fromkeys(
+            u for u in (_peer_url(b, "--bootstrap", insecure) for b in bootstrap.split(",") if b.strip()) if u != me
+        )
+    )
     device = select_device(cfg.train.device)
     task = task_from_config(cfg)
     model = initial_model(cfg, task).to(device)  # seeded by simulation.seed: the same start on every peer

@@ -347,3 +347,19 @@ def test_the_token_never_goes_over_plain_http_without_insecure():
         await runner.cleanup()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize(
+    "bootstrap, advertise, message",
+    [
+        ("https://" + "a" * 64 + ".example.org:9001", None, "--bootstrap .*host label"),
+        ("https://user:pw@127.0.0.1:9001", None, "--bootstrap .*user:password"),
+        ("", "https://127.0.0.1:70000", "--advertise .*[Pp]ort"),
+    ],
+)
+def test_peer_addresses_on_the_command_line_are_checked_before_serving(bootstrap, advertise, message):
+    from shoal.errors import ConfigError
+    from shoal.p2p.cli import run_peer
+
+    with pytest.raises(ConfigError, match=message):
+        run_peer(Config(), "127.0.0.1:1", bootstrap, "client:0", None, advertise, None, None, None, True, None)

@@ -5,10 +5,14 @@ from __future__ import annotations
 import asyncio
 import json
 import secrets
+import time
 
 import aiohttp
 import pytest
+import torch
 
+from shoal.assembly import task_from_config
+from shoal.config import config_from_dict
 from tests.server.federation_live import live_federation
 
 NODES = ["n0", "n1", "n2"]
@@ -180,5 +184,36 @@ def test_local_dp_runs_spend_one_budget_per_data_set(tmp_path):
             for n in NODES:
                 (ledger,) = (tmp_path / f"{n}-state").glob("data-*.privacy.json")
                 assert json.loads(ledger.read_text())["rounds"] == 4  # 2 rounds of the first run + 2 of the third
+
+    asyncio.run(main())
+
+
+@pytest.mark.timeout(30)
+def test_an_upload_that_found_no_round_open_is_trained_again(tmp_path):
+    """After a server restart a node's retried upload can arrive before its round reopens (409
+    round_closed): the reopened round hands out the same task, so the node must not mark it as one
+    it never trains again (as it does for an update the server refused for what it is)."""
+    from shoal.client.node import Node, read_local_data
+
+    from .hostile import good_update
+    from .live import live_server
+    from .task_files import write_node_data, write_task
+
+    async def main():
+        app = f"{write_task(tmp_path / 'tasks')}:Regression"
+        async with live_server(tmp_path, ["n0"], sections={"task": {"app": app}}, clients_per_round=1) as live:
+            svc = live.service
+            cfg = config_from_dict({"task": {"app": app}})
+            task = task_from_config(cfg)
+            data = read_local_data(task, write_node_data(tmp_path / "n0.pt", 1))
+            node = Node(live.url, live.tokens["n0"], data, cfg, torch.device("cpu"), None, 1.0, "n0", task)
+            async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {live.tokens['n0']}"}) as node.http:
+                work = {"round": 1, "version": 0, "seed": 0}
+                assert not await node._upload(work, good_update(svc, "n0", round=1))  # no round open: 409
+                assert (1, 0) not in node.failed_tasks
+                svc.seen("n0", time.monotonic())
+                assert svc.tick(time.monotonic())  # the round opens
+                assert not await node._upload(work, good_update(svc, "n0", value=float("nan")))  # 400 non_finite
+                assert (1, 0) in node.failed_tasks
 
     asyncio.run(main())

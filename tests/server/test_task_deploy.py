@@ -228,7 +228,7 @@ def test_unreadable_data_and_a_task_that_does_not_import_are_one_line(tmp_path):
     broken = tmp_path / "user" / "broken.py"
     broken.write_text(BROKEN_TASK)
     token = tmp_path / "t.token"
-    token.write_text("x")
+    write_secret(token, b"x")  # private, as `shoal server nodes add --token-file` writes it
     missing = tmp_path / "user" / "no-such-node.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
