@@ -71,8 +71,8 @@ def test_readme_task_privacy_sweep(task_dir):
         cwd=task_dir,
     )
     rows = (task_dir / "sweep" / "results.csv").read_text().splitlines()
-    assert rows[0].startswith("mode,noise_multiplier,epsilon")
-    assert [r.split(",")[0] for r in rows[1:]] == ["none", "central"]
+    assert rows[0].startswith("mode,noise_multiplier,status,epsilon")
+    assert [r.split(",")[:3] for r in rows[1:]] == [["none", "0.0", "ok"], ["central", "1.0", "ok"]]
     assert "attack AUC" in proc.stdout
 
 
