@@ -539,8 +539,12 @@ class ServerService:
         except Exception as e:
             self.refused(getattr(e, "code", "error"))
             held = self.sync.assignment(node) if self.sync is not None else None
-            if held is not None and getattr(e, "code", "") not in ("round_closed", "duplicate"):
-                self.refused_task[node] = (held.round, held.version)  # retraining gives the same refusal
+            # The update's content was refused (non-finite, out of range, too large...): retraining
+            # the same task gives the same refusal, so it is not handed out again. A closed round or a
+            # duplicate is no verdict on the training, and a malformed request may not be the node's
+            # (bad input changes no state): those leave the task with the node.
+            if held is not None and getattr(e, "code", "") not in ("round_closed", "duplicate", "malformed"):
+                self.refused_task[node] = (held.round, held.version)
             raise
         if report is not None and self.privacy is not None:
             self.privacy.take_report(node, report)

@@ -64,7 +64,9 @@ def test_poisson_selection_samples_connected_nodes_at_k_over_the_registered(tmp_
     reported epsilon is dp-accounting's for q = 0.3. The draws are secret: a second server
     with the same config (and seed) selects differently."""
     rounds, connected = 80, [f"n{i}" for i in range(6)]  # ~0.1 s a round: the accountant's RDP
-    cfg = small_config(tmp_path, CENTRAL, clients_per_round=3, rounds=10**6, deadline_s=1.0, min_nodes=1)
+    cfg = small_config(
+        tmp_path, CENTRAL, clients_per_round=3, rounds=10**6, deadline_s=1.0, min_nodes=1, max_failed_rounds=0
+    )  # nobody reports: every round fails, and the run must go on to sample 80 of them
 
     def run(svc: ServerService, count: int) -> list[list[str]]:
         now, picks = 0.0, []
@@ -93,7 +95,8 @@ def test_poisson_selection_samples_connected_nodes_at_k_over_the_registered(tmp_
     assert st["rounds_charged"] == rounds and st["sampling_rate"] == pytest.approx(0.3)
     assert st["epsilon"] == pytest.approx(epsilon(0.3, 1.0, rounds, 1e-5))
     other = open_service(
-        small_config(tmp_path / "b", CENTRAL, clients_per_round=3, rounds=10**6, deadline_s=1.0), registered=10
+        small_config(tmp_path / "b", CENTRAL, clients_per_round=3, rounds=10**6, deadline_s=1.0, max_failed_rounds=0),
+        registered=10,
     )
     assert run(other, 10) != picks[:10]
 

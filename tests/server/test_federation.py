@@ -166,7 +166,8 @@ def test_local_dp_runs_spend_one_budget_per_data_set(tmp_path):
                 f.start_node(n)
             cfg = run_config(rounds=2)
             cfg["privacy"] = {"mode": "local", "noise_multiplier": 1.0, "clip_norm": 1.0}
-            first = await f.submit(cfg)
+            # The first run is long, so it is surely still training when the second is offered.
+            first = await f.submit({**cfg, "server": {**cfg.get("server", {}), "rounds": 1000}})
             while len((await f.status(first))["nodes"]) < 3:
                 await asyncio.sleep(0.02)
             second = await f.submit(cfg)  # while the first trains (federation.max_runs = 2)
@@ -176,14 +177,26 @@ def test_local_dp_runs_spend_one_budget_per_data_set(tmp_path):
                 v["answer"] == "refused" and f"trained with local DP by {first}" in v["reason"]
                 for v in st["nodes"].values()
             ), st
-            assert (await f.wait_ended(first, 60))["status"] == "finished"
-            async with f.session() as s, s.post(f"{f.url}/v1/runs/{second}/stop") as r:
-                assert r.status == 200
+            for run in (first, second):
+                async with f.session() as s, s.post(f"{f.url}/v1/runs/{run}/stop") as r:
+                    assert r.status == 200
+            assert (await f.wait_ended(first, 60))["status"] == "stopped"
+
+            def ledgers() -> list[int]:
+                return [
+                    json.loads(next((tmp_path / f"{n}-state").glob("data-*.privacy.json")).read_text())["rounds"]
+                    for n in NODES
+                ]
+
+            spent, before = ledgers(), None
+            while spent != before:  # a training under way when the run stopped is charged too
+                before = spent
+                await asyncio.sleep(1.0)
+                spent = ledgers()
+            assert min(spent) >= 1
             third = await f.submit(cfg)
             assert (await f.wait_ended(third, 60))["status"] == "finished"
-            for n in NODES:
-                (ledger,) = (tmp_path / f"{n}-state").glob("data-*.privacy.json")
-                assert json.loads(ledger.read_text())["rounds"] == 4  # 2 rounds of the first run + 2 of the third
+            assert ledgers() == [k + 2 for k in spent]  # the third run's 2 rounds on top of the first's
 
     asyncio.run(main())
 
