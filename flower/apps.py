@@ -309,6 +309,10 @@ class ShoalStrategy(FlowerStrategy):
         if rounds is None:
             raise RuntimeError("aggregate_train() before configure_train(): no round is open")
         order = {node: i for i, node in enumerate(self._tasks)}
+        replies = list(replies)
+        silent = set(self._tasks) - {m.metadata.src_node_id for m in replies}
+        for node in sorted(silent, key=order.__getitem__):  # no reply at all: as a failure, strict or logged
+            self._drop(server_round, self._tasks[node].client_id, "sent no reply")
         for reply in sorted(replies, key=lambda m: order.get(m.metadata.src_node_id, len(order))):
             node = reply.metadata.src_node_id
             task = self._tasks.get(node)

@@ -571,41 +571,36 @@ async def get_secagg(request: web.Request) -> web.Response:
         await _wait_event(event, min(left, _SLICE_S))
 
 
-async def post_eval(request: web.Request) -> web.Response:
-    """A node's evaluation of a global version on its own test data (JSON, docs/protocol.md)."""
+async def _small_report(request: web.Request, limit: int, what: str, handle) -> web.Response | dict:
+    """Read a node's small JSON report (Content-Length required, at most ``limit`` bytes) and hand it
+    to ``handle(node, body, now)``; a refusal is answered here (4xx, JSON), a result returned."""
     svc, node = _svc(request), request[NODE]
     length = request.content_length
     if length is None:
         svc.refused("length_required")
         return error(411, "length_required", "send the report with a Content-Length header")
-    if length > MAX_EVAL_BODY:
+    if length > limit:
         svc.refused(TooLarge.code)
-        return error(413, TooLarge.code, f"report of {length} bytes is over the limit of {MAX_EVAL_BODY} bytes")
+        return error(413, TooLarge.code, f"report of {length} bytes is over the limit of {limit} bytes")
     body = await request.read()
     try:
-        result = svc.report_eval(node, body, time.monotonic())
+        return handle(node, body, time.monotonic())
     except ShoalError as e:
-        log.info("evaluation report from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
+        log.info("%s report from %s refused: %s: %s", what, node, getattr(e, "code", "error"), e)
         return error(_status_of(e), getattr(e, "code", "error"), str(e))
-    return web.json_response(result)
+
+
+async def post_eval(request: web.Request) -> web.Response:
+    """A node's evaluation of a global version on its own test data (JSON, docs/protocol.md)."""
+    result = await _small_report(request, MAX_EVAL_BODY, "evaluation", _svc(request).report_eval)
+    return result if isinstance(result, web.Response) else web.json_response(result)
 
 
 async def post_failed(request: web.Request) -> web.Response:
     """A node's report that its task failed on the node (JSON, docs/protocol.md)."""
-    svc, node = _svc(request), request[NODE]
-    length = request.content_length
-    if length is None:
-        svc.refused("length_required")
-        return error(411, "length_required", "send the report with a Content-Length header")
-    if length > MAX_FAILURE_BODY:
-        svc.refused(TooLarge.code)
-        return error(413, TooLarge.code, f"report of {length} bytes is over the limit of {MAX_FAILURE_BODY} bytes")
-    body = await request.read()
-    try:
-        result = svc.report_failure(node, body, time.monotonic())
-    except ShoalError as e:
-        log.info("failure report from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
-        return error(_status_of(e), getattr(e, "code", "error"), str(e))
+    result = await _small_report(request, MAX_FAILURE_BODY, "failure", _svc(request).report_failure)
+    if isinstance(result, web.Response):
+        return result
     _tick(request.app)  # every selected node answered or failed: the round may close now
     return web.json_response(result)
 
