@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import json
 import random
-import socket
 import ssl
 import struct
 import time
@@ -39,6 +38,7 @@ from shoal.p2p.secure_group import SecureMessage
 from shoal.params import ParamSpec
 from shoal.tls import client_context, make_private_ca, server_context
 from shoal.wire import encode
+from tests.p2p.processes import free_ports
 
 ALGORITHMS = ("gossip", "group_average", "dpsgd", "secure_groups")
 TOKEN = "fuzz-network-token"
@@ -114,16 +114,6 @@ class Result:
 
     def row(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items()} | {"ok": self.ok}
-
-
-def free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def make_peer(algorithm: str, i: int, url: str, boot: tuple[str, ...], sctx, cctx) -> Peer:
