@@ -28,10 +28,12 @@ fixed-point range check of aggregation.secagg.encoding.
   (:func:`parse_report`); the server shows them and stops when the worst node's next
   round would pass ``privacy.target_epsilon``.
 
-Randomness the server's adversaries could know is not used where privacy depends on it:
-the central noise and the Poisson draws come from the OS (the config, and so
-``simulation.seed``, is given to every node), so nobody can redraw the noise or recompute
-which rounds a node was sampled in.
+Randomness the server's adversaries could know is not used where privacy depends on it
+(the config, and so ``simulation.seed``, is given to every node): the Poisson draws and the
+task seeds come from a keyed BLAKE2b of a 256-bit secret drawn from the OS when the run
+binds (shoal.seeding.secret_rng / secret_seed), so nobody can recompute which rounds a node
+was sampled in, nor another node's task seed from its own; the central noise generator is
+seeded from the OS (torch's generator takes 63 bits).
 """
 
 from __future__ import annotations
@@ -234,7 +236,9 @@ class ServerPrivacy:
                 "privacy.noise_multiplier"
             )
         rounds.poisson_rate = q
-        rounds.seed = secrets.randbits(63)  # Poisson draws nobody can recompute from the config
+        # Poisson draws and task seeds from a keyed hash of 256 bits from the OS: nobody can
+        # recompute them from the config, nor from the task seeds the nodes see
+        rounds.secret = secrets.token_bytes(32)
         log.info(
             "privacy: %s; N = %d registered nodes, K = %d%s",
             self.accountant.describe(),

@@ -99,6 +99,9 @@ def test_poisson_selection_samples_connected_nodes_at_k_over_the_registered(tmp_
         registered=10,
     )
     assert run(other, 10) != picks[:10]
+    # the draws and task seeds rest on 256 bits from the OS, not on simulation.seed
+    assert isinstance(svc.rounds.secret, bytes) and len(svc.rounds.secret) == 32
+    assert svc.rounds.secret != other.rounds.secret
 
 
 @pytest.mark.parametrize(
