@@ -353,7 +353,8 @@ async def _read_into(request: web.Request, view: memoryview, length: int, first:
         wait = min(s.body_timeout_s - (now - quiet_since), deadline - now)
         if s.min_upload_rate:  # wake in time to check the rate, not only at body_timeout_s
             wait = min(wait, max(s.upload_grace_s - elapsed, 0.0) + 0.5)
-        chunk = await _next_chunk(request, max(wait, 0.01))
+        # bytes already buffered are taken at once; only an empty buffer is waited on
+        chunk = request.content.read_nowait() or await _next_chunk(request, max(wait, 0.01))
     if got < length:
         svc.refused("malformed")
         raise Refusal(400, "malformed", f"body ended after {got} of {length} bytes (truncated)")
