@@ -472,6 +472,8 @@ async def get_task(request: web.Request) -> web.Response:
         event = app[CHANGED]["event"]
         work = svc.poll(node, time.monotonic(), evaluates)
         if work is not None:
+            if run is not None and FEDERATION in app:  # the run's config travels with each of its tasks
+                work = {**work, **app[FEDERATION].task_fields(run)}
             return web.json_response(work)
         left = end - time.monotonic()
         if left <= 0:
