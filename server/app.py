@@ -26,6 +26,7 @@ from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, TooLarge, UpdateRejected, WireError
 from shoal.pki import peer_fingerprint, read_secret
 
+from .connections import listen
 from .exposition import prometheus_text
 from .federation import DEFAULT_FEDERATION_BODY, Federation, RunError
 from .registry import AuthError, Registry, hash_token, well_formed
@@ -876,8 +877,8 @@ async def serve(
         app, access_log=None, handle_signals=False, keepalive_timeout=s.idle_timeout_s, shutdown_timeout=SHUTDOWN_S
     )
     await runner.setup()
-    site = web.TCPSite(runner, s.host, s.port, ssl_context=ssl_context)
-    await site.start()
+    assert runner.server is not None  # made by setup()
+    listener, _cap = await listen(runner.server, s.host, s.port, ssl_context, s.max_connections)
     scheme = "https" if ssl_context else "http"
     if isinstance(service, Federation):
         log.info("listening on %s://%s:%d: a federation of %d runs at once", scheme, s.host, s.port, service.max_runs)
@@ -887,6 +888,7 @@ async def serve(
         await run_clock(app, stop)
     finally:
         _notify(app)
+        listener.close()  # no new connections; those open are shut down by the runner
         await runner.cleanup()
     if isinstance(service, Federation):
         log.info("stopped; runs in progress resume from their checkpoints on the next start")
