@@ -52,4 +52,6 @@ def test_a_central_dp_run_reports_the_accountants_epsilon(tmp_path):
     assert [r["rounds_charged"] for r in charged] == sorted(r["rounds_charged"] for r in charged)
     summary = json.loads((tmp_path / "fed" / run / "summary.json").read_text())
     last = summary["last_metrics"]
-    assert last["epsilon"] == pytest.approx(epsilon(q, Z, last["rounds_charged"], DELTA)) and last["rounds_charged"] >= 3
+    assert (
+        last["epsilon"] == pytest.approx(epsilon(q, Z, last["rounds_charged"], DELTA)) and last["rounds_charged"] >= 3
+    )
