@@ -36,6 +36,7 @@ from shoal.rounds import Rounds, SyncRounds
 from shoal.task import ClientData, Task, TaskError
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
 
+from .activity import Activity
 from .privacy import ServerPrivacy, parse_report
 from .secure_round import SecureRound
 
@@ -233,6 +234,7 @@ class ServerService:
         self.fed_finished = False  # the final version's evaluation is written
         self.last_fed: dict[str, Any] = {}
         self.counters = Counters()
+        self.activity = Activity()  # by node and over versions, for the dashboard (server/dashboard.py)
         self.last_seen: dict[str, float] = {}
         self.told_done: set[str] = set()
         self.done_at: float | None = None
@@ -538,6 +540,7 @@ class ServerService:
             advanced = r.submit(node, update)
         except Exception as e:
             self.refused(getattr(e, "code", "error"))
+            self.activity.refused(node, getattr(e, "code", "error"), str(e), now)
             held = self.sync.assignment(node) if self.sync is not None else None
             # The update's content was refused (non-finite, out of range, too large...): retraining
             # the same task gives the same refusal, so it is not handed out again. A closed round or a
@@ -550,6 +553,7 @@ class ServerService:
             self.privacy.take_report(node, report)
         self.counters.accepted += 1
         self.counters.bytes_received += len(body)
+        self.activity.accepted(node, len(body), self.rounds.round, now)
         if advanced:  # async: the update completed a new version
             self._new_version(self.rounds.version_fields(), now)
         elif self.fed:
@@ -609,6 +613,7 @@ class ServerService:
             return False
         else:
             summary = r.finish_round()
+        self.activity.round_closed(summary.num_selected, summary.num_results, summary.num_late)
         if summary.failed:
             log.warning(
                 "round %d failed with %d of %d results (min_fraction %.2f); model unchanged",
@@ -683,6 +688,8 @@ class ServerService:
             record.update(self.privacy.record())
         record["elapsed_s"] = self._elapsed(now)
         self.last_record = json_safe(record)
+        c = self.counters
+        self.activity.snapshot(record["round"], self.version, c.accepted, sum(c.rejected.values()), record["elapsed_s"])
         self.emit(self._checkpoint())  # first: a crash between the two loses a log line, never a version
         if self.privacy is not None:
             self._save_privacy()  # the adaptive clip norm and the nodes' reports of this version
