@@ -139,7 +139,7 @@ class Peer:
         self.steps = 0
         self.train_loss: float | None = None
         self.last_eval: dict[str, float] = {}  # the latest evaluation's metrics (GET /status)
-        self.metrics = MetricsLog(settings.out_dir) if settings.out_dir else None
+        self.metrics = MetricsLog(settings.out_dir, cfg.output.tensorboard) if settings.out_dir else None
         # local DP (privacy.mode = "local"): the trainer runs DP-SGD; this peer's epsilon over its own
         # trainings, kept in a ledger in --out so a restarted peer goes on from it
         self.privacy = (

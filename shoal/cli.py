@@ -205,6 +205,18 @@ def privacy_sweep(
     typer.echo(markdown_table(rows) + f"outputs in {out_dir}/ (results.csv, results.md, accuracy_vs_epsilon.png)")
 
 
+@app.command()
+def report(
+    runs: list[Path] = typer.Argument(..., help="Run output folders (each with a metrics.jsonl)."),
+    out: Path = typer.Option(Path("report"), "--out", "-o", help="Writes OUT.png and OUT.html."),
+) -> None:
+    """Several runs' curves together (accuracy, loss, bytes, epsilon): one PNG and one self-contained HTML."""
+    from .report import report as make_report
+
+    png, page = make_report(runs, out)
+    typer.echo(f"wrote {png} and {page}")
+
+
 def main() -> None:
     """Entry point: a ShoalError becomes one line on stderr and exit status 2."""
     try:
