@@ -89,3 +89,26 @@ class Activity:
                 "dropouts": self.dropouts,
             }
         )
+
+
+#: The record fields a console line shows first, when the run reports them.
+CONSOLE_FIRST = ("test_accuracy", "fed_accuracy", "test_loss", "fed_loss", "train_loss")
+
+
+def console_line(record: dict[str, Any], target: int) -> str:
+    """One line per new version for the server's console: where the run is and how it does."""
+    figures = [k for k in CONSOLE_FIRST if isinstance(record.get(k), (int, float))]
+    figures += [k for k in record if k.startswith(("test_", "fed_")) and k not in figures and "num_examples" not in k]
+    shown = ", ".join(f"{k} {record[k]:.4g}" for k in figures[:4] if isinstance(record.get(k), (int, float)))
+    parts = []
+    if shown:
+        parts.append(shown)
+    if isinstance(record.get("num_results"), int):
+        late = record.get("num_late") or 0
+        parts.append(f"{record['num_results']} results" + (f" ({late} late)" if late else ""))
+    if isinstance(record.get("epsilon"), (int, float)):
+        target_eps = record.get("target_epsilon")
+        parts.append(f"epsilon {record['epsilon']:.3g}" + (f" of {target_eps:g}" if target_eps else ""))
+    if isinstance(record.get("elapsed_s"), (int, float)):
+        parts.append(f"{record['elapsed_s']:.1f} s")
+    return f"version {record.get('version')} of {target} (round {record.get('round')}): " + ", ".join(parts)

@@ -36,7 +36,7 @@ from shoal.rounds import Rounds, SyncRounds
 from shoal.task import ClientData, Task, TaskError
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
 
-from .activity import Activity
+from .activity import Activity, console_line
 from .privacy import ServerPrivacy, parse_report
 from .secure_round import SecureRound
 
@@ -590,7 +590,14 @@ class ServerService:
             if self.privacy is not None and not self.privacy.bound:
                 raise ConfigError("privacy: the server does not know N, its registered nodes (bind_registry)")
             tasks = r.start_round(avail, now)
-            log.info("round %d: %d of %d nodes selected, version %d", r.round, len(tasks), len(avail), r.version)
+            log.info(
+                "round %d (of %d versions): %d of %d nodes selected, at version %d",
+                r.round,
+                self.cfg.server.rounds,
+                len(tasks),
+                len(avail),
+                r.version,
+            )
             if self.privacy is not None:
                 self.privacy.round_started(sorted(r.selected))
                 self._save_privacy()  # charged before anything of the round is released
@@ -695,7 +702,8 @@ class ServerService:
             self._save_privacy()  # the adaptive clip norm and the nodes' reports of this version
         self._settle_fed(now)  # the nodes evaluated older versions before training on them
         self.emit(Record(self.last_record))
-        log.info("version %d: %s", self.version, json.dumps(self.last_record))
+        log.info("%s", console_line(self.last_record, self.cfg.server.rounds))  # where the run is, for a person
+        log.debug("version %d: %s", self.version, json.dumps(self.last_record))
 
     # --- privacy ---------------------------------------------------------------------
 

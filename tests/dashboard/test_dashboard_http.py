@@ -156,3 +156,13 @@ def test_curves_keep_every_metric_and_drop_what_is_not_a_number():
     }
     assert c["epsilon"] == {"points": [[3, 1.5]], "target": 4.0}
     assert c["participation"] == {"num_results": [[1, 3], [2, 2]], "num_late": [[2, 1]]}
+
+
+def test_the_server_console_says_where_the_run_is():
+    from shoal.server.activity import console_line
+
+    record = {"round": 3, "version": 3, "test_accuracy": 0.91234, "train_loss": 0.1, "num_results": 3, "num_late": 1}
+    line = console_line({**record, "epsilon": 1.234, "target_epsilon": 4.0, "elapsed_s": 12.34}, 40)
+    assert line == (
+        "version 3 of 40 (round 3): test_accuracy 0.9123, train_loss 0.1, 3 results (1 late), epsilon 1.23 of 4, 12.3 s"
+    )
