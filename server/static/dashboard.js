@@ -237,11 +237,13 @@
       tr.dataset.node = n.name;
       cell(tr, n.name, "node-name");
       cell(tr, n.online ? badge("online") : badge("offline", "offline"));
-      cell(tr, n.last_seen_ago_s === null || n.last_seen_ago_s === undefined ? "never" : fmtSeconds(n.last_seen_ago_s) + " ago", "num");
+      const never = state.kind === "peer" ? "–" : "never";  // a peer does not time its neighbours
+      cell(tr, n.last_seen_ago_s === null || n.last_seen_ago_s === undefined ? never : fmtSeconds(n.last_seen_ago_s) + " ago", "num");
       const runs = Object.entries(n.runs || {});
       cell(tr, runs.length ? runs.map(([run, r]) => run + ": " + r.accepted + " uploads, rounds " + ranges(r.rounds)).join("; ") : "–");
       const lr = n.last_refusal;
-      cell(tr, lr ? lr.code + ": " + lr.detail + " (" + fmtSeconds(lr.ago_s) + " ago" + (lr.run ? ", " + lr.run : "") + ")" : "–");
+      const when = [lr && lr.ago_s !== null ? fmtSeconds(lr.ago_s) + " ago" : "", lr && lr.run ? lr.run : ""].filter(Boolean).join(", ");
+      cell(tr, lr ? lr.code + ": " + lr.detail + (when ? " (" + when + ")" : "") : "–");
       cell(tr, n.revoked ? badge("revoked") : "no");
       body.appendChild(tr);
     }
