@@ -240,7 +240,7 @@
       const never = state.kind === "peer" ? "–" : "never";  // a peer does not time its neighbours
       cell(tr, n.last_seen_ago_s === null || n.last_seen_ago_s === undefined ? never : fmtSeconds(n.last_seen_ago_s) + " ago", "num");
       const runs = Object.entries(n.runs || {});
-      cell(tr, runs.length ? runs.map(([run, r]) => run + ": " + r.accepted + " uploads, rounds " + ranges(r.rounds)).join("; ") : "–");
+      cell(tr, runs.length ? runs.map(([run, r]) => run + ": " + r.accepted + " uploads, last rounds " + ranges(r.rounds)).join("; ") : "–");
       const lr = n.last_refusal;
       const when = [lr && lr.ago_s !== null ? fmtSeconds(lr.ago_s) + " ago" : "", lr && lr.run ? lr.run : ""].filter(Boolean).join(", ");
       cell(tr, lr ? lr.code + ": " + lr.detail + (when ? " (" + when + ")" : "") : "–");

@@ -52,7 +52,7 @@ def _browser(tmp: Path):
         "--no-sandbox",
         "--disable-dev-shm-usage",
         "--disable-gpu",
-        "--window-size=1400,1800",
+        "--window-size=1400,1350",
         "--ignore-certificate-errors",  # the test's private CA is not in the browser's store
         f"--user-data-dir={tmp / 'chromium-profile'}",
     ):
@@ -92,7 +92,9 @@ def test_dashboard_in_a_real_browser(tmp_path):
     from selenium.common.exceptions import NoAlertPresentException
     from selenium.webdriver.common.by import By
 
-    with deployment(tmp_path, n=3, rounds=40, deadline=20.0) as d:
+    # rounds: more than the test lasts on any machine (it ends by killing the processes), so the
+    # counter is still moving whenever the page looks, however fast the rounds are
+    with deployment(tmp_path, n=3, rounds=100_000, deadline=20.0) as d:
         # The third node's token is registered under a hostile name (as a registry written by other
         # tooling could hold it): every place the page shows it must show text.
         hostile_token = "h" * 43
@@ -143,7 +145,7 @@ def test_dashboard_in_a_real_browser(tmp_path):
                 return int(text) if text.isdigit() else -1
 
             first = _until(lambda: version() if version() >= 1 else 0, 90, "the version counter advances", d.dump)
-            _until(lambda: version() > first + 1, 90, "the version counter advances again", d.dump)
+            _until(lambda: version() > first, 90, "the version counter advances again", d.dump)
             assert browser.execute_script("return window.__sameDocument === true"), "the page was reloaded"
 
             # One curve's points, read from the chart itself, are metrics.jsonl's (up to the last drawn).

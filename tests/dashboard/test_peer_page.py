@@ -15,6 +15,8 @@ from shoal.models import build_model
 from shoal.p2p.peer import Peer, PeerData, PeerSettings
 from shoal.server.dashboard import COOKIE, CSP
 
+from .events import assert_events_match_metrics
+
 TOKEN = "peer-network-token-of-this-test"
 NEIGHBOUR = "http://127.0.0.1:9"  # never answers: the page shows it in the view
 
@@ -22,6 +24,7 @@ NEIGHBOUR = "http://127.0.0.1:9"  # never answers: the page shows it in the view
 def test_peer_page_behind_its_token(tmp_path):
     torch.manual_seed(0)
     cfg = Config()
+    cfg.output.tensorboard = True  # a peer's --out gets event files too
     trainer = LocalTrainer(build_model("logreg", (60,), 10), cfg.train)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(40, 60, generator=g), torch.randint(0, 10, (40,), generator=g)
@@ -74,3 +77,4 @@ def test_peer_page_behind_its_token(tmp_path):
             await runner.cleanup()
 
     asyncio.run(asyncio.wait_for(main(), 60))
+    assert_events_match_metrics(tmp_path, ("local_test_accuracy", "bytes_sent"))
