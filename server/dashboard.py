@@ -260,10 +260,10 @@ def run_summary(svc: Any, now: float) -> dict[str, Any]:
 def node_rows(registry_nodes: list[Any], services: dict[str, Any], now: float, wall: float) -> list[dict[str, Any]]:
     """The registered nodes with what each live run saw of them."""
     rows = []
+    online_now = set().union(*(svc.connected(now) for svc in services.values()))
     for n in registry_nodes:
-        runs, last_refusal, online = {}, None, False
+        runs, last_refusal, online = {}, None, n.name in online_now
         for run_id, svc in services.items():
-            online = online or n.name in svc.connected(now)
             act = svc.activity.nodes.get(n.name)
             if act is None:
                 continue

@@ -350,6 +350,7 @@ class Federation:
             log.warning("%s cannot start: %s", row.id, e)
             self.db.set_status(row.id, "failed", f"cannot start: {e}", time.time())
             return
+        svc.label = row.id
         self.active[row.id] = svc
         if row.status != "running":
             self.db.set_status(row.id, "running")

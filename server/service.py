@@ -235,6 +235,7 @@ class ServerService:
         self.last_fed: dict[str, Any] = {}
         self.counters = Counters()
         self.activity = Activity()  # by node and over versions, for the dashboard (server/dashboard.py)
+        self.label = ""  # a federation's run id: the console's progress lines start with it
         self.last_seen: dict[str, float] = {}
         self.told_done: set[str] = set()
         self.done_at: float | None = None
@@ -305,6 +306,10 @@ class ServerService:
             self.last_seen.pop(n, None)
             if r is not None and r.open and n in r.selected and n not in r.received:
                 self.refused_task[n] = (r.round, r.version)
+
+    @property
+    def _prefix(self) -> str:
+        return f"{self.label}: " if self.label else ""
 
     def _elapsed(self, now: float) -> float:
         """Seconds since ``started_at`` (the first call's ``now`` unless given)."""
@@ -591,7 +596,8 @@ class ServerService:
                 raise ConfigError("privacy: the server does not know N, its registered nodes (bind_registry)")
             tasks = r.start_round(avail, now)
             log.info(
-                "round %d (of %d versions): %d of %d nodes selected, at version %d",
+                "%sround %d (of %d versions): %d of %d nodes selected, at version %d",
+                self._prefix,
                 r.round,
                 self.cfg.server.rounds,
                 len(tasks),
@@ -702,7 +708,7 @@ class ServerService:
             self._save_privacy()  # the adaptive clip norm and the nodes' reports of this version
         self._settle_fed(now)  # the nodes evaluated older versions before training on them
         self.emit(Record(self.last_record))
-        log.info("%s", console_line(self.last_record, self.cfg.server.rounds))  # where the run is, for a person
+        log.info("%s%s", self._prefix, console_line(self.last_record, self.cfg.server.rounds))  # where the run is
         log.debug("version %d: %s", self.version, json.dumps(self.last_record))
 
     # --- privacy ---------------------------------------------------------------------
