@@ -390,6 +390,7 @@ class Federation:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.db.set_status(run_id, status, reason, time.time())
         del self.active[run_id]
+        svc.close_files()  # its TensorBoard writer (a thread and an open file) ends with the run
         log.info("%s %s at version %d%s", run_id, status, svc.version, f": {reason}" if reason else "")
 
 

@@ -236,6 +236,7 @@ class ServerService:
         self.counters = Counters()
         self.activity = Activity()  # by node and over versions, for the dashboard (server/dashboard.py)
         self.label = ""  # a federation's run id: the console's progress lines start with it
+        self.close_files: Callable[[], None] = lambda: None  # server/store.py's open_service sets it
         self.last_seen: dict[str, float] = {}
         self.told_done: set[str] = set()
         self.done_at: float | None = None

@@ -73,6 +73,11 @@ class ServerStore:
             return None
         return state
 
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+
     def write(self, event: Event) -> None:
         """Make one event durable now (the service emits them in the order they must land)."""
         if isinstance(event, Record):
@@ -122,7 +127,7 @@ def open_service(
     task = task if task is not None else task_from_config(cfg)
     store = ServerStore(cfg)
     restored = store.restore(resume)
-    return ServerService(
+    service = ServerService(
         cfg,
         task,
         registered,
@@ -131,3 +136,5 @@ def open_service(
         emit=store.write if also is None else _both(store.write, also),
         started_at=started_at,
     )
+    service.close_files = store.close
+    return service
