@@ -26,8 +26,8 @@ def _root() -> None:
     """Federated and decentralized training for PyTorch.
 
     Jobs: simulate many clients on one machine (simulate), deploy an aggregator
-    (server), join as a client node (client), gossip without a server (peer), and
-    evaluate privacy/accuracy tradeoffs (privacy-sweep).
+    (server), join as a client node (client), gossip without a server (peer),
+    evaluate privacy/accuracy tradeoffs (privacy-sweep), and compare runs (report).
     """
 
 
