@@ -92,12 +92,21 @@ def test_login_session_csp_and_json_endpoints(tmp_path):
                 async with http.get(url + "/v1/dashboard/nodes", headers=admin) as resp:
                     assert resp.status == 200 and (await resp.json())["nodes"] == nodes
 
-                # A node that fetched the model counts as bytes down; a revoked one shows as revoked.
-                async with http.get(url + "/v1/model", headers={"Authorization": f"Bearer {live.tokens['n0']}"}) as r:
+                # A node that fetched the model counts as bytes down; a refused upload is counted by its
+                # reason and is the node's last refusal; a revoked node shows as revoked.
+                n0 = {"Authorization": f"Bearer {live.tokens['n0']}"}
+                async with http.get(url + "/v1/model", headers=n0) as r:
                     sent = len(await r.read())
+                async with http.post(url + "/v1/update", data=b"\x00" * 64, headers=n0) as r:
+                    assert r.status == 400
+                    code = (await r.json())["error"]
                 live.registry.revoke("n0")
                 async with http.get(url + "/v1/dashboard/runs/run", headers=admin) as resp:
-                    assert (await resp.json())["traffic"]["bytes_down"] == sent
+                    traffic = (await resp.json())["traffic"]
+                assert traffic["bytes_down"] == sent and traffic["refused"] == {code: 1} and traffic["accepted"] == 0
+                async with http.get(url + "/v1/dashboard/nodes", headers=admin) as resp:
+                    refusal = (await resp.json())["nodes"][0]["last_refusal"]
+                assert (refusal["run"], refusal["code"]) == ("run", code) and refusal["detail"]
                 async with http.get(url + "/v1/dashboard/nodes", headers=admin) as resp:
                     assert (await resp.json())["nodes"][0]["revoked"] is True
 
