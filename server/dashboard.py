@@ -357,7 +357,9 @@ class ServerSource:
     def runs(self, now: float) -> list[dict[str, Any]]:
         if not hasattr(self.source, "db"):
             svc = self.source
-            status = "stopped" if svc.stop_reason else "finished" if svc.done else "running"
+            # as a federation's runs table says it: a spent privacy budget finishes a run (with its
+            # reason), server.max_failed_rounds fails it
+            status = "running" if not svc.done else "failed" if svc.stopped is not None else "finished"
             task = svc.cfg.task.app or f"built-in: {svc.cfg.data.dataset} / {svc.cfg.model.name}"
             return [{"run": RUN, "task": task, "status": status, **run_summary(svc, now)}]
         out = []
