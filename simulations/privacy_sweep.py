@@ -211,8 +211,10 @@ def run_privacy_sweep(cfg: Config, out_dir: str | Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     metric: str | None = None
     with ProgressBar(len(grid), "setting") as bar:
-        for mode, z in grid:
+        for i, (mode, z) in enumerate(grid, 1):
             where = out / (mode if mode == "none" else f"{mode}_z{z:g}")
+            bar.advance(f"running {mode} z={z:g}", 0)  # where the sweep is while a setting trains and is audited
+            log.info("privacy-sweep: setting %d of %d: %s z=%g (%s)", i, len(grid), mode, z, where)
             try:
                 row = run_setting(cfg, data, mode, z, where, task, metric)
             except (ShoalError, RuntimeError, ValueError, ArithmeticError) as e:
