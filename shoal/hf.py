@@ -178,7 +178,9 @@ class HFTask(Task):
         except (ValueError, TypeError, KeyError) as e:
             raise TaskError(f"shoal.hf: applying the PEFT config failed: {e}") from None
         trainable = sum(p.numel() for p in wrapped.parameters() if p.requires_grad)
-        log.info("shoal.hf: %d trainable adapter parameters on a frozen base of %d", trainable, _count(model))
+        log.info(
+            "shoal.hf: %d trainable adapter parameters on a frozen base of %d", trainable, _count(wrapped) - trainable
+        )
         return wrapped
 
     def inputs(self, x: Any, y: torch.Tensor) -> dict[str, Any]:

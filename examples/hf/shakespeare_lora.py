@@ -172,12 +172,12 @@ class ShakespeareLoRA(HFTask):
         test_file = path / "test.txt" if path.is_dir() else None
         if not train_file.is_file():
             raise TaskError(f"shakespeare_lora: no {train_file}; --data is a folder with train.txt or one .txt file")
-        train = blocks(train_file.read_text(encoding="utf-8"), self.seq_len)
+        train = blocks(self._cut(train_file.read_text(encoding="utf-8"))[0], self.seq_len)
         if len(train) == 0:
             raise TaskError(f"shakespeare_lora: {train_file} has fewer than {MIN_BLOCK} characters")
-        test = (
-            blocks(test_file.read_text(encoding="utf-8"), self.seq_len) if test_file and test_file.is_file() else None
-        )
+        test = None
+        if test_file is not None and test_file.is_file():
+            test = blocks(self._cut(test_file.read_text(encoding="utf-8"))[0], self.seq_len)
         return LocalData(train=train, test=test if test is not None and len(test) else None)
 
 
