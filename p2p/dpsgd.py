@@ -22,6 +22,7 @@ import torch
 from shoal.config import GossipConfig, choices
 
 from .group_average import Refusal
+from .merge import MergeBound
 
 TOPOLOGIES = choices(GossipConfig, "topology")  # declared once, on the config field
 
@@ -240,11 +241,23 @@ class DpsgdStep:
     def done(self) -> bool:
         return self.closed
 
-    def result(self) -> torch.Tensor:
-        """``x + w sum_j (x_j - x)`` over the neighbours that exchanged with us this step."""
+    def result(self, bound: MergeBound | None = None) -> torch.Tensor:
+        """``x + w sum_j (x_j - x)`` over the neighbours that exchanged with us this step.
+
+        With ``bound`` (the peer's merge bound), each neighbour's model passes it first:
+        ``x_j - x`` clipped to the bound (self-centered clipping, He, Karimireddy and Jaggi
+        2022), or left out with its weight on the diagonal when the bound refuses it. One
+        neighbour then moves us by at most ``w x bound`` a step while the others pull back;
+        clipping only the mixed result instead would let one far-off model set its
+        direction every step and double our norm."""
         self.closed = True
         out = self.own.double()
         acc = torch.zeros_like(out)
         for x in self.neighbours.values():
+            if bound is not None:
+                kept = bound.apply(self.own, x)
+                if kept is None:
+                    continue
+                x = kept
             acc += x.double() - out
         return (out + self.weight * acc).float()

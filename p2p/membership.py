@@ -119,15 +119,23 @@ class Membership:
         return True
 
     def rejoin(self, now: float) -> None:
-        """Refill the view from the bootstrap list: all of it when the view is empty (after
-        a restart or isolation), otherwise bootstrap peers not quarantined fill free slots,
-        so a small network that lost links to timeouts does not stay split in pieces."""
+        """Refill the view from the bootstrap list: all of it when the view is empty (after a
+        restart or isolation); otherwise a bootstrap peer that is not quarantined fills a free
+        slot, and one missing from the directory altogether (lost to timeouts) takes the oldest
+        slot of a full view. Without that, peers whose views fill up with each other (a clique
+        as large as the view, each side having removed the other) would stay split for good:
+        shuffles only pass on what views hold. A dead bootstrap peer costs one contact per
+        quarantine."""
         empty = not self.view
         for p in self.bootstrap_peers:
             if empty:
                 self._removed.pop(p, None)
-            if len(self.view) < self.view_size and not self._quarantined(p, now):
-                self.add(p)
+            if p == self.self_id or p in self.view or self._quarantined(p, now):
+                continue
+            if len(self.view) >= self.view_size and p not in self.known:
+                oldest = max(self.view.values(), key=lambda e: (e.age, e.peer))
+                del self.view[oldest.peer]
+            self.add(p)
 
     def heard_from(self, peer: str, now: float) -> None:
         """A direct, authenticated message from ``peer``: it is alive."""

@@ -484,7 +484,11 @@ class PeerService:
 
     def finish_mix(self, st: DpsgdStep, now: float) -> None:
         st.tick(now)
-        self.node.adopt(st.result())
+        bound = self.node.merge_bound
+        before = bound.clipped + bound.refused
+        mixed = st.result(bound)  # each neighbour through the merge bound (self-centered clipping)
+        self.node.bounded += bound.clipped + bound.refused - before
+        self.node.adopt(mixed)
         self.dpsgd_stats["steps"] += 1
         self.dpsgd_stats["neighbours"] += len(st.neighbours)
 

@@ -28,10 +28,12 @@ fixed-point range check of aggregation.secagg.encoding.
   (:func:`parse_report`); the server shows them and stops when the worst node's next
   round would pass ``privacy.target_epsilon``.
 
-Randomness the server's adversaries could know is not used where privacy depends on it:
-the central noise and the Poisson draws come from the OS (the config, and so
-``simulation.seed``, is given to every node), so nobody can redraw the noise or recompute
-which rounds a node was sampled in.
+Randomness the server's adversaries could know is not used where privacy depends on it
+(the config, and so ``simulation.seed``, is given to every node): the Poisson draws and the
+task seeds come from a keyed BLAKE2b of a 256-bit secret drawn from the OS when the run
+binds (shoal.seeding.secret_rng / secret_seed), so nobody can recompute which rounds a node
+was sampled in, nor another node's task seed from its own; the central noise generator is
+seeded from the OS (torch's generator takes 63 bits).
 """
 
 from __future__ import annotations
@@ -176,6 +178,7 @@ class ServerPrivacy:
         self.reports: dict[str, dict] = {}  # local: node -> its last report
         self.stopped: str | None = None
         self._saved_q: float | None = None
+        self._saved_ledger: dict | None = None
 
     # --- set-up ----------------------------------------------------------------------
 
@@ -209,7 +212,19 @@ class ServerPrivacy:
             )
             q = self._saved_q
         self.q = q
-        self.accountant = RoundAccountant(q, p.noise_multiplier, p.delta, p.accountant, sampling="poisson")
+        clip: float | str = "adaptive" if p.adaptive_clipping else float(p.clip_norm)
+        self.accountant = RoundAccountant(q, p.noise_multiplier, p.delta, p.accountant, sampling="poisson", clip=clip)
+        if self._saved_ledger is not None:  # a restart: earlier rounds as they ran, whatever z is now
+            try:
+                self.accountant.load_state_dict(self._saved_ledger)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"the privacy ledger in server.checkpoint_dir is damaged: {e}") from None
+        if self.accountant.rounds != self.rounds_charged:
+            raise ConfigError(
+                f"the privacy ledger in server.checkpoint_dir counts {self.rounds_charged} charged rounds but records "
+                f"the noise of {self.accountant.rounds}: it was written by an older shoal and cannot be priced "
+                "soundly at today's settings; start the run anew (another server.checkpoint_dir, or --fresh)"
+            )
         if self.secure:  # any round size up to N must fit the modulus; the noise must fit the range
             FixedPoint(sa.clip, sa.bits, registered)
             if self.mode == "distributed":
@@ -220,9 +235,10 @@ class ServerPrivacy:
                 f"({self.accountant.next_epsilon():.3g} at delta = {p.delta:g}); raise it or raise "
                 "privacy.noise_multiplier"
             )
-        self.accountant.rounds = self.rounds_charged
         rounds.poisson_rate = q
-        rounds.seed = secrets.randbits(63)  # Poisson draws nobody can recompute from the config
+        # Poisson draws and task seeds from a keyed hash of 256 bits from the OS: nobody can
+        # recompute them from the config, nor from the task seeds the nodes see
+        rounds.secret = secrets.token_bytes(32)
         log.info(
             "privacy: %s; N = %d registered nodes, K = %d%s",
             self.accountant.describe(),
@@ -278,7 +294,7 @@ class ServerPrivacy:
         if self.user_level:
             assert self.accountant is not None, "bind() before the first round"
             self.rounds_charged += 1
-            self.accountant.rounds = self.rounds_charged
+            self.accountant.record_round(selected)
         if self.mode == "distributed":
             self.round_shares = self.noise_shares or max(1, len(selected))
             self.aggregator.expect_shares(self.round_shares)
@@ -424,6 +440,10 @@ class ServerPrivacy:
         }
         if self.user_level and self.p.adaptive_clipping:
             out["clip_norm"] = self.clip_norm
+        if self.accountant is not None:  # every charged round with its z, q, C: never re-priced
+            out["accountant"] = self.accountant.state_dict()
+        elif self._saved_ledger is not None:
+            out["accountant"] = self._saved_ledger
         return out
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -437,5 +457,9 @@ class ServerPrivacy:
         self.reports = {str(n): dict(r) for n, r in state.get("reports", {}).items()}
         if state.get("clip_norm") is not None and self.user_level:
             self.aggregator.clip_norm = float(state["clip_norm"])
-        if self.accountant is not None:
-            self.accountant.rounds = self.rounds_charged
+        self._saved_ledger = state.get("accountant")
+        if self.accountant is not None and self._saved_ledger is not None:
+            try:
+                self.accountant.load_state_dict(self._saved_ledger)
+            except (ValueError, TypeError) as e:
+                raise ConfigError(f"the privacy ledger in server.checkpoint_dir is damaged: {e}") from None

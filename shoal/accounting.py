@@ -125,13 +125,37 @@ def budget_allows(accountant, target: float, delta: float) -> bool:
     return False
 
 
+@lru_cache(maxsize=1024)
+def _epsilon_of_segments(segments: tuple[tuple, ...], delta: float, kind: str) -> float:
+    """epsilon at ``delta`` of rounds run with different parameters, composed as they ran:
+    ``segments`` are (sampling, q, z, num_clients, sample_size, rounds) tuples."""
+    if any(z <= 0 for _, _, z, _, _, r in segments if r > 0):
+        return float("inf")
+    fixed = any(s == "fixed" for s, *_ in segments)
+    if fixed and any(s != "fixed" for s, *_ in segments):
+        raise ValueError("a ledger mixes fixed-size and Poisson rounds: their neighbouring relations differ")
+    events = [
+        fixed_size_gaussian(n, k, z, r) if s == "fixed" else subsampled_gaussian(min(q, 1.0), z, r)
+        for s, q, z, n, k, r in segments
+        if r > 0
+    ]
+    if not events:
+        return 0.0
+    return _epsilon_of(dp_accounting.ComposedDpEvent(events), delta, kind if not fixed else "rdp", replace_one=fixed)
+
+
 class RoundAccountant:
     """User-level accounting for central and distributed DP: one subsampled Gaussian per round.
 
     ``sampling="poisson"``: rate ``q``, add/remove-one client. ``sampling="fixed"``: exactly
     ``sample_size`` of ``num_clients`` per round, replace-one client (RDP only). Every round
     that starts is charged, whether or not anyone took part and whether or not it completed:
-    what it releases (or that it released nothing) depends only on the sampling."""
+    what it releases (or that it released nothing) depends only on the sampling.
+
+    The ledger: every charged round is recorded with the mechanism it ran (sampling, q, z, C,
+    N, K), consecutive equal rounds as one entry. A run restarted with other parameters
+    (:meth:`load_state_dict`, then :meth:`set_mechanism`) composes its earlier rounds as they
+    were run, never re-priced at today's settings."""
 
     def __init__(
         self,
@@ -143,45 +167,119 @@ class RoundAccountant:
         sampling: str = "poisson",
         num_clients: int | None = None,
         sample_size: int | None = None,
+        clip: float | str | None = None,
     ):
         if sampling not in SAMPLINGS:
             raise ValueError(f"sampling = {sampling!r} is not one of {SAMPLINGS}")
         if sampling == "fixed" and (num_clients is None or sample_size is None):
             raise ValueError("fixed-size sampling needs num_clients and sample_size")
-        self.q, self.z, self.delta, self.kind = min(q, 1.0), noise_multiplier, delta, kind
-        self.sampling, self.num_clients, self.sample_size = sampling, num_clients, sample_size
+        self.delta, self.kind = delta, kind
         if sampling == "fixed":
             _accountant(kind, replace_one=True)  # refuses PLD up front
-        self.rounds = 0
+        self.ledger: list[dict] = []  # charged rounds: one entry per run of equal mechanisms
+        self.set_mechanism(
+            q, noise_multiplier, sampling=sampling, num_clients=num_clients, sample_size=sample_size, clip=clip
+        )
 
-    def epsilon_after(self, rounds: int) -> float:
-        if self.sampling == "fixed":
-            return epsilon_fixed_size(self.num_clients, self.sample_size, self.z, rounds, self.delta)
-        return epsilon(self.q, self.z, rounds, self.delta, self.kind)
+    def set_mechanism(
+        self,
+        q: float,
+        noise_multiplier: float,
+        *,
+        sampling: str = "poisson",
+        num_clients: int | None = None,
+        sample_size: int | None = None,
+        clip: float | str | None = None,
+    ) -> None:
+        """The mechanism the next rounds run with (earlier rounds keep theirs)."""
+        self.q, self.z = min(q, 1.0), noise_multiplier
+        self.sampling, self.num_clients, self.sample_size, self.clip = sampling, num_clients, sample_size, clip
+
+    def _current(self) -> dict:
+        return {
+            "mechanism": "gaussian",
+            "sampling": self.sampling,
+            "q": self.q,
+            "z": self.z,
+            "clip": self.clip,
+            "num_clients": self.num_clients,
+            "sample_size": self.sample_size,
+        }
+
+    @property
+    def rounds(self) -> int:
+        return sum(int(e["rounds"]) for e in self.ledger)
+
+    def _segments(self, extra: int) -> tuple[tuple, ...]:
+        entries = [*self.ledger, {**self._current(), "rounds": extra}]
+        return tuple(
+            (e["sampling"], float(e["q"]), float(e["z"]), e["num_clients"], e["sample_size"], int(e["rounds"]))
+            for e in entries
+            if int(e["rounds"]) > 0
+        )
+
+    def epsilon_after(self, extra: int) -> float:
+        """epsilon of the ledger plus ``extra`` more rounds of the current mechanism."""
+        segments = self._segments(extra)
+        if not segments:
+            return 0.0
+        if len(segments) == 1:  # the common case, cached by value
+            s, q, z, n, k, r = segments[0]
+            if s == "fixed":
+                return epsilon_fixed_size(n, k, z, r, self.delta)
+            return epsilon(q, z, r, self.delta, self.kind)
+        return _epsilon_of_segments(segments, self.delta, self.kind)
 
     def describe(self) -> str:
         """The analysis behind the reported epsilon, for summaries and logs."""
         if self.sampling == "fixed":
-            return (
+            text = (
                 f"fixed-size sampling of {self.sample_size} of {self.num_clients} clients without replacement, "
                 f"replace-one client (sensitivity 2C, so multiplier z/2 = {self.z / 2:g}), "
                 "RDP of the sampled-without-replacement Gaussian (Wang, Balle, Kasiviswanathan 2019)"
             )
-        return (
-            f"Poisson sampling of clients (q = {self.q:.4g}), add/remove-one client, "
-            f"{self.kind.upper()} of the Poisson-subsampled Gaussian (z = {self.z:g})"
-        )
+        else:
+            text = (
+                f"Poisson sampling of clients (q = {self.q:.4g}), add/remove-one client, "
+                f"{self.kind.upper()} of the Poisson-subsampled Gaussian (z = {self.z:g})"
+            )
+        earlier = [e for e in self.ledger if {k: e[k] for k in self._current()} != self._current()]
+        if earlier:
+            text += f"; composed with {sum(e['rounds'] for e in earlier)} earlier rounds of other parameters"
+        return text
 
     @property
     def epsilon(self) -> float:
-        return self.epsilon_after(self.rounds)
+        return self.epsilon_after(0)
 
     def next_epsilon(self) -> float:
         """epsilon if one more round runs: what a budget check must look at."""
-        return self.epsilon_after(self.rounds + 1)
+        return self.epsilon_after(1)
 
-    def record_round(self, participants: list[str]) -> None:
-        self.rounds += 1
+    def record_round(self, participants: list[str] | None = None) -> None:
+        """Charge one round of the current mechanism."""
+        cur = self._current()
+        if self.ledger and {k: self.ledger[-1][k] for k in cur} == cur:
+            self.ledger[-1]["rounds"] += 1
+        else:
+            self.ledger.append({**cur, "rounds": 1})
+
+    def state_dict(self) -> dict:
+        """The ledger (JSON-able), as Opacus' accountants keep theirs."""
+        return {"delta": self.delta, "kind": self.kind, "ledger": [dict(e) for e in self.ledger]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the charged rounds of an earlier run of this accountant (a restart)."""
+        ledger = state.get("ledger")
+        if not isinstance(ledger, list):
+            raise ValueError("a privacy ledger without its charged rounds")
+        keys = (*self._current(), "rounds")
+        for e in ledger:
+            if not isinstance(e, dict) or any(k not in e for k in keys):
+                raise ValueError(f"a privacy ledger entry lacks one of {keys}: {str(e)[:200]}")
+            if e["sampling"] not in SAMPLINGS or int(e["rounds"]) < 0 or not float(e["z"]) >= 0:
+                raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
+        self.ledger = [{k: e[k] for k in keys} for e in ledger]
 
 
 class LocalDpSgdAccountant:

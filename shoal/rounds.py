@@ -34,10 +34,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
+import numpy as np
 import torch
 
 from .errors import UpdateRejected
-from .seeding import derive_seed, rng
+from .seeding import derive_seed, rng, secret_rng, secret_seed
 from .update import PartialSum, Update
 
 
@@ -172,6 +173,10 @@ class SyncRounds:
         self.clients_per_round = clients_per_round
         self.fraction = fraction
         self.seed = seed
+        # With a secret (bytes from the OS: differential privacy in `shoal server`), selection draws
+        # and task seeds come from a keyed hash of it (shoal.seeding.secret_rng / secret_seed)
+        # instead of ``seed``: nobody who knows the config can recompute who was sampled.
+        self.secret: bytes | None = None
         self.version = version
         self.round = version  # rounds are numbered by the version they start from
         self.selected: dict[str, Assignment] = {}
@@ -192,6 +197,12 @@ class SyncRounds:
             return self.poisson_rate if num_available else 0.0
         return self.sample_size(num_available) / num_available if num_available else 0.0
 
+    def _rng(self, *parts: int) -> np.random.Generator:
+        return secret_rng(self.secret, *parts) if self.secret is not None else rng(self.seed, *parts)
+
+    def _seed(self, *parts: int) -> int:
+        return secret_seed(self.secret, *parts) if self.secret is not None else derive_seed(self.seed, *parts)
+
     def start_round(self, available: Sequence[str], now: float | None = None) -> list[Assignment]:
         """Open the next round over ``available`` client ids; returns the tasks to hand out.
 
@@ -211,15 +222,15 @@ class SyncRounds:
         self.target = self.sample_size(len(ids))
         self.deadline_at = deadline_at
         if self.sampling == "poisson":
-            draws = rng(self.seed, self.round, 0x9015).random(len(ids))
+            draws = self._rng(self.round, 0x9015).random(len(ids))
             q = self.poisson_rate if self.poisson_rate is not None else self.target / len(ids)
             chosen = [i for i in range(len(ids)) if draws[i] < q]
             self.target = len(chosen)  # the round is complete when every selected client reported
         else:
             k = min(len(ids), math.ceil(self.target * (1 + self.over_selection) - 1e-9))
-            chosen = rng(self.seed, self.round).choice(len(ids), size=k, replace=False).tolist()
+            chosen = self._rng(self.round).choice(len(ids), size=k, replace=False).tolist()
         self.selected = {
-            ids[i]: Assignment(ids[i], self.round, self.version, derive_seed(self.seed, self.round, i_hash(ids[i])))
+            ids[i]: Assignment(ids[i], self.round, self.version, self._seed(self.round, i_hash(ids[i])))
             for i in sorted(chosen)
         }
         for cid in self.selected:  # a new task replaces an outstanding late one

@@ -4,7 +4,8 @@
 round, and offline peers, fall back on the diagonal. With ``gossip.exchanges_per_round``
 = m > 1 it mixes m times per round (``X <- W^m X``, m messages per link): more
 communication, the same local work. Mixing goes through the ``[robust]`` rule when one is
-set (p2p/robust.py).
+set (p2p/robust.py); otherwise, when models travel encoded or forged, each neighbour's model
+passes the receiving peer's merge bound first, as in ``shoal peer``.
 """
 
 from __future__ import annotations
@@ -67,9 +68,29 @@ class DPSGD:
                 mixed, clipped = robust_gossip_average(wk, sent.double(), net.models.double(), net.cfg)
                 net.mix_bounded += clipped
             else:
-                own = net.models.double()
-                mixed = wk.to(own.dtype) @ sent.double() + torch.diag(wk).to(own.dtype)[:, None] * (own - sent.double())
+                mixed = self.bounded_mix(wk, sent, live)
             self.adopt(mixed.float(), live)
+
+    def bounded_mix(self, w: torch.Tensor, sent: torch.Tensor, live: np.ndarray) -> torch.Tensor:
+        """Each online peer's row of the mix with every neighbour's model through that peer's
+        merge bound first, as DpsgdStep.result does for a real peer: ``x_i + sum_j W_ij
+        (bound_i(x_j) - x_i)``; a model the bound refuses leaves its weight on the diagonal.
+        Equal to ``W X`` when the bound never acts (honest peers, plain messages: the fast path
+        above)."""
+        net = self.net
+        mixed = net.models.double().clone()
+        for i in live:
+            i = int(i)
+            node, own = net.nodes[i], net.models[i]
+            before = node.merge_bound.clipped + node.merge_bound.refused
+            for j in torch.nonzero(w[i] > 0).flatten().tolist():
+                if j == i:
+                    continue
+                x = node.merge_bound.apply(own, sent[j])
+                if x is not None:
+                    mixed[i] += float(w[i, j]) * (x.double() - own.double())
+            node.bounded += node.merge_bound.clipped + node.merge_bound.refused - before
+        return mixed
 
     def adopt(self, mixed: torch.Tensor, live: np.ndarray) -> None:
         """Each online peer takes its row of the mix through its merge bound (as DpsgdStep's peer

@@ -1,5 +1,7 @@
 """The accountant (dp-accounting) against Abadi et al. 2016, and the per-round budgets."""
 
+import json
+
 import pytest
 
 from shoal.accounting import LocalDpSgdAccountant, RoundAccountant, dp_sgd_schedule, epsilon
@@ -68,3 +70,30 @@ def test_fixed_size_sampling_is_replace_one_with_sensitivity_2c():
     assert "Poisson" in RoundAccountant(0.5, 1.0, 1e-5).describe()
     with pytest.raises(ValueError, match="RDP only"):
         RoundAccountant(0.5, 1.0, 1e-5, "pld", sampling="fixed", num_clients=10, sample_size=5)
+
+
+def test_round_ledger_composes_rounds_of_different_mechanisms_as_they_ran():
+    """Rounds charged at (q, z) = (0.1, 1.0), then at (0.2, 2.0): the ledger keeps both, survives
+    state_dict / load_state_dict, and its epsilon is the composition dp-accounting gives."""
+    import dp_accounting
+    from dp_accounting import rdp
+
+    acc = RoundAccountant(0.1, 1.0, 1e-5, clip=1.0)
+    for _ in range(5):
+        acc.record_round([])
+    acc.set_mechanism(0.2, 2.0, clip=0.5)
+    for _ in range(3):
+        acc.record_round([])
+    assert acc.rounds == 8 and [(e["q"], e["z"], e["clip"], e["rounds"]) for e in acc.ledger] == [
+        (0.1, 1.0, 1.0, 5),
+        (0.2, 2.0, 0.5, 3),
+    ]
+    ref = rdp.RdpAccountant()
+    ref.compose(dp_accounting.PoissonSampledDpEvent(0.1, dp_accounting.GaussianDpEvent(1.0)), 5)
+    ref.compose(dp_accounting.PoissonSampledDpEvent(0.2, dp_accounting.GaussianDpEvent(2.0)), 3)
+    assert acc.epsilon == pytest.approx(ref.get_epsilon(1e-5), rel=1e-6)
+    restored = RoundAccountant(0.2, 2.0, 1e-5, clip=0.5)
+    restored.load_state_dict(json.loads(json.dumps(acc.state_dict())))
+    assert restored.epsilon == pytest.approx(acc.epsilon) and restored.next_epsilon() > restored.epsilon
+    with pytest.raises(ValueError):
+        restored.load_state_dict({"ledger": [{"q": 0.1}]})

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shoal.p2p.dpsgd import TOPOLOGIES, gossip_average, mixing_matrix, spectral_gap, topology_edges
+from shoal.p2p.dpsgd import TOPOLOGIES, DpsgdStep, gossip_average, mixing_matrix, spectral_gap, topology_edges
+from shoal.p2p.merge import MergeBound
 
 
 @pytest.mark.parametrize("name", TOPOLOGIES)
@@ -124,3 +125,32 @@ def test_the_simulators_matrix_form_gives_the_same_models_as_mixing_steps():
     b = [tight[1].apply(x[i], matrix[i]) for i in range(n)]
     assert tight[0].clipped == tight[1].clipped > 0
     assert all(u is not None and v is not None and torch.allclose(u, v, atol=1e-6) for u, v in zip(a, b))
+
+
+def _drag(per_neighbour: bool, steps: int = 150) -> float:
+    """A peer mixing with three honest neighbours (near the honest model h) and one holder of
+    the network token that sends a far-off model (every value 9,900: within max_abs) at every
+    step; returns how far the peer ends from h."""
+    torch.manual_seed(0)
+    h = torch.randn(200)
+    bound = MergeBound(relative=1.0, max_abs=1e4)
+    x = h.clone()
+    for t in range(steps):
+        st = DpsgdStep("me", t, x, [], degree=4, close_at=1.0)
+        st.neighbours = {f"h{k}": h + 0.01 * torch.randn(200) for k in range(3)}
+        st.neighbours["attacker"] = torch.full((200,), 9900.0)
+        mixed = st.result(bound) if per_neighbour else st.result()
+        x = bound.apply(x, mixed)  # the peer's adopt: the bound on the step's result too
+        assert x is not None and bool(torch.isfinite(x).all())
+    return float(torch.linalg.vector_norm(x - h))
+
+
+def test_one_far_off_neighbour_cannot_drag_a_dpsgd_peer_away():
+    """Self-centered clipping of each neighbour (the merge bound inside the mix) keeps the peer
+    within a few honest-model norms of the honest model for good; clipping only the mixed result
+    lets the one far-off model set the direction of every step, and the peer ends at max_abs."""
+    h_norm = float(torch.linalg.vector_norm(torch.randn(200, generator=torch.Generator().manual_seed(0))))
+    bounded = _drag(per_neighbour=True)
+    dragged = _drag(per_neighbour=False)
+    assert bounded < 3 * max(h_norm, 1.0), bounded
+    assert dragged > 100 * bounded, (dragged, bounded)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.p2p.membership import Membership
+from shoal.p2p.membership import Membership, ShuffleResponse
 
 
 def _network(n: int, view_size: int = 5, shuffle_length: int = 3) -> dict[str, Membership]:
@@ -140,3 +140,52 @@ def test_free_slots_are_topped_up_from_bootstrap_once_quarantine_ends():
     assert "b2" not in m.view  # still quarantined: a dead bootstrap peer is not re-added at once
     m.rejoin(now=11.0)
     assert "b2" in m.view
+
+
+def test_two_cliques_with_full_views_rejoin_through_a_lost_bootstrap_peer():
+    """Ten peers on a bootstrap ring whose startup timeouts left two closed cliques of five (view
+    size 4: every view full of its own clique, each side having removed the other). Shuffles
+    alone never bridge that; a bootstrap peer missing from the directory once its quarantine
+    ends takes the oldest view slot, so the ring's two cross links join the halves again."""
+    ids = [f"p{i}" for i in range(10)]
+    ring = {p: ids[(i + 1) % 10] for i, p in enumerate(ids)}
+    net = {
+        p: Membership(p, 4, 2, timeout=1.0, max_failures=2, quarantine=30.0, seed=i, bootstrap_peers=(ring[p],))
+        for i, p in enumerate(ids)
+    }
+    cliques = [ids[:5], ids[5:]]
+    for clique in cliques:
+        for p in clique:
+            m = net[p]
+            m.view.clear()
+            m.known.clear()
+            for q in clique:
+                m.add(q)
+            for q in ids:
+                if q not in clique:
+                    m.remove(q, now=0.0)
+    for t in range(20):  # inside the quarantine: still two cliques
+        _cycle(net, t * 0.5)
+    assert all(set(net[p].directory()) <= set(c) for c in cliques for p in c)
+    for t in range(20, 140):
+        _cycle(net, t * 0.5)
+    for p, m in net.items():
+        assert len(m.directory()) >= 7, (p, m.directory())
+        assert len(m.view) <= 4
+
+
+def test_a_dead_bootstrap_peer_is_retried_once_per_quarantine_not_every_shuffle():
+    m = Membership("me", 3, 2, timeout=1.0, max_failures=1, quarantine=10.0, bootstrap_peers=("boot",))
+    for p in ("a", "b", "c"):
+        m.add(p)
+    m.remove("boot", now=0.0)
+    contacts = 0
+    for t in range(60):
+        req = m.start_shuffle(float(t))
+        if req.target == "boot":
+            contacts += 1
+            m.expire(float(t) + 2.0)  # never answers: removed and quarantined again
+        else:
+            m.on_shuffle_response(ShuffleResponse(req.target, "me", ()), float(t))
+        m.expire(float(t))
+    assert 3 <= contacts <= 6  # about once per 10 s quarantine (plus the timeout), not 60 times

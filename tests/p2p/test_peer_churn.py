@@ -56,23 +56,7 @@ def _status(port: int) -> dict | None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(
-    "algorithm",
-    [
-        pytest.param(
-            a,
-            marks=pytest.mark.xfail(
-                reason="known regression (open): since the hardened membership, 10 group-averaging peers started "
-                "together in a bootstrap ring often split into two cliques of 5 (directory 4 each) that never "
-                "rejoin; the assertion below catches it",
-                strict=False,
-            ),
-        )
-        if a == "group_average"
-        else a
-        for a in ALGORITHMS
-    ],
-)
+@pytest.mark.parametrize("algorithm", list(ALGORITHMS))
 def test_ten_peers_converge_and_survive_two_killed(algorithm, tmp_path):
     settings, threshold = ALGORITHMS[algorithm]
     ports = free_ports(N)

@@ -99,6 +99,9 @@ def test_poisson_selection_samples_connected_nodes_at_k_over_the_registered(tmp_
         registered=10,
     )
     assert run(other, 10) != picks[:10]
+    # the draws and task seeds rest on 256 bits from the OS, not on simulation.seed
+    assert isinstance(svc.rounds.secret, bytes) and len(svc.rounds.secret) == 32
+    assert svc.rounds.secret != other.rounds.secret
 
 
 @pytest.mark.parametrize(
@@ -602,3 +605,60 @@ def test_node_settles_top_k_error_feedback_by_each_uploads_outcome(tmp_path):
     # the refused upload's coordinates were sent again with the accepted one
     k = node.compressor.topk.k(spec.numel)
     assert int((applied[0] != 0).sum()) == k
+
+
+def test_a_restart_with_another_noise_multiplier_composes_the_rounds_as_they_ran(tmp_path):
+    """Ten rounds at z = 1, then the server restarts at z = 4: the ten rounds keep their z = 1
+    (the ledger records z, q, C per charged round), so epsilon is not re-priced down; the next
+    round composes one z = 4 round onto them, as dp-accounting computes it independently."""
+    import dp_accounting
+    from dp_accounting import rdp
+
+    def run(z: float, rounds: int, resume: bool):
+        privacy = {"privacy": {**CENTRAL["privacy"], "noise_multiplier": z}}
+        cfg = small_config(tmp_path, privacy, clients_per_round=2, rounds=20)
+        svc = open_service(cfg, resume=resume, registered=2)
+        now = 0.0
+        for _ in range(rounds):
+            for n in ("a", "b"):
+                svc.seen(n, now)
+            svc.tick(now)
+            for n in sorted(svc.rounds.selected):
+                svc.submit(n, good_update(svc, n), now)
+            svc.tick(now)
+        return svc
+
+    def independent(*events) -> float:
+        acc = rdp.RdpAccountant()
+        for z, k in events:
+            acc.compose(dp_accounting.GaussianDpEvent(z), k)
+        return acc.get_epsilon(1e-5)
+
+    first = run(1.0, 10, resume=False)
+    assert first.privacy.rounds_charged == 10
+    eps10 = first.status(0.0)["privacy"]["epsilon"]
+    assert eps10 == pytest.approx(independent((1.0, 10)), rel=1e-9)
+    del first
+    again = run(4.0, 0, resume=True)
+    assert again.status(0.0)["privacy"]["epsilon"] == pytest.approx(eps10, rel=1e-9)  # not epsilon(z=4, 10) (far lower)
+    assert epsilon(1.0, 4.0, 10, 1e-5) < eps10 / 5
+    del again
+    later = run(4.0, 1, resume=True)
+    assert later.privacy.rounds_charged == 11
+    assert later.status(0.0)["privacy"]["epsilon"] == pytest.approx(independent((1.0, 10), (4.0, 1)), rel=1e-6)
+    ledger = later.privacy.state_dict()["accountant"]["ledger"]
+    assert [(e["z"], e["rounds"]) for e in ledger] == [(1.0, 10), (4.0, 1)]
+
+
+def test_a_ledger_without_its_noise_record_is_refused_not_repriced(tmp_path):
+    cfg = small_config(tmp_path, CENTRAL, clients_per_round=2)
+    svc = open_service(cfg, registered=2)
+    state = svc.privacy.state_dict()
+    state.pop("accountant")
+    state["rounds_charged"] = 7  # what an older shoal wrote: a count, no z
+    from shoal.server.privacy import ServerPrivacy
+
+    p = ServerPrivacy(cfg, svc.spec.numel, torch.device("cpu"))
+    p.load_state_dict(state)
+    with pytest.raises(ConfigError, match="cannot be priced soundly"):
+        p.bind(2, svc.rounds)

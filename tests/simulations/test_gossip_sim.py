@@ -155,10 +155,13 @@ def test_dpsgd_mixes_several_times_and_through_a_robust_rule():
     assert many["consensus_distance"] < 0.5 * one["consensus_distance"]
     assert many["bytes_sent_per_peer"] == pytest.approx(5 * one["bytes_sent_per_peer"])
     atk = ('gossip.algorithm="dpsgd"', 'gossip.topology="regular"', 'attack.kind="sign_flip"', "attack.fraction=0.25")
-    plain = _run(GossipSimulation(cfg(*atk)), 3).evaluate()
+    plain = _run(GossipSimulation(cfg(*atk, "gossip.merge_bound=0", "gossip.max_abs=0")), 3).evaluate()
+    default = _run(GossipSimulation(cfg(*atk)), 3).evaluate()  # the merge bound on each neighbour's model
     robust = _run(GossipSimulation(cfg(*atk, "robust.norm_bound=0.5")), 3).evaluate()
     assert robust["bounded_merges"] > 0
     assert robust["consensus_distance"] < 0.2 * plain["consensus_distance"]
+    assert default["bounded_merges"] > 0
+    assert default["consensus_distance"] < 0.5 * plain["consensus_distance"]
 
 
 @pytest.mark.parametrize("kind", ["scale", "gaussian", "label_flip"])
