@@ -36,7 +36,7 @@ from pathlib import Path
 import aiohttp
 import torch
 
-from shoal.accounting import LocalDpSgdAccountant, budget_allows, dp_sgd_schedule
+from shoal.accounting import LocalDpSgdAccountant, budget_allows, check_delta_against, dp_sgd_schedule
 from shoal.aggregation.compression import Compressor
 from shoal.aggregation.dp import clip_to_norm, make_generator, noise_share, share_std
 from shoal.assembly import initial_model, make_trainer, task_from_config
@@ -166,6 +166,10 @@ class NodePrivacy:
         self.p, self.mode, self.name, self.ledger = p, p.mode, name, ledger
         self.accountant: LocalDpSgdAccountant | None = None
         if self.mode == "local":
+            try:  # DP-SGD protects one of this node's examples
+                check_delta_against(p.delta, num_train, "examples on this node")
+            except ValueError as e:
+                raise ConfigError(str(e)) from None
             self.schedule = dp_sgd_schedule(num_train, cfg.train.batch(num_train), cfg.train.epochs)
             self.accountant = LocalDpSgdAccountant({name: self.schedule}, p.noise_multiplier, p.delta, p.accountant)
             self.accountant.participations[name] = self._load()

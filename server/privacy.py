@@ -43,7 +43,7 @@ import math
 import secrets
 from typing import Any
 
-from shoal.accounting import RoundAccountant
+from shoal.accounting import RoundAccountant, check_delta_against
 from shoal.aggregation.dp import DPMean, make_dp_strategy, share_std
 from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer
 from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range
@@ -198,6 +198,10 @@ class ServerPrivacy:
                 f"{registered} registered nodes (N); q = K / N must be <= 1: register more nodes "
                 "(`shoal server nodes add`) or lower clients_per_round"
             )
+        try:  # N = the registered nodes: the population a user-level guarantee is about
+            check_delta_against(p.delta, registered, "registered nodes")
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         self.registered = registered
         q = self.k / registered
         if self._saved_q is not None and not math.isclose(self._saved_q, q):

@@ -106,6 +106,28 @@ def epsilon_fixed_size(num_clients: int, sample_size: int, noise_multiplier: flo
     )
 
 
+def check_delta_against(delta: float, n: int, unit: str) -> None:
+    """Refuse delta >= 1/N (ValueError naming the numbers), N the count the guarantee is about
+    (clients for user-level DP, examples for DP-SGD). A mechanism that publishes one of N
+    records in the clear meets (0, 1/N)-DP, so such a delta promises nothing; warn above
+    1/(10 N), where the usual advice (delta well below 1/N) is not met."""
+    if n <= 0:
+        return
+    if delta >= 1.0 / n:
+        raise ValueError(
+            f"privacy.delta = {delta:g} is at least 1/N = {1.0 / n:.3g} (N = {n} {unit}): an epsilon at that "
+            f"delta allows publishing a record in the clear; set privacy.delta below {0.1 / n:.3g}"
+        )
+    if delta > 0.1 / n:
+        log.warning(
+            "privacy.delta = %g is above 1/(10 N) = %.3g (N = %d %s): delta should be well below 1/N",
+            delta,
+            0.1 / n,
+            n,
+            unit,
+        )
+
+
 def budget_allows(accountant, target: float, delta: float) -> bool:
     """Whether one more round keeps epsilon within ``target`` (0 = no limit); logs why not.
     ``accountant``: anything with ``epsilon`` and ``next_epsilon()`` (every accountant here)."""

@@ -22,7 +22,13 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from shoal.accounting import LocalDpSgdAccountant, RoundAccountant, budget_allows, dp_sgd_schedule
+from shoal.accounting import (
+    LocalDpSgdAccountant,
+    RoundAccountant,
+    budget_allows,
+    check_delta_against,
+    dp_sgd_schedule,
+)
 from shoal.aggregation import Strategy
 from shoal.aggregation.dp import DPMean, clip_to_norm, make_generator, noise_share
 from shoal.assembly import expected_clients
@@ -74,29 +80,18 @@ def distributed_noise_step(cfg: Config, num_clients: int, rounds=None) -> Distri
 
 
 def check_delta(delta: float, mode: str, client_sizes: dict[str, int]) -> None:
-    """Refuse delta >= 1/N, N the count the guarantee is about: clients (central and distributed DP
-    protect a whole client) or the smallest client's examples (local DP-SGD protects one example).
-    A mechanism that publishes one of N records in the clear meets (0, 1/N)-DP, so such a delta
-    promises nothing; warn above 1/(10 N), where the usual advice (delta well below 1/N) is not met."""
+    """Refuse delta >= 1/N (ConfigError), N the clients (central and distributed DP protect a
+    whole client) or the smallest client's examples (local DP-SGD protects one example); warn
+    above 1/(10 N). The rule is shoal.accounting.check_delta_against, which the server and the
+    nodes apply too."""
     if mode == "local":
         n, unit = min(client_sizes.values(), default=0), "examples of the smallest client"
     else:
         n, unit = len(client_sizes), "clients"
-    if n <= 0:
-        return
-    if delta >= 1.0 / n:
-        raise ConfigError(
-            f"privacy.delta = {delta:g} is at least 1/N = {1.0 / n:.3g} (N = {n} {unit}): an epsilon at that "
-            f"delta allows publishing a record in the clear; set privacy.delta below {0.1 / n:.3g}"
-        )
-    if delta > 0.1 / n:
-        log.warning(
-            "privacy.delta = %g is above 1/(10 N) = %.3g (N = %d %s): delta should be well below 1/N",
-            delta,
-            0.1 / n,
-            n,
-            unit,
-        )
+    try:
+        check_delta_against(delta, n, unit)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 class PrivacyBudget:

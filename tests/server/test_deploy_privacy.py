@@ -662,3 +662,14 @@ def test_a_ledger_without_its_noise_record_is_refused_not_repriced(tmp_path):
     p.load_state_dict(state)
     with pytest.raises(ConfigError, match="cannot be priced soundly"):
         p.bind(2, svc.rounds)
+
+
+def test_delta_is_checked_against_the_registered_nodes_and_a_nodes_examples(tmp_path):
+    """delta >= 1/N promises nothing (one record published in the clear meets it): the server
+    refuses it for N registered nodes; a local-DP node refuses it for its own examples."""
+    cfg = small_config(tmp_path, {"privacy": {**CENTRAL["privacy"], "delta": 0.2}}, clients_per_round=2)
+    with pytest.raises(ConfigError, match=r"privacy.delta = 0.2 is at least 1/N = 0.2 \(N = 5 registered nodes\)"):
+        open_service(cfg, registered=5)
+    node_cfg = _node_cfg({"privacy": {"mode": "local", "noise_multiplier": 1.0, "delta": 0.05}})
+    with pytest.raises(ConfigError, match="N = 20 examples on this node"):
+        NodePrivacy(node_cfg, "n0", 20)
