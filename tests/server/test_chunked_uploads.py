@@ -127,3 +127,24 @@ def test_hostile_chunks_change_nothing_and_a_stalled_upload_is_dropped(tmp_path)
                 assert svc.version == version
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_a_federation_run_larger_than_one_request_trains_in_chunks(tmp_path):
+    """A run whose updates are larger than the federation's server.max_body_bytes is taken (not
+    refused as too large) and its node daemons upload in chunks."""
+    from .federation_live import live_federation
+    from .test_federation import run_config
+
+    async def main():
+        async with live_federation(tmp_path, ["n0", "n1", "n2"], max_body_bytes=256) as f:
+            for n in ("n0", "n1", "n2"):
+                f.start_node(n)
+            run = await f.submit(run_config(rounds=2))
+            st = await f.wait_ended(run, 40)
+            assert st["status"] == "finished", st
+            return run
+
+    run = asyncio.run(main())
+    lines = [x for x in (tmp_path / "fed" / run / "metrics.jsonl").read_text().splitlines() if "train_loss" in x]
+    assert len(lines) == 2 and all('"num_results": 3' in x for x in lines), lines
