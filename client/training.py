@@ -25,7 +25,16 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 from shoal.config import TrainConfig
 from shoal.params import ParamSpec, bind_module, trainable_mask
 from shoal.seeding import derive_seed
-from shoal.task import ClientData, Task, TaskError, as_tensors, call_part, num_examples, task_name
+from shoal.task import (
+    ClientData,
+    Task,
+    TaskError,
+    as_tensors,
+    call_part,
+    num_examples,
+    split_batch,
+    task_name,
+)
 from shoal.update import Update
 
 from .runlog import RunTag
@@ -211,8 +220,7 @@ class LocalTrainer:
         def batches():
             for _ in range(epochs):
                 for batch in loader:
-                    x, y = task.to_device(batch, self.device)
-                    yield x, y
+                    yield split_batch(task.to_device(batch, self.device))
 
         return self._run(global_flat, batches(), n, base_version, sender, objective)
 
@@ -331,7 +339,7 @@ class LocalTrainer:
                 collate_fn=task.collate_fn,
                 generator=torch.Generator().manual_seed(0),
             )  # leaves the global RNG alone
-            out = self._evaluate(params, (tuple(b) for b in loader), summarize)
+            out = self._evaluate(params, loader, summarize)
         return {**out, "num_examples": float(num_examples(data))}
 
     def _evaluate(self, params: torch.Tensor, batches, summarize: bool = True) -> dict[str, float]:
@@ -341,7 +349,7 @@ class LocalTrainer:
         sums: dict[str, torch.Tensor] = {}
         n = 0
         for batch in batches:
-            xb, yb = task.to_device(batch, self.device)
+            xb, yb = split_batch(task.to_device(batch, self.device))
             k = int(yb.shape[0])
             if k == 0:
                 continue

@@ -28,6 +28,7 @@ from shoal.pki import peer_fingerprint, read_secret
 
 from .chunks import MAX_BEGIN_BODY, ChunkedUploads, ChunkError
 from .connections import listen
+from .dashboard import is_dashboard_path, server_dashboard
 from .exposition import prometheus_text
 from .federation import DEFAULT_FEDERATION_BODY, Federation, RunError
 from .registry import AuthError, Registry, hash_token, well_formed
@@ -225,7 +226,9 @@ def _authenticate_admin(request: web.Request) -> web.Response | None:
 @web.middleware
 async def auth(request: web.Request, handler):
     """Every route needs ``Authorization: Bearer <token>``: of an enabled node, or for the
-    admin routes the admin token."""
+    admin routes the admin token. The page (server/dashboard.py) checks its own login."""
+    if is_dashboard_path(request.path):
+        return await handler(request)
     if request.path in ADMIN_PATHS or request.path == RUNS_PATH or request.path.startswith(RUNS_PATH + "/"):
         refused = _authenticate_admin(request)
     elif NODE not in request:
@@ -494,7 +497,9 @@ async def get_model(request: web.Request) -> web.Response:
     headers = {"ETag": etag, "X-Shoal-Version": str(svc.version), "Cache-Control": "no-cache"}
     if etag in [t.strip() for t in request.headers.get("If-None-Match", "").split(",")]:
         return web.Response(status=304, headers=headers)
-    return web.Response(body=svc.model_body(), headers=headers, content_type="application/octet-stream")
+    body = svc.model_body()
+    svc.activity.sent(request[NODE], len(body), time.monotonic())
+    return web.Response(body=body, headers=headers, content_type="application/octet-stream")
 
 
 async def post_update(request: web.Request) -> web.Response:
@@ -756,6 +761,7 @@ def make_app(service: ServerService, registry: Registry) -> web.Application:
     _node_routes(app, "")
     app.router.add_get("/v1/status", get_status)
     app.router.add_get("/metrics", get_metrics)
+    server_dashboard(app[ADMIN], service, registry).add_routes(app)
     return app
 
 
@@ -812,6 +818,7 @@ def make_federation_app(federation: Federation, registry: Registry) -> web.Appli
     app.router.add_get(RUNS_PATH + "/{run}/metrics", get_run_metrics)
     app.router.add_post(RUNS_PATH + "/{run}/stop", post_run_stop)
     app.router.add_get(RUNS_PATH + "/{run}/files/{name}", get_run_file)
+    server_dashboard(app[ADMIN], federation, registry).add_routes(app)
     return app
 
 

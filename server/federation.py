@@ -60,7 +60,9 @@ RUN_SERVER_KEYS = frozenset(
     }
 )
 #: Tables a run may not set: they are the federation's or the simulator's.
-NOT_A_RUNS = frozenset({"federation", "output", "heterogeneity", "gossip", "attack"})
+NOT_A_RUNS = frozenset({"federation", "heterogeneity", "gossip", "attack"})
+#: The [output] keys a run sets (TensorBoard files beside its metrics.jsonl; the default is the federation's).
+RUN_OUTPUT_KEYS = frozenset({"tensorboard"})
 BUILTIN = "builtin"  # --task builtin: shoal's own task of [model] + [data]
 MAX_RUN_CONFIG_BYTES = 64 * 1024
 _RUN_ID = re.compile(r"run-[0-9]{1,9}")
@@ -107,6 +109,9 @@ def check_run_config(raw: Any) -> dict[str, Any]:
             raise RunError("bad_config", f"[{name}] is not a run's to set (it belongs to the federation or simulator)")
         if not isinstance(table, dict):
             raise RunError("bad_config", f"{str(name)[:40]} must be a table")
+    output = sorted(set(raw.get("output", {})) - RUN_OUTPUT_KEYS)
+    if output:
+        raise RunError("bad_config", f"output.{output[0][:40]} is the federation's; a run sets output.tensorboard")
     server = raw.get("server", {})
     other = sorted(set(server) - RUN_SERVER_KEYS)
     if other:
@@ -126,7 +131,8 @@ def run_config(fed: Config, raw: dict[str, Any], task: str, run_dir: Path) -> Co
     server = {k: v for k, v in fed.server.__dict__.items() if k not in RUN_SERVER_KEYS}
     server.update(raw.get("server", {}))
     server.update(checkpoint_dir=str(run_dir / "checkpoints"), out_dir=str(run_dir))
-    data = {**copy.deepcopy(raw), "server": server}
+    output = {"tensorboard": fed.output.tensorboard, **raw.get("output", {})}
+    data = {**copy.deepcopy(raw), "server": server, "output": output}
     if task != BUILTIN:
         data["task"] = {**data.get("task", {}), "app": task}
     try:
@@ -363,6 +369,7 @@ class Federation:
             self.db.set_status(row.id, "failed", f"cannot start: {e}", time.time())
             return
         self.limit_requests(svc)
+        svc.label = row.id
         self.active[row.id] = svc
         if row.status != "running":
             self.db.set_status(row.id, "running")
@@ -407,6 +414,7 @@ class Federation:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.db.set_status(run_id, status, reason, time.time())
         del self.active[run_id]
+        svc.close_files()  # its TensorBoard writer (a thread and an open file) ends with the run
         log.info("%s %s at version %d%s", run_id, status, svc.version, f": {reason}" if reason else "")
 
 

@@ -36,6 +36,7 @@ from shoal.rounds import Rounds, SyncRounds
 from shoal.task import ClientData, Task, TaskError
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
 
+from .activity import Activity, console_line
 from .privacy import ServerPrivacy, parse_report
 from .secure_round import SecureRound
 
@@ -240,6 +241,9 @@ class ServerService:
         self.fed_finished = False  # the final version's evaluation is written
         self.last_fed: dict[str, Any] = {}
         self.counters = Counters()
+        self.activity = Activity()  # by node and over versions, for the dashboard (server/dashboard.py)
+        self.label = ""  # a federation's run id: the console's progress lines start with it
+        self.close_files: Callable[[], None] = lambda: None  # server/store.py's open_service sets it
         self.last_seen: dict[str, float] = {}
         self.told_done: set[str] = set()
         self.done_at: float | None = None
@@ -310,6 +314,10 @@ class ServerService:
             self.last_seen.pop(n, None)
             if r is not None and r.open and n in r.selected and n not in r.received:
                 self.refused_task[n] = (r.round, r.version)
+
+    @property
+    def _prefix(self) -> str:
+        return f"{self.label}: " if self.label else ""
 
     def _elapsed(self, now: float) -> float:
         """Seconds since ``started_at`` (the first call's ``now`` unless given)."""
@@ -547,6 +555,7 @@ class ServerService:
             advanced = r.submit(node, update)
         except Exception as e:
             self.refused(getattr(e, "code", "error"))
+            self.activity.refused(node, getattr(e, "code", "error"), str(e), now)
             held = self.sync.assignment(node) if self.sync is not None else None
             # The update's content was refused (non-finite, out of range, too large...): retraining
             # the same task gives the same refusal, so it is not handed out again. A closed round or a
@@ -559,6 +568,7 @@ class ServerService:
             self.privacy.take_report(node, report)
         self.counters.accepted += 1
         self.counters.bytes_received += len(body)
+        self.activity.accepted(node, len(body), self.rounds.round, now)
         if advanced:  # async: the update completed a new version
             self._new_version(self.rounds.version_fields(), now)
         elif self.fed:
@@ -595,7 +605,15 @@ class ServerService:
             if self.privacy is not None and not self.privacy.bound:
                 raise ConfigError("privacy: the server does not know N, its registered nodes (bind_registry)")
             tasks = r.start_round(avail, now)
-            log.info("round %d: %d of %d nodes selected, version %d", r.round, len(tasks), len(avail), r.version)
+            log.info(
+                "%sround %d (of %d versions): %d of %d nodes selected, at version %d",
+                self._prefix,
+                r.round,
+                self.cfg.server.rounds,
+                len(tasks),
+                len(avail),
+                r.version,
+            )
             if self.privacy is not None:
                 self.privacy.round_started(sorted(r.selected))
                 self._save_privacy()  # charged before anything of the round is released
@@ -618,6 +636,7 @@ class ServerService:
             return False
         else:
             summary = r.finish_round()
+        self.activity.round_closed(summary.num_selected, summary.num_results, summary.num_late)
         if summary.failed:
             log.warning(
                 "round %d failed with %d of %d results (min_fraction %.2f); model unchanged",
@@ -692,12 +711,15 @@ class ServerService:
             record.update(self.privacy.record())
         record["elapsed_s"] = self._elapsed(now)
         self.last_record = json_safe(record)
+        c = self.counters
+        self.activity.snapshot(record["round"], self.version, c.accepted, sum(c.rejected.values()), record["elapsed_s"])
         self.emit(self._checkpoint())  # first: a crash between the two loses a log line, never a version
         if self.privacy is not None:
             self._save_privacy()  # the adaptive clip norm and the nodes' reports of this version
         self._settle_fed(now)  # the nodes evaluated older versions before training on them
         self.emit(Record(self.last_record))
-        log.info("version %d: %s", self.version, json.dumps(self.last_record))
+        log.info("%s%s", self._prefix, console_line(self.last_record, self.cfg.server.rounds))  # where the run is
+        log.debug("version %d: %s", self.version, json.dumps(self.last_record))
 
     # --- privacy ---------------------------------------------------------------------
 

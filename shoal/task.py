@@ -26,8 +26,12 @@ What a task gives (docs/tasks.md has the full reference):
 - optionally a ``torch.optim`` optimizer by name, a collate function, DataLoader workers.
 
 Data is either a pair of tensors ``(x, y)`` (the fast path: held on the device once and
-sliced) or any map-style ``torch.utils.data.Dataset`` whose items are ``(x, y)``
-(read through a DataLoader, for data that does not fit in memory).
+sliced) or any map-style ``torch.utils.data.Dataset`` whose items are ``(x, y)`` or dicts of
+tensors (read through a DataLoader, for data that does not fit in memory).
+
+A batch is an ``(x, y)`` pair, or a dict of tensors as Hugging Face models take them
+(``input_ids``, ``attention_mask``, ``labels``): the whole dict is ``x`` (the model is called
+as ``model(**x)``) and its ``labels`` entry is ``y`` (:func:`split_batch`).
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ import importlib.util
 import inspect
 import logging
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -144,12 +148,17 @@ class Task:
         raise NotImplementedError
 
     def loss(self, model: nn.Module, x: Any, y: torch.Tensor) -> torch.Tensor:
-        """The scalar training loss of one batch (default: cross-entropy)."""
-        return F.cross_entropy(model(x).float(), y)
+        """The scalar training loss of one batch (default: the loss the model's output carries,
+        as a Hugging Face model's does when given ``labels``; else cross-entropy of its logits)."""
+        out = forward(model, x)
+        own = getattr(out, "loss", None)
+        if isinstance(own, torch.Tensor):
+            return own
+        return F.cross_entropy(logits_of(out).float(), y)
 
     def metrics(self, model: nn.Module, x: Any, y: torch.Tensor) -> dict[str, torch.Tensor | float]:
         """Per-batch means; shoal averages them over batches weighted by examples."""
-        out = model(x).float()
+        out = logits_of(forward(model, x)).float()
         n = y.shape[0]  # means computed in float64 from sums, so example-weighting recovers exact totals
         return {
             "loss": F.cross_entropy(out, y, reduction="sum").double() / n,
@@ -182,6 +191,61 @@ class Task:
     def to_device(self, batch: Any, device: torch.device) -> Any:
         """Move one batch (tensors, or tuples/lists/dicts of them) to ``device``."""
         return move_to(batch, device)
+
+
+def forward(model: nn.Module, x: Any) -> Any:
+    """The model on a batch's inputs: ``model(**x)`` for a dict batch, else ``model(x)``."""
+    return model(**x) if isinstance(x, Mapping) else model(x)
+
+
+def logits_of(out: Any) -> torch.Tensor:
+    """A model's output as one logits tensor: the tensor itself, or the ``logits`` of a
+    Hugging Face-style output object."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if logits is None and isinstance(out, Mapping):
+        logits = out.get("logits")
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"the model returned a {type(out).__name__}, neither a tensor nor an output with logits")
+    return logits
+
+
+def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
+    """One batch -> ``(x, y)``: an ``(x, y)`` pair as it is; a dict of tensors (Hugging Face
+    style) whole as ``x``, with its ``labels`` as ``y`` (the model computes its loss from them).
+
+    ``y``'s first dimension counts the batch's examples (metrics are weighted by it)."""
+    if isinstance(batch, Mapping):
+        y = batch.get("labels")
+        if not isinstance(y, torch.Tensor):
+            keys = ", ".join(map(str, batch)) or "none"
+            raise ValueError(f"a dict batch needs a 'labels' tensor (its keys: {keys})")
+        return dict(batch), y
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise ValueError(f"a batch is a {type(batch).__name__}; expected an (x, y) pair or a dict of tensors with 'labels'")
+
+
+class DictDataset(Dataset):
+    """Equal-length tensors as a Dataset of dicts: item i is ``{name: tensor[i]}`` (a Hugging
+    Face-style example: ``DictDataset(input_ids=ids, attention_mask=mask, labels=labels)``);
+    the default collate stacks a batch of them back into one dict of tensors."""
+
+    def __init__(self, **tensors: torch.Tensor):
+        if not tensors:
+            raise ValueError("DictDataset needs at least one tensor")
+        sizes = {name: int(t.shape[0]) for name, t in tensors.items()}
+        if len(set(sizes.values())) != 1:
+            raise ValueError(f"DictDataset tensors differ in length: {sizes}")
+        self.tensors = tensors
+        self.n = next(iter(sizes.values()))
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {name: t[i] for name, t in self.tensors.items()}
 
 
 def move_to(obj: Any, device: torch.device, non_blocking: bool = False) -> Any:
@@ -343,7 +407,7 @@ def check_data(task: Task, data: Any, what: str, allow_none: bool = False) -> Cl
         return data
     raise TaskError(
         f"task {task_name(task)}: {what} is a {type(data).__name__}; expected an (x, y) pair of tensors "
-        "or a map-style torch.utils.data.Dataset of (x, y) items"
+        "or a map-style torch.utils.data.Dataset of (x, y) items or dicts of tensors with 'labels'"
     )
 
 
@@ -352,7 +416,7 @@ def check_loss(task: Task, model: nn.Module, data: ClientData, device: torch.dev
     if num_examples(data) == 0:
         return
     batch = first_batch(task, data, 2)
-    x, y = task.to_device(batch, device)
+    x, y = split_batch(task.to_device(batch, device))
     # The check must leave no trace: BatchNorm statistics and the global RNG (dropout) are restored.
     saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
     rng_state = torch.random.get_rng_state()
@@ -365,10 +429,10 @@ def check_loss(task: Task, model: nn.Module, data: ClientData, device: torch.dev
             model,
             x,
             y,
-            fix="the data's items must be (x, y) the model and loss accept",
+            fix="the data's items must be (x, y) pairs or dicts with 'labels' that the model and loss accept",
         )
         with torch.no_grad():
-            out = model(x)
+            out = forward(model, x)
         warn_if_broadcast(task, out, y)
     finally:
         with torch.no_grad():
@@ -412,16 +476,19 @@ def _broadcastable(a: torch.Size, b: torch.Size) -> bool:
     return True
 
 
-def first_batch(task: Task, data: ClientData, n: int) -> tuple[Any, torch.Tensor]:
+def first_batch(task: Task, data: ClientData, n: int) -> Any:
+    """The first ``n`` examples of ``data`` as one batch: an (x, y) pair or a dict with 'labels'."""
     pair = as_tensors(data)
     if pair is not None:
         return pair[0][:n], pair[1][:n]
     items = [call_part(task, "dataset[i]", data.__getitem__, i) for i in range(min(n, len(data)))]  # type: ignore
     collate = task.collate_fn or torch.utils.data.default_collate
     batch = call_part(task, "collating a batch", collate, items)
-    if not isinstance(batch, (tuple, list)) or len(batch) != 2:
+    try:
+        split_batch(batch)
+    except ValueError as e:
         raise TaskError(
-            f"task {task_name(task)}: a batch of the data is a {type(batch).__name__}; items must be "
-            "(x, y) pairs (or give collate_fn that returns (x, y))"
-        )
-    return batch[0], batch[1]
+            f"task {task_name(task)}: {e}; a Dataset's items must be (x, y) pairs or dicts of tensors with "
+            "'labels' (or give collate_fn that returns one of those)"
+        ) from None
+    return batch

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from shoal.client.training import LocalTrainer
-from shoal.task import ClientData, Task, as_tensors, call_part, num_examples
+from shoal.task import ClientData, Task, as_tensors, call_part, num_examples, split_batch
 
 
 @torch.no_grad()
@@ -45,18 +45,19 @@ def per_sample_loss(
         return torch.cat(out).numpy() if out else np.zeros(0)
     losses = []
     for i in indices:
-        xb, yb = task.to_device(one_sample(task, data, int(i)), device)
+        xb, yb = split_batch(task.to_device(one_sample(task, data, int(i)), device))
         losses.append(float(call_part(task, "loss(model, x, y)", task.loss, trainer.model, xb, yb)))
     return np.asarray(losses, dtype=np.float64)
 
 
 def one_sample(task: Task, data: ClientData, i: int):
-    """Sample ``i`` of ``data`` as a batch of one."""
+    """Sample ``i`` of ``data`` as a batch of one (an (x, y) pair or a dict with 'labels')."""
     pair = as_tensors(data)
     if pair is not None:
         return pair[0][i : i + 1], pair[1][i : i + 1]
     collate = task.collate_fn or torch.utils.data.default_collate
-    return tuple(collate([data[i]]))
+    batch = collate([data[i]])
+    return batch if isinstance(batch, dict) else tuple(batch)
 
 
 def roc_auc(member: np.ndarray, nonmember: np.ndarray) -> float:

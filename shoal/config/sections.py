@@ -662,6 +662,7 @@ class TaskConfig:
 class OutputConfig:
     dir: str = "runs/latest"  # `shoal simulate`: metrics.jsonl, summary.json and plots go here
     plots: bool = True  # draw the plots (matplotlib)
+    tensorboard: bool = False  # also write TensorBoard event files beside metrics.jsonl (shoal[tensorboard])
 
 
 @dataclass

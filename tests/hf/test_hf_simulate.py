@@ -1,0 +1,100 @@
+"""The federated LoRA example through `shoal simulate` (in-process and on Ray workers) and
+`shoal privacy-sweep`: only adapter tensors are on the wire, the model learns, the Ray engine
+gives the in-process model, DP on the adapter runs (central) or is refused with its reason (local)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+pytest.importorskip("peft")
+
+from shoal.config import load_config  # noqa: E402 - after the skips
+from shoal.errors import ConfigError  # noqa: E402
+from shoal.metrics import read_jsonl  # noqa: E402
+from shoal.simulations.experiment import run_simulation  # noqa: E402
+from shoal.simulations.inprocess import InProcessSimulation  # noqa: E402
+from shoal.simulations.privacy_sweep import run_privacy_sweep  # noqa: E402
+
+from .tiny import ADAPTER_NUMEL, OVERRIDES, base_numel, needs_corpus  # noqa: E402
+
+pytestmark = [needs_corpus, pytest.mark.slow]
+
+BASE = [
+    *OVERRIDES,
+    "simulation.num_clients=3",
+    "simulation.clients_per_round=3",
+    "simulation.rounds=2",
+    "simulation.eval_every=1",
+    "simulation.device='cpu'",
+    "simulation.progress=false",
+    "output.plots=false",
+    "train.batch_size=16",
+    "train.lr=0.01",
+]
+
+
+def config(*extra: str, engine: str = "inprocess"):
+    return load_config(None, [*BASE, f"simulation.engine='{engine}'", "simulation.ray_workers_per_node=1", *extra])
+
+
+@pytest.mark.timeout(300)
+def test_simulate_sends_adapters_only_and_the_model_learns(tmp_path):
+    summary = run_simulation(config(), tmp_path / "run")
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["round"] for r in records] == [1, 2] and all(r["num_results"] == 3 for r in records)
+    per_update = records[0]["bytes_up"] / records[0]["num_results"]
+    # one float32 per adapter parameter plus a JSON header under 1 KiB; the base (a hundred
+    # thousand parameters) would be 14 times more
+    assert 0 < per_update - 4 * ADAPTER_NUMEL < 1024, per_update
+    assert 4 * base_numel() > 10 * per_update
+    assert records[-1]["test_perplexity"] < records[0]["test_perplexity"]  # held-out role
+    assert {"test_loss", "test_accuracy", "fed_perplexity"} <= set(records[-1])
+    assert summary["final_metrics"]["test_perplexity"] == pytest.approx(records[-1]["test_perplexity"])
+
+
+@pytest.mark.timeout(300)
+def test_central_dp_on_the_adapter_is_swept_and_local_dp_sgd_is_refused_with_its_reason(tmp_path):
+    cfg = config(
+        "privacy.sweep_modes=['central']",
+        "privacy.sweep_noise_multipliers=[0.5]",
+        "privacy.mia_samples=8",
+        "privacy.canaries=0",
+        "privacy.clip_norm=0.5",
+        "simulation.rounds=1",
+    )
+    rows = run_privacy_sweep(cfg, tmp_path / "sweep")
+    assert [(r["mode"], r["status"]) for r in rows] == [("none", "ok"), ("central", "ok")], rows
+    assert rows[1]["epsilon"] > 0 and rows[1]["epsilon"] != float("inf")
+    assert rows[0]["metric"] == "test_accuracy" and 0 < rows[1]["utility"] < 1
+    assert all(0 <= r["mia_auc"] <= 1 for r in rows)  # the membership audit scored dict examples
+    # DP-SGD (Opacus) brings its own optimizer and Poisson-samples examples of tensor data: this
+    # task has its own optimizer and dict Datasets, and the run is refused before any training
+    with pytest.raises(ConfigError, match="privacy.mode = 'local': DP-SGD brings its own optimizer"):
+        InProcessSimulation(config("privacy.mode='local'", "simulation.rounds=1"))
+
+
+@pytest.mark.timeout(420)
+def test_the_ray_engine_gives_the_in_process_model():
+    ray = pytest.importorskip("ray")
+    from shoal.simulations.ray_engine import WorkerPool, ray_simulation
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    ray.init(num_cpus=1, object_store_memory=80 << 20, include_dashboard=False)
+    pool = WorkerPool(config(engine="ray"))
+    try:
+        here, there = InProcessSimulation(config()), ray_simulation(config(engine="ray"), pool)
+        start = here.global_params.clone()
+        for _ in range(2):
+            here.run_round()
+            there.run_round()
+        a, b = here.global_params.detach().cpu(), there.global_params.detach().cpu()
+        assert a.numel() == ADAPTER_NUMEL
+        assert (a - start).abs().max() > 1e-4  # it trained
+        assert (a - b).abs().max().item() <= 1e-5
+    finally:
+        pool.close()
+        ray.shutdown()
+        torch.set_num_threads(threads)
