@@ -31,6 +31,7 @@ import secrets
 import signal
 import ssl
 from collections.abc import Callable
+from hashlib import sha256
 from pathlib import Path
 
 import aiohttp
@@ -77,6 +78,7 @@ class PolicyRefusal(ShoalError):
 
 
 SPEC_HASH_HEADER = "X-Shoal-Spec-Hash"  # sent with every poll (docs/protocol.md)
+CHUNK_DIGEST_HEADER = "X-Shoal-Chunk-Sha256"  # each chunk of a chunked upload (server/chunks.py)
 # Refusals that say nothing against the update itself: no round was open for it (a restarted
 # server reopens the same round, with the same task, once its nodes are back), or it already
 # arrived. The server hands such a task out again, and the node trains it again.
@@ -540,15 +542,21 @@ class Node:
         # Retry the upload through transient failures: the task (round, version, seed)
         # is deterministic, so the same update is right after a server restart too.
         backoff = Backoff()
+        chunk = task.get("upload_chunk_bytes")
+        chunked = isinstance(chunk, int) and not isinstance(chunk, bool) and 0 < chunk < len(body)
         while True:
             try:
-                result = await self._request(
-                    "POST",
-                    "/v1/update",
-                    data=body,
-                    expect100=True,
-                    headers={"Content-Type": "application/octet-stream"},
-                )
+                if chunked:
+                    assert isinstance(chunk, int)
+                    result = await self._upload_chunks(body, chunk)
+                else:
+                    result = await self._request(
+                        "POST",
+                        "/v1/update",
+                        data=body,
+                        expect100=True,
+                        headers={"Content-Type": "application/octet-stream"},
+                    )
                 log.info("round %s: update accepted (version %s)", task["round"], result.get("version"))
                 self.rounds_done += 1
                 return True
@@ -564,6 +572,42 @@ class Node:
                 if e.code not in RETRAINABLE:
                     self.failed_tasks.add((int(task["round"]), int(task["version"])))
                 return False
+
+    async def _upload_chunks(self, body: bytes, chunk: int) -> dict:
+        """An update larger than one request, in chunks (docs/protocol.md, "Chunked uploads"): open
+        it with its size and SHA-256, send each chunk with its own SHA-256 at the offset the server
+        has; after a lost connection ask the server for that offset and go on from it. Returns the
+        server's answer to the last chunk (the upload's); Retry when the upload must start over."""
+        opened = await self._request(
+            "POST", "/v1/uploads", json={"size": len(body), "sha256": sha256(body).hexdigest()}
+        )
+        upload, step = str(opened["upload"]), min(chunk, int(opened.get("chunk_bytes", chunk)))
+        received, backoff = 0, Backoff()
+        view = memoryview(body)
+        while True:
+            end = min(received + step, len(body))
+            part = view[received:end]
+            try:
+                result = await self._request(
+                    "PUT",
+                    f"/v1/uploads/{upload}",
+                    params={"offset": str(received)},
+                    data=part.tobytes(),
+                    headers={"Content-Type": "application/octet-stream", CHUNK_DIGEST_HEADER: sha256(part).hexdigest()},
+                )
+            except (Retry, Refused) as e:
+                if isinstance(e, Refused) and e.code not in ("bad_offset", "bad_digest", "busy"):
+                    raise  # the upload is gone (expired, unknown) or the update refused: the caller decides
+                if self.stop.is_set():
+                    raise Retry(f"stopping with a chunked upload at byte {received}: {e}") from None
+                await asyncio.sleep(backoff.next(self.rand))
+                state = await self._request("GET", f"/v1/uploads/{upload}")  # where to go on from
+                received = int(state["received"])
+                continue
+            backoff.reset()
+            if end == len(body):
+                return result
+            received = int(result["received"])
 
     async def _evaluate(self, params: torch.Tensor, version: int, test: ClientData) -> None:
         """Federated evaluation: the global model on this node's test data, reported with its

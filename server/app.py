@@ -26,6 +26,7 @@ from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, TooLarge, UpdateRejected, WireError
 from shoal.pki import peer_fingerprint, read_secret
 
+from .chunks import MAX_BEGIN_BODY, ChunkedUploads, ChunkError
 from .connections import listen
 from .dashboard import is_dashboard_path, server_dashboard
 from .exposition import prometheus_text
@@ -53,6 +54,8 @@ SUBMITTERS = web.AppKey("submitters", dict)  # token hash -> "admin" or a resear
 SUBMITTER = web.RequestKey("submitter", str)
 REGISTRY = web.AppKey("registry", Registry)
 CHANGED = web.AppKey("changed", dict)
+CHUNKS = web.AppKey("chunks", ChunkedUploads)  # open chunked uploads (server/chunks.py)
+CHUNK_DIGEST_HEADER = "X-Shoal-Chunk-Sha256"
 ADMIN = web.AppKey("admin", str)
 NODE = web.RequestKey("node", str)
 SPEC_HASH_HEADER = "X-Shoal-Spec-Hash"  # a node's model spec hash, sent with every poll
@@ -531,6 +534,95 @@ async def post_update(request: web.Request) -> web.Response:
     return web.json_response(result)
 
 
+def _chunk_refusal(svc: ServerService, e: ChunkError) -> web.Response:
+    svc.refused(e.code)
+    return web.json_response({"error": e.code, "detail": str(e), **e.extra}, status=e.status)
+
+
+def _upload_deadline(svc: ServerService, now: float) -> float:
+    """When a chunked upload opened now is dropped: server.upload_timeout_s, and the open plain
+    sync round's deadline (its buffer never outlives the round)."""
+    deadline = now + svc.cfg.server.upload_timeout_s
+    if svc.sync is not None and svc.sync.open and svc.secure_round is None:
+        left = svc.rounds.time_left(now)
+        if left is not None:
+            deadline = min(deadline, now + left + 1.0)
+    return deadline
+
+
+async def post_upload_begin(request: web.Request) -> web.Response:
+    """Open a chunked upload: ``{"size", "sha256"}`` of the whole update (docs/protocol.md)."""
+    svc, node = _svc(request), request[NODE]
+    body = await _json_body(request, MAX_BEGIN_BODY)
+    now = time.monotonic()
+    svc.seen(node, now)
+    run = request.match_info.get("run", "")
+    try:
+        session = request.app[CHUNKS].begin(run, node, body, svc.update_limit, now, _upload_deadline(svc, now))
+    except ChunkError as e:
+        return _chunk_refusal(svc, e)
+    chunk = min(svc.max_body_bytes, session.size)
+    left = round(session.deadline - now, 3)
+    return web.json_response(
+        {"upload": session.id, "chunk_bytes": chunk, "received": 0, "expires_in_s": left}, status=201
+    )
+
+
+async def get_upload(request: web.Request) -> web.Response:
+    """Where a chunked upload stands: the offset to send from (after a lost connection)."""
+    svc, node = _svc(request), request[NODE]
+    try:
+        s = request.app[CHUNKS].get(
+            request.match_info.get("run", ""), node, request.match_info["upload"], time.monotonic()
+        )
+    except ChunkError as e:
+        return _chunk_refusal(svc, e)
+    return web.json_response({"upload": s.id, "size": s.size, "received": s.received})
+
+
+async def put_upload_chunk(request: web.Request) -> web.Response:
+    """One chunk at ``offset`` with its SHA-256; the last one hands the whole update to the service."""
+    app, node = request.app, request[NODE]
+    svc = _svc(request)
+    chunks = app[CHUNKS]
+    offset = _integer(request, "offset")
+    length = request.content_length
+    if length is None:
+        svc.refused("length_required")
+        raise Refusal(411, "length_required", "send the chunk with a Content-Length header")
+    try:
+        s = chunks.get(request.match_info.get("run", ""), node, request.match_info["upload"], time.monotonic())
+        digest = request.headers.get(CHUNK_DIGEST_HEADER)
+        chunks.check_chunk(s, offset, length, digest, svc.max_body_bytes)
+    except ChunkError as e:
+        return _chunk_refusal(svc, e)
+    assert digest is not None  # check_chunk refuses a missing digest
+    s.busy = True
+    view = memoryview(s.buf)[offset : offset + length]
+    try:
+        first = await _chunk(request, svc.cfg.server.body_timeout_s, "upload chunk")
+        await _read_into(request, view, length, first)
+    finally:
+        view.release()
+        s.busy = False
+    try:
+        complete = chunks.accept_chunk(s, length, digest)
+    except ChunkError as e:
+        return _chunk_refusal(svc, e)
+    if not complete:
+        return web.json_response({"upload": s.id, "received": s.received})
+    body = memoryview(s.buf)
+    try:
+        result = svc.submit(node, body, time.monotonic())
+    except ShoalError as e:
+        log.info("chunked update from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
+        return error(_status_of(e), getattr(e, "code", "error"), str(e))
+    finally:
+        body.release()
+    _tick(app)
+    return web.json_response(result)
+
+
 async def post_secagg(request: web.Request) -> web.Response:
     """One secure aggregation message of the open round (server/secure_round.py)."""
     app, node = request.app, request[NODE]
@@ -687,6 +779,7 @@ def _base_app(cfg: Config, registry: Registry, max_body: int) -> web.Application
     for _ in range(invites.maxsize):
         invites.put_nowait(True)
     app[CHANGED] = {"event": asyncio.Event(), "slots": slots, "invites": invites, "touched": {}, "uploads": {}}
+    app[CHUNKS] = ChunkedUploads(cfg.server.ingest_slots)
     quiet = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, _QuietBadRequests) for f in quiet.filters):
         quiet.addFilter(_QuietBadRequests())
@@ -702,6 +795,9 @@ def _node_routes(app: web.Application, prefix: str) -> None:
     app.router.add_get(prefix + "/v1/secagg/{stage}", get_secagg)
     app.router.add_post(prefix + "/v1/eval", post_eval)
     app.router.add_post(prefix + "/v1/failed", post_failed)
+    app.router.add_post(prefix + "/v1/uploads", post_upload_begin)
+    app.router.add_put(prefix + "/v1/uploads/{upload}", put_upload_chunk)
+    app.router.add_get(prefix + "/v1/uploads/{upload}", get_upload)
 
 
 def make_federation_app(federation: Federation, registry: Registry) -> web.Application:
@@ -847,6 +943,7 @@ async def run_clock(app: web.Application, stop: asyncio.Event) -> None:
             if FEDERATION in app and time.monotonic() - revoked_at >= REVOKED_EVERY_S:
                 app[FEDERATION].forget({n.name for n in app[REGISTRY].list() if not n.enabled})
                 revoked_at = time.monotonic()
+            app[CHUNKS].expire(time.monotonic())  # a stalled chunked upload lets go of its buffer
             if svc.tick(time.monotonic()):
                 _notify(app)
             if svc.finished(time.monotonic()):

@@ -175,18 +175,10 @@ class Federation:
         digest = task_sha256(task)
         run_id = f"run-{self.db.count() + 1}"
         cfg = run_config(self.cfg, raw, task, self.dir / run_id)
-        try:  # the task loads and its model fits the federation's upload limit, before it is queued
-            svc = ServerService(cfg, self._task(cfg))
+        try:  # the task loads and its model builds, before it is queued
+            ServerService(cfg, self._task(cfg))
         except ShoalError as e:
             raise RunError("bad_task", f"the run cannot start: {e}") from None
-        limit = self.cfg.server.max_body_bytes or DEFAULT_FEDERATION_BODY
-        if svc.max_body_bytes > limit:
-            raise RunError(
-                "too_large",
-                f"the run's uploads of {svc.max_body_bytes} bytes are over the federation's server.max_body_bytes "
-                f"= {limit}",
-                413,
-            )
         self.db.add(run_id, task, digest, raw, who, time.time())
         log.info("%s submitted by %s: task %s (sha256 %s), %s", run_id, who, task, digest[:12], json.dumps(raw))
         return {"run": run_id, "status": "queued", "task_sha256": digest}
@@ -376,11 +368,17 @@ class Federation:
             log.warning("%s cannot start: %s", row.id, e)
             self.db.set_status(row.id, "failed", f"cannot start: {e}", time.time())
             return
+        self.limit_requests(svc)
         svc.label = row.id
         self.active[row.id] = svc
         if row.status != "running":
             self.db.set_status(row.id, "running")
         log.info("%s %s: task %s, %d rounds", row.id, "resumed" if resume else "started", row.task, cfg.server.rounds)
+
+    def limit_requests(self, svc: ServerService) -> None:
+        """A run's requests are at most the federation's server.max_body_bytes (its body buffers'
+        size); a larger update travels in chunks (server/chunks.py)."""
+        svc.max_body_bytes = min(svc.max_body_bytes, self.cfg.server.max_body_bytes or DEFAULT_FEDERATION_BODY)
 
     def _record(self, run_id: str, event: Event) -> None:
         if isinstance(event, Record):

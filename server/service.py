@@ -205,6 +205,9 @@ class ServerService:
         self.events: list[Event] = []
         self.emit: Callable[[Event], None] = emit if emit is not None else self.events.append
         self.started_at = started_at
+        # the largest update (a dense float32 model and its header), and the largest request: an
+        # update over max_body_bytes travels in chunks (server/chunks.py)
+        self.update_limit = max(s.max_body_bytes, self.spec.nbytes + MAX_HEADER_BYTES)
         self.max_body_bytes = s.max_body_bytes or self.spec.nbytes + MAX_HEADER_BYTES
         self.mode = s.mode
         flat = self.trainer.flat.detach().clone()
@@ -381,6 +384,8 @@ class ServerService:
         if self.secure_round is not None and not self.secure_round.wants_task(node):
             return None
         work: dict[str, Any] = {"status": "work", "round": t.round, "version": t.version, "seed": t.seed}
+        if self.update_limit > self.max_body_bytes:  # a dense update is over one request: chunks of this size
+            work["upload_chunk_bytes"] = self.max_body_bytes
         left = r.time_left(now)
         if left is not None:
             work["deadline_s"] = round(left, 3)
@@ -519,13 +524,13 @@ class ServerService:
                 update, header = decode_update(
                     body,
                     self.spec,
-                    self.max_body_bytes,
+                    self.update_limit,
                     copy=False,
                     max_examples=s.max_examples,
                     max_abs=s.max_delta_abs,
                 )
             except SpecMismatch:
-                sent = _sent_spec_hash(body, self.max_body_bytes)
+                sent = _sent_spec_hash(body, self.update_limit)
                 if isinstance(sent, str) and sent != self.spec.hash:
                     raise SpecMismatch(spec_mismatch_detail(sent[:64], self.spec.hash)) from None
                 raise

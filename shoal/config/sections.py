@@ -295,7 +295,7 @@ class ServerConfig:
     deadline_s: float = 60.0  # a round closes this long after it starts
     min_fraction: float = 0.5  # share of the selected nodes that must report by the deadline
     poll_s: float = 20.0  # longest a node's GET /v1/task is held open
-    max_body_bytes: int = 0  # upload limit; 0 means one dense float32 model + 1 MiB
+    max_body_bytes: int = 0  # one request's limit (0: a dense float32 model + 1 MiB); larger updates go in chunks
     ingest_slots: int = 4  # uploads decoded at once (memory: slots x model size)
     checkpoint_dir: str = "server/checkpoints"  # checkpoints and the privacy ledger (privacy.json)
     keep_checkpoints: int = 3  # the newest checkpoints kept

@@ -467,6 +467,7 @@ class Request:
     body: bytes = b""
     kind: str = ""  # "update" | "keys" | "" (what the oracle checks)
     expect100: bool = False
+    chunk_sha256: str = ""  # a chunked upload's chunk digest header (X-Shoal-Chunk-Sha256)
 
 
 def requests(ctx: Ctx, mode: str):
@@ -483,6 +484,7 @@ def requests(ctx: Ctx, mode: str):
                 ["update"] * 8
                 + ["keys"] * (6 if mode == "secure" else 1)
                 + ["secagg_post", "task", "model", "secagg_get", "status", "metrics", "junk", "failed"]
+                + ["chunks"] * 2
                 + (federation * 2 if mode == "federation" else [])
             )
         )
@@ -496,6 +498,8 @@ def requests(ctx: Ctx, mode: str):
         if route == "failed":  # a failure report (POST /v1/failed) from a node that holds no task
             who_ = sender if sender not in LEGIT else "f0"
             return Request("POST", at + "/v1/failed", who_, draw(failure_body()), "failed")
+        if route == "chunks":  # chunked uploads: never a valid opening, chunks of uploads that do not exist
+            return draw(chunk_request(at, sender))
         if route == "update":
             body = draw(update_body(ctx, name))
             return Request("POST", at + "/v1/update", sender, body, "update", draw(st.booleans()))
@@ -524,6 +528,50 @@ def requests(ctx: Ctx, mode: str):
         )
 
     return one()
+
+
+def _valid_begin(body: bytes) -> bool:
+    """What POST /v1/uploads opens (docs/protocol.md): the fuzzer sends only others."""
+    try:
+        obj = json.loads(body)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return False
+    return (
+        isinstance(obj, dict)
+        and set(obj) == {"size", "sha256"}
+        and type(obj["size"]) is int
+        and obj["size"] >= 1
+        and isinstance(obj["sha256"], str)
+        and re.fullmatch(r"[0-9a-f]{64}", obj["sha256"]) is not None
+    )
+
+
+def chunk_request(at: str, sender: str):
+    """A malformed opening of a chunked upload, or a chunk / status request for an upload id that
+    was never opened (random offsets, sizes and digests)."""
+    sha = st.one_of(st.just("ab" * 32), st.text(alphabet="0123456789abcdefG", max_size=70))
+    begin = st.one_of(
+        st.binary(max_size=40),
+        json_value.map(_json_body),
+        st.fixed_dictionaries(
+            {"size": st.one_of(st.integers(-5, 2**70), st.floats(), st.booleans(), st.text(max_size=5)), "sha256": sha},
+            optional={"extra": json_value},
+        ).map(_json_body),
+    ).filter(lambda b: not _valid_begin(b))
+    ids = st.one_of(st.text(alphabet="0123456789abcdef", min_size=1, max_size=40), st.just("%2e%2e"))
+    offsets = st.one_of(st.integers(0, 10**6).map(str), st.sampled_from(["-1", "nan", "", "1e3", "0x10"]))
+    put = st.builds(
+        lambda i, o, body, d: Request("PUT", f"{at}/v1/uploads/{i}?offset={o}", sender, body, chunk_sha256=d),
+        ids,
+        offsets,
+        st.binary(max_size=64),
+        sha,
+    )
+    return st.one_of(
+        begin.map(lambda b: Request("POST", at + "/v1/uploads", sender, b)),
+        put,
+        ids.map(lambda i: Request("GET", f"{at}/v1/uploads/{i}", sender)),
+    )
 
 
 RUN_IDS = st.one_of(
@@ -630,6 +678,8 @@ def raw_request(req: Request, ctx: Ctx) -> bytes:
         head += f"Content-Type: application/octet-stream\r\nContent-Length: {len(req.body)}\r\n".encode()
         if req.expect100:
             head += b"Expect: 100-continue\r\n"
+        if req.chunk_sha256:
+            head += f"X-Shoal-Chunk-Sha256: {req.chunk_sha256}\r\n".encode()
     return head + b"\r\n" + (req.body if req.method in ("POST", "PUT") else b"")
 
 

@@ -1,0 +1,134 @@
+"""Chunked uploads: an update larger than one request (``server.max_body_bytes``) travels in chunks.
+
+Sans-I/O bookkeeping (time is passed in); server/app.py moves the bytes. A node opens an upload
+with the whole body's size and SHA-256, then sends the body in order, each chunk at most
+``chunk_bytes`` with its own SHA-256, at the offset the server has (a chunk at another offset is
+refused with the offset to resume from: after a lost connection the node asks for it and goes
+on). A chunk whose digest does not match changes nothing. When the last byte arrives the whole
+digest is checked and the body is handed to the service as one upload (decoded in place in the
+session's buffer, validated, streamed into the aggregate). An upload not finished by its deadline
+(``server.upload_timeout_s``, and the open round's deadline) is dropped. At most ``max_sessions``
+uploads are open at once, each holding one buffer of its declared size (at most the model's
+dense size plus the header), one per node and run: memory is O(sessions x model).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import secrets
+from dataclasses import dataclass, field
+from typing import Any
+
+from shoal.errors import ShoalError
+
+_HEX64 = re.compile(r"[0-9a-f]{64}")
+MAX_BEGIN_BODY = 1024
+
+
+class ChunkError(ShoalError):
+    """A chunked-upload request refused with nothing changed; ``status`` is the HTTP status."""
+
+    def __init__(self, code: str, detail: str, status: int, **extra: Any):
+        super().__init__(detail)
+        self.code, self.status, self.extra = code, status, extra
+
+
+@dataclass
+class Session:
+    id: str
+    owner: tuple[str, str]  # (run, node)
+    size: int
+    sha256: str
+    deadline: float
+    buf: bytearray
+    received: int = 0
+    busy: bool = False  # a chunk is being read into it
+    hasher: Any = field(default_factory=hashlib.sha256)
+
+
+class ChunkedUploads:
+    """The open chunked uploads of one server (all its runs)."""
+
+    def __init__(self, max_sessions: int):
+        self.max_sessions = max_sessions
+        self.sessions: dict[str, Session] = {}
+
+    def begin(self, run: str, node: str, obj: Any, limit: int, now: float, deadline: float) -> Session:
+        """Open an upload from ``{"size": n, "sha256": hex}`` (parsed JSON); a node's earlier open
+        upload in the same run is dropped (it starts over)."""
+        if not isinstance(obj, dict) or set(obj) != {"size", "sha256"}:
+            raise ChunkError("malformed", 'send exactly {"size": bytes, "sha256": "64 hex digits"}', 400)
+        size, digest = obj["size"], obj["sha256"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ChunkError("malformed", "size must be an integer >= 1 (the whole update's bytes)", 400)
+        if size > limit:
+            raise ChunkError("too_large", f"an update of {size} bytes is over this run's limit of {limit} bytes", 413)
+        if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
+            raise ChunkError("malformed", "sha256 must be 64 lowercase hex digits (the whole update's)", 400)
+        self.expire(now)
+        mine = [s for s in self.sessions.values() if s.owner == (run, node)]
+        if any(s.busy for s in mine):
+            raise ChunkError("busy", "a chunk of this node's open upload is still being read; try again", 409)
+        for s in mine:
+            del self.sessions[s.id]
+        if len(self.sessions) >= self.max_sessions:
+            raise ChunkError(
+                "busy", f"all {self.max_sessions} chunked uploads are open (server.ingest_slots); try later", 503
+            )
+        session = Session(secrets.token_hex(16), (run, node), size, digest, deadline, bytearray(size))
+        self.sessions[session.id] = session
+        return session
+
+    def get(self, run: str, node: str, upload: str, now: float) -> Session:
+        """The node's open upload (404 if it has none of that id, 410 once its deadline passed)."""
+        s = self.sessions.get(upload) if isinstance(upload, str) else None
+        if s is None or s.owner != (run, node):
+            raise ChunkError("unknown_upload", "no open upload of this node with that id; open one", 404)
+        if now >= s.deadline:
+            del self.sessions[s.id]
+            raise ChunkError("upload_expired", "the upload was not finished by its deadline; open a new one", 410)
+        return s
+
+    def check_chunk(self, s: Session, offset: int, length: int, digest: str | None, chunk_bytes: int) -> None:
+        """Before a chunk's bytes are read: where it goes and how long it is."""
+        if s.busy:
+            raise ChunkError("busy", "a chunk of this upload is already being read", 409)
+        if offset != s.received:
+            raise ChunkError(
+                "bad_offset",
+                f"chunk at offset {offset}, the server has {s.received} bytes: send from {s.received}",
+                409,
+                received=s.received,
+            )
+        if length < 1 or length > chunk_bytes:
+            raise ChunkError("too_large", f"a chunk is 1 to {chunk_bytes} bytes (server.max_body_bytes)", 413)
+        if offset + length > s.size:
+            raise ChunkError("too_large", f"the chunk ends at byte {offset + length}, the upload has {s.size}", 413)
+        if digest is None or not _HEX64.fullmatch(digest):
+            raise ChunkError("bad_digest", "send the chunk's SHA-256 (64 hex digits) in X-Shoal-Chunk-Sha256", 400)
+
+    def accept_chunk(self, s: Session, length: int, digest: str) -> bool:
+        """The chunk's bytes are in ``s.buf[received:received + length]``: count them if their digest
+        matches (else nothing changes). True when the upload is complete and whole-digest verified."""
+        chunk = memoryview(s.buf)[s.received : s.received + length]
+        try:
+            if hashlib.sha256(chunk).hexdigest() != digest:
+                raise ChunkError("bad_digest", "the chunk's bytes do not match its SHA-256; send it again", 400)
+            s.hasher.update(chunk)
+        finally:
+            chunk.release()
+        s.received += length
+        if s.received < s.size:
+            return False
+        del self.sessions[s.id]
+        if s.hasher.hexdigest() != s.sha256:
+            raise ChunkError("bad_digest", "the whole update does not match the SHA-256 it was opened with", 400)
+        return True
+
+    def expire(self, now: float) -> int:
+        """Drop the uploads past their deadline (not those with a chunk being read: it ends by then)."""
+        late = [k for k, s in self.sessions.items() if now >= s.deadline and not s.busy]
+        for k in late:
+            del self.sessions[k]
+        return len(late)
