@@ -28,7 +28,10 @@ from shoal.seeding import derive_seed
 from shoal.task import ClientData, Task, TaskError, as_tensors, call_part, num_examples, task_name
 from shoal.update import Update
 
+from .runlog import RunTag
+
 log = logging.getLogger(__name__)
+log.addFilter(RunTag())  # lines of a federation run's work name the run
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:

@@ -26,6 +26,7 @@ from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, TooLarge, UpdateRejected, WireError
 from shoal.pki import peer_fingerprint, read_secret
 
+from .connections import listen
 from .dashboard import is_dashboard_path, server_dashboard
 from .exposition import prometheus_text
 from .federation import DEFAULT_FEDERATION_BODY, Federation, RunError
@@ -356,7 +357,8 @@ async def _read_into(request: web.Request, view: memoryview, length: int, first:
         wait = min(s.body_timeout_s - (now - quiet_since), deadline - now)
         if s.min_upload_rate:  # wake in time to check the rate, not only at body_timeout_s
             wait = min(wait, max(s.upload_grace_s - elapsed, 0.0) + 0.5)
-        chunk = await _next_chunk(request, max(wait, 0.01))
+        # bytes already buffered are taken at once; only an empty buffer is waited on
+        chunk = request.content.read_nowait() or await _next_chunk(request, max(wait, 0.01))
     if got < length:
         svc.refused("malformed")
         raise Refusal(400, "malformed", f"body ended after {got} of {length} bytes (truncated)")
@@ -474,6 +476,8 @@ async def get_task(request: web.Request) -> web.Response:
         event = app[CHANGED]["event"]
         work = svc.poll(node, time.monotonic(), evaluates)
         if work is not None:
+            if run is not None and FEDERATION in app:  # the run's config travels with each of its tasks
+                work = {**work, **app[FEDERATION].task_fields(run)}
             return web.json_response(work)
         left = end - time.monotonic()
         if left <= 0:
@@ -880,8 +884,8 @@ async def serve(
         app, access_log=None, handle_signals=False, keepalive_timeout=s.idle_timeout_s, shutdown_timeout=SHUTDOWN_S
     )
     await runner.setup()
-    site = web.TCPSite(runner, s.host, s.port, ssl_context=ssl_context)
-    await site.start()
+    assert runner.server is not None  # made by setup()
+    listener, _cap = await listen(runner.server, s.host, s.port, ssl_context, s.max_connections)
     scheme = "https" if ssl_context else "http"
     if isinstance(service, Federation):
         log.info("listening on %s://%s:%d: a federation of %d runs at once", scheme, s.host, s.port, service.max_runs)
@@ -891,6 +895,7 @@ async def serve(
         await run_clock(app, stop)
     finally:
         _notify(app)
+        listener.close()  # no new connections; those open are shut down by the runner
         await runner.cleanup()
     if isinstance(service, Federation):
         log.info("stopped; runs in progress resume from their checkpoints on the next start")

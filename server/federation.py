@@ -255,26 +255,52 @@ class Federation:
             if svc.done:
                 continue
             row = self.db.get(run_id)
-            if row is None or self.db.answers(run_id).get(node, {}).get("answer") == "refused":
+            answer = self.db.answers(run_id).get(node, {})
+            if row is None or (answer.get("answer") == "refused" and not answer.get("temporary")):
                 continue
-            config = {**row.config, "server": {**row.config.get("server", {}), "poll_s": svc.cfg.server.poll_s}}
-            out.append({"run": run_id, "task": row.task, "task_sha256": row.task_sha256, "config": config})
+            out.append(self._offer(row, svc))
         return out
 
+    def task_fields(self, run_id: str) -> dict[str, Any]:
+        """What travels with each of a run's tasks: the run, its task and pin and its config, so a
+        node checks every task against its operator's limits, not only the offer it joined."""
+        svc, row = self.active.get(run_id), self.db.get(run_id)
+        return self._offer(row, svc) if svc is not None and row is not None else {}
+
+    @staticmethod
+    def _offer(row: RunRow, svc: ServerService) -> dict[str, Any]:
+        config = {**row.config, "server": {**row.config.get("server", {}), "poll_s": svc.cfg.server.poll_s}}
+        return {"run": row.id, "task": row.task, "task_sha256": row.task_sha256, "config": config}
+
     def answer(self, run_id: str, node: str, body: Any) -> dict[str, Any]:
-        """A node joins a run, or refuses it with its reason (its operator's policy)."""
+        """A node joins a run, or refuses it with its reason (its operator's policy). A refusal with
+        ``"temporary": true`` (say, the node's local-DP ledger for that data is busy with another run)
+        keeps the run offered to the node, which may join later; any other refusal is for good."""
         row = self._row(run_id)
-        if not isinstance(body, dict) or body.get("answer") not in ("joined", "refused"):
-            raise RunError("malformed", 'send {"answer": "joined"} or {"answer": "refused", "reason": "..."}')
-        reason = body.get("reason", "")
+        if (
+            not isinstance(body, dict)
+            or body.get("answer") not in ("joined", "refused")
+            or set(body) - {"answer", "reason", "temporary"}
+        ):
+            raise RunError(
+                "malformed",
+                'send {"answer": "joined"} or {"answer": "refused", "reason": "...", "temporary": false}',
+            )
+        reason, temporary = body.get("reason", ""), body.get("temporary", False)
         if not isinstance(reason, str) or len(reason) > 500 or not reason.isprintable():
             raise RunError("malformed", "reason must be printable text of at most 500 characters")
+        if not isinstance(temporary, bool) or (temporary and body["answer"] != "refused"):
+            raise RunError("malformed", "temporary is true or false, and only a refusal is temporary")
         if body["answer"] == "refused" and not reason:
             raise RunError("malformed", "a refusal needs its reason")
-        self.db.answer(row.id, node, body["answer"], reason, time.time())
+        stored = "deferred" if temporary else body["answer"]
+        self.db.answer(row.id, node, stored, reason, time.time())
+        svc = self.active.get(run_id)
+        if stored == "refused" and svc is not None:  # it left the run: no later round selects or waits for it
+            svc.forget({node})
         if body["answer"] == "refused":
-            log.info("%s: node %s refused it: %s", run_id, node, reason)
-        return {"run": run_id, "answer": body["answer"]}
+            log.info("%s: node %s refused it%s: %s", run_id, node, " for now" if temporary else "", reason)
+        return {"run": run_id, "answer": body["answer"], **({"temporary": True} if temporary else {})}
 
     def service(self, run_id: str) -> ServerService | None:
         """The run's protocol state while it trains; None once it ended (RunError if unknown)."""

@@ -143,7 +143,9 @@ def parse_eval_report(body: bytes) -> tuple[int, int, dict[str, float]]:
 
 #: A node's report that its task failed on the node (POST /v1/failed, docs/protocol.md).
 MAX_FAILURE_BODY = 1024
-FAILURE_REASONS = ("diverged",)
+#: ``diverged``: a non-finite loss or update; ``refused``: the node's operator policy refuses the
+#: run's config that came with the task (a federation's node, client/daemon.py).
+FAILURE_REASONS = ("diverged", "refused")
 
 
 def parse_failure_report(body: bytes) -> tuple[int, int, str]:
@@ -153,7 +155,9 @@ def parse_failure_report(body: bytes) -> tuple[int, int, str]:
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise Malformed(f"failure report is not JSON: {type(e).__name__}") from None
     if not isinstance(obj, dict) or set(obj) != {"round", "version", "reason"}:
-        raise Malformed('a failure report is a JSON object {"round": r, "version": v, "reason": "diverged"}')
+        raise Malformed(
+            'a failure report is a JSON object {"round": r, "version": v, "reason": "diverged" or "refused"}'
+        )
     for key in ("round", "version"):
         v = obj[key]
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 2**53:
@@ -462,7 +466,7 @@ class ServerService:
         self.refused(reason)
         if self.secure_round is not None:  # its first stage stops waiting for this node's keys
             self.secure_round.failed_node(node)
-        log.warning("round %d: node %s reports its training %s; its task is not handed out again", round_, node, reason)
+        log.warning("round %d: node %s reports its task %s; it is not handed out again", round_, node, reason)
         return {"status": "noted", "round": round_}
 
     def _fed_pending(self, v: int, fed: FedVersion) -> bool:

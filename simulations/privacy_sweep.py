@@ -58,6 +58,7 @@ COLUMNS = [
     "canary_epsilon_low",
     "canary_epsilon_high",
     "canary_accounted_epsilon",
+    "canary_flagged",
     "canaries",
     "mia_auc",
     "mia_tpr_at_1pct_fpr",
@@ -74,6 +75,7 @@ NO_AUDIT = {
     "canary_epsilon_low": math.nan,
     "canary_epsilon_high": math.nan,
     "canary_accounted_epsilon": math.nan,
+    "canary_flagged": False,
     "canaries": 0,
 }
 
@@ -272,7 +274,8 @@ def _fmt_canary(r: dict[str, Any]) -> str:
         if math.isinf(r["canary_accounted_epsilon"])
         else f"; audit run accounted {r['canary_accounted_epsilon']:.3g}"
     )
-    return f"{r['canary_epsilon']:.3g} [{r['canary_epsilon_low']:.3g}, {r['canary_epsilon_high']:.3g}]{acc}"
+    flag = "; EXCEEDS what is accounted" if r.get("canary_flagged") else ""
+    return f"{r['canary_epsilon']:.3g} [{r['canary_epsilon_low']:.3g}, {r['canary_epsilon_high']:.3g}]{acc}{flag}"
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
