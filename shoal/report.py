@@ -3,8 +3,8 @@
 Each DIR is a run's output folder (`shoal simulate --out`, a server's ``server.out_dir``, a
 federation run pulled with `shoal run pull`, a peer's ``--out``): its metrics.jsonl is read and
 four panels drawn with every run's curve: accuracy (or the task's first evaluation metric when it
-reports no accuracy) against rounds, loss, bytes moved, and epsilon spent. A panel no run has
-data for is left out. The HTML file embeds the PNG and a table of each run's final figures, so it
+reports no accuracy) against the version (a peer's round), loss, bytes moved, and epsilon spent.
+A panel no run has data for is left out. The HTML file embeds the PNG and a table of each run's final figures, so it
 can be mailed or attached to a report as it is.
 """
 
@@ -29,7 +29,7 @@ class Run:
     label: str
     folder: Path
     records: list[dict[str, Any]]
-    x: str  # "round" or "version"
+    x: str  # "version" or "round"
 
 
 @dataclass
@@ -59,9 +59,13 @@ def load_run(folder: str | Path, label: str | None = None) -> Run:
             raise ConfigError(f"{path}:{i}: not a JSON line") from None
         if isinstance(rec, dict):
             records.append(rec)
-    x = "round" if any(_num(r.get("round")) for r in records) else "version"
-    if records and not any(_num(r.get("version")) for r in records) and x == "version":
-        raise ConfigError(f"{path}: records have neither round nor version")
+    # the version when every line has one (a server's federated evaluations have no round), else the round
+    if records and all(_num(r.get("version")) for r in records):
+        x = "version"
+    elif any(_num(r.get("round")) for r in records):
+        x = "round"
+    else:
+        raise ConfigError(f"{path}: its lines have neither a round nor a version to draw against")
     return Run(label or folder.name or str(folder), folder, records, x)
 
 

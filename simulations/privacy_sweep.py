@@ -39,7 +39,7 @@ from .client_data import load_simulation_data
 from .experiment import run_simulation
 from .inprocess import InProcessSimulation
 from .mia import loss_threshold_audit
-from .run_loop import ProgressBar
+from .run_loop import OnRecord, ProgressBar
 
 log = logging.getLogger(__name__)
 
@@ -95,16 +95,18 @@ def run_setting(
     out: Path,
     task: Task | None = None,
     metric: str | None = None,
+    on_record: OnRecord | None = None,
 ) -> dict[str, Any]:
     """One simulation plus its audit; members are the samples of clients that trained.
-    ``metric``: the final metric reported as the utility (None: chosen from this run's)."""
+    ``metric``: the final metric reported as the utility (None: chosen from this run's).
+    ``on_record``: sees each round's metrics record (the sweep's progress line)."""
     c = copy.deepcopy(cfg)
     c.privacy.mode, c.privacy.noise_multiplier = mode, z
     c.output.plots = False
     c.validate()
     t0 = time.perf_counter()
     sim = InProcessSimulation(c, data, task)
-    summary = run_simulation(c, out, progress=False, sim=sim)
+    summary = run_simulation(c, out, progress=False, sim=sim, on_record=on_record)
     metric = metric or utility_metric(summary)
     members = [sim.shards.data(i) for i, cid in enumerate(sim.client_ids) if cid in sim.participants]
     audit = loss_threshold_audit(
@@ -197,6 +199,17 @@ def headline_accuracy(summary: dict[str, Any]) -> float:
     return math.nan
 
 
+def _round_status(bar: ProgressBar, mode: str, z: float, cfg: Config) -> OnRecord:
+    """The sweep's progress line while one setting trains: its round and the epsilon spent so far."""
+
+    def show(rec: dict[str, Any]) -> None:
+        eps = rec.get("epsilon")
+        spent = f", epsilon {eps:.3g}" if isinstance(eps, (int, float)) else ""
+        bar.advance(f"{mode} z={z:g}: round {rec.get('round')} of {cfg.simulation.rounds}{spent}", 0)
+
+    return show
+
+
 def run_privacy_sweep(cfg: Config, out_dir: str | Path) -> list[dict[str, Any]]:
     if cfg.simulation.mode == "gossip":  # run_setting trains and audits an InProcessSimulation's rounds
         raise ConfigError(
@@ -216,7 +229,7 @@ def run_privacy_sweep(cfg: Config, out_dir: str | Path) -> list[dict[str, Any]]:
             bar.advance(f"running {mode} z={z:g}", 0)  # where the sweep is while a setting trains and is audited
             log.info("privacy-sweep: setting %d of %d: %s z=%g (%s)", i, len(grid), mode, z, where)
             try:
-                row = run_setting(cfg, data, mode, z, where, task, metric)
+                row = run_setting(cfg, data, mode, z, where, task, metric, _round_status(bar, mode, z, cfg))
             except (ShoalError, RuntimeError, ValueError, ArithmeticError) as e:
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
                 log.warning("%s z=%g failed, the sweep goes on: %s", mode, z, reason)

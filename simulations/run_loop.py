@@ -68,8 +68,8 @@ class ProgressBar:
         return self
 
     def advance(self, status: str = "", by: int = 1) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, advance=by, status=status)
+        if self._bar is not None:  # drawn now: a short step's status is seen, not skipped by the refresh rate
+            self._bar.update(self._task, advance=by, status=status, refresh=True)
 
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:

@@ -40,11 +40,11 @@ def test_report_draws_runs_together_and_escapes_their_names(tmp_path):
         torch.set_num_threads(threads)
 
     runs = [load_run(sync_dir), load_run(async_dir)]
-    assert [r.x for r in runs] == ["round", "round"]
+    assert [r.x for r in runs] == ["version", "version"]
     ps = panels(runs)
     assert [p.title for p in ps] == ["test accuracy", "test loss", "bytes moved (total)"]  # no DP: no epsilon
     records = read_jsonl(sync_dir / "metrics.jsonl")
-    assert ps[0].curves["fedavg"] == [(r["round"], r["test_accuracy"]) for r in records]
+    assert ps[0].curves["fedavg"] == [(r["version"], r["test_accuracy"]) for r in records]
     assert ps[2].curves["fedavg"][-1][1] == records[-1]["bytes_up_total"] + records[-1]["bytes_down_total"]
 
     done = _shoal("report", str(sync_dir), str(async_dir), "--out", str(tmp_path / "out" / "cmp"))
