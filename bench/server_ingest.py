@@ -10,6 +10,11 @@ sizes. Streaming aggregation means the peak should not grow with N: at most
 ``server.ingest_slots`` bodies are held at once, the rest wait in their sockets.
 
     .venv/bin/python bench/server_ingest.py [--n 20 200] [--transports plain tls]
+
+``--against PYTHON`` also runs every case with a server started by another interpreter (another
+checkout's .venv/bin/python, e.g. main's before a change), alternating with this one, and prints
+this checkout's throughput and server CPU per MB against it: both measured in the same run, under
+the same load (the load average is printed too).
 """
 
 from __future__ import annotations
@@ -78,7 +83,13 @@ def _rss_mb(pid: int, field: str = "VmHWM") -> float:
     raise RuntimeError(f"no {field} in /proc status")
 
 
-async def _nodes(url: str, tokens: list[str], body: bytes, pid: int, ssl_ctx=None) -> tuple[float, float, float]:
+def _own_cpu_s() -> float:
+    """User + system CPU seconds of this process (the N nodes) so far."""
+    t = os.times()
+    return t.user + t.system
+
+
+async def _nodes(url: str, tokens: list[str], body: bytes, pid: int, ssl_ctx=None) -> tuple[float, float, float, float]:
     conn = aiohttp.TCPConnector(limit=0, ssl=ssl_ctx if ssl_ctx is not None else False)
     timeout = aiohttp.ClientTimeout(total=600)
     async with aiohttp.ClientSession(connector=conn, timeout=timeout) as http:
@@ -107,7 +118,7 @@ async def _nodes(url: str, tokens: list[str], body: bytes, pid: int, ssl_ctx=Non
 
         await asyncio.gather(*(poll(t) for t in tokens))
         rss0 = _rss_mb(pid, "VmRSS")
-        cpu0, t0 = _cpu_s(pid), time.perf_counter()
+        cpu0, mine0, t0 = _cpu_s(pid), _own_cpu_s(), time.perf_counter()
 
         async def upload(token: str) -> None:
             async with http.post(
@@ -119,10 +130,10 @@ async def _nodes(url: str, tokens: list[str], body: bytes, pid: int, ssl_ctx=Non
                 assert r.status == 200, await r.text()
 
         await asyncio.gather(*(upload(t) for t in tokens))
-        return time.perf_counter() - t0, _cpu_s(pid) - cpu0, rss0
+        return time.perf_counter() - t0, _cpu_s(pid) - cpu0, _own_cpu_s() - mine0, rss0
 
 
-def run(n: int, body: bytes, tls: bool = False) -> dict:
+def run(n: int, body: bytes, tls: bool = False, python: str = sys.executable) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         port = _free_port()
         cfg_path = Path(tmp) / "server.toml"
@@ -138,13 +149,16 @@ def run(n: int, body: bytes, tls: bool = False) -> dict:
         reg.close()
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         server = subprocess.Popen(
-            [sys.executable, "-m", "shoal.cli", "server", "--config", str(cfg_path), *flags],
+            [python, "-m", "shoal.cli", "server", "--config", str(cfg_path), *flags],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             env=env,
+            cwd=tmp,  # the interpreter's own checkout is imported, not a shoal/ folder in the caller's cwd
         )
         try:
-            seconds, cpu, rss0 = asyncio.run(_nodes(f"{scheme}://127.0.0.1:{port}", tokens, body, server.pid, ssl_ctx))
+            seconds, cpu, nodes_cpu, rss0 = asyncio.run(
+                _nodes(f"{scheme}://127.0.0.1:{port}", tokens, body, server.pid, ssl_ctx)
+            )
             peak = _rss_mb(server.pid)
             server.terminate()  # it would otherwise wait for the nodes to hear "done"
             server.wait(60)
@@ -156,12 +170,14 @@ def run(n: int, body: bytes, tls: bool = False) -> dict:
     return {
         "n": n,
         "transport": "tls" if tls else "plain",
+        "server": "this" if python == sys.executable else "against",
         "mb": mb,
         "rss_before_mb": rss0,
         "seconds": seconds,
         "mb_per_s": mb / seconds,
         "peak_rss_mb": peak,
         "server_cpu_s": cpu,
+        "nodes_cpu_s": nodes_cpu,
         "mb_per_cpu_s": mb / max(cpu, 1e-9),
     }
 
@@ -170,6 +186,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, nargs="+", default=[20, 200])
     ap.add_argument("--transports", nargs="+", choices=["plain", "tls"], default=["plain", "tls"])
+    ap.add_argument("--against", metavar="PYTHON", help="also run each case with this interpreter's shoal server")
+    ap.add_argument("--repeat", type=int, default=1, help="run each case this many times (alternating servers)")
     args = ap.parse_args()
     torch.manual_seed(0)
     model = build_model("cnn", (1, 28, 28), 10)
@@ -178,26 +196,51 @@ def main() -> None:
     body = encode_update(Update(delta, num_examples=600, base_version=0), spec, {"round": 1})
     model_mb = spec.nbytes / 1e6
     print(f"model: {spec.numel:,} parameters, {model_mb:.2f} MB float32; update body {len(body) / 1e6:.2f} MB")
-    load = os.getloadavg()[0]
-    results = [run(n, body, tls=t == "tls") for n in args.n for t in args.transports]
-    print(f"load average before: {load:.1f} on {os.cpu_count()} CPUs (nodes and server share them)")
+    servers = [sys.executable] + ([args.against] if args.against else [])
+    loads = [os.getloadavg()[0]]
+    results = []
+    for n in args.n:
+        for t in args.transports:
+            for _ in range(args.repeat):
+                for python in servers:
+                    results.append(run(n, body, tls=t == "tls", python=python))
+                    loads.append(os.getloadavg()[0])
     print(
-        f"{'N':>5} {'transport':>9} {'MB sent':>9} {'seconds':>8} {'MB/s':>8} {'server CPU s':>13} "
+        f"load average (1 min) during the runs: {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} CPUs "
+        "(nodes and server share them)"
+    )
+    print(
+        f"{'server':>8} {'N':>5} {'transport':>9} {'MB sent':>9} {'seconds':>8} {'MB/s':>8} {'nodes CPU s':>12} "
+        f"{'server CPU s':>13} "
         f"{'MB per server CPU s':>20} {'server peak RSS MB':>19} {'growth (models)':>16}"
     )
     for r in results:
         growth = (r["peak_rss_mb"] - r["rss_before_mb"]) / model_mb
         print(
-            f"{r['n']:>5} {r['transport']:>9} {r['mb']:>9.1f} {r['seconds']:>8.2f} {r['mb_per_s']:>8.1f} "
-            f"{r['server_cpu_s']:>13.2f} {r['mb_per_cpu_s']:>20.1f} {r['peak_rss_mb']:>19.1f} {growth:>16.2f}"
+            f"{r['server']:>8} {r['n']:>5} {r['transport']:>9} {r['mb']:>9.1f} {r['seconds']:>8.2f} "
+            f"{r['mb_per_s']:>8.1f} {r['nodes_cpu_s']:>12.2f} {r['server_cpu_s']:>13.2f} {r['mb_per_cpu_s']:>20.1f} {r['peak_rss_mb']:>19.1f} "
+            f"{growth:>16.2f}"
         )
+
+    def best(server: str, n: int, transport: str) -> dict | None:
+        """The case's fastest repeat (the one least disturbed by the machine's other load)."""
+        runs = [r for r in results if (r["server"], r["n"], r["transport"]) == (server, n, transport)]
+        return max(runs, key=lambda r: r["mb_per_s"]) if runs else None
+
     for n in args.n:
-        pair = {r["transport"]: r for r in results if r["n"] == n}
-        if len(pair) == 2:
-            print(f"N={n}: TLS / plain throughput {pair['tls']['mb_per_s'] / pair['plain']['mb_per_s']:.2f}x")
-    plain = [r for r in results if r["transport"] == "plain"]
-    if len(plain) >= 2:
-        lo, hi = plain[0], plain[-1]
+        plain, tls = best("this", n, "plain"), best("this", n, "tls")
+        if plain and tls:
+            print(f"N={n}: TLS / plain throughput {tls['mb_per_s'] / plain['mb_per_s']:.2f}x")
+        for t in args.transports:
+            mine, other = best("this", n, t), best("against", n, t)
+            if mine and other:
+                print(
+                    f"N={n} {t}: this / against: throughput {mine['mb_per_s'] / other['mb_per_s']:.2f}x, "
+                    f"MB per server CPU s {mine['mb_per_cpu_s'] / other['mb_per_cpu_s']:.2f}x (best of {args.repeat})"
+                )
+    if "plain" in args.transports and len(args.n) >= 2:
+        lo, hi = best("this", args.n[0], "plain"), best("this", args.n[-1], "plain")
+        assert lo and hi
         grow = (hi["peak_rss_mb"] - lo["peak_rss_mb"]) / model_mb
         print(
             f"peak RSS growth N={lo['n']} -> N={hi['n']}: {hi['peak_rss_mb'] - lo['peak_rss_mb']:.1f} MB "

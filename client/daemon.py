@@ -12,6 +12,7 @@ SIGINT/SIGTERM let the current steps finish, then it exits.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import logging
 import random
@@ -30,8 +31,10 @@ from shoal.errors import ShoalError
 from .http import Backoff, NodeError, Refused, Retry, check_response, connection_problem
 from .node import Node, builtin_local_data, read_local_data
 from .node_config import BUILTIN, NodeConfig
+from .runlog import RUN, RunTag
 
 log = logging.getLogger(__name__)
+log.addFilter(RunTag())
 
 _RUN_ID = re.compile(r"run-[0-9]{1,9}")
 _SHA = re.compile(r"[0-9a-f]{64}|builtin")
@@ -65,7 +68,8 @@ class NodeDaemon:
         self.stop = asyncio.Event()
         self.rand = random.Random()
         self.runs: dict[str, asyncio.Task] = {}  # accepted runs (running or over)
-        self.refused: dict[str, str] = {}  # run -> this node's reason
+        self.refused: dict[str, str] = {}  # run -> this node's reason (for good)
+        self.deferred: dict[str, str] = {}  # run -> why this node cannot take part yet (asked again each poll)
         self.ledgers: dict[Path, str] = {}  # local-DP ledger in use -> the run spending that data's budget
 
     async def run(self) -> int:
@@ -113,20 +117,30 @@ class NodeDaemon:
         self.stop.set()
 
     async def _consider(self, offer: dict[str, Any]) -> None:
+        """Join the offered run, or refuse it: for good when its task or config is not this node's
+        to run (policy, limits, a task that does not load here), for now when the cause passes
+        (this data set's local-DP ledger is spent by another run: asked again at each poll)."""
         run = offer["run"]
         reason = self.cfg.check(offer)
         ledger = self.ledger(offer)
         if reason is None and self.ledgers.get(ledger, run) != run:
-            reason = (
+            busy = (
                 f"node {self.cfg.name}'s data for task {offer['task'][:200]} is trained with local DP by "
-                f"{self.ledgers[ledger]}; one local-DP run at a time spends a data set's budget"
+                f"{self.ledgers[ledger]}; one local-DP run at a time spends a data set's budget (this node "
+                "takes part once that run is over)"
             )
+            if self.deferred.get(run) != busy:  # told once, not at every poll
+                log.info("%s deferred: %s", run, busy)
+                await self._answer(run, {"answer": "refused", "reason": busy[:500], "temporary": True})
+            self.deferred[run] = busy
+            return
         node = None
         if reason is None:
             try:
                 node = await asyncio.to_thread(self._node_for, offer)
             except (ShoalError, OSError) as e:  # a run this node cannot take part in: say why
                 reason = f"node {self.cfg.name} cannot run it: {e}"
+        self.deferred.pop(run, None)
         if node is None:
             self.refused[run] = reason or "refused"
             log.warning("%s refused: %s", run, self.refused[run])
@@ -137,6 +151,36 @@ class NodeDaemon:
         if node.privacy is not None and node.privacy.mode == "local":
             self.ledgers[ledger] = run
         self.runs[run] = asyncio.ensure_future(self._take_part(run, node, ledger))
+
+    def check_task(self, joined: dict[str, Any], task: dict[str, Any]) -> str | None:
+        """Why this node refuses one task of a run it joined (None: it trains it). The run's task,
+        pin and config travel with each task; each time they must be those the node joined with
+        and within its operator's limits (the installed task's source is hashed again too)."""
+        sent = {key: task.get(key) for key in ("run", "task", "task_sha256", "config")}
+        if not well_formed_offer(sent):
+            return (
+                f"a task of {joined['run']} came without its run's task and config (run, task, task_sha256, "
+                f"config); node {self.cfg.name} trains only tasks whose config it checked"
+            )
+        for key in ("run", "task", "task_sha256"):
+            if sent[key] != joined[key]:
+                return (
+                    f"a task of {joined['run']} names {key} {str(sent[key])[:200]!r}; the node joined {joined[key]!r}"
+                )
+        theirs: dict[str, dict] = sent["config"]  # type: ignore[assignment]  # checked by well_formed_offer
+        ours: dict[str, dict] = joined["config"]
+        if theirs != ours:
+            changed = sorted(
+                f"{name}.{key}"
+                for name in set(theirs) | set(ours)
+                for key in set(theirs.get(name, {})) | set(ours.get(name, {}))
+                if theirs.get(name, {}).get(key) != ours.get(name, {}).get(key)
+            )
+            return (
+                f"the config of {joined['run']} changed since node {self.cfg.name} joined it "
+                f"({', '.join(changed[:5])[:300]}); a run's config is fixed when it is submitted"
+            )
+        return self.cfg.check(sent)
 
     def ledger(self, offer: dict[str, Any]) -> Path:
         """Where a local-DP node keeps the rounds spent on the data a task reads: one ledger per data
@@ -172,14 +216,16 @@ class NodeDaemon:
             name=self.cfg.name,
             task=task,
             privacy_ledger=self.ledger(offer),
+            check_task=functools.partial(self.check_task, offer),
         )
 
     async def _take_part(self, run: str, node: Node, ledger: Path) -> None:
+        RUN.set(run)  # this asyncio task's lines (and its training threads') name the run
         node.stop = self.stop  # the daemon's signal stops every run's loop
         try:
             await node.run(signals=False)
             log.info("%s: over for this node after %d rounds", run, node.rounds_done)
-        except ShoalError as e:
+        except ShoalError as e:  # a task refused by this node's policy, or the run's config not this node's
             log.error("%s: this node stops taking part: %s", run, e)
             try:
                 await self._answer(run, {"answer": "refused", "reason": str(e)[:500]})

@@ -80,6 +80,9 @@ class DpSgdTrainer(LocalTrainer):
         self._sgd = torch.optim.SGD(
             self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
         )
+        # The canary audit's hook (simulations/canary_audit.py): the flat per-example gradient of
+        # one extra example, Poisson-sampled like the others and clipped and noised with them
+        self.gradient_canary: torch.Tensor | None = None
         self._noise_gen = torch.Generator(device=self.device)
         self._dp_opt = DPOptimizer(
             self._sgd,
@@ -119,9 +122,11 @@ class DpSgdTrainer(LocalTrainer):
         self._noise_gen.manual_seed(derive_seed(seed, 1))
         gen = torch.Generator().manual_seed(int(seed) % (1 << 63))
         loss_sum, sampled = 0.0, 0
+        canary = self.gradient_canary
         self.grad_sample_module.train()
         for _ in range(steps):
-            idx = torch.nonzero(torch.rand(n, generator=gen) < q).squeeze(1).to(self.device)
+            draws = torch.rand(n + (canary is not None), generator=gen) < q
+            idx = torch.nonzero(draws[:n]).squeeze(1).to(self.device)
             self._dp_opt.zero_grad(set_to_none=True)
             if len(idx) == 0:
                 # An empty Poisson sample still takes a step: zero gradient, full noise.
@@ -132,8 +137,19 @@ class DpSgdTrainer(LocalTrainer):
                 loss.backward()
                 loss_sum += float(loss.detach()) * len(idx)
                 sampled += len(idx)
+            if canary is not None and bool(draws[n]):
+                self._add_sample_gradient(canary)
             self._dp_opt.step()
         self._dp_opt.zero_grad(set_to_none=True)
         delta = flat - global_flat
         metrics = {"train_loss": loss_sum / max(sampled, 1), "local_steps": float(steps)}
         return Update(delta=delta, num_examples=n, base_version=base_version, sender=sender, metrics=metrics)
+
+    def _add_sample_gradient(self, flat_grad: torch.Tensor) -> None:
+        """One more per-sample gradient row (a flat vector over the model) before Opacus clips."""
+        views = self.spec.views(flat_grad.to(self.device, self.flat.dtype))
+        for name, p in self.model.named_parameters():
+            if name in views and p.requires_grad:
+                row = views[name].reshape(1, *p.shape)
+                have = getattr(p, "grad_sample", None)
+                p.grad_sample = row if have is None else torch.cat([have, row])  # type: ignore[attr-defined]

@@ -30,6 +30,7 @@ import re
 import secrets
 import signal
 import ssl
+from collections.abc import Callable
 from pathlib import Path
 
 import aiohttp
@@ -40,7 +41,7 @@ from shoal.aggregation.compression import Compressor
 from shoal.aggregation.dp import clip_to_norm, make_generator, noise_share, share_std
 from shoal.assembly import initial_model, make_trainer, task_from_config
 from shoal.config import Config
-from shoal.errors import ConfigError, SpecMismatch, short_repr
+from shoal.errors import ConfigError, ShoalError, SpecMismatch, short_repr
 from shoal.params import ParamSpec
 from shoal.shards import Shard
 from shoal.task import (
@@ -60,9 +61,19 @@ from shoal.update import Update
 from shoal.wire import decode_model, encode_update, read_header
 
 from .http import Backoff, NodeError, Refused, Retry, check_response, connection_problem
+from .runlog import RunTag
 from .training import summarize_means
 
 log = logging.getLogger(__name__)
+
+log.addFilter(RunTag())  # lines of a federation run's work name the run
+
+
+class PolicyRefusal(ShoalError):
+    """The node's operator policy refuses a task of the run (its config is over the node's limits,
+    or not the config the node joined with): the node stops taking part in that run."""
+
+    code = "refused"
 
 
 SPEC_HASH_HEADER = "X-Shoal-Spec-Hash"  # sent with every poll (docs/protocol.md)
@@ -326,9 +337,12 @@ class Node:
         name: str = "",
         task: Task | None = None,
         privacy_ledger: Path | None = None,
+        check_task: Callable[[dict], str | None] | None = None,
     ):
-        """``privacy_ledger``: the file where a local-DP node keeps the rounds it spent (None: in memory)."""
+        """``privacy_ledger``: the file where a local-DP node keeps the rounds it spent (None: in memory).
+        ``check_task``: why this node refuses a task (its run's config travels with each task), or None."""
         self.url = server.rstrip("/")
+        self.check_task = check_task
         self.token = token
         self.task = task if task is not None else task_from_config(cfg)
         if isinstance(data, Shard):
@@ -456,6 +470,10 @@ class Node:
         if (int(task["round"]), version) in self.failed_tasks:  # trained once, diverged or refused: not again
             await self._pause(self.poll_s)  # a server that hands it out again is not asked in a tight loop
             return
+        refusal = self.check_task(task) if self.check_task is not None else None
+        if refusal is not None:  # before the model is fetched or anything is trained
+            await self._failed(task, "refused", refusal)
+            raise PolicyRefusal(refusal)
         self._check_privacy(task)
         if self.privacy is not None and not self.privacy.allows_next_round():
             self.stop.set()  # this node's own budget: it takes no more work
@@ -496,7 +514,10 @@ class Node:
         round_, version = int(task["round"]), int(task["version"])
         run = self.url.rsplit("/runs/", 1)[1] if "/runs/" in self.url else None
         where = f"run {run}, round {round_}" if run else f"round {round_}"
-        log.warning("training diverged in %s: %s; not uploading", where, detail)
+        if reason == "diverged":
+            log.warning("training diverged in %s: %s; not uploading", where, detail)
+        else:
+            log.warning("task of %s refused by this node's policy: %s", where, detail)
         self.failed_tasks.add((round_, version))
         try:
             await self._request("POST", "/v1/failed", json={"round": round_, "version": version, "reason": reason})

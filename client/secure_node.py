@@ -41,8 +41,10 @@ from shoal.errors import Malformed, ShoalError
 from shoal.update import Update
 
 from .http import Backoff, Refused, Retry
+from .runlog import RunTag
 
 log = logging.getLogger(__name__)
+log.addFilter(RunTag())  # lines of a federation run's work name the run
 
 MIN_THRESHOLD = 0.5  # t > half of each neighbourhood (shoal.config checks the same on the server)
 OCTET = {"Content-Type": "application/octet-stream"}

@@ -37,7 +37,10 @@ from shoal.task import (
 )
 from shoal.update import Update
 
+from .runlog import RunTag
+
 log = logging.getLogger(__name__)
+log.addFilter(RunTag())  # lines of a federation run's work name the run
 
 
 def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:

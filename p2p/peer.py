@@ -68,6 +68,7 @@ from shoal.config import Config
 from shoal.errors import ShoalError, TooLarge
 from shoal.metrics import MetricsLog, json_safe
 from shoal.seeding import derive_seed
+from shoal.server.dashboard import is_dashboard_path
 from shoal.task import ClientData, num_examples, task_name
 from shoal.wire import encode_model
 
@@ -83,6 +84,7 @@ from .connections import (
 from .gossip import GossipNode
 from .group_average import GridAverage, SliceMessage
 from .messages import Refused, parse_refusal
+from .page import peer_dashboard
 from .robust import check_gossip_settings
 from .secure_group import SecureGroup, SecureMessage
 from .service import Outgoing, PeerService, Rejected
@@ -139,7 +141,7 @@ class Peer:
         self.steps = 0
         self.train_loss: float | None = None
         self.last_eval: dict[str, float] = {}  # the latest evaluation's metrics (GET /status)
-        self.metrics = MetricsLog(settings.out_dir) if settings.out_dir else None
+        self.metrics = MetricsLog(settings.out_dir, cfg.output.tensorboard) if settings.out_dir else None
         # local DP (privacy.mode = "local"): the trainer runs DP-SGD; this peer's epsilon over its own
         # trainings, kept in a ledger in --out so a restarted peer goes on from it
         self.privacy = (
@@ -182,7 +184,7 @@ class Peer:
         if isinstance(conn, GuardedHandler):
             conn.disarm()
         try:
-            if not self._authorized(request):
+            if not self._authorized(request) and not is_dashboard_path(request.path):  # the page: its own login
                 return _error(401, "unauthorized", "missing or wrong network token (Authorization: Bearer TOKEN)")
             return await handler(request)
         except _HangUp as e:
@@ -230,6 +232,7 @@ class Peer:
         ):
             app.router.add_post(path, handler, expect_handler=self._expect)
         app.router.add_get("/status", self.handle_status)
+        peer_dashboard(self).add_routes(app)  # GET /: this peer's page (p2p/page.py)
         return app
 
     async def _body(self, request: web.Request) -> bytes:

@@ -26,6 +26,8 @@ from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, TooLarge, UpdateRejected, WireError
 from shoal.pki import peer_fingerprint, read_secret
 
+from .connections import listen
+from .dashboard import is_dashboard_path, server_dashboard
 from .exposition import prometheus_text
 from .federation import DEFAULT_FEDERATION_BODY, Federation, RunError
 from .registry import AuthError, Registry, hash_token, well_formed
@@ -221,7 +223,9 @@ def _authenticate_admin(request: web.Request) -> web.Response | None:
 @web.middleware
 async def auth(request: web.Request, handler):
     """Every route needs ``Authorization: Bearer <token>``: of an enabled node, or for the
-    admin routes the admin token."""
+    admin routes the admin token. The page (server/dashboard.py) checks its own login."""
+    if is_dashboard_path(request.path):
+        return await handler(request)
     if request.path in ADMIN_PATHS or request.path == RUNS_PATH or request.path.startswith(RUNS_PATH + "/"):
         refused = _authenticate_admin(request)
     elif NODE not in request:
@@ -353,7 +357,8 @@ async def _read_into(request: web.Request, view: memoryview, length: int, first:
         wait = min(s.body_timeout_s - (now - quiet_since), deadline - now)
         if s.min_upload_rate:  # wake in time to check the rate, not only at body_timeout_s
             wait = min(wait, max(s.upload_grace_s - elapsed, 0.0) + 0.5)
-        chunk = await _next_chunk(request, max(wait, 0.01))
+        # bytes already buffered are taken at once; only an empty buffer is waited on
+        chunk = request.content.read_nowait() or await _next_chunk(request, max(wait, 0.01))
     if got < length:
         svc.refused("malformed")
         raise Refusal(400, "malformed", f"body ended after {got} of {length} bytes (truncated)")
@@ -471,6 +476,8 @@ async def get_task(request: web.Request) -> web.Response:
         event = app[CHANGED]["event"]
         work = svc.poll(node, time.monotonic(), evaluates)
         if work is not None:
+            if run is not None and FEDERATION in app:  # the run's config travels with each of its tasks
+                work = {**work, **app[FEDERATION].task_fields(run)}
             return web.json_response(work)
         left = end - time.monotonic()
         if left <= 0:
@@ -487,7 +494,9 @@ async def get_model(request: web.Request) -> web.Response:
     headers = {"ETag": etag, "X-Shoal-Version": str(svc.version), "Cache-Control": "no-cache"}
     if etag in [t.strip() for t in request.headers.get("If-None-Match", "").split(",")]:
         return web.Response(status=304, headers=headers)
-    return web.Response(body=svc.model_body(), headers=headers, content_type="application/octet-stream")
+    body = svc.model_body()
+    svc.activity.sent(request[NODE], len(body), time.monotonic())
+    return web.Response(body=body, headers=headers, content_type="application/octet-stream")
 
 
 async def post_update(request: web.Request) -> web.Response:
@@ -660,6 +669,7 @@ def make_app(service: ServerService, registry: Registry) -> web.Application:
     _node_routes(app, "")
     app.router.add_get("/v1/status", get_status)
     app.router.add_get("/metrics", get_metrics)
+    server_dashboard(app[ADMIN], service, registry).add_routes(app)
     return app
 
 
@@ -712,6 +722,7 @@ def make_federation_app(federation: Federation, registry: Registry) -> web.Appli
     app.router.add_get(RUNS_PATH + "/{run}/metrics", get_run_metrics)
     app.router.add_post(RUNS_PATH + "/{run}/stop", post_run_stop)
     app.router.add_get(RUNS_PATH + "/{run}/files/{name}", get_run_file)
+    server_dashboard(app[ADMIN], federation, registry).add_routes(app)
     return app
 
 
@@ -873,8 +884,8 @@ async def serve(
         app, access_log=None, handle_signals=False, keepalive_timeout=s.idle_timeout_s, shutdown_timeout=SHUTDOWN_S
     )
     await runner.setup()
-    site = web.TCPSite(runner, s.host, s.port, ssl_context=ssl_context)
-    await site.start()
+    assert runner.server is not None  # made by setup()
+    listener, _cap = await listen(runner.server, s.host, s.port, ssl_context, s.max_connections)
     scheme = "https" if ssl_context else "http"
     if isinstance(service, Federation):
         log.info("listening on %s://%s:%d: a federation of %d runs at once", scheme, s.host, s.port, service.max_runs)
@@ -884,6 +895,7 @@ async def serve(
         await run_clock(app, stop)
     finally:
         _notify(app)
+        listener.close()  # no new connections; those open are shut down by the runner
         await runner.cleanup()
     if isinstance(service, Federation):
         log.info("stopped; runs in progress resume from their checkpoints on the next start")

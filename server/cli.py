@@ -241,3 +241,40 @@ def admin_token(
         f'admin token written to {path}; set server.admin_token_file = "{path}" and send it as '
         "'Authorization: Bearer <token>' to /v1/status and /metrics"
     )
+
+
+@app.command("researcher-token")
+def researcher_token(
+    name: str = typer.Argument(..., help="The researcher's name (shown as the submitter of their runs)."),
+    tokens_file: Path = typer.Option(
+        ..., "--tokens-file", help="The federation.researcher_tokens_file to add NAME to (made with mode 0600)."
+    ),
+    token_out: Path | None = typer.Option(
+        None,
+        "--token-out",
+        help="Write NAME's token here (mode 0600, for `shoal run --token-file`) instead of printing it.",
+    ),
+    remove: bool = typer.Option(
+        False, "--remove", help="Take NAME out of the file instead (their token stops working)."
+    ),
+) -> None:
+    """Add a researcher to the tokens file of federation.researcher_tokens_file (or --remove one).
+
+    The file holds lines of NAME TOKEN and is rewritten atomically with mode 0600; the server reads
+    it when it starts (restart it after a change)."""
+    from .researchers import add_researcher, remove_researcher
+
+    if remove:
+        if token_out is not None:
+            raise ConfigError("--token-out goes with adding a researcher, not with --remove")
+        remove_researcher(tokens_file, name)
+        typer.echo(f"researcher {name!r} removed from {tokens_file}; restart the server to apply it")
+        return
+    token = add_researcher(tokens_file, name, token_out)
+    where = f"their token is in {token_out} (mode 0600)" if token_out is not None else "their token (shown once):"
+    typer.echo(
+        f'researcher {name!r} added to {tokens_file}; set federation.researcher_tokens_file = "{tokens_file}" '
+        f"and restart the server; {where}"
+    )
+    if token_out is None:
+        typer.echo(token)

@@ -60,7 +60,9 @@ RUN_SERVER_KEYS = frozenset(
     }
 )
 #: Tables a run may not set: they are the federation's or the simulator's.
-NOT_A_RUNS = frozenset({"federation", "output", "heterogeneity", "gossip", "attack"})
+NOT_A_RUNS = frozenset({"federation", "heterogeneity", "gossip", "attack"})
+#: The [output] keys a run sets (TensorBoard files beside its metrics.jsonl; the default is the federation's).
+RUN_OUTPUT_KEYS = frozenset({"tensorboard"})
 BUILTIN = "builtin"  # --task builtin: shoal's own task of [model] + [data]
 MAX_RUN_CONFIG_BYTES = 64 * 1024
 _RUN_ID = re.compile(r"run-[0-9]{1,9}")
@@ -107,6 +109,9 @@ def check_run_config(raw: Any) -> dict[str, Any]:
             raise RunError("bad_config", f"[{name}] is not a run's to set (it belongs to the federation or simulator)")
         if not isinstance(table, dict):
             raise RunError("bad_config", f"{str(name)[:40]} must be a table")
+    output = sorted(set(raw.get("output", {})) - RUN_OUTPUT_KEYS)
+    if output:
+        raise RunError("bad_config", f"output.{output[0][:40]} is the federation's; a run sets output.tensorboard")
     server = raw.get("server", {})
     other = sorted(set(server) - RUN_SERVER_KEYS)
     if other:
@@ -126,7 +131,8 @@ def run_config(fed: Config, raw: dict[str, Any], task: str, run_dir: Path) -> Co
     server = {k: v for k, v in fed.server.__dict__.items() if k not in RUN_SERVER_KEYS}
     server.update(raw.get("server", {}))
     server.update(checkpoint_dir=str(run_dir / "checkpoints"), out_dir=str(run_dir))
-    data = {**copy.deepcopy(raw), "server": server}
+    output = {"tensorboard": fed.output.tensorboard, **raw.get("output", {})}
+    data = {**copy.deepcopy(raw), "server": server, "output": output}
     if task != BUILTIN:
         data["task"] = {**data.get("task", {}), "app": task}
     try:
@@ -249,26 +255,52 @@ class Federation:
             if svc.done:
                 continue
             row = self.db.get(run_id)
-            if row is None or self.db.answers(run_id).get(node, {}).get("answer") == "refused":
+            answer = self.db.answers(run_id).get(node, {})
+            if row is None or (answer.get("answer") == "refused" and not answer.get("temporary")):
                 continue
-            config = {**row.config, "server": {**row.config.get("server", {}), "poll_s": svc.cfg.server.poll_s}}
-            out.append({"run": run_id, "task": row.task, "task_sha256": row.task_sha256, "config": config})
+            out.append(self._offer(row, svc))
         return out
 
+    def task_fields(self, run_id: str) -> dict[str, Any]:
+        """What travels with each of a run's tasks: the run, its task and pin and its config, so a
+        node checks every task against its operator's limits, not only the offer it joined."""
+        svc, row = self.active.get(run_id), self.db.get(run_id)
+        return self._offer(row, svc) if svc is not None and row is not None else {}
+
+    @staticmethod
+    def _offer(row: RunRow, svc: ServerService) -> dict[str, Any]:
+        config = {**row.config, "server": {**row.config.get("server", {}), "poll_s": svc.cfg.server.poll_s}}
+        return {"run": row.id, "task": row.task, "task_sha256": row.task_sha256, "config": config}
+
     def answer(self, run_id: str, node: str, body: Any) -> dict[str, Any]:
-        """A node joins a run, or refuses it with its reason (its operator's policy)."""
+        """A node joins a run, or refuses it with its reason (its operator's policy). A refusal with
+        ``"temporary": true`` (say, the node's local-DP ledger for that data is busy with another run)
+        keeps the run offered to the node, which may join later; any other refusal is for good."""
         row = self._row(run_id)
-        if not isinstance(body, dict) or body.get("answer") not in ("joined", "refused"):
-            raise RunError("malformed", 'send {"answer": "joined"} or {"answer": "refused", "reason": "..."}')
-        reason = body.get("reason", "")
+        if (
+            not isinstance(body, dict)
+            or body.get("answer") not in ("joined", "refused")
+            or set(body) - {"answer", "reason", "temporary"}
+        ):
+            raise RunError(
+                "malformed",
+                'send {"answer": "joined"} or {"answer": "refused", "reason": "...", "temporary": false}',
+            )
+        reason, temporary = body.get("reason", ""), body.get("temporary", False)
         if not isinstance(reason, str) or len(reason) > 500 or not reason.isprintable():
             raise RunError("malformed", "reason must be printable text of at most 500 characters")
+        if not isinstance(temporary, bool) or (temporary and body["answer"] != "refused"):
+            raise RunError("malformed", "temporary is true or false, and only a refusal is temporary")
         if body["answer"] == "refused" and not reason:
             raise RunError("malformed", "a refusal needs its reason")
-        self.db.answer(row.id, node, body["answer"], reason, time.time())
+        stored = "deferred" if temporary else body["answer"]
+        self.db.answer(row.id, node, stored, reason, time.time())
+        svc = self.active.get(run_id)
+        if stored == "refused" and svc is not None:  # it left the run: no later round selects or waits for it
+            svc.forget({node})
         if body["answer"] == "refused":
-            log.info("%s: node %s refused it: %s", run_id, node, reason)
-        return {"run": run_id, "answer": body["answer"]}
+            log.info("%s: node %s refused it%s: %s", run_id, node, " for now" if temporary else "", reason)
+        return {"run": run_id, "answer": body["answer"], **({"temporary": True} if temporary else {})}
 
     def service(self, run_id: str) -> ServerService | None:
         """The run's protocol state while it trains; None once it ended (RunError if unknown)."""
@@ -344,6 +376,7 @@ class Federation:
             log.warning("%s cannot start: %s", row.id, e)
             self.db.set_status(row.id, "failed", f"cannot start: {e}", time.time())
             return
+        svc.label = row.id
         self.active[row.id] = svc
         if row.status != "running":
             self.db.set_status(row.id, "running")
@@ -383,6 +416,7 @@ class Federation:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.db.set_status(run_id, status, reason, time.time())
         del self.active[run_id]
+        svc.close_files()  # its TensorBoard writer (a thread and an open file) ends with the run
         log.info("%s %s at version %d%s", run_id, status, svc.version, f": {reason}" if reason else "")
 
 

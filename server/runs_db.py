@@ -113,7 +113,8 @@ class RunsDB:
         return int(self.db.execute("SELECT COUNT(*) FROM runs WHERE status = ?", (status,)).fetchone()[0])
 
     def answer(self, run_id: str, node: str, answer: str, reason: str, now: float) -> None:
-        """A node's answer to a run: ``joined`` or ``refused`` (with its reason)."""
+        """A node's answer to a run: ``joined``, ``refused`` (for good) or ``deferred`` (refused for a
+        temporary cause: the run is offered to the node again), with its reason."""
         self.db.execute(
             "INSERT OR REPLACE INTO run_nodes (run, node, answer, reason, at) VALUES (?, ?, ?, ?, ?)",
             (run_id, node, answer, reason, now),
@@ -123,7 +124,7 @@ class RunsDB:
         rows = self.db.execute(
             "SELECT node, answer, reason FROM run_nodes WHERE run = ? ORDER BY node", (run_id,)
         ).fetchall()
-        return {r[0]: {"answer": r[1], **({"reason": r[2]} if r[2] else {})} for r in rows}
+        return {r[0]: _answer(r[1], r[2]) for r in rows}
 
     def add_metric(self, run_id: str, fields: dict[str, Any]) -> None:
         self.db.execute(
@@ -138,6 +139,12 @@ class RunsDB:
             "SELECT seq, line FROM metrics WHERE run = ? AND seq > ? ORDER BY seq LIMIT ?", (run_id, after, limit)
         ).fetchall()
         return [(int(r[0]), json.loads(r[1])) for r in rows]
+
+
+def _answer(answer: str, reason: str) -> dict[str, Any]:
+    """A node's answer as `shoal run status` shows it (a deferred one is a temporary refusal)."""
+    out: dict[str, Any] = {"answer": "refused", "temporary": True} if answer == "deferred" else {"answer": answer}
+    return {**out, **({"reason": reason} if reason else {})}
 
 
 def _row(r: tuple) -> RunRow:

@@ -36,6 +36,7 @@ from shoal.rounds import Rounds, SyncRounds
 from shoal.task import ClientData, Task, TaskError
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
 
+from .activity import Activity, console_line
 from .privacy import ServerPrivacy, parse_report
 from .secure_round import SecureRound
 
@@ -142,7 +143,9 @@ def parse_eval_report(body: bytes) -> tuple[int, int, dict[str, float]]:
 
 #: A node's report that its task failed on the node (POST /v1/failed, docs/protocol.md).
 MAX_FAILURE_BODY = 1024
-FAILURE_REASONS = ("diverged",)
+#: ``diverged``: a non-finite loss or update; ``refused``: the node's operator policy refuses the
+#: run's config that came with the task (a federation's node, client/daemon.py).
+FAILURE_REASONS = ("diverged", "refused")
 
 
 def parse_failure_report(body: bytes) -> tuple[int, int, str]:
@@ -152,7 +155,9 @@ def parse_failure_report(body: bytes) -> tuple[int, int, str]:
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise Malformed(f"failure report is not JSON: {type(e).__name__}") from None
     if not isinstance(obj, dict) or set(obj) != {"round", "version", "reason"}:
-        raise Malformed('a failure report is a JSON object {"round": r, "version": v, "reason": "diverged"}')
+        raise Malformed(
+            'a failure report is a JSON object {"round": r, "version": v, "reason": "diverged" or "refused"}'
+        )
     for key in ("round", "version"):
         v = obj[key]
         if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 2**53:
@@ -233,6 +238,9 @@ class ServerService:
         self.fed_finished = False  # the final version's evaluation is written
         self.last_fed: dict[str, Any] = {}
         self.counters = Counters()
+        self.activity = Activity()  # by node and over versions, for the dashboard (server/dashboard.py)
+        self.label = ""  # a federation's run id: the console's progress lines start with it
+        self.close_files: Callable[[], None] = lambda: None  # server/store.py's open_service sets it
         self.last_seen: dict[str, float] = {}
         self.told_done: set[str] = set()
         self.done_at: float | None = None
@@ -303,6 +311,10 @@ class ServerService:
             self.last_seen.pop(n, None)
             if r is not None and r.open and n in r.selected and n not in r.received:
                 self.refused_task[n] = (r.round, r.version)
+
+    @property
+    def _prefix(self) -> str:
+        return f"{self.label}: " if self.label else ""
 
     def _elapsed(self, now: float) -> float:
         """Seconds since ``started_at`` (the first call's ``now`` unless given)."""
@@ -454,7 +466,7 @@ class ServerService:
         self.refused(reason)
         if self.secure_round is not None:  # its first stage stops waiting for this node's keys
             self.secure_round.failed_node(node)
-        log.warning("round %d: node %s reports its training %s; its task is not handed out again", round_, node, reason)
+        log.warning("round %d: node %s reports its task %s; it is not handed out again", round_, node, reason)
         return {"status": "noted", "round": round_}
 
     def _fed_pending(self, v: int, fed: FedVersion) -> bool:
@@ -538,6 +550,7 @@ class ServerService:
             advanced = r.submit(node, update)
         except Exception as e:
             self.refused(getattr(e, "code", "error"))
+            self.activity.refused(node, getattr(e, "code", "error"), str(e), now)
             held = self.sync.assignment(node) if self.sync is not None else None
             # The update's content was refused (non-finite, out of range, too large...): retraining
             # the same task gives the same refusal, so it is not handed out again. A closed round or a
@@ -550,6 +563,7 @@ class ServerService:
             self.privacy.take_report(node, report)
         self.counters.accepted += 1
         self.counters.bytes_received += len(body)
+        self.activity.accepted(node, len(body), self.rounds.round, now)
         if advanced:  # async: the update completed a new version
             self._new_version(self.rounds.version_fields(), now)
         elif self.fed:
@@ -586,7 +600,15 @@ class ServerService:
             if self.privacy is not None and not self.privacy.bound:
                 raise ConfigError("privacy: the server does not know N, its registered nodes (bind_registry)")
             tasks = r.start_round(avail, now)
-            log.info("round %d: %d of %d nodes selected, version %d", r.round, len(tasks), len(avail), r.version)
+            log.info(
+                "%sround %d (of %d versions): %d of %d nodes selected, at version %d",
+                self._prefix,
+                r.round,
+                self.cfg.server.rounds,
+                len(tasks),
+                len(avail),
+                r.version,
+            )
             if self.privacy is not None:
                 self.privacy.round_started(sorted(r.selected))
                 self._save_privacy()  # charged before anything of the round is released
@@ -609,6 +631,7 @@ class ServerService:
             return False
         else:
             summary = r.finish_round()
+        self.activity.round_closed(summary.num_selected, summary.num_results, summary.num_late)
         if summary.failed:
             log.warning(
                 "round %d failed with %d of %d results (min_fraction %.2f); model unchanged",
@@ -683,12 +706,15 @@ class ServerService:
             record.update(self.privacy.record())
         record["elapsed_s"] = self._elapsed(now)
         self.last_record = json_safe(record)
+        c = self.counters
+        self.activity.snapshot(record["round"], self.version, c.accepted, sum(c.rejected.values()), record["elapsed_s"])
         self.emit(self._checkpoint())  # first: a crash between the two loses a log line, never a version
         if self.privacy is not None:
             self._save_privacy()  # the adaptive clip norm and the nodes' reports of this version
         self._settle_fed(now)  # the nodes evaluated older versions before training on them
         self.emit(Record(self.last_record))
-        log.info("version %d: %s", self.version, json.dumps(self.last_record))
+        log.info("%s%s", self._prefix, console_line(self.last_record, self.cfg.server.rounds))  # where the run is
+        log.debug("version %d: %s", self.version, json.dumps(self.last_record))
 
     # --- privacy ---------------------------------------------------------------------
 

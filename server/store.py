@@ -19,6 +19,7 @@ from shoal.assembly import task_from_config
 from shoal.config import Config
 from shoal.errors import ConfigError
 from shoal.task import ClientData, Task, call_part, check_data
+from shoal.tensorboard import TensorBoardLog
 
 from .checkpoint import newest_intact, save_checkpoint, write_durably
 from .service import Checkpoint, Event, PrivacyLedger, Record, Restored, ServerService
@@ -39,6 +40,8 @@ class ServerStore:
         self.metrics_path = self.out_dir / "metrics.jsonl"
         self.privacy_path = self.ckpt_dir / "privacy.json"  # the ledger: every charged round, before it runs
         self.keep = s.keep_checkpoints
+        # [output] tensorboard (per run in a federation: the run's own config): event files beside metrics.jsonl
+        self.tensorboard = TensorBoardLog(self.out_dir) if cfg.output.tensorboard else None
 
     def restore(self, resume: bool) -> Restored:
         """The latest checkpoint and the privacy ledger when resuming; a fresh run starts an
@@ -70,11 +73,18 @@ class ServerStore:
             return None
         return state
 
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+            self.tensorboard = None
+
     def write(self, event: Event) -> None:
         """Make one event durable now (the service emits them in the order they must land)."""
         if isinstance(event, Record):
             with self.metrics_path.open("a") as f:
                 f.write(json.dumps(event.fields) + "\n")
+            if self.tensorboard is not None:
+                self.tensorboard.write(event.fields)
         elif isinstance(event, Checkpoint):
             save_checkpoint(self.ckpt_dir, event.version, event.tensors, event.state, self.keep)
         elif isinstance(event, PrivacyLedger):  # whole, fsynced, renamed into place
@@ -117,7 +127,7 @@ def open_service(
     task = task if task is not None else task_from_config(cfg)
     store = ServerStore(cfg)
     restored = store.restore(resume)
-    return ServerService(
+    service = ServerService(
         cfg,
         task,
         registered,
@@ -126,3 +136,5 @@ def open_service(
         emit=store.write if also is None else _both(store.write, also),
         started_at=started_at,
     )
+    service.close_files = store.close
+    return service

@@ -26,8 +26,8 @@ def _root() -> None:
     """Federated and decentralized training for PyTorch.
 
     Jobs: simulate many clients on one machine (simulate), deploy an aggregator
-    (server), join as a client node (client), gossip without a server (peer), and
-    evaluate privacy/accuracy tradeoffs (privacy-sweep).
+    (server), join as a client node (client), gossip without a server (peer),
+    evaluate privacy/accuracy tradeoffs (privacy-sweep), and compare runs (report).
     """
 
 
@@ -203,6 +203,18 @@ def privacy_sweep(
     out_dir = out or Path(cfg.output.dir)
     rows = run_privacy_sweep(cfg, out_dir)
     typer.echo(markdown_table(rows) + f"outputs in {out_dir}/ (results.csv, results.md, accuracy_vs_epsilon.png)")
+
+
+@app.command()
+def report(
+    runs: list[Path] = typer.Argument(..., help="Run output folders (each with a metrics.jsonl)."),
+    out: Path = typer.Option(Path("report"), "--out", "-o", help="Writes OUT.png and OUT.html."),
+) -> None:
+    """Several runs' curves together (accuracy, loss, bytes, epsilon): one PNG and one self-contained HTML."""
+    from .report import report as make_report
+
+    png, page = make_report(runs, out)
+    typer.echo(f"wrote {png} and {page}")
 
 
 def main() -> None:

@@ -20,20 +20,32 @@ def json_safe(v: Any) -> Any:
 
 
 class MetricsLog:
-    """Appends one record per evaluated round to ``metrics.jsonl`` and keeps them in memory."""
+    """Appends one record per evaluated round to ``metrics.jsonl`` and keeps them in memory;
+    with ``tensorboard``, the same numbers also go to TensorBoard event files in the same folder."""
 
-    def __init__(self, out_dir: str | Path):
+    def __init__(self, out_dir: str | Path, tensorboard: bool = False):
         self.dir = Path(out_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.path = self.dir / "metrics.jsonl"
         self.path.write_text("")
         self.records: list[dict[str, Any]] = []
+        self.tensorboard = None
+        if tensorboard:
+            from shoal.tensorboard import TensorBoardLog
+
+            self.tensorboard = TensorBoardLog(self.dir)
 
     def write(self, record: dict[str, Any]) -> None:
         record = json_safe(record)
         self.records.append(record)
         with self.path.open("a") as f:
             f.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+
+    def close(self) -> None:
+        if self.tensorboard is not None:
+            self.tensorboard.close()
 
     def summary(self, summary: dict[str, Any]) -> Path:
         path = self.dir / "summary.json"

@@ -319,6 +319,111 @@ def sign_node(
     return path
 
 
+@dataclass(frozen=True)
+class Renewed:
+    """What `shoal pki renew` wrote: the certificate, and the new key when it was rotated."""
+
+    cert: Path
+    key: Path | None
+    kind: str  # "server" or "node"
+    sans: list[str]
+    not_after: dt.datetime
+
+
+def replace_atomically(path: Path, data: bytes, mode: int) -> None:
+    """Write ``data`` to ``path`` through a new file of ``mode`` (0600 for a key) and a rename:
+    a reader sees the old file or the new one, never half of one."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def _san_text(name: x509.GeneralName) -> str:
+    return str(name.value)
+
+
+def renew_cert(
+    ca_dir: str | Path,
+    cert: str | Path,
+    out: str | Path | None = None,
+    days: int = 825,
+    hosts: list[str] | None = None,
+    rotate_key: Path | None = None,
+) -> Renewed:
+    """Re-issue the server's or a node's certificate ``cert`` from the CA that issued it: the same
+    subject, usage and subjectAltName (``hosts`` replaces the server's), valid ``days`` from now
+    (never past the CA). The public key is kept (a node's registry entry still matches), unless
+    ``rotate_key`` names the server's key file: a new key replaces it (0600). Written atomically
+    to ``out`` (default: over ``cert``); a server certificate is followed by the CA's, as
+    :func:`issue_server_cert` writes it."""
+    _check_days(days)
+    path = Path(cert)
+    try:
+        old = x509.load_pem_x509_certificates(path.read_bytes())[0]
+    except (OSError, ValueError, IndexError) as e:
+        raise ConfigError(f"--cert {str(path)!r} cannot be read as a PEM certificate: {e}") from None
+    ca = load_ca(ca_dir)
+    try:
+        old.verify_directly_issued_by(ca[0])
+    except (ValueError, TypeError, InvalidSignature):
+        raise ConfigError(
+            f"--cert {str(path)!r} was not issued by the CA of --ca-dir {str(ca_dir)!r}: renew it with the CA that "
+            "signed it (or issue a new one: `shoal pki server-cert`, `shoal server nodes add --csr`)"
+        ) from None
+    try:
+        usage = old.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        usage = x509.ExtendedKeyUsage([])
+    if ExtendedKeyUsageOID.SERVER_AUTH in usage:
+        kind, oid = "server", ExtendedKeyUsageOID.SERVER_AUTH
+    elif ExtendedKeyUsageOID.CLIENT_AUTH in usage:
+        kind, oid = "node", ExtendedKeyUsageOID.CLIENT_AUTH
+    else:
+        raise ConfigError(f"--cert {str(path)!r} is neither a server nor a node certificate (extended key usage)")
+    try:
+        sans = list(old.extensions.get_extension_for_class(x509.SubjectAlternativeName).value)
+    except x509.ExtensionNotFound:
+        sans = []
+    if hosts:
+        if kind == "node":
+            raise ConfigError("--host is for a server certificate; a node's certificate names the node, not hosts")
+        sans = [subject_alt_name(h) for h in hosts]
+    names = [a.value for a in old.subject.get_attributes_for_oid(NameOID.COMMON_NAME)]
+    subject = str(names[0]) if names else (_san_text(sans[0]) if sans else "")
+    if not subject:
+        raise ConfigError(f"--cert {str(path)!r} has no common name to renew")
+    public = old.public_key()
+    new_key: ec.EllipticCurvePrivateKey | None = None
+    if rotate_key is not None:
+        if kind == "node":
+            raise ConfigError(
+                "--rotate-key: a node's private key never leaves the node; it makes a new one with "
+                "`shoal pki node-key` and the operator enrolls it again (`shoal server nodes add --csr`)"
+            )
+        new_key = ec.generate_private_key(ec.SECP256R1())
+        public = new_key.public_key()
+    if not isinstance(public, ec.EllipticCurvePublicKey):
+        raise ConfigError(f"--cert {str(path)!r}: its key is not an EC key (shoal pki issues ECDSA P-256)")
+    issued = _issue(ca, subject, public, days, oid, sans or None)
+    pem = issued.public_bytes(serialization.Encoding.PEM)
+    if kind == "server":
+        pem += ca[0].public_bytes(serialization.Encoding.PEM)
+    target = Path(out) if out is not None else path
+    if new_key is not None and rotate_key is not None:  # the key first: a new certificate never names a missing key
+        replace_atomically(rotate_key, _key_pem(new_key), 0o600)
+    replace_atomically(target, pem, 0o644)
+    return Renewed(target, rotate_key, kind, [_san_text(n) for n in sans], issued.not_valid_after_utc)
+
+
 def peer_fingerprint(der: bytes | None) -> str | None:
     """The registry fingerprint of a TLS peer's certificate (DER), None without one."""
     if not der:

@@ -62,3 +62,31 @@ def node_key(
         f"{name}.pem and ca.pem; then: shoal client --cert {made.csr.with_suffix('.pem')} --key {made.key} "
         "--ca-cert ca.pem ..."
     )
+
+
+@app.command("renew")
+def renew(
+    ca_dir: Path = typer.Option(..., "--ca-dir", help="The folder of ca.pem and ca.key that issued the certificate."),
+    cert: Path = typer.Option(..., "--cert", help="The certificate to renew: server.pem, or a node's NAME.pem."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Where the new certificate goes (default: over --cert)."),
+    days: int = typer.Option(825, "--days", help="Days the new certificate is valid (1 to 3650; never past the CA)."),
+    host: list[str] | None = typer.Option(
+        None, "--host", help="Server certificate only: new hosts for its subjectAltName (default: the old ones)."
+    ),
+    rotate_key: Path | None = typer.Option(
+        None,
+        "--rotate-key",
+        help="Server certificate only: make a new key and write it over this key file (mode 0600).",
+    ),
+) -> None:
+    """Re-issue a server or node certificate from the same CA: same name, usage and hosts, new validity.
+
+    The key is kept (a node's registry entry still matches), or with --rotate-key the server's is
+    replaced. Restart `shoal server` to serve a renewed server certificate; a node reads its
+    certificate when it starts."""
+    from .pki import renew_cert
+
+    made = renew_cert(ca_dir, cert, out, days, host or None, rotate_key)
+    hosts = f" for {', '.join(made.sans)}" if made.sans else ""
+    key = f"; new key {made.key} (mode 0600)" if made.key else "; same key"
+    typer.echo(f"{made.kind} certificate renewed{hosts}: {made.cert}, valid until {made.not_after:%Y-%m-%d}{key}")

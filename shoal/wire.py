@@ -322,8 +322,9 @@ def decode_update(
         if len(inner) > max_bytes:
             raise TooLarge(f"zstd payload inflates to more than the limit of {max_bytes} bytes")
         _, tensors = decode(inner, expect, max_bytes)
-    else:
-        header, tensors = decode(body, expect, max_bytes, spec.hash, copy=copy)
+    else:  # a dense delta is the tensor itself: check_delta below finds a NaN/Inf in the same pass as its range
+        dense = header.get("encoding", "dense") == "dense"
+        header, tensors = decode(body, expect, max_bytes, spec.hash, check_finite=not dense, copy=copy)
     if header.get("kind") != "update":
         raise Malformed(f"message kind is {short_repr(header.get('kind'))}, expected 'update'")
     fields = update_fields(header, max_examples)

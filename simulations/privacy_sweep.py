@@ -58,6 +58,7 @@ COLUMNS = [
     "canary_epsilon_low",
     "canary_epsilon_high",
     "canary_accounted_epsilon",
+    "canary_flagged",
     "canaries",
     "mia_auc",
     "mia_tpr_at_1pct_fpr",
@@ -74,6 +75,7 @@ NO_AUDIT = {
     "canary_epsilon_low": math.nan,
     "canary_epsilon_high": math.nan,
     "canary_accounted_epsilon": math.nan,
+    "canary_flagged": False,
     "canaries": 0,
 }
 
@@ -209,8 +211,10 @@ def run_privacy_sweep(cfg: Config, out_dir: str | Path) -> list[dict[str, Any]]:
     rows: list[dict[str, Any]] = []
     metric: str | None = None
     with ProgressBar(len(grid), "setting") as bar:
-        for mode, z in grid:
+        for i, (mode, z) in enumerate(grid, 1):
             where = out / (mode if mode == "none" else f"{mode}_z{z:g}")
+            bar.advance(f"running {mode} z={z:g}", 0)  # where the sweep is while a setting trains and is audited
+            log.info("privacy-sweep: setting %d of %d: %s z=%g (%s)", i, len(grid), mode, z, where)
             try:
                 row = run_setting(cfg, data, mode, z, where, task, metric)
             except (ShoalError, RuntimeError, ValueError, ArithmeticError) as e:
@@ -257,7 +261,8 @@ def _fmt_canary(r: dict[str, Any]) -> str:
         if math.isinf(r["canary_accounted_epsilon"])
         else f"; audit run accounted {r['canary_accounted_epsilon']:.3g}"
     )
-    return f"{r['canary_epsilon']:.3g} [{r['canary_epsilon_low']:.3g}, {r['canary_epsilon_high']:.3g}]{acc}"
+    flag = "; EXCEEDS what is accounted" if r.get("canary_flagged") else ""
+    return f"{r['canary_epsilon']:.3g} [{r['canary_epsilon_low']:.3g}, {r['canary_epsilon_high']:.3g}]{acc}{flag}"
 
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:

@@ -104,7 +104,7 @@ class RunLoop:
     ):
         self.cfg = cfg
         self.out = Path(out_dir or cfg.output.dir)
-        self.metrics = MetricsLog(self.out)
+        self.metrics = MetricsLog(self.out, tensorboard=cfg.output.tensorboard)
         self.label, self.x_axis = label, x_axis
         self.on_record = on_record
         show = cfg.simulation.progress and sys.stderr.isatty() if progress is None else progress
@@ -119,6 +119,7 @@ class RunLoop:
 
     def __exit__(self, *exc: Any) -> None:
         self.bar.__exit__(*exc)
+        self.metrics.close()
 
     def record(self, record: dict[str, Any], advance: int = 0) -> dict[str, Any]:
         """Write one metrics record (``elapsed_s`` added), tell ``on_record``, move the bar."""

@@ -314,6 +314,7 @@ class ServerConfig:
     max_failed_rounds: int = 5  # a run ends after this many rounds in a row without an accepted update (0 = never)
     min_upload_rate: float = 16384.0  # bytes/s an upload must keep after upload_grace_s (408 below it; 0 = off)
     upload_grace_s: float = 5.0  # seconds an upload may send slower than min_upload_rate at first
+    max_connections: int = 1024  # open connections (TLS: ~290 KB each, plain ~8 KB); past it: 503 and closed
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
@@ -347,6 +348,7 @@ class ServerConfig:
                 raise ConfigError(f"server.{key} = {v!r} must be a finite number of seconds > 0")
         _positive("server.uploads_per_node", self.uploads_per_node)
         _positive("server.max_failed_rounds", self.max_failed_rounds, allow_zero=True)
+        _positive("server.max_connections", self.max_connections)
         for key in ("min_upload_rate", "upload_grace_s"):
             v = getattr(self, key)
             if not (math.isfinite(v) and v >= 0):
@@ -660,6 +662,7 @@ class TaskConfig:
 class OutputConfig:
     dir: str = "runs/latest"  # `shoal simulate`: metrics.jsonl, summary.json and plots go here
     plots: bool = True  # draw the plots (matplotlib)
+    tensorboard: bool = False  # also write TensorBoard event files beside metrics.jsonl (shoal[tensorboard])
 
 
 @dataclass

@@ -30,6 +30,7 @@ SMALL = [
     "output.plots=false",
     "simulation.ray_num_cpus=2",
     "simulation.flower_client_cpus=1",
+    "output.tensorboard=true",
 ]
 
 
@@ -115,6 +116,16 @@ def test_flower_engine_reproduces_the_inprocess_global_model(flower_and_inproces
             assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), key
     summary = json.loads((flower_out / "summary.json").read_text())
     assert summary["engine"] == "flower" and summary["rounds"] == 3 and summary["num_clients"] == 10
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_flower_and_inprocess_runs_write_the_same_numbers_as_tensorboard_events(flower_and_inprocess):
+    from ..dashboard.events import assert_events_match_metrics
+
+    _, flower_out, _, _, inproc_out = flower_and_inprocess
+    for out in (flower_out, inproc_out):
+        assert_events_match_metrics(out, ("test_accuracy", "train_loss"))
 
 
 @pytest.mark.slow

@@ -29,6 +29,8 @@ from shoal.simulations.inprocess import InProcessSimulation, PlainRound
 from shoal.simulations.sync_engine import VirtualSyncEngine
 from shoal.tasks import BuiltinTask
 
+from ..dashboard.events import assert_events_match_metrics
+
 ray = pytest.importorskip("ray")
 
 from shoal.simulations.ray_engine import (  # noqa: E402 - after the skip when Ray is missing
@@ -114,7 +116,8 @@ def test_workers_sit_on_both_nodes_and_partial_sums_match_per_client_updates(poo
 
 @pytest.mark.timeout(120)
 def test_records_and_summary_of_a_ray_run_match_in_process(pool, tmp_path):
-    ours = run_ray_simulation(config("strategy.name='fedadam'", engine="ray"), tmp_path / "ray", pool=pool)
+    tb = "output.tensorboard=true"
+    ours = run_ray_simulation(config("strategy.name='fedadam'", tb, engine="ray"), tmp_path / "ray", pool=pool)
     run_simulation(config("strategy.name='fedadam'"), tmp_path / "inprocess")
     assert ours["engine"] == "ray" and ours["ray_workers"] == 2
     a, b = read_jsonl(tmp_path / "ray" / "metrics.jsonl"), read_jsonl(tmp_path / "inprocess" / "metrics.jsonl")
@@ -125,6 +128,7 @@ def test_records_and_summary_of_a_ray_run_match_in_process(pool, tmp_path):
         for key in ("test_accuracy", "test_loss", "train_loss"):
             assert math.isclose(x[key], y[key], rel_tol=1e-5, abs_tol=1e-6), key
     assert json.loads((tmp_path / "ray" / "summary.json").read_text())["ray_nodes"] == 2
+    assert_events_match_metrics(tmp_path / "ray", ("test_accuracy", "bytes_up"))
 
 
 @pytest.mark.timeout(120)

@@ -414,7 +414,8 @@ QUERY_ROUND = st.one_of(
 def failure_body(draw) -> bytes:
     """Near-valid and broken failure reports: {"round", "version", "reason"} with wrong types,
     extra or missing fields, other reasons, or not JSON at all."""
-    good = {"round": draw(st.integers(-2, 5)), "version": draw(st.integers(-2, 5)), "reason": "diverged"}
+    reason = draw(st.sampled_from(["diverged", "refused"]))
+    good = {"round": draw(st.integers(-2, 5)), "version": draw(st.integers(-2, 5)), "reason": reason}
     value = st.one_of(st.integers(-(2**63), 2**63), st.floats(), st.text(max_size=8), st.booleans(), st.none())
     kind = draw(st.sampled_from(["good", "field", "extra", "missing", "reason", "raw"]))
     if kind == "field":
@@ -424,7 +425,7 @@ def failure_body(draw) -> bytes:
     elif kind == "missing":
         good.pop(draw(st.sampled_from(sorted(good))))
     elif kind == "reason":
-        good["reason"] = draw(st.sampled_from(["", "Diverged", "nan", "x" * 300]))
+        good["reason"] = draw(st.sampled_from(["", "Diverged", "nan", "x" * 300, "Refused", "temporary"]))
     elif kind == "raw":
         return draw(st.binary(max_size=64))
     return json.dumps(good).encode()
@@ -432,7 +433,7 @@ def failure_body(draw) -> bytes:
 
 def oracle_failure(body: bytes) -> bool:
     """An independent reading of docs/protocol.md's failure report: exactly round and version
-    (integers >= 0) and reason "diverged"."""
+    (integers >= 0) and reason "diverged" or "refused"."""
     try:
         obj = json.loads(body)
     except ValueError:
@@ -445,7 +446,12 @@ def oracle_failure(body: bytes) -> bool:
         if isinstance(obj, dict)
         else False
     )
-    return isinstance(obj, dict) and set(obj) == {"round", "version", "reason"} and ints and obj["reason"] == "diverged"
+    return (
+        isinstance(obj, dict)
+        and set(obj) == {"round", "version", "reason"}
+        and ints
+        and obj["reason"] in ("diverged", "refused")
+    )
 
 
 def _no_hold(wait: str) -> str:
@@ -535,12 +541,17 @@ def _valid_answer(body: bytes) -> bool:
         return False
     if not isinstance(obj, dict) or obj.get("answer") not in ("joined", "refused"):
         return False
-    reason = obj.get("reason", "")
+    if set(obj) - {"answer", "reason", "temporary"}:
+        return False
+    reason, temporary = obj.get("reason", ""), obj.get("temporary", False)
     return (
         isinstance(reason, str)
         and len(reason) <= 500
         and reason.isprintable()
         and (obj["answer"] == "joined" or bool(reason))
+        and temporary in (True, False)
+        and type(temporary) is bool
+        and not (temporary and obj["answer"] == "joined")
     )
 
 
@@ -561,8 +572,14 @@ def federation_request(ctx: Ctx, route: str, sender: str):
             st.fixed_dictionaries(
                 {"answer": st.sampled_from(["joined", "refused", "maybe", ""]), "reason": json_value}
             ).map(_json_body),
+            st.fixed_dictionaries(  # a refusal, temporary or not, with a flag or a field that is wrong
+                {"answer": st.sampled_from(["joined", "refused"]), "reason": st.sampled_from(["", "busy", "\x07"])},
+                optional={"temporary": json_value, "until": json_value},
+            ).map(_json_body),
             st.just(_json_body({"answer": "refused", "reason": "x" * 501})),
             st.just(_json_body({"answer": "refused", "reason": "a\x00b"})),
+            st.just(_json_body({"answer": "joined", "temporary": True})),
+            st.just(_json_body({"answer": "refused", "reason": "busy", "temporary": 1})),
         ).filter(lambda b: not _valid_answer(b))
         return st.builds(lambda run, body: Request("POST", f"/runs/{run}/v1/answer", sender, body), RUN_IDS, bodies)
     if route == "runs_post":  # never a task the server can load: no submission may be accepted
