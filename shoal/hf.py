@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .task import Task, TaskError, forward, logits_of
+from .task import Task, TaskError, logits_of
 
 log = logging.getLogger(__name__)
 
@@ -190,7 +190,7 @@ class HFTask(Task):
         return {"input_ids": x, "labels": y}
 
     def loss(self, model: nn.Module, x: Any, y: torch.Tensor) -> torch.Tensor:
-        out = forward(model, self.inputs(x, y))
+        out = model(**self.inputs(x, y))
         loss = getattr(out, "loss", None)
         if not isinstance(loss, torch.Tensor):
             raise TaskError("shoal.hf: the model returned no loss; the batch must carry 'labels'")
@@ -200,7 +200,7 @@ class HFTask(Task):
         """Sums per example (shoal weights batch means by examples), so that :meth:`summarize`
         divides the totals: the loss per token, exact whatever the padding."""
         batch = self.inputs(x, y)
-        logits = logits_of(forward(model, batch)).float()
+        logits = logits_of(model(**batch)).float()
         labels = batch["labels"]
         n = labels.shape[0]
         if self.kind == "causal-lm":

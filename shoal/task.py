@@ -193,9 +193,15 @@ class Task:
         return move_to(batch, device)
 
 
+class Inputs(dict):
+    """The inputs of a dict batch (Hugging Face style): the model takes them as keyword
+    arguments, ``model(**x)``. A plain dict ``x`` of an ``(x, y)`` pair is one argument,
+    ``model(x)``, as before dict batches existed."""
+
+
 def forward(model: nn.Module, x: Any) -> Any:
-    """The model on a batch's inputs: ``model(**x)`` for a dict batch, else ``model(x)``."""
-    return model(**x) if isinstance(x, Mapping) else model(x)
+    """The model on a batch's inputs: ``model(**x)`` for a dict batch's :class:`Inputs`, else ``model(x)``."""
+    return model(**x) if isinstance(x, Inputs) else model(x)
 
 
 def logits_of(out: Any) -> torch.Tensor:
@@ -213,7 +219,8 @@ def logits_of(out: Any) -> torch.Tensor:
 
 def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
     """One batch -> ``(x, y)``: an ``(x, y)`` pair as it is; a dict of tensors (Hugging Face
-    style) whole as ``x``, with its ``labels`` as ``y`` (the model computes its loss from them).
+    style) whole as ``x`` (an :class:`Inputs`: the default loss calls ``model(**x)``), with its
+    ``labels`` as ``y`` (the model computes its loss from them).
 
     ``y``'s first dimension counts the batch's examples (metrics are weighted by it)."""
     if isinstance(batch, Mapping):
@@ -221,7 +228,7 @@ def split_batch(batch: Any) -> tuple[Any, torch.Tensor]:
         if not isinstance(y, torch.Tensor):
             keys = ", ".join(map(str, batch)) or "none"
             raise ValueError(f"a dict batch needs a 'labels' tensor (its keys: {keys})")
-        return dict(batch), y
+        return Inputs(batch), y
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
     raise ValueError(f"a batch is a {type(batch).__name__}; expected an (x, y) pair or a dict of tensors with 'labels'")

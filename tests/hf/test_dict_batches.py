@@ -14,7 +14,7 @@ from torch import nn
 from shoal.client.training import LocalTrainer
 from shoal.config import TrainConfig
 from shoal.simulations.mia import per_sample_loss
-from shoal.task import DictDataset, Task, TaskError, check_data, check_loss, make_model, split_batch
+from shoal.task import DictDataset, Inputs, Task, TaskError, check_data, check_loss, make_model, split_batch
 
 
 class Tagger(nn.Module):
@@ -72,7 +72,7 @@ def test_split_batch_takes_pairs_and_dicts_and_names_what_is_missing():
     assert split_batch((x, y)) == (x, y) and split_batch([x, y])[1] is y
     d = {"input_ids": x, "labels": y}
     xs, ys = split_batch(d)
-    assert xs == d and ys is y
+    assert xs == d and isinstance(xs, Inputs) and ys is y  # keyword inputs: model(**x)
     with pytest.raises(ValueError, match=r"needs a 'labels' tensor \(its keys: input_ids\)"):
         split_batch({"input_ids": x})
     with pytest.raises(ValueError, match="expected an"):
@@ -120,3 +120,28 @@ def test_checks_and_the_membership_audit_take_dict_data():
     no_labels = DictDataset(input_ids=ids)
     with pytest.raises(TaskError, match="needs a 'labels' tensor"):
         check_loss(task, t.model, no_labels, torch.device("cpu"))
+
+
+class DictInput(nn.Module):
+    """A model whose one input is a dict (an (x, y) pair's x): called as model(x), never model(**x)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(2, 3), nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.a(x["a"]) + self.b(x["b"])
+
+
+def test_a_dict_x_of_an_x_y_pair_is_still_one_argument():
+    class PairOfDict(Task):
+        def model(self):
+            return DictInput()
+
+    g = torch.Generator().manual_seed(0)
+    items = [({"a": torch.randn(2, generator=g), "b": torch.randn(4, generator=g)}, i % 3) for i in range(12)]
+    task = PairOfDict()
+    t = trainer(task)
+    check_loss(task, t.model, items, torch.device("cpu"))  # type: ignore[arg-type]
+    update = t.fit(t.flat.detach().clone(), items, seed=0)  # type: ignore[arg-type]
+    assert update.delta.abs().max() > 0 and update.metrics["local_steps"] == 4
