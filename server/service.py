@@ -196,6 +196,13 @@ class ServerService:
         ``started_at``: the ``now`` records' elapsed_s counts from (default: the first call's)."""
         self.cfg = cfg
         s = cfg.server
+        if cfg.algorithm.name != "fedavg":
+            raise ConfigError(
+                f"algorithm.name = {cfg.algorithm.name!r} runs in `shoal simulate` (in-process and Ray) only so far: "
+                "shoal server's nodes train FedAvg's local step and keep no client state between rounds, so the "
+                "algorithm's server half would meet updates it was not made for; set algorithm.name = 'fedavg' "
+                "(docs/algorithms.md)"
+            )
         # The model comes from the task alone (shoal.assembly): the same seed gives the
         # same initial model as `shoal simulate` and as every node.
         self.task = task if task is not None else task_from_config(cfg)
