@@ -80,9 +80,14 @@ class _NoRedirect(urllib.request.HTTPRedirectHandler):
 
 
 def _until(pred, timeout: float, what: str, dump=lambda: ""):
+    from selenium.common.exceptions import StaleElementReferenceException
+
     end = time.monotonic() + timeout
     while time.monotonic() < end:
-        got = pred()
+        try:
+            got = pred()
+        except StaleElementReferenceException:  # the page redrew what we held (it polls): look again
+            got = None
         if got:
             return got
         time.sleep(0.2)
@@ -163,14 +168,19 @@ def test_dashboard_in_a_real_browser(tmp_path):
             assert len(points) >= 2 and points == expected
 
             # The hostile node: its name is text in the nodes table, no element made of it, no script ran.
-            row = _until(
-                lambda: [r for r in browser.find_elements(By.CSS_SELECTOR, "#nodes tbody tr") if HOSTILE in r.text],
+            # (the table is redrawn with every poll: each look finds the row afresh)
+            def hostile_row():
+                rows = [r for r in browser.find_elements(By.CSS_SELECTOR, "#nodes tbody tr") if HOSTILE in r.text]
+                return rows[0] if rows else None
+
+            name = _until(
+                lambda: (r := hostile_row()) is not None and r.find_element(By.CSS_SELECTOR, ".node-name").text,
                 30,
                 "the hostile node's row",
-            )[0]
-            assert row.find_element(By.CSS_SELECTOR, ".node-name").text == HOSTILE
+            )
+            assert name == HOSTILE
             assert browser.execute_script("return document.querySelectorAll('#nodes img, main img').length") == 0
-            _until(lambda: "online" in row.text, 30, "the hostile node online")
+            _until(lambda: (r := hostile_row()) is not None and "online" in r.text, 30, "the hostile node online")
             with pytest.raises(NoAlertPresentException):
                 browser.switch_to.alert.text  # noqa: B018  (an alert(1) that ran would be open here)
             errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
