@@ -21,12 +21,13 @@ import argparse
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from gpu_node import free_port  # bench/ is on sys.path when a script here runs
 
 from shoal.server.registry import Registry
 
@@ -90,12 +91,6 @@ out_dir = "{tmp}/run"
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _hwm_mb(pid: int) -> float:
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
@@ -118,7 +113,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         t = Path(tmp)
         (t / "bigtask.py").write_text(TASK)
-        port = _free_port()
+        port = free_port()
         (t / "server.toml").write_text(
             CONFIG.format(task=t / "bigtask.py", side=side, port=port, request=int(args.request_mb * 1e6), tmp=tmp)
         )

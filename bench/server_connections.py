@@ -14,12 +14,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from gpu_node import free_port  # bench/ is on sys.path when a script here runs
 
 from shoal.server.registry import Registry
 from shoal.tls import client_context, make_private_ca
@@ -43,12 +44,6 @@ checkpoint_dir = "{tmp}/ck"
 db = "{tmp}/nodes.sqlite"
 out_dir = "{tmp}/run"
 """
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rss_kb(pid: int) -> int:
@@ -99,7 +94,7 @@ async def _measure(port: int, pid: int, ssl_ctx, token: str, n: int, cap: int) -
 
 def run(n: int, cap: int, tls: bool) -> tuple[float, int, int]:
     with tempfile.TemporaryDirectory() as tmp:
-        port = _free_port()
+        port = free_port()
         config = CONFIG.format(port=port, cap=cap, tmp=tmp)
         flags, ssl_ctx = ["--insecure"], None
         if tls:

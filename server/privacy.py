@@ -218,11 +218,7 @@ class ServerPrivacy:
         self.q = q
         clip: float | str = "adaptive" if p.adaptive_clipping else float(p.clip_norm)
         self.accountant = RoundAccountant(q, p.noise_multiplier, p.delta, p.accountant, sampling="poisson", clip=clip)
-        if self._saved_ledger is not None:  # a restart: earlier rounds as they ran, whatever z is now
-            try:
-                self.accountant.load_state_dict(self._saved_ledger)
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"the privacy ledger in server.checkpoint_dir is damaged: {e}") from None
+        self._restore_ledger()  # a restart: earlier rounds as they ran, whatever z is now
         if self.accountant.rounds != self.rounds_charged:
             raise ConfigError(
                 f"the privacy ledger in server.checkpoint_dir counts {self.rounds_charged} charged rounds but records "
@@ -450,6 +446,15 @@ class ServerPrivacy:
             out["accountant"] = self._saved_ledger
         return out
 
+    def _restore_ledger(self) -> None:
+        """Charged rounds of a saved ledger into the accountant, once both exist (ConfigError if damaged)."""
+        if self.accountant is None or self._saved_ledger is None:
+            return
+        try:
+            self.accountant.load_state_dict(self._saved_ledger)
+        except (ValueError, TypeError) as e:
+            raise ConfigError(f"the privacy ledger in server.checkpoint_dir is damaged: {e}") from None
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if state.get("mode") != self.mode:
             raise ConfigError(
@@ -462,8 +467,4 @@ class ServerPrivacy:
         if state.get("clip_norm") is not None and self.user_level:
             self.aggregator.clip_norm = float(state["clip_norm"])
         self._saved_ledger = state.get("accountant")
-        if self.accountant is not None and self._saved_ledger is not None:
-            try:
-                self.accountant.load_state_dict(self._saved_ledger)
-            except (ValueError, TypeError) as e:
-                raise ConfigError(f"the privacy ledger in server.checkpoint_dir is damaged: {e}") from None
+        self._restore_ledger()

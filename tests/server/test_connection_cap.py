@@ -5,7 +5,6 @@ connections the server holds are still answered; a freed slot is taken again. Pl
 from __future__ import annotations
 
 import asyncio
-import socket
 
 import pytest
 
@@ -15,13 +14,8 @@ from shoal.server.registry import Registry
 from shoal.server.store import open_service
 from shoal.tls import client_context, server_context
 
+from ..p2p.processes import free_ports
 from .live import small_config
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def _connect(port: int, ssl_ctx) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
@@ -43,7 +37,7 @@ async def _get(conn, token: str) -> bytes:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("tls", [False, True])
 def test_connections_past_the_cap_are_refused_and_the_others_still_answered(tmp_path, tls):
-    port = _free_port()
+    (port,) = free_ports(1)
     cfg = small_config(tmp_path, port=port, max_connections=4)
     registry = Registry(cfg.server.db)
     token = registry.add("n0")
