@@ -50,7 +50,8 @@ from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range
 from shoal.aggregation.strategy import Strategy
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, short_repr
-from shoal.rounds import SyncRounds
+from shoal.privacy_plan import plan_of
+from shoal.rounds import RoundSummary, SyncRounds
 
 log = logging.getLogger(__name__)
 
@@ -160,6 +161,7 @@ class ServerPrivacy:
     def __init__(self, cfg: Config, numel: int, device: str = "cpu"):
         check_deployable(cfg)
         self.cfg, self.p = cfg, cfg.privacy
+        self.plan = plan_of(cfg)  # what the run may write beside the models (privacy.release)
         self.mode = self.p.mode
         self.user_level = self.mode in ("central", "distributed")
         self.secure = cfg.secure_aggregation.enabled
@@ -217,7 +219,9 @@ class ServerPrivacy:
             q = self._saved_q
         self.q = q
         clip: float | str = "adaptive" if p.adaptive_clipping else float(p.clip_norm)
-        self.accountant = RoundAccountant(q, p.noise_multiplier, p.delta, p.accountant, sampling="poisson", clip=clip)
+        self.accountant = RoundAccountant(  # z_eff when the rounds' figures are released noised too
+            q, self.plan.accounted_z, p.delta, p.accountant, sampling="poisson", clip=clip
+        )
         self._restore_ledger()  # a restart: earlier rounds as they ran, whatever z is now
         if self.accountant.rounds != self.rounds_charged:
             raise ConfigError(
@@ -359,6 +363,12 @@ class ServerPrivacy:
             "example-level DP-SGD on each node, accounted by the node over its own data size, batch, epochs "
             "and the rounds it took part in; the worst node's report is shown"
         )
+
+    def released(self, record: dict[str, Any], summary: RoundSummary | None = None) -> dict[str, Any]:
+        """What of a metrics record ``privacy.release`` lets out, with this round's noisy figures
+        (``noised``, from ``summary``) and the privacy fields."""
+        noisy = self.plan.noisy_round(summary.num_results, summary.client_losses) if summary is not None else {}
+        return self.plan.release_record({**record, **noisy, **self.record()})
 
     def record(self) -> dict[str, Any]:
         """The privacy fields of a metrics.jsonl record (as the simulator writes them)."""

@@ -32,7 +32,7 @@ from shoal.client.training import LocalTrainer, summarize_means
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMismatch, UpdateRejected
 from shoal.metrics import json_safe
-from shoal.rounds import Rounds, SyncRounds
+from shoal.rounds import Rounds, RoundSummary, SyncRounds
 from shoal.task import ClientData, Task, TaskError
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
 
@@ -408,6 +408,7 @@ class ServerService:
         """Versions the nodes evaluate: every ``simulation.eval_every``-th, and the last."""
         return (
             not self.fed_finished
+            and (self.privacy is None or self.privacy.plan.client_evaluations)  # un-noised figures of their data
             and version >= 1
             and (version % self.fed_every == 0 or version >= self.cfg.server.rounds)
         )
@@ -671,6 +672,7 @@ class ServerService:
                 "num_late": summary.num_late,
             },
             now,
+            summary,
         )
         return True
 
@@ -705,8 +707,9 @@ class ServerService:
                 )
             )
 
-    def _new_version(self, fields: dict[str, Any], now: float) -> None:
-        """A new global version: evaluate, checkpoint, then log (the simulator's record shape)."""
+    def _new_version(self, fields: dict[str, Any], now: float, summary: RoundSummary | None = None) -> None:
+        """A new global version: evaluate, checkpoint, then log (the simulator's record shape;
+        under DP what privacy.release lets out, with ``summary``'s noisy figures when noised)."""
         self.counters.rounds_completed += 1
         self.failed_streak = 0
         record: dict[str, Any] = {"round": self.rounds.round, "version": self.version}
@@ -714,9 +717,9 @@ class ServerService:
             ev = self.trainer.evaluate_data(self.rounds.global_params, self.test)
             record.update({f"test_{k}": v for k, v in ev.items() if k != "num_examples"})
         record.update(fields)
-        if self.privacy is not None:
-            record.update(self.privacy.record())
         record["elapsed_s"] = self._elapsed(now)
+        if self.privacy is not None:
+            record = self.privacy.released(record, summary)
         self.last_record = json_safe(record)
         c = self.counters
         self.activity.snapshot(record["round"], self.version, c.accepted, sum(c.rejected.values()), record["elapsed_s"])
@@ -745,7 +748,7 @@ class ServerService:
     def _privacy_event(self, fields: dict[str, Any], now: float) -> None:
         """A metrics.jsonl record for a round that released no new version but changed the
         privacy picture (charged and aborted or failed, or the budget stopped the run)."""
-        self.emit(Record(json_safe({**fields, **self._dp().record(), "elapsed_s": self._elapsed(now)})))
+        self.emit(Record(json_safe(self._dp().released({**fields, "elapsed_s": self._elapsed(now)}))))
         self._save_privacy()
 
     def _save_privacy(self) -> None:

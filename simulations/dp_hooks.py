@@ -34,7 +34,8 @@ from shoal.aggregation.dp import DPMean, clip_to_norm, make_generator, noise_sha
 from shoal.assembly import expected_clients
 from shoal.config import Config
 from shoal.errors import ConfigError
-from shoal.rounds import Assignment
+from shoal.privacy_plan import plan_of
+from shoal.rounds import Assignment, RoundSummary
 from shoal.seeding import derive_seed
 from shoal.update import Update
 
@@ -107,6 +108,7 @@ class PrivacyBudget:
         """``sampling``: how the engine picks who trains, for records (default: the sync rounds'
         sampling, :func:`round_sampling`; gossip says ``online``: every online peer trains)."""
         p = cfg.privacy
+        self.plan = plan_of(cfg)
         agg = strategy.aggregator if strategy is not None else None
         # adaptive clipping is central DP's (config rules), whose strategy aggregates with a DPMean
         self._aggregator = agg if isinstance(agg, DPMean) and p.adaptive_clipping else None
@@ -120,11 +122,12 @@ class PrivacyBudget:
         else:
             n = len(client_sizes)
             k = expected_clients(cfg, n)
+            z = self.plan.accounted_z  # z_eff when the round's figures are released noised too
             self.accountant = RoundAccountant(
-                k / n, p.noise_multiplier, p.delta, p.accountant, sampling=self.sampling, num_clients=n, sample_size=k
+                k / n, z, p.delta, p.accountant, sampling=self.sampling, num_clients=n, sample_size=k
             )
         check_delta(p.delta, p.mode, client_sizes)
-        log.info("privacy accounting: %s", self.accountant.describe())
+        log.info("privacy accounting: %s; %s", self.accountant.describe(), self.plan.describe_release())
         if self.target and self.accountant.next_epsilon() > self.target:
             raise ConfigError(
                 f"privacy.target_epsilon = {self.target:g} is below the epsilon of a single round "
@@ -151,7 +154,12 @@ class PrivacyBudget:
             "delta": self.delta,
             "sampling": self.sampling,
             "accountant": self.accountant.describe(),
+            "release": self.plan.describe_release(),
         }
+
+    def round_figures(self, summary: RoundSummary) -> dict:
+        """privacy.release = "noised": the round's noisy result count and train loss ({} otherwise)."""
+        return self.plan.noisy_round(summary.num_results, summary.client_losses)
 
     def record_round(self, tasks: list[Assignment]) -> None:
         self.record_participants([t.client_id for t in tasks])

@@ -429,8 +429,8 @@ class InProcessSimulation:
                     **self.wire.counts(),
                     "rejected": summary.rejected,
                 }
-                if self.privacy is not None:
-                    record.update(self.privacy.metrics())
+                if self.privacy is not None:  # the run loop leaves out what privacy.release withholds
+                    record.update(self.privacy.metrics(), **self.privacy.round_figures(summary))
             yield Step(1, record)
             if stop:
                 return
