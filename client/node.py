@@ -44,6 +44,7 @@ from shoal.assembly import initial_model, make_trainer, task_from_config
 from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, SpecMismatch, short_repr
 from shoal.params import ParamSpec
+from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES
 from shoal.shards import Shard
 from shoal.task import (
     ClientData,
@@ -285,7 +286,11 @@ class NodePrivacy:
         return secrets.randbits(63) if self.mode == "local" else task_seed
 
     def protect(self, update: Update, task: dict) -> Update:
-        """Distributed DP: clip to C, add this node's share N(0, z²C²/t), t from the task."""
+        """What leaves the node. Distributed DP: clip to C, add this node's share N(0, z²C²/t).
+        Local DP: the DP-SGD update and nothing data-dependent beside it (no train loss, local
+        steps or example count: it says 1 example, and the server weighs local-DP updates alike)."""
+        if self.mode == "local":
+            return Update(update.delta, LOCAL_UPLOAD_EXAMPLES, update.base_version, update.sender, {})
         if self.mode != "distributed":
             return update
         t = int(task["privacy"]["noise_shares"])

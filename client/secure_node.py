@@ -1,11 +1,12 @@
 """A node's side of a secure `shoal server` round: its update leaves it only masked.
 
 When the task says ``secure_aggregation``, the node runs :class:`SecAggClient`
-(aggregation/secagg/protocol.py) over HTTP after training: post its public keys (with its
-example count and training loss, which are metadata in clear), fetch its neighbours'
-keys, post encrypted shares, fetch its own, post the masked fixed-point vector
-``[w_k * clip(delta_k), w_k]`` (as the simulator does), fetch the unmasking request
-and post its shares. The state machine refuses a request for both the self-mask and
+(aggregation/secagg/protocol.py) over HTTP after training: post its public keys (without DP
+with its example count and training loss, metadata in clear; under distributed DP with
+neither), fetch its neighbours' keys, post encrypted shares, fetch its own, post the masked
+fixed-point vector ``[w_k * clip(delta_k), w_k]`` (as the simulator does; under distributed DP
+``[clip(delta_k), n_k / max_weight]``, so the example counts are only summed), fetch the
+unmasking request and post its shares. The state machine refuses a request for both the self-mask and
 the mask-key share of one peer. The routes are in docs/protocol.md.
 
 Distributed DP (the update already carries its noise share, client/node.py): the node takes
@@ -105,6 +106,37 @@ def _dp_shares(node, task: dict, values: FixedPoint, info: dict) -> int:
     return t
 
 
+def _distributed(node) -> bool:
+    privacy = getattr(node, "privacy", None)
+    return privacy is not None and privacy.mode == "distributed"
+
+
+def _clear_meta(node, update: Update) -> dict:
+    """What goes beside the keys in the clear. Without DP: the example count and train loss.
+    Distributed DP: nothing (the count travels inside the masked vector, the loss is not sent).
+    Local DP: the update was stripped already (num_examples 1, no metrics: NodePrivacy.protect)."""
+    if _distributed(node):
+        return {}
+    meta: dict = {"num_examples": int(update.num_examples)}
+    if "train_loss" in update.metrics:
+        meta["train_loss"] = float(update.metrics["train_loss"])
+    return meta
+
+
+def _masked_vector(
+    node, update: Update, max_weight: float, weighting: str, values: FixedPoint, weights: FixedPoint
+) -> np.ndarray:
+    """The fixed-point vector to mask: ``[w_k clip(delta_k), w_k]``; under distributed DP (every node
+    weighs 1) ``[clip(delta_k), n_k / max_weight]``, so the server learns only the sum of the counts."""
+    rng = np.random.default_rng()
+    delta = update.delta.detach().cpu().numpy()
+    if not _distributed(node):
+        return encode_weighted(delta, example_weight(update.num_examples, max_weight, weighting), values, weights, rng)
+    x = encode_weighted(delta, 1.0, values, weights, rng)
+    x[-1:] = weights.encode(np.array([min(update.num_examples / max_weight, 1.0)]), rng)
+    return x
+
+
 async def run_secure_round(node, task: dict, update: Update, report: dict | None = None) -> bool:
     """The protocol for one task; True when this node's unmasking shares were accepted.
     ``report``: a local-DP node's privacy report, sent with its keys."""
@@ -138,12 +170,7 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
             )
             return False
         client = SecAggClient(node.name, params, None, *_identity(node, params))  # keys from the OS CSPRNG
-        meta = {
-            "round": round_,
-            "num_examples": int(update.num_examples),
-            "train_loss": float(update.metrics.get("train_loss", float("nan"))),
-            **({"privacy": report} if report is not None else {}),
-        }
+        meta = {"round": round_, **_clear_meta(node, update), **({"privacy": report} if report is not None else {})}
         await _post(node, "keys", encode_message(client.advertise_keys(), meta))
         body = await _fetch(node, "keys", round_)
         directory = _expect(decode_message(body, size), KeyDirectory)
@@ -152,8 +179,7 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
             raise Malformed("the key directory's meta needs max_weight > 0")
         await _post(node, "shares", encode_message(client.share_keys(directory), {"round": round_}))
         delivery = _expect(decode_message(await _fetch(node, "shares", round_), size), ShareDelivery)
-        w = example_weight(update.num_examples, float(max_weight), str(info["weighting"]))
-        x = encode_weighted(update.delta.detach().cpu().numpy(), w, values, weights, np.random.default_rng())
+        x = _masked_vector(node, update, float(max_weight), str(info["weighting"]), values, weights)
         await _post(node, "masked", encode_message(client.masked_input(delivery, x), {"round": round_}))
         log.info("round %d: masked input accepted", round_)
         reply = decode_message(await _fetch(node, "masked", round_), size)

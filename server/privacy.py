@@ -50,7 +50,7 @@ from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range
 from shoal.aggregation.strategy import Strategy
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, short_repr
-from shoal.privacy_plan import plan_of
+from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES, plan_of
 from shoal.rounds import RoundSummary, SyncRounds
 
 log = logging.getLogger(__name__)
@@ -325,6 +325,16 @@ class ServerPrivacy:
         return out
 
     # --- local DP: the nodes' reports ------------------------------------------------
+
+    def check_local_upload(self, num_examples: int, metrics: dict) -> None:
+        """Local DP: an upload carries its noisy update and nothing data-dependent (num_examples 1,
+        no metrics: NodePrivacy.protect); Malformed otherwise. So every local-DP update weighs the same."""
+        if num_examples != LOCAL_UPLOAD_EXAMPLES or metrics:
+            raise Malformed(
+                f"privacy.mode = 'local': an upload carries num_examples = {LOCAL_UPLOAD_EXAMPLES} and no metrics "
+                f"(got {num_examples} and {sorted(metrics)[:5]}): its data-dependent figures are not noised; "
+                "update the node"
+            )
 
     def take_report(self, node: str, report: dict) -> None:
         if node in self.reports or len(self.reports) < MAX_NODE_EPSILONS:

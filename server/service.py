@@ -558,7 +558,8 @@ class ServerService:
             r.check_round(node, header.get("round"))
             update.sender = node  # the authenticated identity, not what the body claims
             report = None
-            if self.privacy is not None and self.privacy.mode == "local":  # checked before anything changes
+            if self.privacy is not None and self.privacy.plan.dp_sgd:  # checked before anything changes
+                self.privacy.check_local_upload(update.num_examples, update.metrics)
                 report = parse_report(header.get("privacy"), self.cfg.privacy.delta)
             advanced = r.submit(node, update)
         except Exception as e:
