@@ -149,9 +149,11 @@ class NodePrivacy:
     * ``central``: nothing is added here (the server clips and adds the noise, which is
       what central DP trusts it to do); the node checks that the server runs central DP
       with its z and C.
-    * ``distributed``: clip to C and add N(0, z²C²/t) before the update leaves the node
-      (masked, with secure aggregation), t from the task; the noise comes from the OS, never
-      from the server's seed.
+    * ``distributed``: clip to C and add N(0, z²C²/t) before the update leaves the node; the
+      noise comes from the OS, never from the server's seed. In the clear t is the task's; with
+      secure aggregation the share is added after the key directory, and t must be one this node
+      can hold the server to (no more than its checked neighbourhood, and it unmasks no sum of
+      fewer survivors): a task that asks for more is refused (client/secure_node.py).
     * ``local``: DP-SGD (the trainer) on a seed only this node knows (with the server's
       seed the server could redraw the noise and the example samples), and the node's own
       epsilon over its data size, batch, epochs and the rounds it took part in. That count
@@ -291,16 +293,20 @@ class NodePrivacy:
         steps or example count: it says 1 example, and the server weighs local-DP updates alike)."""
         if self.mode == "local":
             return Update(update.delta, LOCAL_UPLOAD_EXAMPLES, update.base_version, update.sender, {})
-        if self.mode != "distributed":
+        if self.mode != "distributed" or "secure_aggregation" in task:  # secure: after the key directory
             return update
-        t = int(task["privacy"]["noise_shares"])
+        return self.add_share(update, int(task["privacy"]["noise_shares"]), task.get("round"))
+
+    def add_share(self, update: Update, t: int, round_) -> Update:
+        """Distributed DP: clip to C and add N(0, z²C²/t) from the OS's entropy. With secure
+        aggregation t is one this node checked against the key directory (client/secure_node.py)."""
         clipped, norm = clip_to_norm(update.delta, self.p.clip_norm)
         update.delta = noise_share(
             clipped, self.p.clip_norm, self.p.noise_multiplier, t, make_generator(update.delta.device, None)
         )  # OS entropy
         log.info(
             "round %s: update of norm %.4g clipped to C = %g, noise share N(0, %.4g^2) added (t = %d)",
-            task.get("round"),
+            round_,
             norm,
             self.p.clip_norm,
             share_std(self.p.clip_norm, self.p.noise_multiplier, t),

@@ -9,11 +9,12 @@ fixed-point vector ``[w_k * clip(delta_k), w_k]`` (as the simulator does; under 
 unmasking request and post its shares. The state machine refuses a request for both the self-mask and
 the mask-key share of one peer. The routes are in docs/protocol.md.
 
-Distributed DP (the update already carries its noise share, client/node.py): the node takes
-part only when the fixed-point range leaves room for its noise (the range check of
-aggregation.secagg.encoding), when every node weighs the same, and, over the full graph, sends
-its unmasking shares only when the survivors it is shown number at least the t its share was
-sized for, so a server that would unmask a smaller sum gets no shares from this node.
+Distributed DP: the node takes part only when the fixed-point range leaves room for its noise
+(the range check of aggregation.secagg.encoding) and every node weighs the same. It adds its
+noise share N(0, z²C²/t) after the key directory, with the task's t only if t is at most the
+neighbourhood the directory shows (a server that inflates t to shrink every share is refused),
+and sends its unmasking shares only when the survivors it is shown number at least t, so a
+server that would unmask a smaller sum gets no shares from this node.
 """
 
 from __future__ import annotations
@@ -89,6 +90,20 @@ async def _fetch(node, route: str, round_: int) -> bytes:
             log.warning("secure aggregation %s fetch failed (%s); retrying in %.2f s", route, e, delay)
             await asyncio.sleep(delay)
     raise _Left("stopping")
+
+
+def _checked_shares(t: int, directory: KeyDirectory) -> int:
+    """The t a distributed-DP share is divided by, checked against the key directory: the node
+    unmasks no sum with fewer than t survivors among the neighbours it is shown (the unmasking
+    request lists them), so t can be at most its neighbourhood (the whole round over the full
+    graph, a few nodes over SecAgg+). A server that inflates t to shrink every share is refused."""
+    if t > len(directory.peers):
+        raise Malformed(
+            f"the task asks for t = {t} noise shares, but this node's key directory holds {len(directory.peers)} "
+            f"nodes (threshold {directory.threshold}): a sum of {t} noisy inputs cannot be checked, so each share "
+            "would be too small; refusing to take part"
+        )
+    return t
 
 
 def _dp_shares(node, task: dict, values: FixedPoint, info: dict) -> int:
@@ -174,6 +189,8 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
         await _post(node, "keys", encode_message(client.advertise_keys(), meta))
         body = await _fetch(node, "keys", round_)
         directory = _expect(decode_message(body, size), KeyDirectory)
+        if t:  # distributed DP: the share is sized now, for a t this node can hold the server to
+            update = node.privacy.add_share(update, _checked_shares(t, directory), round_)
         max_weight = message_meta(body, size).get("max_weight")
         if not isinstance(max_weight, (int, float)) or not max_weight > 0:
             raise Malformed("the key directory's meta needs max_weight > 0")
@@ -188,7 +205,7 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
             await _post(node, "consistency", encode_message(client.consistency_check(check), {"round": round_}))
             reply = decode_message(await _fetch(node, "consistency", round_), size)
         request = _expect(reply, UnmaskRequest)
-        if t and params.graph == "full" and len(request.survivors) < t:  # the server should have aborted
+        if t and len(request.survivors) < t:  # the server should have aborted
             raise Malformed(
                 f"asked to unmask a sum of {len(request.survivors)} masked inputs, fewer than the t = {t} "
                 "noise shares this node's noise was sized for: refusing"

@@ -289,10 +289,20 @@ def test_survivor_check_aborts_before_any_unmasking_share_is_asked(tmp_path):
     assert records[1]["version"] == 1 and records[1]["epsilon"] == pytest.approx(epsilon(1.0, 1.0, 2, 1e-5))
 
 
-def test_nodes_refuse_to_unmask_a_sum_with_fewer_than_t_shares(tmp_path, caplog):
-    """A server that skips its survivor check (test-side fault injection: it hands out t = 5
-    for 4 nodes and does not abort): every real node, shown 4 survivors, sends no unmasking
-    share, so the sum is never unmasked and the model stays as it was."""
+@pytest.mark.parametrize(
+    ("inflated", "refusal"),
+    [
+        (5, "the task asks for t = 5 noise shares, but this node's key directory holds 4 nodes"),
+        (4, "asked to unmask a sum of 3 masked inputs, fewer than the t = 4"),
+    ],
+    ids=["beyond-the-directory", "within-it-one-dropout"],
+)
+def test_nodes_do_not_trust_the_server_for_t(tmp_path, caplog, inflated, refusal):
+    """A malicious server inflates t (each share then shrinks) and skips its survivor check
+    (test-side fault injection). t = 5 for 4 nodes: every node refuses at the key directory,
+    before any noise or masked input leaves it. t = 4 (the threshold is 3) with one node
+    failing before it masks: the 3 others were sized for 4 and refuse to unmask 3. Either way
+    the sum is never unmasked and the model stays as it was."""
     names = [f"client-{i:05d}" for i in range(4)]
     sections = {
         "privacy": {"mode": "distributed", "noise_multiplier": 1.0, "clip_norm": 1.0},
@@ -303,7 +313,7 @@ def test_nodes_refuse_to_unmask_a_sum_with_fewer_than_t_shares(tmp_path, caplog)
         server = {"min_nodes": 4, "clients_per_round": 4, "rounds": 1, "poll_s": 1.0, "deadline_s": 10.0}
         async with live_server(tmp_path, names, clock=True, sections=sections, **server) as live:
             svc = live.service
-            svc.privacy.noise_shares = 5
+            svc.privacy.noise_shares = inflated
             svc.privacy.check_survivors = lambda survivors, round_: None
             before = svc.rounds.global_params.clone()
             shards = _shards(tmp_path, 4)
@@ -320,6 +330,8 @@ def test_nodes_refuse_to_unmask_a_sum_with_fewer_than_t_shares(tmp_path, caplog)
                 )
                 for i, n in enumerate(names)
             ]
+            if inflated == 4:  # client-00003 fails after its keys: never masks
+                nodes[3].privacy.add_share = _fails_once(nodes[3].privacy.add_share)
             runs = [asyncio.ensure_future(n.run()) for n in nodes]
             with caplog.at_level(logging.INFO):
                 for _ in range(300):
@@ -334,8 +346,22 @@ def test_nodes_refuse_to_unmask_a_sum_with_fewer_than_t_shares(tmp_path, caplog)
     svc, before = asyncio.run(scenario())
     assert svc.counters.rounds_abandoned == 1 and svc.version == 0
     assert torch.equal(svc.rounds.global_params, before)
-    assert svc.secure_last["sent"]["unmask"] == [] and len(svc.secure_last["sent"]["masked"]) == 4
-    assert caplog.text.count("asked to unmask a sum of 4 masked inputs, fewer than the t = 5") == 4
+    sent = svc.secure_last["sent"]
+    assert sent["unmask"] == [] and len(sent["masked"]) == (0 if inflated == 5 else 3)
+    assert caplog.text.count(refusal) == (4 if inflated == 5 else 3)
+
+
+def _fails_once(add_share):
+    """A node's add_share that raises the first time (the node leaves that round's protocol)."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("injected: this node fails before it masks")
+        return add_share(*args, **kwargs)
+
+    return wrapped
 
 
 def test_privacy_ledger_counts_every_charged_round_across_a_restart(tmp_path):
