@@ -32,7 +32,7 @@ from shoal.client.training import LocalTrainer, summarize_means
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMismatch, UpdateRejected
 from shoal.metrics import json_safe
-from shoal.rounds import Rounds, SyncRounds
+from shoal.rounds import Rounds, SyncRounds, evaluation_due
 from shoal.task import ClientData, Task, TaskError
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
 
@@ -415,11 +415,7 @@ class ServerService:
 
     def wants_fed(self, version: int) -> bool:
         """Versions the nodes evaluate: every ``simulation.eval_every``-th, and the last."""
-        return (
-            not self.fed_finished
-            and version >= 1
-            and (version % self.fed_every == 0 or version >= self.cfg.server.rounds)
-        )
+        return not self.fed_finished and evaluation_due(version, self.fed_every, self.cfg.server.rounds)
 
     def _with_eval(self, answer: dict[str, Any], node: str, evaluates: bool) -> dict[str, Any]:
         v = int(answer["version"])

@@ -25,7 +25,7 @@ from shoal.client.state import State, StateMapping, make_client_state
 from shoal.client.training import summarize_means
 from shoal.config import Config
 from shoal.errors import WireError
-from shoal.rounds import Assignment, RoundSummary, SyncRounds
+from shoal.rounds import Assignment, RoundSummary, SyncRounds, evaluation_due
 from shoal.seeding import derive_seed, rng
 from shoal.task import ClientData, Population, SimulationData, Task, call_part, check_data, check_loss
 from shoal.update import PartialSum, Update
@@ -417,7 +417,7 @@ class InProcessSimulation:
             summary = self.run_round()
             stop = self.privacy is not None and not self.privacy.allows_next_round()
             record = None
-            if r % sim_cfg.eval_every == 0 or r == sim_cfg.rounds or stop:
+            if evaluation_due(r, sim_cfg.eval_every, sim_cfg.rounds, stop):
                 record = {
                     "round": summary.round,
                     "version": summary.version,
