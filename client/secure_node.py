@@ -109,7 +109,7 @@ def _checked_shares(t: int, directory: KeyDirectory) -> int:
 def _dp_shares(node, task: dict, values: FixedPoint, info: dict) -> int:
     """Distributed DP: t, after checking the round can carry this node's noise share (0 otherwise)."""
     privacy = getattr(node, "privacy", None)
-    if privacy is None or privacy.mode != "distributed":
+    if privacy is None or not privacy.plan.client_shares:
         return 0
     t = int(task["privacy"]["noise_shares"])
     check_noise_range(values, privacy.p.clip_norm, share_std(privacy.p.clip_norm, privacy.p.noise_multiplier, t), t)
@@ -123,7 +123,7 @@ def _dp_shares(node, task: dict, values: FixedPoint, info: dict) -> int:
 
 def _distributed(node) -> bool:
     privacy = getattr(node, "privacy", None)
-    return privacy is not None and privacy.mode == "distributed"
+    return privacy is not None and privacy.plan.client_shares
 
 
 def _clear_meta(node, update: Update) -> dict:

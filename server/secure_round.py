@@ -85,7 +85,7 @@ class SecureRound:
         self.values = FixedPoint(sa.clip, sa.bits, k)  # raises (ConfigError) if k x 2^bits > 2^32
         self.weights = FixedPoint(1.0, sa.bits, k)
         # distributed DP's server divides the plain sum by K: every node weighs the same (as in the simulator)
-        self.weighting = "uniform" if privacy is not None and privacy.mode == "distributed" else cfg.strategy.weighting
+        self.weighting = "uniform" if privacy is not None and privacy.plan.client_shares else cfg.strategy.weighting
         self.max_examples = cfg.server.max_examples
         self.params = SecAggParams(
             # fresh per aggregation: a round re-run after a restart never reuses keys or masks
@@ -189,7 +189,7 @@ class SecureRound:
         if stage == "advertise":
             n, loss = self._clear_meta(meta)
             report = None
-            if self.privacy is not None and self.privacy.mode == "local":
+            if self.privacy is not None and self.privacy.plan.dp_sgd:
                 report = parse_report(meta.get("privacy"), self.privacy.p.delta)
         handlers: dict[str, Callable[[Any], object]] = {
             "advertise": self.server.receive_keys,

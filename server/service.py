@@ -32,6 +32,7 @@ from shoal.client.training import LocalTrainer, summarize_means
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMismatch, UpdateRejected
 from shoal.metrics import json_safe
+from shoal.privacy_plan import plan_of
 from shoal.rounds import Rounds, RoundSummary, SyncRounds, evaluation_due
 from shoal.task import ClientData, Task, TaskError
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
@@ -220,7 +221,7 @@ class ServerService:
         self.mode = s.mode
         flat = self.trainer.flat.detach().clone()
         # [privacy]: the DP strategy, Poisson sampling, the accountant and the budget (server/privacy.py)
-        self.privacy = ServerPrivacy(cfg, self.spec.numel) if cfg.privacy.mode != "none" else None
+        self.privacy = ServerPrivacy(cfg, self.spec.numel) if plan_of(cfg).enabled else None
         # ``sync``: the rounds the clock opens and closes (tick); None in async mode, where
         # versions advance with the updates themselves.
         self.sync: SyncRounds | None = None

@@ -35,6 +35,8 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from shoal.accounting import LocalDpSgdAccountant, RoundAccountant
+
 #: privacy.release's choices
 RELEASES = ("withhold", "noised", "clear")
 
@@ -181,6 +183,34 @@ class PrivacyPlan:
         if self.release == "noised" and self.user_level:
             return combined_multiplier(self.noise_multiplier, self.release_noise_multiplier)
         return self.noise_multiplier
+
+    # --- the accountants ----------------------------------------------------------------
+
+    def round_accountant(
+        self,
+        q: float,
+        *,
+        sampling: str | None = None,
+        num_clients: int | None = None,
+        sample_size: int | None = None,
+        clip: float | str | None = None,
+    ) -> RoundAccountant:
+        """User-level DP's accountant (simulator and server): one event per round at
+        :attr:`accounted_z`, for ``sampling`` (default: the config's)."""
+        return RoundAccountant(
+            q,
+            self.accounted_z,
+            self.delta,
+            self.accountant,
+            sampling=sampling or self.sampling,
+            num_clients=num_clients,
+            sample_size=sample_size,
+            clip=clip,
+        )
+
+    def local_accountant(self, schedules: dict[str, tuple[float, int]]) -> LocalDpSgdAccountant:
+        """Local DP-SGD's accountant (simulator, node, peer): per client over its participations."""
+        return LocalDpSgdAccountant(schedules, self.noise_multiplier, self.delta, self.accountant)
 
     # --- what a run releases -------------------------------------------------------------
 

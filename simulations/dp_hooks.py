@@ -23,8 +23,7 @@ import logging
 from collections.abc import Callable
 
 from shoal.accounting import (
-    LocalDpSgdAccountant,
-    RoundAccountant,
+    Accountant,
     budget_allows,
     check_delta_against,
     dp_sgd_schedule,
@@ -44,9 +43,7 @@ log = logging.getLogger(__name__)
 
 def round_sampling(cfg: Config) -> str:
     """How SyncRounds picks clients under this config: ``poisson`` or ``fixed``."""
-    if cfg.privacy.mode in ("central", "distributed"):
-        return cfg.privacy.sampling
-    return "fixed"
+    return plan_of(cfg).round_sampling
 
 
 class DistributedNoise:
@@ -115,17 +112,15 @@ class PrivacyBudget:
         self.target = p.target_epsilon
         self.delta = p.delta
         self.sampling = sampling or round_sampling(cfg)
-        self.accountant: LocalDpSgdAccountant | RoundAccountant
-        if p.mode == "local":
+        self.accountant: Accountant
+        if self.plan.dp_sgd:
             schedules = {c: dp_sgd_schedule(n, cfg.train.batch(n), cfg.train.epochs) for c, n in client_sizes.items()}
-            self.accountant = LocalDpSgdAccountant(schedules, p.noise_multiplier, p.delta, p.accountant)
+            self.accountant = self.plan.local_accountant(schedules)
         else:
             n = len(client_sizes)
             k = expected_clients(cfg, n)
-            z = self.plan.accounted_z  # z_eff when the round's figures are released noised too
-            self.accountant = RoundAccountant(
-                k / n, z, p.delta, p.accountant, sampling=self.sampling, num_clients=n, sample_size=k
-            )
+            # at z_eff when the round's figures are released noised too (PrivacyPlan.accounted_z)
+            self.accountant = self.plan.round_accountant(k / n, sampling=self.sampling, num_clients=n, sample_size=k)
         check_delta(p.delta, p.mode, client_sizes)
         log.info("privacy accounting: %s; %s", self.accountant.describe(), self.plan.describe_release())
         if self.target and self.accountant.next_epsilon() > self.target:
@@ -167,6 +162,13 @@ class PrivacyBudget:
     def record_participants(self, client_ids: list[str]) -> None:
         """One round in which these clients (or gossip peers) trained; one listed twice trained twice."""
         self.accountant.record_round(client_ids)
+
+    def state_dict(self) -> dict:
+        """What was charged so far (the accountant's ledger), as the server keeps its own."""
+        return self.accountant.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.accountant.load_state_dict(state)
 
     def allows_next_round(self) -> bool:
         """False (with a message) when one more round would take epsilon past the target."""
