@@ -540,7 +540,7 @@ class PrivacyConfig:
     # noised = the number of results and the train loss with Gaussian noise, charged in epsilon
     # (central / distributed only); clear = everything un-noised, NOT covered by the epsilon
     release: Literal["withhold", "noised", "clear"] = "withhold"
-    release_noise_multiplier: float = 5.0  # noised: std of the count's noise (sensitivity 1) and of the loss sum's
+    release_noise_multiplier: float = 5.0  # noised: the count's noise std; the loss sum's is this x loss clip
     release_loss_clip: float = 5.0  # noised: each client's train loss clipped to [0, this] (the loss sum's sensitivity)
     # `shoal privacy-sweep`: the grid run after a non-private baseline
     sweep_modes: list[Literal["central", "local", "distributed"]] = field(default_factory=lambda: ["central", "local"])
