@@ -249,17 +249,17 @@ class PrivacyPlan:
         self, num_results: int, client_losses: list[float] | None, rng: random.Random | None = None
     ) -> dict[str, float | None]:
         """``noised``: the round's result count and mean train loss with Gaussian noise (the
-        module doc); {} under any other policy. ``client_losses`` None (results summed where
-        they trained): the loss is not released, its noise is still drawn and charged.
-        A result without a finite loss counts as 0 in the loss sum. ``rng``: the OS's by default."""
+        module doc); {} under any other policy. The loss is not released (None) when some
+        result's loss is unknown: summed where they trained (``client_losses`` None), or not sent
+        (distributed DP with secure aggregation: NaN); it is charged all the same.
+        ``rng``: the OS's by default."""
         if self.release != "noised" or not self.user_level:
             return {}
         rng = rng or random.SystemRandom()
         s, cap = self.release_noise_multiplier, self.release_loss_clip
         count = num_results + rng.gauss(0.0, s)
-        losses = [x for x in client_losses or [] if math.isfinite(x)]
-        loss_sum = sum(min(max(x, 0.0), cap) for x in losses) + rng.gauss(0.0, s * cap)
-        known = client_losses is not None and count >= 1
+        known = client_losses is not None and all(math.isfinite(x) for x in client_losses) and count >= 1
+        loss_sum = sum(min(max(x, 0.0), cap) for x in client_losses or [] if math.isfinite(x)) + rng.gauss(0.0, s * cap)
         return {"num_results_noisy": count, "train_loss_noisy": loss_sum / count if known else None}
 
     def describe_release(self) -> str:

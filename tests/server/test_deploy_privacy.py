@@ -389,6 +389,27 @@ def test_privacy_ledger_counts_every_charged_round_across_a_restart(tmp_path):
     assert fresh.privacy.rounds_charged == 0
 
 
+def test_server_records_withhold_or_noise_the_round_figures(tmp_path):
+    """privacy.release on the server: the default record has no count or loss; "noised" has
+    the noisy count and loss, and every round is charged at z_eff = (z^-2 + 2 sigma^-2)^-1/2."""
+    for release, z_eff in (("withhold", 1.0), ("noised", (1 + 2 / 16) ** -0.5)):
+        out = tmp_path / release
+        privacy = {**CENTRAL["privacy"], "release": release, "release_noise_multiplier": 4.0}
+        svc = open_service(small_config(out, {"privacy": privacy}, clients_per_round=2, deadline_s=1.0), registered=2)
+        for _ in range(2):
+            for n in ("a", "b"):
+                svc.seen(n, 0.0)
+            svc.tick(0.0)
+            for n in sorted(svc.rounds.selected):
+                svc.submit(n, good_update(svc, n), 0.0)
+            svc.tick(0.0)
+        records = _records(out)
+        assert [r["version"] for r in records] == [1, 2] and all(r["release"] == release for r in records)
+        assert all(not {"num_results", "num_examples", "train_loss"} & set(r) for r in records)
+        assert all(("num_results_noisy" in r) == (release == "noised") for r in records)
+        assert records[-1]["epsilon"] == pytest.approx(epsilon(1.0, z_eff, 2, 1e-5))
+
+
 # --- the noise that reaches a deployed aggregate --------------------------------------------
 
 

@@ -100,17 +100,20 @@ def test_noised_release_charges_its_figures_in_epsilon(tmp_path):
 def test_noised_figures_carry_the_noise_they_are_charged_for():
     plan = PrivacyPlan(mode="central", noise_multiplier=1.0, release="noised", release_noise_multiplier=3.0)
     rng = random.Random(7)
-    draws = [plan.noisy_round(5, [0.5, 1.0, 9.0, float("nan"), 2.0], rng) for _ in range(4000)]
+    draws = [plan.noisy_round(5, [0.5, 1.0, 9.0, -1.0, 2.0], rng) for _ in range(4000)]
     counts = [d["num_results_noisy"] - 5 for d in draws]
     mean = sum(counts) / len(counts)
     std = math.sqrt(sum((c - mean) ** 2 for c in counts) / len(counts))
     assert abs(mean) < 0.2 and std == pytest.approx(3.0, rel=0.05)
-    # the loss sum: each loss clipped to [0, 5] (9 -> 5, NaN -> dropped), noise std 3 * 5
+    # the loss sum: each loss clipped to [0, 5] (9 -> 5, -1 -> 0), noise std 3 * 5
     sums = [d["train_loss_noisy"] * d["num_results_noisy"] for d in draws if d["train_loss_noisy"] is not None]
     m = sum(sums) / len(sums)
     assert m == pytest.approx(0.5 + 1.0 + 5.0 + 2.0, abs=0.8)
     assert math.sqrt(sum((s - m) ** 2 for s in sums) / len(sums)) == pytest.approx(15.0, rel=0.05)
     assert PrivacyPlan(mode="central", release="withhold").noisy_round(5, [1.0]) == {}
+    # a loss not sent (secure aggregation) or summed on a worker: the count only
+    assert plan.noisy_round(5, [1.0, float("nan")], rng)["train_loss_noisy"] is None
+    assert plan.noisy_round(5, None, rng)["train_loss_noisy"] is None
 
 
 def test_noised_release_is_refused_for_local_dp():
