@@ -346,8 +346,8 @@ class PartialInbox:
     max_staleness: int | None = None
     children: set[str] | None = None  # the origins allowed to send (None: any)
     _digests: dict[str, str] = field(default_factory=dict)
+    _pending: dict[str, str] = field(default_factory=dict)
     _acc: Accumulator | None = None
-    received_bytes: int = 0
 
     def __post_init__(self) -> None:
         if self.stale == "weight" and self.late_weight is None:
@@ -363,7 +363,10 @@ class PartialInbox:
     def origins(self) -> list[str]:
         return sorted(self._digests)
 
-    def offer(self, part: Partial) -> Receipt:
+    def admit(self, part: Partial) -> tuple[Receipt, Partial | None]:
+        """Check ``part`` without taking it: a ``duplicate`` receipt and None (nothing to merge), or a
+        ``merged`` receipt and the partial to merge (discounted when stale); :meth:`record` it once
+        merged. A root whose strategy is the sum (SyncRounds.submit_sum) merges it there itself."""
         if not part.origin:
             raise UpdateRejected("malformed", "a partial sent up a tree names its origin (the aggregator that sent it)")
         if self.children is not None and part.origin not in self.children:
@@ -372,7 +375,7 @@ class PartialInbox:
         seen = self._digests.get(part.origin)
         if seen is not None:
             if seen == digest:
-                return Receipt("duplicate", part.origin, part.count, part.staleness)
+                return Receipt("duplicate", part.origin, part.count, part.staleness), None
             raise UpdateRejected("conflict", f"{part.origin!r} already sent a different partial for round {self.round}")
         t = self.version - part.version
         if t != 0 or part.round != self.round:
@@ -386,9 +389,24 @@ class PartialInbox:
                 raise UpdateRejected("too_stale", f"partial is {t} versions old; max_staleness = {self.max_staleness}")
             assert self.late_weight is not None
             part = replace(part.discounted(self.late_weight(t), t), round=self.round, version=self.version)
-        self.acc.add_partial(part)
-        self._digests[part.origin] = digest
-        return Receipt("merged", part.origin, part.count, part.staleness)
+        self._pending[part.origin] = digest
+        return Receipt("merged", part.origin, part.count, part.staleness), part
+
+    def record(self, origin: str) -> None:
+        """The partial of ``origin`` that :meth:`admit` passed was merged: its retransmits are duplicates."""
+        self._digests[origin] = self._pending.pop(origin)
+
+    def release(self, origin: str) -> None:
+        """The partial of ``origin`` that :meth:`admit` passed was not merged after all (refused further on)."""
+        self._pending.pop(origin, None)
+
+    def offer(self, part: Partial) -> Receipt:
+        """Admit, merge into this inbox's own sum and record (a mid-tier aggregator, the simulator's root)."""
+        receipt, merged = self.admit(part)
+        if merged is not None:
+            self.acc.add_partial(merged)
+            self.record(merged.origin)
+        return receipt
 
     def total(self) -> Partial:
         """Everything merged so far (the root's sum, or what a mid-tier seals and sends up)."""
