@@ -61,8 +61,7 @@ class PartialIntake:
     def submit(self, edge: str, body: bytes | memoryview, now: float) -> dict[str, Any]:
         """Validate a partial from ``edge`` (the authenticated identity) and merge it into the open
         round; raises a ShoalError (WireError or UpdateRejected) with nothing changed if refused."""
-        svc = self.service
-        svc.seen(edge, now)
+        svc = self.service  # an edge is no node: it is not marked seen, so rounds never select it
         try:
             why = self._why_not()
             if why is not None:
