@@ -67,6 +67,7 @@ from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.errors import ShoalError, TooLarge
 from shoal.metrics import MetricsLog, json_safe
+from shoal.rounds import evaluation_due
 from shoal.seeding import derive_seed
 from shoal.server.dashboard import is_dashboard_path
 from shoal.task import ClientData, num_examples, task_name
@@ -631,7 +632,7 @@ class Peer:
     async def _step_done(self) -> bool:
         """Evaluate when due; True when ``gossip.rounds`` local steps are done."""
         last = bool(self.g.rounds) and self.steps >= self.g.rounds
-        if last or self.steps % self.cfg.simulation.eval_every == 0:
+        if evaluation_due(self.steps, self.cfg.simulation.eval_every, stop=last):
             await self.evaluate(final=last)
         return last
 

@@ -42,6 +42,13 @@ from .seeding import derive_seed, rng, secret_rng, secret_seed
 from .update import PartialSum, Update
 
 
+def evaluation_due(step: int, every: int, last: int | None = None, stop: bool = False) -> bool:
+    """The one evaluation cadence of every engine, server and peer: after every ``every``-th
+    round (version, local step) from the start, after the ``last`` one, and after one that ends
+    the run early (``stop``: a spent privacy budget). ``simulation.eval_every`` is ``every``."""
+    return step > 0 and (step % every == 0 or (last is not None and step >= last) or stop)
+
+
 @dataclass(frozen=True)
 class Assignment:
     """What a selected client is asked to do: train from global ``version`` with ``seed``."""

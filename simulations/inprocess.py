@@ -18,14 +18,14 @@ import torch
 from shoal.aggregation.scaffold import ScaffoldControl
 from shoal.aggregation.secagg import SecAggAborted
 from shoal.assembly import initial_model, make_client_program, make_round_strategy, make_trainer, task_from_config
-from shoal.client.algorithms import ClientResult
+from shoal.client.algorithms import ClientResult, train_batched
 from shoal.client.batched import make_batched_trainer
 from shoal.client.device import select_device
 from shoal.client.state import State, StateMapping, make_client_state
 from shoal.client.training import summarize_means
 from shoal.config import Config
 from shoal.errors import WireError
-from shoal.rounds import Assignment, RoundSummary, SyncRounds
+from shoal.rounds import Assignment, RoundSummary, SyncRounds, evaluation_due
 from shoal.seeding import derive_seed, rng
 from shoal.task import ClientData, Population, SimulationData, Task, call_part, check_data, check_loss
 from shoal.update import PartialSum, Update
@@ -60,8 +60,8 @@ def batching_blocker(
     task: Task, trainer, shards: ClientShards | PopulationShards, algorithm: str = "fedavg"
 ) -> str | None:
     """Why the task (or ``algorithm.name``) rules out the batched many-clients path (None: it may batch)."""
-    if algorithm != "fedavg":
-        return f"algorithm.name = {algorithm!r} runs its own local step with per-client state"
+    if algorithm in ("ditto", "fedper", "fedrep"):
+        return f"algorithm.name = {algorithm!r} trains a personal part of its own on each client"
     if not shards.in_memory:
         return "the clients' data are torch Datasets (read through a DataLoader), not tensors"
     if type(task).loss is not Task.loss:
@@ -112,15 +112,14 @@ class LocalClients:
 
     def train(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
         sim = self.sim
+        broadcast = sim.broadcast()
         if sim.batched is not None:
             # a population's cohort is loaded and concatenated here; held data are sliced in place
-            x, y, starts, sizes = sim.shards.gather([sim._index[t.client_id] for t in tasks])
-            for j, update in sim.batched.train(global_params, x, y, starts, sizes, [t.seed for t in tasks]):
-                task = tasks[j]
-                update.base_version, update.sender = task.version, task.client_id
-                yield task, update
+            data = sim.shards.gather([sim._index[t.client_id] for t in tasks])
+            states = [sim.client_state(t.client_id) for t in tasks]
+            for j, result in train_batched(sim.program, sim.batched, global_params, data, tasks, states, broadcast):
+                yield tasks[j], sim.keep_result(tasks[j].client_id, result)
             return
-        broadcast = sim.broadcast()
         for task in tasks:
             i = sim._index[task.client_id]
             state = sim.client_state(task.client_id)
@@ -422,7 +421,7 @@ class InProcessSimulation:
             summary = self.run_round()
             stop = self.privacy is not None and not self.privacy.allows_next_round()
             record = None
-            if r % sim_cfg.eval_every == 0 or r == sim_cfg.rounds or stop:
+            if evaluation_due(r, sim_cfg.eval_every, sim_cfg.rounds, stop):
                 record = {
                     "round": summary.round,
                     "version": summary.version,

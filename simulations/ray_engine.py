@@ -49,7 +49,7 @@ import torch
 
 from shoal.aggregation import Strategy, WeightedMean
 from shoal.assembly import initial_model, make_client_program, make_trainer, task_from_config, with_absolute_task
-from shoal.client.algorithms import ClientResult
+from shoal.client.algorithms import ClientResult, train_batched
 from shoal.client.batched import make_batched_trainer
 from shoal.client.device import select_device
 from shoal.config import Config
@@ -226,10 +226,12 @@ class RayWorker:
         """Each item's result (update, new state, what the server needs), in ``items`` order: LocalClients' rules."""
         out: list[ClientResult | None] = [None] * len(items)
         if self.batched is not None:
-            x, y, starts, sizes = self.data.batch([it.index for it in items])
-            for j, update in self.batched.train(global_flat, x, y, starts, sizes, [it.task.seed for it in items]):
-                update.base_version, update.sender = items[j].task.version, items[j].task.client_id
-                out[j] = ClientResult(update)
+            cohort = self.data.batch([it.index for it in items])
+            tasks, states = [it.task for it in items], [it.state or {} for it in items]
+            for j, result in train_batched(
+                self.program, self.batched, global_flat, cohort, tasks, states, broadcast or {}
+            ):
+                out[j] = result
         else:
             for j, it in enumerate(items):
                 data = self.data.client(it.index)

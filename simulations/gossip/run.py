@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shoal.config import Config
+from shoal.rounds import evaluation_due
 from shoal.task import SimulationData, Task
 
 from ..dp_hooks import PrivacyBudget
@@ -113,7 +114,7 @@ def run_gossip_simulation(
         for r in range(1, sim_cfg.rounds + 1):
             sim.run_round()
             stop = not sim.allows_next_round()
-            due = r % sim_cfg.eval_every == 0 or r == sim_cfg.rounds or stop
+            due = evaluation_due(r, sim_cfg.eval_every, sim_cfg.rounds, stop)
             loop.step(Step(1, {"round": r, **sim.evaluate()} if due else None))
             if stop:
                 break
