@@ -48,6 +48,8 @@ class PartialIntake:
             return "secure aggregation is on: a plain partial would reveal its edge's sum"
         if cfg.privacy.mode != "none":
             return f"privacy.mode = {cfg.privacy.mode!r}: the DP mean clips each update, which a sum hides"
+        if cfg.algorithm.name != "fedavg":
+            return f"algorithm.name = {cfg.algorithm.name!r} needs each node's own step and state, not a sum"
         if cfg.robust.rule != "mean":
             return f"robust.rule = {cfg.robust.rule!r} needs each update, not a sum"
         return None
