@@ -715,6 +715,12 @@ class Node:
         except Exception:
             return f"the server's model does not fit this node's: {e}"
         a, b = theirs.to_json(), mine.to_json()
+        if a == b:  # the exchanged tensors agree: what differs is what never travels
+            return (
+                f"model spec mismatch: the server's model has spec hash {header.get('spec_hash')!r}, this node's "
+                f"{mine.hash!r}, with the same exchanged tensors: the frozen parameters differ (another base "
+                "checkpoint or pretrained weights): load the same base model as the server"
+            )
         diff = next(((x, y) for x, y in zip(a, b) if x != y), None)
         first = (
             f"first difference: server {diff[0][0]} {diff[0][1]}, node {diff[1][0]} {diff[1][1]}"

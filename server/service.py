@@ -171,7 +171,8 @@ def parse_failure_report(body: bytes) -> tuple[int, int, str]:
 def spec_mismatch_detail(node_hash: str, server_hash: str) -> str:
     return (
         f"model spec mismatch: the node's model has spec hash {node_hash!r}, the server's has {server_hash!r} "
-        "(another architecture or parameter layout): run the node with the same task and model as the server "
+        "(another architecture, parameter layout or frozen base weights): run the node with the same task, model "
+        "and base checkpoint as the server "
         "(--task / [task] app and [task.args]; for the built-in task the same [model] and [data])"
     )
 

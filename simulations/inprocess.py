@@ -254,6 +254,10 @@ class InProcessSimulation:
             picked = rng(sim.seed, _FED_EVAL_STREAM).choice(n, size=min(n, k), replace=False)
             self.fed_eval_clients = sorted(int(i) for i in picked)
         self.clients: ClientPool = (clients or LocalClients)(self)
+        if runner is None and cfg.hierarchy.edges:
+            from .hierarchy import HierarchicalRound
+
+            runner = HierarchicalRound
         if runner is None and cfg.secure_aggregation.enabled:
             from .secure_rounds import SecureAggregationRounds
 
@@ -431,6 +435,7 @@ class InProcessSimulation:
                 }
                 if self.privacy is not None:  # the run loop leaves out what privacy.release withholds
                     record.update(self.privacy.metrics(), **self.privacy.round_figures(summary))
+                record.update(self.runner_figures("round_fields"))  # e.g. virtual edges' per-tier figures
             yield Step(1, record)
             if stop:
                 return
@@ -448,7 +453,13 @@ class InProcessSimulation:
         if self.privacy is not None:
             out.update(self.privacy.summary())  # epsilon, delta, the sampling and the accountant
         out.update(self.pool_figures())
+        out.update(self.runner_figures("figures"))
         return out
+
+    def runner_figures(self, name: str) -> dict:
+        """What the round runner says of itself (``round_fields``: this round; ``figures``: totals)."""
+        figures = getattr(self.runner, name, None)
+        return figures() if callable(figures) else {}
 
     def pool_figures(self) -> dict:
         """What the client pool says of itself for summary.json (the Ray engine: its workers)."""

@@ -746,6 +746,10 @@ def ray_simulation(cfg: Config, pool: WorkerPool | None = None) -> InProcessSimu
     pool = pool if pool is not None else WorkerPool(cfg)
 
     def runner(sim: InProcessSimulation) -> RoundRunner:
+        if cfg.hierarchy.edges:  # virtual edges sum their clients' updates (simulations/hierarchy.py)
+            from .hierarchy import HierarchicalRound
+
+            return HierarchicalRound(sim)
         if cfg.secure_aggregation.enabled:
             from .secure_rounds import SecureAggregationRounds
 

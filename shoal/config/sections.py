@@ -697,6 +697,28 @@ class FederationConfig:
 
 
 @dataclass
+class HierarchyConfig:
+    """Edge aggregators between the nodes and the root (docs/hierarchy.md): each edge sums its
+    nodes' updates and sends one partial up; only the root divides. ``edges = 0`` is flat."""
+
+    edges: int = 0  # simulator: edge aggregators under the root (0 = flat: every client reports to the root)
+    assignment: Literal["contiguous", "hash", "random"] = (
+        "contiguous"  # clients -> edges: contiguous blocks | a hash of the client id | a seeded shuffle
+    )
+    edge_rounds: int = 1  # HierFAVG's kappa_2: edge aggregations per root round (1: exactly flat FedAvg)
+    edge_failure: float = 0.0  # simulator: probability an edge is lost in a root round (its clients drop out)
+    partial_dtype: Literal["float32", "float64"] = (
+        "float32"  # the partial's sum on the wire: float32 (half the bytes, rounded once) | float64 (exact)
+    )
+
+    def validate(self) -> None:
+        _positive("hierarchy.edges", self.edges, allow_zero=True)
+        _positive("hierarchy.edge_rounds", self.edge_rounds)
+        if not 0 <= self.edge_failure <= 1:
+            raise ConfigError(f"hierarchy.edge_failure = {self.edge_failure} must be in [0, 1]")
+
+
+@dataclass
 class Config:
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -716,6 +738,7 @@ class Config:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     secure_aggregation: SecureAggregationConfig = field(default_factory=SecureAggregationConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
+    hierarchy: HierarchyConfig = field(default_factory=HierarchyConfig)
 
     def validate(self) -> Config:
         for f in dataclasses.fields(self):
