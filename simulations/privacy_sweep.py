@@ -107,6 +107,9 @@ def run_setting(
     t0 = time.perf_counter()
     sim = InProcessSimulation(c, data, task)
     summary = run_simulation(c, out, progress=False, sim=sim, on_record=on_record)
+    # the sweep's own evaluation of the final model, as its audits use the clients' data: a DP run's
+    # records withhold the clients' evaluations (privacy.release), the experiment still reports them
+    summary = {**summary, "final_metrics": {**sim.evaluate(), **(summary.get("final_metrics") or {})}}
     metric = metric or utility_metric(summary)
     members = [sim.shards.data(i) for i, cid in enumerate(sim.client_ids) if cid in sim.participants]
     audit = loss_threshold_audit(
