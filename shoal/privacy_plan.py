@@ -1,8 +1,8 @@
 """One privacy plan per run: what ``[privacy]`` makes every part of shoal do (docs/privacy.md).
 
-:class:`PrivacyPlan` is built once from the config and consulted by the simulator, the Ray
-workers, the server, the node and the gossip peer instead of comparing ``privacy.mode``
-strings: who adds the noise (:attr:`server_noise`, :attr:`client_shares`, :attr:`dp_sgd`),
+:class:`PrivacyPlan` is built from the validated config (frozen, cheap: :func:`plan_of`) and
+consulted by the simulator, the Ray workers, the server, the node and the gossip peer instead
+of comparing ``privacy.mode`` strings: who adds the noise (:attr:`server_noise`, :attr:`client_shares`, :attr:`dp_sgd`),
 the noise multiplier the accountant charges (:attr:`accounted_z`), and what a run may write or
 send beside the model (:meth:`release_record`, :meth:`release_summary`, :meth:`noisy_round`).
 
@@ -24,7 +24,8 @@ besides the protected model:
   records say ``release = "clear"``.
 
 Local-DP nodes and peers send their noisy update and nothing data-dependent under any policy
-(:meth:`upload_fields`); under distributed DP with secure aggregation the example count travels
+(an example count of :data:`LOCAL_UPLOAD_EXAMPLES` and no metrics: client/node.py
+``NodePrivacy.protect``, p2p/peer.py); under distributed DP with secure aggregation the example count travels
 inside the masked vector (client/secure_node.py) and the train loss is not sent.
 """
 
