@@ -74,6 +74,9 @@ class SimulationConfig:
     ray_gpus_per_worker: float = 0.0  # engine=ray: GPU fraction per worker (0.25 = four workers share a GPU)
     ray_max_restarts: int = 3  # engine=ray: a dead worker is restarted this often; its clients are re-run
     ray_partial_sums: bool = True  # engine=ray: workers sum their clients' updates when the pipeline allows
+    # engine=ray|flower: longest wait for the Ray runtime to start and for the workers to be placed and
+    # loaded, before the run stops with one line saying what the cluster lacks (never an endless wait)
+    ray_start_timeout_s: float = 300.0
 
     def validate(self) -> None:
         _positive("simulation.rounds", self.rounds)
@@ -95,6 +98,7 @@ class SimulationConfig:
         _positive("simulation.ray_cpus_per_worker", self.ray_cpus_per_worker)
         _positive("simulation.ray_gpus_per_worker", self.ray_gpus_per_worker, allow_zero=True)
         _positive("simulation.ray_max_restarts", self.ray_max_restarts, allow_zero=True)
+        _positive("simulation.ray_start_timeout_s", self.ray_start_timeout_s)
         if self.ray_workers and self.ray_workers_per_node:
             raise ConfigError(
                 "simulation.ray_workers and simulation.ray_workers_per_node are both set: "
