@@ -695,6 +695,7 @@ class HierarchyConfig:
     partial_dtype: Literal["float32", "float64"] = (
         "float32"  # the partial's sum on the wire: float32 (half the bytes, rounded once) | float64 (exact)
     )
+    edge_names: list[str] = field(default_factory=list)  # `shoal server` (root): node names allowed to send partials
 
     def validate(self) -> None:
         _positive("hierarchy.edges", self.edges, allow_zero=True)
