@@ -68,3 +68,66 @@ async def _scenario(tmp_path) -> None:
         torch.testing.assert_close(svc.rounds.global_params, g0 + mean.float(), atol=1e-6, rtol=0)
         async with live.session("n0") as http, http.get(live.url + "/v1/model") as r:
             assert r.status == 200  # still serving
+
+
+def test_the_edge_retransmits_when_the_answer_is_lost_and_the_root_counts_it_once(tmp_path) -> None:
+    asyncio.run(_lost_answer(tmp_path))
+
+
+async def _lost_answer(tmp_path) -> None:
+    """A relay on 127.0.0.1 passes the edge's first POST to the root and then drops the connection
+    before the answer reaches the edge: the edge sends it again and hears ``duplicate``."""
+    import aiohttp
+    from aiohttp import web
+
+    from shoal.server.edge_uplink import PartialRefused, send_partial
+
+    sections = {"hierarchy": {"edge_names": list(EDGES)}}
+    async with live_server(tmp_path, [*NODES, *EDGES], sections=sections, clients_per_round=6, min_nodes=6) as live:
+        svc = live.service
+        now = time.monotonic()
+        for n in NODES:
+            svc.seen(n, now)
+        assert svc.tick(now)
+        works = {n: svc.poll(n, now) or {} for n in NODES}
+        acc = Accumulator(works["n0"]["round"], 0, svc.spec.numel)
+        for i, n in enumerate(EDGES["edge-a"]):
+            acc.add_update(Update(torch.full((svc.spec.numel,), 0.01 * (i + 1)), 2 + i, 0, n))
+        body = encode_partial(acc.partial().sealed("edge-a"), svc.spec.hash)
+        seen: list[int] = []
+
+        async def relay(request: web.Request) -> web.StreamResponse:
+            data = await request.read()
+            async with (
+                live.session("edge-a") as http,
+                http.post(live.url + "/v1/partial", data=data) as r,
+            ):
+                answer, status = await r.read(), r.status
+            seen.append(status)
+            if len(seen) == 1 and request.transport is not None:
+                request.transport.close()  # the root took it; its answer is lost on the way back
+                raise ConnectionResetError("answer lost")
+            return web.Response(body=answer, status=status, content_type="application/json")
+
+        app = web.Application()
+        app.router.add_post("/v1/partial", relay)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        relay_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10)) as http:
+                loop = asyncio.get_running_loop()
+                answer = await send_partial(http, relay_url, body, give_up_at=loop.time() + 30, first_s=0.05)
+                assert answer["status"] == "duplicate" and seen == [200, 200]
+                assert svc.sync is not None and svc.sync.received == set(EDGES["edge-a"])
+                assert svc.counters.accepted == 4  # counted once
+                other = encode_partial(acc.partial().sealed("x"), "another spec")
+                try:
+                    await send_partial(http, relay_url, other, give_up_at=loop.time() + 30, first_s=0.05)
+                    raise AssertionError("a refused partial was taken")
+                except PartialRefused as e:
+                    assert e.status == 400 and len(seen) == 3  # refused once, never sent again
+        finally:
+            await runner.cleanup()
