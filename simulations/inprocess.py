@@ -25,6 +25,7 @@ from shoal.client.state import State, StateMapping, make_client_state
 from shoal.client.training import summarize_means
 from shoal.config import Config
 from shoal.errors import WireError
+from shoal.privacy_plan import plan_of
 from shoal.rounds import Assignment, RoundSummary, SyncRounds, evaluation_due
 from shoal.seeding import derive_seed, rng
 from shoal.task import ClientData, Population, SimulationData, Task, call_part, check_data, check_loss
@@ -214,7 +215,7 @@ class InProcessSimulation:
         )
         self.privacy = (
             None
-            if cfg.privacy.mode == "none"
+            if not plan_of(cfg).enabled
             else PrivacyBudget(cfg, {c: self.shards.size(i) for i, c in enumerate(self.client_ids)}, strategy)
         )
         # top-k residuals: in memory, or beside the clients' state on disk (algorithm.state_dir)
@@ -227,7 +228,7 @@ class InProcessSimulation:
         blocker = batching_blocker(self.task, self.trainer, self.shards, cfg.algorithm.name)
         if blocker is None and cfg.algorithm.keep_optimizer_state:
             blocker = "algorithm.keep_optimizer_state keeps each client's momentum between its rounds"
-        if cfg.privacy.mode == "local":  # DP-SGD clips per sample with Opacus: never batched across clients
+        if plan_of(cfg).dp_sgd:  # DP-SGD clips per sample with Opacus: never batched across clients
             blocker = "privacy.mode = 'local' (DP-SGD) trains each client with Opacus"
         if blocker is None:
             self.batched = make_batched_trainer(
@@ -335,7 +336,7 @@ class InProcessSimulation:
     def _client_steps(self) -> list[ClientStep]:
         """The client-side steps the config asks for, in pipeline order (DESIGN.md)."""
         steps: list[ClientStep] = [*attack_steps(self)]
-        if self.cfg.privacy.mode == "distributed":
+        if plan_of(self.cfg).client_shares:
             steps.append(distributed_noise_step(self.cfg, len(self.client_ids), self.rounds))
         return [*steps, self.wire]
 
@@ -432,8 +433,8 @@ class InProcessSimulation:
                     **self.wire.counts(),
                     "rejected": summary.rejected,
                 }
-                if self.privacy is not None:
-                    record.update(self.privacy.metrics())
+                if self.privacy is not None:  # the run loop leaves out what privacy.release withholds
+                    record.update(self.privacy.metrics(), **self.privacy.round_figures(summary))
                 record.update(self.runner_figures("round_fields"))  # e.g. virtual edges' per-tier figures
             yield Step(1, record)
             if stop:

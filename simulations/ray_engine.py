@@ -54,6 +54,7 @@ from shoal.client.batched import make_batched_trainer
 from shoal.client.device import select_device
 from shoal.config import Config
 from shoal.errors import ConfigError, WireError
+from shoal.privacy_plan import plan_of
 from shoal.rounds import Assignment
 from shoal.seeding import derive_seed
 from shoal.task import ClientData
@@ -179,7 +180,7 @@ class RayWorker:
         blocker = batching_blocker(task, self.trainer, self.data.shards, cfg.algorithm.name)
         if blocker is None and cfg.algorithm.keep_optimizer_state:
             blocker = "algorithm.keep_optimizer_state"
-        if cfg.privacy.mode == "local":
+        if plan_of(cfg).dp_sgd:
             blocker = "DP-SGD"
         if cfg.simulation.mode == "gossip":  # peers train one by one, as GossipNetwork's LocalPeers
             blocker = "gossip"

@@ -535,6 +535,13 @@ class PrivacyConfig:
     # distributed DP with secure aggregation: noise shares are sized for t = max(the protocol's
     # threshold, ceil(min_survivors * K)) survivors, and a round with fewer is aborted; 0 = the threshold
     min_survivors: float = 0.0
+    # what a DP run's records say of each round beyond the model (docs/privacy.md "What a run releases"):
+    # withhold = no data-dependent per-round figure (train loss, counts, bytes, clients' own evaluations);
+    # noised = the number of results and the train loss with Gaussian noise, charged in epsilon
+    # (central / distributed only); clear = everything un-noised, NOT covered by the epsilon
+    release: Literal["withhold", "noised", "clear"] = "withhold"
+    release_noise_multiplier: float = 5.0  # noised: std of the count's noise (sensitivity 1) and of the loss sum's
+    release_loss_clip: float = 5.0  # noised: each client's train loss clipped to [0, this] (the loss sum's sensitivity)
     # `shoal privacy-sweep`: the grid run after a non-private baseline
     sweep_modes: list[Literal["central", "local", "distributed"]] = field(default_factory=lambda: ["central", "local"])
     sweep_noise_multipliers: list[float] = field(default_factory=lambda: [0.3, 0.6, 1.0, 2.0])  # the sweep's z values
@@ -566,6 +573,14 @@ class PrivacyConfig:
             raise ConfigError(
                 f"privacy.adaptive_clipping needs privacy.mode = 'central' (it is {self.mode!r}): the noisy "
                 "count of clipped updates is computed by the server; set adaptive_clipping = false"
+            )
+        _positive("privacy.release_noise_multiplier", self.release_noise_multiplier)
+        _positive("privacy.release_loss_clip", self.release_loss_clip)
+        if self.release == "noised" and self.mode == "local":
+            raise ConfigError(
+                "privacy.release = 'noised' with privacy.mode = 'local': the noisy count and loss are charged "
+                "per client, local DP-SGD per example; local DP releases no per-round figure of the clients "
+                "anyway: use privacy.release = 'withhold'"
             )
         for z in self.sweep_noise_multipliers:
             _positive("privacy.sweep_noise_multipliers", z)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shoal.config import Config
+from shoal.privacy_plan import plan_of
 from shoal.rounds import evaluation_due
 from shoal.task import SimulationData, Task
 
@@ -66,7 +67,7 @@ class GossipSimulation(GossipNetwork):
         # local DP-SGD (config rules refuse the other modes in gossip); refuses a target below one round
         self.privacy = (
             None
-            if cfg.privacy.mode == "none"
+            if not plan_of(cfg).enabled
             else PrivacyBudget(cfg, {p: self.shards.size(i) for i, p in enumerate(self.ids)}, sampling="online")
         )
 
