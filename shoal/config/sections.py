@@ -74,6 +74,9 @@ class SimulationConfig:
     ray_gpus_per_worker: float = 0.0  # engine=ray: GPU fraction per worker (0.25 = four workers share a GPU)
     ray_max_restarts: int = 3  # engine=ray: a dead worker is restarted this often; its clients are re-run
     ray_partial_sums: bool = True  # engine=ray: workers sum their clients' updates when the pipeline allows
+    # engine=ray|flower: longest wait for the Ray runtime to start and for the workers to be placed and
+    # loaded, before the run stops with one line saying what the cluster lacks (never an endless wait)
+    ray_start_timeout_s: float = 300.0
 
     def validate(self) -> None:
         _positive("simulation.rounds", self.rounds)
@@ -95,6 +98,7 @@ class SimulationConfig:
         _positive("simulation.ray_cpus_per_worker", self.ray_cpus_per_worker)
         _positive("simulation.ray_gpus_per_worker", self.ray_gpus_per_worker, allow_zero=True)
         _positive("simulation.ray_max_restarts", self.ray_max_restarts, allow_zero=True)
+        _positive("simulation.ray_start_timeout_s", self.ray_start_timeout_s)
         if self.ray_workers and self.ray_workers_per_node:
             raise ConfigError(
                 "simulation.ray_workers and simulation.ray_workers_per_node are both set: "
@@ -707,9 +711,11 @@ class HierarchyConfig:
     )
     edge_rounds: int = 1  # HierFAVG's kappa_2: edge aggregations per root round (1: exactly flat FedAvg)
     edge_failure: float = 0.0  # simulator: probability an edge is lost in a root round (its clients drop out)
+    reattach: bool = False  # simulator: a lost edge's clients re-attach to the live edges (in turn) and report there
     partial_dtype: Literal["float32", "float64"] = (
         "float32"  # the partial's sum on the wire: float32 (half the bytes, rounded once) | float64 (exact)
     )
+    edge_names: list[str] = field(default_factory=list)  # `shoal server` (root): node names allowed to send partials
 
     def validate(self) -> None:
         _positive("hierarchy.edges", self.edges, allow_zero=True)
