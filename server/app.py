@@ -558,7 +558,9 @@ async def post_upload_begin(request: web.Request) -> web.Response:
     svc.seen(node, now)
     run = request.match_info.get("run", "")
     try:
-        session = request.app[CHUNKS].begin(run, node, body, svc.update_limit, now, _upload_deadline(svc, now))
+        session = request.app[CHUNKS].begin(
+            run, node, body, svc.update_limit, now, _upload_deadline(svc, now), svc.update_stream
+        )
     except ChunkError as e:
         return _chunk_refusal(svc, e)
     chunk = min(svc.max_body_bytes, session.size)
@@ -598,27 +600,32 @@ async def put_upload_chunk(request: web.Request) -> web.Response:
         return _chunk_refusal(svc, e)
     assert digest is not None  # check_chunk refuses a missing digest
     s.busy = True
-    view = memoryview(s.buf)[offset : offset + length]
+    buf = bytearray(length)  # one chunk: what an upload holds in memory while it is being sent
+    view = memoryview(buf)
     try:
         first = await _chunk(request, svc.cfg.server.body_timeout_s, "upload chunk")
         await _read_into(request, view, length, first)
     finally:
-        view.release()
         s.busy = False
     try:
-        complete = chunks.accept_chunk(s, length, digest)
+        complete = chunks.accept_chunk(s, view, digest)
     except ChunkError as e:
         return _chunk_refusal(svc, e)
+    except ShoalError as e:  # the update itself, refused at this chunk: the upload is over
+        svc.upload_refused(node, e, time.monotonic())
+        log.info("chunked update from %s refused at byte %d: %s: %s", node, offset, getattr(e, "code", "error"), e)
+        return error(_status_of(e), getattr(e, "code", "error"), str(e))
+    finally:
+        view.release()
     if not complete:
         return web.json_response({"upload": s.id, "received": s.received})
-    body = memoryview(s.buf)
     try:
-        result = svc.submit(node, body, time.monotonic())
+        result = svc.submit_staged(node, s.stream, s.staged, time.monotonic())
     except ShoalError as e:
         log.info("chunked update from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
         return error(_status_of(e), getattr(e, "code", "error"), str(e))
     finally:
-        body.release()
+        s.staged.close()
     _tick(app)
     return web.json_response(result)
 

@@ -19,14 +19,16 @@ import json
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
+from shoal.aggregation.mean import WeightedMean
 from shoal.aggregation.secagg.encoding import FixedPoint
+from shoal.aggregation.strategy import Strategy
 from shoal.assembly import initial_model, make_async_rounds, make_deadline_rounds, make_round_strategy, task_from_config
 from shoal.client.training import LocalTrainer, summarize_means
 from shoal.config import Config
@@ -34,11 +36,13 @@ from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMism
 from shoal.metrics import json_safe
 from shoal.rounds import Rounds, SyncRounds
 from shoal.task import ClientData, Task, TaskError
-from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
+from shoal.update import Update
+from shoal.wire import MAX_HEADER_BYTES, UpdateStream, decode_update, encode_model, read_header, update_fields
 
 from .activity import Activity, console_line
 from .privacy import ServerPrivacy, parse_report
 from .secure_round import SecureRound
+from .staging import Staged
 
 log = logging.getLogger(__name__)
 
@@ -524,8 +528,8 @@ class ServerService:
         """Validate one upload and stream it into the open round; raises a ShoalError
         (WireError or UpdateRejected) with nothing changed if it is refused. A writable
         ``body`` is decoded in place (no copy); it may be reused once this returns."""
-        self.seen(node, now)
-        try:
+
+        def decoded() -> tuple[Update, dict[str, Any], None]:
             s = self.cfg.server
             try:
                 update, header = decode_update(
@@ -541,6 +545,66 @@ class ServerService:
                 if isinstance(sent, str) and sent != self.spec.hash:
                     raise SpecMismatch(spec_mismatch_detail(sent[:64], self.spec.hash)) from None
                 raise
+            return update, header, None
+
+        return self._take(node, now, decoded, len(body))
+
+    def update_stream(self, size: int) -> UpdateStream:
+        """The checker of one chunked upload of ``size`` bytes, fed as its chunks arrive."""
+        s = self.cfg.server
+        return UpdateStream(self.spec, size, self.update_limit, s.max_examples, s.max_delta_abs)
+
+    def streams(self, stream: UpdateStream) -> bool:
+        """A complete chunked upload enters the round's sum a block at a time (no model-sized
+        copy): its values were checked as they arrived, and the round sums plain weighted means
+        (not a robust rule, a DP mean or an async buffer, which look at each update whole)."""
+        r = self.sync
+        return (
+            stream.complete
+            and stream.dtype is not None
+            and r is not None
+            and type(r.strategy) is Strategy
+            and type(r.strategy.aggregator) is WeightedMean
+        )
+
+    def submit_staged(self, node: str, stream: UpdateStream, staged: Staged, now: float) -> dict[str, Any]:
+        """A complete chunked upload (server/chunks.py): checked as it arrived by ``stream``, its
+        bytes in ``staged``. Summed a block at a time where :meth:`streams` allows, else read whole
+        and taken as :meth:`submit` takes a body. Refused as :meth:`submit` refuses, nothing changed."""
+        if not self.streams(stream):
+            return self.submit(node, memoryview(staged.read_all()), now)
+        assert stream.header is not None and stream.dtype is not None  # streams() checked both
+        header, dtype = stream.header, stream.dtype
+
+        def decoded() -> tuple[Update, dict[str, Any], Iterator[torch.Tensor]]:
+            fields = update_fields(header, self.cfg.server.max_examples)
+            return Update(torch.empty(0), **fields), header, staged.blocks(stream.data_start, dtype)
+
+        return self._take(node, now, decoded, stream.size)
+
+    def upload_refused(self, node: str, e: Exception, now: float) -> None:
+        """Count a refused upload (here or as its chunks arrived) and, where its content was refused,
+        keep the node's task from being handed out again."""
+        self.refused(getattr(e, "code", "error"))
+        self.activity.refused(node, getattr(e, "code", "error"), str(e), now)
+        held = self.sync.assignment(node) if self.sync is not None else None
+        # The update's content was refused (non-finite, out of range, too large...): retraining
+        # the same task gives the same refusal, so it is not handed out again. A closed round or a
+        # duplicate is no verdict on the training, and a malformed request may not be the node's
+        # (bad input changes no state): those leave the task with the node.
+        if held is not None and getattr(e, "code", "") not in ("round_closed", "duplicate", "malformed"):
+            self.refused_task[node] = (held.round, held.version)
+
+    def _take(
+        self,
+        node: str,
+        now: float,
+        decoded: Callable[[], tuple[Update, dict[str, Any], Iterator[torch.Tensor] | None]],
+        nbytes: int,
+    ) -> dict[str, Any]:
+        self.seen(node, now)
+        try:
+            update, header, blocks = decoded()
             r = self.rounds
             if self.cfg.secure_aggregation.enabled:
                 raise UpdateRejected(
@@ -559,28 +623,40 @@ class ServerService:
             report = None
             if self.privacy is not None and self.privacy.mode == "local":  # checked before anything changes
                 report = parse_report(header.get("privacy"), self.cfg.privacy.delta)
-            advanced = r.submit(node, update)
+            if blocks is None:
+                advanced = r.submit(node, update)
+            else:
+                assert self.sync is not None  # streams() allows blocks in sync rounds only
+                advanced = self._submit_blocks(self.sync, node, update, blocks, now)
         except Exception as e:
-            self.refused(getattr(e, "code", "error"))
-            self.activity.refused(node, getattr(e, "code", "error"), str(e), now)
-            held = self.sync.assignment(node) if self.sync is not None else None
-            # The update's content was refused (non-finite, out of range, too large...): retraining
-            # the same task gives the same refusal, so it is not handed out again. A closed round or a
-            # duplicate is no verdict on the training, and a malformed request may not be the node's
-            # (bad input changes no state): those leave the task with the node.
-            if held is not None and getattr(e, "code", "") not in ("round_closed", "duplicate", "malformed"):
-                self.refused_task[node] = (held.round, held.version)
+            self.upload_refused(node, e, now)
             raise
         if report is not None and self.privacy is not None:
             self.privacy.take_report(node, report)
         self.counters.accepted += 1
-        self.counters.bytes_received += len(body)
-        self.activity.accepted(node, len(body), self.rounds.round, now)
+        self.counters.bytes_received += nbytes
+        self.activity.accepted(node, nbytes, self.rounds.round, now)
         if advanced:  # async: the update completed a new version
             self._new_version(self.rounds.version_fields(), now)
         elif self.fed:
             self._settle_fed(now)  # this node's task from an older version is over
         return {"status": "accepted", "round": self.rounds.round, "version": self.version}
+
+    def _submit_blocks(
+        self, r: SyncRounds, node: str, update: Update, blocks: Iterator[torch.Tensor], now: float
+    ) -> bool:
+        """Sum a staged update into the open round; should reading it back fail midway (the disk),
+        the round's sum is partial: the round is dropped (model and version unchanged) and the
+        error raised, so nothing half-applied survives."""
+        pieces = _Pieces(blocks)
+        try:
+            return r.submit(node, update, blocks=pieces)
+        except Exception:
+            if pieces.started and r.open:
+                log.error("round %d: a staged update failed while it was being summed; the round is dropped", r.round)
+                r.abort_round()
+                self._round_failed(r.round, now)
+            raise
 
     def refused(self, code: str) -> None:
         """Count an upload refused with error ``code`` (here or by the transport)."""
@@ -808,6 +884,19 @@ class ServerService:
             ),
             **({"privacy": self.privacy.status()} if self.privacy is not None else {}),
         }
+
+
+class _Pieces:
+    """The blocks of a staged update, noting whether the sum has begun taking them."""
+
+    def __init__(self, blocks: Iterator[torch.Tensor]):
+        self.blocks = blocks
+        self.started = False
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for piece in self.blocks:
+            self.started = True
+            yield piece
 
 
 def _sent_spec_hash(body: bytes | memoryview, max_bytes: int) -> Any:

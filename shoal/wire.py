@@ -136,12 +136,24 @@ def read_header(body: bytes | bytearray | memoryview, max_bytes: int) -> tuple[d
     tensors straight out of the body (``decode(copy=False)``) is as safe as the library."""
     if len(body) > max_bytes:
         raise TooLarge(f"body of {len(body)} bytes is over the limit of {max_bytes} bytes")
-    if len(body) < 8:
-        raise Malformed(f"body of {len(body)} bytes is truncated: a safetensors body starts with 8 length bytes")
-    (hlen,) = struct.unpack("<Q", body[:8])
-    if hlen > MAX_HEADER_BYTES or 8 + hlen > len(body):
-        raise Malformed(f"safetensors header length {hlen} does not fit a body of {len(body)} bytes (truncated?)")
-    table = parse_json(body[8 : 8 + hlen], "safetensors header")
+    hlen = header_length(body, len(body))
+    return parse_table(body[8 : 8 + hlen], len(body) - 8 - hlen)
+
+
+def header_length(prefix: bytes | bytearray | memoryview, size: int) -> int:
+    """The safetensors header's length from a body's first 8 bytes (``size``: the whole body's)."""
+    if size < 8 or len(prefix) < 8:
+        raise Malformed(f"body of {size} bytes is truncated: a safetensors body starts with 8 length bytes")
+    (hlen,) = struct.unpack("<Q", prefix[:8])
+    if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+        raise Malformed(f"safetensors header length {hlen} does not fit a body of {size} bytes (truncated?)")
+    return hlen
+
+
+def parse_table(raw: bytes | bytearray | memoryview, data_len: int) -> tuple[dict[str, Any], dict[str, dict]]:
+    """The shoal header and the tensor table of a safetensors header's JSON ``raw``, for a body
+    with ``data_len`` bytes of tensor data after it (see :func:`read_header`)."""
+    table = parse_json(raw, "safetensors header")
     if not isinstance(table, dict):
         raise Malformed("safetensors header is not a JSON object")
     meta = table.pop("__metadata__", None)
@@ -156,7 +168,6 @@ def read_header(body: bytes | bytearray | memoryview, max_bytes: int) -> tuple[d
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         got = header.get("format") if isinstance(header, dict) else header
         raise Malformed(f"header format is {short_repr(got)}, expected {FORMAT!r}")
-    data_len = len(body) - 8 - hlen
     spans = []
     for name, info in table.items():
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
@@ -189,6 +200,19 @@ def read_header(body: bytes | bytearray | memoryview, max_bytes: int) -> tuple[d
     return header, table
 
 
+def check_tensors(table: dict[str, dict], expect: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+    """SpecMismatch unless the table holds exactly the ``expect`` tensors, with their dtypes and shapes."""
+    if set(table) != set(expect):
+        raise SpecMismatch(f"tensors {short_repr(sorted(table))} sent, expected {sorted(expect)}")
+    for name, (dtype, shape) in expect.items():
+        info = table[name]
+        got = _DTYPES.get(info["dtype"])
+        if got != dtype:
+            raise SpecMismatch(f"tensor {name!r} has dtype {info['dtype']}, expected {dtype}")
+        if tuple(info["shape"]) != tuple(shape):
+            raise SpecMismatch(f"tensor {name!r} has shape {info['shape']}, expected {list(shape)}")
+
+
 def decode(
     body: bytes | bytearray | memoryview,
     expect: dict[str, tuple[torch.dtype, tuple[int, ...]]],
@@ -208,15 +232,7 @@ def decode(
             f"spec hash {short_repr(header.get('spec_hash'))} does not match this model's {spec_hash!r} "
             "(different architecture or parameter layout)"
         )
-    if set(table) != set(expect):
-        raise SpecMismatch(f"tensors {short_repr(sorted(table))} sent, expected {sorted(expect)}")
-    for name, (dtype, shape) in expect.items():
-        info = table[name]
-        got = _DTYPES.get(info["dtype"])
-        if got != dtype:
-            raise SpecMismatch(f"tensor {name!r} has dtype {info['dtype']}, expected {dtype}")
-        if tuple(info["shape"]) != tuple(shape):
-            raise SpecMismatch(f"tensor {name!r} has shape {info['shape']}, expected {list(shape)}")
+    check_tensors(table, expect)
     try:
         if copy or isinstance(body, bytes):
             tensors = st_load(bytes(body))
@@ -385,6 +401,107 @@ def check_delta(delta: torch.Tensor, max_abs: float = 0.0, encoding: str = "dens
             f"the {encoding} update has an entry of magnitude {max(-low, high):.4g}, above the limit "
             f"of {max_abs:g} (server.max_delta_abs)"
         )
+
+
+#: Encodings whose one tensor ``delta`` is the dense update itself, in this dtype: their values are
+#: checked as the bytes arrive (:class:`UpdateStream`) and can be summed a block at a time.
+STREAMED_DTYPES = {"dense": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: Values checked at once while an update streams in: 1 MiB of float32 (it stays in cache).
+STREAM_CHECK_BYTES = 1 << 20
+
+
+class UpdateStream:
+    """Checks an update's body as its bytes arrive, in order (sans-I/O: :meth:`feed` them).
+
+    As soon as the safetensors header is complete it is checked as :func:`decode_update` checks
+    it (bounds, spec hash, tensor names, dtypes and shapes, kind, the scalar fields); for a dense
+    or half-precision delta (``STREAMED_DTYPES``) every value is then checked as it comes (finite,
+    and at most ``max_abs`` in magnitude), so a bad update is refused at its first bad chunk and
+    a complete one needs no second look at its values. Other encodings (q8, top-k, zstd) are
+    small: their values are checked whole at the end (``dtype`` is None). A WireError names the
+    first fault; nothing of the body is kept but its header."""
+
+    def __init__(self, spec: ParamSpec, size: int, max_bytes: int, max_examples: int | None, max_abs: float = 0.0):
+        if size > max_bytes:
+            raise TooLarge(f"an update of {size} bytes is over the limit of {max_bytes} bytes")
+        self.spec, self.size, self.max_examples, self.max_abs = spec, size, max_examples, max_abs
+        self.received = 0
+        self.header: dict[str, Any] | None = None
+        self.data_start = 0  # where the tensor data begins in the body, once the header is read
+        self.dtype: torch.dtype | None = None  # the streamed delta's dtype (None: checked whole at the end)
+        self._head = bytearray()
+        self._carry = bytearray()  # the bytes of a value split across two feeds
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """The body's next bytes (in order); a WireError at the first fault."""
+        view = memoryview(data).cast("B")
+        if self.received + len(view) > self.size:
+            raise Malformed(f"the body is longer than the {self.size} bytes it was announced with")
+        self.received += len(view)
+        if self.header is None:
+            if len(self._head) < 8:
+                take = min(8 - len(self._head), len(view))
+                self._head += view[:take]
+                view = view[take:]
+                if len(self._head) < 8:
+                    return
+                self.data_start = 8 + header_length(self._head, self.size)
+            take = min(self.data_start - len(self._head), len(view))
+            self._head += view[:take]
+            view = view[take:]
+            if len(self._head) < self.data_start:
+                return
+            self._read_header()
+        if self.dtype is not None and len(view):
+            self._check_values(view)
+
+    def _read_header(self) -> None:
+        header, table = parse_table(memoryview(self._head)[8:], self.size - self.data_start)
+        if header.get("spec_hash") != self.spec.hash:
+            raise SpecMismatch(
+                f"spec hash {short_repr(header.get('spec_hash'))} does not match this model's {self.spec.hash!r} "
+                "(different architecture or parameter layout)"
+            )
+        if header.get("kind") != "update":
+            raise Malformed(f"message kind is {short_repr(header.get('kind'))}, expected 'update'")
+        zstd = header.get("zstd", False)
+        if not isinstance(zstd, bool):
+            raise Malformed(f"header field 'zstd' = {short_repr(zstd)} must be true or false")
+        if zstd:
+            check_tensors(table, {"zstd": (torch.uint8, tuple(table.get("zstd", {}).get("shape", [0])))})
+        else:
+            check_tensors(table, expected_tensors(header, self.spec.numel))
+        update_fields(header, self.max_examples)
+        self.header = header
+        encoding = header.get("encoding", "dense")
+        self.dtype = None if zstd else STREAMED_DTYPES.get(encoding)
+        self._head = bytearray()
+
+    def _check_values(self, view: memoryview) -> None:
+        assert self.dtype is not None
+        width = self.dtype.itemsize
+        if self._carry:  # complete the value the previous feed split
+            take = min(width - len(self._carry), len(view))
+            self._carry += view[:take]
+            view = view[take:]
+            if len(self._carry) < width:
+                return
+            check_delta(torch.frombuffer(bytearray(self._carry), dtype=self.dtype), self.max_abs, self._encoding)
+            self._carry = bytearray()
+        whole = len(view) - len(view) % width
+        for a in range(0, whole, STREAM_CHECK_BYTES):
+            b = min(a + STREAM_CHECK_BYTES, whole)
+            block = view[a:b] if not view.readonly else bytearray(view[a:b])  # torch reads writable buffers
+            check_delta(torch.frombuffer(block, dtype=self.dtype), self.max_abs, self._encoding)
+        self._carry += view[whole:]
+
+    @property
+    def _encoding(self) -> str:
+        return str((self.header or {}).get("encoding", "dense"))
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.size and self.header is not None
 
 
 def encode_model(flat: torch.Tensor, spec: ParamSpec, version: int, extra: dict[str, Any] | None = None) -> bytes:
