@@ -15,6 +15,7 @@ nodes, the accountant, the budget and the nodes' reports.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
@@ -37,7 +38,15 @@ from shoal.metrics import json_safe
 from shoal.rounds import Rounds, SyncRounds
 from shoal.task import ClientData, Task, TaskError
 from shoal.update import Update
-from shoal.wire import MAX_HEADER_BYTES, UpdateStream, decode_update, encode_model, read_header, update_fields
+from shoal.wire import (
+    MAX_HEADER_BYTES,
+    UpdateStream,
+    decode_update,
+    encode_model,
+    model_parts,
+    read_header,
+    update_fields,
+)
 
 from .activity import Activity, console_line
 from .privacy import ServerPrivacy, parse_report
@@ -261,6 +270,7 @@ class ServerService:
         self.last_record: dict[str, Any] = {}
         self.resumed_from: Path | None = None
         self._model_cache: tuple[int, bytes] | None = None
+        self._download: ModelDownload | None = None
         self.secure_round: SecureRound | None = None  # [secure_aggregation]: the open round's protocol
         if cfg.secure_aggregation.enabled and s.clients_per_round:  # the headroom check, before any round
             FixedPoint(
@@ -359,6 +369,14 @@ class ServerService:
     def seen(self, node: str, now: float) -> None:
         self._elapsed(now)  # the first call starts the clock records count from
         self.last_seen[node] = now
+
+    def model_download(self) -> ModelDownload:
+        """The current global model as a download (GET /v1/model, whole or by range): made once
+        per version from the parameters' own memory, no encoded copy of the model."""
+        if self._download is None or self._download.version != self.version:
+            head, data = model_parts(self.rounds.global_params, self.spec, self.version)
+            self._download = ModelDownload(self.version, self.etag, head, data)
+        return self._download
 
     def model_body(self) -> bytes:
         """The current global model on the wire, encoded once per version."""
@@ -884,6 +902,42 @@ class ServerService:
             ),
             **({"privacy": self.privacy.status()} if self.privacy is not None else {}),
         }
+
+
+@dataclass
+class ModelDownload:
+    """One version of the global model as its node download: the message header ``head``, then the
+    parameters' memory ``data`` (server/app.py serves it whole or a byte range at a time)."""
+
+    version: int
+    etag: str
+    head: bytes
+    data: memoryview
+    _sha256: str | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + len(self.data)
+
+    def pieces(self, start: int, end: int, step: int = 1 << 20) -> Iterator[memoryview]:
+        """The bytes ``[start, end)`` as views of at most ``step`` bytes (no copy)."""
+        for part, base in ((memoryview(self.head), 0), (self.data, len(self.head))):
+            a, b = max(start - base, 0), min(end - base, len(part))
+            for x in range(a, b, step):
+                yield part[x : min(x + step, b)]
+
+    def sha256(self, start: int = 0, end: int | None = None) -> str:
+        """The SHA-256 of bytes ``[start, end)`` (the whole: computed once). Releases the GIL: run it
+        in a thread for a large model."""
+        whole = start == 0 and end in (None, self.size)
+        if whole and self._sha256 is not None:
+            return self._sha256
+        h = hashlib.sha256()
+        for piece in self.pieces(start, self.size if end is None else end, 16 << 20):
+            h.update(piece)
+        if whole:
+            self._sha256 = h.hexdigest()
+        return h.hexdigest()
 
 
 class _Pieces:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from typing import Any
+from typing import Any, cast
 
 import torch
 import zstandard
@@ -509,10 +509,68 @@ def encode_model(flat: torch.Tensor, spec: ParamSpec, version: int, extra: dict[
     return encode({"params": flat.float()}, header)
 
 
-def decode_model(body: bytes, spec: ParamSpec, max_bytes: int | None = None) -> tuple[torch.Tensor, dict]:
-    """Validated flat parameters plus the header (``version`` among its fields)."""
+def tensor_parts(name: str, tensor: torch.Tensor, header: dict[str, Any]) -> tuple[bytes, memoryview]:
+    """A message of one flat tensor in two parts, ``(head, data)``: the safetensors header (with
+    ``header`` as its shoal header), and the tensor's own memory (no copy; the tensor stays alive
+    while ``data`` does). Their concatenation is a body :func:`decode` reads, so a model or an
+    update of any size is sent without being built, and a range of it without the rest."""
+    t = tensor.detach().to("cpu").contiguous().reshape(-1)
+    dtype = next((k for k, v in _DTYPES.items() if v == t.dtype), None)
+    if dtype is None:
+        raise ValueError(f"a {t.dtype} tensor has no wire dtype")
+    table = {
+        "__metadata__": {"shoal": json.dumps({"format": FORMAT, **header}, separators=(",", ":"))},
+        name: {"dtype": dtype, "shape": [t.numel()], "data_offsets": [0, t.numel() * t.element_size()]},
+    }
+    raw = json.dumps(table, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    data = memoryview(cast(Any, t.view(torch.uint8).numpy())) if t.numel() else memoryview(b"")
+    return struct.pack("<Q", len(raw)) + raw, data
+
+
+def model_parts(
+    flat: torch.Tensor, spec: ParamSpec, version: int, extra: dict[str, Any] | None = None
+) -> tuple[bytes, memoryview]:
+    """:func:`encode_model` as ``(head, data)`` parts (:func:`tensor_parts`): the float32 parameters' own memory."""
+    header = {"kind": "model", "spec_hash": spec.hash, "version": int(version), "spec": spec.to_json(), **(extra or {})}
+    return tensor_parts("params", flat.float(), header)
+
+
+def update_parts(
+    update: Update,
+    spec: ParamSpec,
+    extra: dict[str, Any] | None = None,
+    payload: Encoded | None = None,
+    zstd_level: int = 0,
+) -> list[bytes | memoryview]:
+    """:func:`encode_update` as parts whose concatenation is the body: a dense or half-precision
+    delta as the header and the tensor's own memory (no copy of the update); other encodings
+    (small) as one encoded body."""
+    payload = payload or Encoded("dense", {"delta": update.delta.float()})
+    if zstd_level or set(payload.tensors) != {"delta"} or payload.encoding not in STREAMED_DTYPES:
+        return [encode_update(update, spec, extra, payload, zstd_level)]
+    header = {
+        "kind": "update",
+        "spec_hash": spec.hash,
+        "encoding": payload.encoding,
+        **payload.header,
+        "base_version": int(update.base_version),
+        "num_examples": int(update.num_examples),
+        "sender": update.sender,
+        "metrics": {k: float(v) for k, v in update.metrics.items()},
+        **(extra or {}),
+    }
+    head, data = tensor_parts("delta", payload.tensors["delta"], header)
+    return [head, data]
+
+
+def decode_model(
+    body: bytes | bytearray | memoryview, spec: ParamSpec, max_bytes: int | None = None, copy: bool = True
+) -> tuple[torch.Tensor, dict]:
+    """Validated flat parameters plus the header (``version`` among its fields). ``copy=False`` on
+    a writable buffer: the parameters are a view of it (see :func:`decode`)."""
     max_bytes = max_bytes or default_max_bytes(spec) + 64 * len(spec.entries)
-    header, tensors = decode(body, {"params": (torch.float32, (spec.numel,))}, max_bytes, spec.hash)
+    header, tensors = decode(body, {"params": (torch.float32, (spec.numel,))}, max_bytes, spec.hash, copy=copy)
     if header.get("kind") != "model":
         raise Malformed(f"message kind is {short_repr(header.get('kind'))}, expected 'model'")
     _int_field(header, "version", 0)
