@@ -48,18 +48,20 @@ class Body:
             h.update(p)
         return h.hexdigest()
 
-    def slice(self, start: int, end: int) -> bytes:
+    def slice(self, start: int, end: int) -> bytearray:
         """Bytes ``[start, end)``: one chunk, copied once to be sent."""
-        out = bytearray()
-        base = 0
+        out = bytearray(max(end - start, 0))
+        base, at = 0, 0
         for p in self.parts:
             a, b = max(start - base, 0), min(end - base, len(p))
             if a < b:
-                out += p[a:b]
+                out[at : at + b - a] = p[a:b]
+                at += b - a
             base += len(p)
-        return bytes(out)
+        return out
 
-    def whole(self) -> bytes:
+    def whole(self) -> bytearray:
+        """The body in one buffer (an update small enough for one request)."""
         return self.slice(0, self.size)
 
 

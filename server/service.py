@@ -35,6 +35,7 @@ from shoal.client.training import LocalTrainer, summarize_means
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMismatch, UpdateRejected
 from shoal.metrics import json_safe
+from shoal.params import ParamSpec, flatten
 from shoal.rounds import Rounds, SyncRounds
 from shoal.task import ClientData, Task, TaskError
 from shoal.update import Update
@@ -219,8 +220,13 @@ class ServerService:
         # The model comes from the task alone (shoal.assembly): the same seed gives the
         # same initial model as `shoal simulate` and as every node.
         self.task = task if task is not None else task_from_config(cfg)
-        self.trainer = LocalTrainer(initial_model(cfg, self.task), cfg.train, "cpu", task=self.task)
-        self.spec = self.trainer.spec
+        # The global model is one flat vector; the module it came from is not kept (a trainer, with
+        # its own copy and a gradient buffer, is made only for a central evaluation: ``trainer``).
+        model = initial_model(cfg, self.task)
+        self.spec = ParamSpec.of(model, exchange_buffers=self.task.exchange_buffers)
+        flat = flatten(model, self.spec)
+        del model
+        self._trainer: LocalTrainer | None = None
         self.test = test
         self.events: list[Event] = []
         self.emit: Callable[[Event], None] = emit if emit is not None else self.events.append
@@ -230,7 +236,6 @@ class ServerService:
         self.update_limit = max(s.max_body_bytes, self.spec.nbytes + MAX_HEADER_BYTES)
         self.max_body_bytes = s.max_body_bytes or self.spec.nbytes + MAX_HEADER_BYTES
         self.mode = s.mode
-        flat = self.trainer.flat.detach().clone()
         # [privacy]: the DP strategy, Poisson sampling, the accountant and the budget (server/privacy.py)
         self.privacy = ServerPrivacy(cfg, self.spec.numel) if cfg.privacy.mode != "none" else None
         # ``sync``: the rounds the clock opens and closes (tick); None in async mode, where
@@ -296,6 +301,13 @@ class ServerService:
                 self.bind_registry(registered)
 
     # --- state ---------------------------------------------------------------------
+
+    @property
+    def trainer(self) -> LocalTrainer:
+        """The task's model bound for evaluation (made at the first central evaluation)."""
+        if self._trainer is None:
+            self._trainer = LocalTrainer(initial_model(self.cfg, self.task), self.cfg.train, "cpu", task=self.task)
+        return self._trainer
 
     @property
     def version(self) -> int:
