@@ -815,6 +815,7 @@ class ServerService:
         """A new global version: evaluate, checkpoint, then log (the simulator's record shape)."""
         self.counters.rounds_completed += 1
         self.failed_streak = 0
+        self._download = None  # the old version's (a download in flight keeps what it sends)
         record: dict[str, Any] = {"round": self.rounds.round, "version": self.version}
         if self.test is not None:
             ev = self.trainer.evaluate_data(self.rounds.global_params, self.test)
