@@ -33,24 +33,41 @@ class EmptyAggregate(RuntimeError):
 class WeightedMean:
     """``sum_i w_i * delta_i / sum_i w_i``, one :meth:`add` at a time.
 
-    Holds one accumulator tensor; nothing keeps a reference to an added delta.
+    Holds one accumulator tensor (freed by :meth:`release` until the next :meth:`reset` or add,
+    so a strategy lets it go at a round's end once the mean is taken); nothing keeps a
+    reference to an added delta.
     """
 
     def __init__(self, numel: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64):
         if numel <= 0:
             raise ValueError(f"numel = {numel} must be > 0")
         self.numel = numel
-        self._sum = torch.zeros(numel, device=device, dtype=dtype)
+        self._device = torch.device(device)
+        self._dtype = dtype
+        self._acc: torch.Tensor | None = None
         self.total_weight = 0.0
         self.count = 0
         self._block: torch.Tensor | None = None  # a block of a delta widened to the sum's dtype
 
     @property
     def device(self) -> torch.device:
-        return self._sum.device
+        return self._device
+
+    @property
+    def _sum(self) -> torch.Tensor:
+        """The running sum (zeros until something is added)."""
+        if self._acc is None:
+            self._acc = torch.zeros(self.numel, device=self._device, dtype=self._dtype)
+        return self._acc
 
     def reset(self) -> None:
         self._sum.zero_()
+        self.total_weight = 0.0
+        self.count = 0
+
+    def release(self) -> None:
+        """:meth:`reset`, and the sum's memory given back (made again, zeroed, when next used)."""
+        self._acc = None
         self.total_weight = 0.0
         self.count = 0
 

@@ -100,8 +100,11 @@ class Strategy:
             raise RuntimeError("finalize() before begin(): no round is open")
         if self.aggregator.count == 0:
             raise EmptyAggregate("finalize() with no accumulated update: keep the current global model instead")
-        new_global = self.optimizer.step(self._global, self.aggregator.mean())
-        self.aggregator.reset()
+        mean = self.aggregator.mean()
+        # the sum is let go before the new model is made: at a round's end the server holds the old
+        # model, the mean and the new one, not also a float64 sum (twice the model)
+        getattr(self.aggregator, "release", self.aggregator.reset)()
+        new_global = self.optimizer.step(self._global, mean)
         self._global = None
         return new_global
 
