@@ -120,9 +120,12 @@ def diverged(update: Update) -> str | None:
     loss = update.metrics.get("train_loss")
     if loss is not None and not math.isfinite(loss):
         return f"loss {loss}"
-    bad = int((~torch.isfinite(update.delta)).sum())
+    delta = update.delta
+    if delta.numel() and all(math.isfinite(float(v)) for v in torch.aminmax(delta)):  # one pass, no temporary
+        return None
+    bad = int((~torch.isfinite(delta)).sum())
     if bad:
-        return f"the update has {bad} NaN/Inf entries of {update.delta.numel()}"
+        return f"the update has {bad} NaN/Inf entries of {delta.numel()}"
     return None
 
 
