@@ -40,10 +40,13 @@ import torch
 from shoal.accounting import LocalDpSgdAccountant, budget_allows, check_delta_against, dp_sgd_schedule
 from shoal.aggregation.compression import Compressor, OutOfHalfRange
 from shoal.aggregation.dp import clip_to_norm, make_generator, noise_share, share_std
-from shoal.assembly import initial_model, make_trainer, task_from_config
+from shoal.assembly import initial_model, make_client_program, make_trainer, task_from_config
 from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, SpecMismatch, short_repr
 from shoal.params import ParamSpec
+from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES, plan_of
+from shoal.rounds import Assignment
+from shoal.seeding import derive_seed
 from shoal.shards import Shard
 from shoal.task import (
     ClientData,
@@ -59,10 +62,11 @@ from shoal.task import (
 )
 from shoal.tasks import BuiltinTask
 from shoal.update import Update
-from shoal.wire import decode_model, default_max_bytes, read_header, update_parts
+from shoal.wire import MODEL_AUX, decode_model, default_max_bytes, read_header, update_parts
 
 from .http import Backoff, NodeError, Refused, Retry, check_response, connection_problem
 from .runlog import RunTag
+from .state import DiskClientState, MemoryClientState
 from .training import summarize_means
 from .transfer import CHUNK_DIGEST_HEADER, Body, download
 
@@ -151,9 +155,11 @@ class NodePrivacy:
     * ``central``: nothing is added here (the server clips and adds the noise, which is
       what central DP trusts it to do); the node checks that the server runs central DP
       with its z and C.
-    * ``distributed``: clip to C and add N(0, z²C²/t) before the update leaves the node
-      (masked, with secure aggregation), t from the task; the noise comes from the OS, never
-      from the server's seed.
+    * ``distributed``: clip to C and add N(0, z²C²/t) before the update leaves the node; the
+      noise comes from the OS, never from the server's seed. In the clear t is the task's; with
+      secure aggregation the share is added after the key directory, and t must be one this node
+      can hold the server to (no more than its checked neighbourhood, and it unmasks no sum of
+      fewer survivors): a task that asks for more is refused (client/secure_node.py).
     * ``local``: DP-SGD (the trainer) on a seed only this node knows (with the server's
       seed the server could redraw the noise and the example samples), and the node's own
       epsilon over its data size, batch, epochs and the rounds it took part in. That count
@@ -168,16 +174,17 @@ class NodePrivacy:
                 f"privacy.mode = {p.mode!r} with privacy.noise_multiplier = 0 adds no noise (epsilon "
                 "is infinite); set a noise multiplier > 0, or privacy.mode = 'none'"
             )
+        self.plan = plan_of(cfg)
         self.p, self.mode, self.name, self.ledger = p, p.mode, name, ledger
         self.accountant: LocalDpSgdAccountant | None = None
-        if self.mode == "local":
+        if self.plan.dp_sgd:
             try:  # DP-SGD protects one of this node's examples
                 check_delta_against(p.delta, num_train, "examples on this node")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
             self.schedule = dp_sgd_schedule(num_train, cfg.train.batch(num_train), cfg.train.epochs)
-            self.accountant = LocalDpSgdAccountant({name: self.schedule}, p.noise_multiplier, p.delta, p.accountant)
-            self.accountant.participations[name] = self._load()
+            self.accountant = self.plan.local_accountant({name: self.schedule})
+            self.accountant.load_state_dict({**self.accountant.state_dict(), "participations": {name: self._load()}})
             if p.target_epsilon and self.rounds == 0 and self.accountant.next_epsilon() > p.target_epsilon:
                 raise ConfigError(
                     f"privacy.target_epsilon = {p.target_epsilon:g} is below the epsilon of one round of DP-SGD on "
@@ -198,7 +205,7 @@ class NodePrivacy:
 
     @property
     def rounds(self) -> int:
-        return self.accountant.participations.get(self.name, 0) if self.accountant is not None else 0
+        return self.accountant.rounds_of(self.name) if self.accountant is not None else 0
 
     @property
     def epsilon(self) -> float:
@@ -265,7 +272,7 @@ class NodePrivacy:
                 f"the server runs privacy.mode = {short_repr(theirs)}, this node's config says "
                 f"{self.mode!r}: no update leaves this node with another privacy than its own config's"
             )
-        if self.mode == "local":
+        if self.plan.dp_sgd:
             return
         for key in ("noise_multiplier", "clip_norm"):
             v, mine = info.get(key), getattr(self.p, key)
@@ -274,7 +281,7 @@ class NodePrivacy:
                     f"the server runs privacy.{key} = {short_repr(v)}, this node's config says {mine:g}: "
                     "run the node with the server's [privacy] table"
                 )
-        if self.mode == "distributed":
+        if self.plan.client_shares:
             t = info.get("noise_shares")
             if not isinstance(t, int) or isinstance(t, bool) or t < 1:
                 raise NodeError(f"the task's privacy.noise_shares = {short_repr(t)} must be an integer >= 1")
@@ -285,20 +292,28 @@ class NodePrivacy:
 
     def training_seed(self, task_seed: int) -> int:
         """Local DP trains on a seed only this node knows; otherwise the task's (reproducible runs)."""
-        return secrets.randbits(63) if self.mode == "local" else task_seed
+        return secrets.randbits(63) if self.plan.dp_sgd else task_seed
 
     def protect(self, update: Update, task: dict) -> Update:
-        """Distributed DP: clip to C, add this node's share N(0, z²C²/t), t from the task."""
-        if self.mode != "distributed":
+        """What leaves the node. Distributed DP: clip to C, add this node's share N(0, z²C²/t).
+        Local DP: the DP-SGD update and nothing data-dependent beside it (no train loss, local
+        steps or example count: it says 1 example, and the server weighs local-DP updates alike)."""
+        if self.plan.dp_sgd:
+            return Update(update.delta, LOCAL_UPLOAD_EXAMPLES, update.base_version, update.sender, {})
+        if not self.plan.client_shares or "secure_aggregation" in task:  # secure: after the key directory
             return update
-        t = int(task["privacy"]["noise_shares"])
+        return self.add_share(update, int(task["privacy"]["noise_shares"]), task.get("round"))
+
+    def add_share(self, update: Update, t: int, round_) -> Update:
+        """Distributed DP: clip to C and add N(0, z²C²/t) from the OS's entropy. With secure
+        aggregation t is one this node checked against the key directory (client/secure_node.py)."""
         clipped, norm = clip_to_norm(update.delta, self.p.clip_norm)
         update.delta = noise_share(
             clipped, self.p.clip_norm, self.p.noise_multiplier, t, make_generator(update.delta.device, None)
         )  # OS entropy
         log.info(
             "round %s: update of norm %.4g clipped to C = %g, noise share N(0, %.4g^2) added (t = %d)",
-            task.get("round"),
+            round_,
             norm,
             self.p.clip_norm,
             share_std(self.p.clip_norm, self.p.noise_multiplier, t),
@@ -347,9 +362,12 @@ class Node:
         task: Task | None = None,
         privacy_ledger: Path | None = None,
         check_task: Callable[[dict], str | None] | None = None,
+        state_dir: Path | None = None,
     ):
         """``privacy_ledger``: the file where a local-DP node keeps the rounds it spent (None: in memory).
-        ``check_task``: why this node refuses a task (its run's config travels with each task), or None."""
+        ``check_task``: why this node refuses a task (its run's config travels with each task), or None.
+        ``state_dir``: the folder where the node keeps its client state between rounds and restarts
+        (the algorithm's control variates, personal parts, FedBN buffers; None: in memory)."""
         self.url = server.rstrip("/")
         self.check_task = check_task
         self.token = token
@@ -378,10 +396,17 @@ class Node:
             self.test = None
         check_loss(self.task, model, self.train, torch.device(device))  # before the trainer binds the gradients
         self.trainer = make_trainer(cfg, self.task, model, device)
+        # The client step of [algorithm] (client/algorithms.py, the simulator's), and its state.
+        self.program = make_client_program(cfg, self.task, self.trainer)
+        self.states = (  # a folder only when the algorithm keeps something
+            DiskClientState(state_dir, device)
+            if state_dir is not None and self.program.keeps_state
+            else MemoryClientState()
+        )
+        self.personal_eval_steps = cfg.algorithm.personal_eval_steps
+        self._broadcast: tuple[int, dict[str, torch.Tensor]] = (-1, {})  # (version, what came with its model)
         self.privacy = (
-            None
-            if cfg.privacy.mode == "none"
-            else NodePrivacy(cfg, self.name, num_examples(self.train), privacy_ledger)
+            None if not plan_of(cfg).enabled else NodePrivacy(cfg, self.name, num_examples(self.train), privacy_ledger)
         )
         self.compressor = Compressor(cfg.compression)  # [compression]: the upload's encoding
         self.zstd_level = cfg.compression.zstd_level if cfg.compression.zstd else 0
@@ -496,11 +521,24 @@ class Node:
         if task.get("evaluate") and self.test is not None:  # the global model, before training on it
             await self._evaluate(params, version, self.test)
         seed = self.privacy.training_seed(int(task["seed"])) if self.privacy is not None else int(task["seed"])
-        update = await asyncio.to_thread(self.trainer.fit, params, self.train, seed, version, self.name)
+        broadcast = self._broadcast[1] if self._broadcast[0] == version else {}
+        state = self.states.get(self.name) if self.program.keeps_state else {}
+        assignment = Assignment(self.name, int(task["round"]), version, seed)
+        try:
+            result = await asyncio.to_thread(self.program.fit, self.train, assignment, params, state, broadcast)
+        except KeyError as e:  # the algorithm's broadcast did not come with the model
+            raise NodeError(
+                f"algorithm.name = {self.program.name!r} needs {e} with the model, and the server sent none: "
+                "the server runs another algorithm; use the server's [algorithm] table"
+            ) from None
+        update = result.update
+        update.to_server = result.to_server  # SCAFFOLD's c_i+ - c_i travels beside the update
         problem = diverged(update)
         if problem is not None:  # checked before any privacy is spent or anything leaves the node
             await self._failed(task, "diverged", problem)
             return
+        if self.program.keeps_state and not self.program.settles:
+            self.states.put(self.name, result.state)  # as the simulator keeps it: whether or not it is taken
         report = None
         if self.privacy is not None:
             update = self.privacy.protect(update, task)
@@ -524,6 +562,8 @@ class Node:
             accepted = await self._upload(task, body)
         finally:  # top-k: what the server did not take goes back into the residual (also on NodeError)
             (self.compressor.accepted if accepted else self.compressor.not_accepted)(self.name, tag)
+        if accepted and self.program.settles:  # SCAFFOLD: c_i moves only when the server took Delta c_i
+            self.states.put(self.name, result.state)
 
     async def _failed(self, task: dict, reason: str, detail: str) -> None:
         """This task failed here: one line, the server told (POST /v1/failed, docs/protocol.md),
@@ -624,8 +664,19 @@ class Node:
         """Federated evaluation: the global model on this node's test data, reported with its
         example count (POST /v1/eval). Best effort: a failed report is logged, not retried."""
         # raw means: the server pools every node's means and summarizes once (docs/protocol.md)
+        state = self.states.get(self.name) if self.program.keeps_state else {}
+        self.program.load_buffers(state)  # FedBN: this node's own statistics
         ev = await asyncio.to_thread(self.trainer.evaluate_data, params, test, 2048, False)
         n = int(ev.pop("num_examples"))
+        if self.personal_eval_steps >= 0:  # the personalised model too, reported as personal_*
+            seed = derive_seed(int.from_bytes(sha256(self.name.encode()).digest()[:8], "big"), version)
+            tuned = await asyncio.to_thread(
+                self.program.fine_tuned, self.train, params, state, self.personal_eval_steps, seed
+            )
+            personal = await asyncio.to_thread(self.trainer.evaluate_data, tuned, test, 2048, False)
+            personal.pop("num_examples")
+            log.info("version %d, personalised: %s", version, figures_line(self.task, personal))
+            ev.update({f"personal_{k}": v for k, v in personal.items()})
         metrics = {k: v for k, v in ev.items() if _METRIC_NAME.fullmatch(k) and math.isfinite(v)}
         if len(metrics) < len(ev):
             log.warning(
@@ -645,7 +696,7 @@ class Node:
         ``chunk`` bytes (resumable, client/transfer.py) when the task says the model is larger than
         one request. The parameters are a view of the one buffer the download filled."""
         headers = {"If-None-Match": self._model[0]} if self._model else {}
-        limit = default_max_bytes(self.trainer.spec) + 64 * len(self.trainer.spec.entries)
+        limit = (default_max_bytes(self.trainer.spec) + 64 * len(self.trainer.spec.entries)) * (1 + len(MODEL_AUX))
         for _attempt in range(2):
             got = await download(
                 self.http, self.url + "/v1/model", self._ssl, headers, limit, chunk, self.rand, self.resumed
@@ -661,6 +712,7 @@ class Node:
             except SpecMismatch as e:
                 raise NodeError(self._spec_mismatch(body, e)) from None
             self._model = (etag, int(header["version"]), params)
+            self._broadcast = (int(header["version"]), header.get("aux_tensors", {}))
             break
         if self._model is None or self._model[1] != version:
             return None
@@ -675,6 +727,12 @@ class Node:
         except Exception:
             return f"the server's model does not fit this node's: {e}"
         a, b = theirs.to_json(), mine.to_json()
+        if a == b:  # the exchanged tensors agree: what differs is what never travels
+            return (
+                f"model spec mismatch: the server's model has spec hash {header.get('spec_hash')!r}, this node's "
+                f"{mine.hash!r}, with the same exchanged tensors: the frozen parameters differ (another base "
+                "checkpoint or pretrained weights): load the same base model as the server"
+            )
         diff = next(((x, y) for x, y in zip(a, b) if x != y), None)
         first = (
             f"first difference: server {diff[0][0]} {diff[0][1]}, node {diff[1][0]} {diff[1][1]}"

@@ -36,7 +36,8 @@ from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMismatch, UpdateRejected
 from shoal.metrics import json_safe
 from shoal.params import ParamSpec, flatten
-from shoal.rounds import Rounds, SyncRounds
+from shoal.privacy_plan import plan_of
+from shoal.rounds import Rounds, RoundSummary, SyncRounds, evaluation_due
 from shoal.task import ClientData, Task, TaskError
 from shoal.update import Update
 from shoal.wire import (
@@ -184,7 +185,8 @@ def parse_failure_report(body: bytes) -> tuple[int, int, str]:
 def spec_mismatch_detail(node_hash: str, server_hash: str) -> str:
     return (
         f"model spec mismatch: the node's model has spec hash {node_hash!r}, the server's has {server_hash!r} "
-        "(another architecture or parameter layout): run the node with the same task and model as the server "
+        "(another architecture, parameter layout or frozen base weights): run the node with the same task, model "
+        "and base checkpoint as the server "
         "(--task / [task] app and [task.args]; for the built-in task the same [model] and [data])"
     )
 
@@ -210,12 +212,11 @@ class ServerService:
         ``started_at``: the ``now`` records' elapsed_s counts from (default: the first call's)."""
         self.cfg = cfg
         s = cfg.server
-        if cfg.algorithm.name != "fedavg":
+        if cfg.algorithm.name != "fedavg" and s.mode != "sync":
             raise ConfigError(
-                f"algorithm.name = {cfg.algorithm.name!r} runs in `shoal simulate` (in-process and Ray) only so far: "
-                "shoal server's nodes train FedAvg's local step and keep no client state between rounds, so the "
-                "algorithm's server half would meet updates it was not made for; set algorithm.name = 'fedavg' "
-                "(docs/algorithms.md)"
+                f"algorithm.name = {cfg.algorithm.name!r} with server.mode = {s.mode!r}: the algorithm's client state "
+                "and server step assume a node trains from the round's model and its result belongs to that round; "
+                "use server.mode = 'sync' (docs/algorithms.md)"
             )
         # The model comes from the task alone (shoal.assembly): the same seed gives the
         # same initial model as `shoal simulate` and as every node.
@@ -233,20 +234,26 @@ class ServerService:
         self.started_at = started_at
         # the largest update (a dense float32 model and its header), and the largest request: an
         # update over max_body_bytes travels in chunks (server/chunks.py)
-        self.update_limit = max(s.max_body_bytes, self.spec.nbytes + MAX_HEADER_BYTES)
+        # (SCAFFOLD's updates carry the control-variate delta beside the model-sized delta)
+        sent = 2 if cfg.algorithm.name == "scaffold" else 1
+        self.update_limit = max(s.max_body_bytes, sent * self.spec.nbytes + MAX_HEADER_BYTES)
         self.max_body_bytes = s.max_body_bytes or self.spec.nbytes + MAX_HEADER_BYTES
         self.mode = s.mode
         # [privacy]: the DP strategy, Poisson sampling, the accountant and the budget (server/privacy.py)
-        self.privacy = ServerPrivacy(cfg, self.spec.numel) if cfg.privacy.mode != "none" else None
+        self.privacy = ServerPrivacy(cfg, self.spec.numel) if plan_of(cfg).enabled else None
         # ``sync``: the rounds the clock opens and closes (tick); None in async mode, where
         # versions advance with the updates themselves.
         self.sync: SyncRounds | None = None
         self.rounds: Rounds
         if s.mode == "sync":
             strategy = self.privacy.strategy if self.privacy is not None else None
-            strategy = strategy or make_round_strategy(
-                cfg, self.spec.numel, "cpu", max(s.clients_per_round, s.min_nodes)
-            )
+            # N of FedDyn's and SCAFFOLD's server steps is the registered nodes (bind_registry)
+            population = registered or max(s.clients_per_round, s.min_nodes)
+            strategy = strategy or make_round_strategy(cfg, self.spec.numel, "cpu", population)
+            if cfg.algorithm.name == "scaffold":
+                from shoal.aggregation.scaffold import ScaffoldStrategy
+
+                strategy = ScaffoldStrategy(strategy, self.spec.numel, population)
             sampling = "poisson" if self.privacy is not None and self.privacy.user_level else "fixed"
             self.rounds = self.sync = make_deadline_rounds(
                 cfg,
@@ -297,8 +304,8 @@ class ServerService:
             if restored.ledger is not None:
                 self.privacy.load_state_dict(restored.ledger)
                 log.info("privacy ledger: %d rounds charged so far", self.privacy.rounds_charged)
-            if registered is not None:
-                self.bind_registry(registered)
+        if registered is not None:
+            self.bind_registry(registered)
 
     # --- state ---------------------------------------------------------------------
 
@@ -386,14 +393,22 @@ class ServerService:
         """The current global model as a download (GET /v1/model, whole or by range): made once
         per version from the parameters' own memory, no encoded copy of the model."""
         if self._download is None or self._download.version != self.version:
-            head, data = model_parts(self.rounds.global_params, self.spec, self.version)
+            broadcast = getattr(self.sync.strategy if self.sync is not None else None, "broadcast", None)
+            if callable(broadcast) and broadcast():  # an algorithm's tensors travel with the model: encoded
+                head, data = b"", memoryview(self.model_body())
+            else:
+                head, data = model_parts(self.rounds.global_params, self.spec, self.version)
             self._download = ModelDownload(self.version, self.etag, head, data)
         return self._download
 
     def model_body(self) -> bytes:
-        """The current global model on the wire, encoded once per version."""
+        """The current global model on the wire, encoded once per version (with the algorithm's
+        broadcast beside it: SCAFFOLD's server control variate)."""
         if self._model_cache is None or self._model_cache[0] != self.version:
-            self._model_cache = (self.version, encode_model(self.rounds.global_params, self.spec, self.version))
+            broadcast = getattr(self.sync.strategy if self.sync is not None else None, "broadcast", None)
+            aux = broadcast() if callable(broadcast) else None
+            body = encode_model(self.rounds.global_params, self.spec, self.version, aux=aux)
+            self._model_cache = (self.version, body)
         return self._model_cache[1]
 
     @property
@@ -442,8 +457,8 @@ class ServerService:
         """Versions the nodes evaluate: every ``simulation.eval_every``-th, and the last."""
         return (
             not self.fed_finished
-            and version >= 1
-            and (version % self.fed_every == 0 or version >= self.cfg.server.rounds)
+            and (self.privacy is None or self.privacy.plan.client_evaluations)  # un-noised figures of their data
+            and evaluation_due(version, self.fed_every, self.cfg.server.rounds)
         )
 
     def _with_eval(self, answer: dict[str, Any], node: str, evaluates: bool) -> dict[str, Any]:
@@ -531,12 +546,16 @@ class ServerService:
             if not fed.reported:
                 continue
             record: dict[str, Any] = {"version": v, "evaluation": "federated"}
-            pooled = {k: fed.sums[k] / fed.counts[k] for k in sorted(fed.sums)}
-            try:  # derived figures (perplexity, R²) from the pooled means, once
-                pooled = summarize_means(self.task, pooled)
-            except TaskError as e:
-                log.warning("federated evaluation of version %d: %s; writing the raw means", v, e)
-            record.update({f"fed_{k}": pooled[k] for k in pooled})
+            means = {k: fed.sums[k] / fed.counts[k] for k in sorted(fed.sums)}
+            # the global model's figures, and the personalised ones (personal_*: algorithm.personal_eval_steps)
+            personal = {k.removeprefix("personal_"): m for k, m in means.items() if k.startswith("personal_")}
+            own = {k: m for k, m in means.items() if not k.startswith("personal_")}
+            for prefix, part in (("", own), ("personal_", personal)):
+                try:  # derived figures (perplexity, R²) from the pooled means, once
+                    part = summarize_means(self.task, part) if part else part
+                except TaskError as e:
+                    log.warning("federated evaluation of version %d: %s; writing the raw means", v, e)
+                record.update({f"fed_{prefix}{k}": part[k] for k in part})
             record.update(
                 fed_num_examples=fed.num_examples,
                 fed_nodes=len(fed.reported),
@@ -650,8 +669,10 @@ class ServerService:
                 )
             r.check_round(node, header.get("round"))
             update.sender = node  # the authenticated identity, not what the body claims
+            self._check_algorithm_fields(update)
             report = None
-            if self.privacy is not None and self.privacy.mode == "local":  # checked before anything changes
+            if self.privacy is not None and self.privacy.plan.dp_sgd:  # checked before anything changes
+                self.privacy.check_local_upload(update.num_examples, update.metrics)
                 report = parse_report(header.get("privacy"), self.cfg.privacy.delta)
             if blocks is None:
                 advanced = r.submit(node, update)
@@ -687,6 +708,21 @@ class ServerService:
                 r.abort_round()
                 self._round_failed(r.round, now)
             raise
+
+    def _check_algorithm_fields(self, update) -> None:
+        """What the algorithm's server step needs beside the update is there (Malformed, nothing
+        changed, otherwise); nothing an algorithm does not use may come with it."""
+        name = self.cfg.algorithm.name
+        wanted = {"scaffold/dc"} if name == "scaffold" else set()
+        if set(update.to_server) != wanted:
+            raise Malformed(
+                f"the update carries {sorted(update.to_server)} beside its delta; algorithm.name = {name!r} "
+                f"takes {sorted(wanted)}"
+            )
+        if name == "fednova":
+            a = update.metrics.get("fednova_a", 0.0)
+            if not (a >= 1.0 and math.isfinite(a)):
+                raise Malformed(f"FedNova's update needs metrics.fednova_a >= 1 (its local steps' weight), got {a!r}")
 
     def refused(self, code: str) -> None:
         """Count an upload refused with error ``code`` (here or by the transport)."""
@@ -777,6 +813,7 @@ class ServerService:
                 "num_late": summary.num_late,
             },
             now,
+            summary,
         )
         return True
 
@@ -811,8 +848,9 @@ class ServerService:
                 )
             )
 
-    def _new_version(self, fields: dict[str, Any], now: float) -> None:
-        """A new global version: evaluate, checkpoint, then log (the simulator's record shape)."""
+    def _new_version(self, fields: dict[str, Any], now: float, summary: RoundSummary | None = None) -> None:
+        """A new global version: evaluate, checkpoint, then log (the simulator's record shape;
+        under DP what privacy.release lets out, with ``summary``'s noisy figures when noised)."""
         self.counters.rounds_completed += 1
         self.failed_streak = 0
         self._download = None  # the old version's (a download in flight keeps what it sends)
@@ -821,9 +859,9 @@ class ServerService:
             ev = self.trainer.evaluate_data(self.rounds.global_params, self.test)
             record.update({f"test_{k}": v for k, v in ev.items() if k != "num_examples"})
         record.update(fields)
-        if self.privacy is not None:
-            record.update(self.privacy.record())
         record["elapsed_s"] = self._elapsed(now)
+        if self.privacy is not None:
+            record = self.privacy.released(record, summary)
         self.last_record = json_safe(record)
         c = self.counters
         self.activity.snapshot(record["round"], self.version, c.accepted, sum(c.rejected.values()), record["elapsed_s"])
@@ -842,6 +880,10 @@ class ServerService:
         says why that is the population the accountant needs). ConfigError if it cannot be sound."""
         if self.privacy is not None and self.sync is not None:
             self.privacy.bind(registered, self.sync)
+        strategy = self.sync.strategy if self.sync is not None else None
+        for part in (strategy, getattr(strategy, "control", None)):  # FedDyn's and SCAFFOLD's N
+            if part is not None and hasattr(part, "num_clients") and registered > 0:
+                part.num_clients = registered
 
     def _dp(self) -> ServerPrivacy:
         """The privacy state (the callers run only when [privacy] is on)."""
@@ -852,7 +894,7 @@ class ServerService:
     def _privacy_event(self, fields: dict[str, Any], now: float) -> None:
         """A metrics.jsonl record for a round that released no new version but changed the
         privacy picture (charged and aborted or failed, or the budget stopped the run)."""
-        self.emit(Record(json_safe({**fields, **self._dp().record(), "elapsed_s": self._elapsed(now)})))
+        self.emit(Record(json_safe(self._dp().released({**fields, "elapsed_s": self._elapsed(now)}))))
         self._save_privacy()
 
     def _save_privacy(self) -> None:
