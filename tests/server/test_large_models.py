@@ -18,7 +18,7 @@ from shoal.config import config_from_dict
 from shoal.server.app import CHUNKS
 from shoal.shards import Shard
 from shoal.update import Update
-from shoal.wire import encode_update
+from shoal.wire import decode_model, encode_update
 
 from .hostile import good_update
 from .live import live_server
@@ -210,5 +210,32 @@ def test_a_float16_update_that_decodes_to_inf_is_refused(tmp_path):
             async with live.session("n0") as s, s.post(live.url + "/v1/update", data=body) as r:
                 assert r.status == 400 and (await r.json())["error"] == "non_finite"
             assert svc.sync.strategy.aggregator.count == 0
+
+    asyncio.run(main())
+
+
+def test_model_ranges_digests_and_refusals(tmp_path):
+    async def main():
+        async with live_server(tmp_path, ["n0"]) as live:
+            svc = live.service
+            async with live.session("n0") as s:
+                async with s.get(live.url + "/v1/model") as r:
+                    whole, etag, digest = await r.read(), r.headers["ETag"], r.headers["X-Shoal-Sha256"]
+                assert hashlib.sha256(whole).hexdigest() == digest
+                params, header = decode_model(bytearray(whole), svc.spec, copy=False)  # the same model, in place
+                assert torch.equal(params, svc.rounds.global_params) and header["version"] == svc.version
+                async with s.get(live.url + "/v1/model", headers={"Range": "bytes=100-299", "If-Match": etag}) as r:
+                    part = await r.read()
+                    assert r.status == 206 and r.headers["Content-Range"] == f"bytes 100-299/{len(whole)}"
+                    assert part == whole[100:300]
+                    assert r.headers["X-Shoal-Chunk-Sha256"] == hashlib.sha256(part).hexdigest()
+                    assert r.headers["X-Shoal-Sha256"] == digest
+                async with s.get(live.url + "/v1/model", headers={"Range": f"bytes={len(whole) - 10}-"}) as r:
+                    assert r.status == 206 and await r.read() == whole[-10:]
+                for bad in (f"bytes={len(whole)}-", "bytes=5-2", "bytes=0-1,5-9", "items=0-9", "bytes=-5"):
+                    async with s.get(live.url + "/v1/model", headers={"Range": bad}) as r:
+                        assert r.status == 416 and (await r.json())["error"] == "bad_range", bad
+                async with s.get(live.url + "/v1/model", headers={"Range": "bytes=0-9", "If-Match": '"x-v9"'}) as r:
+                    assert r.status == 412 and (await r.json())["error"] == "version_changed"
 
     asyncio.run(main())
