@@ -7,6 +7,10 @@ Three encodings, named in the wire header's ``encoding`` field (shoal/wire.py):
   ``chunk`` coordinates (QSGD-style stochastic rounding, Alistarh et al. 2017): with
   ``s = max|x| / 127`` over the chunk, ``q = floor(x / s + u)``, ``u ~ U[0, 1)``, so
   ``E[q s] = x``. ``n + 4 n / chunk`` bytes.
+- ``float16`` / ``bfloat16``: the delta in half precision, ``2n`` bytes, summed in the server's
+  float32/float64 sum. float16 keeps 11 significant bits but holds only |x| <= 65504 (a node
+  refuses to send an update beyond it rather than send Inf); bfloat16 keeps float32's range with
+  8 significant bits.
 - ``topk``: the k largest-magnitude coordinates as sorted int32 indices and float32
   values, ``8k`` bytes, with error feedback (Stich et al. 2018, "Sparsified SGD with
   Memory"; Karimireddy et al. 2019, "Error Feedback Fixes SignSGD"): what a client does
@@ -14,6 +18,9 @@ Three encodings, named in the wire header's ``encoding`` field (shoal/wire.py):
   the upload is accepted (:meth:`Compressor.accepted`); an upload that is refused, late,
   aborted or never sent is reported with :meth:`Compressor.not_accepted` and its values fold
   back into the residual, so nothing is lost, only delayed.
+
+Half precision rounds each coordinate to nearest (deterministic, not unbiased): a relative error
+of at most 2^-11 (float16) or 2^-8 (bfloat16) per coordinate.
 
 Decoding (:func:`expected_tensors`, :func:`decode_tensors`) trusts no header field:
 a wrong ``k`` or ``chunk`` shows up as a tensor shape mismatch, a scale that is not a
@@ -40,6 +47,8 @@ from shoal.config import CompressionConfig, choices
 from shoal.errors import Malformed, NonFinite, short_repr
 
 ENCODINGS = choices(CompressionConfig, "encoding")  # declared once, on the config field
+HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}  # encodings of the delta in half precision
+FLOAT16_MAX = 65504.0
 Q8_MAX = 127
 MAX_CHUNK = 1 << 24
 
@@ -73,6 +82,24 @@ def quantize_q8(
 def dequantize_q8(q: torch.Tensor, scale: torch.Tensor, chunk: int) -> torch.Tensor:
     n = q.numel()
     return (q.float() * scale.repeat_interleave(chunk)[:n]).contiguous()
+
+
+class OutOfHalfRange(ValueError):
+    """An update with entries float16 cannot hold (|x| > 65504): sent, they would be Inf."""
+
+
+def to_half(delta: torch.Tensor, encoding: str) -> torch.Tensor:
+    """``delta`` in the half-precision dtype ``encoding`` names (round to nearest); OutOfHalfRange
+    where a finite entry would become Inf (float16 beyond 65504)."""
+    half = delta.detach().to(HALF[encoding])
+    if encoding == "float16" and delta.numel():
+        big = float(delta.detach().abs().max())
+        if math.isfinite(big) and big > FLOAT16_MAX:
+            raise OutOfHalfRange(
+                f"the update has an entry of magnitude {big:.4g}, beyond float16's largest {FLOAT16_MAX:g}: "
+                "it would arrive as Inf; use compression.encoding = 'bfloat16' (float32's range) or 'dense'"
+            )
+    return half
 
 
 class Residuals(Protocol):
@@ -166,6 +193,8 @@ class Compressor:
         match self.cfg.encoding:
             case "dense":
                 return Encoded("dense", {"delta": delta.detach().float()})
+            case "float16" | "bfloat16":
+                return Encoded(self.cfg.encoding, {"delta": to_half(delta, self.cfg.encoding)})
             case "q8":
                 gen = torch.Generator().manual_seed(int(seed) % (1 << 63))
                 q, scale = quantize_q8(delta, self.cfg.q8_chunk, gen)
@@ -200,6 +229,8 @@ def expected_tensors(header: dict, numel: int) -> dict[str, tuple[torch.dtype, t
     match encoding:
         case "dense":
             return {"delta": (torch.float32, (numel,))}
+        case "float16" | "bfloat16":
+            return {"delta": (HALF[encoding], (numel,))}
         case "q8":
             chunk = _header_int(header, "chunk", 1, MAX_CHUNK, "coordinates per q8 scale")
             return {"q": (torch.int8, (numel,)), "scale": (torch.float32, (math.ceil(numel / chunk),))}
@@ -215,6 +246,8 @@ def decode_tensors(header: dict, tensors: dict[str, torch.Tensor], numel: int) -
     encoding = header.get("encoding", "dense")
     if encoding == "dense":
         return tensors["delta"]
+    if encoding in HALF:  # the caller's finiteness check sees float16's Inf (a value sent out of range)
+        return tensors["delta"].float()
     if encoding == "q8":
         q, scale = tensors["q"], tensors["scale"]
         if bool((scale < 0).any()):

@@ -13,6 +13,7 @@ float64 model-sized buffer; pass ``dtype=torch.float32`` where float64 is unavai
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 
@@ -32,24 +33,41 @@ class EmptyAggregate(RuntimeError):
 class WeightedMean:
     """``sum_i w_i * delta_i / sum_i w_i``, one :meth:`add` at a time.
 
-    Holds one accumulator tensor; nothing keeps a reference to an added delta.
+    Holds one accumulator tensor (freed by :meth:`release` until the next :meth:`reset` or add,
+    so a strategy lets it go at a round's end once the mean is taken); nothing keeps a
+    reference to an added delta.
     """
 
     def __init__(self, numel: int, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float64):
         if numel <= 0:
             raise ValueError(f"numel = {numel} must be > 0")
         self.numel = numel
-        self._sum = torch.zeros(numel, device=device, dtype=dtype)
+        self._device = torch.device(device)
+        self._dtype = dtype
+        self._acc: torch.Tensor | None = None
         self.total_weight = 0.0
         self.count = 0
         self._block: torch.Tensor | None = None  # a block of a delta widened to the sum's dtype
 
     @property
     def device(self) -> torch.device:
-        return self._sum.device
+        return self._device
+
+    @property
+    def _sum(self) -> torch.Tensor:
+        """The running sum (zeros until something is added)."""
+        if self._acc is None:
+            self._acc = torch.zeros(self.numel, device=self._device, dtype=self._dtype)
+        return self._acc
 
     def reset(self) -> None:
         self._sum.zero_()
+        self.total_weight = 0.0
+        self.count = 0
+
+    def release(self) -> None:
+        """:meth:`reset`, and the sum's memory given back (made again, zeroed, when next used)."""
+        self._acc = None
         self.total_weight = 0.0
         self.count = 0
 
@@ -71,6 +89,37 @@ class WeightedMean:
         self.total_weight += float(weight)
         self.count += 1
 
+    def add_blocks(self, blocks: Iterable[torch.Tensor], weight: float) -> None:
+        """Add one delta that arrives as consecutive flat pieces (any float dtype), e.g. read back a
+        block at a time from a staged upload: the same sum as :meth:`add` of their concatenation,
+        with no model-sized copy. The pieces must cover the model exactly; the caller checked
+        them (a piece that fails midway leaves a partial sum: the caller drops the round)."""
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ValueError(f"weight = {weight!r} must be a finite number > 0")
+        start = 0
+        for piece in blocks:
+            end = start + piece.numel()
+            if end > self.numel:
+                raise ValueError(f"the pieces hold more than the model's {self.numel} values")
+            self._add_range(start, piece.reshape(-1).to(self.device), weight)
+            start = end
+        if start != self.numel:
+            raise ValueError(f"the pieces hold {start} values, the model {self.numel}")
+        self.total_weight += float(weight)
+        self.count += 1
+
+    def _add_range(self, start: int, piece: torch.Tensor, weight: float) -> None:
+        """``sum[start:start + len(piece)] += weight * piece``, widened a cache-sized block at a time."""
+        if piece.dtype == self._sum.dtype:
+            self._sum[start : start + piece.numel()].add_(piece, alpha=weight)
+            return
+        if self._block is None:
+            self._block = torch.empty(min(self.numel, BLOCK), device=self.device, dtype=self._sum.dtype)
+        for a in range(0, piece.numel(), BLOCK):
+            b = min(a + BLOCK, piece.numel())
+            wide = self._block[: b - a].copy_(piece[a:b])
+            self._sum[start + a : start + b].add_(wide, alpha=weight)
+
     def add_sum(self, weighted_sum: torch.Tensor, total_weight: float, count: int) -> None:
         """Add ``count`` updates summed elsewhere (``sum_i w_i delta_i`` and ``sum_i w_i``): the same
         state as adding each, up to float64 summation order (a Ray worker's partial sum)."""
@@ -83,7 +132,12 @@ class WeightedMean:
         self.count += count
 
     def mean(self) -> torch.Tensor:
-        """The weighted mean as a new float32 vector (the dtype of the parameter buffer)."""
+        """The weighted mean as a new float32 vector (the dtype of the parameter buffer), divided
+        a block at a time (no sum-sized temporary: for a float64 sum that is twice the model)."""
         if self.count == 0:
             raise EmptyAggregate("no update was added: there is nothing to average")
-        return (self._sum / self.total_weight).to(torch.float32)
+        out = torch.empty(self.numel, device=self.device, dtype=torch.float32)
+        for a in range(0, self.numel, BLOCK):
+            b = min(a + BLOCK, self.numel)
+            out[a:b].copy_(self._sum[a:b] / self.total_weight)
+        return out

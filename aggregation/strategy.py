@@ -8,6 +8,7 @@ FedAsync reuse both with their own weights (the ``weight`` factor of ``accumulat
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Protocol
 
 import torch
@@ -55,6 +56,9 @@ class Strategy:
         """Add one update with weight ``base * weight``: ``base`` is its example count n_k
         under ``examples`` weighting (FedAvg's w <- sum_k n_k/n w_k, McMahan et al. 2017,
         Algorithm 1), else 1; ``weight`` is a further factor such as a staleness discount."""
+        self.aggregator.add(update.delta, self._weight(update) * weight)
+
+    def _weight(self, update: Update) -> float:
         if self._global is None:
             raise RuntimeError("accumulate() before begin(): start the round with the global parameters")
         if self.weighting == "examples" and update.num_examples <= 0:
@@ -62,8 +66,16 @@ class Strategy:
             raise ValueError(
                 f"update from {who} has num_examples = {update.num_examples}; examples weighting needs > 0"
             )
-        base = update.num_examples if self.weighting == "examples" else 1
-        self.aggregator.add(update.delta, base * weight)
+        return update.num_examples if self.weighting == "examples" else 1
+
+    def accumulate_blocks(self, update: Update, blocks: Iterable[torch.Tensor], weight: float = 1.0) -> None:
+        """:meth:`accumulate` of an update whose delta comes as consecutive pieces instead of
+        ``update.delta`` (a staged upload read back a block at a time, no model-sized copy). Only
+        this class with a plain :class:`WeightedMean` takes them: a robust rule, a DP mean or a
+        subclass's own rule looks at each update whole."""
+        if type(self) is not Strategy or type(self.aggregator) is not WeightedMean:
+            raise TypeError(f"{type(self).__name__} with {type(self.aggregator).__name__} needs each update whole")
+        self.aggregator.add_blocks(blocks, self._weight(update) * weight)
 
     def accumulate_sum(self, part: PartialSum) -> None:
         """Add a partial sum of several updates (shoal.update.PartialSum), weighted as this strategy
@@ -88,8 +100,11 @@ class Strategy:
             raise RuntimeError("finalize() before begin(): no round is open")
         if self.aggregator.count == 0:
             raise EmptyAggregate("finalize() with no accumulated update: keep the current global model instead")
-        new_global = self.optimizer.step(self._global, self.aggregator.mean())
-        self.aggregator.reset()
+        mean = self.aggregator.mean()
+        # the sum is let go before the new model is made: at a round's end the server holds the old
+        # model, the mean and the new one, not also a float64 sum (twice the model)
+        getattr(self.aggregator, "release", self.aggregator.reset)()
+        new_global = self.optimizer.step(self._global, mean)
         self._global = None
         return new_global
 

@@ -3,7 +3,8 @@
 One linear layer of about ``--mb`` MB (float32) as the task's model, 8 training examples per
 node (the cost is moving and summing the model, not training it). The server's requests are
 capped at ``--request-mb`` (server.max_body_bytes), so every update travels in chunks
-(docs/protocol.md, "Chunked uploads"); the model download is one response. One round, K = 2.
+(docs/protocol.md, "/v1/uploads") and every model download by ranges of that size (resumable). One
+round, K = 2.
 Printed: the model's size, the wall time from the processes' start to the server's end (start-up
 and training included) and the bytes moved per second over it (each node downloads the model and
 uploads its update), and each process's peak RSS (VmHWM, sampled every 0.2 s) against the model
@@ -11,8 +12,9 @@ size (the target is <= 2x).
 
     .venv/bin/python bench/large_model.py [--mb 1024] [--request-mb 64]
 
-At --mb 1024 the three processes need several GB each (the server holds the model, its float64
-sum, the model's encoded body and one buffer per open upload); run what the machine allows.
+At --mb 1024 the three processes need several GB each (the server holds the model and its float64
+sum, and more at the round's end: the mean, the new model, the checkpoint being written; open
+uploads wait on disk); run what the machine allows.
 """
 
 from __future__ import annotations

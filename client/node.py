@@ -38,7 +38,7 @@ import aiohttp
 import torch
 
 from shoal.accounting import LocalDpSgdAccountant, budget_allows, check_delta_against, dp_sgd_schedule
-from shoal.aggregation.compression import Compressor
+from shoal.aggregation.compression import Compressor, OutOfHalfRange
 from shoal.aggregation.dp import clip_to_norm, make_generator, noise_share, share_std
 from shoal.assembly import initial_model, make_client_program, make_trainer, task_from_config
 from shoal.config import Config
@@ -62,12 +62,13 @@ from shoal.task import (
 )
 from shoal.tasks import BuiltinTask
 from shoal.update import Update
-from shoal.wire import decode_model, encode_update, read_header
+from shoal.wire import MODEL_AUX, decode_model, default_max_bytes, read_header, update_parts
 
 from .http import Backoff, NodeError, Refused, Retry, check_response, connection_problem
 from .runlog import RunTag
 from .state import DiskClientState, MemoryClientState
 from .training import summarize_means
+from .transfer import CHUNK_DIGEST_HEADER, Body, download
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +83,6 @@ class PolicyRefusal(ShoalError):
 
 
 SPEC_HASH_HEADER = "X-Shoal-Spec-Hash"  # sent with every poll (docs/protocol.md)
-CHUNK_DIGEST_HEADER = "X-Shoal-Chunk-Sha256"  # each chunk of a chunked upload (server/chunks.py)
 # Refusals that say nothing against the update itself: no round was open for it (a restarted
 # server reopens the same round, with the same task, once its nodes are back), or it already
 # arrived. The server hands such a task out again, and the node trains it again.
@@ -124,9 +124,12 @@ def diverged(update: Update) -> str | None:
     loss = update.metrics.get("train_loss")
     if loss is not None and not math.isfinite(loss):
         return f"loss {loss}"
-    bad = int((~torch.isfinite(update.delta)).sum())
+    delta = update.delta
+    if delta.numel() and all(math.isfinite(float(v)) for v in torch.aminmax(delta)):  # one pass, no temporary
+        return None
+    bad = int((~torch.isfinite(delta)).sum())
     if bad:
-        return f"the update has {bad} NaN/Inf entries of {update.delta.numel()}"
+        return f"the update has {bad} NaN/Inf entries of {delta.numel()}"
     return None
 
 
@@ -413,6 +416,7 @@ class Node:
         self.backoff = Backoff()
         self._model: tuple[str, int, torch.Tensor] | None = None  # (etag, version, params)
         self.rounds_done = 0
+        self.resumed = {"upload": 0, "download": 0}  # chunked transfers that went on after a lost connection
         self.failed_tasks: set[tuple[int, int]] = set()  # (round, version): diverged or refused, not retried
 
     @staticmethod
@@ -509,7 +513,9 @@ class Node:
         if self.privacy is not None and not self.privacy.allows_next_round():
             self.stop.set()  # this node's own budget: it takes no more work
             return
-        params = await self._get_model(version)
+        chunk = task.get("upload_chunk_bytes")  # the model is larger than one request: download it by ranges
+        chunked = isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0
+        params = await self._get_model(version, chunk if chunked else None)
         if params is None:
             return  # the server moved on; ask again
         if task.get("evaluate") and self.test is not None:  # the global model, before training on it
@@ -544,10 +550,15 @@ class Node:
             return
         extra = {"round": int(task["round"]), **({"privacy": report} if report is not None else {})}
         tag = (int(task["round"]), int(task["seed"]))  # this upload's entry in the error feedback
-        payload = self.compressor.encode(update.delta, self.name, int(task["seed"]), tag)
+        try:
+            payload = self.compressor.encode(update.delta, self.name, int(task["seed"]), tag)
+        except OutOfHalfRange as e:  # float16 would send Inf: nothing leaves the node
+            await self._failed(task, "diverged", str(e))
+            return
         accepted = False
         try:
-            body = encode_update(update, self.trainer.spec, extra, payload=payload, zstd_level=self.zstd_level)
+            # the header and the delta's own memory: no encoded copy of a dense or half-precision update
+            body = Body(update_parts(update, self.trainer.spec, extra, payload=payload, zstd_level=self.zstd_level))
             accepted = await self._upload(task, body)
         finally:  # top-k: what the server did not take goes back into the residual (also on NodeError)
             (self.compressor.accepted if accepted else self.compressor.not_accepted)(self.name, tag)
@@ -576,9 +587,10 @@ class Node:
         except TimeoutError:
             pass
 
-    async def _upload(self, task: dict, body: bytes) -> bool:
+    async def _upload(self, task: dict, body: Body | bytes) -> bool:
         """POST the update; True when the server accepted it (200), False when it refused it
         or it was never sent (stopping)."""
+        body = body if isinstance(body, Body) else Body([body])
         # Retry the upload through transient failures: the task (round, version, seed)
         # is deterministic, so the same update is right after a server restart too.
         backoff = Backoff()
@@ -593,7 +605,7 @@ class Node:
                     result = await self._request(
                         "POST",
                         "/v1/update",
-                        data=body,
+                        data=body.whole(),
                         expect100=True,
                         headers={"Content-Type": "application/octet-stream"},
                     )
@@ -613,26 +625,23 @@ class Node:
                     self.failed_tasks.add((int(task["round"]), int(task["version"])))
                 return False
 
-    async def _upload_chunks(self, body: bytes, chunk: int) -> dict:
+    async def _upload_chunks(self, body: Body, chunk: int) -> dict:
         """An update larger than one request, in chunks (docs/protocol.md, "Chunked uploads"): open
         it with its size and SHA-256, send each chunk with its own SHA-256 at the offset the server
         has; after a lost connection ask the server for that offset and go on from it. Returns the
         server's answer to the last chunk (the upload's); Retry when the upload must start over."""
-        opened = await self._request(
-            "POST", "/v1/uploads", json={"size": len(body), "sha256": sha256(body).hexdigest()}
-        )
+        opened = await self._request("POST", "/v1/uploads", json={"size": len(body), "sha256": body.sha256()})
         upload, step = str(opened["upload"]), min(chunk, int(opened.get("chunk_bytes", chunk)))
         received, backoff = 0, Backoff()
-        view = memoryview(body)
         while True:
             end = min(received + step, len(body))
-            part = view[received:end]
+            part = body.slice(received, end)
             try:
                 result = await self._request(
                     "PUT",
                     f"/v1/uploads/{upload}",
                     params={"offset": str(received)},
-                    data=part.tobytes(),
+                    data=part,
                     headers={"Content-Type": "application/octet-stream", CHUNK_DIGEST_HEADER: sha256(part).hexdigest()},
                 )
             except (Retry, Refused) as e:
@@ -643,6 +652,8 @@ class Node:
                 await asyncio.sleep(backoff.next(self.rand))
                 state = await self._request("GET", f"/v1/uploads/{upload}")  # where to go on from
                 received = int(state["received"])
+                self.resumed["upload"] += 1
+                log.info("chunked upload resumes at byte %d of %d (%s)", received, len(body), e)
                 continue
             backoff.reset()
             if end == len(body):
@@ -680,33 +691,34 @@ class Node:
         except (Refused, Retry) as e:
             log.warning("evaluation of version %d not reported: %s", version, e)
 
-    async def _get_model(self, version: int) -> torch.Tensor | None:
-        """The global model of ``version``, from the cache when the ETag still matches."""
+    async def _get_model(self, version: int, chunk: int | None = None) -> torch.Tensor | None:
+        """The global model of ``version``, from the cache when the ETag still matches; by ranges of
+        ``chunk`` bytes (resumable, client/transfer.py) when the task says the model is larger than
+        one request. The parameters are a view of the one buffer the download filled."""
         headers = {"If-None-Match": self._model[0]} if self._model else {}
+        limit = (default_max_bytes(self.trainer.spec) + 64 * len(self.trainer.spec.entries)) * (1 + len(MODEL_AUX))
         for _attempt in range(2):
-            try:
-                async with self.http.get(self.url + "/v1/model", headers=headers, ssl=self._ssl) as resp:
-                    await self._check(resp)
-                    if resp.status == 304 and self._model and self._model[1] == version:
-                        return self._model[2]
-                    body = await resp.read()
-            except (TimeoutError, aiohttp.ClientConnectionError) as e:
-                raise Retry(f"model download failed: {e}") from None
-            if resp.status == 304:
+            got = await download(
+                self.http, self.url + "/v1/model", self._ssl, headers, limit, chunk, self.rand, self.resumed
+            )
+            if got is None:  # 304: the cached model is current
+                if self._model and self._model[1] == version:
+                    return self._model[2]
                 headers = {}
                 continue
+            body, etag = got
             try:
-                params, header = decode_model(body, self.trainer.spec)
+                params, header = decode_model(body, self.trainer.spec, copy=False)
             except SpecMismatch as e:
                 raise NodeError(self._spec_mismatch(body, e)) from None
-            self._model = (resp.headers.get("ETag", ""), int(header["version"]), params)
+            self._model = (etag, int(header["version"]), params)
             self._broadcast = (int(header["version"]), header.get("aux_tensors", {}))
             break
         if self._model is None or self._model[1] != version:
             return None
         return self._model[2]
 
-    def _spec_mismatch(self, body: bytes, e: SpecMismatch) -> str:
+    def _spec_mismatch(self, body: bytes | bytearray, e: SpecMismatch) -> str:
         """One line: both spec hashes, the first tensor that differs, and the fix."""
         mine = self.trainer.spec
         try:

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from .group_average import SliceMessage
     from .secure_group import SecureMessage
 
-MODEL_ENCODINGS = ("dense", "q8")
+MODEL_ENCODINGS = ("dense", "float16", "bfloat16", "q8")
 
 
 def encode_gossip_model(
@@ -52,8 +52,8 @@ def encode_gossip_model(
         raise ValueError(f"compression.encoding = {cfg.encoding!r} does not apply to gossip models ({MODEL_ENCODINGS})")
     if cfg.encoding == "dense" and not cfg.zstd:
         return encode_model(params, spec, version, extra)
-    if cfg.encoding == "q8":
-        payload = Compressor(cfg).encode(params, seed=seed)  # quantizes the model itself
+    if cfg.encoding != "dense":  # q8 quantizes the model itself; float16 / bfloat16 round it to half precision
+        payload = Compressor(cfg).encode(params, seed=seed)
     else:
         payload = Encoded("dense", {"params": params.detach().float()})
     tensors = payload.tensors

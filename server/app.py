@@ -59,6 +59,7 @@ CHANGED = web.AppKey("changed", dict)
 CHUNKS = web.AppKey("chunks", ChunkedUploads)  # open chunked uploads (server/chunks.py)
 INTAKES = web.AppKey("intakes", weakref.WeakKeyDictionary)  # each run's PartialIntake (server/edge.py)
 CHUNK_DIGEST_HEADER = "X-Shoal-Chunk-Sha256"
+MODEL_DIGEST_HEADER = "X-Shoal-Sha256"  # the whole model's SHA-256, with every download (whole or a range)
 ADMIN = web.AppKey("admin", str)
 NODE = web.RequestKey("node", str)
 SPEC_HASH_HEADER = "X-Shoal-Spec-Hash"  # a node's model spec hash, sent with every poll
@@ -493,16 +494,53 @@ async def get_task(request: web.Request) -> web.Response:
         await _wait_event(event, min(left, _SLICE_S))
 
 
-async def get_model(request: web.Request) -> web.Response:
+_RANGE = re.compile(r"bytes=([0-9]{1,15})-([0-9]{0,15})")
+
+
+def _byte_range(request: web.Request, size: int) -> tuple[int, int] | None:
+    """``[start, end)`` of a ``Range: bytes=a-b`` header (one range; ``b`` may be left out), None
+    without one; 416 if it is not one range inside the model."""
+    spec = request.headers.get("Range")
+    if spec is None:
+        return None
+    m = _RANGE.fullmatch(spec.strip())
+    start = int(m.group(1)) if m else size
+    end = (int(m.group(2)) + 1 if m.group(2) else size) if m else 0
+    if not m or start >= size or end <= start:
+        raise Refusal(
+            416, "bad_range", f"Range {spec[:60]!r}: ask for one range bytes=a-b inside the model's {size} bytes"
+        )
+    return start, min(end, size)
+
+
+async def get_model(request: web.Request) -> web.StreamResponse:
+    """The global model: whole, or one byte range (a node's chunked download, resumable by offset).
+    Each answer names the version (ETag) and the whole model's SHA-256; a range its own SHA-256.
+    ``If-Match`` with an older version's ETag: 412 (the model moved on, start over)."""
     svc = _svc(request)
     svc.seen(request[NODE], time.monotonic())
-    etag = svc.etag
-    headers = {"ETag": etag, "X-Shoal-Version": str(svc.version), "Cache-Control": "no-cache"}
-    if etag in [t.strip() for t in request.headers.get("If-None-Match", "").split(",")]:
+    dl = svc.model_download()
+    headers = {"ETag": dl.etag, "X-Shoal-Version": str(dl.version), "Cache-Control": "no-cache"}
+    if dl.etag in [t.strip() for t in request.headers.get("If-None-Match", "").split(",")]:
         return web.Response(status=304, headers=headers)
-    body = svc.model_body()
-    svc.activity.sent(request[NODE], len(body), time.monotonic())
-    return web.Response(body=body, headers=headers, content_type="application/octet-stream")
+    match = request.headers.get("If-Match")
+    if match is not None and dl.etag not in [t.strip() for t in match.split(",")]:
+        raise Refusal(412, "version_changed", f"the model is at version {dl.version} now ({dl.etag}); start over")
+    span = _byte_range(request, dl.size)
+    start, end = span if span is not None else (0, dl.size)
+    headers.update({"Accept-Ranges": "bytes", MODEL_DIGEST_HEADER: await asyncio.to_thread(dl.sha256)})
+    if span is not None:
+        headers["Content-Range"] = f"bytes {start}-{end - 1}/{dl.size}"
+        headers[CHUNK_DIGEST_HEADER] = await asyncio.to_thread(dl.sha256, start, end)
+    resp = web.StreamResponse(status=206 if span is not None else 200, headers=headers)
+    resp.content_type = "application/octet-stream"
+    resp.content_length = end - start
+    await resp.prepare(request)
+    for piece in dl.pieces(start, end):
+        await resp.write(piece)  # waits while the connection's buffer is full: memory stays one piece
+    await resp.write_eof()
+    svc.activity.sent(request[NODE], end - start, time.monotonic())
+    return resp
 
 
 async def post_update(request: web.Request) -> web.Response:
@@ -591,7 +629,9 @@ async def post_upload_begin(request: web.Request) -> web.Response:
     svc.seen(node, now)
     run = request.match_info.get("run", "")
     try:
-        session = request.app[CHUNKS].begin(run, node, body, svc.update_limit, now, _upload_deadline(svc, now))
+        session = request.app[CHUNKS].begin(
+            run, node, body, svc.update_limit, now, _upload_deadline(svc, now), svc.update_stream
+        )
     except ChunkError as e:
         return _chunk_refusal(svc, e)
     chunk = min(svc.max_body_bytes, session.size)
@@ -631,27 +671,32 @@ async def put_upload_chunk(request: web.Request) -> web.Response:
         return _chunk_refusal(svc, e)
     assert digest is not None  # check_chunk refuses a missing digest
     s.busy = True
-    view = memoryview(s.buf)[offset : offset + length]
+    buf = bytearray(length)  # one chunk: what an upload holds in memory while it is being sent
+    view = memoryview(buf)
     try:
         first = await _chunk(request, svc.cfg.server.body_timeout_s, "upload chunk")
         await _read_into(request, view, length, first)
     finally:
-        view.release()
         s.busy = False
     try:
-        complete = chunks.accept_chunk(s, length, digest)
+        complete = chunks.accept_chunk(s, view, digest)
     except ChunkError as e:
         return _chunk_refusal(svc, e)
+    except ShoalError as e:  # the update itself, refused at this chunk: the upload is over
+        svc.upload_refused(node, e, time.monotonic())
+        log.info("chunked update from %s refused at byte %d: %s: %s", node, offset, getattr(e, "code", "error"), e)
+        return error(_status_of(e), getattr(e, "code", "error"), str(e))
+    finally:
+        view.release()
     if not complete:
         return web.json_response({"upload": s.id, "received": s.received})
-    body = memoryview(s.buf)
     try:
-        result = svc.submit(node, body, time.monotonic())
+        result = svc.submit_staged(node, s.stream, s.staged, time.monotonic())
     except ShoalError as e:
         log.info("chunked update from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
         return error(_status_of(e), getattr(e, "code", "error"), str(e))
     finally:
-        body.release()
+        s.staged.close()
     _tick(app)
     return web.json_response(result)
 

@@ -1,15 +1,19 @@
 """Chunked uploads: an update larger than one request (``server.max_body_bytes``) travels in chunks.
 
-Sans-I/O bookkeeping (time is passed in); server/app.py moves the bytes. A node opens an upload
-with the whole body's size and SHA-256, then sends the body in order, each chunk at most
-``chunk_bytes`` with its own SHA-256, at the offset the server has (a chunk at another offset is
-refused with the offset to resume from: after a lost connection the node asks for it and goes
-on). A chunk whose digest does not match changes nothing. When the last byte arrives the whole
-digest is checked and the body is handed to the service as one upload (decoded in place in the
-session's buffer, validated, streamed into the aggregate). An upload not finished by its deadline
-(``server.upload_timeout_s``, and the open round's deadline) is dropped. At most ``max_sessions``
-uploads are open at once, each holding one buffer of its declared size (at most the model's
-dense size plus the header), one per node and run: memory is O(sessions x model).
+Bookkeeping with time passed in; server/app.py moves the bytes. A node opens an upload with the
+whole body's size and SHA-256, then sends the body in order, each chunk at most ``chunk_bytes``
+with its own SHA-256, at the offset the server has (a chunk at another offset is refused with
+the offset to resume from: after a lost connection the node asks for it and goes on). A chunk
+whose digest does not match changes nothing. A chunk that matches is checked as part of the
+update at once (shoal.wire.UpdateStream: the header as soon as it is complete, then every value
+of a dense or half-precision delta): a bad update is refused at its first bad chunk and the
+upload is over. Good chunks wait in the upload's staging file (server/staging.py: disk, not
+memory). When the last byte arrives the whole digest is checked and the upload is handed to
+the service, which reads it back a block at a time into the round's sum (or whole, for the
+encodings decoded whole). An upload not finished by its deadline (``server.upload_timeout_s``,
+and the open round's deadline) is dropped with its file. At most ``max_sessions`` uploads are
+open at once, one per node and run; memory is one chunk per upload being sent, whatever the
+model's size.
 """
 
 from __future__ import annotations
@@ -17,10 +21,14 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from shoal.errors import ShoalError
+from shoal.errors import ShoalError, WireError
+from shoal.wire import UpdateStream
+
+from .staging import Staged
 
 _HEX64 = re.compile(r"[0-9a-f]{64}")
 MAX_BEGIN_BODY = 1024
@@ -41,7 +49,8 @@ class Session:
     size: int
     sha256: str
     deadline: float
-    buf: bytearray
+    staged: Staged
+    stream: UpdateStream
     received: int = 0
     busy: bool = False  # a chunk is being read into it
     hasher: Any = field(default_factory=hashlib.sha256)
@@ -50,13 +59,24 @@ class Session:
 class ChunkedUploads:
     """The open chunked uploads of one server (all its runs)."""
 
-    def __init__(self, max_sessions: int):
+    def __init__(self, max_sessions: int, staging_dir: str | None = None):
         self.max_sessions = max_sessions
+        self.staging_dir = staging_dir  # where the staging files are (None: the system's temporary directory)
         self.sessions: dict[str, Session] = {}
 
-    def begin(self, run: str, node: str, obj: Any, limit: int, now: float, deadline: float) -> Session:
+    def begin(
+        self,
+        run: str,
+        node: str,
+        obj: Any,
+        limit: int,
+        now: float,
+        deadline: float,
+        make_stream: Callable[[int], UpdateStream],
+    ) -> Session:
         """Open an upload from ``{"size": n, "sha256": hex}`` (parsed JSON); a node's earlier open
-        upload in the same run is dropped (it starts over)."""
+        upload in the same run is dropped (it starts over). ``make_stream(size)``: the checker of
+        the run's updates."""
         if not isinstance(obj, dict) or set(obj) != {"size", "sha256"}:
             raise ChunkError("malformed", 'send exactly {"size": bytes, "sha256": "64 hex digits"}', 400)
         size, digest = obj["size"], obj["sha256"]
@@ -71,14 +91,23 @@ class ChunkedUploads:
         if any(s.busy for s in mine):
             raise ChunkError("busy", "a chunk of this node's open upload is still being read; try again", 409)
         for s in mine:
-            del self.sessions[s.id]
+            self.drop(s)
         if len(self.sessions) >= self.max_sessions:
             raise ChunkError(
                 "busy", f"all {self.max_sessions} chunked uploads are open (server.ingest_slots); try later", 503
             )
-        session = Session(secrets.token_hex(16), (run, node), size, digest, deadline, bytearray(size))
+        stream = make_stream(size)
+        session = Session(
+            secrets.token_hex(16), (run, node), size, digest, deadline, Staged(size, self.staging_dir), stream
+        )
         self.sessions[session.id] = session
         return session
+
+    def drop(self, s: Session) -> None:
+        """Forget an upload and delete its staged bytes."""
+        if self.sessions.get(s.id) is s:
+            del self.sessions[s.id]
+        s.staged.close()
 
     def get(self, run: str, node: str, upload: str, now: float) -> Session:
         """The node's open upload (404 if it has none of that id, 410 once its deadline passed)."""
@@ -86,7 +115,7 @@ class ChunkedUploads:
         if s is None or s.owner != (run, node):
             raise ChunkError("unknown_upload", "no open upload of this node with that id; open one", 404)
         if now >= s.deadline:
-            del self.sessions[s.id]
+            self.drop(s)
             raise ChunkError("upload_expired", "the upload was not finished by its deadline; open a new one", 410)
         return s
 
@@ -108,27 +137,36 @@ class ChunkedUploads:
         if digest is None or not _HEX64.fullmatch(digest):
             raise ChunkError("bad_digest", "send the chunk's SHA-256 (64 hex digits) in X-Shoal-Chunk-Sha256", 400)
 
-    def accept_chunk(self, s: Session, length: int, digest: str) -> bool:
-        """The chunk's bytes are in ``s.buf[received:received + length]``: count them if their digest
-        matches (else nothing changes). True when the upload is complete and whole-digest verified."""
-        chunk = memoryview(s.buf)[s.received : s.received + length]
+    def accept_chunk(self, s: Session, chunk: memoryview, digest: str) -> bool:
+        """The chunk's bytes (read at ``s.received``): counted and staged if their digest matches
+        (else nothing changes: ChunkError bad_digest, send it again) and the update stays sound
+        with them (else the WireError, and the upload is over). True when the upload is complete
+        and its whole digest verified: the caller takes ``s.staged`` (and closes it)."""
+        if hashlib.sha256(chunk).hexdigest() != digest:
+            raise ChunkError("bad_digest", "the chunk's bytes do not match its SHA-256; send it again", 400)
         try:
-            if hashlib.sha256(chunk).hexdigest() != digest:
-                raise ChunkError("bad_digest", "the chunk's bytes do not match its SHA-256; send it again", 400)
-            s.hasher.update(chunk)
-        finally:
-            chunk.release()
-        s.received += length
+            s.stream.feed(chunk)
+        except WireError:
+            self.drop(s)  # the update itself is refused: resuming cannot help
+            raise
+        try:
+            s.staged.write_at(s.received, chunk)
+        except OSError as e:  # the disk is full: this upload cannot go on (others may)
+            self.drop(s)
+            raise ChunkError("staging_failed", f"the server could not stage the upload ({e}); try later", 503) from None
+        s.hasher.update(chunk)
+        s.received += len(chunk)
         if s.received < s.size:
             return False
         del self.sessions[s.id]
         if s.hasher.hexdigest() != s.sha256:
+            s.staged.close()
             raise ChunkError("bad_digest", "the whole update does not match the SHA-256 it was opened with", 400)
         return True
 
     def expire(self, now: float) -> int:
         """Drop the uploads past their deadline (not those with a chunk being read: it ends by then)."""
-        late = [k for k, s in self.sessions.items() if now >= s.deadline and not s.busy]
-        for k in late:
-            del self.sessions[k]
+        late = [s for s in self.sessions.values() if now >= s.deadline and not s.busy]
+        for s in late:
+            self.drop(s)
         return len(late)

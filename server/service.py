@@ -15,31 +15,45 @@ nodes, the accountant, the budget and the nodes' reports.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import math
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
 import torch
 
+from shoal.aggregation.mean import WeightedMean
 from shoal.aggregation.secagg.encoding import FixedPoint
+from shoal.aggregation.strategy import Strategy
 from shoal.assembly import initial_model, make_async_rounds, make_deadline_rounds, make_round_strategy, task_from_config
 from shoal.client.training import LocalTrainer, summarize_means
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMismatch, UpdateRejected
 from shoal.metrics import json_safe
+from shoal.params import ParamSpec, flatten
 from shoal.privacy_plan import plan_of
 from shoal.rounds import Rounds, RoundSummary, SyncRounds, evaluation_due
 from shoal.task import ClientData, Task, TaskError
-from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
+from shoal.update import Update
+from shoal.wire import (
+    MAX_HEADER_BYTES,
+    UpdateStream,
+    decode_update,
+    encode_model,
+    model_parts,
+    read_header,
+    update_fields,
+)
 
 from .activity import Activity, console_line
 from .privacy import ServerPrivacy, parse_report
 from .secure_round import SecureRound
+from .staging import Staged
 
 log = logging.getLogger(__name__)
 
@@ -207,8 +221,13 @@ class ServerService:
         # The model comes from the task alone (shoal.assembly): the same seed gives the
         # same initial model as `shoal simulate` and as every node.
         self.task = task if task is not None else task_from_config(cfg)
-        self.trainer = LocalTrainer(initial_model(cfg, self.task), cfg.train, "cpu", task=self.task)
-        self.spec = self.trainer.spec
+        # The global model is one flat vector; the module it came from is not kept (a trainer, with
+        # its own copy and a gradient buffer, is made only for a central evaluation: ``trainer``).
+        model = initial_model(cfg, self.task)
+        self.spec = ParamSpec.of(model, exchange_buffers=self.task.exchange_buffers)
+        flat = flatten(model, self.spec)
+        del model
+        self._trainer: LocalTrainer | None = None
         self.test = test
         self.events: list[Event] = []
         self.emit: Callable[[Event], None] = emit if emit is not None else self.events.append
@@ -220,7 +239,6 @@ class ServerService:
         self.update_limit = max(s.max_body_bytes, sent * self.spec.nbytes + MAX_HEADER_BYTES)
         self.max_body_bytes = s.max_body_bytes or self.spec.nbytes + MAX_HEADER_BYTES
         self.mode = s.mode
-        flat = self.trainer.flat.detach().clone()
         # [privacy]: the DP strategy, Poisson sampling, the accountant and the budget (server/privacy.py)
         self.privacy = ServerPrivacy(cfg, self.spec.numel) if plan_of(cfg).enabled else None
         # ``sync``: the rounds the clock opens and closes (tick); None in async mode, where
@@ -264,6 +282,7 @@ class ServerService:
         self.last_record: dict[str, Any] = {}
         self.resumed_from: Path | None = None
         self._model_cache: tuple[int, bytes] | None = None
+        self._download: ModelDownload | None = None
         self.secure_round: SecureRound | None = None  # [secure_aggregation]: the open round's protocol
         if cfg.secure_aggregation.enabled and s.clients_per_round:  # the headroom check, before any round
             FixedPoint(
@@ -289,6 +308,13 @@ class ServerService:
             self.bind_registry(registered)
 
     # --- state ---------------------------------------------------------------------
+
+    @property
+    def trainer(self) -> LocalTrainer:
+        """The task's model bound for evaluation (made at the first central evaluation)."""
+        if self._trainer is None:
+            self._trainer = LocalTrainer(initial_model(self.cfg, self.task), self.cfg.train, "cpu", task=self.task)
+        return self._trainer
 
     @property
     def version(self) -> int:
@@ -362,6 +388,18 @@ class ServerService:
     def seen(self, node: str, now: float) -> None:
         self._elapsed(now)  # the first call starts the clock records count from
         self.last_seen[node] = now
+
+    def model_download(self) -> ModelDownload:
+        """The current global model as a download (GET /v1/model, whole or by range): made once
+        per version from the parameters' own memory, no encoded copy of the model."""
+        if self._download is None or self._download.version != self.version:
+            broadcast = getattr(self.sync.strategy if self.sync is not None else None, "broadcast", None)
+            if callable(broadcast) and broadcast():  # an algorithm's tensors travel with the model: encoded
+                head, data = b"", memoryview(self.model_body())
+            else:
+                head, data = model_parts(self.rounds.global_params, self.spec, self.version)
+            self._download = ModelDownload(self.version, self.etag, head, data)
+        return self._download
 
     def model_body(self) -> bytes:
         """The current global model on the wire, encoded once per version (with the algorithm's
@@ -539,8 +577,8 @@ class ServerService:
         """Validate one upload and stream it into the open round; raises a ShoalError
         (WireError or UpdateRejected) with nothing changed if it is refused. A writable
         ``body`` is decoded in place (no copy); it may be reused once this returns."""
-        self.seen(node, now)
-        try:
+
+        def decoded() -> tuple[Update, dict[str, Any], None]:
             s = self.cfg.server
             try:
                 update, header = decode_update(
@@ -556,6 +594,66 @@ class ServerService:
                 if isinstance(sent, str) and sent != self.spec.hash:
                     raise SpecMismatch(spec_mismatch_detail(sent[:64], self.spec.hash)) from None
                 raise
+            return update, header, None
+
+        return self._take(node, now, decoded, len(body))
+
+    def update_stream(self, size: int) -> UpdateStream:
+        """The checker of one chunked upload of ``size`` bytes, fed as its chunks arrive."""
+        s = self.cfg.server
+        return UpdateStream(self.spec, size, self.update_limit, s.max_examples, s.max_delta_abs)
+
+    def streams(self, stream: UpdateStream) -> bool:
+        """A complete chunked upload enters the round's sum a block at a time (no model-sized
+        copy): its values were checked as they arrived, and the round sums plain weighted means
+        (not a robust rule, a DP mean or an async buffer, which look at each update whole)."""
+        r = self.sync
+        return (
+            stream.complete
+            and stream.dtype is not None
+            and r is not None
+            and type(r.strategy) is Strategy
+            and type(r.strategy.aggregator) is WeightedMean
+        )
+
+    def submit_staged(self, node: str, stream: UpdateStream, staged: Staged, now: float) -> dict[str, Any]:
+        """A complete chunked upload (server/chunks.py): checked as it arrived by ``stream``, its
+        bytes in ``staged``. Summed a block at a time where :meth:`streams` allows, else read whole
+        and taken as :meth:`submit` takes a body. Refused as :meth:`submit` refuses, nothing changed."""
+        if not self.streams(stream):
+            return self.submit(node, memoryview(staged.read_all()), now)
+        assert stream.header is not None and stream.dtype is not None  # streams() checked both
+        header, dtype = stream.header, stream.dtype
+
+        def decoded() -> tuple[Update, dict[str, Any], Iterator[torch.Tensor]]:
+            fields = update_fields(header, self.cfg.server.max_examples)
+            return Update(torch.empty(0), **fields), header, staged.blocks(stream.data_start, dtype)
+
+        return self._take(node, now, decoded, stream.size)
+
+    def upload_refused(self, node: str, e: Exception, now: float) -> None:
+        """Count a refused upload (here or as its chunks arrived) and, where its content was refused,
+        keep the node's task from being handed out again."""
+        self.refused(getattr(e, "code", "error"))
+        self.activity.refused(node, getattr(e, "code", "error"), str(e), now)
+        held = self.sync.assignment(node) if self.sync is not None else None
+        # The update's content was refused (non-finite, out of range, too large...): retraining
+        # the same task gives the same refusal, so it is not handed out again. A closed round or a
+        # duplicate is no verdict on the training, and a malformed request may not be the node's
+        # (bad input changes no state): those leave the task with the node.
+        if held is not None and getattr(e, "code", "") not in ("round_closed", "duplicate", "malformed"):
+            self.refused_task[node] = (held.round, held.version)
+
+    def _take(
+        self,
+        node: str,
+        now: float,
+        decoded: Callable[[], tuple[Update, dict[str, Any], Iterator[torch.Tensor] | None]],
+        nbytes: int,
+    ) -> dict[str, Any]:
+        self.seen(node, now)
+        try:
+            update, header, blocks = decoded()
             r = self.rounds
             if self.cfg.secure_aggregation.enabled:
                 raise UpdateRejected(
@@ -576,28 +674,40 @@ class ServerService:
             if self.privacy is not None and self.privacy.plan.dp_sgd:  # checked before anything changes
                 self.privacy.check_local_upload(update.num_examples, update.metrics)
                 report = parse_report(header.get("privacy"), self.cfg.privacy.delta)
-            advanced = r.submit(node, update)
+            if blocks is None:
+                advanced = r.submit(node, update)
+            else:
+                assert self.sync is not None  # streams() allows blocks in sync rounds only
+                advanced = self._submit_blocks(self.sync, node, update, blocks, now)
         except Exception as e:
-            self.refused(getattr(e, "code", "error"))
-            self.activity.refused(node, getattr(e, "code", "error"), str(e), now)
-            held = self.sync.assignment(node) if self.sync is not None else None
-            # The update's content was refused (non-finite, out of range, too large...): retraining
-            # the same task gives the same refusal, so it is not handed out again. A closed round or a
-            # duplicate is no verdict on the training, and a malformed request may not be the node's
-            # (bad input changes no state): those leave the task with the node.
-            if held is not None and getattr(e, "code", "") not in ("round_closed", "duplicate", "malformed"):
-                self.refused_task[node] = (held.round, held.version)
+            self.upload_refused(node, e, now)
             raise
         if report is not None and self.privacy is not None:
             self.privacy.take_report(node, report)
         self.counters.accepted += 1
-        self.counters.bytes_received += len(body)
-        self.activity.accepted(node, len(body), self.rounds.round, now)
+        self.counters.bytes_received += nbytes
+        self.activity.accepted(node, nbytes, self.rounds.round, now)
         if advanced:  # async: the update completed a new version
             self._new_version(self.rounds.version_fields(), now)
         elif self.fed:
             self._settle_fed(now)  # this node's task from an older version is over
         return {"status": "accepted", "round": self.rounds.round, "version": self.version}
+
+    def _submit_blocks(
+        self, r: SyncRounds, node: str, update: Update, blocks: Iterator[torch.Tensor], now: float
+    ) -> bool:
+        """Sum a staged update into the open round; should reading it back fail midway (the disk),
+        the round's sum is partial: the round is dropped (model and version unchanged) and the
+        error raised, so nothing half-applied survives."""
+        pieces = _Pieces(blocks)
+        try:
+            return r.submit(node, update, blocks=pieces)
+        except Exception:
+            if pieces.started and r.open:
+                log.error("round %d: a staged update failed while it was being summed; the round is dropped", r.round)
+                r.abort_round()
+                self._round_failed(r.round, now)
+            raise
 
     def _check_algorithm_fields(self, update) -> None:
         """What the algorithm's server step needs beside the update is there (Malformed, nothing
@@ -743,6 +853,7 @@ class ServerService:
         under DP what privacy.release lets out, with ``summary``'s noisy figures when noised)."""
         self.counters.rounds_completed += 1
         self.failed_streak = 0
+        self._download = None  # the old version's (a download in flight keeps what it sends)
         record: dict[str, Any] = {"round": self.rounds.round, "version": self.version}
         if self.test is not None:
             ev = self.trainer.evaluate_data(self.rounds.global_params, self.test)
@@ -846,6 +957,55 @@ class ServerService:
             ),
             **({"privacy": self.privacy.status()} if self.privacy is not None else {}),
         }
+
+
+@dataclass
+class ModelDownload:
+    """One version of the global model as its node download: the message header ``head``, then the
+    parameters' memory ``data`` (server/app.py serves it whole or a byte range at a time)."""
+
+    version: int
+    etag: str
+    head: bytes
+    data: memoryview
+    _sha256: str | None = None
+
+    @property
+    def size(self) -> int:
+        return len(self.head) + len(self.data)
+
+    def pieces(self, start: int, end: int, step: int = 1 << 20) -> Iterator[memoryview]:
+        """The bytes ``[start, end)`` as views of at most ``step`` bytes (no copy)."""
+        for part, base in ((memoryview(self.head), 0), (self.data, len(self.head))):
+            a, b = max(start - base, 0), min(end - base, len(part))
+            for x in range(a, b, step):
+                yield part[x : min(x + step, b)]
+
+    def sha256(self, start: int = 0, end: int | None = None) -> str:
+        """The SHA-256 of bytes ``[start, end)`` (the whole: computed once). Releases the GIL: run it
+        in a thread for a large model."""
+        whole = start == 0 and end in (None, self.size)
+        if whole and self._sha256 is not None:
+            return self._sha256
+        h = hashlib.sha256()
+        for piece in self.pieces(start, self.size if end is None else end, 16 << 20):
+            h.update(piece)
+        if whole:
+            self._sha256 = h.hexdigest()
+        return h.hexdigest()
+
+
+class _Pieces:
+    """The blocks of a staged update, noting whether the sum has begun taking them."""
+
+    def __init__(self, blocks: Iterator[torch.Tensor]):
+        self.blocks = blocks
+        self.started = False
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for piece in self.blocks:
+            self.started = True
+            yield piece
 
 
 def _sent_spec_hash(body: bytes | memoryview, max_bytes: int) -> Any:

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NoReturn, Protocol
 
@@ -274,19 +274,23 @@ class SyncRounds:
             return None
         return self.version - update.base_version
 
-    def submit(self, client_id: str, update: Update) -> bool:
+    def submit(self, client_id: str, update: Update, blocks: Iterable[torch.Tensor] | None = None) -> bool:
         """Check, then stream the update into the strategy (late ones: see the module doc).
-        False: a round closes into a new version in :meth:`finish_round`, never here."""
+        False: a round closes into a new version in :meth:`finish_round`, never here.
+        ``blocks``: the delta in consecutive pieces instead of ``update.delta`` (Strategy.accumulate_blocks)."""
         t = self._late_staleness(client_id, update)
         if t is not None:
-            self._submit_late(client_id, update, t)
+            self._submit_late(client_id, update, t, blocks)
             return False
         try:
             self.check(client_id, update)
         except UpdateRejected as e:
             self.rejected[e.code] = self.rejected.get(e.code, 0) + 1
             raise
-        self.strategy.accumulate(update)
+        if blocks is None:
+            self.strategy.accumulate(update)
+        else:
+            self.strategy.accumulate_blocks(update, blocks)
         self.received.add(client_id)
         self._examples += update.num_examples
         self._loss_sum += update.metrics.get("train_loss", 0.0) * update.num_examples
@@ -317,7 +321,9 @@ class SyncRounds:
         self._loss_sum += part.loss_sum
         self._losses = None  # summed where they trained: no loss of one client is known here
 
-    def _submit_late(self, client_id: str, update: Update, t: int) -> None:
+    def _submit_late(
+        self, client_id: str, update: Update, t: int, blocks: Iterable[torch.Tensor] | None = None
+    ) -> None:
         def reject(code: str, detail: str) -> NoReturn:
             self.rejected[code] = self.rejected.get(code, 0) + 1
             raise UpdateRejected(code, detail)
@@ -334,7 +340,10 @@ class SyncRounds:
         if not self.open:
             reject("round_closed", f"late update arrived with no round open to fold it into (version {self.version})")
         assert self.late_weight is not None  # __init__ refuses late='fold' without one
-        self.strategy.accumulate(update, self.late_weight(t))
+        if blocks is None:
+            self.strategy.accumulate(update, self.late_weight(t))
+        else:
+            self.strategy.accumulate_blocks(update, blocks, self.late_weight(t))
         self._late_count += 1
         self._late_hist[t] = self._late_hist.get(t, 0) + 1
 

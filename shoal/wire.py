@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 import struct
-from typing import Any
+from typing import Any, cast
 
 import torch
 import zstandard
@@ -137,12 +137,24 @@ def read_header(body: bytes | bytearray | memoryview, max_bytes: int) -> tuple[d
     tensors straight out of the body (``decode(copy=False)``) is as safe as the library."""
     if len(body) > max_bytes:
         raise TooLarge(f"body of {len(body)} bytes is over the limit of {max_bytes} bytes")
-    if len(body) < 8:
-        raise Malformed(f"body of {len(body)} bytes is truncated: a safetensors body starts with 8 length bytes")
-    (hlen,) = struct.unpack("<Q", body[:8])
-    if hlen > MAX_HEADER_BYTES or 8 + hlen > len(body):
-        raise Malformed(f"safetensors header length {hlen} does not fit a body of {len(body)} bytes (truncated?)")
-    table = parse_json(body[8 : 8 + hlen], "safetensors header")
+    hlen = header_length(body, len(body))
+    return parse_table(body[8 : 8 + hlen], len(body) - 8 - hlen)
+
+
+def header_length(prefix: bytes | bytearray | memoryview, size: int) -> int:
+    """The safetensors header's length from a body's first 8 bytes (``size``: the whole body's)."""
+    if size < 8 or len(prefix) < 8:
+        raise Malformed(f"body of {size} bytes is truncated: a safetensors body starts with 8 length bytes")
+    (hlen,) = struct.unpack("<Q", prefix[:8])
+    if hlen > MAX_HEADER_BYTES or 8 + hlen > size:
+        raise Malformed(f"safetensors header length {hlen} does not fit a body of {size} bytes (truncated?)")
+    return hlen
+
+
+def parse_table(raw: bytes | bytearray | memoryview, data_len: int) -> tuple[dict[str, Any], dict[str, dict]]:
+    """The shoal header and the tensor table of a safetensors header's JSON ``raw``, for a body
+    with ``data_len`` bytes of tensor data after it (see :func:`read_header`)."""
+    table = parse_json(raw, "safetensors header")
     if not isinstance(table, dict):
         raise Malformed("safetensors header is not a JSON object")
     meta = table.pop("__metadata__", None)
@@ -157,7 +169,6 @@ def read_header(body: bytes | bytearray | memoryview, max_bytes: int) -> tuple[d
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         got = header.get("format") if isinstance(header, dict) else header
         raise Malformed(f"header format is {short_repr(got)}, expected {FORMAT!r}")
-    data_len = len(body) - 8 - hlen
     spans = []
     for name, info in table.items():
         if not isinstance(info, dict) or set(info) != {"dtype", "shape", "data_offsets"}:
@@ -190,6 +201,19 @@ def read_header(body: bytes | bytearray | memoryview, max_bytes: int) -> tuple[d
     return header, table
 
 
+def check_tensors(table: dict[str, dict], expect: dict[str, tuple[torch.dtype, tuple[int, ...]]]) -> None:
+    """SpecMismatch unless the table holds exactly the ``expect`` tensors, with their dtypes and shapes."""
+    if set(table) != set(expect):
+        raise SpecMismatch(f"tensors {short_repr(sorted(table))} sent, expected {sorted(expect)}")
+    for name, (dtype, shape) in expect.items():
+        info = table[name]
+        got = _DTYPES.get(info["dtype"])
+        if got != dtype:
+            raise SpecMismatch(f"tensor {name!r} has dtype {info['dtype']}, expected {dtype}")
+        if tuple(info["shape"]) != tuple(shape):
+            raise SpecMismatch(f"tensor {name!r} has shape {info['shape']}, expected {list(shape)}")
+
+
 def decode(
     body: bytes | bytearray | memoryview,
     expect: dict[str, tuple[torch.dtype, tuple[int, ...]]],
@@ -209,15 +233,7 @@ def decode(
             f"spec hash {short_repr(header.get('spec_hash'))} does not match this model's {spec_hash!r} "
             "(different architecture or parameter layout)"
         )
-    if set(table) != set(expect):
-        raise SpecMismatch(f"tensors {short_repr(sorted(table))} sent, expected {sorted(expect)}")
-    for name, (dtype, shape) in expect.items():
-        info = table[name]
-        got = _DTYPES.get(info["dtype"])
-        if got != dtype:
-            raise SpecMismatch(f"tensor {name!r} has dtype {info['dtype']}, expected {dtype}")
-        if tuple(info["shape"]) != tuple(shape):
-            raise SpecMismatch(f"tensor {name!r} has shape {info['shape']}, expected {list(shape)}")
+    check_tensors(table, expect)
     try:
         if copy or isinstance(body, bytes):
             tensors = st_load(bytes(body))
@@ -421,6 +437,109 @@ def check_delta(delta: torch.Tensor, max_abs: float = 0.0, encoding: str = "dens
         )
 
 
+#: Encodings whose one tensor ``delta`` is the dense update itself, in this dtype: their values are
+#: checked as the bytes arrive (:class:`UpdateStream`) and can be summed a block at a time.
+STREAMED_DTYPES = {"dense": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: Values checked at once while an update streams in: 1 MiB of float32 (it stays in cache).
+STREAM_CHECK_BYTES = 1 << 20
+
+
+class UpdateStream:
+    """Checks an update's body as its bytes arrive, in order (sans-I/O: :meth:`feed` them).
+
+    As soon as the safetensors header is complete it is checked as :func:`decode_update` checks
+    it (bounds, spec hash, tensor names, dtypes and shapes, kind, the scalar fields); for a dense
+    or half-precision delta (``STREAMED_DTYPES``) every value is then checked as it comes (finite,
+    and at most ``max_abs`` in magnitude), so a bad update is refused at its first bad chunk and
+    a complete one needs no second look at its values. Other encodings (q8, top-k, zstd) are
+    small: their values are checked whole at the end (``dtype`` is None). A WireError names the
+    first fault; nothing of the body is kept but its header."""
+
+    def __init__(self, spec: ParamSpec, size: int, max_bytes: int, max_examples: int | None, max_abs: float = 0.0):
+        if size > max_bytes:
+            raise TooLarge(f"an update of {size} bytes is over the limit of {max_bytes} bytes")
+        self.spec, self.size, self.max_examples, self.max_abs = spec, size, max_examples, max_abs
+        self.received = 0
+        self.header: dict[str, Any] | None = None
+        self.data_start = 0  # where the tensor data begins in the body, once the header is read
+        self.dtype: torch.dtype | None = None  # the streamed delta's dtype (None: checked whole at the end)
+        self._head = bytearray()
+        self._carry = bytearray()  # the bytes of a value split across two feeds
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """The body's next bytes (in order); a WireError at the first fault."""
+        view = memoryview(data).cast("B")
+        if self.received + len(view) > self.size:
+            raise Malformed(f"the body is longer than the {self.size} bytes it was announced with")
+        self.received += len(view)
+        if self.header is None:
+            if len(self._head) < 8:
+                take = min(8 - len(self._head), len(view))
+                self._head += view[:take]
+                view = view[take:]
+                if len(self._head) < 8:
+                    return
+                self.data_start = 8 + header_length(self._head, self.size)
+            take = min(self.data_start - len(self._head), len(view))
+            self._head += view[:take]
+            view = view[take:]
+            if len(self._head) < self.data_start:
+                return
+            self._read_header()
+        if self.dtype is not None and len(view):
+            self._check_values(view)
+
+    def _read_header(self) -> None:
+        header, table = parse_table(memoryview(self._head)[8:], self.size - self.data_start)
+        if header.get("spec_hash") != self.spec.hash:
+            raise SpecMismatch(
+                f"spec hash {short_repr(header.get('spec_hash'))} does not match this model's {self.spec.hash!r} "
+                "(different architecture or parameter layout)"
+            )
+        if header.get("kind") != "update":
+            raise Malformed(f"message kind is {short_repr(header.get('kind'))}, expected 'update'")
+        zstd = header.get("zstd", False)
+        if not isinstance(zstd, bool):
+            raise Malformed(f"header field 'zstd' = {short_repr(zstd)} must be true or false")
+        aux = aux_expect(header, UPDATE_AUX, self.spec.numel)  # an algorithm's tensors beside the delta
+        if zstd:
+            check_tensors(table, {"zstd": (torch.uint8, tuple(table.get("zstd", {}).get("shape", [0]))), **aux})
+        else:
+            check_tensors(table, {**expected_tensors(header, self.spec.numel), **aux})
+        update_fields(header, self.max_examples)
+        self.header = header
+        encoding = header.get("encoding", "dense")
+        # streamed: one delta tensor that is all the data; anything else is checked whole at the end
+        self.dtype = None if zstd or aux else STREAMED_DTYPES.get(encoding)
+        self._head = bytearray()
+
+    def _check_values(self, view: memoryview) -> None:
+        assert self.dtype is not None
+        width = self.dtype.itemsize
+        if self._carry:  # complete the value the previous feed split
+            take = min(width - len(self._carry), len(view))
+            self._carry += view[:take]
+            view = view[take:]
+            if len(self._carry) < width:
+                return
+            check_delta(torch.frombuffer(bytearray(self._carry), dtype=self.dtype), self.max_abs, self._encoding)
+            self._carry = bytearray()
+        whole = len(view) - len(view) % width
+        for a in range(0, whole, STREAM_CHECK_BYTES):
+            b = min(a + STREAM_CHECK_BYTES, whole)
+            block = view[a:b] if not view.readonly else bytearray(view[a:b])  # torch reads writable buffers
+            check_delta(torch.frombuffer(block, dtype=self.dtype), self.max_abs, self._encoding)
+        self._carry += view[whole:]
+
+    @property
+    def _encoding(self) -> str:
+        return str((self.header or {}).get("encoding", "dense"))
+
+    @property
+    def complete(self) -> bool:
+        return self.received == self.size and self.header is not None
+
+
 def encode_model(
     flat: torch.Tensor,
     spec: ParamSpec,
@@ -435,13 +554,72 @@ def encode_model(
     return encode({"params": flat.float(), **{n: t.float() for n, t in (aux or {}).items()}}, header)
 
 
-def decode_model(body: bytes, spec: ParamSpec, max_bytes: int | None = None) -> tuple[torch.Tensor, dict]:
+def tensor_parts(name: str, tensor: torch.Tensor, header: dict[str, Any]) -> tuple[bytes, memoryview]:
+    """A message of one flat tensor in two parts, ``(head, data)``: the safetensors header (with
+    ``header`` as its shoal header), and the tensor's own memory (no copy; the tensor stays alive
+    while ``data`` does). Their concatenation is a body :func:`decode` reads, so a model or an
+    update of any size is sent without being built, and a range of it without the rest."""
+    t = tensor.detach().to("cpu").contiguous().reshape(-1)
+    dtype = next((k for k, v in _DTYPES.items() if v == t.dtype), None)
+    if dtype is None:
+        raise ValueError(f"a {t.dtype} tensor has no wire dtype")
+    table = {
+        "__metadata__": {"shoal": json.dumps({"format": FORMAT, **header}, separators=(",", ":"))},
+        name: {"dtype": dtype, "shape": [t.numel()], "data_offsets": [0, t.numel() * t.element_size()]},
+    }
+    raw = json.dumps(table, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    data = memoryview(cast(Any, t.view(torch.uint8).numpy())) if t.numel() else memoryview(b"")
+    return struct.pack("<Q", len(raw)) + raw, data
+
+
+def model_parts(
+    flat: torch.Tensor, spec: ParamSpec, version: int, extra: dict[str, Any] | None = None
+) -> tuple[bytes, memoryview]:
+    """:func:`encode_model` as ``(head, data)`` parts (:func:`tensor_parts`): the float32 parameters' own memory."""
+    header = {"kind": "model", "spec_hash": spec.hash, "version": int(version), "spec": spec.to_json(), **(extra or {})}
+    return tensor_parts("params", flat.float(), header)
+
+
+def update_parts(
+    update: Update,
+    spec: ParamSpec,
+    extra: dict[str, Any] | None = None,
+    payload: Encoded | None = None,
+    zstd_level: int = 0,
+) -> list[bytes | memoryview]:
+    """:func:`encode_update` as parts whose concatenation is the body: a dense or half-precision
+    delta as the header and the tensor's own memory (no copy of the update); other encodings
+    (small) as one encoded body."""
+    payload = payload or Encoded("dense", {"delta": update.delta.float()})
+    whole = zstd_level or update.to_server or set(payload.tensors) != {"delta"}
+    if whole or payload.encoding not in STREAMED_DTYPES:  # several tensors (or small ones): one body
+        return [encode_update(update, spec, extra, payload, zstd_level)]
+    header = {
+        "kind": "update",
+        "spec_hash": spec.hash,
+        "encoding": payload.encoding,
+        **payload.header,
+        "base_version": int(update.base_version),
+        "num_examples": int(update.num_examples),
+        "sender": update.sender,
+        "metrics": {k: float(v) for k, v in update.metrics.items()},
+        **(extra or {}),
+    }
+    head, data = tensor_parts("delta", payload.tensors["delta"], header)
+    return [head, data]
+
+
+def decode_model(
+    body: bytes | bytearray | memoryview, spec: ParamSpec, max_bytes: int | None = None, copy: bool = True
+) -> tuple[torch.Tensor, dict]:
     """Validated flat parameters plus the header (``version`` among its fields); the broadcast
-    tensors its ``aux`` names are in the header's ``"aux_tensors"``."""
+    tensors its ``aux`` names are in the header's ``"aux_tensors"``. ``copy=False`` on a writable
+    buffer: the parameters are a view of it (see :func:`decode`)."""
     max_bytes = max_bytes or (default_max_bytes(spec) + 64 * len(spec.entries)) * (1 + len(MODEL_AUX))
     header, table = read_header(body, max_bytes)
     aux = aux_expect(header, MODEL_AUX, spec.numel)
-    header, tensors = decode(body, {"params": (torch.float32, (spec.numel,)), **aux}, max_bytes, spec.hash)
+    header, tensors = decode(body, {"params": (torch.float32, (spec.numel,)), **aux}, max_bytes, spec.hash, copy=copy)
     if header.get("kind") != "model":
         raise Malformed(f"message kind is {short_repr(header.get('kind'))}, expected 'model'")
     _int_field(header, "version", 0)

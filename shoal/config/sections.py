@@ -260,7 +260,8 @@ class AttackConfig:
 class CompressionConfig:
     """How client updates are encoded on the wire (aggregation/compression.py)."""
 
-    encoding: Literal["dense", "q8", "topk"] = "dense"  # dense float32 | q8 (8-bit, chunked) | topk (sparse)
+    # dense float32 | float16, bfloat16 (half precision) | q8 (8-bit, chunked) | topk (sparse)
+    encoding: Literal["dense", "float16", "bfloat16", "q8", "topk"] = "dense"
     topk_fraction: float = 0.01  # topk: share of coordinates sent (with error feedback)
     q8_chunk: int = 1024  # q8: coordinates per float32 scale
     zstd: bool = False  # zstd-compress the encoded tensors

@@ -28,6 +28,8 @@ def _model(seed=0):
         (CompressionConfig("dense", zstd=True), 1.0),
         (CompressionConfig("q8"), 0.3),
         (CompressionConfig("q8", zstd=True), 0.3),
+        (CompressionConfig("float16"), 0.5),
+        (CompressionConfig("bfloat16"), 0.5),
     ],
 )
 def test_round_trip_and_size(cc, ratio):
@@ -38,6 +40,9 @@ def test_round_trip_and_size(cc, ratio):
     assert len(body) <= ratio * SPEC.nbytes + 4096
     if cc.encoding == "dense":
         assert torch.equal(x, y)
+    elif cc.encoding in ("float16", "bfloat16"):  # rounded to nearest: relative error 2^-11 or 2^-8
+        rel = 2.0**-11 if cc.encoding == "float16" else 2.0**-8
+        assert torch.allclose(x, y, rtol=rel, atol=1e-7) and y.dtype == torch.float32
     else:  # q8: within one quantization step of each coordinate
         step = x.abs().max() / 127
         assert float((x - y).abs().max()) <= float(step) + 1e-6
