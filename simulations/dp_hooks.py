@@ -23,6 +23,7 @@ import logging
 from collections.abc import Callable
 
 from shoal.accounting import (
+    DdgRoundAccountant,
     LocalDpSgdAccountant,
     RoundAccountant,
     budget_allows,
@@ -113,7 +114,7 @@ class PrivacyBudget:
         self.target = p.target_epsilon
         self.delta = p.delta
         self.sampling = sampling or round_sampling(cfg)
-        self.accountant: LocalDpSgdAccountant | RoundAccountant
+        self.accountant: LocalDpSgdAccountant | RoundAccountant | DdgRoundAccountant
         if p.mode == "local":
             schedules = {c: dp_sgd_schedule(n, cfg.train.batch(n), cfg.train.epochs) for c, n in client_sizes.items()}
             self.accountant = LocalDpSgdAccountant(schedules, p.noise_multiplier, p.delta, p.accountant)
@@ -130,6 +131,18 @@ class PrivacyBudget:
                 f"privacy.target_epsilon = {self.target:g} is below the epsilon of a single round "
                 f"({self.accountant.next_epsilon():.3g} at delta = {self.delta:g}); raise it or "
                 "raise privacy.noise_multiplier"
+            )
+
+    def use_accountant(self, accountant: DdgRoundAccountant) -> None:
+        """Account with another mechanism's analysis (the distributed discrete Gaussian's, which
+        secure aggregation sizes); the target is checked again."""
+        self.accountant = accountant
+        log.info("privacy accounting: %s", accountant.describe())
+        if self.target and accountant.next_epsilon() > self.target:
+            raise ConfigError(
+                f"privacy.target_epsilon = {self.target:g} is below the epsilon of a single round "
+                f"({accountant.next_epsilon():.3g} at delta = {self.delta:g}); raise it or raise "
+                "privacy.noise_multiplier"
             )
 
     @property
