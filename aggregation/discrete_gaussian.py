@@ -57,6 +57,8 @@ def _bernoulli_ratio_over_k(src: NoiseSource, num: np.ndarray, den: np.ndarray, 
     """Bernoulli(num / (den k)) for 0 <= num <= den, by a uniform U*k + V on [0, den k) without
     forming den k: U*k + V < num iff U < num // k, or U == num // k and V < num % k."""
     u = src.below(den)
+    if int(k.max(initial=1)) == 1:  # Bernoulli(num / den)
+        return u < num
     v = src.below(k)
     q, r = num // k, num % k
     return (u < q) | ((u == q) & (v < r))

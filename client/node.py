@@ -165,6 +165,11 @@ class NodePrivacy:
                 f"privacy.mode = {p.mode!r} with privacy.noise_multiplier = 0 adds no noise (epsilon "
                 "is infinite); set a noise multiplier > 0, or privacy.mode = 'none'"
             )
+        if p.mechanism == "discrete_gaussian":
+            raise ConfigError(
+                "privacy.mechanism = 'discrete_gaussian' runs in the simulator (shoal simulate) only so far: "
+                "a node adds continuous noise shares; set privacy.mechanism = 'gaussian'"
+            )
         self.p, self.mode, self.name, self.ledger = p, p.mode, name, ledger
         self.accountant: LocalDpSgdAccountant | None = None
         if self.mode == "local":

@@ -79,6 +79,11 @@ def check_deployable(cfg: Config) -> None:
         )
     if mode == "local":
         return
+    if p.mechanism == "discrete_gaussian":
+        raise ConfigError(
+            "privacy.mechanism = 'discrete_gaussian' runs in the simulator (shoal simulate) only so far: "
+            "shoal server and its nodes add continuous noise shares; set privacy.mechanism = 'gaussian'"
+        )
     if not s.clients_per_round:
         raise ConfigError(
             f"privacy.mode = {mode!r} in shoal server needs server.clients_per_round = K > 0: each "

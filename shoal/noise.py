@@ -86,15 +86,15 @@ class NoiseSource:
             raise ValueError("below(high) needs high >= 1")
         h = high_arr.astype(np.uint64)
         # 2^64 mod h, in uint64 arithmetic: (2^64 - h) mod h; words above 2^64 - 1 - rem are rejected
-        rem = (np.uint64(0) - h) % h
-        limit = _U64_MAX - rem
-        out = np.empty(h.size, dtype=np.int64)
-        todo = np.arange(h.size)
-        while todo.size:
-            w = self.words(todo.size)
-            ok = w <= limit[todo]
-            out[todo[ok]] = (w[ok] % h[todo[ok]]).astype(np.int64)
-            todo = todo[~ok]
+        limit = _U64_MAX - (np.uint64(0) - h) % h
+        w = self.words(h.size)
+        out = (w % h).astype(np.int64)
+        redo = np.flatnonzero(w > limit)  # rare: at most h / 2^64 of the draws
+        while redo.size:
+            w = self.words(redo.size)
+            ok = w <= limit[redo]
+            out[redo[ok]] = (w[ok] % h[redo[ok]]).astype(np.int64)
+            redo = redo[~ok]
         return out
 
     def uniform(self, n: int) -> np.ndarray:
