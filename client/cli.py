@@ -105,6 +105,7 @@ def client(
         name=name or data.stem,
         task=the_task,
         privacy_ledger=ledger,
+        state_dir=credential.with_name(credential.name + ".state"),  # the algorithm's client state, if it keeps any
     )
     raise typer.Exit(asyncio.run(node.run()))
 

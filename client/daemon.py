@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import hashlib
+import json
 import logging
 import random
 import re
@@ -217,7 +218,15 @@ class NodeDaemon:
             task=task,
             privacy_ledger=self.ledger(offer),
             check_task=functools.partial(self.check_task, offer),
+            state_dir=self.client_state_dir(offer),
         )
+
+    def client_state_dir(self, offer: dict[str, Any]) -> Path:
+        """Where this node keeps a run's client state (control variates, personal parts): one folder
+        per run, named by the run and a digest of its task and config, so that a run id the server
+        reuses after its database was reset never inherits another run's state."""
+        what = json.dumps([offer["run"], offer["task"], offer.get("config", {})], sort_keys=True, default=str)
+        return self.cfg.state_dir / f"{offer['run']}-{hashlib.sha256(what.encode()).hexdigest()[:12]}.state"
 
     async def _take_part(self, run: str, node: Node, ledger: Path) -> None:
         RUN.set(run)  # this asyncio task's lines (and its training threads') name the run

@@ -40,10 +40,12 @@ import torch
 from shoal.accounting import LocalDpSgdAccountant, budget_allows, check_delta_against, dp_sgd_schedule
 from shoal.aggregation.compression import Compressor
 from shoal.aggregation.dp import clip_to_norm, make_generator, noise_share, share_std
-from shoal.assembly import initial_model, make_trainer, task_from_config
+from shoal.assembly import initial_model, make_client_program, make_trainer, task_from_config
 from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, SpecMismatch, short_repr
 from shoal.params import ParamSpec
+from shoal.rounds import Assignment
+from shoal.seeding import derive_seed
 from shoal.shards import Shard
 from shoal.task import (
     ClientData,
@@ -63,6 +65,7 @@ from shoal.wire import decode_model, encode_update, read_header
 
 from .http import Backoff, NodeError, Refused, Retry, check_response, connection_problem
 from .runlog import RunTag
+from .state import DiskClientState, MemoryClientState
 from .training import summarize_means
 
 log = logging.getLogger(__name__)
@@ -349,9 +352,12 @@ class Node:
         task: Task | None = None,
         privacy_ledger: Path | None = None,
         check_task: Callable[[dict], str | None] | None = None,
+        state_dir: Path | None = None,
     ):
         """``privacy_ledger``: the file where a local-DP node keeps the rounds it spent (None: in memory).
-        ``check_task``: why this node refuses a task (its run's config travels with each task), or None."""
+        ``check_task``: why this node refuses a task (its run's config travels with each task), or None.
+        ``state_dir``: the folder where the node keeps its client state between rounds and restarts
+        (the algorithm's control variates, personal parts, FedBN buffers; None: in memory)."""
         self.url = server.rstrip("/")
         self.check_task = check_task
         self.token = token
@@ -380,6 +386,15 @@ class Node:
             self.test = None
         check_loss(self.task, model, self.train, torch.device(device))  # before the trainer binds the gradients
         self.trainer = make_trainer(cfg, self.task, model, device)
+        # The client step of [algorithm] (client/algorithms.py, the simulator's), and its state.
+        self.program = make_client_program(cfg, self.task, self.trainer)
+        self.states = (  # a folder only when the algorithm keeps something
+            DiskClientState(state_dir, device)
+            if state_dir is not None and self.program.keeps_state
+            else MemoryClientState()
+        )
+        self.personal_eval_steps = cfg.algorithm.personal_eval_steps
+        self._broadcast: tuple[int, dict[str, torch.Tensor]] = (-1, {})  # (version, what came with its model)
         self.privacy = (
             None
             if cfg.privacy.mode == "none"
@@ -495,11 +510,24 @@ class Node:
         if task.get("evaluate") and self.test is not None:  # the global model, before training on it
             await self._evaluate(params, version, self.test)
         seed = self.privacy.training_seed(int(task["seed"])) if self.privacy is not None else int(task["seed"])
-        update = await asyncio.to_thread(self.trainer.fit, params, self.train, seed, version, self.name)
+        broadcast = self._broadcast[1] if self._broadcast[0] == version else {}
+        state = self.states.get(self.name) if self.program.keeps_state else {}
+        assignment = Assignment(self.name, int(task["round"]), version, seed)
+        try:
+            result = await asyncio.to_thread(self.program.fit, self.train, assignment, params, state, broadcast)
+        except KeyError as e:  # the algorithm's broadcast did not come with the model
+            raise NodeError(
+                f"algorithm.name = {self.program.name!r} needs {e} with the model, and the server sent none: "
+                "the server runs another algorithm; use the server's [algorithm] table"
+            ) from None
+        update = result.update
+        update.to_server = result.to_server  # SCAFFOLD's c_i+ - c_i travels beside the update
         problem = diverged(update)
         if problem is not None:  # checked before any privacy is spent or anything leaves the node
             await self._failed(task, "diverged", problem)
             return
+        if self.program.keeps_state and not self.program.settles:
+            self.states.put(self.name, result.state)  # as the simulator keeps it: whether or not it is taken
         report = None
         if self.privacy is not None:
             update = self.privacy.protect(update, task)
@@ -518,6 +546,8 @@ class Node:
             accepted = await self._upload(task, body)
         finally:  # top-k: what the server did not take goes back into the residual (also on NodeError)
             (self.compressor.accepted if accepted else self.compressor.not_accepted)(self.name, tag)
+        if accepted and self.program.settles:  # SCAFFOLD: c_i moves only when the server took Delta c_i
+            self.states.put(self.name, result.state)
 
     async def _failed(self, task: dict, reason: str, detail: str) -> None:
         """This task failed here: one line, the server told (POST /v1/failed, docs/protocol.md),
@@ -618,8 +648,19 @@ class Node:
         """Federated evaluation: the global model on this node's test data, reported with its
         example count (POST /v1/eval). Best effort: a failed report is logged, not retried."""
         # raw means: the server pools every node's means and summarizes once (docs/protocol.md)
+        state = self.states.get(self.name) if self.program.keeps_state else {}
+        self.program.load_buffers(state)  # FedBN: this node's own statistics
         ev = await asyncio.to_thread(self.trainer.evaluate_data, params, test, 2048, False)
         n = int(ev.pop("num_examples"))
+        if self.personal_eval_steps >= 0:  # the personalised model too, reported as personal_*
+            seed = derive_seed(int.from_bytes(sha256(self.name.encode()).digest()[:8], "big"), version)
+            tuned = await asyncio.to_thread(
+                self.program.fine_tuned, self.train, params, state, self.personal_eval_steps, seed
+            )
+            personal = await asyncio.to_thread(self.trainer.evaluate_data, tuned, test, 2048, False)
+            personal.pop("num_examples")
+            log.info("version %d, personalised: %s", version, figures_line(self.task, personal))
+            ev.update({f"personal_{k}": v for k, v in personal.items()})
         metrics = {k: v for k, v in ev.items() if _METRIC_NAME.fullmatch(k) and math.isfinite(v)}
         if len(metrics) < len(ev):
             log.warning(
@@ -654,6 +695,7 @@ class Node:
             except SpecMismatch as e:
                 raise NodeError(self._spec_mismatch(body, e)) from None
             self._model = (resp.headers.get("ETag", ""), int(header["version"]), params)
+            self._broadcast = (int(header["version"]), header.get("aux_tensors", {}))
             break
         if self._model is None or self._model[1] != version:
             return None

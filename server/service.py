@@ -196,12 +196,11 @@ class ServerService:
         ``started_at``: the ``now`` records' elapsed_s counts from (default: the first call's)."""
         self.cfg = cfg
         s = cfg.server
-        if cfg.algorithm.name != "fedavg":
+        if cfg.algorithm.name != "fedavg" and s.mode != "sync":
             raise ConfigError(
-                f"algorithm.name = {cfg.algorithm.name!r} runs in `shoal simulate` (in-process and Ray) only so far: "
-                "shoal server's nodes train FedAvg's local step and keep no client state between rounds, so the "
-                "algorithm's server half would meet updates it was not made for; set algorithm.name = 'fedavg' "
-                "(docs/algorithms.md)"
+                f"algorithm.name = {cfg.algorithm.name!r} with server.mode = {s.mode!r}: the algorithm's client state "
+                "and server step assume a node trains from the round's model and its result belongs to that round; "
+                "use server.mode = 'sync' (docs/algorithms.md)"
             )
         # The model comes from the task alone (shoal.assembly): the same seed gives the
         # same initial model as `shoal simulate` and as every node.
@@ -214,7 +213,9 @@ class ServerService:
         self.started_at = started_at
         # the largest update (a dense float32 model and its header), and the largest request: an
         # update over max_body_bytes travels in chunks (server/chunks.py)
-        self.update_limit = max(s.max_body_bytes, self.spec.nbytes + MAX_HEADER_BYTES)
+        # (SCAFFOLD's updates carry the control-variate delta beside the model-sized delta)
+        sent = 2 if cfg.algorithm.name == "scaffold" else 1
+        self.update_limit = max(s.max_body_bytes, sent * self.spec.nbytes + MAX_HEADER_BYTES)
         self.max_body_bytes = s.max_body_bytes or self.spec.nbytes + MAX_HEADER_BYTES
         self.mode = s.mode
         flat = self.trainer.flat.detach().clone()
@@ -226,9 +227,13 @@ class ServerService:
         self.rounds: Rounds
         if s.mode == "sync":
             strategy = self.privacy.strategy if self.privacy is not None else None
-            strategy = strategy or make_round_strategy(
-                cfg, self.spec.numel, "cpu", max(s.clients_per_round, s.min_nodes)
-            )
+            # N of FedDyn's and SCAFFOLD's server steps is the registered nodes (bind_registry)
+            population = registered or max(s.clients_per_round, s.min_nodes)
+            strategy = strategy or make_round_strategy(cfg, self.spec.numel, "cpu", population)
+            if cfg.algorithm.name == "scaffold":
+                from shoal.aggregation.scaffold import ScaffoldStrategy
+
+                strategy = ScaffoldStrategy(strategy, self.spec.numel, population)
             sampling = "poisson" if self.privacy is not None and self.privacy.user_level else "fixed"
             self.rounds = self.sync = make_deadline_rounds(
                 cfg,
@@ -278,8 +283,8 @@ class ServerService:
             if restored.ledger is not None:
                 self.privacy.load_state_dict(restored.ledger)
                 log.info("privacy ledger: %d rounds charged so far", self.privacy.rounds_charged)
-            if registered is not None:
-                self.bind_registry(registered)
+        if registered is not None:
+            self.bind_registry(registered)
 
     # --- state ---------------------------------------------------------------------
 
@@ -357,9 +362,13 @@ class ServerService:
         self.last_seen[node] = now
 
     def model_body(self) -> bytes:
-        """The current global model on the wire, encoded once per version."""
+        """The current global model on the wire, encoded once per version (with the algorithm's
+        broadcast beside it: SCAFFOLD's server control variate)."""
         if self._model_cache is None or self._model_cache[0] != self.version:
-            self._model_cache = (self.version, encode_model(self.rounds.global_params, self.spec, self.version))
+            broadcast = getattr(self.sync.strategy if self.sync is not None else None, "broadcast", None)
+            aux = broadcast() if callable(broadcast) else None
+            body = encode_model(self.rounds.global_params, self.spec, self.version, aux=aux)
+            self._model_cache = (self.version, body)
         return self._model_cache[1]
 
     @property
@@ -497,12 +506,16 @@ class ServerService:
             if not fed.reported:
                 continue
             record: dict[str, Any] = {"version": v, "evaluation": "federated"}
-            pooled = {k: fed.sums[k] / fed.counts[k] for k in sorted(fed.sums)}
-            try:  # derived figures (perplexity, R²) from the pooled means, once
-                pooled = summarize_means(self.task, pooled)
-            except TaskError as e:
-                log.warning("federated evaluation of version %d: %s; writing the raw means", v, e)
-            record.update({f"fed_{k}": pooled[k] for k in pooled})
+            means = {k: fed.sums[k] / fed.counts[k] for k in sorted(fed.sums)}
+            # the global model's figures, and the personalised ones (personal_*: algorithm.personal_eval_steps)
+            personal = {k.removeprefix("personal_"): m for k, m in means.items() if k.startswith("personal_")}
+            own = {k: m for k, m in means.items() if not k.startswith("personal_")}
+            for prefix, part in (("", own), ("personal_", personal)):
+                try:  # derived figures (perplexity, R²) from the pooled means, once
+                    part = summarize_means(self.task, part) if part else part
+                except TaskError as e:
+                    log.warning("federated evaluation of version %d: %s; writing the raw means", v, e)
+                record.update({f"fed_{prefix}{k}": part[k] for k in part})
             record.update(
                 fed_num_examples=fed.num_examples,
                 fed_nodes=len(fed.reported),
@@ -556,6 +569,7 @@ class ServerService:
                 )
             r.check_round(node, header.get("round"))
             update.sender = node  # the authenticated identity, not what the body claims
+            self._check_algorithm_fields(update)
             report = None
             if self.privacy is not None and self.privacy.mode == "local":  # checked before anything changes
                 report = parse_report(header.get("privacy"), self.cfg.privacy.delta)
@@ -581,6 +595,21 @@ class ServerService:
         elif self.fed:
             self._settle_fed(now)  # this node's task from an older version is over
         return {"status": "accepted", "round": self.rounds.round, "version": self.version}
+
+    def _check_algorithm_fields(self, update) -> None:
+        """What the algorithm's server step needs beside the update is there (Malformed, nothing
+        changed, otherwise); nothing an algorithm does not use may come with it."""
+        name = self.cfg.algorithm.name
+        wanted = {"scaffold/dc"} if name == "scaffold" else set()
+        if set(update.to_server) != wanted:
+            raise Malformed(
+                f"the update carries {sorted(update.to_server)} beside its delta; algorithm.name = {name!r} "
+                f"takes {sorted(wanted)}"
+            )
+        if name == "fednova":
+            a = update.metrics.get("fednova_a", 0.0)
+            if not (a >= 1.0 and math.isfinite(a)):
+                raise Malformed(f"FedNova's update needs metrics.fednova_a >= 1 (its local steps' weight), got {a!r}")
 
     def refused(self, code: str) -> None:
         """Count an upload refused with error ``code`` (here or by the transport)."""
@@ -735,6 +764,10 @@ class ServerService:
         says why that is the population the accountant needs). ConfigError if it cannot be sound."""
         if self.privacy is not None and self.sync is not None:
             self.privacy.bind(registered, self.sync)
+        strategy = self.sync.strategy if self.sync is not None else None
+        for part in (strategy, getattr(strategy, "control", None)):  # FedDyn's and SCAFFOLD's N
+            if part is not None and hasattr(part, "num_clients") and registered > 0:
+                part.num_clients = registered
 
     def _dp(self) -> ServerPrivacy:
         """The privacy state (the callers run only when [privacy] is on)."""

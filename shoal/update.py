@@ -13,6 +13,8 @@ class Update:
 
     ``delta`` is ``local_params - global_params`` as one flat float32 vector (see
     params.py). Staleness of an update is ``current_version - base_version``.
+    ``to_server``: what the algorithm's server step needs beside the update (SCAFFOLD's
+    control-variate delta ``scaffold/dc``, a flat float32 vector like ``delta``).
     """
 
     delta: torch.Tensor
@@ -20,6 +22,7 @@ class Update:
     base_version: int = 0
     sender: str = ""
     metrics: dict[str, float] = field(default_factory=dict)
+    to_server: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass

@@ -249,6 +249,31 @@ def _int_field(header: dict, key: str, minimum: int) -> int:
     return v
 
 
+#: Tensors an update may carry beside its delta (``Update.to_server``), and a model download
+#: beside its parameters (an algorithm's broadcast): each a flat float32 vector of the model's size.
+UPDATE_AUX = ("scaffold/dc",)
+MODEL_AUX = ("scaffold/c",)
+
+
+def aux_expect(header: dict, allowed: tuple[str, ...], numel: int) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The extra tensors a header's ``aux`` names (each one of ``allowed``, at most once)."""
+    names = header.get("aux", [])
+    if (
+        not isinstance(names, list)
+        or len(names) > len(allowed)
+        or len(set(map(str, names))) != len(names)
+        or not all(isinstance(n, str) and n in allowed for n in names)
+    ):
+        raise Malformed(f"header field 'aux' = {short_repr(names)} must list distinct names among {list(allowed)}")
+    return {n: (torch.float32, (numel,)) for n in names}
+
+
+def _check_aux(tensors: dict[str, torch.Tensor], names: dict) -> dict[str, torch.Tensor]:
+    for n in names:
+        check_delta(tensors[n], encoding=n)
+    return {n: tensors[n] for n in names}
+
+
 def encode_update(
     update: Update,
     spec: ParamSpec,
@@ -278,6 +303,9 @@ def encode_update(
         packed = zstandard.ZstdCompressor(level=zstd_level).compress(inner)
         tensors = {"zstd": torch.frombuffer(bytearray(packed), dtype=torch.uint8)}
         header["zstd"] = True
+    if update.to_server:  # dense float32 beside the payload (zstd or not), named in the header
+        header["aux"] = sorted(update.to_server)
+        tensors = {**tensors, **{n: t.float() for n, t in update.to_server.items()}}
     return encode(tensors, header)
 
 
@@ -308,29 +336,34 @@ def decode_update(
     (aggregation/compression.py), then the dense delta they decode to: finite (a q8
     scale whose every field is finite can still decode to Inf) and, with ``max_abs``
     > 0, no entry above it in magnitude. ``num_examples`` must be in [1, max_examples]
-    (OutOfRange above it: one node must not outweigh a round by claiming 10^300)."""
+    (OutOfRange above it: one node must not outweigh a round by claiming 10^300).
+    Tensors the header's ``aux`` names (:data:`UPDATE_AUX`) come back in ``Update.to_server``,
+    checked finite."""
     max_bytes = max_bytes or default_max_bytes(spec)
     header, table = read_header(body, max_bytes)
     expect = expected_tensors(header, spec.numel)
+    aux = aux_expect(header, UPDATE_AUX, spec.numel)
     zstd = header.get("zstd", False)
     if not isinstance(zstd, bool):
         raise Malformed(f"header field 'zstd' = {short_repr(zstd)} must be true or false")
     if zstd:
         size = table.get("zstd", {}).get("shape", [0])
-        header, outer = decode(body, {"zstd": (torch.uint8, tuple(size))}, max_bytes, spec.hash)
+        header, outer = decode(body, {"zstd": (torch.uint8, tuple(size)), **aux}, max_bytes, spec.hash)
+        to_server = _check_aux(outer, aux)
         inner = unzstd(outer["zstd"], max_bytes)
         if len(inner) > max_bytes:
             raise TooLarge(f"zstd payload inflates to more than the limit of {max_bytes} bytes")
         _, tensors = decode(inner, expect, max_bytes)
     else:  # a dense delta is the tensor itself: check_delta below finds a NaN/Inf in the same pass as its range
         dense = header.get("encoding", "dense") == "dense"
-        header, tensors = decode(body, expect, max_bytes, spec.hash, check_finite=not dense, copy=copy)
+        header, tensors = decode(body, {**expect, **aux}, max_bytes, spec.hash, check_finite=not dense, copy=copy)
+        to_server = _check_aux(tensors, aux)
     if header.get("kind") != "update":
         raise Malformed(f"message kind is {short_repr(header.get('kind'))}, expected 'update'")
     fields = update_fields(header, max_examples)
     delta = decode_tensors(header, tensors, spec.numel)
     check_delta(delta, max_abs, header.get("encoding", "dense"))
-    return Update(delta=delta, **fields), header
+    return Update(delta=delta, **fields, to_server=to_server), header
 
 
 def update_fields(header: dict, max_examples: int | None = None) -> dict[str, Any]:
@@ -387,16 +420,30 @@ def check_delta(delta: torch.Tensor, max_abs: float = 0.0, encoding: str = "dens
         )
 
 
-def encode_model(flat: torch.Tensor, spec: ParamSpec, version: int, extra: dict[str, Any] | None = None) -> bytes:
+def encode_model(
+    flat: torch.Tensor,
+    spec: ParamSpec,
+    version: int,
+    extra: dict[str, Any] | None = None,
+    aux: dict[str, torch.Tensor] | None = None,
+) -> bytes:
+    """The model as a message; ``aux``: an algorithm's broadcast beside it (:data:`MODEL_AUX`)."""
     header = {"kind": "model", "spec_hash": spec.hash, "version": int(version), "spec": spec.to_json(), **(extra or {})}
-    return encode({"params": flat.float()}, header)
+    if aux:
+        header["aux"] = sorted(aux)
+    return encode({"params": flat.float(), **{n: t.float() for n, t in (aux or {}).items()}}, header)
 
 
 def decode_model(body: bytes, spec: ParamSpec, max_bytes: int | None = None) -> tuple[torch.Tensor, dict]:
-    """Validated flat parameters plus the header (``version`` among its fields)."""
-    max_bytes = max_bytes or default_max_bytes(spec) + 64 * len(spec.entries)
-    header, tensors = decode(body, {"params": (torch.float32, (spec.numel,))}, max_bytes, spec.hash)
+    """Validated flat parameters plus the header (``version`` among its fields); the broadcast
+    tensors its ``aux`` names are in the header's ``"aux_tensors"``."""
+    max_bytes = max_bytes or (default_max_bytes(spec) + 64 * len(spec.entries)) * (1 + len(MODEL_AUX))
+    header, table = read_header(body, max_bytes)
+    aux = aux_expect(header, MODEL_AUX, spec.numel)
+    header, tensors = decode(body, {"params": (torch.float32, (spec.numel,)), **aux}, max_bytes, spec.hash)
     if header.get("kind") != "model":
         raise Malformed(f"message kind is {short_repr(header.get('kind'))}, expected 'model'")
     _int_field(header, "version", 0)
+    if aux:
+        header["aux_tensors"] = {n: tensors[n] for n in aux}
     return tensors["params"], header

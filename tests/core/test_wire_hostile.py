@@ -244,6 +244,11 @@ def test_two_tensor_table_with_a_hole_or_overlap_is_malformed_on_the_zero_copy_p
         {"encoding": "q4"},
         {"kind": "model"},
         {"format": "shoal/0"},
+        {"aux": "scaffold/dc"},
+        {"aux": ["scaffold/c"]},
+        {"aux": ["scaffold/dc", "scaffold/dc"]},
+        {"aux": ["scaffold/dc"]},  # named, but no such tensor in the body
+        {"aux": [{"scaffold/dc": 1}]},
     ],
 )
 def test_every_header_field_is_type_checked(spec, hdr):
@@ -307,3 +312,20 @@ def test_random_bytes_never_escape_as_anything_but_a_wire_error(blob):
             decode_update(bytearray(body), sp, copy=False)
         except WireError:
             pass
+
+
+@pytest.mark.parametrize("zstd", [0, 3])
+def test_an_updates_aux_tensor_round_trips_and_a_nan_in_it_is_refused(spec, zstd):
+    n = spec.numel
+    dc = torch.linspace(-1, 1, n)
+    body = encode_update(Update(torch.ones(n), 5, to_server={"scaffold/dc": dc}), spec, zstd_level=zstd)
+    kind, got = both_paths(body, spec)
+    assert kind == "ok" and torch.equal(got.to_server["scaffold/dc"], dc) and torch.equal(got.delta, torch.ones(n))
+    dc[3] = float("nan")
+    body = encode_update(Update(torch.ones(n), 5, to_server={"scaffold/dc": dc}), spec, zstd_level=zstd)
+    kind, why = both_paths(body, spec)
+    assert kind is NonFinite and "scaffold/dc" in why, why
+    body = encode(  # a tensor the header does not name
+        {"delta": torch.ones(n), "scaffold/dc": torch.ones(n)}, {**header(spec), "kind": "update"}
+    )
+    assert both_paths(body, spec)[0] is SpecMismatch

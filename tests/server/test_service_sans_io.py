@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import json
 
-import pytest
 import torch
 
-from shoal.errors import ConfigError
 from shoal.server.checkpoint import latest_checkpoint
 from shoal.server.service import Checkpoint, Record, Restored, ServerService
 from shoal.server.store import ServerStore, open_service
@@ -82,12 +80,3 @@ def test_async_versions_advance_in_submit_through_the_same_protocol(tmp_path):
     assert isinstance(record, Record) and record.fields["updates_accepted"] == 2
     assert svc.status(0.5)["outstanding"] == 0 and svc.status(0.5)["round"] == 1
     assert not any(tmp_path.iterdir())
-
-
-@pytest.mark.parametrize("name", ["scaffold", "fednova", "feddyn", "ditto", "fedper", "fedrep"])
-def test_an_algorithm_the_deployment_does_not_run_is_refused_not_ignored(tmp_path, name):
-    """Nodes train FedAvg's local step and keep no client state: a server that took
-    algorithm.name = 'scaffold' would silently run something else, so it refuses, naming why."""
-    cfg = small_config(tmp_path, {"algorithm": {"name": name}})
-    with pytest.raises(ConfigError, match=f"algorithm.name = '{name}' runs in `shoal simulate`"):
-        ServerService(cfg)
