@@ -31,6 +31,7 @@ completed sum holds at least t shares.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -325,6 +326,12 @@ def plan(
 
 
 # --- the client's and the server's halves ----------------------------------------------------
+
+
+def rotation_seed(session: bytes) -> int:
+    """The rotation's public seed for a secure-aggregation session (every node and the server know
+    the session id): 63 bits of its BLAKE2b hash."""
+    return int.from_bytes(hashlib.blake2b(b"shoal ddg rotation/" + session, digest_size=8).digest(), "big") >> 1
 
 
 class DdgCodec:

@@ -106,6 +106,8 @@ def main() -> None:
     ap.add_argument("--delta", type=float, default=1e-3)
     ap.add_argument("--bits", type=int, nargs="+", default=[16, 12])
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--only-discrete", action="store_true", help="skip the no-DP and continuous runs")
+    ap.add_argument("--no-reference", action="store_true", help="skip the no-DP run")
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     q = a.per_round / a.clients
@@ -117,8 +119,11 @@ def main() -> None:
     target = epsilon(q, a.z, a.rounds, a.delta)
     print(f"MNIST 2NN ({numel} parameters), {a.clients} clients, q = {q:g}, {a.rounds} rounds, C = {a.clip:g}, "
           f"t = {t} shares, continuous z = {a.z:g} -> epsilon {target:.4g} at delta {a.delta:g}")  # fmt: skip
-    rows = [run(base(a), "secure aggregation, no DP")]
-    rows.append(run([*base(a), *dp(a, a.z, "gaussian")], f"continuous Gaussian shares, z = {a.z:g}"))
+    rows = []
+    if not (a.only_discrete or a.no_reference):
+        rows.append(run(base(a), "secure aggregation, no DP"))
+    if not a.only_discrete:
+        rows.append(run([*base(a), *dp(a, a.z, "gaussian")], f"continuous Gaussian shares, z = {a.z:g}"))
     for bits in a.bits:
         try:
             z2 = matching_z(target, numel, t, most, q, a, bits)

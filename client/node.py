@@ -168,11 +168,6 @@ class NodePrivacy:
                 f"privacy.mode = {p.mode!r} with privacy.noise_multiplier = 0 adds no noise (epsilon "
                 "is infinite); set a noise multiplier > 0, or privacy.mode = 'none'"
             )
-        if p.mechanism == "discrete_gaussian":
-            raise ConfigError(
-                "privacy.mechanism = 'discrete_gaussian' runs in the simulator (shoal simulate) only so far: "
-                "a node adds continuous noise shares; set privacy.mechanism = 'gaussian'"
-            )
         self.p, self.mode, self.name, self.ledger = p, p.mode, name, ledger
         self.accountant: LocalDpSgdAccountant | None = None
         if self.mode == "local":
@@ -283,6 +278,11 @@ class NodePrivacy:
             t = info.get("noise_shares")
             if not isinstance(t, int) or isinstance(t, bool) or t < 1:
                 raise NodeError(f"the task's privacy.noise_shares = {short_repr(t)} must be an integer >= 1")
+            if self.p.mechanism == "discrete_gaussian" and not isinstance(task.get("secure_aggregation"), dict):
+                raise NodeError(
+                    "this node adds its discrete-Gaussian noise while encoding for secure aggregation, and the "
+                    "task runs none: refusing to send the update in the clear"
+                )
 
     def allows_next_round(self) -> bool:
         """Local DP: False (with a log line) when one more round would pass privacy.target_epsilon."""
@@ -295,6 +295,8 @@ class NodePrivacy:
     def protect(self, update: Update, task: dict) -> Update:
         """Distributed DP: clip to C, add this node's share N(0, z²C²/t), t from the task."""
         if self.mode != "distributed":
+            return update
+        if self.p.mechanism == "discrete_gaussian":  # clipped and noised while encoding (client/secure_node.py)
             return update
         t = int(task["privacy"]["noise_shares"])
         clipped, norm = clip_to_norm(update.delta, self.p.clip_norm)

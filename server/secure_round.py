@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from shoal.aggregation.discrete_gaussian import DdgCodec, rotation_seed
 from shoal.aggregation.secagg import (
     ConsistencySignature,
     EncryptedShares,
@@ -301,7 +302,12 @@ class SecureRound:
             self.stage = "unmask"
         else:
             result = s.finish()
-            self.mean, _ = weighted_mean(result.total, len(result.included), self.values, self.weights)
+            ddg = self.privacy.ddg if self.privacy is not None else None
+            if ddg is not None:  # the distributed discrete Gaussian: decode the integer sum, every node weighs 1
+                total = DdgCodec(ddg, rotation_seed(self.params.session)).decode(result.total[:-1])
+                self.mean = total / max(len(result.included), 1)
+            else:
+                self.mean, _ = weighted_mean(result.total, len(result.included), self.values, self.weights)
             self.included, self.dropped = result.included, result.dropped
             self.stage = "done"
             log.info(
