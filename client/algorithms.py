@@ -14,7 +14,9 @@ State names: ``buffer/<name>`` (FedBN's local BatchNorm statistics), ``scaffold/
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,10 +30,23 @@ from shoal.seeding import derive_seed
 from shoal.task import ClientData, Task, task_name
 from shoal.update import Update
 
+if TYPE_CHECKING:
+    from shoal.client.batched import BatchedTrainer
+
 log = logging.getLogger(__name__)
 
 _PERSONAL_STREAM = 0xD177  # seeds a client's personal training apart from its global one
 _FINE_TUNE_STREAM = 0xF17E  # seeds personalised evaluation's fine-tuning
+
+
+@dataclass
+class BatchTerms:
+    """The per-client terms of a batched round's local objective (client/batched.py), one row per
+    client in the order the clients were given: what :class:`Objective` is for one client."""
+
+    correction: torch.Tensor | None = None  # (K, numel): added to each gradient, before the momentum
+    drift: torch.Tensor | None = None  # (K, numel): added to each step, after the momentum
+    prox_mu: float | None = None  # replaces train.prox_mu for every client
 
 
 @dataclass
@@ -95,11 +110,39 @@ class ClientProgram:
             result.state["optimizer/momentum"] = momentum
         return result
 
+    #: the local step is plain SGD plus per-client terms (:meth:`objective`), so the batched
+    #: trainer can run many clients of it at once (:func:`train_batched`)
+    batchable = True
+
     def local(
         self, data: ClientData, task: Assignment, global_flat: torch.Tensor, state: State, broadcast: State
     ) -> ClientResult:
-        update = self.trainer.fit(global_flat, data, task.seed, task.version, task.client_id)
+        obj = self.objective(global_flat, state, broadcast)
+        update = self.trainer.fit(global_flat, data, task.seed, task.version, task.client_id, objective=obj)
+        return self.finish(update, state, broadcast)
+
+    def objective(self, global_flat: torch.Tensor, state: State, broadcast: State) -> Objective | None:
+        """What the algorithm adds to this client's local SGD (None: nothing)."""
+        return None
+
+    def finish(self, update: Update, state: State, broadcast: State) -> ClientResult:
+        """The client's result from its trained update: new state, what the server needs."""
         return ClientResult(update)
+
+    def batch_terms(self, global_flat: torch.Tensor, states: list[State], broadcast: State) -> BatchTerms | None:
+        """:meth:`objective` of each client, stacked for the batched trainer (None: plain SGD)."""
+        objs = [self.objective(global_flat, s, broadcast) for s in states]
+        given = [o for o in objs if o is not None]
+        if not given:
+            return None
+        if len(given) < len(objs):
+            raise ValueError("an algorithm's objective is given for some clients of a batch and not others")
+
+        def rows(name: str) -> torch.Tensor | None:
+            values = [getattr(o, name) for o in given]
+            return None if values[0] is None else torch.stack([v.to(self.device) for v in values])
+
+        return BatchTerms(rows("correction"), rows("drift"), given[0].prox_mu)
 
     def broadcast(self) -> State:
         """Nothing beside the model (the server's step object gives SCAFFOLD's c)."""
@@ -153,12 +196,17 @@ class Scaffold(ClientProgram):
     def keeps_state(self) -> bool:
         return True
 
-    def local(self, data, task, global_flat, state, broadcast) -> ClientResult:
+    def _cs(self, state: State, broadcast: State) -> tuple[torch.Tensor, torch.Tensor]:
         c = broadcast["scaffold/c"].to(self.device)
         ci = state.get("scaffold/c")
-        ci = torch.zeros_like(global_flat) if ci is None else ci.to(self.device)
-        obj = Objective(drift=c - ci)
-        update = self.trainer.fit(global_flat, data, task.seed, task.version, task.client_id, objective=obj)
+        return c, (torch.zeros_like(c) if ci is None else ci.to(self.device))
+
+    def objective(self, global_flat, state, broadcast) -> Objective:
+        c, ci = self._cs(state, broadcast)
+        return Objective(drift=c - ci)
+
+    def finish(self, update, state, broadcast) -> ClientResult:
+        c, ci = self._cs(state, broadcast)
         k = max(update.metrics.get("local_steps", 0.0), 1.0)
         ci_new = (ci - c - update.delta / (k * self.cfg.train.lr)) * self.trainable
         return ClientResult(update, {"scaffold/c": ci_new}, {"scaffold/dc": ci_new - ci})
@@ -172,8 +220,7 @@ class FedNova(ClientProgram):
 
     name = "fednova"
 
-    def local(self, data, task, global_flat, state, broadcast) -> ClientResult:
-        update = self.trainer.fit(global_flat, data, task.seed, task.version, task.client_id)
+    def finish(self, update, state, broadcast) -> ClientResult:
         update.metrics["fednova_a"] = fednova_norm(update.metrics.get("local_steps", 0.0), self.cfg.train.momentum)
         return ClientResult(update)
 
@@ -199,13 +246,16 @@ class FedDyn(ClientProgram):
     def keeps_state(self) -> bool:
         return True
 
-    def local(self, data, task, global_flat, state, broadcast) -> ClientResult:
-        alpha = self.cfg.algorithm.feddyn_alpha
+    def _g(self, state: State, like: torch.Tensor) -> torch.Tensor:
         g = state.get("feddyn/grad")
-        g = torch.zeros_like(global_flat) if g is None else g.to(self.device)
-        obj = Objective(correction=-g, prox_mu=alpha)
-        update = self.trainer.fit(global_flat, data, task.seed, task.version, task.client_id, objective=obj)
-        g_new = g - alpha * update.delta * self.trainable
+        return torch.zeros_like(like) if g is None else g.to(self.device)
+
+    def objective(self, global_flat, state, broadcast) -> Objective:
+        return Objective(correction=-self._g(state, global_flat), prox_mu=self.cfg.algorithm.feddyn_alpha)
+
+    def finish(self, update, state, broadcast) -> ClientResult:
+        g = self._g(state, update.delta)
+        g_new = g - self.cfg.algorithm.feddyn_alpha * update.delta * self.trainable
         return ClientResult(update, {"feddyn/grad": g_new})
 
 
@@ -217,6 +267,7 @@ class Ditto(ClientProgram):
     the client first receives."""
 
     name = "ditto"
+    batchable = False  # two trainings a round (the global model's and the personal one)
 
     @property
     def keeps_state(self) -> bool:
@@ -243,6 +294,7 @@ class FedPer(ClientProgram):
     only, and the client keeps its personal entries."""
 
     name = "fedper"
+    batchable = False  # it starts each client from its own head (a per-client start the batched trainer lacks)
 
     def __init__(self, trainer: LocalTrainer, cfg: Config, task: Task):
         super().__init__(trainer, cfg)
@@ -302,6 +354,26 @@ class FedRep(FedPer):
         update = self.trainer.fit(global_flat, data, task.seed, task.version, task.client_id, objective=body)
         update.metrics["local_steps"] = update.metrics.get("local_steps", 0.0) + first.metrics.get("local_steps", 0.0)
         return self._split(update)
+
+
+def train_batched(
+    program: ClientProgram,
+    batched: BatchedTrainer,
+    global_flat: torch.Tensor,
+    data: tuple[torch.Tensor, torch.Tensor, list[int], list[int]],
+    tasks: list[Assignment],
+    states: list[State],
+    broadcast: State,
+) -> Iterator[tuple[int, ClientResult]]:
+    """Many clients' :meth:`ClientProgram.local` at once on the batched trainer: each client's
+    objective terms stacked (:meth:`ClientProgram.batch_terms`), then each trained update
+    finished as one by one (``data``: x, y, starts, sizes of the clients, in ``tasks`` order).
+    Yields (index into ``tasks``, result) in the trainer's order."""
+    x, y, starts, sizes = data
+    terms = program.batch_terms(global_flat, states, broadcast)
+    for j, update in batched.train(global_flat, x, y, starts, sizes, [t.seed for t in tasks], terms):
+        update.base_version, update.sender = tasks[j].version, tasks[j].client_id
+        yield j, program.finish(update, states[j], broadcast)
 
 
 def make_program(cfg: Config, task: Task, trainer: LocalTrainer) -> ClientProgram:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
@@ -47,6 +48,9 @@ from shoal.params import Entry, ParamSpec
 from shoal.update import Update
 
 from .training import autocast
+
+if TYPE_CHECKING:
+    from .algorithms import BatchTerms
 
 log = logging.getLogger(__name__)
 
@@ -245,6 +249,15 @@ def clients_per_chunk(
     return max(1, budget_bytes // max(per_client, 1))
 
 
+@dataclasses.dataclass
+class _ChunkTerms:
+    """BatchTerms of one chunk's clients (rows in the chunk's order), prox_mu resolved."""
+
+    correction: torch.Tensor | None
+    drift: torch.Tensor | None
+    prox_mu: float
+
+
 class BatchedTrainer:
     """Trains up to ``max_clients`` clients at once from one global vector."""
 
@@ -273,6 +286,7 @@ class BatchedTrainer:
             return functional_call(self.model, params, (x,))
 
         self._forward = vmap(forward)
+        self._terms = _ChunkTerms(None, None, cfg.prox_mu)  # the chunk being trained (train sets it)
 
     def train(
         self,
@@ -282,12 +296,15 @@ class BatchedTrainer:
         starts: Sequence[int],
         sizes: Sequence[int],
         seeds: Sequence[int],
+        terms: BatchTerms | None = None,
     ) -> Iterator[tuple[int, Update]]:
         """Train clients whose data are ``x_all[starts[i] : starts[i] + sizes[i]]``.
 
         Yields ``(i, update)`` for every client i, in chunks of at most ``max_clients``,
         clients with more local steps first. ``update.base_version``/``sender`` are left
         for the caller to fill. ``x_all``/``y_all`` should live on the trainer's device.
+        ``terms``: an algorithm's per-client additions to the local objective (row i for
+        client i; client/algorithms.py), as LocalTrainer applies an Objective's.
         """
         steps = self.local_steps(sizes)
         order = self.order(sizes)
@@ -296,6 +313,7 @@ class BatchedTrainer:
         train_chunk = self._train_chunk_chain if chain else self._train_chunk
         for c in range(0, len(order), self.max_clients):
             chunk = order[c : c + self.max_clients]
+            self._terms = self._chunk_terms(terms, chunk)
             deltas, losses = train_chunk(
                 global_flat,
                 x_all,
@@ -308,6 +326,18 @@ class BatchedTrainer:
             for j, i in enumerate(chunk):
                 metrics = {"train_loss": float(losses[j]) / max(steps[i], 1), "local_steps": float(steps[i])}
                 yield i, Update(delta=deltas[j], num_examples=int(sizes[i]), metrics=metrics)
+
+    def _chunk_terms(self, terms: BatchTerms | None, chunk: list[int]) -> _ChunkTerms:
+        """The rows of ``terms`` for the clients of ``chunk``, in the chunk's order, on the device."""
+        mu = self.cfg.prox_mu if terms is None or terms.prox_mu is None else terms.prox_mu
+        if terms is None:
+            return _ChunkTerms(None, None, mu)
+        index = torch.tensor(chunk, device=self.device)
+
+        def rows(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(self.device).index_select(0, index)
+
+        return _ChunkTerms(rows(terms.correction), rows(terms.drift), mu)
 
     def local_steps(self, sizes: Sequence[int]) -> list[int]:
         """Each client's number of local steps (epochs x batches)."""
@@ -377,6 +407,8 @@ class BatchedTrainer:
                         grad,
                         None if momentum is None else self._rows(momentum, e, a),
                         self._rows(global_flat.unsqueeze(0), e, 1),
+                        e,
+                        a,
                     )
                 loss_sum[:a] += loss.detach()
         deltas = params - global_flat
@@ -396,7 +428,9 @@ class BatchedTrainer:
         k = len(sizes)
         rows, weights = self._batch_plan(starts, sizes, seeds, steps)
         params = global_flat.unsqueeze(0).repeat(k, 1)
-        fused = not (cfg.momentum or cfg.weight_decay or cfg.prox_mu)
+        terms = self._terms
+        fused = not (cfg.momentum or cfg.weight_decay or terms.prox_mu or terms.correction is not None)
+        fused = fused and terms.drift is None
         # the momentum buffer, or (momentum 0) scratch for the gradient plus its extra terms
         state = None if fused else torch.zeros_like(params)
         loss_sum = torch.zeros(k, device=self.device)
@@ -468,35 +502,47 @@ class BatchedTrainer:
         buffer (m = beta m + g); weight decay and the FedProx term (Li et al. 2020, eq. 2)
         are added to it, then W <- W - lr buf, while the tensor is still in cache.
         """
-        cfg = self.cfg
+        cfg, terms = self.cfg, self._terms
         w, buf = self._rows(params, e, a), self._rows(state, e, a)
         accumulate(buf, cfg.momentum)
-        if cfg.weight_decay or cfg.prox_mu:  # + wd W + mu (W - W_global), without a temporary
-            buf.add_(w, alpha=cfg.weight_decay + cfg.prox_mu)
-        if cfg.prox_mu:
-            buf.sub_(self._rows(global_flat.unsqueeze(0), e, 1), alpha=cfg.prox_mu)
+        if terms.correction is not None:  # an algorithm's gradient correction (FedDyn's -grad_k)
+            buf.add_(self._rows(terms.correction, e, a))
+        mu = terms.prox_mu
+        if cfg.weight_decay or mu:  # + wd W + mu (W - W_global), without a temporary
+            buf.add_(w, alpha=cfg.weight_decay + mu)
+        if mu:
+            buf.sub_(self._rows(global_flat.unsqueeze(0), e, 1), alpha=mu)
         w.add_(buf, alpha=-cfg.lr)
+        if terms.drift is not None:  # after the momentum: SCAFFOLD's c - c_i
+            w.add_(self._rows(terms.drift, e, a), alpha=-cfg.lr)
 
     @staticmethod
     def _rows(flat: torch.Tensor, e, a: int) -> torch.Tensor:
         """The first ``a`` rows of tensor ``e`` in a (K, numel) buffer, shaped (a, *shape)."""
         return flat[:a, e.offset : e.offset + e.numel].view(a, *e.shape)
 
-    def _step(self, w: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor | None, w_global: torch.Tensor) -> None:
-        """LocalTrainer._step for one trainable tensor of every row (in place on w/momentum).
+    def _step(
+        self, w: torch.Tensor, grad: torch.Tensor, momentum: torch.Tensor | None, w_global: torch.Tensor, e, a: int
+    ) -> None:
+        """LocalTrainer._step for one trainable tensor ``e`` of the first ``a`` rows (in place on
+        w/momentum), with the chunk's algorithm terms where LocalTrainer._run adds an Objective's.
 
         Frozen tensors get no step at all, as in LocalTrainer (their gradient is zero and
         weight decay / the proximal term are masked to trainable entries).
         """
-        cfg = self.cfg
+        cfg, terms = self.cfg, self._terms
+        if terms.correction is not None:
+            grad.add_(self._rows(terms.correction, e, a))
         if cfg.weight_decay:
             grad.add_(w, alpha=cfg.weight_decay)
-        if cfg.prox_mu:  # FedProx: gradient of (mu/2)||w - w_global||^2
-            grad.add_(w - w_global, alpha=cfg.prox_mu)
+        if terms.prox_mu:  # FedProx: gradient of (mu/2)||w - w_global||^2
+            grad.add_(w - w_global, alpha=terms.prox_mu)
         step = grad
         if momentum is not None:
             step = momentum.mul_(cfg.momentum).add_(grad)
         w.add_(step, alpha=-cfg.lr)
+        if terms.drift is not None:
+            w.add_(self._rows(terms.drift, e, a), alpha=-cfg.lr)
 
 
 def make_batched_trainer(

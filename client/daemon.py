@@ -149,7 +149,7 @@ class NodeDaemon:
             return
         await self._answer(run, {"answer": "joined"})
         log.info("%s joined: task %s", run, offer["task"])
-        if node.privacy is not None and node.privacy.mode == "local":
+        if node.privacy is not None and node.privacy.plan.dp_sgd:
             self.ledgers[ledger] = run
         self.runs[run] = asyncio.ensure_future(self._take_part(run, node, ledger))
 

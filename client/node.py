@@ -44,6 +44,7 @@ from shoal.assembly import initial_model, make_client_program, make_trainer, tas
 from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, SpecMismatch, short_repr
 from shoal.params import ParamSpec
+from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES, plan_of
 from shoal.rounds import Assignment
 from shoal.seeding import derive_seed
 from shoal.shards import Shard
@@ -151,9 +152,11 @@ class NodePrivacy:
     * ``central``: nothing is added here (the server clips and adds the noise, which is
       what central DP trusts it to do); the node checks that the server runs central DP
       with its z and C.
-    * ``distributed``: clip to C and add N(0, z²C²/t) before the update leaves the node
-      (masked, with secure aggregation), t from the task; the noise comes from the OS, never
-      from the server's seed.
+    * ``distributed``: clip to C and add N(0, z²C²/t) before the update leaves the node; the
+      noise comes from the OS, never from the server's seed. In the clear t is the task's; with
+      secure aggregation the share is added after the key directory, and t must be one this node
+      can hold the server to (no more than its checked neighbourhood, and it unmasks no sum of
+      fewer survivors): a task that asks for more is refused (client/secure_node.py).
     * ``local``: DP-SGD (the trainer) on a seed only this node knows (with the server's
       seed the server could redraw the noise and the example samples), and the node's own
       epsilon over its data size, batch, epochs and the rounds it took part in. That count
@@ -168,16 +171,17 @@ class NodePrivacy:
                 f"privacy.mode = {p.mode!r} with privacy.noise_multiplier = 0 adds no noise (epsilon "
                 "is infinite); set a noise multiplier > 0, or privacy.mode = 'none'"
             )
+        self.plan = plan_of(cfg)
         self.p, self.mode, self.name, self.ledger = p, p.mode, name, ledger
         self.accountant: LocalDpSgdAccountant | None = None
-        if self.mode == "local":
+        if self.plan.dp_sgd:
             try:  # DP-SGD protects one of this node's examples
                 check_delta_against(p.delta, num_train, "examples on this node")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
             self.schedule = dp_sgd_schedule(num_train, cfg.train.batch(num_train), cfg.train.epochs)
-            self.accountant = LocalDpSgdAccountant({name: self.schedule}, p.noise_multiplier, p.delta, p.accountant)
-            self.accountant.participations[name] = self._load()
+            self.accountant = self.plan.local_accountant({name: self.schedule})
+            self.accountant.load_state_dict({**self.accountant.state_dict(), "participations": {name: self._load()}})
             if p.target_epsilon and self.rounds == 0 and self.accountant.next_epsilon() > p.target_epsilon:
                 raise ConfigError(
                     f"privacy.target_epsilon = {p.target_epsilon:g} is below the epsilon of one round of DP-SGD on "
@@ -198,7 +202,7 @@ class NodePrivacy:
 
     @property
     def rounds(self) -> int:
-        return self.accountant.participations.get(self.name, 0) if self.accountant is not None else 0
+        return self.accountant.rounds_of(self.name) if self.accountant is not None else 0
 
     @property
     def epsilon(self) -> float:
@@ -265,7 +269,7 @@ class NodePrivacy:
                 f"the server runs privacy.mode = {short_repr(theirs)}, this node's config says "
                 f"{self.mode!r}: no update leaves this node with another privacy than its own config's"
             )
-        if self.mode == "local":
+        if self.plan.dp_sgd:
             return
         for key in ("noise_multiplier", "clip_norm"):
             v, mine = info.get(key), getattr(self.p, key)
@@ -274,7 +278,7 @@ class NodePrivacy:
                     f"the server runs privacy.{key} = {short_repr(v)}, this node's config says {mine:g}: "
                     "run the node with the server's [privacy] table"
                 )
-        if self.mode == "distributed":
+        if self.plan.client_shares:
             t = info.get("noise_shares")
             if not isinstance(t, int) or isinstance(t, bool) or t < 1:
                 raise NodeError(f"the task's privacy.noise_shares = {short_repr(t)} must be an integer >= 1")
@@ -290,22 +294,28 @@ class NodePrivacy:
 
     def training_seed(self, task_seed: int) -> int:
         """Local DP trains on a seed only this node knows; otherwise the task's (reproducible runs)."""
-        return secrets.randbits(63) if self.mode == "local" else task_seed
+        return secrets.randbits(63) if self.plan.dp_sgd else task_seed
 
     def protect(self, update: Update, task: dict) -> Update:
-        """Distributed DP: clip to C, add this node's share N(0, z²C²/t), t from the task."""
-        if self.mode != "distributed":
+        """What leaves the node. Distributed DP: clip to C, add this node's share N(0, z²C²/t).
+        Local DP: the DP-SGD update and nothing data-dependent beside it (no train loss, local
+        steps or example count: it says 1 example, and the server weighs local-DP updates alike)."""
+        if self.plan.dp_sgd:
+            return Update(update.delta, LOCAL_UPLOAD_EXAMPLES, update.base_version, update.sender, {})
+        if not self.plan.client_shares or "secure_aggregation" in task:  # secure: after the key directory
             return update
-        if self.p.mechanism == "discrete_gaussian":  # clipped and noised while encoding (client/secure_node.py)
-            return update
-        t = int(task["privacy"]["noise_shares"])
+        return self.add_share(update, int(task["privacy"]["noise_shares"]), task.get("round"))
+
+    def add_share(self, update: Update, t: int, round_) -> Update:
+        """Distributed DP: clip to C and add N(0, z²C²/t) from the OS's entropy. With secure
+        aggregation t is one this node checked against the key directory (client/secure_node.py)."""
         clipped, norm = clip_to_norm(update.delta, self.p.clip_norm)
         update.delta = noise_share(
             clipped, self.p.clip_norm, self.p.noise_multiplier, t, make_generator(update.delta.device, None)
         )  # OS entropy
         log.info(
             "round %s: update of norm %.4g clipped to C = %g, noise share N(0, %.4g^2) added (t = %d)",
-            task.get("round"),
+            round_,
             norm,
             self.p.clip_norm,
             share_std(self.p.clip_norm, self.p.noise_multiplier, t),
@@ -398,9 +408,7 @@ class Node:
         self.personal_eval_steps = cfg.algorithm.personal_eval_steps
         self._broadcast: tuple[int, dict[str, torch.Tensor]] = (-1, {})  # (version, what came with its model)
         self.privacy = (
-            None
-            if cfg.privacy.mode == "none"
-            else NodePrivacy(cfg, self.name, num_examples(self.train), privacy_ledger)
+            None if not plan_of(cfg).enabled else NodePrivacy(cfg, self.name, num_examples(self.train), privacy_ledger)
         )
         self.compressor = Compressor(cfg.compression)  # [compression]: the upload's encoding
         self.zstd_level = cfg.compression.zstd_level if cfg.compression.zstd else 0
@@ -712,6 +720,12 @@ class Node:
         except Exception:
             return f"the server's model does not fit this node's: {e}"
         a, b = theirs.to_json(), mine.to_json()
+        if a == b:  # the exchanged tensors agree: what differs is what never travels
+            return (
+                f"model spec mismatch: the server's model has spec hash {header.get('spec_hash')!r}, this node's "
+                f"{mine.hash!r}, with the same exchanged tensors: the frozen parameters differ (another base "
+                "checkpoint or pretrained weights): load the same base model as the server"
+            )
         diff = next(((x, y) for x, y in zip(a, b) if x != y), None)
         first = (
             f"first difference: server {diff[0][0]} {diff[0][1]}, node {diff[1][0]} {diff[1][1]}"

@@ -1,18 +1,20 @@
 """A node's side of a secure `shoal server` round: its update leaves it only masked.
 
 When the task says ``secure_aggregation``, the node runs :class:`SecAggClient`
-(aggregation/secagg/protocol.py) over HTTP after training: post its public keys (with its
-example count and training loss, which are metadata in clear), fetch its neighbours'
-keys, post encrypted shares, fetch its own, post the masked fixed-point vector
-``[w_k * clip(delta_k), w_k]`` (as the simulator does), fetch the unmasking request
-and post its shares. The state machine refuses a request for both the self-mask and
+(aggregation/secagg/protocol.py) over HTTP after training: post its public keys (without DP
+with its example count and training loss, metadata in clear; under distributed DP with
+neither), fetch its neighbours' keys, post encrypted shares, fetch its own, post the masked
+fixed-point vector ``[w_k * clip(delta_k), w_k]`` (as the simulator does; under distributed DP
+``[clip(delta_k), n_k / max_weight]``, so the example counts are only summed), fetch the
+unmasking request and post its shares. The state machine refuses a request for both the self-mask and
 the mask-key share of one peer. The routes are in docs/protocol.md.
 
-Distributed DP (the update already carries its noise share, client/node.py): the node takes
-part only when the fixed-point range leaves room for its noise (the range check of
-aggregation.secagg.encoding), when every node weighs the same, and, over the full graph, sends
-its unmasking shares only when the survivors it is shown number at least the t its share was
-sized for, so a server that would unmask a smaller sum gets no shares from this node.
+Distributed DP: the node takes part only when the fixed-point range leaves room for its noise
+(the range check of aggregation.secagg.encoding) and every node weighs the same. It adds its
+noise share N(0, z²C²/t) after the key directory, with the task's t only if t is at most the
+neighbourhood the directory shows (a server that inflates t to shrink every share is refused),
+and sends its unmasking shares only when the survivors it is shown number at least t, so a
+server that would unmask a smaller sum gets no shares from this node.
 """
 
 from __future__ import annotations
@@ -92,10 +94,24 @@ async def _fetch(node, route: str, round_: int) -> bytes:
     raise _Left("stopping")
 
 
+def _checked_shares(t: int, directory: KeyDirectory) -> int:
+    """The t a distributed-DP share is divided by, checked against the key directory: the node
+    unmasks no sum with fewer than t survivors among the neighbours it is shown (the unmasking
+    request lists them), so t can be at most its neighbourhood (the whole round over the full
+    graph, a few nodes over SecAgg+). A server that inflates t to shrink every share is refused."""
+    if t > len(directory.peers):
+        raise Malformed(
+            f"the task asks for t = {t} noise shares, but this node's key directory holds {len(directory.peers)} "
+            f"nodes (threshold {directory.threshold}): a sum of {t} noisy inputs cannot be checked, so each share "
+            "would be too small; refusing to take part"
+        )
+    return t
+
+
 def _dp_shares(node, task: dict, values: FixedPoint, info: dict) -> int:
     """Distributed DP: t, after checking the round can carry this node's noise share (0 otherwise)."""
     privacy = getattr(node, "privacy", None)
-    if privacy is None or privacy.mode != "distributed":
+    if privacy is None or not privacy.plan.client_shares:
         return 0
     t = int(task["privacy"]["noise_shares"])
     if privacy.p.mechanism != "discrete_gaussian":  # the discrete Gaussian has no fixed-point range
@@ -106,6 +122,37 @@ def _dp_shares(node, task: dict, values: FixedPoint, info: dict) -> int:
             f"{info.get('weighting')!r}: refusing to take part"
         )
     return t
+
+
+def _distributed(node) -> bool:
+    privacy = getattr(node, "privacy", None)
+    return privacy is not None and privacy.plan.client_shares
+
+
+def _clear_meta(node, update: Update) -> dict:
+    """What goes beside the keys in the clear. Without DP: the example count and train loss.
+    Distributed DP: nothing (the count travels inside the masked vector, the loss is not sent).
+    Local DP: the update was stripped already (num_examples 1, no metrics: NodePrivacy.protect)."""
+    if _distributed(node):
+        return {}
+    meta: dict = {"num_examples": int(update.num_examples)}
+    if "train_loss" in update.metrics:
+        meta["train_loss"] = float(update.metrics["train_loss"])
+    return meta
+
+
+def _masked_vector(
+    node, update: Update, max_weight: float, weighting: str, values: FixedPoint, weights: FixedPoint
+) -> np.ndarray:
+    """The fixed-point vector to mask: ``[w_k clip(delta_k), w_k]``; under distributed DP (every node
+    weighs 1) ``[clip(delta_k), n_k / max_weight]``, so the server learns only the sum of the counts."""
+    rng = np.random.default_rng()
+    delta = update.delta.detach().cpu().numpy()
+    if not _distributed(node):
+        return encode_weighted(delta, example_weight(update.num_examples, max_weight, weighting), values, weights, rng)
+    x = encode_weighted(delta, 1.0, values, weights, rng)
+    x[-1:] = weights.encode(np.array([min(update.num_examples / max_weight, 1.0)]), rng)
+    return x
 
 
 async def run_secure_round(node, task: dict, update: Update, report: dict | None = None) -> bool:
@@ -141,27 +188,23 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
             )
             return False
         client = SecAggClient(node.name, params, None, *_identity(node, params))  # keys from the OS CSPRNG
-        meta = {
-            "round": round_,
-            "num_examples": int(update.num_examples),
-            "train_loss": float(update.metrics.get("train_loss", float("nan"))),
-            **({"privacy": report} if report is not None else {}),
-        }
+        meta = {"round": round_, **_clear_meta(node, update), **({"privacy": report} if report is not None else {})}
         await _post(node, "keys", encode_message(client.advertise_keys(), meta))
         body = await _fetch(node, "keys", round_)
         directory = _expect(decode_message(body, size), KeyDirectory)
+        if t:  # distributed DP: the share is sized now, for a t this node can hold the server to
+            t = _checked_shares(t, directory)
+            if node.privacy.p.mechanism != "discrete_gaussian":  # else the noise comes with the encoding below
+                update = node.privacy.add_share(update, t, round_)
         max_weight = message_meta(body, size).get("max_weight")
         if not isinstance(max_weight, (int, float)) or not max_weight > 0:
             raise Malformed("the key directory's meta needs max_weight > 0")
         await _post(node, "shares", encode_message(client.share_keys(directory), {"round": round_}))
         delivery = _expect(decode_message(await _fetch(node, "shares", round_), size), ShareDelivery)
+        x = _masked_vector(node, update, float(max_weight), str(info["weighting"]), values, weights)
         codec = _ddg_codec(node, task, t, params, update.delta.numel())
-        if codec is not None:  # clip, rotate, round, integer noise from the OS-keyed CSPRNG, mod 2^bits; weight 1
-            delta = update.delta.detach().cpu().numpy()
-            x = np.concatenate([codec.encode(delta, NoiseSource()), np.zeros(1, dtype=np.uint32)])
-        else:
-            w = example_weight(update.num_examples, float(max_weight), str(info["weighting"]))
-            x = encode_weighted(update.delta.detach().cpu().numpy(), w, values, weights, np.random.default_rng())
+        if codec is not None:  # the model entries: clip, rotate, round, integer noise (OS-keyed CSPRNG), mod 2^bits
+            x = np.concatenate([codec.encode(update.delta.detach().cpu().numpy(), NoiseSource()), x[-1:]])
         await _post(node, "masked", encode_message(client.masked_input(delivery, x), {"round": round_}))
         log.info("round %d: masked input accepted", round_)
         reply = decode_message(await _fetch(node, "masked", round_), size)
@@ -170,7 +213,7 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
             await _post(node, "consistency", encode_message(client.consistency_check(check), {"round": round_}))
             reply = decode_message(await _fetch(node, "consistency", round_), size)
         request = _expect(reply, UnmaskRequest)
-        if t and params.graph == "full" and len(request.survivors) < t:  # the server should have aborted
+        if t and len(request.survivors) < t:  # the server should have aborted
             raise Malformed(
                 f"asked to unmask a sum of {len(request.survivors)} masked inputs, fewer than the t = {t} "
                 "noise shares this node's noise was sized for: refusing"

@@ -106,7 +106,7 @@ class LocalTrainer:
         self.task = task if task is not None else Task()
         self.device = torch.device(device)
         self.model = model.to(self.device)
-        self.spec = ParamSpec.of(self.model, exchange_buffers=self.task.exchange_buffers)
+        self.spec = ParamSpec.of(self.model, exchange_buffers=self.task.exchange_buffers).with_base(self.model)
         self.flat, self.grad = bind_module(self.model, self.spec)
         self._momentum = torch.zeros_like(self.flat) if cfg.momentum > 0 else None
         self._next_momentum: torch.Tensor | None = None  # set_momentum(): the next training's start

@@ -46,7 +46,7 @@ from shoal.client.training import LocalTrainer
 from shoal.config import Config, load_config
 from shoal.errors import ConfigError, SpecMismatch, UpdateRejected
 from shoal.params import ParamSpec
-from shoal.rounds import Assignment, RoundSummary, SyncRounds, i_hash
+from shoal.rounds import Assignment, RoundSummary, SyncRounds, evaluation_due, i_hash
 from shoal.seeding import derive_seed
 from shoal.simulations.client_data import client_id, load_simulation_data, on_device
 from shoal.simulations.inprocess import weighted_means
@@ -398,7 +398,7 @@ RoundCallback = Callable[[RoundSummary, dict[str, float], torch.Tensor], None]
 def evaluated_round(cfg: Config) -> Callable[[int], bool]:
     """The rounds the in-process engine evaluates: every ``eval_every``-th and the last."""
     sim = cfg.simulation
-    return lambda r: r > 0 and (r % sim.eval_every == 0 or r == sim.rounds)
+    return lambda r: evaluation_due(r, sim.eval_every, sim.rounds)
 
 
 def make_server_app(

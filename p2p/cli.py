@@ -30,6 +30,7 @@ from shoal.assembly import initial_model, make_trainer, task_from_config
 from shoal.client.device import select_device
 from shoal.config import Config
 from shoal.errors import ConfigError, DataError, Malformed
+from shoal.privacy_plan import plan_of
 from shoal.task import (
     ClientData,
     LocalData,
@@ -164,7 +165,8 @@ def check_peer_algorithm(cfg: Config) -> None:
 def check_peer_privacy(cfg: Config) -> None:
     """A peer has no server to add central or distributed noise: only local DP (DP-SGD on the
     peer's own data, its own epsilon) runs; refuse the others rather than run without the claimed noise."""
-    if cfg.privacy.mode not in ("none", "local"):
+    plan = plan_of(cfg)
+    if plan.enabled and not plan.dp_sgd:
         raise ConfigError(
             f"privacy.mode = {cfg.privacy.mode!r}: a gossip peer has no server to add central or distributed "
             "noise; use privacy.mode = 'local' (DP-SGD on each peer's own data, per-peer epsilon) or 'none'"

@@ -67,6 +67,8 @@ from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.errors import ShoalError, TooLarge
 from shoal.metrics import MetricsLog, json_safe
+from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES, plan_of
+from shoal.rounds import evaluation_due
 from shoal.seeding import derive_seed
 from shoal.server.dashboard import is_dashboard_path
 from shoal.task import ClientData, num_examples, task_name
@@ -132,9 +134,13 @@ class Peer:
         check_gossip_settings(cfg)
         self.cfg, self.g, self.trainer, self.data, self.s = cfg, g, trainer, data, settings
         self.spec = trainer.spec
+        self.plan = plan_of(cfg)
+        # what this peer tells others of its data: its example count weighs its model in merges and
+        # group averages; under local DP it is data-dependent and not noised, so it says 1 (uniform)
+        self.shared_examples = LOCAL_UPLOAD_EXAMPLES if self.plan.dp_sgd else num_examples(data.train)
         params = trainer.flat.detach().clone()
         self.svc = PeerService(
-            cfg, self.spec, params, num_examples(data.train), settings.advertise, settings.bootstrap, settings.insecure
+            cfg, self.spec, params, self.shared_examples, settings.advertise, settings.bootstrap, settings.insecure
         )
         self.max_bytes = self.svc.max_bytes
         self.body_timeout = max(5.0, 4 * g.timeout)
@@ -151,7 +157,7 @@ class Peer:
                 num_examples(data.train),
                 settings.out_dir / "privacy_ledger.json" if settings.out_dir else None,
             )
-            if cfg.privacy.mode == "local"
+            if self.plan.dp_sgd
             else None
         )
         self.privacy_report: dict[str, Any] = {}
@@ -320,11 +326,18 @@ class Peer:
             **self.svc.counters(),
             "task": task_name(self.trainer.task),
             "steps": self.steps,
-            "metrics": json_safe(self.last_eval),
+            "metrics": json_safe(self._shown_metrics()),
             "connections_refused": self.guard.refused,
             "errors": self.errors,
             **self._privacy_fields(),
         }
+
+    def _shown_metrics(self) -> dict[str, float]:
+        """What GET /status shows of the latest evaluation: under DP (privacy.release not clear) only
+        the model on the central test set, not the figures of this peer's own test data."""
+        if not self.plan.withholds:
+            return self.last_eval
+        return {k: v for k, v in self.last_eval.items() if k.startswith("test_")}
 
     def _privacy_fields(self) -> dict[str, Any]:
         """Local DP: this peer's epsilon so far (over its trainings), delta, trainings, the accountant."""
@@ -478,7 +491,7 @@ class Peer:
 
     async def secure_exchange(self, step: int, until: float) -> None:
         """One secure group average (p2p/secure_group.py) in our group of ``step`` (one grid axis)."""
-        sg, out = self.svc.open_secure(step, num_examples(self.data.train), self._now())
+        sg, out = self.svc.open_secure(step, self.shared_examples, self._now())
         if sg is None:
             return
         self._dispatch(sg, out)
@@ -631,7 +644,7 @@ class Peer:
     async def _step_done(self) -> bool:
         """Evaluate when due; True when ``gossip.rounds`` local steps are done."""
         last = bool(self.g.rounds) and self.steps >= self.g.rounds
-        if last or self.steps % self.cfg.simulation.eval_every == 0:
+        if evaluation_due(self.steps, self.cfg.simulation.eval_every, stop=last):
             await self.evaluate(final=last)
         return last
 
@@ -668,7 +681,7 @@ class Peer:
             if not await self.local_step():
                 await self.evaluate(final=True)
                 return
-            weight = float(num_examples(self.data.train)) if g.group_weights == "examples" else 1.0
+            weight = float(self.shared_examples) if g.group_weights == "examples" else 1.0
             m = g.exchanges_per_round
             for k in range(m):
                 if stop.is_set():

@@ -51,7 +51,8 @@ from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range
 from shoal.aggregation.strategy import Strategy
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, short_repr
-from shoal.rounds import SyncRounds
+from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES, plan_of
+from shoal.rounds import RoundSummary, SyncRounds
 
 log = logging.getLogger(__name__)
 
@@ -78,7 +79,7 @@ def check_deployable(cfg: Config) -> None:
             f"privacy.mode = {mode!r} with privacy.noise_multiplier = 0 adds no noise (epsilon is "
             "infinite); set a noise multiplier > 0, or privacy.mode = 'none'"
         )
-    if mode == "local":
+    if plan_of(cfg).dp_sgd:
         return
     if not s.clients_per_round:
         raise ConfigError(
@@ -161,15 +162,16 @@ class ServerPrivacy:
     def __init__(self, cfg: Config, numel: int, device: str = "cpu"):
         check_deployable(cfg)
         self.cfg, self.p = cfg, cfg.privacy
-        self.mode = self.p.mode
-        self.user_level = self.mode in ("central", "distributed")
+        self.plan = plan_of(cfg)  # what the run may write beside the models (privacy.release)
+        self.mode = self.p.mode  # for records and the ledger; decisions ask self.plan
+        self.user_level = self.plan.user_level
         self.secure = cfg.secure_aggregation.enabled
         self.k = cfg.server.clients_per_round
         self.strategy: Strategy | None = None
         if self.user_level:  # the same strategy the simulator builds, its noise from the OS (seed=None)
             self.strategy = make_dp_strategy(cfg.strategy, self.p, numel, self.k, device, seed=None)
         self.noise_shares = 0  # t of distributed DP with secure aggregation
-        if self.mode == "distributed" and self.secure:
+        if self.plan.client_shares and self.secure:
             self.noise_shares = secure_noise_shares(cfg, self.k)
         self.round_shares = 0  # t of the open round (in the clear: the nodes it selected)
         self.registered: int | None = None
@@ -228,9 +230,8 @@ class ServerPrivacy:
             ddg = {**self.ddg.as_dict(), "sensitivity_sq": self.ddg.sensitivity_sq()}
             self.accountant = DdgRoundAccountant(q, ddg, p.delta)
         else:
-            self.accountant = RoundAccountant(
-                q, p.noise_multiplier, p.delta, p.accountant, sampling="poisson", clip=clip
-            )
+            # z_eff when the rounds' figures are released noised too (PrivacyPlan.accounted_z)
+            self.accountant = self.plan.round_accountant(q, sampling="poisson", clip=clip)
         self._restore_ledger()  # a restart: earlier rounds as they ran, whatever z is now
         if self.accountant.rounds != self.rounds_charged:
             raise ConfigError(
@@ -240,7 +241,7 @@ class ServerPrivacy:
             )
         if self.secure:  # any round size up to N must fit the modulus; the noise must fit the range
             FixedPoint(sa.clip, sa.bits, registered)
-            if self.mode == "distributed" and self.ddg is None:
+            if self.plan.client_shares and self.ddg is None:
                 check_noise_range(FixedPoint(sa.clip, sa.bits, 1), p.clip_norm, self.share_std, self.noise_shares)
         if p.target_epsilon and self.rounds_charged == 0 and self.accountant.next_epsilon() > p.target_epsilon:
             raise ConfigError(
@@ -308,7 +309,7 @@ class ServerPrivacy:
             assert self.accountant is not None, "bind() before the first round"
             self.rounds_charged += 1
             self.accountant.record_round(selected)
-        if self.mode == "distributed":
+        if self.plan.client_shares:
             self.round_shares = self.noise_shares or max(1, len(selected))
             self.aggregator.expect_shares(self.round_shares)
 
@@ -329,7 +330,7 @@ class ServerPrivacy:
             "clip_norm": self.p.clip_norm,
             "delta": self.p.delta,
         }
-        if self.mode == "distributed":
+        if self.plan.client_shares:
             out["noise_shares"] = self.round_shares
             if self.ddg is not None:  # each node re-derives these from its own config and refuses a mismatch
                 out["mechanism"] = self.p.mechanism
@@ -337,6 +338,16 @@ class ServerPrivacy:
         return out
 
     # --- local DP: the nodes' reports ------------------------------------------------
+
+    def check_local_upload(self, num_examples: int, metrics: dict) -> None:
+        """Local DP: an upload carries its noisy update and nothing data-dependent (num_examples 1,
+        no metrics: NodePrivacy.protect); Malformed otherwise. So every local-DP update weighs the same."""
+        if num_examples != LOCAL_UPLOAD_EXAMPLES or metrics:
+            raise Malformed(
+                f"privacy.mode = 'local': an upload carries num_examples = {LOCAL_UPLOAD_EXAMPLES} and no metrics "
+                f"(got {num_examples} and {sorted(metrics)[:5]}): its data-dependent figures are not noised; "
+                "update the node"
+            )
 
     def take_report(self, node: str, report: dict) -> None:
         if node in self.reports or len(self.reports) < MAX_NODE_EPSILONS:
@@ -376,6 +387,12 @@ class ServerPrivacy:
             "and the rounds it took part in; the worst node's report is shown"
         )
 
+    def released(self, record: dict[str, Any], summary: RoundSummary | None = None) -> dict[str, Any]:
+        """What of a metrics record ``privacy.release`` lets out, with this round's noisy figures
+        (``noised``, from ``summary``) and the privacy fields."""
+        noisy = self.plan.noisy_round(summary.num_results, summary.client_losses) if summary is not None else {}
+        return self.plan.release_record({**record, **noisy, **self.record()})
+
     def record(self) -> dict[str, Any]:
         """The privacy fields of a metrics.jsonl record (as the simulator writes them)."""
         out: dict[str, Any] = {
@@ -401,7 +418,7 @@ class ServerPrivacy:
             "stopped": self.stopped,
             "registered_nodes": self.registered,
         }
-        if self.mode == "distributed":
+        if self.plan.client_shares:
             out["noise_shares"] = self.noise_shares or self.round_shares
         if not self.user_level:
             out["node_epsilon"] = {n: dict(r) for n, r in sorted(self.reports.items())}

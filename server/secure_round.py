@@ -48,7 +48,7 @@ from shoal.aggregation.secagg import (
     UnmaskShares,
 )
 from shoal.aggregation.secagg import identity as ID
-from shoal.aggregation.secagg.encoding import FixedPoint, weighted_mean
+from shoal.aggregation.secagg.encoding import FixedPoint, decode_weighted, weighted_mean
 from shoal.aggregation.secagg.wire import decode_message, encode_message, message_meta, params_to_json
 from shoal.config import Config
 from shoal.errors import Malformed, OutOfRange, UpdateRejected, short_repr
@@ -86,7 +86,7 @@ class SecureRound:
         self.values = FixedPoint(sa.clip, sa.bits, k)  # raises (ConfigError) if k x 2^bits > 2^32
         self.weights = FixedPoint(1.0, sa.bits, k)
         # distributed DP's server divides the plain sum by K: every node weighs the same (as in the simulator)
-        self.weighting = "uniform" if privacy is not None and privacy.mode == "distributed" else cfg.strategy.weighting
+        self.weighting = "uniform" if privacy is not None and privacy.plan.client_shares else cfg.strategy.weighting
         self.max_examples = cfg.server.max_examples
         self.params = SecAggParams(
             # fresh per aggregation: a round re-run after a restart never reuses keys or masks
@@ -108,10 +108,11 @@ class SecureRound:
         self.deadline_at = rounds.deadline_at if rounds.deadline_at is not None else now + sa.stage_s
         self.sent: dict[str, set[str]] = {s: set() for s in STAGES}
         self.replies: dict[str, dict[str, bytes]] = {}  # route -> node -> body
-        self.meta: dict[str, tuple[int, float]] = {}  # node -> (num_examples, train_loss), in clear
+        self.meta: dict[str, tuple[int, float]] = {}  # node -> (num_examples, train_loss) sent in the clear
         self.max_weight = 0.0
         self.aborted: str | None = None
         self.mean: np.ndarray | None = None
+        self.examples: int | None = None  # distributed DP: the securely summed example count
         self.included: list[str] = []
         self.dropped: list[str] = []
         self.failed: set[str] = set()  # selected nodes whose training failed (POST /v1/failed): not waited for
@@ -187,21 +188,9 @@ class SecureRound:
         if self.params.malicious:
             self._check_signature(node, stage, msg)
         if stage == "advertise":
-            n, loss = meta.get("num_examples"), meta.get("train_loss", float("nan"))
-            if (
-                not isinstance(n, int)
-                or isinstance(n, bool)
-                or n < 1
-                or not isinstance(loss, (int, float))
-                or isinstance(loss, bool)
-            ):
-                raise Malformed("keys: meta needs num_examples (an integer >= 1) and train_loss (a number)")
-            if n > self.max_examples:  # max_weight is the largest count: one huge claim would zero the others
-                raise OutOfRange(
-                    f"keys: num_examples = {n} is above the limit of {self.max_examples} (server.max_examples)"
-                )
+            n, loss = self._clear_meta(meta)
             report = None
-            if self.privacy is not None and self.privacy.mode == "local":
+            if self.privacy is not None and self.privacy.plan.dp_sgd:
                 report = parse_report(meta.get("privacy"), self.privacy.p.delta)
         handlers: dict[str, Callable[[Any], object]] = {
             "advertise": self.server.receive_keys,
@@ -215,11 +204,43 @@ class SecureRound:
         except (SecAggProtocolError, ValueError) as e:  # the state machine changed nothing
             raise Malformed(str(e)) from None
         if stage == "advertise":
-            self.meta[node] = (int(n), float(loss))  # type: ignore[arg-type]  # checked an int >= 1 above
+            self.meta[node] = (int(n), float(loss))  # checked by _clear_meta
             if report is not None and self.privacy is not None:
                 self.privacy.take_report(node, report)
         self.sent[stage].add(node)
         return {"status": "accepted", "round": self.round, "stage": route}
+
+    def _clear_meta(self, meta: dict[str, Any]) -> tuple[int, float]:
+        """(num_examples, train_loss) of a keys message's meta, checked (Malformed / OutOfRange).
+        Distributed DP: the meta must carry neither (the count is inside the masked vector, the
+        loss is not sent); local DP: one example and no loss (NodePrivacy.protect)."""
+        has = sorted(k for k in ("num_examples", "train_loss") if k in meta)
+        if self.privacy is not None and self.privacy.plan.client_shares:
+            if has:
+                raise Malformed(
+                    f"keys: under distributed DP the meta carries no {' or '.join(has)} in the clear (the example "
+                    "count travels inside the masked vector): update the node"
+                )
+            return 0, float("nan")
+        n, loss = meta.get("num_examples"), meta.get("train_loss", float("nan"))
+        if (
+            not isinstance(n, int)
+            or isinstance(n, bool)
+            or n < 1
+            or not isinstance(loss, (int, float))
+            or isinstance(loss, bool)
+        ):
+            raise Malformed("keys: meta needs num_examples (an integer >= 1) and train_loss, if any, a number")
+        if self.privacy is not None and self.privacy.plan.dp_sgd and (n != 1 or "train_loss" in meta):
+            raise Malformed(
+                "keys: a local-DP node sends num_examples = 1 and no train_loss (nothing data-dependent beside "
+                "its noisy update): update the node"
+            )
+        if n > self.max_examples:  # max_weight is the largest count: one huge claim would zero the others
+            raise OutOfRange(
+                f"keys: num_examples = {n} is above the limit of {self.max_examples} (server.max_examples)"
+            )
+        return n, float(loss)
 
     def _check_signature(self, node: str, stage: str, msg) -> None:
         session = self.params.session
@@ -284,7 +305,10 @@ class SecureRound:
         s, r = self.server, self.round
         if self.stage == "advertise":
             directories = s.close_advertise()
-            self.max_weight = self.cfg.max_weight or float(max(self.meta[u][0] for u in s.u1))
+            if self.privacy is not None and self.privacy.plan.client_shares:  # the counts' fixed scale
+                self.max_weight = self.cfg.max_weight or float(self.max_examples)
+            else:
+                self.max_weight = self.cfg.max_weight or float(max(self.meta[u][0] for u in s.u1))
             self.replies["keys"] = {
                 u: encode_message(d, {"round": r, "max_weight": self.max_weight}) for u, d in directories.items()
             }
@@ -302,10 +326,11 @@ class SecureRound:
             self.stage = "unmask"
         else:
             result = s.finish()
-            ddg = self.privacy.ddg if self.privacy is not None else None
-            if ddg is not None:  # the distributed discrete Gaussian: decode the integer sum, every node weighs 1
-                total = DdgCodec(ddg, rotation_seed(self.params.session)).decode(result.total[:-1])
-                self.mean = total / max(len(result.included), 1)
+            if self.privacy is not None and self.privacy.plan.client_shares:  # [clip(delta_k), n_k / max_weight]
+                total, counts = decode_weighted(result.total, len(result.included), self.values, self.weights)
+                if self.privacy.ddg is not None:  # the model entries are the discrete Gaussian's integers
+                    total = DdgCodec(self.privacy.ddg, rotation_seed(self.params.session)).decode(result.total[:-1])
+                self.mean, self.examples = total / len(result.included), max(0, round(counts * self.max_weight))
             else:
                 self.mean, _ = weighted_mean(result.total, len(result.included), self.values, self.weights)
             self.included, self.dropped = result.included, result.dropped
@@ -326,6 +351,9 @@ class SecureRound:
             rounds.abort_round()
             return None
         mean = torch.from_numpy(self.mean).to(torch.float32)
+        if self.examples is not None:  # distributed DP: only the sum of the counts is known
+            base, extra = divmod(self.examples, len(self.included))
+            self.meta.update({u: (base + (i < extra), float("nan")) for i, u in enumerate(self.included)})
         for u in self.included:
             n, loss = self.meta[u]
             metrics = {"train_loss": loss} if math.isfinite(loss) else {}

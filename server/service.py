@@ -32,7 +32,8 @@ from shoal.client.training import LocalTrainer, summarize_means
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMismatch, UpdateRejected
 from shoal.metrics import json_safe
-from shoal.rounds import Rounds, SyncRounds
+from shoal.privacy_plan import plan_of
+from shoal.rounds import Rounds, RoundSummary, SyncRounds, evaluation_due
 from shoal.task import ClientData, Task, TaskError
 from shoal.wire import MAX_HEADER_BYTES, decode_update, encode_model, read_header
 
@@ -170,7 +171,8 @@ def parse_failure_report(body: bytes) -> tuple[int, int, str]:
 def spec_mismatch_detail(node_hash: str, server_hash: str) -> str:
     return (
         f"model spec mismatch: the node's model has spec hash {node_hash!r}, the server's has {server_hash!r} "
-        "(another architecture or parameter layout): run the node with the same task and model as the server "
+        "(another architecture, parameter layout or frozen base weights): run the node with the same task, model "
+        "and base checkpoint as the server "
         "(--task / [task] app and [task.args]; for the built-in task the same [model] and [data])"
     )
 
@@ -220,7 +222,7 @@ class ServerService:
         self.mode = s.mode
         flat = self.trainer.flat.detach().clone()
         # [privacy]: the DP strategy, Poisson sampling, the accountant and the budget (server/privacy.py)
-        self.privacy = ServerPrivacy(cfg, self.spec.numel) if cfg.privacy.mode != "none" else None
+        self.privacy = ServerPrivacy(cfg, self.spec.numel) if plan_of(cfg).enabled else None
         # ``sync``: the rounds the clock opens and closes (tick); None in async mode, where
         # versions advance with the updates themselves.
         self.sync: SyncRounds | None = None
@@ -417,8 +419,8 @@ class ServerService:
         """Versions the nodes evaluate: every ``simulation.eval_every``-th, and the last."""
         return (
             not self.fed_finished
-            and version >= 1
-            and (version % self.fed_every == 0 or version >= self.cfg.server.rounds)
+            and (self.privacy is None or self.privacy.plan.client_evaluations)  # un-noised figures of their data
+            and evaluation_due(version, self.fed_every, self.cfg.server.rounds)
         )
 
     def _with_eval(self, answer: dict[str, Any], node: str, evaluates: bool) -> dict[str, Any]:
@@ -571,7 +573,8 @@ class ServerService:
             update.sender = node  # the authenticated identity, not what the body claims
             self._check_algorithm_fields(update)
             report = None
-            if self.privacy is not None and self.privacy.mode == "local":  # checked before anything changes
+            if self.privacy is not None and self.privacy.plan.dp_sgd:  # checked before anything changes
+                self.privacy.check_local_upload(update.num_examples, update.metrics)
                 report = parse_report(header.get("privacy"), self.cfg.privacy.delta)
             advanced = r.submit(node, update)
         except Exception as e:
@@ -700,6 +703,7 @@ class ServerService:
                 "num_late": summary.num_late,
             },
             now,
+            summary,
         )
         return True
 
@@ -734,8 +738,9 @@ class ServerService:
                 )
             )
 
-    def _new_version(self, fields: dict[str, Any], now: float) -> None:
-        """A new global version: evaluate, checkpoint, then log (the simulator's record shape)."""
+    def _new_version(self, fields: dict[str, Any], now: float, summary: RoundSummary | None = None) -> None:
+        """A new global version: evaluate, checkpoint, then log (the simulator's record shape;
+        under DP what privacy.release lets out, with ``summary``'s noisy figures when noised)."""
         self.counters.rounds_completed += 1
         self.failed_streak = 0
         record: dict[str, Any] = {"round": self.rounds.round, "version": self.version}
@@ -743,9 +748,9 @@ class ServerService:
             ev = self.trainer.evaluate_data(self.rounds.global_params, self.test)
             record.update({f"test_{k}": v for k, v in ev.items() if k != "num_examples"})
         record.update(fields)
-        if self.privacy is not None:
-            record.update(self.privacy.record())
         record["elapsed_s"] = self._elapsed(now)
+        if self.privacy is not None:
+            record = self.privacy.released(record, summary)
         self.last_record = json_safe(record)
         c = self.counters
         self.activity.snapshot(record["round"], self.version, c.accepted, sum(c.rejected.values()), record["elapsed_s"])
@@ -778,7 +783,7 @@ class ServerService:
     def _privacy_event(self, fields: dict[str, Any], now: float) -> None:
         """A metrics.jsonl record for a round that released no new version but changed the
         privacy picture (charged and aborted or failed, or the budget stopped the run)."""
-        self.emit(Record(json_safe({**fields, **self._dp().record(), "elapsed_s": self._elapsed(now)})))
+        self.emit(Record(json_safe(self._dp().released({**fields, "elapsed_s": self._elapsed(now)}))))
         self._save_privacy()
 
     def _save_privacy(self) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from shoal.assembly import task_from_config
 from shoal.config import Config
 from shoal.errors import ConfigError
+from shoal.privacy_plan import plan_of
 from shoal.task import ClientData, Task, call_part, check_data
 from shoal.tensorboard import TensorBoardLog
 
@@ -51,7 +52,7 @@ class ServerStore:
             checkpoint = found
         elif not resume or not self.metrics_path.exists():
             self.metrics_path.write_text("")
-        ledger = self._read_ledger(resume) if self.cfg.privacy.mode != "none" else None
+        ledger = self._read_ledger(resume) if plan_of(self.cfg).enabled else None
         return Restored(checkpoint, ledger)
 
     def _read_ledger(self, resume: bool) -> dict | None:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import logging
 import math
 from functools import cache, lru_cache
+from typing import Protocol
 
 import dp_accounting
 from dp_accounting import pld, rdp
@@ -165,6 +166,25 @@ def _epsilon_of_segments(segments: tuple[tuple, ...], delta: float, kind: str) -
     if not events:
         return 0.0
     return _epsilon_of(dp_accounting.ComposedDpEvent(events), delta, kind if not fixed else "rdp", replace_one=fixed)
+
+
+class Accountant(Protocol):
+    """What every accountant here offers (RoundAccountant, LocalDpSgdAccountant), so the
+    simulator, the server, nodes and peers use them alike; ``state_dict`` / ``load_state_dict``
+    keep and restore what was charged (as Opacus' accountants do), never by writing internals."""
+
+    @property
+    def epsilon(self) -> float: ...
+
+    def next_epsilon(self) -> float: ...
+
+    def record_round(self, participants: list[str]) -> None: ...
+
+    def describe(self) -> str: ...
+
+    def state_dict(self) -> dict: ...
+
+    def load_state_dict(self, state: dict) -> None: ...
 
 
 class RoundAccountant:
@@ -346,6 +366,38 @@ class LocalDpSgdAccountant:
     def record_round(self, participants: list[str]) -> None:
         for c in participants:
             self.participations[c] = self.participations.get(c, 0) + 1
+
+    def rounds_of(self, client: str) -> int:
+        """The rounds ``client`` took part in (was charged for)."""
+        return self.participations.get(client, 0)
+
+    def state_dict(self) -> dict:
+        """The participations charged so far, with the mechanism they were charged for (JSON-able)."""
+        return {
+            "noise_multiplier": self.z,
+            "delta": self.delta,
+            "kind": self.kind,
+            "schedules": {c: list(rs) for c, rs in sorted(self._rate_steps.items())},
+            "participations": dict(self.participations),
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the participations of an earlier run; ValueError when they were charged for
+        another mechanism (noise multiplier, accountant, or a client's schedule), which could
+        not be composed with this one's."""
+        saved = state.get("participations")
+        if not isinstance(saved, dict) or any(not isinstance(k, int) or k < 0 for k in saved.values()):
+            raise ValueError("a local-DP ledger without its participations (client -> rounds >= 0)")
+        schedules = {str(c): tuple(float(v) for v in rs) for c, rs in (state.get("schedules") or {}).items()}
+        mine = {c: (float(q), float(n)) for c, (q, n) in self._rate_steps.items()}
+        changed = sorted(c for c in saved if saved[c] and (c not in mine or schedules.get(c) != mine[c]))
+        if float(state.get("noise_multiplier", -1)) != self.z or state.get("kind") != self.kind or changed:
+            raise ValueError(
+                f"the local-DP ledger was charged with z = {state.get('noise_multiplier')}, the "
+                f"{state.get('kind')} accountant and DP-SGD schedules {[schedules.get(c) for c in changed][:3]}; "
+                f"this run has z = {self.z}, {self.kind} and {[mine.get(c) for c in changed][:3]}"
+            )
+        self.participations = {str(c): int(k) for c, k in saved.items()}
 
 
 def dp_sgd_schedule(n: int, batch_size: int, epochs: int) -> tuple[float, int]:

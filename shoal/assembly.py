@@ -23,6 +23,7 @@ from shoal.async_rounds import AsyncRounds
 from shoal.client.algorithms import ClientProgram, make_program
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
+from shoal.privacy_plan import plan_of
 from shoal.rounds import SyncRounds
 from shoal.seeding import derive_seed
 from shoal.task import Task, load_task, make_model
@@ -62,7 +63,7 @@ def initial_model(cfg: Config, task: Task) -> nn.Module:
 
 def make_trainer(cfg: Config, task: Task, model: nn.Module, device: torch.device | str) -> LocalTrainer:
     """Local training as ``[train]`` and ``[privacy]`` say (DP-SGD for privacy.mode = "local")."""
-    if cfg.privacy.mode == "local":
+    if plan_of(cfg).dp_sgd:
         from shoal.client.dp_sgd import DpSgdTrainer  # Opacus only when asked for
 
         return DpSgdTrainer(model, cfg.train, cfg.privacy, device, task=task)
@@ -78,7 +79,7 @@ def expected_clients(cfg: Config, num_clients: int) -> int:
 
 def make_round_strategy(cfg: Config, numel: int, device: torch.device | str, num_clients: int) -> Strategy:
     """The server's strategy: the DP mean for central/distributed DP, else ``[strategy]`` x ``[robust]``."""
-    if cfg.privacy.mode in ("central", "distributed"):
+    if plan_of(cfg).user_level:
         from shoal.aggregation.dp import make_dp_strategy
 
         seed = derive_seed(cfg.simulation.seed, 0xD9)

@@ -26,6 +26,12 @@ class ConfigError(ShoalError):
     code = "bad_config"
 
 
+class EngineError(ShoalError):
+    """A simulation engine could not start or run (e.g. Ray workers that are never placed)."""
+
+    code = "engine"
+
+
 class DataError(ShoalError):
     """A dataset is missing, malformed or does not fit the model."""
 

@@ -29,11 +29,30 @@ class Entry:
         return prod(self.shape)
 
 
+def frozen_digest(module: nn.Module) -> str:
+    """SHA-256 of the frozen parameters' names, shapes, dtypes and values ("" when none is
+    frozen): a node and a server whose base checkpoints differ would otherwise average adapter
+    updates made for different models without noticing."""
+    h = hashlib.sha256()
+    seen: set[int] = set()
+    for name, p in module.named_parameters(remove_duplicate=False):
+        if p.requires_grad or id(p) in seen:
+            continue
+        seen.add(id(p))
+        t = p.detach().contiguous().cpu()
+        h.update(f"{name}:{list(t.shape)}:{t.dtype}:".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()[:16] if seen else ""
+
+
 @dataclass(frozen=True)
 class ParamSpec:
     """Names, shapes and offsets of a model's float tensors in one flat buffer."""
 
     entries: tuple[Entry, ...]
+    #: digest of the parameters that never travel (frozen, e.g. a pretrained base under adapters):
+    #: part of :attr:`hash`, so two ends with other base weights do not exchange updates
+    base: str = ""
 
     @property
     def numel(self) -> int:
@@ -50,7 +69,8 @@ class ParamSpec:
     def hash(self) -> str:
         """Short stable digest of the layout: two ends agree on it before any tensor moves."""
         desc = json.dumps([[e.name, list(e.shape)] for e in self.entries], separators=(",", ":"))
-        return hashlib.sha256(("float32:" + desc).encode()).hexdigest()[:16]
+        base = f"base:{self.base}:" if self.base else ""
+        return hashlib.sha256((base + "float32:" + desc).encode()).hexdigest()[:16]
 
     @classmethod
     def of(cls, module: nn.Module, exchange_buffers: bool = True) -> ParamSpec:
@@ -73,6 +93,10 @@ class ParamSpec:
             entries.append(Entry(name, tuple(t.shape), offset))
             offset += t.numel()
         return cls(tuple(entries))
+
+    def with_base(self, module: nn.Module) -> ParamSpec:
+        """This spec, bound to ``module``'s frozen parameters by :func:`frozen_digest`."""
+        return ParamSpec(self.entries, frozen_digest(module))
 
     def to_json(self) -> list:
         return [[e.name, list(e.shape)] for e in self.entries]

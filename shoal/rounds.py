@@ -42,6 +42,13 @@ from .seeding import derive_seed, rng, secret_rng, secret_seed
 from .update import PartialSum, Update
 
 
+def evaluation_due(step: int, every: int, last: int | None = None, stop: bool = False) -> bool:
+    """The one evaluation cadence of every engine, server and peer: after every ``every``-th
+    round (version, local step) from the start, after the ``last`` one, and after one that ends
+    the run early (``stop``: a spent privacy budget). ``simulation.eval_every`` is ``every``."""
+    return step > 0 and (step % every == 0 or (last is not None and step >= last) or stop)
+
+
 @dataclass(frozen=True)
 class Assignment:
     """What a selected client is asked to do: train from global ``version`` with ``seed``."""
@@ -108,6 +115,9 @@ class RoundSummary:
     failed: bool = False  # closed below min_fraction at its deadline; model unchanged
     num_late: int = 0  # late results folded into this round
     late_staleness: dict[int, int] = field(default_factory=dict)
+    # each on-time result's train loss (privacy.release = "noised" clips and noises their sum);
+    # None when some results arrived summed (PartialSum) and their losses are not known one by one
+    client_losses: list[float] | None = field(default_factory=list)
 
 
 class SyncRounds:
@@ -184,6 +194,7 @@ class SyncRounds:
         self.open = False
         self._examples = 0
         self._loss_sum = 0.0
+        self._losses: list[float] | None = []
         self.rejected: dict[str, int] = {}
 
     def sample_size(self, num_available: int) -> int:
@@ -236,7 +247,7 @@ class SyncRounds:
         for cid in self.selected:  # a new task replaces an outstanding late one
             self.late_pending.pop(cid, None)
         self.received = set()
-        self._examples, self._loss_sum = 0, 0.0
+        self._examples, self._loss_sum, self._losses = 0, 0.0, []
         self.rejected = {}
         self._late_count, self._late_hist = 0, {}
         self.strategy.begin(self.global_params)
@@ -279,6 +290,8 @@ class SyncRounds:
         self.received.add(client_id)
         self._examples += update.num_examples
         self._loss_sum += update.metrics.get("train_loss", 0.0) * update.num_examples
+        if self._losses is not None:
+            self._losses.append(float(update.metrics.get("train_loss", float("nan"))))
         return False
 
     def submit_sum(self, part: PartialSum) -> None:
@@ -302,6 +315,7 @@ class SyncRounds:
         self.received.update(part.senders)
         self._examples += part.num_examples
         self._loss_sum += part.loss_sum
+        self._losses = None  # summed where they trained: no loss of one client is known here
 
     def _submit_late(self, client_id: str, update: Update, t: int) -> None:
         def reject(code: str, detail: str) -> NoReturn:
@@ -412,6 +426,7 @@ class SyncRounds:
             failed=failed,
             num_late=self._late_count,
             late_staleness=dict(self._late_hist),
+            client_losses=None if self._losses is None else list(self._losses),
         )
 
     # --- the rest of the Rounds protocol (what the server asks) ---------------------------

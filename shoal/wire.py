@@ -27,6 +27,7 @@ from .update import Update
 FORMAT = "shoal/1"
 MAX_HEADER_BYTES = 1 << 20
 _DTYPES = {
+    "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
     "BF16": torch.bfloat16,

@@ -26,7 +26,7 @@ from shoal.assembly import make_async_rounds
 from shoal.async_rounds import AsyncStats
 from shoal.config import Config
 from shoal.errors import UpdateRejected, WireError
-from shoal.rounds import Assignment
+from shoal.rounds import Assignment, evaluation_due
 from shoal.seeding import rng
 from shoal.update import Update
 
@@ -279,7 +279,7 @@ class AsyncEngine:
                 except UpdateRejected:
                     advanced = False
                     self.sim.wire.not_accepted(c)
-                if advanced and het.eval_interval_s == 0 and r.version % cfg.simulation.eval_every == 0:
+                if advanced and het.eval_interval_s == 0 and evaluation_due(r.version, cfg.simulation.eval_every):
                     yield self._record(last)
                     last = r.stats.copy()
             if r.version < cfg.simulation.rounds:  # no new tasks once the last version is reached

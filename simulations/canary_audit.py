@@ -53,6 +53,7 @@ from scipy.special import log_ndtr
 from shoal.accounting import dp_sgd_schedule, epsilon
 from shoal.config import Config
 from shoal.errors import ConfigError
+from shoal.privacy_plan import plan_of
 from shoal.rounds import Assignment
 from shoal.seeding import derive_seed
 from shoal.task import SimulationData, Task, num_examples
@@ -256,7 +257,7 @@ class CanaryClients:
         self.participated: set[str] = set()
         self.releases: dict[str, tuple[float, float]] = {}  # local: a canary's first update on (u_j, v_j)
         cfg = sim.cfg
-        self.local = cfg.privacy.mode == "local"
+        self.local = plan_of(cfg).dp_sgd
         self.clip = cfg.privacy.clip_norm
         if self.local and sim.batched is not None:
             raise RuntimeError("local-DP canaries train one by one with the DP-SGD trainer")
@@ -327,7 +328,7 @@ def run_canary_audit(
     ``prepare(sim)`` runs before training (e.g. to track participants, or to plant a bug)."""
     k = cfg.privacy.canaries if canaries is None else canaries
     m = cfg.privacy.canaries_unseen if unseen is None else unseen
-    local = cfg.privacy.mode == "local"
+    local = plan_of(cfg).dp_sgd
     b = cfg.train.batch_size
     if local and not isinstance(b, int):
         raise ConfigError(f"the local-DP canary audit needs train.batch_size as a number of examples (it is {b!r})")

@@ -24,9 +24,8 @@ import secrets
 from collections.abc import Callable
 
 from shoal.accounting import (
+    Accountant,
     DdgRoundAccountant,
-    LocalDpSgdAccountant,
-    RoundAccountant,
     budget_allows,
     check_delta_against,
     dp_sgd_schedule,
@@ -37,7 +36,8 @@ from shoal.assembly import expected_clients
 from shoal.config import Config
 from shoal.errors import ConfigError
 from shoal.noise import describe as describe_randomness
-from shoal.rounds import Assignment
+from shoal.privacy_plan import plan_of
+from shoal.rounds import Assignment, RoundSummary
 from shoal.seeding import derive_seed
 from shoal.update import Update
 
@@ -46,9 +46,7 @@ log = logging.getLogger(__name__)
 
 def round_sampling(cfg: Config) -> str:
     """How SyncRounds picks clients under this config: ``poisson`` or ``fixed``."""
-    if cfg.privacy.mode in ("central", "distributed"):
-        return cfg.privacy.sampling
-    return "fixed"
+    return plan_of(cfg).round_sampling
 
 
 class DistributedNoise:
@@ -121,25 +119,25 @@ class PrivacyBudget:
         """``sampling``: how the engine picks who trains, for records (default: the sync rounds'
         sampling, :func:`round_sampling`; gossip says ``online``: every online peer trains)."""
         p = cfg.privacy
+        self.plan = plan_of(cfg)
         agg = strategy.aggregator if strategy is not None else None
         # adaptive clipping is central DP's (config rules), whose strategy aggregates with a DPMean
         self._aggregator = agg if isinstance(agg, DPMean) and p.adaptive_clipping else None
         self.target = p.target_epsilon
         self.delta = p.delta
         self.sampling = sampling or round_sampling(cfg)
-        self.accountant: LocalDpSgdAccountant | RoundAccountant | DdgRoundAccountant
-        if p.mode == "local":
+        self.accountant: Accountant
+        if self.plan.dp_sgd:
             schedules = {c: dp_sgd_schedule(n, cfg.train.batch(n), cfg.train.epochs) for c, n in client_sizes.items()}
-            self.accountant = LocalDpSgdAccountant(schedules, p.noise_multiplier, p.delta, p.accountant)
+            self.accountant = self.plan.local_accountant(schedules)
         else:
             n = len(client_sizes)
             k = expected_clients(cfg, n)
-            self.accountant = RoundAccountant(
-                k / n, p.noise_multiplier, p.delta, p.accountant, sampling=self.sampling, num_clients=n, sample_size=k
-            )
+            # at z_eff when the round's figures are released noised too (PrivacyPlan.accounted_z)
+            self.accountant = self.plan.round_accountant(k / n, sampling=self.sampling, num_clients=n, sample_size=k)
         check_delta(p.delta, p.mode, client_sizes)
         self.reproducible = p.reproducible
-        log.info("privacy accounting: %s", self.accountant.describe())
+        log.info("privacy accounting: %s; %s", self.accountant.describe(), self.plan.describe_release())
         (log.warning if p.reproducible else log.info)("privacy randomness: %s", describe_randomness(p.reproducible))
         if self.target and self.accountant.next_epsilon() > self.target:
             raise ConfigError(
@@ -179,8 +177,13 @@ class PrivacyBudget:
             "delta": self.delta,
             "sampling": self.sampling,
             "accountant": self.accountant.describe(),
+            "release": self.plan.describe_release(),
             "randomness": describe_randomness(self.reproducible),
         }
+
+    def round_figures(self, summary: RoundSummary) -> dict:
+        """privacy.release = "noised": the round's noisy result count and train loss ({} otherwise)."""
+        return self.plan.noisy_round(summary.num_results, summary.client_losses)
 
     def record_round(self, tasks: list[Assignment]) -> None:
         self.record_participants([t.client_id for t in tasks])
@@ -188,6 +191,13 @@ class PrivacyBudget:
     def record_participants(self, client_ids: list[str]) -> None:
         """One round in which these clients (or gossip peers) trained; one listed twice trained twice."""
         self.accountant.record_round(client_ids)
+
+    def state_dict(self) -> dict:
+        """What was charged so far (the accountant's ledger), as the server keeps its own."""
+        return self.accountant.state_dict()
+
+    def load_state_dict(self, state: dict) -> None:
+        self.accountant.load_state_dict(state)
 
     def allows_next_round(self) -> bool:
         """False (with a message) when one more round would take epsilon past the target."""

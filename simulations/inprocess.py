@@ -18,14 +18,15 @@ import torch
 from shoal.aggregation.scaffold import ScaffoldControl
 from shoal.aggregation.secagg import SecAggAborted
 from shoal.assembly import initial_model, make_client_program, make_round_strategy, make_trainer, task_from_config
-from shoal.client.algorithms import ClientResult
+from shoal.client.algorithms import ClientResult, train_batched
 from shoal.client.batched import make_batched_trainer
 from shoal.client.device import select_device
 from shoal.client.state import State, StateMapping, make_client_state
 from shoal.client.training import summarize_means
 from shoal.config import Config
 from shoal.errors import WireError
-from shoal.rounds import Assignment, RoundSummary, SyncRounds
+from shoal.privacy_plan import plan_of
+from shoal.rounds import Assignment, RoundSummary, SyncRounds, evaluation_due
 from shoal.seeding import derive_seed, rng
 from shoal.task import ClientData, Population, SimulationData, Task, call_part, check_data, check_loss
 from shoal.update import PartialSum, Update
@@ -60,8 +61,8 @@ def batching_blocker(
     task: Task, trainer, shards: ClientShards | PopulationShards, algorithm: str = "fedavg"
 ) -> str | None:
     """Why the task (or ``algorithm.name``) rules out the batched many-clients path (None: it may batch)."""
-    if algorithm != "fedavg":
-        return f"algorithm.name = {algorithm!r} runs its own local step with per-client state"
+    if algorithm in ("ditto", "fedper", "fedrep"):
+        return f"algorithm.name = {algorithm!r} trains a personal part of its own on each client"
     if not shards.in_memory:
         return "the clients' data are torch Datasets (read through a DataLoader), not tensors"
     if type(task).loss is not Task.loss:
@@ -112,15 +113,14 @@ class LocalClients:
 
     def train(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
         sim = self.sim
+        broadcast = sim.broadcast()
         if sim.batched is not None:
             # a population's cohort is loaded and concatenated here; held data are sliced in place
-            x, y, starts, sizes = sim.shards.gather([sim._index[t.client_id] for t in tasks])
-            for j, update in sim.batched.train(global_params, x, y, starts, sizes, [t.seed for t in tasks]):
-                task = tasks[j]
-                update.base_version, update.sender = task.version, task.client_id
-                yield task, update
+            data = sim.shards.gather([sim._index[t.client_id] for t in tasks])
+            states = [sim.client_state(t.client_id) for t in tasks]
+            for j, result in train_batched(sim.program, sim.batched, global_params, data, tasks, states, broadcast):
+                yield tasks[j], sim.keep_result(tasks[j].client_id, result)
             return
-        broadcast = sim.broadcast()
         for task in tasks:
             i = sim._index[task.client_id]
             state = sim.client_state(task.client_id)
@@ -216,7 +216,7 @@ class InProcessSimulation:
         self.rounds.secret = selection_secret(cfg)  # DP: selection and task seeds from the OS
         self.privacy = (
             None
-            if cfg.privacy.mode == "none"
+            if not plan_of(cfg).enabled
             else PrivacyBudget(cfg, {c: self.shards.size(i) for i, c in enumerate(self.client_ids)}, strategy)
         )
         # top-k residuals: in memory, or beside the clients' state on disk (algorithm.state_dir)
@@ -229,7 +229,7 @@ class InProcessSimulation:
         blocker = batching_blocker(self.task, self.trainer, self.shards, cfg.algorithm.name)
         if blocker is None and cfg.algorithm.keep_optimizer_state:
             blocker = "algorithm.keep_optimizer_state keeps each client's momentum between its rounds"
-        if cfg.privacy.mode == "local":  # DP-SGD clips per sample with Opacus: never batched across clients
+        if plan_of(cfg).dp_sgd:  # DP-SGD clips per sample with Opacus: never batched across clients
             blocker = "privacy.mode = 'local' (DP-SGD) trains each client with Opacus"
         if blocker is None:
             self.batched = make_batched_trainer(
@@ -255,6 +255,10 @@ class InProcessSimulation:
             picked = rng(sim.seed, _FED_EVAL_STREAM).choice(n, size=min(n, k), replace=False)
             self.fed_eval_clients = sorted(int(i) for i in picked)
         self.clients: ClientPool = (clients or LocalClients)(self)
+        if runner is None and cfg.hierarchy.edges:
+            from .hierarchy import HierarchicalRound
+
+            runner = HierarchicalRound
         if runner is None and cfg.secure_aggregation.enabled:
             from .secure_rounds import SecureAggregationRounds
 
@@ -333,7 +337,7 @@ class InProcessSimulation:
     def _client_steps(self) -> list[ClientStep]:
         """The client-side steps the config asks for, in pipeline order (DESIGN.md)."""
         steps: list[ClientStep] = [*attack_steps(self)]
-        if self.cfg.privacy.mode == "distributed":
+        if plan_of(self.cfg).client_shares:
             steps.append(distributed_noise_step(self.cfg, len(self.client_ids), self.rounds))
         return [*steps, self.wire]
 
@@ -419,7 +423,7 @@ class InProcessSimulation:
             summary = self.run_round()
             stop = self.privacy is not None and not self.privacy.allows_next_round()
             record = None
-            if r % sim_cfg.eval_every == 0 or r == sim_cfg.rounds or stop:
+            if evaluation_due(r, sim_cfg.eval_every, sim_cfg.rounds, stop):
                 record = {
                     "round": summary.round,
                     "version": summary.version,
@@ -430,8 +434,9 @@ class InProcessSimulation:
                     **self.wire.counts(),
                     "rejected": summary.rejected,
                 }
-                if self.privacy is not None:
-                    record.update(self.privacy.metrics())
+                if self.privacy is not None:  # the run loop leaves out what privacy.release withholds
+                    record.update(self.privacy.metrics(), **self.privacy.round_figures(summary))
+                record.update(self.runner_figures("round_fields"))  # e.g. virtual edges' per-tier figures
             yield Step(1, record)
             if stop:
                 return
@@ -449,7 +454,13 @@ class InProcessSimulation:
         if self.privacy is not None:
             out.update(self.privacy.summary())  # epsilon, delta, the sampling and the accountant
         out.update(self.pool_figures())
+        out.update(self.runner_figures("figures"))
         return out
+
+    def runner_figures(self, name: str) -> dict:
+        """What the round runner says of itself (``round_fields``: this round; ``figures``: totals)."""
+        figures = getattr(self.runner, name, None)
+        return figures() if callable(figures) else {}
 
     def pool_figures(self) -> dict:
         """What the client pool says of itself for summary.json (the Ray engine: its workers)."""

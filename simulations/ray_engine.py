@@ -49,11 +49,12 @@ import torch
 
 from shoal.aggregation import Strategy, WeightedMean
 from shoal.assembly import initial_model, make_client_program, make_trainer, task_from_config, with_absolute_task
-from shoal.client.algorithms import ClientResult
+from shoal.client.algorithms import ClientResult, train_batched
 from shoal.client.batched import make_batched_trainer
 from shoal.client.device import select_device
 from shoal.config import Config
-from shoal.errors import ConfigError, WireError
+from shoal.errors import ConfigError, EngineError, WireError
+from shoal.privacy_plan import plan_of
 from shoal.rounds import Assignment
 from shoal.seeding import derive_seed
 from shoal.task import ClientData
@@ -179,7 +180,7 @@ class RayWorker:
         blocker = batching_blocker(task, self.trainer, self.data.shards, cfg.algorithm.name)
         if blocker is None and cfg.algorithm.keep_optimizer_state:
             blocker = "algorithm.keep_optimizer_state"
-        if cfg.privacy.mode == "local":
+        if plan_of(cfg).dp_sgd:
             blocker = "DP-SGD"
         if cfg.simulation.mode == "gossip":  # peers train one by one, as GossipNetwork's LocalPeers
             blocker = "gossip"
@@ -226,10 +227,12 @@ class RayWorker:
         """Each item's result (update, new state, what the server needs), in ``items`` order: LocalClients' rules."""
         out: list[ClientResult | None] = [None] * len(items)
         if self.batched is not None:
-            x, y, starts, sizes = self.data.batch([it.index for it in items])
-            for j, update in self.batched.train(global_flat, x, y, starts, sizes, [it.task.seed for it in items]):
-                update.base_version, update.sender = items[j].task.version, items[j].task.client_id
-                out[j] = ClientResult(update)
+            cohort = self.data.batch([it.index for it in items])
+            tasks, states = [it.task for it in items], [it.state or {} for it in items]
+            for j, result in train_batched(
+                self.program, self.batched, global_flat, cohort, tasks, states, broadcast or {}
+            ):
+                out[j] = result
         else:
             for j, it in enumerate(items):
                 data = self.data.client(it.index)
@@ -340,6 +343,37 @@ def ray_init_args(cfg: Config) -> dict[str, Any]:
     }
 
 
+def start_ray(init_args: dict[str, Any], timeout_s: float) -> None:
+    """``ray.init(**init_args)``, or EngineError in one line when the runtime has not started within
+    ``timeout_s`` (the start goes on in the background; the caller stops)."""
+    import threading
+
+    import ray
+
+    failed: list[BaseException] = []
+
+    def init() -> None:
+        try:
+            with warnings.catch_warnings():  # Ray's notice of a future default; workers pick devices themselves
+                warnings.filterwarnings("ignore", category=FutureWarning, module="ray")
+                ray.init(**init_args)
+        except BaseException as e:  # re-raised in the caller's thread
+            failed.append(e)
+
+    t = threading.Thread(target=init, name="ray-init", daemon=True)
+    t.start()
+    t.join(timeout_s)
+    if t.is_alive():
+        where = init_args.get("address", "local")
+        raise EngineError(
+            f"the Ray runtime ({'a new local one' if where == 'local' else where}) did not start within "
+            f"simulation.ray_start_timeout_s = {timeout_s:g} s: check that the cluster is up and reachable "
+            "(`ray status`), or raise the timeout"
+        )
+    if failed:
+        raise failed[0]
+
+
 def worker_count(cfg: Config, cpus: float, gpus: float, nodes: int) -> int:
     """How many workers: ``ray_workers``, or ``ray_workers_per_node`` on each node, or as many
     as the cluster's CPUs (and GPUs, when workers take a share of one) hold; a ConfigError
@@ -383,10 +417,9 @@ class WorkerPool:
 
         t0 = time.perf_counter()
         self._started = not ray.is_initialized()
+        self.start_timeout_s = cfg.simulation.ray_start_timeout_s
         if self._started:
-            with warnings.catch_warnings():  # Ray's notice of a future default; workers pick devices themselves
-                warnings.filterwarnings("ignore", category=FutureWarning, module="ray")
-                ray.init(**ray_init_args(cfg))
+            start_ray(ray_init_args(cfg), self.start_timeout_s)
         sim = cfg.simulation
         nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
         res = ray.cluster_resources()
@@ -399,6 +432,7 @@ class WorkerPool:
             "max_restarts": sim.ray_max_restarts,
             "max_task_retries": 0,  # the driver re-sends a lost call itself (possibly to another worker)
         }
+        self.opts = opts
         self.actors: list[Any]
         if sim.ray_workers_per_node:
             places = [n["NodeID"] for n in nodes for _ in range(sim.ray_workers_per_node)]
@@ -417,6 +451,22 @@ class WorkerPool:
 
     def __len__(self) -> int:
         return len(self.actors)
+
+    def wait_ready(self, sub: Submission, what: str) -> None:
+        """EngineError, with what the cluster has free, unless every call of ``sub`` finishes within
+        ``simulation.ray_start_timeout_s`` (workers that Ray cannot place wait for ever otherwise)."""
+        import ray
+
+        ready, pending = ray.wait(sub.refs, num_returns=len(sub.refs), timeout=self.start_timeout_s)
+        if pending:
+            free = ray.available_resources()
+            raise EngineError(
+                f"{len(pending)} of {len(sub.refs)} Ray workers did not {what} within simulation.ray_start_timeout_s = "
+                f"{self.start_timeout_s:g} s: each asks for {self.opts['num_cpus']:g} CPU(s) and "
+                f"{self.opts['num_gpus']:g} GPU(s), and the cluster has {free.get('CPU', 0):g} CPU(s) and "
+                f"{free.get('GPU', 0):g} GPU(s) free now (another Ray job may hold them): free them, ask for fewer "
+                "workers or resources, or raise the timeout"
+            )
 
     def call(self, method: str, args: list[tuple], offset: int = 0) -> list[Any]:
         """``method(*args[p])`` on worker ``(offset + p) % size`` for each part p, in parallel;
@@ -512,7 +562,9 @@ def prepare_workers(
             f"task ({type(task).__name__}) was given as an object: name it with task.app = "
             "'path/to/file.py:name' (or --task) so that workers can load it"
         )
-    infos = pool.call("prepare", [(setup,)] * len(pool))
+    sub = pool.submit("prepare", [(setup,)] * len(pool))
+    pool.wait_ready(sub, "start and load the task")
+    infos = pool.collect(sub)
     for i, info in enumerate(infos):
         if info["numel"] != numel or info["digest"] != digest:
             raise ConfigError(
@@ -743,6 +795,10 @@ def ray_simulation(cfg: Config, pool: WorkerPool | None = None) -> InProcessSimu
     pool = pool if pool is not None else WorkerPool(cfg)
 
     def runner(sim: InProcessSimulation) -> RoundRunner:
+        if cfg.hierarchy.edges:  # virtual edges sum their clients' updates (simulations/hierarchy.py)
+            from .hierarchy import HierarchicalRound
+
+            return HierarchicalRound(sim)
         if cfg.secure_aggregation.enabled:
             from .secure_rounds import SecureAggregationRounds
 

@@ -26,6 +26,7 @@ from typing import Any
 
 from shoal.config import Config
 from shoal.metrics import MetricsLog
+from shoal.privacy_plan import plan_of
 
 from .report import final_metrics, plot_curves
 
@@ -103,6 +104,7 @@ class RunLoop:
         unit: str = "round",
     ):
         self.cfg = cfg
+        self.plan = plan_of(cfg)  # what a DP run may write (privacy.release)
         self.out = Path(out_dir or cfg.output.dir)
         self.metrics = MetricsLog(self.out, tensorboard=cfg.output.tensorboard)
         self.label, self.x_axis = label, x_axis
@@ -122,8 +124,9 @@ class RunLoop:
         self.metrics.close()
 
     def record(self, record: dict[str, Any], advance: int = 0) -> dict[str, Any]:
-        """Write one metrics record (``elapsed_s`` added), tell ``on_record``, move the bar."""
-        rec = {**record, "elapsed_s": round(time.perf_counter() - self.t_start, 4)}
+        """Write one metrics record (``elapsed_s`` added; under DP only what ``privacy.release``
+        lets out), tell ``on_record``, move the bar."""
+        rec = self.plan.release_record({**record, "elapsed_s": round(time.perf_counter() - self.t_start, 4)})
         self.metrics.write(rec)
         self.last = rec
         if self.on_record:
@@ -148,7 +151,7 @@ class RunLoop:
             "best_test_accuracy": max(accs) if accs else None,
             "final_metrics": final_metrics(last),
             "task": self.label,
-            **figures,
+            **self.plan.release_summary(figures),
             "wall_s": round(time.perf_counter() - self.t_start, 3),
             "setup_s": round(setup_s, 3),
             "config": self.cfg.to_dict(),

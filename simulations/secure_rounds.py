@@ -43,6 +43,7 @@ from shoal.aggregation.secagg.group import SecureMean, secure_weighted_mean
 from shoal.aggregation.secagg.memory import STAGES, injected_dropouts, run_in_memory
 from shoal.errors import NonFinite
 from shoal.noise import NoiseSource
+from shoal.privacy_plan import plan_of
 from shoal.rounds import Assignment
 from shoal.seeding import derive_seed, rng
 from shoal.update import Update
@@ -64,7 +65,7 @@ class SecureAggregationRounds:
         self.sim = sim
         self.cfg = sim.cfg.secure_aggregation
         # distributed DP's server divides the plain sum by K: every client weighs the same
-        self.weighting = "uniform" if sim.cfg.privacy.mode == "distributed" else sim.cfg.strategy.weighting
+        self.weighting = "uniform" if plan_of(sim.cfg).client_shares else sim.cfg.strategy.weighting
         n = len(sim.client_ids)
         k = sim.rounds.sample_size(n)
         self.max_summands = poisson_cap(n, k) if sim.rounds.sampling == "poisson" else k
@@ -77,10 +78,10 @@ class SecureAggregationRounds:
         self.noise_shares = 0  # distributed DP: t, the fewest survivors a round may complete with
         p = sim.cfg.privacy
         self.ddg: DdgParams | None = None  # the distributed discrete Gaussian's parameters
-        if p.mode == "distributed" and p.mechanism == "discrete_gaussian":
+        if plan_of(sim.cfg).client_shares and p.mechanism == "discrete_gaussian":
             self.noise_shares = max(self.min_survivors(k), math.ceil(p.min_survivors * k - 1e-9))
             self._use_discrete_gaussian(k, n)
-        elif p.mode == "distributed":
+        elif plan_of(sim.cfg).client_shares:
             self.noise_shares = max(self.min_survivors(k), math.ceil(p.min_survivors * k - 1e-9))
             std = share_std(p.clip_norm, p.noise_multiplier, self.noise_shares)
             if p.noise_multiplier > 0:

@@ -19,7 +19,7 @@ from typing import Any
 from shoal import assembly
 from shoal.config import Config
 from shoal.errors import UpdateRejected, WireError
-from shoal.rounds import RoundSummary, SyncRounds
+from shoal.rounds import RoundSummary, SyncRounds, evaluation_due
 
 from .async_engine import VirtualClients, staleness_figures
 from .inprocess import InProcessSimulation
@@ -126,8 +126,8 @@ class VirtualSyncEngine:
             if r.open and (r.should_close(q.now) or not self.live):
                 s = self._close()
                 self.rounds_done += 1
-                if het.eval_interval_s == 0 and (
-                    self.rounds_done % cfg.simulation.eval_every == 0 or self.rounds_done == cfg.simulation.rounds
+                if het.eval_interval_s == 0 and evaluation_due(
+                    self.rounds_done, cfg.simulation.eval_every, cfg.simulation.rounds
                 ):
                     yield self._record(s)
             if not r.open and self.rounds_done < cfg.simulation.rounds:

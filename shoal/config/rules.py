@@ -67,6 +67,7 @@ def check_combinations(self: Any) -> None:
         check_gossip_settings(self)
     _check_async_robust(self)
     _check_algorithm(self)
+    _check_hierarchy(self)
     dp = self.privacy.mode
     if self.privacy.mechanism == "discrete_gaussian" and not self.secure_aggregation.enabled:
         raise ConfigError(
@@ -222,3 +223,27 @@ def _check_algorithm(self: Any) -> None:
         why = "train.prox_mu > 0: the algorithm sets its own proximal term"
     if why:
         raise ConfigError(f"algorithm.name = {name!r} with {why}")
+
+
+def _check_hierarchy(self: Any) -> None:
+    """Simulated edge aggregators sum plain FedAvg updates (docs/hierarchy.md, what works and what not yet)."""
+    if not self.hierarchy.edges:
+        return
+    unsupported = [
+        name
+        for name, on in (
+            (f"simulation.mode = {self.simulation.mode!r}", self.simulation.mode != "sync"),
+            (f"simulation.engine = {self.simulation.engine!r}", self.simulation.engine == "flower"),
+            ("heterogeneity.enabled", self.heterogeneity.enabled),
+            (f"algorithm.name = {self.algorithm.name!r}", self.algorithm.name != "fedavg"),
+            (f"robust.rule = {self.robust.rule!r}", self.robust.rule != "mean"),
+            (f"privacy.mode = {self.privacy.mode!r}", self.privacy.mode != "none"),
+            ("secure_aggregation.enabled", self.secure_aggregation.enabled),
+        )
+        if on
+    ]
+    if unsupported:
+        raise ConfigError(
+            f"hierarchy.edges = {self.hierarchy.edges} simulates edge aggregators that sum plain FedAvg updates "
+            f"in sync rounds, and cannot run {', '.join(unsupported)} yet; set hierarchy.edges = 0 (flat)"
+        )

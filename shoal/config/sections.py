@@ -74,6 +74,9 @@ class SimulationConfig:
     ray_gpus_per_worker: float = 0.0  # engine=ray: GPU fraction per worker (0.25 = four workers share a GPU)
     ray_max_restarts: int = 3  # engine=ray: a dead worker is restarted this often; its clients are re-run
     ray_partial_sums: bool = True  # engine=ray: workers sum their clients' updates when the pipeline allows
+    # engine=ray|flower: longest wait for the Ray runtime to start and for the workers to be placed and
+    # loaded, before the run stops with one line saying what the cluster lacks (never an endless wait)
+    ray_start_timeout_s: float = 300.0
 
     def validate(self) -> None:
         _positive("simulation.rounds", self.rounds)
@@ -95,6 +98,7 @@ class SimulationConfig:
         _positive("simulation.ray_cpus_per_worker", self.ray_cpus_per_worker)
         _positive("simulation.ray_gpus_per_worker", self.ray_gpus_per_worker, allow_zero=True)
         _positive("simulation.ray_max_restarts", self.ray_max_restarts, allow_zero=True)
+        _positive("simulation.ray_start_timeout_s", self.ray_start_timeout_s)
         if self.ray_workers and self.ray_workers_per_node:
             raise ConfigError(
                 "simulation.ray_workers and simulation.ray_workers_per_node are both set: "
@@ -546,6 +550,13 @@ class PrivacyConfig:
     # true: selection and noise are seeded from simulation.seed (runs repeat exactly) and the
     # guarantee does not hold against anyone who knows the seed; false: from a CSPRNG keyed by the OS
     reproducible: bool = False
+    # what a DP run's records say of each round beyond the model (docs/privacy.md "What a run releases"):
+    # withhold = no data-dependent per-round figure (train loss, counts, bytes, clients' own evaluations);
+    # noised = the number of results and the train loss with Gaussian noise, charged in epsilon
+    # (central / distributed only); clear = everything un-noised, NOT covered by the epsilon
+    release: Literal["withhold", "noised", "clear"] = "withhold"
+    release_noise_multiplier: float = 5.0  # noised: std of the count's noise (sensitivity 1) and of the loss sum's
+    release_loss_clip: float = 5.0  # noised: each client's train loss clipped to [0, this] (the loss sum's sensitivity)
     # `shoal privacy-sweep`: the grid run after a non-private baseline
     sweep_modes: list[Literal["central", "local", "distributed"]] = field(default_factory=lambda: ["central", "local"])
     sweep_noise_multipliers: list[float] = field(default_factory=lambda: [0.3, 0.6, 1.0, 2.0])  # the sweep's z values
@@ -578,6 +589,12 @@ class PrivacyConfig:
             _positive("privacy.gamma", self.gamma, allow_zero=True)
             if not 0 <= self.beta < 1:
                 raise ConfigError(f"privacy.beta = {self.beta} must be in [0, 1)")
+            if self.release == "noised":
+                raise ConfigError(
+                    "privacy.release = 'noised' with privacy.mechanism = 'discrete_gaussian': the noised figures' "
+                    "cost is folded into the Gaussian's multiplier, which the discrete Gaussian's accountant does not "
+                    "compose yet; use privacy.release = 'withhold' (the default)"
+                )
             if self.sampling != "poisson" or self.accountant != "rdp":
                 raise ConfigError(
                     "privacy.mechanism = 'discrete_gaussian' is accounted with RDP under Poisson sampling (the "
@@ -594,6 +611,14 @@ class PrivacyConfig:
             raise ConfigError(
                 f"privacy.adaptive_clipping needs privacy.mode = 'central' (it is {self.mode!r}): the noisy "
                 "count of clipped updates is computed by the server; set adaptive_clipping = false"
+            )
+        _positive("privacy.release_noise_multiplier", self.release_noise_multiplier)
+        _positive("privacy.release_loss_clip", self.release_loss_clip)
+        if self.release == "noised" and self.mode == "local":
+            raise ConfigError(
+                "privacy.release = 'noised' with privacy.mode = 'local': the noisy count and loss are charged "
+                "per client, local DP-SGD per example; local DP releases no per-round figure of the clients "
+                "anyway: use privacy.release = 'withhold'"
             )
         for z in self.sweep_noise_multipliers:
             _positive("privacy.sweep_noise_multipliers", z)
@@ -710,6 +735,28 @@ class FederationConfig:
 
 
 @dataclass
+class HierarchyConfig:
+    """Edge aggregators between the nodes and the root (docs/hierarchy.md): each edge sums its
+    nodes' updates and sends one partial up; only the root divides. ``edges = 0`` is flat."""
+
+    edges: int = 0  # simulator: edge aggregators under the root (0 = flat: every client reports to the root)
+    assignment: Literal["contiguous", "hash", "random"] = (
+        "contiguous"  # clients -> edges: contiguous blocks | a hash of the client id | a seeded shuffle
+    )
+    edge_rounds: int = 1  # HierFAVG's kappa_2: edge aggregations per root round (1: exactly flat FedAvg)
+    edge_failure: float = 0.0  # simulator: probability an edge is lost in a root round (its clients drop out)
+    partial_dtype: Literal["float32", "float64"] = (
+        "float32"  # the partial's sum on the wire: float32 (half the bytes, rounded once) | float64 (exact)
+    )
+
+    def validate(self) -> None:
+        _positive("hierarchy.edges", self.edges, allow_zero=True)
+        _positive("hierarchy.edge_rounds", self.edge_rounds)
+        if not 0 <= self.edge_failure <= 1:
+            raise ConfigError(f"hierarchy.edge_failure = {self.edge_failure} must be in [0, 1]")
+
+
+@dataclass
 class Config:
     simulation: SimulationConfig = field(default_factory=SimulationConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -729,6 +776,7 @@ class Config:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     secure_aggregation: SecureAggregationConfig = field(default_factory=SecureAggregationConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
+    hierarchy: HierarchyConfig = field(default_factory=HierarchyConfig)
 
     def validate(self) -> Config:
         for f in dataclasses.fields(self):

@@ -52,7 +52,7 @@ class GroupAverage:
         m = g.exchanges_per_round
         vanish = {int(i): float(net.rng.random()) * m for i in np.flatnonzero(net.leaving)}
         gone: set[int] = set()
-        self.weight = {i: (float(net.shards.size(i)) if g.group_weights == "examples" else 1.0) for i in range(net.n)}
+        self.weight = {i: (float(net.shared_size(i)) if g.group_weights == "examples" else 1.0) for i in range(net.n)}
         for s in range(m):
             at = {i: start + (u - s) for i, u in vanish.items() if s <= u < s + 1}
             self.exchange((net.round - 1) * m + s, start, at, gone)

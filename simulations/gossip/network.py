@@ -46,6 +46,7 @@ from shoal.p2p.membership import Membership, ShuffleRequest, ShuffleResponse
 from shoal.p2p.merge import MergeRule
 from shoal.p2p.model_wire import decode_gossip_model, encode_gossip_model
 from shoal.p2p.robust import make_merge_bound
+from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES, plan_of
 from shoal.seeding import derive_seed
 from shoal.task import SimulationData, Task, check_loss
 from shoal.wire import encode_model
@@ -139,7 +140,7 @@ class GossipNetwork:
                 bootstrap_peers=boot,
             )
             self.nodes.append(
-                GossipNode(m, self.models[i], self.shards.size(i), rule, g.timeout, make_merge_bound(cfg))
+                GossipNode(m, self.models[i], self.shared_size(i), rule, g.timeout, make_merge_bound(cfg))
             )
         self.online = np.ones(n, dtype=bool)
         self.leaving = np.zeros(n, dtype=bool)
@@ -296,6 +297,11 @@ class GossipNetwork:
 
     def online_peers(self) -> list[int]:
         return [int(i) for i in np.flatnonzero(self.online)]
+
+    def shared_size(self, i: int) -> int:
+        """The example count peer ``i`` tells others (merge and group weights): its shard's size,
+        or 1 under local DP, where the count is data-dependent and not noised (p2p/peer.py does the same)."""
+        return LOCAL_UPLOAD_EXAMPLES if plan_of(self.cfg).dp_sgd else self.shards.size(i)
 
     # --- metrics -------------------------------------------------------------------------
 

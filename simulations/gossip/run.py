@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shoal.config import Config
+from shoal.privacy_plan import plan_of
+from shoal.rounds import evaluation_due
 from shoal.task import SimulationData, Task
 
 from ..dp_hooks import PrivacyBudget
@@ -65,7 +67,7 @@ class GossipSimulation(GossipNetwork):
         # local DP-SGD (config rules refuse the other modes in gossip); refuses a target below one round
         self.privacy = (
             None
-            if cfg.privacy.mode == "none"
+            if not plan_of(cfg).enabled
             else PrivacyBudget(cfg, {p: self.shards.size(i) for i, p in enumerate(self.ids)}, sampling="online")
         )
 
@@ -113,7 +115,7 @@ def run_gossip_simulation(
         for r in range(1, sim_cfg.rounds + 1):
             sim.run_round()
             stop = not sim.allows_next_round()
-            due = r % sim_cfg.eval_every == 0 or r == sim_cfg.rounds or stop
+            due = evaluation_due(r, sim_cfg.eval_every, sim_cfg.rounds, stop)
             loop.step(Step(1, {"round": r, **sim.evaluate()} if due else None))
             if stop:
                 break

@@ -49,7 +49,7 @@ class SecureGroups:
                 continue
             ids = [net.ids[i] for i in members]
             offsets = {p: (net.models[i] - net.init).detach().cpu().numpy() for p, i in zip(ids, members)}
-            weights = {p: float(net.shards.size(i)) for p, i in zip(ids, members)}
+            weights = {p: float(net.shared_size(i)) for p, i in zip(ids, members)}
             drop_at = injected_dropouts(ids, rates, net.rng.random((len(ids), len(STAGES))))
             session = f"shoal-gossip/{net.cfg.simulation.seed}/{net.round}/{gi}".encode()
             try:

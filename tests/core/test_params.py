@@ -1,4 +1,5 @@
 import torch
+from torch import nn
 
 from shoal.models import build_model
 from shoal.params import ParamSpec, bind_module, flatten
@@ -37,3 +38,39 @@ def test_spec_hash_and_json_round_trip():
     assert a.hash != b.hash
     assert ParamSpec.from_json(a.to_json()) == a
     assert a.numel == 199_210 and a.nbytes == 4 * 199_210
+
+
+def test_the_spec_hash_binds_the_frozen_parameters_that_never_travel():
+    """Two ends whose exchanged tensors agree but whose frozen base weights differ must not
+    exchange updates: the trainer's spec hash covers a digest of the frozen parameters."""
+    from shoal.client.training import LocalTrainer
+    from shoal.config import TrainConfig
+    from shoal.params import frozen_digest
+
+    def model(seed: int) -> nn.Module:
+        torch.manual_seed(seed)
+        m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        m[0].requires_grad_(False)  # the "pretrained base"
+        return m
+
+    a, b, c = (LocalTrainer(model(s), TrainConfig()).spec for s in (0, 0, 1))
+    assert a.hash == b.hash and a.base == frozen_digest(model(0)) != ""
+    assert c.hash != a.hash and c.to_json() == a.to_json()  # same layout, other base
+    plain = nn.Linear(4, 2)
+    assert frozen_digest(plain) == "" and LocalTrainer(plain, TrainConfig()).spec.hash == ParamSpec.of(plain).hash
+
+
+def test_a_node_told_of_another_base_says_so_in_one_line():
+    from types import SimpleNamespace
+
+    from shoal.client.node import Node
+    from shoal.errors import SpecMismatch
+    from shoal.wire import encode_model
+
+    layer = nn.Linear(3, 2)
+    spec = ParamSpec.of(layer)
+    server_spec, node_spec = ParamSpec(spec.entries, "aaaa"), ParamSpec(spec.entries, "bbbb")
+    body = encode_model(torch.zeros(spec.numel), server_spec, 0)
+    node = SimpleNamespace(trainer=SimpleNamespace(spec=node_spec))
+    line = Node._spec_mismatch(node, body, SpecMismatch("x"))  # type: ignore[arg-type]
+    assert "frozen parameters differ" in line and server_spec.hash in line and node_spec.hash in line

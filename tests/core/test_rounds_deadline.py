@@ -106,3 +106,11 @@ def test_old_calls_keep_working_and_state_round_trips():
     assert [t.seed for t in again.start_round(IDS)] == [t.seed for t in r.start_round(IDS)]
     with pytest.raises(ValueError, match="now="):
         _rounds(deadline_s=5.0).start_round(IDS)
+
+
+def test_one_evaluation_cadence_every_kth_the_last_and_an_early_stop():
+    from shoal.rounds import evaluation_due
+
+    assert [r for r in range(0, 11) if evaluation_due(r, 3, 10)] == [3, 6, 9, 10]
+    assert [r for r in range(0, 5) if evaluation_due(r, 3, 10, stop=r == 4)] == [3, 4]
+    assert [v for v in range(0, 7) if evaluation_due(v, 2)] == [2, 4, 6]  # async versions: no last

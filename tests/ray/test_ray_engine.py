@@ -403,3 +403,34 @@ def test_a_gossip_run_on_ray_writes_the_in_process_records(pool, tmp_path):
     for x, y in zip(a, b, strict=True):
         for key in ("test_accuracy", "average_model_accuracy", "consensus_distance", "bytes_sent_per_peer"):
             assert math.isclose(x[key], y[key], rel_tol=1e-5, abs_tol=1e-6), key
+
+
+@pytest.mark.timeout(120)
+def test_virtual_edges_on_the_workers_give_the_in_process_model(pool):
+    """simulations/hierarchy.py on Ray: each edge's clients train on the workers, HierFAVG's edge
+    rounds and lost edges included; the same model and the same bytes on every link."""
+    from shoal.simulations.hierarchy import HierarchicalRound
+
+    extra = ("hierarchy.edges=2", "hierarchy.edge_rounds=2", "hierarchy.edge_failure=0.3")
+    here, there = same_model(pool, *extra)
+    assert isinstance(there.runner, HierarchicalRound) and isinstance(here.runner, HierarchicalRound)
+    assert there.runner.links.total == here.runner.links.total
+    assert there.runner.lost_total == here.runner.lost_total
+
+
+def test_workers_that_ray_cannot_place_stop_the_run_in_one_line(pool):
+    """The module's pool holds both CPUs of the cluster: a second pool's workers are never placed.
+    The run stops after simulation.ray_start_timeout_s with what the cluster has free, instead of
+    waiting for ever; Flower's engine checks the same before it starts its clients."""
+    from shoal.errors import EngineError
+    from shoal.flower.engine import wait_for_resources
+
+    cfg = config("simulation.ray_start_timeout_s=2", engine="ray")
+    second = WorkerPool(cfg)
+    try:
+        with pytest.raises(EngineError, match=r"2 of 2 Ray workers did not start and load the task within .*0 CPU"):
+            ray_simulation(cfg, second)
+    finally:
+        second.close()
+    with pytest.raises(EngineError, match=r"Flower's clients could not start within .*1 s.*1 CPU"):
+        wait_for_resources({"num_cpus": 1.0, "num_gpus": 0.0}, 1.0)

@@ -22,6 +22,7 @@ import torch
 from aiohttp import web
 
 from shoal.accounting import LocalDpSgdAccountant, dp_sgd_schedule, epsilon
+from shoal.aggregation.secagg.encoding import FixedPoint, encode_weighted
 from shoal.aggregation.secagg.wire import decode_message, encode_message
 from shoal.client.http import NodeError
 from shoal.client.node import Node, NodePrivacy
@@ -31,7 +32,7 @@ from shoal.server.service import ServerService
 from shoal.server.store import open_service
 from shoal.shards import Shard, load_shard, write_shards
 from shoal.update import Update
-from shoal.wire import decode_update, encode_model
+from shoal.wire import decode_update, encode_model, encode_update
 
 from .hostile import good_update
 from .live import ADMIN, live_server, small_config
@@ -206,8 +207,17 @@ def test_survivor_check_aborts_before_any_unmasking_share_is_asked(tmp_path):
     names = ["n0", "n1", "n2", "n3"]
     sections = {
         "privacy": {"mode": "distributed", "noise_multiplier": 1.0, "clip_norm": 1.0, "min_survivors": 1.0},
-        "secure_aggregation": {"enabled": True, "stage_s": 5.0, "clip": 6.0},
+        "secure_aggregation": {"enabled": True, "stage_s": 5.0, "clip": 6.0, "max_weight": 100.0},
     }
+
+    def masked(p, delivery_body: bytes) -> bytes:
+        """Distributed DP's vector [clip(delta), n / max_weight]: the count is only ever summed."""
+        k, bits = p.info["summands"], p.info["bits"]
+        values, weights = FixedPoint(p.info["clip"], bits, k), FixedPoint(1.0, bits, k)
+        x = encode_weighted(p.delta, 1.0, values, weights, np.random.default_rng(0))
+        x[-1:] = weights.encode(np.array([p.examples / 100.0]), np.random.default_rng(1))
+        delivery = decode_message(delivery_body, p.params.vector_size)
+        return encode_message(p.client.masked_input(delivery, x), {"round": p.round})
 
     async def secure_round(live, stack, maskers: int):
         svc, rng = live.service, np.random.default_rng(3)
@@ -229,7 +239,10 @@ def test_survivor_check_aborts_before_any_unmasking_share_is_asked(tmp_path):
             }
             assert task["secure_aggregation"]["weighting"] == "uniform"
             p.start(task)
-            assert (await p.post("keys", p.keys()))[0] == 200
+            # a count or a loss beside the masked vector would be read in the clear: refused, nothing changes
+            status, reply = await p.post("keys", p.keys())
+            assert status == 400 and "no num_examples or train_loss in the clear" in reply["detail"]
+            assert (await p.post("keys", encode_message(p.public, {"round": p.round})))[0] == 200
         for p in parties:
             status, body = await p.fetch("keys")
             directory = decode_message(body, p.params.vector_size)
@@ -238,7 +251,7 @@ def test_survivor_check_aborts_before_any_unmasking_share_is_asked(tmp_path):
             ] == 200
         for p in parties[:maskers]:
             status, delivery = await p.fetch("shares")
-            assert (await p.post("masked", p.masked(delivery, 1.0)))[0] == 200
+            assert (await p.post("masked", masked(p, delivery)))[0] == 200
         return parties
 
     async def scenario():
@@ -258,12 +271,16 @@ def test_survivor_check_aborts_before_any_unmasking_share_is_asked(tmp_path):
             assert svc.version == 0 and torch.equal(svc.rounds.global_params, before)
             assert svc.privacy.rounds_charged == 1
             parties = await secure_round(live, stack, maskers=4)
-            assert svc.secure_round.stage == "unmask"  # the 4th masked input closed the stage
+            sr2 = svc.secure_round
+            assert sr2.stage == "unmask"  # the 4th masked input closed the stage
             for p in parties:
                 status, body = await p.fetch("masked")
                 request = decode_message(body, p.params.vector_size)
                 assert (await p.post("unmask", encode_message(p.client.unmask(request), {"round": p.round})))[0] == 200
             assert svc.version == 1 and svc.privacy.rounds_charged == 2
+            assert svc.secure_last["included"] == 4
+            # the server learnt the sum of the counts (inside the masked vector), no node's own
+            assert sr2.examples is not None and abs(sr2.examples - sum(p.examples for p in parties)) <= 1
 
     asyncio.run(asyncio.wait_for(scenario(), 40))
     records = _records(tmp_path)
@@ -272,10 +289,20 @@ def test_survivor_check_aborts_before_any_unmasking_share_is_asked(tmp_path):
     assert records[1]["version"] == 1 and records[1]["epsilon"] == pytest.approx(epsilon(1.0, 1.0, 2, 1e-5))
 
 
-def test_nodes_refuse_to_unmask_a_sum_with_fewer_than_t_shares(tmp_path, caplog):
-    """A server that skips its survivor check (test-side fault injection: it hands out t = 5
-    for 4 nodes and does not abort): every real node, shown 4 survivors, sends no unmasking
-    share, so the sum is never unmasked and the model stays as it was."""
+@pytest.mark.parametrize(
+    ("inflated", "refusal"),
+    [
+        (5, "the task asks for t = 5 noise shares, but this node's key directory holds 4 nodes"),
+        (4, "asked to unmask a sum of 3 masked inputs, fewer than the t = 4"),
+    ],
+    ids=["beyond-the-directory", "within-it-one-dropout"],
+)
+def test_nodes_do_not_trust_the_server_for_t(tmp_path, caplog, inflated, refusal):
+    """A malicious server inflates t (each share then shrinks) and skips its survivor check
+    (test-side fault injection). t = 5 for 4 nodes: every node refuses at the key directory,
+    before any noise or masked input leaves it. t = 4 (the threshold is 3) with one node
+    failing before it masks: the 3 others were sized for 4 and refuse to unmask 3. Either way
+    the sum is never unmasked and the model stays as it was."""
     names = [f"client-{i:05d}" for i in range(4)]
     sections = {
         "privacy": {"mode": "distributed", "noise_multiplier": 1.0, "clip_norm": 1.0},
@@ -286,7 +313,7 @@ def test_nodes_refuse_to_unmask_a_sum_with_fewer_than_t_shares(tmp_path, caplog)
         server = {"min_nodes": 4, "clients_per_round": 4, "rounds": 1, "poll_s": 1.0, "deadline_s": 10.0}
         async with live_server(tmp_path, names, clock=True, sections=sections, **server) as live:
             svc = live.service
-            svc.privacy.noise_shares = 5
+            svc.privacy.noise_shares = inflated
             svc.privacy.check_survivors = lambda survivors, round_: None
             before = svc.rounds.global_params.clone()
             shards = _shards(tmp_path, 4)
@@ -303,6 +330,8 @@ def test_nodes_refuse_to_unmask_a_sum_with_fewer_than_t_shares(tmp_path, caplog)
                 )
                 for i, n in enumerate(names)
             ]
+            if inflated == 4:  # client-00003 fails after its keys: never masks
+                nodes[3].privacy.add_share = _fails_once(nodes[3].privacy.add_share)
             runs = [asyncio.ensure_future(n.run()) for n in nodes]
             with caplog.at_level(logging.INFO):
                 for _ in range(300):
@@ -317,8 +346,22 @@ def test_nodes_refuse_to_unmask_a_sum_with_fewer_than_t_shares(tmp_path, caplog)
     svc, before = asyncio.run(scenario())
     assert svc.counters.rounds_abandoned == 1 and svc.version == 0
     assert torch.equal(svc.rounds.global_params, before)
-    assert svc.secure_last["sent"]["unmask"] == [] and len(svc.secure_last["sent"]["masked"]) == 4
-    assert caplog.text.count("asked to unmask a sum of 4 masked inputs, fewer than the t = 5") == 4
+    sent = svc.secure_last["sent"]
+    assert sent["unmask"] == [] and len(sent["masked"]) == (0 if inflated == 5 else 3)
+    assert caplog.text.count(refusal) == (4 if inflated == 5 else 3)
+
+
+def _fails_once(add_share):
+    """A node's add_share that raises the first time (the node leaves that round's protocol)."""
+    calls = []
+
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("injected: this node fails before it masks")
+        return add_share(*args, **kwargs)
+
+    return wrapped
 
 
 def test_privacy_ledger_counts_every_charged_round_across_a_restart(tmp_path):
@@ -407,8 +450,13 @@ def test_local_dp_nodes_report_their_own_epsilon_and_the_worst_stops_the_run(tmp
             for n in names:
                 svc.seen(n, time.monotonic())
             svc.tick(time.monotonic())
-            async with live.session("n0") as http:  # no privacy report: refused, nothing taken
+            async with live.session("n0") as http:
+                # an example count (or a loss) beside the noisy update: refused, nothing taken
                 async with http.post(live.url + "/v1/update", data=good_update(svc, "n0")) as r:
+                    assert r.status == 400 and "carries num_examples = 1 and no metrics" in (await r.json())["detail"]
+                one = Update(torch.full((svc.spec.numel,), 0.01), 1, svc.version, "n0")
+                body = encode_update(one, svc.spec, {"round": svc.rounds.round})
+                async with http.post(live.url + "/v1/update", data=body) as r:  # no privacy report: refused
                     assert r.status == 400 and "privacy report" in (await r.json())["detail"]
             assert not svc.rounds.received and not svc.privacy.reports and svc.counters.accepted == 0
             stop = asyncio.Event()

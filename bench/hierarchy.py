@@ -1,0 +1,172 @@
+"""The root's ingress and CPU per round: 100 nodes straight to the root vs the same 100 under 4 edges.
+
+Both sides run the root's own request handling without the HTTP layer, in this process, side
+by side: a ServerService (server/service.py) with the 1.66M-parameter MNIST CNN (6.65 MB)
+opens a sync round of K = N nodes; flat, each node's update body goes through
+``ServerService.submit`` (decode in place, validate, stream into the sum); hierarchical, each
+edge's partial body (its nodes' sum, aggregation/partial.py) goes through
+``PartialIntake.submit`` (server/edge.py: decode, validate, dedup, SyncRounds.submit_sum). Then
+``tick`` closes the round (the strategy divides, the optimizer steps, the checkpoint event is
+made). Root CPU is this process's CPU time over a round's submits and its close; ingress is the
+sum of the bodies the root read. One edge's own CPU for its part of the round (decode its nodes'
+updates, sum, encode the partial) is printed beside it: the work moves to the edges, it does not
+vanish. HTTP, TLS and the socket reads are left out on both sides (each costs per byte and per
+request, of which the tree has N/E times fewer at the root).
+
+    .venv/bin/python bench/hierarchy.py [--n 100] [--edges 4] [--rounds 3] [--model cnn|2nn]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from shoal.aggregation.partial import Accumulator, encode_partial
+from shoal.config import config_from_dict
+from shoal.server.edge import PartialIntake
+from shoal.server.service import ServerService
+from shoal.update import Update
+from shoal.wire import decode_update, encode_update
+
+
+def cpu_s() -> float:
+    t = os.times()
+    return t.user + t.system
+
+
+def service(tmp: Path, n: int, model: str) -> ServerService:
+    cfg = config_from_dict(
+        {
+            "simulation": {"seed": 0},
+            "data": {"dataset": "mnist", "dir": "unused: the server does not evaluate here", "partition": "iid"},
+            "model": {"name": model},
+            "server": {
+                "rounds": 1000,
+                "min_nodes": n,
+                "clients_per_round": n,
+                "deadline_s": 600,
+                "eval": False,
+                "checkpoint_dir": str(tmp / "ck"),
+                "db": str(tmp / "nodes.sqlite"),
+                "out_dir": str(tmp / "run"),
+            },
+        }
+    ).validate()
+    svc = ServerService(cfg, emit=lambda e: None)  # events dropped: no disk writes in the timing
+    return svc
+
+
+def node_ids(n: int) -> list[str]:
+    return [f"node-{i:04d}" for i in range(n)]
+
+
+def open_round(svc: ServerService, nodes: list[str], now: float) -> list[dict]:
+    for node in nodes:
+        svc.seen(node, now)
+    assert svc.tick(now)
+    return [dict(svc.poll(node, now) or {}, node=node) for node in nodes]
+
+
+def flat_round(svc: ServerService, nodes: list[str], delta: torch.Tensor, now: float) -> tuple[float, int]:
+    works = open_round(svc, nodes, now)
+    bodies = [
+        bytearray(encode_update(Update(delta, 600, w["version"], w["node"]), svc.spec, {"round": w["round"]}))
+        for w in works
+    ]
+    c0 = cpu_s()
+    for w, body in zip(works, bodies):
+        svc.submit(w["node"], memoryview(body), now)
+    assert svc.tick(now + 1)
+    return cpu_s() - c0, sum(map(len, bodies))
+
+
+def edge_part(svc: ServerService, works: list[dict], delta: torch.Tensor, name: str, dtype: str) -> tuple[bytes, float]:
+    """One edge's partial body, and the CPU the edge spent on it (its nodes' bodies decoded, summed, encoded)."""
+    bodies = [
+        bytearray(encode_update(Update(delta, 600, w["version"], w["node"]), svc.spec, {"round": w["round"]}))
+        for w in works
+    ]
+    c0 = cpu_s()
+    acc = Accumulator(works[0]["round"], works[0]["version"], svc.spec.numel)
+    for w, body in zip(works, bodies):
+        update, _ = decode_update(memoryview(body), svc.spec, len(body), copy=False)
+        update.sender = w["node"]
+        acc.add_update(update)
+    out = encode_partial(acc.partial().sealed(name), svc.spec.hash, dtype)
+    return out, cpu_s() - c0
+
+
+def tree_round(
+    svc: ServerService, nodes: list[str], edges: int, delta: torch.Tensor, now: float, dtype: str
+) -> tuple[float, int, float]:
+    works = open_round(svc, nodes, now)
+    intake = PartialIntake(svc)
+    groups = [works[e::edges] for e in range(edges)]
+    parts = [edge_part(svc, g, delta, f"edge-{e}", dtype) for e, g in enumerate(groups)]
+    c0 = cpu_s()
+    for e, (body, _) in enumerate(parts):
+        intake.submit(f"edge-{e}", body, now)
+    assert svc.tick(now + 1)
+    return cpu_s() - c0, sum(len(b) for b, _ in parts), max(c for _, c in parts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--n", type=int, default=100, help="nodes in a round")
+    ap.add_argument("--edges", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of each kind (alternating); medians printed")
+    ap.add_argument("--model", default="cnn", choices=["cnn", "2nn"])
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    nodes = node_ids(args.n)
+    with tempfile.TemporaryDirectory() as tmp:
+        flat_svc = service(Path(tmp) / "flat", args.n, args.model)
+        trees = {d: service(Path(tmp) / d, args.n, args.model) for d in ("float32", "float64")}
+        spec = flat_svc.spec
+        delta = torch.randn(spec.numel) * 1e-3
+        print(
+            f"model: {args.model}, {spec.numel:,} parameters ({spec.nbytes / 1e6:.2f} MB float32); "
+            f"{args.n} nodes per round, {args.edges} edges of {args.n // args.edges}; {args.rounds} rounds each"
+        )
+        loads = [os.getloadavg()[0]]
+        flat_cpu, flat_in = [], 0
+        tree: dict[str, tuple[list[float], int, list[float]]] = {d: ([], 0, []) for d in trees}
+        now = time.monotonic()
+        for r in range(args.rounds):  # alternate, so that the machine's other load falls on both alike
+            c, flat_in = flat_round(flat_svc, nodes, delta, now + 10 * r)
+            flat_cpu.append(c)
+            for d, svc in trees.items():
+                c, ingress, edge_cpu = tree_round(svc, nodes, args.edges, delta, now + 10 * r, d)
+                tree[d][0].append(c)
+                tree[d][2].append(edge_cpu)
+                tree[d] = (tree[d][0], ingress, tree[d][2])
+            loads.append(os.getloadavg()[0])
+        for svc in trees.values():
+            torch.testing.assert_close(svc.rounds.global_params, flat_svc.rounds.global_params, atol=1e-6, rtol=0)
+        print(f"load average (1 min) during the runs: {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} CPUs")
+        print("every tree's global model equals the flat root's to 1e-6 after the rounds")
+        fc = statistics.median(flat_cpu)
+        print(
+            f"{'root':>28} {'ingress MB/round':>17} {'root CPU s/round':>17} {'ingress ratio':>14} "
+            f"{'CPU ratio':>10} {'one edge CPU s':>15}"
+        )
+        print(
+            f"{'flat (' + str(args.n) + ' nodes)':>28} {flat_in / 1e6:>17.2f} {fc:>17.3f} {'1.0x':>14} {'1.0x':>10} {'':>15}"
+        )
+        for d, (cpus, ingress, edge_cpus) in tree.items():
+            tc = statistics.median(cpus)
+            label = f"{args.edges} edges, {d} partials"
+            print(
+                f"{label:>28} {ingress / 1e6:>17.2f} {tc:>17.3f} {flat_in / ingress:>13.1f}x "
+                f"{fc / max(tc, 1e-9):>9.1f}x {statistics.median(edge_cpus):>15.3f}"
+            )
+
+
+if __name__ == "__main__":
+    main()

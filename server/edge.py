@@ -1,0 +1,205 @@
+"""Edge aggregators in a deployment: the root's intake of partials, without I/O.
+
+An edge aggregator serves its nodes as a root does and sends the root one partial per round
+(aggregation/partial.py): the sum of its nodes' updates, their total weight and their ids.
+:class:`PartialIntake` is the root's side: it checks a partial from the network as the
+server checks an update (size, spec hash, dtypes, finite values, every header field), takes
+the authenticated edge as its origin (never what the body claims), lets a retransmit of a
+partial already taken through as a ``duplicate`` (counted once: an edge retransmits until it
+hears back), refuses another partial from the same edge in the same round (``conflict``),
+and streams the sum into the open sync round with SyncRounds.submit_sum, which checks every
+node inside as it checks one update (selected, not yet received, from this version; all or
+nothing). Only the root divides: its strategy takes the sums and steps its optimizer.
+
+:class:`EdgeRound` is the edge's own round logic (its nodes' sum, when to close: every node,
+a quorum by weight, or a margin before the root's deadline) and :class:`Retransmit` when it
+sends its partial again. The edge process around them (the node protocol over HTTP, the route
+to the root) is on docs/hierarchy.md's "not yet" list.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from shoal.aggregation.partial import Accumulator, Partial, PartialInbox, decode_partial
+from shoal.errors import UpdateRejected
+from shoal.update import Update
+from shoal.wire import MAX_HEADER_BYTES
+
+if TYPE_CHECKING:
+    from .service import ServerService
+
+
+class PartialIntake:
+    """The root's intake of edge partials into its sync rounds (one per ServerService)."""
+
+    def __init__(self, service: ServerService):
+        self.service = service
+        self._inbox: PartialInbox | None = None
+        numel = service.spec.numel
+        # a float64 sum of the whole model, and a header naming up to ~40,000 nodes
+        self.max_bytes = 8 * numel + MAX_HEADER_BYTES + 4096
+
+    def _why_not(self) -> str | None:
+        cfg = self.service.cfg
+        if self.service.sync is None:
+            return f"server.mode = {cfg.server.mode!r}: partials from edges join sync rounds"
+        if cfg.secure_aggregation.enabled:
+            return "secure aggregation is on: a plain partial would reveal its edge's sum"
+        if cfg.privacy.mode != "none":
+            return f"privacy.mode = {cfg.privacy.mode!r}: the DP mean clips each update, which a sum hides"
+        if cfg.algorithm.name != "fedavg":
+            return f"algorithm.name = {cfg.algorithm.name!r} needs each node's own step and state, not a sum"
+        if cfg.robust.rule != "mean":
+            return f"robust.rule = {cfg.robust.rule!r} needs each update, not a sum"
+        return None
+
+    def inbox(self) -> PartialInbox:
+        """The open round's inbox (a new one when the round changed)."""
+        r = self.service.sync
+        assert r is not None
+        if self._inbox is None or (self._inbox.round, self._inbox.version) != (r.round, r.version):
+            self._inbox = PartialInbox(r.round, r.version, self.service.spec.numel, self.service.cfg.strategy.weighting)
+        return self._inbox
+
+    def submit(self, edge: str, body: bytes | memoryview, now: float) -> dict[str, Any]:
+        """Validate a partial from ``edge`` (the authenticated identity) and merge it into the open
+        round; raises a ShoalError (WireError or UpdateRejected) with nothing changed if refused."""
+        svc = self.service  # an edge is no node: it is not marked seen, so rounds never select it
+        try:
+            why = self._why_not()
+            if why is not None:
+                raise UpdateRejected("not_supported", f"this server takes no partials: {why}")
+            part = decode_partial(body, svc.spec.numel, svc.spec.hash, self.max_bytes)
+            part = part.sealed(edge)  # the authenticated edge is its origin, whatever the body says
+            r = svc.sync
+            assert r is not None
+            if svc.done:
+                raise UpdateRejected("done", f"training is complete at version {r.version}; no more partials")
+            if not r.open:
+                raise UpdateRejected("round_closed", f"no round is open (version {r.version})")
+            inbox = self.inbox()
+            receipt, merged = inbox.admit(part)
+            if merged is not None:
+                if not merged.senders:
+                    raise UpdateRejected("empty", "a partial of no node")
+                try:
+                    r.submit_sum(merged.to_partial_sum())
+                except BaseException:
+                    inbox.release(edge)
+                    raise
+                inbox.record(edge)
+        except Exception as e:
+            svc.refused(getattr(e, "code", "error"))
+            svc.activity.refused(edge, getattr(e, "code", "error"), str(e), now)
+            raise
+        if merged is not None:
+            svc.counters.accepted += len(merged.senders)
+            svc.counters.bytes_received += len(body)
+            svc.activity.accepted(edge, len(body), r.round, now)
+        return {
+            "status": "accepted" if merged is not None else "duplicate",
+            "round": r.round,
+            "version": svc.version,
+            "nodes": receipt.senders,
+        }
+
+
+class EdgeRound:
+    """One root round at an edge aggregator, without I/O: the edge's nodes' updates go into one
+    float64 sum (aggregation/partial.Accumulator) and leave as one sealed partial.
+
+    The edge closes its part of the round (:meth:`should_close`) when every node it was given
+    reported, when the reported weight reaches ``quorum`` of the weight it expects (``expected``:
+    each node's weight as the edge last saw it, e.g. its examples in the previous round; a node
+    never seen counts as the mean of the known ones; with no weight known, ``quorum`` is a share
+    of its nodes), or ``margin_s`` before the root's
+    deadline, whichever comes first; a round with no update closes into nothing to send. An
+    update after the close, from a node the edge was not given, from another version, or a second
+    one from the same node is refused (UpdateRejected) and changes nothing."""
+
+    def __init__(
+        self,
+        edge: str,
+        round: int,
+        version: int,
+        numel: int,
+        nodes: list[str],
+        *,
+        weighting: str = "examples",
+        deadline_at: float | None = None,
+        margin_s: float = 0.0,
+        quorum: float = 1.0,
+        expected: dict[str, float] | None = None,
+    ):
+        if not 0 < quorum <= 1:
+            raise ValueError(f"quorum = {quorum} must be in (0, 1]")
+        self.edge, self.round, self.version = edge, round, version
+        self.nodes = set(nodes)
+        self.acc = Accumulator(round, version, numel, weighting)
+        self.close_at = None if deadline_at is None else deadline_at - margin_s
+        self.quorum = quorum
+        known = {n: w for n, w in (expected or {}).items() if n in self.nodes and w > 0}
+        default = sum(known.values()) / len(known) if known else 0.0
+        # the weight the quorum is a share of (0: no weight known, the quorum counts nodes)
+        self.expected_weight = sum(known.get(n, default) for n in self.nodes)
+        self.closed = False
+
+    def submit(self, node: str, update: Update) -> None:
+        if self.closed:
+            raise UpdateRejected("round_closed", f"edge {self.edge!r} closed its part of round {self.round}")
+        if node not in self.nodes:
+            raise UpdateRejected("not_selected", f"node {node!r} has no task from edge {self.edge!r} this round")
+        update.sender = node  # the authenticated identity, not what the body claims
+        self.acc.add_update(update)
+
+    @property
+    def complete(self) -> bool:
+        return self.acc.count >= len(self.nodes)
+
+    def should_close(self, now: float) -> bool:
+        if self.closed:
+            return False
+        if self.complete:
+            return True
+        if self.acc.count and self.quorum < 1:
+            if self.expected_weight > 0 and self.acc.total_weight >= self.quorum * self.expected_weight:
+                return True
+            if self.expected_weight == 0 and self.acc.count >= self.quorum * len(self.nodes):
+                return True
+        return self.close_at is not None and now >= self.close_at
+
+    def close(self) -> Partial | None:
+        """The edge's partial, sealed with its name (None: no update arrived)."""
+        self.closed = True
+        return self.acc.partial().sealed(self.edge) if self.acc.count else None
+
+
+class Retransmit:
+    """When an edge (re)sends its partial: at once, then after ``first_s``, doubling up to
+    ``max_s``, until the parent answers (accepted, or duplicate: both mean it is in) or refuses
+    (a refusal is final: a stale or conflicting partial does not become acceptable by repeating),
+    and never after ``give_up_at`` (the root's deadline: the round is over there)."""
+
+    def __init__(self, now: float, give_up_at: float | None = None, first_s: float = 0.5, max_s: float = 8.0):
+        self.next_at = now
+        self.wait = first_s
+        self.max_s = max_s
+        self.give_up_at = give_up_at
+        self.done = False
+        self.attempts = 0
+
+    def due(self, now: float) -> bool:
+        if self.done or (self.give_up_at is not None and now > self.give_up_at):
+            return False
+        return now >= self.next_at
+
+    def sent(self, now: float) -> None:
+        """An attempt went out (its answer may never come)."""
+        self.attempts += 1
+        self.next_at = now + self.wait
+        self.wait = min(self.wait * 2, self.max_s)
+
+    def answered(self) -> None:
+        """The parent answered (accepted, duplicate or refused): stop."""
+        self.done = True

@@ -1,0 +1,211 @@
+"""Virtual edge aggregators: a root, ``hierarchy.edges`` edges, the clients under them.
+
+The round runner of an InProcessSimulation (in this process or with the clients on Ray
+workers) when ``hierarchy.edges > 0``. The root is the simulation's SyncRounds: it selects
+the round's clients as it does flat. Each selected client trains under its edge; each edge
+sums its clients' updates in an :class:`~shoal.aggregation.partial.Accumulator` and sends
+one sealed :class:`~shoal.aggregation.partial.Partial` up (encoded and decoded as on the
+wire: its bytes are measured, and a float32 wire form rounds as a deployment's does); the
+root's :class:`~shoal.aggregation.partial.PartialInbox` merges the partials and hands one
+sum to the root's strategy (SyncRounds.submit_sum), which divides and steps the server
+optimizer. The same objects a deployed edge (server/edge.py) drives.
+
+HierFAVG (Liu et al. 2020, "Client-Edge-Cloud Hierarchical Federated Learning"):
+``hierarchy.edge_rounds = kappa_2`` edge aggregations per root round. In edge round k the
+edge's clients train from the edge's model; the edge averages their updates into its model
+(a plain mean, lr 1); after the last one it sends ``W_e (x_e - x_global)``, where ``W_e`` is
+the weight of its last edge round's clients, so the root's mean is the weighted mean of the
+edge models. With kappa_2 = 1 that is exactly flat FedAvg's sum.
+
+Failures: ``hierarchy.edge_failure`` is the probability an edge is lost in a root round
+(seeded): its clients' work never reaches the root, which counts them as drop-outs (late, as
+flat rounds count clients that did not report). A round whose every edge was lost is aborted
+with the model unchanged.
+
+Per-round figures in metrics.jsonl (``hier_*``): bytes on each link (client-edge both ways,
+edge-root both ways; the root's ingress is ``hier_bytes_edge_root_up``), edges that
+reported and edges lost; their totals go to summary.json.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+from collections.abc import Iterator
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from shoal.aggregation.partial import Accumulator, PartialInbox, decode_partial, encode_partial
+from shoal.aggregation.secagg import SecAggAborted
+from shoal.config import HierarchyConfig
+from shoal.rounds import Assignment
+from shoal.seeding import derive_seed, rng
+from shoal.update import PartialSum, Update
+from shoal.wire import encode_model
+
+if TYPE_CHECKING:
+    from .inprocess import InProcessSimulation
+
+log = logging.getLogger(__name__)
+
+_FAILURE_STREAM = 0xED6E  # seeds edge failures apart from client sampling
+
+
+def edge_name(e: int) -> str:
+    return f"edge-{e:03d}"
+
+
+def assign_edges(client_ids: list[str], cfg: HierarchyConfig, seed: int) -> dict[str, str]:
+    """Each client's edge: contiguous blocks of the client list, a hash of the id, or a seeded
+    shuffle dealt round-robin (balanced, like contiguous, but mixing the list's order)."""
+    n, e = len(client_ids), cfg.edges
+    if e <= 0:
+        raise ValueError("assign_edges needs hierarchy.edges > 0")
+    if cfg.assignment == "contiguous":
+        return {c: edge_name(i * e // n) for i, c in enumerate(client_ids)}
+    if cfg.assignment == "hash":
+        return {c: edge_name(int.from_bytes(hashlib.blake2b(c.encode(), digest_size=8).digest(), "little") % e)
+                for c in client_ids}  # fmt: skip
+    order = rng(seed, 0xED6F).permutation(n)
+    return {client_ids[int(j)]: edge_name(k % e) for k, j in enumerate(order)}
+
+
+class LinkBytes:
+    """Bytes on each link of the tree, this round and since the start."""
+
+    KEYS = ("client_edge_down", "client_edge_up", "edge_root_down", "edge_root_up")
+
+    def __init__(self) -> None:
+        self.round = dict.fromkeys(self.KEYS, 0)
+        self.total = dict.fromkeys(self.KEYS, 0)
+
+    def reset(self) -> None:
+        self.round = dict.fromkeys(self.KEYS, 0)
+
+    def add(self, key: str, n: int) -> None:
+        self.round[key] += n
+        self.total[key] += n
+
+
+class HierarchicalRound:
+    """The round runner of virtual edges (a SummingRunner: InProcessSimulation.run_round submits
+    the root's merged sum with SyncRounds.submit_sum)."""
+
+    def __init__(self, sim: InProcessSimulation):
+        self.sim = sim
+        self.cfg = sim.cfg.hierarchy
+        self.edge_of = assign_edges(sim.client_ids, self.cfg, sim.cfg.simulation.seed)
+        self.edges = sorted(set(self.edge_of.values()))
+        self.links = LinkBytes()
+        self.lost: list[str] = []
+        self.reported: list[str] = []
+        self.lost_total = 0
+        self._model_bytes: tuple[int, int] | None = None
+
+    def updates(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
+        raise TypeError("HierarchicalRound hands the root partial sums (partial_sums), not single updates")
+
+    def _model_size(self, params: torch.Tensor, version: int) -> int:
+        if self._model_bytes is None or self._model_bytes[0] != version:
+            self._model_bytes = (version, len(encode_model(params, self.sim.spec, version)))
+        return self._model_bytes[1]
+
+    def _lost_edges(self, round: int, edges: list[str]) -> set[str]:
+        p = self.cfg.edge_failure
+        if p <= 0:
+            return set()
+        draws = rng(self.sim.cfg.simulation.seed, round, _FAILURE_STREAM).random(len(self.edges))
+        return {e for e in edges if draws[self.edges.index(e)] < p}
+
+    def partial_sums(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[PartialSum]:
+        sim = self.sim
+        self.links.reset()
+        if not tasks:
+            return
+        r, version = tasks[0].round, tasks[0].version
+        by_edge: dict[str, list[Assignment]] = {}
+        for t in tasks:
+            by_edge.setdefault(self.edge_of[t.client_id], []).append(t)
+        lost = self._lost_edges(r, sorted(by_edge))
+        self.lost = sorted(lost)
+        self.lost_total += len(lost)
+        alive = {e: ts for e, ts in sorted(by_edge.items()) if e not in lost}
+        model_size = self._model_size(global_params, version)
+        for _ in alive:  # the root's model to each edge; the edge serves its clients from its cache
+            self.links.add("edge_root_down", model_size)
+        inbox = PartialInbox(r, version, sim.spec.numel, sim.cfg.strategy.weighting, children=set(alive))
+        sums = self._edge_rounds(alive, global_params, r, version, model_size)
+        for e, part in sums.items():
+            body = encode_partial(part.sealed(e), sim.spec.hash, self.cfg.partial_dtype)
+            self.links.add("edge_root_up", len(body))
+            received = decode_partial(body, sim.spec.numel, sim.spec.hash, max_bytes=len(body))
+            inbox.offer(received)
+        self.reported = inbox.origins
+        if lost:
+            log.info("round %d: edge(s) %s lost; their %d client(s) dropped out", r, ", ".join(sorted(lost)),
+                     sum(len(by_edge[e]) for e in lost))  # fmt: skip
+        if not self.reported:
+            raise SecAggAborted(f"every edge of round {r} was lost or got no update")
+        yield inbox.total().to_partial_sum()
+
+    def _edge_rounds(
+        self, alive: dict[str, list[Assignment]], global_params: torch.Tensor, r: int, version: int, model_size: int
+    ) -> dict[str, Any]:
+        """kappa_2 edge rounds of every live edge; each edge's partial (``W_e (x_e - x)`` as a sum)."""
+        sim = self.sim
+        numel = sim.spec.numel
+        weighting = sim.cfg.strategy.weighting
+        models = {e: global_params for e in alive}
+        kappa = self.cfg.edge_rounds
+        out: dict[str, Any] = {}
+        for k in range(kappa):
+            # every edge's clients start at once (Ray: in parallel), then each edge sums what came back
+            pending = {}
+            for e, ts in alive.items():
+                if e in out or (k > 0 and e not in models):
+                    continue
+                run = ts if k == 0 else [replace(t, seed=derive_seed(t.seed, 0xE06E, k)) for t in ts]
+                self.links.add("client_edge_down", model_size * len(run))
+                pending[e] = sim.submit_clients(run, models[e])
+            for e, results in pending.items():
+                acc = Accumulator(r, version, numel, weighting)
+                before = sim.wire.bytes_up
+                for task, update in results():
+                    sent = sim.apply_client_steps(task, update)
+                    if sent is None:
+                        continue
+                    acc.add_update(sent)
+                    if k < kappa - 1:
+                        sim.wire.accepted(task.client_id)  # the edge applied it (top-k error feedback)
+                self.links.add("client_edge_up", sim.wire.bytes_up - before)
+                if acc.count == 0:
+                    models.pop(e)  # nothing this edge round: the edge reports nothing this root round
+                    continue
+                part = acc.partial()
+                if k == kappa - 1:
+                    if k > 0:  # sum_i w_i (x_i - x) = sum_i w_i delta_i + W_e (x_e - x)
+                        offset = models[e].to(torch.float64) - global_params.to(torch.float64)
+                        part = replace(part, weighted_sum=part.weighted_sum + part.total_weight * offset.cpu())
+                    out[e] = part
+                else:
+                    models[e] = (models[e] + part.mean().to(models[e].device)).detach()
+        return out
+
+    def round_fields(self) -> dict[str, Any]:
+        """This round's per-tier figures for its metrics.jsonl record."""
+        return {
+            **{f"hier_bytes_{k}": v for k, v in self.links.round.items()},
+            "hier_edges_reporting": len(self.reported),
+            "hier_edges_lost": len(self.lost),
+        }
+
+    def figures(self) -> dict[str, Any]:
+        """Totals for summary.json."""
+        return {
+            "hierarchy_edges": len(self.edges),
+            "hierarchy_edge_rounds": self.cfg.edge_rounds,
+            "hierarchy_edges_lost_total": self.lost_total,
+            **{f"hier_bytes_{k}_total": v for k, v in self.links.total.items()},
+        }

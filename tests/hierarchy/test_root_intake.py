@@ -1,0 +1,86 @@
+"""The root's intake of edge partials (server/edge.py): two edges' partials give the flat round's
+model, a retransmit counts once, conflicts, double counting, unselected nodes and hostile bodies
+are refused with nothing changed."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shoal.aggregation.partial import Accumulator, encode_partial
+from shoal.errors import ShoalError, UpdateRejected
+from shoal.server.edge import PartialIntake
+from shoal.server.service import ServerService
+from shoal.update import Update
+from shoal.wire import encode_update
+
+from ..server.live import small_config
+
+NODES = [f"n{i}" for i in range(8)]
+
+
+def open_round(tmp_path) -> tuple[ServerService, list[dict]]:
+    svc = ServerService(small_config(tmp_path, clients_per_round=8, min_nodes=8, rounds=3))
+    for n in NODES:
+        svc.seen(n, 0.0)
+    assert svc.tick(0.0)
+    return svc, [dict(svc.poll(n, 0.0) or {}, node=n) for n in NODES]
+
+
+def node_update(svc: ServerService, work: dict) -> Update:
+    g = torch.Generator().manual_seed(int(work["node"][1:]))
+    delta = torch.randn(svc.spec.numel, generator=g) * 0.01
+    return Update(delta, 5 + int(work["node"][1:]) * 3, work["version"], work["node"], {"train_loss": 0.5})
+
+
+def edge_body(svc: ServerService, works: list[dict], origin: str = "edge-a") -> bytes:
+    acc = Accumulator(works[0]["round"], works[0]["version"], svc.spec.numel)
+    for w in works:
+        acc.add_update(node_update(svc, w))
+    return encode_partial(acc.partial().sealed(origin), svc.spec.hash, "float32")
+
+
+def test_two_edges_give_the_flat_round_and_retransmits_count_once(tmp_path) -> None:
+    flat, works = open_round(tmp_path / "flat")
+    for w in works:
+        flat.submit(w["node"], encode_update(node_update(flat, w), flat.spec, {"round": w["round"]}), 1.0)
+    assert flat.tick(2.0) and flat.version == 1
+
+    root, works = open_round(tmp_path / "root")
+    intake = PartialIntake(root)
+    a, b = edge_body(root, works[:5]), edge_body(root, works[5:], origin="liar")  # the body's origin is ignored
+    assert intake.submit("edge-a", a, 1.0)["status"] == "accepted"
+    assert intake.submit("edge-a", a, 1.1)["status"] == "duplicate"  # a retransmit: counted once
+    assert intake.submit("edge-b", b, 1.2) == {"status": "accepted", "round": 1, "version": 0, "nodes": 3}
+    assert root.counters.accepted == 8
+    assert root.tick(2.0) and root.version == 1  # every selected node is in: the round closes
+    torch.testing.assert_close(root.rounds.global_params, flat.rounds.global_params, atol=1e-6, rtol=0)
+    record = root.events[-1].fields
+    assert record["num_results"] == 8 and record["num_examples"] == sum(5 + 3 * i for i in range(8))
+    with pytest.raises(UpdateRejected) as e:
+        intake.submit("edge-a", a, 3.0)  # the round it belonged to is over
+    assert e.value.code in ("round_closed", "stale")
+
+
+def test_conflicts_double_counting_and_hostile_bodies_change_nothing(tmp_path) -> None:
+    root, works = open_round(tmp_path)
+    intake = PartialIntake(root)
+    intake.submit("edge-a", edge_body(root, works[:3]), 1.0)
+    before = root.sync.strategy.aggregator._sum.clone()  # type: ignore[union-attr]
+    attempts = [
+        ("edge-a", edge_body(root, works[3:5]), "conflict"),  # another partial from edge-a this round
+        ("edge-b", edge_body(root, works[2:5]), "duplicate"),  # n2 is already in (via edge-a)
+        ("edge-c", edge_body(root, [dict(works[5], node="n99")]), "not_selected"),
+        ("edge-d", edge_body(root, [dict(works[6], version=7)]), "stale"),
+        ("edge-e", b"\x00" * 40, "malformed"),
+        ("edge-f", edge_body(root, works[6:])[:-10], "malformed"),
+    ]
+    for edge, body, code in attempts:
+        with pytest.raises(ShoalError) as e:
+            intake.submit(edge, body, 1.5)
+        assert getattr(e.value, "code", "") == code, (edge, e.value)
+    assert torch.equal(root.sync.strategy.aggregator._sum, before)  # type: ignore[union-attr]
+    assert root.sync.received == {"n0", "n1", "n2"}  # type: ignore[union-attr]
+    # edge-b, refused above, can still send a good partial
+    assert intake.submit("edge-b", edge_body(root, works[3:]), 2.0)["status"] == "accepted"
+    assert root.tick(2.5) and root.version == 1
