@@ -46,6 +46,7 @@ def service(tmp: Path, n: int, model: str) -> ServerService:
             "simulation": {"seed": 0},
             "data": {"dataset": "mnist", "dir": "unused: the server does not evaluate here", "partition": "iid"},
             "model": {"name": model},
+            "hierarchy": {"edge_names": [f"edge-{e}" for e in range(64)]},
             "server": {
                 "rounds": 1000,
                 "min_nodes": n,

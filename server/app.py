@@ -15,6 +15,7 @@ import re
 import signal
 import ssl
 import time
+import weakref
 from contextlib import contextmanager
 from typing import Protocol
 
@@ -29,6 +30,7 @@ from shoal.pki import peer_fingerprint, read_secret
 from .chunks import MAX_BEGIN_BODY, ChunkedUploads, ChunkError
 from .connections import listen
 from .dashboard import is_dashboard_path, server_dashboard
+from .edge import PartialIntake
 from .exposition import prometheus_text
 from .federation import DEFAULT_FEDERATION_BODY, Federation, RunError
 from .registry import AuthError, Registry, hash_token, well_formed
@@ -55,6 +57,7 @@ SUBMITTER = web.RequestKey("submitter", str)
 REGISTRY = web.AppKey("registry", Registry)
 CHANGED = web.AppKey("changed", dict)
 CHUNKS = web.AppKey("chunks", ChunkedUploads)  # open chunked uploads (server/chunks.py)
+INTAKES = web.AppKey("intakes", weakref.WeakKeyDictionary)  # each run's PartialIntake (server/edge.py)
 CHUNK_DIGEST_HEADER = "X-Shoal-Chunk-Sha256"
 ADMIN = web.AppKey("admin", str)
 NODE = web.RequestKey("node", str)
@@ -534,6 +537,36 @@ async def post_update(request: web.Request) -> web.Response:
     return web.json_response(result)
 
 
+async def post_partial(request: web.Request) -> web.Response:
+    """An edge aggregator's partial for the open round (server/edge.py, docs/hierarchy.md): read
+    under the upload limits (per-node count, body timeouts, minimum rate), then checked and merged."""
+    app, edge = request.app, request[NODE]
+    svc = _svc(request)
+    intake = app[INTAKES].get(svc)
+    if intake is None:
+        intake = app[INTAKES][svc] = PartialIntake(svc)
+    if edge not in svc.cfg.hierarchy.edge_names:  # a node may not speak for other nodes
+        svc.refused("not_an_edge")
+        raise Refusal(403, "not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)")
+    length = request.content_length
+    if length is None:
+        raise Refusal(411, "length_required", "send the body with a Content-Length header")
+    if length > intake.max_bytes:
+        svc.refused(TooLarge.code)
+        raise Refusal(413, TooLarge.code, f"partial of {length} bytes is over the limit of {intake.max_bytes} bytes")
+    with _upload_of(request):
+        first = await _chunk(request, svc.cfg.server.body_timeout_s, "partial") if length else b""
+        body = bytearray(length)
+        await _read_into(request, memoryview(body), length, first)
+        try:
+            result = intake.submit(edge, body, time.monotonic())
+        except ShoalError as e:
+            log.info("partial from %s refused: %s: %s", edge, getattr(e, "code", "error"), e)
+            return error(_status_of(e), getattr(e, "code", "error"), str(e))
+    _tick(app)
+    return web.json_response(result)
+
+
 def _chunk_refusal(svc: ServerService, e: ChunkError) -> web.Response:
     svc.refused(e.code)
     return web.json_response({"error": e.code, "detail": str(e), **e.extra}, status=e.status)
@@ -780,6 +813,7 @@ def _base_app(cfg: Config, registry: Registry, max_body: int) -> web.Application
         invites.put_nowait(True)
     app[CHANGED] = {"event": asyncio.Event(), "slots": slots, "invites": invites, "touched": {}, "uploads": {}}
     app[CHUNKS] = ChunkedUploads(cfg.server.ingest_slots)
+    app[INTAKES] = weakref.WeakKeyDictionary()
     quiet = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, _QuietBadRequests) for f in quiet.filters):
         quiet.addFilter(_QuietBadRequests())
@@ -798,6 +832,7 @@ def _node_routes(app: web.Application, prefix: str) -> None:
     app.router.add_post(prefix + "/v1/uploads", post_upload_begin)
     app.router.add_put(prefix + "/v1/uploads/{upload}", put_upload_chunk)
     app.router.add_get(prefix + "/v1/uploads/{upload}", get_upload)
+    app.router.add_post(prefix + "/v1/partial", post_partial)  # edge aggregators (server/edge.py)
 
 
 def make_federation_app(federation: Federation, registry: Registry) -> web.Application:

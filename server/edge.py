@@ -62,11 +62,15 @@ class PartialIntake:
             self._inbox = PartialInbox(r.round, r.version, self.service.spec.numel, self.service.cfg.strategy.weighting)
         return self._inbox
 
-    def submit(self, edge: str, body: bytes | memoryview, now: float) -> dict[str, Any]:
+    def submit(self, edge: str, body: bytes | bytearray | memoryview, now: float) -> dict[str, Any]:
         """Validate a partial from ``edge`` (the authenticated identity) and merge it into the open
         round; raises a ShoalError (WireError or UpdateRejected) with nothing changed if refused."""
         svc = self.service  # an edge is no node: it is not marked seen, so rounds never select it
         try:
+            if edge not in svc.cfg.hierarchy.edge_names:
+                raise UpdateRejected(
+                    "not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)"
+                )
             why = self._why_not()
             if why is not None:
                 raise UpdateRejected("not_supported", f"this server takes no partials: {why}")

@@ -19,8 +19,9 @@ edge models. With kappa_2 = 1 that is exactly flat FedAvg's sum.
 
 Failures: ``hierarchy.edge_failure`` is the probability an edge is lost in a root round
 (seeded): its clients' work never reaches the root, which counts them as drop-outs (late, as
-flat rounds count clients that did not report). A round whose every edge was lost is aborted
-with the model unchanged.
+flat rounds count clients that did not report), or, with ``hierarchy.reattach``, its clients
+re-attach to the live edges (the list of edges, in turn) and report there. A round whose every
+edge was lost is aborted with the model unchanged.
 
 Per-round figures in metrics.jsonl (``hier_*``): bytes on each link (client-edge both ways,
 edge-root both ways; the root's ingress is ``hier_bytes_edge_root_up``), edges that
@@ -102,6 +103,7 @@ class HierarchicalRound:
         self.lost: list[str] = []
         self.reported: list[str] = []
         self.lost_total = 0
+        self.reattached = self.reattached_total = 0
         self._model_bytes: tuple[int, int] | None = None
 
     def updates(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
@@ -132,6 +134,15 @@ class HierarchicalRound:
         self.lost = sorted(lost)
         self.lost_total += len(lost)
         alive = {e: ts for e, ts in sorted(by_edge.items()) if e not in lost}
+        self.reattached = 0
+        if lost and self.cfg.reattach:  # each orphan takes the next live edge of the list, in turn
+            live = [e for e in self.edges if e not in lost]
+            orphans = [t for e in sorted(lost) for t in by_edge[e]]
+            for i, t in enumerate(orphans if live else []):
+                alive.setdefault(live[i % len(live)], []).append(t)
+            self.reattached = len(orphans) if live else 0
+            self.reattached_total += self.reattached
+            alive = dict(sorted(alive.items()))
         model_size = self._model_size(global_params, version)
         for _ in alive:  # the root's model to each edge; the edge serves its clients from its cache
             self.links.add("edge_root_down", model_size)
@@ -144,8 +155,9 @@ class HierarchicalRound:
             inbox.offer(received)
         self.reported = inbox.origins
         if lost:
-            log.info("round %d: edge(s) %s lost; their %d client(s) dropped out", r, ", ".join(sorted(lost)),
-                     sum(len(by_edge[e]) for e in lost))  # fmt: skip
+            what = "re-attached to other edges" if self.reattached else "dropped out"
+            log.info("round %d: edge(s) %s lost; their %d client(s) %s", r, ", ".join(sorted(lost)),
+                     sum(len(by_edge[e]) for e in lost), what)  # fmt: skip
         if not self.reported:
             raise SecAggAborted(f"every edge of round {r} was lost or got no update")
         yield inbox.total().to_partial_sum()
@@ -199,6 +211,7 @@ class HierarchicalRound:
             **{f"hier_bytes_{k}": v for k, v in self.links.round.items()},
             "hier_edges_reporting": len(self.reported),
             "hier_edges_lost": len(self.lost),
+            "hier_clients_reattached": self.reattached,
         }
 
     def figures(self) -> dict[str, Any]:
@@ -207,5 +220,6 @@ class HierarchicalRound:
             "hierarchy_edges": len(self.edges),
             "hierarchy_edge_rounds": self.cfg.edge_rounds,
             "hierarchy_edges_lost_total": self.lost_total,
+            "hierarchy_clients_reattached_total": self.reattached_total,
             **{f"hier_bytes_{k}_total": v for k, v in self.links.total.items()},
         }

@@ -745,9 +745,11 @@ class HierarchyConfig:
     )
     edge_rounds: int = 1  # HierFAVG's kappa_2: edge aggregations per root round (1: exactly flat FedAvg)
     edge_failure: float = 0.0  # simulator: probability an edge is lost in a root round (its clients drop out)
+    reattach: bool = False  # simulator: a lost edge's clients re-attach to the live edges (in turn) and report there
     partial_dtype: Literal["float32", "float64"] = (
         "float32"  # the partial's sum on the wire: float32 (half the bytes, rounded once) | float64 (exact)
     )
+    edge_names: list[str] = field(default_factory=list)  # `shoal server` (root): node names allowed to send partials
 
     def validate(self) -> None:
         _positive("hierarchy.edges", self.edges, allow_zero=True)

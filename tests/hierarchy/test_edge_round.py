@@ -16,13 +16,15 @@ from shoal.wire import encode_update
 
 from ..server.live import small_config
 
+EDGE_NAMES = {"hierarchy": {"edge_names": ["edge-a", "edge-b", "edge-c", "edge-d", "edge-e", "edge-f"]}}
+
 NODES = [f"n{i}" for i in range(10)]
 EDGES = {"edge-a": NODES[:6], "edge-b": NODES[6:]}
 
 
 def root(tmp_path, **server) -> tuple[ServerService, dict[str, dict]]:
     opts = {"clients_per_round": 10, "min_nodes": 10, "rounds": 3, "deadline_s": 60.0, **server}
-    svc = ServerService(small_config(tmp_path, **opts))
+    svc = ServerService(small_config(tmp_path, EDGE_NAMES, **opts))
     for n in NODES:
         svc.seen(n, 0.0)
     assert svc.tick(0.0)

@@ -16,11 +16,13 @@ from shoal.wire import encode_update
 
 from ..server.live import small_config
 
+EDGE_NAMES = {"hierarchy": {"edge_names": ["edge-a", "edge-b", "edge-c", "edge-d", "edge-e", "edge-f"]}}
+
 NODES = [f"n{i}" for i in range(8)]
 
 
 def open_round(tmp_path) -> tuple[ServerService, list[dict]]:
-    svc = ServerService(small_config(tmp_path, clients_per_round=8, min_nodes=8, rounds=3))
+    svc = ServerService(small_config(tmp_path, EDGE_NAMES, clients_per_round=8, min_nodes=8, rounds=3))
     for n in NODES:
         svc.seen(n, 0.0)
     assert svc.tick(0.0)
@@ -73,6 +75,7 @@ def test_conflicts_double_counting_and_hostile_bodies_change_nothing(tmp_path) -
         ("edge-c", edge_body(root, [dict(works[5], node="n99")]), "not_selected"),
         ("edge-d", edge_body(root, [dict(works[6], version=7)]), "stale"),
         ("edge-e", b"\x00" * 40, "malformed"),
+        ("n7", edge_body(root, works[6:]), "not_an_edge"),  # a node may not speak for others
         ("edge-f", edge_body(root, works[6:])[:-10], "malformed"),
     ]
     for edge, body, code in attempts:

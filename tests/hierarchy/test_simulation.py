@@ -122,3 +122,14 @@ def test_hierarchy_refuses_what_it_cannot_run_yet() -> None:
     for extra in ("robust.rule=median", "secure_aggregation.enabled=true", "simulation.mode=async"):
         with pytest.raises(ConfigError, match="hierarchy.edges"):
             load_config(None, ["hierarchy.edges=2", extra])
+
+
+def test_clients_of_a_lost_edge_reattach_and_the_round_equals_flat() -> None:
+    """With reattach, a lost edge's clients report through the live edges: nothing is dropped, and
+    with one edge round the root's sum is still the flat one."""
+    few = (*EXACT, "simulation.clients_per_round=30")
+    flat = run(*few, rounds=3)
+    hier = run(*few, "hierarchy.edges=4", "hierarchy.edge_failure=0.4", "hierarchy.reattach=true", rounds=3)
+    assert isinstance(hier.runner, HierarchicalRound)
+    assert hier.runner.lost_total > 0 and hier.runner.reattached_total > 0
+    torch.testing.assert_close(hier.global_params, flat.global_params, atol=1e-6, rtol=0)

@@ -4,7 +4,8 @@ thousand requests per mode) and bench/fuzz_server.py (ten thousand).
 Hypothesis draws hostile requests: update bodies built field by field with every header field
 and table entry either right or replaced by any JSON value, lying offsets, special floats
 (NaN, Inf, FLT_MAX, a q8 scale of 3e38), bit flips and truncations of a good body, JSON
-bombs; secure aggregation messages with small-order, copied or random keys; strict-looking
+bombs; edge partials (POST /v1/partial, from the one fuzzing node named an edge and from
+others); secure aggregation messages with small-order, copied or random keys; strict-looking
 query strings; tokens of unselected nodes, of the admin, garbage and non-UTF-8 bytes. Each
 request goes over its own TLS connection as raw bytes, and its answer is checked:
 
@@ -83,13 +84,14 @@ def prefix(mode: str) -> str:
 def mode_config(mode: str) -> tuple[dict, dict]:
     """(server keys, other sections) of the server each mode fuzzes."""
     server = {"deadline_s": 600.0, "poll_s": 2.0, "body_timeout_s": 2.0, "rounds": 5, "uploads_per_node": 4}
+    edge = {"hierarchy": {"edge_names": ["f0"]}}  # f0 may POST /v1/partial (server/edge.py)
     if mode == "sync":
-        return {**server, "clients_per_round": 2, "min_nodes": 2}, {}
+        return {**server, "clients_per_round": 2, "min_nodes": 2}, edge
     if mode == "federation":
         return {k: v for k, v in server.items() if k in ("body_timeout_s", "uploads_per_node")}, {}
     if mode == "async":
-        return {**server, "mode": "async"}, {"asynchronous": {"algorithm": "fedbuff", "buffer_size": 2}}
-    return {**server, "min_nodes": 6}, {"secure_aggregation": {"enabled": True, "stage_s": 600.0}}
+        return {**server, "mode": "async"}, {"asynchronous": {"algorithm": "fedbuff", "buffer_size": 2}, **edge}
+    return {**server, "min_nodes": 6}, {"secure_aggregation": {"enabled": True, "stage_s": 600.0}, **edge}
 
 
 # --- the server, in a thread of its own ------------------------------------------------
@@ -325,6 +327,46 @@ def update_body(draw, ctx: Ctx, sender: str) -> bytes:
 
 
 @st.composite
+def partial_body(draw, ctx: Ctx) -> bytes:
+    """An edge aggregator's partial (POST /v1/partial, docs/hierarchy.md), often hostile; its nodes are
+    never the legit ones, so even a well-formed partial must be refused by the round."""
+    n = ctx.numel
+    bits = draw(st.sampled_from([0] * 4 + [16, 62, 63]))
+    names = st.sampled_from([*FUZZERS, "x", "", "n9"])
+    h = {
+        "format": FORMAT,
+        "kind": "partial",
+        "spec_hash": ctx.spec_hash,
+        "round": ctx.round,
+        "version": ctx.version,
+        "total_weight": draw(st.sampled_from([10.0, 0.0, 1e300])),
+        "senders": draw(st.lists(names, max_size=3)),
+        "num_examples": 10,
+        "loss_sum": 1.0,
+        "weighting": "examples",
+        "edges": ["f0"],
+        "origin": draw(st.sampled_from(["f0", "n0", ""])),
+        "staleness": 0,
+        "modulus_bits": bits,
+        "noise_shares": 0,
+    }
+    header = {}
+    for key, good in h.items():
+        v = _field(draw, good)
+        if v is not _MISSING:
+            header[key] = v
+    dtype = draw(st.sampled_from(["I64" if bits else "F32"] * 3 + ["F16", "I8"]))
+    shape = draw(st.sampled_from([[n]] * 3 + [[n + 1], [0], []]))
+    count = int(np.prod(shape)) if shape else 1
+    blob = draw(tensor_data(dtype, count))
+    table = {
+        draw(st.sampled_from(["sum"] * 5 + ["delta"])): {"dtype": dtype, "shape": shape, "data_offsets": [0, len(blob)]}
+    }
+    text = json.dumps({"__metadata__": {"shoal": json.dumps(header)}, **table})
+    return draw(mutate(struct.pack("<Q", len(text.encode())) + text.encode() + blob))
+
+
+@st.composite
 def mutate(draw, body: bytes) -> bytes:
     how = draw(st.sampled_from(["none"] * 12 + ["flip", "truncate", "extend", "bomb", "digits", "random"]))
     if how == "flip" and body:
@@ -485,6 +527,7 @@ def requests(ctx: Ctx, mode: str):
                 + ["keys"] * (6 if mode == "secure" else 1)
                 + ["secagg_post", "task", "model", "secagg_get", "status", "metrics", "junk", "failed"]
                 + ["chunks"] * 2
+                + ["partial"] * 2
                 + (federation * 2 if mode == "federation" else [])
             )
         )
@@ -500,6 +543,8 @@ def requests(ctx: Ctx, mode: str):
             return Request("POST", at + "/v1/failed", who_, draw(failure_body()), "failed")
         if route == "chunks":  # chunked uploads: never a valid opening, chunks of uploads that do not exist
             return draw(chunk_request(at, sender))
+        if route == "partial":  # f0 is an edge of the server (hierarchy.edge_names); others get 403
+            return Request("POST", at + "/v1/partial", sender, draw(partial_body(ctx)), "partial")
         if route == "update":
             body = draw(update_body(ctx, name))
             return Request("POST", at + "/v1/update", sender, body, "update", draw(st.booleans()))
@@ -950,6 +995,9 @@ def check(server: ServerThread, ctx: Ctx, req: Request, tally: Tally, before: tu
         if ok is True and status in (400, 413):
             tally.wellformed_refused += 1
             tally.note(f"well-formed update refused {status}: {info}")
+    if req.kind == "partial" and status == 200:  # its nodes hold no task: it must be refused
+        tally.malformed_accepted += 1
+        tally.note(f"partial accepted from {req.who}: {info}")
     if req.kind == "failed" and status == 200 and not oracle_failure(req.body):
         tally.malformed_accepted += 1
         tally.note(f"malformed failure report accepted: {req.body[:80]!r}")
