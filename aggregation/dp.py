@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import math
-import secrets
 from dataclasses import dataclass
 
 import torch
@@ -46,15 +45,23 @@ from shoal.aggregation.server_opt import ServerOptimizer, make_server_optimizer
 from shoal.aggregation.strategy import Strategy
 from shoal.config import PrivacyConfig, StrategyConfig
 from shoal.errors import ConfigError
+from shoal.noise import NoiseSource
 
 log = logging.getLogger(__name__)
 
 
-def make_generator(device: torch.device | str, seed: int | None) -> torch.Generator:
-    """A noise generator: seeded in simulations (same config, same numbers); from the OS
-    otherwise. torch's generator is not a cryptographic one (docs/privacy.md)."""
+Noise = torch.Generator | NoiseSource  # where a DP draw comes from
+
+
+def make_generator(device: torch.device | str, seed: int | None) -> Noise:
+    """Where DP noise comes from: ``seed=None`` (the default, and always in a deployment): a CSPRNG
+    keyed with 256 bits from the OS (shoal.noise), that nobody can recompute; a seed (only with
+    ``privacy.reproducible = true``): torch's generator seeded with it, so the same config gives
+    the same numbers, and the guarantee does not hold against whoever knows the seed."""
+    if seed is None:
+        return NoiseSource()
     gen = torch.Generator(device=torch.device(device))
-    gen.manual_seed(secrets.randbits(63) if seed is None else int(seed) % (1 << 63))
+    gen.manual_seed(int(seed) % (1 << 63))
     return gen
 
 
@@ -65,21 +72,31 @@ def clip_to_norm(delta: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, f
     return delta * scale, norm
 
 
-def gaussian(numel: int, std: float, generator: torch.Generator, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """N(0, std²) noise of ``numel`` entries on the generator's device."""
+def gaussian(
+    numel: int,
+    std: float,
+    generator: Noise,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """N(0, std²) noise of ``numel`` entries: from the CSPRNG (each entry a sum of draws that resists
+    the floating-point attack, shoal.noise) on ``device`` (default CPU), or from a seeded torch
+    generator on its device (reproducible mode)."""
+    if isinstance(generator, NoiseSource):
+        return generator.gaussian_tensor(numel, std, device or "cpu", dtype)
     noise = torch.empty(numel, dtype=dtype, device=generator.device)
     return noise.normal_(0.0, std, generator=generator)
 
 
 def noise_share(
-    clipped: torch.Tensor, clip_norm: float, noise_multiplier: float, num_clients: int, generator: torch.Generator
+    clipped: torch.Tensor, clip_norm: float, noise_multiplier: float, num_clients: int, generator: Noise
 ) -> torch.Tensor:
     """Distributed DP: a client's clipped delta plus its share N(0, z² C² / t) of the noise, where
     ``num_clients`` = t is the fewest shares any completed sum holds (see the module doc)."""
     if num_clients <= 0:
         raise ValueError(f"num_clients = {num_clients} must be > 0")
     std = share_std(clip_norm, noise_multiplier, num_clients)
-    return clipped + gaussian(clipped.numel(), std, generator).to(clipped.device)
+    return clipped + gaussian(clipped.numel(), std, generator, clipped.dtype, clipped.device)
 
 
 def share_std(clip_norm: float, noise_multiplier: float, shares: int) -> float:
@@ -211,7 +228,7 @@ class DPMean:
         total = self._sum
         if self.sum_noise_multiplier > 0 and self.clip_norm is not None:
             std = self.sum_noise_multiplier * self.clip_norm
-            total = total + gaussian(self.numel, std, self._gen, torch.float64)
+            total = total + gaussian(self.numel, std, self._gen, torch.float64, self.device)
         missing = self.missing_share_std()
         if missing > 0:
             log.info(
@@ -220,7 +237,7 @@ class DPMean:
                 self.shares,
                 missing,
             )
-            total = total + gaussian(self.numel, missing, self._gen, torch.float64)
+            total = total + gaussian(self.numel, missing, self._gen, torch.float64, self.device)
         out = (total / self.expected_clients).to(torch.float32)
         if self.adaptive is not None:
             self._update_clip()
@@ -229,7 +246,9 @@ class DPMean:
     def _update_clip(self) -> None:
         a = self.adaptive
         assert a is not None and self.clip_norm is not None
-        noisy = (self.unclipped - self.count / 2) + float(gaussian(1, a.count_stddev, self._gen, torch.float64))
+        noisy = (self.unclipped - self.count / 2) + float(
+            gaussian(1, a.count_stddev, self._gen, torch.float64, self.device)
+        )
         frac = noisy / self.expected_clients + 0.5
         self.clip_norm *= math.exp(-a.lr * (frac - a.target_quantile))
 
@@ -261,7 +280,10 @@ def make_dp_strategy(
     device: torch.device | str = "cpu",
     seed: int | None = None,
 ) -> Strategy:
-    """The server side of ``privacy.mode`` central or distributed, over the configured server optimizer."""
+    """The server side of ``privacy.mode`` central or distributed, over the configured server optimizer.
+    ``seed`` seeds the noise only with ``privacy.reproducible``; otherwise it comes from the CSPRNG."""
+    if not privacy.reproducible:
+        seed = None
     if privacy.mode == "central":
         adaptive = None
         if privacy.adaptive_clipping:

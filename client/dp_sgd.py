@@ -30,6 +30,7 @@ from shoal.accounting import dp_sgd_schedule
 from shoal.client.training import LocalTrainer, Objective
 from shoal.config import PrivacyConfig, TrainConfig
 from shoal.errors import ConfigError
+from shoal.noise import NoiseSource
 from shoal.seeding import derive_seed
 from shoal.task import Task
 from shoal.update import Update
@@ -91,6 +92,9 @@ class DpSgdTrainer(LocalTrainer):
             expected_batch_size=1,
             loss_reduction="mean",
             generator=self._noise_gen,
+            # each noise entry a sum of 4 draws, which resists the floating-point attack (privacy.reproducible
+            # keeps the earlier single draw, so seeded runs repeat the numbers they gave before)
+            secure_mode=not privacy.reproducible,
         )
 
     def train_dataset(self, global_flat, dataset, seed, base_version=0, sender="", objective=None):  # noqa: D102
@@ -119,13 +123,17 @@ class DpSgdTrainer(LocalTrainer):
         n = int(y.shape[0])
         q, steps = dp_sgd_schedule(n, cfg.batch(n), cfg.epochs)
         self._dp_opt.expected_batch_size = cfg.batch(n)
-        self._noise_gen.manual_seed(derive_seed(seed, 1))
+        # privacy.reproducible: noise and batches from the task's seed; otherwise the batches from the
+        # CSPRNG (shoal.noise) and the noise from torch's generator seeded with 63 bits of it
+        src = None if self.privacy.reproducible else NoiseSource()
+        self._noise_gen.manual_seed(derive_seed(seed, 1) if src is None else src.seed63())
         gen = torch.Generator().manual_seed(int(seed) % (1 << 63))
         loss_sum, sampled = 0.0, 0
         canary = self.gradient_canary
         self.grad_sample_module.train()
         for _ in range(steps):
-            draws = torch.rand(n + (canary is not None), generator=gen) < q
+            m = n + (canary is not None)
+            draws = torch.rand(m, generator=gen) < q if src is None else torch.from_numpy(src.uniform(m) < q)
             idx = torch.nonzero(draws[:n]).squeeze(1).to(self.device)
             self._dp_opt.zero_grad(set_to_none=True)
             if len(idx) == 0:

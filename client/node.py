@@ -285,6 +285,11 @@ class NodePrivacy:
             t = info.get("noise_shares")
             if not isinstance(t, int) or isinstance(t, bool) or t < 1:
                 raise NodeError(f"the task's privacy.noise_shares = {short_repr(t)} must be an integer >= 1")
+            if self.p.mechanism == "discrete_gaussian" and not isinstance(task.get("secure_aggregation"), dict):
+                raise NodeError(
+                    "this node adds its discrete-Gaussian noise while encoding for secure aggregation, and the "
+                    "task runs none: refusing to send the update in the clear"
+                )
 
     def allows_next_round(self) -> bool:
         """Local DP: False (with a log line) when one more round would pass privacy.target_epsilon."""

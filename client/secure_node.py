@@ -27,6 +27,7 @@ import aiohttp
 import numpy as np
 import torch
 
+from shoal.aggregation.discrete_gaussian import DdgCodec, plan, rotation_seed
 from shoal.aggregation.dp import share_std
 from shoal.aggregation.secagg import (
     ConsistencyRequest,
@@ -39,7 +40,8 @@ from shoal.aggregation.secagg import (
 from shoal.aggregation.secagg import identity as ID
 from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range, encode_weighted, example_weight
 from shoal.aggregation.secagg.wire import decode_message, encode_message, message_meta, params_from_json
-from shoal.errors import Malformed, ShoalError
+from shoal.errors import Malformed, ShoalError, short_repr
+from shoal.noise import NoiseSource
 from shoal.update import Update
 
 from .http import Backoff, Refused, Retry
@@ -112,7 +114,8 @@ def _dp_shares(node, task: dict, values: FixedPoint, info: dict) -> int:
     if privacy is None or not privacy.plan.client_shares:
         return 0
     t = int(task["privacy"]["noise_shares"])
-    check_noise_range(values, privacy.p.clip_norm, share_std(privacy.p.clip_norm, privacy.p.noise_multiplier, t), t)
+    if privacy.p.mechanism != "discrete_gaussian":  # the discrete Gaussian has no fixed-point range
+        check_noise_range(values, privacy.p.clip_norm, share_std(privacy.p.clip_norm, privacy.p.noise_multiplier, t), t)
     if info.get("weighting") != "uniform":
         raise Malformed(
             f"distributed DP needs every node to weigh the same; the round says weighting = "
@@ -190,13 +193,18 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
         body = await _fetch(node, "keys", round_)
         directory = _expect(decode_message(body, size), KeyDirectory)
         if t:  # distributed DP: the share is sized now, for a t this node can hold the server to
-            update = node.privacy.add_share(update, _checked_shares(t, directory), round_)
+            t = _checked_shares(t, directory)
+            if node.privacy.p.mechanism != "discrete_gaussian":  # else the noise comes with the encoding below
+                update = node.privacy.add_share(update, t, round_)
         max_weight = message_meta(body, size).get("max_weight")
         if not isinstance(max_weight, (int, float)) or not max_weight > 0:
             raise Malformed("the key directory's meta needs max_weight > 0")
         await _post(node, "shares", encode_message(client.share_keys(directory), {"round": round_}))
         delivery = _expect(decode_message(await _fetch(node, "shares", round_), size), ShareDelivery)
         x = _masked_vector(node, update, float(max_weight), str(info["weighting"]), values, weights)
+        codec = _ddg_codec(node, task, t, params, update.delta.numel())
+        if codec is not None:  # the model entries: clip, rotate, round, integer noise (OS-keyed CSPRNG), mod 2^bits
+            x = np.concatenate([codec.encode(update.delta.detach().cpu().numpy(), NoiseSource()), x[-1:]])
         await _post(node, "masked", encode_message(client.masked_input(delivery, x), {"round": round_}))
         log.info("round %d: masked input accepted", round_)
         reply = decode_message(await _fetch(node, "masked", round_), size)
@@ -216,6 +224,40 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
         return False
     log.info("round %d: unmasking shares accepted", round_)
     return True
+
+
+def _ddg_codec(node, task: dict, t: int, params: SecAggParams, dim: int) -> DdgCodec | None:
+    """Distributed DP with the discrete Gaussian: the encoder this node's own config gives for t
+    shares. Everything that sets the noise (z, C, bits, beta, gamma, the variance) is derived here;
+    only the most summands a round may hold comes from the server, and the node refuses a task
+    whose mechanism differs from the one it derived (None: another mechanism)."""
+    privacy = getattr(node, "privacy", None)
+    if privacy is None or privacy.mode != "distributed" or privacy.p.mechanism != "discrete_gaussian":
+        return None
+    p, theirs = privacy.p, task["privacy"].get("ddg")
+    if task["privacy"].get("mechanism") != "discrete_gaussian" or not isinstance(theirs, dict):
+        raise Malformed(
+            "this node adds the distributed discrete Gaussian (privacy.mechanism = 'discrete_gaussian'); the "
+            f"server's round runs {str(task['privacy'].get('mechanism'))[:40]!r}: refusing to take part"
+        )
+    most = theirs.get("max_summands")
+    if not isinstance(most, int) or isinstance(most, bool) or not t <= most <= 1 << 20:
+        raise Malformed(f"the task's ddg.max_summands = {short_repr(most)} must be an integer in [t = {t}, 2^20]")
+    mine = plan(dim, p.clip_norm, p.noise_multiplier, t, most, p.bits, p.beta, p.gamma, p.rotation)
+    if {k: theirs.get(k) for k in mine.as_dict()} != mine.as_dict():
+        raise Malformed(
+            f"the server's discrete-Gaussian parameters {short_repr(theirs)} differ from this node's own "
+            f"{mine.as_dict()}: run the node with the server's [privacy] table"
+        )
+    log.info(
+        "round %s: discrete-Gaussian encoding, integer noise of variance %d at gamma = %.4g (t = %d), modulus 2^%d",
+        task.get("round"),
+        mine.variance,
+        mine.gamma,
+        t,
+        mine.bits,
+    )
+    return DdgCodec(mine, rotation_seed(params.session))
 
 
 def _own_minimum(node, params: SecAggParams, selected: int) -> SecAggParams:

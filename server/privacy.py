@@ -43,7 +43,8 @@ import math
 import secrets
 from typing import Any
 
-from shoal.accounting import RoundAccountant, check_delta_against
+from shoal.accounting import DdgRoundAccountant, RoundAccountant, check_delta_against
+from shoal.aggregation.discrete_gaussian import DdgParams, plan
 from shoal.aggregation.dp import DPMean, make_dp_strategy, share_std
 from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer
 from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range
@@ -175,7 +176,9 @@ class ServerPrivacy:
         self.round_shares = 0  # t of the open round (in the clear: the nodes it selected)
         self.registered: int | None = None
         self.q: float | None = None
-        self.accountant: RoundAccountant | None = None
+        self.accountant: RoundAccountant | DdgRoundAccountant | None = None
+        self.numel = numel
+        self.ddg: DdgParams | None = None  # the distributed discrete Gaussian's parameters (bind)
         self.rounds_charged = 0
         self.reports: dict[str, dict] = {}  # local: node -> its last report
         self.stopped: str | None = None
@@ -219,8 +222,16 @@ class ServerPrivacy:
             q = self._saved_q
         self.q = q
         clip: float | str = "adaptive" if p.adaptive_clipping else float(p.clip_norm)
-        # z_eff when the rounds' figures are released noised too (PrivacyPlan.accounted_z)
-        self.accountant = self.plan.round_accountant(q, sampling="poisson", clip=clip)
+        if p.mechanism == "discrete_gaussian":  # nodes add integer noise while encoding, sized for t
+            self.ddg = plan(
+                self.numel, p.clip_norm, p.noise_multiplier, self.noise_shares, max(registered, self.noise_shares),
+                p.bits, p.beta, p.gamma, p.rotation,
+            )  # fmt: skip
+            ddg = {**self.ddg.as_dict(), "sensitivity_sq": self.ddg.sensitivity_sq()}
+            self.accountant = DdgRoundAccountant(q, ddg, p.delta)
+        else:
+            # z_eff when the rounds' figures are released noised too (PrivacyPlan.accounted_z)
+            self.accountant = self.plan.round_accountant(q, sampling="poisson", clip=clip)
         self._restore_ledger()  # a restart: earlier rounds as they ran, whatever z is now
         if self.accountant.rounds != self.rounds_charged:
             raise ConfigError(
@@ -230,7 +241,7 @@ class ServerPrivacy:
             )
         if self.secure:  # any round size up to N must fit the modulus; the noise must fit the range
             FixedPoint(sa.clip, sa.bits, registered)
-            if self.plan.client_shares:
+            if self.plan.client_shares and self.ddg is None:
                 check_noise_range(FixedPoint(sa.clip, sa.bits, 1), p.clip_norm, self.share_std, self.noise_shares)
         if p.target_epsilon and self.rounds_charged == 0 and self.accountant.next_epsilon() > p.target_epsilon:
             raise ConfigError(
@@ -321,6 +332,9 @@ class ServerPrivacy:
         }
         if self.plan.client_shares:
             out["noise_shares"] = self.round_shares
+            if self.ddg is not None:  # each node re-derives these from its own config and refuses a mismatch
+                out["mechanism"] = self.p.mechanism
+                out["ddg"] = self.ddg.as_dict()
         return out
 
     # --- local DP: the nodes' reports ------------------------------------------------

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from shoal.aggregation.discrete_gaussian import DdgCodec, rotation_seed
 from shoal.aggregation.secagg import (
     ConsistencySignature,
     EncryptedShares,
@@ -327,6 +328,8 @@ class SecureRound:
             result = s.finish()
             if self.privacy is not None and self.privacy.plan.client_shares:  # [clip(delta_k), n_k / max_weight]
                 total, counts = decode_weighted(result.total, len(result.included), self.values, self.weights)
+                if self.privacy.ddg is not None:  # the model entries are the discrete Gaussian's integers
+                    total = DdgCodec(self.privacy.ddg, rotation_seed(self.params.session)).decode(result.total[:-1])
                 self.mean, self.examples = total / len(result.included), max(0, round(counts * self.max_weight))
             else:
                 self.mean, _ = weighted_mean(result.total, len(result.included), self.values, self.weights)

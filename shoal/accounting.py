@@ -17,7 +17,8 @@ Each mechanism is accounted for the sampling the rounds actually do (docs/privac
 from __future__ import annotations
 
 import logging
-from functools import lru_cache
+import math
+from functools import cache, lru_cache
 from typing import Protocol
 
 import dp_accounting
@@ -404,3 +405,179 @@ def dp_sgd_schedule(n: int, batch_size: int, epochs: int) -> tuple[float, int]:
     rate B / n, ``epochs * round(n / B)`` steps (Opacus' Poisson loader makes the same count)."""
     b = min(batch_size, n)
     return b / n, epochs * max(1, round(n / b))
+
+
+# --- the distributed discrete Gaussian (Kairouz, Liu, Steinke 2021) ---------------------------
+#
+# dp-accounting has no event for it, so its RDP curve is computed here from the paper's bound and
+# amplified by Poisson sampling with Zhu and Wang's general bound; every order is an integer.
+
+DDG_ORDERS = tuple(range(2, 257))
+
+
+def ddg_tau(variance: int, summands: int) -> float:
+    """The paper's tau = 10 sum_{k=1}^{n-1} exp(-2 pi^2 (sigma^2/gamma^2) k/(k+1)): how far the sum
+    of n discrete Gaussians of integer variance sigma^2/gamma^2 is from one discrete Gaussian."""
+    return 10.0 * sum(math.exp(-2.0 * math.pi**2 * variance * k / (k + 1)) for k in range(1, summands))
+
+
+def ddg_rdp(
+    order: float, sensitivity_sq: float, client_var: float, variance: int, dim: int, shares: int, summands: int
+) -> float:
+    """RDP of one unsampled round at ``order``: the paper's bound for the sum of n clients' discrete
+    Gaussians (Theorem 1 in RDP form, its Eq. 17): min(a s^2/2 + tau d, a/2 (s + sqrt(d) tau)^2), with
+    s^2 = Delta_2^2 / (n sigma^2). The sum holds at least ``shares`` = t and at most ``summands``
+    shares; s is taken at t and tau at the most summands, both the worst case."""
+    if client_var <= 0:
+        return math.inf
+    s = math.sqrt(sensitivity_sq / (shares * client_var))
+    tau = ddg_tau(variance, summands)
+    return min(order * s * s / 2 + tau * dim, order / 2 * (s + math.sqrt(dim) * tau) ** 2)
+
+
+def poisson_subsampled_rdp(q: float, rdp, order: int) -> float:
+    """Zhu and Wang 2019 (Theorem 6): RDP at integer ``order`` >= 2 of a mechanism with RDP curve
+    ``rdp`` run on a Poisson sample of rate q (add/remove-one), never above the unsampled curve."""
+    if q >= 1.0:
+        return rdp(order)
+    if q <= 0.0:
+        return 0.0
+    a = int(order)
+    lq, l1q = math.log(q), math.log1p(-q)
+
+    def log_comb(n: int, k: int) -> float:
+        return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+
+    terms = [(a - 1) * l1q + math.log(a * q - q + 1), log_comb(a, 2) + 2 * lq + (a - 2) * l1q + rdp(2)]
+    terms += [math.log(3) + log_comb(a, j) + j * lq + (a - j) * l1q + (j - 1) * rdp(j) for j in range(3, a + 1)]
+    top = max(terms)
+    bound = (top + math.log(sum(math.exp(t - top) for t in terms))) / (a - 1)
+    return min(bound, rdp(a))
+
+
+def rdp_to_epsilon(orders, rdps, delta: float) -> float:
+    """(epsilon, delta) from an RDP curve: min over orders of rdp + log((a-1)/a) - (log delta + log a)/(a-1)
+    (Canonne, Kamath, Steinke 2020, Prop. 12; the conversion dp-accounting's RDP accountant uses)."""
+    best = math.inf
+    for a, r in zip(orders, rdps, strict=True):
+        if math.isfinite(r):
+            best = min(best, r + math.log1p(-1 / a) - (math.log(delta) + math.log(a)) / (a - 1))
+    return max(best, 0.0)
+
+
+@lru_cache(maxsize=1024)
+def _ddg_round_rdp(
+    q: float, sensitivity_sq: float, client_var: float, variance: int, dim: int, shares: int, summands: int
+) -> tuple[float, ...]:
+    """One round's RDP at each of DDG_ORDERS (Poisson-sampled at rate q)."""
+
+    @cache
+    def curve(a: int) -> float:
+        return ddg_rdp(a, sensitivity_sq, client_var, variance, dim, shares, summands)
+
+    return tuple(poisson_subsampled_rdp(q, curve, a) for a in DDG_ORDERS)
+
+
+def epsilon_ddg(q: float, ddg: dict, steps: int, delta: float) -> float:
+    """epsilon at ``delta`` after ``steps`` rounds of the distributed discrete Gaussian with Poisson
+    sampling rate q; ``ddg`` is aggregation.discrete_gaussian.DdgParams.as_dict() plus its
+    ``sensitivity_sq`` (Delta_2^2)."""
+    return DdgRoundAccountant(q, ddg, delta).epsilon_after(steps)
+
+
+DDG_KEYS = ("dim", "clip", "gamma", "bits", "beta", "variance", "shares", "max_summands", "sensitivity_sq")
+
+
+class DdgRoundAccountant:
+    """User-level accounting of the distributed discrete Gaussian under secure aggregation: one
+    Poisson-sampled round per charged round, its RDP from :func:`ddg_rdp` (the paper's bound, with
+    the sensitivity after conditional rounding) amplified by :func:`poisson_subsampled_rdp`,
+    composed over rounds and converted with :func:`rdp_to_epsilon`. The same interface as
+    :class:`RoundAccountant` (epsilon, next_epsilon, describe, record_round, state_dict); its
+    ledger records every charged round's parameters, so a restart composes them as they ran."""
+
+    def __init__(self, q: float, ddg: dict, delta: float):
+        self.delta = delta
+        self.kind = "rdp"
+        self.ledger: list[dict] = []
+        self.set_mechanism(q, ddg)
+
+    def set_mechanism(self, q: float, ddg: dict) -> None:
+        missing = [k for k in DDG_KEYS if k not in ddg]
+        if missing:
+            raise ValueError(f"discrete-Gaussian parameters lack {missing}")
+        self.q = min(float(q), 1.0)
+        self.ddg = {k: ddg[k] for k in DDG_KEYS}
+
+    def _current(self) -> dict:
+        return {"mechanism": "discrete_gaussian", "sampling": "poisson", "q": self.q, **self.ddg}
+
+    @property
+    def rounds(self) -> int:
+        return sum(int(e["rounds"]) for e in self.ledger)
+
+    @staticmethod
+    def _curve(e: dict) -> tuple[float, ...]:
+        client_var = float(e["gamma"]) ** 2 * int(e["variance"])
+        return _ddg_round_rdp(
+            float(e["q"]),
+            float(e["sensitivity_sq"]),
+            client_var,
+            int(e["variance"]),
+            int(e["dim"]),
+            int(e["shares"]),
+            int(e["max_summands"]),
+        )
+
+    def epsilon_after(self, extra: int) -> float:
+        entries = [e for e in [*self.ledger, {**self._current(), "rounds": extra}] if int(e["rounds"]) > 0]
+        if not entries:
+            return 0.0
+        total = [0.0] * len(DDG_ORDERS)
+        for e in entries:
+            total = [t + int(e["rounds"]) * r for t, r in zip(total, self._curve(e), strict=True)]
+        return rdp_to_epsilon(DDG_ORDERS, total, self.delta)
+
+    @property
+    def epsilon(self) -> float:
+        return self.epsilon_after(0)
+
+    def next_epsilon(self) -> float:
+        return self.epsilon_after(1)
+
+    def describe(self) -> str:
+        d = self.ddg
+        client_var = float(d["gamma"]) ** 2 * int(d["variance"])
+        text = (
+            f"distributed discrete Gaussian (Kairouz, Liu, Steinke 2021) under secure aggregation: Poisson "
+            f"sampling of clients (q = {self.q:.4g}), add/remove-one client, t = {d['shares']} shares of variance "
+            f"{int(d['variance'])} x gamma^2 (gamma = {float(d['gamma']):.4g}, sigma = {math.sqrt(client_var):.4g}), "
+            f"Delta_2 = {math.sqrt(float(d['sensitivity_sq'])):.4g} after rounding (C = {float(d['clip']):g}), "
+            f"modulus 2^{d['bits']}; RDP of the paper's bound with Zhu-Wang Poisson subsampling"
+        )
+        earlier = sum(int(e["rounds"]) for e in self.ledger if {k: e[k] for k in self._current()} != self._current())
+        if earlier:
+            text += f"; composed with {earlier} earlier rounds of other parameters"
+        return text
+
+    def record_round(self, participants: list[str] | None = None) -> None:
+        cur = self._current()
+        if self.ledger and {k: self.ledger[-1].get(k) for k in cur} == cur:
+            self.ledger[-1]["rounds"] += 1
+        else:
+            self.ledger.append({**cur, "rounds": 1})
+
+    def state_dict(self) -> dict:
+        return {"delta": self.delta, "kind": self.kind, "ledger": [dict(e) for e in self.ledger]}
+
+    def load_state_dict(self, state: dict) -> None:
+        ledger = state.get("ledger")
+        if not isinstance(ledger, list):
+            raise ValueError("a privacy ledger without its charged rounds")
+        keys = (*self._current(), "rounds")
+        for e in ledger:
+            if not isinstance(e, dict) or any(k not in e for k in keys) or e["mechanism"] != "discrete_gaussian":
+                raise ValueError(f"a discrete-Gaussian ledger entry lacks one of {keys}: {str(e)[:200]}")
+            if int(e["rounds"]) < 0 or not 0 <= float(e["q"]) <= 1 or int(e["variance"]) < 0:
+                raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
+        self.ledger = [{k: e[k] for k in keys} for e in ledger]

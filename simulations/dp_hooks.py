@@ -20,10 +20,12 @@ before ``privacy.target_epsilon`` would be exceeded.
 from __future__ import annotations
 
 import logging
+import secrets
 from collections.abc import Callable
 
 from shoal.accounting import (
     Accountant,
+    DdgRoundAccountant,
     budget_allows,
     check_delta_against,
     dp_sgd_schedule,
@@ -33,6 +35,7 @@ from shoal.aggregation.dp import DPMean, clip_to_norm, make_generator, noise_sha
 from shoal.assembly import expected_clients
 from shoal.config import Config
 from shoal.errors import ConfigError
+from shoal.noise import describe as describe_randomness
 from shoal.privacy_plan import plan_of
 from shoal.rounds import Assignment, RoundSummary
 from shoal.seeding import derive_seed
@@ -47,7 +50,8 @@ def round_sampling(cfg: Config) -> str:
 
 
 class DistributedNoise:
-    """The client step of distributed DP: clip to C, add N(0, z²C²/t) (seeded per assignment).
+    """The client step of distributed DP: clip to C, add N(0, z²C²/t) (from the CSPRNG; seeded per
+    assignment with ``privacy.reproducible``).
 
     ``shares`` gives t for the current round (by default: how many clients the round selected,
     read from ``rounds``); secure aggregation replaces it with its own minimum of survivors.
@@ -66,7 +70,8 @@ class DistributedNoise:
         agg = getattr(getattr(self.rounds, "strategy", None), "aggregator", None)
         if agg is not None and hasattr(agg, "expect_shares"):
             agg.expect_shares(t)
-        gen = make_generator(update.delta.device, derive_seed(task.seed, 0xD9))
+        # the CSPRNG, or (privacy.reproducible) a generator seeded from the task's seed
+        gen = make_generator(update.delta.device, derive_seed(task.seed, 0xD9) if self.p.reproducible else None)
         clipped, _ = clip_to_norm(update.delta, self.p.clip_norm)
         update.delta = noise_share(clipped, self.p.clip_norm, self.p.noise_multiplier, t, gen)
         return update
@@ -75,6 +80,15 @@ class DistributedNoise:
 def distributed_noise_step(cfg: Config, num_clients: int, rounds=None) -> DistributedNoise:
     """The distributed-DP client step (``num_clients`` kept for callers of the old signature)."""
     return DistributedNoise(cfg, rounds)
+
+
+def selection_secret(cfg: Config) -> bytes | None:
+    """The key of a DP run's client selection and task seeds (SyncRounds.secret): 256 bits from the
+    OS, so nobody who knows the config can recompute who was sampled; None (selection seeded from
+    simulation.seed) without DP or with ``privacy.reproducible``."""
+    if cfg.privacy.mode == "none" or cfg.privacy.reproducible:
+        return None
+    return secrets.token_bytes(32)
 
 
 def check_delta(delta: float, mode: str, client_sizes: dict[str, int]) -> None:
@@ -122,12 +136,26 @@ class PrivacyBudget:
             # at z_eff when the round's figures are released noised too (PrivacyPlan.accounted_z)
             self.accountant = self.plan.round_accountant(k / n, sampling=self.sampling, num_clients=n, sample_size=k)
         check_delta(p.delta, p.mode, client_sizes)
+        self.reproducible = p.reproducible
         log.info("privacy accounting: %s; %s", self.accountant.describe(), self.plan.describe_release())
+        (log.warning if p.reproducible else log.info)("privacy randomness: %s", describe_randomness(p.reproducible))
         if self.target and self.accountant.next_epsilon() > self.target:
             raise ConfigError(
                 f"privacy.target_epsilon = {self.target:g} is below the epsilon of a single round "
                 f"({self.accountant.next_epsilon():.3g} at delta = {self.delta:g}); raise it or "
                 "raise privacy.noise_multiplier"
+            )
+
+    def use_accountant(self, accountant: DdgRoundAccountant) -> None:
+        """Account with another mechanism's analysis (the distributed discrete Gaussian's, which
+        secure aggregation sizes); the target is checked again."""
+        self.accountant = accountant
+        log.info("privacy accounting: %s", accountant.describe())
+        if self.target and accountant.next_epsilon() > self.target:
+            raise ConfigError(
+                f"privacy.target_epsilon = {self.target:g} is below the epsilon of a single round "
+                f"({accountant.next_epsilon():.3g} at delta = {self.delta:g}); raise it or raise "
+                "privacy.noise_multiplier"
             )
 
     @property
@@ -150,6 +178,7 @@ class PrivacyBudget:
             "sampling": self.sampling,
             "accountant": self.accountant.describe(),
             "release": self.plan.describe_release(),
+            "randomness": describe_randomness(self.reproducible),
         }
 
     def round_figures(self, summary: RoundSummary) -> dict:

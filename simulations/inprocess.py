@@ -42,7 +42,7 @@ from .client_data import (
     load_simulation_data,
     on_device,
 )
-from .dp_hooks import PrivacyBudget, distributed_noise_step, round_sampling
+from .dp_hooks import PrivacyBudget, distributed_noise_step, round_sampling, selection_secret
 from .run_loop import Step
 from .wire_step import WireStep
 
@@ -213,6 +213,7 @@ class InProcessSimulation:
             sim.seed,
             sampling=round_sampling(cfg),  # DP: the sampling its accountant assumes
         )
+        self.rounds.secret = selection_secret(cfg)  # DP: selection and task seeds from the OS
         self.privacy = (
             None
             if not plan_of(cfg).enabled

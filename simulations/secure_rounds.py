@@ -16,6 +16,12 @@ and a round whose survivors number fewer than t is aborted before its sum is use
 applied sum carries at least N(0, z²C²). The fixed-point range is checked against the share's
 std (aggregation.secagg.encoding.check_noise_range). Aborted rounds are charged by the
 accountant like any other.
+
+With ``privacy.mechanism = "discrete_gaussian"`` the clients add no continuous noise: each encodes
+its update with the distributed discrete Gaussian (aggregation/discrete_gaussian.py: clip, scale,
+rotate, round, integer noise of variance sigma^2/gamma^2 with sigma^2 = z^2 C^2 / t, modulo 2^bits),
+the protocol sums those integers and the sum is decoded; the accountant is the mechanism's own
+(shoal.accounting.DdgRoundAccountant). Its noise comes from shoal.noise's CSPRNG.
 """
 
 from __future__ import annotations
@@ -25,14 +31,18 @@ import math
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
+from shoal.accounting import DdgRoundAccountant
+from shoal.aggregation.discrete_gaussian import DdgCodec, DdgParams, plan
 from shoal.aggregation.dp import share_std
 from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer
 from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range, example_weight
-from shoal.aggregation.secagg.group import secure_weighted_mean
-from shoal.aggregation.secagg.memory import STAGES, injected_dropouts
+from shoal.aggregation.secagg.group import SecureMean, secure_weighted_mean
+from shoal.aggregation.secagg.memory import STAGES, injected_dropouts, run_in_memory
 from shoal.errors import NonFinite
+from shoal.noise import NoiseSource
 from shoal.privacy_plan import plan_of
 from shoal.rounds import Assignment
 from shoal.seeding import derive_seed, rng
@@ -67,7 +77,11 @@ class SecureAggregationRounds:
         self.last: dict = {}
         self.noise_shares = 0  # distributed DP: t, the fewest survivors a round may complete with
         p = sim.cfg.privacy
-        if plan_of(sim.cfg).client_shares:
+        self.ddg: DdgParams | None = None  # the distributed discrete Gaussian's parameters
+        if plan_of(sim.cfg).client_shares and p.mechanism == "discrete_gaussian":
+            self.noise_shares = max(self.min_survivors(k), math.ceil(p.min_survivors * k - 1e-9))
+            self._use_discrete_gaussian(k, n)
+        elif plan_of(sim.cfg).client_shares:
             self.noise_shares = max(self.min_survivors(k), math.ceil(p.min_survivors * k - 1e-9))
             std = share_std(p.clip_norm, p.noise_multiplier, self.noise_shares)
             if p.noise_multiplier > 0:
@@ -82,6 +96,28 @@ class SecureAggregationRounds:
                 std,
                 self.noise_shares,
             )
+
+    def _use_discrete_gaussian(self, k: int, n: int) -> None:
+        """Size the mechanism for t survivors, drop the continuous noise step, account with its bound."""
+        sim, p = self.sim, self.sim.cfg.privacy
+        self.ddg = plan(
+            sim.spec.numel, p.clip_norm, p.noise_multiplier, self.noise_shares, self.max_summands, p.bits, p.beta,
+            p.gamma, p.rotation,
+        )  # fmt: skip
+        sim.client_steps = [s for s in sim.client_steps if not isinstance(s, DistributedNoise)]
+        if sim.privacy is not None:
+            ddg = {**self.ddg.as_dict(), "sensitivity_sq": self.ddg.sensitivity_sq()}
+            sim.privacy.use_accountant(DdgRoundAccountant(k / n, ddg, p.delta))
+        log.info(
+            "distributed discrete Gaussian with secure aggregation: %d clients per round, each adds integer noise "
+            "of variance %d at granularity gamma = %.4g (sigma = %.4g, t = %d survivors at least), modulus 2^%d",
+            k,
+            self.ddg.variance,
+            self.ddg.gamma,
+            self.ddg.client_std,
+            self.noise_shares,
+            self.ddg.bits,
+        )
 
     def min_survivors(self, n: int) -> int:
         """The fewest survivors secure aggregation accepts in a round of ``n`` clients (its threshold)."""
@@ -144,7 +180,10 @@ class SecureAggregationRounds:
             min_inputs=self.cfg.min_inputs,
         )
         drop_at = self._drop_at(sorted(inputs), round_)
-        out = secure_weighted_mean(inputs, weights, params, self.values, self.weights, drop_at, seed)
+        if self.ddg is not None:
+            out = self._discrete_gaussian_mean(inputs, params, drop_at, seed, round_)
+        else:
+            out = secure_weighted_mean(inputs, weights, params, self.values, self.weights, drop_at, seed)
         if len(out.included) < self.noise_shares:
             # Fewer than t noise shares in the sum: it must not be used. A deployment checks this
             # before it asks for the unmasking shares; the simulator drops the sum it computed.
@@ -165,6 +204,26 @@ class SecureAggregationRounds:
         for task, u in trained:
             if task.client_id in included:
                 yield task, Update(mean, u.num_examples, u.base_version, u.sender, u.metrics)
+
+    def _discrete_gaussian_mean(
+        self, inputs: dict, params: SecAggParams, drop_at: dict[str, str], seed: int, round_: int
+    ) -> SecureMean:
+        """Encode each client's update with the distributed discrete Gaussian (and a 0 in the weight
+        entry: every client weighs the same), securely sum, decode the sum; its mean over the included."""
+        assert self.ddg is not None
+        codec = DdgCodec(self.ddg, derive_seed(seed, 0x40D))  # the rotation's seed is public
+        reproducible = self.sim.cfg.privacy.reproducible
+        encoded = {}
+        for cid, x in inputs.items():
+            src = NoiseSource.for_run(reproducible, self.sim.cfg.simulation.seed, round_, int.from_bytes(cid.encode()))
+            encoded[cid] = np.concatenate([codec.encode(x, src), np.zeros(1, dtype=np.uint32)])
+        result, cost = run_in_memory(params, encoded, drop_at, seed=seed)
+        agg = getattr(self.sim.rounds.strategy, "aggregator", None)
+        if agg is not None and hasattr(agg, "expect_shares"):  # the DP mean: every share was sized for t survivors
+            agg.expect_shares(self.noise_shares)
+        total = codec.decode(result.total[:-1])
+        n = max(len(result.included), 1)
+        return SecureMean(total / n, result.included, float(n), cost)
 
 
 def poisson_cap(n: int, k: int) -> int:

@@ -69,6 +69,11 @@ def check_combinations(self: Any) -> None:
     _check_algorithm(self)
     _check_hierarchy(self)
     dp = self.privacy.mode
+    if self.privacy.mechanism == "discrete_gaussian" and not self.secure_aggregation.enabled:
+        raise ConfigError(
+            "privacy.mechanism = 'discrete_gaussian' adds integer noise in the modular domain that secure "
+            "aggregation sums: set secure_aggregation.enabled = true (or privacy.mechanism = 'gaussian')"
+        )
     if dp in ("central", "distributed") and self.robust.rule != "mean":
         raise ConfigError(
             f"privacy.mode = {dp!r} with robust.rule = {self.robust.rule!r}: the DP mean's noise is "

@@ -540,6 +540,17 @@ class PrivacyConfig:
     # distributed DP with secure aggregation: noise shares are sized for t = max(the protocol's
     # threshold, ceil(min_survivors * K)) survivors, and a round with fewer is aborted; 0 = the threshold
     min_survivors: float = 0.0
+    # distributed DP's noise: gaussian (continuous shares, then fixed-point encoding) or discrete_gaussian
+    # (the distributed discrete Gaussian of Kairouz et al. 2021: integer noise in the modular domain
+    # secure aggregation sums; needs secure aggregation)
+    mechanism: Literal["gaussian", "discrete_gaussian"] = "gaussian"
+    bits: int = 16  # discrete_gaussian: the secure sum lives modulo 2^bits (at most 32)
+    gamma: float = 0.0  # discrete_gaussian: the granularity; 0 = the finest the modulus holds
+    beta: float = 0.6065306597126334  # discrete_gaussian: conditional rounding's bias, exp(-1/2) as in the paper
+    rotation: bool = True  # discrete_gaussian: flatten updates with a randomized Hadamard transform
+    # true: selection and noise are seeded from simulation.seed (runs repeat exactly) and the
+    # guarantee does not hold against anyone who knows the seed; false: from a CSPRNG keyed by the OS
+    reproducible: bool = False
     # what a DP run's records say of each round beyond the model (docs/privacy.md "What a run releases"):
     # withhold = no data-dependent per-round figure (train loss, counts, bytes, clients' own evaluations);
     # noised = the number of results and the train loss with Gaussian noise, charged in epsilon
@@ -568,6 +579,29 @@ class PrivacyConfig:
             raise ConfigError(
                 f"privacy.min_survivors = {self.min_survivors} must be a fraction of the round's clients in [0, 1]"
             )
+        if self.mechanism == "discrete_gaussian":
+            if self.mode != "distributed":
+                raise ConfigError(
+                    f"privacy.mechanism = 'discrete_gaussian' is distributed DP's (privacy.mode = 'distributed'), "
+                    f"not {self.mode!r}: set mechanism = 'gaussian'"
+                )
+            if not 2 <= self.bits <= 32:
+                raise ConfigError(f"privacy.bits = {self.bits} must be in [2, 32] (secure aggregation sums mod 2^32)")
+            _positive("privacy.gamma", self.gamma, allow_zero=True)
+            if not 0 <= self.beta < 1:
+                raise ConfigError(f"privacy.beta = {self.beta} must be in [0, 1)")
+            if self.release == "noised":
+                raise ConfigError(
+                    "privacy.release = 'noised' with privacy.mechanism = 'discrete_gaussian': the noised figures' "
+                    "cost is folded into the Gaussian's multiplier, which the discrete Gaussian's accountant does not "
+                    "compose yet; use privacy.release = 'withhold' (the default)"
+                )
+            if self.sampling != "poisson" or self.accountant != "rdp":
+                raise ConfigError(
+                    "privacy.mechanism = 'discrete_gaussian' is accounted with RDP under Poisson sampling (the "
+                    "paper's bound with Zhu-Wang amplification): set privacy.sampling = 'poisson' and "
+                    "privacy.accountant = 'rdp'"
+                )
         if self.sampling == "fixed" and self.accountant != "rdp" and self.mode in ("central", "distributed"):
             raise ConfigError(
                 "privacy.sampling = 'fixed' is accounted with RDP (sampling without replacement, replace-one); "

@@ -42,11 +42,12 @@ def test_noise_enters_the_update_with_std_z_c_over_batch():
     x, y = _data()
     cfg = TrainConfig(epochs=1, batch_size=40, lr=1.0)
     z, c = 2.0, 1e-6  # gradients clipped to ~0: the step is the noise, lr * N(0, (zC)^2) / B
-    t = DpSgdTrainer(_model(), cfg, PrivacyConfig(mode="local", noise_multiplier=z, clip_norm=c))
+    seeded = PrivacyConfig(mode="local", noise_multiplier=z, clip_norm=c, reproducible=True)
+    t = DpSgdTrainer(_model(), cfg, seeded)
     g = t.flat.detach().clone()
     d = t.train(g, x, y, seed=2).delta
     assert float(d.std()) == pytest.approx(z * c / 40, rel=0.05)
-    assert torch.equal(d, t.train(g, x, y, seed=2).delta)  # seeded: same task, same noise
+    assert torch.equal(d, t.train(g, x, y, seed=2).delta)  # reproducible: same task, same noise
     assert not torch.equal(d, t.train(g, x, y, seed=3).delta)
 
 

@@ -59,7 +59,16 @@ SMALL = [
 
 
 def config(*extra: str, engine: str = "inprocess"):
-    return load_config(None, [*SMALL, f"simulation.engine='{engine}'", "simulation.ray_workers_per_node=1", *extra])
+    return load_config(
+        None,
+        [
+            *SMALL,
+            f"simulation.engine='{engine}'",
+            "simulation.ray_workers_per_node=1",
+            "privacy.reproducible=true",
+            *extra,
+        ],
+    )
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,8 @@ def _cfg(mode: str, **privacy) -> Config:
     cfg = Config(
         simulation=SimulationConfig(rounds=10, num_clients=10, clients_per_round=2, progress=False),
         train=TrainConfig(epochs=1, batch_size=10, lr=0.05),
-        privacy=PrivacyConfig(mode=mode, noise_multiplier=1.0, clip_norm=1.0, **privacy),
+        # reproducible: the tests compare runs and noise on fixed draws
+        privacy=PrivacyConfig(mode=mode, noise_multiplier=1.0, clip_norm=1.0, **{"reproducible": True, **privacy}),
     )
     cfg.output.plots = False
     return cfg.validate()

@@ -30,6 +30,7 @@ BASE = [
     "train.batch_size=10",
     "output.plots=false",
     "simulation.progress=false",
+    "privacy.reproducible=true",  # noisy and noiseless runs select the same clients; statistics on fixed draws
 ]
 
 

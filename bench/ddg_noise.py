@@ -1,0 +1,66 @@
+"""What unpredictable noise costs: the CSPRNG's draws against torch's generator, side by side.
+
+    python bench/ddg_noise.py                # n = 199,210 (MNIST 2NN), 5 repetitions each
+
+Times, on one thread, the median of ``--reps`` runs of drawing ``n`` entries of:
+
+* torch's generator, N(0, 1) (what the noise used before: a seeded Mersenne Twister);
+* shoal.noise's CSPRNG Gaussian (AES-256-CTR uniforms, four Box-Muller draws summed per entry);
+* the exact discrete Gaussian sampler (integer variance 10^6, CKS 2020) on the CSPRNG;
+* a whole client-side discrete-Gaussian encoding (clip, rotate, conditional rounding, noise, modulus);
+
+and prints each with its ratio to torch's generator.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+import torch
+
+from shoal.aggregation.discrete_gaussian import DdgCodec, plan, sample
+from shoal.noise import NoiseSource
+
+
+def timed(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--n", type=int, default=199_210)
+    ap.add_argument("--reps", type=int, default=5)
+    a = ap.parse_args()
+    torch.set_num_threads(1)
+    n = a.n
+    gen = torch.Generator().manual_seed(0)
+    src = NoiseSource()
+    codec = DdgCodec(plan(n, 1.0, 1.0, 6, 39, 16), rotation_seed=1)
+    update = np.random.default_rng(0).normal(size=n)
+    rows = [
+        ("torch generator, N(0,1) float32", lambda: torch.empty(n).normal_(0.0, 1.0, generator=gen)),
+        ("torch generator, N(0,1) float64", lambda: torch.empty(n, dtype=torch.float64).normal_(generator=gen)),
+        ("CSPRNG Gaussian (4 Box-Muller draws summed)", lambda: src.gaussian(n, 1.0)),
+        ("CSPRNG exact discrete Gaussian, variance 1e6", lambda: sample(src, 10**6, n)),
+        (f"discrete-Gaussian client encoding (2^16, variance {codec.p.variance})", lambda: codec.encode(update, src)),
+    ]
+    base = None
+    print(f"n = {n}, median of {a.reps}, one thread")
+    print("| draw | seconds | ns per entry | x torch float32 |\n|---|---|---|---|")
+    for label, fn in rows:
+        fn()  # warm-up
+        t = timed(fn, a.reps)
+        base = base or t
+        print(f"| {label} | {t:.4f} | {1e9 * t / n:.1f} | {t / base:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""Where the randomness a privacy guarantee rests on comes from.
+
+:class:`NoiseSource` is a cryptographically secure generator: the AES-256-CTR keystream of a
+256-bit key read from the OS (``os.urandom``), so nobody can predict or recompute its draws,
+not even with the run's config and its ``simulation.seed``. Every draw that a differential-privacy
+guarantee rests on takes its bits from one: client selection under DP, the central noise, the
+distributed noise shares (continuous or discrete) and the rounding of the discrete Gaussian.
+
+``privacy.reproducible = true`` keys the stream from the run's seed instead (:meth:`NoiseSource.seeded`),
+so a run repeats exactly; the guarantee then does not hold against anyone who knows the seed,
+and the run's log and summary say so (:func:`describe`).
+
+Continuous Gaussian noise (:meth:`NoiseSource.gaussian`) is not a single floating-point draw per
+entry: Mironov (2012) shows that the set of values a textbook floating-point sampler can output
+has gaps that depend on the value added, so an output can give away which of two neighbouring
+inputs produced it. Each entry here is the sum of four independent Box-Muller draws of std s/2,
+whose floating-point values fill the line far more densely (the mitigation of Holohan and
+Braghin 2021, which Opacus' secure mode also takes); each uniform carries 53 bits of the
+CSPRNG. It is a mitigation, not a proof; the discrete Gaussian (aggregation/discrete_gaussian.py,
+exact integer arithmetic, no floating point in the sampler) is the mechanism with none of it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import numpy as np
+import torch
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+KEY_BYTES = 32  # 256-bit keys: at least 128 bits of OS entropy in every unreproducible stream
+_ZERO_IV = bytes(16)
+_U64_MAX = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
+GAUSSIAN_SUMMANDS = 4  # draws summed per continuous Gaussian entry (module doc)
+
+
+class NoiseSource:
+    """Uniform words, bounded integers, uniforms and Gaussians from an AES-256-CTR keystream.
+
+    ``NoiseSource()`` keys the stream with 32 bytes of ``os.urandom``; :meth:`seeded` derives
+    the key from integers (reproducible mode only)."""
+
+    def __init__(self, key: bytes | None = None, *, reproducible: bool = False):
+        if key is None:
+            key = os.urandom(KEY_BYTES)
+        if len(key) != KEY_BYTES:
+            raise ValueError(f"a noise key has {KEY_BYTES} bytes, not {len(key)}")
+        self.reproducible = reproducible
+        self._stream = Cipher(algorithms.AES(key), modes.CTR(_ZERO_IV)).encryptor()
+
+    @classmethod
+    def seeded(cls, *parts: int) -> NoiseSource:
+        """A stream keyed by a BLAKE2b hash of ``parts`` (e.g. the run's seed, the round, the client):
+        the same parts give the same draws. For ``privacy.reproducible`` only."""
+        h = hashlib.blake2b(b"shoal noise", digest_size=KEY_BYTES)
+        for p in parts:
+            b = int(p).to_bytes((int(p).bit_length() + 8) // 8 or 1, "big", signed=True)
+            h.update(len(b).to_bytes(2, "big") + b)
+        return cls(h.digest(), reproducible=True)
+
+    @classmethod
+    def for_run(cls, reproducible: bool, *parts: int) -> NoiseSource:
+        """The OS-keyed source, or (``reproducible``) the one seeded from ``parts``."""
+        return cls.seeded(*parts) if reproducible else cls()
+
+    def random_bytes(self, n: int) -> bytes:
+        return self._stream.update(bytes(n))
+
+    def words(self, n: int) -> np.ndarray:
+        """``n`` uniform 64-bit words."""
+        return np.frombuffer(self.random_bytes(8 * n), dtype=np.uint64).copy()
+
+    def secret(self, nbytes: int = KEY_BYTES) -> bytes:
+        """Key material for another generator (a selection secret, a per-round stream)."""
+        return self.random_bytes(nbytes)
+
+    def below(self, high: np.ndarray | int, n: int | None = None) -> np.ndarray:
+        """Uniform integers in [0, high) (int64), exactly: 64-bit words reduced modulo ``high``,
+        rejecting the top partial block. ``high`` is a positive int or an int64 array (then one
+        draw per entry and ``n`` is ignored)."""
+        high_arr = np.asarray(high, dtype=np.int64)
+        if high_arr.ndim == 0:
+            high_arr = np.full(int(n if n is not None else 1), int(high_arr), dtype=np.int64)
+        if high_arr.size and int(high_arr.min()) <= 0:
+            raise ValueError("below(high) needs high >= 1")
+        h = high_arr.astype(np.uint64)
+        # 2^64 mod h, in uint64 arithmetic: (2^64 - h) mod h; words above 2^64 - 1 - rem are rejected
+        limit = _U64_MAX - (np.uint64(0) - h) % h
+        w = self.words(h.size)
+        out = (w % h).astype(np.int64)
+        redo = np.flatnonzero(w > limit)  # rare: at most h / 2^64 of the draws
+        while redo.size:
+            w = self.words(redo.size)
+            ok = w <= limit[redo]
+            out[redo[ok]] = (w[ok] % h[redo[ok]]).astype(np.int64)
+            redo = redo[~ok]
+        return out
+
+    def uniform(self, n: int) -> np.ndarray:
+        """``n`` uniforms in [0, 1) with 53 random bits each (float64)."""
+        return (self.words(n) >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+    def gaussian(self, n: int, std: float) -> np.ndarray:
+        """``n`` draws of N(0, std^2) (float64), each the sum of :data:`GAUSSIAN_SUMMANDS` Box-Muller
+        draws of std ``std / 2`` (module doc)."""
+        if n <= 0:
+            return np.zeros(0)
+        m = GAUSSIAN_SUMMANDS * n
+        pairs = (m + 1) // 2
+        u1, u2 = self.uniform(pairs), self.uniform(pairs)
+        radius = np.sqrt(-2.0 * np.log1p(-u1))  # 1 - u1 in (0, 1]: never log(0)
+        angle = 2.0 * np.pi * u2
+        draws = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:m]
+        return draws.reshape(GAUSSIAN_SUMMANDS, n).sum(axis=0) * (std / np.sqrt(GAUSSIAN_SUMMANDS))
+
+    def gaussian_tensor(
+        self, n: int, std: float, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """:meth:`gaussian` as a tensor on ``device``."""
+        return torch.from_numpy(self.gaussian(n, std)).to(device=device, dtype=dtype)
+
+    def seed63(self) -> int:
+        """A 63-bit seed for a generator that takes no wider one (torch's): for draws no
+        guarantee rests on."""
+        return int(self.words(1)[0] >> np.uint64(1))
+
+
+def describe(reproducible: bool) -> str:
+    """What the run's log and summary say about where its privacy noise came from."""
+    if reproducible:
+        return (
+            "privacy.reproducible = true: selection and noise are seeded from simulation.seed, so the run "
+            "repeats exactly; the privacy guarantee does NOT hold against anyone who knows the seed"
+        )
+    return "selection and noise from a CSPRNG (AES-256-CTR) keyed with 256 bits from the OS"

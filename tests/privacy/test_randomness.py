@@ -1,0 +1,112 @@
+"""Where DP randomness comes from: the OS (>= 128 bits) unless privacy.reproducible is on."""
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+import shoal.noise
+import shoal.simulations.dp_hooks as dp_hooks
+from shoal.aggregation.dp import make_generator
+from shoal.client.dp_sgd import DpSgdTrainer
+from shoal.config import PrivacyConfig, TrainConfig, load_config
+from shoal.models import build_model
+from shoal.noise import NoiseSource
+from shoal.rounds import Assignment
+from shoal.simulations.dp_hooks import DistributedNoise
+from shoal.simulations.inprocess import InProcessSimulation
+from shoal.update import Update
+
+BASE = ["simulation.rounds=3", "simulation.num_clients=20", "simulation.clients_per_round=10", "simulation.seed=7"]
+
+
+def cfg(mode, *extra):
+    return load_config(None, [*BASE, f'privacy.mode="{mode}"', "privacy.noise_multiplier=1.0", *extra])
+
+
+@pytest.fixture
+def os_entropy(monkeypatch):
+    """Every read of OS entropy by the noise sources and the selection secret: its size in bytes."""
+    reads = []
+    urandom, token = os.urandom, dp_hooks.secrets.token_bytes
+
+    def read(n):
+        reads.append(n)
+        return urandom(n)
+
+    def token_bytes(n=None):
+        reads.append(n)
+        return token(n)
+
+    monkeypatch.setattr(shoal.noise.os, "urandom", read)
+    monkeypatch.setattr(dp_hooks.secrets, "token_bytes", token_bytes)
+    return reads
+
+
+def _selections(sim, rounds=3):
+    out = []
+    for _ in range(rounds):
+        sim.run_round()
+        out.append(sorted(sim.rounds.selected))
+    return out
+
+
+def test_selection_and_central_noise_take_128_bits_from_the_os_not_the_seed(os_entropy):
+    a, b = InProcessSimulation(cfg("central")), InProcessSimulation(cfg("central"))
+    for sim in (a, b):
+        assert isinstance(sim.rounds.secret, bytes) and len(sim.rounds.secret) * 8 >= 128
+        gen = sim.rounds.strategy.aggregator._gen
+        assert isinstance(gen, NoiseSource) and not gen.reproducible
+    assert a.rounds.secret != b.rounds.secret
+    assert os_entropy and min(os_entropy) * 8 >= 128  # the secrets and the noise keys
+    # same config, same simulation.seed: Poisson selections (q = 1/2, 3 rounds) and models differ
+    assert _selections(a) != _selections(b)
+    assert not torch.equal(a.global_params, b.global_params)
+    assert "CSPRNG" in a.privacy.summary()["randomness"]
+
+
+def test_reproducible_mode_repeats_and_says_what_it_gives_up(os_entropy):
+    runs = [InProcessSimulation(cfg("central", "privacy.reproducible=true")) for _ in range(2)]
+    assert all(s.rounds.secret is None for s in runs)
+    assert _selections(runs[0]) == _selections(runs[1])
+    assert torch.equal(runs[0].global_params, runs[1].global_params)
+    assert "does NOT hold against anyone who knows the seed" in runs[0].privacy.summary()["randomness"]
+    other = InProcessSimulation(cfg("central", "privacy.reproducible=true", "simulation.seed=8"))
+    assert _selections(other) != _selections(InProcessSimulation(cfg("central", "privacy.reproducible=true")))
+
+
+@pytest.mark.parametrize("reproducible", [False, True])
+def test_distributed_noise_shares(reproducible):
+    c = cfg("distributed", f"privacy.reproducible={str(reproducible).lower()}")
+    step = DistributedNoise(c, shares=lambda: 4)
+    task = Assignment("c0", 1, 0, seed=1234)
+    draws = [step(task, Update(torch.zeros(1000), 10, 0)).delta for _ in range(2)]
+    assert torch.equal(draws[0], draws[1]) == reproducible
+    assert float(draws[0].std()) == pytest.approx(0.5, rel=0.1)  # z C / sqrt(t)
+
+
+def test_generators_and_sources():
+    assert isinstance(make_generator("cpu", None), NoiseSource)
+    assert isinstance(make_generator("cpu", 5), torch.Generator)
+    a, b = NoiseSource.seeded(1, 2), NoiseSource.seeded(1, 2)
+    assert np.array_equal(a.words(8), b.words(8)) and a.reproducible
+    assert not np.array_equal(NoiseSource().words(8), NoiseSource().words(8))
+    x = NoiseSource.seeded(3).gaussian(200_000, 2.0)
+    assert abs(x.mean()) < 0.02 and x.std() == pytest.approx(2.0, rel=0.01)
+    u = NoiseSource.seeded(4).below(np.array([1, 3, 2**62 + 1] * 1000))
+    assert u.min() >= 0 and (u[0::3] == 0).all() and u[1::3].max() == 2
+
+
+@pytest.mark.parametrize("reproducible", [False, True])
+def test_local_dp_sgd_noise_and_batches_follow_the_switch(reproducible):
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 1, 28, 28, generator=g), torch.randint(0, 10, (40,), generator=g)
+    cfg = TrainConfig(epochs=1, batch_size=10, lr=0.1)
+    privacy = PrivacyConfig(mode="local", noise_multiplier=1.0, clip_norm=1.0, reproducible=reproducible)
+    deltas = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        trainer = DpSgdTrainer(build_model("logreg", (1, 28, 28), 10), cfg, privacy)
+        deltas.append(trainer.train(trainer.flat.detach().clone(), x, y, seed=5).delta)
+    assert torch.equal(deltas[0], deltas[1]) == reproducible  # same task seed: same update only if reproducible
