@@ -28,7 +28,7 @@ import torch
 
 from shoal.assembly import with_absolute_task
 from shoal.config import Config
-from shoal.errors import ConfigError, EngineError
+from shoal.errors import ConfigError
 from shoal.rounds import RoundSummary
 from shoal.simulations.run_loop import RunLoop
 
@@ -65,26 +65,6 @@ def backend_config(cfg: Config) -> dict[str, Any]:
         "client_resources": {"num_cpus": sim.flower_client_cpus, "num_gpus": sim.flower_client_gpus},
         "init_args": init_args,
     }
-
-
-def wait_for_resources(need: dict[str, float], timeout_s: float) -> None:
-    """Wait until the Ray cluster has one Flower client's CPUs and GPUs free, or EngineError in one
-    line: Flower's actors would otherwise wait for them for ever (another Ray job holding the CPUs)."""
-    import ray
-
-    deadline = time.monotonic() + timeout_s
-    while True:
-        free = ray.available_resources()
-        if free.get("CPU", 0) >= need["num_cpus"] - 1e-9 and free.get("GPU", 0) >= need["num_gpus"] - 1e-9:
-            return
-        if time.monotonic() > deadline:
-            raise EngineError(
-                f"Flower's clients could not start within simulation.ray_start_timeout_s = {timeout_s:g} s: each asks "
-                f"for {need['num_cpus']:g} CPU(s) and {need['num_gpus']:g} GPU(s), and the Ray cluster has "
-                f"{free.get('CPU', 0):g} CPU(s) and {free.get('GPU', 0):g} GPU(s) free (another Ray job may hold "
-                "them): free them, lower simulation.flower_client_cpus / flower_client_gpus, or raise the timeout"
-            )
-        time.sleep(0.2)
 
 
 def run_flower(
@@ -143,11 +123,6 @@ def run_flower(
                 lg.setLevel(logging.ERROR)
         started_ray = not ray.is_initialized()
         try:
-            if started_ray:  # Flower's backend reuses a running runtime: started here, bounded in time
-                from shoal.simulations.ray_engine import start_ray
-
-                start_ray(backend["init_args"], sim_cfg.ray_start_timeout_s)
-            wait_for_resources(backend["client_resources"], sim_cfg.ray_start_timeout_s)
             run_simulation(
                 server_app=make_server_app(cfg, on_round, strict=True),
                 client_app=make_client_app(cfg, sim_cfg.device),

@@ -343,37 +343,6 @@ def ray_init_args(cfg: Config) -> dict[str, Any]:
     }
 
 
-def start_ray(init_args: dict[str, Any], timeout_s: float) -> None:
-    """``ray.init(**init_args)``, or EngineError in one line when the runtime has not started within
-    ``timeout_s`` (the start goes on in the background; the caller stops)."""
-    import threading
-
-    import ray
-
-    failed: list[BaseException] = []
-
-    def init() -> None:
-        try:
-            with warnings.catch_warnings():  # Ray's notice of a future default; workers pick devices themselves
-                warnings.filterwarnings("ignore", category=FutureWarning, module="ray")
-                ray.init(**init_args)
-        except BaseException as e:  # re-raised in the caller's thread
-            failed.append(e)
-
-    t = threading.Thread(target=init, name="ray-init", daemon=True)
-    t.start()
-    t.join(timeout_s)
-    if t.is_alive():
-        where = init_args.get("address", "local")
-        raise EngineError(
-            f"the Ray runtime ({'a new local one' if where == 'local' else where}) did not start within "
-            f"simulation.ray_start_timeout_s = {timeout_s:g} s: check that the cluster is up and reachable "
-            "(`ray status`), or raise the timeout"
-        )
-    if failed:
-        raise failed[0]
-
-
 def worker_count(cfg: Config, cpus: float, gpus: float, nodes: int) -> int:
     """How many workers: ``ray_workers``, or ``ray_workers_per_node`` on each node, or as many
     as the cluster's CPUs (and GPUs, when workers take a share of one) hold; a ConfigError
@@ -419,7 +388,9 @@ class WorkerPool:
         self._started = not ray.is_initialized()
         self.start_timeout_s = cfg.simulation.ray_start_timeout_s
         if self._started:
-            start_ray(ray_init_args(cfg), self.start_timeout_s)
+            with warnings.catch_warnings():  # Ray's notice of a future default; workers pick devices themselves
+                warnings.filterwarnings("ignore", category=FutureWarning, module="ray")
+                ray.init(**ray_init_args(cfg))
         sim = cfg.simulation
         nodes = [n for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0]
         res = ray.cluster_resources()
