@@ -224,7 +224,7 @@ class ServerService:
         # The global model is one flat vector; the module it came from is not kept (a trainer, with
         # its own copy and a gradient buffer, is made only for a central evaluation: ``trainer``).
         model = initial_model(cfg, self.task)
-        self.spec = ParamSpec.of(model, exchange_buffers=self.task.exchange_buffers)
+        self.spec = ParamSpec.of(model, exchange_buffers=self.task.exchange_buffers).with_base(model)
         flat = flatten(model, self.spec)
         del model
         self._trainer: LocalTrainer | None = None
