@@ -291,6 +291,21 @@ def _check_aux(tensors: dict[str, torch.Tensor], names: dict) -> dict[str, torch
     return {n: tensors[n] for n in names}
 
 
+def update_header(update: Update, spec: ParamSpec, payload: Encoded, extra: dict[str, Any] | None) -> dict[str, Any]:
+    """An update message's header: its encoding's fields, the update's scalars, then ``extra``."""
+    return {
+        "kind": "update",
+        "spec_hash": spec.hash,
+        "encoding": payload.encoding,
+        **payload.header,
+        "base_version": int(update.base_version),
+        "num_examples": int(update.num_examples),
+        "sender": update.sender,
+        "metrics": {k: float(v) for k, v in update.metrics.items()},
+        **(extra or {}),
+    }
+
+
 def encode_update(
     update: Update,
     spec: ParamSpec,
@@ -303,17 +318,7 @@ def encode_update(
     encoding. With ``zstd_level`` > 0 the payload's tensors travel zstd-compressed in
     one uint8 tensor ``zstd`` and the header says ``"zstd": true``."""
     payload = payload or Encoded("dense", {"delta": update.delta.float()})
-    header = {
-        "kind": "update",
-        "spec_hash": spec.hash,
-        "encoding": payload.encoding,
-        **payload.header,
-        "base_version": int(update.base_version),
-        "num_examples": int(update.num_examples),
-        "sender": update.sender,
-        "metrics": {k: float(v) for k, v in update.metrics.items()},
-        **(extra or {}),
-    }
+    header = update_header(update, spec, payload, extra)
     tensors = payload.tensors
     if zstd_level:
         inner = encode(tensors, {"kind": "payload"})
@@ -595,17 +600,7 @@ def update_parts(
     whole = zstd_level or update.to_server or set(payload.tensors) != {"delta"}
     if whole or payload.encoding not in STREAMED_DTYPES:  # several tensors (or small ones): one body
         return [encode_update(update, spec, extra, payload, zstd_level)]
-    header = {
-        "kind": "update",
-        "spec_hash": spec.hash,
-        "encoding": payload.encoding,
-        **payload.header,
-        "base_version": int(update.base_version),
-        "num_examples": int(update.num_examples),
-        "sender": update.sender,
-        "metrics": {k: float(v) for k, v in update.metrics.items()},
-        **(extra or {}),
-    }
+    header = update_header(update, spec, payload, extra)
     head, data = tensor_parts("delta", payload.tensors["delta"], header)
     return [head, data]
 
