@@ -37,6 +37,7 @@ from shoal.task import (
 )
 from shoal.update import Update
 
+from .disk_model import DiskModel
 from .runlog import RunTag
 
 log = logging.getLogger(__name__)
@@ -111,12 +112,21 @@ class LocalTrainer:
         self._momentum = torch.zeros_like(self.flat) if cfg.momentum > 0 else None
         self._next_momentum: torch.Tensor | None = None  # set_momentum(): the next training's start
         # Weight decay and the proximal term act on trainable entries only.
-        self._train_mask = trainable_mask(self.model, self.spec).to(self.device)
-        self._all_trainable = bool(self._train_mask.all())
+        mask = trainable_mask(self.model, self.spec).to(self.device)
+        self._all_trainable = bool(mask.all())
+        self._mask = None if self._all_trainable else mask  # kept only where some entries are frozen
         self._optim_name = self.task.optimizer
         # Entries of the model that are neither exchanged nor frozen: buffers kept local (FedBN).
         spec_names = {e.name for e in self.spec.entries}
         self.local_names = [n for n, b in self.model.named_buffers() if n not in spec_names and b.is_floating_point()]
+
+    @property
+    def _train_mask(self) -> torch.Tensor:
+        """Bool over the flat buffer: True where the entry is trainable (made when asked if all are:
+        a quarter of the model's size not held for nothing)."""
+        if self._mask is not None:
+            return self._mask
+        return trainable_mask(self.model, self.spec).to(self.device)
 
     # --- local state (buffers a task keeps on the client) -----------------------------
 
@@ -226,7 +236,7 @@ class LocalTrainer:
 
     def _run(
         self,
-        global_flat: torch.Tensor,
+        global_flat: torch.Tensor | DiskModel,
         batches,
         n: int,
         base_version: int,
@@ -235,10 +245,19 @@ class LocalTrainer:
     ) -> Update:
         cfg, flat, grad, model, task = self.cfg, self.flat, self.grad, self.model, self.task
         obj = objective or Objective()
-        global_flat = global_flat.to(self.device)
-        flat.copy_(global_flat if obj.start is None else obj.start.to(self.device))
-        anchor = global_flat if obj.anchor is None else obj.anchor.to(self.device)
         mu = cfg.prox_mu if obj.prox_mu is None else obj.prox_mu
+        # a large model's node keeps the global model on disk (client/disk_model.py)
+        disk = global_flat if isinstance(global_flat, DiskModel) else None
+        if disk is not None:
+            if objective is not None or mu or self.device.type != "cpu":
+                raise ValueError("a global model on disk trains plain SGD on the CPU: no objective, no prox_mu")
+            disk.read_into(flat)
+            start = anchor = flat  # anchor unused: mu is 0
+        else:
+            assert isinstance(global_flat, torch.Tensor)
+            start = global_flat.to(self.device)
+            flat.copy_(start if obj.start is None else obj.start.to(self.device))
+            anchor = start if obj.anchor is None else obj.anchor.to(self.device)
         if self._momentum is not None:
             if self._next_momentum is not None:  # a client's momentum from its last round
                 self._momentum.copy_(self._next_momentum.to(self.device))
@@ -271,7 +290,10 @@ class LocalTrainer:
                     flat.add_(self._masked(obj.drift), alpha=-cfg.lr)
             loss_sum += loss.detach().float()
             steps += 1
-        delta = flat - global_flat
+        if disk is not None:  # the gradients are spent: the update takes their memory (used before the next training)
+            delta = disk.subtract_from(flat, out=grad)
+        else:
+            delta = flat - start
         metrics = {"train_loss": float(loss_sum) / max(steps, 1), "local_steps": float(steps)}
         return Update(delta=delta, num_examples=n, base_version=base_version, sender=sender, metrics=metrics)
 
