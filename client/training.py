@@ -243,14 +243,17 @@ class LocalTrainer:
         sender: str,
         objective: Objective | None = None,
     ) -> Update:
-        cfg, flat, grad, model, task = self.cfg, self.flat, self.grad, self.model, self.task
         obj = objective or Objective()
-        mu = cfg.prox_mu if obj.prox_mu is None else obj.prox_mu
+        mu = self.cfg.prox_mu if obj.prox_mu is None else obj.prox_mu
         # a large model's node keeps the global model on disk (client/disk_model.py)
         disk = global_flat if isinstance(global_flat, DiskModel) else None
+        if disk is not None and (objective is not None or mu or self.device.type != "cpu"):
+            raise ValueError("a global model on disk trains plain SGD on the CPU: no objective, no prox_mu")
+        if disk is not None and self._momentum is None and not self._optim_name:
+            return self._run_lean(disk, batches, n, base_version, sender)
+        self._bind_grad()
+        cfg, flat, grad, model, task = self.cfg, self.flat, self.grad, self.model, self.task
         if disk is not None:
-            if objective is not None or mu or self.device.type != "cpu":
-                raise ValueError("a global model on disk trains plain SGD on the CPU: no objective, no prox_mu")
             disk.read_into(flat)
             start = anchor = flat  # anchor unused: mu is 0
         else:
@@ -296,6 +299,57 @@ class LocalTrainer:
             delta = flat - start
         metrics = {"train_loss": float(loss_sum) / max(steps, 1), "local_steps": float(steps)}
         return Update(delta=delta, num_examples=n, base_version=base_version, sender=sender, metrics=metrics)
+
+    def _run_lean(self, disk: DiskModel, batches, n: int, base_version: int, sender: str) -> Update:
+        """Plain SGD (``lr``, ``weight_decay``) from a global model on disk, the same steps as
+        :meth:`_run` takes, in half its memory: each parameter's gradient is the tensor backward
+        makes (a bound gradient buffer would hold a second one while backward adds it in), and
+        it is let go before the update is formed. Training holds the parameters and one gradient
+        of each, then the parameters and the update: twice the model."""
+        cfg, flat, model, task = self.cfg, self.flat, self.model, self.task
+        self._drop_grad()
+        disk.read_into(flat)
+        params = [p for p in model.parameters() if p.requires_grad]
+        loss_sum = torch.zeros((), device=self.device)
+        steps = 0
+        model.train()
+        for xb, yb in batches:
+            for p in params:
+                p.grad = None
+            with autocast(self.device, cfg.precision):
+                loss = task.loss(model, xb, yb)
+            loss.float().backward()
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is None:
+                        continue
+                    if cfg.weight_decay:
+                        p.grad.add_(p, alpha=cfg.weight_decay)
+                    p.add_(p.grad, alpha=-cfg.lr)
+            loss_sum += loss.detach().float()
+            steps += 1
+        for p in params:
+            p.grad = None
+        delta = disk.subtract_from(flat, out=torch.empty_like(flat))
+        metrics = {"train_loss": float(loss_sum) / max(steps, 1), "local_steps": float(steps)}
+        return Update(delta=delta, num_examples=n, base_version=base_version, sender=sender, metrics=metrics)
+
+    def _drop_grad(self) -> None:
+        """Let the bound gradient buffer go (:meth:`_run_lean`); :meth:`_bind_grad` makes it again."""
+        for p in self.model.parameters():
+            p.grad = None
+        self.grad = torch.empty(0, device=self.device)
+
+    def _bind_grad(self) -> None:
+        """The parameters' gradients as views of one flat buffer (shoal.params.bind_module), made
+        again if :meth:`_drop_grad` let it go."""
+        if self.grad.numel() == self.flat.numel():
+            return
+        self.grad = torch.zeros_like(self.flat)
+        views = self.spec.views(self.grad)
+        for name, p in self.model.named_parameters():
+            if name in views:
+                p.grad = views[name]
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         """A fresh torch.optim optimizer per local training (its state never leaves the client)."""
