@@ -112,9 +112,10 @@ class LocalTrainer:
         self._momentum = torch.zeros_like(self.flat) if cfg.momentum > 0 else None
         self._next_momentum: torch.Tensor | None = None  # set_momentum(): the next training's start
         # Weight decay and the proximal term act on trainable entries only.
-        mask = trainable_mask(self.model, self.spec).to(self.device)
-        self._all_trainable = bool(mask.all())
-        self._mask = None if self._all_trainable else mask  # kept only where some entries are frozen
+        # every exchanged entry a trainable parameter: no mask is made (a quarter of the model's size)
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        self._all_trainable = all(e.name in trainable for e in self.spec.entries)
+        self._mask = None if self._all_trainable else trainable_mask(self.model, self.spec).to(self.device)
         self._optim_name = self.task.optimizer
         # Entries of the model that are neither exchanged nor frozen: buffers kept local (FedBN).
         spec_names = {e.name for e in self.spec.entries}
