@@ -10,11 +10,11 @@ and training included) and the bytes moved per second over it (each node downloa
 uploads its update), and each process's peak RSS (VmHWM, sampled every 0.2 s) against the model
 size (the target is <= 2x).
 
-    .venv/bin/python bench/large_model.py [--mb 1024] [--request-mb 64]
+    .venv/bin/python bench/large_model.py [--mb 1024] [--request-mb 16] [--sum-dtype auto]
 
-At --mb 1024 the three processes need several GB each (the server holds the model and its float64
-sum, and more at the round's end: the mean, the new model, the checkpoint being written; open
-uploads wait on disk); run what the machine allows.
+At --mb 1024 each process needs about 2.4 GB: the server the model and its float32 sum
+(server.sum_dtype = "auto" from 512 MiB), each node its parameters and gradients, then its
+parameters and the update (docs/deploy.md, "Large models"); each open request adds its bytes.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ def main() -> None:
         "--sum-dtype",
         default="auto",
         choices=["auto", "float64", "float32"],
-        help="server.sum_dtype (auto: float32 from 512 MB)",
+        help="server.sum_dtype (auto: float32 from 512 MiB)",
     )
     ap.add_argument("--timeout", type=float, default=3600.0)
     args = ap.parse_args()

@@ -649,7 +649,7 @@ class Node:
         received, backoff = 0, Backoff()
         while True:
             end = min(received + step, len(body))
-            part = body.slice(received, end)
+            part = body.chunk(received, end)
             try:
                 result = await self._request(
                     "PUT",

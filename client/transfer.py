@@ -62,6 +62,16 @@ class Body:
             base += len(p)
         return out
 
+    def chunk(self, start: int, end: int) -> memoryview | bytearray:
+        """Bytes ``[start, end)`` to send: a view of the update's own memory when they lie in one part
+        (every chunk of a large update but the first: no copy), else :meth:`slice`."""
+        base = 0
+        for p in self.parts:
+            if base <= start and end <= base + len(p):
+                return p[start - base : end - base]
+            base += len(p)
+        return self.slice(start, end)
+
     def whole(self) -> bytearray:
         """The body in one buffer (an update small enough for one request)."""
         return self.slice(0, self.size)

@@ -104,7 +104,7 @@ class Counters:
 
 
 #: Bounds of a node's federated evaluation report (POST /v1/eval, docs/protocol.md).
-#: From this many parameters (a 512 MB float32 model) up, ``server.sum_dtype = "auto"`` sums in float32.
+#: From this many parameters (a 512 MiB float32 model) up, ``server.sum_dtype = "auto"`` sums in float32.
 LARGE_MODEL_NUMEL = 1 << 27
 
 

@@ -304,7 +304,7 @@ class ServerConfig:
     ingest_slots: int = 4  # uploads decoded at once (memory: slots x model size)
     # the plain weighted mean's running sum: float64 (exact to float32 rounding), float32 (half the
     # memory; error <= (K-1) * 6e-8 of the mean magnitude, docs/deploy.md), or auto: float32 from
-    # 2**27 parameters (a 512 MB model) up, float64 below
+    # 2**27 parameters (a 512 MiB model) up, float64 below
     sum_dtype: Literal["auto", "float64", "float32"] = "auto"
     checkpoint_dir: str = "server/checkpoints"  # checkpoints and the privacy ledger (privacy.json)
     keep_checkpoints: int = 3  # the newest checkpoints kept

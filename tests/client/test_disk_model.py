@@ -70,3 +70,15 @@ def test_a_model_file_is_checked_as_a_body_in_memory_is():
             torch.zeros(8, dtype=torch.long),
             seed=0,
         )
+
+
+def test_upload_chunks_are_views_of_the_update_except_across_parts():
+    from shoal.client.transfer import Body
+
+    delta = torch.arange(100, dtype=torch.float32)
+    body = Body([b"head", memoryview(delta.numpy()).cast("B")])
+    whole = bytes(body.whole())
+    for a, b in ((0, 10), (4, 104), (100, 404), (2, 6)):
+        part = body.chunk(a, b)
+        assert bytes(part) == whole[a:b]
+        assert isinstance(part, memoryview) == (a >= 4), (a, b)  # the first crosses the header: a copy
