@@ -28,12 +28,19 @@ from .transfer import OnDisk
 BLOCK_BYTES = 4 << 20
 
 
+def read_table(body: OnDisk) -> tuple[int, dict, dict]:
+    """``(header length, shoal header, tensor table)`` of a model message in a file, checked as
+    :func:`shoal.wire.read_header` checks one in memory."""
+    hlen = header_length(body.read(0, 8), body.size)
+    header, table = parse_table(body.read(8, hlen), body.size - 8 - hlen)
+    return hlen, header, table
+
+
 class DiskModel:
     """A downloaded, checked model message in an :class:`OnDisk` file."""
 
     def __init__(self, body: OnDisk, spec: ParamSpec):
-        hlen = header_length(body.read(0, 8), body.size)
-        header, table = parse_table(body.read(8, hlen), body.size - 8 - hlen)
+        hlen, header, table = read_table(body)
         if header.get("spec_hash") != spec.hash:
             raise SpecMismatch(
                 f"spec hash {short_repr(header.get('spec_hash'))} does not match this model's {spec.hash!r} "
@@ -85,10 +92,6 @@ class DiskModel:
         out = torch.empty(self.numel, dtype=torch.float32)
         self.read_into(out)
         return out
-
-    def head(self) -> bytes:
-        """The message's first bytes: its header (what a spec mismatch is explained from)."""
-        return bytes(self.body.read(0, min(self.start, self.body.size)))
 
     def _check(self, t: torch.Tensor) -> None:
         if t.shape != (self.numel,) or t.dtype != torch.float32:

@@ -66,7 +66,7 @@ from shoal.update import Update
 from shoal.wire import MODEL_AUX, decode_model, default_max_bytes, read_header, update_parts
 
 from .algorithms import ClientProgram
-from .disk_model import DiskModel
+from .disk_model import DiskModel, read_table
 from .http import Backoff, NodeError, Refused, Retry, check_response, connection_problem
 from .runlog import RunTag
 from .state import DiskClientState, MemoryClientState
@@ -748,8 +748,7 @@ class Node:
                 else:
                     params, header = decode_model(body, self.trainer.spec, copy=False)
             except SpecMismatch as e:
-                head = body.read(0, 1 << 20) if isinstance(body, OnDisk) else body
-                raise NodeError(self._spec_mismatch(head, e)) from None
+                raise NodeError(self._spec_mismatch(self._header_of(body), e)) from None
             self._model = (etag, int(header["version"]), params)
             self._broadcast = (int(header["version"]), header.get("aux_tensors", {}))
             break
@@ -757,11 +756,18 @@ class Node:
             return None
         return self._model[2]
 
-    def _spec_mismatch(self, body: bytes | bytearray, e: SpecMismatch) -> str:
+    @staticmethod
+    def _header_of(body: bytearray | OnDisk) -> dict:
+        """A downloaded model's shoal header ({} if it cannot be read)."""
+        try:
+            return read_table(body)[1] if isinstance(body, OnDisk) else read_header(body, len(body))[0]
+        except (ShoalError, OSError):
+            return {}
+
+    def _spec_mismatch(self, header: dict, e: SpecMismatch) -> str:
         """One line: both spec hashes, the first tensor that differs, and the fix."""
         mine = self.trainer.spec
         try:
-            header = read_header(body, len(body))[0]
             theirs = ParamSpec.from_json(header["spec"])
         except Exception:
             return f"the server's model does not fit this node's: {e}"
