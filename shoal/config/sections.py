@@ -74,8 +74,8 @@ class SimulationConfig:
     ray_gpus_per_worker: float = 0.0  # engine=ray: GPU fraction per worker (0.25 = four workers share a GPU)
     ray_max_restarts: int = 3  # engine=ray: a dead worker is restarted this often; its clients are re-run
     ray_partial_sums: bool = True  # engine=ray: workers sum their clients' updates when the pipeline allows
-    # engine=ray: longest wait for the workers to be placed and loaded, before the run stops with one
-    # line saying what the cluster lacks (never an endless wait)
+    # engine=ray / flower: longest wait for the workers (Flower: its clients) to be placed and loaded,
+    # before the run stops with one line saying what is missing (never an endless wait)
     ray_start_timeout_s: float = 300.0
 
     def validate(self) -> None:
