@@ -302,6 +302,10 @@ class ServerConfig:
     poll_s: float = 20.0  # longest a node's GET /v1/task is held open
     max_body_bytes: int = 0  # one request's limit (0: a dense float32 model + 1 MiB); larger updates go in chunks
     ingest_slots: int = 4  # uploads decoded at once (memory: slots x model size)
+    # the plain weighted mean's running sum: float64 (exact to float32 rounding), float32 (half the
+    # memory; error <= (K-1) * 6e-8 of the mean magnitude, docs/deploy.md), or auto: float32 from
+    # 2**27 parameters (a 512 MiB model) up, float64 below
+    sum_dtype: Literal["auto", "float64", "float32"] = "auto"
     checkpoint_dir: str = "server/checkpoints"  # checkpoints and the privacy ledger (privacy.json)
     keep_checkpoints: int = 3  # the newest checkpoints kept
     db: str = "server/nodes.sqlite"  # the node registry (SQLite, mode 0600)
