@@ -103,11 +103,16 @@ def edge_part(svc: ServerService, works: list[dict], delta: torch.Tensor, name: 
     return out, cpu_s() - c0
 
 
+INTAKES: dict[int, PartialIntake] = {}  # one root intake per service, as server/app.py keeps one
+
+
 def tree_round(
     svc: ServerService, nodes: list[str], edges: int, delta: torch.Tensor, now: float, dtype: str
 ) -> tuple[float, int, float]:
+    intake = INTAKES.setdefault(id(svc), PartialIntake(svc))
+    for e in range(edges):  # each edge names its nodes (POST /v1/edge/poll) before the round opens
+        intake.poll(f"edge-{e}", {"nodes": nodes[e::edges]}, lambda n: True, now)
     works = open_round(svc, nodes, now)
-    intake = PartialIntake(svc)
     groups = [works[e::edges] for e in range(edges)]
     parts = [edge_part(svc, g, delta, f"edge-{e}", dtype) for e, g in enumerate(groups)]
     c0 = cpu_s()
