@@ -34,7 +34,7 @@ from .edge import MAX_EDGE_POLL_BODY, PartialIntake
 from .exposition import prometheus_text
 from .federation import DEFAULT_FEDERATION_BODY, Federation, RunError
 from .registry import AuthError, Registry, hash_token, well_formed
-from .service import MAX_EVAL_BODY, MAX_FAILURE_BODY, ServerService
+from .service import MAX_EVAL_BODY, MAX_FAILURE_BODY, ModelDownload, ServerService
 
 log = logging.getLogger(__name__)
 
@@ -519,7 +519,15 @@ async def get_model(request: web.Request) -> web.StreamResponse:
     ``If-Match`` with an older version's ETag: 412 (the model moved on, start over)."""
     svc = _svc(request)
     svc.seen(request[NODE], time.monotonic())
-    dl = svc.model_download()
+    resp = await send_model(request, svc.model_download())
+    if resp.status != 304:
+        svc.activity.sent(request[NODE], resp.content_length or 0, time.monotonic())
+    return resp
+
+
+async def send_model(request: web.Request, dl: ModelDownload) -> web.StreamResponse:
+    """Answer a model download of ``dl`` (a root's, or an edge's copy of its root's): 304 for a
+    current If-None-Match, 412 for a stale If-Match, else the whole body or one byte range."""
     headers = {"ETag": dl.etag, "X-Shoal-Version": str(dl.version), "Cache-Control": "no-cache"}
     if dl.etag in [t.strip() for t in request.headers.get("If-None-Match", "").split(",")]:
         return web.Response(status=304, headers=headers)
@@ -539,7 +547,6 @@ async def get_model(request: web.Request) -> web.StreamResponse:
     for piece in dl.pieces(start, end):
         await resp.write(piece)  # waits while the connection's buffer is full: memory stays one piece
     await resp.write_eof()
-    svc.activity.sent(request[NODE], end - start, time.monotonic())
     return resp
 
 

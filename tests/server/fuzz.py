@@ -91,7 +91,8 @@ def mode_config(mode: str) -> tuple[dict, dict]:
         return {k: v for k, v in server.items() if k in ("body_timeout_s", "uploads_per_node")}, {}
     if mode == "async":
         return {**server, "mode": "async"}, {"asynchronous": {"algorithm": "fedbuff", "buffer_size": 2}, **edge}
-    return {**server, "min_nodes": 6}, {"secure_aggregation": {"enabled": True, "stage_s": 600.0}, **edge}
+    # no edge here: f0 must be selected as a node, and an edge is never counted as one
+    return {**server, "min_nodes": 6}, {"secure_aggregation": {"enabled": True, "stage_s": 600.0}}
 
 
 # --- the server, in a thread of its own ------------------------------------------------
