@@ -227,6 +227,11 @@ class PartialIntake:
             svc.counters.accepted += len(merged.senders)
             svc.counters.bytes_received += len(body)
             svc.activity.accepted(edge, len(body), r.round, now)
+            # an edge sends one partial a round: its other nodes (closed out at its quorum or its
+            # margin) will not report in this round, and the root stops waiting for them
+            for n, holder in held.items():
+                if holder == edge and n not in r.received:
+                    svc.refused_task[n] = (r.round, r.version)
         return {
             "status": "accepted" if merged is not None else "duplicate",
             "round": r.round,

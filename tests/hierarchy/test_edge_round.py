@@ -132,3 +132,25 @@ def test_a_dead_edge_is_the_drop_out_of_its_nodes(tmp_path) -> None:
         only_a.submit(n, encode_update(update(only_a, n, works[n]), only_a.spec, {"round": works[n]["round"]}), 1.0)
     assert only_a.tick(61.0)
     torch.testing.assert_close(svc.rounds.global_params, only_a.rounds.global_params, atol=1e-6, rtol=0)
+
+
+def test_the_root_stops_waiting_for_the_nodes_an_edge_closed_out(tmp_path) -> None:
+    """An edge that closed at its quorum sends one partial: the root counts its other nodes as
+    answered for this round and closes before its deadline once the other edge reported."""
+    svc, works, intake = with_edges(tmp_path, min_fraction=0.5)
+    expected = {n: float(4 + int(n[1:])) for n in EDGES["edge-a"]}
+    a = edge_round(svc, "edge-a", works, quorum=0.5, expected=expected)
+    for n in reversed(EDGES["edge-a"]):
+        a.submit(n, update(svc, n, works[n]))
+        if a.should_close(1.0):
+            break
+    part = a.close()
+    assert part is not None and 0 < part.count < 6
+    intake.submit("edge-a", encode_partial(part, svc.spec.hash), 1.0)
+    assert not svc.tick(2.0)  # edge-b's nodes are still awaited
+    b = edge_round(svc, "edge-b", works)
+    for n in EDGES["edge-b"]:
+        b.submit(n, update(svc, n, works[n]))
+    intake.submit("edge-b", encode_partial(b.close(), svc.spec.hash), 3.0)
+    assert svc.tick(3.0) and svc.version == 1  # long before the deadline (60 s)
+    assert svc.events[-1].fields["num_results"] == part.count + 4
