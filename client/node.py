@@ -577,7 +577,10 @@ class Node:
         if "secure_aggregation" in task:  # the update leaves this node only masked (client/secure_node.py)
             from .secure_node import run_secure_round  # secure aggregation only when the config asks
 
-            self.rounds_done += await run_secure_round(self, task, update, report)
+            accepted = await run_secure_round(self, task, update, report)
+            self.rounds_done += accepted
+            if accepted and self.program.settles:  # SCAFFOLD: Delta c_i went into the masked sum
+                self.states.put(self.name, result.state)
             return
         extra = {"round": int(task["round"]), **({"privacy": report} if report is not None else {})}
         tag = (int(task["round"]), int(task["seed"]))  # this upload's entry in the error feedback

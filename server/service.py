@@ -768,7 +768,7 @@ class ServerService:
                 self.privacy.round_started(sorted(r.selected))
                 self._save_privacy()  # charged before anything of the round is released
             if self.cfg.secure_aggregation.enabled and tasks:  # nobody selected: the round closes at once
-                self.secure_round = SecureRound(self.cfg, r, self.spec.numel + 1, now, self.privacy)
+                self.secure_round = SecureRound(self.cfg, r, self.spec.numel, now, self.privacy)
             return True
         if self.secure_round is not None:  # the protocol's stages decide when the round closes
             changed = self.secure_round.tick(now)

@@ -205,14 +205,6 @@ def _check_algorithm(self: Any) -> None:
                 "(its client regulariser would also see unclipped state)"
             ),
         }[name]
-    elif name in _DRIFT and self.secure_aggregation.enabled:
-        why = {
-            "scaffold": "secure_aggregation.enabled: the control-variate deltas would have to go through the masked "
-            "sum as well, which shoal does not do; sending them in the clear would reveal each client's update",
-            "fednova": "secure_aggregation.enabled: the server must normalise each client's update by its own "
-            "number of local steps, which the masked sum hides",
-            "feddyn": "secure_aggregation.enabled: FedDyn's server step over the masked sum is not wired",
-        }[name]
     elif name in ("scaffold", "feddyn", "fednova") and self.strategy.name != "fedavg":
         why = (
             f"strategy.name = {self.strategy.name!r}: the algorithm has its own server step (strategy.name = 'fedavg')"
