@@ -43,7 +43,7 @@ from shoal.pki import read_secret
 from shoal.task import Task
 from shoal.wire import MAX_HEADER_BYTES, decode_update, read_header
 
-from .edge import EdgeRound
+from .edge import MAX_ROSTER, EdgeRound
 from .edge_uplink import PartialRefused, UplinkGaveUp, send_partial
 from .service import MAX_FAILURE_BODY, ModelDownload, parse_failure_report, spec_mismatch_detail
 
@@ -356,11 +356,11 @@ class Uplink:
                 async with self.http.post(
                     self.parent + "/v1/edge/poll",
                     params={"wait": str(POLL_WAIT_S)},
-                    json={"nodes": self.edge.connected(now)},
+                    json={"nodes": self.edge.connected(now)[:MAX_ROSTER]},  # the root takes no more
                     ssl=self.ssl,
                 ) as r:
                     text = await r.text()
-                    if r.status in (401, 403):
+                    if r.status in (401, 403) or (r.status == 409 and "not_supported" in text):
                         raise ConfigError(f"the root {self.parent} refuses this edge ({r.status}): {text[:300]}")
                     if r.status != 200:
                         raise Malformed(f"{r.status}: {text[:300]}")
