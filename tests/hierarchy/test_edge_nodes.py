@@ -99,3 +99,76 @@ def test_tasks_wait_for_the_model_and_updates_sum_into_one_partial(tmp_path) -> 
     for n in ("n1", "n2", "stranger"):
         e.poll(n, 1.3)
     assert e.finished(1.4, 1.0)
+
+
+def test_an_edge_refuses_what_it_cannot_run_with_the_reason(tmp_path) -> None:
+    from shoal.config import config_from_dict
+    from shoal.errors import ConfigError
+
+    base = {"data": {"dataset": "synthetic"}, "model": {"name": "logreg"}, "hierarchy": {"parent": "http://r:1"}}
+    for extra, words in (
+        ({"secure_aggregation": {"enabled": True}}, "secure aggregation across tiers is not built"),
+        ({"server": {"mode": "async"}}, "an async root counting partials is not built"),
+        ({"privacy": {"mode": "central", "noise_multiplier": 1.0}}, "DP accounting"),
+        ({"algorithm": {"name": "scaffold"}}, "each node's own step"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            config_from_dict({**base, **extra}).validate()
+        assert "hierarchy.parent" in str(err.value) and words in str(err.value), err.value
+    with pytest.raises(ConfigError):
+        config_from_dict({**base, "hierarchy": {"parent": "root:8443"}}).validate()
+
+
+def test_the_edge_s_node_routes_refuse_hostile_requests(tmp_path) -> None:
+    import asyncio
+
+    import aiohttp
+    from aiohttp import web
+
+    from shoal.server.edge_server import _edge_app
+    from shoal.server.registry import Registry
+
+    async def scenario() -> None:
+        e = edge(tmp_path, edge_quorum=1.0)
+        registry = Registry(e.cfg.server.db)
+        token = registry.add("n0")
+        runner = web.AppRunner(_edge_app(e, registry), access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        auth = {"Authorization": f"Bearer {token}"}
+        try:
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as http:
+
+                async def call(method: str, path: str, **kw) -> tuple[int, dict]:
+                    async with http.request(method, url + path, **kw) as r:
+                        return r.status, await r.json()
+
+                assert (await call("GET", "/v1/task?wait=0"))[0] == 401  # no token
+                status, answer = await call("GET", "/v1/task?wait=0", headers={**auth, "X-Shoal-Spec-Hash": "other"})
+                assert status == 400 and answer["error"] == "spec_mismatch"  # as the root answers it
+                assert await call("GET", "/v1/task?wait=0", headers=auth) == (200, {"status": "wait", "version": 0})
+                assert (await call("GET", "/v1/model", headers=auth))[0] == 503  # not fetched from the root yet
+                status, answer = await call("POST", "/v1/update", headers=auth, data=body(e, "n0"))
+                assert (status, answer["error"]) == (409, "round_closed")  # no round here yet
+                e.from_root(work(deadline_s=30.0), 0.0)
+                e.model = ModelDownload(2, '"x-v2"', b"", memoryview(b"model bytes"))
+                status, answer = await call("GET", "/v1/task?wait=0", headers=auth)
+                assert (status, answer["status"], answer["seed"]) == (200, "work", 11)
+                big = bytes(e.max_body_bytes + 1)
+                assert (await call("POST", "/v1/update", headers=auth, data=big))[0] == 413
+                status, answer = await call("POST", "/v1/update", headers=auth, data=b"junk" * 10)
+                assert (status, answer["error"]) == (400, "malformed")
+                async with http.get(url + "/v1/model", headers={**auth, "Range": "bytes=0-4"}) as r:
+                    assert r.status == 206 and await r.read() == b"model"
+                async with http.get(url + "/v1/model", headers={**auth, "If-None-Match": '"x-v2"'}) as r:
+                    assert r.status == 304
+                status, answer = await call("POST", "/v1/update", headers=auth, data=body(e, "n0"))
+                assert (status, answer["status"]) == (200, "accepted")
+                assert e.round is not None and e.round.acc.senders == {"n0"}
+        finally:
+            await runner.cleanup()
+            registry.close()
+
+    asyncio.run(scenario())
