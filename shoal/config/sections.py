@@ -755,12 +755,26 @@ class HierarchyConfig:
         "float32"  # the partial's sum on the wire: float32 (half the bytes, rounded once) | float64 (exact)
     )
     edge_names: list[str] = field(default_factory=list)  # `shoal server` (root): node names allowed to send partials
+    edge_timeout_s: float = 5.0  # root: an edge silent this long loses its nodes (they may re-attach to another edge)
+    parent: str = ""  # `shoal server --parent URL` (an edge): the root's URL; "" = this server is a root
+    parent_token_file: str = ""  # an edge: the file with its token at the root (`shoal server nodes add EDGE` there)
+    parent_ca_cert: str = ""  # an edge: the CA that signed the root's certificate ("" = the system's trust store)
+    edge_quorum: float = 1.0  # an edge closes its part of a round once its nodes' weight reaches this share
+    edge_margin_s: float = 1.0  # an edge closes its part of a round this long before the root's deadline
 
     def validate(self) -> None:
         _positive("hierarchy.edges", self.edges, allow_zero=True)
         _positive("hierarchy.edge_rounds", self.edge_rounds)
         if not 0 <= self.edge_failure <= 1:
             raise ConfigError(f"hierarchy.edge_failure = {self.edge_failure} must be in [0, 1]")
+        if not 0 < self.edge_quorum <= 1:
+            raise ConfigError(f"hierarchy.edge_quorum = {self.edge_quorum} must be in (0, 1]")
+        if not (math.isfinite(self.edge_margin_s) and self.edge_margin_s >= 0):
+            raise ConfigError(f"hierarchy.edge_margin_s = {self.edge_margin_s} must be a number of seconds >= 0")
+        if not (math.isfinite(self.edge_timeout_s) and self.edge_timeout_s > 0):
+            raise ConfigError(f"hierarchy.edge_timeout_s = {self.edge_timeout_s} must be a number of seconds > 0")
+        if self.parent and not self.parent.startswith(("http://", "https://")):
+            raise ConfigError(f"hierarchy.parent = {self.parent!r} must be the root's http:// or https:// URL")
 
 
 @dataclass
