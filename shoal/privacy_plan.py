@@ -32,11 +32,11 @@ inside the masked vector (client/secure_node.py) and the train loss is not sent.
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass
 from typing import Any
 
 from shoal.accounting import LocalDpSgdAccountant, RoundAccountant
+from shoal.noise import NoiseSource
 
 #: privacy.release's choices
 RELEASES = ("withhold", "noised", "clear")
@@ -247,20 +247,23 @@ class PrivacyPlan:
         return {k: v for k, v in figures.items() if k not in _SUMMARY_WITHHELD}
 
     def noisy_round(
-        self, num_results: int, client_losses: list[float] | None, rng: random.Random | None = None
+        self, num_results: int, client_losses: list[float] | None, noise: NoiseSource | None = None
     ) -> dict[str, float | None]:
         """``noised``: the round's result count and mean train loss with Gaussian noise (the
         module doc); {} under any other policy. The loss is not released (None) when some
         result's loss is unknown: summed where they trained (``client_losses`` None), or not sent
         (distributed DP with secure aggregation: NaN); it is charged all the same.
-        ``rng``: the OS's by default."""
+        ``noise``: a fresh OS-keyed CSPRNG by default (shoal.noise: draws that resist the
+        floating-point attack, like every other noise a guarantee rests on)."""
         if self.release != "noised" or not self.user_level:
             return {}
-        rng = rng or random.SystemRandom()
+        unit = (noise or NoiseSource()).gaussian(2, 1.0)
         s, cap = self.release_noise_multiplier, self.release_loss_clip
-        count = num_results + rng.gauss(0.0, s)
+        count = num_results + s * float(unit[0])
         known = client_losses is not None and all(math.isfinite(x) for x in client_losses) and count >= 1
-        loss_sum = sum(min(max(x, 0.0), cap) for x in client_losses or [] if math.isfinite(x)) + rng.gauss(0.0, s * cap)
+        loss_sum = sum(min(max(x, 0.0), cap) for x in client_losses or [] if math.isfinite(x)) + s * cap * float(
+            unit[1]
+        )
         return {"num_results_noisy": count, "train_loss_noisy": loss_sum / count if known else None}
 
     def describe_release(self) -> str:
