@@ -43,7 +43,7 @@ import math
 import secrets
 from typing import Any
 
-from shoal.accounting import DdgRoundAccountant, RoundAccountant, check_delta_against
+from shoal.accounting import DdgRoundAccountant, LedgerMismatch, RoundAccountant, check_delta_against
 from shoal.aggregation.discrete_gaussian import DdgParams, plan
 from shoal.aggregation.dp import DPMean, make_dp_strategy, share_std
 from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer
@@ -480,11 +480,14 @@ class ServerPrivacy:
         return out
 
     def _restore_ledger(self) -> None:
-        """Charged rounds of a saved ledger into the accountant, once both exist (ConfigError if damaged)."""
+        """Charged rounds of a saved ledger into the accountant, once both exist (ConfigError if damaged,
+        or charged with another mechanism: then the message says what it recorded and what to do)."""
         if self.accountant is None or self._saved_ledger is None:
             return
         try:
             self.accountant.load_state_dict(self._saved_ledger)
+        except LedgerMismatch as e:
+            raise ConfigError(f"server.checkpoint_dir: {e}") from None
         except (ValueError, TypeError) as e:
             raise ConfigError(f"the privacy ledger in server.checkpoint_dir is damaged: {e}") from None
 

@@ -187,7 +187,119 @@ class Accountant(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-class RoundAccountant:
+class LedgerMismatch(ValueError):
+    """A saved ledger charged rounds with a mechanism this accountant cannot compose with its own
+    (the message says what the ledger recorded, what the config asks, and what to do)."""
+
+
+class RoundLedger:
+    """The ledger every round accountant keeps: each charged round with the parameters of the
+    mechanism it ran (consecutive equal rounds as one entry, ``rounds`` counting them), so a
+    restart composes the rounds as they ran and never re-prices them at today's settings.
+
+    A subclass names its :attr:`MECHANISM`, says what the current round is (:meth:`_current`:
+    ``mechanism`` and every parameter its analysis needs), checks an entry's ranges
+    (:meth:`_check_entry`) and prices the ledger (:meth:`epsilon_after`)."""
+
+    MECHANISM = ""  # the entries' "mechanism", privacy.mechanism's value for it
+
+    def __init__(self, delta: float, kind: str):
+        self.delta, self.kind = delta, kind
+        self.ledger: list[dict] = []  # charged rounds: one entry per run of equal mechanisms
+
+    def _current(self) -> dict:
+        raise NotImplementedError
+
+    def epsilon_after(self, extra: int) -> float:
+        """epsilon of the ledger plus ``extra`` more rounds of the current mechanism."""
+        raise NotImplementedError
+
+    def _check_entry(self, e: dict) -> None:
+        """ValueError when a saved entry's parameters are out of range."""
+
+    @property
+    def rounds(self) -> int:
+        return sum(int(e["rounds"]) for e in self.ledger)
+
+    @property
+    def epsilon(self) -> float:
+        return self.epsilon_after(0)
+
+    def next_epsilon(self) -> float:
+        """epsilon if one more round runs: what a budget check must look at."""
+        return self.epsilon_after(1)
+
+    def earlier_rounds(self) -> int:
+        """Charged rounds whose parameters differ from the current ones (a restart changed them)."""
+        cur = self._current()
+        return sum(int(e["rounds"]) for e in self.ledger if {k: e.get(k) for k in cur} != cur)
+
+    def record_round(self, participants: list[str] | None = None) -> None:
+        """Charge one round of the current mechanism."""
+        cur = self._current()
+        if self.ledger and {k: self.ledger[-1].get(k) for k in cur} == cur:
+            self.ledger[-1]["rounds"] += 1
+        else:
+            self.ledger.append({**cur, "rounds": 1})
+
+    def state_dict(self) -> dict:
+        """The ledger (JSON-able), as Opacus' accountants keep theirs."""
+        return {"delta": self.delta, "kind": self.kind, "ledger": [dict(e) for e in self.ledger]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the charged rounds of an earlier run (a restart). ValueError for a ledger that is
+        not one; :class:`LedgerMismatch` for one charged with another mechanism."""
+        ledger = state.get("ledger") if isinstance(state, dict) else None
+        if not isinstance(ledger, list) or not all(isinstance(e, dict) for e in ledger):
+            raise ValueError("a privacy ledger without its charged rounds")
+        other = [e for e in ledger if e.get("mechanism") != self.MECHANISM and int(e.get("rounds", 0) or 0) > 0]
+        if other:
+            raise LedgerMismatch(self._mismatch(other))
+        keys = (*self._current(), "rounds")
+        for e in ledger:
+            if any(k not in e for k in keys):
+                raise ValueError(f"a privacy ledger entry lacks one of {keys}: {str(e)[:200]}")
+            if int(e["rounds"]) < 0 or not 0 <= float(e["q"]) <= 1:
+                raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
+            self._check_entry(e)
+        self.ledger = [{k: e[k] for k in keys} for e in ledger]
+
+    def _mismatch(self, other: list[dict]) -> str:
+        """What the ledger recorded, what this config asks, and what the user can do."""
+        recorded = "; ".join(f"{int(e.get('rounds', 0))} rounds of {describe_entry(e)}" for e in other[:3]) + (
+            "; ..." if len(other) > 3 else ""
+        )
+        was = {str(e.get("mechanism")) for e in other}
+        keep = " or ".join(sorted(f"privacy.mechanism = {m!r}" for m in was))
+        return (
+            f"the privacy ledger records {recorded}, and this config asks for {describe_entry(self._current())}. "
+            f"Rounds of {' and '.join(sorted(was))} noise and of {self.MECHANISM} noise are not composed "
+            f"into one epsilon here, so this run cannot go on from that ledger. Either restart with the "
+            f"mechanism it recorded ({keep}; the noise multiplier, clip and rate may change, and every "
+            "round is then composed as it ran), or start a new run from scratch (another checkpoint "
+            "folder, or --fresh): its epsilon then counts its own rounds only, and for anyone in both "
+            "runs the earlier run's last reported epsilon adds to it."
+        )
+
+
+def describe_entry(e: dict) -> str:
+    """One ledger entry's mechanism in words, for messages."""
+    mech = e.get("mechanism")
+    q = e.get("q")
+    q_text = f"q = {float(q):.4g}" if isinstance(q, (int, float)) else "q unknown"
+    if mech == "discrete_gaussian":
+        return (
+            f"the distributed discrete Gaussian ({q_text}, modulus 2^{e.get('bits')}, t = {e.get('shares')} "
+            f"shares, C = {e.get('clip')})"
+        )
+    if mech == "gaussian":
+        return (
+            f"the continuous Gaussian ({e.get('sampling')} sampling, {q_text}, z = {e.get('z')}, C = {e.get('clip')})"
+        )
+    return f"an unknown mechanism {str(mech)[:40]!r}"
+
+
+class RoundAccountant(RoundLedger):
     """User-level accounting for central and distributed DP: one subsampled Gaussian per round.
 
     ``sampling="poisson"``: rate ``q``, add/remove-one client. ``sampling="fixed"``: exactly
@@ -216,10 +328,9 @@ class RoundAccountant:
             raise ValueError(f"sampling = {sampling!r} is not one of {SAMPLINGS}")
         if sampling == "fixed" and (num_clients is None or sample_size is None):
             raise ValueError("fixed-size sampling needs num_clients and sample_size")
-        self.delta, self.kind = delta, kind
+        super().__init__(delta, kind)
         if sampling == "fixed":
             _accountant(kind, replace_one=True)  # refuses PLD up front
-        self.ledger: list[dict] = []  # charged rounds: one entry per run of equal mechanisms
         self.set_mechanism(
             q, noise_multiplier, sampling=sampling, num_clients=num_clients, sample_size=sample_size, clip=clip
         )
@@ -238,9 +349,11 @@ class RoundAccountant:
         self.q, self.z = min(q, 1.0), noise_multiplier
         self.sampling, self.num_clients, self.sample_size, self.clip = sampling, num_clients, sample_size, clip
 
+    MECHANISM = "gaussian"
+
     def _current(self) -> dict:
         return {
-            "mechanism": "gaussian",
+            "mechanism": self.MECHANISM,
             "sampling": self.sampling,
             "q": self.q,
             "z": self.z,
@@ -249,9 +362,9 @@ class RoundAccountant:
             "sample_size": self.sample_size,
         }
 
-    @property
-    def rounds(self) -> int:
-        return sum(int(e["rounds"]) for e in self.ledger)
+    def _check_entry(self, e: dict) -> None:
+        if e["sampling"] not in SAMPLINGS or not float(e["z"]) >= 0:
+            raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
 
     def _segments(self, extra: int) -> tuple[tuple, ...]:
         entries = [*self.ledger, {**self._current(), "rounds": extra}]
@@ -286,43 +399,10 @@ class RoundAccountant:
                 f"Poisson sampling of clients (q = {self.q:.4g}), add/remove-one client, "
                 f"{self.kind.upper()} of the Poisson-subsampled Gaussian (z = {self.z:g})"
             )
-        earlier = [e for e in self.ledger if {k: e[k] for k in self._current()} != self._current()]
+        earlier = self.earlier_rounds()
         if earlier:
-            text += f"; composed with {sum(e['rounds'] for e in earlier)} earlier rounds of other parameters"
+            text += f"; composed with {earlier} earlier rounds of other parameters"
         return text
-
-    @property
-    def epsilon(self) -> float:
-        return self.epsilon_after(0)
-
-    def next_epsilon(self) -> float:
-        """epsilon if one more round runs: what a budget check must look at."""
-        return self.epsilon_after(1)
-
-    def record_round(self, participants: list[str] | None = None) -> None:
-        """Charge one round of the current mechanism."""
-        cur = self._current()
-        if self.ledger and {k: self.ledger[-1][k] for k in cur} == cur:
-            self.ledger[-1]["rounds"] += 1
-        else:
-            self.ledger.append({**cur, "rounds": 1})
-
-    def state_dict(self) -> dict:
-        """The ledger (JSON-able), as Opacus' accountants keep theirs."""
-        return {"delta": self.delta, "kind": self.kind, "ledger": [dict(e) for e in self.ledger]}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the charged rounds of an earlier run of this accountant (a restart)."""
-        ledger = state.get("ledger")
-        if not isinstance(ledger, list):
-            raise ValueError("a privacy ledger without its charged rounds")
-        keys = (*self._current(), "rounds")
-        for e in ledger:
-            if not isinstance(e, dict) or any(k not in e for k in keys):
-                raise ValueError(f"a privacy ledger entry lacks one of {keys}: {str(e)[:200]}")
-            if e["sampling"] not in SAMPLINGS or int(e["rounds"]) < 0 or not float(e["z"]) >= 0:
-                raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
-        self.ledger = [{k: e[k] for k in keys} for e in ledger]
 
 
 class LocalDpSgdAccountant:
@@ -488,7 +568,7 @@ def epsilon_ddg(q: float, ddg: dict, steps: int, delta: float) -> float:
 DDG_KEYS = ("dim", "clip", "gamma", "bits", "beta", "variance", "shares", "max_summands", "sensitivity_sq")
 
 
-class DdgRoundAccountant:
+class DdgRoundAccountant(RoundLedger):
     """User-level accounting of the distributed discrete Gaussian under secure aggregation: one
     Poisson-sampled round per charged round, its RDP from :func:`ddg_rdp` (the paper's bound, with
     the sensitivity after conditional rounding) amplified by :func:`poisson_subsampled_rdp`,
@@ -496,10 +576,10 @@ class DdgRoundAccountant:
     :class:`RoundAccountant` (epsilon, next_epsilon, describe, record_round, state_dict); its
     ledger records every charged round's parameters, so a restart composes them as they ran."""
 
+    MECHANISM = "discrete_gaussian"
+
     def __init__(self, q: float, ddg: dict, delta: float):
-        self.delta = delta
-        self.kind = "rdp"
-        self.ledger: list[dict] = []
+        super().__init__(delta, "rdp")
         self.set_mechanism(q, ddg)
 
     def set_mechanism(self, q: float, ddg: dict) -> None:
@@ -510,11 +590,11 @@ class DdgRoundAccountant:
         self.ddg = {k: ddg[k] for k in DDG_KEYS}
 
     def _current(self) -> dict:
-        return {"mechanism": "discrete_gaussian", "sampling": "poisson", "q": self.q, **self.ddg}
+        return {"mechanism": self.MECHANISM, "sampling": "poisson", "q": self.q, **self.ddg}
 
-    @property
-    def rounds(self) -> int:
-        return sum(int(e["rounds"]) for e in self.ledger)
+    def _check_entry(self, e: dict) -> None:
+        if int(e["variance"]) < 0 or int(e["shares"]) < 1 or int(e["dim"]) < 1:
+            raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
 
     @staticmethod
     def _curve(e: dict) -> tuple[float, ...]:
@@ -538,13 +618,6 @@ class DdgRoundAccountant:
             total = [t + int(e["rounds"]) * r for t, r in zip(total, self._curve(e), strict=True)]
         return rdp_to_epsilon(DDG_ORDERS, total, self.delta)
 
-    @property
-    def epsilon(self) -> float:
-        return self.epsilon_after(0)
-
-    def next_epsilon(self) -> float:
-        return self.epsilon_after(1)
-
     def describe(self) -> str:
         d = self.ddg
         client_var = float(d["gamma"]) ** 2 * int(d["variance"])
@@ -555,29 +628,7 @@ class DdgRoundAccountant:
             f"Delta_2 = {math.sqrt(float(d['sensitivity_sq'])):.4g} after rounding (C = {float(d['clip']):g}), "
             f"modulus 2^{d['bits']}; RDP of the paper's bound with Zhu-Wang Poisson subsampling"
         )
-        earlier = sum(int(e["rounds"]) for e in self.ledger if {k: e[k] for k in self._current()} != self._current())
+        earlier = self.earlier_rounds()
         if earlier:
             text += f"; composed with {earlier} earlier rounds of other parameters"
         return text
-
-    def record_round(self, participants: list[str] | None = None) -> None:
-        cur = self._current()
-        if self.ledger and {k: self.ledger[-1].get(k) for k in cur} == cur:
-            self.ledger[-1]["rounds"] += 1
-        else:
-            self.ledger.append({**cur, "rounds": 1})
-
-    def state_dict(self) -> dict:
-        return {"delta": self.delta, "kind": self.kind, "ledger": [dict(e) for e in self.ledger]}
-
-    def load_state_dict(self, state: dict) -> None:
-        ledger = state.get("ledger")
-        if not isinstance(ledger, list):
-            raise ValueError("a privacy ledger without its charged rounds")
-        keys = (*self._current(), "rounds")
-        for e in ledger:
-            if not isinstance(e, dict) or any(k not in e for k in keys) or e["mechanism"] != "discrete_gaussian":
-                raise ValueError(f"a discrete-Gaussian ledger entry lacks one of {keys}: {str(e)[:200]}")
-            if int(e["rounds"]) < 0 or not 0 <= float(e["q"]) <= 1 or int(e["variance"]) < 0:
-                raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
-        self.ledger = [{k: e[k] for k in keys} for e in ledger]
