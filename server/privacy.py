@@ -228,7 +228,7 @@ class ServerPrivacy:
                 p.bits, p.beta, p.gamma, p.rotation,
             )  # fmt: skip
             ddg = {**self.ddg.as_dict(), "sensitivity_sq": self.ddg.sensitivity_sq()}
-            self.accountant = DdgRoundAccountant(q, ddg, p.delta)
+            self.accountant = self.plan.ddg_accountant(q, ddg)  # with the noised figures' cost, if released
         else:
             # z_eff when the rounds' figures are released noised too (PrivacyPlan.accounted_z)
             self.accountant = self.plan.round_accountant(q, sampling="poisson", clip=clip)

@@ -202,6 +202,7 @@ class RoundLedger:
     (:meth:`_check_entry`) and prices the ledger (:meth:`epsilon_after`)."""
 
     MECHANISM = ""  # the entries' "mechanism", privacy.mechanism's value for it
+    DEFAULTS: dict = {}  # entry keys an older ledger may lack, with the value they then had
 
     def __init__(self, delta: float, kind: str):
         self.delta, self.kind = delta, kind
@@ -256,6 +257,7 @@ class RoundLedger:
         if other:
             raise LedgerMismatch(self._mismatch(other))
         keys = (*self._current(), "rounds")
+        ledger = [{**self.DEFAULTS, **e} for e in ledger]
         for e in ledger:
             if any(k not in e for k in keys):
                 raise ValueError(f"a privacy ledger entry lacks one of {keys}: {str(e)[:200]}")
@@ -545,15 +547,34 @@ def rdp_to_epsilon(orders, rdps, delta: float) -> float:
     return max(best, 0.0)
 
 
+def released_figures_rdp(order: float, release_z: float) -> float:
+    """RDP at ``order`` of ``privacy.release = "noised"``'s two figures, unsampled: the result count
+    (sensitivity 1, noise std sigma) and the clipped loss sum (sensitivity L, std sigma L), each a
+    Gaussian of multiplier sigma = ``release_z``: 2 x order / (2 sigma^2). 0 without the release."""
+    return order / release_z**2 if release_z > 0 else 0.0
+
+
 @lru_cache(maxsize=1024)
 def _ddg_round_rdp(
-    q: float, sensitivity_sq: float, client_var: float, variance: int, dim: int, shares: int, summands: int
+    q: float,
+    sensitivity_sq: float,
+    client_var: float,
+    variance: int,
+    dim: int,
+    shares: int,
+    summands: int,
+    release_z: float = 0.0,
 ) -> tuple[float, ...]:
-    """One round's RDP at each of DDG_ORDERS (Poisson-sampled at rate q)."""
+    """One round's RDP at each of DDG_ORDERS (Poisson-sampled at rate q). The noised figures of the
+    round (``release_z`` > 0) are computed on the same sample as the model's sum, so the unsampled
+    round is the composition of both (their RDP curves add at every order) and the sampling
+    amplifies that whole curve."""
 
     @cache
     def curve(a: int) -> float:
-        return ddg_rdp(a, sensitivity_sq, client_var, variance, dim, shares, summands)
+        return ddg_rdp(a, sensitivity_sq, client_var, variance, dim, shares, summands) + released_figures_rdp(
+            a, release_z
+        )
 
     return tuple(poisson_subsampled_rdp(q, curve, a) for a in DDG_ORDERS)
 
@@ -577,23 +598,36 @@ class DdgRoundAccountant(RoundLedger):
     ledger records every charged round's parameters, so a restart composes them as they ran."""
 
     MECHANISM = "discrete_gaussian"
+    DEFAULTS = {"release_z": 0.0}  # ledgers written before the noised release was charged had none
 
-    def __init__(self, q: float, ddg: dict, delta: float):
+    def __init__(self, q: float, ddg: dict, delta: float, release_z: float = 0.0):
         super().__init__(delta, "rdp")
-        self.set_mechanism(q, ddg)
+        self.set_mechanism(q, ddg, release_z)
 
-    def set_mechanism(self, q: float, ddg: dict) -> None:
+    def set_mechanism(self, q: float, ddg: dict, release_z: float = 0.0) -> None:
+        """The mechanism of the next rounds: rate q, the discrete Gaussian's parameters ``ddg``, and
+        ``release_z`` = privacy.release_noise_multiplier when the rounds' figures are released
+        noised (``privacy.release = "noised"``), else 0."""
         missing = [k for k in DDG_KEYS if k not in ddg]
         if missing:
             raise ValueError(f"discrete-Gaussian parameters lack {missing}")
+        if release_z < 0:
+            raise ValueError(f"release_z = {release_z} must be >= 0")
         self.q = min(float(q), 1.0)
         self.ddg = {k: ddg[k] for k in DDG_KEYS}
+        self.release_z = float(release_z)
 
     def _current(self) -> dict:
-        return {"mechanism": self.MECHANISM, "sampling": "poisson", "q": self.q, **self.ddg}
+        return {
+            "mechanism": self.MECHANISM,
+            "sampling": "poisson",
+            "q": self.q,
+            **self.ddg,
+            "release_z": self.release_z,
+        }
 
     def _check_entry(self, e: dict) -> None:
-        if int(e["variance"]) < 0 or int(e["shares"]) < 1 or int(e["dim"]) < 1:
+        if int(e["variance"]) < 0 or int(e["shares"]) < 1 or int(e["dim"]) < 1 or not float(e["release_z"]) >= 0:
             raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
 
     @staticmethod
@@ -607,6 +641,7 @@ class DdgRoundAccountant(RoundLedger):
             int(e["dim"]),
             int(e["shares"]),
             int(e["max_summands"]),
+            float(e["release_z"]),
         )
 
     def epsilon_after(self, extra: int) -> float:
@@ -628,6 +663,11 @@ class DdgRoundAccountant(RoundLedger):
             f"Delta_2 = {math.sqrt(float(d['sensitivity_sq'])):.4g} after rounding (C = {float(d['clip']):g}), "
             f"modulus 2^{d['bits']}; RDP of the paper's bound with Zhu-Wang Poisson subsampling"
         )
+        if self.release_z:
+            text += (
+                f"; each round also charged for its noised result count and train loss (multiplier "
+                f"{self.release_z:g}), composed with the sum before sampling"
+            )
         earlier = self.earlier_rounds()
         if earlier:
             text += f"; composed with {earlier} earlier rounds of other parameters"

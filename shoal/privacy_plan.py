@@ -19,7 +19,9 @@ besides the protected model:
   to [0, L], + N(0, σ² L²), divided by the noisy count), σ = ``release_noise_multiplier``.
   Both are computed on the same sampled clients as the model, so the round is one Gaussian
   query on a vector with three blocks; its multiplier (for sensitivity 1 in the Mahalanobis
-  norm) is z_eff = (z⁻² + 2 σ⁻²)^(-1/2), and the accountant charges every round at z_eff.
+  norm) is z_eff = (z⁻² + 2 σ⁻²)^(-1/2), and the accountant charges every round at z_eff. With the
+  distributed discrete Gaussian the round's unsampled RDP curve is the paper's bound for the sum
+  plus α/σ² for the two figures, and the Poisson amplification bounds that whole curve.
 * ``clear``: everything un-noised, as without DP. The epsilon then covers only the models; the
   records say ``release = "clear"``.
 
@@ -35,7 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.accounting import LocalDpSgdAccountant, RoundAccountant
+from shoal.accounting import DdgRoundAccountant, LocalDpSgdAccountant, RoundAccountant
 from shoal.noise import NoiseSource
 
 #: privacy.release's choices
@@ -208,6 +210,16 @@ class PrivacyPlan:
             sample_size=sample_size,
             clip=clip,
         )
+
+    @property
+    def release_z(self) -> float:
+        """The multiplier of the noised round figures when they are released (0 otherwise)."""
+        return self.release_noise_multiplier if self.release == "noised" and self.user_level else 0.0
+
+    def ddg_accountant(self, q: float, ddg: dict) -> DdgRoundAccountant:
+        """The distributed discrete Gaussian's accountant (simulator and server): its paper's bound per
+        round, plus the noised round figures' Gaussian (:attr:`release_z`) composed on the same sample."""
+        return DdgRoundAccountant(q, ddg, self.delta, self.release_z)
 
     def local_accountant(self, schedules: dict[str, tuple[float, int]]) -> LocalDpSgdAccountant:
         """Local DP-SGD's accountant (simulator, node, peer): per client over its participations."""

@@ -590,12 +590,6 @@ class PrivacyConfig:
             _positive("privacy.gamma", self.gamma, allow_zero=True)
             if not 0 <= self.beta < 1:
                 raise ConfigError(f"privacy.beta = {self.beta} must be in [0, 1)")
-            if self.release == "noised":
-                raise ConfigError(
-                    "privacy.release = 'noised' with privacy.mechanism = 'discrete_gaussian': the noised figures' "
-                    "cost is folded into the Gaussian's multiplier, which the discrete Gaussian's accountant does not "
-                    "compose yet; use privacy.release = 'withhold' (the default)"
-                )
             if self.sampling != "poisson" or self.accountant != "rdp":
                 raise ConfigError(
                     "privacy.mechanism = 'discrete_gaussian' is accounted with RDP under Poisson sampling (the "
