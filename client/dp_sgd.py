@@ -143,7 +143,8 @@ class DpSgdTrainer(LocalTrainer):
         sender: str = "",
         objective: Objective | None = None,
     ) -> Update:
-        """``epochs * round(n / B)`` DP-SGD steps on Poisson samples of rate B / n from ``global_flat``."""
+        """``epochs * round(n / B)`` DP-SGD steps on Poisson samples of rate B / n from ``global_flat`` (or, with
+        ``privacy.local_sampling_rate`` q, ``epochs * round(1 / q)`` steps of rate q)."""
         if objective is not None:  # config rules refuse [algorithm] with privacy.mode = 'local'
             raise ConfigError("DP-SGD (privacy.mode = 'local') trains plain local SGD; it takes no algorithm objective")
         cfg, flat = self.cfg, self.flat
@@ -151,8 +152,11 @@ class DpSgdTrainer(LocalTrainer):
         flat.copy_(global_flat)
         self._sgd.state.clear()  # momentum starts at zero for every client
         n = int(y.shape[0])
-        q, steps = dp_sgd_schedule(n, cfg.batch(n), cfg.epochs)
-        self._dp_opt.expected_batch_size = cfg.batch(n)
+        rate = self.privacy.local_sampling_rate
+        q, steps = dp_sgd_schedule(n, cfg.batch(n), cfg.epochs, rate)
+        # the noisy sum is divided by B; with a fixed rate by the configured B (never by n_k: the step's
+        # scale would then depend on the data, outside the analysis)
+        self._dp_opt.expected_batch_size = self._public_batch() if rate else cfg.batch(n)
         # privacy.reproducible: noise and batches from the task's seed; otherwise both from a CSPRNG
         # (shoal.noise) keyed with 256 bits from the OS
         src = None if self.privacy.reproducible else NoiseSource()
@@ -184,6 +188,16 @@ class DpSgdTrainer(LocalTrainer):
         delta = flat - global_flat
         metrics = {"train_loss": loss_sum / max(sampled, 1), "local_steps": float(steps)}
         return Update(delta=delta, num_examples=n, base_version=base_version, sender=sender, metrics=metrics)
+
+    def _public_batch(self) -> int:
+        """train.batch_size as a number that does not depend on the data (privacy.local_sampling_rate)."""
+        b = self.cfg.batch_size
+        if not b or b == float("inf"):
+            raise ConfigError(
+                "privacy.local_sampling_rate needs a finite train.batch_size B: the noisy gradient sum is "
+                "divided by B, which must not depend on a client's example count"
+            )
+        return int(b)
 
     def _add_sample_gradient(self, flat_grad: torch.Tensor) -> None:
         """One more per-sample gradient row (a flat vector over the model) before Opacus clips."""

@@ -482,9 +482,13 @@ class LocalDpSgdAccountant:
         self.participations = {str(c): int(k) for c, k in saved.items()}
 
 
-def dp_sgd_schedule(n: int, batch_size: int, epochs: int) -> tuple[float, int]:
+def dp_sgd_schedule(n: int, batch_size: int, epochs: int, rate: float = 0.0) -> tuple[float, int]:
     """(sampling rate, steps per participation) of DP-SGD on ``n`` examples with expected batch B:
-    rate B / n, ``epochs * round(n / B)`` steps (Opacus' Poisson loader makes the same count)."""
+    rate B / n, ``epochs * round(n / B)`` steps (Opacus' Poisson loader makes the same count).
+    ``rate`` > 0 (privacy.local_sampling_rate): that rate and ``epochs * round(1 / rate)`` steps,
+    whatever ``n`` is, so the schedule and the epsilon are the config's, not the data's."""
+    if rate > 0:
+        return min(float(rate), 1.0), epochs * max(1, round(1 / rate))
     b = min(batch_size, n)
     return b / n, epochs * max(1, round(n / b))
 

@@ -128,3 +128,11 @@ def test_both_round_accountants_share_one_ledger_and_refuse_each_others_with_the
         ddg.load_state_dict(gauss.state_dict())
     with pytest.raises(ValueError, match="without its charged rounds"):
         ddg.load_state_dict({"ledger": "nothing"})
+
+
+def test_a_configured_local_sampling_rate_makes_the_schedule_independent_of_the_data():
+    from shoal.accounting import dp_sgd_schedule
+
+    assert dp_sgd_schedule(40, 8, 2) == (0.2, 10) and dp_sgd_schedule(41, 8, 2) != (0.2, 10)
+    assert {dp_sgd_schedule(n, 8, 2, rate=0.2) for n in (5, 40, 41, 10_000)} == {(0.2, 10)}
+    assert dp_sgd_schedule(7, 8, 1, rate=0.03) == (0.03, 33)
