@@ -186,7 +186,9 @@ class NodePrivacy:
                 check_delta_against(p.delta, num_train, "examples on this node")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-            self.schedule = dp_sgd_schedule(num_train, cfg.train.batch(num_train), cfg.train.epochs)
+            self.schedule = dp_sgd_schedule(
+                num_train, cfg.train.batch(num_train), cfg.train.epochs, p.local_sampling_rate
+            )
             self.accountant = self.plan.local_accountant({name: self.schedule})
             self.accountant.load_state_dict({**self.accountant.state_dict(), "participations": {name: self._load()}})
             if p.target_epsilon and self.rounds == 0 and self.accountant.next_epsilon() > p.target_epsilon:

@@ -696,7 +696,7 @@ class ServerService:
             report = None
             if self.privacy is not None and self.privacy.plan.dp_sgd:  # checked before anything changes
                 self.privacy.check_local_upload(update.num_examples, update.metrics)
-                report = parse_report(header.get("privacy"), self.cfg.privacy.delta)
+                report = self.privacy.check_report(parse_report(header.get("privacy"), self.cfg.privacy.delta))
             if blocks is None:
                 advanced = r.submit(node, update)
             else:

@@ -562,6 +562,10 @@ class PrivacyConfig:
     release: Literal["withhold", "noised", "clear"] = "withhold"
     release_noise_multiplier: float = 5.0  # noised: the count's noise std; the loss sum's is this x loss clip
     release_loss_clip: float = 5.0  # noised: each client's train loss clipped to [0, this] (the loss sum's sensitivity)
+    # local: DP-SGD's per-example sampling rate q for every client, with epochs * round(1/q) steps a round, so a
+    # client's epsilon (and the report its node sends) depends on the config and its rounds only, never on its
+    # example count n_k; 0 = q = B / n_k per client (its epsilon, and so its report, reveals roughly n_k)
+    local_sampling_rate: float = 0.0
     # `shoal privacy-sweep`: the grid run after a non-private baseline
     sweep_modes: list[Literal["central", "local", "distributed"]] = field(default_factory=lambda: ["central", "local"])
     sweep_noise_multipliers: list[float] = field(default_factory=lambda: [0.3, 0.6, 1.0, 2.0])  # the sweep's z values
@@ -594,12 +598,6 @@ class PrivacyConfig:
             _positive("privacy.gamma", self.gamma, allow_zero=True)
             if not 0 <= self.beta < 1:
                 raise ConfigError(f"privacy.beta = {self.beta} must be in [0, 1)")
-            if self.release == "noised":
-                raise ConfigError(
-                    "privacy.release = 'noised' with privacy.mechanism = 'discrete_gaussian': the noised figures' "
-                    "cost is folded into the Gaussian's multiplier, which the discrete Gaussian's accountant does not "
-                    "compose yet; use privacy.release = 'withhold' (the default)"
-                )
             if self.sampling != "poisson" or self.accountant != "rdp":
                 raise ConfigError(
                     "privacy.mechanism = 'discrete_gaussian' is accounted with RDP under Poisson sampling (the "
@@ -619,6 +617,10 @@ class PrivacyConfig:
             )
         _positive("privacy.release_noise_multiplier", self.release_noise_multiplier)
         _positive("privacy.release_loss_clip", self.release_loss_clip)
+        if not 0 <= self.local_sampling_rate <= 1:
+            raise ConfigError(
+                f"privacy.local_sampling_rate = {self.local_sampling_rate} must be in [0, 1] (0: B / n_k per client)"
+            )
         if self.release == "noised" and self.mode == "local":
             raise ConfigError(
                 "privacy.release = 'noised' with privacy.mode = 'local': the noisy count and loss are charged "

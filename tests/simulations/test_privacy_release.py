@@ -9,7 +9,6 @@ away, and with the sample known Poisson amplification no longer holds for that r
 import itertools
 import json
 import math
-import random
 
 import pytest
 
@@ -17,6 +16,7 @@ from shoal.accounting import epsilon
 from shoal.config import load_config
 from shoal.errors import ConfigError
 from shoal.metrics import read_jsonl
+from shoal.noise import NoiseSource
 from shoal.privacy_plan import PrivacyPlan, combined_multiplier
 from shoal.simulations.experiment import run_simulation
 from shoal.simulations.inprocess import InProcessSimulation
@@ -99,7 +99,7 @@ def test_noised_release_charges_its_figures_in_epsilon(tmp_path):
 
 def test_noised_figures_carry_the_noise_they_are_charged_for():
     plan = PrivacyPlan(mode="central", noise_multiplier=1.0, release="noised", release_noise_multiplier=3.0)
-    rng = random.Random(7)
+    rng = NoiseSource.seeded(7)
     draws = [plan.noisy_round(5, [0.5, 1.0, 9.0, -1.0, 2.0], rng) for _ in range(4000)]
     counts = [d["num_results_noisy"] - 5 for d in draws]
     mean = sum(counts) / len(counts)
