@@ -90,6 +90,7 @@ SPEC_HASH_HEADER = "X-Shoal-Spec-Hash"  # sent with every poll (docs/protocol.md
 # server reopens the same round, with the same task, once its nodes are back), or it already
 # arrived. The server hands such a task out again, and the node trains it again.
 RETRAINABLE = frozenset({"round_closed", "duplicate"})
+REATTACH_AFTER = 2  # failed requests in a row before a node given several servers moves to the next
 _METRIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")  # what the server takes in an evaluation report
 
 
@@ -185,7 +186,9 @@ class NodePrivacy:
                 check_delta_against(p.delta, num_train, "examples on this node")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-            self.schedule = dp_sgd_schedule(num_train, cfg.train.batch(num_train), cfg.train.epochs)
+            self.schedule = dp_sgd_schedule(
+                num_train, cfg.train.batch(num_train), cfg.train.epochs, p.local_sampling_rate
+            )
             self.accountant = self.plan.local_accountant({name: self.schedule})
             self.accountant.load_state_dict({**self.accountant.state_dict(), "participations": {name: self._load()}})
             if p.target_epsilon and self.rounds == 0 and self.accountant.next_epsilon() > p.target_epsilon:
@@ -376,7 +379,12 @@ class Node:
         ``check_task``: why this node refuses a task (its run's config travels with each task), or None.
         ``state_dir``: the folder where the node keeps its client state between rounds and restarts
         (the algorithm's control variates, personal parts, FedBN buffers; None: in memory)."""
-        self.url = server.rstrip("/")
+        # several servers (a comma-separated list, e.g. edge aggregators): the node moves to the
+        # next one when the one it uses stops answering (REATTACH_AFTER failures in a row)
+        self.urls = [u.strip().rstrip("/") for u in server.split(",") if u.strip()] or [server.rstrip("/")]
+        self.url = self.urls[0]
+        self.lost_since: float | None = None  # when the server in use first failed to answer
+        self.failures = 0
         self.check_task = check_task
         self.token = token
         self.task = task if task is not None else task_from_config(cfg)
@@ -457,6 +465,7 @@ class Node:
                     if task is None:
                         break
                     self.backoff.reset()
+                    self._answered()
                     if task["status"] == "done":
                         log.info(
                             "server reports done at version %s%s",
@@ -474,6 +483,7 @@ class Node:
                 except Refused as e:
                     raise NodeError(f"server refused this node's poll: {e}") from None
                 except Retry as e:
+                    self._lost()
                     delay = self.backoff.next(self.rand)
                     log.warning("%s; retrying in %.2f s", e, delay)
                     try:
@@ -482,6 +492,24 @@ class Node:
                         pass
         log.info("node %s stops after %d rounds", self.name, self.rounds_done)
         return 0
+
+    def _lost(self) -> None:
+        """The server in use did not answer; after REATTACH_AFTER failures in a row, the next one
+        of the list is tried (an edge aggregator that died: its nodes re-attach to another)."""
+        loop = asyncio.get_running_loop()
+        self.lost_since = self.lost_since if self.lost_since is not None else loop.time()
+        self.failures += 1
+        if len(self.urls) > 1 and self.failures >= REATTACH_AFTER:
+            old = self.url
+            self.url = self.urls[(self.urls.index(self.url) + 1) % len(self.urls)]
+            self.failures = 0
+            log.warning("server %s does not answer; re-attaching to %s", old, self.url)
+
+    def _answered(self) -> None:
+        if self.lost_since is not None:
+            took = asyncio.get_running_loop().time() - self.lost_since
+            log.info("attached to %s, %.3f s after the last server stopped answering", self.url, took)
+        self.lost_since, self.failures = None, 0
 
     def _on_signal(self) -> None:
         log.info("signal received: finishing the current step, then exiting")
@@ -632,6 +660,11 @@ class Node:
             except Retry as e:
                 if self.stop.is_set():
                     log.warning("stopping with an unsent update: %s", e)
+                    return False
+                if len(self.urls) > 1:  # this server is gone: so is its round for this node (its drop-out)
+                    log.warning("round %s: upload failed (%s); trying the next server", task["round"], e)
+                    self.failures = REATTACH_AFTER - 1
+                    self._lost()
                     return False
                 delay = backoff.next(self.rand)
                 log.warning("upload failed (%s); retrying in %.2f s", e, delay)

@@ -409,7 +409,8 @@ class ServerService:
 
     def seen(self, node: str, now: float) -> None:
         self._elapsed(now)  # the first call starts the clock records count from
-        self.last_seen[node] = now
+        if node not in self.cfg.hierarchy.edge_names:  # an edge aggregator (its model download) is no node
+            self.last_seen[node] = now
 
     def model_download(self) -> ModelDownload:
         """The current global model as a download (GET /v1/model, whole or by range): made once
@@ -695,7 +696,7 @@ class ServerService:
             report = None
             if self.privacy is not None and self.privacy.plan.dp_sgd:  # checked before anything changes
                 self.privacy.check_local_upload(update.num_examples, update.metrics)
-                report = parse_report(header.get("privacy"), self.cfg.privacy.delta)
+                report = self.privacy.check_report(parse_report(header.get("privacy"), self.cfg.privacy.delta))
             if blocks is None:
                 advanced = r.submit(node, update)
             else:

@@ -74,8 +74,8 @@ class SimulationConfig:
     ray_gpus_per_worker: float = 0.0  # engine=ray: GPU fraction per worker (0.25 = four workers share a GPU)
     ray_max_restarts: int = 3  # engine=ray: a dead worker is restarted this often; its clients are re-run
     ray_partial_sums: bool = True  # engine=ray: workers sum their clients' updates when the pipeline allows
-    # engine=ray: longest wait for the workers to be placed and loaded, before the run stops with one
-    # line saying what the cluster lacks (never an endless wait)
+    # engine=ray / flower: longest wait for the workers (Flower: its clients) to be placed and loaded,
+    # before the run stops with one line saying what is missing (never an endless wait)
     ray_start_timeout_s: float = 300.0
 
     def validate(self) -> None:
@@ -562,6 +562,10 @@ class PrivacyConfig:
     release: Literal["withhold", "noised", "clear"] = "withhold"
     release_noise_multiplier: float = 5.0  # noised: the count's noise std; the loss sum's is this x loss clip
     release_loss_clip: float = 5.0  # noised: each client's train loss clipped to [0, this] (the loss sum's sensitivity)
+    # local: DP-SGD's per-example sampling rate q for every client, with epochs * round(1/q) steps a round, so a
+    # client's epsilon (and the report its node sends) depends on the config and its rounds only, never on its
+    # example count n_k; 0 = q = B / n_k per client (its epsilon, and so its report, reveals roughly n_k)
+    local_sampling_rate: float = 0.0
     # `shoal privacy-sweep`: the grid run after a non-private baseline
     sweep_modes: list[Literal["central", "local", "distributed"]] = field(default_factory=lambda: ["central", "local"])
     sweep_noise_multipliers: list[float] = field(default_factory=lambda: [0.3, 0.6, 1.0, 2.0])  # the sweep's z values
@@ -594,12 +598,6 @@ class PrivacyConfig:
             _positive("privacy.gamma", self.gamma, allow_zero=True)
             if not 0 <= self.beta < 1:
                 raise ConfigError(f"privacy.beta = {self.beta} must be in [0, 1)")
-            if self.release == "noised":
-                raise ConfigError(
-                    "privacy.release = 'noised' with privacy.mechanism = 'discrete_gaussian': the noised figures' "
-                    "cost is folded into the Gaussian's multiplier, which the discrete Gaussian's accountant does not "
-                    "compose yet; use privacy.release = 'withhold' (the default)"
-                )
             if self.sampling != "poisson" or self.accountant != "rdp":
                 raise ConfigError(
                     "privacy.mechanism = 'discrete_gaussian' is accounted with RDP under Poisson sampling (the "
@@ -619,6 +617,10 @@ class PrivacyConfig:
             )
         _positive("privacy.release_noise_multiplier", self.release_noise_multiplier)
         _positive("privacy.release_loss_clip", self.release_loss_clip)
+        if not 0 <= self.local_sampling_rate <= 1:
+            raise ConfigError(
+                f"privacy.local_sampling_rate = {self.local_sampling_rate} must be in [0, 1] (0: B / n_k per client)"
+            )
         if self.release == "noised" and self.mode == "local":
             raise ConfigError(
                 "privacy.release = 'noised' with privacy.mode = 'local': the noisy count and loss are charged "
@@ -755,12 +757,26 @@ class HierarchyConfig:
         "float32"  # the partial's sum on the wire: float32 (half the bytes, rounded once) | float64 (exact)
     )
     edge_names: list[str] = field(default_factory=list)  # `shoal server` (root): node names allowed to send partials
+    edge_timeout_s: float = 5.0  # root: an edge silent this long loses its nodes (they may re-attach to another edge)
+    parent: str = ""  # `shoal server --parent URL` (an edge): the root's URL; "" = this server is a root
+    parent_token_file: str = ""  # an edge: the file with its token at the root (`shoal server nodes add EDGE` there)
+    parent_ca_cert: str = ""  # an edge: the CA that signed the root's certificate ("" = the system's trust store)
+    edge_quorum: float = 1.0  # an edge closes its part of a round once its nodes' weight reaches this share
+    edge_margin_s: float = 1.0  # an edge closes its part of a round this long before the root's deadline
 
     def validate(self) -> None:
         _positive("hierarchy.edges", self.edges, allow_zero=True)
         _positive("hierarchy.edge_rounds", self.edge_rounds)
         if not 0 <= self.edge_failure <= 1:
             raise ConfigError(f"hierarchy.edge_failure = {self.edge_failure} must be in [0, 1]")
+        if not 0 < self.edge_quorum <= 1:
+            raise ConfigError(f"hierarchy.edge_quorum = {self.edge_quorum} must be in (0, 1]")
+        if not (math.isfinite(self.edge_margin_s) and self.edge_margin_s >= 0):
+            raise ConfigError(f"hierarchy.edge_margin_s = {self.edge_margin_s} must be a number of seconds >= 0")
+        if not (math.isfinite(self.edge_timeout_s) and self.edge_timeout_s > 0):
+            raise ConfigError(f"hierarchy.edge_timeout_s = {self.edge_timeout_s} must be a number of seconds > 0")
+        if self.parent and not self.parent.startswith(("http://", "https://")):
+            raise ConfigError(f"hierarchy.parent = {self.parent!r} must be the root's http:// or https:// URL")
 
 
 @dataclass
