@@ -303,34 +303,41 @@ class LocalTrainer:
 
     def _run_lean(self, disk: DiskModel, batches, n: int, base_version: int, sender: str) -> Update:
         """Plain SGD (``lr``, ``weight_decay``) from a global model on disk, the same steps as
-        :meth:`_run` takes, in half its memory: each parameter's gradient is the tensor backward
-        makes (a bound gradient buffer would hold a second one while backward adds it in), and
-        it is let go before the update is formed. Training holds the parameters and one gradient
-        of each, then the parameters and the update: twice the model."""
+        :meth:`_run` takes, in about half its memory. No gradient buffer is bound: each parameter
+        takes its step as soon as backward has its whole gradient (a post-accumulate-grad hook;
+        autograd runs it once every use of the parameter in the graph is summed, so nothing that
+        still needs the old value sees the new one), and that gradient is let go at once. Training
+        holds the parameters and the gradients backward holds at one time (at most one parameter's
+        beside its activations' for a stack of layers), then the parameters and the update."""
         cfg, flat, model, task = self.cfg, self.flat, self.model, self.task
         self._drop_grad()
         disk.read_into(flat)
         params = [p for p in model.parameters() if p.requires_grad]
+
+        def step(p: torch.Tensor) -> None:
+            assert p.grad is not None  # the hook runs once backward has put it there
+            with torch.no_grad():
+                if cfg.weight_decay:
+                    p.grad.add_(p, alpha=cfg.weight_decay)
+                p.add_(p.grad, alpha=-cfg.lr)
+            p.grad = None
+
+        hooks = [p.register_post_accumulate_grad_hook(step) for p in params]
         loss_sum = torch.zeros((), device=self.device)
         steps = 0
         model.train()
-        for xb, yb in batches:
+        try:
+            for xb, yb in batches:
+                with autocast(self.device, cfg.precision):
+                    loss = task.loss(model, xb, yb)
+                loss.float().backward()
+                loss_sum += loss.detach().float()
+                steps += 1
+        finally:
+            for h in hooks:
+                h.remove()
             for p in params:
                 p.grad = None
-            with autocast(self.device, cfg.precision):
-                loss = task.loss(model, xb, yb)
-            loss.float().backward()
-            with torch.no_grad():
-                for p in params:
-                    if p.grad is None:
-                        continue
-                    if cfg.weight_decay:
-                        p.grad.add_(p, alpha=cfg.weight_decay)
-                    p.add_(p.grad, alpha=-cfg.lr)
-            loss_sum += loss.detach().float()
-            steps += 1
-        for p in params:
-            p.grad = None
         delta = disk.subtract_from(flat, out=torch.empty_like(flat))
         metrics = {"train_loss": float(loss_sum) / max(steps, 1), "local_steps": float(steps)}
         return Update(delta=delta, num_examples=n, base_version=base_version, sender=sender, metrics=metrics)

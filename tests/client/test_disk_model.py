@@ -1,6 +1,7 @@
 """A large model's node keeps the global model on disk (client/disk_model.py): it trains the same
-update as from the model in memory, bit for bit, with plain SGD (the lean loop: no bound gradient
-buffer), momentum and weight decay; the file is checked as a body in memory is."""
+update as from the model in memory, bit for bit, with plain SGD (the lean loop: each parameter
+steps as backward finishes its gradient, also for a layer used twice), weight decay and momentum;
+the file is checked as a body in memory is."""
 
 from __future__ import annotations
 
@@ -16,8 +17,11 @@ from shoal.errors import Malformed, NonFinite, SpecMismatch
 from shoal.wire import model_parts
 
 
-def _model() -> nn.Module:
+def _model(reused: bool = False) -> nn.Module:
     torch.manual_seed(0)
+    if reused:  # one layer applied twice: its step must wait for both uses' gradients
+        inner = nn.Linear(12, 12)
+        return nn.Sequential(inner, nn.Tanh(), inner, nn.Tanh(), nn.Linear(12, 3))
     return nn.Sequential(nn.Linear(12, 16), nn.ReLU(), nn.Linear(16, 3))
 
 
@@ -29,12 +33,14 @@ def _on_disk(flat: torch.Tensor, trainer: LocalTrainer, version: int = 4) -> OnD
     return body
 
 
-@pytest.mark.parametrize("train", [{}, {"weight_decay": 0.01}, {"momentum": 0.9}])
-def test_training_from_the_model_on_disk_gives_the_same_update(train):
+@pytest.mark.parametrize(
+    "train, reused", [({}, False), ({"weight_decay": 0.01}, False), ({}, True), ({"momentum": 0.9}, False)]
+)
+def test_training_from_the_model_on_disk_gives_the_same_update(train, reused):
     cfg = TrainConfig(lr=0.1, batch_size=8, epochs=2, **train)
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(40, 12, generator=g), torch.randint(0, 3, (40,), generator=g)
-    memory, disk = LocalTrainer(_model(), cfg), LocalTrainer(_model(), cfg)
+    memory, disk = LocalTrainer(_model(reused), cfg), LocalTrainer(_model(reused), cfg)
     start = memory.flat.clone() + 0.01
     expected = memory.train(start, x, y, seed=7)
     model = DiskModel(_on_disk(start, disk), disk.spec)
