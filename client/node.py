@@ -784,7 +784,7 @@ class Node:
                 else:
                     params, header = decode_model(body, self.trainer.spec, copy=False)
             except SpecMismatch as e:
-                raise NodeError(self._spec_mismatch(self._header_of(body), e)) from None
+                raise NodeError(self._spec_mismatch(body, e)) from None
             self._model = (etag, int(header["version"]), params)
             self._broadcast = (int(header["version"]), header.get("aux_tensors", {}))
             break
@@ -792,18 +792,12 @@ class Node:
             return None
         return self._model[2]
 
-    @staticmethod
-    def _header_of(body: bytearray | OnDisk) -> dict:
-        """A downloaded model's shoal header ({} if it cannot be read)."""
-        try:
-            return read_table(body)[1] if isinstance(body, OnDisk) else read_header(body, len(body))[0]
-        except (ShoalError, OSError):
-            return {}
-
-    def _spec_mismatch(self, header: dict, e: SpecMismatch) -> str:
-        """One line: both spec hashes, the first tensor that differs, and the fix."""
+    def _spec_mismatch(self, body: bytes | bytearray | OnDisk, e: SpecMismatch) -> str:
+        """One line: both spec hashes, the first tensor that differs, and the fix (``body``: the
+        downloaded model, in memory or in its file)."""
         mine = self.trainer.spec
         try:
+            header = read_table(body)[1] if isinstance(body, OnDisk) else read_header(body, len(body))[0]
             theirs = ParamSpec.from_json(header["spec"])
         except Exception:
             return f"the server's model does not fit this node's: {e}"
