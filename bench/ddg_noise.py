@@ -4,8 +4,12 @@
 
 Times, on one thread, the median of ``--reps`` runs of drawing ``n`` entries of:
 
-* torch's generator, N(0, 1) (what the noise used before: a seeded Mersenne Twister);
-* shoal.noise's CSPRNG Gaussian (AES-256-CTR uniforms, four Box-Muller draws summed per entry);
+* torch's generator, N(0, 1) (a seeded Mersenne Twister: the reproducible mode's noise), one draw
+  per entry and, as Opacus' ``secure_mode`` does, four summed;
+* shoal.noise's CSPRNG Gaussian (AES-256-CTR uniforms, four Box-Muller draws summed per entry),
+  into a float32 tensor (what DP-SGD's steps and the central noise draw) and as float64;
+* the same CSPRNG Gaussian as it was first written (keystream through ``update(bytes(n))``,
+  numpy's transform on the whole array), for the record of what the vectorisation gained;
 * the exact discrete Gaussian sampler (integer variance 10^6, CKS 2020) on the CSPRNG;
 * a whole client-side discrete-Gaussian encoding (clip, rotate, conditional rounding, noise, modulus);
 
@@ -34,6 +38,22 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
+def first_csprng_gaussian(src: NoiseSource, n: int, std: float) -> np.ndarray:
+    """The CSPRNG Gaussian as shoal.noise first computed it (same bits and sums, slower plumbing)."""
+    m = 4 * n
+    pairs = (m + 1) // 2
+
+    def uniform(k: int) -> np.ndarray:
+        w = np.frombuffer(src._stream.update(bytes(8 * k)), dtype=np.uint64).copy()
+        return (w >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
+
+    u1, u2 = uniform(pairs), uniform(pairs)
+    radius = np.sqrt(-2.0 * np.log1p(-u1))
+    angle = 2.0 * np.pi * u2
+    draws = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:m]
+    return draws.reshape(4, n).sum(axis=0) * (std / 2.0)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--n", type=int, default=199_210)
@@ -45,10 +65,21 @@ def main() -> None:
     src = NoiseSource()
     codec = DdgCodec(plan(n, 1.0, 1.0, 6, 39, 16), rotation_seed=1)
     update = np.random.default_rng(0).normal(size=n)
+    out32 = torch.empty(n)
+
+    def torch_four() -> torch.Tensor:
+        acc = torch.zeros(n)
+        for _ in range(4):
+            acc += torch.normal(0.0, 0.5, size=(n,), generator=gen)
+        return acc
+
     rows = [
         ("torch generator, N(0,1) float32", lambda: torch.empty(n).normal_(0.0, 1.0, generator=gen)),
         ("torch generator, N(0,1) float64", lambda: torch.empty(n, dtype=torch.float64).normal_(generator=gen)),
-        ("CSPRNG Gaussian (4 Box-Muller draws summed)", lambda: src.gaussian(n, 1.0)),
+        ("torch generator, 4 draws summed (Opacus secure_mode)", torch_four),
+        ("CSPRNG Gaussian into float32 (4 Box-Muller draws summed)", lambda: src.gaussian_into(out32, 1.0)),
+        ("CSPRNG Gaussian, float64", lambda: src.gaussian(n, 1.0)),
+        ("CSPRNG Gaussian, first version (update(bytes), numpy)", lambda: first_csprng_gaussian(src, n, 1.0)),
         ("CSPRNG exact discrete Gaussian, variance 1e6", lambda: sample(src, 10**6, n)),
         (f"discrete-Gaussian client encoding (2^16, variance {codec.p.variance})", lambda: codec.encode(update, src)),
     ]

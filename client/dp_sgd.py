@@ -23,6 +23,7 @@ from collections import Counter
 import torch
 from opacus import GradSampleModule
 from opacus.optimizers import DPOptimizer
+from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processed
 from opacus.validators import ModuleValidator
 from torch import nn
 
@@ -57,6 +58,35 @@ def fix_for_opacus(model: nn.Module) -> nn.Module:
     return fixed
 
 
+class CsprngDPOptimizer(DPOptimizer):
+    """Opacus' DPOptimizer whose per-step noise comes from a :class:`~shoal.noise.NoiseSource` (an
+    AES-CTR CSPRNG keyed from the OS, each entry a sum of four Box-Muller draws against the
+    floating-point attack) when :attr:`noise_source` is set; Opacus' own draw from its torch
+    generator otherwise (``privacy.reproducible``). One CSPRNG call covers all the model's
+    parameters of a step; the noise is drawn on the CPU and moved to the parameters' device."""
+
+    noise_source: NoiseSource | None = None
+
+    def add_noise(self) -> None:  # noqa: D102
+        src = self.noise_source
+        if src is None:
+            super().add_noise()
+            return
+        params = self.params
+        for p in params:
+            _check_processed_flag(p.summed_grad)
+        dtype = params[0].summed_grad.dtype
+        noise = torch.empty(sum(p.summed_grad.numel() for p in params), dtype=dtype)
+        src.gaussian_into(noise, self.noise_multiplier * self.max_grad_norm)
+        noise = noise.to(params[0].summed_grad.device, non_blocking=True)
+        offset = 0
+        for p in params:
+            g = p.summed_grad
+            p.grad = (g + noise[offset : offset + g.numel()].view_as(g).to(g.device, g.dtype)).view_as(p)
+            offset += g.numel()
+            _mark_as_processed(p.summed_grad)
+
+
 class DpSgdTrainer(LocalTrainer):
     """LocalTrainer whose steps are DP-SGD: per-sample clipping + Gaussian noise (Opacus)."""
 
@@ -85,16 +115,16 @@ class DpSgdTrainer(LocalTrainer):
         # one extra example, Poisson-sampled like the others and clipped and noised with them
         self.gradient_canary: torch.Tensor | None = None
         self._noise_gen = torch.Generator(device=self.device)
-        self._dp_opt = DPOptimizer(
+        self._dp_opt = CsprngDPOptimizer(
             self._sgd,
             noise_multiplier=privacy.noise_multiplier,
             max_grad_norm=privacy.clip_norm,
             expected_batch_size=1,
             loss_reduction="mean",
             generator=self._noise_gen,
-            # each noise entry a sum of 4 draws, which resists the floating-point attack (privacy.reproducible
-            # keeps the earlier single draw, so seeded runs repeat the numbers they gave before)
-            secure_mode=not privacy.reproducible,
+            # privacy.reproducible: Opacus' single draw per entry from the seeded generator, so seeded runs
+            # repeat the numbers they gave before; otherwise train() sets a CSPRNG noise source per task
+            secure_mode=False,
         )
 
     def train_dataset(self, global_flat, dataset, seed, base_version=0, sender="", objective=None):  # noqa: D102
@@ -113,7 +143,8 @@ class DpSgdTrainer(LocalTrainer):
         sender: str = "",
         objective: Objective | None = None,
     ) -> Update:
-        """``epochs * round(n / B)`` DP-SGD steps on Poisson samples of rate B / n from ``global_flat``."""
+        """``epochs * round(n / B)`` DP-SGD steps on Poisson samples of rate B / n from ``global_flat`` (or, with
+        ``privacy.local_sampling_rate`` q, ``epochs * round(1 / q)`` steps of rate q)."""
         if objective is not None:  # config rules refuse [algorithm] with privacy.mode = 'local'
             raise ConfigError("DP-SGD (privacy.mode = 'local') trains plain local SGD; it takes no algorithm objective")
         cfg, flat = self.cfg, self.flat
@@ -121,12 +152,17 @@ class DpSgdTrainer(LocalTrainer):
         flat.copy_(global_flat)
         self._sgd.state.clear()  # momentum starts at zero for every client
         n = int(y.shape[0])
-        q, steps = dp_sgd_schedule(n, cfg.batch(n), cfg.epochs)
-        self._dp_opt.expected_batch_size = cfg.batch(n)
-        # privacy.reproducible: noise and batches from the task's seed; otherwise the batches from the
-        # CSPRNG (shoal.noise) and the noise from torch's generator seeded with 63 bits of it
+        rate = self.privacy.local_sampling_rate
+        q, steps = dp_sgd_schedule(n, cfg.batch(n), cfg.epochs, rate)
+        # the noisy sum is divided by B; with a fixed rate by the configured B (never by n_k: the step's
+        # scale would then depend on the data, outside the analysis)
+        self._dp_opt.expected_batch_size = self._public_batch() if rate else cfg.batch(n)
+        # privacy.reproducible: noise and batches from the task's seed; otherwise both from a CSPRNG
+        # (shoal.noise) keyed with 256 bits from the OS
         src = None if self.privacy.reproducible else NoiseSource()
-        self._noise_gen.manual_seed(derive_seed(seed, 1) if src is None else src.seed63())
+        self._dp_opt.noise_source = src
+        if src is None:
+            self._noise_gen.manual_seed(derive_seed(seed, 1))
         gen = torch.Generator().manual_seed(int(seed) % (1 << 63))
         loss_sum, sampled = 0.0, 0
         canary = self.gradient_canary
@@ -152,6 +188,16 @@ class DpSgdTrainer(LocalTrainer):
         delta = flat - global_flat
         metrics = {"train_loss": loss_sum / max(sampled, 1), "local_steps": float(steps)}
         return Update(delta=delta, num_examples=n, base_version=base_version, sender=sender, metrics=metrics)
+
+    def _public_batch(self) -> int:
+        """train.batch_size as a number that does not depend on the data (privacy.local_sampling_rate)."""
+        b = self.cfg.batch_size
+        if not b or b == float("inf"):
+            raise ConfigError(
+                "privacy.local_sampling_rate needs a finite train.batch_size B: the noisy gradient sum is "
+                "divided by B, which must not depend on a client's example count"
+            )
+        return int(b)
 
     def _add_sample_gradient(self, flat_grad: torch.Tensor) -> None:
         """One more per-sample gradient row (a flat vector over the model) before Opacus clips."""

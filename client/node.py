@@ -33,6 +33,7 @@ import ssl
 from collections.abc import Callable
 from hashlib import sha256
 from pathlib import Path
+from typing import cast
 
 import aiohttp
 import torch
@@ -64,11 +65,13 @@ from shoal.tasks import BuiltinTask
 from shoal.update import Update
 from shoal.wire import MODEL_AUX, decode_model, default_max_bytes, read_header, update_parts
 
+from .algorithms import ClientProgram
+from .disk_model import DiskModel, read_table
 from .http import Backoff, NodeError, Refused, Retry, check_response, connection_problem
 from .runlog import RunTag
 from .state import DiskClientState, MemoryClientState
-from .training import summarize_means
-from .transfer import CHUNK_DIGEST_HEADER, Body, download
+from .training import LocalTrainer, summarize_means
+from .transfer import CHUNK_DIGEST_HEADER, Body, OnDisk, download
 
 log = logging.getLogger(__name__)
 
@@ -183,7 +186,9 @@ class NodePrivacy:
                 check_delta_against(p.delta, num_train, "examples on this node")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-            self.schedule = dp_sgd_schedule(num_train, cfg.train.batch(num_train), cfg.train.epochs)
+            self.schedule = dp_sgd_schedule(
+                num_train, cfg.train.batch(num_train), cfg.train.epochs, p.local_sampling_rate
+            )
             self.accountant = self.plan.local_accountant({name: self.schedule})
             self.accountant.load_state_dict({**self.accountant.state_dict(), "participations": {name: self._load()}})
             if p.target_epsilon and self.rounds == 0 and self.accountant.next_epsilon() > p.target_epsilon:
@@ -425,7 +430,7 @@ class Node:
         self.stop = asyncio.Event()
         self.rand = random.Random()
         self.backoff = Backoff()
-        self._model: tuple[str, int, torch.Tensor] | None = None  # (etag, version, params)
+        self._model: tuple[str, int, torch.Tensor | DiskModel] | None = None  # (etag, version, params)
         self.rounds_done = 0
         self.resumed = {"upload": 0, "download": 0}  # chunked transfers that went on after a lost connection
         self.failed_tasks: set[tuple[int, int]] = set()  # (round, version): diverged or refused, not retried
@@ -470,7 +475,8 @@ class Node:
                         if task.get("evaluate") and self.test is not None:  # the final model
                             params = await self._get_model(int(task["version"]))
                             if params is not None:
-                                await self._evaluate(params, int(task["version"]), self.test)
+                                flat = params if isinstance(params, torch.Tensor) else params.load()
+                                await self._evaluate(flat, int(task["version"]), self.test)
                         break
                     if task["status"] == "work":
                         await self._work(task)
@@ -546,17 +552,22 @@ class Node:
             return
         chunk = task.get("upload_chunk_bytes")  # the model is larger than one request: download it by ranges
         chunked = isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0
-        params = await self._get_model(version, chunk if chunked else None)
+        params = await self._get_model(version, chunk if chunked else None, to_disk=chunked and self._global_on_disk)
         if params is None:
             return  # the server moved on; ask again
         if task.get("evaluate") and self.test is not None:  # the global model, before training on it
-            await self._evaluate(params, version, self.test)
+            await self._evaluate(params if isinstance(params, torch.Tensor) else params.load(), version, self.test)
         seed = self.privacy.training_seed(int(task["seed"])) if self.privacy is not None else int(task["seed"])
         broadcast = self._broadcast[1] if self._broadcast[0] == version else {}
         state = self.states.get(self.name) if self.program.keeps_state else {}
         assignment = Assignment(self.name, int(task["round"]), version, seed)
         try:
-            result = await asyncio.to_thread(self.program.fit, self.train, assignment, params, state, broadcast)
+            if isinstance(params, DiskModel):  # plain FedAvg from the model on disk (client/disk_model.py):
+                # it stands in for the global tensor, which LocalTrainer._run reads from the file
+                on_disk = cast(torch.Tensor, params)
+                result = await asyncio.to_thread(self.program.local, self.train, assignment, on_disk, state, broadcast)
+            else:
+                result = await asyncio.to_thread(self.program.fit, self.train, assignment, params, state, broadcast)
         except KeyError as e:  # the algorithm's broadcast did not come with the model
             raise NodeError(
                 f"algorithm.name = {self.program.name!r} needs {e} with the model, and the server sent none: "
@@ -674,7 +685,7 @@ class Node:
         received, backoff = 0, Backoff()
         while True:
             end = min(received + step, len(body))
-            part = body.slice(received, end)
+            part = body.chunk(received, end)
             try:
                 result = await self._request(
                     "PUT",
@@ -730,15 +741,31 @@ class Node:
         except (Refused, Retry) as e:
             log.warning("evaluation of version %d not reported: %s", version, e)
 
-    async def _get_model(self, version: int, chunk: int | None = None) -> torch.Tensor | None:
+    @property
+    def _global_on_disk(self) -> bool:
+        """Whether a model larger than one request is kept on disk while this node trains
+        (client/disk_model.py): its training needs the global model only to start from and to
+        subtract (plain FedAvg on the CPU: no proximal term, no client state, no DP-SGD)."""
+        return (
+            type(self.program) is ClientProgram
+            and not self.program.keeps_state
+            and type(self.trainer) is LocalTrainer
+            and not self.trainer.cfg.prox_mu
+            and self.trainer.device.type == "cpu"
+        )
+
+    async def _get_model(
+        self, version: int, chunk: int | None = None, to_disk: bool = False
+    ) -> torch.Tensor | DiskModel | None:
         """The global model of ``version``, from the cache when the ETag still matches; by ranges of
         ``chunk`` bytes (resumable, client/transfer.py) when the task says the model is larger than
-        one request. The parameters are a view of the one buffer the download filled."""
+        one request. The parameters are a view of the one buffer the download filled, or with
+        ``to_disk`` the checked file it filled (:class:`DiskModel`)."""
         headers = {"If-None-Match": self._model[0]} if self._model else {}
         limit = (default_max_bytes(self.trainer.spec) + 64 * len(self.trainer.spec.entries)) * (1 + len(MODEL_AUX))
         for _attempt in range(2):
             got = await download(
-                self.http, self.url + "/v1/model", self._ssl, headers, limit, chunk, self.rand, self.resumed
+                self.http, self.url + "/v1/model", self._ssl, headers, limit, chunk, self.rand, self.resumed, to_disk
             )
             if got is None:  # 304: the cached model is current
                 if self._model and self._model[1] == version:
@@ -746,10 +773,18 @@ class Node:
                 headers = {}
                 continue
             body, etag = got
+            if self._model is not None and isinstance(self._model[2], DiskModel):
+                self._model[2].close()  # the version before: its file goes
+            self._model = None
+            params: torch.Tensor | DiskModel
             try:
-                params, header = decode_model(body, self.trainer.spec, copy=False)
+                if isinstance(body, OnDisk):
+                    params = DiskModel(body, self.trainer.spec)
+                    header = params.header
+                else:
+                    params, header = decode_model(body, self.trainer.spec, copy=False)
             except SpecMismatch as e:
-                raise NodeError(self._spec_mismatch(body, e)) from None
+                raise NodeError(self._spec_mismatch(self._header_of(body), e)) from None
             self._model = (etag, int(header["version"]), params)
             self._broadcast = (int(header["version"]), header.get("aux_tensors", {}))
             break
@@ -757,11 +792,18 @@ class Node:
             return None
         return self._model[2]
 
-    def _spec_mismatch(self, body: bytes | bytearray, e: SpecMismatch) -> str:
+    @staticmethod
+    def _header_of(body: bytearray | OnDisk) -> dict:
+        """A downloaded model's shoal header ({} if it cannot be read)."""
+        try:
+            return read_table(body)[1] if isinstance(body, OnDisk) else read_header(body, len(body))[0]
+        except (ShoalError, OSError):
+            return {}
+
+    def _spec_mismatch(self, header: dict, e: SpecMismatch) -> str:
         """One line: both spec hashes, the first tensor that differs, and the fix."""
         mine = self.trainer.spec
         try:
-            header = read_header(body, len(body))[0]
             theirs = ParamSpec.from_json(header["spec"])
         except Exception:
             return f"the server's model does not fit this node's: {e}"

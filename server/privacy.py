@@ -43,7 +43,14 @@ import math
 import secrets
 from typing import Any
 
-from shoal.accounting import DdgRoundAccountant, RoundAccountant, check_delta_against
+from shoal.accounting import (
+    DdgRoundAccountant,
+    LedgerMismatch,
+    RoundAccountant,
+    check_delta_against,
+    dp_sgd_schedule,
+)
+from shoal.accounting import epsilon as dp_epsilon
 from shoal.aggregation.discrete_gaussian import DdgParams, plan
 from shoal.aggregation.dp import DPMean, make_dp_strategy, share_std
 from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer
@@ -228,7 +235,7 @@ class ServerPrivacy:
                 p.bits, p.beta, p.gamma, p.rotation,
             )  # fmt: skip
             ddg = {**self.ddg.as_dict(), "sensitivity_sq": self.ddg.sensitivity_sq()}
-            self.accountant = DdgRoundAccountant(q, ddg, p.delta)
+            self.accountant = self.plan.ddg_accountant(q, ddg)  # with the noised figures' cost, if released
         else:
             # z_eff when the rounds' figures are released noised too (PrivacyPlan.accounted_z)
             self.accountant = self.plan.round_accountant(q, sampling="poisson", clip=clip)
@@ -349,7 +356,44 @@ class ServerPrivacy:
                 "update the node"
             )
 
+    def public_report(self, rounds: int) -> dict[str, float | int] | None:
+        """privacy.local_sampling_rate set: the report every node owes after ``rounds`` rounds, computed
+        here from the config alone (the schedule is the same for every node, whatever its data);
+        None when each node's rate is B / n_k (then only the node can compute its epsilon)."""
+        p = self.p
+        if not self.plan.dp_sgd or not p.local_sampling_rate:
+            return None
+        q, steps = dp_sgd_schedule(1, 1, self.cfg.train.epochs, p.local_sampling_rate)
+        return {
+            "epsilon": dp_epsilon(q, p.noise_multiplier, steps * rounds, p.delta, p.accountant),
+            "epsilon_next": dp_epsilon(q, p.noise_multiplier, steps * (rounds + 1), p.delta, p.accountant),
+            "delta": p.delta,
+            "rounds": rounds,
+        }
+
+    def check_report(self, report: dict) -> dict:
+        """A parsed report, checked against :meth:`public_report` when the schedule is public
+        (Malformed if it claims another epsilon: the node runs another schedule, or lies); the
+        figures shown are then the server's own. Unchanged otherwise."""
+        public = self.public_report(int(report["rounds"]))
+        if public is None:
+            return report
+        for key in ("epsilon", "epsilon_next"):
+            if not math.isclose(float(report[key]), float(public[key]), rel_tol=1e-6, abs_tol=1e-9):
+                raise Malformed(
+                    f"privacy report: {key} = {report[key]:.6g} after {report['rounds']} rounds, but "
+                    f"privacy.local_sampling_rate = {self.p.local_sampling_rate:g} with {self.cfg.train.epochs} "
+                    f"epochs gives {public[key]:.6g} for every node: run the node with the server's [privacy] "
+                    "and [train] tables"
+                )
+        return public
+
     def take_report(self, node: str, report: dict) -> None:
+        try:
+            report = self.check_report(report)
+        except Malformed as e:  # a path that could not refuse it before: shown as the schedule gives it
+            log.warning("node %s: %s; showing the public schedule's figures", node, e)
+            report = self.public_report(int(report["rounds"])) or report
         if node in self.reports or len(self.reports) < MAX_NODE_EPSILONS:
             self.reports[node] = report
         log.info(
@@ -382,6 +426,12 @@ class ServerPrivacy:
             return self.accountant.describe()
         if self.user_level:
             return "not bound to the registry yet"
+        if self.p.local_sampling_rate:
+            return (
+                f"example-level DP-SGD on each node at the run's sampling rate q = {self.p.local_sampling_rate:g} "
+                "(whatever a node's data size), over the rounds it took part in; every node's report is checked "
+                "against that public schedule and the worst node's is shown"
+            )
         return (
             "example-level DP-SGD on each node, accounted by the node over its own data size, batch, epochs "
             "and the rounds it took part in; the worst node's report is shown"
@@ -480,11 +530,14 @@ class ServerPrivacy:
         return out
 
     def _restore_ledger(self) -> None:
-        """Charged rounds of a saved ledger into the accountant, once both exist (ConfigError if damaged)."""
+        """Charged rounds of a saved ledger into the accountant, once both exist (ConfigError if damaged,
+        or charged with another mechanism: then the message says what it recorded and what to do)."""
         if self.accountant is None or self._saved_ledger is None:
             return
         try:
             self.accountant.load_state_dict(self._saved_ledger)
+        except LedgerMismatch as e:
+            raise ConfigError(f"server.checkpoint_dir: {e}") from None
         except (ValueError, TypeError) as e:
             raise ConfigError(f"the privacy ledger in server.checkpoint_dir is damaged: {e}") from None
 

@@ -187,7 +187,121 @@ class Accountant(Protocol):
     def load_state_dict(self, state: dict) -> None: ...
 
 
-class RoundAccountant:
+class LedgerMismatch(ValueError):
+    """A saved ledger charged rounds with a mechanism this accountant cannot compose with its own
+    (the message says what the ledger recorded, what the config asks, and what to do)."""
+
+
+class RoundLedger:
+    """The ledger every round accountant keeps: each charged round with the parameters of the
+    mechanism it ran (consecutive equal rounds as one entry, ``rounds`` counting them), so a
+    restart composes the rounds as they ran and never re-prices them at today's settings.
+
+    A subclass names its :attr:`MECHANISM`, says what the current round is (:meth:`_current`:
+    ``mechanism`` and every parameter its analysis needs), checks an entry's ranges
+    (:meth:`_check_entry`) and prices the ledger (:meth:`epsilon_after`)."""
+
+    MECHANISM = ""  # the entries' "mechanism", privacy.mechanism's value for it
+    DEFAULTS: dict = {}  # entry keys an older ledger may lack, with the value they then had
+
+    def __init__(self, delta: float, kind: str):
+        self.delta, self.kind = delta, kind
+        self.ledger: list[dict] = []  # charged rounds: one entry per run of equal mechanisms
+
+    def _current(self) -> dict:
+        raise NotImplementedError
+
+    def epsilon_after(self, extra: int) -> float:
+        """epsilon of the ledger plus ``extra`` more rounds of the current mechanism."""
+        raise NotImplementedError
+
+    def _check_entry(self, e: dict) -> None:
+        """ValueError when a saved entry's parameters are out of range."""
+
+    @property
+    def rounds(self) -> int:
+        return sum(int(e["rounds"]) for e in self.ledger)
+
+    @property
+    def epsilon(self) -> float:
+        return self.epsilon_after(0)
+
+    def next_epsilon(self) -> float:
+        """epsilon if one more round runs: what a budget check must look at."""
+        return self.epsilon_after(1)
+
+    def earlier_rounds(self) -> int:
+        """Charged rounds whose parameters differ from the current ones (a restart changed them)."""
+        cur = self._current()
+        return sum(int(e["rounds"]) for e in self.ledger if {k: e.get(k) for k in cur} != cur)
+
+    def record_round(self, participants: list[str] | None = None) -> None:
+        """Charge one round of the current mechanism."""
+        cur = self._current()
+        if self.ledger and {k: self.ledger[-1].get(k) for k in cur} == cur:
+            self.ledger[-1]["rounds"] += 1
+        else:
+            self.ledger.append({**cur, "rounds": 1})
+
+    def state_dict(self) -> dict:
+        """The ledger (JSON-able), as Opacus' accountants keep theirs."""
+        return {"delta": self.delta, "kind": self.kind, "ledger": [dict(e) for e in self.ledger]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the charged rounds of an earlier run (a restart). ValueError for a ledger that is
+        not one; :class:`LedgerMismatch` for one charged with another mechanism."""
+        ledger = state.get("ledger") if isinstance(state, dict) else None
+        if not isinstance(ledger, list) or not all(isinstance(e, dict) for e in ledger):
+            raise ValueError("a privacy ledger without its charged rounds")
+        other = [e for e in ledger if e.get("mechanism") != self.MECHANISM and int(e.get("rounds", 0) or 0) > 0]
+        if other:
+            raise LedgerMismatch(self._mismatch(other))
+        keys = (*self._current(), "rounds")
+        ledger = [{**self.DEFAULTS, **e} for e in ledger]
+        for e in ledger:
+            if any(k not in e for k in keys):
+                raise ValueError(f"a privacy ledger entry lacks one of {keys}: {str(e)[:200]}")
+            if int(e["rounds"]) < 0 or not 0 <= float(e["q"]) <= 1:
+                raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
+            self._check_entry(e)
+        self.ledger = [{k: e[k] for k in keys} for e in ledger]
+
+    def _mismatch(self, other: list[dict]) -> str:
+        """What the ledger recorded, what this config asks, and what the user can do."""
+        recorded = "; ".join(f"{int(e.get('rounds', 0))} rounds of {describe_entry(e)}" for e in other[:3]) + (
+            "; ..." if len(other) > 3 else ""
+        )
+        was = {str(e.get("mechanism")) for e in other}
+        keep = " or ".join(sorted(f"privacy.mechanism = {m!r}" for m in was))
+        return (
+            f"the privacy ledger records {recorded}, and this config asks for {describe_entry(self._current())}. "
+            f"Rounds of {' and '.join(sorted(was))} noise and of {self.MECHANISM} noise are not composed "
+            f"into one epsilon here, so this run cannot go on from that ledger. Either restart with the "
+            f"mechanism it recorded ({keep}; the noise multiplier, clip and rate may change, and every "
+            "round is then composed as it ran), or start a new run from scratch (another checkpoint "
+            "folder, or --fresh): its epsilon then counts its own rounds only, and for anyone in both "
+            "runs the earlier run's last reported epsilon adds to it."
+        )
+
+
+def describe_entry(e: dict) -> str:
+    """One ledger entry's mechanism in words, for messages."""
+    mech = e.get("mechanism")
+    q = e.get("q")
+    q_text = f"q = {float(q):.4g}" if isinstance(q, (int, float)) else "q unknown"
+    if mech == "discrete_gaussian":
+        return (
+            f"the distributed discrete Gaussian ({q_text}, modulus 2^{e.get('bits')}, t = {e.get('shares')} "
+            f"shares, C = {e.get('clip')})"
+        )
+    if mech == "gaussian":
+        return (
+            f"the continuous Gaussian ({e.get('sampling')} sampling, {q_text}, z = {e.get('z')}, C = {e.get('clip')})"
+        )
+    return f"an unknown mechanism {str(mech)[:40]!r}"
+
+
+class RoundAccountant(RoundLedger):
     """User-level accounting for central and distributed DP: one subsampled Gaussian per round.
 
     ``sampling="poisson"``: rate ``q``, add/remove-one client. ``sampling="fixed"``: exactly
@@ -216,10 +330,9 @@ class RoundAccountant:
             raise ValueError(f"sampling = {sampling!r} is not one of {SAMPLINGS}")
         if sampling == "fixed" and (num_clients is None or sample_size is None):
             raise ValueError("fixed-size sampling needs num_clients and sample_size")
-        self.delta, self.kind = delta, kind
+        super().__init__(delta, kind)
         if sampling == "fixed":
             _accountant(kind, replace_one=True)  # refuses PLD up front
-        self.ledger: list[dict] = []  # charged rounds: one entry per run of equal mechanisms
         self.set_mechanism(
             q, noise_multiplier, sampling=sampling, num_clients=num_clients, sample_size=sample_size, clip=clip
         )
@@ -238,9 +351,11 @@ class RoundAccountant:
         self.q, self.z = min(q, 1.0), noise_multiplier
         self.sampling, self.num_clients, self.sample_size, self.clip = sampling, num_clients, sample_size, clip
 
+    MECHANISM = "gaussian"
+
     def _current(self) -> dict:
         return {
-            "mechanism": "gaussian",
+            "mechanism": self.MECHANISM,
             "sampling": self.sampling,
             "q": self.q,
             "z": self.z,
@@ -249,9 +364,9 @@ class RoundAccountant:
             "sample_size": self.sample_size,
         }
 
-    @property
-    def rounds(self) -> int:
-        return sum(int(e["rounds"]) for e in self.ledger)
+    def _check_entry(self, e: dict) -> None:
+        if e["sampling"] not in SAMPLINGS or not float(e["z"]) >= 0:
+            raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
 
     def _segments(self, extra: int) -> tuple[tuple, ...]:
         entries = [*self.ledger, {**self._current(), "rounds": extra}]
@@ -286,43 +401,10 @@ class RoundAccountant:
                 f"Poisson sampling of clients (q = {self.q:.4g}), add/remove-one client, "
                 f"{self.kind.upper()} of the Poisson-subsampled Gaussian (z = {self.z:g})"
             )
-        earlier = [e for e in self.ledger if {k: e[k] for k in self._current()} != self._current()]
+        earlier = self.earlier_rounds()
         if earlier:
-            text += f"; composed with {sum(e['rounds'] for e in earlier)} earlier rounds of other parameters"
+            text += f"; composed with {earlier} earlier rounds of other parameters"
         return text
-
-    @property
-    def epsilon(self) -> float:
-        return self.epsilon_after(0)
-
-    def next_epsilon(self) -> float:
-        """epsilon if one more round runs: what a budget check must look at."""
-        return self.epsilon_after(1)
-
-    def record_round(self, participants: list[str] | None = None) -> None:
-        """Charge one round of the current mechanism."""
-        cur = self._current()
-        if self.ledger and {k: self.ledger[-1][k] for k in cur} == cur:
-            self.ledger[-1]["rounds"] += 1
-        else:
-            self.ledger.append({**cur, "rounds": 1})
-
-    def state_dict(self) -> dict:
-        """The ledger (JSON-able), as Opacus' accountants keep theirs."""
-        return {"delta": self.delta, "kind": self.kind, "ledger": [dict(e) for e in self.ledger]}
-
-    def load_state_dict(self, state: dict) -> None:
-        """Restore the charged rounds of an earlier run of this accountant (a restart)."""
-        ledger = state.get("ledger")
-        if not isinstance(ledger, list):
-            raise ValueError("a privacy ledger without its charged rounds")
-        keys = (*self._current(), "rounds")
-        for e in ledger:
-            if not isinstance(e, dict) or any(k not in e for k in keys):
-                raise ValueError(f"a privacy ledger entry lacks one of {keys}: {str(e)[:200]}")
-            if e["sampling"] not in SAMPLINGS or int(e["rounds"]) < 0 or not float(e["z"]) >= 0:
-                raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
-        self.ledger = [{k: e[k] for k in keys} for e in ledger]
 
 
 class LocalDpSgdAccountant:
@@ -400,9 +482,13 @@ class LocalDpSgdAccountant:
         self.participations = {str(c): int(k) for c, k in saved.items()}
 
 
-def dp_sgd_schedule(n: int, batch_size: int, epochs: int) -> tuple[float, int]:
+def dp_sgd_schedule(n: int, batch_size: int, epochs: int, rate: float = 0.0) -> tuple[float, int]:
     """(sampling rate, steps per participation) of DP-SGD on ``n`` examples with expected batch B:
-    rate B / n, ``epochs * round(n / B)`` steps (Opacus' Poisson loader makes the same count)."""
+    rate B / n, ``epochs * round(n / B)`` steps (Opacus' Poisson loader makes the same count).
+    ``rate`` > 0 (privacy.local_sampling_rate): that rate and ``epochs * round(1 / rate)`` steps,
+    whatever ``n`` is, so the schedule and the epsilon are the config's, not the data's."""
+    if rate > 0:
+        return min(float(rate), 1.0), epochs * max(1, round(1 / rate))
     b = min(batch_size, n)
     return b / n, epochs * max(1, round(n / b))
 
@@ -465,15 +551,34 @@ def rdp_to_epsilon(orders, rdps, delta: float) -> float:
     return max(best, 0.0)
 
 
+def released_figures_rdp(order: float, release_z: float) -> float:
+    """RDP at ``order`` of ``privacy.release = "noised"``'s two figures, unsampled: the result count
+    (sensitivity 1, noise std sigma) and the clipped loss sum (sensitivity L, std sigma L), each a
+    Gaussian of multiplier sigma = ``release_z``: 2 x order / (2 sigma^2). 0 without the release."""
+    return order / release_z**2 if release_z > 0 else 0.0
+
+
 @lru_cache(maxsize=1024)
 def _ddg_round_rdp(
-    q: float, sensitivity_sq: float, client_var: float, variance: int, dim: int, shares: int, summands: int
+    q: float,
+    sensitivity_sq: float,
+    client_var: float,
+    variance: int,
+    dim: int,
+    shares: int,
+    summands: int,
+    release_z: float = 0.0,
 ) -> tuple[float, ...]:
-    """One round's RDP at each of DDG_ORDERS (Poisson-sampled at rate q)."""
+    """One round's RDP at each of DDG_ORDERS (Poisson-sampled at rate q). The noised figures of the
+    round (``release_z`` > 0) are computed on the same sample as the model's sum, so the unsampled
+    round is the composition of both (their RDP curves add at every order) and the sampling
+    amplifies that whole curve."""
 
     @cache
     def curve(a: int) -> float:
-        return ddg_rdp(a, sensitivity_sq, client_var, variance, dim, shares, summands)
+        return ddg_rdp(a, sensitivity_sq, client_var, variance, dim, shares, summands) + released_figures_rdp(
+            a, release_z
+        )
 
     return tuple(poisson_subsampled_rdp(q, curve, a) for a in DDG_ORDERS)
 
@@ -488,7 +593,7 @@ def epsilon_ddg(q: float, ddg: dict, steps: int, delta: float) -> float:
 DDG_KEYS = ("dim", "clip", "gamma", "bits", "beta", "variance", "shares", "max_summands", "sensitivity_sq")
 
 
-class DdgRoundAccountant:
+class DdgRoundAccountant(RoundLedger):
     """User-level accounting of the distributed discrete Gaussian under secure aggregation: one
     Poisson-sampled round per charged round, its RDP from :func:`ddg_rdp` (the paper's bound, with
     the sensitivity after conditional rounding) amplified by :func:`poisson_subsampled_rdp`,
@@ -496,25 +601,38 @@ class DdgRoundAccountant:
     :class:`RoundAccountant` (epsilon, next_epsilon, describe, record_round, state_dict); its
     ledger records every charged round's parameters, so a restart composes them as they ran."""
 
-    def __init__(self, q: float, ddg: dict, delta: float):
-        self.delta = delta
-        self.kind = "rdp"
-        self.ledger: list[dict] = []
-        self.set_mechanism(q, ddg)
+    MECHANISM = "discrete_gaussian"
+    DEFAULTS = {"release_z": 0.0}  # ledgers written before the noised release was charged had none
 
-    def set_mechanism(self, q: float, ddg: dict) -> None:
+    def __init__(self, q: float, ddg: dict, delta: float, release_z: float = 0.0):
+        super().__init__(delta, "rdp")
+        self.set_mechanism(q, ddg, release_z)
+
+    def set_mechanism(self, q: float, ddg: dict, release_z: float = 0.0) -> None:
+        """The mechanism of the next rounds: rate q, the discrete Gaussian's parameters ``ddg``, and
+        ``release_z`` = privacy.release_noise_multiplier when the rounds' figures are released
+        noised (``privacy.release = "noised"``), else 0."""
         missing = [k for k in DDG_KEYS if k not in ddg]
         if missing:
             raise ValueError(f"discrete-Gaussian parameters lack {missing}")
+        if release_z < 0:
+            raise ValueError(f"release_z = {release_z} must be >= 0")
         self.q = min(float(q), 1.0)
         self.ddg = {k: ddg[k] for k in DDG_KEYS}
+        self.release_z = float(release_z)
 
     def _current(self) -> dict:
-        return {"mechanism": "discrete_gaussian", "sampling": "poisson", "q": self.q, **self.ddg}
+        return {
+            "mechanism": self.MECHANISM,
+            "sampling": "poisson",
+            "q": self.q,
+            **self.ddg,
+            "release_z": self.release_z,
+        }
 
-    @property
-    def rounds(self) -> int:
-        return sum(int(e["rounds"]) for e in self.ledger)
+    def _check_entry(self, e: dict) -> None:
+        if int(e["variance"]) < 0 or int(e["shares"]) < 1 or int(e["dim"]) < 1 or not float(e["release_z"]) >= 0:
+            raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
 
     @staticmethod
     def _curve(e: dict) -> tuple[float, ...]:
@@ -527,6 +645,7 @@ class DdgRoundAccountant:
             int(e["dim"]),
             int(e["shares"]),
             int(e["max_summands"]),
+            float(e["release_z"]),
         )
 
     def epsilon_after(self, extra: int) -> float:
@@ -538,13 +657,6 @@ class DdgRoundAccountant:
             total = [t + int(e["rounds"]) * r for t, r in zip(total, self._curve(e), strict=True)]
         return rdp_to_epsilon(DDG_ORDERS, total, self.delta)
 
-    @property
-    def epsilon(self) -> float:
-        return self.epsilon_after(0)
-
-    def next_epsilon(self) -> float:
-        return self.epsilon_after(1)
-
     def describe(self) -> str:
         d = self.ddg
         client_var = float(d["gamma"]) ** 2 * int(d["variance"])
@@ -555,29 +667,12 @@ class DdgRoundAccountant:
             f"Delta_2 = {math.sqrt(float(d['sensitivity_sq'])):.4g} after rounding (C = {float(d['clip']):g}), "
             f"modulus 2^{d['bits']}; RDP of the paper's bound with Zhu-Wang Poisson subsampling"
         )
-        earlier = sum(int(e["rounds"]) for e in self.ledger if {k: e[k] for k in self._current()} != self._current())
+        if self.release_z:
+            text += (
+                f"; each round also charged for its noised result count and train loss (multiplier "
+                f"{self.release_z:g}), composed with the sum before sampling"
+            )
+        earlier = self.earlier_rounds()
         if earlier:
             text += f"; composed with {earlier} earlier rounds of other parameters"
         return text
-
-    def record_round(self, participants: list[str] | None = None) -> None:
-        cur = self._current()
-        if self.ledger and {k: self.ledger[-1].get(k) for k in cur} == cur:
-            self.ledger[-1]["rounds"] += 1
-        else:
-            self.ledger.append({**cur, "rounds": 1})
-
-    def state_dict(self) -> dict:
-        return {"delta": self.delta, "kind": self.kind, "ledger": [dict(e) for e in self.ledger]}
-
-    def load_state_dict(self, state: dict) -> None:
-        ledger = state.get("ledger")
-        if not isinstance(ledger, list):
-            raise ValueError("a privacy ledger without its charged rounds")
-        keys = (*self._current(), "rounds")
-        for e in ledger:
-            if not isinstance(e, dict) or any(k not in e for k in keys) or e["mechanism"] != "discrete_gaussian":
-                raise ValueError(f"a discrete-Gaussian ledger entry lacks one of {keys}: {str(e)[:200]}")
-            if int(e["rounds"]) < 0 or not 0 <= float(e["q"]) <= 1 or int(e["variance"]) < 0:
-                raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
-        self.ledger = [{k: e[k] for k in keys} for e in ledger]

@@ -23,6 +23,7 @@ exact integer arithmetic, no floating point in the sampler) is the mechanism wit
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 
 import numpy as np
@@ -31,8 +32,10 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 KEY_BYTES = 32  # 256-bit keys: at least 128 bits of OS entropy in every unreproducible stream
 _ZERO_IV = bytes(16)
+_AES_BLOCK = 16
 _U64_MAX = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 GAUSSIAN_SUMMANDS = 4  # draws summed per continuous Gaussian entry (module doc)
+GAUSSIAN_BLOCK = 1 << 15  # entries transformed at a time: the float64 working arrays stay in L2
 
 
 class NoiseSource:
@@ -48,6 +51,7 @@ class NoiseSource:
             raise ValueError(f"a noise key has {KEY_BYTES} bytes, not {len(key)}")
         self.reproducible = reproducible
         self._stream = Cipher(algorithms.AES(key), modes.CTR(_ZERO_IV)).encryptor()
+        self._zeros = b""  # the plaintext of the keystream (zeros), grown on demand
 
     @classmethod
     def seeded(cls, *parts: int) -> NoiseSource:
@@ -65,11 +69,24 @@ class NoiseSource:
         return cls.seeded(*parts) if reproducible else cls()
 
     def random_bytes(self, n: int) -> bytes:
-        return self._stream.update(bytes(n))
+        return bytes(self._keystream(n))
+
+    def _keystream(self, n: int) -> bytearray:
+        """``n`` keystream bytes, encrypted straight into a fresh buffer (no plaintext copy per call:
+        the zero plaintext is one buffer reused, which makes this several times faster than
+        ``update(bytes(n))`` on large draws)."""
+        out = bytearray(n + _AES_BLOCK - 1)  # update_into wants room for a block's worth of slack
+        if len(self._zeros) < n:
+            self._zeros = bytes(max(n, 2 * len(self._zeros)))
+        written = self._stream.update_into(memoryview(self._zeros)[:n], out)
+        if written != n:  # CTR is a stream mode: every byte in gives one out
+            raise RuntimeError(f"AES-CTR wrote {written} bytes for {n}")
+        del out[n:]
+        return out
 
     def words(self, n: int) -> np.ndarray:
         """``n`` uniform 64-bit words."""
-        return np.frombuffer(self.random_bytes(8 * n), dtype=np.uint64).copy()
+        return np.frombuffer(self._keystream(8 * n), dtype=np.uint64)
 
     def secret(self, nbytes: int = KEY_BYTES) -> bytes:
         """Key material for another generator (a selection secret, a per-round stream)."""
@@ -104,21 +121,45 @@ class NoiseSource:
     def gaussian(self, n: int, std: float) -> np.ndarray:
         """``n`` draws of N(0, std^2) (float64), each the sum of :data:`GAUSSIAN_SUMMANDS` Box-Muller
         draws of std ``std / 2`` (module doc)."""
-        if n <= 0:
-            return np.zeros(0)
-        m = GAUSSIAN_SUMMANDS * n
-        pairs = (m + 1) // 2
-        u1, u2 = self.uniform(pairs), self.uniform(pairs)
-        radius = np.sqrt(-2.0 * np.log1p(-u1))  # 1 - u1 in (0, 1]: never log(0)
-        angle = 2.0 * np.pi * u2
-        draws = np.concatenate([radius * np.cos(angle), radius * np.sin(angle)])[:m]
-        return draws.reshape(GAUSSIAN_SUMMANDS, n).sum(axis=0) * (std / np.sqrt(GAUSSIAN_SUMMANDS))
+        out = torch.empty(max(n, 0), dtype=torch.float64)
+        self.gaussian_into(out, std)
+        return out.numpy()
 
     def gaussian_tensor(
         self, n: int, std: float, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
-        """:meth:`gaussian` as a tensor on ``device``."""
-        return torch.from_numpy(self.gaussian(n, std)).to(device=device, dtype=dtype)
+        """:meth:`gaussian` as a tensor of ``dtype`` on ``device``."""
+        out = torch.empty(max(n, 0), dtype=dtype)
+        self.gaussian_into(out, std)
+        return out.to(device)
+
+    def gaussian_into(self, out: torch.Tensor, std: float) -> torch.Tensor:
+        """Fill the CPU tensor ``out`` (any float dtype, any shape, contiguous) with N(0, std^2) draws,
+        computed in float64 from 53-bit uniforms in blocks of :data:`GAUSSIAN_BLOCK` entries (so the
+        working arrays stay in cache and memory stays bounded), and rounded to ``out``'s dtype only
+        at the end. Returns ``out``."""
+        if out.device.type != "cpu" or not out.is_contiguous():
+            raise ValueError("gaussian_into fills a contiguous CPU tensor")
+        flat = out.view(-1)
+        for start in range(0, flat.numel(), GAUSSIAN_BLOCK):
+            block = flat[start : start + GAUSSIAN_BLOCK]
+            block.copy_(self._gaussian_block(block.numel(), std))
+        return out
+
+    def _gaussian_block(self, n: int, std: float) -> torch.Tensor:
+        """``n`` entries: each the sum of 4 Box-Muller draws (2 pairs: cos and sin of each), float64.
+
+        The transform runs in torch (its vectorised float64 log, sin and cos, several times faster
+        than numpy's), on uniforms with 53 random bits each."""
+        pairs = 2 * n  # each pair (radius, angle) gives two independent summands, cos and sin
+        top53 = torch.from_numpy((self.words(2 * pairs) >> np.uint64(11)).view(np.int64))  # in [0, 2^53)
+        u = top53.to(torch.float64).mul_(1.0 / (1 << 53))  # [0, 1) in steps of 2^-53
+        u1, u2 = u[:pairs], u[pairs:]
+        radius = torch.log1p(u1.neg_()).mul_(-2.0).sqrt_()  # 1 - u1 in (0, 1]: never log(0)
+        angle = u2.mul_(2.0 * math.pi)
+        z = torch.cos(angle).mul_(radius).add_(torch.sin(angle).mul_(radius))  # 2 summands per pair
+        z = z[:n].add_(z[n:])  # pair i and pair n + i: four summands per entry
+        return z.mul_(std / math.sqrt(GAUSSIAN_SUMMANDS))
 
     def seed63(self) -> int:
         """A 63-bit seed for a generator that takes no wider one (torch's): for draws no

@@ -19,7 +19,9 @@ besides the protected model:
   to [0, L], + N(0, σ² L²), divided by the noisy count), σ = ``release_noise_multiplier``.
   Both are computed on the same sampled clients as the model, so the round is one Gaussian
   query on a vector with three blocks; its multiplier (for sensitivity 1 in the Mahalanobis
-  norm) is z_eff = (z⁻² + 2 σ⁻²)^(-1/2), and the accountant charges every round at z_eff.
+  norm) is z_eff = (z⁻² + 2 σ⁻²)^(-1/2), and the accountant charges every round at z_eff. With the
+  distributed discrete Gaussian the round's unsampled RDP curve is the paper's bound for the sum
+  plus α/σ² for the two figures, and the Poisson amplification bounds that whole curve.
 * ``clear``: everything un-noised, as without DP. The epsilon then covers only the models; the
   records say ``release = "clear"``.
 
@@ -32,11 +34,11 @@ inside the masked vector (client/secure_node.py) and the train loss is not sent.
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.accounting import LocalDpSgdAccountant, RoundAccountant
+from shoal.accounting import DdgRoundAccountant, LocalDpSgdAccountant, RoundAccountant
+from shoal.noise import NoiseSource
 
 #: privacy.release's choices
 RELEASES = ("withhold", "noised", "clear")
@@ -209,6 +211,16 @@ class PrivacyPlan:
             clip=clip,
         )
 
+    @property
+    def release_z(self) -> float:
+        """The multiplier of the noised round figures when they are released (0 otherwise)."""
+        return self.release_noise_multiplier if self.release == "noised" and self.user_level else 0.0
+
+    def ddg_accountant(self, q: float, ddg: dict) -> DdgRoundAccountant:
+        """The distributed discrete Gaussian's accountant (simulator and server): its paper's bound per
+        round, plus the noised round figures' Gaussian (:attr:`release_z`) composed on the same sample."""
+        return DdgRoundAccountant(q, ddg, self.delta, self.release_z)
+
     def local_accountant(self, schedules: dict[str, tuple[float, int]]) -> LocalDpSgdAccountant:
         """Local DP-SGD's accountant (simulator, node, peer): per client over its participations."""
         return LocalDpSgdAccountant(schedules, self.noise_multiplier, self.delta, self.accountant)
@@ -247,20 +259,23 @@ class PrivacyPlan:
         return {k: v for k, v in figures.items() if k not in _SUMMARY_WITHHELD}
 
     def noisy_round(
-        self, num_results: int, client_losses: list[float] | None, rng: random.Random | None = None
+        self, num_results: int, client_losses: list[float] | None, noise: NoiseSource | None = None
     ) -> dict[str, float | None]:
         """``noised``: the round's result count and mean train loss with Gaussian noise (the
         module doc); {} under any other policy. The loss is not released (None) when some
         result's loss is unknown: summed where they trained (``client_losses`` None), or not sent
         (distributed DP with secure aggregation: NaN); it is charged all the same.
-        ``rng``: the OS's by default."""
+        ``noise``: a fresh OS-keyed CSPRNG by default (shoal.noise: draws that resist the
+        floating-point attack, like every other noise a guarantee rests on)."""
         if self.release != "noised" or not self.user_level:
             return {}
-        rng = rng or random.SystemRandom()
+        unit = (noise or NoiseSource()).gaussian(2, 1.0)
         s, cap = self.release_noise_multiplier, self.release_loss_clip
-        count = num_results + rng.gauss(0.0, s)
+        count = num_results + s * float(unit[0])
         known = client_losses is not None and all(math.isfinite(x) for x in client_losses) and count >= 1
-        loss_sum = sum(min(max(x, 0.0), cap) for x in client_losses or [] if math.isfinite(x)) + rng.gauss(0.0, s * cap)
+        loss_sum = sum(min(max(x, 0.0), cap) for x in client_losses or [] if math.isfinite(x)) + s * cap * float(
+            unit[1]
+        )
         return {"num_results_noisy": count, "train_loss_noisy": loss_sum / count if known else None}
 
     def describe_release(self) -> str:

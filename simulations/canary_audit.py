@@ -355,7 +355,7 @@ def run_canary_audit(
     if local:  # each canary client's first update against one update's accounted epsilon
         ins = np.array([r[0] for r in clients.releases.values()])
         outs = np.array([r[1] for r in clients.releases.values()])
-        rate, steps = dp_sgd_schedule(int(b), int(b), c.train.epochs)
+        rate, steps = dp_sgd_schedule(int(b), int(b), c.train.epochs, c.privacy.local_sampling_rate)
         accounted = epsilon(rate, c.privacy.noise_multiplier, steps, c.privacy.delta, c.privacy.accountant)
         released = "each canary client's first update"
     else:

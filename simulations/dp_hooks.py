@@ -128,7 +128,10 @@ class PrivacyBudget:
         self.sampling = sampling or round_sampling(cfg)
         self.accountant: Accountant
         if self.plan.dp_sgd:
-            schedules = {c: dp_sgd_schedule(n, cfg.train.batch(n), cfg.train.epochs) for c, n in client_sizes.items()}
+            rate = cfg.privacy.local_sampling_rate
+            schedules = {
+                c: dp_sgd_schedule(n, cfg.train.batch(n), cfg.train.epochs, rate) for c, n in client_sizes.items()
+            }
             self.accountant = self.plan.local_accountant(schedules)
         else:
             n = len(client_sizes)

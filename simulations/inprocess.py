@@ -481,8 +481,8 @@ class InProcessSimulation:
         if self.test is not None:
             ev = self.trainer.evaluate_data(params, self.test)
             out.update({f"test_{k}": v for k, v in ev.items() if k != "num_examples"})
-        if self.client_test is not None or self.fed_eval_clients:
-            out.update(self.federated_evaluate(params))
+        if (self.client_test is not None or self.fed_eval_clients) and plan_of(self.cfg).client_evaluations:
+            out.update(self.federated_evaluate(params))  # under DP (release not clear) never written: not computed
         return out
 
     def _client_tests(self) -> Iterator[tuple[str, ClientData | None]]:

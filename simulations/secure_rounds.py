@@ -37,7 +37,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from shoal.accounting import DdgRoundAccountant
 from shoal.aggregation.discrete_gaussian import DdgCodec, DdgParams, plan
 from shoal.aggregation.dp import share_std
 from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer
@@ -112,7 +111,7 @@ class SecureAggregationRounds:
         sim.client_steps = [s for s in sim.client_steps if not isinstance(s, DistributedNoise)]
         if sim.privacy is not None:
             ddg = {**self.ddg.as_dict(), "sensitivity_sq": self.ddg.sensitivity_sq()}
-            sim.privacy.use_accountant(DdgRoundAccountant(k / n, ddg, p.delta))
+            sim.privacy.use_accountant(sim.privacy.plan.ddg_accountant(k / n, ddg))
         log.info(
             "distributed discrete Gaussian with secure aggregation: %d clients per round, each adds integer noise "
             "of variance %d at granularity gamma = %.4g (sigma = %.4g, t = %d survivors at least), modulus 2^%d",

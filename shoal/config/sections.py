@@ -74,8 +74,8 @@ class SimulationConfig:
     ray_gpus_per_worker: float = 0.0  # engine=ray: GPU fraction per worker (0.25 = four workers share a GPU)
     ray_max_restarts: int = 3  # engine=ray: a dead worker is restarted this often; its clients are re-run
     ray_partial_sums: bool = True  # engine=ray: workers sum their clients' updates when the pipeline allows
-    # engine=ray: longest wait for the workers to be placed and loaded, before the run stops with one
-    # line saying what the cluster lacks (never an endless wait)
+    # engine=ray / flower: longest wait for the workers (Flower: its clients) to be placed and loaded,
+    # before the run stops with one line saying what is missing (never an endless wait)
     ray_start_timeout_s: float = 300.0
 
     def validate(self) -> None:
@@ -302,6 +302,10 @@ class ServerConfig:
     poll_s: float = 20.0  # longest a node's GET /v1/task is held open
     max_body_bytes: int = 0  # one request's limit (0: a dense float32 model + 1 MiB); larger updates go in chunks
     ingest_slots: int = 4  # uploads decoded at once (memory: slots x model size)
+    # the plain weighted mean's running sum: float64 (exact to float32 rounding), float32 (half the
+    # memory; error <= (K-1) * 6e-8 of the mean magnitude, docs/deploy.md), or auto: float32 from
+    # 2**27 parameters (a 512 MiB model) up, float64 below
+    sum_dtype: Literal["auto", "float64", "float32"] = "auto"
     checkpoint_dir: str = "server/checkpoints"  # checkpoints and the privacy ledger (privacy.json)
     keep_checkpoints: int = 3  # the newest checkpoints kept
     db: str = "server/nodes.sqlite"  # the node registry (SQLite, mode 0600)
@@ -558,6 +562,10 @@ class PrivacyConfig:
     release: Literal["withhold", "noised", "clear"] = "withhold"
     release_noise_multiplier: float = 5.0  # noised: the count's noise std; the loss sum's is this x loss clip
     release_loss_clip: float = 5.0  # noised: each client's train loss clipped to [0, this] (the loss sum's sensitivity)
+    # local: DP-SGD's per-example sampling rate q for every client, with epochs * round(1/q) steps a round, so a
+    # client's epsilon (and the report its node sends) depends on the config and its rounds only, never on its
+    # example count n_k; 0 = q = B / n_k per client (its epsilon, and so its report, reveals roughly n_k)
+    local_sampling_rate: float = 0.0
     # `shoal privacy-sweep`: the grid run after a non-private baseline
     sweep_modes: list[Literal["central", "local", "distributed"]] = field(default_factory=lambda: ["central", "local"])
     sweep_noise_multipliers: list[float] = field(default_factory=lambda: [0.3, 0.6, 1.0, 2.0])  # the sweep's z values
@@ -590,12 +598,6 @@ class PrivacyConfig:
             _positive("privacy.gamma", self.gamma, allow_zero=True)
             if not 0 <= self.beta < 1:
                 raise ConfigError(f"privacy.beta = {self.beta} must be in [0, 1)")
-            if self.release == "noised":
-                raise ConfigError(
-                    "privacy.release = 'noised' with privacy.mechanism = 'discrete_gaussian': the noised figures' "
-                    "cost is folded into the Gaussian's multiplier, which the discrete Gaussian's accountant does not "
-                    "compose yet; use privacy.release = 'withhold' (the default)"
-                )
             if self.sampling != "poisson" or self.accountant != "rdp":
                 raise ConfigError(
                     "privacy.mechanism = 'discrete_gaussian' is accounted with RDP under Poisson sampling (the "
@@ -615,6 +617,10 @@ class PrivacyConfig:
             )
         _positive("privacy.release_noise_multiplier", self.release_noise_multiplier)
         _positive("privacy.release_loss_clip", self.release_loss_clip)
+        if not 0 <= self.local_sampling_rate <= 1:
+            raise ConfigError(
+                f"privacy.local_sampling_rate = {self.local_sampling_rate} must be in [0, 1] (0: B / n_k per client)"
+            )
         if self.release == "noised" and self.mode == "local":
             raise ConfigError(
                 "privacy.release = 'noised' with privacy.mode = 'local': the noisy count and loss are charged "

@@ -97,3 +97,42 @@ def test_round_ledger_composes_rounds_of_different_mechanisms_as_they_ran():
     assert restored.epsilon == pytest.approx(acc.epsilon) and restored.next_epsilon() > restored.epsilon
     with pytest.raises(ValueError):
         restored.load_state_dict({"ledger": [{"q": 0.1}]})
+
+
+def test_both_round_accountants_share_one_ledger_and_refuse_each_others_with_the_reason():
+    from shoal.accounting import DdgRoundAccountant, LedgerMismatch, RoundLedger
+    from shoal.aggregation.discrete_gaussian import plan
+
+    p = plan(1000, 1.0, 1.0, 4, 10, 16)
+    ddg = DdgRoundAccountant(0.2, {**p.as_dict(), "sensitivity_sq": p.sensitivity_sq()}, 1e-5)
+    gauss = RoundAccountant(0.2, 1.0, 1e-5, clip=1.0)
+    assert isinstance(ddg, RoundLedger) and isinstance(gauss, RoundLedger)
+    for acc in (ddg, gauss):
+        for _ in range(4):
+            acc.record_round([])
+        again = type(acc).__new__(type(acc))
+        again.__dict__.update({**acc.__dict__, "ledger": []})
+        again.load_state_dict(json.loads(json.dumps(acc.state_dict())))
+        assert again.rounds == 4 and again.epsilon == pytest.approx(acc.epsilon)
+    with pytest.raises(
+        LedgerMismatch,
+        match=r"records 4 rounds of the distributed discrete Gaussian .*"
+        r"asks for the continuous Gaussian .*privacy.mechanism = 'discrete_gaussian'",
+    ):
+        gauss.load_state_dict(ddg.state_dict())
+    with pytest.raises(
+        LedgerMismatch,
+        match=r"records 4 rounds of the continuous Gaussian \(poisson sampling, "
+        r"q = 0.2, z = 1.0, C = 1.0\), and this config asks for the distributed discrete",
+    ):
+        ddg.load_state_dict(gauss.state_dict())
+    with pytest.raises(ValueError, match="without its charged rounds"):
+        ddg.load_state_dict({"ledger": "nothing"})
+
+
+def test_a_configured_local_sampling_rate_makes_the_schedule_independent_of_the_data():
+    from shoal.accounting import dp_sgd_schedule
+
+    assert dp_sgd_schedule(40, 8, 2) == (0.2, 10) and dp_sgd_schedule(41, 8, 2) != (0.2, 10)
+    assert {dp_sgd_schedule(n, 8, 2, rate=0.2) for n in (5, 40, 41, 10_000)} == {(0.2, 10)}
+    assert dp_sgd_schedule(7, 8, 1, rate=0.03) == (0.03, 33)

@@ -103,8 +103,9 @@ def test_noise_of_the_unmasked_sum_matches_the_analysis():
     assert abs(noise.var() / expected - 1) < 5 * math.sqrt(2 / d) + rounding / expected
 
 
-def _paper_epsilon(c, gamma, beta, d, var_int, n, delta):
-    """Theorem 1 of Kairouz, Liu, Steinke (2021), written out afresh: one round, no sampling."""
+def _paper_epsilon(c, gamma, beta, d, var_int, n, delta, release_z=0.0):
+    """Theorem 1 of Kairouz, Liu, Steinke (2021), written out afresh: one round, no sampling;
+    ``release_z``: plus two Gaussian queries of multiplier release_z (RDP a / (2 z^2) each)."""
     d2 = min(
         c**2 + gamma**2 * d / 4 + math.sqrt(2 * math.log(1 / beta)) * gamma * (c + gamma * math.sqrt(d) / 2),
         (c + gamma * math.sqrt(d)) ** 2,
@@ -114,6 +115,7 @@ def _paper_epsilon(c, gamma, beta, d, var_int, n, delta):
     best = math.inf
     for a in range(2, 257):
         r = min(a * d2 / (2 * n * sigma2) + tau * d, a / 2 * (math.sqrt(d2 / (n * sigma2)) + tau * math.sqrt(d)) ** 2)
+        r += 2 * a / (2 * release_z**2) if release_z else 0.0
         best = min(best, r + math.log((a - 1) / a) - (math.log(delta) + math.log(a)) / (a - 1))
     return best
 
@@ -127,6 +129,31 @@ def test_epsilon_per_round_is_the_papers_bound(variance):
     assert one == pytest.approx(_paper_epsilon(c, gamma, beta, d, variance, n, 1e-5), rel=1e-9)
     acc.record_round()
     assert acc.epsilon == one and acc.rounds == 1
+
+
+def test_noised_round_figures_are_charged_with_the_discrete_gaussian():
+    """privacy.release = "noised": the round's count and loss (multiplier 5 each) compose with the sum
+    before sampling: unsampled, the paper's bound plus a / 25 at every order; sampled, more than
+    without the figures; the ledger keeps sigma, and an older ledger without it counts none."""
+    d, n, gamma, c, beta = 1000, 8, 0.01, 1.0, math.exp(-0.5)
+    p = dg.DdgParams(d, c, gamma, 16, beta, 10**5, n, n)
+    ddg = {**p.as_dict(), "sensitivity_sq": p.sensitivity_sq()}
+    noised = DdgRoundAccountant(1.0, ddg, 1e-5, release_z=5.0)
+    assert noised.next_epsilon() == pytest.approx(_paper_epsilon(c, gamma, beta, d, 10**5, n, 1e-5, 5.0), rel=1e-9)
+    assert noised.next_epsilon() > DdgRoundAccountant(1.0, ddg, 1e-5).next_epsilon()
+    sampled, plain = DdgRoundAccountant(0.2, ddg, 1e-5, 5.0), DdgRoundAccountant(0.2, ddg, 1e-5)
+    for acc in (sampled, plain):
+        for _ in range(3):
+            acc.record_round()
+    assert sampled.epsilon > plain.epsilon and "noised result count" in sampled.describe()
+    assert sampled.state_dict()["ledger"][0]["release_z"] == 5.0
+    older = plain.state_dict()
+    for e in older["ledger"]:
+        del e["release_z"]
+    restored = DdgRoundAccountant(0.2, ddg, 1e-5, 5.0)
+    restored.load_state_dict(older)
+    assert restored.epsilon == pytest.approx(plain.epsilon)  # its rounds priced as they ran
+    assert restored.next_epsilon() > plain.next_epsilon()
 
 
 def test_with_negligible_tau_it_is_the_gaussian_of_the_same_sensitivity():
@@ -172,7 +199,8 @@ def test_bad_combinations_are_refused_with_the_numbers():
         load_config(None, ['privacy.mode="central"', 'privacy.mechanism="discrete_gaussian"'])
 
 
-def test_simulated_rounds_use_the_mechanism_and_its_accountant():
+@pytest.mark.parametrize("release", ["withhold", "noised"])
+def test_simulated_rounds_use_the_mechanism_and_its_accountant(release):
     cfg = load_config(
         None,
         [
@@ -183,6 +211,7 @@ def test_simulated_rounds_use_the_mechanism_and_its_accountant():
             'privacy.mode="distributed"',
             'privacy.mechanism="discrete_gaussian"',
             "privacy.noise_multiplier=0.8",
+            f'privacy.release="{release}"',
         ],
     )
     sim = InProcessSimulation(cfg)
@@ -190,11 +219,15 @@ def test_simulated_rounds_use_the_mechanism_and_its_accountant():
     assert sa is not None and sa.ddg is not None and sa.ddg.shares == sa.noise_shares
     assert not any(type(s).__name__ == "DistributedNoise" for s in sim.client_steps)
     g0 = sim.global_params.clone()
-    for _ in range(2):
-        sim.run_round()
+    summaries = [sim.run_round() for _ in range(2)]
     assert not bool((sim.global_params == g0).all())
     acc = sim.privacy.accountant
     assert isinstance(acc, DdgRoundAccountant) and acc.rounds == 2
-    expected = DdgRoundAccountant(0.5, {**sa.ddg.as_dict(), "sensitivity_sq": sa.ddg.sensitivity_sq()}, 1e-5)
+    release_z = 5.0 if release == "noised" else 0.0  # privacy.release_noise_multiplier's default
+    expected = DdgRoundAccountant(0.5, {**sa.ddg.as_dict(), "sensitivity_sq": sa.ddg.sensitivity_sq()}, 1e-5, release_z)
     assert sim.privacy.epsilon == pytest.approx(expected.epsilon_after(2))
+    figures = sim.privacy.round_figures(summaries[-1])
+    assert ("num_results_noisy" in figures) == (release == "noised")
+    if release == "noised":  # the loss is not sent under secure aggregation: charged, not released
+        assert figures["train_loss_noisy"] is None and figures["num_results_noisy"] != summaries[-1].num_results
     assert "discrete Gaussian" in sim.privacy.summary()["accountant"]

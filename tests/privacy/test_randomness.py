@@ -94,6 +94,11 @@ def test_generators_and_sources():
     assert not np.array_equal(NoiseSource().words(8), NoiseSource().words(8))
     x = NoiseSource.seeded(3).gaussian(200_000, 2.0)
     assert abs(x.mean()) < 0.02 and x.std() == pytest.approx(2.0, rel=0.01)
+    assert np.isfinite(x).all() and np.mean(np.abs(x) < 2.0) == pytest.approx(0.6827, abs=0.005)
+    assert np.mean((x / 2.0) ** 4) == pytest.approx(3.0, rel=0.05)  # Gaussian tails, not a narrower sum
+    t = torch.empty(3, 70_001, dtype=torch.float32)  # blocks of 2^15 entries and a partial one
+    NoiseSource.seeded(3).gaussian_into(t, 2.0)
+    assert torch.equal(t.flatten()[:1000], torch.from_numpy(x[:1000]).float())
     u = NoiseSource.seeded(4).below(np.array([1, 3, 2**62 + 1] * 1000))
     assert u.min() >= 0 and (u[0::3] == 0).all() and u[1::3].max() == 2
 
@@ -110,3 +115,34 @@ def test_local_dp_sgd_noise_and_batches_follow_the_switch(reproducible):
         trainer = DpSgdTrainer(build_model("logreg", (1, 28, 28), 10), cfg, privacy)
         deltas.append(trainer.train(trainer.flat.detach().clone(), x, y, seed=5).delta)
     assert torch.equal(deltas[0], deltas[1]) == reproducible  # same task seed: same update only if reproducible
+
+
+def test_dp_sgd_step_noise_comes_from_the_noise_source_with_the_right_std():
+    """The per-step noise is the CSPRNG's (same source key -> same noise; torch's generator untouched)
+    and has std z C / B on the averaged gradient; each entry a float64 sum cast to float32."""
+    from opacus import GradSampleModule
+
+    from shoal.client.dp_sgd import CsprngDPOptimizer
+
+    def step_grad(src):
+        torch.manual_seed(0)
+        model = GradSampleModule(torch.nn.Linear(300, 100), loss_reduction="mean")
+        gen = torch.Generator().manual_seed(9)
+        opt = CsprngDPOptimizer(
+            torch.optim.SGD(model.parameters(), lr=0.0),
+            noise_multiplier=2.0,
+            max_grad_norm=1.5,
+            expected_batch_size=4,
+            generator=gen,
+        )
+        opt.noise_source = src
+        for p in model.parameters():
+            p.grad_sample = torch.zeros((1, *p.shape))
+        opt.step()
+        assert torch.equal(gen.get_state(), torch.Generator().manual_seed(9).get_state())  # not drawn from
+        return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+    a, b = step_grad(NoiseSource.seeded(11)), step_grad(NoiseSource.seeded(11))
+    assert torch.equal(a, b) and a.dtype == torch.float32 and a.numel() == 30_100
+    assert float(a.std()) == pytest.approx(2.0 * 1.5 / 4, rel=0.03) and abs(float(a.mean())) < 0.02
+    assert not torch.equal(a, step_grad(NoiseSource()))

@@ -742,3 +742,35 @@ def test_delta_is_checked_against_the_registered_nodes_and_a_nodes_examples(tmp_
     node_cfg = _node_cfg({"privacy": {"mode": "local", "noise_multiplier": 1.0, "delta": 0.05}})
     with pytest.raises(ConfigError, match="N = 20 examples on this node"):
         NodePrivacy(node_cfg, "n0", 20)
+
+
+def test_a_restart_that_changes_the_mechanism_says_what_the_ledger_holds_and_what_to_do(tmp_path):
+    """Three rounds charged with continuous noise shares, then a restart asking for the discrete
+    Gaussian: refused before any round, naming the recorded rounds and their z, what the config
+    asks, and the two ways on (keep the recorded mechanism, or a fresh run); not "damaged"."""
+    from shoal.server.privacy import ServerPrivacy
+
+    sections = {
+        "privacy": {"mode": "distributed", "noise_multiplier": 1.0, "clip_norm": 1.0},
+        "secure_aggregation": {"enabled": True, "stage_s": 2.0, "clip": 8.0},
+    }
+    svc = open_service(small_config(tmp_path, sections, clients_per_round=3), registered=4)
+    for _ in range(3):
+        svc.privacy.round_started(["a", "b", "c"])
+    state = json.loads(json.dumps(svc.privacy.state_dict()))
+    ddg = {"privacy": {**sections["privacy"], "mechanism": "discrete_gaussian"}}
+    cfg = small_config(tmp_path / "again", {**sections, **ddg}, clients_per_round=3)
+    restarted = ServerPrivacy(cfg, svc.spec.numel, torch.device("cpu"))
+    restarted.load_state_dict(state)
+    with pytest.raises(ConfigError) as refused:
+        restarted.bind(4, svc.rounds)
+    text = str(refused.value)
+    assert "damaged" not in text
+    assert "records 3 rounds of the continuous Gaussian (poisson sampling, q = 0.75, z = 1.0" in text
+    assert "this config asks for the distributed discrete Gaussian (q = 0.75, modulus 2^16" in text
+    assert "privacy.mechanism = 'gaussian'" in text and "--fresh" in text
+    # the same config as the ledger's goes on from it
+    same = ServerPrivacy(small_config(tmp_path / "same", sections, clients_per_round=3), svc.spec.numel)
+    same.load_state_dict(state)
+    same.bind(4, svc.rounds)
+    assert same.rounds_charged == 3 and same.epsilon == pytest.approx(svc.privacy.epsilon)

@@ -9,7 +9,6 @@ away, and with the sample known Poisson amplification no longer holds for that r
 import itertools
 import json
 import math
-import random
 
 import pytest
 
@@ -17,6 +16,7 @@ from shoal.accounting import epsilon
 from shoal.config import load_config
 from shoal.errors import ConfigError
 from shoal.metrics import read_jsonl
+from shoal.noise import NoiseSource
 from shoal.privacy_plan import PrivacyPlan, combined_multiplier
 from shoal.simulations.experiment import run_simulation
 from shoal.simulations.inprocess import InProcessSimulation
@@ -99,7 +99,7 @@ def test_noised_release_charges_its_figures_in_epsilon(tmp_path):
 
 def test_noised_figures_carry_the_noise_they_are_charged_for():
     plan = PrivacyPlan(mode="central", noise_multiplier=1.0, release="noised", release_noise_multiplier=3.0)
-    rng = random.Random(7)
+    rng = NoiseSource.seeded(7)
     draws = [plan.noisy_round(5, [0.5, 1.0, 9.0, -1.0, 2.0], rng) for _ in range(4000)]
     counts = [d["num_results_noisy"] - 5 for d in draws]
     mean = sum(counts) / len(counts)
@@ -119,3 +119,17 @@ def test_noised_figures_carry_the_noise_they_are_charged_for():
 def test_noised_release_is_refused_for_local_dp():
     with pytest.raises(ConfigError, match="privacy.release = 'noised' with privacy.mode = 'local'"):
         load_config(None, ['privacy.mode="local"', 'privacy.release="noised"'])
+
+
+def test_clients_do_not_evaluate_under_dp_unless_the_release_is_clear(monkeypatch):
+    """fed_* figures of a DP run are never written (withhold / noised): the simulator does not
+    compute them either; with release = "clear" (or without DP) it does."""
+
+    def evaluated(self, params):
+        return {"fed_accuracy": 0.5}
+
+    monkeypatch.setattr(InProcessSimulation, "federated_evaluate", evaluated)
+    for sets, expected in ([[], False], [['privacy.release="clear"'], True], [['privacy.mode="none"'], True]):
+        sim = InProcessSimulation(load_config(None, [*BASE, *sets]))
+        sim.client_test = []  # as if the task's clients had test data
+        assert ("fed_accuracy" in sim.evaluate()) is expected, sets
