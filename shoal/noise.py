@@ -94,25 +94,51 @@ class NoiseSource:
 
     def below(self, high: np.ndarray | int, n: int | None = None) -> np.ndarray:
         """Uniform integers in [0, high) (int64), exactly: 64-bit words reduced modulo ``high``,
-        rejecting the top partial block. ``high`` is a positive int or an int64 array (then one
-        draw per entry and ``n`` is ignored)."""
+        rejecting the top partial block. ``high`` is a positive int (then ``n`` draws) or an int64
+        array (then one draw per entry and ``n`` is ignored)."""
+        if np.ndim(high) == 0:
+            h = int(high)
+            if h <= 0:
+                raise ValueError("below(high) needs high >= 1")
+            count = int(n if n is not None else 1)
+            if h <= 1 << 24:  # small bounds (most of the discrete Gaussian sampler's): half the keystream
+                return self._below_small(h, count)
+            w = self.words(count)
+            hu = np.uint64(h)
+            # words above 2^64 - 1 - (2^64 mod h) would favour the low residues: redraw them (chance h / 2^64)
+            limit = _U64_MAX - np.uint64((1 << 64) % h)
+            bad = np.flatnonzero(w > limit)
+            while bad.size:
+                w[bad] = self.words(bad.size)
+                bad = bad[w[bad] > limit]
+            return (w % hu).astype(np.int64)
         high_arr = np.asarray(high, dtype=np.int64)
-        if high_arr.ndim == 0:
-            high_arr = np.full(int(n if n is not None else 1), int(high_arr), dtype=np.int64)
         if high_arr.size and int(high_arr.min()) <= 0:
             raise ValueError("below(high) needs high >= 1")
-        h = high_arr.astype(np.uint64)
-        # 2^64 mod h, in uint64 arithmetic: (2^64 - h) mod h; words above 2^64 - 1 - rem are rejected
-        limit = _U64_MAX - (np.uint64(0) - h) % h
-        w = self.words(h.size)
-        out = (w % h).astype(np.int64)
-        redo = np.flatnonzero(w > limit)  # rare: at most h / 2^64 of the draws
-        while redo.size:
-            w = self.words(redo.size)
-            ok = w <= limit[redo]
-            out[redo[ok]] = (w[ok] % h[redo[ok]]).astype(np.int64)
-            redo = redo[~ok]
-        return out
+        hu_arr = high_arr.astype(np.uint64)
+        w = self.words(hu_arr.size)
+        # only a word within max(high) of 2^64 can be above its entry's limit (2^64 mod h < h): the exact
+        # limit is computed for those few alone
+        top = _U64_MAX - np.uint64(int(high_arr.max(initial=1)) - 1)
+        suspect = np.flatnonzero(w >= top)
+        while suspect.size:
+            hs = hu_arr[suspect]
+            limits = _U64_MAX - (np.uint64(0) - hs) % hs
+            bad = suspect[w[suspect] > limits]
+            w[bad] = self.words(bad.size)
+            suspect = bad[w[bad] >= top]
+        return (w % hu_arr).astype(np.int64)
+
+    def _below_small(self, h: int, n: int) -> np.ndarray:
+        """``n`` uniform integers in [0, h) for h <= 2^24, from 32-bit words (exactly: words at or
+        above the largest multiple of h below 2^32 are redrawn, a chance below h / 2^32)."""
+        w = np.frombuffer(self._keystream(4 * n), dtype=np.uint32)
+        limit = np.uint32((1 << 32) - (1 << 32) % h - 1)
+        bad = np.flatnonzero(w > limit)
+        while bad.size:
+            w[bad] = np.frombuffer(self._keystream(4 * bad.size), dtype=np.uint32)
+            bad = bad[w[bad] > limit]
+        return (w % np.uint32(h)).astype(np.int64)
 
     def uniform(self, n: int) -> np.ndarray:
         """``n`` uniforms in [0, 1) with 53 random bits each (float64)."""
