@@ -53,6 +53,11 @@ class ServerOptimizer(ABC):
         self.steps += 1
         return new_x
 
+    def step_into(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        """:meth:`step` for a ``delta`` the caller gives up (a float32 mean made for this step): an
+        optimizer that can, writes the new parameters into ``delta``'s memory; ``x`` is unchanged."""
+        return self.step(x, delta)
+
     def _buffer(self, name: str, x: torch.Tensor) -> torch.Tensor:
         """State ``name`` on x's device: allocated on the first step, moved after a load."""
         buf = self._state.get(name)
@@ -89,6 +94,14 @@ class FedAvgOpt(ServerOptimizer):
 
     def _step(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
         return torch.add(x, delta, alpha=self.lr)
+
+    def step_into(self, x: torch.Tensor, delta: torch.Tensor) -> torch.Tensor:
+        if delta.shape != x.shape or x.dim() != 1 or delta.dtype != torch.float32 or delta.device != x.device:
+            return self.step(x, delta)
+        if self.lr != 1.0:
+            delta.mul_(self.lr)
+        self.steps += 1
+        return delta.add_(x)
 
 
 class FedAvgM(ServerOptimizer):

@@ -100,10 +100,17 @@ class Strategy:
             raise RuntimeError("finalize() before begin(): no round is open")
         if self.aggregator.count == 0:
             raise EmptyAggregate("finalize() with no accumulated update: keep the current global model instead")
-        mean = self.aggregator.mean()
+        agg = self.aggregator
+        if isinstance(agg, WeightedMean) and agg.dtype == torch.float32:
+            # a float32 sum becomes the mean in place, and the new model in place of the mean (where
+            # the optimizer can): at a round's end the server holds the old model and one buffer
+            new_global = self.optimizer.step_into(self._global, agg.take_mean())
+            self._global = None
+            return new_global
+        mean = agg.mean()
         # the sum is let go before the new model is made: at a round's end the server holds the old
         # model, the mean and the new one, not also a float64 sum (twice the model)
-        getattr(self.aggregator, "release", self.aggregator.reset)()
+        getattr(agg, "release", agg.reset)()
         new_global = self.optimizer.step(self._global, mean)
         self._global = None
         return new_global

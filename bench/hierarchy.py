@@ -14,13 +14,25 @@ vanish. HTTP, TLS and the socket reads are left out on both sides (each costs pe
 request, of which the tree has N/E times fewer at the root).
 
     .venv/bin/python bench/hierarchy.py [--n 100] [--edges 4] [--rounds 3] [--model cnn|2nn]
+
+``--processes``: real processes on 127.0.0.1 instead (tests/hierarchy/deploy.py): a root with
+``--n`` `shoal client` nodes straight to it, then a root with the same nodes under ``--edges``
+`shoal server --parent` edges, one after the other, logistic regression on synthetic data; with
+``--kill-after K`` one edge is SIGKILLed once version K is made. Printed side by side: the root's
+round latency p50/p95 (between consecutive versions in its metrics.jsonl, the first round left
+out: it waits for the processes to start), the root's peak RSS (sampled from /proc every 0.1 s),
+the edges' close and send latency (their edge_metrics.jsonl), and the nodes' re-attach times.
+
+    .venv/bin/python bench/hierarchy.py --processes [--n 8] [--edges 2] [--rounds 10] [--kill-after 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -103,11 +115,16 @@ def edge_part(svc: ServerService, works: list[dict], delta: torch.Tensor, name: 
     return out, cpu_s() - c0
 
 
+INTAKES: dict[int, PartialIntake] = {}  # one root intake per service, as server/app.py keeps one
+
+
 def tree_round(
     svc: ServerService, nodes: list[str], edges: int, delta: torch.Tensor, now: float, dtype: str
 ) -> tuple[float, int, float]:
+    intake = INTAKES.setdefault(id(svc), PartialIntake(svc))
+    for e in range(edges):  # each edge names its nodes (POST /v1/edge/poll) before the round opens
+        intake.poll(f"edge-{e}", {"nodes": nodes[e::edges]}, lambda n: True, now)
     works = open_round(svc, nodes, now)
-    intake = PartialIntake(svc)
     groups = [works[e::edges] for e in range(edges)]
     parts = [edge_part(svc, g, delta, f"edge-{e}", dtype) for e, g in enumerate(groups)]
     c0 = cpu_s()
@@ -117,13 +134,97 @@ def tree_round(
     return cpu_s() - c0, sum(len(b) for b, _ in parts), max(c for _, c in parts)
 
 
+def pct(values: list[float], q: float) -> float:
+    """The q-quantile (nearest rank) of ``values``."""
+    v = sorted(values)
+    return v[min(len(v) - 1, max(0, math.ceil(q * len(v)) - 1))]
+
+
+def deployed(tmp: Path, n: int, edges: int, rounds: int, kill_after: int) -> dict:
+    """One deployment of processes run to its end; its per-tier figures."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test suite's process harness
+    from tests.hierarchy.deploy import hierarchy
+
+    rss: list[float] = []
+    with hierarchy(tmp, n=n, edges=edges, rounds=rounds, deadline=6.0) as h:
+
+        def sample() -> None:
+            mb = h.rss_mb("root")
+            if mb is not None:
+                rss.append(mb)
+
+        h.root()
+        for e in h.edge_names:
+            h.edge(e)
+        h.listening(120)
+        for i in range(n):
+            h.node(i)
+        killed = None
+        if edges and kill_after:
+            killed = h.wait_status(lambda s: s["version"] >= kill_after, 300, sample)["version"]
+            h.kill(h.edge_names[0])
+        assert h.wait("root", 600, sample) == 0, h.dump()
+        records = h.records()
+        edge_lines = [line for e in h.edge_names for line in h.edge_records(e)]
+        reattach = h.reattach_times()
+    steps = [(b["version"], b["elapsed_s"] - a["elapsed_s"]) for a, b in zip(records, records[1:])]
+    calm = [d for v, d in steps if killed is None or v != killed + 1]
+    return {
+        "versions": len(records),
+        "p50": pct(calm, 0.5),
+        "p95": pct(calm, 0.95),
+        "kill_round": next((d for v, d in steps if killed is not None and v == killed + 1), None),
+        "rss": max(rss),
+        "results": [r["num_results"] for r in records],
+        "edge_close_p50": pct([e["closed_after_s"] for e in edge_lines], 0.5) if edge_lines else None,
+        "edge_sent_p50": pct([e["sent_after_s"] for e in edge_lines], 0.5) if edge_lines else None,
+        "reattach": reattach,
+    }
+
+
+def processes(args: argparse.Namespace) -> None:
+    print(
+        f"processes on 127.0.0.1: {args.n} nodes, {args.rounds} rounds, logistic regression on synthetic data; "
+        f"flat, then {args.edges} edges"
+        + (f" (one SIGKILLed after version {args.kill_after})" if args.kill_after else "")
+    )
+    loads = [os.getloadavg()[0]]
+    with tempfile.TemporaryDirectory() as tmp:
+        flat = deployed(Path(tmp) / "flat", args.n, 0, args.rounds, 0)
+        loads.append(os.getloadavg()[0])
+        tree = deployed(Path(tmp) / "tree", args.n, args.edges, args.rounds, args.kill_after)
+        loads.append(os.getloadavg()[0])
+    print(f"load average (1 min): {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} CPUs")
+    print(f"{'root':>22} {'round p50 s':>12} {'round p95 s':>12} {'root RSS MB':>12} {'results per version':>24}")
+    for label, f in ((f"flat ({args.n} nodes)", flat), (f"{args.edges} edges", tree)):
+        print(f"{label:>22} {f['p50']:>12.3f} {f['p95']:>12.3f} {f['rss']:>12.0f} {str(f['results']):>24}")
+    if tree["kill_round"] is not None:
+        print(f"the round the killed edge held: {tree['kill_round']:.3f} s (closed at the root's deadline)")
+    if tree["edge_close_p50"] is not None:
+        print(
+            f"edges: part of a round closed {tree['edge_close_p50']:.3f} s (p50) after hearing of it, partial "
+            f"answered {tree['edge_sent_p50']:.3f} s after"
+        )
+    if tree["reattach"]:
+        r = tree["reattach"]
+        print(
+            f"re-attach (node's first failure to its first answer from the next edge): {len(r)} nodes, "
+            f"p50 {pct(r, 0.5):.3f} s, max {max(r):.3f} s"
+        )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=100, help="nodes in a round")
     ap.add_argument("--edges", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=3, help="rounds of each kind (alternating); medians printed")
     ap.add_argument("--model", default="cnn", choices=["cnn", "2nn"])
+    ap.add_argument("--processes", action="store_true", help="real processes on 127.0.0.1 (see above)")
+    ap.add_argument("--kill-after", type=int, default=0, help="--processes: SIGKILL an edge after this version")
     args = ap.parse_args()
+    if args.processes:
+        processes(args)
+        return
     torch.manual_seed(0)
     nodes = node_ids(args.n)
     with tempfile.TemporaryDirectory() as tmp:

@@ -10,11 +10,11 @@ and training included) and the bytes moved per second over it (each node downloa
 uploads its update), and each process's peak RSS (VmHWM, sampled every 0.2 s) against the model
 size (the target is <= 2x).
 
-    .venv/bin/python bench/large_model.py [--mb 1024] [--request-mb 64]
+    .venv/bin/python bench/large_model.py [--mb 1024] [--request-mb 16] [--sum-dtype auto]
 
-At --mb 1024 the three processes need several GB each (the server holds the model and its float64
-sum, and more at the round's end: the mean, the new model, the checkpoint being written; open
-uploads wait on disk); run what the machine allows.
+At --mb 1024 each process needs about 2.4 GB: the server the model and its float32 sum
+(server.sum_dtype = "auto" from 512 MiB), each node its parameters and gradients, then its
+parameters and the update (docs/deploy.md, "Large models"); each open request adds its bytes.
 """
 
 from __future__ import annotations
@@ -87,6 +87,7 @@ poll_s = 5
 eval = false
 ingest_slots = 2
 max_body_bytes = {request}
+sum_dtype = "{sum_dtype}"
 checkpoint_dir = "{tmp}/ck"
 db = "{tmp}/nodes.sqlite"
 out_dir = "{tmp}/run"
@@ -107,6 +108,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--mb", type=float, default=1024.0, help="the model's size in MB (float32)")
     ap.add_argument("--request-mb", type=float, default=64.0, help="server.max_body_bytes in MB")
+    ap.add_argument(
+        "--sum-dtype",
+        default="auto",
+        choices=["auto", "float64", "float32"],
+        help="server.sum_dtype (auto: float32 from 512 MiB)",
+    )
     ap.add_argument("--timeout", type=float, default=3600.0)
     args = ap.parse_args()
     side = int(math.sqrt(args.mb * 1e6 / 4))
@@ -117,7 +124,14 @@ def main() -> None:
         (t / "bigtask.py").write_text(TASK)
         port = free_port()
         (t / "server.toml").write_text(
-            CONFIG.format(task=t / "bigtask.py", side=side, port=port, request=int(args.request_mb * 1e6), tmp=tmp)
+            CONFIG.format(
+                task=t / "bigtask.py",
+                side=side,
+                port=port,
+                request=int(args.request_mb * 1e6),
+                tmp=tmp,
+                sum_dtype=args.sum_dtype,
+            )
         )
         reg = Registry(t / "nodes.sqlite")
         for i in range(2):

@@ -13,6 +13,7 @@ State names: ``buffer/<name>`` (FedBN's local BatchNorm statistics), ``scaffold/
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -83,9 +84,14 @@ class ClientProgram:
         self.trainer = trainer
         self.cfg = cfg
         self.device = trainer.flat.device
-        self.trainable = trainer._train_mask.to(self.device).float()
         self.initial_buffers: State = trainer.local_state()  # a client's buffers before its first round
         self.keep_optimizer = cfg.algorithm.keep_optimizer_state
+
+    @functools.cached_property
+    def trainable(self) -> torch.Tensor:
+        """Float 0/1 over the flat buffer: 1 where the entry is trainable (made when an algorithm
+        first asks: plain FedAvg never holds this model-sized mask)."""
+        return self.trainer._train_mask.to(self.device).float()
 
     @property
     def keeps_state(self) -> bool:

@@ -13,7 +13,12 @@ from shoal.pki import read_secret
 
 
 def client(
-    server: str = typer.Option(..., "--server", help="Server URL, e.g. https://host:8443"),
+    server: str = typer.Option(
+        ...,
+        "--server",
+        help="Server URL, e.g. https://host:8443; or several, comma-separated (edge aggregators): the node "
+        "moves to the next when the one it uses stops answering.",
+    ),
     token_file: Path | None = typer.Option(
         None, "--token-file", help="File holding this node's token (or enroll by key: --cert and --key)."
     ),
@@ -76,14 +81,17 @@ def client(
             raise ConfigError(f"--token-file {str(token_file)!r} not found")
         token = read_secret(token_file, "--token-file")
     cfg = load_config(config, with_task(set_, task))
-    if server.startswith("https://"):
+    urls = [u.strip() for u in server.split(",") if u.strip()]
+    if urls and all(u.startswith("https://") for u in urls):
         ctx = client_context(ca_cert, cert, key)
-    elif server.startswith("http://"):
+    elif urls and all(u.startswith("http://") for u in urls):
         if cert is not None:
             raise ConfigError("--cert and --key authenticate over TLS: give an https:// --server")
         ctx = None
     else:
-        raise ConfigError(f"--server {server!r} must start with https:// (or http:// for an --insecure server)")
+        raise ConfigError(
+            f"--server {server!r} must be URLs that start with https:// (or all http:// for --insecure servers)"
+        )
     the_task = task_from_config(cfg)
     if isinstance(the_task, BuiltinTask) and not cfg.task.app:  # a shard of `shoal data split`, as before tasks
         shard = load_shard(data)

@@ -33,6 +33,7 @@ import ssl
 from collections.abc import Callable
 from hashlib import sha256
 from pathlib import Path
+from typing import cast
 
 import aiohttp
 import torch
@@ -64,11 +65,13 @@ from shoal.tasks import BuiltinTask
 from shoal.update import Update
 from shoal.wire import MODEL_AUX, decode_model, default_max_bytes, read_header, update_parts
 
+from .algorithms import ClientProgram
+from .disk_model import DiskModel, read_table
 from .http import Backoff, NodeError, Refused, Retry, check_response, connection_problem
 from .runlog import RunTag
 from .state import DiskClientState, MemoryClientState
-from .training import summarize_means
-from .transfer import CHUNK_DIGEST_HEADER, Body, download
+from .training import LocalTrainer, summarize_means
+from .transfer import CHUNK_DIGEST_HEADER, Body, OnDisk, download
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +90,7 @@ SPEC_HASH_HEADER = "X-Shoal-Spec-Hash"  # sent with every poll (docs/protocol.md
 # server reopens the same round, with the same task, once its nodes are back), or it already
 # arrived. The server hands such a task out again, and the node trains it again.
 RETRAINABLE = frozenset({"round_closed", "duplicate"})
+REATTACH_AFTER = 2  # failed requests in a row before a node given several servers moves to the next
 _METRIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")  # what the server takes in an evaluation report
 
 
@@ -375,7 +379,12 @@ class Node:
         ``check_task``: why this node refuses a task (its run's config travels with each task), or None.
         ``state_dir``: the folder where the node keeps its client state between rounds and restarts
         (the algorithm's control variates, personal parts, FedBN buffers; None: in memory)."""
-        self.url = server.rstrip("/")
+        # several servers (a comma-separated list, e.g. edge aggregators): the node moves to the
+        # next one when the one it uses stops answering (REATTACH_AFTER failures in a row)
+        self.urls = [u.strip().rstrip("/") for u in server.split(",") if u.strip()] or [server.rstrip("/")]
+        self.url = self.urls[0]
+        self.lost_since: float | None = None  # when the server in use first failed to answer
+        self.failures = 0
         self.check_task = check_task
         self.token = token
         self.task = task if task is not None else task_from_config(cfg)
@@ -421,7 +430,7 @@ class Node:
         self.stop = asyncio.Event()
         self.rand = random.Random()
         self.backoff = Backoff()
-        self._model: tuple[str, int, torch.Tensor] | None = None  # (etag, version, params)
+        self._model: tuple[str, int, torch.Tensor | DiskModel] | None = None  # (etag, version, params)
         self.rounds_done = 0
         self.resumed = {"upload": 0, "download": 0}  # chunked transfers that went on after a lost connection
         self.failed_tasks: set[tuple[int, int]] = set()  # (round, version): diverged or refused, not retried
@@ -456,6 +465,7 @@ class Node:
                     if task is None:
                         break
                     self.backoff.reset()
+                    self._answered()
                     if task["status"] == "done":
                         log.info(
                             "server reports done at version %s%s",
@@ -465,13 +475,15 @@ class Node:
                         if task.get("evaluate") and self.test is not None:  # the final model
                             params = await self._get_model(int(task["version"]))
                             if params is not None:
-                                await self._evaluate(params, int(task["version"]), self.test)
+                                flat = params if isinstance(params, torch.Tensor) else params.load()
+                                await self._evaluate(flat, int(task["version"]), self.test)
                         break
                     if task["status"] == "work":
                         await self._work(task)
                 except Refused as e:
                     raise NodeError(f"server refused this node's poll: {e}") from None
                 except Retry as e:
+                    self._lost()
                     delay = self.backoff.next(self.rand)
                     log.warning("%s; retrying in %.2f s", e, delay)
                     try:
@@ -480,6 +492,24 @@ class Node:
                         pass
         log.info("node %s stops after %d rounds", self.name, self.rounds_done)
         return 0
+
+    def _lost(self) -> None:
+        """The server in use did not answer; after REATTACH_AFTER failures in a row, the next one
+        of the list is tried (an edge aggregator that died: its nodes re-attach to another)."""
+        loop = asyncio.get_running_loop()
+        self.lost_since = self.lost_since if self.lost_since is not None else loop.time()
+        self.failures += 1
+        if len(self.urls) > 1 and self.failures >= REATTACH_AFTER:
+            old = self.url
+            self.url = self.urls[(self.urls.index(self.url) + 1) % len(self.urls)]
+            self.failures = 0
+            log.warning("server %s does not answer; re-attaching to %s", old, self.url)
+
+    def _answered(self) -> None:
+        if self.lost_since is not None:
+            took = asyncio.get_running_loop().time() - self.lost_since
+            log.info("attached to %s, %.3f s after the last server stopped answering", self.url, took)
+        self.lost_since, self.failures = None, 0
 
     def _on_signal(self) -> None:
         log.info("signal received: finishing the current step, then exiting")
@@ -522,17 +552,22 @@ class Node:
             return
         chunk = task.get("upload_chunk_bytes")  # the model is larger than one request: download it by ranges
         chunked = isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0
-        params = await self._get_model(version, chunk if chunked else None)
+        params = await self._get_model(version, chunk if chunked else None, to_disk=chunked and self._global_on_disk)
         if params is None:
             return  # the server moved on; ask again
         if task.get("evaluate") and self.test is not None:  # the global model, before training on it
-            await self._evaluate(params, version, self.test)
+            await self._evaluate(params if isinstance(params, torch.Tensor) else params.load(), version, self.test)
         seed = self.privacy.training_seed(int(task["seed"])) if self.privacy is not None else int(task["seed"])
         broadcast = self._broadcast[1] if self._broadcast[0] == version else {}
         state = self.states.get(self.name) if self.program.keeps_state else {}
         assignment = Assignment(self.name, int(task["round"]), version, seed)
         try:
-            result = await asyncio.to_thread(self.program.fit, self.train, assignment, params, state, broadcast)
+            if isinstance(params, DiskModel):  # plain FedAvg from the model on disk (client/disk_model.py):
+                # it stands in for the global tensor, which LocalTrainer._run reads from the file
+                on_disk = cast(torch.Tensor, params)
+                result = await asyncio.to_thread(self.program.local, self.train, assignment, on_disk, state, broadcast)
+            else:
+                result = await asyncio.to_thread(self.program.fit, self.train, assignment, params, state, broadcast)
         except KeyError as e:  # the algorithm's broadcast did not come with the model
             raise NodeError(
                 f"algorithm.name = {self.program.name!r} needs {e} with the model, and the server sent none: "
@@ -553,7 +588,10 @@ class Node:
         if "secure_aggregation" in task:  # the update leaves this node only masked (client/secure_node.py)
             from .secure_node import run_secure_round  # secure aggregation only when the config asks
 
-            self.rounds_done += await run_secure_round(self, task, update, report)
+            accepted = await run_secure_round(self, task, update, report)
+            self.rounds_done += accepted
+            if accepted and self.program.settles:  # SCAFFOLD: Delta c_i went into the masked sum
+                self.states.put(self.name, result.state)
             return
         extra = {"round": int(task["round"]), **({"privacy": report} if report is not None else {})}
         tag = (int(task["round"]), int(task["seed"]))  # this upload's entry in the error feedback
@@ -623,6 +661,11 @@ class Node:
                 if self.stop.is_set():
                     log.warning("stopping with an unsent update: %s", e)
                     return False
+                if len(self.urls) > 1:  # this server is gone: so is its round for this node (its drop-out)
+                    log.warning("round %s: upload failed (%s); trying the next server", task["round"], e)
+                    self.failures = REATTACH_AFTER - 1
+                    self._lost()
+                    return False
                 delay = backoff.next(self.rand)
                 log.warning("upload failed (%s); retrying in %.2f s", e, delay)
                 await asyncio.sleep(delay)
@@ -642,7 +685,7 @@ class Node:
         received, backoff = 0, Backoff()
         while True:
             end = min(received + step, len(body))
-            part = body.slice(received, end)
+            part = body.chunk(received, end)
             try:
                 result = await self._request(
                     "PUT",
@@ -698,15 +741,31 @@ class Node:
         except (Refused, Retry) as e:
             log.warning("evaluation of version %d not reported: %s", version, e)
 
-    async def _get_model(self, version: int, chunk: int | None = None) -> torch.Tensor | None:
+    @property
+    def _global_on_disk(self) -> bool:
+        """Whether a model larger than one request is kept on disk while this node trains
+        (client/disk_model.py): its training needs the global model only to start from and to
+        subtract (plain FedAvg on the CPU: no proximal term, no client state, no DP-SGD)."""
+        return (
+            type(self.program) is ClientProgram
+            and not self.program.keeps_state
+            and type(self.trainer) is LocalTrainer
+            and not self.trainer.cfg.prox_mu
+            and self.trainer.device.type == "cpu"
+        )
+
+    async def _get_model(
+        self, version: int, chunk: int | None = None, to_disk: bool = False
+    ) -> torch.Tensor | DiskModel | None:
         """The global model of ``version``, from the cache when the ETag still matches; by ranges of
         ``chunk`` bytes (resumable, client/transfer.py) when the task says the model is larger than
-        one request. The parameters are a view of the one buffer the download filled."""
+        one request. The parameters are a view of the one buffer the download filled, or with
+        ``to_disk`` the checked file it filled (:class:`DiskModel`)."""
         headers = {"If-None-Match": self._model[0]} if self._model else {}
         limit = (default_max_bytes(self.trainer.spec) + 64 * len(self.trainer.spec.entries)) * (1 + len(MODEL_AUX))
         for _attempt in range(2):
             got = await download(
-                self.http, self.url + "/v1/model", self._ssl, headers, limit, chunk, self.rand, self.resumed
+                self.http, self.url + "/v1/model", self._ssl, headers, limit, chunk, self.rand, self.resumed, to_disk
             )
             if got is None:  # 304: the cached model is current
                 if self._model and self._model[1] == version:
@@ -714,10 +773,18 @@ class Node:
                 headers = {}
                 continue
             body, etag = got
+            if self._model is not None and isinstance(self._model[2], DiskModel):
+                self._model[2].close()  # the version before: its file goes
+            self._model = None
+            params: torch.Tensor | DiskModel
             try:
-                params, header = decode_model(body, self.trainer.spec, copy=False)
+                if isinstance(body, OnDisk):
+                    params = DiskModel(body, self.trainer.spec)
+                    header = params.header
+                else:
+                    params, header = decode_model(body, self.trainer.spec, copy=False)
             except SpecMismatch as e:
-                raise NodeError(self._spec_mismatch(body, e)) from None
+                raise NodeError(self._spec_mismatch(self._header_of(body), e)) from None
             self._model = (etag, int(header["version"]), params)
             self._broadcast = (int(header["version"]), header.get("aux_tensors", {}))
             break
@@ -725,11 +792,18 @@ class Node:
             return None
         return self._model[2]
 
-    def _spec_mismatch(self, body: bytes | bytearray, e: SpecMismatch) -> str:
+    @staticmethod
+    def _header_of(body: bytearray | OnDisk) -> dict:
+        """A downloaded model's shoal header ({} if it cannot be read)."""
+        try:
+            return read_table(body)[1] if isinstance(body, OnDisk) else read_header(body, len(body))[0]
+        except (ShoalError, OSError):
+            return {}
+
+    def _spec_mismatch(self, header: dict, e: SpecMismatch) -> str:
         """One line: both spec hashes, the first tensor that differs, and the fix."""
         mine = self.trainer.spec
         try:
-            header = read_header(body, len(body))[0]
             theirs = ParamSpec.from_json(header["spec"])
         except Exception:
             return f"the server's model does not fit this node's: {e}"

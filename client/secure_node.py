@@ -4,9 +4,10 @@ When the task says ``secure_aggregation``, the node runs :class:`SecAggClient`
 (aggregation/secagg/protocol.py) over HTTP after training: post its public keys (without DP
 with its example count and training loss, metadata in clear; under distributed DP with
 neither), fetch its neighbours' keys, post encrypted shares, fetch its own, post the masked
-fixed-point vector ``[w_k * clip(delta_k), w_k]`` (as the simulator does; under distributed DP
-``[clip(delta_k), n_k / max_weight]``, so the example counts are only summed), fetch the
-unmasking request and post its shares. The state machine refuses a request for both the self-mask and
+fixed-point vector ``[w_k * clip(delta_k), w_k]`` and what the algorithm adds (SCAFFOLD's
+control-variate delta: aggregation/secagg/payload.py), as the simulator does; under distributed DP
+``[clip(delta_k), n_k / max_weight]``, so the example counts are only summed. Then it fetches the
+unmasking request and posts its shares. The state machine refuses a request for both the self-mask and
 the mask-key share of one peer. The routes are in docs/protocol.md.
 
 Distributed DP: the node takes part only when the fixed-point range leaves room for its noise
@@ -39,6 +40,7 @@ from shoal.aggregation.secagg import (
 )
 from shoal.aggregation.secagg import identity as ID
 from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range, encode_weighted, example_weight
+from shoal.aggregation.secagg.payload import SecurePayload
 from shoal.aggregation.secagg.wire import decode_message, encode_message, message_meta, params_from_json
 from shoal.errors import Malformed, ShoalError, short_repr
 from shoal.noise import NoiseSource
@@ -129,28 +131,37 @@ def _distributed(node) -> bool:
     return privacy is not None and privacy.plan.client_shares
 
 
-def _clear_meta(node, update: Update) -> dict:
-    """What goes beside the keys in the clear. Without DP: the example count and train loss.
+def _clear_meta(node, update: Update, payload: SecurePayload) -> dict:
+    """What goes beside the keys in the clear. Without DP: the example count and train loss (and
+    FedNova's step weight, a function of the count and the run's settings: payload.py).
     Distributed DP: nothing (the count travels inside the masked vector, the loss is not sent).
     Local DP: the update was stripped already (num_examples 1, no metrics: NodePrivacy.protect)."""
     if _distributed(node):
         return {}
-    meta: dict = {"num_examples": int(update.num_examples)}
+    meta: dict = {"num_examples": int(update.num_examples), **payload.clear_meta(update)}
     if "train_loss" in update.metrics:
         meta["train_loss"] = float(update.metrics["train_loss"])
     return meta
 
 
 def _masked_vector(
-    node, update: Update, max_weight: float, weighting: str, values: FixedPoint, weights: FixedPoint
+    node,
+    update: Update,
+    max_weight: float,
+    weighting: str,
+    values: FixedPoint,
+    weights: FixedPoint,
+    payload: SecurePayload,
 ) -> np.ndarray:
-    """The fixed-point vector to mask: ``[w_k clip(delta_k), w_k]``; under distributed DP (every node
-    weighs 1) ``[clip(delta_k), n_k / max_weight]``, so the server learns only the sum of the counts."""
+    """The fixed-point vector to mask: ``[w_k clip(delta_k), w_k]`` and what the algorithm adds
+    (aggregation/secagg/payload.py: SCAFFOLD's control-variate delta, FedNova's normalised update);
+    under distributed DP (every node weighs 1) ``[clip(delta_k), n_k / max_weight]``, so the server
+    learns only the sum of the counts."""
     rng = np.random.default_rng()
-    delta = update.delta.detach().cpu().numpy()
     if not _distributed(node):
-        return encode_weighted(delta, example_weight(update.num_examples, max_weight, weighting), values, weights, rng)
-    x = encode_weighted(delta, 1.0, values, weights, rng)
+        weight = example_weight(update.num_examples, max_weight, weighting)
+        return payload.encode(update, weight, values, weights, rng)
+    x = encode_weighted(update.delta.detach().cpu().numpy(), 1.0, values, weights, rng)
     x[-1:] = weights.encode(np.array([min(update.num_examples / max_weight, 1.0)]), rng)
     return x
 
@@ -165,10 +176,13 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
         k, bits = int(info["summands"]), int(info["bits"])
         values, weights = FixedPoint(float(info["clip"]), bits, k), FixedPoint(1.0, bits, k)
         size = params.vector_size
-        if size != update.delta.numel() + 1:
+        payload = SecurePayload(getattr(getattr(node, "program", None), "name", "fedavg"), update.delta.numel())
+        if size != payload.vector_size:
             raise Malformed(
-                f"secure_aggregation.vector_size = {size}, but this model has {update.delta.numel()} "
-                "parameters (+1 weight entry)"
+                f"secure_aggregation.vector_size = {size}, but this node masks {payload.vector_size} entries "
+                f"(algorithm.name = {payload.algorithm!r}, {update.delta.numel()} parameters + 1 weight entry"
+                + (" + the control-variate delta" if payload.masks_control else "")
+                + "): the server runs another model or algorithm"
             )
         if params.threshold_fraction < MIN_THRESHOLD:  # below it the server could unmask a single input
             raise Malformed(
@@ -188,7 +202,11 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
             )
             return False
         client = SecAggClient(node.name, params, None, *_identity(node, params))  # keys from the OS CSPRNG
-        meta = {"round": round_, **_clear_meta(node, update), **({"privacy": report} if report is not None else {})}
+        meta = {
+            "round": round_,
+            **_clear_meta(node, update, payload),
+            **({"privacy": report} if report is not None else {}),
+        }
         await _post(node, "keys", encode_message(client.advertise_keys(), meta))
         body = await _fetch(node, "keys", round_)
         directory = _expect(decode_message(body, size), KeyDirectory)
@@ -201,7 +219,7 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
             raise Malformed("the key directory's meta needs max_weight > 0")
         await _post(node, "shares", encode_message(client.share_keys(directory), {"round": round_}))
         delivery = _expect(decode_message(await _fetch(node, "shares", round_), size), ShareDelivery)
-        x = _masked_vector(node, update, float(max_weight), str(info["weighting"]), values, weights)
+        x = _masked_vector(node, update, float(max_weight), str(info["weighting"]), values, weights, payload)
         codec = _ddg_codec(node, task, t, params, update.delta.numel())
         if codec is not None:  # the model entries: clip, rotate, round, integer noise (OS-keyed CSPRNG), mod 2^bits
             x = np.concatenate([codec.encode(update.delta.detach().cpu().numpy(), NoiseSource()), x[-1:]])

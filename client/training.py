@@ -37,6 +37,7 @@ from shoal.task import (
 )
 from shoal.update import Update
 
+from .disk_model import DiskModel
 from .runlog import RunTag
 
 log = logging.getLogger(__name__)
@@ -111,12 +112,22 @@ class LocalTrainer:
         self._momentum = torch.zeros_like(self.flat) if cfg.momentum > 0 else None
         self._next_momentum: torch.Tensor | None = None  # set_momentum(): the next training's start
         # Weight decay and the proximal term act on trainable entries only.
-        self._train_mask = trainable_mask(self.model, self.spec).to(self.device)
-        self._all_trainable = bool(self._train_mask.all())
+        # every exchanged entry a trainable parameter: no mask is made (a quarter of the model's size)
+        trainable = {n for n, p in self.model.named_parameters() if p.requires_grad}
+        self._all_trainable = all(e.name in trainable for e in self.spec.entries)
+        self._mask = None if self._all_trainable else trainable_mask(self.model, self.spec).to(self.device)
         self._optim_name = self.task.optimizer
         # Entries of the model that are neither exchanged nor frozen: buffers kept local (FedBN).
         spec_names = {e.name for e in self.spec.entries}
         self.local_names = [n for n, b in self.model.named_buffers() if n not in spec_names and b.is_floating_point()]
+
+    @property
+    def _train_mask(self) -> torch.Tensor:
+        """Bool over the flat buffer: True where the entry is trainable (made when asked if all are:
+        a quarter of the model's size not held for nothing)."""
+        if self._mask is not None:
+            return self._mask
+        return trainable_mask(self.model, self.spec).to(self.device)
 
     # --- local state (buffers a task keeps on the client) -----------------------------
 
@@ -226,19 +237,31 @@ class LocalTrainer:
 
     def _run(
         self,
-        global_flat: torch.Tensor,
+        global_flat: torch.Tensor | DiskModel,
         batches,
         n: int,
         base_version: int,
         sender: str,
         objective: Objective | None = None,
     ) -> Update:
-        cfg, flat, grad, model, task = self.cfg, self.flat, self.grad, self.model, self.task
         obj = objective or Objective()
-        global_flat = global_flat.to(self.device)
-        flat.copy_(global_flat if obj.start is None else obj.start.to(self.device))
-        anchor = global_flat if obj.anchor is None else obj.anchor.to(self.device)
-        mu = cfg.prox_mu if obj.prox_mu is None else obj.prox_mu
+        mu = self.cfg.prox_mu if obj.prox_mu is None else obj.prox_mu
+        # a large model's node keeps the global model on disk (client/disk_model.py)
+        disk = global_flat if isinstance(global_flat, DiskModel) else None
+        if disk is not None and (objective is not None or mu or self.device.type != "cpu"):
+            raise ValueError("a global model on disk trains plain SGD on the CPU: no objective, no prox_mu")
+        if disk is not None and self._momentum is None and not self._optim_name:
+            return self._run_lean(disk, batches, n, base_version, sender)
+        self._bind_grad()
+        cfg, flat, grad, model, task = self.cfg, self.flat, self.grad, self.model, self.task
+        if disk is not None:
+            disk.read_into(flat)
+            start = anchor = flat  # anchor unused: mu is 0
+        else:
+            assert isinstance(global_flat, torch.Tensor)
+            start = global_flat.to(self.device)
+            flat.copy_(start if obj.start is None else obj.start.to(self.device))
+            anchor = start if obj.anchor is None else obj.anchor.to(self.device)
         if self._momentum is not None:
             if self._next_momentum is not None:  # a client's momentum from its last round
                 self._momentum.copy_(self._next_momentum.to(self.device))
@@ -271,9 +294,63 @@ class LocalTrainer:
                     flat.add_(self._masked(obj.drift), alpha=-cfg.lr)
             loss_sum += loss.detach().float()
             steps += 1
-        delta = flat - global_flat
+        if disk is not None:  # the gradients are spent: the update takes their memory (used before the next training)
+            delta = disk.subtract_from(flat, out=grad)
+        else:
+            delta = flat - start
         metrics = {"train_loss": float(loss_sum) / max(steps, 1), "local_steps": float(steps)}
         return Update(delta=delta, num_examples=n, base_version=base_version, sender=sender, metrics=metrics)
+
+    def _run_lean(self, disk: DiskModel, batches, n: int, base_version: int, sender: str) -> Update:
+        """Plain SGD (``lr``, ``weight_decay``) from a global model on disk, the same steps as
+        :meth:`_run` takes, in half its memory: each parameter's gradient is the tensor backward
+        makes (a bound gradient buffer would hold a second one while backward adds it in), and
+        it is let go before the update is formed. Training holds the parameters and one gradient
+        of each, then the parameters and the update: twice the model."""
+        cfg, flat, model, task = self.cfg, self.flat, self.model, self.task
+        self._drop_grad()
+        disk.read_into(flat)
+        params = [p for p in model.parameters() if p.requires_grad]
+        loss_sum = torch.zeros((), device=self.device)
+        steps = 0
+        model.train()
+        for xb, yb in batches:
+            for p in params:
+                p.grad = None
+            with autocast(self.device, cfg.precision):
+                loss = task.loss(model, xb, yb)
+            loss.float().backward()
+            with torch.no_grad():
+                for p in params:
+                    if p.grad is None:
+                        continue
+                    if cfg.weight_decay:
+                        p.grad.add_(p, alpha=cfg.weight_decay)
+                    p.add_(p.grad, alpha=-cfg.lr)
+            loss_sum += loss.detach().float()
+            steps += 1
+        for p in params:
+            p.grad = None
+        delta = disk.subtract_from(flat, out=torch.empty_like(flat))
+        metrics = {"train_loss": float(loss_sum) / max(steps, 1), "local_steps": float(steps)}
+        return Update(delta=delta, num_examples=n, base_version=base_version, sender=sender, metrics=metrics)
+
+    def _drop_grad(self) -> None:
+        """Let the bound gradient buffer go (:meth:`_run_lean`); :meth:`_bind_grad` makes it again."""
+        for p in self.model.parameters():
+            p.grad = None
+        self.grad = torch.empty(0, device=self.device)
+
+    def _bind_grad(self) -> None:
+        """The parameters' gradients as views of one flat buffer (shoal.params.bind_module), made
+        again if :meth:`_drop_grad` let it go."""
+        if self.grad.numel() == self.flat.numel():
+            return
+        self.grad = torch.zeros_like(self.flat)
+        views = self.spec.views(self.grad)
+        for name, p in self.model.named_parameters():
+            if name in views:
+                p.grad = views[name]
 
     def _make_optimizer(self) -> torch.optim.Optimizer:
         """A fresh torch.optim optimizer per local training (its state never leaves the client)."""

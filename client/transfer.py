@@ -17,8 +17,10 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import random
 import re
+import tempfile
 from collections.abc import Sequence
 
 import aiohttp
@@ -60,6 +62,16 @@ class Body:
             base += len(p)
         return out
 
+    def chunk(self, start: int, end: int) -> memoryview | bytearray:
+        """Bytes ``[start, end)`` to send: a view of the update's own memory when they lie in one part
+        (every chunk of a large update but the first: no copy), else :meth:`slice`."""
+        base = 0
+        for p in self.parts:
+            if base <= start and end <= base + len(p):
+                return p[start - base : end - base]
+            base += len(p)
+        return self.slice(start, end)
+
     def whole(self) -> bytearray:
         """The body in one buffer (an update small enough for one request)."""
         return self.slice(0, self.size)
@@ -80,6 +92,41 @@ async def read_into(resp: aiohttp.ClientResponse, view: memoryview) -> None:
         raise Retry(f"the answer ended after {got} of {len(view)} bytes")
 
 
+class OnDisk:
+    """A downloaded model in an unnamed temporary file (gone when closed or when the process ends):
+    a large model's bytes cost disk and page cache the kernel may evict, not resident memory.
+    Read back a block at a time (:meth:`read_at`)."""
+
+    def __init__(self, size: int, dir: str | None = None):
+        self.size = size
+        self._file = tempfile.TemporaryFile(dir=dir)
+
+    def __len__(self) -> int:
+        return self.size
+
+    def write_at(self, offset: int, data: memoryview) -> None:
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self._file.fileno(), data[done:], offset + done)
+
+    def read_at(self, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with the bytes from ``offset`` (OSError if the file is shorter)."""
+        done = 0
+        while done < len(out):
+            n = os.preadv(self._file.fileno(), [out[done:]], offset + done)
+            if n <= 0:
+                raise OSError(f"the downloaded model ends at byte {offset + done} of {self.size}")
+            done += n
+
+    def read(self, offset: int, n: int) -> bytearray:
+        out = bytearray(max(min(n, self.size - offset), 0))
+        self.read_at(offset, memoryview(out))
+        return out
+
+    def close(self) -> None:
+        self._file.close()
+
+
 async def download(
     http: aiohttp.ClientSession,
     url: str,
@@ -89,13 +136,18 @@ async def download(
     chunk: int | None,
     rand: random.Random,
     resumed: dict[str, int] | None = None,
-) -> tuple[bytearray, str] | None:
+    to_disk: bool = False,
+) -> tuple[bytearray | OnDisk, str] | None:
     """The model at ``url`` into one buffer, whole (``chunk`` None) or by ranges of ``chunk``
     bytes resumed after lost connections; ``(body, etag)``, or None on 304 (``headers`` may
-    hold If-None-Match). At most ``limit`` bytes are taken. Retry on what retrying may fix."""
-    buf: bytearray | None = None
+    hold If-None-Match). At most ``limit`` bytes are taken. Retry on what retrying may fix.
+    ``to_disk`` (with ``chunk``): each checked range goes to an :class:`OnDisk` file instead of
+    memory, so the node holds one range of the model, not the model."""
+    buf: bytearray | OnDisk | None = None
     etag, whole, offset, size = "", "", 0, 0
     backoff, resumes = Backoff(), 0
+    running = hashlib.sha256()  # the whole model's digest, range by range in order
+    scratch = bytearray(chunk) if to_disk and chunk is not None else None  # one range, reused
     while True:
         ask = dict(headers) if buf is None else {"If-Match": etag}
         if chunk is not None:
@@ -106,7 +158,9 @@ async def download(
                 if resp.status == 304:
                     return None
                 if resp.status == 412:  # a new version while we read the old one: start over
-                    buf, offset = None, 0
+                    if isinstance(buf, OnDisk):
+                        buf.close()
+                    buf, offset, running = None, 0, hashlib.sha256()
                     continue
                 await check_response(resp)
                 start, stop, total = _span(resp)
@@ -115,15 +169,23 @@ async def download(
                         raise Retry(f"the server's model is {total} bytes, over this node's limit of {limit}")
                     if start != 0:
                         raise Retry(f"the first range starts at byte {start}, not 0")
-                    buf, size = bytearray(total), total
+                    buf, size = (OnDisk(total) if scratch is not None else bytearray(total)), total
                     etag, whole = resp.headers.get("ETag", ""), resp.headers.get(MODEL_DIGEST_HEADER, "")
                 elif start != offset or total != size or resp.headers.get("ETag", "") != etag:
                     raise Retry(f"asked for byte {offset} of {etag}, got {start} of {resp.headers.get('ETag')}")
-                piece = memoryview(buf)[start:stop]
+                if isinstance(buf, OnDisk):
+                    if scratch is None or stop - start > len(scratch):
+                        raise Retry(f"the server sent a range of {stop - start} bytes, over the {chunk} asked for")
+                    piece = memoryview(scratch)[: stop - start]
+                else:
+                    piece = memoryview(buf)[start:stop]
                 await read_into(resp, piece)
                 digest = resp.headers.get(CHUNK_DIGEST_HEADER)
                 if digest is not None and hashlib.sha256(piece).hexdigest() != digest:
                     raise aiohttp.ClientPayloadError(f"bytes {start}..{stop} do not match their SHA-256")
+                if isinstance(buf, OnDisk):
+                    buf.write_at(start, piece)
+                running.update(piece)
                 offset = stop
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
             resumes += 1
@@ -137,7 +199,10 @@ async def download(
         backoff.reset()
         if offset == size:
             break
-    if whole and hashlib.sha256(buf).hexdigest() != whole:
+    assert buf is not None  # the loop ends only once a first answer made it
+    if whole and running.hexdigest() != whole:
+        if isinstance(buf, OnDisk):
+            buf.close()
         raise Retry("the downloaded model does not match its SHA-256; downloading it again")
     return buf, etag
 

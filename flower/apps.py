@@ -44,7 +44,7 @@ from shoal.assembly import initial_model, make_round_strategy, make_trainer, tas
 from shoal.client.device import select_device
 from shoal.client.training import LocalTrainer
 from shoal.config import Config, load_config
-from shoal.errors import ConfigError, SpecMismatch, UpdateRejected
+from shoal.errors import ConfigError, EngineError, SpecMismatch, UpdateRejected
 from shoal.params import ParamSpec
 from shoal.rounds import Assignment, RoundSummary, SyncRounds, evaluation_due, i_hash
 from shoal.seeding import derive_seed
@@ -231,8 +231,12 @@ class ShoalStrategy(FlowerStrategy):
         device: torch.device | str = "cpu",
         federated_eval: Callable[[int], bool] | None = None,
         task: Task | None = None,
+        start_timeout_s: float | None = None,
     ):
         self.strategy = strategy
+        # the simulation engine's bound on Flower starting its clients (simulation.ray_start_timeout_s);
+        # None for a deployed SuperLink, whose SuperNodes may connect whenever they like
+        self.start_timeout_s = start_timeout_s
         self.task = task  # summarizes the pooled federated means (perplexity, R²...) once
         self.device = torch.device(device)  # where the strategy's buffers live (make_strategy's device)
         self.spec = spec
@@ -268,7 +272,15 @@ class ShoalStrategy(FlowerStrategy):
         new = [n for n in connected if n not in known]
         if new:
             asks = [Message(RecordDict(), dst_node_id=n, message_type=MessageType.QUERY) for n in new]
-            for reply in grid.send_and_receive(asks, timeout=timeout):
+            first = not self.node_of and self.start_timeout_s is not None
+            replies = list(grid.send_and_receive(asks, timeout=self.start_timeout_s if first else timeout))
+            if first and not replies:
+                raise EngineError(
+                    f"none of the {len(new)} Flower clients answered within simulation.ray_start_timeout_s = "
+                    f"{self.start_timeout_s:g} s: Ray started no ClientApp actor (Flower's log above says why; "
+                    "check simulation.flower_client_cpus / flower_client_gpus against what the machine has)"
+                )
+            for reply in replies:
                 node = reply.metadata.src_node_id
                 cid = f"node-{node}"
                 if not reply.has_error() and IDENTITY in reply.content.config_records:
@@ -286,7 +298,13 @@ class ShoalStrategy(FlowerStrategy):
             self.rounds = SyncRounds(self.strategy, params, self.clients_per_round, self.fraction, self.seed)
         else:
             self.rounds.global_params = params
-        while len(list(grid.get_node_ids())) < self.min_available_nodes:
+        started = time.monotonic()
+        while (connected := len(list(grid.get_node_ids()))) < self.min_available_nodes:
+            if self.start_timeout_s is not None and time.monotonic() - started > self.start_timeout_s:
+                raise EngineError(
+                    f"{connected} of {self.min_available_nodes} Flower nodes connected within "
+                    f"simulation.ray_start_timeout_s = {self.start_timeout_s:g} s"
+                )
             log.info("waiting for %d Flower nodes to connect", self.min_available_nodes)
             time.sleep(1)  # as Flower's own sample_nodes waits
         node_of = self.identify(grid)
@@ -402,17 +420,30 @@ def evaluated_round(cfg: Config) -> Callable[[int], bool]:
 
 
 def make_server_app(
-    cfg: Config | None = None, on_round: RoundCallback | None = None, timeout: float = 3600, strict: bool = False
+    cfg: Config | None = None,
+    on_round: RoundCallback | None = None,
+    timeout: float = 3600,
+    strict: bool = False,
+    errors: list[BaseException] | None = None,
 ) -> ServerApp:
     """A ServerApp running ``cfg``'s rounds with :class:`ShoalStrategy`; every
     ``simulation.eval_every`` rounds (and the last) the task's metrics of the global model
     on its central test set (``test_<metric>``) and, when the task's clients have test
     data, the nodes' federated evaluation (``fed_<metric>``). Without ``cfg`` it reads the
-    config named by the run config key ``shoal-config``."""
+    config named by the run config key ``shoal-config``. An exception of the app is also
+    appended to ``errors`` (Flower logs it in its own thread and ends with a generic one)."""
     app = ServerApp()
 
     @app.main()
     def main(grid: Grid, context: Context) -> None:
+        try:
+            _main(grid, context)
+        except BaseException as e:
+            if errors is not None:
+                errors.append(e)
+            raise
+
+    def _main(grid: Grid, context: Context) -> None:
         c = cfg or config_from_context(context)
         sim = c.simulation
         setup = setup_for(c, sim.device)
@@ -428,6 +459,7 @@ def make_server_app(
             device=trainer.device,
             federated_eval=due if setup.has_client_test else None,
             task=setup.task,
+            start_timeout_s=sim.ray_start_timeout_s if strict else None,  # strict: the simulation engine
         )
 
         def evaluate(server_round: int, arrays: ArrayRecord) -> MetricRecord | None:

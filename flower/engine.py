@@ -28,7 +28,7 @@ import torch
 
 from shoal.assembly import with_absolute_task
 from shoal.config import Config
-from shoal.errors import ConfigError
+from shoal.errors import ConfigError, EngineError
 from shoal.rounds import RoundSummary
 from shoal.simulations.run_loop import RunLoop
 
@@ -122,18 +122,29 @@ def run_flower(
             for lg in quiet.values():
                 lg.setLevel(logging.ERROR)
         started_ray = not ray.is_initialized()
+        errors: list[BaseException] = []
         try:
             run_simulation(
-                server_app=make_server_app(cfg, on_round, strict=True),
+                server_app=make_server_app(cfg, on_round, strict=True, errors=errors),
                 client_app=make_client_app(cfg, sim_cfg.device),
                 num_supernodes=setup.num_clients,
                 backend_config=backend,
             )
+        except RuntimeError as e:  # Flower's generic "An error was encountered": say what we know
+            if errors:
+                raise errors[0] from None
+            raise EngineError(
+                f"Flower's simulation runtime stopped ({e}); its log above says why, e.g. 'ActorPool is empty' "
+                "when one client's resources (simulation.flower_client_cpus / flower_client_gpus) do not fit "
+                "what Ray has here"
+            ) from None
         finally:
             for name, lg in quiet.items():
                 lg.setLevel(levels[name])
             if started_ray and ray.is_initialized():
                 ray.shutdown()
+        if errors:
+            raise errors[0]
         if "params" not in final or loop.last.get("round") != sim_cfg.rounds:
             raise RuntimeError(
                 f"the Flower simulation stopped after round {loop.last.get('round', 0)} of {sim_cfg.rounds}"

@@ -30,11 +30,11 @@ from shoal.pki import peer_fingerprint, read_secret
 from .chunks import MAX_BEGIN_BODY, ChunkedUploads, ChunkError
 from .connections import listen
 from .dashboard import is_dashboard_path, server_dashboard
-from .edge import PartialIntake
+from .edge import MAX_EDGE_POLL_BODY, PartialIntake
 from .exposition import prometheus_text
 from .federation import DEFAULT_FEDERATION_BODY, Federation, RunError
 from .registry import AuthError, Registry, hash_token, well_formed
-from .service import MAX_EVAL_BODY, MAX_FAILURE_BODY, ServerService
+from .service import MAX_EVAL_BODY, MAX_FAILURE_BODY, ModelDownload, ServerService
 
 log = logging.getLogger(__name__)
 
@@ -519,7 +519,15 @@ async def get_model(request: web.Request) -> web.StreamResponse:
     ``If-Match`` with an older version's ETag: 412 (the model moved on, start over)."""
     svc = _svc(request)
     svc.seen(request[NODE], time.monotonic())
-    dl = svc.model_download()
+    resp = await send_model(request, svc.model_download())
+    if resp.status != 304:
+        svc.activity.sent(request[NODE], resp.content_length or 0, time.monotonic())
+    return resp
+
+
+async def send_model(request: web.Request, dl: ModelDownload) -> web.StreamResponse:
+    """Answer a model download of ``dl`` (a root's, or an edge's copy of its root's): 304 for a
+    current If-None-Match, 412 for a stale If-Match, else the whole body or one byte range."""
     headers = {"ETag": dl.etag, "X-Shoal-Version": str(dl.version), "Cache-Control": "no-cache"}
     if dl.etag in [t.strip() for t in request.headers.get("If-None-Match", "").split(",")]:
         return web.Response(status=304, headers=headers)
@@ -539,7 +547,6 @@ async def get_model(request: web.Request) -> web.StreamResponse:
     for piece in dl.pieces(start, end):
         await resp.write(piece)  # waits while the connection's buffer is full: memory stays one piece
     await resp.write_eof()
-    svc.activity.sent(request[NODE], end - start, time.monotonic())
     return resp
 
 
@@ -575,14 +582,42 @@ async def post_update(request: web.Request) -> web.Response:
     return web.json_response(result)
 
 
+def _intake(request: web.Request, svc: ServerService) -> PartialIntake:
+    intake = request.app[INTAKES].get(svc)
+    if intake is None:
+        intake = request.app[INTAKES][svc] = PartialIntake(svc)
+    return intake
+
+
+async def post_edge_poll(request: web.Request) -> web.Response:
+    """An edge aggregator's poll: its connected nodes in, the open round's tasks for them out
+    (server/edge.py's PartialIntake.poll, docs/hierarchy.md); held up to ``wait`` seconds while
+    there is no work for it."""
+    app, edge = request.app, request[NODE]
+    svc = _svc(request)
+    intake = _intake(request, svc)
+    body = await _json_body(request, MAX_EDGE_POLL_BODY)
+    end = time.monotonic() + _seconds(request, "wait", min(svc.cfg.server.poll_s, svc.cfg.hierarchy.edge_timeout_s / 2))
+    registry = app[REGISTRY]
+    while True:
+        event = app[CHANGED]["event"]
+        try:
+            answer = intake.poll(edge, body, registry.enabled, time.monotonic())
+        except ShoalError as e:
+            status = 403 if getattr(e, "code", "") == "not_an_edge" else _status_of(e)
+            return error(status, getattr(e, "code", "error"), str(e))
+        _tick(app)  # the nodes it named may complete the quorum that opens a round
+        if answer["status"] != "wait" or time.monotonic() >= end or _gone(request):
+            return web.json_response(answer)
+        await _wait_event(event, min(end - time.monotonic(), _SLICE_S))
+
+
 async def post_partial(request: web.Request) -> web.Response:
     """An edge aggregator's partial for the open round (server/edge.py, docs/hierarchy.md): read
     under the upload limits (per-node count, body timeouts, minimum rate), then checked and merged."""
     app, edge = request.app, request[NODE]
     svc = _svc(request)
-    intake = app[INTAKES].get(svc)
-    if intake is None:
-        intake = app[INTAKES][svc] = PartialIntake(svc)
+    intake = _intake(request, svc)
     if edge not in svc.cfg.hierarchy.edge_names:  # a node may not speak for other nodes
         svc.refused("not_an_edge")
         raise Refusal(403, "not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)")
@@ -878,6 +913,7 @@ def _node_routes(app: web.Application, prefix: str) -> None:
     app.router.add_put(prefix + "/v1/uploads/{upload}", put_upload_chunk)
     app.router.add_get(prefix + "/v1/uploads/{upload}", get_upload)
     app.router.add_post(prefix + "/v1/partial", post_partial)  # edge aggregators (server/edge.py)
+    app.router.add_post(prefix + "/v1/edge/poll", post_edge_poll)
 
 
 def make_federation_app(federation: Federation, registry: Registry) -> web.Application:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+import json
 import logging
 import time
 from pathlib import Path
@@ -65,6 +66,11 @@ def run_server(cfg: Config, insecure: bool = False, fresh: bool = False) -> None
         )
     registry = Registry(s.db)
     try:
+        if cfg.hierarchy.parent:  # an edge aggregator under that root (server/edge_server.py)
+            from .edge_server import serve_edge
+
+            asyncio.run(serve_edge(cfg, registry, ctx, task=task))
+            return
         if cfg.federation.enabled:
             _serve_federation(cfg, registry, ctx, fresh)
             return
@@ -100,6 +106,11 @@ def server(
     task: str | None = TaskOpt,
     insecure: bool = typer.Option(False, "--insecure", help="Serve plain HTTP (no TLS). Warns."),
     fresh: bool = typer.Option(False, "--fresh", help="Ignore existing checkpoints and start at version 0."),
+    parent: str | None = typer.Option(
+        None,
+        "--parent",
+        help="Run as an edge aggregator under the root at this URL (hierarchy.parent; docs/hierarchy.md).",
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Serve rounds over HTTPS until server.rounds versions are made; resumes from the latest checkpoint.
@@ -114,7 +125,10 @@ def server(
     from shoal.cli import setup_logging, with_task
 
     setup_logging(verbose)
-    run_server(load_config(config, with_task(set_, task)), insecure=insecure, fresh=fresh)
+    sets = with_task(set_, task)
+    if parent is not None:
+        sets = [*sets, f"hierarchy.parent={json.dumps(parent)}"]
+    run_server(load_config(config, sets), insecure=insecure, fresh=fresh)
 
 
 @nodes_app.command("add")

@@ -19,15 +19,80 @@ to the root) is on docs/hierarchy.md's "not yet" list.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from shoal.aggregation.partial import Accumulator, Partial, PartialInbox, decode_partial
-from shoal.errors import UpdateRejected
+from shoal.errors import Malformed, UpdateRejected, short_repr
 from shoal.update import Update
 from shoal.wire import MAX_HEADER_BYTES
 
 if TYPE_CHECKING:
     from .service import ServerService
+
+#: The most node names one edge poll (POST /v1/edge/poll) may carry.
+MAX_ROSTER = 10_000
+MAX_EDGE_POLL_BODY = 64 + 260 * MAX_ROSTER
+
+
+def parse_roster(body: object) -> list[str]:
+    """The node names of an edge's poll body ``{"nodes": [name, ...]}``; Malformed if it is not one."""
+    if not isinstance(body, dict) or set(body) != {"nodes"} or not isinstance(body["nodes"], list):
+        raise Malformed('an edge poll is a JSON object {"nodes": [node names]}')
+    nodes = body["nodes"]
+    if len(nodes) > MAX_ROSTER:
+        raise Malformed(f"an edge poll names {len(nodes)} nodes, over {MAX_ROSTER}")
+    if not all(isinstance(n, str) and 1 <= len(n) <= 256 for n in nodes) or len(set(nodes)) != len(nodes):
+        raise Malformed("an edge poll's nodes are distinct names of 1 to 256 characters")
+    return nodes
+
+
+class EdgeRoster:
+    """Which edge speaks for which node, at the root, without I/O.
+
+    An edge says which of its nodes are connected (its poll, every fraction of a second). The
+    root takes a claim only for a node enrolled and enabled in its own registry (``enrolled``)
+    and not held by another edge that is still live: the first edge to claim a node holds it
+    while it keeps naming it, and loses it ``timeout_s`` after it last did (a dead edge's
+    nodes may then be claimed by the edge they re-attach to). When a round opens, the holder
+    of each selected node is frozen for that round (:meth:`round_edges`): only that edge may
+    send that node's task and count its update, so no node is counted by two edges in a round,
+    and a node whose edge dies is that round's drop-out."""
+
+    def __init__(self, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.held: dict[str, tuple[str, float]] = {}  # node -> (edge, when it last named the node)
+        self._frozen: tuple[tuple[int, int], dict[str, str]] = ((-1, -1), {})
+
+    def holder(self, node: str, now: float) -> str | None:
+        held = self.held.get(node)
+        return held[0] if held is not None and now - held[1] <= self.timeout_s else None
+
+    def claim(
+        self, edge: str, nodes: list[str], now: float, enrolled: Callable[[str], bool]
+    ) -> tuple[list[str], dict[str, str]]:
+        """Take ``edge``'s claim on ``nodes``: the names it now holds, and why the others are refused."""
+        taken: list[str] = []
+        refused: dict[str, str] = {}
+        for n in nodes:
+            other = self.holder(n, now)
+            if not enrolled(n):
+                refused[n] = "not_enrolled"
+            elif other is not None and other != edge:
+                refused[n] = "held_by_another_edge"
+            else:
+                self.held[n] = (edge, now)
+                taken.append(n)
+        if len(self.held) > 2 * MAX_ROSTER:  # forget the nodes nobody named for long
+            self.held = {n: h for n, h in self.held.items() if now - h[1] <= self.timeout_s}
+        return taken, refused
+
+    def round_edges(self, round: int, version: int, selected: Iterable[str], now: float) -> dict[str, str]:
+        """node -> the edge that speaks for it in this round (frozen at the round's first call)."""
+        if self._frozen[0] != (round, version):
+            edges = {n: e for n in selected if (e := self.holder(n, now)) is not None}
+            self._frozen = ((round, version), edges)
+        return self._frozen[1]
 
 
 class PartialIntake:
@@ -36,6 +101,7 @@ class PartialIntake:
     def __init__(self, service: ServerService):
         self.service = service
         self._inbox: PartialInbox | None = None
+        self.roster = EdgeRoster(service.cfg.hierarchy.edge_timeout_s)
         numel = service.spec.numel
         # a float64 sum of the whole model, and a header naming up to ~40,000 nodes
         self.max_bytes = 8 * numel + MAX_HEADER_BYTES + 4096
@@ -62,6 +128,58 @@ class PartialIntake:
             self._inbox = PartialInbox(r.round, r.version, self.service.spec.numel, self.service.cfg.strategy.weighting)
         return self._inbox
 
+    def poll(self, edge: str, body: object, enrolled: Callable[[str], bool], now: float) -> dict[str, Any]:
+        """An edge's poll (POST /v1/edge/poll): its connected nodes, claimed for it (:class:`EdgeRoster`;
+        ``enrolled`` says a name is a node enabled in the root's registry) and counted as connected
+        (rounds select them as they select nodes polling the root); the answer is the tasks of the
+        open round for the nodes this edge speaks for in it, or ``wait``, or ``done``. A ShoalError
+        with nothing changed if the poll is refused."""
+        svc = self.service
+        names = svc.cfg.hierarchy.edge_names
+        try:
+            if edge not in names:
+                raise UpdateRejected(
+                    "not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)"
+                )
+            why = self._why_not()
+            if why is not None:
+                raise UpdateRejected("not_supported", f"this server takes no edges: {why}")
+            nodes = parse_roster(body)
+        except Exception as e:
+            svc.refused(getattr(e, "code", "error"))
+            raise
+        taken, refused = self.roster.claim(edge, nodes, now, lambda n: n not in names and enrolled(n))
+        works = {n: svc.poll(n, now) for n in taken}  # each is seen (connected) as if it polled the root
+        answer: dict[str, Any] = {"edge": edge, "version": svc.version, "nodes": len(taken)}
+        if refused:
+            answer["refused"] = dict(sorted(refused.items())[:100])
+        if svc.done:
+            answer["status"] = "done"
+            if svc.stop_reason is not None:
+                answer["reason"] = svc.stop_reason
+            return answer
+        r = svc.sync
+        assert r is not None  # _why_not refuses async servers
+        if not r.open:
+            return {**answer, "status": "wait"}
+        edges = self.roster.round_edges(r.round, r.version, r.selected, now)
+        tasks = {
+            n: int(w["seed"])
+            for n, w in works.items()
+            if w is not None and w.get("status") == "work" and w["round"] == r.round and edges.get(n) == edge
+        }
+        if not tasks:
+            return {**answer, "status": "wait"}
+        left = r.time_left(now)
+        return {
+            **answer,
+            "status": "work",
+            "round": r.round,
+            "version": r.version,
+            "tasks": tasks,
+            **({"deadline_s": round(left, 3)} if left is not None else {}),
+        }
+
     def submit(self, edge: str, body: bytes | bytearray | memoryview, now: float) -> dict[str, Any]:
         """Validate a partial from ``edge`` (the authenticated identity) and merge it into the open
         round; raises a ShoalError (WireError or UpdateRejected) with nothing changed if refused."""
@@ -82,6 +200,14 @@ class PartialIntake:
                 raise UpdateRejected("done", f"training is complete at version {r.version}; no more partials")
             if not r.open:
                 raise UpdateRejected("round_closed", f"no round is open (version {r.version})")
+            held = self.roster.round_edges(r.round, r.version, r.selected, now)
+            foreign = sorted(n for n in part.senders if held.get(n) != edge)
+            if foreign:
+                raise UpdateRejected(
+                    "not_your_node",
+                    f"edge {edge!r} does not speak for {short_repr(foreign[:5])} in round {r.round}: a partial may "
+                    "hold only the selected nodes that this edge claimed when the round opened (POST /v1/edge/poll)",
+                )
             inbox = self.inbox()
             receipt, merged = inbox.admit(part)
             if merged is not None:
@@ -101,6 +227,11 @@ class PartialIntake:
             svc.counters.accepted += len(merged.senders)
             svc.counters.bytes_received += len(body)
             svc.activity.accepted(edge, len(body), r.round, now)
+            # an edge sends one partial a round: its other nodes (closed out at its quorum or its
+            # margin) will not report in this round, and the root stops waiting for them
+            for n, holder in held.items():
+                if holder == edge and n not in r.received:
+                    svc.refused_task[n] = (r.round, r.version)
         return {
             "status": "accepted" if merged is not None else "duplicate",
             "round": r.round,
@@ -148,6 +279,11 @@ class EdgeRound:
         # the weight the quorum is a share of (0: no weight known, the quorum counts nodes)
         self.expected_weight = sum(known.get(n, default) for n in self.nodes)
         self.closed = False
+
+    def drop(self, node: str) -> None:
+        """``node`` will send nothing this round (its training failed): the edge stops waiting for it."""
+        if not self.closed and node in self.nodes and node not in self.acc.senders:
+            self.nodes.discard(node)
 
     def submit(self, node: str, update: Update) -> None:
         if self.closed:

@@ -132,6 +132,11 @@ class Registry:
         rows = self.db.execute("SELECT id, name, enabled, last_seen, key_sha256 FROM nodes ORDER BY id").fetchall()
         return [Node(r[0], r[1], bool(r[2]), r[3], r[4]) for r in rows]
 
+    def enabled(self, name: str) -> bool:
+        """``name`` is a registered node that is not revoked."""
+        row = self.db.execute("SELECT enabled FROM nodes WHERE name = ?", (name,)).fetchone()
+        return row is not None and bool(row[0])
+
     def authenticate(self, token: str | None) -> str:
         """The node name for ``token``; AuthError 401 (unknown) or 403 (revoked)."""
         if not token:

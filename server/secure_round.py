@@ -14,7 +14,8 @@ Stages (route name -> protocol stage): ``keys`` -> advertise (deadline: the roun
 masked input, ``unmask`` -> unmasking (each ``secure_aggregation.stage_s``). When the
 unmasking closes, :meth:`close` hands the unmasked weighted mean to SyncRounds once per
 included node, exactly as the simulator does (simulations/secure_rounds.py), so the
-strategy's own weighting reproduces the same mean; an aborted round is closed with
+strategy's own weighting reproduces the same mean (what SCAFFOLD and FedNova mask besides, and
+how their server steps get it back: aggregation/secagg/payload.py); an aborted round is closed with
 ``SyncRounds.abort_round()`` (model and version unchanged).
 
 Distributed DP (server/privacy.py): every node weighs the same (the DP mean divides the
@@ -48,7 +49,8 @@ from shoal.aggregation.secagg import (
     UnmaskShares,
 )
 from shoal.aggregation.secagg import identity as ID
-from shoal.aggregation.secagg.encoding import FixedPoint, decode_weighted, weighted_mean
+from shoal.aggregation.secagg.encoding import FixedPoint, decode_weighted
+from shoal.aggregation.secagg.payload import FEDNOVA_A, SecurePayload, SecureSums, step_weight
 from shoal.aggregation.secagg.wire import decode_message, encode_message, message_meta, params_to_json
 from shoal.config import Config
 from shoal.errors import Malformed, OutOfRange, UpdateRejected, short_repr
@@ -74,10 +76,9 @@ STAGES = tuple(ROUTES.values())
 class SecureRound:
     """The secure aggregation of one open sync round (see the module doc)."""
 
-    def __init__(
-        self, cfg: Config, rounds: SyncRounds, vector_size: int, now: float, privacy: ServerPrivacy | None = None
-    ):
+    def __init__(self, cfg: Config, rounds: SyncRounds, numel: int, now: float, privacy: ServerPrivacy | None = None):
         sa = cfg.secure_aggregation
+        self.payload = SecurePayload(cfg.algorithm.name, numel)  # what each node masks (payload.py)
         self.privacy = privacy
         self.cfg = sa
         self.round = rounds.round
@@ -91,7 +92,7 @@ class SecureRound:
         self.params = SecAggParams(
             # fresh per aggregation: a round re-run after a restart never reuses keys or masks
             session=f"shoal-server/{self.round}/".encode() + secrets.token_bytes(16),
-            vector_size=vector_size,
+            vector_size=self.payload.vector_size,
             graph=sa.graph,
             degree=sa.degree,
             threshold_fraction=sa.threshold,
@@ -109,6 +110,8 @@ class SecureRound:
         self.sent: dict[str, set[str]] = {s: set() for s in STAGES}
         self.replies: dict[str, dict[str, bytes]] = {}  # route -> node -> body
         self.meta: dict[str, tuple[int, float]] = {}  # node -> (num_examples, train_loss) sent in the clear
+        self.clear_metrics: dict[str, dict[str, float]] = {}  # node -> what its algorithm sends in the clear
+        self.sums: SecureSums | None = None  # without distributed DP: the unmasked sums
         self.max_weight = 0.0
         self.aborted: str | None = None
         self.mean: np.ndarray | None = None
@@ -189,6 +192,7 @@ class SecureRound:
             self._check_signature(node, stage, msg)
         if stage == "advertise":
             n, loss = self._clear_meta(meta)
+            extra = self._algorithm_meta(meta)
             report = None
             if self.privacy is not None and self.privacy.plan.dp_sgd:
                 report = parse_report(meta.get("privacy"), self.privacy.p.delta)
@@ -205,6 +209,7 @@ class SecureRound:
             raise Malformed(str(e)) from None
         if stage == "advertise":
             self.meta[node] = (int(n), float(loss))  # checked by _clear_meta
+            self.clear_metrics[node] = extra
             if report is not None and self.privacy is not None:
                 self.privacy.take_report(node, report)
         self.sent[stage].add(node)
@@ -241,6 +246,18 @@ class SecureRound:
                 f"keys: num_examples = {n} is above the limit of {self.max_examples} (server.max_examples)"
             )
         return n, float(loss)
+
+    def _algorithm_meta(self, meta: dict[str, Any]) -> dict[str, float]:
+        """What the algorithm sends in the clear beside the keys (FedNova's step weight), checked
+        (Malformed); another algorithm's field is refused, as on the plain upload path."""
+        if self.payload.algorithm != "fednova":
+            if FEDNOVA_A in meta:
+                raise Malformed(f"keys: algorithm.name = {self.payload.algorithm!r} takes no {FEDNOVA_A}")
+            return {}
+        try:
+            return {FEDNOVA_A: step_weight(meta.get(FEDNOVA_A))}
+        except ValueError as e:
+            raise Malformed(f"keys: {e}") from None
 
     def _check_signature(self, node: str, stage: str, msg) -> None:
         session = self.params.session
@@ -332,7 +349,7 @@ class SecureRound:
                     total = DdgCodec(self.privacy.ddg, rotation_seed(self.params.session)).decode(result.total[:-1])
                 self.mean, self.examples = total / len(result.included), max(0, round(counts * self.max_weight))
             else:
-                self.mean, _ = weighted_mean(result.total, len(result.included), self.values, self.weights)
+                self.sums = self.payload.decode(result.total, len(result.included), self.values, self.weights)
             self.included, self.dropped = result.included, result.dropped
             self.stage = "done"
             log.info(
@@ -350,14 +367,19 @@ class SecureRound:
             )
             rounds.abort_round()
             return None
+        if self.sums is not None:  # the algorithm's layout: one update per included node carrying the sums
+            members = {}
+            for u in self.included:
+                n, loss = self.meta[u]
+                members[u] = (n, {**({"train_loss": loss} if math.isfinite(loss) else {}), **self.clear_metrics[u]})
+            for update in self.payload.updates(self.sums, members, rounds.version):
+                rounds.submit(update.sender, update)
+            return rounds.finish_round()
+        assert self.mean is not None and self.examples is not None  # distributed DP: only the counts' sum is known
         mean = torch.from_numpy(self.mean).to(torch.float32)
-        if self.examples is not None:  # distributed DP: only the sum of the counts is known
-            base, extra = divmod(self.examples, len(self.included))
-            self.meta.update({u: (base + (i < extra), float("nan")) for i, u in enumerate(self.included)})
-        for u in self.included:
-            n, loss = self.meta[u]
-            metrics = {"train_loss": loss} if math.isfinite(loss) else {}
-            rounds.submit(u, Update(mean, n, rounds.version, u, metrics))
+        base, extra = divmod(self.examples, len(self.included))
+        for i, u in enumerate(self.included):
+            rounds.submit(u, Update(mean, base + (i < extra), rounds.version, u, {}))
         return rounds.finish_round()
 
     def status(self) -> dict[str, Any]:

@@ -104,6 +104,17 @@ class Counters:
 
 
 #: Bounds of a node's federated evaluation report (POST /v1/eval, docs/protocol.md).
+#: From this many parameters (a 512 MiB float32 model) up, ``server.sum_dtype = "auto"`` sums in float32.
+LARGE_MODEL_NUMEL = 1 << 27
+
+
+def sum_dtype(choice: str, numel: int) -> torch.dtype:
+    """The dtype of the plain weighted mean's sum that ``server.sum_dtype`` asks for a model of ``numel``."""
+    if choice == "auto":
+        return torch.float32 if numel >= LARGE_MODEL_NUMEL else torch.float64
+    return torch.float32 if choice == "float32" else torch.float64
+
+
 MAX_EVAL_BODY = 64 * 1024
 MAX_EVAL_METRICS = 32
 MAX_EVAL_EXAMPLES = 10**9
@@ -250,6 +261,17 @@ class ServerService:
             # N of FedDyn's and SCAFFOLD's server steps is the registered nodes (bind_registry)
             population = registered or max(s.clients_per_round, s.min_nodes)
             strategy = strategy or make_round_strategy(cfg, self.spec.numel, "cpu", population)
+            narrow = sum_dtype(s.sum_dtype, self.spec.numel) == torch.float32
+            if narrow and type(strategy) is Strategy and type(strategy.aggregator) is WeightedMean:
+                # half the sum's memory, and the mean and new model made in its place (aggregation/mean.py)
+                strategy.aggregator = WeightedMean(self.spec.numel, "cpu", torch.float32)
+                log.info(
+                    "the round's sum is float32 (server.sum_dtype = %r, %d parameters): %.0f MB instead of %.0f",
+                    s.sum_dtype,
+                    self.spec.numel,
+                    self.spec.numel * 4 / 1e6,
+                    self.spec.numel * 8 / 1e6,
+                )
             if cfg.algorithm.name == "scaffold":
                 from shoal.aggregation.scaffold import ScaffoldStrategy
 
@@ -387,7 +409,8 @@ class ServerService:
 
     def seen(self, node: str, now: float) -> None:
         self._elapsed(now)  # the first call starts the clock records count from
-        self.last_seen[node] = now
+        if node not in self.cfg.hierarchy.edge_names:  # an edge aggregator (its model download) is no node
+            self.last_seen[node] = now
 
     def model_download(self) -> ModelDownload:
         """The current global model as a download (GET /v1/model, whole or by range): made once
@@ -767,7 +790,7 @@ class ServerService:
                 self.privacy.round_started(sorted(r.selected))
                 self._save_privacy()  # charged before anything of the round is released
             if self.cfg.secure_aggregation.enabled and tasks:  # nobody selected: the round closes at once
-                self.secure_round = SecureRound(self.cfg, r, self.spec.numel + 1, now, self.privacy)
+                self.secure_round = SecureRound(self.cfg, r, self.spec.numel, now, self.privacy)
             return True
         if self.secure_round is not None:  # the protocol's stages decide when the round closes
             changed = self.secure_round.tick(now)

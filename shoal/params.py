@@ -132,18 +132,23 @@ def bind_module(module: nn.Module, spec: ParamSpec | None = None) -> tuple[torch
     spec = spec or ParamSpec.of(module)
     device = next(iter(module.state_dict().values())).device
     flat = flatten(module, spec).to(device)
-    flat_grad = torch.zeros_like(flat)
     views = spec.views(flat)
-    grads = spec.views(flat_grad)
     for name, p in module.named_parameters():
         if name in views:
             p.data = views[name]
-            p.grad = grads[name]
+            p.grad = None
     for mod_name, mod in module.named_modules():
         for b_name, b in list(mod._buffers.items()):
             full = f"{mod_name}.{b_name}" if mod_name else b_name
             if b is not None and full in views:
                 mod._buffers[b_name] = views[full]
+    # the gradient buffer is made once the module's own tensors are let go: binding a large model
+    # peaks at twice its size, not three times
+    flat_grad = torch.zeros_like(flat)
+    grads = spec.views(flat_grad)
+    for name, p in module.named_parameters():
+        if name in grads:
+            p.grad = grads[name]
     return flat, flat_grad
 
 

@@ -471,13 +471,15 @@ class SyncRounds:
     def state_dict(self) -> dict:
         """What survives a restart between rounds: model, version, round counter, the
         strategy's optimizer state, failed rounds and the tasks whose results would be
-        late. An open round is not included; checkpoint after :meth:`finish_round`."""
+        late. An open round is not included; checkpoint after :meth:`finish_round`. The model is
+        the live tensor, not a copy (a large model's checkpoint costs no second model): each
+        version is a new tensor, the global parameters are never changed in place."""
         if self.open:
             raise RuntimeError("state_dict() while a round is open: checkpoint after finish_round()")
         return {
             "version": self.version,
             "round": self.round,
-            "global_params": self.global_params.detach().clone(),
+            "global_params": self.global_params.detach(),
             "strategy": self.strategy.state_dict(),
             "failed_rounds": self.failed_rounds,
             "late_pending": {c: [t.round, t.version, t.seed] for c, t in self.late_pending.items()},

@@ -425,7 +425,8 @@ def check_loss(task: Task, model: nn.Module, data: ClientData, device: torch.dev
     batch = first_batch(task, data, 2)
     x, y = split_batch(task.to_device(batch, device))
     # The check must leave no trace: BatchNorm statistics and the global RNG (dropout) are restored.
-    saved = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # (the buffers only: a forward pass changes no parameter, and a large model is not copied)
+    saved = {k: v.detach().clone() for k, v in model.named_buffers()}
     rng_state = torch.random.get_rng_state()
     model.train()
     try:
@@ -443,7 +444,7 @@ def check_loss(task: Task, model: nn.Module, data: ClientData, device: torch.dev
         warn_if_broadcast(task, out, y)
     finally:
         with torch.no_grad():
-            for k, v in model.state_dict().items():
+            for k, v in model.named_buffers():
                 v.copy_(saved[k])
         torch.random.set_rng_state(rng_state)
     if not isinstance(loss, torch.Tensor) or loss.dim() != 0:

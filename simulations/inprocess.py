@@ -313,6 +313,12 @@ class InProcessSimulation:
             self.states.put(client_id, result.state)
         return result.update
 
+    def held_to_server(self, client_id: str) -> State:
+        """The live ``to_server`` of ``client_id``'s held result (empty when none is held): secure
+        aggregation masks it and puts the round's unmasked share of the sum in its place."""
+        result = self._pending.get(client_id)
+        return result.to_server if result is not None else {}
+
     def settle(self, accepted: set[str] | None) -> None:
         """Close the round for the algorithm: the accepted clients' held state is kept and their
         ``to_server`` reaches the server's step; the others' is dropped (``None``: none accepted)."""
@@ -475,8 +481,8 @@ class InProcessSimulation:
         if self.test is not None:
             ev = self.trainer.evaluate_data(params, self.test)
             out.update({f"test_{k}": v for k, v in ev.items() if k != "num_examples"})
-        if self.client_test is not None or self.fed_eval_clients:
-            out.update(self.federated_evaluate(params))
+        if (self.client_test is not None or self.fed_eval_clients) and plan_of(self.cfg).client_evaluations:
+            out.update(self.federated_evaluate(params))  # under DP (release not clear) never written: not computed
         return out
 
     def _client_tests(self) -> Iterator[tuple[str, ClientData | None]]:

@@ -5,7 +5,9 @@ compression, ... come before masking), encode ``[w_k * clip(delta_k), w_k]`` in 
 point and run the whole protocol of :mod:`shoal.aggregation.secagg` in memory, with
 dropouts injected at each stage. The strategy then receives only the unmasked
 weighted mean ``sum_k w_k delta_k / sum_k w_k``, once per included client with that
-client's example count, so its own weighting reproduces the same mean. A round the
+client's example count, so its own weighting reproduces the same mean. What each client masks
+for SCAFFOLD and FedNova (its control-variate delta; its update over its step weight) is
+aggregation/secagg/payload.py's, shared with the server and the nodes. A round the
 protocol aborts (too few survivors) applies nothing: the global model and version stay.
 
 Distributed DP (docs/privacy.md): every noise share has variance z²C²/t with t = the fewest
@@ -26,6 +28,7 @@ the protocol sums those integers and the sum is decoded; the accountant is the m
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from collections.abc import Iterator
@@ -38,8 +41,9 @@ from shoal.aggregation.discrete_gaussian import DdgCodec, DdgParams, plan
 from shoal.aggregation.dp import share_std
 from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer
 from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range, example_weight
-from shoal.aggregation.secagg.group import SecureMean, secure_weighted_mean
+from shoal.aggregation.secagg.group import SecureMean
 from shoal.aggregation.secagg.memory import STAGES, injected_dropouts, run_in_memory
+from shoal.aggregation.secagg.payload import SecurePayload, SecureSums
 from shoal.errors import NonFinite
 from shoal.noise import NoiseSource
 from shoal.privacy_plan import plan_of
@@ -73,6 +77,7 @@ class SecureAggregationRounds:
         self.max_weight = self.cfg.max_weight or sim.shards.max_size()
         lost = 1 - math.prod(1 - getattr(self.cfg, f"dropout_{s}") for s in STAGES[:3])
         self.expected_dropout = min(max(lost, 0.1), 0.99)  # sizes an automatic secagg+ degree
+        self.payload = SecurePayload(sim.cfg.algorithm.name, sim.spec.numel)  # what each client masks
         self.last: dict = {}
         self.noise_shares = 0  # distributed DP: t, the fewest survivors a round may complete with
         p = sim.cfg.privacy
@@ -163,13 +168,9 @@ class SecureAggregationRounds:
             )
         round_ = trained[0][0].round
         seed = derive_seed(self.cfg.seed, self.sim.cfg.simulation.seed, round_)
-        inputs, weights = {}, {}
-        for task, u in trained:
-            weights[task.client_id] = example_weight(u.num_examples, self.max_weight, self.weighting)
-            inputs[task.client_id] = u.delta.detach().cpu().numpy()
         params = SecAggParams(
             session=f"shoal-sim/{seed}".encode(),
-            vector_size=self.sim.spec.numel + 1,
+            vector_size=self.payload.vector_size if self.ddg is None else self.sim.spec.numel + 1,
             graph=self.cfg.graph,
             degree=self.cfg.degree,
             threshold_fraction=self.cfg.threshold,
@@ -178,11 +179,23 @@ class SecureAggregationRounds:
             malicious=self.cfg.malicious_server,
             min_inputs=self.cfg.min_inputs,
         )
-        drop_at = self._drop_at(sorted(inputs), round_)
+        drop_at = self._drop_at(sorted(task.client_id for task, _ in trained), round_)
         if self.ddg is not None:
+            inputs = {task.client_id: u.delta.detach().cpu().numpy() for task, u in trained}
             out = self._discrete_gaussian_mean(inputs, params, drop_at, seed, round_)
+            sums = SecureSums(out.mean, out.total_weight, len(out.included))
         else:
-            out = secure_weighted_mean(inputs, weights, params, self.values, self.weights, drop_at, seed)
+            noise = np.random.default_rng(seed)  # stochastic rounding
+            encoded = {
+                task.client_id: self.payload.encode(
+                    dataclasses.replace(u, to_server=self.sim.held_to_server(task.client_id)),
+                    example_weight(u.num_examples, self.max_weight, self.weighting), self.values, self.weights, noise,
+                )
+                for task, u in trained
+            }  # fmt: skip
+            result, cost = run_in_memory(params, encoded, drop_at, seed=seed)
+            sums = self.payload.decode(result.total, len(result.included), self.values, self.weights)
+            out = SecureMean(sums.mean, result.included, sums.total_weight, cost)
         if len(out.included) < self.noise_shares:
             # Fewer than t noise shares in the sum: it must not be used. A deployment checks this
             # before it asks for the unmasking shares; the simulator drops the sum it computed.
@@ -190,7 +203,6 @@ class SecureAggregationRounds:
                 f"{len(out.included)} clients survived, fewer than the t = {self.noise_shares} "
                 "noise shares distributed DP needs for N(0, z^2 C^2) on the sum"
             )
-        mean = torch.from_numpy(out.mean).to(torch.float32).to(global_params.device)
         cost = out.cost
         self.last = {
             "included": len(out.included),
@@ -199,10 +211,16 @@ class SecureAggregationRounds:
             "client_cpu_s": max(cost.client_s.values(), default=0.0),
         }
         log.info("round %d: secure sum of %d clients (%d dropped)", round_, len(out.included), len(drop_at))
-        included = set(out.included)
-        for task, u in trained:
-            if task.client_id in included:
-                yield task, Update(mean, u.num_examples, u.base_version, u.sender, u.metrics)
+        included = {task.client_id: (task, u) for task, u in trained if task.client_id in set(out.included)}
+        members = {cid: (u.num_examples, u.metrics) for cid, (_, u) in included.items()}
+        for cid, agg in zip(members, self.payload.updates(sums, members, 0), strict=True):
+            task, u = included[cid]
+            held = self.sim.held_to_server(cid)  # SCAFFOLD: the server's step sees only the sum of the dc
+            held.update({k: v.to(global_params.device) for k, v in agg.to_server.items()})
+            yield (
+                task,
+                Update(agg.delta.to(global_params.device), agg.num_examples, u.base_version, u.sender, agg.metrics),
+            )
 
     def _discrete_gaussian_mean(
         self, inputs: dict, params: SecAggParams, drop_at: dict[str, str], seed: int, round_: int

@@ -205,14 +205,6 @@ def _check_algorithm(self: Any) -> None:
                 "(its client regulariser would also see unclipped state)"
             ),
         }[name]
-    elif name in _DRIFT and self.secure_aggregation.enabled:
-        why = {
-            "scaffold": "secure_aggregation.enabled: the control-variate deltas would have to go through the masked "
-            "sum as well, which shoal does not do; sending them in the clear would reveal each client's update",
-            "fednova": "secure_aggregation.enabled: the server must normalise each client's update by its own "
-            "number of local steps, which the masked sum hides",
-            "feddyn": "secure_aggregation.enabled: FedDyn's server step over the masked sum is not wired",
-        }[name]
     elif name in ("scaffold", "feddyn", "fednova") and self.strategy.name != "fedavg":
         why = (
             f"strategy.name = {self.strategy.name!r}: the algorithm has its own server step (strategy.name = 'fedavg')"
@@ -225,8 +217,47 @@ def _check_algorithm(self: Any) -> None:
         raise ConfigError(f"algorithm.name = {name!r} with {why}")
 
 
+def _check_edge(self: Any) -> None:
+    """An edge aggregator (`shoal server --parent URL`) sums plain FedAvg updates of sync rounds."""
+    unsupported = [
+        (name, why)
+        for name, on, why in (
+            (
+                f"server.mode = {self.server.mode!r}",
+                self.server.mode != "sync",
+                "the root takes edge partials into sync rounds only (an async root counting partials is not built)",
+            ),
+            (
+                "secure_aggregation.enabled",
+                self.secure_aggregation.enabled,
+                "the edge would see its nodes' updates in the clear (secure aggregation across tiers is not built)",
+            ),
+            (
+                f"privacy.mode = {self.privacy.mode!r}",
+                self.privacy.mode != "none",
+                "the root's DP accounting does not cover sums from edges yet",
+            ),
+            (
+                f"algorithm.name = {self.algorithm.name!r}",
+                self.algorithm.name != "fedavg",
+                "the algorithm needs each node's own step and state, not a sum",
+            ),
+            (f"robust.rule = {self.robust.rule!r}", self.robust.rule != "mean", "a robust rule needs each update"),
+            ("federation.enabled", self.federation.enabled, "an edge serves one run"),
+        )
+        if on
+    ]
+    if unsupported:
+        raise ConfigError(
+            f"hierarchy.parent = {self.hierarchy.parent!r} makes this server an edge aggregator, which cannot run "
+            + "; ".join(f"{name} ({why})" for name, why in unsupported)
+        )
+
+
 def _check_hierarchy(self: Any) -> None:
     """Simulated edge aggregators sum plain FedAvg updates (docs/hierarchy.md, what works and what not yet)."""
+    if self.hierarchy.parent:
+        _check_edge(self)
     if not self.hierarchy.edges:
         return
     unsupported = [

@@ -74,8 +74,8 @@ class SimulationConfig:
     ray_gpus_per_worker: float = 0.0  # engine=ray: GPU fraction per worker (0.25 = four workers share a GPU)
     ray_max_restarts: int = 3  # engine=ray: a dead worker is restarted this often; its clients are re-run
     ray_partial_sums: bool = True  # engine=ray: workers sum their clients' updates when the pipeline allows
-    # engine=ray: longest wait for the workers to be placed and loaded, before the run stops with one
-    # line saying what the cluster lacks (never an endless wait)
+    # engine=ray / flower: longest wait for the workers (Flower: its clients) to be placed and loaded,
+    # before the run stops with one line saying what is missing (never an endless wait)
     ray_start_timeout_s: float = 300.0
 
     def validate(self) -> None:
@@ -302,6 +302,10 @@ class ServerConfig:
     poll_s: float = 20.0  # longest a node's GET /v1/task is held open
     max_body_bytes: int = 0  # one request's limit (0: a dense float32 model + 1 MiB); larger updates go in chunks
     ingest_slots: int = 4  # uploads decoded at once (memory: slots x model size)
+    # the plain weighted mean's running sum: float64 (exact to float32 rounding), float32 (half the
+    # memory; error <= (K-1) * 6e-8 of the mean magnitude, docs/deploy.md), or auto: float32 from
+    # 2**27 parameters (a 512 MiB model) up, float64 below
+    sum_dtype: Literal["auto", "float64", "float32"] = "auto"
     checkpoint_dir: str = "server/checkpoints"  # checkpoints and the privacy ledger (privacy.json)
     keep_checkpoints: int = 3  # the newest checkpoints kept
     db: str = "server/nodes.sqlite"  # the node registry (SQLite, mode 0600)
@@ -753,12 +757,26 @@ class HierarchyConfig:
         "float32"  # the partial's sum on the wire: float32 (half the bytes, rounded once) | float64 (exact)
     )
     edge_names: list[str] = field(default_factory=list)  # `shoal server` (root): node names allowed to send partials
+    edge_timeout_s: float = 5.0  # root: an edge silent this long loses its nodes (they may re-attach to another edge)
+    parent: str = ""  # `shoal server --parent URL` (an edge): the root's URL; "" = this server is a root
+    parent_token_file: str = ""  # an edge: the file with its token at the root (`shoal server nodes add EDGE` there)
+    parent_ca_cert: str = ""  # an edge: the CA that signed the root's certificate ("" = the system's trust store)
+    edge_quorum: float = 1.0  # an edge closes its part of a round once its nodes' weight reaches this share
+    edge_margin_s: float = 1.0  # an edge closes its part of a round this long before the root's deadline
 
     def validate(self) -> None:
         _positive("hierarchy.edges", self.edges, allow_zero=True)
         _positive("hierarchy.edge_rounds", self.edge_rounds)
         if not 0 <= self.edge_failure <= 1:
             raise ConfigError(f"hierarchy.edge_failure = {self.edge_failure} must be in [0, 1]")
+        if not 0 < self.edge_quorum <= 1:
+            raise ConfigError(f"hierarchy.edge_quorum = {self.edge_quorum} must be in (0, 1]")
+        if not (math.isfinite(self.edge_margin_s) and self.edge_margin_s >= 0):
+            raise ConfigError(f"hierarchy.edge_margin_s = {self.edge_margin_s} must be a number of seconds >= 0")
+        if not (math.isfinite(self.edge_timeout_s) and self.edge_timeout_s > 0):
+            raise ConfigError(f"hierarchy.edge_timeout_s = {self.edge_timeout_s} must be a number of seconds > 0")
+        if self.parent and not self.parent.startswith(("http://", "https://")):
+            raise ConfigError(f"hierarchy.parent = {self.parent!r} must be the root's http:// or https:// URL")
 
 
 @dataclass

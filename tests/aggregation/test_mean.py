@@ -140,3 +140,41 @@ def test_cuda_accumulator_takes_cpu_deltas_and_matches_cpu():
             m.add(d, w)
         means.append(m.mean().cpu())
     torch.testing.assert_close(means[0], means[1], rtol=1e-7, atol=0)
+
+
+def test_a_float32_sum_is_within_the_recursive_summation_bound_and_becomes_the_mean_in_place():
+    """server.sum_dtype = "float32" (large models): each coordinate's error against the exact
+    weighted mean stays within (K - 1) * 2**-24 * sum w|d| / sum w (plus the final rounding), even
+    for deltas that cancel; take_mean hands the sum's own memory over and releases the aggregator."""
+    g = torch.Generator().manual_seed(3)
+    for deltas, weights in (
+        _cancelling_deltas(200, 256),
+        (
+            [torch.randn(256, generator=g) * 1e-3 for _ in range(50)],
+            [float(w) for w in torch.rand(50, generator=g) + 0.1],
+        ),
+    ):
+        ref = _reference(deltas, weights)
+        m = WeightedMean(256, dtype=torch.float32)
+        for d, w in zip(deltas, weights):
+            m.add(d, w)
+        buffer = m._sum.data_ptr()
+        out = m.take_mean()
+        assert out.dtype == torch.float32 and out.data_ptr() == buffer  # no second buffer
+        assert m.count == 0 and m._acc is None
+        w = torch.tensor(weights, dtype=torch.float64)
+        magnitude = (w[:, None] * torch.stack(deltas).double().abs()).sum(0) / w.sum()
+        bound = (len(deltas) - 1 + 2) * 2**-24 * magnitude
+        error = (out.double() - ref).abs()
+        assert (error <= bound).all(), float((error / bound).max())
+        assert error.max() > 0  # it is a float32 sum: not exact, only bounded
+
+
+def test_take_mean_of_a_float64_sum_is_mean_and_keeps_the_sum():
+    deltas, weights = _cancelling_deltas(10, 16)
+    m = WeightedMean(16)
+    for d, w in zip(deltas, weights):
+        m.add(d, w)
+    assert torch.equal(m.take_mean(), m.mean()) and m.count == 10
+    with pytest.raises(EmptyAggregate):
+        WeightedMean(4, dtype=torch.float32).take_mean()

@@ -210,3 +210,20 @@ def test_make_server_optimizer_reads_the_config(name, cls):
 def test_make_server_optimizer_unknown_name():
     with pytest.raises(ValueError, match="no server optimizer"):
         make_server_optimizer(StrategyConfig(name="fedprox"))
+
+
+def test_fedavg_step_into_writes_the_new_model_into_the_mean_and_equals_step():
+    from shoal.aggregation.server_opt import FedAvgOpt
+
+    g = torch.Generator().manual_seed(0)
+    x, delta = torch.randn(1000, generator=g), torch.randn(1000, generator=g)
+    for lr in (1.0, 0.5):
+        opt, into = FedAvgOpt(lr), FedAvgOpt(lr)
+        expected = opt.step(x, delta)
+        mine = delta.clone()
+        out = into.step_into(x, mine)
+        assert out.data_ptr() == mine.data_ptr() and into.steps == 1
+        if lr == 1.0:
+            assert torch.equal(out, expected)
+        else:
+            torch.testing.assert_close(out, expected, rtol=2**-23, atol=0)

@@ -287,3 +287,51 @@ def test_a_reply_with_a_list_for_its_example_count_is_dropped_not_a_crash():
     content = RecordDict({ARRAYS: to_arrays(flat, spec), METRICS: MetricRecord({NUM_EXAMPLES: [3, 4]})})
     assert strategy.aggregate_train(1, [Message(content, metadata=meta)]) == (None, None)
     assert strategy.rounds.version == 0 and torch.equal(strategy.rounds.global_params, flat)
+
+
+class _SilentGrid:
+    """A Flower grid whose nodes never come, or come and never answer (Ray placed no actor)."""
+
+    def __init__(self, nodes: list[int]):
+        self.nodes = nodes
+        self.waited: list[float] = []
+
+    def get_node_ids(self):
+        return self.nodes
+
+    def send_and_receive(self, messages, timeout=None):
+        self.waited.append(timeout)
+        return []
+
+
+@pytest.mark.parametrize(("nodes", "match"), [([], "0 of 1 Flower nodes connected"), ([5, 6], "none of the 2")])
+def test_the_simulation_engine_bounds_flowers_client_start(nodes, match, monkeypatch):
+    """The simulation's ServerApp waits at most simulation.ray_start_timeout_s for its clients to
+    connect and answer, then stops with one line (a deployed SuperLink, without the bound, waits)."""
+    from shoal.aggregation import make_strategy
+    from shoal.errors import EngineError
+    from shoal.flower import apps
+    from shoal.flower.apps import ShoalStrategy
+
+    monkeypatch.setattr(apps, "Message", lambda *a, **k: object())  # outside a Flower run no Message is made
+    spec = ParamSpec.of(build_model("logreg", (60,), 10))
+    strategy = ShoalStrategy(make_strategy(load_config(None, []).strategy, spec.numel), spec, 1, start_timeout_s=0.3)
+    grid = _SilentGrid(nodes)
+    with pytest.raises(EngineError, match=match):
+        strategy.configure_train(1, to_arrays(torch.zeros(spec.numel), spec), {}, grid)  # type: ignore[arg-type]
+    assert grid.waited in ([], [0.3])
+
+
+def test_a_flower_runtime_that_starts_no_client_ends_in_one_clear_error(tmp_path):
+    """One GPU per client on a machine without one: Flower's runtime stops ('ActorPool is empty')
+    and the run ends in an EngineError naming the settings, not a generic RuntimeError."""
+    from shoal.errors import EngineError
+    from shoal.flower.engine import run_flower
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the client would start")
+    cfg = load_config(
+        None, [*SMALL, "simulation.engine='flower'", "simulation.rounds=1", "simulation.flower_client_gpus=1"]
+    )
+    with pytest.raises(EngineError, match="flower_client_gpus"):
+        run_flower(cfg, tmp_path / "out", progress=False)

@@ -31,6 +31,22 @@ def root(tmp_path, **server) -> tuple[ServerService, dict[str, dict]]:
     return svc, {n: svc.poll(n, 0.0) or {} for n in NODES}
 
 
+def with_edges(tmp_path, **server) -> tuple[ServerService, dict[str, dict], PartialIntake]:
+    """A root whose nodes are connected through the edges (each edge named its nodes in its poll)."""
+    opts = {"clients_per_round": 10, "min_nodes": 10, "rounds": 3, "deadline_s": 60.0, **server}
+    svc = ServerService(small_config(tmp_path, EDGE_NAMES, **opts))
+    intake = PartialIntake(svc)
+    for name, nodes in EDGES.items():
+        assert intake.poll(name, {"nodes": nodes}, NODES.__contains__, 0.0)["status"] == "wait"
+    assert svc.tick(0.0)
+    tasks = {}
+    for name, nodes in EDGES.items():
+        answer = intake.poll(name, {"nodes": nodes}, NODES.__contains__, 0.0)
+        assert answer["status"] == "work" and sorted(answer["tasks"]) == sorted(nodes)
+        tasks.update({n: {"round": answer["round"], "version": answer["version"]} for n in nodes})
+    return svc, tasks, intake
+
+
 def update(svc: ServerService, node: str, work: dict) -> Update:
     g = torch.Generator().manual_seed(int(node[1:]))
     return Update(torch.randn(svc.spec.numel, generator=g) * 0.01, 4 + int(node[1:]), work["version"], node)
@@ -47,8 +63,7 @@ def test_two_edges_equal_flat_and_the_retransmit_counts_once(tmp_path) -> None:
         flat.submit(n, encode_update(update(flat, n, works[n]), flat.spec, {"round": works[n]["round"]}), 1.0)
     assert flat.tick(2.0) and flat.version == 1
 
-    svc, works = root(tmp_path / "tree")
-    intake = PartialIntake(svc)
+    svc, works, intake = with_edges(tmp_path / "tree")
     for name in EDGES:
         edge = edge_round(svc, name, works)
         for n in EDGES[name]:
@@ -102,11 +117,11 @@ def test_quorum_by_weight_and_the_deadline_margin(tmp_path) -> None:
 
 
 def test_a_dead_edge_is_the_drop_out_of_its_nodes(tmp_path) -> None:
-    svc, works = root(tmp_path, min_fraction=0.5)
+    svc, works, intake = with_edges(tmp_path, min_fraction=0.5)
     edge = edge_round(svc, "edge-a", works)
     for n in EDGES["edge-a"]:
         edge.submit(n, update(svc, n, works[n]))
-    PartialIntake(svc).submit("edge-a", encode_partial(edge.close(), svc.spec.hash), 1.0)
+    intake.submit("edge-a", encode_partial(edge.close(), svc.spec.hash), 1.0)
     assert not svc.tick(30.0)  # edge-b's nodes are still awaited
     assert svc.tick(61.0) and svc.version == 1  # the root's deadline: 6 of 10 results (>= min_fraction)
     record = svc.events[-1].fields
@@ -117,3 +132,25 @@ def test_a_dead_edge_is_the_drop_out_of_its_nodes(tmp_path) -> None:
         only_a.submit(n, encode_update(update(only_a, n, works[n]), only_a.spec, {"round": works[n]["round"]}), 1.0)
     assert only_a.tick(61.0)
     torch.testing.assert_close(svc.rounds.global_params, only_a.rounds.global_params, atol=1e-6, rtol=0)
+
+
+def test_the_root_stops_waiting_for_the_nodes_an_edge_closed_out(tmp_path) -> None:
+    """An edge that closed at its quorum sends one partial: the root counts its other nodes as
+    answered for this round and closes before its deadline once the other edge reported."""
+    svc, works, intake = with_edges(tmp_path, min_fraction=0.5)
+    expected = {n: float(4 + int(n[1:])) for n in EDGES["edge-a"]}
+    a = edge_round(svc, "edge-a", works, quorum=0.5, expected=expected)
+    for n in reversed(EDGES["edge-a"]):
+        a.submit(n, update(svc, n, works[n]))
+        if a.should_close(1.0):
+            break
+    part = a.close()
+    assert part is not None and 0 < part.count < 6
+    intake.submit("edge-a", encode_partial(part, svc.spec.hash), 1.0)
+    assert not svc.tick(2.0)  # edge-b's nodes are still awaited
+    b = edge_round(svc, "edge-b", works)
+    for n in EDGES["edge-b"]:
+        b.submit(n, update(svc, n, works[n]))
+    intake.submit("edge-b", encode_partial(b.close(), svc.spec.hash), 3.0)
+    assert svc.tick(3.0) and svc.version == 1  # long before the deadline (60 s)
+    assert svc.events[-1].fields["num_results"] == part.count + 4

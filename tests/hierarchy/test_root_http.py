@@ -18,6 +18,16 @@ NODES = [f"n{i}" for i in range(6)]
 EDGES = {"edge-a": NODES[:4], "edge-b": NODES[4:]}
 
 
+async def edge_poll(live, edge: str, nodes: list[str]) -> dict:
+    """POST /v1/edge/poll: ``edge`` names its connected nodes (no wait)."""
+    async with (
+        live.session(edge) as http,
+        http.post(live.url + "/v1/edge/poll", params={"wait": "0"}, json={"nodes": nodes}) as r,
+    ):
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
 def test_edges_post_partials_over_http(tmp_path) -> None:
     asyncio.run(_scenario(tmp_path))
 
@@ -26,11 +36,19 @@ async def _scenario(tmp_path) -> None:
     sections = {"hierarchy": {"edge_names": list(EDGES)}}
     async with live_server(tmp_path, [*NODES, *EDGES], sections=sections, clients_per_round=6, min_nodes=6) as live:
         svc = live.service
+        for edge, nodes in EDGES.items():  # the edges name their nodes; the root counts them connected
+            answer = await edge_poll(live, edge, nodes)
+            assert answer["status"] == "wait" and answer["nodes"] == len(nodes)
         now = time.monotonic()
-        for n in NODES:
-            svc.seen(n, now)
-        assert svc.tick(now)
+        svc.tick(now)  # the last poll's own tick may have opened it
+        assert svc.sync is not None and svc.sync.open
         works = {n: svc.poll(n, now) or {} for n in NODES}
+        answer = await edge_poll(live, "edge-a", ["n0", "n1", "n2", "n3", "n4"])  # n4 is edge-b's
+        assert answer["status"] == "work" and sorted(answer["tasks"]) == EDGES["edge-a"]
+        assert answer["refused"] == {"n4": "held_by_another_edge"}
+        assert answer["tasks"]["n0"] == works["n0"]["seed"]
+        async with live.session("n0") as http, http.post(live.url + "/v1/edge/poll", json={"nodes": []}) as r:
+            assert r.status == 403  # a node is no edge
         g0 = svc.rounds.global_params.clone()
         ups = {
             n: Update(torch.randn(svc.spec.numel, generator=torch.Generator().manual_seed(i)) * 0.01, 3 + i, 0, n)
@@ -57,8 +75,8 @@ async def _scenario(tmp_path) -> None:
         assert (status, answer["error"]) == (400, "malformed")
         status, answer = await post("edge-b", bytes(svc.spec.numel * 8 + (2 << 20)))
         assert (status, answer["error"]) == (413, "too_large")
-        status, answer = await post("edge-b", body("edge-b", ["n3", *EDGES["edge-b"]]))  # n3 came via edge-a
-        assert (status, answer["error"]) == (409, "duplicate")
+        status, answer = await post("edge-b", body("edge-b", ["n3", *EDGES["edge-b"]]))  # n3 is edge-a's
+        assert (status, answer["error"]) == (409, "not_your_node")
         assert svc.version == 0 and svc.sync is not None and svc.sync.received == set(EDGES["edge-a"])
         status, answer = await post("edge-b", body("edge-b", EDGES["edge-b"]))
         assert (status, answer["status"]) == (200, "accepted")
@@ -85,10 +103,11 @@ async def _lost_answer(tmp_path) -> None:
     sections = {"hierarchy": {"edge_names": list(EDGES)}}
     async with live_server(tmp_path, [*NODES, *EDGES], sections=sections, clients_per_round=6, min_nodes=6) as live:
         svc = live.service
+        for edge, nodes in EDGES.items():
+            await edge_poll(live, edge, nodes)
         now = time.monotonic()
-        for n in NODES:
-            svc.seen(n, now)
-        assert svc.tick(now)
+        svc.tick(now)  # the last poll's own tick may have opened it
+        assert svc.sync is not None and svc.sync.open
         works = {n: svc.poll(n, now) or {} for n in NODES}
         acc = Accumulator(works["n0"]["round"], 0, svc.spec.numel)
         for i, n in enumerate(EDGES["edge-a"]):

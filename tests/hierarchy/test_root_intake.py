@@ -21,12 +21,17 @@ EDGE_NAMES = {"hierarchy": {"edge_names": ["edge-a", "edge-b", "edge-c", "edge-d
 NODES = [f"n{i}" for i in range(8)]
 
 
-def open_round(tmp_path) -> tuple[ServerService, list[dict]]:
+def open_round(tmp_path, edges: dict[str, list[str]] | None = None) -> tuple[ServerService, list[dict], PartialIntake]:
+    """A root with a round open over NODES; ``edges``: each edge named its nodes (POST /v1/edge/poll)
+    before the round opened, so the root lets it speak for them in this round."""
     svc = ServerService(small_config(tmp_path, EDGE_NAMES, clients_per_round=8, min_nodes=8, rounds=3))
+    intake = PartialIntake(svc)
+    for edge, nodes in (edges or {}).items():
+        assert intake.poll(edge, {"nodes": nodes}, NODES.__contains__, 0.0)["status"] == "wait"
     for n in NODES:
         svc.seen(n, 0.0)
     assert svc.tick(0.0)
-    return svc, [dict(svc.poll(n, 0.0) or {}, node=n) for n in NODES]
+    return svc, [dict(svc.poll(n, 0.0) or {}, node=n) for n in NODES], intake
 
 
 def node_update(svc: ServerService, work: dict) -> Update:
@@ -43,13 +48,12 @@ def edge_body(svc: ServerService, works: list[dict], origin: str = "edge-a") -> 
 
 
 def test_two_edges_give_the_flat_round_and_retransmits_count_once(tmp_path) -> None:
-    flat, works = open_round(tmp_path / "flat")
+    flat, works, _ = open_round(tmp_path / "flat")
     for w in works:
         flat.submit(w["node"], encode_update(node_update(flat, w), flat.spec, {"round": w["round"]}), 1.0)
     assert flat.tick(2.0) and flat.version == 1
 
-    root, works = open_round(tmp_path / "root")
-    intake = PartialIntake(root)
+    root, works, intake = open_round(tmp_path / "root", {"edge-a": NODES[:5], "edge-b": NODES[5:]})
     a, b = edge_body(root, works[:5]), edge_body(root, works[5:], origin="liar")  # the body's origin is ignored
     assert intake.submit("edge-a", a, 1.0)["status"] == "accepted"
     assert intake.submit("edge-a", a, 1.1)["status"] == "duplicate"  # a retransmit: counted once
@@ -65,15 +69,16 @@ def test_two_edges_give_the_flat_round_and_retransmits_count_once(tmp_path) -> N
 
 
 def test_conflicts_double_counting_and_hostile_bodies_change_nothing(tmp_path) -> None:
-    root, works = open_round(tmp_path)
-    intake = PartialIntake(root)
+    root, works, intake = open_round(tmp_path, {"edge-a": NODES[:5], "edge-b": NODES[5:7], "edge-d": NODES[7:]})
     intake.submit("edge-a", edge_body(root, works[:3]), 1.0)
+    root.submit("n5", encode_update(node_update(root, works[5]), root.spec, {"round": works[5]["round"]}), 1.0)
     before = root.sync.strategy.aggregator._sum.clone()  # type: ignore[union-attr]
     attempts = [
         ("edge-a", edge_body(root, works[3:5]), "conflict"),  # another partial from edge-a this round
-        ("edge-b", edge_body(root, works[2:5]), "duplicate"),  # n2 is already in (via edge-a)
-        ("edge-c", edge_body(root, [dict(works[5], node="n99")]), "not_selected"),
-        ("edge-d", edge_body(root, [dict(works[6], version=7)]), "stale"),
+        ("edge-b", edge_body(root, works[2:5]), "not_your_node"),  # n2..n4 are edge-a's (n2 is already in)
+        ("edge-b", edge_body(root, works[5:7]), "duplicate"),  # n5 sent its own update to the root
+        ("edge-c", edge_body(root, [dict(works[5], node="n99")]), "not_your_node"),  # nobody's node
+        ("edge-d", edge_body(root, [dict(works[7], version=7)]), "stale"),
         ("edge-e", b"\x00" * 40, "malformed"),
         ("n7", edge_body(root, works[6:]), "not_an_edge"),  # a node may not speak for others
         ("edge-f", edge_body(root, works[6:])[:-10], "malformed"),
@@ -83,7 +88,41 @@ def test_conflicts_double_counting_and_hostile_bodies_change_nothing(tmp_path) -
             intake.submit(edge, body, 1.5)
         assert getattr(e.value, "code", "") == code, (edge, e.value)
     assert torch.equal(root.sync.strategy.aggregator._sum, before)  # type: ignore[union-attr]
-    assert root.sync.received == {"n0", "n1", "n2"}  # type: ignore[union-attr]
-    # edge-b, refused above, can still send a good partial
-    assert intake.submit("edge-b", edge_body(root, works[3:]), 2.0)["status"] == "accepted"
-    assert root.tick(2.5) and root.version == 1
+    assert root.sync.received == {"n0", "n1", "n2", "n5"}  # type: ignore[union-attr]
+    # edge-b and edge-d, refused above, can still send good partials
+    assert intake.submit("edge-b", edge_body(root, works[6:7]), 2.0)["status"] == "accepted"
+    assert intake.submit("edge-d", edge_body(root, works[7:]), 2.0)["status"] == "accepted"
+    assert root.sync.received == {"n0", "n1", "n2", "n5", "n6", "n7"}  # type: ignore[union-attr]
+
+
+def test_the_root_decides_which_edge_speaks_for_a_node(tmp_path) -> None:
+    """A claim counts only for enrolled nodes (never an edge), the first live edge holds a node, a
+    silent edge loses its nodes after hierarchy.edge_timeout_s, and a round keeps the holders it
+    opened with: a node whose edge died is that round's drop-out, counted by nobody else."""
+    root = ServerService(small_config(tmp_path, EDGE_NAMES, clients_per_round=8, min_nodes=8, rounds=3))
+    intake = PartialIntake(root)
+    enrolled = {*NODES, "edge-a", "edge-b"}
+    a = intake.poll("edge-a", {"nodes": ["n0", "n1", "ghost", "edge-b"]}, enrolled.__contains__, 0.0)
+    assert a["refused"] == {"ghost": "not_enrolled", "edge-b": "not_enrolled"} and a["nodes"] == 2
+    b = intake.poll("edge-b", {"nodes": ["n1", "n2"]}, enrolled.__contains__, 0.5)
+    assert b["refused"] == {"n1": "held_by_another_edge"} and b["nodes"] == 1
+    for n in NODES[3:]:
+        root.seen(n, 0.5)
+    assert root.tick(0.5)  # n0..n2 are connected through the edges
+    works = [dict(root.poll(n, 0.5) or {}, node=n) for n in NODES]
+    assert sorted(intake.poll("edge-a", {"nodes": ["n0", "n1"]}, enrolled.__contains__, 1.0)["tasks"]) == ["n0", "n1"]
+    timeout = root.cfg.hierarchy.edge_timeout_s
+    later = 1.0 + timeout + 0.1  # edge-a fell silent: edge-b may claim its nodes, for the next rounds
+    b = intake.poll("edge-b", {"nodes": ["n0", "n1", "n2"]}, enrolled.__contains__, later)
+    assert "refused" not in b and sorted(b["tasks"]) == ["n2"]  # this round still holds n0, n1 for edge-a
+    with pytest.raises(UpdateRejected) as e:
+        intake.submit("edge-b", edge_body(root, works[:3]), later)
+    assert e.value.code == "not_your_node" and root.sync.received == set()  # type: ignore[union-attr]
+    for bad in ({"nodes": "n0"}, {"nodes": ["n0", "n0"]}, {"nodes": [""]}, {"nodes": [], "x": 1}, [1]):
+        with pytest.raises(ShoalError) as e:
+            intake.poll("edge-b", bad, enrolled.__contains__, later)
+        assert e.value.code == "malformed"
+    with pytest.raises(ShoalError) as e:
+        intake.poll("n3", {"nodes": ["n4"]}, enrolled.__contains__, later)
+    assert e.value.code == "not_an_edge"
+    assert intake.roster.holder("n4", later) is None

@@ -257,12 +257,21 @@ def test_fedbn_buffers_stay_with_each_client_across_rounds(pool, tmp_path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("name", "key"), [("scaffold", "scaffold/c"), ("ditto", "ditto/v")])
-def test_client_state_follows_each_client_to_its_worker(pool, name, key):
+@pytest.mark.parametrize(
+    ("name", "key", "extra"),
+    [
+        ("scaffold", "scaffold/c", ()),
+        ("scaffold", "scaffold/c", ("secure_aggregation.enabled=true", "secure_aggregation.bits=28")),
+        ("ditto", "ditto/v", ()),
+    ],
+)
+def test_client_state_follows_each_client_to_its_worker(pool, name, key, extra):
     """Client state (SCAFFOLD's control variates, Ditto's personal models) lives in the driver's
     store, travels with each call and comes back: the model, SCAFFOLD's server c and every
-    client's state are the in-process engine's."""
-    here, there = same_model(pool, f"algorithm.name='{name}'", "simulation.rounds=4")
+    client's state are the in-process engine's, also when SCAFFOLD's control-variate deltas go
+    through the masked sum of secure aggregation."""
+    here, there = same_model(pool, f"algorithm.name='{name}'", "simulation.rounds=4", *extra)
+    assert (there.secure_aggregation is not None) == bool(extra)
     if name == "scaffold":
         assert here.control is not None and there.control is not None
         assert torch.allclose(here.control.c, there.control.c, atol=1e-5) and here.control.c.abs().max() > 0

@@ -91,7 +91,8 @@ def mode_config(mode: str) -> tuple[dict, dict]:
         return {k: v for k, v in server.items() if k in ("body_timeout_s", "uploads_per_node")}, {}
     if mode == "async":
         return {**server, "mode": "async"}, {"asynchronous": {"algorithm": "fedbuff", "buffer_size": 2}, **edge}
-    return {**server, "min_nodes": 6}, {"secure_aggregation": {"enabled": True, "stage_s": 600.0}, **edge}
+    # no edge here: f0 must be selected as a node, and an edge is never counted as one
+    return {**server, "min_nodes": 6}, {"secure_aggregation": {"enabled": True, "stage_s": 600.0}}
 
 
 # --- the server, in a thread of its own ------------------------------------------------
@@ -328,11 +329,11 @@ def update_body(draw, ctx: Ctx, sender: str) -> bytes:
 
 @st.composite
 def partial_body(draw, ctx: Ctx) -> bytes:
-    """An edge aggregator's partial (POST /v1/partial, docs/hierarchy.md), often hostile; its nodes are
-    never the legit ones, so even a well-formed partial must be refused by the round."""
+    """An edge aggregator's partial (POST /v1/partial, docs/hierarchy.md), often hostile; no edge ever
+    holds its nodes (edge_poll_body claims none), so even a well-formed partial must be refused."""
     n = ctx.numel
     bits = draw(st.sampled_from([0] * 4 + [16, 62, 63]))
-    names = st.sampled_from([*FUZZERS, "x", "", "n9"])
+    names = st.sampled_from([*FUZZERS, *LEGIT, "x", "", "n9"])  # LEGIT: selected, but no edge claimed them
     h = {
         "format": FORMAT,
         "kind": "partial",
@@ -453,6 +454,28 @@ QUERY_ROUND = st.one_of(
 
 
 @st.composite
+def edge_poll_body(draw) -> bytes:
+    """An edge's poll (POST /v1/edge/poll): near-valid and broken rosters, never naming an enrolled
+    node, so a taken poll claims nothing."""
+    name = st.one_of(
+        st.sampled_from(["x", "n9", "f0", "", "a" * 300, "edge"]), st.integers(), st.none(), st.text(max_size=4)
+    )
+    kind = draw(st.sampled_from(["good", "good", "extra", "not_list", "duplicate", "raw"]))
+    nodes = draw(st.lists(name, max_size=5))
+    if kind == "raw":
+        return draw(st.binary(max_size=64))
+    obj: object = {"nodes": nodes}
+    if kind == "extra":
+        obj = {"nodes": nodes, draw(st.text(max_size=6)): 1}
+    elif kind == "not_list":
+        obj = {"nodes": draw(st.sampled_from(["n0", 5, None, {"n0": 1}]))}
+    elif kind == "duplicate":
+        obj = {"nodes": ["x", "x"]}
+    text = json.dumps(obj).encode()
+    return bytes(draw(mutate(text)))
+
+
+@st.composite
 def failure_body(draw) -> bytes:
     """Near-valid and broken failure reports: {"round", "version", "reason"} with wrong types,
     extra or missing fields, other reasons, or not JSON at all."""
@@ -528,6 +551,7 @@ def requests(ctx: Ctx, mode: str):
                 + ["secagg_post", "task", "model", "secagg_get", "status", "metrics", "junk", "failed"]
                 + ["chunks"] * 2
                 + ["partial"] * 2
+                + ["edge_poll"]
                 + (federation * 2 if mode == "federation" else [])
             )
         )
@@ -545,6 +569,8 @@ def requests(ctx: Ctx, mode: str):
             return draw(chunk_request(at, sender))
         if route == "partial":  # f0 is an edge of the server (hierarchy.edge_names); others get 403
             return Request("POST", at + "/v1/partial", sender, draw(partial_body(ctx)), "partial")
+        if route == "edge_poll":  # f0's roster; never waits (a wait would hold the fuzzer)
+            return Request("POST", at + "/v1/edge/poll?wait=0", sender, draw(edge_poll_body()), "edge_poll")
         if route == "update":
             body = draw(update_body(ctx, name))
             return Request("POST", at + "/v1/update", sender, body, "update", draw(st.booleans()))
@@ -998,6 +1024,9 @@ def check(server: ServerThread, ctx: Ctx, req: Request, tally: Tally, before: tu
     if req.kind == "partial" and status == 200:  # its nodes hold no task: it must be refused
         tally.malformed_accepted += 1
         tally.note(f"partial accepted from {req.who}: {info}")
+    if req.kind == "edge_poll" and status == 200 and json.loads(body).get("nodes") != 0:  # names no enrolled node
+        tally.malformed_accepted += 1
+        tally.note(f"edge poll claimed nodes: {info}")
     if req.kind == "failed" and status == 200 and not oracle_failure(req.body):
         tally.malformed_accepted += 1
         tally.note(f"malformed failure report accepted: {req.body[:80]!r}")

@@ -26,8 +26,8 @@ TRAIN = {"batch_size": 10, "lr": 0.05, "momentum": 0.5}
 SERVER = {"rounds": 3, "min_nodes": 5, "clients_per_round": 5, "deadline_s": 30.0, "poll_s": 1.0}
 
 
-def _deployed(tmp_path, algorithm: dict) -> tuple[ServerService, list[Node]]:
-    sections = {"algorithm": algorithm, "train": TRAIN}
+def _deployed(tmp_path, algorithm: dict, **more: dict) -> tuple[ServerService, list[Node]]:
+    sections = {"algorithm": algorithm, "train": TRAIN, **more}
     cfg = small_config(tmp_path, sections, **SERVER)
     shards = [load_shard(p) for p in write_shards(cfg, tmp_path / "shards")]
 
@@ -79,6 +79,29 @@ def test_a_deployed_algorithm_gives_the_simulators_model(tmp_path, name):
         assert torch.equal(header["aux_tensors"]["scaffold/c"], c)  # the broadcast is the current c
     if name == "ditto":  # the personal model is the node's own state, kept between rounds
         assert all("ditto/v" in n.states.get(n.name) for n in nodes)
+
+
+@pytest.mark.parametrize("name", ["scaffold", "fednova"])
+def test_under_secure_aggregation_the_server_sees_sums_and_gets_the_simulators_model(tmp_path, name):
+    """SCAFFOLD's nodes mask their control-variate delta beside the update, FedNova's mask Delta/a_k
+    (aggregation/secagg/payload.py): the server's model and c equal the in-process simulator's with
+    the same secure aggregation, and each SCAFFOLD node kept its c_i once its masked input was in."""
+    secure = {"enabled": True, "bits": 28, "clip": 1.0}
+    svc, nodes = _deployed(tmp_path, {"name": name}, secure_aggregation=secure)
+    assert svc.version == 3 and all(n.rounds_done == 3 for n in nodes)
+    assert svc.secure_last["included"] == 5
+    sections = {"algorithm": {"name": name}, "train": TRAIN, "secure_aggregation": secure}
+    sim = InProcessSimulation(small_config(tmp_path, sections, **SERVER))
+    for _ in range(3):
+        sim.run_round()
+    gap = float((svc.rounds.global_params - sim.global_params).abs().max())
+    assert gap < 1e-5, gap
+    if name == "scaffold":
+        c = svc.sync.strategy.control.c
+        assert float((c - sim.control.c).abs().max()) < 1e-5 and float(c.abs().max()) > 1e-3
+        for n in nodes:
+            kept = n.states.get(n.name)["scaffold/c"]
+            assert float((kept - sim.states.get(n.name)["scaffold/c"]).abs().max()) < 1e-5
 
 
 def test_scaffold_and_fednova_refuse_an_update_without_what_their_server_step_needs(tmp_path):

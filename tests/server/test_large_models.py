@@ -81,11 +81,13 @@ class CutOnce:
 def test_chunked_transfers_resume_after_lost_connections_and_train_the_same_model(tmp_path):
     cfg = config_from_dict({"model": {"name": "logreg"}, "train": {"batch_size": 10, "lr": 0.05}})
 
-    async def run(max_body: int, cut: str | None) -> tuple[torch.Tensor, dict]:
-        where = tmp_path / f"{max_body}-{cut}"
+    async def run(max_body: int, cut: str | None, sum_dtype: str = "auto") -> tuple[torch.Tensor, dict]:
+        where = tmp_path / f"{max_body}-{cut}-{sum_dtype}"
         where.mkdir()
         server = {"rounds": 2, "min_nodes": 2, "clients_per_round": 2, "poll_s": 1.0, "max_body_bytes": max_body}
-        async with live_server(where, ["n0", "n1"], clock=True, **server) as live:
+        async with live_server(where, ["n0", "n1"], clock=True, sum_dtype=sum_dtype, **server) as live:
+            assert live.service.sync is not None
+            assert live.service.sync.strategy.aggregator.dtype == getattr(torch, sum_dtype, torch.float64)
             url0, proxy = live.url, None
             if cut is not None:
                 port = int(live.url.rsplit(":", 1)[1])
@@ -114,6 +116,9 @@ def test_chunked_transfers_resume_after_lost_connections_and_train_the_same_mode
         params, resumed = asyncio.run(run(SMALL, cut))
         assert resumed[cut] >= 1, resumed  # went on from its offset, not from the start
         assert torch.equal(whole, params), cut
+    # a float32 sum (server.sum_dtype, for large models): the same model to float32 summation error
+    params, _ = asyncio.run(run(SMALL, None, "float32"))
+    torch.testing.assert_close(params, whole, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.timeout(60)
@@ -239,3 +244,13 @@ def test_model_ranges_digests_and_refusals(tmp_path):
                     assert r.status == 412 and (await r.json())["error"] == "version_changed"
 
     asyncio.run(main())
+
+
+def test_the_round_sum_is_float32_from_a_512_mb_model_up_unless_the_config_says():
+    from shoal.server.service import LARGE_MODEL_NUMEL, sum_dtype
+
+    assert LARGE_MODEL_NUMEL * 4 == 512 * 2**20
+    assert sum_dtype("auto", LARGE_MODEL_NUMEL) == torch.float32
+    assert sum_dtype("auto", LARGE_MODEL_NUMEL - 1) == torch.float64
+    assert sum_dtype("float64", 10 * LARGE_MODEL_NUMEL) == torch.float64
+    assert sum_dtype("float32", 10) == torch.float32

@@ -172,6 +172,7 @@ def test_bad_secure_messages_get_4xx_json_and_change_nothing(tmp_path):
                     "malformed",
                 ),
                 "wrong_kind": (a, "keys", encode_message(UnmaskShares("n0"), {"round": a.round}), 400, "malformed"),
+                "other_algorithm": (a, "keys", a.keys(fednova_a=12.0), 400, "malformed"),  # FedAvg takes no a_k
                 "wrong_stage": (a, "shares", good, 409, "wrong_stage"),
                 "unknown_stage": (a, "nonsense", good, 409, "unknown_stage"),
             }

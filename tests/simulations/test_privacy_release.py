@@ -119,3 +119,17 @@ def test_noised_figures_carry_the_noise_they_are_charged_for():
 def test_noised_release_is_refused_for_local_dp():
     with pytest.raises(ConfigError, match="privacy.release = 'noised' with privacy.mode = 'local'"):
         load_config(None, ['privacy.mode="local"', 'privacy.release="noised"'])
+
+
+def test_clients_do_not_evaluate_under_dp_unless_the_release_is_clear(monkeypatch):
+    """fed_* figures of a DP run are never written (withhold / noised): the simulator does not
+    compute them either; with release = "clear" (or without DP) it does."""
+
+    def evaluated(self, params):
+        return {"fed_accuracy": 0.5}
+
+    monkeypatch.setattr(InProcessSimulation, "federated_evaluate", evaluated)
+    for sets, expected in ([[], False], [['privacy.release="clear"'], True], [['privacy.mode="none"'], True]):
+        sim = InProcessSimulation(load_config(None, [*BASE, *sets]))
+        sim.client_test = []  # as if the task's clients had test data
+        assert ("fed_accuracy" in sim.evaluate()) is expected, sets

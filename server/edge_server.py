@@ -1,0 +1,520 @@
+"""An edge aggregator process: `shoal server --parent URL` (docs/hierarchy.md).
+
+To its nodes an edge is a server: they poll it for tasks (``GET /v1/task``), download the model
+from it (``GET /v1/model``, the root's bytes cached once per version and served locally) and
+upload their updates to it (``POST /v1/update``), with the node protocol of docs/protocol.md.
+To the root it is one caller: it names its connected nodes in ``POST /v1/edge/poll`` (the root
+counts them as connected, selects among them and answers with the tasks of the nodes this edge
+holds in the open round), and sends one partial per round (``POST /v1/partial``,
+server/edge_uplink.py), retransmitted until the root answers.
+
+:class:`EdgeNodes` is the edge's state without I/O: the nodes it serves, the open root round's
+:class:`~shoal.server.edge.EdgeRound` (its nodes' updates summed as they come; closed when every
+node reported, at ``hierarchy.edge_quorum`` of the expected weight, or
+``hierarchy.edge_margin_s`` before the root's deadline), the cached model. :func:`serve_edge`
+is the aiohttp side around it: the node routes, the poll of the root, the model fetch and the
+uplink. An edge takes sync FedAvg rounds without secure aggregation or DP (config rules refuse
+the rest, with the reason).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import random
+import signal
+import ssl
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from shoal.aggregation.partial import encode_partial, update_weight
+from shoal.assembly import initial_model, task_from_config
+from shoal.config import Config
+from shoal.errors import ConfigError, Malformed, ShoalError, SpecMismatch, UpdateRejected
+from shoal.metrics import json_safe
+from shoal.params import ParamSpec
+from shoal.pki import read_secret
+from shoal.task import Task
+from shoal.wire import MAX_HEADER_BYTES, decode_update, read_header
+
+from .edge import MAX_ROSTER, EdgeRound
+from .edge_uplink import PartialRefused, UplinkGaveUp, send_partial
+from .service import MAX_FAILURE_BODY, ModelDownload, parse_failure_report, spec_mismatch_detail
+
+log = logging.getLogger(__name__)
+
+POLL_WAIT_S = 1.0  # the edge's poll of the root is held this long at most while the root has no work for it
+CLOSE_EVERY_S = 0.05  # how often the edge looks whether its part of the round is due to close
+
+
+def _int(obj: dict, key: str) -> int:
+    v = obj.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 2**53:
+        raise Malformed(f"the root's answer field {key!r} = {str(v)[:40]} is not an integer >= 0")
+    return v
+
+
+class EdgeNodes:
+    """An edge aggregator's state, without I/O: its nodes, the open root round, the cached model.
+    Time is passed in as ``now`` (monotonic seconds)."""
+
+    def __init__(self, cfg: Config, spec: ParamSpec):
+        self.cfg, self.spec = cfg, spec
+        s = cfg.server
+        self.update_limit = spec.nbytes + MAX_HEADER_BYTES
+        if s.max_body_bytes and self.update_limit > s.max_body_bytes:
+            raise ConfigError(
+                f"an edge takes whole-body uploads (no chunks yet): server.max_body_bytes = {s.max_body_bytes} is "
+                f"below a dense update of this model ({self.update_limit} bytes); raise it, or set it to 0"
+            )
+        self.max_body_bytes = s.max_body_bytes or self.update_limit
+        self.name = ""  # the root names this edge in its answers (the identity of its token)
+        self.last_seen: dict[str, float] = {}
+        self.round: EdgeRound | None = None
+        self.seeds: dict[str, int] = {}
+        self.started_at: float | None = None  # when this edge heard of the open round
+        self.weights: dict[str, float] = {}  # each node's weight in the last update it sent (the quorum's expectation)
+        self.model: ModelDownload | None = None
+        self.done = False
+        self.done_answer: dict[str, Any] = {}
+        self.told_done: set[str] = set()
+        self.accepted = 0
+        self.refused: dict[str, int] = {}
+
+    # --- towards the nodes -------------------------------------------------------------
+
+    def connected(self, now: float) -> list[str]:
+        """Nodes heard from within one long-poll period (plus 5 s of slack), as a root counts them."""
+        horizon = self.cfg.server.poll_s + 5.0
+        return sorted(n for n, t in self.last_seen.items() if now - t <= horizon)
+
+    def seen(self, node: str, now: float) -> None:
+        self.last_seen[node] = now
+
+    def check_spec(self, node_hash: str | None) -> None:
+        if node_hash is not None and node_hash != self.spec.hash:
+            raise SpecMismatch(spec_mismatch_detail(node_hash[:64], self.spec.hash))
+
+    def poll(self, node: str, now: float) -> dict[str, Any] | None:
+        """The node's task if it has one now (its root round, served from this edge), ``done`` at
+        the end, else None."""
+        self.seen(node, now)
+        if self.done:
+            self.told_done.add(node)
+            return {"status": "done", **self.done_answer}
+        er = self.round
+        if er is None or er.closed or node not in er.nodes or node in er.acc.senders:
+            return None
+        if self.model is None or self.model.version != er.version:
+            return None  # the model of the round is on its way from the root
+        work: dict[str, Any] = {"status": "work", "round": er.round, "version": er.version, "seed": self.seeds[node]}
+        if er.close_at is not None:
+            work["deadline_s"] = round(max(er.close_at - now, 0.0), 3)
+        return work
+
+    def submit(self, node: str, body: bytes | bytearray | memoryview, now: float) -> dict[str, Any]:
+        """One node's update into the open round's sum; a ShoalError with nothing changed if refused."""
+        self.seen(node, now)
+        s = self.cfg.server
+        try:
+            er = self.round
+            if er is None or er.closed:
+                raise UpdateRejected("round_closed", f"this edge has no open round (root version {self.version})")
+            update, header = decode_update(
+                body, self.spec, self.update_limit, copy=False, max_examples=s.max_examples, max_abs=s.max_delta_abs
+            )
+            if header.get("round") is not None and header.get("round") != er.round:
+                raise UpdateRejected(
+                    "round_closed",
+                    f"the update is for round {str(header.get('round'))[:20]}, the open one is {er.round}",
+                )
+            if update.to_server:
+                raise Malformed(f"the update carries {sorted(update.to_server)} beside its delta; FedAvg takes none")
+            er.submit(node, update)
+        except ShoalError as e:
+            code = getattr(e, "code", "error")
+            self.refused[code] = self.refused.get(code, 0) + 1
+            raise
+        self.weights[node] = update_weight(update, self.cfg.strategy.weighting)
+        self.accepted += 1
+        return {"status": "accepted", "round": er.round, "version": er.version}
+
+    def failed(self, node: str, body: bytes, now: float) -> dict[str, Any]:
+        """A node's report that its task failed: the edge stops waiting for it this round."""
+        self.seen(node, now)
+        round_, version, reason = parse_failure_report(body)
+        er = self.round
+        if er is None or (er.round, er.version) != (round_, version) or node not in er.nodes:
+            raise UpdateRejected("not_selected", f"node {node!r} holds no task of round {round_} here")
+        er.drop(node)
+        self.refused[reason] = self.refused.get(reason, 0) + 1
+        log.warning("round %d: node %s reports its task %s", round_, node, reason)
+        return {"status": "noted", "round": round_}
+
+    @property
+    def version(self) -> int:
+        return self.model.version if self.model is not None else 0
+
+    # --- towards the root --------------------------------------------------------------
+
+    def from_root(self, answer: object, now: float) -> bool:
+        """Take the root's answer to a poll; True when something changed for the nodes (a new round,
+        the end). Malformed (nothing changed) if it is not an answer."""
+        if not isinstance(answer, dict) or answer.get("status") not in ("work", "wait", "done"):
+            raise Malformed(f"the root's poll answer is not one: {str(answer)[:200]}")
+        name = answer.get("edge")
+        if not isinstance(name, str) or not 1 <= len(name) <= 256:
+            raise Malformed("the root's answer names no edge")
+        self.name = name
+        if answer["status"] == "done":
+            if not self.done:
+                log.info("the root reports done at version %s", answer.get("version"))
+            self.done = True
+            self.done_answer = {k: answer[k] for k in ("version", "reason") if k in answer}
+            return True
+        if answer["status"] == "wait":
+            return False
+        round_, version = _int(answer, "round"), _int(answer, "version")
+        tasks = answer.get("tasks")
+        if (
+            not isinstance(tasks, dict)
+            or not tasks
+            or not all(isinstance(n, str) and isinstance(s, int) and not isinstance(s, bool) for n, s in tasks.items())
+        ):
+            raise Malformed("the root's tasks are not {node: seed}")
+        left = answer.get("deadline_s")
+        if left is not None and (isinstance(left, bool) or not isinstance(left, (int, float)) or not left >= 0):
+            raise Malformed(f"the root's deadline_s = {str(left)[:40]} is not a number of seconds >= 0")
+        er = self.round
+        if er is not None and (er.round, er.version) == (round_, version):
+            return False  # the round this edge serves (the root freezes its holders: the same tasks)
+        if er is not None and not er.closed and er.acc.count:
+            log.warning("round %d: the root moved on to round %d before this edge's partial", er.round, round_)
+        h = self.cfg.hierarchy
+        self.round = EdgeRound(
+            self.name,
+            round_,
+            version,
+            self.spec.numel,
+            list(tasks),
+            weighting=self.cfg.strategy.weighting,
+            deadline_at=None if left is None or not math.isfinite(left) else now + float(left),
+            margin_s=h.edge_margin_s,
+            quorum=h.edge_quorum,
+            expected=self.weights,
+        )
+        self.seeds = dict(tasks)
+        self.started_at = now
+        log.info("round %d (version %d): %d of this edge's nodes have a task", round_, version, len(tasks))
+        return True
+
+    def finished(self, now: float, done_at: float) -> bool:
+        """Done, and every connected node was told so (or one poll period passed)."""
+        waiting = set(self.connected(now)) - self.told_done
+        return self.done and (not waiting or now - done_at > self.cfg.server.poll_s + 5)
+
+
+def edge_spec(cfg: Config, task: Task | None = None) -> ParamSpec:
+    """The model's spec, built as the root builds it (the same task, model and seed)."""
+    task = task if task is not None else task_from_config(cfg)
+    model = initial_model(cfg, task)
+    return ParamSpec.of(model, exchange_buffers=task.exchange_buffers).with_base(model)
+
+
+# --- the aiohttp side --------------------------------------------------------------------
+
+EDGE = web.AppKey("edge", EdgeNodes)
+
+
+def _edge_app(edge: EdgeNodes, registry) -> web.Application:
+    from .app import _base_app
+
+    app = _base_app(edge.cfg, registry, edge.max_body_bytes)
+    app[EDGE] = edge
+    app.router.add_get("/v1/task", get_task)
+    app.router.add_get("/v1/model", get_model)
+    app.router.add_post("/v1/update", post_update)
+    app.router.add_post("/v1/failed", post_failed)
+    return app
+
+
+async def get_task(request: web.Request) -> web.Response:
+    from .app import CHANGED, NODE, SPEC_HASH_HEADER, _seconds, _status_of, _wait_event, error
+
+    edge, node = request.app[EDGE], request[NODE]
+    end = time.monotonic() + _seconds(request, "wait", edge.cfg.server.poll_s)
+    try:
+        edge.check_spec(request.headers.get(SPEC_HASH_HEADER))
+    except ShoalError as e:
+        return error(_status_of(e), e.code, str(e))
+    while True:
+        event = request.app[CHANGED]["event"]
+        work = edge.poll(node, time.monotonic())
+        if work is not None:
+            return web.json_response(work)
+        left = end - time.monotonic()
+        if left <= 0:
+            return web.json_response({"status": "wait", "version": edge.version})
+        await _wait_event(event, min(left, 1.0))
+
+
+async def get_model(request: web.Request) -> web.StreamResponse:
+    from .app import NODE, Refusal, send_model
+
+    edge = request.app[EDGE]
+    edge.seen(request[NODE], time.monotonic())
+    if edge.model is None:
+        raise Refusal(503, "no_model", "this edge has not fetched the model from its root yet; try again shortly")
+    return await send_model(request, edge.model)
+
+
+async def _body(request: web.Request, limit: int) -> bytes:
+    from .app import Refusal
+
+    edge = request.app[EDGE]
+    length = request.content_length
+    if length is None:
+        raise Refusal(411, "length_required", "send the body with a Content-Length header")
+    if length > limit:
+        raise Refusal(413, "too_large", f"body of {length} bytes is over the limit of {limit} bytes", close=True)
+    try:
+        async with asyncio.timeout(edge.cfg.server.upload_timeout_s):
+            body = await request.read()
+    except TimeoutError:
+        raise Refusal(408, "upload_timeout", "the body did not arrive in server.upload_timeout_s", close=True) from None
+    if len(body) != length:
+        raise Refusal(400, "malformed", f"body of {len(body)} bytes, not its Content-Length of {length}")
+    return body
+
+
+async def post_update(request: web.Request) -> web.Response:
+    from .app import NODE, _notify, _status_of, error
+
+    edge, node = request.app[EDGE], request[NODE]
+    body = await _body(request, edge.max_body_bytes)
+    try:
+        result = edge.submit(node, memoryview(bytearray(body)), time.monotonic())
+    except ShoalError as e:
+        log.info("update from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
+        return error(_status_of(e), getattr(e, "code", "error"), str(e))
+    _notify(request.app)  # the closer looks at once whether the round is complete
+    return web.json_response(result)
+
+
+async def post_failed(request: web.Request) -> web.Response:
+    from .app import NODE, _status_of, error
+
+    edge = request.app[EDGE]
+    body = await _body(request, MAX_FAILURE_BODY)
+    try:
+        return web.json_response(edge.failed(request[NODE], body, time.monotonic()))
+    except ShoalError as e:
+        return error(_status_of(e), getattr(e, "code", "error"), str(e))
+
+
+class Uplink:
+    """The edge's side towards its root: the poll, the model fetch, the partials; per-round
+    figures into ``server.out_dir``/edge_metrics.jsonl."""
+
+    def __init__(self, edge: EdgeNodes, app: web.Application, http: aiohttp.ClientSession, parent: str, ssl_ctx):
+        self.edge, self.app, self.http = edge, app, http
+        self.parent = parent.rstrip("/")
+        self.ssl = ssl_ctx if ssl_ctx is not None else True
+        self.sending: set[asyncio.Task] = set()
+        self.rand = random.Random()
+        out = Path(edge.cfg.server.out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        self.metrics = out / "edge_metrics.jsonl"
+
+    def _changed(self) -> None:
+        from .app import _notify
+
+        _notify(self.app)
+
+    async def poll_root(self, stop: asyncio.Event) -> None:
+        """Name the connected nodes to the root, take its answer; fetch the round's model."""
+        from shoal.client.http import Backoff
+
+        backoff = Backoff()
+        done_at: float | None = None
+        while not stop.is_set():
+            now = time.monotonic()
+            if self.edge.done:  # the root is done (and may be gone): tell the nodes, then stop
+                done_at = done_at if done_at is not None else now
+                if self.edge.finished(now, done_at) and not self.sending:
+                    stop.set()
+                    return
+                await asyncio.sleep(0.2)
+                continue
+            try:
+                async with self.http.post(
+                    self.parent + "/v1/edge/poll",
+                    params={"wait": str(POLL_WAIT_S)},
+                    json={"nodes": self.edge.connected(now)[:MAX_ROSTER]},  # the root takes no more
+                    ssl=self.ssl,
+                ) as r:
+                    text = await r.text()
+                    if r.status in (401, 403) or (r.status == 409 and "not_supported" in text):
+                        raise ConfigError(f"the root {self.parent} refuses this edge ({r.status}): {text[:300]}")
+                    if r.status != 200:
+                        raise Malformed(f"{r.status}: {text[:300]}")
+                    answer = json.loads(text)
+                if self.edge.from_root(answer, time.monotonic()):
+                    self._changed()
+                if self.edge.round is not None and not self.edge.round.closed:
+                    await self.fetch_model(self.edge.round.version)
+                backoff.reset()
+            except ConfigError:
+                raise
+            except (aiohttp.ClientError, TimeoutError, ValueError, ShoalError) as e:
+                delay = backoff.next(self.rand)
+                log.warning(
+                    "poll of the root %s failed (%s: %s); again in %.2f s", self.parent, type(e).__name__, e, delay
+                )
+                try:
+                    await asyncio.wait_for(stop.wait(), delay)
+                except TimeoutError:
+                    pass
+                continue
+
+    async def fetch_model(self, version: int) -> None:
+        """The root's model of ``version``, cached and served to this edge's nodes as the root's bytes."""
+        from shoal.client.transfer import download
+
+        if self.edge.model is not None and self.edge.model.version == version:
+            return
+        headers = {"If-None-Match": self.edge.model.etag} if self.edge.model is not None else {}
+        got = await download(
+            self.http, self.parent + "/v1/model", self.ssl, headers, 2 * self.edge.update_limit, None, self.rand
+        )
+        if got is None:
+            return  # 304: the root is still at the version cached here
+        body, etag = got
+        header = read_header(body, len(body))[0]
+        if header.get("spec_hash") != self.edge.spec.hash:
+            raise ConfigError(spec_mismatch_detail(str(header.get("spec_hash"))[:64], self.edge.spec.hash))
+        got_version = header.get("version")
+        if not isinstance(got_version, int) or isinstance(got_version, bool):
+            raise Malformed("the root's model names no version")
+        self.edge.model = ModelDownload(got_version, etag, b"", memoryview(body))
+        log.info("model of version %d cached (%d bytes)", got_version, len(body))
+        self._changed()
+
+    async def close_rounds(self, stop: asyncio.Event) -> None:
+        """Close the edge's part of a round when it is due, and send its partial up."""
+        while not stop.is_set():
+            er = self.edge.round
+            now = time.monotonic()
+            if er is not None and er.should_close(now):
+                why = (
+                    "complete" if er.complete else "quorum" if er.close_at is None or now < er.close_at else "deadline"
+                )
+                part = er.close()
+                self._changed()  # nodes still training hear the round is over for them
+                if part is not None:
+                    task = asyncio.ensure_future(self.send(er, part, why, now))
+                    self.sending.add(task)
+                    task.add_done_callback(self.sending.discard)
+                else:
+                    log.info("round %d: no update arrived before the close (%s)", er.round, why)
+            await asyncio.sleep(CLOSE_EVERY_S)
+
+    async def send(self, er: EdgeRound, part, why: str, closed_at: float) -> None:
+        body = encode_partial(part, self.edge.spec.hash, self.edge.cfg.hierarchy.partial_dtype)
+        loop = asyncio.get_running_loop()
+        root_deadline = None if er.close_at is None else er.close_at + self.edge.cfg.hierarchy.edge_margin_s
+        give_up = None if root_deadline is None else loop.time() + (root_deadline - time.monotonic())
+        started = self.edge.started_at if self.edge.started_at is not None else closed_at
+        record: dict[str, Any] = {
+            "edge": self.edge.name,
+            "round": er.round,
+            "version": er.version,
+            "nodes_given": len(er.nodes),
+            "nodes_in": part.count,
+            "weight": part.total_weight,
+            "closed": why,
+            "closed_after_s": round(closed_at - started, 4),
+            "partial_bytes": len(body),
+        }
+        try:
+            answer = await send_partial(self.http, self.parent, body, give_up_at=give_up)
+            record["answer"] = answer.get("status")
+            log.info(
+                "round %d: partial of %d nodes %s by the root (%s)", er.round, part.count, answer.get("status"), why
+            )
+        except (PartialRefused, UplinkGaveUp) as e:
+            record["answer"] = "refused" if isinstance(e, PartialRefused) else "gave_up"
+            log.warning("round %d: partial of %d nodes not taken: %s", er.round, part.count, e)
+        record["sent_after_s"] = round(time.monotonic() - started, 4)
+        with self.metrics.open("a") as f:
+            f.write(json.dumps(json_safe(record)) + "\n")
+
+
+async def serve_edge(
+    cfg: Config,
+    registry,
+    ssl_context: ssl.SSLContext | None,
+    stop: asyncio.Event | None = None,
+    task: Task | None = None,
+) -> None:
+    """Serve this edge's nodes until the root says done (and the nodes were told), or SIGINT/SIGTERM."""
+    from shoal.tls import client_context
+
+    from .app import SHUTDOWN_S, _notify
+    from .connections import listen
+
+    h, s = cfg.hierarchy, cfg.server
+    if not h.parent_token_file:
+        raise ConfigError(
+            "hierarchy.parent_token_file is not set: an edge authenticates to its root with the token of "
+            "`shoal server nodes add EDGE_NAME` there (and EDGE_NAME in the root's hierarchy.edge_names)"
+        )
+    token = read_secret(h.parent_token_file, "hierarchy.parent_token_file")
+    to_root = client_context(h.parent_ca_cert or None) if h.parent.startswith("https://") else None
+    edge = EdgeNodes(cfg, edge_spec(cfg, task))
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            loop.add_signal_handler(sig, stop.set)
+        except (NotImplementedError, RuntimeError):
+            pass
+    app = _edge_app(edge, registry)
+    runner = web.AppRunner(
+        app, access_log=None, handle_signals=False, keepalive_timeout=s.idle_timeout_s, shutdown_timeout=SHUTDOWN_S
+    )
+    await runner.setup()
+    assert runner.server is not None
+    listener, _cap = await listen(runner.server, s.host, s.port, ssl_context, s.max_connections)
+    log.info(
+        "edge listening on %s://%s:%d, under the root %s", "https" if ssl_context else "http", s.host, s.port, h.parent
+    )
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=POLL_WAIT_S + 30)
+    try:
+        async with aiohttp.ClientSession(
+            timeout=timeout,
+            headers={"Authorization": f"Bearer {token}"},
+            connector=aiohttp.TCPConnector(ssl=to_root if to_root is not None else True),
+        ) as http:
+            up = Uplink(edge, app, http, h.parent, to_root)
+            loops = [asyncio.ensure_future(up.poll_root(stop)), asyncio.ensure_future(up.close_rounds(stop))]
+            stopper = asyncio.ensure_future(stop.wait())
+            done, _ = await asyncio.wait([*loops, stopper], return_when=asyncio.FIRST_COMPLETED)
+            for t in (*loops, stopper):
+                t.cancel()
+            for t in done:
+                if t is not stopper and not t.cancelled() and t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            if up.sending:  # a partial on its way finishes (bounded by the root's deadline)
+                await asyncio.wait(up.sending, timeout=SHUTDOWN_S)
+    finally:
+        _notify(app)
+        listener.close()
+        await runner.cleanup()
+    log.info("edge stopped: %d updates taken, refused %s", edge.accepted, edge.refused)

@@ -1,0 +1,78 @@
+"""Real processes on 127.0.0.1: a root, two edge aggregators (`shoal server --parent`) and four
+`shoal client` nodes, each given both edges. While both edges live the root's model is flat
+FedAvg's (the simulator's, 1e-6); then one edge is SIGKILLed mid-run: its nodes re-attach to the
+other edge, the run finishes, and no accepted update is counted twice. Bounded: every wait has a
+timeout and every process is killed at the end."""
+
+from __future__ import annotations
+
+import pytest
+
+from shoal.server.checkpoint import load_checkpoint
+from shoal.simulations.inprocess import InProcessSimulation
+
+from .deploy import hierarchy
+
+ROUNDS = 8  # rounds take ~0.2 s here: the kill lands at version 3 or a little after, with rounds to spare
+FLAT_ROUNDS = 3  # rounds before the kill, checked against flat FedAvg
+DEADLINE_S = 10.0  # the root's: the round the dead edge held closes at it
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_edge_processes_equal_flat_and_a_killed_edge_s_nodes_reattach(tmp_path):
+    with hierarchy(tmp_path, n=4, edges=2, rounds=ROUNDS, deadline=DEADLINE_S) as h:
+        rss: list[float] = []
+
+        def sample() -> None:
+            mb = h.rss_mb("root")
+            if mb is not None:
+                rss.append(mb)
+
+        h.root()
+        for e in h.edge_names:
+            h.edge(e)
+        h.listening(120)
+        for i in range(h.n):
+            h.node(i)
+        st = h.wait_status(lambda s: s["version"] >= FLAT_ROUNDS, 150, sample)
+        killed_at = st["version"]
+        h.kill("edge-a")  # nodes 0 and 1 are its nodes
+        assert h.wait("root", 90, sample) == 0, h.dump()
+        for i in range(h.n):
+            assert h.wait(h.shards[i].stem, 20) == 0, h.dump()
+        assert h.wait("edge-b", 20) == 0, h.dump()
+        records = h.records()
+        edge_b = h.edge_records("edge-b")
+        reattach = h.reattach_times()
+        log = h.dump()
+
+    assert [r["version"] for r in records] == list(range(1, ROUNDS + 1)), records
+    # while both edges lived every node was counted, through its own edge: flat FedAvg's model
+    assert all(r["num_results"] == 4 for r in records if r["version"] <= FLAT_ROUNDS), records
+    ck = sorted((tmp_path / "ck").iterdir())
+    tensors = next(t for t, s in map(load_checkpoint, ck) if s["version"] == FLAT_ROUNDS)
+    sim = InProcessSimulation(h.cfg)
+    for _ in range(FLAT_ROUNDS):
+        sim.run_round()
+    diff = float((tensors["params"] - sim.global_params).abs().max())
+    assert diff <= 1e-6, diff
+
+    # after the kill: the round edge-a held is the drop-out of its nodes (at most), and from a later
+    # round on both of them are counted through edge-b
+    after = [r for r in records if r["version"] > killed_at]
+    assert killed_at < ROUNDS - 1, records  # rounds were left after the kill
+    assert all(2 <= r["num_results"] <= 4 for r in after), after
+    assert any(r["num_results"] == 4 for r in after), (after, log)
+    assert any(e["nodes_in"] == 4 for e in edge_b), edge_b
+    assert len(reattach) == 2, log  # both of edge-a's nodes moved, each once
+    # no update counted twice: the root counted exactly what the edges' taken partials held
+    edge_a = h.edge_records("edge-a")
+    taken = [e for e in edge_a + edge_b if e["answer"] == "accepted"]
+    assert sum(e["nodes_in"] for e in taken) == sum(r["num_results"] for r in records), (taken, records)
+    assert not [e for e in edge_a + edge_b if e["answer"] in ("refused", "gave_up")], edge_a + edge_b
+    durations = sorted(b["elapsed_s"] - a["elapsed_s"] for a, b in zip(records, records[1:]))
+    print(
+        f"root round latency p50 {durations[len(durations) // 2]:.3f} s, max {durations[-1]:.3f} s; "
+        f"re-attach {max(reattach):.3f} s; root RSS max {max(rss):.0f} MB"
+    )
