@@ -396,6 +396,7 @@ class Uplink:
         if got is None:
             return  # 304: the root is still at the version cached here
         body, etag = got
+        assert isinstance(body, bytearray)  # downloaded whole, in memory (not to_disk)
         header = read_header(body, len(body))[0]
         if header.get("spec_hash") != self.edge.spec.hash:
             raise ConfigError(spec_mismatch_detail(str(header.get("spec_hash"))[:64], self.edge.spec.hash))
