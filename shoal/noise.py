@@ -35,7 +35,8 @@ _ZERO_IV = bytes(16)
 _AES_BLOCK = 16
 _U64_MAX = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 GAUSSIAN_SUMMANDS = 4  # draws summed per continuous Gaussian entry (module doc)
-GAUSSIAN_BLOCK = 1 << 15  # entries transformed at a time: the float64 working arrays stay in L2
+GAUSSIAN_BLOCK = 1 << 15  # entries transformed at a time on the CPU: the float64 working arrays stay in L2
+GAUSSIAN_BLOCK_DEVICE = 1 << 21  # on a CUDA device: few kernel launches, bounded memory (~0.2 GB a block)
 
 
 class NoiseSource:
@@ -155,31 +156,36 @@ class NoiseSource:
         self, n: int, std: float, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
         """:meth:`gaussian` as a tensor of ``dtype`` on ``device``."""
-        out = torch.empty(max(n, 0), dtype=dtype)
+        out = torch.empty(max(n, 0), dtype=dtype, device=device)
         self.gaussian_into(out, std)
-        return out.to(device)
-
-    def gaussian_into(self, out: torch.Tensor, std: float) -> torch.Tensor:
-        """Fill the CPU tensor ``out`` (any float dtype, any shape, contiguous) with N(0, std^2) draws,
-        computed in float64 from 53-bit uniforms in blocks of :data:`GAUSSIAN_BLOCK` entries (so the
-        working arrays stay in cache and memory stays bounded), and rounded to ``out``'s dtype only
-        at the end. Returns ``out``."""
-        if out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError("gaussian_into fills a contiguous CPU tensor")
-        flat = out.view(-1)
-        for start in range(0, flat.numel(), GAUSSIAN_BLOCK):
-            block = flat[start : start + GAUSSIAN_BLOCK]
-            block.copy_(self._gaussian_block(block.numel(), std))
         return out
 
-    def _gaussian_block(self, n: int, std: float) -> torch.Tensor:
-        """``n`` entries: each the sum of 4 Box-Muller draws (2 pairs: cos and sin of each), float64.
+    def gaussian_into(self, out: torch.Tensor, std: float) -> torch.Tensor:
+        """Fill the contiguous tensor ``out`` (any float dtype and shape) with N(0, std^2) draws,
+        computed in float64 from 53-bit uniforms in blocks (so memory stays bounded, and on the CPU
+        the working arrays stay in cache), rounded to ``out``'s dtype only at the end. The keystream
+        is always the CPU's; on a CUDA device its words are copied there and transformed there (8
+        bytes per uniform moved instead of the CPU's transform), elsewhere the CPU transforms them.
+        Returns ``out``."""
+        if not out.is_contiguous():
+            raise ValueError("gaussian_into fills a contiguous tensor")
+        where = out.device if out.device.type == "cuda" else torch.device("cpu")
+        size = GAUSSIAN_BLOCK if where.type == "cpu" else GAUSSIAN_BLOCK_DEVICE
+        flat = out.view(-1)
+        for start in range(0, flat.numel(), size):
+            block = flat[start : start + size]
+            block.copy_(self._gaussian_block(block.numel(), std, where).to(block.dtype))  # rounded where drawn
+        return out
+
+    def _gaussian_block(self, n: int, std: float, where: torch.device) -> torch.Tensor:
+        """``n`` entries on ``where``: each the sum of 4 Box-Muller draws (2 pairs: cos and sin of
+        each), float64.
 
         The transform runs in torch (its vectorised float64 log, sin and cos, several times faster
         than numpy's), on uniforms with 53 random bits each."""
         pairs = 2 * n  # each pair (radius, angle) gives two independent summands, cos and sin
         top53 = torch.from_numpy((self.words(2 * pairs) >> np.uint64(11)).view(np.int64))  # in [0, 2^53)
-        u = top53.to(torch.float64).mul_(1.0 / (1 << 53))  # [0, 1) in steps of 2^-53
+        u = top53.to(where).to(torch.float64).mul_(1.0 / (1 << 53))  # [0, 1) in steps of 2^-53
         u1, u2 = u[:pairs], u[pairs:]
         radius = torch.log1p(u1.neg_()).mul_(-2.0).sqrt_()  # 1 - u1 in (0, 1]: never log(0)
         angle = u2.mul_(2.0 * math.pi)
