@@ -193,11 +193,6 @@ class NoiseSource:
         z = z[:n].add_(z[n:])  # pair i and pair n + i: four summands per entry
         return z.mul_(std / math.sqrt(GAUSSIAN_SUMMANDS))
 
-    def seed63(self) -> int:
-        """A 63-bit seed for a generator that takes no wider one (torch's): for draws no
-        guarantee rests on."""
-        return int(self.words(1)[0] >> np.uint64(1))
-
 
 def describe(reproducible: bool) -> str:
     """What the run's log and summary say about where its privacy noise came from."""
