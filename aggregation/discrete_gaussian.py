@@ -54,42 +54,56 @@ class DdgConfigError(ConfigError):
 # --- the exact sampler (Canonne, Kamath, Steinke 2020), vectorized ---------------------------
 
 
-def _bernoulli_ratio_over_k(src: NoiseSource, num: np.ndarray, den: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """Bernoulli(num / (den k)) for 0 <= num <= den, by a uniform U*k + V on [0, den k) without
-    forming den k: U*k + V < num iff U < num // k, or U == num // k and V < num % k."""
-    u = src.below(den)
-    if int(k.max(initial=1)) == 1:  # Bernoulli(num / den)
+def _bernoulli_ratio(src: NoiseSource, num: np.ndarray, den: int, k: int) -> np.ndarray:
+    """Bernoulli(num / (den k)) per entry, for 0 <= num <= den: a uniform integer on [0, den k)
+    below num; when den k would not fit an int64, as U k + V with U on [0, den) and V on [0, k):
+    U k + V < num iff U < num // k, or U == num // k and V < num % k."""
+    if den * k < 1 << 62:
+        return src.below(den * k, num.size) < num
+    u = src.below(den, num.size)
+    if k == 1:
         return u < num
-    v = src.below(k)
+    v = src.below(k, num.size)
     q, r = num // k, num % k
     return (u < q) | ((u == q) & (v < r))
 
 
-def _bernoulli_exp_le1(src: NoiseSource, num: np.ndarray, den: np.ndarray) -> np.ndarray:
+def _bernoulli_exp_le1(src: NoiseSource, num: np.ndarray, den: int) -> np.ndarray:
     """Bernoulli(exp(-num/den)) for 0 <= num <= den (CKS 2020, Algorithm 1's first part): draw
-    A_k ~ Bernoulli(gamma / k) for k = 1, 2, ... until one is 0; return whether that k is odd."""
-    n = num.size
-    k = np.ones(n, dtype=np.int64)
-    active = np.arange(n)
+    A_k ~ Bernoulli(num / (den k)) for k = 1, 2, ... until one is 0; return whether that k is odd.
+    The entries still drawing at step k all share that k, so a step is one vectorised draw."""
+    stop = np.ones(num.size, dtype=np.int64)  # the k of each entry's first A_k = 0
+    active = np.arange(num.size)
+    k = 1
     while active.size:
-        a = _bernoulli_ratio_over_k(src, num[active], den[active], k[active])
-        k[active[a]] += 1
-        active = active[a]
-    return (k % 2) == 1
+        active = active[_bernoulli_ratio(src, num[active], den, k)]
+        k += 1
+        stop[active] = k
+    return (stop % 2) == 1
 
 
-def bernoulli_exp(src: NoiseSource, num: np.ndarray, den: np.ndarray) -> np.ndarray:
-    """Bernoulli(exp(-num/den)) per entry, num >= 0 and den >= 1 int64: exp(-1) for each unit of
-    the integer part, times exp(-fraction) (CKS 2020, Algorithm 1)."""
+def bernoulli_exp(src: NoiseSource, num: np.ndarray, den: np.ndarray | int) -> np.ndarray:
+    """Bernoulli(exp(-num/den)) per entry, num >= 0 and den >= 1 int64 (one den for all, or one per
+    entry): exp(-1) for each unit of the integer part, times exp(-fraction) (CKS 2020, Algorithm 1)."""
     num = np.asarray(num, dtype=np.int64)
-    den = np.asarray(den, dtype=np.int64)
+    if np.ndim(den) != 0:  # the same den throughout (every caller here), else one pass per value
+        den_arr = np.asarray(den, dtype=np.int64)
+        if den_arr.size and int(den_arr.min()) != int(den_arr.max()):
+            out = np.empty(num.shape, dtype=bool)
+            for d in np.unique(den_arr):
+                sel = den_arr == d
+                out[sel] = bernoulli_exp(src, num[sel], int(d))
+            return out
+        den = int(den_arr.flat[0]) if den_arr.size else 1
+    den = int(den)
+    if den < 1:
+        raise ValueError(f"bernoulli_exp needs den >= 1, got {den}")
     whole, frac = num // den, num % den
     out = _bernoulli_exp_le1(src, frac, den)
     left = whole.copy()
     pending = np.flatnonzero(out & (left > 0))
     while pending.size:
-        ones = np.ones(pending.size, dtype=np.int64)
-        b = _bernoulli_exp_le1(src, ones, ones)
+        b = _bernoulli_exp_le1(src, np.ones(pending.size, dtype=np.int64), 1)
         out[pending[~b]] = False
         left[pending] -= 1
         pending = pending[b & (left[pending] > 0)]
@@ -102,27 +116,44 @@ def _geometric_exp1(src: NoiseSource, n: int) -> np.ndarray:
     going = np.arange(n)
     while going.size:
         ones = np.ones(going.size, dtype=np.int64)
-        b = _bernoulli_exp_le1(src, ones, ones)
+        b = _bernoulli_exp_le1(src, ones, 1)
         v[going[b]] += 1
         going = going[b]
     return v
 
 
+def _accepted(n: int, propose, rate: float) -> np.ndarray:
+    """``n`` accepted draws of a rejection sampler: ``propose(m)`` gives m candidates and whether each
+    is accepted. Each batch is sized for what is still missing at the acceptance ``rate`` seen so far
+    (plus a margin), so one or two batches usually do, instead of one ever smaller batch per
+    rejection round (numpy's per-call cost dominates small batches). Exact: the accepted candidates are
+    independent draws of the target, and which of them are kept (the first n in order) depends only on
+    which were accepted, never on their values."""
+    out = np.empty(n, dtype=np.int64)
+    have = 0
+    while have < n:
+        missing = n - have
+        m = int(missing / rate + 4 * math.sqrt(missing / rate) + 16)
+        values, ok = propose(m)
+        kept = values[ok][:missing]
+        out[have : have + kept.size] = kept
+        have += kept.size
+        rate = max(float(ok.mean()), 0.01)
+    return out
+
+
 def discrete_laplace(src: NoiseSource, t: int, n: int) -> np.ndarray:
     """``n`` draws of the discrete Laplace P(y) ∝ exp(-|y|/t), t a positive integer (CKS 2020,
     Algorithm 2 with s = 1)."""
-    out = np.empty(n, dtype=np.int64)
-    todo = np.arange(n)
-    while todo.size:
-        m = todo.size
+
+    def propose(m: int) -> tuple[np.ndarray, np.ndarray]:
         u = src.below(t, m)
-        d = bernoulli_exp(src, u, np.full(m, t, dtype=np.int64))
+        d = bernoulli_exp(src, u, t)
         x = u + t * _geometric_exp1(src, m)
         negative = src.below(2, m) == 1
-        ok = d & ~(negative & (x == 0))
-        out[todo[ok]] = np.where(negative, -x, x)[ok]
-        todo = todo[~ok]
-    return out
+        return np.where(negative, -x, x), d & ~(negative & (x == 0))
+
+    return _accepted(n, propose, 1 - math.exp(-1) / 2)
 
 
 def sample(src: NoiseSource, variance: int, n: int) -> np.ndarray:
@@ -137,23 +168,21 @@ def sample(src: NoiseSource, variance: int, n: int) -> np.ndarray:
         raise ValueError(f"discrete Gaussian variance {variance} must be in [0, {MAX_VARIANCE}]")
     a = variance
     t = math.isqrt(a) + 1
-    out = np.empty(n, dtype=np.int64)
-    todo = np.arange(n)
-    while todo.size:
-        m = todo.size
+
+    def propose(m: int) -> tuple[np.ndarray, np.ndarray]:
         y = discrete_laplace(src, t, m)
         # accept with exp(-r^2 / (2 a t^2)), r = t|y| - a; with r = t u + v (0 <= v < t) the exponent
         # splits into u^2/(2a) + u v/(a t) + v^2/(2 a t^2), each a ratio of int64s
         r = np.abs(t * np.abs(y) - a)
         u, v = r // t, r % t
-        ok = bernoulli_exp(src, u * u, np.full(m, 2 * a, dtype=np.int64))
+        ok = bernoulli_exp(src, u * u, 2 * a)
         idx = np.flatnonzero(ok)
-        ok[idx] = bernoulli_exp(src, u[idx] * v[idx], np.full(idx.size, a * t, dtype=np.int64))
+        ok[idx] = bernoulli_exp(src, u[idx] * v[idx], a * t)
         idx = np.flatnonzero(ok)
-        ok[idx] = bernoulli_exp(src, v[idx] * v[idx], np.full(idx.size, 2 * a * t * t, dtype=np.int64))
-        out[todo[ok]] = y[ok]
-        todo = todo[~ok]
-    return out
+        ok[idx] = bernoulli_exp(src, v[idx] * v[idx], 2 * a * t * t)
+        return y, ok
+
+    return _accepted(n, propose, 0.5)
 
 
 # --- the flattening rotation -----------------------------------------------------------------

@@ -63,7 +63,7 @@ class CsprngDPOptimizer(DPOptimizer):
     AES-CTR CSPRNG keyed from the OS, each entry a sum of four Box-Muller draws against the
     floating-point attack) when :attr:`noise_source` is set; Opacus' own draw from its torch
     generator otherwise (``privacy.reproducible``). One CSPRNG call covers all the model's
-    parameters of a step; the noise is drawn on the CPU and moved to the parameters' device."""
+    parameters of a step; on a CUDA device the keystream's words are copied there and transformed there."""
 
     noise_source: NoiseSource | None = None
 
@@ -75,10 +75,9 @@ class CsprngDPOptimizer(DPOptimizer):
         params = self.params
         for p in params:
             _check_processed_flag(p.summed_grad)
-        dtype = params[0].summed_grad.dtype
-        noise = torch.empty(sum(p.summed_grad.numel() for p in params), dtype=dtype)
+        first = params[0].summed_grad
+        noise = torch.empty(sum(p.summed_grad.numel() for p in params), dtype=first.dtype, device=first.device)
         src.gaussian_into(noise, self.noise_multiplier * self.max_grad_norm)
-        noise = noise.to(params[0].summed_grad.device, non_blocking=True)
         offset = 0
         for p in params:
             g = p.summed_grad

@@ -102,9 +102,19 @@ class PartialIntake:
         self.service = service
         self._inbox: PartialInbox | None = None
         self.roster = EdgeRoster(service.cfg.hierarchy.edge_timeout_s)
+        self._taken: tuple[int, set[str], int, int] = (-1, set(), 0, 0)  # round, edges, partial bytes, nodes
+        service.tier_figures = self.figures
         numel = service.spec.numel
         # a float64 sum of the whole model, and a header naming up to ~40,000 nodes
         self.max_bytes = 8 * numel + MAX_HEADER_BYTES + 4096
+
+    def figures(self, round: int) -> dict[str, Any]:
+        """A version's record: the edges whose partial the root took in that round (the same keys as
+        the simulator's), the partials' bytes (the root's ingress from edges) and the nodes inside."""
+        r, edges, nbytes, nodes = self._taken
+        if r != round:
+            return {}
+        return {"hier_edges_reporting": len(edges), "hier_bytes_edge_root_up": nbytes, "hier_nodes_via_edges": nodes}
 
     def _why_not(self) -> str | None:
         cfg = self.service.cfg
@@ -227,6 +237,10 @@ class PartialIntake:
             svc.counters.accepted += len(merged.senders)
             svc.counters.bytes_received += len(body)
             svc.activity.accepted(edge, len(body), r.round, now)
+            if self._taken[0] != r.round:
+                self._taken = (r.round, set(), 0, 0)
+            _, edges, nbytes, nodes = self._taken
+            self._taken = (r.round, edges | {edge}, nbytes + len(body), nodes + len(merged.senders))
             # an edge sends one partial a round: its other nodes (closed out at its quorum or its
             # margin) will not report in this round, and the root stops waiting for them
             for n, holder in held.items():

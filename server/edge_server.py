@@ -230,6 +230,7 @@ def edge_spec(cfg: Config, task: Task | None = None) -> ParamSpec:
 # --- the aiohttp side --------------------------------------------------------------------
 
 EDGE = web.AppKey("edge", EdgeNodes)
+INGEST = web.AppKey("ingest", asyncio.Semaphore)  # bodies read at once: at most server.ingest_slots
 
 
 def _edge_app(edge: EdgeNodes, registry) -> web.Application:
@@ -237,6 +238,7 @@ def _edge_app(edge: EdgeNodes, registry) -> web.Application:
 
     app = _base_app(edge.cfg, registry, edge.max_body_bytes)
     app[EDGE] = edge
+    app[INGEST] = asyncio.Semaphore(edge.cfg.server.ingest_slots)
     app.router.add_get("/v1/task", get_task)
     app.router.add_get("/v1/model", get_model)
     app.router.add_post("/v1/update", post_update)
@@ -297,9 +299,10 @@ async def post_update(request: web.Request) -> web.Response:
     from .app import NODE, _notify, _status_of, error
 
     edge, node = request.app[EDGE], request[NODE]
-    body = await _body(request, edge.max_body_bytes)
     try:
-        result = edge.submit(node, memoryview(bytearray(body)), time.monotonic())
+        async with request.app[INGEST]:  # memory: at most server.ingest_slots bodies of max_body_bytes
+            body = await _body(request, edge.max_body_bytes)
+            result = edge.submit(node, memoryview(bytearray(body)), time.monotonic())
     except ShoalError as e:
         log.info("update from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
         return error(_status_of(e), getattr(e, "code", "error"), str(e))

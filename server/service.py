@@ -306,6 +306,8 @@ class ServerService:
         self._model_cache: tuple[int, bytes] | None = None
         self._download: ModelDownload | None = None
         self.secure_round: SecureRound | None = None  # [secure_aggregation]: the open round's protocol
+        # what a tier below adds to a version's record (server/edge.py: the edges' partials of the round)
+        self.tier_figures: Callable[[int], dict[str, Any]] | None = None
         if cfg.secure_aggregation.enabled and s.clients_per_round:  # the headroom check, before any round
             FixedPoint(
                 cfg.secure_aggregation.clip,
@@ -882,6 +884,8 @@ class ServerService:
             ev = self.trainer.evaluate_data(self.rounds.global_params, self.test)
             record.update({f"test_{k}": v for k, v in ev.items() if k != "num_examples"})
         record.update(fields)
+        if self.tier_figures is not None:
+            record.update(self.tier_figures(int(record["round"])))
         record["elapsed_s"] = self._elapsed(now)
         if self.privacy is not None:
             record = self.privacy.released(record, summary)

@@ -35,7 +35,8 @@ _ZERO_IV = bytes(16)
 _AES_BLOCK = 16
 _U64_MAX = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 GAUSSIAN_SUMMANDS = 4  # draws summed per continuous Gaussian entry (module doc)
-GAUSSIAN_BLOCK = 1 << 15  # entries transformed at a time: the float64 working arrays stay in L2
+GAUSSIAN_BLOCK = 1 << 15  # entries transformed at a time on the CPU: the float64 working arrays stay in L2
+GAUSSIAN_BLOCK_DEVICE = 1 << 21  # on a CUDA device: few kernel launches, bounded memory (~0.2 GB a block)
 
 
 class NoiseSource:
@@ -94,25 +95,51 @@ class NoiseSource:
 
     def below(self, high: np.ndarray | int, n: int | None = None) -> np.ndarray:
         """Uniform integers in [0, high) (int64), exactly: 64-bit words reduced modulo ``high``,
-        rejecting the top partial block. ``high`` is a positive int or an int64 array (then one
-        draw per entry and ``n`` is ignored)."""
+        rejecting the top partial block. ``high`` is a positive int (then ``n`` draws) or an int64
+        array (then one draw per entry and ``n`` is ignored)."""
+        if np.ndim(high) == 0:
+            h = int(high)
+            if h <= 0:
+                raise ValueError("below(high) needs high >= 1")
+            count = int(n if n is not None else 1)
+            if h <= 1 << 24:  # small bounds (most of the discrete Gaussian sampler's): half the keystream
+                return self._below_small(h, count)
+            w = self.words(count)
+            hu = np.uint64(h)
+            # words above 2^64 - 1 - (2^64 mod h) would favour the low residues: redraw them (chance h / 2^64)
+            limit = _U64_MAX - np.uint64((1 << 64) % h)
+            bad = np.flatnonzero(w > limit)
+            while bad.size:
+                w[bad] = self.words(bad.size)
+                bad = bad[w[bad] > limit]
+            return (w % hu).astype(np.int64)
         high_arr = np.asarray(high, dtype=np.int64)
-        if high_arr.ndim == 0:
-            high_arr = np.full(int(n if n is not None else 1), int(high_arr), dtype=np.int64)
         if high_arr.size and int(high_arr.min()) <= 0:
             raise ValueError("below(high) needs high >= 1")
-        h = high_arr.astype(np.uint64)
-        # 2^64 mod h, in uint64 arithmetic: (2^64 - h) mod h; words above 2^64 - 1 - rem are rejected
-        limit = _U64_MAX - (np.uint64(0) - h) % h
-        w = self.words(h.size)
-        out = (w % h).astype(np.int64)
-        redo = np.flatnonzero(w > limit)  # rare: at most h / 2^64 of the draws
-        while redo.size:
-            w = self.words(redo.size)
-            ok = w <= limit[redo]
-            out[redo[ok]] = (w[ok] % h[redo[ok]]).astype(np.int64)
-            redo = redo[~ok]
-        return out
+        hu_arr = high_arr.astype(np.uint64)
+        w = self.words(hu_arr.size)
+        # only a word within max(high) of 2^64 can be above its entry's limit (2^64 mod h < h): the exact
+        # limit is computed for those few alone
+        top = _U64_MAX - np.uint64(int(high_arr.max(initial=1)) - 1)
+        suspect = np.flatnonzero(w >= top)
+        while suspect.size:
+            hs = hu_arr[suspect]
+            limits = _U64_MAX - (np.uint64(0) - hs) % hs
+            bad = suspect[w[suspect] > limits]
+            w[bad] = self.words(bad.size)
+            suspect = bad[w[bad] >= top]
+        return (w % hu_arr).astype(np.int64)
+
+    def _below_small(self, h: int, n: int) -> np.ndarray:
+        """``n`` uniform integers in [0, h) for h <= 2^24, from 32-bit words (exactly: words at or
+        above the largest multiple of h below 2^32 are redrawn, a chance below h / 2^32)."""
+        w = np.frombuffer(self._keystream(4 * n), dtype=np.uint32)
+        limit = np.uint32((1 << 32) - (1 << 32) % h - 1)
+        bad = np.flatnonzero(w > limit)
+        while bad.size:
+            w[bad] = np.frombuffer(self._keystream(4 * bad.size), dtype=np.uint32)
+            bad = bad[w[bad] > limit]
+        return (w % np.uint32(h)).astype(np.int64)
 
     def uniform(self, n: int) -> np.ndarray:
         """``n`` uniforms in [0, 1) with 53 random bits each (float64)."""
@@ -129,42 +156,42 @@ class NoiseSource:
         self, n: int, std: float, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
     ) -> torch.Tensor:
         """:meth:`gaussian` as a tensor of ``dtype`` on ``device``."""
-        out = torch.empty(max(n, 0), dtype=dtype)
+        out = torch.empty(max(n, 0), dtype=dtype, device=device)
         self.gaussian_into(out, std)
-        return out.to(device)
-
-    def gaussian_into(self, out: torch.Tensor, std: float) -> torch.Tensor:
-        """Fill the CPU tensor ``out`` (any float dtype, any shape, contiguous) with N(0, std^2) draws,
-        computed in float64 from 53-bit uniforms in blocks of :data:`GAUSSIAN_BLOCK` entries (so the
-        working arrays stay in cache and memory stays bounded), and rounded to ``out``'s dtype only
-        at the end. Returns ``out``."""
-        if out.device.type != "cpu" or not out.is_contiguous():
-            raise ValueError("gaussian_into fills a contiguous CPU tensor")
-        flat = out.view(-1)
-        for start in range(0, flat.numel(), GAUSSIAN_BLOCK):
-            block = flat[start : start + GAUSSIAN_BLOCK]
-            block.copy_(self._gaussian_block(block.numel(), std))
         return out
 
-    def _gaussian_block(self, n: int, std: float) -> torch.Tensor:
-        """``n`` entries: each the sum of 4 Box-Muller draws (2 pairs: cos and sin of each), float64.
+    def gaussian_into(self, out: torch.Tensor, std: float) -> torch.Tensor:
+        """Fill the contiguous tensor ``out`` (any float dtype and shape) with N(0, std^2) draws,
+        computed in float64 from 53-bit uniforms in blocks (so memory stays bounded, and on the CPU
+        the working arrays stay in cache), rounded to ``out``'s dtype only at the end. The keystream
+        is always the CPU's; on a CUDA device its words are copied there and transformed there (8
+        bytes per uniform moved instead of the CPU's transform), elsewhere the CPU transforms them.
+        Returns ``out``."""
+        if not out.is_contiguous():
+            raise ValueError("gaussian_into fills a contiguous tensor")
+        where = out.device if out.device.type == "cuda" else torch.device("cpu")
+        size = GAUSSIAN_BLOCK if where.type == "cpu" else GAUSSIAN_BLOCK_DEVICE
+        flat = out.view(-1)
+        for start in range(0, flat.numel(), size):
+            block = flat[start : start + size]
+            block.copy_(self._gaussian_block(block.numel(), std, where).to(block.dtype))  # rounded where drawn
+        return out
+
+    def _gaussian_block(self, n: int, std: float, where: torch.device) -> torch.Tensor:
+        """``n`` entries on ``where``: each the sum of 4 Box-Muller draws (2 pairs: cos and sin of
+        each), float64.
 
         The transform runs in torch (its vectorised float64 log, sin and cos, several times faster
         than numpy's), on uniforms with 53 random bits each."""
         pairs = 2 * n  # each pair (radius, angle) gives two independent summands, cos and sin
         top53 = torch.from_numpy((self.words(2 * pairs) >> np.uint64(11)).view(np.int64))  # in [0, 2^53)
-        u = top53.to(torch.float64).mul_(1.0 / (1 << 53))  # [0, 1) in steps of 2^-53
+        u = top53.to(where).to(torch.float64).mul_(1.0 / (1 << 53))  # [0, 1) in steps of 2^-53
         u1, u2 = u[:pairs], u[pairs:]
         radius = torch.log1p(u1.neg_()).mul_(-2.0).sqrt_()  # 1 - u1 in (0, 1]: never log(0)
         angle = u2.mul_(2.0 * math.pi)
         z = torch.cos(angle).mul_(radius).add_(torch.sin(angle).mul_(radius))  # 2 summands per pair
         z = z[:n].add_(z[n:])  # pair i and pair n + i: four summands per entry
         return z.mul_(std / math.sqrt(GAUSSIAN_SUMMANDS))
-
-    def seed63(self) -> int:
-        """A 63-bit seed for a generator that takes no wider one (torch's): for draws no
-        guarantee rests on."""
-        return int(self.words(1)[0] >> np.uint64(1))
 
 
 def describe(reproducible: bool) -> str:

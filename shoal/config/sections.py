@@ -619,7 +619,8 @@ class PrivacyConfig:
         _positive("privacy.release_loss_clip", self.release_loss_clip)
         if not 0 <= self.local_sampling_rate <= 1:
             raise ConfigError(
-                f"privacy.local_sampling_rate = {self.local_sampling_rate} must be in [0, 1] (0: B / n_k per client)"
+                f"privacy.local_sampling_rate = {self.local_sampling_rate} must be in [0, 1]; "
+                "0 samples at B / n_k per client"
             )
         if self.release == "noised" and self.mode == "local":
             raise ConfigError(

@@ -50,6 +50,9 @@ def test_two_edge_processes_equal_flat_and_a_killed_edge_s_nodes_reattach(tmp_pa
     assert [r["version"] for r in records] == list(range(1, ROUNDS + 1)), records
     # while both edges lived every node was counted, through its own edge: flat FedAvg's model
     assert all(r["num_results"] == 4 for r in records if r["version"] <= FLAT_ROUNDS), records
+    assert all(r["hier_edges_reporting"] == 2 for r in records if r["version"] <= FLAT_ROUNDS), records
+    # every update the root counted came in an edge's partial, each node once
+    assert all(r["hier_nodes_via_edges"] == r["num_results"] for r in records), records
     ck = sorted((tmp_path / "ck").iterdir())
     tensors = next(t for t, s in map(load_checkpoint, ck) if s["version"] == FLAT_ROUNDS)
     sim = InProcessSimulation(h.cfg)

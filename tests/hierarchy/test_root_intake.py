@@ -63,6 +63,8 @@ def test_two_edges_give_the_flat_round_and_retransmits_count_once(tmp_path) -> N
     torch.testing.assert_close(root.rounds.global_params, flat.rounds.global_params, atol=1e-6, rtol=0)
     record = root.events[-1].fields
     assert record["num_results"] == 8 and record["num_examples"] == sum(5 + 3 * i for i in range(8))
+    assert (record["hier_edges_reporting"], record["hier_nodes_via_edges"]) == (2, 8)
+    assert record["hier_bytes_edge_root_up"] == len(a) + len(b)  # the retransmit was not taken again
     with pytest.raises(UpdateRejected) as e:
         intake.submit("edge-a", a, 3.0)  # the round it belonged to is over
     assert e.value.code in ("round_closed", "stale")

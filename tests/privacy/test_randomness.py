@@ -1,5 +1,6 @@
 """Where DP randomness comes from: the OS (>= 128 bits) unless privacy.reproducible is on."""
 
+import math
 import os
 
 import numpy as np
@@ -101,6 +102,13 @@ def test_generators_and_sources():
     assert torch.equal(t.flatten()[:1000], torch.from_numpy(x[:1000]).float())
     u = NoiseSource.seeded(4).below(np.array([1, 3, 2**62 + 1] * 1000))
     assert u.min() >= 0 and (u[0::3] == 0).all() and u[1::3].max() == 2
+    src = NoiseSource.seeded(5)
+    for h in (1, 3, 1000, (1 << 24) - 3, (1 << 24) + 1, 1 << 40):  # 32-bit words up to 2^24, 64-bit above
+        v = src.below(h, 60_000)
+        assert v.dtype == np.int64 and v.min() >= 0 and v.max() < h
+        assert abs(v.mean() / (h - 1 or 1) - 0.5) < 0.01 if h > 1 else (v == 0).all()
+    counts = np.bincount(src.below(3, 90_000), minlength=3)
+    assert np.abs(counts - 30_000).max() < 5 * math.sqrt(90_000 * 2 / 9)
 
 
 @pytest.mark.parametrize("reproducible", [False, True])
