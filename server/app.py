@@ -701,9 +701,11 @@ async def put_upload_chunk(request: web.Request) -> web.Response:
     try:
         s = chunks.get(request.match_info.get("run", ""), node, request.match_info["upload"], time.monotonic())
         digest = request.headers.get(CHUNK_DIGEST_HEADER)
-        chunks.check_chunk(s, offset, length, digest, svc.max_body_bytes)
+        again = chunks.check_chunk(s, offset, length, digest, svc.max_body_bytes)
     except ChunkError as e:
         return _chunk_refusal(svc, e)
+    if again:  # the last chunk taken, sent again: where the upload stands, nothing counted
+        return web.json_response({"upload": s.id, "received": s.received, "again": True})
     assert digest is not None  # check_chunk refuses a missing digest
     s.busy = True
     buf = bytearray(length)  # one chunk: what an upload holds in memory while it is being sent

@@ -54,6 +54,7 @@ class Session:
     received: int = 0
     busy: bool = False  # a chunk is being read into it
     hasher: Any = field(default_factory=hashlib.sha256)
+    last: tuple[int, int, str] | None = None  # (offset, length, SHA-256) of the last chunk taken
 
 
 class ChunkedUploads:
@@ -63,6 +64,7 @@ class ChunkedUploads:
         self.max_sessions = max_sessions
         self.staging_dir = staging_dir  # where the staging files are (None: the system's temporary directory)
         self.sessions: dict[str, Session] = {}
+        self.repeats = 0  # chunks sent again after their answer was lost (check_chunk), answered, not refused
 
     def begin(
         self,
@@ -119,10 +121,16 @@ class ChunkedUploads:
             raise ChunkError("upload_expired", "the upload was not finished by its deadline; open a new one", 410)
         return s
 
-    def check_chunk(self, s: Session, offset: int, length: int, digest: str | None, chunk_bytes: int) -> None:
-        """Before a chunk's bytes are read: where it goes and how long it is."""
+    def check_chunk(self, s: Session, offset: int, length: int, digest: str | None, chunk_bytes: int) -> bool:
+        """Before a chunk's bytes are read: where it goes and how long it is. True when it is the
+        last chunk taken, sent again (same offset, length and SHA-256: a client whose connection
+        broke before the answer, or aiohttp repeating an idempotent PUT): nothing to read, nothing
+        changes, and it is not a refusal."""
         if s.busy:
             raise ChunkError("busy", "a chunk of this upload is already being read", 409)
+        if s.last is not None and (offset, length, digest) == s.last:
+            self.repeats += 1
+            return True
         if offset != s.received:
             raise ChunkError(
                 "bad_offset",
@@ -136,6 +144,7 @@ class ChunkedUploads:
             raise ChunkError("too_large", f"the chunk ends at byte {offset + length}, the upload has {s.size}", 413)
         if digest is None or not _HEX64.fullmatch(digest):
             raise ChunkError("bad_digest", "send the chunk's SHA-256 (64 hex digits) in X-Shoal-Chunk-Sha256", 400)
+        return False
 
     def accept_chunk(self, s: Session, chunk: memoryview, digest: str) -> bool:
         """The chunk's bytes (read at ``s.received``): counted and staged if their digest matches
@@ -155,6 +164,7 @@ class ChunkedUploads:
             self.drop(s)
             raise ChunkError("staging_failed", f"the server could not stage the upload ({e}); try later", 503) from None
         s.hasher.update(chunk)
+        s.last = (s.received, len(chunk), digest)
         s.received += len(chunk)
         if s.received < s.size:
             return False

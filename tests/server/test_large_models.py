@@ -106,15 +106,17 @@ def test_chunked_transfers_resume_after_lost_connections_and_train_the_same_mode
                 proxy.close()
                 assert proxy.cut, "the proxy never cut the connection"
             svc = live.service
-            # a chunk sent again after the cut (aiohttp repeats an idempotent PUT) is refused as bad_offset
-            assert svc.counters.accepted == 4 and set(svc.counters.rejected) <= {"bad_offset"}, svc.counters
+            # a chunk sent again after the cut (aiohttp repeats an idempotent PUT) is answered, not refused
+            assert svc.counters.accepted == 4 and not svc.counters.rejected, svc.counters
             assert not live.app[CHUNKS].sessions
-            return svc.rounds.global_params.clone(), nodes[0].resumed
+            return svc.rounds.global_params.clone(), {**nodes[0].resumed, "repeats": live.app[CHUNKS].repeats}
 
     whole, _ = asyncio.run(run(0, None))
     for cut in ("download", "upload"):
         params, resumed = asyncio.run(run(SMALL, cut))
-        assert resumed[cut] >= 1, resumed  # went on from its offset, not from the start
+        # went on from its offset, not from the start: the node asked where the upload stands, or the
+        # chunk whose answer was cut came again (aiohttp repeats an idempotent PUT) and was answered
+        assert resumed[cut] >= 1 or (cut == "upload" and resumed["repeats"] >= 1), resumed
         assert torch.equal(whole, params), cut
     # a float32 sum (server.sum_dtype, for large models): the same model to float32 summation error
     params, _ = asyncio.run(run(SMALL, None, "float32"))
