@@ -18,7 +18,6 @@ import json
 import logging
 import random
 import re
-import signal
 import ssl
 from pathlib import Path
 from typing import Any
@@ -28,6 +27,7 @@ import torch
 
 from shoal.config import config_from_dict
 from shoal.errors import ShoalError
+from shoal.signals import on_stop_signals
 
 from .http import Backoff, NodeError, Refused, Retry, check_response, connection_problem
 from .node import Node, builtin_local_data, read_local_data
@@ -74,12 +74,7 @@ class NodeDaemon:
         self.ledgers: dict[Path, str] = {}  # local-DP ledger in use -> the run spending that data's budget
 
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                loop.add_signal_handler(sig, self._on_signal)
-            except (NotImplementedError, RuntimeError):
-                pass
+        on_stop_signals(self._on_signal)
         timeout = aiohttp.ClientTimeout(total=60, sock_connect=10)
         backoff = Backoff()
         auth = {"Authorization": f"Bearer {self.token}"} if self.token else {}  # else a client certificate

@@ -28,7 +28,6 @@ import math
 import random
 import re
 import secrets
-import signal
 import ssl
 from collections.abc import Callable
 from hashlib import sha256
@@ -49,6 +48,7 @@ from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES, plan_of
 from shoal.rounds import Assignment
 from shoal.seeding import derive_seed
 from shoal.shards import Shard
+from shoal.signals import on_stop_signals
 from shoal.task import (
     ClientData,
     LocalData,
@@ -443,12 +443,8 @@ class Node:
 
     async def run(self, signals: bool = True) -> int:
         """``signals``: SIGINT/SIGTERM stop this node (False: its owner, `shoal node`, sets ``stop``)."""
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM) if signals else ():
-            try:
-                loop.add_signal_handler(sig, self._on_signal)
-            except (NotImplementedError, RuntimeError):
-                pass
+        if signals:
+            on_stop_signals(self._on_signal)
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=self.poll_s + 30)
         connector = aiohttp.TCPConnector(ssl=self._ssl)
         poll = {"wait": str(self.poll_s), **({"eval": "1"} if self.test is not None else {})}

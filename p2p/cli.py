@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 from pathlib import Path
 from typing import overload
 
@@ -31,6 +30,7 @@ from shoal.client.device import select_device
 from shoal.config import Config
 from shoal.errors import ConfigError, DataError, Malformed
 from shoal.privacy_plan import plan_of
+from shoal.signals import on_stop_signals
 from shoal.task import (
     ClientData,
     LocalData,
@@ -227,9 +227,7 @@ def run_peer(
 
     async def main() -> None:
         stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
+        on_stop_signals(stop.set)
         await peer.run(host, port, stop)
 
     asyncio.run(main())

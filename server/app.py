@@ -12,7 +12,6 @@ import json
 import logging
 import math
 import re
-import signal
 import ssl
 import time
 import weakref
@@ -26,6 +25,7 @@ from shoal.aggregation.secagg.identity import read_roster
 from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, TooLarge, UpdateRejected, WireError
 from shoal.pki import peer_fingerprint, read_secret
+from shoal.signals import on_stop_signals
 
 from .chunks import MAX_BEGIN_BODY, ChunkedUploads, ChunkError
 from .connections import listen
@@ -1087,12 +1087,7 @@ async def serve(
     federation serves until SIGINT/SIGTERM. A signal stops it within SHUTDOWN_S: requests in
     flight are cut (an upload not yet applied is not applied; its node sends it again)."""
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
+    on_stop_signals(stop.set)
     app = make_federation_app(service, registry) if isinstance(service, Federation) else make_app(service, registry)
     s = service.cfg.server
     runner = web.AppRunner(

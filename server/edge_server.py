@@ -24,7 +24,6 @@ import json
 import logging
 import math
 import random
-import signal
 import ssl
 import time
 from pathlib import Path
@@ -40,6 +39,7 @@ from shoal.errors import ConfigError, Malformed, ShoalError, SpecMismatch, Updat
 from shoal.metrics import json_safe
 from shoal.params import ParamSpec
 from shoal.pki import read_secret
+from shoal.signals import on_stop_signals
 from shoal.task import Task
 from shoal.wire import MAX_HEADER_BYTES, decode_update, read_header
 
@@ -483,12 +483,7 @@ async def serve_edge(
     to_root = client_context(h.parent_ca_cert or None) if h.parent.startswith("https://") else None
     edge = EdgeNodes(cfg, edge_spec(cfg, task))
     stop = stop or asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        try:
-            loop.add_signal_handler(sig, stop.set)
-        except (NotImplementedError, RuntimeError):
-            pass
+    on_stop_signals(stop.set)
     app = _edge_app(edge, registry)
     runner = web.AppRunner(
         app, access_log=None, handle_signals=False, keepalive_timeout=s.idle_timeout_s, shutdown_timeout=SHUTDOWN_S

@@ -170,7 +170,7 @@ class SecureAggregationRounds:
         seed = derive_seed(self.cfg.seed, self.sim.cfg.simulation.seed, round_)
         params = SecAggParams(
             session=f"shoal-sim/{seed}".encode(),
-            vector_size=self.payload.vector_size if self.ddg is None else self.sim.spec.numel + 1,
+            vector_size=self.payload.vector_size,  # [update, weight] under DP: its algorithms mask nothing more
             graph=self.cfg.graph,
             degree=self.cfg.degree,
             threshold_fraction=self.cfg.threshold,
