@@ -17,13 +17,13 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import os
 import random
 import re
-import tempfile
 from collections.abc import Sequence
 
 import aiohttp
+
+from shoal.diskfile import UnnamedFile
 
 from .http import Backoff, Retry, check_response
 
@@ -92,39 +92,13 @@ async def read_into(resp: aiohttp.ClientResponse, view: memoryview) -> None:
         raise Retry(f"the answer ended after {got} of {len(view)} bytes")
 
 
-class OnDisk:
-    """A downloaded model in an unnamed temporary file (gone when closed or when the process ends):
-    a large model's bytes cost disk and page cache the kernel may evict, not resident memory.
-    Read back a block at a time (:meth:`read_at`)."""
+class OnDisk(UnnamedFile):
+    """A downloaded model in an unnamed temporary file (shoal/diskfile.py): a large model's bytes
+    cost disk and page cache the kernel may evict, not resident memory. Read back a block at a
+    time (:meth:`read_at`)."""
 
     def __init__(self, size: int, dir: str | None = None):
-        self.size = size
-        self._file = tempfile.TemporaryFile(dir=dir)
-
-    def __len__(self) -> int:
-        return self.size
-
-    def write_at(self, offset: int, data: memoryview) -> None:
-        done = 0
-        while done < len(data):
-            done += os.pwrite(self._file.fileno(), data[done:], offset + done)
-
-    def read_at(self, offset: int, out: memoryview) -> None:
-        """Fill ``out`` with the bytes from ``offset`` (OSError if the file is shorter)."""
-        done = 0
-        while done < len(out):
-            n = os.preadv(self._file.fileno(), [out[done:]], offset + done)
-            if n <= 0:
-                raise OSError(f"the downloaded model ends at byte {offset + done} of {self.size}")
-            done += n
-
-    def read(self, offset: int, n: int) -> bytearray:
-        out = bytearray(max(min(n, self.size - offset), 0))
-        self.read_at(offset, memoryview(out))
-        return out
-
-    def close(self) -> None:
-        self._file.close()
+        super().__init__(size, dir, "the downloaded model")
 
 
 async def download(
