@@ -26,14 +26,18 @@ received recorded (``views``) for the tests that show it reveals nothing.
 
 from __future__ import annotations
 
+import base64
+import binascii
 import time
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from shoal.errors import Malformed
+from shoal.wire import encode, read_header
 
 from . import crypto as C
 from .memory import STAGES, SecAggCost, client_randomness
@@ -130,6 +134,35 @@ def open_at_root(blob: bytes, root: RootKey, session: bytes, sender: str) -> byt
     except ValueError:
         return None
     return C.decrypt(key, blob[32:], _seal_info(session, sender))
+
+
+SEALED_KIND = "sealed_unmask"
+
+
+def seal_message(body: bytes, root_public: bytes, session: bytes, sender: str, meta: dict[str, Any]) -> bytes:
+    """A node's encoded unmasking answer as it travels through an edge: sealed to the root's key of
+    the round (:func:`seal_for_root`, OS randomness), with ``meta`` (the round) beside it in the clear."""
+    blob = seal_for_root(body, root_public, session, sender, C.Randomness())
+    return encode({}, {"kind": SEALED_KIND, "sender": sender, "sealed": base64.b64encode(blob).decode(), "meta": meta})
+
+
+def open_message(body: bytes, root: RootKey, session: bytes, sender: str, max_bytes: int) -> bytes:
+    """The answer inside :func:`seal_message`'s body; Malformed unless it is sealed by ``sender`` to
+    this round's root key (a plain answer is refused too: through an edge it would be in the clear)."""
+    header, _ = read_header(body, max_bytes)
+    if header.get("kind") != SEALED_KIND:
+        raise Malformed("the unmasking answer must be sealed to the root's key of the round (root_key in the task)")
+    if header.get("sender") != sender:
+        raise Malformed(f"a sealed answer of {str(header.get('sender'))[:60]!r}, not of {sender!r}")
+    sealed = header.get("sealed")
+    try:
+        blob = base64.b64decode(sealed, validate=True) if isinstance(sealed, str) else b""
+    except binascii.Error:
+        blob = b""
+    plain = open_at_root(blob, root, session, sender)
+    if plain is None:
+        raise Malformed("the sealed unmasking answer does not open under the root's key of this round")
+    return plain
 
 
 # --- one round in memory, through edges ----------------------------------------------------

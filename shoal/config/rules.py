@@ -218,7 +218,8 @@ def _check_algorithm(self: Any) -> None:
 
 
 def _check_edge(self: Any) -> None:
-    """An edge aggregator (`shoal server --parent URL`) sums plain FedAvg updates of sync rounds."""
+    """An edge aggregator (`shoal server --parent URL`) sums FedAvg updates of sync rounds, or relays
+    secure aggregation and adds its nodes' masked inputs."""
     unsupported = [
         (name, why)
         for name, on, why in (
@@ -226,11 +227,6 @@ def _check_edge(self: Any) -> None:
                 f"server.mode = {self.server.mode!r}",
                 self.server.mode != "sync",
                 "the root takes edge partials into sync rounds only (an async root counting partials is not built)",
-            ),
-            (
-                "secure_aggregation.enabled",
-                self.secure_aggregation.enabled,
-                "the edge would see its nodes' updates in the clear (secure aggregation across tiers is not built)",
             ),
             (
                 f"privacy.mode = {self.privacy.mode!r}",
@@ -252,6 +248,7 @@ def _check_edge(self: Any) -> None:
             f"hierarchy.parent = {self.hierarchy.parent!r} makes this server an edge aggregator, which cannot run "
             + "; ".join(f"{name} ({why})" for name, why in unsupported)
         )
+    _check_secure_tiers(self, f"hierarchy.parent = {self.hierarchy.parent!r}")
 
 
 def _check_hierarchy(self: Any) -> None:

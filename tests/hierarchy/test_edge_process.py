@@ -6,6 +6,8 @@ timeout and every process is killed at the end."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from shoal.server.checkpoint import load_checkpoint
@@ -79,3 +81,49 @@ def test_two_edge_processes_equal_flat_and_a_killed_edge_s_nodes_reattach(tmp_pa
         f"root round latency p50 {durations[len(durations) // 2]:.3f} s, max {durations[-1]:.3f} s; "
         f"re-attach {max(reattach):.3f} s; root RSS max {max(rss):.0f} MB"
     )
+
+
+SECURE = """
+[secure_aggregation]
+enabled = true
+bits = 24
+clip = 1.0
+stage_s = 8.0
+"""
+SECURE_ROUNDS = 3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_secure_aggregation_through_two_edge_processes_equals_flat_fedavg(tmp_path):
+    """The same tree with secure aggregation: the edges relay the protocol to the root and send it
+    one masked sum each; the root's model after 3 rounds is flat FedAvg's (the simulator, in the
+    clear) to the fixed-point encoding's precision (24 bits over [-1, 1])."""
+    with hierarchy(tmp_path, n=4, edges=2, rounds=SECURE_ROUNDS, deadline=DEADLINE_S, extra=SECURE) as h:
+        h.root()
+        for e in h.edge_names:
+            h.edge(e)
+        h.listening(120)
+        for i in range(h.n):
+            h.node(i)
+        assert h.wait("root", 150) == 0, h.dump()
+        for e in h.edge_names:
+            assert h.wait(e, 20) == 0, h.dump()
+        records = h.records()
+        sums = h.edge_records("edge-a") + h.edge_records("edge-b")
+        log = h.dump()
+    assert [r["version"] for r in records] == list(range(1, SECURE_ROUNDS + 1)), (records, log)
+    assert all(r["num_results"] == 4 for r in records), records
+    # one masked sum per edge and round, each of its 2 nodes, taken once
+    secure = [e for e in sums if e.get("secure")]
+    assert sorted((e["round"], e["nodes_in"], e["answer"]) for e in secure) == [
+        (r, 2, "accepted") for r in range(1, SECURE_ROUNDS + 1) for _ in range(2)
+    ], sums
+    ck = sorted((tmp_path / "ck").iterdir())
+    tensors = next(t for t, s in map(load_checkpoint, ck) if s["version"] == SECURE_ROUNDS)
+    cfg = h.cfg
+    plain = InProcessSimulation(replace(cfg, secure_aggregation=type(cfg.secure_aggregation)()))
+    for _ in range(SECURE_ROUNDS):
+        plain.run_round()
+    diff = float((tensors["params"] - plain.global_params).abs().max())
+    assert 0 < diff <= 1e-5, diff  # masked, encoded, summed mod 2^32 and unmasked: the clear mean
