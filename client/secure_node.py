@@ -64,8 +64,20 @@ class _Left(Exception):
     """This node is out of the round (refused, excluded, aborted or stopping)."""
 
 
+def _unreachable(node, url: str, route: str) -> None:
+    """The server of this round did not answer: counted as any lost request (the node moves to the
+    next server of its list after a few: a dead edge aggregator). A node that moved leaves the
+    round, whose protocol ran at the old server (the root counts it a drop-out)."""
+    lost = getattr(node, "_lost", None)
+    if lost is not None:
+        lost()
+    if node.url != url:
+        raise _Left(f"{route}: {url} stopped answering; the node moved to {node.url}")
+
+
 async def _post(node, route: str, body: bytes) -> None:
     backoff = Backoff()
+    url = node.url
     while True:
         try:
             await node._request("POST", f"/v1/secagg/{route}", data=body, headers=OCTET)
@@ -75,6 +87,7 @@ async def _post(node, route: str, body: bytes) -> None:
         except Retry as e:
             if node.stop.is_set():
                 raise _Left("stopping") from None
+            _unreachable(node, url, route)
             delay = backoff.next(node.rand)
             log.warning("secure aggregation %s failed (%s); retrying in %.2f s", route, e, delay)
             await asyncio.sleep(delay)
@@ -84,6 +97,7 @@ async def _fetch(node, route: str, round_: int) -> bytes:
     """Long-poll GET /v1/secagg/{route} until the stage closed; the message body."""
     backoff = Backoff()
     params = {"round": str(round_), "wait": str(node.poll_s)}
+    url = node.url
     while not node.stop.is_set():
         try:
             async with node.http.get(f"{node.url}/v1/secagg/{route}", params=params, ssl=node._ssl) as resp:
@@ -94,6 +108,7 @@ async def _fetch(node, route: str, round_: int) -> bytes:
         except Refused as e:
             raise _Left(f"{route}: {e}") from None
         except (TimeoutError, Retry, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+            _unreachable(node, url, route)
             delay = backoff.next(node.rand)
             log.warning("secure aggregation %s fetch failed (%s); retrying in %.2f s", route, e, delay)
             await asyncio.sleep(delay)
