@@ -100,7 +100,7 @@ class VirtualClients:
 
     def __init__(self, cfg: Config, sim: InProcessSimulation | None = None):
         self.cfg = cfg
-        self.sim = sim if sim is not None else InProcessSimulation(cfg)
+        self.sim = sim if sim is not None else InProcessSimulation.from_config(cfg)
         seed = cfg.simulation.seed
         self.timing = ClientTiming(cfg.heterogeneity, self.sim.client_ids, seed)
         self.queue = EventQueue()

@@ -69,7 +69,7 @@ def run_simulation(
 
         return run_virtual(cfg, out_dir, progress, on_record, sim=sim)
     t0 = time.perf_counter()
-    sim = sim or InProcessSimulation(cfg)
+    sim = sim or InProcessSimulation.from_config(cfg)
     setup_s = time.perf_counter() - t0
     with RunLoop(cfg, out_dir, cfg.simulation.rounds, sim.task_label, progress=progress, on_record=on_record) as loop:
         for step in sim.steps():

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from shoal.assembly import GossipParts
 from shoal.config import Config
 from shoal.privacy_plan import plan_of
 from shoal.rounds import evaluation_due
-from shoal.task import SimulationData, Task
 
 from ..dp_hooks import PrivacyBudget
 from ..run_loop import OnRecord, RunLoop, Step
@@ -55,14 +55,9 @@ class GossipSimulation(GossipNetwork):
     pool that runs local training (default: LocalPeers, here), as ``clients`` does for
     InProcessSimulation."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        data: SimulationData | None = None,
-        task: Task | None = None,
-        peers: Callable[[GossipNetwork], PeerPool] | None = None,
-    ):
-        super().__init__(cfg, data, task, peers)
+    def __init__(self, parts: GossipParts, peers: Callable[[GossipNetwork], PeerPool] | None = None):
+        super().__init__(parts, peers)
+        cfg = parts.cfg
         self.algorithm = ALGORITHMS[cfg.gossip.algorithm](self)
         # local DP-SGD (config rules refuse the other modes in gossip); refuses a target below one round
         self.privacy = (
@@ -109,7 +104,7 @@ def run_gossip_simulation(
     ``peers``: who trains the peers (default here; the Ray engine passes its workers)."""
     sim_cfg = cfg.simulation
     t0 = time.perf_counter()
-    sim = GossipSimulation(cfg, peers=peers)
+    sim = GossipSimulation.from_config(cfg, peers=peers)
     setup_s = time.perf_counter() - t0
     with RunLoop(cfg, out_dir, sim_cfg.rounds, sim.task_label, progress=progress, on_record=on_record) as loop:
         for r in range(1, sim_cfg.rounds + 1):
