@@ -210,8 +210,8 @@ def make_async_rounds(cfg: Config, global_params: torch.Tensor, numel: int) -> A
 @dataclass(frozen=True)
 class Batching:
     """What the batched many-clients trainer is sized for: whether the clients' data are tensors
-    held in memory, one example input (or its shape), the clients per round and the largest
-    client's example count."""
+    held in memory, one example input (None for Datasets, which are never batched), the clients
+    per round and the largest client's example count."""
 
     in_memory: bool
     example: Any
@@ -415,7 +415,9 @@ def build_simulation(
         residuals = StateMapping(make_client_state(f"{cfg.algorithm.state_dir}/residuals"), "residual")
     wire = WireStep(cfg.compression, spec, residuals)
     cohort = rounds.sample_size(n)
-    client = with_batching(cfg, client, Batching(shards.in_memory, shards.example, cohort, shards.max_size()))
+    client = with_batching(
+        cfg, client, Batching(shards.in_memory, shards.example if shards.in_memory else None, cohort, shards.max_size())
+    )
     fed_eval: list[int] = []
     if isinstance(shards, PopulationShards) and shards.has_test:
         picked = rng(sim.seed, _FED_EVAL_STREAM).choice(n, size=min(n, cohort), replace=False)

@@ -36,7 +36,7 @@ from .client_data import (
     client_id,
 )
 from .dp_hooks import distributed_noise_step
-from .run_loop import Step
+from .run_loop import Report, Step
 
 if TYPE_CHECKING:
     from .secure_rounds import SecureAggregationRounds
@@ -358,7 +358,29 @@ class InProcessSimulation:
             if stop:
                 return
 
-    def figures(self) -> dict:
+    # --- the Engine the run loop drives (simulations/run_loop.py) ---------------------------
+
+    x_axis = "round"
+
+    @property
+    def label(self) -> str:
+        return self.task_label
+
+    @property
+    def title(self) -> str:
+        return f"{self.task_label} / {self.cfg.strategy.name}"
+
+    def drive(self, report: Report) -> None:
+        for step in self.steps():
+            report(step)
+
+    def close(self) -> None:
+        """Stop the client pool's workers, if it has any (the Ray engine's)."""
+        close = getattr(self.clients, "close", None)
+        if callable(close):
+            close()
+
+    def figures(self, last: dict | None = None) -> dict:
         """This run's figures for summary.json."""
         out = {
             "rounds": self.rounds.version,

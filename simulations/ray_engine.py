@@ -177,7 +177,12 @@ class RayWorker:
         batching = (
             None
             if cfg.simulation.mode == "gossip"
-            else Batching(shards.in_memory, shards.example, setup.sample_size, setup.max_client_size)
+            else Batching(
+                shards.in_memory,
+                shards.example if shards.in_memory else None,  # a Dataset is never batched
+                setup.sample_size,
+                setup.max_client_size,
+            )
         )
         parts = assembly.build(cfg, task, "client", device=self.device, example=None, batching=batching)
         self.trainer, self.program, self.batched = parts.trainer, parts.program, parts.batched
