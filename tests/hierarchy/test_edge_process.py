@@ -57,7 +57,7 @@ def test_two_edge_processes_equal_flat_and_a_killed_edge_s_nodes_reattach(tmp_pa
     assert all(r["hier_nodes_via_edges"] == r["num_results"] for r in records), records
     ck = sorted((tmp_path / "ck").iterdir())
     tensors = next(t for t, s in map(load_checkpoint, ck) if s["version"] == FLAT_ROUNDS)
-    sim = InProcessSimulation(h.cfg)
+    sim = InProcessSimulation.from_config(h.cfg)
     for _ in range(FLAT_ROUNDS):
         sim.run_round()
     diff = float((tensors["params"] - sim.global_params).abs().max())

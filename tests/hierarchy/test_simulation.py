@@ -31,7 +31,7 @@ START: list[torch.Tensor] = []  # the initial model (the same for every seed-5 r
 
 
 def run(*extra: str, rounds: int = 2) -> InProcessSimulation:
-    sim = InProcessSimulation(load_config(None, [*HUNDRED, *extra]))
+    sim = InProcessSimulation.from_config(load_config(None, [*HUNDRED, *extra]))
     START[:] = [sim.global_params.clone()]
     for _ in range(rounds):
         sim.run_round()
@@ -98,7 +98,9 @@ def test_lost_edges_drop_their_clients_and_the_run_goes_on(tmp_path) -> None:
 
 
 def test_every_edge_lost_aborts_the_round_with_the_model_unchanged() -> None:
-    sim = InProcessSimulation(load_config(None, [*HUNDRED, "hierarchy.edges=2", "hierarchy.edge_failure=1"]))
+    sim = InProcessSimulation.from_config(
+        load_config(None, [*HUNDRED, "hierarchy.edges=2", "hierarchy.edge_failure=1"])
+    )
     before = sim.global_params.clone()
     summary = sim.run_round()
     assert summary.num_results == 0 and sim.rounds.version == 0
