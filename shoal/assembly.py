@@ -1,9 +1,11 @@
-"""The one place that turns a config and a task into a run's objects.
+"""The one place that turns a config and a task into a run's parts.
 
-Every engine and service calls these instead of wiring objects by hand: the simulator
-(sync, virtual clock, gossip, Flower), ``shoal server``, ``shoal client`` and
-``shoal peer``. So the same config gives the same model, trainer, strategy and rounds
-wherever it runs.
+``build(cfg, task, role)`` returns a frozen dataclass of every part a role runs:
+``simulation`` (SimulationParts: the in-process simulator, the virtual-clock engines and the Ray
+driver), ``gossip`` (GossipParts), ``server`` (ServerParts: ``shoal server``) and ``client``
+(ClientParts: a Ray worker, the Flower ClientApp, ``shoal client``, ``shoal peer``). Their
+constructors take these parts and assemble nothing, so the same config gives the same model,
+trainer, client program, strategy and rounds wherever it runs (docs/architecture.md).
 """
 
 from __future__ import annotations
