@@ -218,7 +218,8 @@ def _check_algorithm(self: Any) -> None:
 
 
 def _check_edge(self: Any) -> None:
-    """An edge aggregator (`shoal server --parent URL`) sums plain FedAvg updates of sync rounds."""
+    """An edge aggregator (`shoal server --parent URL`) sums FedAvg updates of sync rounds, or relays
+    secure aggregation and adds its nodes' masked inputs."""
     unsupported = [
         (name, why)
         for name, on, why in (
@@ -226,11 +227,6 @@ def _check_edge(self: Any) -> None:
                 f"server.mode = {self.server.mode!r}",
                 self.server.mode != "sync",
                 "the root takes edge partials into sync rounds only (an async root counting partials is not built)",
-            ),
-            (
-                "secure_aggregation.enabled",
-                self.secure_aggregation.enabled,
-                "the edge would see its nodes' updates in the clear (secure aggregation across tiers is not built)",
             ),
             (
                 f"privacy.mode = {self.privacy.mode!r}",
@@ -252,6 +248,7 @@ def _check_edge(self: Any) -> None:
             f"hierarchy.parent = {self.hierarchy.parent!r} makes this server an edge aggregator, which cannot run "
             + "; ".join(f"{name} ({why})" for name, why in unsupported)
         )
+    _check_secure_tiers(self, f"hierarchy.parent = {self.hierarchy.parent!r}")
 
 
 def _check_hierarchy(self: Any) -> None:
@@ -269,7 +266,6 @@ def _check_hierarchy(self: Any) -> None:
             (f"algorithm.name = {self.algorithm.name!r}", self.algorithm.name != "fedavg"),
             (f"robust.rule = {self.robust.rule!r}", self.robust.rule != "mean"),
             (f"privacy.mode = {self.privacy.mode!r}", self.privacy.mode != "none"),
-            ("secure_aggregation.enabled", self.secure_aggregation.enabled),
         )
         if on
     ]
@@ -277,4 +273,23 @@ def _check_hierarchy(self: Any) -> None:
         raise ConfigError(
             f"hierarchy.edges = {self.hierarchy.edges} simulates edge aggregators that sum plain FedAvg updates "
             f"in sync rounds, and cannot run {', '.join(unsupported)} yet; set hierarchy.edges = 0 (flat)"
+        )
+    _check_secure_tiers(self, f"hierarchy.edges = {self.hierarchy.edges}")
+
+
+def _check_secure_tiers(self: Any, what: str) -> None:
+    """Secure aggregation through edges: the edges relay and add masked vectors, only the root unmasks."""
+    sa = self.secure_aggregation
+    if not sa.enabled:
+        return
+    if self.hierarchy.edge_rounds != 1:
+        raise ConfigError(
+            f"{what} with secure_aggregation.enabled and hierarchy.edge_rounds = {self.hierarchy.edge_rounds}: an "
+            "edge round needs the edge's own mean, which secure aggregation across tiers hides from it; set "
+            "hierarchy.edge_rounds = 1"
+        )
+    if sa.malicious_server:
+        raise ConfigError(
+            f"{what} with secure_aggregation.malicious_server = true: the consistency round through edges is not "
+            "built; the honest-but-curious variant runs across tiers"
         )

@@ -80,7 +80,7 @@ class Hierarchy:
     edge ``i * edges // n`` (its own), then the others in turn (``edges = 0``: flat, every node
     polls the root)."""
 
-    def __init__(self, tmp: Path, n: int, edges: int, rounds: int, deadline: float):
+    def __init__(self, tmp: Path, n: int, edges: int, rounds: int, deadline: float, extra: str = ""):
         self.tmp, self.n = tmp, n
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -93,6 +93,7 @@ class Hierarchy:
             CONFIG.format(
                 n=n, port=self.port, rounds=rounds, deadline=deadline, tmp=tmp, edges=json.dumps(self.edge_names)
             )
+            + extra  # more tables (e.g. [secure_aggregation])
         )
         self.cfg = load_config(self.config)
         self.shards = write_shards(self.cfg, tmp / "shards")
@@ -222,8 +223,8 @@ class Hierarchy:
 
 
 @contextmanager
-def hierarchy(tmp: Path, n: int = 4, edges: int = 2, rounds: int = 6, deadline: float = 6.0):
-    h = Hierarchy(tmp, n, edges, rounds, deadline)
+def hierarchy(tmp: Path, n: int = 4, edges: int = 2, rounds: int = 6, deadline: float = 6.0, extra: str = ""):
+    h = Hierarchy(tmp, n, edges, rounds, deadline, extra)
     try:
         yield h
     finally:
