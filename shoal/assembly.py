@@ -213,12 +213,14 @@ def make_async_rounds(cfg: Config, global_params: torch.Tensor, numel: int) -> A
 class Batching:
     """What the batched many-clients trainer is sized for: whether the clients' data are tensors
     held in memory, one example input (None for Datasets, which are never batched), the clients
-    per round and the largest client's example count."""
+    per round and the largest client's example count. ``say_why``: log why clients train one by
+    one (the driver says it once; Ray workers, which decide the same, keep quiet)."""
 
     in_memory: bool
     example: Any
     cohort: int
     max_client_size: int
+    say_why: bool = True
 
 
 @dataclass(frozen=True)
@@ -287,7 +289,7 @@ def with_batching(cfg: Config, parts: ClientParts, batching: Batching) -> Client
     (:func:`batching_blocker`; the reason is logged once)."""
     blocker = batching_blocker(cfg, parts.task, parts.trainer, batching.in_memory)
     if blocker is not None:
-        if cfg.simulation.batch_clients != 1 and batching.cohort > 1:
+        if batching.say_why and cfg.simulation.batch_clients != 1 and batching.cohort > 1:
             log.info("training clients one by one: %s", blocker)
         else:
             log.debug("training clients one by one: %s", blocker)
