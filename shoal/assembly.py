@@ -1,9 +1,11 @@
-"""The one place that turns a config and a task into a run's objects.
+"""The one place that turns a config and a task into a run's parts.
 
-Every engine and service calls these instead of wiring objects by hand: the simulator
-(sync, virtual clock, gossip, Flower), ``shoal server``, ``shoal client`` and
-``shoal peer``. So the same config gives the same model, trainer, strategy and rounds
-wherever it runs.
+``build(cfg, task, role)`` returns a frozen dataclass of every part a role runs:
+``simulation`` (SimulationParts: the in-process simulator, the virtual-clock engines and the Ray
+driver), ``gossip`` (GossipParts), ``server`` (ServerParts: ``shoal server``) and ``client``
+(ClientParts: a Ray worker, the Flower ClientApp, ``shoal client``, ``shoal peer``). Their
+constructors take these parts and assemble nothing, so the same config gives the same model,
+trainer, client program, strategy and rounds wherever it runs (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -211,12 +213,14 @@ def make_async_rounds(cfg: Config, global_params: torch.Tensor, numel: int) -> A
 class Batching:
     """What the batched many-clients trainer is sized for: whether the clients' data are tensors
     held in memory, one example input (None for Datasets, which are never batched), the clients
-    per round and the largest client's example count."""
+    per round and the largest client's example count. ``say_why``: log why clients train one by
+    one (the driver says it once; Ray workers, which decide the same, keep quiet)."""
 
     in_memory: bool
     example: Any
     cohort: int
     max_client_size: int
+    say_why: bool = True
 
 
 @dataclass(frozen=True)
@@ -285,7 +289,7 @@ def with_batching(cfg: Config, parts: ClientParts, batching: Batching) -> Client
     (:func:`batching_blocker`; the reason is logged once)."""
     blocker = batching_blocker(cfg, parts.task, parts.trainer, batching.in_memory)
     if blocker is not None:
-        if cfg.simulation.batch_clients != 1 and batching.cohort > 1:
+        if batching.say_why and cfg.simulation.batch_clients != 1 and batching.cohort > 1:
             log.info("training clients one by one: %s", blocker)
         else:
             log.debug("training clients one by one: %s", blocker)

@@ -182,6 +182,7 @@ class RayWorker:
                 shards.example if shards.in_memory else None,  # a Dataset is never batched
                 setup.sample_size,
                 setup.max_client_size,
+                say_why=False,  # the driver said it
             )
         )
         parts = assembly.build(cfg, task, "client", device=self.device, example=None, batching=batching)

@@ -86,6 +86,32 @@ class LocalPeers:
             yield i, net.trainer.flat.clone()
 
 
+def peer_nodes(
+    cfg: Config, ids: list[str], models: torch.Tensor, shared: list[int], rng: np.random.Generator
+) -> list[GossipNode]:
+    """Peer i's GossipNode: its model is row i of ``models``, it tells others ``shared[i]``
+    examples, and its Cyclon membership starts from a random view of others (never itself)."""
+    g, n, seed = cfg.gossip, len(ids), cfg.simulation.seed
+    rule = MergeRule(g.merge, g.staleness_exponent, g.max_age_gap, cfg.robust.norm_bound, g.bound_mode)
+    k0 = min(g.view_size, n - 1)
+    nodes = []
+    for i in range(n):
+        others = [j for j in rng.choice(n - 1, size=k0, replace=False)]
+        boot = tuple(ids[j if j < i else j + 1] for j in others)
+        m = Membership(
+            ids[i],
+            g.view_size,
+            g.shuffle_length,
+            g.timeout,
+            g.max_failures,
+            quarantine=10 * g.churn_period,
+            seed=derive_seed(seed, 0xC1C, i),
+            bootstrap_peers=boot,
+        )
+        nodes.append(GossipNode(m, models[i], shared[i], rule, g.timeout, make_merge_bound(cfg)))
+    return nodes
+
+
 class GossipNetwork:
     """Peers, virtual network, churn and attackers built from a Config; no algorithm logic."""
 
@@ -112,25 +138,7 @@ class GossipNetwork:
         self.rng = np.random.default_rng(derive_seed(sim.seed, 0x6055))
         self.ids = [peer_id(i) for i in range(n)]
         self.index = {p: i for i, p in enumerate(self.ids)}
-        rule = MergeRule(g.merge, g.staleness_exponent, g.max_age_gap, cfg.robust.norm_bound, g.bound_mode)
-        k0 = min(g.view_size, n - 1)
-        self.nodes: list[GossipNode] = []
-        for i in range(n):
-            others = [j for j in self.rng.choice(n - 1, size=k0, replace=False)]
-            boot = tuple(self.ids[j if j < i else j + 1] for j in others)  # a random initial view, never self
-            m = Membership(
-                self.ids[i],
-                g.view_size,
-                g.shuffle_length,
-                g.timeout,
-                g.max_failures,
-                quarantine=10 * g.churn_period,
-                seed=derive_seed(sim.seed, 0xC1C, i),
-                bootstrap_peers=boot,
-            )
-            self.nodes.append(
-                GossipNode(m, self.models[i], self.shared_size(i), rule, g.timeout, make_merge_bound(cfg))
-            )
+        self.nodes = peer_nodes(cfg, self.ids, self.models, [self.shared_size(i) for i in range(n)], self.rng)
         self.online = np.ones(n, dtype=bool)
         self.leaving = np.zeros(n, dtype=bool)
         if g.churn > 0:
@@ -150,14 +158,7 @@ class GossipNetwork:
         self.aborted_groups = 0  # groups whose averaging aborted (secure groups left below the threshold)
         self.max_bytes = self.model_bytes + (1 << 20)
         atk = cfg.attack
-        self.attackers = np.zeros(n, dtype=bool)
-        if atk.kind != "none" and atk.fraction > 0:
-            for p in choose_attackers(self.ids, atk.fraction, sim.seed):
-                self.attackers[self.index[p]] = True
-            if atk.kind == "label_flip":
-                for i in np.flatnonzero(self.attackers).tolist():
-                    flip_labels(self.shards.get(int(i))[1], label_count(self))
-            log.info("attack %s: %d of %d peers", atk.kind, int(self.attackers.sum()), n)
+        self.attackers = self._choose_attackers()
         c = cfg.compression
         self.wire = c.encoding != "dense" or c.zstd or (atk.kind not in ("none", "label_flip") and atk.fraction > 0)
         self._msgs = 0
@@ -168,6 +169,19 @@ class GossipNetwork:
         log.info(
             "gossip simulation: %d peers, %s (%d parameters), %s", n, self.task_label, self.spec.numel, g.algorithm
         )
+
+    def _choose_attackers(self) -> np.ndarray:
+        """``attack.fraction`` of the peers, seeded (a boolean mask); label flippers' labels flipped."""
+        atk, n = self.cfg.attack, self.n
+        attackers = np.zeros(n, dtype=bool)
+        if atk.kind != "none" and atk.fraction > 0:
+            for p in choose_attackers(self.ids, atk.fraction, self.cfg.simulation.seed):
+                attackers[self.index[p]] = True
+            if atk.kind == "label_flip":
+                for i in np.flatnonzero(attackers).tolist():
+                    flip_labels(self.shards.get(int(i))[1], label_count(self))
+            log.info("attack %s: %d of %d peers", atk.kind, int(attackers.sum()), n)
+        return attackers
 
     @classmethod
     def from_config(
