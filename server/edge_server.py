@@ -13,8 +13,9 @@ server/edge_uplink.py), retransmitted until the root answers.
 node reported, at ``hierarchy.edge_quorum`` of the expected weight, or
 ``hierarchy.edge_margin_s`` before the root's deadline), the cached model. :func:`serve_edge`
 is the aiohttp side around it: the node routes, the poll of the root, the model fetch and the
-uplink. An edge takes sync FedAvg rounds without secure aggregation or DP (config rules refuse
-the rest, with the reason).
+uplink. An edge takes sync FedAvg rounds, or serves an async FedBuff root (its nodes' tasks from
+the root's version of the moment, their updates buffered by version: server/edge.py's
+:class:`~shoal.server.edge.EdgeBuffer`); config rules refuse the rest, with the reason.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import math
 import random
 import ssl
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +45,7 @@ from shoal.signals import on_stop_signals
 from shoal.task import Task
 from shoal.wire import MAX_HEADER_BYTES, decode_update, read_header
 
-from .edge import MAX_ROSTER, EdgeRound
+from .edge import MAX_ROSTER, EdgeBuffer, EdgeRound
 from .edge_uplink import PartialRefused, UplinkGaveUp, send_partial
 from .service import MAX_FAILURE_BODY, ModelDownload, parse_failure_report, spec_mismatch_detail
 
@@ -51,6 +53,7 @@ log = logging.getLogger(__name__)
 
 POLL_WAIT_S = 1.0  # the edge's poll of the root is held this long at most while the root has no work for it
 CLOSE_EVERY_S = 0.05  # how often the edge looks whether its part of the round is due to close
+ASYNC_SEND_S = 60.0  # under an async root, a partial is sent again for this long at most
 
 
 def _int(obj: dict, key: str) -> int:
@@ -86,6 +89,13 @@ class EdgeNodes:
         self.told_done: set[str] = set()
         self.accepted = 0
         self.refused: dict[str, int] = {}
+        # under an async (FedBuff) root: the nodes' tasks and their updates summed by base version
+        h = cfg.hierarchy
+        self.buffer: EdgeBuffer | None = None
+        self.on_want: Callable[[], None] = lambda: None  # a node started waiting for a task (the uplink asks)
+        if cfg.server.mode == "async":
+            size = h.edge_buffer or cfg.asynchronous.buffer_size
+            self.buffer = EdgeBuffer("", spec.numel, weighting=cfg.strategy.weighting, size=size, wait_s=h.edge_flush_s)
 
     # --- towards the nodes -------------------------------------------------------------
 
@@ -108,6 +118,8 @@ class EdgeNodes:
         if self.done:
             self.told_done.add(node)
             return {"status": "done", **self.done_answer}
+        if self.buffer is not None:
+            return self._poll_async(node, self.buffer)
         er = self.round
         if er is None or er.closed or node not in er.nodes or node in er.acc.senders:
             return None
@@ -118,10 +130,31 @@ class EdgeNodes:
             work["deadline_s"] = round(max(er.close_at - now, 0.0), 3)
         return work
 
+    def _poll_async(self, node: str, buf: EdgeBuffer) -> dict[str, Any] | None:
+        """Under an async root: the node's open task if this edge serves its model; else None (the
+        root hands it a task at this edge's next poll: the node waits in ``want``)."""
+        waited = node in buf.want
+        task = buf.asks(node)
+        if task is None or self.model is None:
+            if task is None and not waited:
+                self.on_want()
+            return None
+        version, seed = task
+        if self.model.version > version:  # the root moved on before the node fetched its model
+            buf.stale(node)
+            self.on_want()
+            return None
+        if self.model.version < version:
+            return None  # that version's model is on its way from the root
+        return {"status": "work", "round": version, "version": version, "seed": seed}
+
     def submit(self, node: str, body: bytes | bytearray | memoryview, now: float) -> dict[str, Any]:
-        """One node's update into the open round's sum; a ShoalError with nothing changed if refused."""
+        """One node's update into the open round's sum (under an async root: into the edge's buffer);
+        a ShoalError with nothing changed if refused."""
         self.seen(node, now)
         s = self.cfg.server
+        if self.buffer is not None:
+            return self._submit_async(node, body, now, self.buffer)
         try:
             er = self.round
             if er is None or er.closed:
@@ -145,10 +178,34 @@ class EdgeNodes:
         self.accepted += 1
         return {"status": "accepted", "round": er.round, "version": er.version}
 
+    def _submit_async(
+        self, node: str, body: bytes | bytearray | memoryview, now: float, buf: EdgeBuffer
+    ) -> dict[str, Any]:
+        s = self.cfg.server
+        try:
+            update, header = decode_update(
+                body, self.spec, self.update_limit, copy=False, max_examples=s.max_examples, max_abs=s.max_delta_abs
+            )
+            if update.to_server:
+                raise Malformed(f"the update carries {sorted(update.to_server)} beside its delta; FedBuff takes none")
+            buf.submit(node, update, now)
+        except ShoalError as e:
+            code = getattr(e, "code", "error")
+            self.refused[code] = self.refused.get(code, 0) + 1
+            raise
+        self.weights[node] = update_weight(update, self.cfg.strategy.weighting)
+        self.accepted += 1
+        return {"status": "accepted", "round": update.base_version, "version": self.version}
+
     def failed(self, node: str, body: bytes, now: float) -> dict[str, Any]:
         """A node's report that its task failed: the edge stops waiting for it this round."""
         self.seen(node, now)
         round_, version, reason = parse_failure_report(body)
+        if self.buffer is not None:
+            if not self.buffer.drop(node, version):
+                raise UpdateRejected("not_assigned", f"node {node!r} holds no task of version {version} here")
+            self.refused[reason] = self.refused.get(reason, 0) + 1
+            return {"status": "noted", "round": round_}
         er = self.round
         if er is None or (er.round, er.version) != (round_, version) or node not in er.nodes:
             raise UpdateRejected("not_selected", f"node {node!r} holds no task of round {round_} here")
@@ -188,6 +245,10 @@ class EdgeNodes:
             or not all(isinstance(n, str) and isinstance(s, int) and not isinstance(s, bool) for n, s in tasks.items())
         ):
             raise Malformed("the root's tasks are not {node: seed}")
+        if self.buffer is not None:  # an async root: tasks from its current version
+            self.buffer.edge = name
+            self.buffer.given(tasks, version)
+            return True
         left = answer.get("deadline_s")
         if left is not None and (isinstance(left, bool) or not isinstance(left, (int, float)) or not left >= 0):
             raise Malformed(f"the root's deadline_s = {str(left)[:40]} is not a number of seconds >= 0")
@@ -330,6 +391,8 @@ class Uplink:
         self.parent = parent.rstrip("/")
         self.ssl = ssl_ctx if ssl_ctx is not None else True
         self.sending: set[asyncio.Task] = set()
+        self.wanted = asyncio.Event()  # a node of this edge started waiting for a task (async roots)
+        edge.on_want = self.wanted.set
         self.rand = random.Random()
         out = Path(edge.cfg.server.out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -356,22 +419,22 @@ class Uplink:
                 await asyncio.sleep(0.2)
                 continue
             try:
-                async with self.http.post(
-                    self.parent + "/v1/edge/poll",
-                    params={"wait": str(POLL_WAIT_S)},
-                    json={"nodes": self.edge.connected(now)[:MAX_ROSTER]},  # the root takes no more
-                    ssl=self.ssl,
-                ) as r:
-                    text = await r.text()
-                    if r.status in (401, 403) or (r.status == 409 and "not_supported" in text):
-                        raise ConfigError(f"the root {self.parent} refuses this edge ({r.status}): {text[:300]}")
-                    if r.status != 200:
-                        raise Malformed(f"{r.status}: {text[:300]}")
-                    answer = json.loads(text)
+                nodes = self.edge.connected(now)[:MAX_ROSTER]  # the root takes no more
+                body: dict[str, Any] = {"nodes": nodes}
+                buf = self.edge.buffer
+                if buf is not None:  # an async root hands out a task to each node that waits for one
+                    self.wanted.clear()
+                    buf.forget(nodes)
+                    body["want"] = sorted(buf.want)
+                answer = await self._poll_once(body, buf is not None and not body["want"])
+                if answer is None:
+                    continue  # a node started waiting for a task: ask again at once, naming it
                 if self.edge.from_root(answer, time.monotonic()):
                     self._changed()
                 if self.edge.round is not None and not self.edge.round.closed:
                     await self.fetch_model(self.edge.round.version)
+                if buf is not None and buf.tasks:
+                    await self.fetch_model(max(v for v, _ in buf.tasks.values()))
                 backoff.reset()
             except ConfigError:
                 raise
@@ -385,6 +448,36 @@ class Uplink:
                 except TimeoutError:
                     pass
                 continue
+
+    async def _poll_once(self, body: dict[str, Any], interruptible: bool) -> dict[str, Any] | None:
+        """One poll of the root; its answer. ``interruptible``: None as soon as a node of this edge
+        starts waiting for a task (the poll in flight does not name it; it is dropped)."""
+        request = asyncio.ensure_future(self._post_poll(body))
+        if not interruptible:
+            return await request
+        waiting = asyncio.ensure_future(self.wanted.wait())
+        try:
+            await asyncio.wait({request, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
+        if request.done():
+            return request.result()
+        request.cancel()
+        return None
+
+    async def _post_poll(self, body: dict[str, Any]) -> dict[str, Any]:
+        async with self.http.post(
+            self.parent + "/v1/edge/poll", params={"wait": str(POLL_WAIT_S)}, json=body, ssl=self.ssl
+        ) as r:
+            text = await r.text()
+            if r.status in (401, 403) or (r.status == 409 and "not_supported" in text):
+                raise ConfigError(f"the root {self.parent} refuses this edge ({r.status}): {text[:300]}")
+            if r.status != 200:
+                raise Malformed(f"{r.status}: {text[:300]}")
+            answer = json.loads(text)
+        if not isinstance(answer, dict):
+            raise Malformed(f"the root's poll answer is not one: {text[:200]}")
+        return answer
 
     async def fetch_model(self, version: int) -> None:
         """The root's model of ``version``, cached and served to this edge's nodes as the root's bytes."""
@@ -411,10 +504,18 @@ class Uplink:
         self._changed()
 
     async def close_rounds(self, stop: asyncio.Event) -> None:
-        """Close the edge's part of a round when it is due, and send its partial up."""
+        """Close the edge's part of a round when it is due, and send its partial up (under an async
+        root: send the buffer up when it is full or its oldest update waited long enough)."""
         while not stop.is_set():
             er = self.edge.round
             now = time.monotonic()
+            buf = self.edge.buffer
+            if buf is not None and buf.should_flush(now):
+                why = "size" if buf.count >= buf.size else "time"
+                parts = buf.flush()
+                task = asyncio.ensure_future(self.send_buffer(parts, why, now))
+                self.sending.add(task)
+                task.add_done_callback(self.sending.discard)
             if er is not None and er.should_close(now):
                 why = (
                     "complete" if er.complete else "quorum" if er.close_at is None or now < er.close_at else "deadline"
@@ -428,6 +529,34 @@ class Uplink:
                 else:
                     log.info("round %d: no update arrived before the close (%s)", er.round, why)
             await asyncio.sleep(CLOSE_EVERY_S)
+
+    async def send_buffer(self, parts: list, why: str, flushed_at: float) -> None:
+        """An async edge's buffer, one partial per base version, each sent until the root answers
+        (no root deadline: given up after ASYNC_SEND_S)."""
+        for part in parts:
+            body = encode_partial(part, self.edge.spec.hash, self.edge.cfg.hierarchy.partial_dtype)
+            record: dict[str, Any] = {
+                "edge": self.edge.name,
+                "version": part.version,
+                "nodes_in": part.count,
+                "nodes": sorted(part.senders),
+                "weight": part.total_weight,
+                "closed": why,
+                "partial_bytes": len(body),
+            }
+            loop = asyncio.get_running_loop()
+            try:
+                answer = await send_partial(self.http, self.parent, body, give_up_at=loop.time() + ASYNC_SEND_S)
+                record["answer"] = answer.get("status")
+                record["root_version"] = answer.get("version")
+            except (PartialRefused, UplinkGaveUp) as e:
+                record["answer"] = "refused" if isinstance(e, PartialRefused) else "gave_up"
+                if isinstance(e, PartialRefused):
+                    record["refusal"] = e.answer.get("error")
+                log.warning("partial of %d nodes (version %d) not taken: %s", part.count, part.version, e)
+            record["sent_after_s"] = round(time.monotonic() - flushed_at, 4)
+            with self.metrics.open("a") as f:
+                f.write(json.dumps(json_safe(record)) + "\n")
 
     async def send(self, er: EdgeRound, part, why: str, closed_at: float) -> None:
         body = encode_partial(part, self.edge.spec.hash, self.edge.cfg.hierarchy.partial_dtype)

@@ -108,7 +108,10 @@ def test_an_edge_refuses_what_it_cannot_run_with_the_reason(tmp_path) -> None:
     base = {"data": {"dataset": "synthetic"}, "model": {"name": "logreg"}, "hierarchy": {"parent": "http://r:1"}}
     for extra, words in (
         ({"secure_aggregation": {"enabled": True}}, "secure aggregation across tiers is not built"),
-        ({"server": {"mode": "async"}}, "an async root counting partials is not built"),
+        (
+            {"server": {"mode": "async"}, "asynchronous": {"algorithm": "fedasync"}},
+            "FedBuff's buffer only",
+        ),
         ({"privacy": {"mode": "central", "noise_multiplier": 1.0}}, "DP accounting"),
         ({"algorithm": {"name": "scaffold"}}, "each node's own step"),
     ):
