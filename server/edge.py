@@ -457,7 +457,11 @@ class EdgeBuffer:
     has waited ``wait_s``; :meth:`flush` gives one sealed partial per version held.
 
     A node holds at most one task here; a task whose model this edge no longer serves (the root's
-    version moved on before the node fetched it) is dropped, and the node asks again (:meth:`stale`).
+    version moved on before the node fetched it) is dropped, and the node asks again (:meth:`stale`);
+    a node that asks again after its task was delivered gave that task up (as at a flat async root,
+    asking again replaces the task). A node whose update is buffered here, or on its way to the root,
+    gets no new task until the root answered that partial (:meth:`answered`): the root holds one open
+    task per node, and a new one would replace the task the buffered update belongs to.
     An update from a node holding no task, from another version than its task's, or a second one
     is refused (UpdateRejected) and changes nothing."""
 
@@ -468,6 +472,9 @@ class EdgeBuffer:
         self.size, self.wait_s = size, wait_s
         self.tasks: dict[str, tuple[int, int]] = {}  # node -> (version, seed) of its open task
         self.want: set[str] = set()  # nodes that asked this edge for a task and hold none
+        self.delivered: set[str] = set()  # nodes whose open task reached them
+        self.pending: set[str] = set()  # nodes whose update is buffered or in a partial not yet answered
+        self.held_back: set[str] = set()  # pending nodes that asked for a task meanwhile
         self.sums: dict[int, Accumulator] = {}
         self.first_at: float | None = None  # when the oldest buffered update arrived
 
@@ -477,10 +484,19 @@ class EdgeBuffer:
 
     def asks(self, node: str) -> tuple[int, int] | None:
         """``node`` polls: its open task (version, seed), or None (it then waits for one from the root)."""
+        if node in self.pending:
+            self.held_back.add(node)
+            return None
+        if node in self.delivered:  # it asks again: it gave up the task it got
+            self.stale(node)
         task = self.tasks.get(node)
         if task is None:
             self.want.add(node)
         return task
+
+    def deliver(self, node: str) -> None:
+        """``node``'s open task went out to it."""
+        self.delivered.add(node)
 
     def given(self, tasks: dict[str, int], version: int) -> None:
         """The root handed out ``tasks`` (node -> seed) from ``version``."""
@@ -491,6 +507,7 @@ class EdgeBuffer:
     def stale(self, node: str) -> None:
         """``node``'s task is of a model this edge no longer serves: dropped; it asks for another."""
         self.tasks.pop(node, None)
+        self.delivered.discard(node)
         self.want.add(node)
 
     def forget(self, keep: Iterable[str]) -> None:
@@ -512,6 +529,8 @@ class EdgeBuffer:
         acc.add_update(update)
         self.sums[task[0]] = acc
         del self.tasks[node]
+        self.delivered.discard(node)
+        self.pending.add(node)
         if self.first_at is None:
             self.first_at = now
 
@@ -520,7 +539,17 @@ class EdgeBuffer:
         if self.tasks.get(node, (None,))[0] != version:
             return False
         del self.tasks[node]
+        self.delivered.discard(node)
         return True
+
+    def answered(self, part: Partial) -> bool:
+        """The root answered ``part`` (or the edge gave up on it): its nodes may get new tasks; True
+        when some of them are waiting for one."""
+        self.pending -= part.senders
+        back = self.held_back & part.senders
+        self.held_back -= back
+        self.want |= back
+        return bool(back)
 
     def should_flush(self, now: float) -> bool:
         if not self.sums:

@@ -146,6 +146,7 @@ class EdgeNodes:
             return None
         if self.model.version < version:
             return None  # that version's model is on its way from the root
+        buf.deliver(node)
         return {"status": "work", "round": version, "version": version, "seed": seed}
 
     def submit(self, node: str, body: bytes | bytearray | memoryview, now: float) -> dict[str, Any]:
@@ -555,6 +556,9 @@ class Uplink:
                     record["refusal"] = e.answer.get("error")
                 log.warning("partial of %d nodes (version %d) not taken: %s", part.count, part.version, e)
             record["sent_after_s"] = round(time.monotonic() - flushed_at, 4)
+            assert self.edge.buffer is not None
+            if self.edge.buffer.answered(part):
+                self.wanted.set()  # its nodes that asked meanwhile get their next task
             with self.metrics.open("a") as f:
                 f.write(json.dumps(json_safe(record)) + "\n")
 

@@ -49,12 +49,16 @@ db = "{tmp}/nodes.sqlite"
 out_dir = "{tmp}/run"
 eval = false
 admin_token_file = "{tmp}/admin.token"
+{server_extra}
 [hierarchy]
 edge_names = {edges}
 edge_timeout_s = 2.0
 edge_margin_s = 0.5
+{hierarchy_extra}
+{tables}
 """
 
+REPO = Path(__file__).resolve().parents[2]
 REATTACHED = re.compile(r"attached to (\S+), ([0-9.]+) s after the last server stopped answering")
 
 
@@ -80,7 +84,11 @@ class Hierarchy:
     edge ``i * edges // n`` (its own), then the others in turn (``edges = 0``: flat, every node
     polls the root)."""
 
-    def __init__(self, tmp: Path, n: int, edges: int, rounds: int, deadline: float):
+    def __init__(
+        self, tmp: Path, n: int, edges: int, rounds: int, deadline: float, extra: dict[str, str] | None = None
+    ):
+        """``extra``: TOML lines added to the config, ``server_extra`` (into [server]),
+        ``hierarchy_extra`` (into [hierarchy]) and ``tables`` (whole tables at the end)."""
         self.tmp, self.n = tmp, n
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -91,7 +99,13 @@ class Hierarchy:
         self.config = tmp / "cfg.toml"
         self.config.write_text(
             CONFIG.format(
-                n=n, port=self.port, rounds=rounds, deadline=deadline, tmp=tmp, edges=json.dumps(self.edge_names)
+                n=n,
+                port=self.port,
+                rounds=rounds,
+                deadline=deadline,
+                tmp=tmp,
+                edges=json.dumps(self.edge_names),
+                **{"server_extra": "", "hierarchy_extra": "", "tables": "", **(extra or {})},
             )
         )
         self.cfg = load_config(self.config)
@@ -147,6 +161,62 @@ class Hierarchy:
         args = ["client", "--server", servers, "--token-file", str(self.tmp / f"{shard.stem}.token")]
         args += ["--data", str(shard), "--config", str(self.config), "--device", "cpu"]
         return self._start(shard.stem, args)
+
+    def hosts(self, count: int, dropout: float = 0.0, seed: int = 0) -> list[str]:
+        """The ``n`` nodes in ``count`` node hosts (tests/hierarchy/nodehost.py: the real node code,
+        many nodes on one event loop per process); node i in host ``i % count``, with the same list
+        of servers as :meth:`node` gives it. Each host writes its uploads' outcomes to
+        ``host-K.events.jsonl`` (:meth:`events`). Returns the hosts' tags."""
+        tags = []
+        for k in range(count):
+            nodes = []
+            for i in range(k, self.n, count):
+                first = i * len(self.edge_names) // self.n
+                order = self.edge_names[first:] + self.edge_names[:first]
+                servers = ",".join(self.edge_url(e) for e in order) or self.url
+                stem = self.shards[i].stem
+                nodes.append(
+                    {
+                        "name": stem,
+                        "shard": str(self.shards[i]),
+                        "token_file": str(self.tmp / f"{stem}.token"),
+                        "servers": servers,
+                    }
+                )
+            spec = self.tmp / f"host-{k}.json"
+            events = self.tmp / f"host-{k}.events.jsonl"
+            spec.write_text(
+                json.dumps(
+                    {
+                        "config": str(self.config),
+                        "nodes": nodes,
+                        "dropout": dropout,
+                        "seed": seed,
+                        "events": str(events),
+                    }
+                )
+            )
+            tag = f"host-{k}"
+            log = self.tmp / f"{tag}.log"
+            self.logs.append(log)
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+            self.procs[tag] = subprocess.Popen(
+                [sys.executable, "-m", "tests.hierarchy.nodehost", str(spec)],
+                stdout=log.open("w"),
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+                start_new_session=True,
+            )
+            tags.append(tag)
+        return tags
+
+    def events(self) -> list[dict]:
+        """Every hosted node's upload outcomes (:meth:`hosts`)."""
+        out: list[dict] = []
+        for path in sorted(self.tmp.glob("host-*.events.jsonl")):
+            out += [json.loads(line) for line in path.read_text().splitlines()]
+        return out
 
     def node_edge(self, i: int) -> str:
         return self.edge_names[i * len(self.edge_names) // self.n]
@@ -222,8 +292,10 @@ class Hierarchy:
 
 
 @contextmanager
-def hierarchy(tmp: Path, n: int = 4, edges: int = 2, rounds: int = 6, deadline: float = 6.0):
-    h = Hierarchy(tmp, n, edges, rounds, deadline)
+def hierarchy(
+    tmp: Path, n: int = 4, edges: int = 2, rounds: int = 6, deadline: float = 6.0, extra: dict[str, str] | None = None
+):
+    h = Hierarchy(tmp, n, edges, rounds, deadline, extra)
     try:
         yield h
     finally:

@@ -188,3 +188,22 @@ def test_edge_buffer_flushes_by_size_time_and_version() -> None:
     assert [(p.version, sorted(p.senders), p.origin) for p in parts] == [(4, ["n0"], "edge-a"), (5, ["n2"], "edge-a")]
     assert buf.count == 0 and not buf.should_flush(5.0)
     assert buf.drop("n1", 4) and not buf.drop("n1", 4)
+
+
+def test_a_node_with_an_update_on_its_way_gets_no_new_task_until_the_root_answered() -> None:
+    """The root holds one open task per node: a new one would replace the task the buffered update
+    belongs to (and the root would refuse that partial whole)."""
+    buf = EdgeBuffer("edge-a", 3, size=1)
+    buf.given({"n0": 1}, 0)
+    assert buf.asks("n0") == (0, 1)
+    buf.deliver("n0")
+    buf.submit("n0", Update(torch.ones(3), 2, 0, "n0"), 0.0)
+    assert buf.asks("n0") is None and "n0" not in buf.want  # buffered: held back
+    (part,) = buf.flush()
+    assert buf.asks("n0") is None and "n0" not in buf.want  # on its way to the root: held back
+    assert buf.answered(part) and buf.want == {"n0"}  # answered: it waits for its next task
+    buf.given({"n0": 2}, 1)
+    assert buf.asks("n0") == (1, 2)
+    buf.deliver("n0")
+    assert buf.asks("n0") is None and buf.want == {"n0"}  # asked again after delivery: gave the task up
+    assert "n0" not in buf.tasks
