@@ -574,6 +574,7 @@ class Uplink:
             "version": er.version,
             "nodes_given": len(er.nodes),
             "nodes_in": part.count,
+            "nodes": sorted(part.senders),
             "weight": part.total_weight,
             "closed": why,
             "closed_after_s": round(closed_at - started, 4),

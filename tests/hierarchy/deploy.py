@@ -85,10 +85,18 @@ class Hierarchy:
     polls the root)."""
 
     def __init__(
-        self, tmp: Path, n: int, edges: int, rounds: int, deadline: float, extra: dict[str, str] | None = None
+        self,
+        tmp: Path,
+        n: int,
+        edges: int,
+        rounds: int,
+        deadline: float,
+        extra: dict[str, str] | None = None,
+        values: dict[str, str] | None = None,
     ):
         """``extra``: TOML lines added to the config, ``server_extra`` (into [server]),
-        ``hierarchy_extra`` (into [hierarchy]) and ``tables`` (whole tables at the end)."""
+        ``hierarchy_extra`` (into [hierarchy]) and ``tables`` (whole tables at the end); ``values``:
+        new TOML values for keys CONFIG sets (each key appears once in it)."""
         self.tmp, self.n = tmp, n
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -97,8 +105,12 @@ class Hierarchy:
         self.admin = secrets.token_urlsafe(32)
         write_secret(tmp / "admin.token", self.admin.encode())
         self.config = tmp / "cfg.toml"
+        text = CONFIG
+        for key, value in (values or {}).items():
+            text, found = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+            assert found == 1, f"{key} is not a key of the test config"
         self.config.write_text(
-            CONFIG.format(
+            text.format(
                 n=n,
                 port=self.port,
                 rounds=rounds,
@@ -293,9 +305,15 @@ class Hierarchy:
 
 @contextmanager
 def hierarchy(
-    tmp: Path, n: int = 4, edges: int = 2, rounds: int = 6, deadline: float = 6.0, extra: dict[str, str] | None = None
+    tmp: Path,
+    n: int = 4,
+    edges: int = 2,
+    rounds: int = 6,
+    deadline: float = 6.0,
+    extra: dict[str, str] | None = None,
+    values: dict[str, str] | None = None,
 ):
-    h = Hierarchy(tmp, n, edges, rounds, deadline, extra)
+    h = Hierarchy(tmp, n, edges, rounds, deadline, extra, values)
     try:
         yield h
     finally:
