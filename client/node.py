@@ -167,8 +167,9 @@ class NodePrivacy:
     * ``local``: DP-SGD (the trainer) on a seed only this node knows (with the server's
       seed the server could redraw the noise and the example samples), and the node's own
       epsilon over its data size, batch, epochs and the rounds it took part in. That count
-      is kept in a ledger file, so a restarted node goes on from it; the node reports it
-      with each update and takes no work that would pass ``privacy.target_epsilon``.
+      is kept in a ledger file, so a restarted node goes on from it; the node takes no work
+      that would pass ``privacy.target_epsilon``, and reports its epsilon with each update only
+      where the report reveals nothing of its data (PrivacyPlan.node_reports).
     """
 
     def __init__(self, cfg: Config, name: str, num_train: int, ledger: Path | None = None):
@@ -334,7 +335,10 @@ class NodePrivacy:
 
     def spend(self, round_: int) -> dict | None:
         """Local DP: count this round (the update is about to leave), save the ledger, log and
-        return the report sent with the update: {epsilon, epsilon_next, delta, rounds}."""
+        return the report sent with the update: {epsilon, epsilon_next, delta, rounds}; None when
+        the run withholds reports (PrivacyPlan.node_reports: the epsilon at q = B / n_k would tell
+        the server roughly how many examples this node holds). The node's own budget check
+        (:meth:`allows_next_round`) does not depend on it."""
         if self.accountant is None:
             return None
         self.accountant.record_round([self.name])
@@ -354,7 +358,7 @@ class NodePrivacy:
             report["epsilon_next"],
             f"; target {self.p.target_epsilon:g}" if self.p.target_epsilon else "",
         )
-        return report
+        return report if self.plan.node_reports else None
 
 
 class Node:

@@ -160,7 +160,6 @@ class Peer:
             if self.plan.dp_sgd
             else None
         )
-        self.privacy_report: dict[str, Any] = {}
         self.guard = Connections(MAX_CONNECTIONS_PER_ADDRESS, HEADER_TIMEOUT_S, IDLE_TIMEOUT_S)
         self.errors = 0  # requests answered 500 (a bug: logged with its traceback)
         self._lock = asyncio.Lock()
@@ -329,7 +328,7 @@ class Peer:
             "metrics": json_safe(self._shown_metrics()),
             "connections_refused": self.guard.refused,
             "errors": self.errors,
-            **self._privacy_fields(),
+            **self._privacy_fields(public=True),
         }
 
     def _shown_metrics(self) -> dict[str, float]:
@@ -339,10 +338,21 @@ class Peer:
             return self.last_eval
         return {k: v for k, v in self.last_eval.items() if k.startswith("test_")}
 
-    def _privacy_fields(self) -> dict[str, Any]:
-        """Local DP: this peer's epsilon so far (over its trainings), delta, trainings, the accountant."""
+    def _privacy_fields(self, public: bool = False) -> dict[str, Any]:
+        """Local DP: this peer's epsilon so far (over its trainings), delta, trainings, the accountant.
+        ``public`` (GET /status, which answers anyone): the epsilon only where it says nothing of the
+        peer's data (PrivacyPlan.node_reports: at q = B / n_k it would reveal roughly how many
+        examples the peer holds); the peer's own log and metrics.jsonl have it either way."""
         if self.privacy is None or self.privacy.accountant is None:
             return {}
+        if public and not self.plan.node_reports:
+            return {
+                "delta": self.cfg.privacy.delta,
+                "dp_trainings": self.privacy.rounds,
+                "accountant": "withheld: this peer's epsilon, at q = B / n_k, would reveal roughly its example "
+                "count (its log and metrics.jsonl have it; privacy.local_sampling_rate or release = 'clear' "
+                "shows it here)",
+            }
         return {
             "epsilon": self.privacy.epsilon,
             "delta": self.cfg.privacy.delta,
@@ -550,7 +560,7 @@ class Peer:
             self.node.local_update(self.trainer.flat)
             self.steps += 1
             if self.privacy is not None:  # the model leaves this peer with its next message
-                self.privacy_report = self.privacy.spend(self.steps) or {}
+                self.privacy.spend(self.steps)
             return True
 
     def evaluation(self) -> dict[str, float]:

@@ -197,6 +197,7 @@ def curves(records: list[dict[str, Any]], x: str = "version") -> dict[str, Any]:
     epsilon: list[list[float]] = []
     participation: dict[str, list[list[float]]] = {"num_results": [], "num_late": []}
     target = None
+    mode = None  # the run's privacy mode: a local-DP run whose nodes keep their epsilons has no points
     for rec in records:
         if not _number(rec.get(x)):
             continue
@@ -212,10 +213,12 @@ def curves(records: list[dict[str, Any]], x: str = "version") -> dict[str, Any]:
             epsilon.append([at, rec["epsilon"]])
         if _number(rec.get("target_epsilon")):
             target = rec["target_epsilon"]
+        if rec.get("privacy_mode") in ("central", "distributed", "local"):
+            mode = rec["privacy_mode"]
     return {
         "x": x,
         "metrics": dict(sorted(metrics.items())),
-        "epsilon": {"points": epsilon, "target": target},
+        "epsilon": {"points": epsilon, "target": target, "mode": mode},
         "participation": participation,
     }
 

@@ -356,6 +356,30 @@ class ServerPrivacy:
                 "update the node"
             )
 
+    def upload_report(self, value: Any) -> dict | None:
+        """Local DP: the report an upload's header (or a keys message's meta) carries, checked
+        before anything changes. When the run's nodes send reports (PrivacyPlan.node_reports) it
+        must be a well-formed one (:meth:`check_report`); otherwise it must be absent, because
+        with q = B / n_k the report tells the server roughly how many examples the node holds
+        (Malformed either way, nothing taken). None outside local DP and when withheld."""
+        if not self.plan.dp_sgd:
+            return None
+        if self.plan.node_reports:
+            return self.check_report(parse_report(value, self.p.delta))
+        if value is not None:
+            raise Malformed(
+                "privacy.mode = 'local' withholds the nodes' privacy reports (each node's epsilon, at q = B / n_k, "
+                "reveals roughly its example count; the node enforces privacy.target_epsilon itself): the upload "
+                "must not carry one. Run the node with the server's [privacy] table, or set "
+                "privacy.local_sampling_rate on both to publish reports the server can check"
+            )
+        return None
+
+    @property
+    def reports_withheld(self) -> bool:
+        """Local DP whose nodes keep their epsilons (PrivacyPlan.node_reports): the server knows none."""
+        return self.plan.dp_sgd and not self.plan.node_reports
+
     def public_report(self, rounds: int) -> dict[str, float | int] | None:
         """privacy.local_sampling_rate set: the report every node owes after ``rounds`` rounds, computed
         here from the config alone (the schedule is the same for every node, whatever its data);
@@ -410,9 +434,13 @@ class ServerPrivacy:
     # --- what is reported ------------------------------------------------------------
 
     @property
-    def epsilon(self) -> float:
+    def epsilon(self) -> float | None:
+        """Epsilon spent so far: the accountant's, or the worst node's report; None when the nodes
+        keep their reports (:attr:`reports_withheld`: no figure the server could stand behind)."""
         if self.user_level:
             return self.accountant.epsilon if self.accountant is not None else 0.0
+        if self.reports_withheld:
+            return None
         return max((r["epsilon"] for r in self.reports.values()), default=0.0)
 
     @property
@@ -432,9 +460,17 @@ class ServerPrivacy:
                 "(whatever a node's data size), over the rounds it took part in; every node's report is checked "
                 "against that public schedule and the worst node's is shown"
             )
+        if self.reports_withheld:
+            return (
+                "example-level DP-SGD on each node, accounted by the node over its own data size, batch, epochs "
+                "and the rounds it took part in; each node enforces privacy.target_epsilon itself and keeps its "
+                "epsilon (at q = B / n_k it would reveal roughly the node's example count; set "
+                "privacy.local_sampling_rate to have reports the server checks and shows)"
+            )
         return (
             "example-level DP-SGD on each node, accounted by the node over its own data size, batch, epochs "
-            "and the rounds it took part in; the worst node's report is shown"
+            "and the rounds it took part in; the worst node's report is shown (privacy.release = 'clear': "
+            "not checked, and it reveals roughly each node's example count)"
         )
 
     def released(self, record: dict[str, Any], summary: RoundSummary | None = None) -> dict[str, Any]:
@@ -455,7 +491,7 @@ class ServerPrivacy:
             out.update(sampling="poisson", sampling_rate=self.q, rounds_charged=self.rounds_charged)
             if self.p.adaptive_clipping:
                 out["clip_norm"] = self.clip_norm
-        else:
+        elif not self.reports_withheld:
             out.update(nodes_reporting=len(self.reports), epsilon_node=self.worst_node())
         if self.p.target_epsilon:
             out["target_epsilon"] = self.p.target_epsilon
@@ -470,15 +506,20 @@ class ServerPrivacy:
         }
         if self.plan.client_shares:
             out["noise_shares"] = self.noise_shares or self.round_shares
-        if not self.user_level:
+        if not self.user_level and not self.reports_withheld:
             out["node_epsilon"] = {n: dict(r) for n, r in sorted(self.reports.items())}
         return out
 
     def prometheus(self) -> list[str]:
-        lines = [
-            "# HELP shoal_privacy_epsilon Epsilon spent so far at shoal_privacy_delta (local DP: the worst node's).",
-            "# TYPE shoal_privacy_epsilon gauge",
-            f"shoal_privacy_epsilon {self.epsilon}",
+        lines = []
+        if self.epsilon is not None:  # local DP with withheld reports: the server knows no epsilon
+            lines += [
+                "# HELP shoal_privacy_epsilon Epsilon spent so far at shoal_privacy_delta "
+                "(local DP: the worst node's).",
+                "# TYPE shoal_privacy_epsilon gauge",
+                f"shoal_privacy_epsilon {self.epsilon}",
+            ]
+        lines += [
             "# TYPE shoal_privacy_delta gauge",
             f"shoal_privacy_delta {self.p.delta}",
             "# HELP shoal_privacy_budget_exhausted 1 once privacy.target_epsilon stopped the run.",

@@ -58,7 +58,7 @@ from shoal.rounds import RoundSummary, SyncRounds
 from shoal.seeding import derive_seed
 from shoal.update import Update
 
-from .privacy import EXPECTED_DROPOUT, ServerPrivacy, parse_report
+from .privacy import EXPECTED_DROPOUT, ServerPrivacy
 
 log = logging.getLogger(__name__)
 
@@ -193,9 +193,7 @@ class SecureRound:
         if stage == "advertise":
             n, loss = self._clear_meta(meta)
             extra = self._algorithm_meta(meta)
-            report = None
-            if self.privacy is not None and self.privacy.plan.dp_sgd:
-                report = parse_report(meta.get("privacy"), self.privacy.p.delta)
+            report = self.privacy.upload_report(meta.get("privacy")) if self.privacy is not None else None
         handlers: dict[str, Callable[[Any], object]] = {
             "advertise": self.server.receive_keys,
             "share": self.server.receive_shares,

@@ -51,7 +51,7 @@ from shoal.wire import (
 )
 
 from .activity import Activity, console_line
-from .privacy import ServerPrivacy, parse_report
+from .privacy import ServerPrivacy
 from .secure_round import SecureRound
 from .staging import Staged
 
@@ -698,7 +698,7 @@ class ServerService:
             report = None
             if self.privacy is not None and self.privacy.plan.dp_sgd:  # checked before anything changes
                 self.privacy.check_local_upload(update.num_examples, update.metrics)
-                report = self.privacy.check_report(parse_report(header.get("privacy"), self.cfg.privacy.delta))
+                report = self.privacy.upload_report(header.get("privacy"))
             if blocks is None:
                 advanced = r.submit(node, update)
             else:

@@ -130,6 +130,7 @@ class PrivacyPlan:
     release_loss_clip: float = 5.0
     adaptive_clipping: bool = False
     secure: bool = False
+    local_sampling_rate: float = 0.0
 
     @classmethod
     def from_config(cls, cfg: Any) -> PrivacyPlan:
@@ -147,6 +148,7 @@ class PrivacyPlan:
             release_loss_clip=float(p.release_loss_clip),
             adaptive_clipping=bool(p.adaptive_clipping),
             secure=bool(cfg.secure_aggregation.enabled),
+            local_sampling_rate=float(p.local_sampling_rate),
         )
 
     # --- who adds the noise ------------------------------------------------------------
@@ -226,6 +228,15 @@ class PrivacyPlan:
         return LocalDpSgdAccountant(schedules, self.noise_multiplier, self.delta, self.accountant)
 
     # --- what a run releases -------------------------------------------------------------
+
+    @property
+    def node_reports(self) -> bool:
+        """Local DP: whether a node sends its privacy report {epsilon, epsilon_next, delta, rounds}
+        with its update. Only when the report says nothing of the node's data: with
+        ``local_sampling_rate`` the schedule, and so the report, is the config's (the server checks
+        it); with q = B / n_k the report reveals roughly n_k, so it is sent only under ``release =
+        "clear"``. Otherwise each node keeps its epsilon and enforces ``target_epsilon`` itself."""
+        return self.dp_sgd and (self.local_sampling_rate > 0 or self.release == "clear")
 
     @property
     def withholds(self) -> bool:

@@ -563,8 +563,9 @@ class PrivacyConfig:
     release_noise_multiplier: float = 5.0  # noised: the count's noise std; the loss sum's is this x loss clip
     release_loss_clip: float = 5.0  # noised: each client's train loss clipped to [0, this] (the loss sum's sensitivity)
     # local: DP-SGD's per-example sampling rate q for every client, with epochs * round(1/q) steps a round, so a
-    # client's epsilon (and the report its node sends) depends on the config and its rounds only, never on its
-    # example count n_k; 0 = q = B / n_k per client (its epsilon, and so its report, reveals roughly n_k)
+    # client's epsilon (and the report its node then sends) depends on the config and its rounds only, never on its
+    # example count n_k; 0 = q = B / n_k per client (its epsilon reveals roughly n_k, so a node sends no report
+    # unless release = clear, and enforces target_epsilon itself)
     local_sampling_rate: float = 0.0
     # `shoal privacy-sweep`: the grid run after a non-private baseline
     sweep_modes: list[Literal["central", "local", "distributed"]] = field(default_factory=lambda: ["central", "local"])

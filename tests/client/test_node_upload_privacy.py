@@ -3,13 +3,14 @@ datasets apart (issue 32's attack read train_loss, local_steps and num_examples 
 
 Two datasets that differ in one example are trained with the real DP-SGD trainer, protected
 by NodePrivacy and encoded as the node encodes them; the attacker compares every header field
-but the node's privacy report (its epsilon, a function of the schedule that DP-SGD's analysis
-takes as public: docs/privacy.md) and finds them equal, so its best guess is a coin flip.
+and finds them equal, so its best guess is a coin flip.
 
-The report itself is a function of the schedule: with the default rate B / n_k it tells the two
-datasets apart (the test shows it); with ``privacy.local_sampling_rate`` the schedule is the
-config's and the whole header, report included, is identical, and the server checks the report
-against the schedule it computes itself."""
+The node's privacy report (its epsilon) is a function of its schedule: with the default rate
+B / n_k it would tell the two datasets apart, so under the default policy it is not sent at all
+(the node enforces its budget itself); `privacy.release = "clear"` sends it anyway (the test
+shows the leak); with ``privacy.local_sampling_rate`` the schedule is the config's, the whole
+header, report included, is identical, and the server checks the report against the schedule
+it computes itself."""
 
 import pytest
 import torch
@@ -40,26 +41,48 @@ def headers(n: int, seed: int, *extra: str) -> dict:
     update = trainer.fit(trainer.flat.detach().clone(), (x[:n], y[:n]), seed, 0, "n0")
     assert "train_loss" in update.metrics  # the trainer knows it; the upload must not carry it
     update = privacy.protect(update, {"round": 1})
-    body = encode_update(update, trainer.spec, {"round": 1, "privacy": privacy.spend(1)})
+    report = privacy.spend(1)  # as the node sends it: no field when there is no report
+    body = encode_update(update, trainer.spec, {"round": 1, **({"privacy": report} if report is not None else {})})
     header, _ = read_header(body, 1 << 30)
     return header
 
 
 def test_local_dp_upload_headers_do_not_tell_neighbouring_datasets_apart():
+    """The default config: the whole header, every field, is the same for n and n - 1."""
     for seed in range(2):
         d, d_minus_one = headers(41, seed), headers(40, seed)
-        assert d["num_examples"] == d_minus_one["num_examples"] == 1 and d["metrics"] == d_minus_one["metrics"] == {}
-        same = {k: v for k, v in d.items() if k != "privacy"}
-        assert same == {k: v for k, v in d_minus_one.items() if k != "privacy"}
-        assert set(d["privacy"]) == {"epsilon", "epsilon_next", "delta", "rounds"}
+        assert d == d_minus_one
+        assert d["num_examples"] == 1 and d["metrics"] == {} and "privacy" not in d
+
+
+def test_a_clear_release_sends_the_report_and_it_tells_the_sizes_apart():
+    clear = 'privacy.release="clear"'
+    d, d_minus_one = headers(41, 0, clear), headers(40, 0, clear)
+    assert set(d["privacy"]) == {"epsilon", "epsilon_next", "delta", "rounds"}
+    assert d["privacy"] != d_minus_one["privacy"]  # the leak the default closes
+    assert {k: v for k, v in d.items() if k != "privacy"} == {k: v for k, v in d_minus_one.items() if k != "privacy"}
+
+
+def test_a_server_that_withholds_reports_refuses_one_and_knows_no_epsilon():
+    from shoal.errors import Malformed
+    from shoal.server.privacy import ServerPrivacy
+
+    server = ServerPrivacy(load_config(None, SETS), 10)
+    assert server.reports_withheld and server.upload_report(None) is None
+    with pytest.raises(Malformed, match="withholds the nodes' privacy reports"):
+        server.upload_report(headers(41, 0, 'privacy.release="clear"')["privacy"])
+    assert not server.reports and server.epsilon is None and server.next_epsilon is None
+    assert server.allows_next_round()  # the nodes stop themselves
+    record = server.record()
+    assert record["epsilon"] is None and "nodes_reporting" not in record and "enforces" in record["accountant"]
+    assert "node_epsilon" not in server.status()
+    assert not any(line.startswith("shoal_privacy_epsilon ") for line in server.prometheus())
 
 
 def test_with_the_runs_sampling_rate_the_report_is_identical_too_and_the_server_checks_it(tmp_path):
     from shoal.errors import Malformed
     from shoal.server.privacy import ServerPrivacy, parse_report
 
-    # the default rate B / n_k: the report alone tells n = 41 from n = 40 (the leak the rate closes)
-    assert headers(41, 0)["privacy"] != headers(40, 0)["privacy"]
     fixed = "privacy.local_sampling_rate=0.2"
     for seed in range(2):
         d, d_minus_one = headers(41, seed, fixed), headers(40, seed, fixed)

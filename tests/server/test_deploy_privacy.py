@@ -462,7 +462,15 @@ def test_local_dp_nodes_report_their_own_epsilon_and_the_worst_stops_the_run(tmp
     shows each and the worst, refuses an update without a report (nothing changes), and stops
     when the worst node's next round would pass target_epsilon."""
     names, sizes = ["n0", "n1", "n2"], [20, 40, 80]
-    sections = {"privacy": {"mode": "local", "noise_multiplier": 1.0, "clip_norm": 1.0, "target_epsilon": 12.0}}
+    sections = {  # release = clear: the nodes send reports that reveal roughly their sizes (docs/privacy.md)
+        "privacy": {
+            "mode": "local",
+            "noise_multiplier": 1.0,
+            "clip_norm": 1.0,
+            "target_epsilon": 12.0,
+            "release": "clear",
+        }
+    }
 
     async def scenario():
         server = {"min_nodes": 3, "clients_per_round": 3, "rounds": 20, "poll_s": 1.0, "deadline_s": 20.0}
@@ -566,16 +574,19 @@ def test_local_dp_node_ledger_budget_and_secret_seed(tmp_path):
     ledger = tmp_path / "n0.privacy.json"
     priv = NodePrivacy(cfg, "n0", 40, ledger)
     assert priv.training_seed(7) != 7 and priv.training_seed(7) != priv.training_seed(7)
-    reports = [priv.spend(r) for r in (1, 2)]
     acc = LocalDpSgdAccountant({"n0": dp_sgd_schedule(40, 10, 1)}, 1.0, 1e-5)
-    for i, r in enumerate(reports, 1):
+    for i in (1, 2):  # the default withholds the report (it reveals roughly n_k); the node counts all the same
+        assert priv.spend(i) is None
         acc.record_round(["n0"])
-        assert r == {
-            "epsilon": pytest.approx(acc.epsilon),
-            "epsilon_next": pytest.approx(acc.next_epsilon()),
-            "delta": 1e-5,
-            "rounds": i,
-        }
+        assert priv.rounds == i and priv.epsilon == pytest.approx(acc.epsilon)
+        assert priv.accountant.next_epsilon() == pytest.approx(acc.next_epsilon())
+    clear = NodePrivacy(_node_cfg({"privacy": {"mode": "local", "release": "clear"}}), "n9", 40)
+    assert clear.spend(1) == {
+        "epsilon": pytest.approx(LocalDpSgdAccountant({"n9": dp_sgd_schedule(40, 10, 1)}, 1.0, 1e-5).next_epsilon()),
+        "epsilon_next": pytest.approx(clear.accountant.next_epsilon()),
+        "delta": 1e-5,
+        "rounds": 1,
+    }
     restarted = NodePrivacy(cfg, "n0", 40, ledger)  # goes on from the ledger
     assert restarted.rounds == 2 and restarted.epsilon == pytest.approx(acc.epsilon)
     while restarted.allows_next_round():
