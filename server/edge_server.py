@@ -24,6 +24,7 @@ import asyncio
 import json
 import logging
 import math
+import os
 import random
 import ssl
 import time
@@ -289,9 +290,64 @@ def edge_spec(cfg: Config, task: Task | None = None) -> ParamSpec:
     return ParamSpec.of(model, exchange_buffers=task.exchange_buffers).with_base(model)
 
 
+class RoundJournal:
+    """The updates an edge took in the open root round, on disk (``server.out_dir``/edge-journal):
+    one file per update, the node's body as it came, written (and fsynced) before the node hears
+    ``accepted``. An edge restarted within the round (a crash, SIGKILL, a redeploy) takes them back
+    into its sum (:meth:`entries`), so what its nodes sent is not lost; files of other rounds are
+    removed as a new round starts (:meth:`keep_only`). Sync rounds only (``hierarchy.edge_journal``)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def _name(round: int, version: int, node: str) -> str:
+        return f"r{round}-v{version}-{node.encode().hex()}.update"
+
+    def keep(self, round: int, version: int, node: str, body: bytes | bytearray | memoryview) -> None:
+        path = self.folder / self._name(round, version, node)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def nodes(self) -> list[str]:
+        """Every node with an update kept (whatever its round): connected at an edge's start."""
+        return sorted({bytes.fromhex(p.stem.split("-", 2)[2]).decode() for p in self._files()})
+
+    def entries(self, round: int, version: int) -> list[tuple[str, bytes]]:
+        """The (node, body) pairs kept for ``round`` / ``version``."""
+        prefix = f"r{round}-v{version}-"
+        return [
+            (bytes.fromhex(p.stem[len(prefix) :]).decode(), p.read_bytes())
+            for p in self._files()
+            if p.name.startswith(prefix)
+        ]
+
+    def keep_only(self, round: int, version: int) -> None:
+        prefix = f"r{round}-v{version}-"
+        for p in self.folder.iterdir():
+            if not p.name.startswith(prefix):
+                p.unlink(missing_ok=True)
+
+    def _files(self) -> list[Path]:
+        out = []
+        for p in sorted(self.folder.glob("r*-v*-*.update")):
+            try:
+                bytes.fromhex(p.stem.split("-", 2)[2]).decode()
+            except (IndexError, ValueError):
+                continue  # not one of this journal's names
+            out.append(p)
+        return out
+
+
 # --- the aiohttp side --------------------------------------------------------------------
 
 EDGE = web.AppKey("edge", EdgeNodes)
+JOURNAL = web.AppKey("journal", RoundJournal)
 INGEST = web.AppKey("ingest", asyncio.Semaphore)  # bodies read at once: at most server.ingest_slots
 
 
@@ -365,6 +421,12 @@ async def post_update(request: web.Request) -> web.Response:
         async with request.app[INGEST]:  # memory: at most server.ingest_slots bodies of max_body_bytes
             body = await _body(request, edge.max_body_bytes)
             result = edge.submit(node, memoryview(bytearray(body)), time.monotonic())
+            journal = request.app.get(JOURNAL)
+            if journal is not None and edge.round is not None:  # kept before the node hears "accepted"
+                try:
+                    await asyncio.to_thread(journal.keep, edge.round.round, edge.round.version, node, body)
+                except OSError as e:
+                    log.error("round %d: the update of %s is summed but not kept on disk: %s", result["round"], node, e)
     except ShoalError as e:
         log.info("update from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
         return error(_status_of(e), getattr(e, "code", "error"), str(e))
@@ -431,6 +493,7 @@ class Uplink:
                 if answer is None:
                     continue  # a node started waiting for a task: ask again at once, naming it
                 if self.edge.from_root(answer, time.monotonic()):
+                    self.take_back()
                     self._changed()
                 if self.edge.round is not None and not self.edge.round.closed:
                     await self.fetch_model(self.edge.round.version)
@@ -449,6 +512,22 @@ class Uplink:
                 except TimeoutError:
                     pass
                 continue
+
+    def take_back(self) -> None:
+        """A new round here: the updates this edge kept of it before a restart go back into its sum."""
+        journal, er = self.app.get(JOURNAL), self.edge.round
+        if journal is None or er is None or er.closed or self.edge.done:
+            return
+        taken = 0
+        for node, body in journal.entries(er.round, er.version):
+            try:
+                self.edge.submit(node, memoryview(bytearray(body)), time.monotonic())
+                taken += 1
+            except ShoalError as e:
+                log.warning("round %d: the kept update of %s is not taken back: %s", er.round, node, e)
+        journal.keep_only(er.round, er.version)
+        if taken:
+            log.info("round %d: took back %d updates kept before this edge restarted", er.round, taken)
 
     async def _poll_once(self, body: dict[str, Any], interruptible: bool) -> dict[str, Any] | None:
         """One poll of the root; its answer. ``interruptible``: None as soon as a node of this edge
@@ -619,6 +698,10 @@ async def serve_edge(
     stop = stop or asyncio.Event()
     on_stop_signals(stop.set)
     app = _edge_app(edge, registry)
+    if h.edge_journal and edge.buffer is None:
+        journal = app[JOURNAL] = RoundJournal(Path(s.out_dir) / "edge-journal")
+        for node in journal.nodes():  # named in the first poll: the root hands back their round's tasks
+            edge.seen(node, time.monotonic())
     runner = web.AppRunner(
         app, access_log=None, handle_signals=False, keepalive_timeout=s.idle_timeout_s, shutdown_timeout=SHUTDOWN_S
     )

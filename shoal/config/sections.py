@@ -767,6 +767,7 @@ class HierarchyConfig:
     edge_margin_s: float = 1.0  # an edge closes its part of a round this long before the root's deadline
     edge_buffer: int = 0  # an edge under an async root sends its buffer up at this many updates (0 = the root's K)
     edge_flush_s: float = 1.0  # ... or once its oldest buffered update has waited this long
+    edge_journal: bool = True  # an edge keeps the round's updates on disk (server.out_dir): a restart takes them back
 
     def validate(self) -> None:
         _positive("hierarchy.edges", self.edges, allow_zero=True)

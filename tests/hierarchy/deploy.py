@@ -174,7 +174,7 @@ class Hierarchy:
         args += ["--data", str(shard), "--config", str(self.config), "--device", "cpu"]
         return self._start(shard.stem, args)
 
-    def hosts(self, count: int, dropout: float = 0.0, seed: int = 0) -> list[str]:
+    def hosts(self, count: int, dropout: float = 0.0, seed: int = 0, silent: list[str] | None = None) -> list[str]:
         """The ``n`` nodes in ``count`` node hosts (tests/hierarchy/nodehost.py: the real node code,
         many nodes on one event loop per process); node i in host ``i % count``, with the same list
         of servers as :meth:`node` gives it. Each host writes its uploads' outcomes to
@@ -200,6 +200,7 @@ class Hierarchy:
             spec.write_text(
                 json.dumps(
                     {
+                        "silent": silent or [],
                         "config": str(self.config),
                         "nodes": nodes,
                         "dropout": dropout,

@@ -6,11 +6,12 @@ machine, 100 nodes in 4 hosts do.
     python -m tests.hierarchy.nodehost SPEC.json
 
 SPEC: ``{"config": path, "nodes": [{"name", "shard", "token_file", "servers"}], "dropout": p,
-"seed": s, "events": path}``. With ``dropout`` p > 0 a node drops out of a round with probability p
-(decided from seed, its name and the round, so a run can be replayed): it trains, sends nothing, and
-does not train that task again. Every upload's outcome goes to ``events`` (one JSON line: node,
-round, version, the server it went to, ``accepted`` / ``refused`` / ``dropped``): the robustness
-bench checks the root's counts against it. SIGTERM/SIGINT stop every node; the host exits 0 when
+"seed": s, "silent": [names], "events": path}``. With ``dropout`` p > 0 a node drops out of a round
+with probability p (decided from seed, its name and the round, so a run can be replayed): it trains,
+sends nothing, and does not train that task again; a node named in ``silent`` drops out of every
+round. Every upload's outcome goes to ``events`` (one JSON line: node, round, version, the server it
+went to, ``accepted`` / ``refused`` / ``dropped``): the robustness bench checks the root's counts
+against it. SIGTERM/SIGINT stop every node; the host exits 0 when
 every node ended (the servers said done)."""
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ class HostedNode(Node):
 
     dropout = 0.0
     seed = 0
+    silent: set[str] = set()
     events: Path | None = None
 
     def note(self, event: dict) -> None:
@@ -45,7 +47,11 @@ class HostedNode(Node):
 
     async def _upload(self, task: dict, body) -> bool:  # type: ignore[no-untyped-def]
         event = {"node": self.name, "round": int(task["round"]), "version": int(task["version"]), "server": self.url}
-        if self.dropout and random.Random(f"{self.seed}:{self.name}:{task['round']}").random() < self.dropout:
+        if (
+            self.name in self.silent
+            or self.dropout
+            and random.Random(f"{self.seed}:{self.name}:{task['round']}").random() < self.dropout
+        ):
             self.failed_tasks.add((int(task["round"]), int(task["version"])))  # gone for this round
             self.note({**event, "outcome": "dropped"})
             return False
@@ -59,6 +65,7 @@ async def main(spec: dict) -> int:
     cfg = load_config(Path(spec["config"]))
     HostedNode.dropout = float(spec.get("dropout", 0.0))
     HostedNode.seed = int(spec.get("seed", 0))
+    HostedNode.silent = set(spec.get("silent", []))
     HostedNode.events = Path(spec["events"]) if spec.get("events") else None
     nodes = [
         HostedNode(
