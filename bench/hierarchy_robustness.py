@@ -11,7 +11,8 @@ flat FedAvg's (the simulator's, the same config without edges): the largest diff
 
 ``robust``: the same tree for ``--rounds`` versions; each node drops out of each round with
 probability ``--dropout`` (it trains and sends nothing: decided per node and round from a seed),
-and one edge is SIGKILLed once version ``--kill-at`` is made (its nodes re-attach to the next edge
+and one edge is SIGKILLed after version ``--kill-at`` is made, in the next round, once it took
+``--kill-holding`` of its nodes' uploads (read from the hosts' events) (its nodes re-attach to the next edge
 of their list). Edges close their part of a round at ``--quorum`` of the weight they expect, or
 ``edge_margin_s`` before the root's ``--deadline``. Printed: rounds opened and versions made, the
 results per version, round latency p50/p95/p99, re-attach times, the root's RSS, and the proof from
@@ -107,8 +108,17 @@ def robust(args: argparse.Namespace) -> None:
             t0 = time.monotonic()
             hosts = start(h, args.hosts, args.dropout, args.seed)
             killed = h.wait_status(lambda s: s["version"] >= args.kill_at, 1200, sample)["version"]
+            url = h.edge_url(victim)
+            after = max(e["round"] for e in h.events())
+            end = time.monotonic() + 60
+            held: list[dict] = []  # into the next round, once the edge took some of its nodes' uploads
+            while len(held) < args.kill_holding and time.monotonic() < end:
+                time.sleep(0.01)
+                held = [
+                    e for e in h.events() if e["server"] == url and e["outcome"] == "accepted" and e["round"] > after
+                ]
             h.kill(victim)
-            print(f"{victim} SIGKILLed at version {killed}", flush=True)
+            print(f"{victim} SIGKILLed after version {killed}, holding {len(held)} uploads", flush=True)
             assert h.wait("root", 1500, sample) == 0, h.dump()
             took = time.monotonic() - t0
             for t in hosts:
@@ -122,8 +132,8 @@ def robust(args: argparse.Namespace) -> None:
     opened = max(r["round"] for r in records)
     made = len(records)
     print(
-        f"{args.n} nodes in {args.hosts} hosts under {args.edges} edges, dropout {args.dropout}, {victim} killed at "
-        f"version {killed}; edge quorum {args.quorum}, root deadline {args.deadline} s, min_fraction {args.min_fraction}"
+        f"{args.n} nodes in {args.hosts} hosts under {args.edges} edges, dropout {args.dropout}, {victim} killed "
+        f"after version {killed} holding {len(held)} uploads; edge quorum {args.quorum}, root deadline {args.deadline} s, min_fraction {args.min_fraction}"
     )
     print(f"wall time {took:.0f} s; rounds opened {opened}, versions made {made} ({100 * made / opened:.1f}%)")
     if stops:
@@ -226,6 +236,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=None, help="versions (exact: 3, robust: 200)")
     ap.add_argument("--dropout", type=float, default=0.3)
     ap.add_argument("--kill-at", type=int, default=None, help="SIGKILL edge-b at this version (robust: rounds / 2)")
+    ap.add_argument("--kill-holding", type=int, default=5, help="kill once the edge took this many uploads of a round")
     ap.add_argument("--quorum", type=float, default=0.6, help="hierarchy.edge_quorum")
     ap.add_argument("--deadline", type=float, default=2.0, help="server.deadline_s")
     ap.add_argument("--min-fraction", type=float, default=0.3, help="server.min_fraction")
