@@ -23,7 +23,7 @@ from shoal.simulations.inprocess import InProcessSimulation
 
 
 def timed(cfg_args: list[str], rounds: int) -> tuple[float, torch.Tensor, bool]:
-    sim = InProcessSimulation(load_config(None, cfg_args))
+    sim = InProcessSimulation.from_config(load_config(None, cfg_args))
     sim.run_round()  # warm-up round (not timed): first-call costs of both paths
     t0 = time.perf_counter()
     for _ in range(rounds):

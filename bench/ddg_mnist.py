@@ -111,7 +111,7 @@ def main() -> None:
     a = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     q = a.per_round / a.clients
-    probe = InProcessSimulation(load_config(None, [*base(a), *dp(a, a.z, "discrete_gaussian")]))
+    probe = InProcessSimulation.from_config(load_config(None, [*base(a), *dp(a, a.z, "discrete_gaussian")]))
     sa = probe.secure_aggregation
     assert sa is not None and sa.ddg is not None
     numel, t, most = probe.spec.numel, sa.noise_shares, sa.max_summands

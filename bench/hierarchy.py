@@ -71,7 +71,7 @@ def service(tmp: Path, n: int, model: str) -> ServerService:
             },
         }
     ).validate()
-    svc = ServerService(cfg, emit=lambda e: None)  # events dropped: no disk writes in the timing
+    svc = ServerService.from_config(cfg, emit=lambda e: None)  # events dropped: no disk writes in the timing
     return svc
 
 

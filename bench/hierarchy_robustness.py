@@ -72,7 +72,7 @@ def exact(args: argparse.Namespace) -> None:
         records = h.records()
         ck = sorted((Path(tmp) / "ck").iterdir())
         params = next(t for t, s in map(load_checkpoint, ck) if s["version"] == args.rounds)["params"]
-        sim = InProcessSimulation(h.cfg)
+        sim = InProcessSimulation.from_config(h.cfg)
         for _ in range(args.rounds):
             sim.run_round()
         diff = float((params - sim.global_params).abs().max())
@@ -94,10 +94,10 @@ def exact(args: argparse.Namespace) -> None:
 
 def robust(args: argparse.Namespace) -> None:
     values = {"min_nodes": str(args.n // 2), "min_fraction": str(args.min_fraction)}
-    extra = {"hierarchy_extra": f"edge_quorum = {args.quorum}"}
+    add = {"hierarchy": f"edge_quorum = {args.quorum}"}
     victim = "edge-b"
     with tempfile.TemporaryDirectory() as tmp:
-        with hierarchy(Path(tmp), args.n, args.edges, args.rounds, args.deadline, extra, values) as h:
+        with hierarchy(Path(tmp), args.n, args.edges, args.rounds, args.deadline, "", values, add) as h:
             rss: list[float] = []
 
             def sample() -> None:

@@ -60,7 +60,7 @@ def case(kind: str, clients: int, cohort: int, rounds: int, batch: str) -> dict:
     task = SyntheticPopulationTask()
     t0 = time.perf_counter()
     data = task.simulation_data(clients, 0) if kind == "held" else None
-    sim = InProcessSimulation(cfg, data=data, task=task)
+    sim = InProcessSimulation.from_config(cfg, data=data, task=task)
     build_s = time.perf_counter() - t0
     built = rss_mib()
     t0 = time.perf_counter()

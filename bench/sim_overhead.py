@@ -123,7 +123,7 @@ def run_case(args, clients, as_dataset: bool, profile: bool = False) -> dict[str
         ],
     )
     task = BenchTask(args.model, clients, as_dataset)
-    sim = InProcessSimulation(cfg, task=task)
+    sim = InProcessSimulation.from_config(cfg, task=task)
     model = build_model(args.model, INPUT, 10)
     sim_t, bare_t, sim_c, bare_c, diff = [], [], [], [], 0.0
     prof = cProfile.Profile() if profile else None

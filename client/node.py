@@ -37,10 +37,11 @@ from typing import cast
 import aiohttp
 import torch
 
+from shoal import assembly
 from shoal.accounting import LocalDpSgdAccountant, budget_allows, check_delta_against, dp_sgd_schedule
 from shoal.aggregation.compression import Compressor, OutOfHalfRange
 from shoal.aggregation.dp import clip_to_norm, make_generator, noise_share, share_std
-from shoal.assembly import initial_model, make_client_program, make_trainer, task_from_config
+from shoal.assembly import task_from_config
 from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, SpecMismatch, short_repr
 from shoal.params import ParamSpec
@@ -57,7 +58,6 @@ from shoal.task import (
     as_tensors,
     call_part,
     check_data,
-    check_loss,
     num_examples,
     task_name,
 )
@@ -405,7 +405,6 @@ class Node:
         self.poll_s = poll_s
         # The same initial model as the server (simulation.seed): frozen parameters and
         # client-local buffers never travel, so they must start equal everywhere.
-        model = initial_model(cfg, self.task).to(device)
         train = self._held(check_data(self.task, data.train, "local_data().train"), device)
         assert train is not None  # check_data refuses a missing training set
         self.train: ClientData = train
@@ -414,10 +413,11 @@ class Node:
             raise TaskError(f"task {task_name(self.task)}: local_data().train has no examples")
         if self.test is not None and num_examples(self.test) == 0:
             self.test = None
-        check_loss(self.task, model, self.train, torch.device(device))  # before the trainer binds the gradients
-        self.trainer = make_trainer(cfg, self.task, model, device)
-        # The client step of [algorithm] (client/algorithms.py, the simulator's), and its state.
-        self.program = make_client_program(cfg, self.task, self.trainer)
+        # The trainer (the same initial model as the server: simulation.seed; frozen parameters and
+        # client-local buffers never travel, so they must start equal everywhere) and the client step
+        # of [algorithm] (client/algorithms.py, the simulator's), the task's loss checked first.
+        parts = assembly.build(cfg, self.task, "client", device=device, example=self.train)
+        self.trainer, self.program = parts.trainer, parts.program
         self.states = (  # a folder only when the algorithm keeps something
             DiskClientState(state_dir, device)
             if state_dir is not None and self.program.keeps_state

@@ -7,8 +7,9 @@ neither), fetch its neighbours' keys, post encrypted shares, fetch its own, post
 fixed-point vector ``[w_k * clip(delta_k), w_k]`` and what the algorithm adds (SCAFFOLD's
 control-variate delta: aggregation/secagg/payload.py), as the simulator does; under distributed DP
 ``[clip(delta_k), n_k / max_weight]``, so the example counts are only summed. Then it fetches the
-unmasking request and posts its shares. The state machine refuses a request for both the self-mask and
-the mask-key share of one peer. The routes are in docs/protocol.md.
+unmasking request and posts its shares (sealed to the root's key of the round when the root has
+edge aggregators, which relay them: aggregation/secagg/tiers.py). The state machine refuses a
+request for both the self-mask and the mask-key share of one peer. The routes are in docs/protocol.md.
 
 Distributed DP: the node takes part only when the fixed-point range leaves room for its noise
 (the range check of aggregation.secagg.encoding) and every node weighs the same. It adds its
@@ -21,6 +22,8 @@ server that would unmask a smaller sum gets no shares from this node.
 from __future__ import annotations
 
 import asyncio
+import base64
+import binascii
 import dataclasses
 import logging
 
@@ -41,6 +44,7 @@ from shoal.aggregation.secagg import (
 from shoal.aggregation.secagg import identity as ID
 from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range, encode_weighted, example_weight
 from shoal.aggregation.secagg.payload import SecurePayload
+from shoal.aggregation.secagg.tiers import seal_message
 from shoal.aggregation.secagg.wire import decode_message, encode_message, message_meta, params_from_json
 from shoal.errors import Malformed, ShoalError, short_repr
 from shoal.noise import NoiseSource
@@ -60,8 +64,20 @@ class _Left(Exception):
     """This node is out of the round (refused, excluded, aborted or stopping)."""
 
 
+def _unreachable(node, url: str, route: str) -> None:
+    """The server of this round did not answer: counted as any lost request (the node moves to the
+    next server of its list after a few: a dead edge aggregator). A node that moved leaves the
+    round, whose protocol ran at the old server (the root counts it a drop-out)."""
+    lost = getattr(node, "_lost", None)
+    if lost is not None:
+        lost()
+    if node.url != url:
+        raise _Left(f"{route}: {url} stopped answering; the node moved to {node.url}")
+
+
 async def _post(node, route: str, body: bytes) -> None:
     backoff = Backoff()
+    url = node.url
     while True:
         try:
             await node._request("POST", f"/v1/secagg/{route}", data=body, headers=OCTET)
@@ -71,6 +87,7 @@ async def _post(node, route: str, body: bytes) -> None:
         except Retry as e:
             if node.stop.is_set():
                 raise _Left("stopping") from None
+            _unreachable(node, url, route)
             delay = backoff.next(node.rand)
             log.warning("secure aggregation %s failed (%s); retrying in %.2f s", route, e, delay)
             await asyncio.sleep(delay)
@@ -80,6 +97,7 @@ async def _fetch(node, route: str, round_: int) -> bytes:
     """Long-poll GET /v1/secagg/{route} until the stage closed; the message body."""
     backoff = Backoff()
     params = {"round": str(round_), "wait": str(node.poll_s)}
+    url = node.url
     while not node.stop.is_set():
         try:
             async with node.http.get(f"{node.url}/v1/secagg/{route}", params=params, ssl=node._ssl) as resp:
@@ -90,6 +108,7 @@ async def _fetch(node, route: str, round_: int) -> bytes:
         except Refused as e:
             raise _Left(f"{route}: {e}") from None
         except (TimeoutError, Retry, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
+            _unreachable(node, url, route)
             delay = backoff.next(node.rand)
             log.warning("secure aggregation %s fetch failed (%s); retrying in %.2f s", route, e, delay)
             await asyncio.sleep(delay)
@@ -236,8 +255,12 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
                 f"asked to unmask a sum of {len(request.survivors)} masked inputs, fewer than the t = {t} "
                 "noise shares this node's noise was sized for: refusing"
             )
-        await _post(node, "unmask", encode_message(client.unmask(request), {"round": round_}))
-    except (_Left, ShoalError, KeyError, TypeError, ValueError) as e:
+        answer = encode_message(client.unmask(request), {"round": round_})
+        if "root_key" in info:  # the root has edges: the answer passes them sealed to the root (tiers.py)
+            root_key = base64.b64decode(str(info["root_key"]), validate=True)
+            answer = seal_message(answer, root_key, params.session, node.name, {"round": round_})
+        await _post(node, "unmask", answer)
+    except (_Left, ShoalError, KeyError, TypeError, ValueError, binascii.Error) as e:
         log.warning("round %d: out of the secure aggregation: %s: %s", round_, type(e).__name__, e)
         return False
     log.info("round %d: unmasking shares accepted", round_)

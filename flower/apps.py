@@ -39,8 +39,9 @@ from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
+from shoal import assembly
 from shoal.aggregation import Strategy
-from shoal.assembly import initial_model, make_round_strategy, make_trainer, task_from_config, task_label
+from shoal.assembly import make_round_strategy, make_sync_rounds, task_from_config, task_label
 from shoal.client.device import select_device
 from shoal.client.training import LocalTrainer
 from shoal.config import Config, load_config
@@ -50,7 +51,7 @@ from shoal.rounds import Assignment, RoundSummary, SyncRounds, evaluation_due, i
 from shoal.seeding import derive_seed
 from shoal.simulations.client_data import client_id, load_simulation_data, on_device
 from shoal.simulations.inprocess import weighted_means
-from shoal.task import ClientData, SimulationData, Task, check_loss
+from shoal.task import ClientData, SimulationData, Task
 from shoal.update import Update
 
 log = logging.getLogger(__name__)
@@ -156,10 +157,8 @@ class Setup:
 def _build(cfg: Config, device: str) -> Setup:
     task = task_from_config(cfg)
     data = load_simulation_data(task, cfg)
-    dev = select_device(device)
-    model = initial_model(cfg, task).to(dev)  # seeded by simulation.seed, as InProcessSimulation does
-    check_loss(task, model, data.train[0], dev)
-    trainer = make_trainer(cfg, task, model, dev)
+    trainer = assembly.build(cfg, task, "client", device=select_device(device), example=data.train[0]).trainer
+    dev = trainer.device
     ids = (
         [str(c) for c in data.client_ids]
         if data.client_ids is not None
@@ -295,7 +294,7 @@ class ShoalStrategy(FlowerStrategy):
     ) -> Iterable[Message]:
         params = from_arrays(arrays, self.spec).to(self.device)
         if self.rounds is None:
-            self.rounds = SyncRounds(self.strategy, params, self.clients_per_round, self.fraction, self.seed)
+            self.rounds = make_sync_rounds(self.strategy, params, self.clients_per_round, self.fraction, self.seed)
         else:
             self.rounds.global_params = params
         started = time.monotonic()

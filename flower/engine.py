@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +29,7 @@ from shoal.assembly import with_absolute_task
 from shoal.config import Config
 from shoal.errors import ConfigError, EngineError
 from shoal.rounds import RoundSummary
-from shoal.simulations.run_loop import RunLoop
+from shoal.simulations.run_loop import Report, Step, run_engine
 
 from .apps import make_client_app, make_server_app, setup_for
 
@@ -67,52 +66,57 @@ def backend_config(cfg: Config) -> dict[str, Any]:
     }
 
 
-def run_flower(
-    cfg: Config,
-    out_dir: str | Path | None = None,
-    progress: bool | None = None,
-    on_record: Callable[[dict[str, Any]], None] | None = None,
-) -> FlowerRun:
-    """Run ``cfg`` on Flower's simulation engine; write metrics.jsonl, summary.json, plots."""
-    import ray
-    from flwr.simulation import run_simulation
+class FlowerEngine:
+    """The run loop's Engine (simulations/run_loop.py) of Flower's simulation runtime: the
+    ServerApp calls back after each evaluated round, and each call is reported as a step."""
 
-    out = Path(out_dir or cfg.output.dir)
-    cfg = with_absolute_task(cfg)  # Ray workers load the task themselves, maybe from another folder
-    sim_cfg = cfg.simulation
-    t0 = time.perf_counter()
-    backend = backend_config(cfg)
-    setup = setup_for(cfg, sim_cfg.device)  # the ServerApp (a thread here) reuses it
-    setup_s = time.perf_counter() - t0
-    final: dict[str, torch.Tensor] = {}
-    model_bytes = 4 * setup.spec.numel  # Flower's ArrayRecord carries each float32 model raw
-    totals = {"up": 0, "down": 0, "round": 0}
+    x_axis = "round"
 
-    with RunLoop(cfg, out, sim_cfg.rounds, setup.label, progress=progress, on_record=on_record) as loop:
+    def __init__(self, cfg: Config):
+        self.cfg = with_absolute_task(cfg)  # Ray workers load the task themselves, maybe from another folder
+        self.backend = backend_config(self.cfg)
+        self.setup = setup_for(self.cfg, self.cfg.simulation.device)  # the ServerApp (a thread here) reuses it
+        self.final: torch.Tensor | None = None  # the global model after the last round (CPU)
+        self.model_bytes = 4 * self.setup.spec.numel  # Flower's ArrayRecord carries each float32 model raw
+        self.up = self.down = self.round = 0
+
+    @property
+    def label(self) -> str:
+        return self.setup.label
+
+    @property
+    def title(self) -> str:
+        return f"{self.setup.label} / {self.cfg.strategy.name} (flower)"
+
+    def _record(self, summary: RoundSummary, ev: dict[str, float]) -> dict[str, Any]:
+        up = self.model_bytes * (summary.num_results + sum(summary.rejected.values()))
+        down = self.model_bytes * summary.num_selected
+        self.up += up
+        self.down += down
+        return {
+            "round": summary.round,
+            "version": summary.version,
+            **ev,
+            "train_loss": summary.train_loss,
+            "num_results": summary.num_results,
+            "num_examples": summary.num_examples,
+            "bytes_up": up,
+            "bytes_down": down,
+            "bytes_up_total": self.up,
+            "bytes_down_total": self.down,
+            "rejected": summary.rejected,
+        }
+
+    def drive(self, report: Report) -> None:
+        import ray
+        from flwr.simulation import run_simulation
+
+        cfg = self.cfg
 
         def on_round(summary: RoundSummary, ev: dict[str, float], params: torch.Tensor) -> None:
-            up = model_bytes * (summary.num_results + sum(summary.rejected.values()))
-            down = model_bytes * summary.num_selected
-            totals["up"] += up
-            totals["down"] += down
-            loop.record(
-                {
-                    "round": summary.round,
-                    "version": summary.version,
-                    **ev,
-                    "train_loss": summary.train_loss,
-                    "num_results": summary.num_results,
-                    "num_examples": summary.num_examples,
-                    "bytes_up": up,
-                    "bytes_down": down,
-                    "bytes_up_total": totals["up"],
-                    "bytes_down_total": totals["down"],
-                    "rejected": summary.rejected,
-                },
-                advance=summary.round - totals["round"],
-            )
-            totals["round"] = summary.round
-            final["params"] = params
+            report(Step(summary.round - self.round, self._record(summary, ev)))
+            self.round = summary.round
+            self.final = params
 
         # Flower's per-round INFO lines, its deprecation notice for run_simulation and
         # its database layer's start-up lines stay out of shoal's log unless debugging.
@@ -126,9 +130,9 @@ def run_flower(
         try:
             run_simulation(
                 server_app=make_server_app(cfg, on_round, strict=True, errors=errors),
-                client_app=make_client_app(cfg, sim_cfg.device),
-                num_supernodes=setup.num_clients,
-                backend_config=backend,
+                client_app=make_client_app(cfg, cfg.simulation.device),
+                num_supernodes=self.setup.num_clients,
+                backend_config=self.backend,
             )
         except RuntimeError as e:  # Flower's generic "An error was encountered": say what we know
             if errors:
@@ -145,24 +149,41 @@ def run_flower(
                 ray.shutdown()
         if errors:
             raise errors[0]
-        if "params" not in final or loop.last.get("round") != sim_cfg.rounds:
-            raise RuntimeError(
-                f"the Flower simulation stopped after round {loop.last.get('round', 0)} of {sim_cfg.rounds}"
-            )
-        summary_out = loop.finish(
-            {
-                "rounds": sim_cfg.rounds,
-                "num_clients": setup.num_clients,
-                "num_parameters": setup.spec.numel,
-                "device": str(setup.trainer.device),
-                "engine": "flower",
-                "bytes_up_total": totals["up"],
-                "bytes_down_total": totals["down"],
-            },
-            setup_s,
-            title=f"{setup.label} / {cfg.strategy.name} (flower)",
-        )
-    return FlowerRun(summary_out, final["params"])
+        if self.final is None or self.round != cfg.simulation.rounds:
+            raise RuntimeError(f"the Flower simulation stopped after round {self.round} of {cfg.simulation.rounds}")
+
+    def figures(self, last: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "rounds": self.cfg.simulation.rounds,
+            "num_clients": self.setup.num_clients,
+            "num_parameters": self.setup.spec.numel,
+            "device": str(self.setup.trainer.device),
+            "engine": "flower",
+            "bytes_up_total": self.up,
+            "bytes_down_total": self.down,
+        }
+
+    def close(self) -> None:
+        """Nothing left to free: :meth:`drive` shuts down a Ray runtime it started."""
+
+
+def run_flower(
+    cfg: Config,
+    out_dir: str | Path | None = None,
+    progress: bool | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+) -> FlowerRun:
+    """Run ``cfg`` on Flower's simulation engine; write metrics.jsonl, summary.json, plots."""
+    built: list[FlowerEngine] = []
+
+    def build() -> FlowerEngine:
+        built.append(FlowerEngine(cfg))
+        return built[0]
+
+    summary = run_engine(build, cfg, Path(out_dir or cfg.output.dir), progress, on_record)
+    final = built[0].final
+    assert final is not None  # drive() raised otherwise
+    return FlowerRun(summary, final)
 
 
 def run_flower_simulation(

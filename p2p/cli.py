@@ -25,7 +25,8 @@ from typing import overload
 
 import torch
 
-from shoal.assembly import initial_model, make_trainer, task_from_config
+from shoal import assembly
+from shoal.assembly import task_from_config
 from shoal.client.device import select_device
 from shoal.config import Config
 from shoal.errors import ConfigError, DataError, Malformed
@@ -40,7 +41,6 @@ from shoal.task import (
     as_tensors,
     call_part,
     check_data,
-    check_loss,
     num_examples,
     task_name,
 )
@@ -211,10 +211,10 @@ def run_peer(
     )
     device = select_device(cfg.train.device)
     task = task_from_config(cfg)
-    model = initial_model(cfg, task).to(device)  # seeded by simulation.seed: the same start on every peer
     peer_data = load_peer_data(data, cfg, task, device)
-    check_loss(task, model, peer_data.train, device)  # before the trainer binds the gradients to its buffer
-    trainer = make_trainer(cfg, task, model, device)  # DP-SGD for privacy.mode = "local"
+    # the model seeded by simulation.seed (the same start on every peer), its loss checked on this
+    # peer's data; DP-SGD for privacy.mode = "local"
+    trainer = assembly.build(cfg, task, "client", device=device, example=peer_data.train).trainer
     log.info(
         "task %s (spec hash %s): %d training examples, own test data %s, central test data %s",
         task_name(task),

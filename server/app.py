@@ -31,6 +31,7 @@ from .chunks import MAX_BEGIN_BODY, ChunkedUploads, ChunkError
 from .connections import listen
 from .dashboard import is_dashboard_path, server_dashboard
 from .edge import MAX_EDGE_POLL_BODY, PartialIntake
+from .edge_secure import get_edge_secagg, post_edge_secagg
 from .exposition import prometheus_text
 from .federation import DEFAULT_FEDERATION_BODY, Federation, RunError
 from .registry import AuthError, Registry, hash_token, well_formed
@@ -916,6 +917,8 @@ def _node_routes(app: web.Application, prefix: str) -> None:
     app.router.add_get(prefix + "/v1/uploads/{upload}", get_upload)
     app.router.add_post(prefix + "/v1/partial", post_partial)  # edge aggregators (server/edge.py)
     app.router.add_post(prefix + "/v1/edge/poll", post_edge_poll)
+    app.router.add_post(prefix + "/v1/edge/secagg/{stage}", post_edge_secagg)  # server/edge_secure.py
+    app.router.add_get(prefix + "/v1/edge/secagg/{stage}", get_edge_secagg)
 
 
 def make_federation_app(federation: Federation, registry: Registry) -> web.Application:

@@ -146,8 +146,8 @@ class PartialIntake:
             )
         if self.service.sync is None and cfg.robust.norm_bound:
             return "robust.norm_bound bounds each update, which a sum hides"
-        if cfg.secure_aggregation.enabled:
-            return "secure aggregation is on: a plain partial would reveal its edge's sum"
+        if cfg.secure_aggregation.enabled and cfg.secure_aggregation.malicious_server:
+            return "secure_aggregation.malicious_server = true: its consistency round through edges is not built"
         if cfg.privacy.mode != "none":
             return f"privacy.mode = {cfg.privacy.mode!r}: the DP mean clips each update, which a sum hides"
         if cfg.algorithm.name != "fedavg":
@@ -208,6 +208,9 @@ class PartialIntake:
         }
         if not tasks:
             return {**answer, "status": "wait"}
+        secure = [w["secure_aggregation"] for w in works.values() if w is not None and "secure_aggregation" in w]
+        if secure:  # one protocol for the whole cohort: the edge relays it (server/edge_secure.py)
+            answer["secure_aggregation"] = secure[0]
         left = r.time_left(now)
         return {
             **answer,
@@ -320,6 +323,8 @@ class PartialIntake:
                     "not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)"
                 )
             why = self._why_not()
+            if why is None and svc.cfg.secure_aggregation.enabled:  # server/edge_secure.py
+                why = "its rounds are secure: an edge sends its nodes' masked sum (POST /v1/edge/secagg/masked_sum)"
             if why is not None:
                 raise UpdateRejected("not_supported", f"this server takes no partials: {why}")
             part = decode_partial(body, svc.spec.numel, svc.spec.hash, self.max_bytes)

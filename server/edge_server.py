@@ -13,9 +13,10 @@ server/edge_uplink.py), retransmitted until the root answers.
 node reported, at ``hierarchy.edge_quorum`` of the expected weight, or
 ``hierarchy.edge_margin_s`` before the root's deadline), the cached model. :func:`serve_edge`
 is the aiohttp side around it: the node routes, the poll of the root, the model fetch and the
-uplink. An edge takes sync FedAvg rounds, or serves an async FedBuff root (its nodes' tasks from
+uplink. An edge takes sync FedAvg rounds, plain or with secure aggregation (relayed, its nodes'
+masked inputs added: server/edge_secure.py), or serves an async FedBuff root (its nodes' tasks from
 the root's version of the moment, their updates buffered by version: server/edge.py's
-:class:`~shoal.server.edge.EdgeBuffer`); config rules refuse the rest, with the reason.
+:class:`~shoal.server.edge.EdgeBuffer`); without DP (config rules refuse the rest, with the reason).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from shoal.task import Task
 from shoal.wire import MAX_HEADER_BYTES, decode_update, read_header
 
 from .edge import MAX_ROSTER, EdgeBuffer, EdgeRound
+from .edge_secure import RELAY, EdgeRelay, RelayLink, edge_get_secagg, edge_post_secagg
 from .edge_uplink import PartialRefused, UplinkGaveUp, send_partial
 from .service import MAX_FAILURE_BODY, ModelDownload, parse_failure_report, spec_mismatch_detail
 
@@ -97,6 +99,8 @@ class EdgeNodes:
         if cfg.server.mode == "async":
             size = h.edge_buffer or cfg.asynchronous.buffer_size
             self.buffer = EdgeBuffer("", spec.numel, weighting=cfg.strategy.weighting, size=size, wait_s=h.edge_flush_s)
+        # secure rounds: the edge relays the protocol and adds masked inputs (server/edge_secure.py)
+        self.relay = EdgeRelay(cfg.secure_aggregation.stage_s, cfg.hierarchy.edge_margin_s)
 
     # --- towards the nodes -------------------------------------------------------------
 
@@ -126,7 +130,11 @@ class EdgeNodes:
             return None
         if self.model is None or self.model.version != er.version:
             return None  # the model of the round is on its way from the root
+        if not self.relay.wants_task(node):
+            return None  # it joined the round's secure aggregation: its work is the protocol now
         work: dict[str, Any] = {"status": "work", "round": er.round, "version": er.version, "seed": self.seeds[node]}
+        if self.relay.secure:
+            work["secure_aggregation"] = self.relay.info
         if er.close_at is not None:
             work["deadline_s"] = round(max(er.close_at - now, 0.0), 3)
         return work
@@ -259,6 +267,8 @@ class EdgeNodes:
             return False  # the round this edge serves (the root freezes its holders: the same tasks)
         if er is not None and not er.closed and er.acc.count:
             log.warning("round %d: the root moved on to round %d before this edge's partial", er.round, round_)
+        secure = answer.get("secure_aggregation")
+        self.relay.check_info(secure)
         h = self.cfg.hierarchy
         self.round = EdgeRound(
             self.name,
@@ -273,6 +283,7 @@ class EdgeNodes:
             expected=self.weights,
         )
         self.seeds = dict(tasks)
+        self.relay.start(round_, version, list(tasks), secure, now)
         self.started_at = now
         log.info("round %d (version %d): %d of this edge's nodes have a task", round_, version, len(tasks))
         return True
@@ -361,6 +372,9 @@ def _edge_app(edge: EdgeNodes, registry) -> web.Application:
     app.router.add_get("/v1/model", get_model)
     app.router.add_post("/v1/update", post_update)
     app.router.add_post("/v1/failed", post_failed)
+    app[RELAY] = RelayLink(edge.relay)  # secure rounds (server/edge_secure.py)
+    app.router.add_post("/v1/secagg/{stage}", edge_post_secagg)
+    app.router.add_get("/v1/secagg/{stage}", edge_get_secagg)
     return app
 
 
@@ -719,7 +733,9 @@ async def serve_edge(
             connector=aiohttp.TCPConnector(ssl=to_root if to_root is not None else True),
         ) as http:
             up = Uplink(edge, app, http, h.parent, to_root)
+            app[RELAY].attach(http, h.parent, lambda: edge.name, up.metrics)
             loops = [asyncio.ensure_future(up.poll_root(stop)), asyncio.ensure_future(up.close_rounds(stop))]
+            loops.append(asyncio.ensure_future(app[RELAY].send_sums(stop, up._changed)))
             stopper = asyncio.ensure_future(stop.wait())
             done, _ = await asyncio.wait([*loops, stopper], return_when=asyncio.FIRST_COMPLETED)
             for t in (*loops, stopper):

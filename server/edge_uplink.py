@@ -42,9 +42,10 @@ async def send_partial(
     first_s: float = 0.5,
     max_s: float = 8.0,
     attempt_timeout_s: float = 30.0,
+    path: str = "/v1/partial",
 ) -> dict[str, Any]:
-    """POST ``body`` (an encoded partial) to ``parent`` until it answers; its JSON answer.
-    ``give_up_at`` is on the event loop's clock (``loop.time()``)."""
+    """POST ``body`` (an encoded partial; a masked sum to ``/v1/edge/secagg/masked_sum``) to ``parent``
+    until it answers; its JSON answer. ``give_up_at`` is on the event loop's clock (``loop.time()``)."""
     loop = asyncio.get_running_loop()
     retry = Retransmit(loop.time(), give_up_at, first_s, max_s)
     last = "no attempt"
@@ -60,7 +61,7 @@ async def send_partial(
             async with (
                 asyncio.timeout(attempt_timeout_s),
                 http.post(
-                    parent.rstrip("/") + "/v1/partial",
+                    parent.rstrip("/") + path,
                     data=body,
                     headers={"Content-Type": "application/octet-stream"},
                 ) as r,

@@ -176,7 +176,7 @@ class Federation:
         run_id = f"run-{self.db.count() + 1}"
         cfg = run_config(self.cfg, raw, task, self.dir / run_id)
         try:  # the task loads and its model builds, before it is queued
-            ServerService(cfg, self._task(cfg))
+            ServerService.from_config(cfg, self._task(cfg))
         except ShoalError as e:
             raise RunError("bad_task", f"the run cannot start: {e}") from None
         self.db.add(run_id, task, digest, raw, who, time.time())

@@ -27,6 +27,8 @@ With local DP a node's privacy report travels in the ``privacy`` meta of its key
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import logging
 import math
 import secrets
@@ -41,6 +43,7 @@ from shoal.aggregation.secagg import (
     ConsistencySignature,
     EncryptedShares,
     MaskedInput,
+    MaskedSum,
     PublicKeys,
     SecAggAborted,
     SecAggParams,
@@ -48,15 +51,18 @@ from shoal.aggregation.secagg import (
     SecAggServer,
     UnmaskShares,
 )
+from shoal.aggregation.secagg import crypto as C
 from shoal.aggregation.secagg import identity as ID
 from shoal.aggregation.secagg.encoding import FixedPoint, decode_weighted
 from shoal.aggregation.secagg.payload import FEDNOVA_A, SecurePayload, SecureSums, step_weight
+from shoal.aggregation.secagg.tiers import RootKey, open_message
 from shoal.aggregation.secagg.wire import decode_message, encode_message, message_meta, params_to_json
 from shoal.config import Config
 from shoal.errors import Malformed, OutOfRange, UpdateRejected, short_repr
 from shoal.rounds import RoundSummary, SyncRounds
 from shoal.seeding import derive_seed
 from shoal.update import Update
+from shoal.wire import MAX_HEADER_BYTES
 
 from .privacy import EXPECTED_DROPOUT, ServerPrivacy
 
@@ -105,6 +111,9 @@ class SecureRound:
         # and does not make every honest node abort (the nodes check them again: they trust no server)
         self.roster = ID.read_roster(sa.keys_file) if sa.malicious_server else {}
         self.server = SecAggServer(self.params, self.selected)
+        # with edge aggregators (hierarchy.edge_names): the unmasking answers come sealed to this key
+        self.root_key = RootKey.new(C.Randomness()) if cfg.hierarchy.edge_names else None
+        self.sums_taken: dict[str, tuple[tuple[str, ...], str]] = {}  # edge -> (nodes, digest) of its masked sum
         self.stage = "advertise"
         self.deadline_at = rounds.deadline_at if rounds.deadline_at is not None else now + sa.stage_s
         self.sent: dict[str, set[str]] = {s: set() for s in STAGES}
@@ -132,6 +141,11 @@ class SecureRound:
             "bits": self.values.bits,
             "summands": self.values.max_summands,
             "weighting": self.weighting,
+            **(
+                {"root_key": base64.b64encode(self.root_key.public).decode(), "stage_s": self.cfg.stage_s}
+                if self.root_key is not None
+                else {}
+            ),
         }
 
     def wants_task(self, node: str) -> bool:
@@ -172,6 +186,9 @@ class SecureRound:
     def receive(self, node: str, route: str, body: bytes) -> dict[str, Any]:
         """One node's message for ``route``; raises a ShoalError (Malformed: 400,
         UpdateRejected: 409) with nothing changed if it is refused."""
+        if route == "unmask" and self.root_key is not None:  # sealed to the root: edges relay it unread
+            limit = 4 * self.params.vector_size + 4 * MAX_HEADER_BYTES
+            body = open_message(body, self.root_key, self.params.session, node, limit)
         meta = message_meta(body, self.params.vector_size)
         stage = self._check(node, route, meta.get("round"))
         if stage != self.stage:
@@ -212,6 +229,41 @@ class SecureRound:
                 self.privacy.take_report(node, report)
         self.sent[stage].add(node)
         return {"status": "accepted", "round": self.round, "stage": route}
+
+    def receive_masked_sum(self, edge: str, body: bytes, held: dict[str, str]) -> dict[str, Any]:
+        """An edge's sum of its nodes' masked inputs (aggregation/secagg/tiers.py), taken as each of
+        them sending its own. ``held``: node -> the edge that speaks for it in this round; every node
+        in the sum must be ``edge``'s. A retransmit of the sum already taken is a ``duplicate``;
+        anything else wrong is refused (Malformed / UpdateRejected) with nothing changed."""
+        meta = message_meta(body, self.params.vector_size)
+        if not isinstance(meta.get("round"), int) or meta.get("round") != self.round:
+            raise UpdateRejected(
+                "wrong_round", f"a masked sum for round {short_repr(meta.get('round'))}, not {self.round}"
+            )
+        if self.aborted:
+            raise UpdateRejected("aborted", f"round {self.round}'s secure aggregation aborted: {self.aborted}")
+        msg = decode_message(body, self.params.vector_size)
+        if not isinstance(msg, MaskedSum):
+            raise Malformed("POST /v1/edge/secagg/masked_sum takes a MaskedSum message")
+        digest = hashlib.blake2b(msg.vector.tobytes(), digest_size=16).hexdigest()
+        if self.sums_taken.get(edge) == (msg.senders, digest):
+            return {"status": "duplicate", "round": self.round, "nodes": len(msg.senders)}
+        if edge in self.sums_taken:
+            raise UpdateRejected("conflict", f"edge {edge!r} already sent another masked sum in round {self.round}")
+        foreign = sorted(n for n in msg.senders if held.get(n) != edge)
+        if foreign:
+            raise UpdateRejected(
+                "not_your_node", f"edge {edge!r} does not speak for {short_repr(foreign[:5])} in round {self.round}"
+            )
+        if self.stage != "masked":
+            raise UpdateRejected("wrong_stage", f"a masked sum while the round is at stage {self.stage!r}")
+        try:
+            self.server.receive_masked_sum(MaskedSum(edge, msg.senders, msg.vector))
+        except SecAggProtocolError as e:  # the state machine changed nothing
+            raise UpdateRejected("conflict", str(e)) from None
+        self.sums_taken[edge] = (msg.senders, digest)
+        self.sent["masked"].update(msg.senders)
+        return {"status": "accepted", "round": self.round, "nodes": len(msg.senders)}
 
     def _clear_meta(self, meta: dict[str, Any]) -> tuple[int, float]:
         """(num_examples, train_loss) of a keys message's meta, checked (Malformed / OutOfRange).

@@ -27,16 +27,15 @@ from typing import Any, cast
 
 import torch
 
+from shoal import assembly
 from shoal.aggregation.mean import WeightedMean
 from shoal.aggregation.secagg.encoding import FixedPoint
 from shoal.aggregation.strategy import Strategy
-from shoal.assembly import initial_model, make_async_rounds, make_deadline_rounds, make_round_strategy, task_from_config
+from shoal.assembly import ServerParts, make_evaluator
 from shoal.client.training import LocalTrainer, summarize_means
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMismatch, UpdateRejected
 from shoal.metrics import json_safe
-from shoal.params import ParamSpec, flatten
-from shoal.privacy_plan import plan_of
 from shoal.rounds import Rounds, RoundSummary, SyncRounds, evaluation_due
 from shoal.task import ClientData, Task, TaskError
 from shoal.update import Update
@@ -208,7 +207,7 @@ class ServerService:
     def __init__(
         self,
         cfg: Config,
-        task: Task | None = None,
+        parts: ServerParts,
         registered: int | None = None,
         *,
         test: ClientData | None = None,
@@ -216,28 +215,24 @@ class ServerService:
         emit: Callable[[Event], None] | None = None,
         started_at: float | None = None,
     ):
-        """``registered``: the enabled nodes of the registry (N of central and distributed DP);
+        """``parts``: the task, spec, rounds and DP state shoal.assembly built (:meth:`from_config`).
+        ``registered``: the enabled nodes of the registry (N of central and distributed DP);
         when None, :func:`server.app.make_app` gives it with :meth:`bind_registry` before serving.
         ``test``: the central test set (server/store.py's ``open_service`` loads the task's).
         ``restored``: what an earlier run left. ``emit``: where events go (default: ``self.events``).
         ``started_at``: the ``now`` records' elapsed_s counts from (default: the first call's)."""
+        if not isinstance(parts, ServerParts):
+            raise TypeError(
+                f"ServerService takes the parts shoal.assembly builds, not a {type(parts).__name__}: "
+                "ServerService.from_config(cfg, task, ...) builds them"
+            )
         self.cfg = cfg
         s = cfg.server
-        if cfg.algorithm.name != "fedavg" and s.mode != "sync":
-            raise ConfigError(
-                f"algorithm.name = {cfg.algorithm.name!r} with server.mode = {s.mode!r}: the algorithm's client state "
-                "and server step assume a node trains from the round's model and its result belongs to that round; "
-                "use server.mode = 'sync' (docs/algorithms.md)"
-            )
-        # The model comes from the task alone (shoal.assembly): the same seed gives the
-        # same initial model as `shoal simulate` and as every node.
-        self.task = task if task is not None else task_from_config(cfg)
-        # The global model is one flat vector; the module it came from is not kept (a trainer, with
-        # its own copy and a gradient buffer, is made only for a central evaluation: ``trainer``).
-        model = initial_model(cfg, self.task)
-        self.spec = ParamSpec.of(model, exchange_buffers=self.task.exchange_buffers).with_base(model)
-        flat = flatten(model, self.spec)
-        del model
+        self.task, self.spec, self.privacy = parts.task, parts.spec, parts.privacy
+        self.rounds: Rounds = parts.rounds
+        # ``sync``: the rounds the clock opens and closes (tick); None in async mode, where
+        # versions advance with the updates themselves.
+        self.sync: SyncRounds | None = parts.sync
         self._trainer: LocalTrainer | None = None
         self.test = test
         self.events: list[Event] = []
@@ -250,46 +245,6 @@ class ServerService:
         self.update_limit = max(s.max_body_bytes, sent * self.spec.nbytes + MAX_HEADER_BYTES)
         self.max_body_bytes = s.max_body_bytes or self.spec.nbytes + MAX_HEADER_BYTES
         self.mode = s.mode
-        # [privacy]: the DP strategy, Poisson sampling, the accountant and the budget (server/privacy.py)
-        self.privacy = ServerPrivacy(cfg, self.spec.numel) if plan_of(cfg).enabled else None
-        # ``sync``: the rounds the clock opens and closes (tick); None in async mode, where
-        # versions advance with the updates themselves.
-        self.sync: SyncRounds | None = None
-        self.rounds: Rounds
-        if s.mode == "sync":
-            strategy = self.privacy.strategy if self.privacy is not None else None
-            # N of FedDyn's and SCAFFOLD's server steps is the registered nodes (bind_registry)
-            population = registered or max(s.clients_per_round, s.min_nodes)
-            strategy = strategy or make_round_strategy(cfg, self.spec.numel, "cpu", population)
-            narrow = sum_dtype(s.sum_dtype, self.spec.numel) == torch.float32
-            if narrow and type(strategy) is Strategy and type(strategy.aggregator) is WeightedMean:
-                # half the sum's memory, and the mean and new model made in its place (aggregation/mean.py)
-                strategy.aggregator = WeightedMean(self.spec.numel, "cpu", torch.float32)
-                log.info(
-                    "the round's sum is float32 (server.sum_dtype = %r, %d parameters): %.0f MB instead of %.0f",
-                    s.sum_dtype,
-                    self.spec.numel,
-                    self.spec.numel * 4 / 1e6,
-                    self.spec.numel * 8 / 1e6,
-                )
-            if cfg.algorithm.name == "scaffold":
-                from shoal.aggregation.scaffold import ScaffoldStrategy
-
-                strategy = ScaffoldStrategy(strategy, self.spec.numel, population)
-            sampling = "poisson" if self.privacy is not None and self.privacy.user_level else "fixed"
-            self.rounds = self.sync = make_deadline_rounds(
-                cfg,
-                flat,
-                self.spec.numel,
-                s.clients_per_round,
-                s.fraction,
-                s.deadline_s,
-                s.min_fraction,
-                strategy,
-                sampling=sampling,
-            )
-        else:
-            self.rounds = make_async_rounds(cfg, flat, self.spec.numel)
         self.fed_every = cfg.simulation.eval_every
         self.fed: dict[int, FedVersion] = {}  # versions whose federated evaluation is open
         self.fed_finished = False  # the final version's evaluation is written
@@ -331,13 +286,25 @@ class ServerService:
         if registered is not None:
             self.bind_registry(registered)
 
+    @classmethod
+    def from_config(
+        cls,
+        cfg: Config,
+        task: Task | None = None,
+        registered: int | None = None,
+        **kwargs: Any,
+    ) -> ServerService:
+        """The aggregator of ``cfg`` (``task`` defaults to the config's), its parts built by
+        shoal.assembly; ``kwargs`` as :meth:`__init__` takes them."""
+        return cls(cfg, assembly.build(cfg, task, "server", registered=registered), registered, **kwargs)
+
     # --- state ---------------------------------------------------------------------
 
     @property
     def trainer(self) -> LocalTrainer:
         """The task's model bound for evaluation (made at the first central evaluation)."""
         if self._trainer is None:
-            self._trainer = LocalTrainer(initial_model(self.cfg, self.task), self.cfg.train, "cpu", task=self.task)
+            self._trainer = make_evaluator(self.cfg, self.task)
         return self._trainer
 
     @property

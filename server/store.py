@@ -128,7 +128,7 @@ def open_service(
     task = task if task is not None else task_from_config(cfg)
     store = ServerStore(cfg)
     restored = store.restore(resume)
-    service = ServerService(
+    service = ServerService.from_config(
         cfg,
         task,
         registered,

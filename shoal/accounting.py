@@ -202,6 +202,7 @@ class RoundLedger:
     (:meth:`_check_entry`) and prices the ledger (:meth:`epsilon_after`)."""
 
     MECHANISM = ""  # the entries' "mechanism", privacy.mechanism's value for it
+    ENTRY_KEYS: tuple[str, ...] = ()  # what an entry records (besides "rounds"): :meth:`_current`'s keys
     DEFAULTS: dict = {}  # entry keys an older ledger may lack, with the value they then had
 
     def __init__(self, delta: float, kind: str):
@@ -211,11 +212,23 @@ class RoundLedger:
     def _current(self) -> dict:
         raise NotImplementedError
 
-    def epsilon_after(self, extra: int) -> float:
-        """epsilon of the ledger plus ``extra`` more rounds of the current mechanism."""
+    def _price(self, entries: list[dict]) -> float:
+        """epsilon of ``entries``, all of this accountant's mechanism (rounds > 0)."""
         raise NotImplementedError
 
-    def _check_entry(self, e: dict) -> None:
+    def epsilon_after(self, extra: int) -> float:
+        """epsilon of the ledger plus ``extra`` more rounds of the current mechanism. A ledger that
+        also holds rounds of the other Poisson mechanism (a restart switched privacy.mechanism) is
+        composed in RDP: :func:`mixed_ledger_epsilon`."""
+        entries = [e for e in [*self.ledger, {**self._current(), "rounds": extra}] if int(e["rounds"]) > 0]
+        if not entries:
+            return 0.0
+        if all(e["mechanism"] == self.MECHANISM for e in entries):
+            return self._price(entries)
+        return mixed_ledger_epsilon(entries, self.delta)
+
+    @staticmethod
+    def _check_entry(e: dict) -> None:
         """ValueError when a saved entry's parameters are out of range."""
 
     @property
@@ -233,7 +246,11 @@ class RoundLedger:
     def earlier_rounds(self) -> int:
         """Charged rounds whose parameters differ from the current ones (a restart changed them)."""
         cur = self._current()
-        return sum(int(e["rounds"]) for e in self.ledger if {k: e.get(k) for k in cur} != cur)
+        return sum(
+            int(e["rounds"])
+            for e in self.ledger
+            if e.get("mechanism") == self.MECHANISM and {k: e.get(k) for k in cur} != cur
+        )
 
     def record_round(self, participants: list[str] | None = None) -> None:
         """Charge one round of the current mechanism."""
@@ -249,22 +266,49 @@ class RoundLedger:
 
     def load_state_dict(self, state: dict) -> None:
         """Restore the charged rounds of an earlier run (a restart). ValueError for a ledger that is
-        not one; :class:`LedgerMismatch` for one charged with another mechanism."""
+        not one; :class:`LedgerMismatch` for rounds this accountant cannot compose with its own:
+        an unknown mechanism, or fixed-size (replace-one) rounds beside Poisson (add/remove-one)
+        rounds of the other mechanism. Poisson rounds of the continuous and the discrete Gaussian
+        are kept as they ran and composed in RDP (:meth:`epsilon_after`)."""
         ledger = state.get("ledger") if isinstance(state, dict) else None
         if not isinstance(ledger, list) or not all(isinstance(e, dict) for e in ledger):
             raise ValueError("a privacy ledger without its charged rounds")
-        other = [e for e in ledger if e.get("mechanism") != self.MECHANISM and int(e.get("rounds", 0) or 0) > 0]
-        if other:
-            raise LedgerMismatch(self._mismatch(other))
-        keys = (*self._current(), "rounds")
-        ledger = [{**self.DEFAULTS, **e} for e in ledger]
-        for e in ledger:
+        poisson_now = self._current()["sampling"] == "poisson"
+        entries, unfit = [], []
+        for raw in ledger:
+            kind: type[RoundLedger] | None = type(self)
+            if raw.get("mechanism") != self.MECHANISM:
+                rounds = raw.get("rounds")
+                if not isinstance(rounds, int) or isinstance(rounds, bool):
+                    raise ValueError(f"a privacy ledger entry without its rounds: {str(raw)[:200]}")
+                if rounds <= 0:
+                    continue  # nothing charged: nothing to compose
+                kind = LEDGER_MECHANISMS.get(str(raw.get("mechanism")))
+                if kind is None or raw.get("sampling") != "poisson" or not poisson_now:
+                    unfit.append(raw)
+                    continue
+            assert kind is not None
+            e = {**kind.DEFAULTS, **raw}
+            keys = (*kind.ENTRY_KEYS, "rounds")
             if any(k not in e for k in keys):
                 raise ValueError(f"a privacy ledger entry lacks one of {keys}: {str(e)[:200]}")
             if int(e["rounds"]) < 0 or not 0 <= float(e["q"]) <= 1:
                 raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
-            self._check_entry(e)
-        self.ledger = [{k: e[k] for k in keys} for e in ledger]
+            kind._check_entry(e)
+            entries.append({k: e[k] for k in keys})
+        if unfit:
+            raise LedgerMismatch(self._mismatch(unfit))
+        self.ledger = entries
+
+    def _mixed_note(self) -> str:
+        """For :meth:`describe`: how a ledger of both Gaussians is composed (empty when it is not)."""
+        others = sum(int(e["rounds"]) for e in self.ledger if e["mechanism"] != self.MECHANISM)
+        if not others:
+            return ""
+        return (
+            f"; {others} earlier rounds of the other Gaussian mechanism, composed with these in RDP at integer "
+            f"orders {DDG_ORDERS[0]}-{DDG_ORDERS[-1]}"
+        )
 
     def _mismatch(self, other: list[dict]) -> str:
         """What the ledger recorded, what this config asks, and what the user can do."""
@@ -275,8 +319,9 @@ class RoundLedger:
         keep = " or ".join(sorted(f"privacy.mechanism = {m!r}" for m in was))
         return (
             f"the privacy ledger records {recorded}, and this config asks for {describe_entry(self._current())}. "
-            f"Rounds of {' and '.join(sorted(was))} noise and of {self.MECHANISM} noise are not composed "
-            f"into one epsilon here, so this run cannot go on from that ledger. Either restart with the "
+            f"These rounds are not composed into one epsilon here (only Poisson-sampled rounds of the continuous "
+            f"and the discrete Gaussian are: fixed-size rounds protect a replaced client, Poisson rounds an added "
+            f"or removed one), so this run cannot go on from that ledger. Either restart with the "
             f"mechanism it recorded ({keep}; the noise multiplier, clip and rate may change, and every "
             "round is then composed as it ran), or start a new run from scratch (another checkpoint "
             "folder, or --fresh): its epsilon then counts its own rounds only, and for anyone in both "
@@ -352,6 +397,7 @@ class RoundAccountant(RoundLedger):
         self.sampling, self.num_clients, self.sample_size, self.clip = sampling, num_clients, sample_size, clip
 
     MECHANISM = "gaussian"
+    ENTRY_KEYS = ("mechanism", "sampling", "q", "z", "clip", "num_clients", "sample_size")
 
     def _current(self) -> dict:
         return {
@@ -364,23 +410,16 @@ class RoundAccountant(RoundLedger):
             "sample_size": self.sample_size,
         }
 
-    def _check_entry(self, e: dict) -> None:
+    @staticmethod
+    def _check_entry(e: dict) -> None:
         if e["sampling"] not in SAMPLINGS or not float(e["z"]) >= 0:
             raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
 
-    def _segments(self, extra: int) -> tuple[tuple, ...]:
-        entries = [*self.ledger, {**self._current(), "rounds": extra}]
-        return tuple(
+    def _price(self, entries: list[dict]) -> float:
+        segments = tuple(
             (e["sampling"], float(e["q"]), float(e["z"]), e["num_clients"], e["sample_size"], int(e["rounds"]))
             for e in entries
-            if int(e["rounds"]) > 0
         )
-
-    def epsilon_after(self, extra: int) -> float:
-        """epsilon of the ledger plus ``extra`` more rounds of the current mechanism."""
-        segments = self._segments(extra)
-        if not segments:
-            return 0.0
         if len(segments) == 1:  # the common case, cached by value
             s, q, z, n, k, r = segments[0]
             if s == "fixed":
@@ -404,7 +443,7 @@ class RoundAccountant(RoundLedger):
         earlier = self.earlier_rounds()
         if earlier:
             text += f"; composed with {earlier} earlier rounds of other parameters"
-        return text
+        return text + self._mixed_note()
 
 
 class LocalDpSgdAccountant:
@@ -602,6 +641,7 @@ class DdgRoundAccountant(RoundLedger):
     ledger records every charged round's parameters, so a restart composes them as they ran."""
 
     MECHANISM = "discrete_gaussian"
+    ENTRY_KEYS = ("mechanism", "sampling", "q", *DDG_KEYS, "release_z")
     DEFAULTS = {"release_z": 0.0}  # ledgers written before the noised release was charged had none
 
     def __init__(self, q: float, ddg: dict, delta: float, release_z: float = 0.0):
@@ -630,7 +670,8 @@ class DdgRoundAccountant(RoundLedger):
             "release_z": self.release_z,
         }
 
-    def _check_entry(self, e: dict) -> None:
+    @staticmethod
+    def _check_entry(e: dict) -> None:
         if int(e["variance"]) < 0 or int(e["shares"]) < 1 or int(e["dim"]) < 1 or not float(e["release_z"]) >= 0:
             raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
 
@@ -648,10 +689,7 @@ class DdgRoundAccountant(RoundLedger):
             float(e["release_z"]),
         )
 
-    def epsilon_after(self, extra: int) -> float:
-        entries = [e for e in [*self.ledger, {**self._current(), "rounds": extra}] if int(e["rounds"]) > 0]
-        if not entries:
-            return 0.0
+    def _price(self, entries: list[dict]) -> float:
         total = [0.0] * len(DDG_ORDERS)
         for e in entries:
             total = [t + int(e["rounds"]) * r for t, r in zip(total, self._curve(e), strict=True)]
@@ -675,4 +713,40 @@ class DdgRoundAccountant(RoundLedger):
         earlier = self.earlier_rounds()
         if earlier:
             text += f"; composed with {earlier} earlier rounds of other parameters"
-        return text
+        return text + self._mixed_note()
+
+
+@lru_cache(maxsize=256)
+def _gaussian_round_rdp(q: float, z: float) -> tuple[float, ...]:
+    """One Poisson-subsampled Gaussian round's RDP at each of DDG_ORDERS (dp-accounting's analysis,
+    Mironov, Talwar and Zhang 2019), so that it adds to the discrete Gaussian's curve order by order."""
+    if z <= 0:
+        return (math.inf,) * len(DDG_ORDERS)
+    acc = dp_accounting.rdp.RdpAccountant(orders=[float(a) for a in DDG_ORDERS])
+    acc.compose(subsampled_gaussian(min(q, 1.0), z, 1))
+    return tuple(float(r) for r in acc.rdp)
+
+
+def mixed_ledger_epsilon(entries: list[dict], delta: float) -> float:
+    """epsilon at ``delta`` of a ledger holding Poisson-sampled rounds of both the continuous Gaussian
+    (``z`` is the multiplier the round was charged at) and the distributed discrete Gaussian: RDP
+    composes by adding the curves at each order; the total is converted with :func:`rdp_to_epsilon`.
+    The continuous rounds are priced in RDP here even where the run's accountant is PLD (a valid
+    upper bound, slightly looser)."""
+    total = [0.0] * len(DDG_ORDERS)
+    for e in entries:
+        if e["mechanism"] == RoundAccountant.MECHANISM:
+            if e["sampling"] != "poisson":
+                raise ValueError("fixed-size rounds are not composed with Poisson rounds of another mechanism")
+            curve = _gaussian_round_rdp(float(e["q"]), float(e["z"]))
+        else:
+            curve = DdgRoundAccountant._curve(e)
+        total = [t + int(e["rounds"]) * r for t, r in zip(total, curve, strict=True)]
+    return rdp_to_epsilon(DDG_ORDERS, total, delta)
+
+
+# The mechanisms a ledger entry may name, for restoring rounds of the other one (RoundLedger.load_state_dict).
+LEDGER_MECHANISMS: dict[str, type[RoundLedger]] = {
+    RoundAccountant.MECHANISM: RoundAccountant,
+    DdgRoundAccountant.MECHANISM: DdgRoundAccountant,
+}

@@ -9,7 +9,11 @@ wherever it runs.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import logging
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from torch import nn
@@ -18,16 +22,40 @@ from shoal.aggregation import Strategy, WeightedMean, make_server_optimizer, mak
 from shoal.aggregation.fedasync import FedAsync
 from shoal.aggregation.fedbuff import FedBuff
 from shoal.aggregation.robust import make_aggregator
+from shoal.aggregation.scaffold import ScaffoldControl
 from shoal.aggregation.staleness import make_staleness_weight
 from shoal.async_rounds import AsyncRounds
 from shoal.client.algorithms import ClientProgram, make_program
+from shoal.client.batched import BatchedTrainer, make_batched_trainer
+from shoal.client.device import select_device
+from shoal.client.state import ClientState, StateMapping, make_client_state
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
+from shoal.errors import ConfigError
+from shoal.params import ParamSpec, flatten
 from shoal.privacy_plan import plan_of
-from shoal.rounds import SyncRounds
-from shoal.seeding import derive_seed
-from shoal.task import Task, load_task, make_model
+from shoal.rounds import Rounds, SyncRounds
+from shoal.seeding import derive_seed, rng
+from shoal.task import (
+    ClientData,
+    Population,
+    SimulationData,
+    Task,
+    call_part,
+    check_data,
+    check_loss,
+    load_task,
+    make_model,
+)
 from shoal.tasks import BuiltinTask
+
+if TYPE_CHECKING:
+    from shoal.server.privacy import ServerPrivacy
+    from shoal.simulations.client_data import ClientShards, PopulationShards
+    from shoal.simulations.dp_hooks import PrivacyBudget
+    from shoal.simulations.wire_step import WireStep
+
+log = logging.getLogger(__name__)
 
 
 def task_from_config(cfg: Config) -> Task:
@@ -70,6 +98,12 @@ def make_trainer(cfg: Config, task: Task, model: nn.Module, device: torch.device
     return LocalTrainer(model, cfg.train, device, task=task)
 
 
+def make_evaluator(cfg: Config, task: Task, device: torch.device | str = "cpu") -> LocalTrainer:
+    """A plain trainer of the task's model for evaluation only (a server's central evaluation:
+    never DP-SGD, whatever ``[privacy]`` says of the clients' training)."""
+    return LocalTrainer(initial_model(cfg, task), cfg.train, device, task=task)
+
+
 def expected_clients(cfg: Config, num_clients: int) -> int:
     """K, the number of clients a round selects (as SyncRounds.sample_size): the DP mean's
     fixed denominator, the number of noise shares, and q = K / N for the accountant."""
@@ -99,6 +133,18 @@ def make_round_strategy(cfg: Config, numel: int, device: torch.device | str, num
 def make_client_program(cfg: Config, task: Task, trainer: LocalTrainer) -> ClientProgram:
     """The client step of ``[algorithm]`` (client/algorithms.py), around ``trainer``."""
     return make_program(cfg, task, trainer)
+
+
+def make_sync_rounds(
+    strategy: Strategy,
+    global_params: torch.Tensor,
+    clients_per_round: int,
+    fraction: float,
+    seed: int,
+    sampling: str = "fixed",
+) -> SyncRounds:
+    """Plain SyncRounds (no deadline, no over-selection): the in-process simulator's and Flower's."""
+    return SyncRounds(strategy, global_params, clients_per_round, fraction, seed, sampling=sampling)
 
 
 def make_deadline_rounds(
@@ -151,3 +197,378 @@ def make_async_rounds(cfg: Config, global_params: torch.Tensor, numel: int) -> A
             rule,
         )
     return AsyncRounds(algorithm, global_params, cfg.simulation.seed, a.max_staleness)
+
+
+# --- the run's parts -------------------------------------------------------------------------
+#
+# Each role's constructor takes one of the frozen dataclasses below, built here from a config and
+# a task; ``build(cfg, task, role)`` names them all. The order of the steps inside a builder is
+# part of the contract: ``initial_model`` seeds torch's generator, and the same seed must give the
+# same numbers in every role (the reproducibility and bit-for-bit resume tests hold them to it).
+
+
+@dataclass(frozen=True)
+class Batching:
+    """What the batched many-clients trainer is sized for: whether the clients' data are tensors
+    held in memory, one example input (None for Datasets, which are never batched), the clients
+    per round and the largest client's example count."""
+
+    in_memory: bool
+    example: Any
+    cohort: int
+    max_client_size: int
+
+
+@dataclass(frozen=True)
+class ClientParts:
+    """What trains a client: the trainer (the task's model, seeded, bound to its flat vector), the
+    client program of ``[algorithm]`` around it and, when the model and task allow, the batched
+    trainer of many clients at once (client/batched.py)."""
+
+    task: Task
+    device: torch.device
+    trainer: LocalTrainer
+    program: ClientProgram
+    batched: BatchedTrainer | None = None
+
+    @property
+    def spec(self) -> ParamSpec:
+        """The exchanged parameters (read from the trainer: DP-SGD may swap layers)."""
+        return self.trainer.spec
+
+
+def batching_blocker(cfg: Config, task: Task, trainer: LocalTrainer, in_memory: bool) -> str | None:
+    """Why the config, the task or the model rules out training many clients as one batch (None: it may)."""
+    algorithm = cfg.algorithm.name
+    if plan_of(cfg).dp_sgd:  # DP-SGD clips per sample with Opacus: never batched across clients
+        return "privacy.mode = 'local' (DP-SGD) trains each client with Opacus"
+    if algorithm in ("ditto", "fedper", "fedrep"):
+        return f"algorithm.name = {algorithm!r} trains a personal part of its own on each client"
+    if not in_memory:
+        return "the clients' data are torch Datasets (read through a DataLoader), not tensors"
+    if type(task).loss is not Task.loss:
+        return "the task has its own loss (the batched path computes cross-entropy itself)"
+    if task.optimizer is not None:
+        return f"the task uses the {task.optimizer} optimizer (the batched path runs SGD)"
+    if any(not p.requires_grad for p in trainer.model.parameters()):
+        return "the model has frozen parameters"
+    if type(task).to_device is not Task.to_device:
+        return "the task has its own to_device()"
+    if cfg.algorithm.keep_optimizer_state:
+        return "algorithm.keep_optimizer_state keeps each client's momentum between its rounds"
+    return None
+
+
+def build_client(
+    cfg: Config,
+    task: Task,
+    device: torch.device | str,
+    example: ClientData | None,
+    batching: Batching | None = None,
+) -> ClientParts:
+    """The trainer and client program of one process that trains clients (the simulator, a Ray
+    worker, a Flower ClientApp, a node, a peer). ``example``: some client's training data, on which
+    the task's loss is checked once before the trainer binds the gradients (None: not checked);
+    ``batching``: the cohort a batched trainer would take (None: clients train one by one)."""
+    device = torch.device(device)
+    model = initial_model(cfg, task).to(device)  # seeded by simulation.seed: the same start everywhere
+    if example is not None:
+        check_loss(task, model, example, device)
+    trainer = make_trainer(cfg, task, model, device)
+    program = make_client_program(cfg, task, trainer)
+    parts = ClientParts(task, device, trainer, program)
+    return parts if batching is None else with_batching(cfg, parts, batching)
+
+
+def with_batching(cfg: Config, parts: ClientParts, batching: Batching) -> ClientParts:
+    """``parts`` with the batched trainer of ``batching``'s cohort, when nothing rules it out
+    (:func:`batching_blocker`; the reason is logged once)."""
+    blocker = batching_blocker(cfg, parts.task, parts.trainer, batching.in_memory)
+    if blocker is not None:
+        if cfg.simulation.batch_clients != 1 and batching.cohort > 1:
+            log.info("training clients one by one: %s", blocker)
+        else:
+            log.debug("training clients one by one: %s", blocker)
+        return parts
+    batched = make_batched_trainer(
+        cfg.simulation.batch_clients,
+        parts.trainer.model,
+        parts.trainer.spec,
+        cfg.train,
+        parts.device,
+        batching.example,
+        batching.cohort,
+        batching.max_client_size,
+    )
+    return dataclasses.replace(parts, batched=batched)
+
+
+# A population's federated evaluation: a fixed, seeded sample of a round's size (the same clients
+# every evaluation, so the curve compares rounds), loaded one client at a time.
+_FED_EVAL_STREAM = 0xFEDE  # seeds that sample apart from client sampling
+
+
+@dataclass(frozen=True)
+class SimulationParts:
+    """Everything the in-process simulator runs (simulations/inprocess.py): the clients' data
+    (``shards``: held tensors, or a population loaded client by client), the test sets, who the
+    clients are, what trains them, their state store, the server's strategy and rounds, SCAFFOLD's
+    control variate, the privacy budget, the wire and the sample of a population's federated
+    evaluation. The round runner is chosen by the simulation (it is a function of it)."""
+
+    cfg: Config
+    task: Task
+    device: torch.device
+    data: SimulationData | None
+    shards: ClientShards | PopulationShards
+    test: ClientData | None
+    client_test: list[ClientData | None] | None
+    client_ids: list[str]
+    client: ClientParts
+    states: ClientState
+    strategy: Strategy
+    control: ScaffoldControl | None
+    rounds: SyncRounds
+    privacy: PrivacyBudget | None
+    wire: WireStep
+    fed_eval_clients: list[int]
+
+    @property
+    def trainer(self) -> LocalTrainer:
+        return self.client.trainer
+
+    @property
+    def spec(self) -> ParamSpec:
+        return self.client.spec
+
+
+def build_simulation(
+    cfg: Config,
+    task: Task | None = None,
+    data: SimulationData | Population | None = None,
+) -> SimulationParts:
+    """The in-process simulator's parts: ``data`` (default: the task's population, or its
+    simulation data) split into clients, then the client parts, strategy and rounds."""
+    from shoal.simulations.client_data import (
+        ClientShards,
+        PopulationShards,
+        check_population,
+        check_simulation_data,
+        client_id,
+        load_population,
+        load_simulation_data,
+        on_device,
+    )
+    from shoal.simulations.dp_hooks import PrivacyBudget, round_sampling, selection_secret
+    from shoal.simulations.wire_step import WireStep
+
+    task = task if task is not None else task_from_config(cfg)
+    sim = cfg.simulation
+    device = select_device(sim.device)
+    # A task's population (or one passed in) is loaded client by client as rounds select them;
+    # SimulationData is held whole.
+    population = None
+    if data is None:
+        population = load_population(task, cfg)
+    elif isinstance(data, Population) or hasattr(data, "train_data"):
+        population = check_population(task, data)
+    held: SimulationData | None = None
+    shards: ClientShards | PopulationShards
+    client_test: list[ClientData | None] | None = None
+    if population is not None:
+        shards = PopulationShards(task, population, device)
+        client_ids = shards.client_ids
+        central = call_part(task, "central_test_data()", task.central_test_data)
+        test = on_device(check_data(task, central, "central_test_data()", allow_none=True), device)
+    else:
+        held = load_simulation_data(task, cfg) if data is None else check_simulation_data(task, data)
+        shards = ClientShards(held.train, device)
+        test = on_device(held.test, device)
+        if held.client_test is not None:
+            client_test = [on_device(d, device) for d in held.client_test]
+        ids = held.client_ids
+        client_ids = [str(c) for c in ids] if ids is not None else [client_id(i) for i in range(len(shards))]
+    n = len(client_ids)
+    client = build_client(cfg, task, device, shards.data(0))
+    spec = client.spec
+    # One client step (client/algorithms.py) and the clients' state between their rounds.
+    states = make_client_state(cfg.algorithm.state_dir, device)
+    strategy = make_round_strategy(cfg, spec.numel, device, n)
+    control = ScaffoldControl(spec.numel, n, device) if cfg.algorithm.name == "scaffold" else None
+    rounds = make_sync_rounds(
+        strategy,
+        client.trainer.flat.detach().clone(),
+        sim.clients_per_round,
+        sim.fraction,
+        sim.seed,
+        sampling=round_sampling(cfg),  # DP: the sampling its accountant assumes
+    )
+    rounds.secret = selection_secret(cfg)  # DP: selection and task seeds from the OS
+    privacy = (
+        PrivacyBudget(cfg, {c: shards.size(i) for i, c in enumerate(client_ids)}, strategy)
+        if plan_of(cfg).enabled
+        else None
+    )
+    # top-k residuals: in memory, or beside the clients' state on disk (algorithm.state_dir)
+    residuals = None
+    if cfg.algorithm.state_dir and cfg.compression.encoding == "topk":
+        residuals = StateMapping(make_client_state(f"{cfg.algorithm.state_dir}/residuals"), "residual")
+    wire = WireStep(cfg.compression, spec, residuals)
+    cohort = rounds.sample_size(n)
+    client = with_batching(
+        cfg, client, Batching(shards.in_memory, shards.example if shards.in_memory else None, cohort, shards.max_size())
+    )
+    fed_eval: list[int] = []
+    if isinstance(shards, PopulationShards) and shards.has_test:
+        picked = rng(sim.seed, _FED_EVAL_STREAM).choice(n, size=min(n, cohort), replace=False)
+        fed_eval = sorted(int(i) for i in picked)
+    return SimulationParts(
+        cfg,
+        task,
+        device,
+        held,
+        shards,
+        test,
+        client_test,
+        client_ids,
+        client,
+        states,
+        strategy,
+        control,
+        rounds,
+        privacy,
+        wire,
+        fed_eval,
+    )
+
+
+@dataclass(frozen=True)
+class ServerParts:
+    """What an aggregator (server/service.py) runs: the task, the exchanged spec (with the base of
+    frozen parameters), the rounds (``sync``: the SyncRounds of ``server.mode = "sync"``, else None;
+    ``rounds``: those, or the AsyncRounds of ``"async"``) and the server's DP state."""
+
+    task: Task
+    spec: ParamSpec
+    rounds: Rounds
+    sync: SyncRounds | None
+    privacy: ServerPrivacy | None
+
+
+def build_server(cfg: Config, task: Task | None = None, registered: int | None = None) -> ServerParts:
+    """The aggregator's parts. The global model is one flat vector: the module it came from is not
+    kept (a trainer is made only for a central evaluation). ``registered``: the enabled nodes of the
+    registry, N of FedDyn's and SCAFFOLD's server steps (None: the larger of clients_per_round and
+    min_nodes until the registry binds it)."""
+    from shoal.server.privacy import ServerPrivacy
+    from shoal.server.service import sum_dtype
+
+    s = cfg.server
+    if cfg.algorithm.name != "fedavg" and s.mode != "sync":
+        raise ConfigError(
+            f"algorithm.name = {cfg.algorithm.name!r} with server.mode = {s.mode!r}: the algorithm's client state "
+            "and server step assume a node trains from the round's model and its result belongs to that round; "
+            "use server.mode = 'sync' (docs/algorithms.md)"
+        )
+    task = task if task is not None else task_from_config(cfg)
+    # The same seed gives the same initial model as `shoal simulate` and as every node.
+    model = initial_model(cfg, task)
+    spec = ParamSpec.of(model, exchange_buffers=task.exchange_buffers).with_base(model)
+    flat = flatten(model, spec)
+    del model
+    # [privacy]: the DP strategy, Poisson sampling, the accountant and the budget (server/privacy.py)
+    privacy = ServerPrivacy(cfg, spec.numel) if plan_of(cfg).enabled else None
+    if s.mode != "sync":  # versions advance with the updates themselves
+        return ServerParts(task, spec, make_async_rounds(cfg, flat, spec.numel), None, privacy)
+    strategy = privacy.strategy if privacy is not None else None
+    population = registered or max(s.clients_per_round, s.min_nodes)
+    strategy = strategy or make_round_strategy(cfg, spec.numel, "cpu", population)
+    narrow = sum_dtype(s.sum_dtype, spec.numel) == torch.float32
+    if narrow and type(strategy) is Strategy and type(strategy.aggregator) is WeightedMean:
+        # half the sum's memory, and the mean and new model made in its place (aggregation/mean.py)
+        strategy.aggregator = WeightedMean(spec.numel, "cpu", torch.float32)
+        log.info(
+            "the round's sum is float32 (server.sum_dtype = %r, %d parameters): %.0f MB instead of %.0f",
+            s.sum_dtype,
+            spec.numel,
+            spec.numel * 4 / 1e6,
+            spec.numel * 8 / 1e6,
+        )
+    if cfg.algorithm.name == "scaffold":
+        from shoal.aggregation.scaffold import ScaffoldStrategy
+
+        strategy = ScaffoldStrategy(strategy, spec.numel, population)
+    sampling = "poisson" if privacy is not None and privacy.user_level else "fixed"
+    sync = make_deadline_rounds(
+        cfg, flat, spec.numel, s.clients_per_round, s.fraction, s.deadline_s, s.min_fraction, strategy, sampling
+    )
+    return ServerParts(task, spec, sync, sync, privacy)
+
+
+@dataclass(frozen=True)
+class GossipParts:
+    """What the gossip simulator's network runs (simulations/gossip/network.py): the peers' data
+    (one peer per client of the task's simulation data), the test sets and what trains a peer."""
+
+    cfg: Config
+    task: Task
+    data: SimulationData
+    shards: ClientShards
+    test: ClientData | None
+    client_test: list[ClientData | None] | None
+    client: ClientParts
+
+    @property
+    def device(self) -> torch.device:
+        return self.client.device
+
+
+def build_gossip(cfg: Config, task: Task | None = None, data: SimulationData | None = None) -> GossipParts:
+    """The gossip network's parts; ``data`` defaults to the task's simulation data. Every peer starts
+    from the same model; DP-SGD (privacy.mode = 'local') may swap layers (BatchNorm), so the
+    exchanged spec and the initial model are the trainer's."""
+    from shoal.simulations.client_data import ClientShards, check_simulation_data, load_simulation_data, on_device
+
+    task = task if task is not None else task_from_config(cfg)
+    device = select_device(cfg.simulation.device)
+    held = load_simulation_data(task, cfg) if data is None else check_simulation_data(task, data)
+    shards = ClientShards(held.train, device)
+    client = build_client(cfg, task, device, shards.data(0))
+    client_test = None if held.client_test is None else [on_device(d, device) for d in held.client_test]
+    return GossipParts(cfg, task, held, shards, on_device(held.test, device), client_test, client)
+
+
+Role = Literal["simulation", "gossip", "server", "client"]
+
+
+@overload
+def build(cfg: Config, task: Task | None, role: Literal["simulation"], **inputs: Any) -> SimulationParts: ...
+@overload
+def build(cfg: Config, task: Task | None, role: Literal["gossip"], **inputs: Any) -> GossipParts: ...
+@overload
+def build(cfg: Config, task: Task | None, role: Literal["server"], **inputs: Any) -> ServerParts: ...
+@overload
+def build(cfg: Config, task: Task | None, role: Literal["client"], **inputs: Any) -> ClientParts: ...
+def build(
+    cfg: Config, task: Task | None, role: Role, **inputs: Any
+) -> SimulationParts | GossipParts | ServerParts | ClientParts:
+    """The parts of ``role`` for ``cfg`` and ``task`` (None: the config's task):
+
+    - ``simulation``: the in-process simulator's (``data=``); the virtual-clock engines and the
+      Ray engine's driver run on it;
+    - ``gossip``: the gossip simulator's network (``data=``);
+    - ``server``: an aggregator's (``registered=``);
+    - ``client``: what trains clients in one process: a Ray worker, a Flower ClientApp, a
+      deployed node, a peer (``device=``, ``example=`` some client's data to check the loss on,
+      ``batching=`` the cohort of a batched trainer).
+    """
+    task = task if task is not None else task_from_config(cfg)
+    if role == "simulation":
+        return build_simulation(cfg, task, **inputs)
+    if role == "gossip":
+        return build_gossip(cfg, task, **inputs)
+    if role == "server":
+        return build_server(cfg, task, **inputs)
+    if role == "client":
+        return build_client(cfg, task, **inputs)
+    raise ValueError(f"no parts for role {role!r}: one of simulation, gossip, server, client")

@@ -31,6 +31,7 @@ from shoal.seeding import rng
 from shoal.update import Update
 
 from .inprocess import InProcessSimulation
+from .run_loop import Report, Step, progress_status
 from .virtual_clock import ClientTiming, EventQueue
 
 log = logging.getLogger(__name__)
@@ -100,7 +101,7 @@ class VirtualClients:
 
     def __init__(self, cfg: Config, sim: InProcessSimulation | None = None):
         self.cfg = cfg
-        self.sim = sim if sim is not None else InProcessSimulation(cfg)
+        self.sim = sim if sim is not None else InProcessSimulation.from_config(cfg)
         seed = cfg.simulation.seed
         self.timing = ClientTiming(cfg.heterogeneity, self.sim.client_ids, seed)
         self.queue = EventQueue()
@@ -213,16 +214,74 @@ def staleness_figures(hist: dict[int, int]) -> dict[str, Any]:
     }
 
 
-class AsyncEngine:
+class VirtualEngine:
+    """The run loop's Engine (simulations/run_loop.py) of an engine on the virtual clock: its
+    records (``run``) become steps whose progress is server steps (sync: rounds closed; async:
+    versions) out of ``simulation.rounds``."""
+
+    cfg: Config
+    clients: VirtualClients
+    sim: InProcessSimulation
+    algorithm: str
+    x_axis = "virtual_time_s"
+
+    def run(self) -> Iterator[dict[str, Any]]:
+        raise NotImplementedError
+
+    def totals(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def server_steps(self) -> int:
+        """Server steps taken so far (sync: rounds closed, failed ones included; async: versions)."""
+        raise NotImplementedError
+
+    @property
+    def label(self) -> str:
+        return self.sim.task_label
+
+    @property
+    def title(self) -> str:
+        return f"{self.label} / {self.algorithm}"
+
+    def drive(self, report: Report) -> None:
+        done = 0
+        for rec in self.run():
+            now = self.server_steps()
+            report(Step(max(0, now - done), rec))
+            done = max(done, now)
+            log.info("virtual %.0fs  version %d  %s", rec["virtual_time_s"], rec["version"], progress_status(rec))
+
+    def figures(self, last: dict[str, Any]) -> dict[str, Any]:
+        sim = self.sim
+        return {
+            "rounds": self.server_steps(),
+            "mode": self.cfg.simulation.mode,
+            "algorithm": self.algorithm,
+            **self.totals(),
+            "num_clients": len(sim.client_ids),
+            "num_parameters": sim.spec.numel,
+            "device": str(sim.device),
+            **sim.pool_figures(),
+        }
+
+    def close(self) -> None:
+        self.sim.close()
+
+
+class AsyncEngine(VirtualEngine):
     """Runs AsyncRounds over VirtualClients; :meth:`run` yields one record per evaluation."""
 
     def __init__(self, cfg: Config, sim: InProcessSimulation | None = None):
         self.cfg = cfg
+        self.algorithm = cfg.asynchronous.algorithm
         self.clients = VirtualClients(cfg, sim)
         self.sim = self.clients.sim
         self.rounds = make_async_rounds(cfg, self.sim.trainer.flat.detach().clone(), self.sim.spec.numel)
         self._recorded: tuple[int, float] | None = None
         self._bytes_mark = (0, 0)  # wire totals (up, down) at the previous record
+
+    def server_steps(self) -> int:
+        return self.rounds.version
 
     def _fill(self) -> None:
         free = self.cfg.asynchronous.concurrency - len(self.clients.busy)

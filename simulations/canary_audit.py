@@ -341,7 +341,7 @@ def run_canary_audit(
         pool.append(CanaryClients(s, ids, seed))
         return pool[0]
 
-    sim = InProcessSimulation(c, data_a, task, clients=canary_pool)
+    sim = InProcessSimulation.from_config(c, data_a, task, clients=canary_pool)
     check_dimension(sim.spec.numel, k)
     clients = pool[0]
     if prepare is not None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import time
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ from shoal.config import Config
 from shoal.errors import ConfigError
 
 from .inprocess import InProcessSimulation
-from .run_loop import OnRecord, RunLoop
+from .run_loop import OnRecord, run_engine
 
 log = logging.getLogger(__name__)
 
@@ -68,10 +67,5 @@ def run_simulation(
         from .virtual_run import run_virtual
 
         return run_virtual(cfg, out_dir, progress, on_record, sim=sim)
-    t0 = time.perf_counter()
-    sim = sim or InProcessSimulation(cfg)
-    setup_s = time.perf_counter() - t0
-    with RunLoop(cfg, out_dir, cfg.simulation.rounds, sim.task_label, progress=progress, on_record=on_record) as loop:
-        for step in sim.steps():
-            loop.step(step)
-        return loop.finish(sim.figures(), setup_s, title=f"{sim.task_label} / {cfg.strategy.name}")
+    built = sim
+    return run_engine(lambda: built or InProcessSimulation.from_config(cfg), cfg, out_dir, progress, on_record)

@@ -23,6 +23,15 @@ flat rounds count clients that did not report), or, with ``hierarchy.reattach``,
 re-attach to the live edges (the list of edges, in turn) and report there. A round whose every
 edge was lost is aborted with the model unchanged.
 
+Secure aggregation (``[secure_aggregation] enabled = true``, one edge round per root round): the
+round's whole cohort runs one protocol (aggregation/secagg/tiers.py): every message of a client
+goes through its edge, which relays it and adds its clients' masked vectors modulo 2^32 into one
+masked sum for the root; the root unmasks the total and divides. An edge that fails does so in the
+middle of the protocol, at a stage drawn with the failure (seeded): its clients are the
+protocol's drop-outs from then on (recovered as the protocol recovers any, or the round aborts
+below its threshold); they do not re-attach within the round, since the cohort was fixed when
+the keys were advertised.
+
 Per-round figures in metrics.jsonl (``hier_*``): bytes on each link (client-edge both ways,
 edge-root both ways; the root's ingress is ``hier_bytes_edge_root_up``), edges that
 reported and edges lost; their totals go to summary.json.
@@ -40,6 +49,8 @@ import torch
 
 from shoal.aggregation.partial import Accumulator, PartialInbox, decode_partial, encode_partial
 from shoal.aggregation.secagg import SecAggAborted
+from shoal.aggregation.secagg.memory import STAGES
+from shoal.aggregation.secagg.tiers import run_through_edges
 from shoal.config import HierarchyConfig
 from shoal.rounds import Assignment
 from shoal.seeding import derive_seed, rng
@@ -48,6 +59,7 @@ from shoal.wire import encode_model
 
 if TYPE_CHECKING:
     from .inprocess import InProcessSimulation
+    from .secure_rounds import SecureAggregationRounds
 
 log = logging.getLogger(__name__)
 
@@ -105,6 +117,12 @@ class HierarchicalRound:
         self.lost_total = 0
         self.reattached = self.reattached_total = 0
         self._model_bytes: tuple[int, int] | None = None
+        self.secure: SecureAggregationRounds | None = None  # the encoding and protocol set-up, shared with flat
+        if sim.cfg.secure_aggregation.enabled:
+            from .secure_rounds import SecureAggregationRounds
+
+            self.secure = SecureAggregationRounds(sim)
+        self.lost_stage: dict[str, str] = {}  # secure aggregation: the stage each lost edge failed at
 
     def updates(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
         raise TypeError("HierarchicalRound hands the root partial sums (partial_sums), not single updates")
@@ -133,8 +151,11 @@ class HierarchicalRound:
         lost = self._lost_edges(r, sorted(by_edge))
         self.lost = sorted(lost)
         self.lost_total += len(lost)
-        alive = {e: ts for e, ts in sorted(by_edge.items()) if e not in lost}
         self.reattached = 0
+        if self.secure is not None:
+            yield from self._secure_sums(by_edge, lost, global_params, r, version)
+            return
+        alive = {e: ts for e, ts in sorted(by_edge.items()) if e not in lost}
         if lost and self.cfg.reattach:  # each orphan takes the next live edge of the list, in turn
             live = [e for e in self.edges if e not in lost]
             orphans = [t for e in sorted(lost) for t in by_edge[e]]
@@ -161,6 +182,42 @@ class HierarchicalRound:
         if not self.reported:
             raise SecAggAborted(f"every edge of round {r} was lost or got no update")
         yield inbox.total().to_partial_sum()
+
+    def _secure_sums(
+        self, by_edge: dict[str, list[Assignment]], lost: set[str], global_params: torch.Tensor, r: int, version: int
+    ) -> Iterator[PartialSum]:
+        """One secure aggregation over every selected client, through the edges (see the module doc):
+        the root's unmasked sum as one PartialSum. Raises SecAggAborted below the threshold."""
+        assert self.secure is not None
+        model_size = self._model_size(global_params, version)
+        tasks = [t for _, ts in sorted(by_edge.items()) for t in ts]
+        self.links.add("edge_root_down", model_size * len(by_edge))
+        self.links.add("client_edge_down", model_size * len(tasks))
+        draws = rng(self.sim.cfg.simulation.seed, r, _FAILURE_STREAM + 1).random(len(self.edges))
+        self.lost_stage = {e: STAGES[int(draws[self.edges.index(e)] * len(STAGES))] for e in sorted(lost)}
+        reported: set[str] = set()
+
+        def through_edges(params, encoded, drop_at, seed):
+            result, cost = run_through_edges(params, encoded, self.edge_of, drop_at, self.lost_stage, seed=seed)
+            for key, n in cost.links.items():
+                self.links.add(key, n)
+            reported.update(self.edge_of[c] for c in result.included)
+            return result, cost
+
+        self.secure.transport = through_edges
+        acc = Accumulator(r, version, self.sim.spec.numel, self.sim.cfg.strategy.weighting)
+        try:
+            for _task, update in self.secure.updates(tasks, global_params):
+                acc.add_update(update)
+        finally:
+            self.reported = sorted(reported)
+        if lost:
+            log.info("round %d: edge(s) %s lost mid-round (%s); their %d client(s) are the protocol's drop-outs", r,
+                     ", ".join(sorted(lost)), ", ".join(f"{e} at {s}" for e, s in self.lost_stage.items()),
+                     sum(len(by_edge[e]) for e in lost))  # fmt: skip
+        if acc.count == 0:
+            raise SecAggAborted(f"no masked input of round {r} reached the root")
+        yield acc.partial().to_partial_sum()
 
     def _edge_rounds(
         self, alive: dict[str, list[Assignment]], global_params: torch.Tensor, r: int, version: int, model_size: int

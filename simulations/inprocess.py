@@ -15,36 +15,28 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from shoal.aggregation.scaffold import ScaffoldControl
+from shoal import assembly
 from shoal.aggregation.secagg import SecAggAborted
-from shoal.assembly import initial_model, make_client_program, make_round_strategy, make_trainer, task_from_config
+from shoal.assembly import SimulationParts
 from shoal.client.algorithms import ClientResult, train_batched
-from shoal.client.batched import make_batched_trainer
-from shoal.client.device import select_device
-from shoal.client.state import State, StateMapping, make_client_state
+from shoal.client.state import State
 from shoal.client.training import summarize_means
 from shoal.config import Config
 from shoal.errors import WireError
 from shoal.privacy_plan import plan_of
-from shoal.rounds import Assignment, RoundSummary, SyncRounds, evaluation_due
-from shoal.seeding import derive_seed, rng
-from shoal.task import ClientData, Population, SimulationData, Task, call_part, check_data, check_loss
+from shoal.rounds import Assignment, RoundSummary, evaluation_due
+from shoal.seeding import derive_seed
+from shoal.task import ClientData, Population, SimulationData, Task
 from shoal.update import PartialSum, Update
 
 from .attacks import attack_steps
 from .client_data import (
     ClientShards,
     PopulationShards,
-    check_population,
-    check_simulation_data,
     client_id,
-    load_population,
-    load_simulation_data,
-    on_device,
 )
-from .dp_hooks import PrivacyBudget, distributed_noise_step, round_sampling, selection_secret
-from .run_loop import Step
-from .wire_step import WireStep
+from .dp_hooks import distributed_noise_step
+from .run_loop import Report, Step
 
 if TYPE_CHECKING:
     from .secure_rounds import SecureAggregationRounds
@@ -55,25 +47,6 @@ __all__ = ["ClientShards", "InProcessSimulation", "client_id"]
 
 
 _FED_EVAL_STREAM = 0xFEDE  # seeds a population's federated-evaluation sample apart from client sampling
-
-
-def batching_blocker(
-    task: Task, trainer, shards: ClientShards | PopulationShards, algorithm: str = "fedavg"
-) -> str | None:
-    """Why the task (or ``algorithm.name``) rules out the batched many-clients path (None: it may batch)."""
-    if algorithm in ("ditto", "fedper", "fedrep"):
-        return f"algorithm.name = {algorithm!r} trains a personal part of its own on each client"
-    if not shards.in_memory:
-        return "the clients' data are torch Datasets (read through a DataLoader), not tensors"
-    if type(task).loss is not Task.loss:
-        return "the task has its own loss (the batched path computes cross-entropy itself)"
-    if task.optimizer is not None:
-        return f"the task uses the {task.optimizer} optimizer (the batched path runs SGD)"
-    if any(not p.requires_grad for p in trainer.model.parameters()):
-        return "the model has frozen parameters"
-    if type(task).to_device is not Task.to_device:
-        return "the task has its own to_device()"
-    return None
 
 
 # A step between a client's training and the aggregator (an attack, local DP noise,
@@ -143,7 +116,8 @@ class PlainRound:
 
 
 class InProcessSimulation:
-    """Builds data, model, trainer, strategy and rounds from a Config; runs rounds.
+    """Runs rounds on the parts shoal.assembly built (:class:`~shoal.assembly.SimulationParts`);
+    :meth:`from_config` builds them from a Config.
 
     Composed, not patched: the client pool (``LocalClients``: one by one or batched, here;
     passed as ``clients`` to train elsewhere or to replace some clients), ``client_steps``
@@ -154,106 +128,30 @@ class InProcessSimulation:
 
     def __init__(
         self,
-        cfg: Config,
-        data: SimulationData | Population | None = None,
-        task: Task | None = None,
+        parts: SimulationParts,
         runner: Callable[[InProcessSimulation], RoundRunner] | None = None,
         clients: Callable[[InProcessSimulation], ClientPool] | None = None,
     ):
-        self.cfg = cfg
-        sim = cfg.simulation
-        self.device = select_device(sim.device)
-        self.task = task if task is not None else task_from_config(cfg)
-        # A task's population (or one passed in) is loaded client by client as rounds select them;
-        # SimulationData is held whole.
-        population = None
-        if data is None:
-            population = load_population(self.task, cfg)
-        elif isinstance(data, Population) or hasattr(data, "train_data"):
-            population = check_population(self.task, data)
-        self.data: SimulationData | None = None
-        self.shards: ClientShards | PopulationShards
-        if population is not None:
-            self.shards = PopulationShards(self.task, population, self.device)
-            self.client_ids = self.shards.client_ids
-            central = call_part(self.task, "central_test_data()", self.task.central_test_data)
-            self.test = on_device(check_data(self.task, central, "central_test_data()", allow_none=True), self.device)
-            self.client_test = None
-        else:
-            self.data = load_simulation_data(self.task, cfg) if data is None else check_simulation_data(self.task, data)
-            self.shards = ClientShards(self.data.train, self.device)
-            self.test = on_device(self.data.test, self.device)
-            self.client_test = (
-                None if self.data.client_test is None else [on_device(d, self.device) for d in self.data.client_test]
+        if not isinstance(parts, SimulationParts):
+            raise TypeError(
+                f"InProcessSimulation takes the parts shoal.assembly builds, not a {type(parts).__name__}: "
+                "InProcessSimulation.from_config(cfg, data, task) builds them"
             )
-            ids = self.data.client_ids
-            n = len(self.shards)
-            self.client_ids = [str(c) for c in ids] if ids is not None else [client_id(i) for i in range(n)]
-        model = initial_model(cfg, self.task).to(self.device)  # seeded by simulation.seed: the same start everywhere
-        check_loss(self.task, model, self.shards.data(0), self.device)
-        self.trainer = make_trainer(cfg, self.task, model, self.device)
-        self.spec = self.trainer.spec
-        # One client step (client/algorithms.py) and the clients' state between their rounds.
-        self.program = make_client_program(cfg, self.task, self.trainer)
-        self.states = make_client_state(cfg.algorithm.state_dir, self.device)
+        self.parts = parts
+        self.cfg = cfg = parts.cfg
+        self.device, self.task, self.data = parts.device, parts.task, parts.data
+        self.shards, self.test, self.client_test = parts.shards, parts.test, parts.client_test
+        self.client_ids = parts.client_ids
+        self.trainer, self.program, self.batched = parts.trainer, parts.client.program, parts.client.batched
+        self.spec = parts.spec
+        self.states, self.control, self.rounds = parts.states, parts.control, parts.rounds
+        self.privacy, self.wire = parts.privacy, parts.wire
+        self.fed_eval_clients = parts.fed_eval_clients
         self._pending: dict[str, ClientResult] = {}  # SCAFFOLD: kept once the server accepted the update
         self.num_classes: int | None = getattr(self.task, "num_classes", None)
         self._index = {cid: i for i, cid in enumerate(self.client_ids)}
-        strategy = make_round_strategy(cfg, self.spec.numel, self.device, len(self.client_ids))
-        self.control = (
-            ScaffoldControl(self.spec.numel, len(self.client_ids), self.device)
-            if cfg.algorithm.name == "scaffold"
-            else None
-        )
-        self.rounds = SyncRounds(
-            strategy,
-            self.trainer.flat.detach().clone(),
-            sim.clients_per_round,
-            sim.fraction,
-            sim.seed,
-            sampling=round_sampling(cfg),  # DP: the sampling its accountant assumes
-        )
-        self.rounds.secret = selection_secret(cfg)  # DP: selection and task seeds from the OS
-        self.privacy = (
-            None
-            if not plan_of(cfg).enabled
-            else PrivacyBudget(cfg, {c: self.shards.size(i) for i, c in enumerate(self.client_ids)}, strategy)
-        )
-        # top-k residuals: in memory, or beside the clients' state on disk (algorithm.state_dir)
-        residuals = None
-        if cfg.algorithm.state_dir and cfg.compression.encoding == "topk":
-            residuals = StateMapping(make_client_state(f"{cfg.algorithm.state_dir}/residuals"), "residual")
-        self.wire = WireStep(cfg.compression, self.spec, residuals)
         self.client_steps: list[ClientStep] = self._client_steps()
-        self.batched = None
-        blocker = batching_blocker(self.task, self.trainer, self.shards, cfg.algorithm.name)
-        if blocker is None and cfg.algorithm.keep_optimizer_state:
-            blocker = "algorithm.keep_optimizer_state keeps each client's momentum between its rounds"
-        if plan_of(cfg).dp_sgd:  # DP-SGD clips per sample with Opacus: never batched across clients
-            blocker = "privacy.mode = 'local' (DP-SGD) trains each client with Opacus"
-        if blocker is None:
-            self.batched = make_batched_trainer(
-                sim.batch_clients,
-                self.trainer.model,
-                self.spec,
-                cfg.train,
-                self.device,
-                self.shards.example,
-                self.rounds.sample_size(len(self.client_ids)),
-                self.shards.max_size(),
-            )
-        elif sim.batch_clients != 1 and self.rounds.sample_size(len(self.client_ids)) > 1:
-            log.info("training clients one by one: %s", blocker)
-        else:
-            log.debug("training clients one by one: %s", blocker)
         self.participants: set[str] = set()  # every client that trained in some round
-        # A population's federated evaluation: a fixed, seeded sample of a round's size (the same
-        # clients every evaluation, so the curve compares rounds), loaded one client at a time.
-        self.fed_eval_clients: list[int] = []
-        if isinstance(self.shards, PopulationShards) and self.shards.has_test:
-            n, k = len(self.client_ids), self.rounds.sample_size(len(self.client_ids))
-            picked = rng(sim.seed, _FED_EVAL_STREAM).choice(n, size=min(n, k), replace=False)
-            self.fed_eval_clients = sorted(int(i) for i in picked)
         self.clients: ClientPool = (clients or LocalClients)(self)
         if runner is None and cfg.hierarchy.edges:
             from .hierarchy import HierarchicalRound
@@ -279,6 +177,19 @@ class InProcessSimulation:
             self.device,
             self.task_label,
         )
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: Config,
+        data: SimulationData | Population | None = None,
+        task: Task | None = None,
+        runner: Callable[[InProcessSimulation], RoundRunner] | None = None,
+        clients: Callable[[InProcessSimulation], ClientPool] | None = None,
+    ) -> InProcessSimulation:
+        """The simulation of ``cfg``: its parts built by shoal.assembly (``data`` and ``task``
+        default to the config's task and that task's data)."""
+        return cls(assembly.build(cfg, task, "simulation", data=data), runner, clients)
 
     def client_index(self, client_id: str) -> int:
         """The position of ``client_id`` in the task's clients (its data's index)."""
@@ -447,7 +358,29 @@ class InProcessSimulation:
             if stop:
                 return
 
-    def figures(self) -> dict:
+    # --- the Engine the run loop drives (simulations/run_loop.py) ---------------------------
+
+    x_axis = "round"
+
+    @property
+    def label(self) -> str:
+        return self.task_label
+
+    @property
+    def title(self) -> str:
+        return f"{self.task_label} / {self.cfg.strategy.name}"
+
+    def drive(self, report: Report) -> None:
+        for step in self.steps():
+            report(step)
+
+    def close(self) -> None:
+        """Stop the client pool's workers, if it has any (the Ray engine's)."""
+        close = getattr(self.clients, "close", None)
+        if callable(close):
+            close()
+
+    def figures(self, last: dict | None = None) -> dict:
         """This run's figures for summary.json."""
         out = {
             "rounds": self.rounds.version,

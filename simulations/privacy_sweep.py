@@ -105,7 +105,7 @@ def run_setting(
     c.output.plots = False
     c.validate()
     t0 = time.perf_counter()
-    sim = InProcessSimulation(c, data, task)
+    sim = InProcessSimulation.from_config(c, data, task)
     summary = run_simulation(c, out, progress=False, sim=sim, on_record=on_record)
     # the sweep's own evaluation of the final model, as its audits use the clients' data: a DP run's
     # records withhold the clients' evaluations (privacy.release), the experiment still reports them

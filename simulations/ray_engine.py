@@ -47,14 +47,13 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from shoal import assembly
 from shoal.aggregation import Strategy, WeightedMean
-from shoal.assembly import initial_model, make_client_program, make_trainer, task_from_config, with_absolute_task
+from shoal.assembly import Batching, task_from_config, with_absolute_task
 from shoal.client.algorithms import ClientResult, train_batched
-from shoal.client.batched import make_batched_trainer
 from shoal.client.device import select_device
 from shoal.config import Config
 from shoal.errors import ConfigError, EngineError, WireError
-from shoal.privacy_plan import plan_of
 from shoal.rounds import Assignment
 from shoal.seeding import derive_seed
 from shoal.task import ClientData
@@ -64,7 +63,7 @@ from shoal.update import PartialSum, Update
 from .attacks import choose_attackers
 from .client_data import ClientShards, PopulationShards, client_id, load_population, load_simulation_data
 from .gossip.network import GossipNetwork, peer_id
-from .inprocess import InProcessSimulation, PlainRound, RoundRunner, batching_blocker
+from .inprocess import InProcessSimulation, PlainRound, RoundRunner
 from .run_loop import OnRecord
 from .wire_step import WireStep
 
@@ -173,28 +172,20 @@ class RayWorker:
         task = task_from_config(cfg)
         self.device = worker_device(cfg)
         self.data = WorkerData(task, cfg, self.device)
-        model = initial_model(cfg, task).to(self.device)
-        self.trainer = make_trainer(cfg, task, model, self.device)
-        self.program = make_client_program(cfg, task, self.trainer)
-        self.batched = None
-        blocker = batching_blocker(task, self.trainer, self.data.shards, cfg.algorithm.name)
-        if blocker is None and cfg.algorithm.keep_optimizer_state:
-            blocker = "algorithm.keep_optimizer_state"
-        if plan_of(cfg).dp_sgd:
-            blocker = "DP-SGD"
-        if cfg.simulation.mode == "gossip":  # peers train one by one, as GossipNetwork's LocalPeers
-            blocker = "gossip"
-        if blocker is None:
-            self.batched = make_batched_trainer(
-                cfg.simulation.batch_clients,
-                self.trainer.model,
-                self.trainer.spec,
-                cfg.train,
-                self.device,
-                self.data.shards.example,
+        # the driver checked the task's loss; gossip peers train one by one, as GossipNetwork's LocalPeers
+        shards = self.data.shards
+        batching = (
+            None
+            if cfg.simulation.mode == "gossip"
+            else Batching(
+                shards.in_memory,
+                shards.example if shards.in_memory else None,  # a Dataset is never batched
                 setup.sample_size,
                 setup.max_client_size,
             )
+        )
+        parts = assembly.build(cfg, task, "client", device=self.device, example=None, batching=batching)
+        self.trainer, self.program, self.batched = parts.trainer, parts.program, parts.batched
         self.wire = WireStep(cfg.compression, self.trainer.spec)
         self.weighting = cfg.strategy.weighting
         self.key = setup.key
@@ -782,7 +773,7 @@ def ray_simulation(cfg: Config, pool: WorkerPool | None = None) -> InProcessSimu
         return PlainRound(sim)
 
     try:
-        return InProcessSimulation(cfg, clients=lambda s: RayClients(s, pool, owns_pool=own), runner=runner)
+        return InProcessSimulation.from_config(cfg, clients=lambda s: RayClients(s, pool, owns_pool=own), runner=runner)
     except BaseException:
         if own:
             pool.close()

@@ -1,17 +1,15 @@
 """The one run loop every engine reports to: progress bar, metrics.jsonl, summary.json, plots.
 
-An engine (in-process sync rounds, the virtual clock, gossip, Flower, a distributed
-engine) only produces records and its own summary figures; :class:`RunLoop` does the
-rest the same way for all of them, so every long command shows progress and every run
-writes the same files with the same keys:
+An engine (in-process sync rounds, the virtual clock's sync and async engines, the Ray engine's
+driver, gossip, Flower) is an :class:`Engine`: it runs its rounds and reports each one as a
+:class:`Step`, and says its own summary figures; :func:`run_engine` builds it, drives it
+through a :class:`RunLoop` and closes it, the same way for all of them, so every long command
+shows progress and every run writes the same files with the same keys:
 
-    with RunLoop(cfg, out_dir, total=cfg.simulation.rounds, label=...) as loop:
-        for step in engine.steps():          # pull style: an iterator of Step
-            loop.step(step)
-        summary = loop.finish(engine_figures, setup_s)
+    summary = run_engine(lambda: InProcessSimulation.from_config(cfg), cfg, out_dir)
 
-An engine that drives its own loop (Flower calls back after each round) pushes instead:
-``loop.record(rec, advance=...)`` from its callback.
+Whether a round is evaluated is the one rule of ``shoal.rounds.evaluation_due``; an engine
+reports a record only for those rounds (and the last).
 """
 
 from __future__ import annotations
@@ -22,7 +20,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from shoal.config import Config
 from shoal.metrics import MetricsLog
@@ -42,6 +40,62 @@ class Step:
 
     advance: int = 1
     record: dict[str, Any] | None = None
+
+
+Report = Callable[[Step], None]
+
+
+class Engine(Protocol):
+    """What the run loop drives. ``label`` names the task (summary.json's ``task``), ``title``
+    the plots, ``x_axis`` their x (``round``, or ``virtual_time_s`` on the virtual clock)."""
+
+    @property
+    def label(self) -> str: ...
+    @property
+    def title(self) -> str: ...
+    @property
+    def x_axis(self) -> str: ...
+
+    def drive(self, report: Report) -> None:
+        """Run to the end (``simulation.rounds``, the time limit or the privacy budget), reporting
+        each step: its progress and, when it evaluated, its metrics record."""
+        ...
+
+    def figures(self, last: dict[str, Any]) -> dict[str, Any]:
+        """This run's figures for summary.json (``last``: the last record written)."""
+        ...
+
+    def close(self) -> None:
+        """Free what the engine holds (workers, a runtime it started); called once, also on error."""
+        ...
+
+
+def run_engine(
+    build: Callable[[], Engine],
+    cfg: Config,
+    out_dir: str | Path | None = None,
+    progress: bool | None = None,
+    on_record: OnRecord | None = None,
+) -> dict[str, Any]:
+    """Build the engine (its time is summary.json's ``setup_s``), drive it through a RunLoop
+    of ``simulation.rounds`` steps, write the summary and close the engine; the summary."""
+    t0 = time.perf_counter()
+    engine = build()
+    setup_s = time.perf_counter() - t0
+    try:
+        with RunLoop(
+            cfg,
+            out_dir,
+            cfg.simulation.rounds,
+            engine.label,
+            x_axis=engine.x_axis,
+            progress=progress,
+            on_record=on_record,
+        ) as loop:
+            engine.drive(loop.step)
+            return loop.finish(engine.figures(loop.last), setup_s, title=engine.title)
+    finally:
+        engine.close()
 
 
 class ProgressBar:

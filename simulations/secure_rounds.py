@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -39,10 +39,10 @@ import torch
 
 from shoal.aggregation.discrete_gaussian import DdgCodec, DdgParams, plan
 from shoal.aggregation.dp import share_std
-from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer
+from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggResult, SecAggServer
 from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range, example_weight
 from shoal.aggregation.secagg.group import SecureMean
-from shoal.aggregation.secagg.memory import STAGES, injected_dropouts, run_in_memory
+from shoal.aggregation.secagg.memory import STAGES, SecAggCost, injected_dropouts, run_in_memory
 from shoal.aggregation.secagg.payload import SecurePayload, SecureSums
 from shoal.errors import NonFinite
 from shoal.noise import NoiseSource
@@ -79,6 +79,9 @@ class SecureAggregationRounds:
         self.expected_dropout = min(max(lost, 0.1), 0.99)  # sizes an automatic secagg+ degree
         self.payload = SecurePayload(sim.cfg.algorithm.name, sim.spec.numel)  # what each client masks
         self.last: dict = {}
+        # how one aggregation's messages move: all in this process, or through virtual edges
+        # (simulations/hierarchy.py sets aggregation.secagg.tiers.run_through_edges)
+        self.transport: Callable[..., tuple[SecAggResult, SecAggCost]] = run_in_memory
         self.noise_shares = 0  # distributed DP: t, the fewest survivors a round may complete with
         p = sim.cfg.privacy
         self.ddg: DdgParams | None = None  # the distributed discrete Gaussian's parameters
@@ -193,7 +196,7 @@ class SecureAggregationRounds:
                 )
                 for task, u in trained
             }  # fmt: skip
-            result, cost = run_in_memory(params, encoded, drop_at, seed=seed)
+            result, cost = self.transport(params, encoded, drop_at, seed=seed)
             sums = self.payload.decode(result.total, len(result.included), self.values, self.weights)
             out = SecureMean(sums.mean, result.included, sums.total_weight, cost)
         if len(out.included) < self.noise_shares:
@@ -234,7 +237,7 @@ class SecureAggregationRounds:
         for cid, x in inputs.items():
             src = NoiseSource.for_run(reproducible, self.sim.cfg.simulation.seed, round_, int.from_bytes(cid.encode()))
             encoded[cid] = np.concatenate([codec.encode(x, src), np.zeros(1, dtype=np.uint32)])
-        result, cost = run_in_memory(params, encoded, drop_at, seed=seed)
+        result, cost = self.transport(params, encoded, drop_at, seed=seed)
         agg = getattr(self.sim.rounds.strategy, "aggregator", None)
         if agg is not None and hasattr(agg, "expect_shares"):  # the DP mean: every share was sized for t survivors
             agg.expect_shares(self.noise_shares)

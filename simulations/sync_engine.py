@@ -21,7 +21,7 @@ from shoal.config import Config
 from shoal.errors import UpdateRejected, WireError
 from shoal.rounds import RoundSummary, SyncRounds, evaluation_due
 
-from .async_engine import VirtualClients, staleness_figures
+from .async_engine import VirtualClients, VirtualEngine, staleness_figures
 from .inprocess import InProcessSimulation
 
 log = logging.getLogger(__name__)
@@ -35,8 +35,10 @@ def make_deadline_rounds(cfg: Config, global_params, numel: int) -> SyncRounds:
     )
 
 
-class VirtualSyncEngine:
+class VirtualSyncEngine(VirtualEngine):
     """Runs deadline-aware SyncRounds over VirtualClients; :meth:`run` yields records."""
+
+    algorithm = "sync"
 
     def __init__(self, cfg: Config, sim: InProcessSimulation | None = None):
         self.cfg = cfg
@@ -51,6 +53,9 @@ class VirtualSyncEngine:
         self.rounds_done = 0
         self._recorded: tuple[int, float] | None = None
         self._submitted: list[str] = []  # whose uploads the open round holds (settled when it closes)
+
+    def server_steps(self) -> int:
+        return self.rounds_done
 
     def _start(self) -> bool:
         """Open a round if anyone is online; else wait for someone (False)."""

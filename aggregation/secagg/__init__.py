@@ -4,7 +4,8 @@
 ``crypto``: X25519, HKDF, AES-GCM, the mask PRG, Shamir shares; ``graph``: who masks with whom
 and the threshold; ``encoding``: fixed point with checked headroom; ``identity``: Ed25519
 identities and signatures of the malicious-server variant; ``wire``: the messages on HTTP;
-``memory``: a whole round in one process (simulator, tests); ``group``: a group's secure
+``memory``: a whole round in one process (simulator, tests); ``tiers``: edges that relay the
+messages and add masked inputs without learning anything (hierarchies); ``group``: a group's secure
 weighted mean (gossip groups, the simulator).
 """
 
@@ -14,6 +15,7 @@ from .protocol import (
     EncryptedShares,
     KeyDirectory,
     MaskedInput,
+    MaskedSum,
     PeerKeys,
     PublicKeys,
     SecAggAborted,
@@ -35,6 +37,7 @@ __all__ = [
     "EncryptedShares",
     "KeyDirectory",
     "MaskedInput",
+    "MaskedSum",
     "PeerKeys",
     "PublicKeys",
     "SecAggAborted",

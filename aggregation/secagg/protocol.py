@@ -176,6 +176,20 @@ class MaskedInput:
 
 
 @dataclass(frozen=True)
+class MaskedSum:
+    """A relay (edge aggregator) -> server: the sum mod 2^32 of the masked inputs of ``senders``,
+    which the relay received and added without unmasking anything (aggregation/secagg/tiers.py)."""
+
+    origin: str
+    senders: tuple[str, ...]
+    vector: np.ndarray  # uint32, mod 2^32
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.vector.nbytes) + sum(len(s) + 1 for s in self.senders)
+
+
+@dataclass(frozen=True)
 class ConsistencyRequest:
     """Malicious mode, server -> each client of U3: the survivors it claims (U3), to be signed."""
 
@@ -656,6 +670,35 @@ class SecAggServer:
             )
         self._total += y  # streaming: the masked vector is not kept
         self.u3.append(msg.sender)
+
+    def receive_masked_sum(self, msg: MaskedSum) -> None:
+        """A relay's sum of several clients' masked inputs (an edge aggregator: aggregation/secagg/tiers.py),
+        taken as if each of ``msg.senders`` had sent its own :class:`MaskedInput`.
+
+        Invariant: every client is counted at most once, and the running sum holds exactly the
+        masked inputs of U3. So the whole sum is refused, with nothing changed, when it names no
+        client, a client twice, one outside U2 (it never advertised keys or shared them), or one
+        whose masked input is already in (on its own or in another relay's sum); a client whose
+        relay's sum never arrives stays in U2 \\ U3 and is recovered as any drop-out."""
+        self._at("masked")
+        names = list(msg.senders)
+        if not names or len(set(names)) != len(names):
+            raise SecAggProtocolError(f"relay {msg.origin!r}: a masked sum names distinct clients, at least one")
+        outside = sorted(set(names) - set(self.u2))
+        if outside:
+            raise SecAggProtocolError(
+                f"relay {msg.origin!r}: {outside[:5]} are not in the round after the key sharing (U2)"
+            )
+        again = sorted(set(names) & set(self.u3))
+        if again:
+            raise SecAggProtocolError(f"relay {msg.origin!r}: the masked inputs of {again[:5]} are already in the sum")
+        y = np.asarray(msg.vector)
+        if y.dtype != np.uint32 or y.shape != (self.params.vector_size,):
+            raise SecAggProtocolError(
+                f"relay {msg.origin!r}: a masked sum must be uint32 of shape ({self.params.vector_size},)"
+            )
+        self._total += y
+        self.u3.extend(names)
 
     def close_masked(self) -> dict[str, UnmaskRequest] | dict[str, ConsistencyRequest]:
         """The unmask requests; in malicious mode first the consistency requests (then

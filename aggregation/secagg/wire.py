@@ -26,6 +26,7 @@ from .protocol import (
     EncryptedShares,
     KeyDirectory,
     MaskedInput,
+    MaskedSum,
     PeerKeys,
     PublicKeys,
     SecAggParams,
@@ -40,6 +41,7 @@ Message = (
     | EncryptedShares
     | ShareDelivery
     | MaskedInput
+    | MaskedSum
     | UnmaskRequest
     | UnmaskShares
     | ConsistencyRequest
@@ -126,6 +128,9 @@ def encode_message(msg: Message, meta: dict[str, Any] | None = None) -> bytes:
     elif isinstance(msg, MaskedInput):
         h = {"kind": "masked_input", "sender": msg.sender}
         tensors["masked"] = torch.from_numpy(np.ascontiguousarray(msg.vector, dtype=np.uint32).view(np.int32))
+    elif isinstance(msg, MaskedSum):  # an edge's sum of its nodes' masked inputs (tiers.py)
+        h = {"kind": "masked_sum", "origin": msg.origin, "senders": list(msg.senders)}
+        tensors["masked"] = torch.from_numpy(np.ascontiguousarray(msg.vector, dtype=np.uint32).view(np.int32))
     elif isinstance(msg, UnmaskRequest):
         h = {
             "kind": "unmask_request",
@@ -203,6 +208,15 @@ def decode_message(body: bytes, vector_size: int, max_bytes: int | None = None) 
     if kind == "masked_input":
         header, tensors = decode(body, {"masked": (torch.int32, (vector_size,))}, limit)
         return MaskedInput(_str(header.get("sender"), "sender"), tensors["masked"].numpy().view(np.uint32).copy())
+    if kind == "masked_sum":
+        header, tensors = decode(body, {"masked": (torch.int32, (vector_size,))}, limit)
+        senders = header.get("senders")
+        if not _is_ids(senders) or not senders or len(set(senders)) != len(senders):
+            raise Malformed("senders: expected a list of distinct client ids, at least one")
+        if not all(0 < len(s) <= 256 for s in senders):
+            raise Malformed("senders: every id is a string of 1 to 256 characters")
+        vector = tensors["masked"].numpy().view(np.uint32).copy()
+        return MaskedSum(_str(header.get("origin"), "origin"), tuple(senders), vector)
     _, tensors = decode(body, {}, limit)
     if kind == "public_keys":
         sig = header.get("signature")

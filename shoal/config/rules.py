@@ -218,8 +218,8 @@ def _check_algorithm(self: Any) -> None:
 
 
 def _check_edge(self: Any) -> None:
-    """An edge aggregator (`shoal server --parent URL`) sums plain FedAvg updates (sync rounds, or FedBuff at an
-    async root)."""
+    """An edge aggregator (`shoal server --parent URL`) sums FedAvg updates (sync rounds, or FedBuff at an
+    async root), or relays secure aggregation and adds its nodes' masked inputs."""
     unsupported = [
         (name, why)
         for name, on, why in (
@@ -232,11 +232,6 @@ def _check_edge(self: Any) -> None:
                 "robust.norm_bound",
                 self.server.mode == "async" and self.robust.norm_bound > 0,
                 "a norm bound needs each update, not a sum",
-            ),
-            (
-                "secure_aggregation.enabled",
-                self.secure_aggregation.enabled,
-                "the edge would see its nodes' updates in the clear (secure aggregation across tiers is not built)",
             ),
             (
                 f"privacy.mode = {self.privacy.mode!r}",
@@ -258,6 +253,7 @@ def _check_edge(self: Any) -> None:
             f"hierarchy.parent = {self.hierarchy.parent!r} makes this server an edge aggregator, which cannot run "
             + "; ".join(f"{name} ({why})" for name, why in unsupported)
         )
+    _check_secure_tiers(self, f"hierarchy.parent = {self.hierarchy.parent!r}")
 
 
 def _check_hierarchy(self: Any) -> None:
@@ -275,7 +271,6 @@ def _check_hierarchy(self: Any) -> None:
             (f"algorithm.name = {self.algorithm.name!r}", self.algorithm.name != "fedavg"),
             (f"robust.rule = {self.robust.rule!r}", self.robust.rule != "mean"),
             (f"privacy.mode = {self.privacy.mode!r}", self.privacy.mode != "none"),
-            ("secure_aggregation.enabled", self.secure_aggregation.enabled),
         )
         if on
     ]
@@ -283,4 +278,23 @@ def _check_hierarchy(self: Any) -> None:
         raise ConfigError(
             f"hierarchy.edges = {self.hierarchy.edges} simulates edge aggregators that sum plain FedAvg updates "
             f"in sync rounds, and cannot run {', '.join(unsupported)} yet; set hierarchy.edges = 0 (flat)"
+        )
+    _check_secure_tiers(self, f"hierarchy.edges = {self.hierarchy.edges}")
+
+
+def _check_secure_tiers(self: Any, what: str) -> None:
+    """Secure aggregation through edges: the edges relay and add masked vectors, only the root unmasks."""
+    sa = self.secure_aggregation
+    if not sa.enabled:
+        return
+    if self.hierarchy.edge_rounds != 1:
+        raise ConfigError(
+            f"{what} with secure_aggregation.enabled and hierarchy.edge_rounds = {self.hierarchy.edge_rounds}: an "
+            "edge round needs the edge's own mean, which secure aggregation across tiers hides from it; set "
+            "hierarchy.edge_rounds = 1"
+        )
+    if sa.malicious_server:
+        raise ConfigError(
+            f"{what} with secure_aggregation.malicious_server = true: the consistency round through edges is not "
+            "built; the honest-but-curious variant runs across tiers"
         )

@@ -32,13 +32,13 @@ import heapq
 import json
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, Self
 
 import numpy as np
 import torch
 
-from shoal.assembly import initial_model, make_trainer, task_from_config, task_label
-from shoal.client.device import select_device
+from shoal import assembly
+from shoal.assembly import GossipParts, task_label
 from shoal.config import Config
 from shoal.errors import WireError
 from shoal.p2p.gossip import GossipNode, ModelMessage
@@ -48,11 +48,10 @@ from shoal.p2p.model_wire import decode_gossip_model, encode_gossip_model
 from shoal.p2p.robust import make_merge_bound
 from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES, plan_of
 from shoal.seeding import derive_seed
-from shoal.task import SimulationData, Task, check_loss
+from shoal.task import SimulationData, Task
 from shoal.wire import encode_model
 
 from ..attacks import choose_attackers, flip_labels, label_count
-from ..client_data import ClientShards, check_simulation_data, load_simulation_data, on_device
 from ..inprocess import weighted_means
 
 log = logging.getLogger(__name__)
@@ -90,30 +89,20 @@ class LocalPeers:
 class GossipNetwork:
     """Peers, virtual network, churn and attackers built from a Config; no algorithm logic."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        data: SimulationData | None = None,
-        task: Task | None = None,
-        peers: Callable[[GossipNetwork], PeerPool] | None = None,
-    ):
-        self.cfg = cfg
+    def __init__(self, parts: GossipParts, peers: Callable[[GossipNetwork], PeerPool] | None = None):
+        if not isinstance(parts, GossipParts):
+            raise TypeError(
+                f"{type(self).__name__} takes the parts shoal.assembly builds, not a {type(parts).__name__}: "
+                f"{type(self).__name__}.from_config(cfg, data, task) builds them"
+            )
+        self.parts = parts
+        self.cfg = cfg = parts.cfg
         sim, g = cfg.simulation, cfg.gossip
         self.g = g
-        self.device = select_device(sim.device)
-        self.task = task if task is not None else task_from_config(cfg)
-        self.data = load_simulation_data(self.task, cfg) if data is None else check_simulation_data(self.task, data)
-        model = initial_model(cfg, self.task).to(self.device)  # every peer starts from the same model
-        self.shards = ClientShards(self.data.train, self.device)
-        check_loss(self.task, model, self.shards.data(0), self.device)
-        # DP-SGD (Opacus) with privacy.mode = 'local'; it may swap layers (BatchNorm), so the
-        # exchanged spec and the initial model are read from the trainer, never from ``model``
-        self.trainer = make_trainer(cfg, self.task, model, self.device)
+        self.device, self.task, self.data, self.shards = parts.device, parts.task, parts.data, parts.shards
+        self.trainer = parts.client.trainer  # DP-SGD with privacy.mode = 'local'
         self.spec = self.trainer.spec
-        self.test = on_device(self.data.test, self.device)
-        self.client_test = (
-            None if self.data.client_test is None else [on_device(d, self.device) for d in self.data.client_test]
-        )
+        self.test, self.client_test = parts.test, parts.client_test
         self.num_classes: int | None = getattr(self.task, "num_classes", None)
         self.task_label = task_label(cfg, self.task)
         n = len(self.shards)
@@ -179,6 +168,18 @@ class GossipNetwork:
         log.info(
             "gossip simulation: %d peers, %s (%d parameters), %s", n, self.task_label, self.spec.numel, g.algorithm
         )
+
+    @classmethod
+    def from_config(
+        cls,
+        cfg: Config,
+        data: SimulationData | None = None,
+        task: Task | None = None,
+        peers: Callable[[GossipNetwork], PeerPool] | None = None,
+    ) -> Self:
+        """The network of ``cfg``, its parts built by shoal.assembly (``data`` and ``task`` default to
+        the config's task and its simulation data); ``peers`` makes the pool that trains the peers."""
+        return cls(assembly.build(cfg, task, "gossip", data=data), peers)
 
     # --- the virtual network -------------------------------------------------------------
 

@@ -11,18 +11,17 @@ run stops before a round that could take epsilon past ``privacy.target_epsilon``
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+from shoal.assembly import GossipParts
 from shoal.config import Config
 from shoal.privacy_plan import plan_of
 from shoal.rounds import evaluation_due
-from shoal.task import SimulationData, Task
 
 from ..dp_hooks import PrivacyBudget
-from ..run_loop import OnRecord, RunLoop, Step
+from ..run_loop import OnRecord, Report, Step, run_engine
 from .dpsgd import DPSGD
 from .group_average import GroupAverage
 from .network import GossipNetwork, PeerPool
@@ -55,14 +54,9 @@ class GossipSimulation(GossipNetwork):
     pool that runs local training (default: LocalPeers, here), as ``clients`` does for
     InProcessSimulation."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        data: SimulationData | None = None,
-        task: Task | None = None,
-        peers: Callable[[GossipNetwork], PeerPool] | None = None,
-    ):
-        super().__init__(cfg, data, task, peers)
+    def __init__(self, parts: GossipParts, peers: Callable[[GossipNetwork], PeerPool] | None = None):
+        super().__init__(parts, peers)
+        cfg = parts.cfg
         self.algorithm = ALGORITHMS[cfg.gossip.algorithm](self)
         # local DP-SGD (config rules refuse the other modes in gossip); refuses a target below one round
         self.privacy = (
@@ -78,6 +72,49 @@ class GossipSimulation(GossipNetwork):
         self.algorithm.run_round()
         if self.privacy is not None:
             self.privacy.record_participants([self.ids[i] for i in self.trained])
+
+    # --- the Engine the run loop drives (simulations/run_loop.py) ---------------------------
+
+    x_axis = "round"
+
+    @property
+    def label(self) -> str:
+        return self.task_label
+
+    @property
+    def title(self) -> str:
+        return f"{self.task_label} / {self.cfg.gossip.algorithm}"
+
+    def drive(self, report: Report) -> None:
+        """``simulation.rounds`` rounds (fewer when the privacy budget runs out); the round that
+        exhausts the budget is evaluated."""
+        sim_cfg = self.cfg.simulation
+        for r in range(1, sim_cfg.rounds + 1):
+            self.run_round()
+            stop = not self.allows_next_round()
+            due = evaluation_due(r, sim_cfg.eval_every, sim_cfg.rounds, stop)
+            report(Step(1, {"round": r, **self.evaluate()} if due else None))
+            if stop:
+                break
+
+    def figures(self, last: dict[str, Any]) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "final_average_model_accuracy": last.get("average_model_accuracy"),
+            "final_consensus_distance": last.get("consensus_distance"),
+            "bytes_sent_per_peer": last.get("bytes_sent_per_peer"),
+            "bytes_sent_per_peer_per_round": last.get("bytes_sent_per_peer_per_round"),
+            "rounds": self.round,
+            "num_clients": self.n,
+            "num_parameters": self.spec.numel,
+            "device": str(self.device),
+            **self.pool_figures(),
+        }
+        if self.privacy is not None:
+            out.update(self.privacy.summary())  # epsilon, delta, sampling, accountant
+        return out
+
+    def close(self) -> None:
+        """Nothing to free: a pool of workers belongs to whoever passed it (the Ray engine)."""
 
     def pool_figures(self) -> dict[str, Any]:
         """What the peer pool says of itself for summary.json (the Ray engine: its workers)."""
@@ -107,30 +144,4 @@ def run_gossip_simulation(
     """Run ``simulation.rounds`` gossip rounds (fewer when the privacy budget runs out) through the
     run loop (metrics.jsonl, summary.json, plots); the round that exhausts the budget is evaluated.
     ``peers``: who trains the peers (default here; the Ray engine passes its workers)."""
-    sim_cfg = cfg.simulation
-    t0 = time.perf_counter()
-    sim = GossipSimulation(cfg, peers=peers)
-    setup_s = time.perf_counter() - t0
-    with RunLoop(cfg, out_dir, sim_cfg.rounds, sim.task_label, progress=progress, on_record=on_record) as loop:
-        for r in range(1, sim_cfg.rounds + 1):
-            sim.run_round()
-            stop = not sim.allows_next_round()
-            due = evaluation_due(r, sim_cfg.eval_every, sim_cfg.rounds, stop)
-            loop.step(Step(1, {"round": r, **sim.evaluate()} if due else None))
-            if stop:
-                break
-        last = loop.last
-        figures: dict[str, Any] = {
-            "final_average_model_accuracy": last.get("average_model_accuracy"),
-            "final_consensus_distance": last.get("consensus_distance"),
-            "bytes_sent_per_peer": last.get("bytes_sent_per_peer"),
-            "bytes_sent_per_peer_per_round": last.get("bytes_sent_per_peer_per_round"),
-            "rounds": sim.round,
-            "num_clients": sim.n,
-            "num_parameters": sim.spec.numel,
-            "device": str(sim.device),
-            **sim.pool_figures(),
-        }
-        if sim.privacy is not None:
-            figures.update(sim.privacy.summary())  # epsilon, delta, sampling, accountant
-        return loop.finish(figures, setup_s, title=f"{sim.task_label} / {cfg.gossip.algorithm}")
+    return run_engine(lambda: GossipSimulation.from_config(cfg, peers=peers), cfg, out_dir, progress, on_record)

@@ -225,7 +225,7 @@ def test_simulator_leaves_a_nan_client_out_of_the_secure_sum():
             "attack.fraction=0.5",
         ],
     )
-    sim = InProcessSimulation(cfg)
+    sim = InProcessSimulation.from_config(cfg)
     s = sim.run_round()
     assert s.version == 1 and s.rejected.get("non_finite", 0) >= 1
     assert sim.secure_aggregation.last["included"] == 6 - s.rejected["non_finite"]

@@ -243,7 +243,7 @@ def test_the_simulator_runs_the_signed_variant_and_matches_the_plain_one():
         "secure_aggregation.enabled=true",
         "secure_aggregation.threshold=0.7",
     ]
-    plain = InProcessSimulation(load_config(None, base))
-    signed = InProcessSimulation(load_config(None, [*base, "secure_aggregation.malicious_server=true"]))
+    plain = InProcessSimulation.from_config(load_config(None, base))
+    signed = InProcessSimulation.from_config(load_config(None, [*base, "secure_aggregation.malicious_server=true"]))
     assert plain.run_round().version == signed.run_round().version == 1
     assert torch.equal(plain.global_params, signed.global_params)  # same seeds: the same masks cancel to the same sum

@@ -92,7 +92,7 @@ def sim_params(batch_clients, *extra):
             *extra,
         ],
     )
-    sim = InProcessSimulation(cfg)
+    sim = InProcessSimulation.from_config(cfg)
     sizes = {sim.shards.size(i) for i in range(len(sim.shards))}
     assert len(sizes) > 3  # Synthetic(1,1) gives uneven client sizes
     losses = [sim.run_round().train_loss for _ in range(3)]

@@ -99,12 +99,23 @@ def test_round_ledger_composes_rounds_of_different_mechanisms_as_they_ran():
         restored.load_state_dict({"ledger": [{"q": 0.1}]})
 
 
-def test_both_round_accountants_share_one_ledger_and_refuse_each_others_with_the_reason():
-    from shoal.accounting import DdgRoundAccountant, LedgerMismatch, RoundLedger
+def test_both_round_accountants_share_one_ledger_and_compose_each_others_poisson_rounds():
+    """A restart that switches between the continuous and the discrete Gaussian keeps every charged
+    round as it ran and composes both in RDP (curves added order by order); fixed-size rounds,
+    whose neighbouring relation differs, are refused with the reason."""
+    from shoal.accounting import (
+        DDG_ORDERS,
+        DdgRoundAccountant,
+        LedgerMismatch,
+        RoundLedger,
+        mixed_ledger_epsilon,
+        rdp_to_epsilon,
+    )
     from shoal.aggregation.discrete_gaussian import plan
 
     p = plan(1000, 1.0, 1.0, 4, 10, 16)
-    ddg = DdgRoundAccountant(0.2, {**p.as_dict(), "sensitivity_sq": p.sensitivity_sq()}, 1e-5)
+    params = {**p.as_dict(), "sensitivity_sq": p.sensitivity_sq()}
+    ddg = DdgRoundAccountant(0.2, params, 1e-5)
     gauss = RoundAccountant(0.2, 1.0, 1e-5, clip=1.0)
     assert isinstance(ddg, RoundLedger) and isinstance(gauss, RoundLedger)
     for acc in (ddg, gauss):
@@ -114,20 +125,49 @@ def test_both_round_accountants_share_one_ledger_and_refuse_each_others_with_the
         again.__dict__.update({**acc.__dict__, "ledger": []})
         again.load_state_dict(json.loads(json.dumps(acc.state_dict())))
         assert again.rounds == 4 and again.epsilon == pytest.approx(acc.epsilon)
-    with pytest.raises(
-        LedgerMismatch,
-        match=r"records 4 rounds of the distributed discrete Gaussian .*"
-        r"asks for the continuous Gaussian .*privacy.mechanism = 'discrete_gaussian'",
-    ):
-        gauss.load_state_dict(ddg.state_dict())
-    with pytest.raises(
-        LedgerMismatch,
-        match=r"records 4 rounds of the continuous Gaussian \(poisson sampling, "
-        r"q = 0.2, z = 1.0, C = 1.0\), and this config asks for the distributed discrete",
-    ):
-        ddg.load_state_dict(gauss.state_dict())
+
+    # 4 continuous rounds, then a restart with the discrete Gaussian and 4 more
+    switched = DdgRoundAccountant(0.2, params, 1e-5)
+    switched.load_state_dict(json.loads(json.dumps(gauss.state_dict())))
+    assert switched.rounds == 4 and switched.epsilon > gauss.epsilon * 0.999  # priced in RDP: >= a hair below PLD
+    for _ in range(4):
+        switched.record_round([])
+    gauss_rdp = mixed_ledger_epsilon([{**gauss._current(), "rounds": 4}], 1e-5)
+    assert gauss_rdp == pytest.approx(gauss.epsilon, rel=0.02)  # the same rounds in RDP at integer orders
+    by_hand = rdp_to_epsilon(
+        DDG_ORDERS,
+        [4 * a + 4 * b for a, b in zip(RoundAccountant_rdp(0.2, 1.0), ddg._curve(ddg.ledger[0]), strict=True)],
+        1e-5,
+    )
+    assert switched.epsilon == pytest.approx(by_hand)
+    assert max(gauss.epsilon, ddg.epsilon) < switched.epsilon < gauss.epsilon + ddg.epsilon
+    assert "4 earlier rounds of the other Gaussian mechanism, composed with these in RDP" in switched.describe()
+    # and the other way: a ledger of discrete-Gaussian rounds under the continuous accountant
+    back = RoundAccountant(0.2, 1.0, 1e-5, clip=1.0)
+    back.load_state_dict(json.loads(json.dumps(switched.state_dict())))
+    assert back.epsilon == pytest.approx(switched.epsilon) and back.next_epsilon() > back.epsilon
+
+    fixed = RoundAccountant(0.2, 1.0, 1e-5, sampling="fixed", num_clients=10, sample_size=2, clip=1.0)
+    fixed.record_round([])
+    with pytest.raises(LedgerMismatch, match=r"records 1 rounds of the continuous Gaussian \(fixed sampling"):
+        ddg.load_state_dict(fixed.state_dict())
+    with pytest.raises(LedgerMismatch, match=r"records 4 rounds of the distributed discrete Gaussian"):
+        fixed.load_state_dict(ddg.state_dict())
+    with pytest.raises(LedgerMismatch, match="an unknown mechanism 'laplace'"):
+        ddg.load_state_dict({"ledger": [{"mechanism": "laplace", "q": 0.1, "rounds": 2}]})
     with pytest.raises(ValueError, match="without its charged rounds"):
         ddg.load_state_dict({"ledger": "nothing"})
+
+
+def RoundAccountant_rdp(q: float, z: float) -> list[float]:
+    """One Poisson-subsampled Gaussian round's RDP at DDG_ORDERS, from dp-accounting directly."""
+    import dp_accounting
+
+    from shoal.accounting import DDG_ORDERS
+
+    acc = dp_accounting.rdp.RdpAccountant(orders=[float(a) for a in DDG_ORDERS])
+    acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)))
+    return list(acc.rdp)
 
 
 def test_a_configured_local_sampling_rate_makes_the_schedule_independent_of_the_data():

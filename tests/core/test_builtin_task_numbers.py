@@ -81,7 +81,7 @@ def test_builtin_task_reproduces_the_pre_task_api_numbers(name):
     args, needs = CASES[name]
     if needs is not None and not needs.is_dir():
         pytest.skip(f"{needs} is absent")
-    sim = InProcessSimulation(load_config(None, args))
+    sim = InProcessSimulation.from_config(load_config(None, args))
     for _ in range(2):
         summary = sim.run_round()
     ev = sim.evaluate()

@@ -130,7 +130,7 @@ def test_a_broken_task_part_is_named(tmp_path, body, needle):
         )
     )
     with pytest.raises(TaskError, match=f"task {path}:task: .*") as e:
-        InProcessSimulation(small(f"{path}:task"))
+        InProcessSimulation.from_config(small(f"{path}:task"))
     assert needle in str(e.value)
 
 
@@ -224,7 +224,7 @@ def test_fedbn_keeps_batchnorm_statistics_per_client(tmp_path):
     """),
         )
     )
-    sim = InProcessSimulation(small(f"{path}:task", "simulation.clients_per_round=6"))
+    sim = InProcessSimulation.from_config(small(f"{path}:task", "simulation.clients_per_round=6"))
     assert not any("running" in e.name for e in sim.spec.entries)
     sim.run_round()
     means = {c: s["1.running_mean"] for c, s in sim.local_states.items()}
@@ -238,7 +238,7 @@ def test_fedbn_keeps_batchnorm_statistics_per_client(tmp_path):
 def test_a_task_optimizer_trains_and_a_bad_one_is_refused(task_file):
     task = load_task(f"{task_file}:task")
     task.optimizer, task.optimizer_args = "adamw", {"weight_decay": 0.01}
-    sim = InProcessSimulation(small(f"{task_file}:task"), task=task)
+    sim = InProcessSimulation.from_config(small(f"{task_file}:task"), task=task)
     assert sim.batched is None  # adamw is not the batched path's SGD
     start = sim.evaluate()["test_loss"]
     for _ in range(3):
@@ -246,7 +246,7 @@ def test_a_task_optimizer_trains_and_a_bad_one_is_refused(task_file):
     assert sim.evaluate()["test_loss"] < start
     task.optimizer = "lbfgs"
     with pytest.raises(TaskError, match="optimizer = 'lbfgs' is not one of sgd, adam, adamw"):
-        InProcessSimulation(small(f"{task_file}:task"), task=task)
+        InProcessSimulation.from_config(small(f"{task_file}:task"), task=task)
 
 
 def test_user_metrics_are_example_weighted_and_summarized(tmp_path):
@@ -264,7 +264,7 @@ def test_user_metrics_are_example_weighted_and_summarized(tmp_path):
     """),
         )
     )
-    sim = InProcessSimulation(small(f"{path}:task"))
+    sim = InProcessSimulation.from_config(small(f"{path}:task"))
     ev = sim.evaluate()
     test_y = sim.data.test[1].double()
     assert ev["test_mean_target"] == pytest.approx(float(test_y.mean()))

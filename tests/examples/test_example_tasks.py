@@ -305,7 +305,7 @@ def test_image_simulation_trains_through_the_dataloader_path():
     cfg = load_config(
         None, [f'task.app="{TASKS / "image_folder_bn.py"}:task"', "simulation.num_clients=3", "simulation.rounds=1"]
     )
-    sim = InProcessSimulation(cfg)
+    sim = InProcessSimulation.from_config(cfg)
     assert not sim.shards.in_memory and sim.batched is None  # Datasets, not tensors: the DataLoader path
     sim.run_round()
     assert 0 <= sim.evaluate()["test_accuracy"] <= 1

@@ -89,7 +89,7 @@ def flower_and_inprocess(tmp_path_factory):
     try:
         flower_out = tmp_path_factory.mktemp("flower")
         flower = run_flower(load_config(None, SMALL + ["simulation.engine='flower'"]), flower_out, progress=False)
-        sim = InProcessSimulation(cfg)
+        sim = InProcessSimulation.from_config(cfg)
         initial = sim.evaluate()
         for _ in range(cfg.simulation.rounds):
             sim.run_round()
@@ -233,7 +233,7 @@ def test_a_user_task_file_runs_through_the_flower_engine_as_in_process(tmp_path,
             load_config(None, small + ["simulation.engine='flower'"]), tmp_path / "flower", progress=False
         )
         cfg = load_config(None, small)
-        sim = InProcessSimulation(cfg)
+        sim = InProcessSimulation.from_config(cfg)
         for _ in range(cfg.simulation.rounds):
             sim.run_round()
         run_simulation(cfg, tmp_path / "inprocess", progress=False)

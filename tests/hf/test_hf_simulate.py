@@ -72,7 +72,7 @@ def test_central_dp_on_the_adapter_is_swept_and_local_dp_sgd_is_refused_with_its
     # DP-SGD (Opacus) brings its own optimizer and Poisson-samples examples of tensor data: this
     # task has its own optimizer and dict Datasets, and the run is refused before any training
     with pytest.raises(ConfigError, match="privacy.mode = 'local': DP-SGD brings its own optimizer"):
-        InProcessSimulation(config("privacy.mode='local'", "simulation.rounds=1"))
+        InProcessSimulation.from_config(config("privacy.mode='local'", "simulation.rounds=1"))
 
 
 @pytest.mark.timeout(420)
@@ -85,7 +85,7 @@ def test_the_ray_engine_gives_the_in_process_model():
     ray.init(num_cpus=1, object_store_memory=80 << 20, include_dashboard=False)
     pool = WorkerPool(config(engine="ray"))
     try:
-        here, there = InProcessSimulation(config()), ray_simulation(config(engine="ray"), pool)
+        here, there = InProcessSimulation.from_config(config()), ray_simulation(config(engine="ray"), pool)
         start = here.global_params.clone()
         for _ in range(2):
             here.run_round()

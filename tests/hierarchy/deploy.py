@@ -55,7 +55,6 @@ edge_names = {edges}
 edge_timeout_s = 2.0
 edge_margin_s = 0.5
 {hierarchy_extra}
-{tables}
 """
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,12 +90,13 @@ class Hierarchy:
         edges: int,
         rounds: int,
         deadline: float,
-        extra: dict[str, str] | None = None,
+        extra: str = "",
         values: dict[str, str] | None = None,
+        add: dict[str, str] | None = None,
     ):
-        """``extra``: TOML lines added to the config, ``server_extra`` (into [server]),
-        ``hierarchy_extra`` (into [hierarchy]) and ``tables`` (whole tables at the end); ``values``:
-        new TOML values for keys CONFIG sets (each key appears once in it)."""
+        """``extra``: TOML tables appended to the config (e.g. [secure_aggregation]); ``values``: new
+        TOML values for keys CONFIG sets (each key appears once in it); ``add``: TOML lines added to
+        its [server] (key ``server``) and [hierarchy] (key ``hierarchy``) tables."""
         self.tmp, self.n = tmp, n
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -117,8 +117,10 @@ class Hierarchy:
                 deadline=deadline,
                 tmp=tmp,
                 edges=json.dumps(self.edge_names),
-                **{"server_extra": "", "hierarchy_extra": "", "tables": "", **(extra or {})},
+                server_extra=(add or {}).get("server", ""),
+                hierarchy_extra=(add or {}).get("hierarchy", ""),
             )
+            + extra  # more tables (e.g. [secure_aggregation])
         )
         self.cfg = load_config(self.config)
         self.shards = write_shards(self.cfg, tmp / "shards")
@@ -311,10 +313,11 @@ def hierarchy(
     edges: int = 2,
     rounds: int = 6,
     deadline: float = 6.0,
-    extra: dict[str, str] | None = None,
+    extra: str = "",
     values: dict[str, str] | None = None,
+    add: dict[str, str] | None = None,
 ):
-    h = Hierarchy(tmp, n, edges, rounds, deadline, extra, values)
+    h = Hierarchy(tmp, n, edges, rounds, deadline, extra, values, add)
     try:
         yield h
     finally:

@@ -14,18 +14,14 @@ import pytest
 from .deploy import hierarchy
 
 VERSIONS = 20
-EXTRA = {
-    "server_extra": 'mode = "async"',
-    "hierarchy_extra": "edge_buffer = 2\nedge_flush_s = 0.5",
-    "tables": '[asynchronous]\nalgorithm = "fedbuff"\nbuffer_size = 6\nmax_staleness = 4\n'
-    'staleness_weight = "polynomial"',
-}
+ADD = {"server": 'mode = "async"', "hierarchy": "edge_buffer = 2\nedge_flush_s = 0.5"}
+TABLES = '[asynchronous]\nalgorithm = "fedbuff"\nbuffer_size = 6\nmax_staleness = 4\nstaleness_weight = "polynomial"\n'
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_an_async_root_counts_edge_partials_exactly(tmp_path):
-    with hierarchy(tmp_path, n=8, edges=2, rounds=VERSIONS, deadline=10.0, extra=EXTRA) as h:
+    with hierarchy(tmp_path, n=8, edges=2, rounds=VERSIONS, deadline=10.0, extra=TABLES, add=ADD) as h:
         h.root()
         for e in h.edge_names:
             h.edge(e)

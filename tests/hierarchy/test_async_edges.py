@@ -30,7 +30,7 @@ def root(tmp_path, k: int = 4, max_staleness: int = 3) -> ServerService:
         },
         "strategy": {"weighting": "examples"},
     }
-    return ServerService(small_config(tmp_path, sections, mode="async", rounds=50, min_nodes=1))
+    return ServerService.from_config(small_config(tmp_path, sections, mode="async", rounds=50, min_nodes=1))
 
 
 def node_update(svc: ServerService, node: str, version: int) -> Update:

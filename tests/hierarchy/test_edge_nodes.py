@@ -107,7 +107,10 @@ def test_an_edge_refuses_what_it_cannot_run_with_the_reason(tmp_path) -> None:
 
     base = {"data": {"dataset": "synthetic"}, "model": {"name": "logreg"}, "hierarchy": {"parent": "http://r:1"}}
     for extra, words in (
-        ({"secure_aggregation": {"enabled": True}}, "secure aggregation across tiers is not built"),
+        (
+            {"secure_aggregation": {"enabled": True, "threshold": 0.7, "malicious_server": True, "keys_file": "k"}},
+            "consistency round through edges is not built",
+        ),
         (
             {"server": {"mode": "async"}, "asynchronous": {"algorithm": "fedasync"}},
             "FedBuff's buffer only",

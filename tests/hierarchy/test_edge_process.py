@@ -6,6 +6,8 @@ timeout and every process is killed at the end."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from shoal.server.checkpoint import load_checkpoint
@@ -55,7 +57,7 @@ def test_two_edge_processes_equal_flat_and_a_killed_edge_s_nodes_reattach(tmp_pa
     assert all(r["hier_nodes_via_edges"] == r["num_results"] for r in records), records
     ck = sorted((tmp_path / "ck").iterdir())
     tensors = next(t for t, s in map(load_checkpoint, ck) if s["version"] == FLAT_ROUNDS)
-    sim = InProcessSimulation(h.cfg)
+    sim = InProcessSimulation.from_config(h.cfg)
     for _ in range(FLAT_ROUNDS):
         sim.run_round()
     diff = float((tensors["params"] - sim.global_params).abs().max())
@@ -79,3 +81,61 @@ def test_two_edge_processes_equal_flat_and_a_killed_edge_s_nodes_reattach(tmp_pa
         f"root round latency p50 {durations[len(durations) // 2]:.3f} s, max {durations[-1]:.3f} s; "
         f"re-attach {max(reattach):.3f} s; root RSS max {max(rss):.0f} MB"
     )
+
+
+SECURE = """
+[secure_aggregation]
+enabled = true
+bits = 24
+clip = 1.0
+stage_s = 4.0
+"""
+SECURE_ROUNDS = 6
+SECURE_FLAT = 2  # rounds before the kill, checked against flat FedAvg
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_secure_aggregation_through_edge_processes_and_a_killed_edge_s_nodes_are_drop_outs(tmp_path):
+    """The tree with secure aggregation, 5 nodes (edge-a holds 3, edge-b 2): the edges relay the
+    protocol to the root and send it one masked sum each. After 2 rounds the root's model is flat
+    FedAvg's (the simulator, in the clear) to the fixed-point encoding's precision (24 bits over
+    [-1, 1]). Then edge-b is SIGKILLed while round 3's protocol runs: its nodes are that round's
+    drop-outs, recovered by the protocol (3 of 5 survive, the threshold is 3), so no round aborts;
+    they re-attach to edge-a and later rounds count all 5 again."""
+    with hierarchy(tmp_path, n=5, edges=2, rounds=SECURE_ROUNDS, deadline=4.0, extra=SECURE) as h:
+        h.root()
+        for e in h.edge_names:
+            h.edge(e)
+        h.listening(120)
+        for i in range(h.n):
+            h.node(i)
+        st = h.wait_status(lambda s: s["secure_aggregation"].get("round", 0) > SECURE_FLAT, 150)
+        h.kill("edge-b")  # nodes 3 and 4
+        killed_in = st["secure_aggregation"]["round"]
+        assert h.wait("root", 150) == 0, h.dump()
+        assert h.wait("edge-a", 20) == 0, h.dump()
+        records = h.records()
+        sums = h.edge_records("edge-a") + h.edge_records("edge-b")
+        log = h.dump()
+    assert [r["version"] for r in records] == list(range(1, SECURE_ROUNDS + 1)), (records, log)
+    assert all(r["num_results"] == 5 for r in records[:SECURE_FLAT]), records
+    # one masked sum per edge and round before the kill, taken once, each of its nodes inside
+    secure = sorted((e["round"], e["nodes_in"], e["answer"]) for e in sums if e["round"] <= SECURE_FLAT)
+    assert secure == [(r, k, "accepted") for r in range(1, SECURE_FLAT + 1) for k in (2, 3)], sums
+    ck = sorted((tmp_path / "ck").iterdir())
+    tensors = next(t for t, s in map(load_checkpoint, ck) if s["version"] == SECURE_FLAT)
+    cfg = h.cfg
+    plain = InProcessSimulation(replace(cfg, secure_aggregation=type(cfg.secure_aggregation)()))
+    for _ in range(SECURE_FLAT):
+        plain.run_round()
+    diff = float((tensors["params"] - plain.global_params).abs().max())
+    assert 0 < diff <= 1e-5, diff  # masked, encoded, summed mod 2^32 and unmasked: the clear mean
+    # the round edge-b died in completed with its nodes as drop-outs (or, killed after its sum was
+    # taken, with them included: their self masks rebuilt from the others' shares)
+    hit = next(r for r in records if r["version"] == killed_in)
+    assert hit["num_results"] in (3, 5), (hit, log)
+    assert all(r["num_results"] >= 3 for r in records), records
+    # re-attached: a later round has all 5 through edge-a
+    assert any(e["nodes_in"] == 5 and e["answer"] == "accepted" for e in h.edge_records("edge-a")), (sums, log)
+    assert records[-1]["num_results"] == 5, records

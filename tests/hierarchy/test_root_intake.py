@@ -24,7 +24,7 @@ NODES = [f"n{i}" for i in range(8)]
 def open_round(tmp_path, edges: dict[str, list[str]] | None = None) -> tuple[ServerService, list[dict], PartialIntake]:
     """A root with a round open over NODES; ``edges``: each edge named its nodes (POST /v1/edge/poll)
     before the round opened, so the root lets it speak for them in this round."""
-    svc = ServerService(small_config(tmp_path, EDGE_NAMES, clients_per_round=8, min_nodes=8, rounds=3))
+    svc = ServerService.from_config(small_config(tmp_path, EDGE_NAMES, clients_per_round=8, min_nodes=8, rounds=3))
     intake = PartialIntake(svc)
     for edge, nodes in (edges or {}).items():
         assert intake.poll(edge, {"nodes": nodes}, NODES.__contains__, 0.0)["status"] == "wait"
@@ -101,7 +101,7 @@ def test_the_root_decides_which_edge_speaks_for_a_node(tmp_path) -> None:
     """A claim counts only for enrolled nodes (never an edge), the first live edge holds a node, a
     silent edge loses its nodes after hierarchy.edge_timeout_s, and a round keeps the holders it
     opened with: a node whose edge died is that round's drop-out, counted by nobody else."""
-    root = ServerService(small_config(tmp_path, EDGE_NAMES, clients_per_round=8, min_nodes=8, rounds=3))
+    root = ServerService.from_config(small_config(tmp_path, EDGE_NAMES, clients_per_round=8, min_nodes=8, rounds=3))
     intake = PartialIntake(root)
     enrolled = {*NODES, "edge-a", "edge-b"}
     a = intake.poll("edge-a", {"nodes": ["n0", "n1", "ghost", "edge-b"]}, enrolled.__contains__, 0.0)

@@ -31,7 +31,7 @@ START: list[torch.Tensor] = []  # the initial model (the same for every seed-5 r
 
 
 def run(*extra: str, rounds: int = 2) -> InProcessSimulation:
-    sim = InProcessSimulation(load_config(None, [*HUNDRED, *extra]))
+    sim = InProcessSimulation.from_config(load_config(None, [*HUNDRED, *extra]))
     START[:] = [sim.global_params.clone()]
     for _ in range(rounds):
         sim.run_round()
@@ -98,7 +98,9 @@ def test_lost_edges_drop_their_clients_and_the_run_goes_on(tmp_path) -> None:
 
 
 def test_every_edge_lost_aborts_the_round_with_the_model_unchanged() -> None:
-    sim = InProcessSimulation(load_config(None, [*HUNDRED, "hierarchy.edges=2", "hierarchy.edge_failure=1"]))
+    sim = InProcessSimulation.from_config(
+        load_config(None, [*HUNDRED, "hierarchy.edges=2", "hierarchy.edge_failure=1"])
+    )
     before = sim.global_params.clone()
     summary = sim.run_round()
     assert summary.num_results == 0 and sim.rounds.version == 0
@@ -119,7 +121,7 @@ def test_edge_rounds_move_the_model_further_per_root_round() -> None:
 
 
 def test_hierarchy_refuses_what_it_cannot_run_yet() -> None:
-    for extra in ("robust.rule=median", "secure_aggregation.enabled=true", "simulation.mode=async"):
+    for extra in ("robust.rule=median", "simulation.mode=async"):
         with pytest.raises(ConfigError, match="hierarchy.edges"):
             load_config(None, ["hierarchy.edges=2", extra])
 
@@ -133,3 +135,55 @@ def test_clients_of_a_lost_edge_reattach_and_the_round_equals_flat() -> None:
     assert isinstance(hier.runner, HierarchicalRound)
     assert hier.runner.lost_total > 0 and hier.runner.reattached_total > 0
     torch.testing.assert_close(hier.global_params, flat.global_params, atol=1e-6, rtol=0)
+
+
+SECURE = ("secure_aggregation.enabled=true", "secure_aggregation.bits=24", "secure_aggregation.clip=1.0")
+TWELVE = (*EXACT, "simulation.num_clients=12", "simulation.clients_per_round=12")
+
+
+def test_secure_aggregation_through_edges_equals_flat_secure_and_the_plain_hierarchy() -> None:
+    """The edges relay the protocol and add masked vectors; the root unmasks: the same model as
+    flat secure aggregation (the same encodings, summed in another order mod 2^32: bit for bit)
+    and as the plain hierarchy to the encoding's precision (24 bits over [-1, 1]: 1.2e-7 a step)."""
+    plain = run(*TWELVE, "hierarchy.edges=3")
+    flat = run(*TWELVE, *SECURE)
+    hier = run(*TWELVE, *SECURE, "hierarchy.edges=3")
+    assert hier.runner.secure is not None and hier.runner.reported == ["edge-000", "edge-001", "edge-002"]
+    assert torch.equal(hier.global_params, flat.global_params)
+    torch.testing.assert_close(hier.global_params, plain.global_params, atol=2e-6, rtol=0)
+    links = hier.runner.links.total
+    assert links["edge_root_up"] < links["client_edge_up"]  # 3 masked sums instead of 12 masked inputs
+
+
+def test_secure_edges_lost_mid_round_are_the_protocols_drop_outs() -> None:
+    """An edge fails at a seeded stage of the protocol: its 4 clients drop out there (before their
+    keys went up, or after they masked but before the edge's sum reached the root), the root
+    recovers them as drop-outs and applies the other 8; two edges lost at once leave 4 of 12
+    clients, below the threshold of 7: that round aborts and the model stays."""
+    sim = InProcessSimulation(
+        load_config(None, [*HUNDRED, *TWELVE, *SECURE, "hierarchy.edges=3", "hierarchy.edge_failure=0.5"])
+    )
+    seen = []
+    for _ in range(5):
+        before = sim.global_params.clone()
+        sim.run_round()
+        lost = dict(sim.runner.lost_stage) if sim.runner.lost else {}
+        seen.append((sim.rounds.version, lost, len(sim.runner.reported)))
+        if len(lost) == 2:
+            assert torch.equal(sim.global_params, before)
+    assert seen == [
+        (1, {}, 3),
+        (2, {"edge-000": "advertise"}, 2),
+        (3, {"edge-002": "masked"}, 2),
+        (3, {"edge-000": "advertise", "edge-002": "advertise"}, 0),
+        (4, {"edge-000": "masked"}, 2),
+    ]
+
+
+def test_secure_edges_refuse_edge_rounds_and_the_malicious_variant() -> None:
+    for extra, why in (
+        ("hierarchy.edge_rounds=2", "edge_rounds = 2"),
+        ("secure_aggregation.malicious_server=true", "consistency round through edges is not built"),
+    ):
+        with pytest.raises(ConfigError, match=why):
+            load_config(None, [*HUNDRED, *SECURE, "hierarchy.edges=4", "secure_aggregation.threshold=0.7", extra])

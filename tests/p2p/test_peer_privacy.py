@@ -52,7 +52,7 @@ def test_three_dp_peers_report_the_simulators_epsilon_and_stop_at_the_target(tmp
     simulator's accountant gives that peer (same shard, schedule and noise) for its trainings.
     Peer 2 also has privacy.target_epsilon between its epsilon after 2 and after 3 trainings:
     it stops by itself after 2."""
-    sim = GossipSimulation(load_config(None, [*DP, 'simulation.mode="gossip"', "output.plots=false"]))
+    sim = GossipSimulation.from_config(load_config(None, [*DP, 'simulation.mode="gossip"', "output.plots=false"]))
     target = (_simulated_epsilon(sim, 2, 2) + _simulated_epsilon(sim, 2, 3)) / 2
     ports = free_ports(3)
     urls = [f"http://127.0.0.1:{p}" for p in ports]

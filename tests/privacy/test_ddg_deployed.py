@@ -38,7 +38,7 @@ def test_nodes_encode_the_discrete_gaussian_and_the_server_decodes_and_accounts_
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["version"] for r in records] == [1, 2]  # counts are withheld from the records (privacy.release)
     t = secure_noise_shares(cfg, N)
-    p = plan(InProcessSimulation(cfg).spec.numel, 1.0, 1.0, t, N, cfg.privacy.bits)
+    p = plan(InProcessSimulation.from_config(cfg).spec.numel, 1.0, 1.0, t, N, cfg.privacy.bits)
     acc = DdgRoundAccountant(1.0, {**p.as_dict(), "sensitivity_sq": p.sensitivity_sq()}, cfg.privacy.delta)
     assert [r["epsilon"] for r in records] == [pytest.approx(acc.epsilon_after(k)) for k in (1, 2)]
     server_log = Path(tmp_path / "server.log").read_text()

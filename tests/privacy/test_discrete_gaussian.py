@@ -234,7 +234,7 @@ def test_simulated_rounds_use_the_mechanism_and_its_accountant(release):
             f'privacy.release="{release}"',
         ],
     )
-    sim = InProcessSimulation(cfg)
+    sim = InProcessSimulation.from_config(cfg)
     sa = sim.secure_aggregation
     assert sa is not None and sa.ddg is not None and sa.ddg.shares == sa.noise_shares
     assert not any(type(s).__name__ == "DistributedNoise" for s in sim.client_steps)

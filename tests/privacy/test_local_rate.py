@@ -25,7 +25,7 @@ def test_clients_of_any_size_are_accounted_on_the_runs_schedule():
             "privacy.reproducible=true",
         ],
     )
-    sim = InProcessSimulation(cfg)
+    sim = InProcessSimulation.from_config(cfg)
     sim.run_round()
     acc = sim.privacy.accountant
     assert len(set(acc.participations)) == 6 and set(acc.participations.values()) == {1}

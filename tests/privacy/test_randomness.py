@@ -54,7 +54,7 @@ def _selections(sim, rounds=3):
 
 
 def test_selection_and_central_noise_take_128_bits_from_the_os_not_the_seed(os_entropy):
-    a, b = InProcessSimulation(cfg("central")), InProcessSimulation(cfg("central"))
+    a, b = InProcessSimulation.from_config(cfg("central")), InProcessSimulation.from_config(cfg("central"))
     for sim in (a, b):
         assert isinstance(sim.rounds.secret, bytes) and len(sim.rounds.secret) * 8 >= 128
         gen = sim.rounds.strategy.aggregator._gen
@@ -68,13 +68,15 @@ def test_selection_and_central_noise_take_128_bits_from_the_os_not_the_seed(os_e
 
 
 def test_reproducible_mode_repeats_and_says_what_it_gives_up(os_entropy):
-    runs = [InProcessSimulation(cfg("central", "privacy.reproducible=true")) for _ in range(2)]
+    runs = [InProcessSimulation.from_config(cfg("central", "privacy.reproducible=true")) for _ in range(2)]
     assert all(s.rounds.secret is None for s in runs)
     assert _selections(runs[0]) == _selections(runs[1])
     assert torch.equal(runs[0].global_params, runs[1].global_params)
     assert "does NOT hold against anyone who knows the seed" in runs[0].privacy.summary()["randomness"]
-    other = InProcessSimulation(cfg("central", "privacy.reproducible=true", "simulation.seed=8"))
-    assert _selections(other) != _selections(InProcessSimulation(cfg("central", "privacy.reproducible=true")))
+    other = InProcessSimulation.from_config(cfg("central", "privacy.reproducible=true", "simulation.seed=8"))
+    assert _selections(other) != _selections(
+        InProcessSimulation.from_config(cfg("central", "privacy.reproducible=true"))
+    )
 
 
 @pytest.mark.parametrize("reproducible", [False, True])

@@ -100,7 +100,7 @@ def rounds(sim: InProcessSimulation) -> torch.Tensor:
 
 def same_model(pool, *extra: str) -> tuple[InProcessSimulation, InProcessSimulation]:
     """Both engines on the same config; asserts the global models agree to 1e-5."""
-    here = InProcessSimulation(config(*extra))
+    here = InProcessSimulation.from_config(config(*extra))
     there = ray_simulation(config(*extra, engine="ray"), pool)
     start = here.global_params.clone()
     a, b = rounds(here), rounds(there)
@@ -295,8 +295,8 @@ def test_a_worker_killed_mid_round_does_not_change_the_result(pool):
         assert isinstance(there.runner, PlainRound)
         again = ray_simulation(config(engine="ray"), pool)
         assert (rounds(again) - here.global_params).abs().max().item() <= 1e-5  # the summed path too
-        peers = GossipSimulation(config(*GOSSIP, engine="ray"), peers=ray_peers(pool))  # and gossip's
-        alone = GossipSimulation(config(*GOSSIP))
+        peers = GossipSimulation.from_config(config(*GOSSIP, engine="ray"), peers=ray_peers(pool))  # and gossip's
+        alone = GossipSimulation.from_config(config(*GOSSIP))
         for _ in range(2):
             peers.run_round()
             alone.run_round()
@@ -313,7 +313,7 @@ def test_a_task_object_that_workers_cannot_rebuild_is_a_config_error(pool):
     cfg = config(engine="ray")
     task = Mine("logreg", cfg.data, cfg.simulation.num_clients, cfg.simulation.seed)
     with pytest.raises(ConfigError, match=r"task\.app"):
-        InProcessSimulation(cfg, task=task, clients=lambda sim: RayClients(sim, pool))
+        InProcessSimulation.from_config(cfg, task=task, clients=lambda sim: RayClients(sim, pool))
 
 
 def test_split_and_worker_count_rules():
@@ -377,8 +377,8 @@ GOSSIP = ["simulation.mode='gossip'", "gossip.view_size=4", "gossip.shuffle_leng
     ],
 )
 def test_gossip_peers_train_on_the_workers_and_give_the_in_process_models(pool, features):
-    here = GossipSimulation(config(*GOSSIP, *features))
-    there = GossipSimulation(config(*GOSSIP, *features, engine="ray"), peers=ray_peers(pool))
+    here = GossipSimulation.from_config(config(*GOSSIP, *features))
+    there = GossipSimulation.from_config(config(*GOSSIP, *features, engine="ray"), peers=ray_peers(pool))
     assert isinstance(there.peers, RayPeers)
     assert (here.attackers == there.attackers).all()
     start = here.models.clone()

@@ -187,7 +187,7 @@ def test_tls_sync_rounds_match_the_simulator(tmp_path):
             assert _wait(c, d, 30) == 0, d.dump()
     tensors, state = load_checkpoint(latest_checkpoint(tmp_path / "ck"))
     assert state["version"] == 3 and state["round"] == 3
-    sim = InProcessSimulation(d.cfg)
+    sim = InProcessSimulation.from_config(d.cfg)
     for _ in range(3):
         sim.run_round()
     assert torch.allclose(tensors["params"], sim.global_params, atol=1e-6, rtol=0), float(

@@ -755,10 +755,11 @@ def test_delta_is_checked_against_the_registered_nodes_and_a_nodes_examples(tmp_
         NodePrivacy(node_cfg, "n0", 20)
 
 
-def test_a_restart_that_changes_the_mechanism_says_what_the_ledger_holds_and_what_to_do(tmp_path):
+def test_a_restart_that_changes_the_mechanism_composes_the_rounds_as_they_ran(tmp_path):
     """Three rounds charged with continuous noise shares, then a restart asking for the discrete
-    Gaussian: refused before any round, naming the recorded rounds and their z, what the config
-    asks, and the two ways on (keep the recorded mechanism, or a fresh run); not "damaged"."""
+    Gaussian: the three rounds stay charged as they ran (z = 1, q = 0.75) and compose with the new
+    ones in RDP; never re-priced at the new mechanism, never refused as "damaged"."""
+    from shoal.accounting import mixed_ledger_epsilon
     from shoal.server.privacy import ServerPrivacy
 
     sections = {
@@ -773,13 +774,15 @@ def test_a_restart_that_changes_the_mechanism_says_what_the_ledger_holds_and_wha
     cfg = small_config(tmp_path / "again", {**sections, **ddg}, clients_per_round=3)
     restarted = ServerPrivacy(cfg, svc.spec.numel, torch.device("cpu"))
     restarted.load_state_dict(state)
-    with pytest.raises(ConfigError) as refused:
-        restarted.bind(4, svc.rounds)
-    text = str(refused.value)
-    assert "damaged" not in text
-    assert "records 3 rounds of the continuous Gaussian (poisson sampling, q = 0.75, z = 1.0" in text
-    assert "this config asks for the distributed discrete Gaussian (q = 0.75, modulus 2^16" in text
-    assert "privacy.mechanism = 'gaussian'" in text and "--fresh" in text
+    restarted.bind(4, svc.rounds)
+    assert restarted.rounds_charged == 3 and restarted.accountant is not None
+    earlier = [e for e in restarted.accountant.ledger if e["mechanism"] == "gaussian"]
+    assert [(e["q"], e["z"], e["rounds"]) for e in earlier] == [(0.75, 1.0, 3)]
+    assert restarted.epsilon == pytest.approx(mixed_ledger_epsilon(earlier, 1e-5))
+    assert restarted.epsilon == pytest.approx(svc.privacy.epsilon, rel=0.02)  # the same rounds, priced in RDP
+    restarted.round_started(["a", "b", "c"])
+    assert restarted.epsilon > svc.privacy.epsilon
+    assert "3 earlier rounds of the other Gaussian mechanism" in restarted.describe()
     # the same config as the ledger's goes on from it
     same = ServerPrivacy(small_config(tmp_path / "same", sections, clients_per_round=3), svc.spec.numel)
     same.load_state_dict(state)

@@ -58,7 +58,7 @@ def _deployed(tmp_path, algorithm: dict, **more: dict) -> tuple[ServerService, l
 def test_a_deployed_algorithm_gives_the_simulators_model(tmp_path, name):
     svc, nodes = _deployed(tmp_path, {"name": name})
     assert svc.version == 3 and all(n.rounds_done == 3 for n in nodes)
-    sim = InProcessSimulation(
+    sim = InProcessSimulation.from_config(
         small_config(
             tmp_path, {"algorithm": {"name": name}, "train": {"batch_size": 10, "lr": 0.05, "momentum": 0.5}}, **SERVER
         )
@@ -91,7 +91,7 @@ def test_under_secure_aggregation_the_server_sees_sums_and_gets_the_simulators_m
     assert svc.version == 3 and all(n.rounds_done == 3 for n in nodes)
     assert svc.secure_last["included"] == 5
     sections = {"algorithm": {"name": name}, "train": TRAIN, "secure_aggregation": secure}
-    sim = InProcessSimulation(small_config(tmp_path, sections, **SERVER))
+    sim = InProcessSimulation.from_config(small_config(tmp_path, sections, **SERVER))
     for _ in range(3):
         sim.run_round()
     gap = float((svc.rounds.global_params - sim.global_params).abs().max())
@@ -111,7 +111,7 @@ def test_scaffold_and_fednova_refuse_an_update_without_what_their_server_step_ne
         ("fednova", Update(torch.zeros(0), 5), "fednova_a"),
     ]:
         cfg = small_config(tmp_path / name, {"algorithm": {"name": name}}, min_nodes=1, clients_per_round=1)
-        svc = ServerService(cfg)
+        svc = ServerService.from_config(cfg)
         svc.seen("a", 0.0)
         assert svc.tick(0.0)
         n = svc.spec.numel
@@ -126,7 +126,7 @@ def test_scaffold_and_fednova_refuse_an_update_without_what_their_server_step_ne
 def test_an_algorithm_with_client_state_refuses_an_async_server(tmp_path):
     cfg = config_from_dict({"algorithm": {"name": "scaffold"}, "server": {"mode": "async", "db": str(tmp_path / "db")}})
     with pytest.raises(ConfigError, match="server.mode = 'async'"):
-        ServerService(cfg)
+        ServerService.from_config(cfg)
 
 
 def test_scaffolds_control_variate_is_checkpointed_and_resumed(tmp_path):
@@ -145,7 +145,7 @@ def test_scaffolds_control_variate_is_checkpointed_and_resumed(tmp_path):
     assert svc.tick(1000.0) and svc.version == 1
     c = svc.sync.strategy.control.c
     torch.testing.assert_close(c, torch.full((n,), 3.0 / 4))  # (1/N) sum dc with N = 4 registered
-    again = ServerService(cfg, registered=4, restored=ServerStore(cfg).restore(resume=True))
+    again = ServerService.from_config(cfg, registered=4, restored=ServerStore(cfg).restore(resume=True))
     assert again.version == 1
     _, header = decode_model(again.model_body(), again.spec)
     torch.testing.assert_close(header["aux_tensors"]["scaffold/c"], c)

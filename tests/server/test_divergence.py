@@ -47,7 +47,7 @@ def _report(round_: int, version: int = 0, reason: str = "diverged") -> bytes:
 
 
 def test_the_service_counts_a_failure_and_hands_the_task_out_no_more(tmp_path):
-    svc = ServerService(small_config(tmp_path, clients_per_round=2, min_nodes=2, deadline_s=60.0))
+    svc = ServerService.from_config(small_config(tmp_path, clients_per_round=2, min_nodes=2, deadline_s=60.0))
     for n in ("a", "b"):
         svc.seen(n, 0.0)
     assert svc.tick(0.0) and sorted(svc.rounds.selected) == ["a", "b"]

@@ -56,7 +56,7 @@ def test_secure_round_survives_a_node_killed_after_its_masked_input(tmp_path, mo
     assert [r["num_results"] for r in records] == [N]
 
     # the same round in the plain simulator: every node selected, the same seeds
-    sim = InProcessSimulation(plain_cfg)
+    sim = InProcessSimulation.from_config(plain_cfg)
     start = sim.global_params.clone()
     sim.run_round()
     expected = (sim.global_params - start).double().numpy()
@@ -69,7 +69,7 @@ def test_secure_round_survives_a_node_killed_after_its_masked_input(tmp_path, mo
     assert err <= bound, (err, bound)
 
     # without the killed node the mean is another one: it really is in the sum
-    five = InProcessSimulation(plain_cfg)
+    five = InProcessSimulation.from_config(plain_cfg)
     trained = dict(
         (t.client_id, u.delta.double().numpy())
         for t, u in five.train_clients(five.rounds.start_round(five.client_ids), five.global_params)

@@ -33,7 +33,7 @@ def _sync_round(svc: ServerService, now: float) -> None:
 
 def test_a_sync_round_touches_no_file_and_emits_checkpoint_then_record(tmp_path):
     cfg = small_config(tmp_path, clients_per_round=2, min_nodes=2, rounds=3)
-    svc = ServerService(cfg, started_at=100.0)
+    svc = ServerService.from_config(cfg, started_at=100.0)
     for node in ("a", "b", "c"):
         svc.seen(node, 100.0)
     _sync_round(svc, 101.0)
@@ -58,15 +58,15 @@ def test_the_store_makes_events_durable_and_a_restart_resumes_from_them(tmp_path
     assert latest_checkpoint(tmp_path / "ck") is not None
     restored = ServerStore(cfg).restore(resume=True)
     assert restored.checkpoint is not None
-    again = ServerService(cfg, restored=restored)
+    again = ServerService.from_config(cfg, restored=restored)
     assert again.version == 1 and again.resumed_from == restored.checkpoint[0]
     torch.testing.assert_close(again.rounds.global_params, svc.rounds.global_params)
-    assert ServerService(cfg, restored=Restored()).version == 0  # --fresh: nothing handed in
+    assert ServerService.from_config(cfg, restored=Restored()).version == 0  # --fresh: nothing handed in
 
 
 def test_async_versions_advance_in_submit_through_the_same_protocol(tmp_path):
     sections = {"asynchronous": {"algorithm": "fedbuff", "buffer_size": 2}}
-    svc = ServerService(small_config(tmp_path, sections, mode="async", rounds=4, min_nodes=2))
+    svc = ServerService.from_config(small_config(tmp_path, sections, mode="async", rounds=4, min_nodes=2))
     assert svc.poll("a", 0.0) is None  # below min_nodes: no work handed out yet
     works = {n: svc.poll(n, 0.0) for n in ("a", "b")}
     assert works["b"]["status"] == "work" and "deadline_s" not in works["b"]

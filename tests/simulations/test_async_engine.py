@@ -109,7 +109,7 @@ def test_sync_virtual_rounds_match_the_plain_engine_without_heterogeneity():
     c = cfg("heterogeneity.enabled=true", "heterogeneity.speed_sigma=0.0", "heterogeneity.network_delay_s=0.0")
     e = VirtualSyncEngine(c)
     list(e.run())
-    plain = InProcessSimulation(c)
+    plain = InProcessSimulation.from_config(c)
     for _ in range(8):
         plain.run_round()
     assert torch.equal(e.rounds.global_params, plain.global_params)

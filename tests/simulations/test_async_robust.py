@@ -54,7 +54,7 @@ def test_nan_attackers_are_rejected_counted_and_bytes_recorded(tmp_path, algorit
     assert recs[-1]["bytes_down_total"] == sum(r["bytes_down"] for r in recs) == summary["bytes_down_total"]
     # every upload is counted (rejected ones travelled too); every task downloaded the model
     n_up = summary["updates_accepted"] + rejected + summary["updates_rejected"].get("too_stale", 0)
-    assert summary["bytes_up_total"] >= n_up * 4 * InProcessSimulation(c).spec.numel
+    assert summary["bytes_up_total"] >= n_up * 4 * InProcessSimulation.from_config(c).spec.numel
 
 
 @pytest.mark.slow
@@ -75,7 +75,7 @@ def test_robust_fedbuff_survives_sign_flip_attackers_on_mnist(mnist_dir):
 
     def final(*extra):
         c = load_config("examples/mnist_logreg_attack.toml", [*base, *extra])
-        engine = AsyncEngine(c, InProcessSimulation(c, data))
+        engine = AsyncEngine(c, InProcessSimulation.from_config(c, data))
         return list(engine.run())[-1]["test_accuracy"]
 
     clean = final()

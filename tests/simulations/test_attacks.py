@@ -29,7 +29,7 @@ def test_attackers_are_a_seeded_fraction():
 
 
 def test_nan_payloads_are_rejected_by_validation_and_counted():
-    sim = InProcessSimulation(cfg('attack.kind="nan"', "attack.fraction=0.3"))
+    sim = InProcessSimulation.from_config(cfg('attack.kind="nan"', "attack.fraction=0.3"))
     summary = sim.run_round()
     assert summary.rejected == {"non_finite": 3}
     assert summary.num_results == 7
@@ -37,7 +37,7 @@ def test_nan_payloads_are_rejected_by_validation_and_counted():
 
 
 def test_sign_flip_step_changes_only_attackers():
-    sim = InProcessSimulation(cfg('attack.kind="sign_flip"', "attack.fraction=0.2", "attack.scale=3.0"))
+    sim = InProcessSimulation.from_config(cfg('attack.kind="sign_flip"', "attack.fraction=0.2", "attack.scale=3.0"))
     attack = sim.client_steps[0]
     tasks = sim.rounds.start_round(sim.client_ids)
     for task in tasks[:4]:
@@ -50,8 +50,8 @@ def test_sign_flip_step_changes_only_attackers():
 
 
 def test_label_flip_changes_the_attackers_labels_only():
-    clean = InProcessSimulation(cfg())
-    sim = InProcessSimulation(cfg('attack.kind="label_flip"', "attack.fraction=0.2"))
+    clean = InProcessSimulation.from_config(cfg())
+    sim = InProcessSimulation.from_config(cfg('attack.kind="label_flip"', "attack.fraction=0.2"))
     bad = choose_attackers(sim.client_ids, 0.2, 0)
     c = sim.num_classes
     for i, cid in enumerate(sim.client_ids):
@@ -74,7 +74,7 @@ def test_bytes_on_the_wire_per_round_in_metrics(tmp_path):
 
 def test_compressed_runs_repeat_with_the_same_seed():
     def final(*extra):
-        sim = InProcessSimulation(cfg(*extra))
+        sim = InProcessSimulation.from_config(cfg(*extra))
         for _ in range(2):
             sim.run_round()
         return sim.global_params.clone()

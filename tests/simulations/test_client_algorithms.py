@@ -70,14 +70,14 @@ def run(sim: InProcessSimulation) -> torch.Tensor:
 
 
 def test_scaffold_keeps_c_the_mean_of_the_clients_control_variates():
-    sim = InProcessSimulation(config("algorithm.name='scaffold'"))
+    sim = InProcessSimulation.from_config(config("algorithm.name='scaffold'"))
     scaffold = run(sim)
     assert sim.control is not None
     cs = [sim.states.get(c).get("scaffold/c", torch.zeros_like(sim.control.c)) for c in sim.client_ids]
     assert sim.participants and len(sim.states) == len(sim.participants)
     assert torch.allclose(torch.stack(cs).mean(0), sim.control.c, atol=1e-6)  # c = (1/N) sum_i c_i
     assert sim.control.c.abs().max() > 0
-    assert (scaffold - run(InProcessSimulation(config()))).abs().max() > 1e-4  # not FedAvg
+    assert (scaffold - run(InProcessSimulation.from_config(config()))).abs().max() > 1e-4  # not FedAvg
 
 
 @pytest.mark.parametrize("name", ["scaffold", "fednova", "feddyn"])
@@ -90,8 +90,8 @@ def test_the_batched_trainer_gives_the_one_by_one_model(tmp_path, name, path):
     if path == "vmap":  # Tanh is not a layer of the hand-written chain: the vmap path trains it
         (tmp_path / "tanh.py").write_text(TASK.replace("nn.ReLU()", "nn.Tanh()"))
         extra.append(f"task.app='{tmp_path / 'tanh.py'}:TwoClasses'")
-    one = InProcessSimulation(config(*extra, "simulation.batch_clients=1"))
-    many = InProcessSimulation(config(*extra, "simulation.batch_clients=3"))
+    one = InProcessSimulation.from_config(config(*extra, "simulation.batch_clients=1"))
+    many = InProcessSimulation.from_config(config(*extra, "simulation.batch_clients=3"))
     assert one.batched is None and many.batched is not None
     assert (many.batched.chain is not None) == (path == "chain")
     gap = float((run(one) - run(many)).abs().max())
@@ -105,8 +105,8 @@ def test_the_batched_trainer_gives_the_one_by_one_model(tmp_path, name, path):
 
 @pytest.mark.parametrize("name", ["scaffold", "ditto"])
 def test_client_state_on_disk_gives_the_in_memory_run(tmp_path, name):
-    memory = run(InProcessSimulation(config(f"algorithm.name='{name}'")))
-    sim = InProcessSimulation(config(f"algorithm.name='{name}'", f"algorithm.state_dir='{tmp_path / 's'}'"))
+    memory = run(InProcessSimulation.from_config(config(f"algorithm.name='{name}'")))
+    sim = InProcessSimulation.from_config(config(f"algorithm.name='{name}'", f"algorithm.state_dir='{tmp_path / 's'}'"))
     assert torch.equal(run(sim), memory)
     assert len(list((tmp_path / "s").glob("*.safetensors"))) == len(sim.participants)
 
@@ -114,8 +114,8 @@ def test_client_state_on_disk_gives_the_in_memory_run(tmp_path, name):
 @pytest.mark.parametrize("name", ["fednova", "feddyn"])
 def test_fednova_and_feddyn_train_and_differ_from_fedavg(name):
     extra = ["train.epochs=2", "train.momentum=0.5"] if name == "fednova" else []
-    fedavg = run(InProcessSimulation(config(*extra)))
-    other = run(InProcessSimulation(config(f"algorithm.name='{name}'", *extra)))
+    fedavg = run(InProcessSimulation.from_config(config(*extra)))
+    other = run(InProcessSimulation.from_config(config(f"algorithm.name='{name}'", *extra)))
     assert torch.isfinite(other).all() and (other - fedavg).abs().max() > 1e-4
 
 
@@ -129,8 +129,8 @@ def test_secure_aggregation_gives_the_plain_model_and_server_state(name, caplog)
     count. With a fine fixed-point grid (28 bits, clip 1) the model, SCAFFOLD's c and FedDyn's h
     equal the plain run's within the encoding's rounding."""
     extra = [f"algorithm.name='{name}'", "train.momentum=0.5", "train.epochs=2", "simulation.batch_clients=1"]
-    plain = InProcessSimulation(config(*extra))
-    secure = InProcessSimulation(config(*extra, *SECURE))
+    plain = InProcessSimulation.from_config(config(*extra))
+    secure = InProcessSimulation.from_config(config(*extra, *SECURE))
     runner = secure.secure_aggregation
     assert runner is not None and runner.payload.vector_size == secure.spec.numel * (2 if name == "scaffold" else 1) + 1
     start = plain.global_params.clone()
@@ -154,7 +154,7 @@ def test_personalised_metrics_reach_metrics_jsonl(tmp_path, task_app, name):
     last = records[-1]
     assert 0 <= last["fed_personal_accuracy"] <= 1 and "fed_accuracy" in last
     if name != "ditto":  # the head never leaves: the server's head is still the initial one
-        sim = InProcessSimulation(cfg)
+        sim = InProcessSimulation.from_config(cfg)
         head = [e for e in sim.spec.entries if e.name.startswith("head.")]
         start = sim.global_params.clone()
         run(sim)
@@ -178,8 +178,8 @@ def test_unsound_combinations_are_refused_with_the_reason(extra, match):
 
 
 def test_kept_momentum_changes_the_run_and_trains_one_by_one():
-    plain = run(InProcessSimulation(config("train.momentum=0.5")))
-    sim = InProcessSimulation(config("train.momentum=0.5", "algorithm.keep_optimizer_state=true"))
+    plain = run(InProcessSimulation.from_config(config("train.momentum=0.5")))
+    sim = InProcessSimulation.from_config(config("train.momentum=0.5", "algorithm.keep_optimizer_state=true"))
     kept = run(sim)
     assert sim.batched is None and all("optimizer/momentum" in sim.states.get(c) for c in sim.participants)
     assert (kept - plain).abs().max() > 1e-5
@@ -187,9 +187,9 @@ def test_kept_momentum_changes_the_run_and_trains_one_by_one():
 
 def test_top_k_residuals_on_disk_give_the_in_memory_run(tmp_path):
     topk = ["compression.encoding='topk'", "compression.topk_fraction=0.2"]
-    memory = InProcessSimulation(config(*topk))
+    memory = InProcessSimulation.from_config(config(*topk))
     a = run(memory)
-    sim = InProcessSimulation(config(*topk, f"algorithm.state_dir='{tmp_path}'"))
+    sim = InProcessSimulation.from_config(config(*topk, f"algorithm.state_dir='{tmp_path}'"))
     assert torch.equal(run(sim), a)
     files = list((tmp_path / "residuals").glob("*.safetensors"))
     assert len(files) == len(sim.participants) > 0

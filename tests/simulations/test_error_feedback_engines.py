@@ -97,7 +97,7 @@ BASE = [
 
 
 def test_inprocess_accepted_uploads_commit():
-    sim = InProcessSimulation(load_config(None, BASE[:6]))
+    sim = InProcessSimulation.from_config(load_config(None, BASE[:6]))
     ledger = Ledger(sim).watch_rounds(sim.rounds)
     for _ in range(4):
         sim.run_round()
@@ -107,7 +107,7 @@ def test_inprocess_accepted_uploads_commit():
 
 def test_inprocess_refused_uploads_fold_back():
     """NaN attackers' payloads are refused by validation; theirs fold back, the others' commit."""
-    sim = InProcessSimulation(load_config(None, [*BASE[:6], 'attack.kind="nan"', "attack.fraction=0.25"]))
+    sim = InProcessSimulation.from_config(load_config(None, [*BASE[:6], 'attack.kind="nan"', "attack.fraction=0.25"]))
     ledger = Ledger(sim).watch_rounds(sim.rounds)
     refused = 0
     for _ in range(4):

@@ -35,7 +35,7 @@ def test_secure_aggregation_with_distributed_dp_counts_epsilon(tmp_path):
 
 def test_nan_attackers_are_rejected_before_masking():
     cfg = load_config(None, BASE + ["secure_aggregation.enabled=true", 'attack.kind="nan"', "attack.fraction=0.5"])
-    sim = InProcessSimulation(cfg)
+    sim = InProcessSimulation.from_config(cfg)
     summary = sim.run_round()
     assert summary.rejected.get("non_finite", 0) >= 1
     assert 0 < summary.num_results < 6
@@ -46,13 +46,13 @@ def test_local_dp_trains_clients_one_by_one_even_when_batching_is_asked():
     cfg = load_config(
         None, BASE + ['privacy.mode="local"', "simulation.batch_clients=6", "privacy.noise_multiplier=1.0"]
     )
-    sim = InProcessSimulation(cfg)
+    sim = InProcessSimulation.from_config(cfg)
     assert sim.batched is None
     assert sim.run_round().num_results == 6
 
 
 def test_batched_training_with_label_flip_attackers_runs():
     cfg = load_config(None, BASE + ["simulation.batch_clients=6", 'attack.kind="label_flip"', "attack.fraction=0.3"])
-    sim = InProcessSimulation(cfg)
+    sim = InProcessSimulation.from_config(cfg)
     assert sim.batched is not None
     assert sim.run_round().num_results == 6

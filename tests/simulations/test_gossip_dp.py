@@ -50,7 +50,7 @@ def expected_epsilon(sim: GossipSimulation, trainings: list[int]) -> float:
 
 
 def test_every_peer_training_every_round_gives_the_accountants_epsilon_growing_per_round():
-    sim = GossipSimulation(cfg())
+    sim = GossipSimulation.from_config(cfg())
     seen = []
     for r in range(1, 4):
         sim.run_round()
@@ -63,7 +63,7 @@ def test_every_peer_training_every_round_gives_the_accountants_epsilon_growing_p
 
 
 def test_an_offline_peer_trains_and_is_charged_less():
-    sim = GossipSimulation(cfg('gossip.algorithm="dpsgd"', "gossip.churn=0.4", "gossip.churn_period=2"))
+    sim = GossipSimulation.from_config(cfg('gossip.algorithm="dpsgd"', "gossip.churn=0.4", "gossip.churn_period=2"))
     online = [0] * sim.n
     for _ in range(4):
         sim.run_round()  # D-PSGD trains the peers online after this round's churn; nobody leaves mid-round
@@ -75,7 +75,7 @@ def test_an_offline_peer_trains_and_is_charged_less():
 
 
 def test_target_epsilon_stops_before_the_round_that_would_pass_it(tmp_path):
-    probe = GossipSimulation(cfg())
+    probe = GossipSimulation.from_config(cfg())
     after_two, after_three = (expected_epsilon(probe, [k] * probe.n) for k in (2, 3))
     target = (after_two + after_three) / 2
     summary = run_simulation(
@@ -89,7 +89,7 @@ def test_target_epsilon_stops_before_the_round_that_would_pass_it(tmp_path):
     assert summary["rounds"] == 2 and summary["epsilon"] == recs[0]["epsilon"] <= target
     assert summary["delta"] == DELTA and summary["accountant"] == recs[0]["accountant"]
     with pytest.raises(ConfigError, match="single round"):
-        GossipSimulation(cfg(f"privacy.target_epsilon={expected_epsilon(probe, [1] * probe.n) / 2}"))
+        GossipSimulation.from_config(cfg(f"privacy.target_epsilon={expected_epsilon(probe, [1] * probe.n) / 2}"))
 
 
 @pytest.mark.parametrize("mode", ["central", "distributed"])
@@ -107,7 +107,7 @@ def test_privacy_sweep_refuses_gossip_instead_of_auditing_the_wrong_run(tmp_path
 @pytest.mark.parametrize("algorithm", ["gossip", "dpsgd", "group_average", "secure_groups"])
 def test_every_algorithm_trains_with_noise(algorithm):
     def models(*extra):
-        sim = GossipSimulation(cfg(f'gossip.algorithm="{algorithm}"', "gossip.group_size=3", *extra))
+        sim = GossipSimulation.from_config(cfg(f'gossip.algorithm="{algorithm}"', "gossip.group_size=3", *extra))
         for _ in range(2):
             sim.run_round()
         return sim, sim.models.clone()

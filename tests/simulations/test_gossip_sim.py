@@ -38,34 +38,34 @@ def _run(sim: GossipSimulation, rounds: int) -> GossipSimulation:
 
 
 def test_same_seed_same_models_other_seed_other_models():
-    a = _run(GossipSimulation(cfg("gossip.loss=0.1", "gossip.churn=0.2")), 3).models
-    b = _run(GossipSimulation(cfg("gossip.loss=0.1", "gossip.churn=0.2")), 3).models
-    c = _run(GossipSimulation(cfg("gossip.loss=0.1", "gossip.churn=0.2", "simulation.seed=2")), 3).models
+    a = _run(GossipSimulation.from_config(cfg("gossip.loss=0.1", "gossip.churn=0.2")), 3).models
+    b = _run(GossipSimulation.from_config(cfg("gossip.loss=0.1", "gossip.churn=0.2")), 3).models
+    c = _run(GossipSimulation.from_config(cfg("gossip.loss=0.1", "gossip.churn=0.2", "simulation.seed=2")), 3).models
     assert torch.equal(a, b)
     assert not torch.equal(a, c)
 
 
 def test_exchanges_bring_models_together():
     """Training alone drives peers apart; exchanges pull them back (consensus distance)."""
-    alone = _run(GossipSimulation(cfg("gossip.loss=1.0")), 4).evaluate()
-    gossip = _run(GossipSimulation(cfg()), 4).evaluate()
+    alone = _run(GossipSimulation.from_config(cfg("gossip.loss=1.0")), 4).evaluate()
+    gossip = _run(GossipSimulation.from_config(cfg()), 4).evaluate()
     assert gossip["consensus_distance"] < 0.8 * alone["consensus_distance"]
     assert alone["messages_lost"] > 0 and gossip["messages_lost"] == 0
-    assert gossip["bytes_sent_per_peer"] > 4 * 2 * 0.9 * GossipSimulation(cfg()).model_bytes / 2
+    assert gossip["bytes_sent_per_peer"] > 4 * 2 * 0.9 * GossipSimulation.from_config(cfg()).model_bytes / 2
 
 
 def test_churn_takes_peers_offline_and_partitions_drop_messages():
-    sim = _run(GossipSimulation(cfg("gossip.churn=0.3", "gossip.churn_period=2")), 4)
+    sim = _run(GossipSimulation.from_config(cfg("gossip.churn=0.3", "gossip.churn_period=2")), 4)
     ev = sim.evaluate()
     assert 0 < ev["online_peers"] < 12
-    part = _run(GossipSimulation(cfg("gossip.partition_start=0", "gossip.partition_end=10")), 2)
+    part = _run(GossipSimulation.from_config(cfg("gossip.partition_start=0", "gossip.partition_end=10")), 2)
     assert part.lost > 0  # no loss configured: every lost message tried to cross the cut
-    whole = _run(GossipSimulation(cfg()), 2)
+    whole = _run(GossipSimulation.from_config(cfg()), 2)
     assert whole.lost == 0
 
 
 def test_dpsgd_on_a_ring_keeps_offline_models_and_mixes_the_rest():
-    sim = GossipSimulation(cfg('gossip.algorithm="dpsgd"', 'gossip.topology="ring"'))
+    sim = GossipSimulation.from_config(cfg('gossip.algorithm="dpsgd"', 'gossip.topology="ring"'))
     _run(sim, 3)
     ev = sim.evaluate()
     assert ev["consensus_distance"] > 0 and ev["bytes_sent_per_peer"] == 3 * 2 * sim.model_bytes
@@ -119,10 +119,14 @@ def _attack(*extra):
 
 
 def test_sign_flip_peers_wreck_plain_merges_and_rejecting_merges_hold():
-    clean = _run(GossipSimulation(cfg("simulation.num_clients=20", "gossip.exchanges_per_round=2")), 8).evaluate()
-    plain = _run(GossipSimulation(_attack("gossip.merge_bound=0", "gossip.max_abs=0")), 8).evaluate()
-    default = _run(GossipSimulation(_attack()), 8).evaluate()  # the default merge bound
-    robust = _run(GossipSimulation(_attack("robust.norm_bound=1.0", 'gossip.bound_mode="reject"')), 8).evaluate()
+    clean = _run(
+        GossipSimulation.from_config(cfg("simulation.num_clients=20", "gossip.exchanges_per_round=2")), 8
+    ).evaluate()
+    plain = _run(GossipSimulation.from_config(_attack("gossip.merge_bound=0", "gossip.max_abs=0")), 8).evaluate()
+    default = _run(GossipSimulation.from_config(_attack()), 8).evaluate()  # the default merge bound
+    robust = _run(
+        GossipSimulation.from_config(_attack("robust.norm_bound=1.0", 'gossip.bound_mode="reject"')), 8
+    ).evaluate()
     assert plain["attackers"] == robust["attackers"] == 4
     assert plain["consensus_distance"] > 10 * clean["consensus_distance"]  # forged models poisoned the honest ones
     assert robust["bounded_merges"] > 0
@@ -133,31 +137,33 @@ def test_sign_flip_peers_wreck_plain_merges_and_rejecting_merges_hold():
 
 
 def test_nan_peers_are_rejected_by_validation_and_counted():
-    sim = _run(GossipSimulation(cfg('attack.kind="nan"', "attack.fraction=0.25")), 3)
+    sim = _run(GossipSimulation.from_config(cfg('attack.kind="nan"', "attack.fraction=0.25")), 3)
     ev = sim.evaluate()
     assert ev["attackers"] == 3 and ev["rejected_messages"] > 0
     assert bool(torch.isfinite(sim.models[torch.as_tensor(sim.honest)]).all())
 
 
 def test_q8_models_cost_a_third_of_the_bytes():
-    dense = _run(GossipSimulation(cfg()), 3).evaluate()
-    q8 = _run(GossipSimulation(cfg('compression.encoding="q8"')), 3).evaluate()
+    dense = _run(GossipSimulation.from_config(cfg()), 3).evaluate()
+    q8 = _run(GossipSimulation.from_config(cfg('compression.encoding="q8"')), 3).evaluate()
     assert q8["bytes_sent_per_peer"] < 0.4 * dense["bytes_sent_per_peer"]
     assert abs(q8["peer_accuracy_mean"] - dense["peer_accuracy_mean"]) < 0.05
 
 
 def test_dpsgd_mixes_several_times_and_through_a_robust_rule():
-    one = _run(GossipSimulation(cfg('gossip.algorithm="dpsgd"', 'gossip.topology="regular"')), 3).evaluate()
+    one = _run(GossipSimulation.from_config(cfg('gossip.algorithm="dpsgd"', 'gossip.topology="regular"')), 3).evaluate()
     many = _run(
-        GossipSimulation(cfg('gossip.algorithm="dpsgd"', 'gossip.topology="regular"', "gossip.exchanges_per_round=5")),
+        GossipSimulation.from_config(
+            cfg('gossip.algorithm="dpsgd"', 'gossip.topology="regular"', "gossip.exchanges_per_round=5")
+        ),
         3,
     ).evaluate()
     assert many["consensus_distance"] < 0.5 * one["consensus_distance"]
     assert many["bytes_sent_per_peer"] == pytest.approx(5 * one["bytes_sent_per_peer"])
     atk = ('gossip.algorithm="dpsgd"', 'gossip.topology="regular"', 'attack.kind="sign_flip"', "attack.fraction=0.25")
-    plain = _run(GossipSimulation(cfg(*atk, "gossip.merge_bound=0", "gossip.max_abs=0")), 3).evaluate()
-    default = _run(GossipSimulation(cfg(*atk)), 3).evaluate()  # the merge bound on each neighbour's model
-    robust = _run(GossipSimulation(cfg(*atk, "robust.norm_bound=0.5")), 3).evaluate()
+    plain = _run(GossipSimulation.from_config(cfg(*atk, "gossip.merge_bound=0", "gossip.max_abs=0")), 3).evaluate()
+    default = _run(GossipSimulation.from_config(cfg(*atk)), 3).evaluate()  # the merge bound on each neighbour's model
+    robust = _run(GossipSimulation.from_config(cfg(*atk, "robust.norm_bound=0.5")), 3).evaluate()
     assert robust["bounded_merges"] > 0
     assert robust["consensus_distance"] < 0.2 * plain["consensus_distance"]
     assert default["bounded_merges"] > 0
@@ -166,8 +172,8 @@ def test_dpsgd_mixes_several_times_and_through_a_robust_rule():
 
 @pytest.mark.parametrize("kind", ["scale", "gaussian", "label_flip"])
 def test_other_attacks_run_and_only_honest_peers_are_measured(kind):
-    clean = GossipSimulation(cfg())
-    sim = GossipSimulation(cfg(f'attack.kind="{kind}"', "attack.fraction=0.25"))
+    clean = GossipSimulation.from_config(cfg())
+    sim = GossipSimulation.from_config(cfg(f'attack.kind="{kind}"', "attack.fraction=0.25"))
     atk = np.flatnonzero(sim.attackers)
     assert len(atk) == 3 and not set(sim.eval_idx) & set(atk)
     if kind == "label_flip":  # a data attack: the attackers' labels are flipped, the wire is plain
@@ -196,7 +202,7 @@ class _RecordingPeers(LocalPeers):
 
 
 def _recording(config) -> GossipSimulation:
-    return GossipSimulation(config, peers=_RecordingPeers)
+    return GossipSimulation.from_config(config, peers=_RecordingPeers)
 
 
 class _EagerPeers(LocalPeers):
@@ -215,8 +221,8 @@ class _EagerPeers(LocalPeers):
 @pytest.mark.parametrize("algorithm", ["dpsgd", "group_average", "secure_groups", "gossip"])
 def test_a_pool_that_trains_the_whole_list_at_once_gives_the_same_models(algorithm):
     conf = cfg(f'gossip.algorithm="{algorithm}"', "gossip.churn=0.3", "gossip.churn_period=2")
-    here = _run(GossipSimulation(conf), 2)
-    eager = GossipSimulation(conf, peers=_EagerPeers)
+    here = _run(GossipSimulation.from_config(conf), 2)
+    eager = GossipSimulation.from_config(conf, peers=_EagerPeers)
     online = []
     for _ in range(2):
         eager.run_round()
@@ -277,8 +283,8 @@ def test_group_average_equal_weights_and_determinism():
         want = torch.stack([sim.peers.trained[i] for i in members]).mean(0)
         assert all(torch.allclose(sim.models[i], want, atol=1e-6) for i in members)
     churn = ('gossip.algorithm="group_average"', "gossip.churn=0.3", "gossip.churn_period=2", "gossip.loss=0.05")
-    a = _run(GossipSimulation(cfg(*churn)), 4).models
-    b = _run(GossipSimulation(cfg(*churn)), 4).models
+    a = _run(GossipSimulation.from_config(cfg(*churn)), 4).models
+    b = _run(GossipSimulation.from_config(cfg(*churn)), 4).models
     assert torch.equal(a, b)
 
 

@@ -12,7 +12,7 @@ def small_cfg(*extra):
 
 def test_same_seed_same_numbers_other_seed_other_numbers():
     def final(seed):
-        sim = InProcessSimulation(small_cfg(f"simulation.seed={seed}"))
+        sim = InProcessSimulation.from_config(small_cfg(f"simulation.seed={seed}"))
         for _ in range(3):
             sim.run_round()
         return sim.global_params.clone()
@@ -24,7 +24,7 @@ def test_same_seed_same_numbers_other_seed_other_numbers():
 
 def test_round_equals_hand_rolled_fedavg():
     """One round of the engine = example-weighted mean of independently trained clients."""
-    sim = InProcessSimulation(small_cfg())
+    sim = InProcessSimulation.from_config(small_cfg())
     g0 = sim.global_params.clone()
     tasks = sim.rounds.start_round(sim.client_ids)
     # Train the same tasks by hand, then let the engine run them itself.
@@ -43,7 +43,7 @@ def test_round_equals_hand_rolled_fedavg():
 
 def test_clients_are_data_not_model_copies():
     cfg = load_config(None, ["simulation.num_clients=2000", "simulation.rounds=1", "model.name=2nn"])
-    sim = InProcessSimulation(cfg)
+    sim = InProcessSimulation.from_config(cfg)
     assert len(sim.client_ids) == 2000
     # one trainer, one model: memory is the dataset plus O(model), not 2000 models
     assert sum(1 for _ in sim.trainer.model.parameters()) == 6

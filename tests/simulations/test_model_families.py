@@ -136,7 +136,7 @@ def test_every_family_trains_with_every_batching_setting(family, batch, mode, tm
     task = FamilyTask(family)
     cfg = _config(batch, mode)
     with caplog.at_level(logging.INFO):
-        sim = InProcessSimulation(cfg, task=task)
+        sim = InProcessSimulation.from_config(cfg, task=task)
         summary = run_simulation(cfg, tmp_path, progress=False, sim=sim)
     assert summary["rounds"] >= 1
     acc = summary["final_test_accuracy"]

@@ -80,7 +80,7 @@ def test_large_population_loads_only_the_round_cohort():
     """100,000 clients, 100 a round: one round loads client 0 (the build's loss check) and the
     cohort, each once, and federated evaluation reads one fixed sample of a round's size."""
     task = CountingTask(100_000)
-    sim = InProcessSimulation(cfg(100_000, 100), task=task)
+    sim = InProcessSimulation.from_config(cfg(100_000, 100), task=task)
     assert len(sim.client_ids) == 100_000 and len(set(sim.client_ids)) == 100_000
     assert task.pop.loaded == [0]
     summary = sim.run_round()
@@ -101,8 +101,8 @@ def test_large_population_loads_only_the_round_cohort():
 )
 def test_lazy_population_gives_the_model_of_the_same_data_held_whole(extra):
     task = SyntheticPopulationTask()
-    lazy = InProcessSimulation(cfg(50, 10, *extra), task=task)
-    held = InProcessSimulation(cfg(50, 10, *extra), data=task.simulation_data(50, 0), task=task)
+    lazy = InProcessSimulation.from_config(cfg(50, 10, *extra), task=task)
+    held = InProcessSimulation.from_config(cfg(50, 10, *extra), data=task.simulation_data(50, 0), task=task)
     assert lazy.client_ids == held.client_ids
     assert lazy.shards.total_examples() == held.shards.total_examples()
     for _ in range(2):
@@ -171,13 +171,13 @@ class Broken(Counting):
 )
 def test_population_errors_are_one_task_error_line(pop, needle):
     with pytest.raises(TaskError, match=needle) as e:
-        InProcessSimulation(cfg(20, 5), data=pop, task=CountingTask(20))
+        InProcessSimulation.from_config(cfg(20, 5), data=pop, task=CountingTask(20))
     assert "\n" not in str(e.value)
 
 
 def test_a_failing_client_later_names_the_client():
     pop = Broken(20, 7)
-    sim = InProcessSimulation(cfg(20, 20, "simulation.batch_clients=1"), data=pop, task=CountingTask(20))
+    sim = InProcessSimulation.from_config(cfg(20, 20, "simulation.batch_clients=1"), data=pop, task=CountingTask(20))
     with pytest.raises(ShoalError, match=r"population.train_data\(7\) failed"):
         sim.run_round()
 
@@ -202,8 +202,10 @@ class DatasetPopulation(Counting):
 
 def test_dataset_clients_train_one_by_one_and_match_the_tensor_population():
     as_rows, as_pairs = DatasetPopulation(300), Counting(300)
-    rows = InProcessSimulation(cfg(300, 8), data=as_rows, task=CountingTask(300))
-    pairs = InProcessSimulation(cfg(300, 8, "simulation.batch_clients=1"), data=as_pairs, task=CountingTask(300))
+    rows = InProcessSimulation.from_config(cfg(300, 8), data=as_rows, task=CountingTask(300))
+    pairs = InProcessSimulation.from_config(
+        cfg(300, 8, "simulation.batch_clients=1"), data=as_pairs, task=CountingTask(300)
+    )
     assert rows.batched is None and not rows.shards.in_memory
     rows.run_round()
     pairs.run_round()
@@ -241,5 +243,5 @@ def test_simulation_data_task_is_unchanged_by_the_hook():
     """A task without population() runs on SimulationData as before (held whole)."""
     task = SyntheticPopulationTask()
     task.population = lambda n, seed: None  # type: ignore[method-assign]
-    sim = InProcessSimulation(cfg(20, 5), task=task)
+    sim = InProcessSimulation.from_config(cfg(20, 5), task=task)
     assert isinstance(sim.data, SimulationData) and sim.shards.in_memory

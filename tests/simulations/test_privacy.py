@@ -55,7 +55,7 @@ def test_one_round_carries_noise_of_std_z_c_over_k(mode):
     def one_round(m, z):
         cfg = _cfg(m)
         cfg.privacy.noise_multiplier = z
-        sim = InProcessSimulation(cfg)
+        sim = InProcessSimulation.from_config(cfg)
         sim.run_round()
         return sim.global_params.double()
 
@@ -72,7 +72,7 @@ def test_adaptive_clipping_moves_the_clip_norm_in_a_run():
 
     cfg = _cfg("central", adaptive_clipping=True, target_quantile=0.5, clip_lr=0.5)
     cfg.privacy.noise_multiplier, cfg.privacy.clip_norm = 0.1, 100.0  # C far above every update norm
-    sim = InProcessSimulation(cfg)
+    sim = InProcessSimulation.from_config(cfg)
     agg = sim.rounds.strategy.aggregator
     assert agg.adaptive.count_stddev == pytest.approx(2 / 20)  # K / 20, Andrew et al.'s choice
     for _ in range(5):

@@ -58,7 +58,7 @@ def candidates(record: dict, sizes: list[int]) -> int:
 
 def run(tmp_path, *sets):
     cfg = load_config(None, [*BASE, *sets])
-    sim = InProcessSimulation(cfg)
+    sim = InProcessSimulation.from_config(cfg)
     sizes = [sim.shards.size(i) for i in range(len(sim.client_ids))]
     run_simulation(cfg, tmp_path)
     return sizes, read_jsonl(tmp_path / "metrics.jsonl"), json.loads((tmp_path / "summary.json").read_text())
@@ -130,6 +130,6 @@ def test_clients_do_not_evaluate_under_dp_unless_the_release_is_clear(monkeypatc
 
     monkeypatch.setattr(InProcessSimulation, "federated_evaluate", evaluated)
     for sets, expected in ([[], False], [['privacy.release="clear"'], True], [['privacy.mode="none"'], True]):
-        sim = InProcessSimulation(load_config(None, [*BASE, *sets]))
+        sim = InProcessSimulation.from_config(load_config(None, [*BASE, *sets]))
         sim.client_test = []  # as if the task's clients had test data
         assert ("fed_accuracy" in sim.evaluate()) is expected, sets

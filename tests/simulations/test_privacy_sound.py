@@ -35,7 +35,7 @@ BASE = [
 
 
 def one_round(*sets: str, z: float) -> tuple[InProcessSimulation, torch.Tensor]:
-    sim = InProcessSimulation(load_config(None, [*BASE, *sets, f"privacy.noise_multiplier={z}"]))
+    sim = InProcessSimulation.from_config(load_config(None, [*BASE, *sets, f"privacy.noise_multiplier={z}"]))
     g0 = sim.global_params.double().clone()
     sim.run_round()
     return sim, sim.global_params.double() - g0
@@ -53,7 +53,7 @@ def sum_noise(*sets: str, z: float) -> tuple[InProcessSimulation, torch.Tensor]:
 
 def test_dp_rounds_sample_clients_poisson_as_the_accountant_assumes():
     """Each client joins with probability q = K/N independently: inclusion rate q, round sizes Binomial."""
-    sim = InProcessSimulation(load_config(None, [*BASE, 'model.name="logreg"', 'privacy.mode="central"']))
+    sim = InProcessSimulation.from_config(load_config(None, [*BASE, 'model.name="logreg"', 'privacy.mode="central"']))
     r = sim.rounds
     assert r.sampling == "poisson" and sim.privacy.sampling == "poisson"
     n, q, rounds = 10, 0.5, 2000
@@ -202,7 +202,7 @@ def test_fewer_survivors_than_t_abort_and_are_still_charged(tmp_path):
             'model.name="logreg"',
         ],
     )
-    sim = InProcessSimulation(cfg)
+    sim = InProcessSimulation.from_config(cfg)
     assert sim.secure_aggregation.noise_shares == 3  # 5 clients, threshold 0.5
     aborted = 0
     for r in range(6):
@@ -276,7 +276,7 @@ def test_issue_case_4_fixed_size_sampling_is_no_longer_accounted_as_poisson():
     assert fixed == pytest.approx(60.27, abs=0.05) and fixed >= 22.1
     assert epsilon(0.5, 1.0, 15, 1e-5) == pytest.approx(14.23, abs=0.05)
     cfg = load_config(None, [*BASE, 'model.name="logreg"', 'privacy.mode="central"', 'privacy.sampling="fixed"'])
-    sim = InProcessSimulation(cfg)
+    sim = InProcessSimulation.from_config(cfg)
     assert sim.rounds.sampling == "fixed" and sim.privacy.accountant.epsilon_after(15) == fixed
     assert all(
         len(sim.rounds.start_round(sim.client_ids)) == 5 and not setattr(sim.rounds, "open", False) for _ in range(20)
@@ -300,7 +300,7 @@ def test_min_survivors_sizes_the_shares_for_more_survivors_and_aborts_below():
         "secure_aggregation.bits=20",
         f"secure_aggregation.clip={noise_range(c, share_std(c, z, 3))}",
     ]
-    plain = InProcessSimulation(load_config(None, [*base, f"privacy.noise_multiplier={z}"]))
+    plain = InProcessSimulation.from_config(load_config(None, [*base, f"privacy.noise_multiplier={z}"]))
     assert plain.secure_aggregation.noise_shares == 3  # a neighbourhood of 5, threshold 0.5
     sim, noise = sum_noise(*base, "privacy.min_survivors=0.8", z=z)
     assert sim.secure_aggregation.noise_shares == 8 and sim.secure_aggregation.last["included"] == 10

@@ -17,8 +17,8 @@ def cfg(*extra):
 
 
 def test_secure_round_matches_plain_fedavg_within_the_quantization_bound():
-    plain = InProcessSimulation(cfg())
-    secure = InProcessSimulation(cfg("secure_aggregation.enabled=true", "secure_aggregation.bits=20"))
+    plain = InProcessSimulation.from_config(cfg())
+    secure = InProcessSimulation.from_config(cfg("secure_aggregation.enabled=true", "secure_aggregation.bits=20"))
     g0 = plain.global_params.clone()
     assert torch.equal(g0, secure.global_params)
     a, b = plain.run_round(), secure.run_round()
@@ -36,7 +36,7 @@ def test_secure_round_matches_plain_fedavg_within_the_quantization_bound():
 
 
 def test_secagg_plus_with_dropouts_aggregates_the_survivors_only():
-    sim = InProcessSimulation(
+    sim = InProcessSimulation.from_config(
         cfg(
             "secure_aggregation.enabled=true",
             "secure_aggregation.graph='secagg+'",
@@ -54,7 +54,9 @@ def test_secagg_plus_with_dropouts_aggregates_the_survivors_only():
 
 
 def test_an_aborted_round_applies_nothing_and_the_next_round_runs():
-    sim = InProcessSimulation(cfg("secure_aggregation.enabled=true", "secure_aggregation.dropout_share=1.0"))
+    sim = InProcessSimulation.from_config(
+        cfg("secure_aggregation.enabled=true", "secure_aggregation.dropout_share=1.0")
+    )
     g0 = sim.global_params.clone()
     s = sim.run_round()
     assert s.num_results == 0 and s.version == 0 and math.isnan(s.train_loss)
@@ -66,7 +68,7 @@ def test_an_aborted_round_applies_nothing_and_the_next_round_runs():
 
 def test_no_headroom_is_a_config_error_naming_the_fix():
     with pytest.raises(ConfigError, match="bits = 31 with 6 clients needs a 34-bit modulus.*at most 29"):
-        InProcessSimulation(cfg("secure_aggregation.enabled=true", "secure_aggregation.bits=31"))
+        InProcessSimulation.from_config(cfg("secure_aggregation.enabled=true", "secure_aggregation.bits=31"))
     with pytest.raises(ConfigError, match="secure_aggregation.graph"):
         cfg("secure_aggregation.graph='ring'")
 
@@ -75,7 +77,7 @@ def test_same_config_same_numbers():
     extra = ("secure_aggregation.enabled=true", "secure_aggregation.dropout_masked=0.2")
 
     def final(seed):
-        sim = InProcessSimulation(cfg(*extra, f"secure_aggregation.seed={seed}"))
+        sim = InProcessSimulation.from_config(cfg(*extra, f"secure_aggregation.seed={seed}"))
         sim.run_round()
         return sim.global_params.clone()
 

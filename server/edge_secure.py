@@ -1,0 +1,391 @@
+"""Secure aggregation through edge aggregators (docs/hierarchy.md, "Secure aggregation through edges").
+
+The round's whole cohort runs one protocol with the root (server/secure_round.py; the mask graph
+spans every node under every edge). An edge in between (aggregation/secagg/tiers.py):
+
+* relays ``POST /v1/secagg/{stage}`` and ``GET /v1/secagg/{stage}`` of its nodes to the root's
+  ``/v1/edge/secagg/{stage}?node=NAME`` and the answers back: public keys, share ciphertexts
+  under pair keys only the nodes agree, survivor lists, and unmasking answers sealed to the
+  root's key of the round (the ``root_key`` of the task). Nothing it relays opens for it;
+* keeps its nodes' masked inputs: it adds them modulo 2^32 (:class:`EdgeMaskedSum`) and sends
+  the root one masked sum (``POST /v1/edge/secagg/masked_sum``) naming the nodes inside, when
+  every node it relayed into the round sent one or the masked stage is about to close at the
+  root (``secure_aggregation.stage_s`` less ``hierarchy.edge_margin_s`` after the first share
+  delivery it relayed).
+
+The root takes that sum as if each node had sent its own masked input, each node at most once,
+and only from the edge that speaks for it in the round (server/edge.py's EdgeRoster). A sum that
+never comes (the edge died, or dropped it) leaves its nodes as the protocol's drop-outs.
+
+:class:`EdgeRelay` is the edge's state without I/O; the aiohttp handlers of both sides follow.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from aiohttp import web
+
+from shoal.aggregation.secagg import MaskedInput, SecAggProtocolError
+from shoal.aggregation.secagg.tiers import EdgeMaskedSum
+from shoal.aggregation.secagg.wire import decode_message, encode_message, params_from_json
+from shoal.errors import Malformed, ShoalError, UpdateRejected
+from shoal.metrics import json_safe
+from shoal.wire import MAX_HEADER_BYTES
+
+if TYPE_CHECKING:
+    from .edge import PartialIntake
+    from .secure_round import SecureRound
+    from .service import ServerService
+
+log = logging.getLogger(__name__)
+
+RELAYED = ("keys", "shares", "consistency", "unmask")  # what an edge forwards (masked inputs it adds)
+
+
+def body_limit(vector_size: int) -> int:
+    """The largest secure aggregation message of a round (a masked vector and a header)."""
+    return 4 * vector_size + 4 * MAX_HEADER_BYTES
+
+
+# --- the root's side ---------------------------------------------------------------------------------
+
+
+def relayed_round(
+    svc: ServerService, intake: PartialIntake, edge: str, node: str | None, now: float
+) -> tuple[SecureRound, dict[str, str]]:
+    """The open secure round and who speaks for whom in it, for a message ``edge`` relays (from
+    ``node``; None: its masked sum). UpdateRejected unless ``edge`` is an edge of this server that
+    speaks for ``node`` in the open round."""
+    if edge not in svc.cfg.hierarchy.edge_names:
+        raise UpdateRejected("not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)")
+    if node is not None:
+        sr = svc.secure(node, now)  # the node is alive: it is heard through its edge
+    elif svc.secure_round is None:
+        raise UpdateRejected("round_closed", f"no secure round is open (version {svc.version})")
+    else:
+        sr = svc.secure_round
+    r = svc.sync
+    assert r is not None  # secure rounds are sync rounds
+    held = intake.roster.round_edges(r.round, r.version, r.selected, now)
+    if node is not None and held.get(node) != edge:
+        raise UpdateRejected(
+            "not_your_node", f"edge {edge!r} does not speak for {node!r} in round {r.round} (POST /v1/edge/poll)"
+        )
+    return sr, held
+
+
+def _node_of(request: web.Request) -> str:
+    from .app import Refusal
+
+    node = request.query.get("node", "")
+    if not 1 <= len(node) <= 256:
+        raise Refusal(400, "bad_request", "query parameter 'node' (the relayed node's name) is needed")
+    return node
+
+
+async def post_edge_secagg(request: web.Request) -> web.Response:
+    """``POST /v1/edge/secagg/{stage}?node=NAME``: an edge relays one of its node's messages;
+    ``POST /v1/edge/secagg/masked_sum``: an edge's sum of its nodes' masked inputs."""
+    from .app import NODE, Refusal, _intake, _status_of, _svc, _tick, error
+
+    app, edge = request.app, request[NODE]
+    svc = _svc(request)
+    stage = request.match_info["stage"]
+    limit = body_limit(svc.secure_round.params.vector_size) if svc.secure_round is not None else MAX_HEADER_BYTES
+    length = request.content_length
+    if length is None:
+        raise Refusal(411, "length_required", "send the body with a Content-Length header")
+    if length > limit:
+        raise Refusal(413, "too_large", f"body of {length} bytes is over the limit of {limit} bytes", close=True)
+    try:
+        async with asyncio.timeout(svc.cfg.server.body_timeout_s):
+            body = await request.read()
+    except TimeoutError:
+        raise Refusal(408, "body_timeout", "the body did not arrive in server.body_timeout_s", close=True) from None
+    now = time.monotonic()
+    try:
+        if stage == "masked_sum":
+            sr, held = relayed_round(svc, _intake(request, svc), edge, None, now)
+            result = sr.receive_masked_sum(edge, body, held)
+        elif stage == "masked":
+            raise UpdateRejected("not_relayed", "an edge sends its nodes' masked inputs only in its masked sum")
+        else:
+            node = _node_of(request)
+            sr, _ = relayed_round(svc, _intake(request, svc), edge, node, now)
+            result = sr.receive(node, stage, body)
+    except ShoalError as e:
+        svc.refused(getattr(e, "code", "error"))
+        log.info("relayed secure aggregation message from edge %s refused: %s: %s", edge, getattr(e, "code", ""), e)
+        status = 403 if getattr(e, "code", "") == "not_an_edge" else _status_of(e)
+        return error(status, getattr(e, "code", "error"), str(e))
+    _tick(app)
+    return web.json_response(result)
+
+
+async def get_edge_secagg(request: web.Request) -> web.Response:
+    """``GET /v1/edge/secagg/{stage}?node=NAME&round=R&wait=S``: the root's answer to a stage for one
+    of the edge's nodes (long-polled as GET /v1/secagg/{stage})."""
+    from .app import _SLICE_S, CHANGED, NODE, _intake, _integer, _seconds, _status_of, _svc, _wait_event, error
+
+    app, edge = request.app, request[NODE]
+    svc = _svc(request)
+    node = _node_of(request)
+    round_ = _integer(request, "round")
+    end = time.monotonic() + _seconds(request, "wait", svc.cfg.server.poll_s)
+    while True:
+        event = app[CHANGED]["event"]
+        try:
+            sr, _ = relayed_round(svc, _intake(request, svc), edge, node, time.monotonic())
+            body = sr.reply(node, request.match_info["stage"], round_)
+        except ShoalError as e:
+            status = 403 if getattr(e, "code", "") == "not_an_edge" else _status_of(e)
+            return error(status, getattr(e, "code", "error"), str(e))
+        if body is not None:
+            return web.Response(body=body, content_type="application/octet-stream")
+        left = end - time.monotonic()
+        if left <= 0:
+            return web.json_response({"status": "wait", "round": round_}, status=202)
+        await _wait_event(event, min(left, _SLICE_S))
+
+
+# --- the edge's side ---------------------------------------------------------------------------------
+
+
+class EdgeRelay:
+    """An edge's part in the secure rounds of its root, without I/O (time passed in as ``now``)."""
+
+    def __init__(self, stage_s: float, margin_s: float):
+        self.stage_s, self.margin_s = stage_s, margin_s
+        self.key: tuple[int, int] | None = None  # (round, version) of the open secure round
+        self.info: dict[str, Any] = {}  # the root's secure_aggregation task fields, handed to the nodes
+        self.vector_size = 0
+        self.nodes: set[str] = set()
+        self.joined: set[str] = set()  # the root took their keys
+        self.out: set[str] = set()  # the root refused one of their messages: out of the round
+        self.sum: EdgeMaskedSum | None = None
+        self.close_at: float | None = None
+        self.sent = False
+        self.taken = 0  # masked inputs added since the start
+
+    @property
+    def round(self) -> int:
+        return self.key[0] if self.key is not None else -1
+
+    def start(self, round_: int, version: int, nodes: list[str], info: object, now: float) -> None:
+        """A new root round; ``info``: its secure_aggregation fields (None: a plain round)."""
+        self.check_info(info)  # nothing changes if the root's fields are refused
+        self.key, self.nodes = (round_, version), set(nodes)
+        self.joined, self.out, self.sent, self.close_at = set(), set(), False, None
+        if not isinstance(info, dict):
+            self.info, self.vector_size, self.sum = {}, 0, None
+            return
+        self.info, self.vector_size = dict(info), int(info["vector_size"])
+        self.sum = EdgeMaskedSum("", self.vector_size, nodes)
+        stage_s = info.get("stage_s", self.stage_s)
+        if isinstance(stage_s, (int, float)) and not isinstance(stage_s, bool) and stage_s > 0:
+            self.stage_s = float(stage_s)
+
+    @staticmethod
+    def check_info(info: object) -> None:
+        """Malformed unless ``info`` is None or a secure round an edge can relay."""
+        if info is None:
+            return
+        if not isinstance(info, dict):
+            raise Malformed("the root's secure_aggregation fields are not an object")
+        params = params_from_json(info)  # Malformed if anything is off
+        if params.malicious:
+            raise Malformed("the root runs the malicious-server variant, which edges do not relay")
+        if not isinstance(info.get("root_key"), str):
+            raise Malformed("the root's secure round has no root_key: the nodes' unmasking answers would pass in clear")
+
+    @property
+    def secure(self) -> bool:
+        return self.sum is not None
+
+    def wants_task(self, node: str) -> bool:
+        """Hand a secure round's task out only until the node joined the protocol."""
+        return not self.secure or node not in self.joined
+
+    def check(self, node: str) -> None:
+        if not self.secure:
+            raise UpdateRejected("round_closed", "this edge has no open secure round")
+        if node not in self.nodes:
+            raise UpdateRejected("not_selected", f"node {node!r} has no part in round {self.round} here")
+
+    def answered(self, node: str, stage: str, status: int, now: float) -> None:
+        """The root's answer to a message of ``node`` this edge relayed (or a reply it fetched)."""
+        if status >= 400:
+            self.out.add(node)
+        elif stage == "keys" and status == 200:
+            self.joined.add(node)
+
+    def delivered(self, now: float) -> None:
+        """A share delivery went to a node: the root's masked stage is open; its clock started."""
+        if self.close_at is None:
+            self.close_at = now + max(self.stage_s - self.margin_s, self.stage_s / 2)
+
+    def add(self, node: str, body: bytes) -> dict[str, Any]:
+        """One node's masked input into the edge's sum; a ShoalError with nothing changed if refused."""
+        self.check(node)
+        assert self.sum is not None
+        if self.sent:
+            raise UpdateRejected("round_closed", f"this edge sent its masked sum of round {self.round} already")
+        msg = decode_message(body, self.vector_size, body_limit(self.vector_size))
+        if not isinstance(msg, MaskedInput):
+            raise Malformed("POST /v1/secagg/masked takes a MaskedInput message")
+        if msg.sender != node:
+            raise Malformed(f"message sender {msg.sender!r} is not the authenticated node {node!r}")
+        try:
+            self.sum.add(msg)
+        except SecAggProtocolError as e:
+            raise UpdateRejected("duplicate" if "already" in str(e) else "not_selected", str(e)) from None
+        self.taken += 1
+        return {"status": "accepted", "round": self.round, "stage": "masked"}
+
+    def due(self, now: float) -> bool:
+        """The masked sum goes up: every node relayed into the round sent its masked input (or is
+        out), or the root's masked stage is about to close."""
+        if not self.secure or self.sent or self.sum is None or not self.sum.senders:
+            return False
+        waiting = self.joined - self.out - set(self.sum.senders)
+        return not waiting or (self.close_at is not None and now >= self.close_at)
+
+    def take_sum(self, edge: str) -> tuple[bytes, int]:
+        """The body of the masked sum to send up and the nodes inside; the sum is closed."""
+        assert self.sum is not None
+        part = self.sum.sealed()
+        assert part is not None
+        self.sent = True
+        body = encode_message(type(part)(edge, part.senders, part.vector), {"round": self.round})
+        return body, len(part.senders)
+
+
+class RelayLink:
+    """The edge's HTTP side of the relay: forwards to the root, sends the masked sum up."""
+
+    def __init__(self, relay: EdgeRelay):
+        self.relay = relay
+        self.http: aiohttp.ClientSession | None = None
+        self.parent = ""
+        self.name = lambda: ""
+        self.metrics: Path | None = None
+
+    def attach(self, http: aiohttp.ClientSession, parent: str, name, metrics: Path) -> None:
+        """The edge's session with its root (its token and TLS context), once it is made."""
+        self.http, self.parent, self.name, self.metrics = http, parent.rstrip("/"), name, metrics
+
+    async def forward(self, method: str, stage: str, params: dict[str, str], body: bytes | None) -> web.Response:
+        if self.http is None:
+            return web.json_response(
+                {"error": "not_ready", "detail": "this edge is not connected to its root"}, status=503
+            )
+        headers = {"Content-Type": "application/octet-stream"} if body is not None else {}
+        async with self.http.request(
+            method, f"{self.parent}/v1/edge/secagg/{stage}", params=params, data=body, headers=headers
+        ) as r:
+            payload = await r.read()
+            return web.Response(status=r.status, body=payload, content_type=r.content_type)
+
+    async def send_sums(self, stop: asyncio.Event, changed) -> None:
+        """Send the masked sum up when it is due, retransmitted until the root answers."""
+        from .edge_uplink import PartialRefused, UplinkGaveUp, send_partial
+
+        assert self.http is not None
+        loop = asyncio.get_running_loop()
+        while not stop.is_set():
+            now = time.monotonic()
+            if self.relay.due(now):
+                round_ = self.relay.round
+                body, nodes = self.relay.take_sum(self.name())
+                changed()
+                record: dict[str, Any] = {"edge": self.name(), "round": round_, "secure": True, "nodes_in": nodes}
+                record["masked_sum_bytes"] = len(body)
+                # past the root's masked-stage deadline the sum is of no use (loop clock)
+                give_up = None
+                if self.relay.close_at is not None:
+                    give_up = loop.time() + (self.relay.close_at + 2 * self.relay.margin_s - time.monotonic())
+                try:
+                    path = "/v1/edge/secagg/masked_sum"
+                    answer = await send_partial(self.http, self.parent, body, give_up_at=give_up, path=path)
+                    record["answer"] = answer.get("status")
+                    log.info("round %d: masked sum of %d nodes %s by the root", round_, nodes, answer.get("status"))
+                except (PartialRefused, UplinkGaveUp) as e:
+                    record["answer"] = "refused" if isinstance(e, PartialRefused) else "gave_up"
+                    log.warning("round %d: masked sum of %d nodes not taken: %s", round_, nodes, e)
+                if self.metrics is not None:
+                    with self.metrics.open("a") as f:
+                        f.write(json.dumps(json_safe(record)) + "\n")
+            await asyncio.sleep(0.05)
+
+
+RELAY = web.AppKey("relay", RelayLink)
+
+
+async def _read(request: web.Request, limit: int, timeout: float) -> bytes:
+    from .app import Refusal
+
+    length = request.content_length
+    if length is None:
+        raise Refusal(411, "length_required", "send the body with a Content-Length header")
+    if length > limit:
+        raise Refusal(413, "too_large", f"body of {length} bytes is over the limit of {limit} bytes", close=True)
+    try:
+        async with asyncio.timeout(timeout):
+            return await request.read()
+    except TimeoutError:
+        raise Refusal(408, "body_timeout", "the body did not arrive in server.body_timeout_s", close=True) from None
+
+
+async def edge_post_secagg(request: web.Request) -> web.Response:
+    """A node's ``POST /v1/secagg/{stage}`` at its edge: masked inputs are added here, the rest relayed."""
+    from .app import NODE, _notify, _status_of, error
+
+    link, node = request.app[RELAY], request[NODE]
+    relay, stage = link.relay, request.match_info["stage"]
+    try:
+        relay.check(node)
+        body = await _read(request, body_limit(relay.vector_size), 30.0)
+        if stage == "masked":
+            result = relay.add(node, body)
+            _notify(request.app)
+            return web.json_response(result)
+        if stage not in RELAYED:
+            raise UpdateRejected("unknown_stage", f"{stage!r} is not a secure aggregation stage")
+    except ShoalError as e:
+        return error(_status_of(e), getattr(e, "code", "error"), str(e))
+    try:
+        answer = await link.forward("POST", stage, {"node": node}, body)
+    except (aiohttp.ClientError, TimeoutError) as e:
+        return error(503, "root_unreachable", f"the root did not answer: {type(e).__name__}")
+    relay.answered(node, stage, answer.status, time.monotonic())
+    return answer
+
+
+async def edge_get_secagg(request: web.Request) -> web.Response:
+    """A node's long-poll ``GET /v1/secagg/{stage}`` at its edge, relayed to the root."""
+    from .app import NODE, _integer, _seconds, _status_of, error
+
+    link, node = request.app[RELAY], request[NODE]
+    relay, stage = link.relay, request.match_info["stage"]
+    try:
+        relay.check(node)
+    except ShoalError as e:
+        return error(_status_of(e), getattr(e, "code", "error"), str(e))
+    round_ = _integer(request, "round")
+    wait = _seconds(request, "wait", 10.0)
+    try:
+        answer = await link.forward("GET", stage, {"node": node, "round": str(round_), "wait": f"{wait:g}"}, None)
+    except (aiohttp.ClientError, TimeoutError) as e:
+        return error(503, "root_unreachable", f"the root did not answer: {type(e).__name__}")
+    now = time.monotonic()
+    relay.answered(node, stage, answer.status, now)
+    if stage == "shares" and answer.status == 200:
+        relay.delivered(now)
+    return answer
