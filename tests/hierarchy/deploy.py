@@ -261,6 +261,8 @@ class Hierarchy:
                 sample()
             if st is not None and pred(st):
                 return st
+            if st is None and "root" in self.procs and self.procs["root"].poll() is not None:
+                raise AssertionError(f"the root ended before the status condition was met\n{self.dump()}")
             time.sleep(0.1)
         raise AssertionError(f"status condition not met in {timeout} s; last {self.status()}\n{self.dump()}")
 

@@ -8,9 +8,11 @@ machine, 100 nodes in 4 hosts do.
 SPEC: ``{"config": path, "nodes": [{"name", "shard", "token_file", "servers"}], "dropout": p,
 "seed": s, "silent": [names], "events": path}``. With ``dropout`` p > 0 a node drops out of a round
 with probability p (decided from seed, its name and the round, so a run can be replayed): it trains,
-sends nothing, and does not train that task again; a node named in ``silent`` drops out of every
-round. Every upload's outcome goes to ``events`` (one JSON line: node, round, version, the server it
-went to, ``accepted`` / ``refused`` / ``dropped``): the robustness bench checks the root's counts
+sends nothing, and does not train that task again (in a secure round it leaves the protocol after
+sharing its keys, before its masked input: the drop-out the protocol recovers from); a node named
+in ``silent`` drops out of every round. Every upload's outcome goes to ``events`` (one JSON line:
+node, round, version, the server it went to, ``accepted`` / ``refused`` / ``dropped``; in secure
+rounds ``masked`` when its masked input was taken): the robustness bench checks the root's counts
 against it. SIGTERM/SIGINT stop every node; the host exits 0 when
 every node ended (the servers said done)."""
 
@@ -28,8 +30,15 @@ import torch
 
 from shoal.client.node import Node
 from shoal.config import load_config
+from shoal.errors import ShoalError
 from shoal.pki import read_secret
 from shoal.shards import load_shard
+
+
+class DroppedOut(ShoalError):
+    """This node's coin: it leaves the round here."""
+
+    code = "dropped_out"
 
 
 class HostedNode(Node):
@@ -45,13 +54,33 @@ class HostedNode(Node):
             with self.events.open("a") as f:  # at once: a host killed mid-run keeps what happened
                 f.write(json.dumps(event) + "\n")
 
+    task_now: dict = {}
+
+    def drops(self, round_: object) -> bool:
+        return self.name in self.silent or (
+            self.dropout > 0 and random.Random(f"{self.seed}:{self.name}:{round_}").random() < self.dropout
+        )
+
+    async def _work(self, task: dict) -> None:
+        self.task_now = task
+        await super()._work(task)
+
+    async def _request(self, method: str, path: str, **kw) -> dict:
+        """Secure rounds: the coin makes the node vanish before its masked input (after its keys)."""
+        task = self.task_now
+        event = {"node": self.name, "round": task.get("round"), "version": task.get("version"), "server": self.url}
+        if path == "/v1/secagg/masked" and self.drops(task.get("round")):
+            self.failed_tasks.add((int(task["round"]), int(task["version"])))
+            self.note({**event, "outcome": "dropped"})
+            raise DroppedOut("dropped out before its masked input")
+        answer = await super()._request(method, path, **kw)
+        if path == "/v1/secagg/masked":
+            self.note({**event, "outcome": "masked"})
+        return answer
+
     async def _upload(self, task: dict, body) -> bool:  # type: ignore[no-untyped-def]
         event = {"node": self.name, "round": int(task["round"]), "version": int(task["version"]), "server": self.url}
-        if (
-            self.name in self.silent
-            or self.dropout
-            and random.Random(f"{self.seed}:{self.name}:{task['round']}").random() < self.dropout
-        ):
+        if self.drops(task["round"]):
             self.failed_tasks.add((int(task["round"]), int(task["version"])))  # gone for this round
             self.note({**event, "outcome": "dropped"})
             return False
