@@ -24,6 +24,13 @@ out: it waits for the processes to start), the root's peak RSS (sampled from /pr
 the edges' close and send latency (their edge_metrics.jsonl), and the nodes' re-attach times.
 
     .venv/bin/python bench/hierarchy.py --processes [--n 8] [--edges 2] [--rounds 10] [--kill-after 5]
+
+``--secure``: secure aggregation of ``--n`` nodes' vectors of the model's size, flat against
+through ``--edges`` edges (aggregation/secagg/tiers.py), in memory, the same inputs, alternating:
+the root's ingress (every protocol byte it reads) and its CPU (the protocol's server side, sealed
+answers opened, plus decoding the masked bodies it ingests), and the bytes on each link.
+
+    .venv/bin/python bench/hierarchy.py --secure [--n 100] [--edges 4] [--rounds 3] [--model 2nn] [--graph secagg+]
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from shoal.aggregation.partial import Accumulator, encode_partial
@@ -213,6 +221,66 @@ def processes(args: argparse.Namespace) -> None:
         )
 
 
+def secure_round(args: argparse.Namespace, dim: int, seed: int, tiered: bool) -> dict:
+    """One secure aggregation of ``args.n`` nodes' vectors of ``dim`` words, flat or through
+    ``args.edges`` edges (aggregation/secagg: run_in_memory / run_through_edges), the same inputs.
+    Root CPU: the protocol's server side (SecAggCost.server_s: taking the messages as objects,
+    opening the sealed answers, unmasking; other messages' decoding is the same on both sides and
+    left out) plus decoding the masked bodies it ingests (MaskedInput x n flat, MaskedSum x
+    edges tiered; encoded before the clock starts). Ingress: every protocol byte the root reads."""
+    from shoal.aggregation.secagg import MaskedInput, SecAggParams
+    from shoal.aggregation.secagg.memory import run_in_memory
+    from shoal.aggregation.secagg.tiers import EdgeMaskedSum, run_through_edges
+    from shoal.aggregation.secagg.wire import decode_message, encode_message
+
+    g = np.random.default_rng(seed)
+    ids = node_ids(args.n)
+    inputs = {c: g.integers(0, 2**20, dim, dtype=np.uint32) for c in ids}
+    params = SecAggParams(session=f"bench/{seed}".encode(), vector_size=dim, graph=args.graph)
+    edge_of = {c: f"edge-{i * args.edges // args.n}" for i, c in enumerate(ids)}
+    if tiered:
+        result, cost = run_through_edges(params, inputs, edge_of, seed=seed)
+        sums = {e: EdgeMaskedSum(e, dim, [c for c in ids if edge_of[c] == e]) for e in sorted(set(edge_of.values()))}
+        for c in ids:  # the edges' sums, the size of the bodies the root decodes
+            sums[edge_of[c]].add(MaskedInput(c, inputs[c]))
+        bodies = [encode_message(part) for s in sums.values() if (part := s.sealed()) is not None]
+        ingress = cost.links["edge_root_up"]
+    else:
+        result, cost = run_in_memory(params, inputs, seed=seed)
+        bodies = [encode_message(MaskedInput(c, inputs[c])) for c in ids]
+        ingress = sum(cost.sent.values())
+    assert result.included == ids
+    t = time.process_time()
+    for b in bodies:
+        decode_message(b, dim)
+    decode_s = time.process_time() - t
+    return {"root_cpu": cost.server_s + decode_s, "ingress": ingress, "links": dict(getattr(cost, "links", {}))}
+
+
+def secure(args: argparse.Namespace) -> None:
+    dim = {"cnn": 1_663_370, "2nn": 199_210}[args.model] + 1  # the model and the weight entry
+    print(
+        f"secure aggregation, {args.graph} graph: {args.n} nodes, vectors of {dim:,} words ({args.model}); flat vs "
+        f"{args.edges} edges that relay and add masked vectors; {args.rounds} rounds each, alternating, medians"
+    )
+    loads = [os.getloadavg()[0]]
+    runs: dict[bool, list[dict]] = {False: [], True: []}
+    for r in range(args.rounds):
+        for tiered in (False, True):
+            runs[tiered].append(secure_round(args, dim, 100 + r, tiered))
+        loads.append(os.getloadavg()[0])
+    print(f"load average (1 min) during the runs: {min(loads):.1f} to {max(loads):.1f} on {os.cpu_count()} CPUs")
+    flat_in = statistics.median(x["ingress"] for x in runs[False])
+    flat_cpu = statistics.median(x["root_cpu"] for x in runs[False])
+    print(f"{'root':>30} {'ingress MB/round':>17} {'root CPU s/round':>17} {'ingress ratio':>14} {'CPU ratio':>10}")
+    for tiered, label in ((False, f"flat ({args.n} nodes)"), (True, f"{args.edges} edges")):
+        ing = statistics.median(x["ingress"] for x in runs[tiered])
+        cpu = statistics.median(x["root_cpu"] for x in runs[tiered])
+        print(f"{label:>30} {ing / 1e6:>17.2f} {cpu:>17.3f} {flat_in / ing:>13.1f}x {flat_cpu / cpu:>9.2f}x")
+    links = runs[True][-1]["links"]
+    print("bytes per link, tiered (MB/round): " + ", ".join(f"{k} {v / 1e6:.2f}" for k, v in sorted(links.items())))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=100, help="nodes in a round")
@@ -221,7 +289,12 @@ def main() -> None:
     ap.add_argument("--model", default="cnn", choices=["cnn", "2nn"])
     ap.add_argument("--processes", action="store_true", help="real processes on 127.0.0.1 (see above)")
     ap.add_argument("--kill-after", type=int, default=0, help="--processes: SIGKILL an edge after this version")
+    ap.add_argument("--secure", action="store_true", help="secure aggregation: flat vs through edges (see above)")
+    ap.add_argument("--graph", default="secagg+", choices=["full", "secagg+"], help="--secure: the mask graph")
     args = ap.parse_args()
+    if args.secure:
+        secure(args)
+        return
     if args.processes:
         processes(args)
         return

@@ -86,7 +86,7 @@ def selection_secret(cfg: Config) -> bytes | None:
     """The key of a DP run's client selection and task seeds (SyncRounds.secret): 256 bits from the
     OS, so nobody who knows the config can recompute who was sampled; None (selection seeded from
     simulation.seed) without DP or with ``privacy.reproducible``."""
-    if cfg.privacy.mode == "none" or cfg.privacy.reproducible:
+    if not plan_of(cfg).enabled or cfg.privacy.reproducible:
         return None
     return secrets.token_bytes(32)
 

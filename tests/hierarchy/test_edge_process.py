@@ -126,7 +126,7 @@ def test_secure_aggregation_through_edge_processes_and_a_killed_edge_s_nodes_are
     ck = sorted((tmp_path / "ck").iterdir())
     tensors = next(t for t, s in map(load_checkpoint, ck) if s["version"] == SECURE_FLAT)
     cfg = h.cfg
-    plain = InProcessSimulation(replace(cfg, secure_aggregation=type(cfg.secure_aggregation)()))
+    plain = InProcessSimulation.from_config(replace(cfg, secure_aggregation=type(cfg.secure_aggregation)()))
     for _ in range(SECURE_FLAT):
         plain.run_round()
     diff = float((tensors["params"] - plain.global_params).abs().max())

@@ -274,3 +274,52 @@ def test_an_edge_holds_no_unmasking_material_even_when_another_edge_is_lost() ->
                 assert C.decrypt(clients[m.sender]._share_key(to), ct, ad) is not None
                 for pk in (p for _, d in view.down if isinstance(d, KeyDirectory) for p in d.peers.values()):
                     assert C.decrypt(C.agree(mine, pk.enc_key, info, b"lost"), ct, ad) is None
+
+
+def test_an_edge_relay_adds_only_its_nodes_masked_inputs_and_sends_when_due() -> None:
+    """server/edge_secure.py's EdgeRelay, without I/O: it takes a masked input only from a node of
+    its round, once, as that node; its sum goes up when every node it relayed into the round sent
+    one (or was refused by the root), or at its deadline; a root answer that is no secure round it
+    can relay is refused with nothing changed."""
+    from shoal.aggregation.secagg.wire import params_to_json
+    from shoal.errors import SpecMismatch, UpdateRejected
+    from shoal.server.edge_secure import EdgeRelay
+
+    size = 6
+    info = {**params_to_json(params(size)), "root_key": "a2V5", "stage_s": 4.0}
+    relay = EdgeRelay(stage_s=30.0, margin_s=1.0)
+    for bad in ([1], {**info, "malicious": True}, {k: v for k, v in info.items() if k != "root_key"}):
+        with pytest.raises(Malformed):
+            relay.start(1, 0, ["a", "b", "c"], bad, now=0.0)
+        assert relay.key is None and not relay.secure
+    relay.start(1, 0, ["a", "b", "c"], info, now=0.0)
+    assert relay.secure and relay.wants_task("a")
+    for n in ("a", "b", "c"):
+        relay.answered(n, "keys", 200, 0.1)
+    relay.answered("c", "shares", 409, 0.2)  # the root excluded c
+    assert not relay.wants_task("a") and relay.stage_s == 4.0
+
+    def body(sender: str, n: int = size) -> bytes:
+        return encode_message(MaskedInput(sender, np.full(n, 7, np.uint32)), {"round": 1})
+
+    relay.delivered(1.0)
+    relay.add("a", body("a"))
+    for node, b, err in (
+        ("a", body("a"), UpdateRejected),  # twice
+        ("b", body("a"), Malformed),  # posing as another node
+        ("b", body("b", size - 1), SpecMismatch),  # wrong size
+        ("z", body("z"), UpdateRejected),  # not in this round here
+    ):
+        with pytest.raises(err):
+            relay.add(node, b)
+    assert relay.sum is not None and relay.sum.senders == ["a"]
+    assert not relay.due(2.0)  # b has not sent yet (c is out)
+    assert relay.due(1.0 + 4.0 - 1.0)  # the root's masked stage closes soon: send what is there
+    relay.add("b", body("b"))
+    assert relay.due(2.0)
+    sent, nodes = relay.take_sum("edge-x")
+    msg = decode_message(sent, size)
+    assert nodes == 2 and isinstance(msg, MaskedSum) and msg.senders == ("a", "b") and msg.origin == "edge-x"
+    assert np.array_equal(msg.vector, np.full(size, 14, np.uint32)) and not relay.due(3.0)
+    with pytest.raises(UpdateRejected):
+        relay.add("c", body("c"))  # after the sum went up

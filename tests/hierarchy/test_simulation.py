@@ -160,7 +160,7 @@ def test_secure_edges_lost_mid_round_are_the_protocols_drop_outs() -> None:
     keys went up, or after they masked but before the edge's sum reached the root), the root
     recovers them as drop-outs and applies the other 8; two edges lost at once leave 4 of 12
     clients, below the threshold of 7: that round aborts and the model stays."""
-    sim = InProcessSimulation(
+    sim = InProcessSimulation.from_config(
         load_config(None, [*HUNDRED, *TWELVE, *SECURE, "hierarchy.edges=3", "hierarchy.edge_failure=0.5"])
     )
     seen = []
