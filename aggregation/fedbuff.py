@@ -112,6 +112,25 @@ class FedBuff:
         self.base_total += base
         self.count += 1
 
+    def accumulate_sum(self, weighted_sum: torch.Tensor, total_weight: float, count: int, staleness: int) -> None:
+        """Add ``count`` updates already summed elsewhere (an edge aggregator's partial, all trained
+        from one version): ``weighted_sum = sum_k w_k delta_k`` with this buffer's weighting, so the
+        buffer gains ``s(t) sum_k w_k delta_k`` and ``sum_k w_k``, as ``count`` calls of
+        :meth:`accumulate` with staleness ``t`` would add. The ``count`` updates all enter, even past
+        K (a sum cannot be split): the flush then averages more than K. A robust rule needs each
+        update and takes no sum."""
+        if self.rule is not None:
+            raise ValueError("a robust FedBuff combines single updates; it takes no sum of several")
+        if count < 1 or not (total_weight > 0 and math.isfinite(total_weight)):
+            raise ValueError(f"a sum of {count} updates of total weight {total_weight} adds nothing")
+        if self._sum is None:
+            self._sum = torch.zeros(weighted_sum.numel(), dtype=torch.float64, device=self.device)
+        if weighted_sum.shape != self._sum.shape:
+            raise ValueError(f"sum has shape {tuple(weighted_sum.shape)}, expected {tuple(self._sum.shape)}")
+        self._sum.add_(weighted_sum.to(self.device, torch.float64), alpha=self.weight(staleness))
+        self.base_total += total_weight
+        self.count += count
+
     def flush(self, x: torch.Tensor) -> torch.Tensor:
         """One server-optimizer step with the buffer's average; empties the buffer."""
         if self.count == 0 or (self._sum is None and not self._held):

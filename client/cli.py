@@ -132,6 +132,12 @@ def node(
     config: Path = typer.Option(
         None, "--config", "-c", help=as_written("The node config: [node], [limits], [[tasks]].")
     ),
+    server: str | None = typer.Option(
+        None,
+        "--server",
+        help="The federation's URL, or several comma-separated (instead of node.server): the node moves to "
+        "the next when the one it uses stops answering.",
+    ),
     verbose: bool = typer.Option(False, "--verbose", "-v"),
 ) -> None:
     """Run as a long-lived daemon: wait for runs, check each against this node's config
@@ -144,12 +150,15 @@ def node(
     from shoal.tls import client_context
 
     from .daemon import NodeDaemon
-    from .node_config import load_node_config
+    from .node_config import load_node_config, parse_servers
 
     setup_logging(verbose)
     if config is None:
         raise ConfigError("give the node config with --config (see docs/deploy.md, 'Nodes')")
     cfg = load_node_config(config)
+    if server is not None:
+        cfg.servers = parse_servers(server, "--server")
+        cfg.server = cfg.servers[0]
     token = ""
     if cfg.token_file is not None:
         if not cfg.token_file.is_file():

@@ -5,7 +5,10 @@ operator's config (client/node_config.py: the task must be installed here with t
 source hash, the run's settings within this node's limits), refuses the others with the
 reason (``POST /runs/{run}/v1/answer``, shown in the run's status), and runs each accepted
 one as a client/node.py Node on the run's routes (``/runs/{run}/v1/...``), several at once.
-When the server goes away it retries with full-jitter backoff; a run's Node does the same.
+When the server goes away it retries with full-jitter backoff; a run's Node does the same. Given
+several servers (``node.server`` a list, or ``shoal node --server URL1,URL2``) it moves to the next
+after two failed requests in a row, as `shoal client --server URL1,URL2` does, and each run's Node
+gets the same list (starting from the server in use).
 SIGINT/SIGTERM let the current steps finish, then it exits.
 """
 
@@ -30,7 +33,7 @@ from shoal.errors import ShoalError
 from shoal.signals import on_stop_signals
 
 from .http import Backoff, NodeError, Refused, Retry, check_response, connection_problem
-from .node import Node, builtin_local_data, read_local_data
+from .node import REATTACH_AFTER, Node, builtin_local_data, read_local_data
 from .node_config import BUILTIN, NodeConfig
 from .runlog import RUN, RunTag
 
@@ -72,6 +75,9 @@ class NodeDaemon:
         self.refused: dict[str, str] = {}  # run -> this node's reason (for good)
         self.deferred: dict[str, str] = {}  # run -> why this node cannot take part yet (asked again each poll)
         self.ledgers: dict[Path, str] = {}  # local-DP ledger in use -> the run spending that data's budget
+        self.url = cfg.servers[0]  # the server in use (the next of cfg.servers when it stops answering)
+        self.failures = 0
+        self.lost_since: float | None = None
 
     async def run(self) -> int:
         on_stop_signals(self._on_signal)
@@ -79,11 +85,12 @@ class NodeDaemon:
         backoff = Backoff()
         auth = {"Authorization": f"Bearer {self.token}"} if self.token else {}  # else a client certificate
         async with aiohttp.ClientSession(timeout=timeout, headers=auth) as self.http:
-            log.info("node %s joins %s with %d allowed tasks", self.cfg.name, self.cfg.server, len(self.cfg.tasks))
+            log.info("node %s joins %s with %d allowed tasks", self.cfg.name, self.url, len(self.cfg.tasks))
             while not self.stop.is_set():
                 try:
                     offers = await self._request("GET", "/v1/offers")
                     backoff.reset()
+                    self._answered()
                     runs = offers.get("runs") if isinstance(offers, dict) else None
                     for offer in runs[:MAX_OFFERS] if isinstance(runs, list) else []:
                         if not well_formed_offer(offer):
@@ -93,6 +100,7 @@ class NodeDaemon:
                             await self._consider(offer)
                     delay = self.cfg.poll_s
                 except Retry as e:
+                    self._lost()
                     delay = backoff.next(self.rand)
                     log.warning("%s; retrying in %.2f s", e, delay)
                 except NodeError as e:
@@ -107,6 +115,24 @@ class NodeDaemon:
                 await asyncio.wait(list(self.runs.values()), timeout=30)
         log.info("node %s stops: took part in %d runs, refused %d", self.cfg.name, len(self.runs), len(self.refused))
         return 0
+
+    def _lost(self) -> None:
+        """The server in use did not answer; after REATTACH_AFTER failures in a row the daemon moves
+        to the next server of its list (the runs it takes part in move on their own, client/node.py)."""
+        loop = asyncio.get_running_loop()
+        self.lost_since = self.lost_since if self.lost_since is not None else loop.time()
+        self.failures += 1
+        servers = self.cfg.servers
+        if len(servers) > 1 and self.failures >= REATTACH_AFTER:
+            old, self.url = self.url, servers[(servers.index(self.url) + 1) % len(servers)]
+            self.failures = 0
+            log.warning("server %s does not answer; re-attaching to %s", old, self.url)
+
+    def _answered(self) -> None:
+        if self.lost_since is not None:
+            took = asyncio.get_running_loop().time() - self.lost_since
+            log.info("attached to %s, %.3f s after the last server stopped answering", self.url, took)
+        self.lost_since, self.failures = None, 0
 
     def _on_signal(self) -> None:
         log.info("signal received: finishing the current steps, then exiting")
@@ -201,8 +227,10 @@ class NodeDaemon:
             local = builtin_local_data(task, load_shard(allowed.data))  # type: ignore[arg-type]
         else:
             local = read_local_data(task, allowed.data)
+        servers = self.cfg.servers
+        first = servers.index(self.url)  # the server in use first, then the others in turn
         return Node(
-            f"{self.cfg.server}/runs/{offer['run']}",
+            ",".join(f"{u}/runs/{offer['run']}" for u in servers[first:] + servers[:first]),
             self.token,
             local,
             cfg,
@@ -248,13 +276,13 @@ class NodeDaemon:
             log.warning("%s: the server did not take this node's answer: %s", run, e)
 
     async def _request(self, method: str, path: str, **kw) -> Any:
-        url = self.cfg.server + path
+        url = self.url + path
         try:
             async with self.http.request(method, url, ssl=self.ssl if self.ssl is not None else True, **kw) as resp:
                 await check_response(resp)
                 return await resp.json()
         except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, ValueError) as e:
-            problem = await connection_problem(self.cfg.server, e)  # a bad certificate, the wrong scheme
+            problem = await connection_problem(self.url, e)  # a bad certificate, the wrong scheme
             if problem is not None:
                 raise problem from None
             raise Retry(f"{method} {path}: {type(e).__name__}: {e}") from None

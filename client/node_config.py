@@ -54,8 +54,9 @@ class Limits:
 
 @dataclass
 class NodeConfig:
-    """[node]: the federation's URL, this node's credential (a token file, or a certificate and key
-    enrolled with `shoal server nodes add --csr`), its device, state folder and poll period."""
+    """[node]: the federation's URL (or several, in order of preference: the node moves to the next
+    when the one it uses stops answering), this node's credential (a token file, or a certificate and
+    key enrolled with `shoal server nodes add --csr`), its device, state folder and poll period."""
 
     server: str
     token_file: Path | None
@@ -68,6 +69,10 @@ class NodeConfig:
     poll_s: float = 2.0
     limits: Limits = field(default_factory=Limits)
     tasks: dict[str, AllowedTask] = field(default_factory=dict)
+    servers: list[str] = field(default_factory=list)  # every URL, ``server`` first ([] = ``server`` alone)
+
+    def __post_init__(self) -> None:
+        self.servers = self.servers or [self.server]
 
     def check(self, offer: dict[str, Any]) -> str | None:
         """Why this node refuses a run (None: it takes part). ``offer``: the server's
@@ -111,6 +116,22 @@ class NodeConfig:
         return None
 
 
+def parse_servers(value: object, where: str) -> list[str]:
+    """``node.server`` (or ``shoal node --server``): one URL, several comma-separated, or a TOML list;
+    all https:// (or all http:// for --insecure servers); ConfigError naming ``where`` otherwise."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(u, str) for u in items):
+        raise ConfigError(f"{where} must be a URL, several comma-separated, or a list of URLs")
+    urls = [u.strip().rstrip("/") for u in items if u.strip()]
+    if not urls or len(urls) > 64:
+        raise ConfigError(f"{where} names {len(urls)} servers; give 1 to 64")
+    if not (all(u.startswith("https://") for u in urls) or all(u.startswith("http://") for u in urls)):
+        raise ConfigError(f"{where} = {value!r} must start with https:// (or all with http:// for --insecure servers)")
+    if len(set(urls)) != len(urls):
+        raise ConfigError(f"{where} names a server twice")
+    return urls
+
+
 def load_node_config(path: Path) -> NodeConfig:
     """Read and check a node config (TOML: [node], [limits], [[tasks]]); ConfigError naming the key."""
     try:
@@ -123,6 +144,10 @@ def load_node_config(path: Path) -> NodeConfig:
     if unknown:
         raise ConfigError(f"node config {path}: unknown table [{unknown[0]}]; expected [node], [limits], [[tasks]]")
     node = dict(raw.get("node", {}))
+    if "server" not in node:
+        raise ConfigError(f"node config {path}: node.server (a URL, or a list of them) is needed")
+    servers = parse_servers(node.pop("server"), "node.server")
+    node["server"] = servers[0]
     for key in ("server", "name"):
         if not isinstance(node.get(key), str) or not node[key]:
             raise ConfigError(f"node config {path}: node.{key} (a string) is needed")
@@ -137,8 +162,6 @@ def load_node_config(path: Path) -> NodeConfig:
             f"node config {path}: give node.token_file (a node added with a token) or node.cert and node.key "
             "(a node enrolled by key), one of the two"
         )
-    if not node["server"].startswith(("https://", "http://")):
-        raise ConfigError(f"node.server = {node['server']!r} must start with https:// (or http:// for --insecure)")
     poll_s = node.get("poll_s", 2.0)
     if not isinstance(poll_s, (int, float)) or not (math.isfinite(poll_s) and 0.1 <= poll_s <= 300):
         raise ConfigError(f"node.poll_s = {poll_s!r} must be a number of seconds in [0.1, 300]")
@@ -167,7 +190,8 @@ def load_node_config(path: Path) -> NodeConfig:
             )
         tasks[t["ref"]] = AllowedTask(t["ref"], t["sha256"], Path(t["data"]).expanduser())
     return NodeConfig(
-        server=node["server"].rstrip("/"),
+        server=servers[0],
+        servers=servers,
         token_file=Path(node["token_file"]).expanduser() if "token_file" in node else None,
         name=node["name"],
         cert=Path(node["cert"]).expanduser() if "cert" in node else None,

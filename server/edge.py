@@ -19,6 +19,7 @@ to the root) is on docs/hierarchy.md's "not yet" list.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -32,19 +33,33 @@ if TYPE_CHECKING:
 
 #: The most node names one edge poll (POST /v1/edge/poll) may carry.
 MAX_ROSTER = 10_000
-MAX_EDGE_POLL_BODY = 64 + 260 * MAX_ROSTER
+MAX_EDGE_POLL_BODY = 64 + 2 * 260 * MAX_ROSTER  # its nodes, and (async) those of them waiting for a task
+MAX_RECENT_PARTIALS = 64  # an async root remembers this many of each edge's partials (retransmits)
 
 
 def parse_roster(body: object) -> list[str]:
-    """The node names of an edge's poll body ``{"nodes": [name, ...]}``; Malformed if it is not one."""
-    if not isinstance(body, dict) or set(body) != {"nodes"} or not isinstance(body["nodes"], list):
-        raise Malformed('an edge poll is a JSON object {"nodes": [node names]}')
+    """The node names of an edge's poll body ``{"nodes": [name, ...]}`` (an async edge may add
+    ``"want": [...]``, see :func:`parse_want`); Malformed if it is not one."""
+    if (
+        not isinstance(body, dict)
+        or not {"nodes"} <= set(body) <= {"nodes", "want"}
+        or not isinstance(body["nodes"], list)
+    ):
+        raise Malformed('an edge poll is a JSON object {"nodes": [node names]} (and "want": [node names])')
     nodes = body["nodes"]
     if len(nodes) > MAX_ROSTER:
         raise Malformed(f"an edge poll names {len(nodes)} nodes, over {MAX_ROSTER}")
     if not all(isinstance(n, str) and 1 <= len(n) <= 256 for n in nodes) or len(set(nodes)) != len(nodes):
         raise Malformed("an edge poll's nodes are distinct names of 1 to 256 characters")
     return nodes
+
+
+def parse_want(body: dict, nodes: list[str]) -> set[str]:
+    """The nodes of an async edge's poll that wait for a task (``"want"``, a subset of ``"nodes"``)."""
+    want = body.get("want", [])
+    if not isinstance(want, list) or not all(isinstance(n, str) for n in want) or not set(want) <= set(nodes):
+        raise Malformed('an edge poll\'s "want" lists nodes that its "nodes" names')
+    return set(want)
 
 
 class EdgeRoster:
@@ -103,6 +118,12 @@ class PartialIntake:
         self._inbox: PartialInbox | None = None
         self.roster = EdgeRoster(service.cfg.hierarchy.edge_timeout_s)
         self._taken: tuple[int, set[str], int, int] = (-1, set(), 0, 0)  # round, edges, partial bytes, nodes
+        # async roots: which edge handed out each node's open task (only it may count the node's
+        # update), the partials taken towards the next version, and each edge's recent partials
+        # (a retransmit of one of them is answered as a duplicate, counted once)
+        self.task_via: dict[str, str] = {}
+        self._buffered: tuple[set[str], int, int] = (set(), 0, 0)
+        self._recent: dict[str, OrderedDict[str, dict[str, Any]]] = {}
         service.tier_figures = self.figures
         numel = service.spec.numel
         # a float64 sum of the whole model, and a header naming up to ~40,000 nodes
@@ -118,8 +139,13 @@ class PartialIntake:
 
     def _why_not(self) -> str | None:
         cfg = self.service.cfg
-        if self.service.sync is None:
-            return f"server.mode = {cfg.server.mode!r}: partials from edges join sync rounds"
+        if self.service.sync is None and cfg.asynchronous.algorithm != "fedbuff":
+            return (
+                f"asynchronous.algorithm = {cfg.asynchronous.algorithm!r} mixes each update into the model as it "
+                "arrives; an async root takes edge partials into FedBuff's buffer only"
+            )
+        if self.service.sync is None and cfg.robust.norm_bound:
+            return "robust.norm_bound bounds each update, which a sum hides"
         if cfg.secure_aggregation.enabled and cfg.secure_aggregation.malicious_server:
             return "secure_aggregation.malicious_server = true: its consistency round through edges is not built"
         if cfg.privacy.mode != "none":
@@ -159,6 +185,8 @@ class PartialIntake:
             svc.refused(getattr(e, "code", "error"))
             raise
         taken, refused = self.roster.claim(edge, nodes, now, lambda n: n not in names and enrolled(n))
+        if svc.sync is None:
+            return self._poll_async(edge, taken, refused, parse_want(body, nodes), now)  # type: ignore[arg-type]
         works = {n: svc.poll(n, now) for n in taken}  # each is seen (connected) as if it polled the root
         answer: dict[str, Any] = {"edge": edge, "version": svc.version, "nodes": len(taken)}
         if refused:
@@ -169,7 +197,7 @@ class PartialIntake:
                 answer["reason"] = svc.stop_reason
             return answer
         r = svc.sync
-        assert r is not None  # _why_not refuses async servers
+        assert r is not None  # async roots answered above
         if not r.open:
             return {**answer, "status": "wait"}
         edges = self.roster.round_edges(r.round, r.version, r.selected, now)
@@ -193,10 +221,102 @@ class PartialIntake:
             **({"deadline_s": round(left, 3)} if left is not None else {}),
         }
 
+    def _poll_async(
+        self, edge: str, taken: list[str], refused: dict[str, str], want: set[str], now: float
+    ) -> dict[str, Any]:
+        """An async root's answer to an edge's poll: a task from the current version for each node
+        it holds that waits for one (``want``); the others are only seen (connected). A node's task
+        handed out here replaces any other it held (at the root or through another edge)."""
+        svc = self.service
+        tasks: dict[str, int] = {}
+        for n in taken:
+            if n not in want:
+                svc.seen(n, now)
+                continue
+            work = svc.poll(n, now)
+            if work is not None and work.get("status") == "work":
+                tasks[n] = int(work["seed"])
+                self.task_via[n] = edge
+        answer: dict[str, Any] = {"edge": edge, "version": svc.version, "nodes": len(taken)}
+        if refused:
+            answer["refused"] = dict(sorted(refused.items())[:100])
+        if svc.done:
+            answer["status"] = "done"
+            if svc.stop_reason is not None:
+                answer["reason"] = svc.stop_reason
+            return answer
+        if not tasks:
+            return {**answer, "status": "wait"}
+        return {**answer, "status": "work", "round": svc.version, "tasks": tasks}
+
+    def _submit_async(self, edge: str, body: bytes | bytearray | memoryview, now: float) -> dict[str, Any]:
+        """A partial from an edge of an async root: its nodes' updates, all trained from the partial's
+        version, into FedBuff's buffer with their staleness weight (AsyncRounds.submit_sum; a partial
+        of k nodes counts k). Each node inside must hold an open task handed out through this edge,
+        from that version, no more than ``asynchronous.max_staleness`` versions old (all or nothing:
+        a partial of a node that holds no such task is refused whole, nothing changed)."""
+        svc = self.service
+        from shoal.async_rounds import AsyncRounds
+
+        r = svc.rounds
+        assert isinstance(r, AsyncRounds)
+        part = decode_partial(body, svc.spec.numel, svc.spec.hash, self.max_bytes).sealed(edge)
+        digest = part.digest()
+        recent = self._recent.setdefault(edge, OrderedDict())
+        if digest in recent:  # a retransmit of a partial already taken: counted once
+            return {**recent[digest], "status": "duplicate"}
+        if svc.done:
+            raise UpdateRejected("done", f"training is complete at version {r.version}; no more partials")
+        if part.version > r.version:
+            raise UpdateRejected("unknown_version", f"partial of version {part.version}, newer than {r.version}")
+        foreign = sorted(n for n in part.senders if self.task_via.get(n) != edge)
+        if foreign:
+            raise UpdateRejected(
+                "not_your_node",
+                f"edge {edge!r} handed out no open task to {short_repr(foreign[:5])}: a partial holds only nodes "
+                "whose task came through this edge (POST /v1/edge/poll)",
+            )
+        advanced = r.submit_sum(part.to_partial_sum())
+        for n in part.senders:
+            self.task_via.pop(n, None)
+        answer = {"status": "accepted", "round": part.round, "version": r.version, "nodes": part.count}
+        recent[digest] = answer
+        while len(recent) > MAX_RECENT_PARTIALS:
+            recent.popitem(last=False)
+        edges, nbytes, nodes = self._buffered
+        self._buffered = (edges | {edge}, nbytes + len(body), nodes + part.count)
+        if advanced:
+            self._taken = (r.round, *self._buffered)
+            self._buffered = (set(), 0, 0)
+        return answer
+
     def submit(self, edge: str, body: bytes | bytearray | memoryview, now: float) -> dict[str, Any]:
         """Validate a partial from ``edge`` (the authenticated identity) and merge it into the open
-        round; raises a ShoalError (WireError or UpdateRejected) with nothing changed if refused."""
+        round (an async root: into FedBuff's buffer); raises a ShoalError (WireError or
+        UpdateRejected) with nothing changed if refused."""
         svc = self.service  # an edge is no node: it is not marked seen, so rounds never select it
+        if svc.sync is None:
+            try:
+                if edge not in svc.cfg.hierarchy.edge_names:
+                    raise UpdateRejected(
+                        "not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)"
+                    )
+                why = self._why_not()
+                if why is not None:
+                    raise UpdateRejected("not_supported", f"this server takes no partials: {why}")
+                version = svc.version
+                answer = self._submit_async(edge, body, now)
+            except Exception as e:
+                svc.refused(getattr(e, "code", "error"))
+                svc.activity.refused(edge, getattr(e, "code", "error"), str(e), now)
+                raise
+            if answer["status"] == "accepted":
+                svc.counters.accepted += answer["nodes"]
+                svc.counters.bytes_received += len(body)
+                svc.activity.accepted(edge, len(body), version, now)
+                if svc.version != version:
+                    svc._new_version(svc.rounds.version_fields(), now)
+            return answer
         try:
             if edge not in svc.cfg.hierarchy.edge_names:
                 raise UpdateRejected(
@@ -332,6 +452,122 @@ class EdgeRound:
         """The edge's partial, sealed with its name (None: no update arrived)."""
         self.closed = True
         return self.acc.partial().sealed(self.edge) if self.acc.count else None
+
+
+class EdgeBuffer:
+    """An edge aggregator under an async (FedBuff) root, without I/O: its nodes' tasks, each from the
+    version current at the root when it was handed out, and their updates summed by base version
+    (one float64 Accumulator per version present: each partial's nodes share a staleness at the
+    root). The edge flushes (:meth:`should_flush`) once ``size`` updates are buffered or the oldest
+    has waited ``wait_s``; :meth:`flush` gives one sealed partial per version held.
+
+    A node holds at most one task here; a task whose model this edge no longer serves (the root's
+    version moved on before the node fetched it) is dropped, and the node asks again (:meth:`stale`);
+    a node that asks again after its task was delivered gave that task up (as at a flat async root,
+    asking again replaces the task). A node whose update is buffered here, or on its way to the root,
+    gets no new task until the root answered that partial (:meth:`answered`): the root holds one open
+    task per node, and a new one would replace the task the buffered update belongs to.
+    An update from a node holding no task, from another version than its task's, or a second one
+    is refused (UpdateRejected) and changes nothing."""
+
+    def __init__(self, edge: str, numel: int, *, weighting: str = "examples", size: int = 1, wait_s: float = 1.0):
+        if size < 1 or not wait_s > 0:
+            raise ValueError(f"an edge buffer of size {size} flushed after {wait_s} s: both must be > 0")
+        self.edge, self.numel, self.weighting = edge, numel, weighting
+        self.size, self.wait_s = size, wait_s
+        self.tasks: dict[str, tuple[int, int]] = {}  # node -> (version, seed) of its open task
+        self.want: set[str] = set()  # nodes that asked this edge for a task and hold none
+        self.delivered: set[str] = set()  # nodes whose open task reached them
+        self.pending: set[str] = set()  # nodes whose update is buffered or in a partial not yet answered
+        self.held_back: set[str] = set()  # pending nodes that asked for a task meanwhile
+        self.sums: dict[int, Accumulator] = {}
+        self.first_at: float | None = None  # when the oldest buffered update arrived
+
+    @property
+    def count(self) -> int:
+        return sum(a.count for a in self.sums.values())
+
+    def asks(self, node: str) -> tuple[int, int] | None:
+        """``node`` polls: its open task (version, seed), or None (it then waits for one from the root)."""
+        if node in self.pending:
+            self.held_back.add(node)
+            return None
+        if node in self.delivered:  # it asks again: it gave up the task it got
+            self.stale(node)
+        task = self.tasks.get(node)
+        if task is None:
+            self.want.add(node)
+        return task
+
+    def deliver(self, node: str) -> None:
+        """``node``'s open task went out to it."""
+        self.delivered.add(node)
+
+    def given(self, tasks: dict[str, int], version: int) -> None:
+        """The root handed out ``tasks`` (node -> seed) from ``version``."""
+        for n, seed in tasks.items():
+            self.tasks[n] = (version, seed)
+            self.want.discard(n)
+
+    def stale(self, node: str) -> None:
+        """``node``'s task is of a model this edge no longer serves: dropped; it asks for another."""
+        self.tasks.pop(node, None)
+        self.delivered.discard(node)
+        self.want.add(node)
+
+    def forget(self, keep: Iterable[str]) -> None:
+        """Nodes no longer connected wait for nothing."""
+        self.want &= set(keep)
+
+    def submit(self, node: str, update: Update, now: float) -> None:
+        task = self.tasks.get(node)
+        if task is None:
+            raise UpdateRejected("not_assigned", f"node {node!r} holds no task from edge {self.edge!r}")
+        if update.base_version != task[0]:
+            raise UpdateRejected(
+                "bad_version", f"update trained from version {update.base_version}, the task was of {task[0]}"
+            )
+        update.sender = node  # the authenticated identity, not what the body claims
+        acc = self.sums.get(task[0])
+        if acc is None:
+            acc = Accumulator(task[0], task[0], self.numel, self.weighting)
+        acc.add_update(update)
+        self.sums[task[0]] = acc
+        del self.tasks[node]
+        self.delivered.discard(node)
+        self.pending.add(node)
+        if self.first_at is None:
+            self.first_at = now
+
+    def drop(self, node: str, version: int) -> bool:
+        """``node`` reports its task of ``version`` failed: closed (True), or it held no such task."""
+        if self.tasks.get(node, (None,))[0] != version:
+            return False
+        del self.tasks[node]
+        self.delivered.discard(node)
+        return True
+
+    def answered(self, part: Partial) -> bool:
+        """The root answered ``part`` (or the edge gave up on it): its nodes may get new tasks; True
+        when some of them are waiting for one."""
+        self.pending -= part.senders
+        back = self.held_back & part.senders
+        self.held_back -= back
+        self.want |= back
+        return bool(back)
+
+    def should_flush(self, now: float) -> bool:
+        if not self.sums:
+            return False
+        assert self.first_at is not None
+        return self.count >= self.size or now - self.first_at >= self.wait_s
+
+    def flush(self) -> list[Partial]:
+        """The buffered updates as one sealed partial per base version (oldest first); the buffer empties."""
+        parts = [self.sums[v].partial().sealed(self.edge) for v in sorted(self.sums)]
+        self.sums.clear()
+        self.first_at = None
+        return parts
 
 
 class Retransmit:

@@ -14,8 +14,9 @@ node reported, at ``hierarchy.edge_quorum`` of the expected weight, or
 ``hierarchy.edge_margin_s`` before the root's deadline), the cached model. :func:`serve_edge`
 is the aiohttp side around it: the node routes, the poll of the root, the model fetch and the
 uplink. An edge takes sync FedAvg rounds, plain or with secure aggregation (relayed, its nodes'
-masked inputs added: server/edge_secure.py), without DP (config rules refuse the rest, with the
-reason).
+masked inputs added: server/edge_secure.py), or serves an async FedBuff root (its nodes' tasks from
+the root's version of the moment, their updates buffered by version: server/edge.py's
+:class:`~shoal.server.edge.EdgeBuffer`); without DP (config rules refuse the rest, with the reason).
 """
 
 from __future__ import annotations
@@ -24,9 +25,11 @@ import asyncio
 import json
 import logging
 import math
+import os
 import random
 import ssl
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +47,7 @@ from shoal.signals import on_stop_signals
 from shoal.task import Task
 from shoal.wire import MAX_HEADER_BYTES, decode_update, read_header
 
-from .edge import MAX_ROSTER, EdgeRound
+from .edge import MAX_ROSTER, EdgeBuffer, EdgeRound
 from .edge_secure import RELAY, EdgeRelay, RelayLink, edge_get_secagg, edge_post_secagg
 from .edge_uplink import PartialRefused, UplinkGaveUp, send_partial
 from .service import MAX_FAILURE_BODY, ModelDownload, parse_failure_report, spec_mismatch_detail
@@ -53,6 +56,7 @@ log = logging.getLogger(__name__)
 
 POLL_WAIT_S = 1.0  # the edge's poll of the root is held this long at most while the root has no work for it
 CLOSE_EVERY_S = 0.05  # how often the edge looks whether its part of the round is due to close
+ASYNC_SEND_S = 60.0  # under an async root, a partial is sent again for this long at most
 
 
 def _int(obj: dict, key: str) -> int:
@@ -88,6 +92,13 @@ class EdgeNodes:
         self.told_done: set[str] = set()
         self.accepted = 0
         self.refused: dict[str, int] = {}
+        # under an async (FedBuff) root: the nodes' tasks and their updates summed by base version
+        h = cfg.hierarchy
+        self.buffer: EdgeBuffer | None = None
+        self.on_want: Callable[[], None] = lambda: None  # a node started waiting for a task (the uplink asks)
+        if cfg.server.mode == "async":
+            size = h.edge_buffer or cfg.asynchronous.buffer_size
+            self.buffer = EdgeBuffer("", spec.numel, weighting=cfg.strategy.weighting, size=size, wait_s=h.edge_flush_s)
         # secure rounds: the edge relays the protocol and adds masked inputs (server/edge_secure.py)
         self.relay = EdgeRelay(cfg.secure_aggregation.stage_s, cfg.hierarchy.edge_margin_s)
 
@@ -112,6 +123,8 @@ class EdgeNodes:
         if self.done:
             self.told_done.add(node)
             return {"status": "done", **self.done_answer}
+        if self.buffer is not None:
+            return self._poll_async(node, self.buffer)
         er = self.round
         if er is None or er.closed or node not in er.nodes or node in er.acc.senders:
             return None
@@ -126,10 +139,32 @@ class EdgeNodes:
             work["deadline_s"] = round(max(er.close_at - now, 0.0), 3)
         return work
 
+    def _poll_async(self, node: str, buf: EdgeBuffer) -> dict[str, Any] | None:
+        """Under an async root: the node's open task if this edge serves its model; else None (the
+        root hands it a task at this edge's next poll: the node waits in ``want``)."""
+        waited = node in buf.want
+        task = buf.asks(node)
+        if task is None or self.model is None:
+            if task is None and not waited:
+                self.on_want()
+            return None
+        version, seed = task
+        if self.model.version > version:  # the root moved on before the node fetched its model
+            buf.stale(node)
+            self.on_want()
+            return None
+        if self.model.version < version:
+            return None  # that version's model is on its way from the root
+        buf.deliver(node)
+        return {"status": "work", "round": version, "version": version, "seed": seed}
+
     def submit(self, node: str, body: bytes | bytearray | memoryview, now: float) -> dict[str, Any]:
-        """One node's update into the open round's sum; a ShoalError with nothing changed if refused."""
+        """One node's update into the open round's sum (under an async root: into the edge's buffer);
+        a ShoalError with nothing changed if refused."""
         self.seen(node, now)
         s = self.cfg.server
+        if self.buffer is not None:
+            return self._submit_async(node, body, now, self.buffer)
         try:
             er = self.round
             if er is None or er.closed:
@@ -153,10 +188,34 @@ class EdgeNodes:
         self.accepted += 1
         return {"status": "accepted", "round": er.round, "version": er.version}
 
+    def _submit_async(
+        self, node: str, body: bytes | bytearray | memoryview, now: float, buf: EdgeBuffer
+    ) -> dict[str, Any]:
+        s = self.cfg.server
+        try:
+            update, header = decode_update(
+                body, self.spec, self.update_limit, copy=False, max_examples=s.max_examples, max_abs=s.max_delta_abs
+            )
+            if update.to_server:
+                raise Malformed(f"the update carries {sorted(update.to_server)} beside its delta; FedBuff takes none")
+            buf.submit(node, update, now)
+        except ShoalError as e:
+            code = getattr(e, "code", "error")
+            self.refused[code] = self.refused.get(code, 0) + 1
+            raise
+        self.weights[node] = update_weight(update, self.cfg.strategy.weighting)
+        self.accepted += 1
+        return {"status": "accepted", "round": update.base_version, "version": self.version}
+
     def failed(self, node: str, body: bytes, now: float) -> dict[str, Any]:
         """A node's report that its task failed: the edge stops waiting for it this round."""
         self.seen(node, now)
         round_, version, reason = parse_failure_report(body)
+        if self.buffer is not None:
+            if not self.buffer.drop(node, version):
+                raise UpdateRejected("not_assigned", f"node {node!r} holds no task of version {version} here")
+            self.refused[reason] = self.refused.get(reason, 0) + 1
+            return {"status": "noted", "round": round_}
         er = self.round
         if er is None or (er.round, er.version) != (round_, version) or node not in er.nodes:
             raise UpdateRejected("not_selected", f"node {node!r} holds no task of round {round_} here")
@@ -196,6 +255,10 @@ class EdgeNodes:
             or not all(isinstance(n, str) and isinstance(s, int) and not isinstance(s, bool) for n, s in tasks.items())
         ):
             raise Malformed("the root's tasks are not {node: seed}")
+        if self.buffer is not None:  # an async root: tasks from its current version
+            self.buffer.edge = name
+            self.buffer.given(tasks, version)
+            return True
         left = answer.get("deadline_s")
         if left is not None and (isinstance(left, bool) or not isinstance(left, (int, float)) or not left >= 0):
             raise Malformed(f"the root's deadline_s = {str(left)[:40]} is not a number of seconds >= 0")
@@ -238,9 +301,64 @@ def edge_spec(cfg: Config, task: Task | None = None) -> ParamSpec:
     return ParamSpec.of(model, exchange_buffers=task.exchange_buffers).with_base(model)
 
 
+class RoundJournal:
+    """The updates an edge took in the open root round, on disk (``server.out_dir``/edge-journal):
+    one file per update, the node's body as it came, written (and fsynced) before the node hears
+    ``accepted``. An edge restarted within the round (a crash, SIGKILL, a redeploy) takes them back
+    into its sum (:meth:`entries`), so what its nodes sent is not lost; files of other rounds are
+    removed as a new round starts (:meth:`keep_only`). Sync rounds only (``hierarchy.edge_journal``)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        folder.mkdir(parents=True, exist_ok=True)
+
+    @staticmethod
+    def _name(round: int, version: int, node: str) -> str:
+        return f"r{round}-v{version}-{node.encode().hex()}.update"
+
+    def keep(self, round: int, version: int, node: str, body: bytes | bytearray | memoryview) -> None:
+        path = self.folder / self._name(round, version, node)
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def nodes(self) -> list[str]:
+        """Every node with an update kept (whatever its round): connected at an edge's start."""
+        return sorted({bytes.fromhex(p.stem.split("-", 2)[2]).decode() for p in self._files()})
+
+    def entries(self, round: int, version: int) -> list[tuple[str, bytes]]:
+        """The (node, body) pairs kept for ``round`` / ``version``."""
+        prefix = f"r{round}-v{version}-"
+        return [
+            (bytes.fromhex(p.stem[len(prefix) :]).decode(), p.read_bytes())
+            for p in self._files()
+            if p.name.startswith(prefix)
+        ]
+
+    def keep_only(self, round: int, version: int) -> None:
+        prefix = f"r{round}-v{version}-"
+        for p in self.folder.iterdir():
+            if not p.name.startswith(prefix):
+                p.unlink(missing_ok=True)
+
+    def _files(self) -> list[Path]:
+        out = []
+        for p in sorted(self.folder.glob("r*-v*-*.update")):
+            try:
+                bytes.fromhex(p.stem.split("-", 2)[2]).decode()
+            except (IndexError, ValueError):
+                continue  # not one of this journal's names
+            out.append(p)
+        return out
+
+
 # --- the aiohttp side --------------------------------------------------------------------
 
 EDGE = web.AppKey("edge", EdgeNodes)
+JOURNAL = web.AppKey("journal", RoundJournal)
 INGEST = web.AppKey("ingest", asyncio.Semaphore)  # bodies read at once: at most server.ingest_slots
 
 
@@ -317,6 +435,12 @@ async def post_update(request: web.Request) -> web.Response:
         async with request.app[INGEST]:  # memory: at most server.ingest_slots bodies of max_body_bytes
             body = await _body(request, edge.max_body_bytes)
             result = edge.submit(node, memoryview(bytearray(body)), time.monotonic())
+            journal = request.app.get(JOURNAL)
+            if journal is not None and edge.round is not None:  # kept before the node hears "accepted"
+                try:
+                    await asyncio.to_thread(journal.keep, edge.round.round, edge.round.version, node, body)
+                except OSError as e:
+                    log.error("round %d: the update of %s is summed but not kept on disk: %s", result["round"], node, e)
     except ShoalError as e:
         log.info("update from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
         return error(_status_of(e), getattr(e, "code", "error"), str(e))
@@ -344,6 +468,8 @@ class Uplink:
         self.parent = parent.rstrip("/")
         self.ssl = ssl_ctx if ssl_ctx is not None else True
         self.sending: set[asyncio.Task] = set()
+        self.wanted = asyncio.Event()  # a node of this edge started waiting for a task (async roots)
+        edge.on_want = self.wanted.set
         self.rand = random.Random()
         out = Path(edge.cfg.server.out_dir)
         out.mkdir(parents=True, exist_ok=True)
@@ -370,22 +496,23 @@ class Uplink:
                 await asyncio.sleep(0.2)
                 continue
             try:
-                async with self.http.post(
-                    self.parent + "/v1/edge/poll",
-                    params={"wait": str(POLL_WAIT_S)},
-                    json={"nodes": self.edge.connected(now)[:MAX_ROSTER]},  # the root takes no more
-                    ssl=self.ssl,
-                ) as r:
-                    text = await r.text()
-                    if r.status in (401, 403) or (r.status == 409 and "not_supported" in text):
-                        raise ConfigError(f"the root {self.parent} refuses this edge ({r.status}): {text[:300]}")
-                    if r.status != 200:
-                        raise Malformed(f"{r.status}: {text[:300]}")
-                    answer = json.loads(text)
+                nodes = self.edge.connected(now)[:MAX_ROSTER]  # the root takes no more
+                body: dict[str, Any] = {"nodes": nodes}
+                buf = self.edge.buffer
+                if buf is not None:  # an async root hands out a task to each node that waits for one
+                    self.wanted.clear()
+                    buf.forget(nodes)
+                    body["want"] = sorted(buf.want)
+                answer = await self._poll_once(body, buf is not None and not body["want"])
+                if answer is None:
+                    continue  # a node started waiting for a task: ask again at once, naming it
                 if self.edge.from_root(answer, time.monotonic()):
+                    self.take_back()
                     self._changed()
                 if self.edge.round is not None and not self.edge.round.closed:
                     await self.fetch_model(self.edge.round.version)
+                if buf is not None and buf.tasks:
+                    await self.fetch_model(max(v for v, _ in buf.tasks.values()))
                 backoff.reset()
             except ConfigError:
                 raise
@@ -399,6 +526,52 @@ class Uplink:
                 except TimeoutError:
                     pass
                 continue
+
+    def take_back(self) -> None:
+        """A new round here: the updates this edge kept of it before a restart go back into its sum."""
+        journal, er = self.app.get(JOURNAL), self.edge.round
+        if journal is None or er is None or er.closed or self.edge.done:
+            return
+        taken = 0
+        for node, body in journal.entries(er.round, er.version):
+            try:
+                self.edge.submit(node, memoryview(bytearray(body)), time.monotonic())
+                taken += 1
+            except ShoalError as e:
+                log.warning("round %d: the kept update of %s is not taken back: %s", er.round, node, e)
+        journal.keep_only(er.round, er.version)
+        if taken:
+            log.info("round %d: took back %d updates kept before this edge restarted", er.round, taken)
+
+    async def _poll_once(self, body: dict[str, Any], interruptible: bool) -> dict[str, Any] | None:
+        """One poll of the root; its answer. ``interruptible``: None as soon as a node of this edge
+        starts waiting for a task (the poll in flight does not name it; it is dropped)."""
+        request = asyncio.ensure_future(self._post_poll(body))
+        if not interruptible:
+            return await request
+        waiting = asyncio.ensure_future(self.wanted.wait())
+        try:
+            await asyncio.wait({request, waiting}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            waiting.cancel()
+        if request.done():
+            return request.result()
+        request.cancel()
+        return None
+
+    async def _post_poll(self, body: dict[str, Any]) -> dict[str, Any]:
+        async with self.http.post(
+            self.parent + "/v1/edge/poll", params={"wait": str(POLL_WAIT_S)}, json=body, ssl=self.ssl
+        ) as r:
+            text = await r.text()
+            if r.status in (401, 403) or (r.status == 409 and "not_supported" in text):
+                raise ConfigError(f"the root {self.parent} refuses this edge ({r.status}): {text[:300]}")
+            if r.status != 200:
+                raise Malformed(f"{r.status}: {text[:300]}")
+            answer = json.loads(text)
+        if not isinstance(answer, dict):
+            raise Malformed(f"the root's poll answer is not one: {text[:200]}")
+        return answer
 
     async def fetch_model(self, version: int) -> None:
         """The root's model of ``version``, cached and served to this edge's nodes as the root's bytes."""
@@ -425,10 +598,18 @@ class Uplink:
         self._changed()
 
     async def close_rounds(self, stop: asyncio.Event) -> None:
-        """Close the edge's part of a round when it is due, and send its partial up."""
+        """Close the edge's part of a round when it is due, and send its partial up (under an async
+        root: send the buffer up when it is full or its oldest update waited long enough)."""
         while not stop.is_set():
             er = self.edge.round
             now = time.monotonic()
+            buf = self.edge.buffer
+            if buf is not None and buf.should_flush(now):
+                why = "size" if buf.count >= buf.size else "time"
+                parts = buf.flush()
+                task = asyncio.ensure_future(self.send_buffer(parts, why, now))
+                self.sending.add(task)
+                task.add_done_callback(self.sending.discard)
             if er is not None and er.should_close(now):
                 why = (
                     "complete" if er.complete else "quorum" if er.close_at is None or now < er.close_at else "deadline"
@@ -443,6 +624,37 @@ class Uplink:
                     log.info("round %d: no update arrived before the close (%s)", er.round, why)
             await asyncio.sleep(CLOSE_EVERY_S)
 
+    async def send_buffer(self, parts: list, why: str, flushed_at: float) -> None:
+        """An async edge's buffer, one partial per base version, each sent until the root answers
+        (no root deadline: given up after ASYNC_SEND_S)."""
+        for part in parts:
+            body = encode_partial(part, self.edge.spec.hash, self.edge.cfg.hierarchy.partial_dtype)
+            record: dict[str, Any] = {
+                "edge": self.edge.name,
+                "version": part.version,
+                "nodes_in": part.count,
+                "nodes": sorted(part.senders),
+                "weight": part.total_weight,
+                "closed": why,
+                "partial_bytes": len(body),
+            }
+            loop = asyncio.get_running_loop()
+            try:
+                answer = await send_partial(self.http, self.parent, body, give_up_at=loop.time() + ASYNC_SEND_S)
+                record["answer"] = answer.get("status")
+                record["root_version"] = answer.get("version")
+            except (PartialRefused, UplinkGaveUp) as e:
+                record["answer"] = "refused" if isinstance(e, PartialRefused) else "gave_up"
+                if isinstance(e, PartialRefused):
+                    record["refusal"] = e.answer.get("error")
+                log.warning("partial of %d nodes (version %d) not taken: %s", part.count, part.version, e)
+            record["sent_after_s"] = round(time.monotonic() - flushed_at, 4)
+            assert self.edge.buffer is not None
+            if self.edge.buffer.answered(part):
+                self.wanted.set()  # its nodes that asked meanwhile get their next task
+            with self.metrics.open("a") as f:
+                f.write(json.dumps(json_safe(record)) + "\n")
+
     async def send(self, er: EdgeRound, part, why: str, closed_at: float) -> None:
         body = encode_partial(part, self.edge.spec.hash, self.edge.cfg.hierarchy.partial_dtype)
         loop = asyncio.get_running_loop()
@@ -455,6 +667,7 @@ class Uplink:
             "version": er.version,
             "nodes_given": len(er.nodes),
             "nodes_in": part.count,
+            "nodes": sorted(part.senders),
             "weight": part.total_weight,
             "closed": why,
             "closed_after_s": round(closed_at - started, 4),
@@ -499,6 +712,10 @@ async def serve_edge(
     stop = stop or asyncio.Event()
     on_stop_signals(stop.set)
     app = _edge_app(edge, registry)
+    if h.edge_journal and edge.buffer is None:
+        journal = app[JOURNAL] = RoundJournal(Path(s.out_dir) / "edge-journal")
+        for node in journal.nodes():  # named in the first poll: the root hands back their round's tasks
+            edge.seen(node, time.monotonic())
     runner = web.AppRunner(
         app, access_log=None, handle_signals=False, keepalive_timeout=s.idle_timeout_s, shutdown_timeout=SHUTDOWN_S
     )

@@ -27,7 +27,7 @@ from .aggregation.fedbuff import FedBuff
 from .errors import UpdateRejected
 from .rounds import Assignment, i_hash
 from .seeding import derive_seed
-from .update import Update
+from .update import PartialSum, Update
 
 
 @dataclass
@@ -158,6 +158,52 @@ class AsyncRounds:
                 self.global_params = self.algorithm.flush(self.global_params)
                 advanced = True
         if advanced:
+            self.version += 1
+        self._prune()
+        return advanced
+
+    def submit_sum(self, part: PartialSum) -> bool:
+        """Several nodes' updates summed by an edge aggregator, all trained from
+        ``part.base_version`` (shoal.update.PartialSum): each sender is checked as :meth:`check`
+        checks one update (an open task of that version, not too stale; all or nothing), then
+        the sum enters FedBuff's buffer with the senders' staleness weight and counts one per
+        sender. True when the global version advanced. FedAsync mixes each update into the model
+        as it arrives, which a sum of several cannot do: it takes none. A ``too_stale`` refusal
+        closes the senders' tasks, as it closes one node's."""
+        if not isinstance(self.algorithm, FedBuff) or self.algorithm.rule is not None:
+            raise UpdateRejected(
+                "not_supported", "only FedBuff with a plain weighted mean takes partial sums (no robust rule)"
+            )
+        if len(set(part.senders)) != len(part.senders):
+            raise UpdateRejected("duplicate", "a node appears twice in one partial sum")
+        if not part.senders:
+            raise UpdateRejected("empty", "a partial sum of no update")
+        if part.weighting != self.algorithm.weighting:
+            raise UpdateRejected(
+                "malformed", f"a sum weighted by {part.weighting!r}; this buffer weighs by {self.algorithm.weighting!r}"
+            )
+        probe = Update(torch.empty(0), 0, part.base_version)
+        try:
+            for cid in part.senders:
+                t = self.check(cid, probe)
+        except UpdateRejected as e:
+            self.stats.rejected[e.code] = self.stats.rejected.get(e.code, 0) + 1
+            if e.code == "too_stale":
+                for cid in part.senders:
+                    self.outstanding.pop(cid, None)
+                self._prune()
+            raise
+        self.algorithm.accumulate_sum(part.weighted_sum, part.total_weight, len(part.senders), t)
+        for cid in part.senders:
+            del self.outstanding[cid]
+        k = len(part.senders)
+        self.stats.accepted += k
+        self.stats.staleness[t] = self.stats.staleness.get(t, 0) + k
+        self.stats.examples += part.num_examples
+        self.stats.loss_sum += part.loss_sum
+        advanced = self.algorithm.full
+        if advanced:
+            self.global_params = self.algorithm.flush(self.global_params)
             self.version += 1
         self._prune()
         return advanced

@@ -218,15 +218,20 @@ def _check_algorithm(self: Any) -> None:
 
 
 def _check_edge(self: Any) -> None:
-    """An edge aggregator (`shoal server --parent URL`) sums FedAvg updates of sync rounds, or relays
-    secure aggregation and adds its nodes' masked inputs."""
+    """An edge aggregator (`shoal server --parent URL`) sums FedAvg updates (sync rounds, or FedBuff at an
+    async root), or relays secure aggregation and adds its nodes' masked inputs."""
     unsupported = [
         (name, why)
         for name, on, why in (
             (
-                f"server.mode = {self.server.mode!r}",
-                self.server.mode != "sync",
-                "the root takes edge partials into sync rounds only (an async root counting partials is not built)",
+                f"asynchronous.algorithm = {self.asynchronous.algorithm!r}",
+                self.server.mode == "async" and self.asynchronous.algorithm != "fedbuff",
+                "an async root takes edge partials into FedBuff's buffer only (FedAsync mixes each update as it comes)",
+            ),
+            (
+                "robust.norm_bound",
+                self.server.mode == "async" and self.robust.norm_bound > 0,
+                "a norm bound needs each update, not a sum",
             ),
             (
                 f"privacy.mode = {self.privacy.mode!r}",

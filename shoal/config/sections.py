@@ -765,6 +765,9 @@ class HierarchyConfig:
     parent_ca_cert: str = ""  # an edge: the CA that signed the root's certificate ("" = the system's trust store)
     edge_quorum: float = 1.0  # an edge closes its part of a round once its nodes' weight reaches this share
     edge_margin_s: float = 1.0  # an edge closes its part of a round this long before the root's deadline
+    edge_buffer: int = 0  # an edge under an async root sends its buffer up at this many updates (0 = the root's K)
+    edge_flush_s: float = 1.0  # ... or once its oldest buffered update has waited this long
+    edge_journal: bool = True  # an edge keeps the round's updates on disk (server.out_dir): a restart takes them back
 
     def validate(self) -> None:
         _positive("hierarchy.edges", self.edges, allow_zero=True)
@@ -775,6 +778,9 @@ class HierarchyConfig:
             raise ConfigError(f"hierarchy.edge_quorum = {self.edge_quorum} must be in (0, 1]")
         if not (math.isfinite(self.edge_margin_s) and self.edge_margin_s >= 0):
             raise ConfigError(f"hierarchy.edge_margin_s = {self.edge_margin_s} must be a number of seconds >= 0")
+        _positive("hierarchy.edge_buffer", self.edge_buffer, allow_zero=True)
+        if not (math.isfinite(self.edge_flush_s) and self.edge_flush_s > 0):
+            raise ConfigError(f"hierarchy.edge_flush_s = {self.edge_flush_s} must be a number of seconds > 0")
         if not (math.isfinite(self.edge_timeout_s) and self.edge_timeout_s > 0):
             raise ConfigError(f"hierarchy.edge_timeout_s = {self.edge_timeout_s} must be a number of seconds > 0")
         if self.parent and not self.parent.startswith(("http://", "https://")):

@@ -49,12 +49,15 @@ db = "{tmp}/nodes.sqlite"
 out_dir = "{tmp}/run"
 eval = false
 admin_token_file = "{tmp}/admin.token"
+{server_extra}
 [hierarchy]
 edge_names = {edges}
 edge_timeout_s = 2.0
 edge_margin_s = 0.5
+{hierarchy_extra}
 """
 
+REPO = Path(__file__).resolve().parents[2]
 REATTACHED = re.compile(r"attached to (\S+), ([0-9.]+) s after the last server stopped answering")
 
 
@@ -80,7 +83,20 @@ class Hierarchy:
     edge ``i * edges // n`` (its own), then the others in turn (``edges = 0``: flat, every node
     polls the root)."""
 
-    def __init__(self, tmp: Path, n: int, edges: int, rounds: int, deadline: float, extra: str = ""):
+    def __init__(
+        self,
+        tmp: Path,
+        n: int,
+        edges: int,
+        rounds: int,
+        deadline: float,
+        extra: str = "",
+        values: dict[str, str] | None = None,
+        add: dict[str, str] | None = None,
+    ):
+        """``extra``: TOML tables appended to the config (e.g. [secure_aggregation]); ``values``: new
+        TOML values for keys CONFIG sets (each key appears once in it); ``add``: TOML lines added to
+        its [server] (key ``server``) and [hierarchy] (key ``hierarchy``) tables."""
         self.tmp, self.n = tmp, n
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -89,9 +105,20 @@ class Hierarchy:
         self.admin = secrets.token_urlsafe(32)
         write_secret(tmp / "admin.token", self.admin.encode())
         self.config = tmp / "cfg.toml"
+        text = CONFIG
+        for key, value in (values or {}).items():
+            text, found = re.subn(rf"^{key} = .*$", f"{key} = {value}", text, flags=re.M)
+            assert found == 1, f"{key} is not a key of the test config"
         self.config.write_text(
-            CONFIG.format(
-                n=n, port=self.port, rounds=rounds, deadline=deadline, tmp=tmp, edges=json.dumps(self.edge_names)
+            text.format(
+                n=n,
+                port=self.port,
+                rounds=rounds,
+                deadline=deadline,
+                tmp=tmp,
+                edges=json.dumps(self.edge_names),
+                server_extra=(add or {}).get("server", ""),
+                hierarchy_extra=(add or {}).get("hierarchy", ""),
             )
             + extra  # more tables (e.g. [secure_aggregation])
         )
@@ -149,6 +176,63 @@ class Hierarchy:
         args += ["--data", str(shard), "--config", str(self.config), "--device", "cpu"]
         return self._start(shard.stem, args)
 
+    def hosts(self, count: int, dropout: float = 0.0, seed: int = 0, silent: list[str] | None = None) -> list[str]:
+        """The ``n`` nodes in ``count`` node hosts (tests/hierarchy/nodehost.py: the real node code,
+        many nodes on one event loop per process); node i in host ``i % count``, with the same list
+        of servers as :meth:`node` gives it. Each host writes its uploads' outcomes to
+        ``host-K.events.jsonl`` (:meth:`events`). Returns the hosts' tags."""
+        tags = []
+        for k in range(count):
+            nodes = []
+            for i in range(k, self.n, count):
+                first = i * len(self.edge_names) // self.n
+                order = self.edge_names[first:] + self.edge_names[:first]
+                servers = ",".join(self.edge_url(e) for e in order) or self.url
+                stem = self.shards[i].stem
+                nodes.append(
+                    {
+                        "name": stem,
+                        "shard": str(self.shards[i]),
+                        "token_file": str(self.tmp / f"{stem}.token"),
+                        "servers": servers,
+                    }
+                )
+            spec = self.tmp / f"host-{k}.json"
+            events = self.tmp / f"host-{k}.events.jsonl"
+            spec.write_text(
+                json.dumps(
+                    {
+                        "silent": silent or [],
+                        "config": str(self.config),
+                        "nodes": nodes,
+                        "dropout": dropout,
+                        "seed": seed,
+                        "events": str(events),
+                    }
+                )
+            )
+            tag = f"host-{k}"
+            log = self.tmp / f"{tag}.log"
+            self.logs.append(log)
+            env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+            self.procs[tag] = subprocess.Popen(
+                [sys.executable, "-m", "tests.hierarchy.nodehost", str(spec)],
+                stdout=log.open("w"),
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+                start_new_session=True,
+            )
+            tags.append(tag)
+        return tags
+
+    def events(self) -> list[dict]:
+        """Every hosted node's upload outcomes (:meth:`hosts`)."""
+        out: list[dict] = []
+        for path in sorted(self.tmp.glob("host-*.events.jsonl")):
+            out += [json.loads(line) for line in path.read_text().splitlines()]
+        return out
+
     def node_edge(self, i: int) -> str:
         return self.edge_names[i * len(self.edge_names) // self.n]
 
@@ -177,6 +261,8 @@ class Hierarchy:
                 sample()
             if st is not None and pred(st):
                 return st
+            if st is None and "root" in self.procs and self.procs["root"].poll() is not None:
+                raise AssertionError(f"the root ended before the status condition was met\n{self.dump()}")
             time.sleep(0.1)
         raise AssertionError(f"status condition not met in {timeout} s; last {self.status()}\n{self.dump()}")
 
@@ -223,8 +309,17 @@ class Hierarchy:
 
 
 @contextmanager
-def hierarchy(tmp: Path, n: int = 4, edges: int = 2, rounds: int = 6, deadline: float = 6.0, extra: str = ""):
-    h = Hierarchy(tmp, n, edges, rounds, deadline, extra)
+def hierarchy(
+    tmp: Path,
+    n: int = 4,
+    edges: int = 2,
+    rounds: int = 6,
+    deadline: float = 6.0,
+    extra: str = "",
+    values: dict[str, str] | None = None,
+    add: dict[str, str] | None = None,
+):
+    h = Hierarchy(tmp, n, edges, rounds, deadline, extra, values, add)
     try:
         yield h
     finally:

@@ -111,7 +111,10 @@ def test_an_edge_refuses_what_it_cannot_run_with_the_reason(tmp_path) -> None:
             {"secure_aggregation": {"enabled": True, "threshold": 0.7, "malicious_server": True, "keys_file": "k"}},
             "consistency round through edges is not built",
         ),
-        ({"server": {"mode": "async"}}, "an async root counting partials is not built"),
+        (
+            {"server": {"mode": "async"}, "asynchronous": {"algorithm": "fedasync"}},
+            "FedBuff's buffer only",
+        ),
         ({"privacy": {"mode": "central", "noise_multiplier": 1.0}}, "DP accounting"),
         ({"algorithm": {"name": "scaffold"}}, "each node's own step"),
     ):
