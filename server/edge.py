@@ -13,18 +13,24 @@ nothing). Only the root divides: its strategy takes the sums and steps its optim
 
 :class:`EdgeRound` is the edge's own round logic (its nodes' sum, when to close: every node,
 a quorum by weight, or a margin before the root's deadline) and :class:`Retransmit` when it
-sends its partial again. The edge process around them (the node protocol over HTTP, the route
-to the root) is on docs/hierarchy.md's "not yet" list.
+sends its partial again; :class:`EdgeRounds` runs HierFAVG's ``hierarchy.edge_rounds`` edge
+rounds inside one root round (the edge's own model between them). The edge process around them
+(the node protocol over HTTP, the route to the root) is server/edge_server.py.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from shoal.aggregation.partial import Accumulator, Partial, PartialInbox, decode_partial
+from shoal.config.rules import MAX_EDGE_ROUNDS  # edge versions of one root version
 from shoal.errors import Malformed, UpdateRejected, short_repr
+from shoal.seeding import derive_seed
 from shoal.update import Update
 from shoal.wire import MAX_HEADER_BYTES
 
@@ -452,6 +458,82 @@ class EdgeRound:
         """The edge's partial, sealed with its name (None: no update arrived)."""
         self.closed = True
         return self.acc.partial().sealed(self.edge) if self.acc.count else None
+
+
+#: Versions of an edge's own models (edge rounds 2..k of a root round) start here: far above any
+#: root version (one per root round), so a node never takes an edge model for a root one.
+EDGE_VERSION_BASE = 1 << 52
+EDGE_ROUND_STREAM = 0xE06E  # a node's seed in edge round k > 1, derived as the simulator derives it
+
+
+def edge_version(root_version: int, k: int) -> int:
+    """The version id of the edge model a node trains from in edge round ``k`` (0-based, k >= 1)."""
+    if not 1 <= k < MAX_EDGE_ROUNDS:
+        raise ValueError(f"edge round {k} is not in 1..{MAX_EDGE_ROUNDS - 1}")
+    return EDGE_VERSION_BASE + root_version * MAX_EDGE_ROUNDS + k
+
+
+class EdgeRounds:
+    """HierFAVG's edge rounds (``hierarchy.edge_rounds = kappa``) inside one root round at an edge,
+    without I/O: the same cycle as the simulator's virtual edges (simulations/hierarchy.py).
+
+    Edge round 0 is the root's round as a plain edge serves it: its nodes train from the root's
+    model x. When an edge round closes (:meth:`advance`), the edge adds its nodes' weighted mean
+    to its own model x_e (float32, as the simulator does) and opens the next one: the same nodes
+    train from x_e, served under :func:`edge_version`, each with a seed derived from its root
+    seed and k. The last edge round's partial goes to the root (:meth:`final`) with
+    ``W_e (x_e - x)`` added to its sum (W_e: that round's total weight), so the root's FedAvg
+    gives the edges' models weighted by W_e. Each edge round gets an equal share of the time left
+    before the root's deadline less the margin (:meth:`close_at`); a node that misses one is that
+    edge round's drop-out, and an edge round with no update ends the cycle with nothing to send."""
+
+    def __init__(self, kappa: int, round: int, version: int, seeds: dict[str, int], close_at: float | None):
+        if not 1 <= kappa <= MAX_EDGE_ROUNDS:
+            raise ValueError(f"edge_rounds = {kappa} is not in 1..{MAX_EDGE_ROUNDS}")
+        self.kappa, self.round, self.root_version = kappa, round, version
+        self.seeds = dict(seeds)
+        self.deadline = close_at  # the whole cycle closes by then (the root's deadline less the margin)
+        self.k = 0
+        self.root: torch.Tensor | None = None  # the root's model x (float32), taken at the first advance
+        self.params: torch.Tensor | None = None  # the edge's model x_e (float32)
+
+    @property
+    def version(self) -> int:
+        """The version the open edge round's nodes train from."""
+        return self.root_version if self.k == 0 else edge_version(self.root_version, self.k)
+
+    @property
+    def last(self) -> bool:
+        return self.k == self.kappa - 1
+
+    def seed(self, node: str) -> int:
+        s = self.seeds[node]
+        return s if self.k == 0 else derive_seed(s, EDGE_ROUND_STREAM, self.k)
+
+    def close_at(self, now: float) -> float | None:
+        """When the open edge round closes at the latest: its share of the time left."""
+        if self.deadline is None:
+            return None
+        return now + max(self.deadline - now, 0.0) / (self.kappa - self.k)
+
+    def advance(self, part: Partial, root_params: torch.Tensor) -> None:
+        """Edge round k closed with ``part`` (not the last): x_e += its mean; edge round k + 1 opens."""
+        if self.last:
+            raise ValueError("the last edge round's partial goes to the root (final)")
+        if self.params is None:
+            self.root = root_params.detach().to("cpu", torch.float32).clone()
+            self.params = self.root.clone()
+        self.params = self.params + part.mean()
+        self.k += 1
+
+    def final(self, part: Partial) -> Partial:
+        """The partial for the root, of its round and version: sum_i w_i delta_i + W_e (x_e - x)."""
+        if not self.last:
+            raise ValueError(f"edge round {self.k} of {self.kappa} is not the last")
+        if self.params is None or self.root is None:
+            return part  # one edge round: the root's own
+        offset = self.params.to(torch.float64) - self.root.to(torch.float64)
+        return replace(part, version=self.root_version, weighted_sum=part.weighted_sum + part.total_weight * offset)
 
 
 class EdgeBuffer:

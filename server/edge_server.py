@@ -14,9 +14,12 @@ node reported, at ``hierarchy.edge_quorum`` of the expected weight, or
 ``hierarchy.edge_margin_s`` before the root's deadline), the cached model. :func:`serve_edge`
 is the aiohttp side around it: the node routes, the poll of the root, the model fetch and the
 uplink. An edge takes sync FedAvg rounds, plain or with secure aggregation (relayed, its nodes'
-masked inputs added: server/edge_secure.py), or serves an async FedBuff root (its nodes' tasks from
-the root's version of the moment, their updates buffered by version: server/edge.py's
-:class:`~shoal.server.edge.EdgeBuffer`); without DP (config rules refuse the rest, with the reason).
+masked inputs added: server/edge_secure.py), or with ``hierarchy.edge_rounds = k > 1`` HierFAVG's
+k edge rounds inside each root round (server/edge.py's :class:`~shoal.server.edge.EdgeRounds`: its
+nodes train from the edge's own model, served by the edge, between the root's); or it serves an
+async FedBuff root (its nodes' tasks from the root's version of the moment, their updates buffered
+by version: server/edge.py's :class:`~shoal.server.edge.EdgeBuffer`); without DP (config rules
+refuse the rest, with the reason).
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from shoal.aggregation.partial import encode_partial, update_weight
+from shoal.aggregation.partial import Partial, encode_partial, update_weight
 from shoal.assembly import initial_model, task_from_config
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, ShoalError, SpecMismatch, UpdateRejected
@@ -45,9 +48,9 @@ from shoal.params import ParamSpec
 from shoal.pki import read_secret
 from shoal.signals import on_stop_signals
 from shoal.task import Task
-from shoal.wire import MAX_HEADER_BYTES, decode_update, read_header
+from shoal.wire import MAX_HEADER_BYTES, decode_model, decode_update, model_parts, read_header
 
-from .edge import MAX_ROSTER, EdgeBuffer, EdgeRound
+from .edge import MAX_ROSTER, EdgeBuffer, EdgeRound, EdgeRounds
 from .edge_secure import RELAY, EdgeRelay, RelayLink, edge_get_secagg, edge_post_secagg
 from .edge_uplink import PartialRefused, UplinkGaveUp, send_partial
 from .service import MAX_FAILURE_BODY, ModelDownload, parse_failure_report, spec_mismatch_detail
@@ -86,7 +89,9 @@ class EdgeNodes:
         self.seeds: dict[str, int] = {}
         self.started_at: float | None = None  # when this edge heard of the open round
         self.weights: dict[str, float] = {}  # each node's weight in the last update it sent (the quorum's expectation)
-        self.model: ModelDownload | None = None
+        self.model: ModelDownload | None = None  # what this edge's nodes download (the root's, or its own)
+        self.root_model: ModelDownload | None = None  # the root's model, cached
+        self.cycle: EdgeRounds | None = None  # hierarchy.edge_rounds > 1: the open root round's edge rounds
         self.done = False
         self.done_answer: dict[str, Any] = {}
         self.told_done: set[str] = set()
@@ -132,7 +137,8 @@ class EdgeNodes:
             return None  # the model of the round is on its way from the root
         if not self.relay.wants_task(node):
             return None  # it joined the round's secure aggregation: its work is the protocol now
-        work: dict[str, Any] = {"status": "work", "round": er.round, "version": er.version, "seed": self.seeds[node]}
+        seed = self.cycle.seed(node) if self.cycle is not None else self.seeds[node]
+        work: dict[str, Any] = {"status": "work", "round": er.round, "version": er.version, "seed": seed}
         if self.relay.secure:
             work["secure_aggregation"] = self.relay.info
         if er.close_at is not None:
@@ -226,7 +232,54 @@ class EdgeNodes:
 
     @property
     def version(self) -> int:
-        return self.model.version if self.model is not None else 0
+        """The root's version cached here."""
+        return self.root_model.version if self.root_model is not None else 0
+
+    def took_model(self, download: ModelDownload) -> None:
+        """The root's model arrived: cached, and served to the nodes unless they train from the edge's own."""
+        self.root_model = download
+        if self.cycle is None or self.cycle.k == 0:
+            self.model = download
+
+    @property
+    def root_round(self) -> tuple[int, int] | None:
+        """The root's (round, version) this edge serves (with edge rounds: whichever is open)."""
+        if self.cycle is not None:
+            return self.cycle.round, self.cycle.root_version
+        return None if self.round is None else (self.round.round, self.round.version)
+
+    def close_round(self, now: float) -> tuple[Partial | None, bool]:
+        """Close the open (edge) round: ``(partial for the root or None, whether another edge round opened)``."""
+        er, cycle = self.round, self.cycle
+        assert er is not None
+        part = er.close()
+        if cycle is None or part is None:
+            return part, False  # an edge round with no update: the edge reports nothing this root round
+        if cycle.last:
+            return cycle.final(part), False
+        assert self.root_model is not None and self.root_model.version == cycle.root_version
+        root = decode_model(bytes(self.root_model.head) + bytes(self.root_model.data), self.spec)[0]
+        cycle.advance(part, root)
+        assert cycle.params is not None
+        version = cycle.version
+        head, data = model_parts(cycle.params, self.spec, version)
+        self.model = ModelDownload(version, f'"{self.spec.hash}-e{version}-{self.name.encode().hex()}"', head, data)
+        self.round = EdgeRound(
+            self.name,
+            cycle.round,
+            version,
+            self.spec.numel,
+            list(cycle.seeds),
+            weighting=self.cfg.strategy.weighting,
+            deadline_at=cycle.close_at(now),
+            quorum=self.cfg.hierarchy.edge_quorum,
+            expected=self.weights,
+        )
+        log.info(
+            "round %d: edge round %d of %d (%d nodes, the mean of %d) from this edge's model",
+            cycle.round, cycle.k + 1, cycle.kappa, len(cycle.seeds), part.count,
+        )  # fmt: skip
+        return None, True
 
     # --- towards the root --------------------------------------------------------------
 
@@ -263,13 +316,23 @@ class EdgeNodes:
         if left is not None and (isinstance(left, bool) or not isinstance(left, (int, float)) or not left >= 0):
             raise Malformed(f"the root's deadline_s = {str(left)[:40]} is not a number of seconds >= 0")
         er = self.round
-        if er is not None and (er.round, er.version) == (round_, version):
+        if self.root_round == (round_, version):
             return False  # the round this edge serves (the root freezes its holders: the same tasks)
         if er is not None and not er.closed and er.acc.count:
             log.warning("round %d: the root moved on to round %d before this edge's partial", er.round, round_)
         secure = answer.get("secure_aggregation")
         self.relay.check_info(secure)
         h = self.cfg.hierarchy
+        deadline_at = None if left is None or not math.isfinite(left) else now + float(left)
+        self.cycle = None
+        if h.edge_rounds > 1:  # the edge rounds share the time to the root's deadline less the margin
+            close = None if deadline_at is None else deadline_at - h.edge_margin_s
+            self.cycle = EdgeRounds(h.edge_rounds, round_, version, dict(tasks), close)
+            deadline_at, margin = self.cycle.close_at(now), 0.0
+        else:
+            margin = h.edge_margin_s
+        if self.root_model is not None:
+            self.model = self.root_model  # not an edge model of the round before
         self.round = EdgeRound(
             self.name,
             round_,
@@ -277,8 +340,8 @@ class EdgeNodes:
             self.spec.numel,
             list(tasks),
             weighting=self.cfg.strategy.weighting,
-            deadline_at=None if left is None or not math.isfinite(left) else now + float(left),
-            margin_s=h.edge_margin_s,
+            deadline_at=deadline_at,
+            margin_s=margin,
             quorum=h.edge_quorum,
             expected=self.weights,
         )
@@ -509,8 +572,9 @@ class Uplink:
                 if self.edge.from_root(answer, time.monotonic()):
                     self.take_back()
                     self._changed()
-                if self.edge.round is not None and not self.edge.round.closed:
-                    await self.fetch_model(self.edge.round.version)
+                served = self.edge.root_round
+                if served is not None and self.edge.round is not None and not self.edge.round.closed:
+                    await self.fetch_model(served[1])
                 if buf is not None and buf.tasks:
                     await self.fetch_model(max(v for v, _ in buf.tasks.values()))
                 backoff.reset()
@@ -577,9 +641,10 @@ class Uplink:
         """The root's model of ``version``, cached and served to this edge's nodes as the root's bytes."""
         from shoal.client.transfer import download
 
-        if self.edge.model is not None and self.edge.model.version == version:
+        cached = self.edge.root_model
+        if cached is not None and cached.version == version:
             return
-        headers = {"If-None-Match": self.edge.model.etag} if self.edge.model is not None else {}
+        headers = {"If-None-Match": cached.etag} if cached is not None else {}
         got = await download(
             self.http, self.parent + "/v1/model", self.ssl, headers, 2 * self.edge.update_limit, None, self.rand
         )
@@ -593,7 +658,7 @@ class Uplink:
         got_version = header.get("version")
         if not isinstance(got_version, int) or isinstance(got_version, bool):
             raise Malformed("the root's model names no version")
-        self.edge.model = ModelDownload(got_version, etag, b"", memoryview(body))
+        self.edge.took_model(ModelDownload(got_version, etag, b"", memoryview(body)))
         log.info("model of version %d cached (%d bytes)", got_version, len(body))
         self._changed()
 
@@ -614,13 +679,13 @@ class Uplink:
                 why = (
                     "complete" if er.complete else "quorum" if er.close_at is None or now < er.close_at else "deadline"
                 )
-                part = er.close()
-                self._changed()  # nodes still training hear the round is over for them
-                if part is not None:
+                part, opened = self.edge.close_round(now)
+                self._changed()  # nodes still training hear the round is over for them (or of the next edge round)
+                if part is not None and not opened:
                     task = asyncio.ensure_future(self.send(er, part, why, now))
                     self.sending.add(task)
                     task.add_done_callback(self.sending.discard)
-                elif not self.edge.relay.secure:  # a secure round's inputs leave in the masked sum
+                elif not opened and not self.edge.relay.secure:  # a secure round's inputs leave in the masked sum
                     log.info("round %d: no update arrived before the close (%s)", er.round, why)
             await asyncio.sleep(CLOSE_EVERY_S)
 
@@ -664,7 +729,7 @@ class Uplink:
         record: dict[str, Any] = {
             "edge": self.edge.name,
             "round": er.round,
-            "version": er.version,
+            "version": part.version,
             "nodes_given": len(er.nodes),
             "nodes_in": part.count,
             "nodes": sorted(part.senders),
@@ -672,6 +737,7 @@ class Uplink:
             "closed": why,
             "closed_after_s": round(closed_at - started, 4),
             "partial_bytes": len(body),
+            "edge_rounds": self.edge.cfg.hierarchy.edge_rounds,
         }
         try:
             answer = await send_partial(self.http, self.parent, body, give_up_at=give_up)

@@ -9,6 +9,8 @@ from typing import Any
 
 from shoal.errors import ConfigError
 
+MAX_EDGE_ROUNDS = 4096  # hierarchy.edge_rounds at an edge process (server/edge.py numbers its models by it)
+
 
 def check_combinations(self: Any) -> None:
     """Settings that are fine alone but not together."""
@@ -245,6 +247,16 @@ def _check_edge(self: Any) -> None:
             ),
             (f"robust.rule = {self.robust.rule!r}", self.robust.rule != "mean", "a robust rule needs each update"),
             ("federation.enabled", self.federation.enabled, "an edge serves one run"),
+            (
+                f"hierarchy.edge_rounds = {self.hierarchy.edge_rounds}",
+                self.server.mode == "async" and self.hierarchy.edge_rounds > 1,
+                "an async root has no rounds for edge rounds to fit in (set it to 1)",
+            ),
+            (
+                f"hierarchy.edge_rounds = {self.hierarchy.edge_rounds}",
+                self.hierarchy.edge_rounds > MAX_EDGE_ROUNDS,
+                f"an edge runs at most {MAX_EDGE_ROUNDS} edge rounds per root round",
+            ),
         )
         if on
     ]
