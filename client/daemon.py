@@ -32,8 +32,8 @@ from shoal.config import config_from_dict
 from shoal.errors import ShoalError
 from shoal.signals import on_stop_signals
 
-from .http import Backoff, NodeError, Refused, Retry, check_response, connection_problem
-from .node import REATTACH_AFTER, Node, builtin_local_data, read_local_data
+from .http import Backoff, NodeError, Refused, Retry, ServerList, check_response, connection_problem
+from .node import Node, builtin_local_data, read_local_data
 from .node_config import BUILTIN, NodeConfig
 from .runlog import RUN, RunTag
 
@@ -75,9 +75,7 @@ class NodeDaemon:
         self.refused: dict[str, str] = {}  # run -> this node's reason (for good)
         self.deferred: dict[str, str] = {}  # run -> why this node cannot take part yet (asked again each poll)
         self.ledgers: dict[Path, str] = {}  # local-DP ledger in use -> the run spending that data's budget
-        self.url = cfg.servers[0]  # the server in use (the next of cfg.servers when it stops answering)
-        self.failures = 0
-        self.lost_since: float | None = None
+        self.servers = ServerList(cfg.servers, log)  # the one in use: the next when it stops answering
 
     async def run(self) -> int:
         on_stop_signals(self._on_signal)
@@ -116,23 +114,18 @@ class NodeDaemon:
         log.info("node %s stops: took part in %d runs, refused %d", self.cfg.name, len(self.runs), len(self.refused))
         return 0
 
+    @property
+    def url(self) -> str:
+        """The server in use."""
+        return self.servers.url
+
     def _lost(self) -> None:
-        """The server in use did not answer; after REATTACH_AFTER failures in a row the daemon moves
-        to the next server of its list (the runs it takes part in move on their own, client/node.py)."""
-        loop = asyncio.get_running_loop()
-        self.lost_since = self.lost_since if self.lost_since is not None else loop.time()
-        self.failures += 1
-        servers = self.cfg.servers
-        if len(servers) > 1 and self.failures >= REATTACH_AFTER:
-            old, self.url = self.url, servers[(servers.index(self.url) + 1) % len(servers)]
-            self.failures = 0
-            log.warning("server %s does not answer; re-attaching to %s", old, self.url)
+        """The server in use did not answer; after a few failures in a row the daemon moves to the
+        next server of its list (the runs it takes part in move on their own, client/node.py)."""
+        self.servers.lost(asyncio.get_running_loop().time())
 
     def _answered(self) -> None:
-        if self.lost_since is not None:
-            took = asyncio.get_running_loop().time() - self.lost_since
-            log.info("attached to %s, %.3f s after the last server stopped answering", self.url, took)
-        self.lost_since, self.failures = None, 0
+        self.servers.answered(asyncio.get_running_loop().time())
 
     def _on_signal(self) -> None:
         log.info("signal received: finishing the current steps, then exiting")
@@ -227,10 +220,8 @@ class NodeDaemon:
             local = builtin_local_data(task, load_shard(allowed.data))  # type: ignore[arg-type]
         else:
             local = read_local_data(task, allowed.data)
-        servers = self.cfg.servers
-        first = servers.index(self.url)  # the server in use first, then the others in turn
         return Node(
-            ",".join(f"{u}/runs/{offer['run']}" for u in servers[first:] + servers[:first]),
+            ",".join(f"{u}/runs/{offer['run']}" for u in self.servers.in_turn()),  # the one in use first
             self.token,
             local,
             cfg,

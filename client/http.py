@@ -9,6 +9,7 @@ model's spec hash, an untrusted certificate) is :class:`NodeError`: stop.
 
 from __future__ import annotations
 
+import logging
 import random
 from dataclasses import dataclass
 
@@ -33,6 +34,54 @@ class Refused(Exception):
     def __init__(self, msg: str, code: str = ""):
         super().__init__(msg)
         self.code = code
+
+
+log = logging.getLogger(__name__)
+
+REATTACH_AFTER = 2  # failed requests in a row before a node given several servers moves to the next
+
+
+class ServerList:
+    """The servers a node or a node daemon may use, in order of preference (edge aggregators, a
+    root), and the one in use: after REATTACH_AFTER failed requests in a row it moves to the next,
+    and when one answers again it logs how long the node was without a server (re-attach time),
+    on ``logger`` (the caller's, so the lines name the node or the daemon)."""
+
+    def __init__(self, urls: list[str], logger: logging.Logger = log):
+        if not urls:
+            raise ValueError("a server list needs at least one URL")
+        self.log = logger
+        self.urls = [u.rstrip("/") for u in urls]
+        self.url = self.urls[0]
+        self.failures = 0
+        self.lost_since: float | None = None  # when the server in use first failed to answer
+
+    @classmethod
+    def parse(cls, servers: str, logger: logging.Logger = log) -> ServerList:
+        """``URL1,URL2,...`` (one URL is a list of one)."""
+        return cls([u.strip() for u in servers.split(",") if u.strip()] or [servers], logger)
+
+    def lost(self, now: float, leave: bool = False) -> None:
+        """The server in use did not answer (``leave``: and the caller gives it up at once, e.g. an
+        upload whose round is gone with it); the next one is used after REATTACH_AFTER in a row."""
+        self.lost_since = self.lost_since if self.lost_since is not None else now
+        self.failures = max(self.failures + 1, REATTACH_AFTER if leave else 0)
+        if len(self.urls) > 1 and self.failures >= REATTACH_AFTER:
+            old = self.url
+            self.url = self.urls[(self.urls.index(self.url) + 1) % len(self.urls)]
+            self.failures = 0
+            self.log.warning("server %s does not answer; re-attaching to %s", old, self.url)
+
+    def answered(self, now: float) -> None:
+        if self.lost_since is not None:
+            took = now - self.lost_since
+            self.log.info("attached to %s, %.3f s after the last server stopped answering", self.url, took)
+        self.lost_since, self.failures = None, 0
+
+    def in_turn(self) -> list[str]:
+        """Every server, the one in use first, then the others in their order."""
+        first = self.urls.index(self.url)
+        return self.urls[first:] + self.urls[:first]
 
 
 @dataclass

@@ -67,7 +67,7 @@ from shoal.wire import MODEL_AUX, decode_model, default_max_bytes, read_header, 
 
 from .algorithms import ClientProgram
 from .disk_model import DiskModel, read_table
-from .http import Backoff, NodeError, Refused, Retry, check_response, connection_problem
+from .http import Backoff, NodeError, Refused, Retry, ServerList, check_response, connection_problem
 from .runlog import RunTag
 from .state import DiskClientState, MemoryClientState
 from .training import LocalTrainer, summarize_means
@@ -90,7 +90,6 @@ SPEC_HASH_HEADER = "X-Shoal-Spec-Hash"  # sent with every poll (docs/protocol.md
 # server reopens the same round, with the same task, once its nodes are back), or it already
 # arrived. The server hands such a task out again, and the node trains it again.
 RETRAINABLE = frozenset({"round_closed", "duplicate"})
-REATTACH_AFTER = 2  # failed requests in a row before a node given several servers moves to the next
 _METRIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")  # what the server takes in an evaluation report
 
 
@@ -384,11 +383,8 @@ class Node:
         ``state_dir``: the folder where the node keeps its client state between rounds and restarts
         (the algorithm's control variates, personal parts, FedBN buffers; None: in memory)."""
         # several servers (a comma-separated list, e.g. edge aggregators): the node moves to the
-        # next one when the one it uses stops answering (REATTACH_AFTER failures in a row)
-        self.urls = [u.strip().rstrip("/") for u in server.split(",") if u.strip()] or [server.rstrip("/")]
-        self.url = self.urls[0]
-        self.lost_since: float | None = None  # when the server in use first failed to answer
-        self.failures = 0
+        # next one when the one it uses stops answering (client/http.py ServerList)
+        self.servers = ServerList.parse(server, log)
         self.check_task = check_task
         self.token = token
         self.task = task if task is not None else task_from_config(cfg)
@@ -493,23 +489,23 @@ class Node:
         log.info("node %s stops after %d rounds", self.name, self.rounds_done)
         return 0
 
-    def _lost(self) -> None:
-        """The server in use did not answer; after REATTACH_AFTER failures in a row, the next one
-        of the list is tried (an edge aggregator that died: its nodes re-attach to another)."""
-        loop = asyncio.get_running_loop()
-        self.lost_since = self.lost_since if self.lost_since is not None else loop.time()
-        self.failures += 1
-        if len(self.urls) > 1 and self.failures >= REATTACH_AFTER:
-            old = self.url
-            self.url = self.urls[(self.urls.index(self.url) + 1) % len(self.urls)]
-            self.failures = 0
-            log.warning("server %s does not answer; re-attaching to %s", old, self.url)
+    @property
+    def url(self) -> str:
+        """The server in use."""
+        return self.servers.url
+
+    @property
+    def urls(self) -> list[str]:
+        return self.servers.urls
+
+    def _lost(self, leave: bool = False) -> None:
+        """The server in use did not answer; after a few failures in a row (or at once with
+        ``leave``) the next one of the list is tried (an edge aggregator that died: its nodes
+        re-attach to another)."""
+        self.servers.lost(asyncio.get_running_loop().time(), leave)
 
     def _answered(self) -> None:
-        if self.lost_since is not None:
-            took = asyncio.get_running_loop().time() - self.lost_since
-            log.info("attached to %s, %.3f s after the last server stopped answering", self.url, took)
-        self.lost_since, self.failures = None, 0
+        self.servers.answered(asyncio.get_running_loop().time())
 
     def _on_signal(self) -> None:
         log.info("signal received: finishing the current step, then exiting")
@@ -663,8 +659,7 @@ class Node:
                     return False
                 if len(self.urls) > 1:  # this server is gone: so is its round for this node (its drop-out)
                     log.warning("round %s: upload failed (%s); trying the next server", task["round"], e)
-                    self.failures = REATTACH_AFTER - 1
-                    self._lost()
+                    self._lost(leave=True)
                     return False
                 delay = backoff.next(self.rand)
                 log.warning("upload failed (%s); retrying in %.2f s", e, delay)
