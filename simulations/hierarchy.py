@@ -52,6 +52,7 @@ from shoal.aggregation.secagg import SecAggAborted
 from shoal.aggregation.secagg.memory import STAGES
 from shoal.aggregation.secagg.tiers import run_through_edges
 from shoal.config import HierarchyConfig
+from shoal.privacy_plan import plan_of
 from shoal.rounds import Assignment
 from shoal.seeding import derive_seed, rng
 from shoal.update import PartialSum, Update
@@ -123,9 +124,18 @@ class HierarchicalRound:
 
             self.secure = SecureAggregationRounds(sim)
         self.lost_stage: dict[str, str] = {}  # secure aggregation: the stage each lost edge failed at
+        # distributed DP through edges: the root's DP mean takes the unmasked result as flat secure
+        # aggregation hands it over (updates), since it sizes and checks the noise shares itself
+        self.summing = self.secure is None or not plan_of(sim.cfg).client_shares
 
     def updates(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
-        raise TypeError("HierarchicalRound hands the root partial sums (partial_sums), not single updates")
+        """Secure aggregation with distributed DP: one protocol over every selected client through the
+        edges, its unmasked result as flat secure aggregation yields it (the root's DP mean counts
+        the noise shares). Otherwise the root takes partial sums (partial_sums)."""
+        if self.summing:
+            raise TypeError("HierarchicalRound hands the root partial sums (partial_sums), not single updates")
+        assert self.secure is not None
+        yield from self._through_edges(tasks, global_params)
 
     def _model_size(self, params: torch.Tensor, version: int) -> int:
         if self._model_bytes is None or self._model_bytes[0] != version:
@@ -141,17 +151,10 @@ class HierarchicalRound:
 
     def partial_sums(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[PartialSum]:
         sim = self.sim
-        self.links.reset()
+        by_edge, lost = self._start(tasks)
         if not tasks:
             return
         r, version = tasks[0].round, tasks[0].version
-        by_edge: dict[str, list[Assignment]] = {}
-        for t in tasks:
-            by_edge.setdefault(self.edge_of[t.client_id], []).append(t)
-        lost = self._lost_edges(r, sorted(by_edge))
-        self.lost = sorted(lost)
-        self.lost_total += len(lost)
-        self.reattached = 0
         if self.secure is not None:
             yield from self._secure_sums(by_edge, lost, global_params, r, version)
             return
@@ -183,11 +186,45 @@ class HierarchicalRound:
             raise SecAggAborted(f"every edge of round {r} was lost or got no update")
         yield inbox.total().to_partial_sum()
 
+    def _start(self, tasks: list[Assignment]) -> tuple[dict[str, list[Assignment]], set[str]]:
+        """A round's tasks by edge, and the edges lost in it (seeded)."""
+        self.links.reset()
+        by_edge: dict[str, list[Assignment]] = {}
+        for t in tasks:
+            by_edge.setdefault(self.edge_of[t.client_id], []).append(t)
+        lost = self._lost_edges(tasks[0].round, sorted(by_edge)) if tasks else set()
+        self.lost = sorted(lost)
+        self.lost_total += len(lost)
+        self.reattached = 0
+        return by_edge, lost
+
+    def _through_edges(
+        self, tasks: list[Assignment], global_params: torch.Tensor
+    ) -> Iterator[tuple[Assignment, Update]]:
+        """The round's one secure aggregation through the edges: what SecureAggregationRounds.updates
+        yields (the unmasked result per included client). Raises SecAggAborted below the threshold,
+        or below t survivors under distributed DP (counted over the whole cohort: the clients inside
+        the edges' masked sums)."""
+        by_edge, lost = self._start(tasks)
+        if not tasks:
+            return
+        yield from self._secure_updates(by_edge, lost, global_params, tasks[0].round, tasks[0].version)
+
     def _secure_sums(
         self, by_edge: dict[str, list[Assignment]], lost: set[str], global_params: torch.Tensor, r: int, version: int
     ) -> Iterator[PartialSum]:
         """One secure aggregation over every selected client, through the edges (see the module doc):
         the root's unmasked sum as one PartialSum. Raises SecAggAborted below the threshold."""
+        acc = Accumulator(r, version, self.sim.spec.numel, self.sim.cfg.strategy.weighting)
+        for _task, update in self._secure_updates(by_edge, lost, global_params, r, version):
+            acc.add_update(update)
+        if acc.count == 0:
+            raise SecAggAborted(f"no masked input of round {r} reached the root")
+        yield acc.partial().to_partial_sum()
+
+    def _secure_updates(
+        self, by_edge: dict[str, list[Assignment]], lost: set[str], global_params: torch.Tensor, r: int, version: int
+    ) -> Iterator[tuple[Assignment, Update]]:
         assert self.secure is not None
         model_size = self._model_size(global_params, version)
         tasks = [t for _, ts in sorted(by_edge.items()) for t in ts]
@@ -205,19 +242,14 @@ class HierarchicalRound:
             return result, cost
 
         self.secure.transport = through_edges
-        acc = Accumulator(r, version, self.sim.spec.numel, self.sim.cfg.strategy.weighting)
-        try:
-            for _task, update in self.secure.updates(tasks, global_params):
-                acc.add_update(update)
-        finally:
-            self.reported = sorted(reported)
         if lost:
             log.info("round %d: edge(s) %s lost mid-round (%s); their %d client(s) are the protocol's drop-outs", r,
                      ", ".join(sorted(lost)), ", ".join(f"{e} at {s}" for e, s in self.lost_stage.items()),
                      sum(len(by_edge[e]) for e in lost))  # fmt: skip
-        if acc.count == 0:
-            raise SecAggAborted(f"no masked input of round {r} reached the root")
-        yield acc.partial().to_partial_sum()
+        try:
+            yield from self.secure.updates(tasks, global_params)
+        finally:
+            self.reported = sorted(reported)
 
     def _edge_rounds(
         self, alive: dict[str, list[Assignment]], global_params: torch.Tensor, r: int, version: int, model_size: int

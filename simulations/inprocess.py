@@ -293,7 +293,8 @@ class InProcessSimulation:
         round runner delivers; a round the runner aborts leaves the model as it was."""
         tasks = self.rounds.start_round(self.client_ids)
         self.wire.broadcast(self.rounds.global_params, self.rounds.version, len(tasks))
-        summed = getattr(self.runner, "partial_sums", None)  # a SummingRunner
+        # a SummingRunner (virtual edges hand over updates instead when they say summing = False)
+        summed = getattr(self.runner, "partial_sums", None) if getattr(self.runner, "summing", True) else None
         try:
             if summed is not None:
                 for part in summed(tasks, self.rounds.global_params):

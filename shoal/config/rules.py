@@ -282,14 +282,24 @@ def _check_hierarchy(self: Any) -> None:
             ("heterogeneity.enabled", self.heterogeneity.enabled),
             (f"algorithm.name = {self.algorithm.name!r}", self.algorithm.name != "fedavg"),
             (f"robust.rule = {self.robust.rule!r}", self.robust.rule != "mean"),
-            (f"privacy.mode = {self.privacy.mode!r}", self.privacy.mode != "none"),
+            (
+                f"privacy.mode = {self.privacy.mode!r}",
+                self.privacy.mode not in ("none", "distributed")
+                or (self.privacy.mode == "distributed" and not self.secure_aggregation.enabled),
+            ),
         )
         if on
     ]
     if unsupported:
+        dp = (
+            " (distributed DP runs through edges with secure aggregation only: in the clear an edge would see "
+            "its nodes' noise shares and the root's DP mean could not count them in a sum)"
+            if self.privacy.mode == "distributed"
+            else ""
+        )
         raise ConfigError(
             f"hierarchy.edges = {self.hierarchy.edges} simulates edge aggregators that sum plain FedAvg updates "
-            f"in sync rounds, and cannot run {', '.join(unsupported)} yet; set hierarchy.edges = 0 (flat)"
+            f"in sync rounds, and cannot run {', '.join(unsupported)} yet{dp}; set hierarchy.edges = 0 (flat)"
         )
     _check_secure_tiers(self, f"hierarchy.edges = {self.hierarchy.edges}")
 
