@@ -152,11 +152,7 @@ async def last_line(request: web.Request, handler):
     except Refusal as e:
         resp = error(e.status, e.code, e.detail)
         if e.close:  # the rest of a body we stopped reading is not waited for: answer, then hang up
-            resp.force_close()
-            if not _gone(request):
-                await resp.prepare(request)
-                await resp.write_eof()
-            request.protocol.force_close()
+            await _answer_and_hang_up(request, resp)
         return resp
     except web.HTTPException as e:  # aiohttp's own (404, 405, ...): the same JSON shape
         if e.status < 400:
@@ -168,6 +164,16 @@ async def last_line(request: web.Request, handler):
     except Exception:
         log.exception("unexpected error in %s %s; answered 500, nothing applied", request.method, request.path)
         return error(500, "internal", "the server hit an unexpected error; nothing was applied (see its log)")
+
+
+async def _answer_and_hang_up(request: web.Request, resp: web.Response) -> None:
+    """Send ``resp`` now and close the connection after it, so the unread rest of the request's
+    body is neither waited for nor read (aiohttp would otherwise linger reading it for 10 s)."""
+    resp.force_close()
+    if not _gone(request):
+        await resp.prepare(request)
+        await resp.write_eof()
+    request.protocol.force_close()
 
 
 def _bearer(request: web.Request) -> str | None:
@@ -240,7 +246,11 @@ async def auth(request: web.Request, handler):
         refused = _authenticate(request)
     else:
         refused = None
-    return refused or await handler(request)
+    if refused is None:
+        return await handler(request)
+    if request.body_exists and not request.content.at_eof():  # a body from a caller we refused: not read
+        await _answer_and_hang_up(request, refused)
+    return refused
 
 
 def _seconds(request: web.Request, key: str, cap: float) -> float:

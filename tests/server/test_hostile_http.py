@@ -74,6 +74,28 @@ def test_non_utf8_token_and_garbage_auth_are_401_json(tmp_path):
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
 
+def test_a_refused_caller_with_a_huge_body_is_answered_and_hung_up_on(tmp_path):
+    """No token, a bad token or a node's token on an admin route, each claiming a 2 GiB body and
+    sending 2 bytes: answered 401 at once and the connection closed, the body never waited for."""
+
+    def post(path: str, auth: bytes) -> bytes:
+        return f"POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: {2**31}\r\n".encode() + auth + b"\r\nab"
+
+    async def scenario():
+        async with live_server(tmp_path, NODES[:1]) as live:
+            for path, auth in (
+                ("/v1/update", b""),
+                ("/v1/update", b"Authorization: Bearer " + b"x" * 43 + b"\r\n"),
+                ("/v1/runs", b"Authorization: Bearer " + live.tokens["n0"].encode() + b"\r\n"),
+            ):
+                # read() returns at EOF: the server closed after its answer (8 s < its 10 s lingering)
+                status, body = await raw_request(live.url, post(path, auth), read_timeout=8.0)
+                assert status == 401 and body["error"] == "unauthenticated", (path, status, body)
+            assert live.service.counters.accepted == 0 and live.service.last_seen == {}
+
+    asyncio.run(asyncio.wait_for(scenario(), 60))
+
+
 @pytest.mark.parametrize(
     "query",
     [
