@@ -154,8 +154,13 @@ class PartialIntake:
             return "robust.norm_bound bounds each update, which a sum hides"
         if cfg.secure_aggregation.enabled and cfg.secure_aggregation.malicious_server:
             return "secure_aggregation.malicious_server = true: its consistency round through edges is not built"
-        if cfg.privacy.mode != "none":
-            return f"privacy.mode = {cfg.privacy.mode!r}: the DP mean clips each update, which a sum hides"
+        distributed_secure = cfg.privacy.mode == "distributed" and cfg.secure_aggregation.enabled
+        if cfg.privacy.mode != "none" and not (distributed_secure and self.service.sync is not None):
+            return (
+                f"privacy.mode = {cfg.privacy.mode!r}: the DP mean clips each update, which a sum hides (distributed "
+                "DP runs through edges with secure aggregation in sync rounds: each node clips and adds its noise "
+                "share before masking)"
+            )
         if cfg.algorithm.name != "fedavg":
             return f"algorithm.name = {cfg.algorithm.name!r} needs each node's own step and state, not a sum"
         if cfg.robust.rule != "mean":
@@ -217,6 +222,9 @@ class PartialIntake:
         secure = [w["secure_aggregation"] for w in works.values() if w is not None and "secure_aggregation" in w]
         if secure:  # one protocol for the whole cohort: the edge relays it (server/edge_secure.py)
             answer["secure_aggregation"] = secure[0]
+        privacy = [w["privacy"] for w in works.values() if w is not None and "privacy" in w]
+        if privacy:  # distributed DP: the round's t and noise, which each node checks against its own config
+            answer["privacy"] = privacy[0]
         left = r.time_left(now)
         return {
             **answer,

@@ -60,6 +60,7 @@ log = logging.getLogger(__name__)
 POLL_WAIT_S = 1.0  # the edge's poll of the root is held this long at most while the root has no work for it
 CLOSE_EVERY_S = 0.05  # how often the edge looks whether its part of the round is due to close
 ASYNC_SEND_S = 60.0  # under an async root, a partial is sent again for this long at most
+MAX_PRIVACY_INFO = 4096  # bytes of the root's privacy task fields an edge passes on to its nodes
 
 
 def _int(obj: dict, key: str) -> int:
@@ -106,6 +107,7 @@ class EdgeNodes:
             self.buffer = EdgeBuffer("", spec.numel, weighting=cfg.strategy.weighting, size=size, wait_s=h.edge_flush_s)
         # secure rounds: the edge relays the protocol and adds masked inputs (server/edge_secure.py)
         self.relay = EdgeRelay(cfg.secure_aggregation.stage_s, cfg.hierarchy.edge_margin_s)
+        self.privacy: dict[str, Any] | None = None  # the root round's privacy task fields (distributed DP)
 
     # --- towards the nodes -------------------------------------------------------------
 
@@ -141,6 +143,8 @@ class EdgeNodes:
         work: dict[str, Any] = {"status": "work", "round": er.round, "version": er.version, "seed": seed}
         if self.relay.secure:
             work["secure_aggregation"] = self.relay.info
+        if self.privacy is not None:  # the root's distributed-DP task fields, checked by the node
+            work["privacy"] = self.privacy
         if er.close_at is not None:
             work["deadline_s"] = round(max(er.close_at - now, 0.0), 3)
         return work
@@ -322,6 +326,16 @@ class EdgeNodes:
             log.warning("round %d: the root moved on to round %d before this edge's partial", er.round, round_)
         secure = answer.get("secure_aggregation")
         self.relay.check_info(secure)
+        privacy = answer.get("privacy")
+        if privacy is not None and (not isinstance(privacy, dict) or len(json.dumps(privacy)) > MAX_PRIVACY_INFO):
+            raise Malformed(f"the root's privacy task fields are not an object of at most {MAX_PRIVACY_INFO} bytes")
+        if (privacy is not None) != (self.cfg.privacy.mode != "none"):
+            raise Malformed(
+                f"this edge runs privacy.mode = {self.cfg.privacy.mode!r} and the root's round "
+                f"{'has' if privacy is not None else 'has no'} privacy task fields: run the edge with the root's "
+                "[privacy] table"
+            )
+        self.privacy = privacy
         h = self.cfg.hierarchy
         deadline_at = None if left is None or not math.isfinite(left) else now + float(left)
         self.cycle = None

@@ -237,8 +237,13 @@ def _check_edge(self: Any) -> None:
             ),
             (
                 f"privacy.mode = {self.privacy.mode!r}",
-                self.privacy.mode != "none",
-                "the root's DP accounting does not cover sums from edges yet",
+                self.privacy.mode not in ("none", "distributed")
+                or (
+                    self.privacy.mode == "distributed"
+                    and (not self.secure_aggregation.enabled or self.server.mode != "sync")
+                ),
+                "DP runs through edges as distributed DP with secure aggregation in sync rounds only (each node clips "
+                "and adds its noise share before masking; a plain sum would hide the clipping from the root's DP mean)",
             ),
             (
                 f"algorithm.name = {self.algorithm.name!r}",

@@ -115,7 +115,8 @@ def test_an_edge_refuses_what_it_cannot_run_with_the_reason(tmp_path) -> None:
             {"server": {"mode": "async"}, "asynchronous": {"algorithm": "fedasync"}},
             "FedBuff's buffer only",
         ),
-        ({"privacy": {"mode": "central", "noise_multiplier": 1.0}}, "DP accounting"),
+        ({"privacy": {"mode": "central", "noise_multiplier": 1.0}}, "distributed DP with secure aggregation"),
+        ({"privacy": {"mode": "distributed", "noise_multiplier": 1.0}}, "distributed DP with secure aggregation"),
         ({"algorithm": {"name": "scaffold"}}, "each node's own step"),
     ):
         with pytest.raises(ConfigError) as err:

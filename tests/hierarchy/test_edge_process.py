@@ -6,10 +6,12 @@ timeout and every process is killed at the end."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
 
+from shoal.accounting import epsilon
 from shoal.server.checkpoint import load_checkpoint
 from shoal.simulations.inprocess import InProcessSimulation
 
@@ -139,3 +141,55 @@ def test_secure_aggregation_through_edge_processes_and_a_killed_edge_s_nodes_are
     # re-attached: a later round has all 5 through edge-a
     assert any(e["nodes_in"] == 5 and e["answer"] == "accepted" for e in h.edge_records("edge-a")), (sums, log)
     assert records[-1]["num_results"] == 5, records
+
+
+DISTRIBUTED = """
+[secure_aggregation]
+enabled = true
+bits = 24
+clip = 10.0
+stage_s = 4.0
+[privacy]
+mode = "distributed"
+noise_multiplier = 1.0
+clip_norm = 1.0
+"""  # the secure clip above C + 8 share stds (t >= 1), as the server requires
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_distributed_dp_through_secure_edge_processes_is_accounted_as_flat(tmp_path):
+    """Distributed DP on top of secure aggregation through 2 edges (4 nodes, 2 rounds): every node clips, adds its
+    noise share sized for t of the whole cohort (passed down by its edge from the root's task) and
+    masks; the edges only relay and add masked vectors; the root unmasks the noisy sum and charges
+    each round as a flat distributed-DP server would (its accountant's q and z)."""
+    with hierarchy(
+        tmp_path, n=4, edges=2, rounds=2, deadline=6.0, extra=DISTRIBUTED, add={"server": "clients_per_round = 4"}
+    ) as h:
+        h.root()
+        for e in h.edge_names:
+            h.edge(e)
+        h.listening(120)
+        for i in range(h.n):
+            h.node(i)
+        assert h.wait("root", 200) == 0, h.dump()
+        records = h.records()
+        sums = h.edge_records("edge-a") + h.edge_records("edge-b")
+        nodes = {p.stem: (tmp_path / f"{p.stem}.log").read_text() for p in h.shards}
+        log = h.dump()
+    assert [r["version"] for r in records] == [1, 2], (records, log)
+    assert all(r["privacy_mode"] == "distributed" and r["release"] == "withhold" for r in records), records
+    assert "num_results" not in records[0]  # withheld under DP, as at a flat root
+    for k, r in enumerate(records, 1):
+        assert r["rounds_charged"] == k
+        assert r["epsilon"] == pytest.approx(epsilon(r["sampling_rate"], 1.0, k, 1e-5)), r
+    # Poisson selection at q = K / N: per round, the nodes inside the masked sums the root took are
+    # the nodes that added a share, each one share sized for the round's t (its whole cohort)
+    inside = {r: sum(e["nodes_in"] for e in sums if e["round"] == r and e.get("answer") == "accepted") for r in (1, 2)}
+    assert all(k >= 1 for k in inside.values()), (sums, log)
+    shares = re.findall(
+        r"round (\d+): update of norm \S+ clipped to C = 1, noise share N\(0, \S+\) added \(t = (\d+)\)",
+        "".join(nodes.values()),
+    )
+    assert sorted(int(r) for r, _ in shares) == sorted(r for r, k in inside.items() for _ in range(k)), (shares, inside)
+    assert all(1 <= int(t) <= 4 for _, t in shares), shares
