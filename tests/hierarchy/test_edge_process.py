@@ -177,19 +177,24 @@ def test_distributed_dp_through_secure_edge_processes_is_accounted_as_flat(tmp_p
         sums = h.edge_records("edge-a") + h.edge_records("edge-b")
         nodes = {p.stem: (tmp_path / f"{p.stem}.log").read_text() for p in h.shards}
         log = h.dump()
-    assert [r["version"] for r in records] == [1, 2], (records, log)
+    # a round may abort (e.g. opened before the nodes reached their edges: nobody advertised keys);
+    # it is charged like any round that started, and releases nothing
+    done = [r for r in records if "aborted" not in r]
+    assert [r["version"] for r in done] == [1, 2], (records, log)
     assert all(r["privacy_mode"] == "distributed" and r["release"] == "withhold" for r in records), records
-    assert "num_results" not in records[0]  # withheld under DP, as at a flat root
-    for k, r in enumerate(records, 1):
-        assert r["rounds_charged"] == k
-        assert r["epsilon"] == pytest.approx(epsilon(r["sampling_rate"], 1.0, k, 1e-5)), r
-    # Poisson selection at q = K / N: per round, the nodes inside the masked sums the root took are
-    # the nodes that added a share, each one share sized for the round's t (its whole cohort)
-    inside = {r: sum(e["nodes_in"] for e in sums if e["round"] == r and e.get("answer") == "accepted") for r in (1, 2)}
+    assert "num_results" not in done[0]  # withheld under DP, as at a flat root
+    assert [r["rounds_charged"] for r in records] == list(range(1, len(records) + 1)), records
+    for r in records:
+        assert r["epsilon"] == pytest.approx(epsilon(r["sampling_rate"], 1.0, r["rounds_charged"], 1e-5)), r
+    # Poisson selection at q = K / N: in each completed round, the nodes inside the masked sums the root
+    # took are the nodes that added a share, each one share sized for the round's t (its whole cohort)
+    rounds = [r["round"] for r in done]
+    inside = {k: sum(e["nodes_in"] for e in sums if e["round"] == k and e.get("answer") == "accepted") for k in rounds}
     assert all(k >= 1 for k in inside.values()), (sums, log)
     shares = re.findall(
         r"round (\d+): update of norm \S+ clipped to C = 1, noise share N\(0, \S+\) added \(t = (\d+)\)",
         "".join(nodes.values()),
     )
-    assert sorted(int(r) for r, _ in shares) == sorted(r for r, k in inside.items() for _ in range(k)), (shares, inside)
+    added = sorted(int(k) for k, _ in shares if int(k) in inside)
+    assert added == sorted(k for k, n in inside.items() for _ in range(n)), (shares, inside)
     assert all(1 <= int(t) <= 4 for _, t in shares), shares
