@@ -199,13 +199,8 @@ class PartialIntake:
         if svc.sync is None:
             return self._poll_async(edge, taken, refused, parse_want(body, nodes), now)  # type: ignore[arg-type]
         works = {n: svc.poll(n, now) for n in taken}  # each is seen (connected) as if it polled the root
-        answer: dict[str, Any] = {"edge": edge, "version": svc.version, "nodes": len(taken)}
-        if refused:
-            answer["refused"] = dict(sorted(refused.items())[:100])
+        answer = self._answer(edge, taken, refused)
         if svc.done:
-            answer["status"] = "done"
-            if svc.stop_reason is not None:
-                answer["reason"] = svc.stop_reason
             return answer
         r = svc.sync
         assert r is not None  # async roots answered above
@@ -235,6 +230,19 @@ class PartialIntake:
             **({"deadline_s": round(left, 3)} if left is not None else {}),
         }
 
+    def _answer(self, edge: str, taken: list[str], refused: dict[str, str]) -> dict[str, Any]:
+        """What every answer to an edge's poll says (sync or async root): the version, how many of its
+        nodes it holds, the claims refused, and ``done`` (with the reason) once the run ended."""
+        svc = self.service
+        answer: dict[str, Any] = {"edge": edge, "version": svc.version, "nodes": len(taken)}
+        if refused:
+            answer["refused"] = dict(sorted(refused.items())[:100])
+        if svc.done:
+            answer["status"] = "done"
+            if svc.stop_reason is not None:
+                answer["reason"] = svc.stop_reason
+        return answer
+
     def _poll_async(
         self, edge: str, taken: list[str], refused: dict[str, str], want: set[str], now: float
     ) -> dict[str, Any]:
@@ -251,13 +259,8 @@ class PartialIntake:
             if work is not None and work.get("status") == "work":
                 tasks[n] = int(work["seed"])
                 self.task_via[n] = edge
-        answer: dict[str, Any] = {"edge": edge, "version": svc.version, "nodes": len(taken)}
-        if refused:
-            answer["refused"] = dict(sorted(refused.items())[:100])
+        answer = self._answer(edge, taken, refused)
         if svc.done:
-            answer["status"] = "done"
-            if svc.stop_reason is not None:
-                answer["reason"] = svc.stop_reason
             return answer
         if not tasks:
             return {**answer, "status": "wait"}
