@@ -1,9 +1,10 @@
 """Fuzz a live `shoal server`-like aggregator over TLS with 10,000 hostile requests per mode.
 
-    .venv/bin/python bench/fuzz_server.py [--requests 10000] [--modes sync,async,secure,federation]
+    .venv/bin/python bench/fuzz_server.py [--requests 10000] [--modes sync,async,secure,federation,edge_secure]
 
-For each of sync, async, secure and federation mode (a federation server hosting one run: its
-node routes under /runs/run-1, offers, answers and the runs routes of `shoal run`;
+For each of sync, async, secure, federation (a federation server hosting one run: its
+node routes under /runs/run-1, offers, answers and the runs routes of `shoal run`) and
+edge_secure mode (a root's relay routes for edge aggregators in a secure round;
 tests/server/fuzz.py says what is drawn and how each
 answer is checked) it prints: the requests sent, answers of 5xx, error answers that are not
 JSON, malformed bodies accepted (by an oracle independent of shoal.wire), well-formed bodies

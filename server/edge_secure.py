@@ -35,7 +35,7 @@ from aiohttp import web
 from shoal.aggregation.secagg import MaskedInput, SecAggProtocolError
 from shoal.aggregation.secagg.tiers import EdgeMaskedSum
 from shoal.aggregation.secagg.wire import decode_message, encode_message, params_from_json
-from shoal.errors import Malformed, ShoalError, UpdateRejected
+from shoal.errors import Malformed, ShoalError, UpdateRejected, short_repr
 from shoal.metrics import json_safe
 from shoal.wire import MAX_HEADER_BYTES
 
@@ -62,22 +62,22 @@ def relayed_round(
 ) -> tuple[SecureRound, dict[str, str]]:
     """The open secure round and who speaks for whom in it, for a message ``edge`` relays (from
     ``node``; None: its masked sum). UpdateRejected unless ``edge`` is an edge of this server that
-    speaks for ``node`` in the open round."""
+    speaks for ``node`` in the open round; only then is ``node`` seen (alive, heard through its
+    edge): the name an edge puts in a query is no node of the root's until the roster says so."""
     if edge not in svc.cfg.hierarchy.edge_names:
         raise UpdateRejected("not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)")
-    if node is not None:
-        sr = svc.secure(node, now)  # the node is alive: it is heard through its edge
-    elif svc.secure_round is None:
-        raise UpdateRejected("round_closed", f"no secure round is open (version {svc.version})")
-    else:
-        sr = svc.secure_round
-    r = svc.sync
-    assert r is not None  # secure rounds are sync rounds
+    sr, r = svc.secure_round, svc.sync
+    if sr is None or r is None:
+        what = "secure aggregation is off" if not svc.cfg.secure_aggregation.enabled else "no secure round is open"
+        raise UpdateRejected("round_closed", f"{what} (version {svc.version})")
     held = intake.roster.round_edges(r.round, r.version, r.selected, now)
-    if node is not None and held.get(node) != edge:
-        raise UpdateRejected(
-            "not_your_node", f"edge {edge!r} does not speak for {node!r} in round {r.round} (POST /v1/edge/poll)"
-        )
+    if node is not None:
+        if held.get(node) != edge:
+            raise UpdateRejected(
+                "not_your_node",
+                f"edge {edge!r} does not speak for {short_repr(node)} in round {r.round} (POST /v1/edge/poll)",
+            )
+        svc.seen(node, now)
     return sr, held
 
 

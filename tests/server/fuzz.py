@@ -21,6 +21,21 @@ request goes over its own TLS connection as raw bytes, and its answer is checked
 
 Afterwards a legitimate round must still complete (see ``legit_round``).
 
+``edge_secure`` mode fuzzes a root whose two edges (f0, f1) relay a secure round for their nodes
+(server/edge_secure.py, docs/hierarchy.md "Secure aggregation through edges"), opened over real
+HTTP and left at its masked stage: f0's masked sum of its nodes is in, the direct nodes' masked
+inputs are awaited. Most requests go to the root's relay routes ``/v1/edge/secagg/{stage}``: from
+the wrong edge, from nodes and strangers, for another edge's node or names that are no node,
+masked sums naming anyone (repeated, outside the round, with vectors of any length and dtype,
+NaN rounds), f0's own sum again (the one 200 allowed: a ``duplicate``), unmasking answers sealed
+to the wrong key or session or not at all, and Content-Lengths over the limit. Its state also
+holds the protocol's (what each stage took, the masked sums taken, the running masked total),
+the nodes the root saw and who speaks for whom in the round; afterwards the fuzzed round itself
+completes and moves the model by its nodes' weighted mean.
+
+A failing batch is reported as it is, not shrunk: replayed against the live server (whose state
+moved on) it is not the same test, and shrinking resends batches for many minutes.
+
 ``federation`` mode fuzzes a federation server (server/federation.py) hosting one sync run: the
 node protocol under ``/runs/run-1`` (and under runs that do not exist), and the federation's own
 routes: offers, a node's answer to a run, and the runs routes of `shoal run` with malformed
@@ -31,6 +46,7 @@ counts the runs table and the nodes' answers: no hostile request may add, stop o
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import json
 import math
@@ -54,6 +70,7 @@ from shoal.tls import client_context, make_private_ca, server_context
 
 from .federation_live import served_federation
 from .live import live_server
+from .test_secure_rounds import Party
 
 FORMAT = "shoal/1"
 FLT_MAX = float(np.finfo(np.float32).max)
@@ -65,7 +82,10 @@ SMALL_ORDER = [
 ]
 LEGIT = ["n0", "n1", "n2", "n3"]
 FUZZERS = ["f0", "f1"]
-MODES = ("sync", "async", "secure", "federation")
+MODES = ("sync", "async", "secure", "federation", "edge_secure")
+# edge_secure: f0 and f1 are the root's edges; f0 speaks for e0 and e1 (its masked sum of them is in),
+# f1 for e2 (its task failed before it advertised keys: it is outside the round's U2)
+EDGE_OF = {"e0": "f0", "e1": "f0", "e2": "f1"}
 RUN = "run-1"  # the federation's one run
 RUN_CONFIG = {  # the run the federation mode hosts: the same model and rounds as sync mode's
     "simulation": {"seed": 1, "num_clients": 5},
@@ -91,6 +111,9 @@ def mode_config(mode: str) -> tuple[dict, dict]:
         return {k: v for k, v in server.items() if k in ("body_timeout_s", "uploads_per_node")}, {}
     if mode == "async":
         return {**server, "mode": "async"}, {"asynchronous": {"algorithm": "fedbuff", "buffer_size": 2}, **edge}
+    if mode == "edge_secure":  # a round of LEGIT and EDGE_OF's nodes, at its masked stage (prepare)
+        sections = {"hierarchy": {"edge_names": FUZZERS}, "secure_aggregation": {"enabled": True, "stage_s": 600.0}}
+        return {**server, "min_nodes": 7, "clients_per_round": 7}, sections
     # no edge here: f0 must be selected as a node, and an edge is never counted as one
     return {**server, "min_nodes": 6}, {"secure_aggregation": {"enabled": True, "stage_s": 600.0}}
 
@@ -143,7 +166,8 @@ class ServerThread:
                 await self._stop.wait()
             return
         self.fed = None
-        async with live_server(self.tmp, LEGIT + FUZZERS, ssl_context=ctx, sections=sections, **server) as live:
+        nodes = LEGIT + FUZZERS + (sorted(EDGE_OF) if self.mode == "edge_secure" else [])
+        async with live_server(self.tmp, nodes, ssl_context=ctx, sections=sections, **server) as live:
             self.live, self.svc = live, live.service
             self.port = int(live.url.rsplit(":", 1)[1])
             self._stop = asyncio.Event()
@@ -163,7 +187,10 @@ class ServerThread:
         """One request as raw bytes over a fresh TLS connection: (status, headers, body)."""
         with socket.create_connection(("127.0.0.1", self.port), timeout=timeout) as sock:
             with self.client_ssl.wrap_socket(sock, server_hostname="127.0.0.1") as tls:
-                tls.sendall(raw)
+                try:
+                    tls.sendall(raw)
+                except (ssl.SSLError, ConnectionResetError, BrokenPipeError):
+                    pass  # the server answered before the whole body came (a 401 or 413) and hung up
                 chunks = []
                 while True:
                     try:
@@ -217,6 +244,22 @@ class Ctx:
     max_body: int
     tokens: dict[str, str]
     secure: dict | None = None  # the open secure round's task info (secure mode)
+    edge: EdgeFixture | None = None  # edge_secure mode
+
+
+@dataclass
+class EdgeFixture:
+    """edge_secure mode: the round the fuzzer hits at its masked stage, and what its nodes sent (the
+    fuzzer replays it); the LEGIT nodes' masked inputs go in only after the fuzzing."""
+
+    parties: dict  # node -> Party (EDGE_OF's: relayed by their edge)
+    masked: dict[str, bytes]  # each node's MaskedInput message
+    sum_body: bytes  # f0's MaskedSum of e0 and e1, taken by the root
+    root_key: bytes  # the round's root key (its public part), which unmasking answers are sealed to
+    session: bytes
+    vector_size: int
+    limit: int  # the relay routes' body limit
+    before: torch.Tensor  # the model before the round
 
 
 def _field(draw, good):
@@ -519,6 +562,125 @@ def oracle_failure(body: bytes) -> bool:
     )
 
 
+# edge_secure: what the root's relay routes (/v1/edge/secagg/{stage}) are sent
+EDGE_WHO = st.sampled_from(["f0"] * 5 + ["f1"] * 2 + ["n0", "e0", "admin", "none", "garbage"])
+EDGE_STAGES = (
+    ["masked_sum"] * 4 + ["unmask"] * 2 + ["keys", "shares", "masked", "consistency", "nonsense", "MASKED_SUM"]
+)
+RELAYED_NODE = st.sampled_from(
+    [*EDGE_OF, *EDGE_OF, *LEGIT, *FUZZERS, "x", "", "a" * 300, "e0%00", "e0&node=n0", "%65%30", None]
+)
+SENDERS = st.sampled_from([*EDGE_OF, *EDGE_OF, *LEGIT, *FUZZERS, "x", "", "a" * 300])
+
+
+def _message(draw, fields: dict, tensors: dict[str, tuple[str, list[int], bytes]]) -> bytes:
+    """A secure aggregation wire message (safetensors, the shoal header in its metadata), each header
+    field right most of the time (see _field)."""
+    header = {}
+    for key, good in fields.items():
+        v = _field(draw, good)
+        if v is not _MISSING:
+            header[key] = v
+    table, data = {}, b""
+    for name, (dtype, shape, blob) in tensors.items():
+        table[name] = {"dtype": dtype, "shape": shape, "data_offsets": [len(data), len(data) + len(blob)]}
+        data += blob
+    text = json.dumps({"__metadata__": {"shoal": json.dumps(header)}, **table}).encode()
+    return struct.pack("<Q", len(text)) + text + data
+
+
+@st.composite
+def masked_sum_body(draw, ctx: Ctx) -> bytes:
+    """An edge's masked sum: f0's own (taken already: a retransmit), or one built from any senders
+    (repeated, another edge's, unknown, outside the round), of any length, round and vector."""
+    fx = ctx.edge
+    assert fx is not None
+    if draw(st.integers(0, 4)) == 0:
+        return draw(mutate(fx.sum_body))
+    vs = fx.vector_size
+    size = draw(st.sampled_from([vs] * 4 + [vs - 1, vs + 1, 0]))
+    how = draw(st.sampled_from(["random", "zeros", "replay"]))
+    if how == "replay":  # the vector of a masked input the root already holds, or of the sum
+        source = draw(st.sampled_from([fx.sum_body, fx.masked["e0"], fx.masked["n0"]]))
+        vector = source[-4 * vs :][: 4 * size].ljust(4 * size, b"\0")
+    elif how == "zeros":
+        vector = bytes(4 * size)
+    else:
+        vector = (
+            draw(st.binary(min_size=4 * size, max_size=4 * size))
+            if size <= 64
+            else np.random.default_rng(draw(st.integers(0, 2**32))).bytes(4 * size)
+        )
+    fields = {
+        "format": FORMAT,
+        "kind": "masked_sum",
+        "origin": draw(st.sampled_from(["f0", "f1", "e0", ""])),
+        "senders": draw(st.lists(SENDERS, max_size=4)),
+        "meta": {"round": draw(st.sampled_from([ctx.round] * 4 + [ctx.round + 1, ctx.round - 1, float("nan")]))},
+    }
+    dtype = draw(st.sampled_from(["I32"] * 4 + ["U32", "F32", "I64"]))
+    return draw(mutate(_message(draw, fields, {"masked": (dtype, [size], vector)})))
+
+
+@st.composite
+def sealed_body(draw, ctx: Ctx, node: str) -> bytes:
+    """An unmasking answer relayed to the root: sealed to the round's root key (by ``node`` or
+    another), to another key, or not sealed at all; inside, any message (a keys message here: the
+    masked stage is open, so even one that opens must be refused)."""
+    from shoal.aggregation.secagg.tiers import SEALED_KIND, seal_message
+
+    fx = ctx.edge
+    assert fx is not None
+    inner = draw(keys_body(ctx, node))
+    how = draw(st.sampled_from(["sealed"] * 3 + ["other_sender", "other_key", "other_session", "plain", "junk"]))
+    if how == "plain":
+        return inner
+    if how == "junk":
+        fields = {"format": FORMAT, "kind": SEALED_KIND, "sender": node, "meta": {"round": ctx.round}}
+        fields["sealed"] = base64.b64encode(draw(st.binary(max_size=120))).decode()
+        return draw(mutate(_message(draw, fields, {})))
+    key = X25519PrivateKey.generate().public_key().public_bytes_raw() if how == "other_key" else fx.root_key
+    session = b"another session" if how == "other_session" else fx.session
+    sender = draw(SENDERS) if how == "other_sender" else node
+    return draw(mutate(seal_message(inner, key, session, sender, {"round": ctx.round})))
+
+
+@st.composite
+def edge_post_request(draw, ctx: Ctx) -> Request:
+    """``POST /v1/edge/secagg/{stage}?node=NAME``: relayed messages and masked sums, often hostile,
+    sometimes with a Content-Length over the route's limit."""
+    fx = ctx.edge
+    assert fx is not None
+    stage = draw(st.sampled_from(EDGE_STAGES))
+    node = draw(RELAYED_NODE)
+    query = "" if node is None else f"?node={node}"
+    name = node if isinstance(node, str) and node in ctx.tokens else "e0"
+    if stage.lower() == "masked_sum":
+        body = draw(masked_sum_body(ctx))
+    elif stage == "unmask":
+        body = draw(sealed_body(ctx, name))
+    elif stage == "masked":
+        body = draw(mutate(fx.masked[draw(st.sampled_from(["e0", "n0", "n1"]))]))
+    else:
+        body = draw(keys_body(ctx, name))
+    length = draw(st.sampled_from([None] * 12 + [fx.limit + 1, 2**40]))
+    return Request("POST", f"/v1/edge/secagg/{stage}{query}", draw(EDGE_WHO), body, "edge_post", length=length)
+
+
+@st.composite
+def edge_get_request(draw, ctx: Ctx) -> Request:
+    """``GET /v1/edge/secagg/{stage}?node=NAME&round=R&wait=S``: another edge's node, an unknown one,
+    stages that have no reply, strict-looking query strings."""
+    stage = draw(st.sampled_from(["keys", "shares", "masked", "unmask", "consistency", "masked_sum", "zz"]))
+    query = []
+    node = draw(RELAYED_NODE)
+    if node is not None:
+        query.append(f"node={node}")
+    query.append(f"round={draw(st.one_of(st.just(str(ctx.round)), QUERY_ROUND))}")
+    query.append(f"wait={_no_hold(draw(QUERY_WAIT))}")
+    return Request("GET", f"/v1/edge/secagg/{stage}?{'&'.join(query)}", draw(EDGE_WHO), kind="edge_get")
+
+
 def _no_hold(wait: str) -> str:
     """A valid ``wait`` becomes 0: the fuzzer checks refusals, it does not sit in long-polls."""
     return "0" if re.fullmatch(r"[0-9]{1,9}(\.[0-9]{0,9})?", wait) else wait
@@ -533,11 +695,14 @@ class Request:
     kind: str = ""  # "update" | "keys" | "" (what the oracle checks)
     expect100: bool = False
     chunk_sha256: str = ""  # a chunked upload's chunk digest header (X-Shoal-Chunk-Sha256)
+    length: int | None = None  # a Content-Length that lies (over the route's limit); None: the body's
 
 
 def requests(ctx: Ctx, mode: str):
     """The strategy of one hostile request against a server in ``mode``."""
-    who = st.sampled_from(FUZZERS * 4 + ["admin", "none", "garbage", "bytes"] + (LEGIT if mode == "secure" else []))
+    who = st.sampled_from(
+        FUZZERS * 4 + ["admin", "none", "garbage", "bytes"] + (LEGIT if mode in ("secure", "edge_secure") else [])
+    )
 
     federation = ["offers", "answer", "runs_post", "runs_get", "run_get", "run_stop", "run_file", "elsewhere"]
 
@@ -552,6 +717,7 @@ def requests(ctx: Ctx, mode: str):
                 + ["chunks"] * 2
                 + ["partial"] * 2
                 + ["edge_poll"]
+                + (["edge_post"] * 30 + ["edge_get"] * 10 if mode == "edge_secure" else [])
                 + (federation * 2 if mode == "federation" else [])
             )
         )
@@ -562,6 +728,10 @@ def requests(ctx: Ctx, mode: str):
             route = draw(st.sampled_from(["task", "model"]))
         if route in federation:
             return draw(federation_request(ctx, route, sender))
+        if route == "edge_post":  # the root's relay routes (server/edge_secure.py)
+            return draw(edge_post_request(ctx))
+        if route == "edge_get":
+            return draw(edge_get_request(ctx))
         if route == "failed":  # a failure report (POST /v1/failed) from a node that holds no task
             who_ = sender if sender not in LEGIT else "f0"
             return Request("POST", at + "/v1/failed", who_, draw(failure_body()), "failed")
@@ -746,7 +916,8 @@ def raw_request(req: Request, ctx: Ctx) -> bytes:
         auth = b""
     head = f"{req.method} {req.path} HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n".encode() + auth
     if req.method in ("POST", "PUT"):
-        head += f"Content-Type: application/octet-stream\r\nContent-Length: {len(req.body)}\r\n".encode()
+        length = len(req.body) if req.length is None else req.length
+        head += f"Content-Type: application/octet-stream\r\nContent-Length: {length}\r\n".encode()
         if req.expect100:
             head += b"Expect: 100-continue\r\n"
         if req.chunk_sha256:
@@ -939,7 +1110,7 @@ class Tally:
             self.examples.append(what)
 
 
-def snapshot(svc, fed=None) -> tuple:
+def snapshot(svc, fed=None, app=None) -> tuple:
     """Model bytes, version, checkpoints and counters: what no hostile request may change (and a
     federation's runs table, the nodes' answers and the runs' metrics lines)."""
     if fed is not None:
@@ -964,12 +1135,32 @@ def snapshot(svc, fed=None) -> tuple:
     )
     if svc.mode == "async":
         return base + (r.stats.accepted, tuple(sorted(r.outstanding)), r.algorithm.count)
-    return base + (r.round, r.open, tuple(sorted(r.received)), r.strategy.num_accumulated)
+    base += (r.round, r.open, tuple(sorted(r.received)), r.strategy.num_accumulated)
+    sr = svc.secure_round
+    if sr is None or not svc.cfg.hierarchy.edge_names:
+        return base
+    # edge_secure: the protocol's state, who the root saw, and who speaks for whom in the round
+    from shoal.server.app import INTAKES
+
+    intake = app[INTAKES].get(svc) if app is not None else None
+    return base + (
+        sr.stage,
+        sr.aborted,
+        tuple((k, tuple(sorted(v))) for k, v in sorted(sr.sent.items())),
+        tuple(sorted(sr.sums_taken.items())),
+        tuple(sr.server.u3),
+        sr.server._total.tobytes(),
+        tuple(sorted(svc.last_seen)),
+        (intake.roster._frozen[0], tuple(sorted(intake.roster._frozen[1].items()))) if intake else (),
+    )
 
 
-def prepare(server: ServerThread) -> Ctx:
+def prepare(server: ServerThread):
     """Open the fuzzed state: sync, a round selecting legit nodes only; async, nothing; secure,
-    a round at its key stage with every node (the fuzzing ones too) selected."""
+    a round at its key stage with every node (the fuzzing ones too) selected; edge_secure (a
+    coroutine), a round through the edges f0 and f1 at its masked stage (see _prepare_edges)."""
+    if server.mode == "edge_secure":
+        return _prepare_edges(server)
     svc, live = server.svc, server.live
     now = time.monotonic()
     if server.mode in ("sync", "federation"):
@@ -1027,6 +1218,9 @@ def check(server: ServerThread, ctx: Ctx, req: Request, tally: Tally, before: tu
     if req.kind == "edge_poll" and status == 200 and json.loads(body).get("nodes") != 0:  # names no enrolled node
         tally.malformed_accepted += 1
         tally.note(f"edge poll claimed nodes: {info}")
+    if req.kind == "edge_post" and status == 200 and json.loads(body).get("status") != "duplicate":
+        tally.malformed_accepted += 1  # the only relayed message the root may answer 200: f0's sum again
+        tally.note(f"relayed {req.path} from {req.who} answered 200: {body[:120]!r}")
     if req.kind == "failed" and status == 200 and not oracle_failure(req.body):
         tally.malformed_accepted += 1
         tally.note(f"malformed failure report accepted: {req.body[:80]!r}")
@@ -1040,7 +1234,7 @@ def check(server: ServerThread, ctx: Ctx, req: Request, tally: Tally, before: tu
         for k in ("enc_key", "mask_key"):
             raw = base64.b64decode(got[1][k])
             taken.add(((int.from_bytes(raw, "little") & ((1 << 255) - 1)) % (2**255 - 19)).to_bytes(32, "little"))
-    after = server.call(lambda: snapshot(server.svc, server.fed))
+    after = server.call(lambda: snapshot(server.svc, server.fed, server.live.app))
     if after != before:
         tally.state_changed += 1
         tally.note(f"state changed by {req.method} {req.path} as {req.who} ({status})")
@@ -1071,6 +1265,8 @@ def legit_round(server: ServerThread, ctx: Ctx) -> int:
             assert status == 200 and json.loads(out)["status"] == "work", out
             status, out = _post(server, ctx, n, "/v1/update", server.call(lambda n=n: good_update(svc, n)))
             assert status == 200, out
+    elif server.mode == "edge_secure":
+        server.call(lambda: _legit_edges(server, ctx))
     else:
         server.call(lambda: _legit_secure(server))
     return server.call(lambda: svc.version)
@@ -1128,15 +1324,191 @@ async def _legit_secure(server: ServerThread) -> None:
     assert svc.version == 1
 
 
+class Relayed(Party):
+    """A node whose secure aggregation messages its edge relays to the root (edge_secure mode)."""
+
+    def __init__(self, live, name: str, http, rng, edge_http):
+        super().__init__(live, name, http, rng)
+        self.edge_http = edge_http
+
+    async def post(self, route: str, body: bytes) -> tuple[int, dict]:
+        url = f"{self.live.url}/v1/edge/secagg/{route}"
+        async with self.edge_http.post(url, params={"node": self.name}, data=body) as r:
+            return r.status, await r.json()
+
+    async def fetch(self, route: str, round_: int | None = None) -> tuple[int, bytes]:
+        q = {"node": self.name, "round": str(self.round if round_ is None else round_), "wait": "0"}
+        async with self.edge_http.get(f"{self.live.url}/v1/edge/secagg/{route}", params=q) as r:
+            return r.status, await r.read()
+
+
+async def _sessions(server: ServerThread, stack, names) -> dict:
+    import aiohttp
+
+    out = {}
+    for n in names:
+        connector = aiohttp.TCPConnector(ssl=server.client_ssl)
+        out[n] = await stack.enter_async_context(server.live.session(n, connector=connector))
+    return out
+
+
+async def _edge_poll(server: ServerThread, http, nodes: list[str]) -> dict:
+    async with http.post(server.live.url + "/v1/edge/poll", params={"wait": "0"}, json={"nodes": nodes}) as r:
+        assert r.status == 200, await r.text()
+        return await r.json()
+
+
+async def _prepare_edges(server: ServerThread) -> Ctx:
+    """edge_secure: a secure round of LEGIT and EDGE_OF's nodes run over real HTTP up to its masked
+    stage: every node but e2 (whose task fails) advertised keys and shared them, through its edge
+    for e0 and e1; f0's masked sum of e0 and e1 is in; LEGIT's masked inputs are still awaited."""
+    from contextlib import AsyncExitStack
+
+    from shoal.aggregation.secagg import MaskedSum
+    from shoal.aggregation.secagg.tiers import EdgeMaskedSum
+    from shoal.aggregation.secagg.wire import decode_message, encode_message, message_meta
+    from shoal.server.edge_secure import body_limit
+
+    live, svc = server.live, server.svc
+    before = svc.rounds.global_params.clone()
+    rng = np.random.default_rng(2)
+    async with AsyncExitStack() as stack:
+        http = await _sessions(server, stack, [*LEGIT, *EDGE_OF, *FUZZERS])
+        parties = {n: Party(live, n, http[n], rng) for n in LEGIT}
+        for n in LEGIT:
+            assert (await parties[n].task())["status"] == "wait"  # seen, so the round selects them
+        for edge in FUZZERS:
+            held = [n for n, e in EDGE_OF.items() if e == edge]
+            assert (await _edge_poll(server, http[edge], held))["nodes"] == len(held)
+        svc.tick(time.monotonic())  # the round opens (the edges' polls may have opened it already)
+        assert svc.secure_round is not None and sorted(svc.rounds.selected) == sorted([*LEGIT, *EDGE_OF])
+        answer = await _edge_poll(server, http["f0"], ["e0", "e1"])
+        assert sorted(answer["tasks"]) == ["e0", "e1"], answer
+        r, info = answer["round"], answer["secure_aggregation"]
+        for n in ("e0", "e1"):
+            parties[n] = Relayed(live, n, http[n], rng, http["f0"])
+            parties[n].start({"round": r, "secure_aggregation": info})
+        for n in LEGIT:
+            parties[n].start(await parties[n].task())
+        failed = json.dumps({"round": r, "version": svc.version, "reason": "refused"}).encode()
+        async with http["e2"].post(live.url + "/v1/failed", data=failed) as resp:  # its task came via f1
+            assert resp.status == 200, await resp.text()
+        for p in parties.values():
+            assert (await p.post("keys", p.keys()))[0] == 200
+        max_weight = 0.0
+        for p in parties.values():
+            status, body = await p.fetch("keys")
+            assert status == 200, body
+            max_weight = message_meta(body, p.params.vector_size)["max_weight"]
+            shares = encode_message(p.client.share_keys(decode_message(body, p.params.vector_size)), {"round": r})
+            assert (await p.post("shares", shares))[0] == 200
+        masked = {}
+        for n, p in parties.items():
+            status, delivery = await p.fetch("shares")
+            assert status == 200
+            masked[n] = p.masked(delivery, max_weight)
+        vs = parties["e0"].params.vector_size
+        acc = EdgeMaskedSum("f0", vs, ["e0", "e1"])
+        for n in ("e0", "e1"):
+            acc.add(decode_message(masked[n], vs))
+        part = acc.sealed()
+        assert part is not None
+        sum_body = encode_message(MaskedSum("f0", part.senders, part.vector), {"round": r})
+        async with http["f0"].post(live.url + "/v1/edge/secagg/masked_sum", data=sum_body) as resp:
+            assert resp.status == 200 and (await resp.json())["nodes"] == 2
+    sr = svc.secure_round
+    assert sr.stage == "masked" and sorted(sr.server.u2) == sorted([*LEGIT, "e0", "e1"]), sr.status()
+    s = svc.cfg.server
+    fixture = EdgeFixture(
+        parties, masked, sum_body, base64.b64decode(info["root_key"]), sr.params.session, vs, body_limit(vs), before
+    )
+    return Ctx(
+        svc.spec.numel,
+        svc.spec.hash,
+        svc.version,
+        r,
+        s.max_examples,
+        s.max_delta_abs,
+        svc.max_body_bytes,
+        dict(live.tokens),
+        sr.task_info(),
+        fixture,
+    )
+
+
+async def _legit_edges(server: ServerThread, ctx: Ctx) -> None:
+    """edge_secure: the fuzzed round completes: LEGIT's masked inputs, then every node's unmasking
+    answer sealed to the root (e0 and e1 through f0); the model moves by the nodes' weighted mean."""
+    from contextlib import AsyncExitStack
+
+    from shoal.aggregation.secagg.tiers import seal_message
+    from shoal.aggregation.secagg.wire import decode_message, encode_message
+
+    svc, fx = server.svc, ctx.edge
+    assert fx is not None
+    sr = svc.secure_round
+    async with AsyncExitStack() as stack:
+        http = await _sessions(server, stack, [*LEGIT, *EDGE_OF, "f0"])
+        for n, p in fx.parties.items():
+            p.http = http[n]
+            if isinstance(p, Relayed):
+                p.edge_http = http["f0"]
+        for n in LEGIT:
+            assert (await fx.parties[n].post("masked", fx.masked[n]))[0] == 200
+        assert sr.stage == "unmask", sr.status()
+        for n, p in fx.parties.items():
+            status, body = await p.fetch("masked")
+            assert status == 200, body
+            plain = encode_message(p.client.unmask(decode_message(body, fx.vector_size)), {"round": ctx.round})
+            sealed = seal_message(plain, fx.root_key, fx.session, n, {"round": ctx.round})
+            assert (await p.post("unmask", sealed))[0] == 200
+    assert svc.version == 1
+    w = np.array([p.examples / sr.max_weight for p in fx.parties.values()])
+    expected = sum(wk * p.delta for wk, p in zip(w, fx.parties.values(), strict=True)) / w.sum()
+    # each of the k summands rounds each entry and its weight by less than one quantum
+    bound = 1.1 * len(w) * sr.weights.quantum / w.sum() * (1 + np.abs(expected).max())
+    got = (svc.rounds.global_params - fx.before).double().numpy()
+    assert np.abs(got - expected).max() <= bound, (np.abs(got - expected).max(), bound)
+
+
+def regressions(ctx: Ctx, mode: str) -> list[Request]:
+    """Hostile requests that once changed a server's state, sent before the drawn ones."""
+    if mode != "edge_secure":
+        return []
+    keys = encode_keys_like(ctx, "x")
+    return [
+        # the root marked any name an edge relayed for as a node seen alive (a node it may select),
+        # before it checked that the edge speaks for it
+        Request("POST", "/v1/edge/secagg/keys?node=x", "f0", keys, "edge_post"),
+        Request("POST", "/v1/edge/secagg/MASKED_SUM?node=not-a-node", "f0", keys, "edge_post"),
+        Request("GET", f"/v1/edge/secagg/keys?node=y&round={ctx.round}&wait=0", "f1", kind="edge_get"),
+    ]
+
+
+def encode_keys_like(ctx: Ctx, sender: str) -> bytes:
+    """A well-formed keys message of ``sender`` for the fuzzed round."""
+    key = X25519PrivateKey.generate().public_key().public_bytes_raw
+    header = {
+        "format": FORMAT,
+        "kind": "public_keys",
+        "sender": sender,
+        "enc_key": base64.b64encode(key()).decode(),
+        "mask_key": base64.b64encode(key()).decode(),
+        "meta": {"round": ctx.round, "num_examples": 10, "train_loss": 0.5},
+    }
+    text = json.dumps({"__metadata__": {"shoal": json.dumps(header)}}).encode()
+    return struct.pack("<Q", len(text)) + text
+
+
 def run_mode(tmp: Path, mode: str, batches: int, batch: int = 50, seed: int | None = None) -> dict:
     """Fuzz one mode with ``batches`` x ``batch`` requests, then run a legitimate round; the figures."""
-    from hypothesis import HealthCheck, given, settings
+    from hypothesis import HealthCheck, Phase, given, settings
 
     t0 = time.perf_counter()
     with ServerThread(tmp, mode) as server:
         ctx = server.call(lambda: prepare(server))
         tally, taken = Tally(), set()
-        state = {"before": server.call(lambda: snapshot(server.svc, server.fed))}
+        state = {"before": server.call(lambda: snapshot(server.svc, server.fed, server.live.app))}
         start = state["before"]
 
         @settings(
@@ -1145,6 +1517,10 @@ def run_mode(tmp: Path, mode: str, batches: int, batch: int = 50, seed: int | No
             database=None,
             derandomize=seed is not None,
             suppress_health_check=list(HealthCheck),
+            # no shrinking: a replay against a live server is neither cheap nor the same request (its
+            # state moved on), so shrinking a failure resends batches for minutes; the first failing
+            # batch is reported as it is, with its examples
+            phases=[Phase.generate],
         )
         @given(st.lists(requests(ctx, mode), min_size=batch, max_size=batch))
         def fuzz(reqs):
@@ -1158,12 +1534,15 @@ def run_mode(tmp: Path, mode: str, batches: int, batch: int = 50, seed: int | No
                 tally.state_changed,
             ) == (0, 0, 0, 0, 0), tally.examples
 
+        for req in regressions(ctx, mode):  # requests that once changed the state, sent every time
+            state["before"] = check(server, ctx, req, tally, state["before"], taken)
         fuzz()
-        end = server.call(lambda: snapshot(server.svc, server.fed))
+        end = server.call(lambda: snapshot(server.svc, server.fed, server.live.app))
         version = legit_round(server, ctx)
     return {
         "mode": mode,
         "requests": tally.requests,
+        "regressions": len(regressions(ctx, mode)),
         "5xx": tally.five_xx,
         "not_json": tally.not_json,
         "malformed_accepted": tally.malformed_accepted,
