@@ -27,6 +27,7 @@ from shoal.errors import ConfigError, ShoalError, TooLarge, UpdateRejected, Wire
 from shoal.pki import peer_fingerprint, read_secret
 from shoal.signals import on_stop_signals
 
+from .bodies import read_body
 from .chunks import MAX_BEGIN_BODY, ChunkedUploads, ChunkError
 from .connections import listen
 from .dashboard import is_dashboard_path, server_dashboard
@@ -799,17 +800,11 @@ async def get_secagg(request: web.Request) -> web.Response:
 
 
 async def _small_report(request: web.Request, limit: int, what: str, handle) -> web.Response | dict:
-    """Read a node's small JSON report (Content-Length required, at most ``limit`` bytes) and hand it
-    to ``handle(node, body, now)``; a refusal is answered here (4xx, JSON), a result returned."""
+    """Read a node's small JSON report (server/bodies.py: Content-Length required, at most ``limit``
+    bytes, within server.body_timeout_s) and hand it to ``handle(node, body, now)``; the handler's
+    refusal is answered here (4xx, JSON), a result returned."""
     svc, node = _svc(request), request[NODE]
-    length = request.content_length
-    if length is None:
-        svc.refused("length_required")
-        return error(411, "length_required", "send the report with a Content-Length header")
-    if length > limit:
-        svc.refused(TooLarge.code)
-        return error(413, TooLarge.code, f"report of {length} bytes is over the limit of {limit} bytes")
-    body = await request.read()
+    body = await read_body(request, limit, svc.cfg.server.body_timeout_s, what="report", refused=svc.refused)
     try:
         return handle(node, body, time.monotonic())
     except ShoalError as e:
@@ -954,17 +949,9 @@ def make_federation_app(federation: Federation, registry: Registry) -> web.Appli
 
 
 async def _json_body(request: web.Request, limit: int) -> object:
-    length = request.content_length
-    if length is None:
-        raise Refusal(411, "length_required", "send the body with a Content-Length header")
-    if length > limit:
-        raise Refusal(413, TooLarge.code, f"body of {length} bytes is over the limit of {limit} bytes")
+    body = await read_body(request, limit, _settings(request).server.body_timeout_s)
     try:
-        async with asyncio.timeout(_settings(request).server.body_timeout_s):
-            body = await request.read()
         return json.loads(body)
-    except TimeoutError:
-        raise Refusal(408, "body_timeout", "the body did not arrive in server.body_timeout_s", close=True) from None
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise Refusal(400, "malformed", "the body is not JSON") from None
 

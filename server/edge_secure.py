@@ -39,6 +39,8 @@ from shoal.errors import Malformed, ShoalError, UpdateRejected, short_repr
 from shoal.metrics import json_safe
 from shoal.wire import MAX_HEADER_BYTES
 
+from .bodies import read_body
+
 if TYPE_CHECKING:
     from .edge import PartialIntake
     from .secure_round import SecureRound
@@ -93,22 +95,13 @@ def _node_of(request: web.Request) -> str:
 async def post_edge_secagg(request: web.Request) -> web.Response:
     """``POST /v1/edge/secagg/{stage}?node=NAME``: an edge relays one of its node's messages;
     ``POST /v1/edge/secagg/masked_sum``: an edge's sum of its nodes' masked inputs."""
-    from .app import NODE, Refusal, _intake, _status_of, _svc, _tick, error
+    from .app import NODE, _intake, _status_of, _svc, _tick, error
 
     app, edge = request.app, request[NODE]
     svc = _svc(request)
     stage = request.match_info["stage"]
     limit = body_limit(svc.secure_round.params.vector_size) if svc.secure_round is not None else MAX_HEADER_BYTES
-    length = request.content_length
-    if length is None:
-        raise Refusal(411, "length_required", "send the body with a Content-Length header")
-    if length > limit:
-        raise Refusal(413, "too_large", f"body of {length} bytes is over the limit of {limit} bytes", close=True)
-    try:
-        async with asyncio.timeout(svc.cfg.server.body_timeout_s):
-            body = await request.read()
-    except TimeoutError:
-        raise Refusal(408, "body_timeout", "the body did not arrive in server.body_timeout_s", close=True) from None
+    body = await read_body(request, limit, svc.cfg.server.body_timeout_s)
     now = time.monotonic()
     try:
         if stage == "masked_sum":
@@ -328,30 +321,15 @@ class RelayLink:
 RELAY = web.AppKey("relay", RelayLink)
 
 
-async def _read(request: web.Request, limit: int, timeout: float) -> bytes:
-    from .app import Refusal
-
-    length = request.content_length
-    if length is None:
-        raise Refusal(411, "length_required", "send the body with a Content-Length header")
-    if length > limit:
-        raise Refusal(413, "too_large", f"body of {length} bytes is over the limit of {limit} bytes", close=True)
-    try:
-        async with asyncio.timeout(timeout):
-            return await request.read()
-    except TimeoutError:
-        raise Refusal(408, "body_timeout", "the body did not arrive in server.body_timeout_s", close=True) from None
-
-
 async def edge_post_secagg(request: web.Request) -> web.Response:
     """A node's ``POST /v1/secagg/{stage}`` at its edge: masked inputs are added here, the rest relayed."""
-    from .app import NODE, _notify, _status_of, error
+    from .app import NODE, SETTINGS, _notify, _status_of, error
 
     link, node = request.app[RELAY], request[NODE]
     relay, stage = link.relay, request.match_info["stage"]
     try:
         relay.check(node)
-        body = await _read(request, body_limit(relay.vector_size), 30.0)
+        body = await read_body(request, body_limit(relay.vector_size), request.app[SETTINGS].server.body_timeout_s)
         if stage == "masked":
             result = relay.add(node, body)
             _notify(request.app)

@@ -50,6 +50,7 @@ from shoal.signals import on_stop_signals
 from shoal.task import Task
 from shoal.wire import MAX_HEADER_BYTES, decode_model, decode_update, model_parts, read_header
 
+from .bodies import read_body
 from .edge import MAX_ROSTER, EdgeBuffer, EdgeRound, EdgeRounds
 from .edge_secure import RELAY, EdgeRelay, RelayLink, edge_get_secagg, edge_post_secagg
 from .edge_uplink import PartialRefused, UplinkGaveUp, send_partial
@@ -486,22 +487,9 @@ async def get_model(request: web.Request) -> web.StreamResponse:
 
 
 async def _body(request: web.Request, limit: int) -> bytes:
-    from .app import Refusal
-
-    edge = request.app[EDGE]
-    length = request.content_length
-    if length is None:
-        raise Refusal(411, "length_required", "send the body with a Content-Length header")
-    if length > limit:
-        raise Refusal(413, "too_large", f"body of {length} bytes is over the limit of {limit} bytes", close=True)
-    try:
-        async with asyncio.timeout(edge.cfg.server.upload_timeout_s):
-            body = await request.read()
-    except TimeoutError:
-        raise Refusal(408, "upload_timeout", "the body did not arrive in server.upload_timeout_s", close=True) from None
-    if len(body) != length:
-        raise Refusal(400, "malformed", f"body of {len(body)} bytes, not its Content-Length of {length}")
-    return body
+    return await read_body(
+        request, limit, request.app[EDGE].cfg.server.upload_timeout_s, timeout_key="upload_timeout_s"
+    )
 
 
 async def post_update(request: web.Request) -> web.Response:
