@@ -48,6 +48,7 @@ from shoal.params import ParamSpec
 from shoal.pki import read_secret
 from shoal.signals import on_stop_signals
 from shoal.task import Task
+from shoal.update import Update
 from shoal.wire import MAX_HEADER_BYTES, decode_model, decode_update, model_parts, read_header
 
 from .bodies import read_body
@@ -171,52 +172,48 @@ class EdgeNodes:
 
     def submit(self, node: str, body: bytes | bytearray | memoryview, now: float) -> dict[str, Any]:
         """One node's update into the open round's sum (under an async root: into the edge's buffer);
-        a ShoalError with nothing changed if refused."""
+        a ShoalError with nothing changed if refused (counted in ``refused`` by its code)."""
         self.seen(node, now)
-        s = self.cfg.server
-        if self.buffer is not None:
-            return self._submit_async(node, body, now, self.buffer)
         try:
-            er = self.round
-            if er is None or er.closed:
-                raise UpdateRejected("round_closed", f"this edge has no open round (root version {self.version})")
-            update, header = decode_update(
-                body, self.spec, self.update_limit, copy=False, max_examples=s.max_examples, max_abs=s.max_delta_abs
-            )
-            if header.get("round") is not None and header.get("round") != er.round:
-                raise UpdateRejected(
-                    "round_closed",
-                    f"the update is for round {str(header.get('round'))[:20]}, the open one is {er.round}",
-                )
-            if update.to_server:
-                raise Malformed(f"the update carries {sorted(update.to_server)} beside its delta; FedAvg takes none")
-            er.submit(node, update)
+            update, answer = self._take_async(body, node, now) if self.buffer is not None else self._take(body, node)
         except ShoalError as e:
             code = getattr(e, "code", "error")
             self.refused[code] = self.refused.get(code, 0) + 1
             raise
         self.weights[node] = update_weight(update, self.cfg.strategy.weighting)
         self.accepted += 1
-        return {"status": "accepted", "round": er.round, "version": er.version}
+        return answer
 
-    def _submit_async(
-        self, node: str, body: bytes | bytearray | memoryview, now: float, buf: EdgeBuffer
-    ) -> dict[str, Any]:
+    def _take(self, body: bytes | bytearray | memoryview, node: str) -> tuple[Update, dict[str, Any]]:
+        """A sync root: the update into the open edge round's sum."""
+        er = self.round
+        if er is None or er.closed:
+            raise UpdateRejected("round_closed", f"this edge has no open round (root version {self.version})")
+        update = self._decode(body, "FedAvg", er.round)
+        er.submit(node, update)
+        return update, {"status": "accepted", "round": er.round, "version": er.version}
+
+    def _take_async(self, body: bytes | bytearray | memoryview, node: str, now: float) -> tuple[Update, dict[str, Any]]:
+        """An async root: the update into the edge's FedBuff buffer."""
+        assert self.buffer is not None
+        update = self._decode(body, "FedBuff")
+        self.buffer.submit(node, update, now)
+        return update, {"status": "accepted", "round": update.base_version, "version": self.version}
+
+    def _decode(self, body: bytes | bytearray | memoryview, algorithm: str, round_: int | None = None) -> Update:
+        """The update in ``body``, checked as the root checks one, and (``round_``) that it is for that
+        round if it names one; a ShoalError if not."""
         s = self.cfg.server
-        try:
-            update, header = decode_update(
-                body, self.spec, self.update_limit, copy=False, max_examples=s.max_examples, max_abs=s.max_delta_abs
+        update, header = decode_update(
+            body, self.spec, self.update_limit, copy=False, max_examples=s.max_examples, max_abs=s.max_delta_abs
+        )
+        if round_ is not None and header.get("round") is not None and header.get("round") != round_:
+            raise UpdateRejected(
+                "round_closed", f"the update is for round {str(header.get('round'))[:20]}, the open one is {round_}"
             )
-            if update.to_server:
-                raise Malformed(f"the update carries {sorted(update.to_server)} beside its delta; FedBuff takes none")
-            buf.submit(node, update, now)
-        except ShoalError as e:
-            code = getattr(e, "code", "error")
-            self.refused[code] = self.refused.get(code, 0) + 1
-            raise
-        self.weights[node] = update_weight(update, self.cfg.strategy.weighting)
-        self.accepted += 1
-        return {"status": "accepted", "round": update.base_version, "version": self.version}
+        if update.to_server:
+            raise Malformed(f"the update carries {sorted(update.to_server)} beside its delta; {algorithm} takes none")
+        return update
 
     def failed(self, node: str, body: bytes, now: float) -> dict[str, Any]:
         """A node's report that its task failed: the edge stops waiting for it this round."""
