@@ -59,6 +59,12 @@ def body_limit(vector_size: int) -> int:
 # --- the root's side ---------------------------------------------------------------------------------
 
 
+def check_edge(svc: ServerService, edge: str) -> None:
+    """UpdateRejected (``not_an_edge``, answered 403) unless ``edge`` is an edge of this server."""
+    if edge not in svc.cfg.hierarchy.edge_names:
+        raise UpdateRejected("not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)")
+
+
 def relayed_round(
     svc: ServerService, intake: PartialIntake, edge: str, node: str | None, now: float
 ) -> tuple[SecureRound, dict[str, str]]:
@@ -66,8 +72,7 @@ def relayed_round(
     ``node``; None: its masked sum). UpdateRejected unless ``edge`` is an edge of this server that
     speaks for ``node`` in the open round; only then is ``node`` seen (alive, heard through its
     edge): the name an edge puts in a query is no node of the root's until the roster says so."""
-    if edge not in svc.cfg.hierarchy.edge_names:
-        raise UpdateRejected("not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)")
+    check_edge(svc, edge)
     sr, r = svc.secure_round, svc.sync
     if sr is None or r is None:
         what = "secure aggregation is off" if not svc.cfg.secure_aggregation.enabled else "no secure round is open"
@@ -95,11 +100,16 @@ def _node_of(request: web.Request) -> str:
 async def post_edge_secagg(request: web.Request) -> web.Response:
     """``POST /v1/edge/secagg/{stage}?node=NAME``: an edge relays one of its node's messages;
     ``POST /v1/edge/secagg/masked_sum``: an edge's sum of its nodes' masked inputs."""
-    from .app import NODE, _intake, _status_of, _svc, _tick, error
+    from .app import NODE, Refusal, _intake, _status_of, _svc, _tick, error
 
     app, edge = request.app, request[NODE]
     svc = _svc(request)
     stage = request.match_info["stage"]
+    try:
+        check_edge(svc, edge)
+    except UpdateRejected as e:  # a node's or a stranger's body is not read: answered, hung up on
+        svc.refused(e.code)
+        raise Refusal(403, e.code, str(e), close=True) from None
     limit = body_limit(svc.secure_round.params.vector_size) if svc.secure_round is not None else MAX_HEADER_BYTES
     body = await read_body(request, limit, svc.cfg.server.body_timeout_s)
     now = time.monotonic()
@@ -125,7 +135,7 @@ async def post_edge_secagg(request: web.Request) -> web.Response:
 async def get_edge_secagg(request: web.Request) -> web.Response:
     """``GET /v1/edge/secagg/{stage}?node=NAME&round=R&wait=S``: the root's answer to a stage for one
     of the edge's nodes (long-polled as GET /v1/secagg/{stage})."""
-    from .app import _SLICE_S, CHANGED, NODE, _intake, _integer, _seconds, _status_of, _svc, _wait_event, error
+    from .app import _SLICE_S, CHANGED, NODE, _gone, _intake, _integer, _seconds, _status_of, _svc, _wait_event, error
 
     app, edge = request.app, request[NODE]
     svc = _svc(request)
@@ -145,6 +155,8 @@ async def get_edge_secagg(request: web.Request) -> web.Response:
         left = end - time.monotonic()
         if left <= 0:
             return web.json_response({"status": "wait", "round": round_}, status=202)
+        if _gone(request):
+            return error(400, "disconnected", "the connection was lost")
         await _wait_event(event, min(left, _SLICE_S))
 
 

@@ -1,8 +1,9 @@
 """server/bodies.py's bounded body reader through the routes that use it, on a live server at
 127.0.0.1 over raw sockets: no Content-Length is a 411, one over the route's limit a 413 answered
 at once (the body is never read, the connection is hung up on), a body that stalls a 408 after
-server.body_timeout_s (a node's report too, which once waited for its body without a limit), a
-short body never parsed; each refusal of a report is counted, and nothing changes."""
+server.body_timeout_s (a node's report too, which once waited for its body without a limit); the
+relay routes for edge aggregators read no body from a caller that is not an edge; each refusal
+of a report is counted, and nothing changes."""
 
 from __future__ import annotations
 
@@ -76,4 +77,7 @@ async def _scenario(tmp_path) -> None:
         assert (status, answer["error"], closed) == (413, "too_large", True) and took < TIMEOUT_S
         status, answer, took, _ = await _raw(live.url, head("/v1/edge/poll?wait=0", 50), b"{", hold_s=3 * TIMEOUT_S)
         assert (status, answer["error"]) == (408, "body_timeout") and took < TIMEOUT_S + 2.0
+        # the relay routes of edge aggregators: a node's body (here 2 of a claimed MiB) is not read at all
+        status, answer, took, closed = await _raw(live.url, head("/v1/edge/secagg/keys?node=n1", 1 << 20), b"{}")
+        assert (status, answer["error"], closed) == (403, "not_an_edge", True) and took < TIMEOUT_S, (answer, took)
         assert (svc.version, svc.counters.accepted) == before[:2]
