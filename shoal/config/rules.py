@@ -165,17 +165,13 @@ def _check_algorithm(self: Any) -> None:
                 if name == "fednova"
                 else "it runs two local trainings a round (one momentum buffer would mix them)"
             )
-        elif sim.mode != "sync" or self.heterogeneity.enabled or sim.engine == "flower":
-            keep = "a mode or engine other than sync rounds in-process or on Ray"
+        elif sim.mode != "sync" or self.heterogeneity.enabled:
+            keep = "a mode other than sync rounds (in-process, on Ray or on Flower)"
         elif self.privacy.mode == "local":
             keep = "privacy.mode = 'local': the DP-SGD trainer keeps its own optimizer"
         if keep:
             raise ConfigError(f"algorithm.keep_optimizer_state = true with {keep}")
     if name == "fedavg":
-        if sim.engine == "flower" and self.algorithm.personal_eval_steps >= 0:
-            raise ConfigError(
-                "algorithm.personal_eval_steps with simulation.engine = 'flower': use 'inprocess' or 'ray'"
-            )
         return
     why = None
     if sim.mode != "sync":
@@ -186,8 +182,13 @@ def _check_algorithm(self: Any) -> None:
         )
     elif self.heterogeneity.enabled:
         why = "heterogeneity.enabled = true: the virtual-clock engine does not carry client state yet"
-    elif sim.engine == "flower":
-        why = "simulation.engine = 'flower': use 'inprocess' or 'ray'"
+    elif sim.engine == "flower" and name == "scaffold":
+        why = (
+            "simulation.engine = 'flower': SCAFFOLD's server sends its control variate c with each task and "
+            "takes each client's control-variate delta beside its update, and a client may keep its new c_i only "
+            "once the server took that delta; Flower's messages here carry neither, and a ClientApp never learns "
+            "whether its reply was aggregated: use 'inprocess' or 'ray'"
+        )
     elif self.privacy.mode == "local":
         why = "privacy.mode = 'local': the DP-SGD trainer (Opacus) does not take the algorithm's local objective"
     elif name in _DRIFT and self.robust.rule != "mean":
