@@ -8,8 +8,11 @@ per-client seeds and the same checks as the in-process engine and the HTTP serve
 client/algorithms.py, the one the in-process simulator, the Ray workers and the deployed node
 call) as a Flower ClientApp, so a shoal client joins a SuperLink through ``flower-supernode``.
 What a client keeps between its rounds (FedBN's buffers, FedPer's and FedRep's personal layers,
-Ditto's personal model, FedDyn's gradient memory, momentum) lives in the node's
-``context.state``, loaded before and saved after each step.
+Ditto's personal model, FedDyn's gradient memory, SCAFFOLD's control variate, momentum) lives
+in the node's ``context.state``, loaded before and saved after each step. SCAFFOLD's server
+control variate travels with each train message (``"shoal-broadcast"``), each reply's control
+variate delta beside its model (``"shoal-to-server"``), and a node keeps its new ``c_i`` only once
+a later message says (``taken``) that the server aggregated that update.
 
 Both sides load the run's task (shoal/task.py: ``[task] app``, else the built-in task of
 ``[model]`` + ``[data]``) and build model, trainer and strategy through shoal.assembly;
@@ -70,6 +73,13 @@ METRICS = "metrics"
 NUM_EXAMPLES = "num-examples"  # Flower's default weighting key
 IDENTITY = "identity"  # the ConfigRecord of a QUERY reply: {"client-id": ...}
 CLIENT_STATE = "shoal-state"  # a node's context.state ArrayRecord: its client program's state (client/state.py)
+# SCAFFOLD: the server's control variate c with each train message, each reply's Delta c_i beside its
+# model; a node keeps its new c_i aside until a later message says the server took its update.
+BROADCAST = "shoal-broadcast"  # a train message's ArrayRecord: what the server's step sends beside the model
+TO_SERVER = "shoal-to-server"  # a train reply's ArrayRecord: what the server's step needs beside the update
+PENDING = "shoal-pending"  # a node's context.state ArrayRecord: the new state, until the server took the update
+PENDING_VERSION = "shoal-pending-version"  # a node's context.state ConfigRecord: {"version": the update's base}
+TAKEN = "taken"  # config key: the base version of this client's last update the server aggregated (-1: none)
 PERSONAL = "personal_"  # an evaluation reply's personalised metrics (algorithm.personal_eval_steps)
 RUN_CONFIG_KEY = "shoal-config"  # run_config key (pyproject.toml / --run-config) naming the TOML file
 
@@ -261,6 +271,10 @@ class ShoalStrategy(FlowerStrategy):
         self.federated_eval = federated_eval
         self.last_federated: dict[str, float] = {}  # fed_<metric> of the last round that evaluated
         self._eval_nodes: dict[int, str] = {}  # node id -> client id of the open evaluation
+        # an algorithm with a server step of its own (SCAFFOLD): its broadcast goes with each task,
+        # each reply's to_server comes back, and each node is told which of its updates were taken
+        self.stateful = callable(getattr(strategy, "broadcast", None))
+        self.taken: dict[str, int] = {}  # client id -> base version of its last aggregated update
 
     def summary(self) -> None:
         log.info(
@@ -319,15 +333,38 @@ class ShoalStrategy(FlowerStrategy):
         node_of = self.identify(grid)
         tasks = self.rounds.start_round(list(node_of))
         self._tasks = {node_of[t.client_id]: t for t in tasks}
+        broadcast = self._broadcast()
         messages = []
         for node, task in self._tasks.items():
             conf = ConfigRecord(dict(config))
             conf.update(
-                {"server-round": server_round, "client-id": task.client_id, "seed": task.seed, "version": task.version}
+                {
+                    "server-round": server_round,
+                    "client-id": task.client_id,
+                    "seed": task.seed,
+                    "version": task.version,
+                    TAKEN: self.taken.get(task.client_id, -1),
+                }
             )
             content = RecordDict({ARRAYS: arrays, CONFIG: conf})
+            if broadcast is not None:
+                content[BROADCAST] = broadcast
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
         return messages
+
+    def _broadcast(self) -> ArrayRecord | None:
+        """What the algorithm's server step sends beside the model (SCAFFOLD's c), or None."""
+        if not self.stateful:
+            return None
+        return ArrayRecord({k: v.detach().cpu() for k, v in self.strategy.broadcast().items()})  # type: ignore[attr-defined]
+
+    def _to_server(self, reply: Message) -> dict[str, torch.Tensor]:
+        """A reply's tensors for the algorithm's server step (the strategy checks their names and
+        sizes when it takes the update); nothing for a strategy without such a step."""
+        record = reply.content.array_records.get(TO_SERVER) if self.stateful else None
+        if record is None:
+            return {}
+        return {k: torch.from_numpy(v.numpy().copy()).reshape(-1).float().to(self.device) for k, v in record.items()}
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -358,16 +395,20 @@ class ShoalStrategy(FlowerStrategy):
                     base_version=task.version,
                     sender=task.client_id,
                     metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
+                    to_server=self._to_server(reply),
                 )
                 rounds.submit(task.client_id, update)
-            except (KeyError, SpecMismatch, UpdateRejected, ValueError) as e:
+            except (KeyError, SpecMismatch, UpdateRejected, ValueError, TypeError) as e:  # TypeError: a bad dtype
                 self._drop(server_round, task.client_id, f"rejected: {e}")
         if not rounds.received:
             rounds.abort_round()  # nothing to aggregate: model and version stay
             log.warning("round %d: no usable reply; the global model is unchanged", server_round)
             return None, None
+        taken = {t.client_id: t.version for t in self._tasks.values() if t.client_id in rounds.received}
         self.last_round = rounds.finish_round()
         s = self.last_round
+        if not s.failed:
+            self.taken.update(taken)
         return to_arrays(rounds.global_params, self.spec), MetricRecord(
             {"train_loss": s.train_loss, "num-results": s.num_results, NUM_EXAMPLES: s.num_examples}
         )
@@ -390,7 +431,9 @@ class ShoalStrategy(FlowerStrategy):
             self._eval_nodes[node] = cid
             conf = ConfigRecord(dict(config))
             version = self.rounds.version if self.rounds is not None else 0
-            conf.update({"server-round": server_round, "client-id": cid, "version": version})
+            conf.update(
+                {"server-round": server_round, "client-id": cid, "version": version, TAKEN: self.taken.get(cid, -1)}
+            )
             content = RecordDict({ARRAYS: arrays, CONFIG: conf})
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.EVALUATE))
         return messages
@@ -465,8 +508,13 @@ def make_server_app(
         setup = setup_for(c, sim.device)
         trainer = setup.trainer
         due = evaluated_round(c)
+        inner = make_round_strategy(c, setup.spec.numel, trainer.device, setup.num_clients)
+        if c.algorithm.name == "scaffold":  # c moves with the model, over the updates the round took
+            from shoal.aggregation.scaffold import ScaffoldStrategy
+
+            inner = ScaffoldStrategy(inner, setup.spec.numel, setup.num_clients, trainer.device)
         strategy = ShoalStrategy(
-            make_round_strategy(c, setup.spec.numel, trainer.device, setup.num_clients),
+            inner,
             setup.spec,
             sim.clients_per_round,
             sim.fraction,
@@ -533,10 +581,48 @@ def load_state(setup: Setup, context: Context) -> State:
     return {k: torch.from_numpy(v.numpy().copy()) for k, v in record.items()}
 
 
-def save_state(setup: Setup, context: Context, state: State) -> None:
-    """The state the client program returned replaces this node's (it is the whole new state)."""
-    if setup.program.keeps_state:
-        context.state[CLIENT_STATE] = ArrayRecord({k: v.detach().cpu() for k, v in state.items()})
+def save_state(setup: Setup, context: Context, state: State, version: int) -> None:
+    """The state the client program returned replaces this node's (it is the whole new state);
+    for a program whose state follows the server's (SCAFFOLD: c stays the mean of the c_i) it is
+    kept aside with the update's base ``version`` until the server says it took that update."""
+    if not setup.program.keeps_state:
+        return
+    record = ArrayRecord({k: v.detach().cpu() for k, v in state.items()})
+    if setup.program.settles:
+        context.state[PENDING] = record
+        context.state[PENDING_VERSION] = ConfigRecord({"version": version})
+    else:
+        context.state[CLIENT_STATE] = record
+
+
+def _broadcast_of(msg: Message, spec: ParamSpec) -> State:
+    """What the server's step sent beside the model (SCAFFOLD's c): model-sized float vectors,
+    else a ValueError naming the entry (nothing is trained on a vector of another model)."""
+    out: State = {}
+    for name, array in (msg.content.array_records.get(BROADCAST) or {}).items():
+        t = torch.from_numpy(array.numpy().copy()).reshape(-1)
+        if t.numel() != spec.numel or not t.is_floating_point():
+            raise ValueError(
+                f"the server sent {name!r} of {t.numel()} {t.dtype} entries beside the model; "
+                f"this model has {spec.numel} float parameters"
+            )
+        out[name] = t.float()
+    return out
+
+
+def settle(setup: Setup, context: Context, conf: ConfigRecord) -> None:
+    """SCAFFOLD: the state set aside after this node's last step becomes its state when the
+    server's message says it aggregated that update (``taken`` = its base version); otherwise
+    (dropped, refused, the round aborted) it is discarded, as the in-process engine discards it."""
+    if not setup.program.settles or PENDING not in context.state.array_records or TAKEN not in conf:
+        return
+    meta = context.state.config_records.get(PENDING_VERSION)
+    taken = int(_scalar(conf[TAKEN], TAKEN))
+    if meta is not None and int(_scalar(meta["version"], "version")) == taken:
+        context.state[CLIENT_STATE] = context.state.array_records[PENDING]
+    del context.state[PENDING]
+    if meta is not None:
+        del context.state[PENDING_VERSION]
 
 
 def make_client_app(cfg: Config | None = None, device: str | None = None) -> ClientApp:
@@ -568,27 +654,36 @@ def make_client_app(cfg: Config | None = None, device: str | None = None) -> Cli
         seed = int(_scalar(conf.get("seed", derive_seed(setup.cfg.simulation.seed, rnd, i_hash(cid))), "seed"))
         version = int(_scalar(conf.get("version", rnd - 1), "version"))
         global_flat = from_arrays(msg.content.array_records[ARRAYS], setup.spec)
+        broadcast = _broadcast_of(msg, setup.spec)  # checked before anything of the node's changes
+        settle(setup, context, conf)
         task = Assignment(cid, rnd, version, seed)
         state = load_state(setup, context)
-        result = setup.program.fit(setup.client_train(pid), task, global_flat, state, {})
-        save_state(setup, context, result.state)
+        try:
+            result = setup.program.fit(setup.client_train(pid), task, global_flat, state, broadcast)
+        except KeyError as e:  # the algorithm's broadcast did not come with the model
+            raise ConfigError(
+                f"algorithm.name = {setup.program.name!r} needs {e} with the model, and the server sent none: "
+                "run the ServerApp with shoal's ShoalStrategy and the same [algorithm]"
+            ) from None
+        save_state(setup, context, result.state, version)
         update = result.update
         local = global_flat + update.delta.detach().to(global_flat.device)  # what the program sends, as a model
-        return Message(
-            RecordDict(
-                {
-                    ARRAYS: to_arrays(local, setup.spec),
-                    METRICS: _metric_record({NUM_EXAMPLES: update.num_examples, **update.metrics}),
-                }
-            ),
-            reply_to=msg,
+        content = RecordDict(
+            {
+                ARRAYS: to_arrays(local, setup.spec),
+                METRICS: _metric_record({NUM_EXAMPLES: update.num_examples, **update.metrics}),
+            }
         )
+        if result.to_server:
+            content[TO_SERVER] = ArrayRecord({k: v.detach().cpu() for k, v in result.to_server.items()})
+        return Message(content, reply_to=msg)
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
         setup, pid, _ = _node(context, cfg, device)
         test = setup.client_test(pid)
         metrics: dict[str, int | float] = {NUM_EXAMPLES: 0}
+        settle(setup, context, msg.content.config_records.get(CONFIG, ConfigRecord()))
         if test is not None:
             state = load_state(setup, context)
             setup.program.load_buffers(state)  # FedBN: this node's own statistics

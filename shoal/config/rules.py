@@ -182,13 +182,6 @@ def _check_algorithm(self: Any) -> None:
         )
     elif self.heterogeneity.enabled:
         why = "heterogeneity.enabled = true: the virtual-clock engine does not carry client state yet"
-    elif sim.engine == "flower" and name == "scaffold":
-        why = (
-            "simulation.engine = 'flower': SCAFFOLD's server sends its control variate c with each task and "
-            "takes each client's control-variate delta beside its update, and a client may keep its new c_i only "
-            "once the server took that delta; Flower's messages here carry neither, and a ClientApp never learns "
-            "whether its reply was aggregated: use 'inprocess' or 'ray'"
-        )
     elif self.privacy.mode == "local":
         why = "privacy.mode = 'local': the DP-SGD trainer (Opacus) does not take the algorithm's local objective"
     elif name in _DRIFT and self.robust.rule != "mean":

@@ -1,5 +1,5 @@
-"""The Flower ClientApp runs the client program: FedPer, FedRep, Ditto, FedDyn, FedNova and kept
-momentum through Flower give the in-process engine's global model and federated figures
+"""The Flower ClientApp runs the client program: FedPer, FedRep, Ditto, FedDyn, FedNova, SCAFFOLD
+and kept momentum through Flower give the in-process engine's global model and federated figures
 (personalised ones included), each client's state kept in its node's ``context.state``.
 
 Most cases run shoal's ServerApp and ClientApp with Flower's own Messages, Contexts and
@@ -9,17 +9,30 @@ case); one case runs the real Flower simulation (Ray) as ``simulation.engine = '
 
 from __future__ import annotations
 
+import contextlib
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from flwr.app import Context, RecordDict
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.supercore.task_identity import TaskIdentity
 
+from shoal.aggregation.scaffold import ScaffoldStrategy
+from shoal.assembly import make_round_strategy
 from shoal.config import load_config
-from shoal.errors import ConfigError
-from shoal.flower.apps import CLIENT_STATE, make_client_app, make_server_app, setup_for
+from shoal.flower.apps import (
+    ARRAYS,
+    BROADCAST,
+    CLIENT_STATE,
+    CONFIG,
+    PENDING,
+    ShoalStrategy,
+    make_client_app,
+    make_server_app,
+    setup_for,
+    to_arrays,
+)
 from shoal.metrics import read_jsonl
 from shoal.simulations.experiment import run_simulation
 from shoal.simulations.inprocess import InProcessSimulation
@@ -112,6 +125,17 @@ class LocalGrid:
         return replies
 
 
+@contextlib.contextmanager
+def server_process():
+    """Flower's identity of this process while it plays the ServerApp (Messages are made from it)."""
+    before = TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, SERVER_NODE
+    try:
+        yield
+    finally:
+        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = before
+
+
 def run_local_flower(cfg, num_nodes: int) -> tuple[list[dict[str, float]], torch.Tensor, LocalGrid]:
     """shoal's ServerApp and ClientApp of ``cfg`` over a LocalGrid: each evaluated round's figures
     and the final global model."""
@@ -123,13 +147,9 @@ def run_local_flower(cfg, num_nodes: int) -> tuple[list[dict[str, float]], torch
         final[:] = [params]
 
     grid = LocalGrid(make_client_app(cfg, "cpu"), num_nodes)
-    before = TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id
-    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, SERVER_NODE  # as a ServerApp's process
-    try:
+    with server_process():
         server = make_server_app(cfg, on_round, strict=True)
         server(grid, Context(run_id=1, node_id=SERVER_NODE, node_config={}, state=RecordDict(), run_config={}))
-    finally:
-        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = before
     return rounds, final[0], grid
 
 
@@ -156,15 +176,16 @@ def close(a: dict[str, float], b: dict[str, float]) -> None:
         ["algorithm.name='feddyn'"],
         ["algorithm.name='fednova'", "train.momentum=0.5"],
         ["train.momentum=0.9", "algorithm.keep_optimizer_state=true", "algorithm.personal_eval_steps=1"],
+        ["algorithm.name='scaffold'", "simulation.rounds=3", "train.momentum=0.5"],
     ],
-    ids=["ditto", "fedrep", "feddyn", "fednova", "momentum"],
+    ids=["ditto", "fedrep", "feddyn", "fednova", "momentum", "scaffold"],
 )
 def test_the_clientapp_runs_the_client_program_as_in_process(task_file, extra):
     cfg = load_config(None, small(task_file, *extra, "simulation.engine='flower'"))  # the config rules allow it
     flower, flower_model, grid = run_local_flower(cfg, cfg.simulation.num_clients)
     inproc, inproc_model = run_inprocess(load_config(None, small(task_file, *extra)))
     assert (flower_model - inproc_model).abs().max().item() <= 1e-5
-    assert len(flower) == len(inproc) == 2
+    assert len(flower) == len(inproc) == cfg.simulation.rounds
     for a, b in zip(flower, inproc, strict=True):
         close(a, b)
         assert {"test_accuracy", "fed_accuracy"} <= set(a)
@@ -174,9 +195,71 @@ def test_the_clientapp_runs_the_client_program_as_in_process(task_file, extra):
     assert any(record is not None and len(record) > 0 for record in kept) == setup_for(cfg).program.keeps_state
 
 
-def test_scaffold_on_flower_is_refused_with_the_reason(task_file):
-    with pytest.raises(ConfigError, match="control variate"):
-        load_config(None, small(task_file, "algorithm.name='scaffold'", "simulation.engine='flower'"))
+def test_scaffold_nodes_keep_their_control_variate_only_when_the_server_took_their_update(task_file):
+    """SCAFFOLD on Flower: c goes with each task, Delta c_i with each reply, and a node's new c_i
+    waits in its context.state until a later message says the server aggregated that update; a
+    reply the server never got leaves c and that node's c_i as they were, so c stays the mean of
+    the c_i (as the in-process engine keeps it)."""
+    cfg = load_config(None, small(task_file, "algorithm.name='scaffold'", "simulation.engine='flower'"))
+    setup = setup_for(cfg)
+    numel, n = setup.spec.numel, cfg.simulation.num_clients
+    inner = ScaffoldStrategy(make_round_strategy(cfg, numel, "cpu", n), numel, n)
+    strategy = ShoalStrategy(inner, setup.spec, 2, seed=cfg.simulation.seed, federated_eval=lambda r: True)
+
+    class DroppingGrid(LocalGrid):
+        """Round 2's first train reply never reaches the server."""
+
+        trains = 0
+        dropped: tuple[int, object] | None = None  # (node, its committed state when it was asked)
+
+        def send_and_receive(self, messages, timeout=None):
+            messages = list(messages)
+            replies = super().send_and_receive(messages, timeout)
+            if messages and messages[0].metadata.message_type == "train":
+                self.trains += 1
+                if self.trains == 2:
+                    node = messages[0].metadata.dst_node_id
+                    self.dropped = (node, self.contexts[node].state.array_records.get(CLIENT_STATE))
+                    return replies[1:]
+            return replies
+
+    grid = DroppingGrid(make_client_app(cfg, "cpu"), n)
+    with server_process():
+        strategy.start(grid, to_arrays(setup.initial, setup.spec), num_rounds=2)
+    assert strategy.last_round is not None and strategy.last_round.num_results == 1
+    assert grid.dropped is not None
+    node, before = grid.dropped
+    after = grid.contexts[node].state.array_records.get(CLIENT_STATE)
+    assert (before is None and after is None) or torch.equal(
+        torch.from_numpy(before["scaffold/c"].numpy()), torch.from_numpy(after["scaffold/c"].numpy())
+    )
+    assert all(PENDING not in c.state.array_records for c in grid.contexts.values())  # the evaluation settled them
+    c_is = []
+    for context in grid.contexts.values():
+        record = context.state.array_records.get(CLIENT_STATE)
+        c_is.append(torch.zeros(numel) if record is None else torch.from_numpy(record["scaffold/c"].numpy().copy()))
+    assert inner.control.c.abs().max() > 0
+    assert torch.allclose(torch.stack(c_is).mean(0), inner.control.c, atol=1e-6)  # c = (1/N) sum_i c_i
+
+
+def test_a_broadcast_not_of_the_models_size_is_refused_before_training(task_file):
+    """What comes beside the model is checked: a c of another size stops the step with one line
+    naming it, and the node's state is left as it was."""
+    cfg = load_config(None, small(task_file, "algorithm.name='scaffold'"))
+    setup = setup_for(cfg)
+    grid = LocalGrid(make_client_app(cfg, "cpu"), 1)
+    with server_process():
+        content = RecordDict(
+            {
+                ARRAYS: to_arrays(setup.initial, setup.spec),
+                CONFIG: ConfigRecord({"server-round": 1, "seed": 7, "version": 0}),
+                BROADCAST: ArrayRecord({"scaffold/c": torch.zeros(3)}),
+            }
+        )
+        msg = Message(content, dst_node_id=100, message_type=MessageType.TRAIN)
+        with pytest.raises(ValueError, match="'scaffold/c' of 3"):
+            grid.send_and_receive([msg])
+    assert not grid.contexts[100].state.array_records
 
 
 @pytest.mark.slow
