@@ -472,6 +472,18 @@ class ShoalStrategy(FlowerStrategy):
 RoundCallback = Callable[[RoundSummary, dict[str, float], torch.Tensor], None]
 
 
+def round_strategy(cfg: Config, setup: Setup, device: torch.device | str = "cpu") -> Strategy:
+    """The shoal strategy a ShoalStrategy of ``cfg`` aggregates with: ``[strategy]`` (or FedNova's,
+    FedDyn's or the DP mean, as shoal.assembly makes it) and, for SCAFFOLD, the server control
+    variate moved over the updates each round took (N: the task's clients)."""
+    inner = make_round_strategy(cfg, setup.spec.numel, device, setup.num_clients)
+    if cfg.algorithm.name != "scaffold":
+        return inner
+    from shoal.aggregation.scaffold import ScaffoldStrategy
+
+    return ScaffoldStrategy(inner, setup.spec.numel, setup.num_clients, device)
+
+
 def evaluated_round(cfg: Config) -> Callable[[int], bool]:
     """The rounds the in-process engine evaluates: every ``eval_every``-th and the last."""
     sim = cfg.simulation
@@ -508,13 +520,8 @@ def make_server_app(
         setup = setup_for(c, sim.device)
         trainer = setup.trainer
         due = evaluated_round(c)
-        inner = make_round_strategy(c, setup.spec.numel, trainer.device, setup.num_clients)
-        if c.algorithm.name == "scaffold":  # c moves with the model, over the updates the round took
-            from shoal.aggregation.scaffold import ScaffoldStrategy
-
-            inner = ScaffoldStrategy(inner, setup.spec.numel, setup.num_clients, trainer.device)
         strategy = ShoalStrategy(
-            inner,
+            round_strategy(c, setup, trainer.device),
             setup.spec,
             sim.clients_per_round,
             sim.fraction,

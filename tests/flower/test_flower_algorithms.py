@@ -19,7 +19,6 @@ from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, R
 from flwr.supercore.task_identity import TaskIdentity
 
 from shoal.aggregation.scaffold import ScaffoldStrategy
-from shoal.assembly import make_round_strategy
 from shoal.config import load_config
 from shoal.flower.apps import (
     ARRAYS,
@@ -30,6 +29,7 @@ from shoal.flower.apps import (
     ShoalStrategy,
     make_client_app,
     make_server_app,
+    round_strategy,
     setup_for,
     to_arrays,
 )
@@ -203,7 +203,8 @@ def test_scaffold_nodes_keep_their_control_variate_only_when_the_server_took_the
     cfg = load_config(None, small(task_file, "algorithm.name='scaffold'", "simulation.engine='flower'"))
     setup = setup_for(cfg)
     numel, n = setup.spec.numel, cfg.simulation.num_clients
-    inner = ScaffoldStrategy(make_round_strategy(cfg, numel, "cpu", n), numel, n)
+    inner = round_strategy(cfg, setup)  # what shoal's ServerApp aggregates with
+    assert isinstance(inner, ScaffoldStrategy)
     strategy = ShoalStrategy(inner, setup.spec, 2, seed=cfg.simulation.seed, federated_eval=lambda r: True)
 
     class DroppingGrid(LocalGrid):
