@@ -159,6 +159,7 @@ def robust(args: argparse.Namespace) -> None:
         )
         for why, k in aborted.most_common():
             print(f"  aborted x{k}: {why}")
+        root_figures(records)
         secure_proof(records, partials, events, port_edge, victim)
         return
     opened = max(r["round"] for r in records)
@@ -184,6 +185,7 @@ def robust(args: argparse.Namespace) -> None:
     print(
         f"root RSS peak {max(rss):.0f} MB; root ingress from edges {sum(r.get('hier_bytes_edge_root_up', 0) for r in records) / 1e6:.2f} MB"
     )
+    root_figures(records)
 
     lines = [p for ps in partials.values() for p in ps]
     closes = Counter(p["closed"] for p in lines)
@@ -256,6 +258,24 @@ def robust(args: argparse.Namespace) -> None:
             "checked: no node counted twice in a round; each version's count equals the nodes in the partials the "
             "root took; every node in a partial had one upload taken by that edge in that round; every taken upload "
             "was counted at the root, but those listed above"
+        )
+
+
+def root_figures(records: list[dict]) -> None:
+    """The root's own per-version figures from its metrics.jsonl (what the dashboard charts)."""
+    cpu = [r["server_cpu_s"] for r in records if "server_cpu_s" in r]
+    took = [r["server_round_s"] for r in records if "server_round_s" in r]
+    moved = [r for r in records if r.get("hier_nodes_reattached")]
+    if cpu and took:
+        print(
+            f"root per version (metrics.jsonl): CPU p50 {pct(cpu, 0.5):.3f} s, p99 {pct(cpu, 0.99):.3f} s; "
+            f"round p50 {pct(took, 0.5):.3f} s, p95 {pct(took, 0.95):.3f} s, p99 {pct(took, 0.99):.3f} s; "
+            f"RSS max {max(r['server_rss_mb'] for r in records):.0f} MB"
+        )
+    if moved:
+        print(
+            f"root saw {sum(r['hier_nodes_reattached'] for r in moved)} nodes move to another edge, "
+            f"longest {max(r['hier_reattach_s'] for r in moved):.2f} s after their old edge last named them"
         )
 
 

@@ -93,6 +93,11 @@ def test_two_edge_processes_run_hierfavg_exactly_and_a_killed_edge_s_nodes_reatt
     assert any(r["num_results"] == 4 for r in after), (after, log)
     assert any(e["nodes_in"] == 4 for e in edge_b), edge_b
     assert len(reattach) == 2, log  # both of edge-a's nodes moved, each once
+    # the root saw the same two moves (each at least edge_timeout_s after edge-a last named the node)
+    moves = [r for r in records if r["hier_nodes_reattached"]]
+    assert sum(r["hier_nodes_reattached"] for r in moves) == 2, records
+    assert all(r["hier_reattach_s"] >= h.cfg.hierarchy.edge_timeout_s for r in moves), moves
+    assert all(r["server_round_s"] > 0 and r["server_rss_mb"] > 0 for r in records), records
     # no update counted twice: the root counted exactly what the edges' taken partials held
     taken = [e for e in edge_a + edge_b if e["answer"] == "accepted"]
     assert sum(e["nodes_in"] for e in taken) == sum(r["num_results"] for r in records), (taken, records)
