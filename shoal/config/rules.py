@@ -271,7 +271,18 @@ def _check_hierarchy(self: Any) -> None:
     """Simulated edge aggregators sum plain FedAvg updates (docs/hierarchy.md, what works and what not yet)."""
     if self.hierarchy.parent:
         _check_edge(self)
-    if not self.hierarchy.edges:
+    h = self.hierarchy
+    links = [k for k in ("link_latency_s", "root_mbps", "edge_mbps", "client_mbps") if getattr(h, k)]
+    if links and (not h.edges or self.secure_aggregation.enabled):
+        raise ConfigError(
+            f"hierarchy.{links[0]} models the transfers of the simulator's virtual edges (hier_comm_s), "
+            + (
+                "which secure aggregation's stages do not fit (unset it, or secure_aggregation.enabled = false)"
+                if h.edges
+                else "and hierarchy.edges = 0 has none: set hierarchy.edges (the records price flat beside it)"
+            )
+        )
+    if not h.edges:
         return
     unsupported = [
         name
