@@ -34,10 +34,12 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import tempfile
 import time
 from collections import Counter, defaultdict
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the test suite's process harness
@@ -48,6 +50,17 @@ from tests.hierarchy.deploy import Hierarchy, hierarchy  # noqa: E402
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+@contextmanager
+def workdir(keep: str | None):
+    """A fresh temporary folder, or ``keep`` (made, left for reading the logs afterwards)."""
+    if keep is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            yield tmp
+    else:
+        Path(keep).mkdir(parents=True, exist_ok=False)
+        yield keep
 
 
 def start(h: Hierarchy, hosts: int, dropout: float = 0.0, seed: int = 0) -> list[str]:
@@ -96,7 +109,7 @@ def robust(args: argparse.Namespace) -> None:
     values = {"min_nodes": str(args.n // 2), "min_fraction": str(args.min_fraction)}
     add = {"hierarchy": f"edge_quorum = {args.quorum}"}
     victim = "edge-b"
-    with tempfile.TemporaryDirectory() as tmp:
+    with workdir(args.keep) as tmp:
         secure = (
             f"[secure_aggregation]\nenabled = true\nbits = 24\nclip = 1.0\nstage_s = {args.stage_s}\n"
             if args.secure
@@ -130,6 +143,8 @@ def robust(args: argparse.Namespace) -> None:
             for t in hosts:
                 assert h.wait(t, 60) == 0, h.dump()
             records = [r for r in h.records() if "num_results" in r]
+            root_log = (Path(tmp) / "root.log").read_text()
+            aborted = Counter(m[:160] for m in re.findall(r"secure aggregation aborted at (.*)", root_log))
             stops = [r for r in h.records() if "stopped" in r]
             partials = {e: h.edge_records(e) for e in h.edge_names}
             events = h.events()
@@ -142,6 +157,9 @@ def robust(args: argparse.Namespace) -> None:
         print(
             f"wall time {took:.0f} s; re-attach p50 {pct(reattach, 0.5) if reattach else float('nan'):.2f} s; root RSS peak {max(rss):.0f} MB"
         )
+        for why, k in aborted.most_common():
+            print(f"  aborted x{k}: {why}")
+        root_figures(records)
         secure_proof(records, partials, events, port_edge, victim)
         return
     opened = max(r["round"] for r in records)
@@ -167,6 +185,7 @@ def robust(args: argparse.Namespace) -> None:
     print(
         f"root RSS peak {max(rss):.0f} MB; root ingress from edges {sum(r.get('hier_bytes_edge_root_up', 0) for r in records) / 1e6:.2f} MB"
     )
+    root_figures(records)
 
     lines = [p for ps in partials.values() for p in ps]
     closes = Counter(p["closed"] for p in lines)
@@ -242,6 +261,24 @@ def robust(args: argparse.Namespace) -> None:
         )
 
 
+def root_figures(records: list[dict]) -> None:
+    """The root's own per-version figures from its metrics.jsonl (what the dashboard charts)."""
+    cpu = [r["server_cpu_s"] for r in records if "server_cpu_s" in r]
+    took = [r["server_round_s"] for r in records if "server_round_s" in r]
+    moved = [r for r in records if r.get("hier_nodes_reattached")]
+    if cpu and took:
+        print(
+            f"root per version (metrics.jsonl): CPU p50 {pct(cpu, 0.5):.3f} s, p99 {pct(cpu, 0.99):.3f} s; "
+            f"round p50 {pct(took, 0.5):.3f} s, p95 {pct(took, 0.95):.3f} s, p99 {pct(took, 0.99):.3f} s; "
+            f"RSS max {max(r['server_rss_mb'] for r in records):.0f} MB"
+        )
+    if moved:
+        print(
+            f"root saw {sum(r['hier_nodes_reattached'] for r in moved)} nodes move to another edge, "
+            f"longest {max(r['hier_reattach_s'] for r in moved):.2f} s after their old edge last named them"
+        )
+
+
 def secure_proof(records: list[dict], sums: dict[str, list[dict]], events: list[dict], port_edge, victim) -> None:
     """Secure rounds: the edges' records name how many masked inputs each masked sum holds (not whose:
     the edge relays the protocol and adds masked vectors it cannot read)."""
@@ -306,6 +343,7 @@ def main() -> None:
     ap.add_argument("--deadline", type=float, default=2.0, help="server.deadline_s")
     ap.add_argument("--min-fraction", type=float, default=0.3, help="server.min_fraction")
     ap.add_argument("--seed", type=int, default=1, help="the drop-outs' seed")
+    ap.add_argument("--keep", default=None, help="run in this new folder and keep it (the processes' logs)")
     ap.add_argument("--secure", action="store_true", help="secure aggregation through the edges")
     ap.add_argument("--stage-s", type=float, default=1.5, help="secure_aggregation.stage_s")
     args = ap.parse_args()

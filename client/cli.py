@@ -102,7 +102,7 @@ def client(
     credential = token_file if token_file is not None else cert
     assert credential is not None  # one of the two, checked above
     ledger = privacy_ledger or credential.with_name(credential.name + ".privacy.json")
-    node = Node(
+    node = Node.from_config(
         server,
         token,
         local,

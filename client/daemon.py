@@ -220,7 +220,7 @@ class NodeDaemon:
             local = builtin_local_data(task, load_shard(allowed.data))  # type: ignore[arg-type]
         else:
             local = read_local_data(task, allowed.data)
-        return Node(
+        return Node.from_config(
             ",".join(f"{u}/runs/{offer['run']}" for u in self.servers.in_turn()),  # the one in use first
             self.token,
             local,

@@ -32,16 +32,16 @@ import ssl
 from collections.abc import Callable
 from hashlib import sha256
 from pathlib import Path
-from typing import cast
+from typing import Self, cast
 
 import aiohttp
 import torch
 
 from shoal import assembly
 from shoal.accounting import LocalDpSgdAccountant, budget_allows, check_delta_against, dp_sgd_schedule
-from shoal.aggregation.compression import Compressor, OutOfHalfRange
+from shoal.aggregation.compression import OutOfHalfRange
 from shoal.aggregation.dp import clip_to_norm, make_generator, noise_share, share_std
-from shoal.assembly import task_from_config
+from shoal.assembly import NodeParts
 from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, SpecMismatch, short_repr
 from shoal.params import ParamSpec
@@ -57,8 +57,6 @@ from shoal.task import (
     TaskError,
     as_tensors,
     call_part,
-    check_data,
-    num_examples,
     task_name,
 )
 from shoal.tasks import BuiltinTask
@@ -69,7 +67,6 @@ from .algorithms import ClientProgram
 from .disk_model import DiskModel, read_table
 from .http import Backoff, NodeError, Refused, Retry, ServerList, check_response, connection_problem
 from .runlog import RunTag
-from .state import DiskClientState, MemoryClientState
 from .training import LocalTrainer, summarize_means
 from .transfer import CHUNK_DIGEST_HEADER, Body, OnDisk, download
 
@@ -365,68 +362,41 @@ class Node:
 
     def __init__(
         self,
+        parts: NodeParts,
         server: str,
         token: str,
-        data: LocalData | Shard,
-        cfg: Config,
-        device: torch.device,
         ssl_context: ssl.SSLContext | None = None,
         poll_s: float = 20.0,
-        name: str = "",
-        task: Task | None = None,
-        privacy_ledger: Path | None = None,
         check_task: Callable[[dict], str | None] | None = None,
-        state_dir: Path | None = None,
     ):
-        """``privacy_ledger``: the file where a local-DP node keeps the rounds it spent (None: in memory).
-        ``check_task``: why this node refuses a task (its run's config travels with each task), or None.
-        ``state_dir``: the folder where the node keeps its client state between rounds and restarts
-        (the algorithm's control variates, personal parts, FedBN buffers; None: in memory)."""
-        # several servers (a comma-separated list, e.g. edge aggregators): the node moves to the
-        # next one when the one it uses stops answering (client/http.py ServerList)
+        """``parts``: what shoal.assembly builds for a node (:meth:`from_config` builds them);
+        ``server``: its URL, or several comma-separated (e.g. edge aggregators: the node moves to
+        the next when the one it uses stops answering, client/http.py ServerList); ``token``: its
+        bearer token ("" with a client certificate in ``ssl_context``); ``check_task``: why this
+        node refuses a task (its run's config travels with each task), or None."""
+        if not isinstance(parts, NodeParts):
+            raise TypeError(
+                f"Node takes the parts shoal.assembly builds, not a {type(parts).__name__}: "
+                "Node.from_config(server, token, data, cfg, device, ...) builds them"
+            )
+        self.parts = parts
         self.servers = ServerList.parse(server, log)
         self.check_task = check_task
         self.token = token
-        self.task = task if task is not None else task_from_config(cfg)
-        if isinstance(data, Shard):
-            name = name or data.client_id
-            if not isinstance(self.task, BuiltinTask):
-                raise TaskError(
-                    f"task {task_name(self.task)}: a shard file is data of the built-in task; "
-                    "give the data this task's local_data() reads"
-                )
-            data = builtin_local_data(self.task, data)
-        self.name = name or "node"
         self.ssl = ssl_context
         self.poll_s = poll_s
-        # The same initial model as the server (simulation.seed): frozen parameters and
-        # client-local buffers never travel, so they must start equal everywhere.
-        train = self._held(check_data(self.task, data.train, "local_data().train"), device)
-        assert train is not None  # check_data refuses a missing training set
-        self.train: ClientData = train
-        self.test = self._held(check_data(self.task, data.test, "local_data().test", allow_none=True), device)
-        if num_examples(self.train) == 0:
-            raise TaskError(f"task {task_name(self.task)}: local_data().train has no examples")
-        if self.test is not None and num_examples(self.test) == 0:
-            self.test = None
-        # The trainer (the same initial model as the server: simulation.seed; frozen parameters and
-        # client-local buffers never travel, so they must start equal everywhere) and the client step
-        # of [algorithm] (client/algorithms.py, the simulator's), the task's loss checked first.
-        parts = assembly.build(cfg, self.task, "client", device=device, example=self.train)
+        self.task, self.name = parts.task, parts.name
+        self.train: ClientData = parts.train
+        self.test = parts.test
         self.trainer, self.program = parts.trainer, parts.program
-        self.states = (  # a folder only when the algorithm keeps something
-            DiskClientState(state_dir, device)
-            if state_dir is not None and self.program.keeps_state
-            else MemoryClientState()
-        )
+        self.states = parts.states
+        self.privacy = parts.privacy
+        self.compressor = parts.compressor  # [compression]: the upload's encoding
+        cfg = parts.cfg
         self.personal_eval_steps = cfg.algorithm.personal_eval_steps
-        self._broadcast: tuple[int, dict[str, torch.Tensor]] = (-1, {})  # (version, what came with its model)
-        self.privacy = (
-            None if not plan_of(cfg).enabled else NodePrivacy(cfg, self.name, num_examples(self.train), privacy_ledger)
-        )
-        self.compressor = Compressor(cfg.compression)  # [compression]: the upload's encoding
         self.zstd_level = cfg.compression.zstd_level if cfg.compression.zstd else 0
         self.secure_cfg = cfg.secure_aggregation  # identity key and keys file (client/secure_node.py)
+        self._broadcast: tuple[int, dict[str, torch.Tensor]] = (-1, {})  # (version, what came with its model)
         self.stop = asyncio.Event()
         self.rand = random.Random()
         self.backoff = Backoff()
@@ -435,11 +405,32 @@ class Node:
         self.resumed = {"upload": 0, "download": 0}  # chunked transfers that went on after a lost connection
         self.failed_tasks: set[tuple[int, int]] = set()  # (round, version): diverged or refused, not retried
 
-    @staticmethod
-    def _held(data: ClientData | None, device: torch.device) -> ClientData | None:
-        """Tensor data moves to the device once; a Dataset is read batch by batch."""
-        pair = as_tensors(data) if data is not None else None
-        return (pair[0].to(device), pair[1].to(device)) if pair is not None else data
+    @classmethod
+    def from_config(
+        cls,
+        server: str,
+        token: str,
+        data: LocalData | Shard,
+        cfg: Config,
+        device: torch.device | str,
+        ssl_context: ssl.SSLContext | None = None,
+        poll_s: float = 20.0,
+        name: str = "",
+        task: Task | None = None,
+        privacy_ledger: Path | None = None,
+        check_task: Callable[[dict], str | None] | None = None,
+        state_dir: Path | None = None,
+    ) -> Self:
+        """The node of ``cfg`` on its own ``data`` (``local_data()``'s, or a shard of the built-in
+        task), its parts built by shoal.assembly. ``name``: the node's (default: the shard's client
+        id, else "node"); ``task``: default the config's; ``privacy_ledger``: the file where a
+        local-DP node keeps the rounds it spent (None: in memory); ``state_dir``: the folder where
+        the node keeps its client state between rounds and restarts (the algorithm's control
+        variates, personal parts, FedBN buffers; None: in memory)."""
+        parts = assembly.build(
+            cfg, task, "node", data=data, device=device, name=name, state_dir=state_dir, privacy_ledger=privacy_ledger
+        )
+        return cls(parts, server, token, ssl_context, poll_s, check_task)
 
     async def run(self, signals: bool = True) -> int:
         """``signals``: SIGINT/SIGTERM stop this node (False: its owner, `shoal node`, sets ``stop``)."""

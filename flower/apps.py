@@ -4,8 +4,15 @@
 shoal's streaming :class:`~shoal.aggregation.Strategy` (FedAvg, FedAvgM, FedAdam, ...)
 driven by shoal's :class:`~shoal.rounds.SyncRounds`: the same client sampling, the same
 per-client seeds and the same checks as the in-process engine and the HTTP server.
-:func:`make_client_app` turns shoal's :class:`~shoal.client.training.LocalTrainer` into
-a Flower ClientApp, so a shoal client joins a SuperLink through ``flower-supernode``.
+:func:`make_client_app` runs shoal's client step (the ``[algorithm]`` client program of
+client/algorithms.py, the one the in-process simulator, the Ray workers and the deployed node
+call) as a Flower ClientApp, so a shoal client joins a SuperLink through ``flower-supernode``.
+What a client keeps between its rounds (FedBN's buffers, FedPer's and FedRep's personal layers,
+Ditto's personal model, FedDyn's gradient memory, SCAFFOLD's control variate, momentum) lives
+in the node's ``context.state``, loaded before and saved after each step. SCAFFOLD's server
+control variate travels with each train message (``"shoal-broadcast"``), each reply's control
+variate delta beside its model (``"shoal-to-server"``), and a node keeps its new ``c_i`` only once
+a later message says (``taken``) that the server aggregated that update.
 
 Both sides load the run's task (shoal/task.py: ``[task] app``, else the built-in task of
 ``[model]`` + ``[data]``) and build model, trainer and strategy through shoal.assembly;
@@ -13,10 +20,12 @@ a node trains on client ``partition-id`` of ``task.simulation_data(...)``.
 
 Messages follow Flower's conventions, so either side also works with Flower's own
 counterpart: the model travels as an ArrayRecord under ``"arrays"`` (named like the
-model's state_dict), the reply carries the client's *local model* there and a
-MetricRecord ``"metrics"`` with ``"num-examples"``; the server forms the delta.
+model's state_dict), the reply carries the client's *local model* there (the global model plus
+the update the client program sends: for FedPer, FedRep and Ditto the personal parts are not
+in it) and a MetricRecord ``"metrics"`` with ``"num-examples"``; the server forms the delta.
 EVALUATE messages ask the nodes to evaluate the global model on their own test data
-(the task's metrics, ``num-examples`` = their test examples, 0 without test data).
+(the task's metrics, ``num-examples`` = their test examples, 0 without test data) and, with
+``algorithm.personal_eval_steps``, their personalised model too (``personal_<metric>``).
 A shoal ClientApp answers a QUERY message with its client id (``client-00003`` for
 partition 3, or the task's ``client_ids[3]``), which lets the server map Flower node ids
 to shoal client ids and sample exactly as the in-process engine does; a node that does
@@ -41,8 +50,10 @@ from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from shoal import assembly
 from shoal.aggregation import Strategy
-from shoal.assembly import make_round_strategy, make_sync_rounds, task_from_config, task_label
+from shoal.assembly import ClientParts, make_round_strategy, make_sync_rounds, task_from_config, task_label
+from shoal.client.algorithms import ClientProgram
 from shoal.client.device import select_device
+from shoal.client.state import State
 from shoal.client.training import LocalTrainer
 from shoal.config import Config, load_config
 from shoal.errors import ConfigError, EngineError, SpecMismatch, UpdateRejected
@@ -61,7 +72,15 @@ CONFIG = "config"  # Flower's default ConfigRecord key
 METRICS = "metrics"
 NUM_EXAMPLES = "num-examples"  # Flower's default weighting key
 IDENTITY = "identity"  # the ConfigRecord of a QUERY reply: {"client-id": ...}
-LOCAL_STATE = "shoal-local"  # a node's context.state ArrayRecord: the buffers its task keeps local (FedBN)
+CLIENT_STATE = "shoal-state"  # a node's context.state ArrayRecord: its client program's state (client/state.py)
+# SCAFFOLD: the server's control variate c with each train message, each reply's Delta c_i beside its
+# model; a node keeps its new c_i aside until a later message says the server took its update.
+BROADCAST = "shoal-broadcast"  # a train message's ArrayRecord: what the server's step sends beside the model
+TO_SERVER = "shoal-to-server"  # a train reply's ArrayRecord: what the server's step needs beside the update
+PENDING = "shoal-pending"  # a node's context.state ArrayRecord: the new state, until the server took the update
+PENDING_VERSION = "shoal-pending-version"  # a node's context.state ConfigRecord: {"version": the update's base}
+TAKEN = "taken"  # config key: the base version of this client's last update the server aggregated (-1: none)
+PERSONAL = "personal_"  # an evaluation reply's personalised metrics (algorithm.personal_eval_steps)
 RUN_CONFIG_KEY = "shoal-config"  # run_config key (pyproject.toml / --run-config) naming the TOML file
 
 
@@ -109,23 +128,32 @@ def from_arrays(record: ArrayRecord, spec: ParamSpec) -> torch.Tensor:
 
 @dataclass
 class Setup:
-    """Task, data, model spec and a trainer built from a Config, once per process (a Ray
-    actor serves many simulated clients; loading the task's data per message would dominate)."""
+    """Task, data, model spec and the client parts (trainer and client program) built from a
+    Config, once per process (a Ray actor serves many simulated clients; loading the task's data
+    per message would dominate). Nothing in it belongs to one client: each node's state is in
+    its own ``context.state``."""
 
     cfg: Config
     task: Task
     data: SimulationData
-    trainer: LocalTrainer
+    client: ClientParts
     initial: torch.Tensor  # the global model before round 1, as the in-process engine makes it
-    initial_local: dict[str, torch.Tensor]  # a client's local buffers before its first round (FedBN)
     client_ids: list[str]
     test: ClientData | None  # the central test set, on the trainer's device
     _train: dict[int, ClientData] = field(default_factory=dict)
     _test: dict[int, ClientData | None] = field(default_factory=dict)
 
     @property
+    def trainer(self) -> LocalTrainer:
+        return self.client.trainer
+
+    @property
+    def program(self) -> ClientProgram:
+        return self.client.program
+
+    @property
     def spec(self) -> ParamSpec:
-        return self.trainer.spec
+        return self.client.spec
 
     @property
     def num_clients(self) -> int:
@@ -157,23 +185,15 @@ class Setup:
 def _build(cfg: Config, device: str) -> Setup:
     task = task_from_config(cfg)
     data = load_simulation_data(task, cfg)
-    trainer = assembly.build(cfg, task, "client", device=select_device(device), example=data.train[0]).trainer
+    client = assembly.build(cfg, task, "client", device=select_device(device), example=data.train[0])
+    trainer = client.trainer
     dev = trainer.device
     ids = (
         [str(c) for c in data.client_ids]
         if data.client_ids is not None
         else [client_id(i) for i in range(len(data.train))]
     )
-    return Setup(
-        cfg,
-        task,
-        data,
-        trainer,
-        trainer.flat.detach().clone().cpu(),
-        trainer.local_state(),
-        ids,
-        on_device(data.test, dev),
-    )
+    return Setup(cfg, task, data, client, trainer.flat.detach().clone().cpu(), ids, on_device(data.test, dev))
 
 
 @functools.lru_cache(maxsize=2)
@@ -251,6 +271,10 @@ class ShoalStrategy(FlowerStrategy):
         self.federated_eval = federated_eval
         self.last_federated: dict[str, float] = {}  # fed_<metric> of the last round that evaluated
         self._eval_nodes: dict[int, str] = {}  # node id -> client id of the open evaluation
+        # an algorithm with a server step of its own (SCAFFOLD): its broadcast goes with each task,
+        # each reply's to_server comes back, and each node is told which of its updates were taken
+        self.stateful = callable(getattr(strategy, "broadcast", None))
+        self.taken: dict[str, int] = {}  # client id -> base version of its last aggregated update
 
     def summary(self) -> None:
         log.info(
@@ -309,15 +333,38 @@ class ShoalStrategy(FlowerStrategy):
         node_of = self.identify(grid)
         tasks = self.rounds.start_round(list(node_of))
         self._tasks = {node_of[t.client_id]: t for t in tasks}
+        broadcast = self._broadcast()
         messages = []
         for node, task in self._tasks.items():
             conf = ConfigRecord(dict(config))
             conf.update(
-                {"server-round": server_round, "client-id": task.client_id, "seed": task.seed, "version": task.version}
+                {
+                    "server-round": server_round,
+                    "client-id": task.client_id,
+                    "seed": task.seed,
+                    "version": task.version,
+                    TAKEN: self.taken.get(task.client_id, -1),
+                }
             )
             content = RecordDict({ARRAYS: arrays, CONFIG: conf})
+            if broadcast is not None:
+                content[BROADCAST] = broadcast
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.TRAIN))
         return messages
+
+    def _broadcast(self) -> ArrayRecord | None:
+        """What the algorithm's server step sends beside the model (SCAFFOLD's c), or None."""
+        if not self.stateful:
+            return None
+        return ArrayRecord({k: v.detach().cpu() for k, v in self.strategy.broadcast().items()})  # type: ignore[attr-defined]
+
+    def _to_server(self, reply: Message) -> dict[str, torch.Tensor]:
+        """A reply's tensors for the algorithm's server step (the strategy checks their names and
+        sizes when it takes the update); nothing for a strategy without such a step."""
+        record = reply.content.array_records.get(TO_SERVER) if self.stateful else None
+        if record is None:
+            return {}
+        return {k: torch.from_numpy(v.numpy().copy()).reshape(-1).float().to(self.device) for k, v in record.items()}
 
     def aggregate_train(
         self, server_round: int, replies: Iterable[Message]
@@ -348,16 +395,20 @@ class ShoalStrategy(FlowerStrategy):
                     base_version=task.version,
                     sender=task.client_id,
                     metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
+                    to_server=self._to_server(reply),
                 )
                 rounds.submit(task.client_id, update)
-            except (KeyError, SpecMismatch, UpdateRejected, ValueError) as e:
+            except (KeyError, SpecMismatch, UpdateRejected, ValueError, TypeError) as e:  # TypeError: a bad dtype
                 self._drop(server_round, task.client_id, f"rejected: {e}")
         if not rounds.received:
             rounds.abort_round()  # nothing to aggregate: model and version stay
             log.warning("round %d: no usable reply; the global model is unchanged", server_round)
             return None, None
+        taken = {t.client_id: t.version for t in self._tasks.values() if t.client_id in rounds.received}
         self.last_round = rounds.finish_round()
         s = self.last_round
+        if not s.failed:
+            self.taken.update(taken)
         return to_arrays(rounds.global_params, self.spec), MetricRecord(
             {"train_loss": s.train_loss, "num-results": s.num_results, NUM_EXAMPLES: s.num_examples}
         )
@@ -379,17 +430,22 @@ class ShoalStrategy(FlowerStrategy):
             node = node_of[cid]
             self._eval_nodes[node] = cid
             conf = ConfigRecord(dict(config))
-            conf.update({"server-round": server_round, "client-id": cid})
+            version = self.rounds.version if self.rounds is not None else 0
+            conf.update(
+                {"server-round": server_round, "client-id": cid, "version": version, TAKEN: self.taken.get(cid, -1)}
+            )
             content = RecordDict({ARRAYS: arrays, CONFIG: conf})
             messages.append(Message(content, dst_node_id=node, message_type=MessageType.EVALUATE))
         return messages
 
     def aggregate_evaluate(self, server_round: int, replies: Iterable[Message]) -> MetricRecord | None:
-        """Example-weighted means of the nodes' metrics on their own test data (``fed_<metric>``)."""
+        """Example-weighted means of the nodes' metrics on their own test data (``fed_<metric>``),
+        and of their personalised models' (``personal_<metric>`` -> ``fed_personal_<metric>``),
+        each summarized by the task on its own, as the in-process engine does."""
         if not self._eval_nodes:
             return None
         order = {node: i for i, node in enumerate(self._eval_nodes)}
-        results = []
+        results, personal = [], []
         for reply in sorted(replies, key=lambda m: order.get(m.metadata.src_node_id, len(order))):
             cid = self._eval_nodes.get(reply.metadata.src_node_id, f"node-{reply.metadata.src_node_id}")
             if reply.has_error():
@@ -403,13 +459,29 @@ class ShoalStrategy(FlowerStrategy):
                 continue
             if n > 0:
                 ev = {k: float(v) for k, v in metrics.items() if k != NUM_EXAMPLES and isinstance(v, (int, float))}
-                results.append({**ev, "num_examples": n})
+                results.append({k: v for k, v in ev.items() if not k.startswith(PERSONAL)} | {"num_examples": n})
+                own = {k.removeprefix(PERSONAL): v for k, v in ev.items() if k.startswith(PERSONAL)}
+                if own:
+                    personal.append({**own, "num_examples": n})
         self.last_federated = {f"fed_{k}": v for k, v in weighted_means(results, self.task).items()}
+        self.last_federated.update({f"fed_{PERSONAL}{k}": v for k, v in weighted_means(personal, self.task).items()})
         return _metric_record(self.last_federated) if self.last_federated else None
 
 
 # Called after each evaluated round: (round summary, {"test_<metric>", "fed_<metric>", ...}, global params).
 RoundCallback = Callable[[RoundSummary, dict[str, float], torch.Tensor], None]
+
+
+def round_strategy(cfg: Config, setup: Setup, device: torch.device | str = "cpu") -> Strategy:
+    """The shoal strategy a ShoalStrategy of ``cfg`` aggregates with: ``[strategy]`` (or FedNova's,
+    FedDyn's or the DP mean, as shoal.assembly makes it) and, for SCAFFOLD, the server control
+    variate moved over the updates each round took (N: the task's clients)."""
+    inner = make_round_strategy(cfg, setup.spec.numel, device, setup.num_clients)
+    if cfg.algorithm.name != "scaffold":
+        return inner
+    from shoal.aggregation.scaffold import ScaffoldStrategy
+
+    return ScaffoldStrategy(inner, setup.spec.numel, setup.num_clients, device)
 
 
 def evaluated_round(cfg: Config) -> Callable[[int], bool]:
@@ -449,7 +521,7 @@ def make_server_app(
         trainer = setup.trainer
         due = evaluated_round(c)
         strategy = ShoalStrategy(
-            make_round_strategy(c, setup.spec.numel, trainer.device, setup.num_clients),
+            round_strategy(c, setup, trainer.device),
             setup.spec,
             sim.clients_per_round,
             sim.fraction,
@@ -504,31 +576,74 @@ def _node(context: Context, cfg: Config | None, device: str | None) -> tuple[Set
     return setup, pid, setup.client_ids[pid]
 
 
-def _load_local(setup: Setup, context: Context) -> None:
-    """The node's own local buffers (FedBN) into the shared trainer: a Ray actor serves many nodes."""
-    if not setup.trainer.local_names:
-        return
-    record = context.state.array_records.get(LOCAL_STATE)
+def load_state(setup: Setup, context: Context) -> State:
+    """This node's client state from its ``context.state`` (empty before its first round, or when
+    the algorithm keeps nothing): a Ray actor's trainer serves many nodes, so nothing of one
+    node's stays in it between messages."""
+    if not setup.program.keeps_state:
+        return {}
+    record = context.state.array_records.get(CLIENT_STATE)
     if record is None:
-        setup.trainer.load_local_state(setup.initial_local)
+        return {}
+    return {k: torch.from_numpy(v.numpy().copy()) for k, v in record.items()}
+
+
+def save_state(setup: Setup, context: Context, state: State, version: int) -> None:
+    """The state the client program returned replaces this node's (it is the whole new state);
+    for a program whose state follows the server's (SCAFFOLD: c stays the mean of the c_i) it is
+    kept aside with the update's base ``version`` until the server says it took that update."""
+    if not setup.program.keeps_state:
+        return
+    record = ArrayRecord({k: v.detach().cpu() for k, v in state.items()})
+    if setup.program.settles:
+        context.state[PENDING] = record
+        context.state[PENDING_VERSION] = ConfigRecord({"version": version})
     else:
-        setup.trainer.load_local_state({k: torch.from_numpy(v.numpy()) for k, v in record.items()})
+        context.state[CLIENT_STATE] = record
 
 
-def _save_local(setup: Setup, context: Context) -> None:
-    if setup.trainer.local_names:
-        context.state[LOCAL_STATE] = ArrayRecord({k: v.cpu() for k, v in setup.trainer.local_state().items()})
+def _broadcast_of(msg: Message, spec: ParamSpec) -> State:
+    """What the server's step sent beside the model (SCAFFOLD's c): model-sized float vectors,
+    else a ValueError naming the entry (nothing is trained on a vector of another model)."""
+    out: State = {}
+    for name, array in (msg.content.array_records.get(BROADCAST) or {}).items():
+        t = torch.from_numpy(array.numpy().copy()).reshape(-1)
+        if t.numel() != spec.numel or not t.is_floating_point():
+            raise ValueError(
+                f"the server sent {name!r} of {t.numel()} {t.dtype} entries beside the model; "
+                f"this model has {spec.numel} float parameters"
+            )
+        out[name] = t.float()
+    return out
+
+
+def settle(setup: Setup, context: Context, conf: ConfigRecord) -> None:
+    """SCAFFOLD: the state set aside after this node's last step becomes its state when the
+    server's message says it aggregated that update (``taken`` = its base version); otherwise
+    (dropped, refused, the round aborted) it is discarded, as the in-process engine discards it."""
+    if not setup.program.settles or PENDING not in context.state.array_records or TAKEN not in conf:
+        return
+    meta = context.state.config_records.get(PENDING_VERSION)
+    taken = int(_scalar(conf[TAKEN], TAKEN))
+    if meta is not None and int(_scalar(meta["version"], "version")) == taken:
+        context.state[CLIENT_STATE] = context.state.array_records[PENDING]
+    del context.state[PENDING]
+    if meta is not None:
+        del context.state[PENDING_VERSION]
 
 
 def make_client_app(cfg: Config | None = None, device: str | None = None) -> ClientApp:
-    """A ClientApp training shoal's LocalTrainer on client ``partition-id`` of the task's
-    simulation data (``task.simulation_data(simulation.num_clients, simulation.seed)``).
+    """A ClientApp running shoal's client step (the ``[algorithm]`` client program) on client
+    ``partition-id`` of the task's simulation data (``task.simulation_data(simulation.num_clients,
+    simulation.seed)``).
 
     Train messages from :class:`ShoalStrategy` carry the seed; from another strategy
     (Flower's FedAvg) the seed is derived from (simulation.seed, server-round, client
-    id) exactly as SyncRounds derives it. Evaluate messages are answered with the task's
-    metrics on the client's own test data (``num-examples`` 0 when it has none). Buffers
-    the task keeps local (``exchange_buffers = False``) live in the node's
+    id) exactly as SyncRounds derives it. The reply's model is the global one plus the update
+    the program sends. Evaluate messages are answered with the task's metrics on the client's
+    own test data (``num-examples`` 0 when it has none), with its own buffers (FedBN) and, with
+    ``algorithm.personal_eval_steps`` >= 0, the metrics of its personalised model as
+    ``personal_<metric>``. The client's state between rounds lives in the node's
     ``context.state``. ``device`` defaults to ``train.device``.
     """
     app = ClientApp()
@@ -546,30 +661,51 @@ def make_client_app(cfg: Config | None = None, device: str | None = None) -> Cli
         seed = int(_scalar(conf.get("seed", derive_seed(setup.cfg.simulation.seed, rnd, i_hash(cid))), "seed"))
         version = int(_scalar(conf.get("version", rnd - 1), "version"))
         global_flat = from_arrays(msg.content.array_records[ARRAYS], setup.spec)
-        _load_local(setup, context)
-        update = setup.trainer.fit(global_flat, setup.client_train(pid), seed, version, cid)
-        _save_local(setup, context)
-        return Message(
-            RecordDict(
-                {
-                    ARRAYS: to_arrays(setup.trainer.flat, setup.spec),
-                    METRICS: MetricRecord({NUM_EXAMPLES: update.num_examples, **update.metrics}),
-                }
-            ),
-            reply_to=msg,
+        broadcast = _broadcast_of(msg, setup.spec)  # checked before anything of the node's changes
+        settle(setup, context, conf)
+        task = Assignment(cid, rnd, version, seed)
+        state = load_state(setup, context)
+        try:
+            result = setup.program.fit(setup.client_train(pid), task, global_flat, state, broadcast)
+        except KeyError as e:  # the algorithm's broadcast did not come with the model
+            raise ConfigError(
+                f"algorithm.name = {setup.program.name!r} needs {e} with the model, and the server sent none: "
+                "run the ServerApp with shoal's ShoalStrategy and the same [algorithm]"
+            ) from None
+        save_state(setup, context, result.state, version)
+        update = result.update
+        local = global_flat + update.delta.detach().to(global_flat.device)  # what the program sends, as a model
+        content = RecordDict(
+            {
+                ARRAYS: to_arrays(local, setup.spec),
+                METRICS: _metric_record({NUM_EXAMPLES: update.num_examples, **update.metrics}),
+            }
         )
+        if result.to_server:
+            content[TO_SERVER] = ArrayRecord({k: v.detach().cpu() for k, v in result.to_server.items()})
+        return Message(content, reply_to=msg)
 
     @app.evaluate()
     def evaluate(msg: Message, context: Context) -> Message:
         setup, pid, _ = _node(context, cfg, device)
         test = setup.client_test(pid)
         metrics: dict[str, int | float] = {NUM_EXAMPLES: 0}
+        settle(setup, context, msg.content.config_records.get(CONFIG, ConfigRecord()))
         if test is not None:
-            _load_local(setup, context)
-            ev = setup.trainer.evaluate_data(
-                from_arrays(msg.content.array_records[ARRAYS], setup.spec), test, summarize=False
-            )  # raw means: the strategy summarizes once
+            state = load_state(setup, context)
+            setup.program.load_buffers(state)  # FedBN: this node's own statistics
+            params = from_arrays(msg.content.array_records[ARRAYS], setup.spec)
+            ev = setup.trainer.evaluate_data(params, test, summarize=False)  # raw means: the strategy summarizes
             metrics = {NUM_EXAMPLES: int(ev.pop("num_examples")), **ev}
+            steps = setup.cfg.algorithm.personal_eval_steps
+            if steps >= 0:  # the personalised model: its personal part, fine-tuned on its own training data
+                conf = msg.content.config_records.get(CONFIG, ConfigRecord())
+                version = int(_scalar(conf.get("version", conf.get("server-round", 0)), "version"))
+                seed = derive_seed(setup.cfg.simulation.seed, pid, version)  # as the in-process engine seeds it
+                tuned = setup.program.fine_tuned(setup.client_train(pid), params, state, steps, seed)
+                personal = setup.trainer.evaluate_data(tuned, test, summarize=False)
+                personal.pop("num_examples")
+                metrics.update({f"{PERSONAL}{k}": v for k, v in personal.items()})
         return Message(RecordDict({METRICS: _metric_record(metrics)}), reply_to=msg)
 
     return app

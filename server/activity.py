@@ -8,6 +8,9 @@ bounded: at most MAX_NODES nodes and MAX_HISTORY version rows are kept (the olde
 
 from __future__ import annotations
 
+import os
+import resource
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,6 +18,18 @@ from typing import Any
 MAX_NODES = 10_000  # nodes remembered per run (the least recently active are forgotten first)
 MAX_HISTORY = 5_000  # version rows kept for the traffic curves
 MAX_DETAIL = 300  # characters of a refusal's detail kept
+
+
+def process_usage() -> tuple[float, float]:
+    """This process's CPU seconds so far (user + system, every thread) and its resident memory in
+    MB now (/proc/self/statm; where there is none, the peak from getrusage)."""
+    cpu = time.process_time()
+    try:
+        with open("/proc/self/statm", "rb") as f:
+            resident = int(f.read().split()[1])
+        return cpu, resident * os.sysconf("SC_PAGE_SIZE") / 1e6
+    except (OSError, ValueError, IndexError):
+        return cpu, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e3  # kB on Linux
 
 
 @dataclass

@@ -83,6 +83,9 @@ class EdgeRoster:
     def __init__(self, timeout_s: float):
         self.timeout_s = timeout_s
         self.held: dict[str, tuple[str, float]] = {}  # node -> (edge, when it last named the node)
+        # nodes that moved to another edge since :meth:`take_moves`: seconds from their old edge's
+        # last naming to the new edge's claim (at least timeout_s: a live holder keeps its nodes)
+        self.moves: list[float] = []
         self._frozen: tuple[tuple[int, int], dict[str, str]] = ((-1, -1), {})
 
     def holder(self, node: str, now: float) -> str | None:
@@ -102,11 +105,19 @@ class EdgeRoster:
             elif other is not None and other != edge:
                 refused[n] = "held_by_another_edge"
             else:
+                before = self.held.get(n)
+                if before is not None and before[0] != edge:
+                    self.moves.append(now - before[1])
                 self.held[n] = (edge, now)
                 taken.append(n)
         if len(self.held) > 2 * MAX_ROSTER:  # forget the nodes nobody named for long
             self.held = {n: h for n, h in self.held.items() if now - h[1] <= self.timeout_s}
         return taken, refused
+
+    def take_moves(self) -> list[float]:
+        """The re-attachments since the last call (and forget them)."""
+        moves, self.moves = self.moves, []
+        return moves
 
     def round_edges(self, round: int, version: int, selected: Iterable[str], now: float) -> dict[str, str]:
         """node -> the edge that speaks for it in this round (frozen at the round's first call)."""
@@ -135,13 +146,20 @@ class PartialIntake:
         # a float64 sum of the whole model, and a header naming up to ~40,000 nodes
         self.max_bytes = 8 * numel + MAX_HEADER_BYTES + 4096
 
-    def figures(self, round: int) -> dict[str, Any]:
+    def figures(self, round_: int) -> dict[str, Any]:
         """A version's record: the edges whose partial the root took in that round (the same keys as
-        the simulator's), the partials' bytes (the root's ingress from edges) and the nodes inside."""
+        the simulator's), the partials' bytes (the root's ingress from edges) and the nodes inside;
+        the nodes that moved to another edge since the last version (``hier_nodes_reattached``) and
+        the longest of those moves as the root saw it (``hier_reattach_s``: from the old edge's
+        last word on the node to the new edge's claim)."""
+        moves = self.roster.take_moves()
+        out: dict[str, Any] = {"hier_nodes_reattached": len(moves)}
+        if moves:
+            out["hier_reattach_s"] = round(max(moves), 3)
         r, edges, nbytes, nodes = self._taken
-        if r != round:
-            return {}
-        return {"hier_edges_reporting": len(edges), "hier_bytes_edge_root_up": nbytes, "hier_nodes_via_edges": nodes}
+        if r == round_:
+            out.update(hier_edges_reporting=len(edges), hier_bytes_edge_root_up=nbytes, hier_nodes_via_edges=nodes)
+        return out
 
     def _why_not(self) -> str | None:
         cfg = self.service.cfg

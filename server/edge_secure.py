@@ -26,6 +26,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -275,8 +276,11 @@ class EdgeRelay:
 class RelayLink:
     """The edge's HTTP side of the relay: forwards to the root, sends the masked sum up."""
 
-    def __init__(self, relay: EdgeRelay):
+    def __init__(self, relay: EdgeRelay, heard: Callable[[str, float], None] = lambda node, now: None):
+        """``heard(node, now)``: a node spoke to this edge (a node busy in the protocol's stages
+        polls no task, yet it is connected: the edge keeps naming it to its root)."""
         self.relay = relay
+        self.heard = heard
         self.http: aiohttp.ClientSession | None = None
         self.parent = ""
         self.name = lambda: ""
@@ -339,6 +343,7 @@ async def edge_post_secagg(request: web.Request) -> web.Response:
 
     link, node = request.app[RELAY], request[NODE]
     relay, stage = link.relay, request.match_info["stage"]
+    link.heard(node, time.monotonic())
     try:
         relay.check(node)
         body = await read_body(request, body_limit(relay.vector_size), request.app[SETTINGS].server.body_timeout_s)
@@ -364,6 +369,7 @@ async def edge_get_secagg(request: web.Request) -> web.Response:
 
     link, node = request.app[RELAY], request[NODE]
     relay, stage = link.relay, request.match_info["stage"]
+    link.heard(node, time.monotonic())
     try:
         relay.check(node)
     except ShoalError as e:
@@ -375,6 +381,7 @@ async def edge_get_secagg(request: web.Request) -> web.Response:
     except (aiohttp.ClientError, TimeoutError) as e:
         return error(503, "root_unreachable", f"the root did not answer: {type(e).__name__}")
     now = time.monotonic()
+    link.heard(node, now)  # a long poll: the node was there all along
     relay.answered(node, stage, answer.status, now)
     if stage == "shares" and answer.status == 200:
         relay.delivered(now)

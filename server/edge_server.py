@@ -447,7 +447,7 @@ def _edge_app(edge: EdgeNodes, registry) -> web.Application:
     app.router.add_get("/v1/model", get_model)
     app.router.add_post("/v1/update", post_update)
     app.router.add_post("/v1/failed", post_failed)
-    app[RELAY] = RelayLink(edge.relay)  # secure rounds (server/edge_secure.py)
+    app[RELAY] = RelayLink(edge.relay, edge.seen)  # secure rounds (server/edge_secure.py)
     app.router.add_post("/v1/secagg/{stage}", edge_post_secagg)
     app.router.add_get("/v1/secagg/{stage}", edge_get_secagg)
     return app

@@ -359,6 +359,7 @@ class SecureRound:
         try:
             self._close()
         except SecAggAborted as e:
+            log.warning("round %d: secure aggregation aborted at stage %r: %s", self.round, self.stage, e)
             self.aborted, self.stage = str(e), "aborted"
             return True
         except Exception as e:  # e.g. a ValueError from the crypto: the round aborts, the server goes on

@@ -49,7 +49,7 @@ from shoal.wire import (
     update_fields,
 )
 
-from .activity import Activity, console_line
+from .activity import Activity, console_line, process_usage
 from .privacy import ServerPrivacy
 from .secure_round import SecureRound
 from .staging import Staged
@@ -263,6 +263,9 @@ class ServerService:
         self.secure_round: SecureRound | None = None  # [secure_aggregation]: the open round's protocol
         # what a tier below adds to a version's record (server/edge.py: the edges' partials of the round)
         self.tier_figures: Callable[[int], dict[str, Any]] | None = None
+        # the server process's CPU seconds and resident MB (a version's record has its share since the last)
+        self.process_usage: Callable[[], tuple[float, float]] = process_usage
+        self._last_version: tuple[float, float] | None = None  # (now, CPU seconds) at the last version
         if cfg.secure_aggregation.enabled and s.clients_per_round:  # the headroom check, before any round
             FixedPoint(
                 cfg.secure_aggregation.clip,
@@ -349,6 +352,20 @@ class ServerService:
     @property
     def _prefix(self) -> str:
         return f"{self.label}: " if self.label else ""
+
+    def _process_figures(self, now: float) -> dict[str, float]:
+        """The server's cost of this version: seconds since the last version (the run's start for
+        the first), the process's CPU seconds in them and its resident memory now. Process-wide:
+        a federation's runs share the process, so each run's figures include the others' work."""
+        cpu, rss = self.process_usage()
+        since, cpu_then = self._last_version if self._last_version is not None else (self.started_at, None)
+        self._last_version = (now, cpu)
+        out = {"server_rss_mb": round(rss, 1)}
+        if since is not None:
+            out["server_round_s"] = round(now - since, 4)
+        if cpu_then is not None:
+            out["server_cpu_s"] = round(cpu - cpu_then, 4)
+        return out
 
     def _elapsed(self, now: float) -> float:
         """Seconds since ``started_at`` (the first call's ``now`` unless given)."""
@@ -853,6 +870,7 @@ class ServerService:
         record.update(fields)
         if self.tier_figures is not None:
             record.update(self.tier_figures(int(record["round"])))
+        record.update(self._process_figures(now))
         record["elapsed_s"] = self._elapsed(now)
         if self.privacy is not None:
             record = self.privacy.released(record, summary)

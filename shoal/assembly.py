@@ -2,8 +2,9 @@
 
 ``build(cfg, task, role)`` returns a frozen dataclass of every part a role runs:
 ``simulation`` (SimulationParts: the in-process simulator, the virtual-clock engines and the Ray
-driver), ``gossip`` (GossipParts), ``server`` (ServerParts: ``shoal server``) and ``client``
-(ClientParts: a Ray worker, the Flower ClientApp, ``shoal client``, ``shoal peer``). Their
+driver), ``gossip`` (GossipParts), ``server`` (ServerParts: ``shoal server``), ``node``
+(NodeParts: a deployed node, ``shoal client`` and each run of ``shoal node``) and ``client``
+(ClientParts: a Ray worker, the Flower ClientApp, a node, ``shoal peer``). Their
 constructors take these parts and assemble nothing, so the same config gives the same model,
 trainer, client program, strategy and rounds wherever it runs (docs/architecture.md).
 """
@@ -21,6 +22,7 @@ import torch
 from torch import nn
 
 from shoal.aggregation import Strategy, WeightedMean, make_server_optimizer, make_strategy
+from shoal.aggregation.compression import Compressor
 from shoal.aggregation.fedasync import FedAsync
 from shoal.aggregation.fedbuff import FedBuff
 from shoal.aggregation.robust import make_aggregator
@@ -38,20 +40,26 @@ from shoal.params import ParamSpec, flatten
 from shoal.privacy_plan import plan_of
 from shoal.rounds import Rounds, SyncRounds
 from shoal.seeding import derive_seed, rng
+from shoal.shards import Shard
 from shoal.task import (
     ClientData,
+    LocalData,
     Population,
     SimulationData,
     Task,
+    TaskError,
     call_part,
     check_data,
     check_loss,
     load_task,
     make_model,
+    num_examples,
+    task_name,
 )
 from shoal.tasks import BuiltinTask
 
 if TYPE_CHECKING:
+    from shoal.client.node import NodePrivacy
     from shoal.server.privacy import ServerPrivacy
     from shoal.simulations.client_data import ClientShards, PopulationShards
     from shoal.simulations.dp_hooks import PrivacyBudget
@@ -542,7 +550,86 @@ def build_gossip(cfg: Config, task: Task | None = None, data: SimulationData | N
     return GossipParts(cfg, task, held, shards, on_device(held.test, device), client_test, client)
 
 
-Role = Literal["simulation", "gossip", "server", "client"]
+@dataclass(frozen=True)
+class NodeParts:
+    """What a deployed node (client/node.py) runs: its config and task, its name, its checked
+    training and test data (tensors on the device; a Dataset as it is), the trainer and client
+    program (``client``: the simulator's client step), the store of its client state between
+    rounds and restarts, its side of ``[privacy]`` (None without privacy) and the upload's
+    encoder (``[compression]``, which keeps top-k's error-feedback residual)."""
+
+    cfg: Config
+    task: Task
+    name: str
+    train: ClientData
+    test: ClientData | None
+    client: ClientParts
+    states: ClientState
+    privacy: NodePrivacy | None
+    compressor: Compressor
+
+    @property
+    def trainer(self) -> LocalTrainer:
+        return self.client.trainer
+
+    @property
+    def program(self) -> ClientProgram:
+        return self.client.program
+
+    @property
+    def spec(self) -> ParamSpec:
+        return self.client.spec
+
+
+def build_node(
+    cfg: Config,
+    task: Task | None = None,
+    data: LocalData | Shard | None = None,
+    device: torch.device | str = "cpu",
+    name: str = "",
+    state_dir: Path | None = None,
+    privacy_ledger: Path | None = None,
+) -> NodeParts:
+    """A deployed node's parts. ``data``: the node's own (``local_data()``'s LocalData, or a shard
+    of ``shoal data split`` for the built-in task, whose client id names the node unless ``name``
+    does); ``state_dir``: the folder of its client state (None: in memory); ``privacy_ledger``: the
+    file where a local-DP node keeps the rounds it spent (None: in memory)."""
+    from shoal.client.node import NodePrivacy, builtin_local_data
+    from shoal.client.state import DiskClientState, MemoryClientState
+    from shoal.simulations.client_data import on_device
+
+    task = task if task is not None else task_from_config(cfg)
+    if data is None:
+        raise TaskError(f"task {task_name(task)}: a node needs its own data (local_data() or a shard)")
+    if isinstance(data, Shard):
+        name = name or data.client_id
+        if not isinstance(task, BuiltinTask):
+            raise TaskError(
+                f"task {task_name(task)}: a shard file is data of the built-in task; "
+                "give the data this task's local_data() reads"
+            )
+        data = builtin_local_data(task, data)
+    name = name or "node"
+    device = torch.device(device)
+    train = on_device(check_data(task, data.train, "local_data().train"), device)
+    assert train is not None  # check_data refuses a missing training set
+    test = on_device(check_data(task, data.test, "local_data().test", allow_none=True), device)
+    if num_examples(train) == 0:
+        raise TaskError(f"task {task_name(task)}: local_data().train has no examples")
+    if test is not None and num_examples(test) == 0:
+        test = None
+    # The same initial model as the server (simulation.seed: frozen parameters and client-local
+    # buffers never travel, so they must start equal everywhere) and the client step of
+    # [algorithm] (the simulator's), the task's loss checked on this node's data first.
+    client = build_client(cfg, task, device, train)
+    states: ClientState = MemoryClientState()
+    if state_dir is not None and client.program.keeps_state:  # a folder only when the algorithm keeps something
+        states = DiskClientState(state_dir, device)
+    privacy = NodePrivacy(cfg, name, num_examples(train), privacy_ledger) if plan_of(cfg).enabled else None
+    return NodeParts(cfg, task, name, train, test, client, states, privacy, Compressor(cfg.compression))
+
+
+Role = Literal["simulation", "gossip", "server", "node", "client"]
 
 
 @overload
@@ -552,16 +639,20 @@ def build(cfg: Config, task: Task | None, role: Literal["gossip"], **inputs: Any
 @overload
 def build(cfg: Config, task: Task | None, role: Literal["server"], **inputs: Any) -> ServerParts: ...
 @overload
+def build(cfg: Config, task: Task | None, role: Literal["node"], **inputs: Any) -> NodeParts: ...
+@overload
 def build(cfg: Config, task: Task | None, role: Literal["client"], **inputs: Any) -> ClientParts: ...
 def build(
     cfg: Config, task: Task | None, role: Role, **inputs: Any
-) -> SimulationParts | GossipParts | ServerParts | ClientParts:
+) -> SimulationParts | GossipParts | ServerParts | NodeParts | ClientParts:
     """The parts of ``role`` for ``cfg`` and ``task`` (None: the config's task):
 
     - ``simulation``: the in-process simulator's (``data=``); the virtual-clock engines and the
       Ray engine's driver run on it;
     - ``gossip``: the gossip simulator's network (``data=``);
     - ``server``: an aggregator's (``registered=``);
+    - ``node``: a deployed node's (``data=`` its LocalData or shard, ``device=``, ``name=``,
+      ``state_dir=`` its client state's folder, ``privacy_ledger=`` its local-DP ledger);
     - ``client``: what trains clients in one process: a Ray worker, a Flower ClientApp, a
       deployed node, a peer (``device=``, ``example=`` some client's data to check the loss on,
       ``batching=`` the cohort of a batched trainer).
@@ -573,6 +664,8 @@ def build(
         return build_gossip(cfg, task, **inputs)
     if role == "server":
         return build_server(cfg, task, **inputs)
+    if role == "node":
+        return build_node(cfg, task, **inputs)
     if role == "client":
         return build_client(cfg, task, **inputs)
-    raise ValueError(f"no parts for role {role!r}: one of simulation, gossip, server, client")
+    raise ValueError(f"no parts for role {role!r}: one of simulation, gossip, server, node, client")

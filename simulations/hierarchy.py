@@ -34,7 +34,9 @@ the keys were advertised.
 
 Per-round figures in metrics.jsonl (``hier_*``): bytes on each link (client-edge both ways,
 edge-root both ways; the root's ingress is ``hier_bytes_edge_root_up``), edges that
-reported and edges lost; their totals go to summary.json.
+reported and edges lost; their totals go to summary.json. With a link model (``link_latency_s``,
+``*_mbps``; simulations/link_time.py) the round's modelled communication time, through the edges
+(``hier_comm_s``) and flat (``hier_comm_flat_s``, the same clients' transfers to the root).
 """
 
 from __future__ import annotations
@@ -57,6 +59,8 @@ from shoal.rounds import Assignment
 from shoal.seeding import derive_seed, rng
 from shoal.update import PartialSum, Update
 from shoal.wire import encode_model
+
+from .link_time import EdgeTraffic, LinkModel, flat_round_s, tree_round_s
 
 if TYPE_CHECKING:
     from .inprocess import InProcessSimulation
@@ -113,6 +117,9 @@ class HierarchicalRound:
         self.edge_of = assign_edges(sim.client_ids, self.cfg, sim.cfg.simulation.seed)
         self.edges = sorted(set(self.edge_of.values()))
         self.links = LinkBytes()
+        h = self.cfg
+        self.link_model = LinkModel(h.link_latency_s, h.root_mbps, h.edge_mbps, h.client_mbps)
+        self.comm: tuple[float, float] | None = None  # this round's modelled (tree, flat) seconds
         self.lost: list[str] = []
         self.reported: list[str] = []
         self.lost_total = 0
@@ -171,12 +178,21 @@ class HierarchicalRound:
         for _ in alive:  # the root's model to each edge; the edge serves its clients from its cache
             self.links.add("edge_root_down", model_size)
         inbox = PartialInbox(r, version, sim.spec.numel, sim.cfg.strategy.weighting, children=set(alive))
-        sums = self._edge_rounds(alive, global_params, r, version, model_size)
+        uploads: dict[str, list[int]] = {}  # edge -> its clients' upload bytes in each edge round
+        sums = self._edge_rounds(alive, global_params, r, version, model_size, uploads)
+        traffic: list[EdgeTraffic] = []
         for e, part in sums.items():
             body = encode_partial(part.sealed(e), sim.spec.hash, self.cfg.partial_dtype)
             self.links.add("edge_root_up", len(body))
+            traffic.append(EdgeTraffic(len(alive[e]), tuple(uploads[e]), len(body)))
             received = decode_partial(body, sim.spec.numel, sim.spec.hash, max_bytes=len(body))
             inbox.offer(received)
+        if self.link_model.enabled:
+            first = sum(t.up_bytes[0] for t in traffic)  # flat: one cycle of the same clients
+            self.comm = (
+                tree_round_s(self.link_model, model_size, traffic),
+                flat_round_s(self.link_model, model_size, sum(t.clients for t in traffic), first),
+            )
         self.reported = inbox.origins
         if lost:
             what = "re-attached to other edges" if self.reattached else "dropped out"
@@ -189,6 +205,7 @@ class HierarchicalRound:
     def _start(self, tasks: list[Assignment]) -> tuple[dict[str, list[Assignment]], set[str]]:
         """A round's tasks by edge, and the edges lost in it (seeded)."""
         self.links.reset()
+        self.comm = None
         by_edge: dict[str, list[Assignment]] = {}
         for t in tasks:
             by_edge.setdefault(self.edge_of[t.client_id], []).append(t)
@@ -252,9 +269,16 @@ class HierarchicalRound:
             self.reported = sorted(reported)
 
     def _edge_rounds(
-        self, alive: dict[str, list[Assignment]], global_params: torch.Tensor, r: int, version: int, model_size: int
+        self,
+        alive: dict[str, list[Assignment]],
+        global_params: torch.Tensor,
+        r: int,
+        version: int,
+        model_size: int,
+        uploads: dict[str, list[int]],
     ) -> dict[str, Any]:
-        """kappa_2 edge rounds of every live edge; each edge's partial (``W_e (x_e - x)`` as a sum)."""
+        """kappa_2 edge rounds of every live edge; each edge's partial (``W_e (x_e - x)`` as a sum).
+        ``uploads`` gets each edge's client upload bytes of every edge round it ran."""
         sim = self.sim
         numel = sim.spec.numel
         weighting = sim.cfg.strategy.weighting
@@ -281,6 +305,7 @@ class HierarchicalRound:
                     if k < kappa - 1:
                         sim.wire.accepted(task.client_id)  # the edge applied it (top-k error feedback)
                 self.links.add("client_edge_up", sim.wire.bytes_up - before)
+                uploads.setdefault(e, []).append(sim.wire.bytes_up - before)
                 if acc.count == 0:
                     models.pop(e)  # nothing this edge round: the edge reports nothing this root round
                     continue
@@ -301,6 +326,7 @@ class HierarchicalRound:
             "hier_edges_reporting": len(self.reported),
             "hier_edges_lost": len(self.lost),
             "hier_clients_reattached": self.reattached,
+            **({"hier_comm_s": self.comm[0], "hier_comm_flat_s": self.comm[1]} if self.comm is not None else {}),
         }
 
     def figures(self) -> dict[str, Any]:

@@ -608,6 +608,15 @@ class SecAggServer:
                 return alive
             alive -= weak
 
+    @staticmethod
+    def _pruned(alive: set[str], sent: dict) -> str:
+        """Why fewer than ``sent`` remain: those left without enough live neighbours."""
+        return (
+            f" ({len(sent) - len(alive)} of them left with fewer live neighbours than t)"
+            if len(alive) < len(sent)
+            else ""
+        )
+
     # stage 0
     def receive_keys(self, msg: PublicKeys) -> None:
         self._expect("advertise", msg.sender, self.participants, self._keys)
@@ -629,7 +638,8 @@ class SecAggServer:
             self.graph = neighbours(self.participants, self.params.graph, self.degree, self.graph_seed)
         alive = self._prune(set(self._keys))
         if len(alive) < self.threshold:
-            raise self._abort(f"{len(alive)} clients advertised keys, the threshold is {self.threshold}")
+            why = self._pruned(alive, self._keys)
+            raise self._abort(f"{len(self._keys)} clients advertised keys{why}, the threshold is {self.threshold}")
         self.u1 = sorted(alive)
         self.stage = "share"
         return {
@@ -655,7 +665,8 @@ class SecAggServer:
         self._at("share")
         alive = self._prune(set(self._shares))
         if len(alive) < self.threshold:
-            raise self._abort(f"{len(alive)} clients shared keys, the threshold is {self.threshold}")
+            why = self._pruned(alive, self._shares)
+            raise self._abort(f"{len(self._shares)} clients shared keys{why}, the threshold is {self.threshold}")
         self.u2 = sorted(alive)
         self.stage = "masked"
         return {v: ShareDelivery(v, {u: self._shares[u].ciphertexts[v] for u in self._hood(v, alive)}) for v in self.u2}

@@ -21,7 +21,6 @@ os.environ.setdefault("FLWR_DISABLE_UPDATE_CHECK", "1")
 from flwr.app import ArrayRecord, Context, MetricRecord  # noqa: E402
 from flwr.serverapp import Grid, ServerApp  # noqa: E402
 
-from shoal.assembly import make_round_strategy  # noqa: E402
 from shoal.config import Config, load_config  # noqa: E402
 from shoal.flower.apps import (  # noqa: E402
     ShoalStrategy,
@@ -29,6 +28,7 @@ from shoal.flower.apps import (  # noqa: E402
     evaluated_round,
     from_arrays,
     make_client_app,
+    round_strategy,
     setup_for,
     to_arrays,
 )
@@ -46,7 +46,7 @@ def build_server_app(cfg: Config | None = None) -> ServerApp:
         setup = setup_for(c)  # the task (here the built-in one of shoal.toml), its initial model and ParamSpec
         due = evaluated_round(c)  # every simulation.eval_every rounds and the last
         strategy = ShoalStrategy(
-            make_round_strategy(c, setup.spec.numel, setup.trainer.device, setup.num_clients),
+            round_strategy(c, setup, setup.trainer.device),  # [strategy], and SCAFFOLD's control variate
             setup.spec,
             clients_per_round=c.simulation.clients_per_round,
             fraction=c.simulation.fraction,
@@ -80,8 +80,8 @@ client_app = make_client_app(load_config(CONFIG))
 if __name__ == "__main__":
     from flwr.simulation import run_simulation
 
+    from shoal.assembly import with_absolute_task
     from shoal.cli import with_task
-    from shoal.flower.apps import with_absolute_task
     from shoal.flower.engine import backend_config
 
     ap = argparse.ArgumentParser(description="shoal strategy + shoal clients on Flower's simulation engine")

@@ -165,17 +165,13 @@ def _check_algorithm(self: Any) -> None:
                 if name == "fednova"
                 else "it runs two local trainings a round (one momentum buffer would mix them)"
             )
-        elif sim.mode != "sync" or self.heterogeneity.enabled or sim.engine == "flower":
-            keep = "a mode or engine other than sync rounds in-process or on Ray"
+        elif sim.mode != "sync" or self.heterogeneity.enabled:
+            keep = "a mode other than sync rounds (in-process, on Ray or on Flower)"
         elif self.privacy.mode == "local":
             keep = "privacy.mode = 'local': the DP-SGD trainer keeps its own optimizer"
         if keep:
             raise ConfigError(f"algorithm.keep_optimizer_state = true with {keep}")
     if name == "fedavg":
-        if sim.engine == "flower" and self.algorithm.personal_eval_steps >= 0:
-            raise ConfigError(
-                "algorithm.personal_eval_steps with simulation.engine = 'flower': use 'inprocess' or 'ray'"
-            )
         return
     why = None
     if sim.mode != "sync":
@@ -186,8 +182,6 @@ def _check_algorithm(self: Any) -> None:
         )
     elif self.heterogeneity.enabled:
         why = "heterogeneity.enabled = true: the virtual-clock engine does not carry client state yet"
-    elif sim.engine == "flower":
-        why = "simulation.engine = 'flower': use 'inprocess' or 'ray'"
     elif self.privacy.mode == "local":
         why = "privacy.mode = 'local': the DP-SGD trainer (Opacus) does not take the algorithm's local objective"
     elif name in _DRIFT and self.robust.rule != "mean":
@@ -277,7 +271,18 @@ def _check_hierarchy(self: Any) -> None:
     """Simulated edge aggregators sum plain FedAvg updates (docs/hierarchy.md, what works and what not yet)."""
     if self.hierarchy.parent:
         _check_edge(self)
-    if not self.hierarchy.edges:
+    h = self.hierarchy
+    links = [k for k in ("link_latency_s", "root_mbps", "edge_mbps", "client_mbps") if getattr(h, k)]
+    if links and (not h.edges or self.secure_aggregation.enabled):
+        raise ConfigError(
+            f"hierarchy.{links[0]} models the transfers of the simulator's virtual edges (hier_comm_s), "
+            + (
+                "which secure aggregation's stages do not fit (unset it, or secure_aggregation.enabled = false)"
+                if h.edges
+                else "and hierarchy.edges = 0 has none: set hierarchy.edges (the records price flat beside it)"
+            )
+        )
+    if not h.edges:
         return
     unsupported = [
         name

@@ -755,6 +755,10 @@ class HierarchyConfig:
     edge_rounds: int = 1  # HierFAVG's kappa_2: edge aggregations per root round (1: exactly flat FedAvg)
     edge_failure: float = 0.0  # simulator: probability an edge is lost in a root round (its clients drop out)
     reattach: bool = False  # simulator: a lost edge's clients re-attach to the live edges (in turn) and report there
+    link_latency_s: float = 0.0  # simulator: one-way latency of every hop, for the modelled hier_comm_s (0 = none)
+    root_mbps: float = 0.0  # simulator: the root's link in Mbit/s, shared by its transfers (0 = not a limit)
+    edge_mbps: float = 0.0  # simulator: each edge's link in Mbit/s, shared by its transfers (0 = not a limit)
+    client_mbps: float = 0.0  # simulator: each client's link in Mbit/s (0 = not a limit)
     partial_dtype: Literal["float32", "float64"] = (
         "float32"  # the partial's sum on the wire: float32 (half the bytes, rounded once) | float64 (exact)
     )
@@ -778,6 +782,10 @@ class HierarchyConfig:
             raise ConfigError(f"hierarchy.edge_quorum = {self.edge_quorum} must be in (0, 1]")
         if not (math.isfinite(self.edge_margin_s) and self.edge_margin_s >= 0):
             raise ConfigError(f"hierarchy.edge_margin_s = {self.edge_margin_s} must be a number of seconds >= 0")
+        for k in ("link_latency_s", "root_mbps", "edge_mbps", "client_mbps"):
+            v = getattr(self, k)
+            if not (math.isfinite(v) and v >= 0):
+                raise ConfigError(f"hierarchy.{k} = {v} must be a finite number >= 0 (0: not modelled)")
         _positive("hierarchy.edge_buffer", self.edge_buffer, allow_zero=True)
         if not (math.isfinite(self.edge_flush_s) and self.edge_flush_s > 0):
             raise ConfigError(f"hierarchy.edge_flush_s = {self.edge_flush_s} must be a number of seconds > 0")

@@ -25,7 +25,9 @@ def test_epsilon_against_the_target_and_why_the_run_ended(tmp_path):
             shards = _shards(tmp_path, 3)
             cfg = _node_cfg(sections)
             nodes = [
-                Node(live.url, live.tokens[n], load_shard(shards[i]), cfg, torch.device("cpu"), None, 1.0, n)
+                Node.from_config(
+                    live.url, live.tokens[n], load_shard(shards[i]), cfg, torch.device("cpu"), None, 1.0, n
+                )
                 for i, n in enumerate(names)
             ]
             assert await asyncio.wait_for(asyncio.gather(*(n.run() for n in nodes)), 40) == [0, 0, 0]

@@ -66,7 +66,7 @@ def test_server_run(tmp_path):
         async with live_server(tmp_path, ["n0", "n1"], clock=True, sections=sections, min_nodes=2, rounds=3) as live:
             cfg = live.service.cfg
             nodes = [
-                Node(
+                Node.from_config(
                     live.url,
                     live.tokens[n],
                     Shard(n, torch.randn(30, 60), torch.randint(0, 10, (30,)), 10),

@@ -97,7 +97,7 @@ async def main(spec: dict) -> int:
     HostedNode.silent = set(spec.get("silent", []))
     HostedNode.events = Path(spec["events"]) if spec.get("events") else None
     nodes = [
-        HostedNode(
+        HostedNode.from_config(
             n["servers"],
             read_secret(Path(n["token_file"]), "token_file"),
             load_shard(Path(n["shard"])),

@@ -128,6 +128,7 @@ def test_an_edge_refuses_what_it_cannot_run_with_the_reason(tmp_path) -> None:
 
 def test_the_edge_s_node_routes_refuse_hostile_requests(tmp_path) -> None:
     import asyncio
+    import time
 
     import aiohttp
     from aiohttp import web
@@ -153,6 +154,16 @@ def test_the_edge_s_node_routes_refuse_hostile_requests(tmp_path) -> None:
                         return r.status, await r.json()
 
                 assert (await call("GET", "/v1/task?wait=0"))[0] == 401  # no token
+                # a node busy in a secure round's stages polls no task, yet it is connected: the edge
+                # keeps naming it to its root (else the root gives it no task in the next round)
+                assert e.connected(time.monotonic()) == []
+                status, answer = await call("POST", "/v1/secagg/keys", headers=auth, data=b"x")
+                assert (status, answer["error"]) == (409, "round_closed")  # no secure round here
+                assert e.connected(time.monotonic()) == ["n0"]
+                e.last_seen.clear()
+                status, answer = await call("GET", "/v1/secagg/shares?round=1&wait=0", headers=auth)
+                assert (status, answer["error"]) == (409, "round_closed")
+                assert e.connected(time.monotonic()) == ["n0"]
                 status, answer = await call("GET", "/v1/task?wait=0", headers={**auth, "X-Shoal-Spec-Hash": "other"})
                 assert status == 400 and answer["error"] == "spec_mismatch"  # as the root answers it
                 assert await call("GET", "/v1/task?wait=0", headers=auth) == (200, {"status": "wait", "version": 0})

@@ -1,8 +1,10 @@
-"""Real processes on 127.0.0.1: a root, two edge aggregators (`shoal server --parent`) and four
-`shoal client` nodes, each given both edges. While both edges live the root's model is flat
-FedAvg's (the simulator's, 1e-6); then one edge is SIGKILLed mid-run: its nodes re-attach to the
-other edge, the run finishes, and no accepted update is counted twice. Bounded: every wait has a
-timeout and every process is killed at the end."""
+"""Real processes on 127.0.0.1: a root, two edge aggregators (`shoal server --parent`) and
+`shoal client` nodes, each given both edges. While both edges live the root's model is the
+simulator's (HierFAVG's with two edge rounds per root round, to 1e-6; flat FedAvg's through secure
+aggregation, to the encoding's precision); then one edge is SIGKILLed mid-run: its nodes re-attach
+to the other edge (or are the round's drop-outs), the run finishes, and no accepted update is
+counted twice. Distributed DP through the edges is accounted as at a flat root. Bounded: every wait
+has a timeout and every process is killed at the end."""
 
 from __future__ import annotations
 
@@ -17,15 +19,20 @@ from shoal.simulations.inprocess import InProcessSimulation
 
 from .deploy import hierarchy
 
-ROUNDS = 8  # rounds take ~0.2 s here: the kill lands at version 3 or a little after, with rounds to spare
-FLAT_ROUNDS = 3  # rounds before the kill, checked against flat FedAvg
+ROUNDS = 8  # root rounds take ~0.5 s here: the kill lands at version 2 or a little after, with rounds to spare
+EXACT_ROUNDS = 2  # root rounds before the kill, checked against the simulator
 DEADLINE_S = 10.0  # the root's: the round the dead edge held closes at it
+EDGE_ROUNDS = {"hierarchy": "edge_rounds = 2"}  # HierFAVG: two edge rounds per root round
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_two_edge_processes_equal_flat_and_a_killed_edge_s_nodes_reattach(tmp_path):
-    with hierarchy(tmp_path, n=4, edges=2, rounds=ROUNDS, deadline=DEADLINE_S) as h:
+def test_two_edge_processes_run_hierfavg_exactly_and_a_killed_edge_s_nodes_reattach(tmp_path):
+    """Two edge rounds per root round (each edge's nodes train from the edge's own model in the
+    second, and the edge sends one partial): the root's model is the simulator's HierFAVG model (to
+    1e-6, clients trained one by one), which flat FedAvg's is not. Then edge-a is SIGKILLed: its
+    nodes re-attach to edge-b and the run finishes; no accepted update is counted twice."""
+    with hierarchy(tmp_path, n=4, edges=2, rounds=ROUNDS, deadline=DEADLINE_S, add=EDGE_ROUNDS) as h:
         rss: list[float] = []
 
         def sample() -> None:
@@ -39,7 +46,7 @@ def test_two_edge_processes_equal_flat_and_a_killed_edge_s_nodes_reattach(tmp_pa
         h.listening(120)
         for i in range(h.n):
             h.node(i)
-        st = h.wait_status(lambda s: s["version"] >= FLAT_ROUNDS, 150, sample)
+        st = h.wait_status(lambda s: s["version"] >= EXACT_ROUNDS, 150, sample)
         killed_at = st["version"]
         h.kill("edge-a")  # nodes 0 and 1 are its nodes
         assert h.wait("root", 90, sample) == 0, h.dump()
@@ -47,23 +54,36 @@ def test_two_edge_processes_equal_flat_and_a_killed_edge_s_nodes_reattach(tmp_pa
             assert h.wait(h.shards[i].stem, 20) == 0, h.dump()
         assert h.wait("edge-b", 20) == 0, h.dump()
         records = h.records()
-        edge_b = h.edge_records("edge-b")
+        edge_a, edge_b = h.edge_records("edge-a"), h.edge_records("edge-b")
         reattach = h.reattach_times()
         log = h.dump()
 
     assert [r["version"] for r in records] == list(range(1, ROUNDS + 1)), records
-    # while both edges lived every node was counted, through its own edge: flat FedAvg's model
-    assert all(r["num_results"] == 4 for r in records if r["version"] <= FLAT_ROUNDS), records
-    assert all(r["hier_edges_reporting"] == 2 for r in records if r["version"] <= FLAT_ROUNDS), records
+    # while both edges lived every node was counted, through its own edge, in both edge rounds
+    assert all(r["num_results"] == 4 for r in records if r["version"] <= EXACT_ROUNDS), records
+    assert all(r["hier_edges_reporting"] == 2 for r in records if r["version"] <= EXACT_ROUNDS), records
+    for recs in (edge_a, edge_b):  # one partial per root round, of the root's version, both nodes inside
+        early = [(r["version"], r["nodes_in"], r["answer"]) for r in recs if r["version"] < EXACT_ROUNDS]
+        assert early == [(v, 2, "accepted") for v in range(EXACT_ROUNDS)], recs
+    assert "edge round 2 of 2" in log, log
     # every update the root counted came in an edge's partial, each node once
     assert all(r["hier_nodes_via_edges"] == r["num_results"] for r in records), records
+    sim_cfg = replace(
+        h.cfg,
+        hierarchy=replace(h.cfg.hierarchy, edges=2, edge_rounds=2, assignment="contiguous"),
+        simulation=replace(h.cfg.simulation, batch_clients=1),
+    )
+    sim = InProcessSimulation.from_config(sim_cfg)
     ck = sorted((tmp_path / "ck").iterdir())
-    tensors = next(t for t, s in map(load_checkpoint, ck) if s["version"] == FLAT_ROUNDS)
-    sim = InProcessSimulation.from_config(h.cfg)
-    for _ in range(FLAT_ROUNDS):
+    for v in range(1, EXACT_ROUNDS + 1):
         sim.run_round()
-    diff = float((tensors["params"] - sim.global_params).abs().max())
-    assert diff <= 1e-6, diff
+        tensors = next(t for t, s in map(load_checkpoint, ck) if s["version"] == v)
+        diff = float((tensors["params"] - sim.global_params).abs().max())
+        assert diff <= 1e-6, (v, diff)
+    flat = InProcessSimulation.from_config(replace(h.cfg, simulation=sim_cfg.simulation))
+    for _ in range(EXACT_ROUNDS):
+        flat.run_round()
+    assert float((flat.global_params - sim.global_params).abs().max()) > 1e-4  # the edge rounds made a difference
 
     # after the kill: the round edge-a held is the drop-out of its nodes (at most), and from a later
     # round on both of them are counted through edge-b
@@ -73,8 +93,12 @@ def test_two_edge_processes_equal_flat_and_a_killed_edge_s_nodes_reattach(tmp_pa
     assert any(r["num_results"] == 4 for r in after), (after, log)
     assert any(e["nodes_in"] == 4 for e in edge_b), edge_b
     assert len(reattach) == 2, log  # both of edge-a's nodes moved, each once
+    # the root saw the same two moves (each at least edge_timeout_s after edge-a last named the node)
+    moves = [r for r in records if r["hier_nodes_reattached"]]
+    assert sum(r["hier_nodes_reattached"] for r in moves) == 2, records
+    assert all(r["hier_reattach_s"] >= h.cfg.hierarchy.edge_timeout_s for r in moves), moves
+    assert all(r["server_round_s"] > 0 and r["server_rss_mb"] > 0 for r in records), records
     # no update counted twice: the root counted exactly what the edges' taken partials held
-    edge_a = h.edge_records("edge-a")
     taken = [e for e in edge_a + edge_b if e["answer"] == "accepted"]
     assert sum(e["nodes_in"] for e in taken) == sum(r["num_results"] for r in records), (taken, records)
     assert not [e for e in edge_a + edge_b if e["answer"] in ("refused", "gave_up")], edge_a + edge_b

@@ -59,9 +59,14 @@ def test_two_edges_give_the_flat_round_and_retransmits_count_once(tmp_path) -> N
     assert intake.submit("edge-a", a, 1.1)["status"] == "duplicate"  # a retransmit: counted once
     assert intake.submit("edge-b", b, 1.2) == {"status": "accepted", "round": 1, "version": 0, "nodes": 3}
     assert root.counters.accepted == 8
+    root.process_usage = lambda: (12.5, 300.04)  # CPU seconds and resident MB of the process
     assert root.tick(2.0) and root.version == 1  # every selected node is in: the round closes
     torch.testing.assert_close(root.rounds.global_params, flat.rounds.global_params, atol=1e-6, rtol=0)
     record = root.events[-1].fields
+    # the root's cost of the version: seconds since the run started (at the first call, 0.0), its
+    # resident memory; CPU seconds from the second version on (the first has no earlier reading)
+    assert (record["server_round_s"], record["server_rss_mb"], "server_cpu_s" in record) == (2.0, 300.0, False)
+    assert record["hier_nodes_reattached"] == 0
     assert record["num_results"] == 8 and record["num_examples"] == sum(5 + 3 * i for i in range(8))
     assert (record["hier_edges_reporting"], record["hier_nodes_via_edges"]) == (2, 8)
     assert record["hier_bytes_edge_root_up"] == len(a) + len(b)  # the retransmit was not taken again
@@ -117,6 +122,10 @@ def test_the_root_decides_which_edge_speaks_for_a_node(tmp_path) -> None:
     later = 1.0 + timeout + 0.1  # edge-a fell silent: edge-b may claim its nodes, for the next rounds
     b = intake.poll("edge-b", {"nodes": ["n0", "n1", "n2"]}, enrolled.__contains__, later)
     assert "refused" not in b and sorted(b["tasks"]) == ["n2"]  # this round still holds n0, n1 for edge-a
+    # the next version's record says two nodes moved, the longest 1.0 + timeout + 0.1 - 1.0 s after edge-a last named it
+    moved = intake.figures(root.sync.round)  # type: ignore[union-attr]
+    assert moved == {"hier_nodes_reattached": 2, "hier_reattach_s": pytest.approx(timeout + 0.1)}
+    assert intake.figures(root.sync.round)["hier_nodes_reattached"] == 0  # type: ignore[union-attr]
     with pytest.raises(UpdateRejected) as e:
         intake.submit("edge-b", edge_body(root, works[:3]), later)
     assert e.value.code == "not_your_node" and root.sync.received == set()  # type: ignore[union-attr]

@@ -187,3 +187,35 @@ def test_secure_edges_refuse_edge_rounds_and_the_malicious_variant() -> None:
     ):
         with pytest.raises(ConfigError, match=why):
             load_config(None, [*HUNDRED, *SECURE, "hierarchy.edges=4", "secure_aggregation.threshold=0.7", extra])
+
+
+def test_the_link_model_prices_each_round_through_edges_and_flat() -> None:
+    """hierarchy.link_latency_s and *_mbps: each record has the round's modelled communication time
+    through the edges and flat, from the bytes the round measured (simulations/link_time.py)."""
+    from shoal.simulations.link_time import EdgeTraffic, LinkModel, flat_round_s, tree_round_s
+
+    # by hand: 2 edges of 10 clients, 1 MB model, 0.1 MB updates, 2 MB partials; 10 ms a hop
+    m = LinkModel(latency_s=0.01, root_mbps=80.0, edge_mbps=800.0, client_mbps=8.0)
+    edges = [EdgeTraffic(10, (1_000_000, 900_000), 2_000_000), EdgeTraffic(10, (1_000_000,), 2_000_000)]
+    # down: 2 MB at the root's 10 MB/s; edge 0's two cycles, each 1 MB to a client at 1 MB/s and 0.1 MB
+    # (0.09 in the second) back; up: 4 MB of partials at the root's 10 MB/s; 6 hops of 10 ms
+    assert tree_round_s(m, 1_000_000, edges) == pytest.approx(0.2 + (1.0 + 0.1) + (1.0 + 0.09) + 0.4 + 0.06)
+    # flat: 20 MB of models and 2 MB of updates through the root's 10 MB/s, 2 hops
+    assert flat_round_s(m, 1_000_000, 20, 2_000_000) == pytest.approx(2.0 + 0.2 + 0.02)
+    assert not LinkModel().enabled and tree_round_s(m, 1, []) == 0.0
+
+    links = ("hierarchy.root_mbps=8", "hierarchy.link_latency_s=0.05")
+    sim = run("hierarchy.edges=4", "hierarchy.edge_rounds=2", *links, rounds=1)
+    rec = sim.runner.round_fields()  # type: ignore[attr-defined]
+    b = {k: rec[f"hier_bytes_{k}"] for k in ("edge_root_down", "edge_root_up", "client_edge_down")}
+    model = b["edge_root_down"] / 4
+    # only the root's link is limited (1 MB/s): the tree's root carries 4 models and 4 partials
+    assert rec["hier_comm_s"] == pytest.approx((4 * model + b["edge_root_up"]) / 1e6 + 6 * 0.05)
+    # flat, the root carries 100 models and the first edge round's 100 updates
+    first_up = rec["hier_bytes_client_edge_up"] / 2  # two edge rounds of the same clients, dense updates
+    assert rec["hier_comm_flat_s"] == pytest.approx((100 * model + first_up) / 1e6 + 2 * 0.05, rel=1e-3)
+    assert rec["hier_comm_flat_s"] > 1.5 * rec["hier_comm_s"]  # the root's link is the bottleneck
+    with pytest.raises(ConfigError, match="hierarchy.edges = 0 has none"):
+        load_config(None, [*HUNDRED, *links])
+    with pytest.raises(ConfigError, match="secure aggregation's stages"):
+        load_config(None, [*HUNDRED, "hierarchy.edges=2", "secure_aggregation.enabled=true", *links])

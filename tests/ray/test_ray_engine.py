@@ -415,13 +415,23 @@ def test_a_gossip_run_on_ray_writes_the_in_process_records(pool, tmp_path):
 
 
 @pytest.mark.timeout(120)
-def test_virtual_edges_on_the_workers_give_the_in_process_model(pool):
+@pytest.mark.parametrize(
+    "extra",
+    [
+        pytest.param(("hierarchy.edge_rounds=2", "hierarchy.edge_failure=0.3"), id="hierfavg-lost-edges"),
+        pytest.param(  # one protocol over the whole cohort, edges add masked vectors, one edge lost
+            ("secure_aggregation.enabled=true", "secure_aggregation.clip=4.0", "hierarchy.edge_failure=0.3"),
+            id="secure",
+        ),
+    ],
+)
+def test_virtual_edges_on_the_workers_give_the_in_process_model(pool, extra):
     """simulations/hierarchy.py on Ray: each edge's clients train on the workers, HierFAVG's edge
-    rounds and lost edges included; the same model and the same bytes on every link."""
+    rounds, lost edges and secure aggregation through the edges included; the same model and the
+    same bytes on every link."""
     from shoal.simulations.hierarchy import HierarchicalRound
 
-    extra = ("hierarchy.edges=2", "hierarchy.edge_rounds=2", "hierarchy.edge_failure=0.3")
-    here, there = same_model(pool, *extra)
+    here, there = same_model(pool, "hierarchy.edges=2", *extra)
     assert isinstance(there.runner, HierarchicalRound) and isinstance(here.runner, HierarchicalRound)
     assert there.runner.links.total == here.runner.links.total
     assert there.runner.lost_total == here.runner.lost_total

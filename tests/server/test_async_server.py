@@ -30,7 +30,9 @@ def _nodes(live, tmp_path, epochs: list[int]) -> list[Node]:
         ncfg = config_from_dict({"model": {"name": "logreg"}, "train": {"batch_size": 10, "lr": 0.05, "epochs": e}})
         name = f"client-{i:05d}"
         nodes.append(
-            Node(live.url, live.tokens[name], load_shard(shards[i]), ncfg, torch.device("cpu"), None, poll_s=1.0)
+            Node.from_config(
+                live.url, live.tokens[name], load_shard(shards[i]), ncfg, torch.device("cpu"), None, poll_s=1.0
+            )
         )
     return nodes
 

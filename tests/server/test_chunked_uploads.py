@@ -39,7 +39,8 @@ def test_nodes_train_the_same_model_through_chunks(tmp_path):
         server = {"rounds": 2, "min_nodes": 2, "clients_per_round": 2, "poll_s": 1.0, "max_body_bytes": max_body}
         async with live_server(where, ["n0", "n1"], clock=True, **server) as live:
             nodes = [
-                Node(live.url, live.tokens[f"n{i}"], _shard(i), cfg, torch.device("cpu"), None, 1.0) for i in (0, 1)
+                Node.from_config(live.url, live.tokens[f"n{i}"], _shard(i), cfg, torch.device("cpu"), None, 1.0)
+                for i in (0, 1)
             ]
             await asyncio.wait_for(asyncio.gather(*(n.run(signals=False) for n in nodes)), 40)
             svc = live.service

@@ -98,7 +98,7 @@ def test_nodes_upload_top_k_and_the_server_finishes_its_rounds(tmp_path):
                 {"model": {"name": "logreg"}, "compression": {"encoding": "topk", "topk_fraction": 0.1}}
             ).validate()
             nodes = [
-                Node(
+                Node.from_config(
                     live.url,
                     live.tokens[n],
                     Shard(n, torch.randn(20, 60), torch.randint(0, 10, (20,)), 10),

@@ -26,7 +26,7 @@ from .live import live_server
 def _node(url: str, token: str, ctx) -> Node:
     cfg = config_from_dict({"model": {"name": "logreg"}})
     shard = Shard("n0", torch.randn(20, 60), torch.randint(0, 10, (20,)), 10)
-    return Node(url, token, shard, cfg, torch.device("cpu"), ctx, poll_s=1.0)
+    return Node.from_config(url, token, shard, cfg, torch.device("cpu"), ctx, poll_s=1.0)
 
 
 def _cert_without_san(tmp_path, ca_dir):

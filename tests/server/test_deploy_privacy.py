@@ -162,7 +162,7 @@ def test_budget_stops_before_target_and_the_nodes_are_told(tmp_path, caplog):
         async with live_server(tmp_path, names, clock=True, sections=sections, **server) as live:
             shards = _shards(tmp_path, 3)
             nodes = [
-                Node(
+                Node.from_config(
                     live.url,
                     live.tokens[n],
                     load_shard(shards[i]),
@@ -318,7 +318,7 @@ def test_nodes_do_not_trust_the_server_for_t(tmp_path, caplog, inflated, refusal
             before = svc.rounds.global_params.clone()
             shards = _shards(tmp_path, 4)
             nodes = [
-                Node(
+                Node.from_config(
                     live.url,
                     live.tokens[n],
                     load_shard(shards[i]),
@@ -432,7 +432,7 @@ def test_noise_on_the_deployed_aggregate_is_what_the_accountant_assumes(tmp_path
             before = live.service.rounds.global_params.clone()
             shards = _shards(tmp_path)
             nodes = [
-                Node(
+                Node.from_config(
                     live.url,
                     live.tokens[n],
                     load_shard(shards[i]),
@@ -494,7 +494,7 @@ def test_local_dp_nodes_report_their_own_epsilon_and_the_worst_stops_the_run(tmp
             clock = asyncio.ensure_future(run_clock(live.app, stop))
             gen = torch.Generator().manual_seed(0)
             nodes = [
-                Node(
+                Node.from_config(
                     live.url,
                     live.tokens[n],
                     Shard(n, torch.randn(k, 60, generator=gen), torch.randint(0, 10, (k,), generator=gen), 10),
@@ -551,7 +551,7 @@ def test_node_refuses_a_server_with_another_privacy(tmp_path):
         with pytest.raises(NodeError, match=match):
             priv.check_task({"round": 1, "privacy": bad})
     # a node without [privacy] does not train for a server that runs DP
-    node = Node(
+    node = Node.from_config(
         "http://127.0.0.1:9",
         "t",
         Shard("n0", torch.randn(20, 60), torch.randint(0, 10, (20,)), 10),
@@ -661,7 +661,7 @@ def test_node_settles_top_k_error_feedback_by_each_uploads_outcome(tmp_path):
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
         try:
-            node = Node(
+            node = Node.from_config(
                 f"http://127.0.0.1:{runner.addresses[0][1]}",
                 "token",
                 shard,
@@ -675,7 +675,7 @@ def test_node_settles_top_k_error_feedback_by_each_uploads_outcome(tmp_path):
         finally:
             await runner.cleanup()
 
-    probe = Node("http://127.0.0.1:9", "t", shard, cfg, torch.device("cpu"), name="n0")
+    probe = Node.from_config("http://127.0.0.1:9", "t", shard, cfg, torch.device("cpu"), name="n0")
     spec, global_params = probe.trainer.spec, probe.trainer.flat.detach().clone()
     asyncio.run(scenario())
     ledger_ok()  # after the unsent third upload

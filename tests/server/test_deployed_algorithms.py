@@ -36,7 +36,7 @@ def _deployed(tmp_path, algorithm: dict, **more: dict) -> tuple[ServerService, l
             tmp_path, [s.client_id for s in shards], clock=True, sections=sections, **SERVER
         ) as live:
             nodes = [
-                Node(
+                Node.from_config(
                     live.url,
                     live.tokens[s.client_id],
                     s,

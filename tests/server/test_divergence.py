@@ -80,7 +80,9 @@ def _nodes(live, tmp_path, task_app: str, lrs: dict[str, float]) -> list[Node]:
 
         task = task_from_config(cfg)
         data = read_local_data(task, write_node_data(tmp_path / f"{name}.pt", i))
-        nodes.append(Node(live.url, live.tokens[name], data, cfg, torch.device("cpu"), None, 1.0, name, task))
+        nodes.append(
+            Node.from_config(live.url, live.tokens[name], data, cfg, torch.device("cpu"), None, 1.0, name, task)
+        )
     return nodes
 
 

@@ -25,7 +25,7 @@ from .live import live_server
 def _node(url: str, ctx, token: str = "") -> Node:
     cfg = config_from_dict({"model": {"name": "logreg"}})
     shard = Shard("edge-1", torch.randn(20, 60), torch.randint(0, 10, (20,)), 10)
-    return Node(url, token, shard, cfg, torch.device("cpu"), ctx, poll_s=1.0)
+    return Node.from_config(url, token, shard, cfg, torch.device("cpu"), ctx, poll_s=1.0)
 
 
 def test_a_node_enrolled_by_key_logs_in_with_its_certificate_until_revoked(tmp_path):

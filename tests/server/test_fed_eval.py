@@ -207,7 +207,7 @@ def test_async_nodes_with_test_data_report_federated_evaluations(tmp_path):
         ) as live:
             cfg = config_from_dict({"model": {"name": "logreg"}, "train": {"batch_size": 10, "lr": 0.05}})
             nodes = [
-                Node(
+                Node.from_config(
                     live.url,
                     live.tokens[n],
                     LocalData(train=data(30), test=data(10 + 5 * i)),
@@ -249,7 +249,7 @@ def test_a_node_stops_on_a_model_download_of_another_spec(tmp_path):
         async with live_server(tmp_path, NODES) as live:
             cfg = config_from_dict({"model": {"name": "logreg"}})
             shard = Shard("n0", torch.randn(8, 30), torch.randint(0, 10, (8,)), 10)  # 30 features, server 60
-            node = Node(live.url, live.tokens["n0"], shard, cfg, torch.device("cpu"), None, poll_s=1.0)
+            node = Node.from_config(live.url, live.tokens["n0"], shard, cfg, torch.device("cpu"), None, poll_s=1.0)
             assert node.trainer.spec.hash != live.service.spec.hash
             async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {live.tokens['n0']}"}) as http:
                 node.http = http

@@ -218,7 +218,7 @@ def test_an_upload_that_found_no_round_open_is_trained_again(tmp_path):
             cfg = config_from_dict({"task": {"app": app}})
             task = task_from_config(cfg)
             data = read_local_data(task, write_node_data(tmp_path / "n0.pt", 1))
-            node = Node(live.url, live.tokens["n0"], data, cfg, torch.device("cpu"), None, 1.0, "n0", task)
+            node = Node.from_config(live.url, live.tokens["n0"], data, cfg, torch.device("cpu"), None, 1.0, "n0", task)
             async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {live.tokens['n0']}"}) as node.http:
                 work = {"round": 1, "version": 0, "seed": 0}
                 assert not await node._upload(work, good_update(svc, "n0", round=1))  # no round open: 409

@@ -98,7 +98,7 @@ def test_chunked_transfers_resume_after_lost_connections_and_train_the_same_mode
                 proxy = CutOnce(port, trigger, 600 if cut == "download" else 20, up=False)
                 url0 = await proxy.start()
             nodes = [
-                Node(u, live.tokens[f"n{i}"], _shard(i), cfg, torch.device("cpu"), None, 1.0)
+                Node.from_config(u, live.tokens[f"n{i}"], _shard(i), cfg, torch.device("cpu"), None, 1.0)
                 for i, u in ((0, url0), (1, live.url))
             ]
             await asyncio.wait_for(asyncio.gather(*(n.run(signals=False) for n in nodes)), 60)
@@ -183,7 +183,8 @@ def test_half_precision_halves_the_update_and_refuses_what_it_cannot_hold(tmp_pa
         server = {"rounds": 2, "min_nodes": 2, "clients_per_round": 2, "poll_s": 1.0}
         async with live_server(where, ["n0", "n1"], clock=True, **server) as live:
             nodes = [
-                Node(live.url, live.tokens[f"n{i}"], _shard(i), cfg, torch.device("cpu"), None, 1.0) for i in (0, 1)
+                Node.from_config(live.url, live.tokens[f"n{i}"], _shard(i), cfg, torch.device("cpu"), None, 1.0)
+                for i in (0, 1)
             ]
             await asyncio.wait_for(asyncio.gather(*(n.run(signals=False) for n in nodes)), 40)
             svc = live.service

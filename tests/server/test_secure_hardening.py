@@ -82,7 +82,7 @@ def test_a_nan_node_refuses_to_mask_and_the_round_completes_without_it(tmp_path,
                     }
                 )
                 nodes.append(
-                    Node(
+                    Node.from_config(
                         live.url,
                         live.tokens[name],
                         load_shard(shards[i]),

@@ -58,7 +58,7 @@ def test_signed_rounds_with_a_consistency_check_complete_over_http(tmp_path):
                     }
                 )
                 nodes.append(
-                    Node(
+                    Node.from_config(
                         live.url,
                         live.tokens[name],
                         load_shard(shards[i]),

@@ -34,6 +34,8 @@ def _sync_round(svc: ServerService, now: float) -> None:
 def test_a_sync_round_touches_no_file_and_emits_checkpoint_then_record(tmp_path):
     cfg = small_config(tmp_path, clients_per_round=2, min_nodes=2, rounds=3)
     svc = ServerService.from_config(cfg, started_at=100.0)
+    usage = iter([(1.0, 50.0), (1.75, 60.0)])  # the process's CPU seconds and resident MB, as read
+    svc.process_usage = lambda: next(usage)
     for node in ("a", "b", "c"):
         svc.seen(node, 100.0)
     _sync_round(svc, 101.0)
@@ -45,6 +47,11 @@ def test_a_sync_round_touches_no_file_and_emits_checkpoint_then_record(tmp_path)
     assert isinstance(record, Record)
     assert record.fields["version"] == 1 and record.fields["num_results"] == 2
     assert record.fields["elapsed_s"] == 2.0  # now - started_at: time came in, none was read
+    # the server's cost of each version: seconds since the last one, CPU seconds in them, memory
+    assert (record.fields["server_round_s"], record.fields["server_rss_mb"]) == (2.0, 50.0)
+    _sync_round(svc, 103.0)
+    second = svc.events[-1].fields  # type: ignore[attr-defined]
+    assert (second["server_round_s"], second["server_cpu_s"], second["server_rss_mb"]) == (2.0, 0.75, 60.0)
 
 
 def test_the_store_makes_events_durable_and_a_restart_resumes_from_them(tmp_path):

@@ -21,7 +21,7 @@ from .live import ADMIN, live_server
 def _node(live, name: str, ctx) -> Node:
     cfg = config_from_dict({"model": {"name": "logreg"}})
     shard = Shard(name, torch.randn(20, 60), torch.randint(0, 10, (20,)), 10)
-    return Node(live.url, live.tokens[name], shard, cfg, torch.device("cpu"), ctx, poll_s=1.0)
+    return Node.from_config(live.url, live.tokens[name], shard, cfg, torch.device("cpu"), ctx, poll_s=1.0)
 
 
 def test_tls_node_trusts_the_private_ca_and_refuses_another(tmp_path):

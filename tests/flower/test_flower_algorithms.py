@@ -1,0 +1,290 @@
+"""The Flower ClientApp runs the client program: FedPer, FedRep, Ditto, FedDyn, FedNova, SCAFFOLD
+and kept momentum through Flower give the in-process engine's global model and federated figures
+(personalised ones included), each client's state kept in its node's ``context.state``.
+
+Most cases run shoal's ServerApp and ClientApp with Flower's own Messages, Contexts and
+dispatch, the nodes served in this process by a small grid (no Ray, well under a second a
+case); one case runs the real Flower simulation (Ray) as ``simulation.engine = 'flower'`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.supercore.task_identity import TaskIdentity
+
+from shoal.aggregation.scaffold import ScaffoldStrategy
+from shoal.config import load_config
+from shoal.flower.apps import (
+    ARRAYS,
+    BROADCAST,
+    CLIENT_STATE,
+    CONFIG,
+    PENDING,
+    ShoalStrategy,
+    make_client_app,
+    make_server_app,
+    round_strategy,
+    setup_for,
+    to_arrays,
+)
+from shoal.metrics import read_jsonl
+from shoal.simulations.experiment import run_simulation
+from shoal.simulations.inprocess import InProcessSimulation
+
+# Each client sees two of four classes of 2-d blobs; a small body and a personal head.
+TASK = """
+from collections import OrderedDict
+
+import torch
+from torch import nn
+
+from shoal.task import SimulationData, Task
+
+
+class TwoClasses(Task):
+    personal = ("head",)
+
+    def model(self):
+        return nn.Sequential(OrderedDict(body=nn.Linear(2, 8), act=nn.ReLU(), head=nn.Linear(8, 4)))
+
+    def simulation_data(self, num_clients, seed):
+        g = torch.Generator().manual_seed(seed)
+        centres = torch.tensor([[2.0, 0.0], [0.0, 2.0], [-2.0, 0.0], [0.0, -2.0]])
+
+        def draw(i, n):
+            y = torch.tensor([(i + k % 2) % 4 for k in range(n)])
+            return centres[y] + torch.randn(n, 2, generator=g), y
+
+        train = [draw(i, 20 + 2 * i) for i in range(num_clients)]
+        tests = [draw(i, 10) for i in range(num_clients)]
+        return SimulationData(train=train, test=draw(0, 20), client_test=tests)
+"""
+
+SERVER_NODE = 1
+
+
+def small(task_file: Path, *extra: str) -> list[str]:
+    return [
+        f"task.app='{task_file}:TwoClasses'",
+        "simulation.num_clients=4",
+        "simulation.clients_per_round=2",
+        "simulation.rounds=2",
+        "simulation.eval_every=1",
+        "simulation.device='cpu'",
+        "simulation.progress=false",
+        "output.plots=false",
+        "simulation.ray_num_cpus=2",
+        "simulation.flower_client_cpus=1",
+        "train.lr=0.05",
+        *extra,
+    ]
+
+
+@pytest.fixture
+def task_file(tmp_path):
+    path = tmp_path / "two_classes.py"
+    path.write_text(TASK)
+    return path
+
+
+class LocalGrid:
+    """Flower's Grid for ClientApps called in this process: one Context per node, kept across
+    messages as a SuperNode keeps it (its ``state`` is the node's), the reply made by the app."""
+
+    def __init__(self, client_app, num_nodes: int):
+        self.app = client_app
+        self.contexts = {
+            100 + i: Context(
+                run_id=1,
+                node_id=100 + i,
+                node_config={"partition-id": i, "num-partitions": num_nodes},
+                state=RecordDict(),
+                run_config={},
+            )
+            for i in range(num_nodes)
+        }
+
+    def get_node_ids(self):
+        return list(self.contexts)
+
+    def send_and_receive(self, messages, timeout=None):
+        replies = []
+        for msg in messages:
+            node = msg.metadata.dst_node_id
+            TaskIdentity.node_id = node  # the reply is the node's
+            try:
+                replies.append(self.app(msg, self.contexts[node]))
+            finally:
+                TaskIdentity.node_id = SERVER_NODE
+        return replies
+
+
+@contextlib.contextmanager
+def server_process():
+    """Flower's identity of this process while it plays the ServerApp (Messages are made from it)."""
+    before = TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id
+    TaskIdentity.task_id, TaskIdentity.run_id, TaskIdentity.node_id = 1, 1, SERVER_NODE
+    try:
+        yield
+    finally:
+        TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = before
+
+
+def run_local_flower(cfg, num_nodes: int) -> tuple[list[dict[str, float]], torch.Tensor, LocalGrid]:
+    """shoal's ServerApp and ClientApp of ``cfg`` over a LocalGrid: each evaluated round's figures
+    and the final global model."""
+    rounds: list[dict[str, float]] = []
+    final: list[torch.Tensor] = []
+
+    def on_round(summary, ev, params):
+        rounds.append({**ev, "train_loss": summary.train_loss})
+        final[:] = [params]
+
+    grid = LocalGrid(make_client_app(cfg, "cpu"), num_nodes)
+    with server_process():
+        server = make_server_app(cfg, on_round, strict=True)
+        server(grid, Context(run_id=1, node_id=SERVER_NODE, node_config={}, state=RecordDict(), run_config={}))
+    return rounds, final[0], grid
+
+
+def run_inprocess(cfg) -> tuple[list[dict[str, float]], torch.Tensor]:
+    sim = InProcessSimulation.from_config(cfg)
+    rounds = []
+    for _ in range(cfg.simulation.rounds):
+        summary = sim.run_round()
+        rounds.append({**sim.evaluate(), "train_loss": summary.train_loss})
+    return rounds, sim.global_params.cpu()
+
+
+def close(a: dict[str, float], b: dict[str, float]) -> None:
+    assert set(a) == set(b)
+    for key in a:
+        assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), (key, a[key], b[key])
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        ["algorithm.name='ditto'", "algorithm.personal_eval_steps=0"],
+        ["algorithm.name='fedrep'", "algorithm.personal_eval_steps=2"],
+        ["algorithm.name='feddyn'"],
+        ["algorithm.name='fednova'", "train.momentum=0.5"],
+        ["train.momentum=0.9", "algorithm.keep_optimizer_state=true", "algorithm.personal_eval_steps=1"],
+        ["algorithm.name='scaffold'", "simulation.rounds=3", "train.momentum=0.5"],
+    ],
+    ids=["ditto", "fedrep", "feddyn", "fednova", "momentum", "scaffold"],
+)
+def test_the_clientapp_runs_the_client_program_as_in_process(task_file, extra):
+    cfg = load_config(None, small(task_file, *extra, "simulation.engine='flower'"))  # the config rules allow it
+    flower, flower_model, grid = run_local_flower(cfg, cfg.simulation.num_clients)
+    inproc, inproc_model = run_inprocess(load_config(None, small(task_file, *extra)))
+    assert (flower_model - inproc_model).abs().max().item() <= 1e-5
+    assert len(flower) == len(inproc) == cfg.simulation.rounds
+    for a, b in zip(flower, inproc, strict=True):
+        close(a, b)
+        assert {"test_accuracy", "fed_accuracy"} <= set(a)
+        assert ("fed_personal_accuracy" in a) == ("algorithm.personal_eval_steps" in " ".join(extra))
+    # what each node keeps lives in its own context.state (FedNova keeps nothing)
+    kept = [c.state.array_records.get(CLIENT_STATE) for c in grid.contexts.values()]
+    assert any(record is not None and len(record) > 0 for record in kept) == setup_for(cfg).program.keeps_state
+
+
+def test_scaffold_nodes_keep_their_control_variate_only_when_the_server_took_their_update(task_file):
+    """SCAFFOLD on Flower: c goes with each task, Delta c_i with each reply, and a node's new c_i
+    waits in its context.state until a later message says the server aggregated that update; a
+    reply the server never got leaves c and that node's c_i as they were, so c stays the mean of
+    the c_i (as the in-process engine keeps it)."""
+    cfg = load_config(None, small(task_file, "algorithm.name='scaffold'", "simulation.engine='flower'"))
+    setup = setup_for(cfg)
+    numel, n = setup.spec.numel, cfg.simulation.num_clients
+    inner = round_strategy(cfg, setup)  # what shoal's ServerApp aggregates with
+    assert isinstance(inner, ScaffoldStrategy)
+    strategy = ShoalStrategy(inner, setup.spec, 2, seed=cfg.simulation.seed, federated_eval=lambda r: True)
+
+    class DroppingGrid(LocalGrid):
+        """Round 2's first train reply never reaches the server."""
+
+        trains = 0
+        dropped: tuple[int, object] | None = None  # (node, its committed state when it was asked)
+
+        def send_and_receive(self, messages, timeout=None):
+            messages = list(messages)
+            replies = super().send_and_receive(messages, timeout)
+            if messages and messages[0].metadata.message_type == "train":
+                self.trains += 1
+                if self.trains == 2:
+                    node = messages[0].metadata.dst_node_id
+                    self.dropped = (node, self.contexts[node].state.array_records.get(CLIENT_STATE))
+                    return replies[1:]
+            return replies
+
+    grid = DroppingGrid(make_client_app(cfg, "cpu"), n)
+    with server_process():
+        strategy.start(grid, to_arrays(setup.initial, setup.spec), num_rounds=2)
+    assert strategy.last_round is not None and strategy.last_round.num_results == 1
+    assert grid.dropped is not None
+    node, before = grid.dropped
+    after = grid.contexts[node].state.array_records.get(CLIENT_STATE)
+    assert (before is None and after is None) or torch.equal(
+        torch.from_numpy(before["scaffold/c"].numpy()), torch.from_numpy(after["scaffold/c"].numpy())
+    )
+    assert all(PENDING not in c.state.array_records for c in grid.contexts.values())  # the evaluation settled them
+    c_is = []
+    for context in grid.contexts.values():
+        record = context.state.array_records.get(CLIENT_STATE)
+        c_is.append(torch.zeros(numel) if record is None else torch.from_numpy(record["scaffold/c"].numpy().copy()))
+    assert inner.control.c.abs().max() > 0
+    assert torch.allclose(torch.stack(c_is).mean(0), inner.control.c, atol=1e-6)  # c = (1/N) sum_i c_i
+
+
+def test_a_broadcast_not_of_the_models_size_is_refused_before_training(task_file):
+    """What comes beside the model is checked: a c of another size stops the step with one line
+    naming it, and the node's state is left as it was."""
+    cfg = load_config(None, small(task_file, "algorithm.name='scaffold'"))
+    setup = setup_for(cfg)
+    grid = LocalGrid(make_client_app(cfg, "cpu"), 1)
+    with server_process():
+        content = RecordDict(
+            {
+                ARRAYS: to_arrays(setup.initial, setup.spec),
+                CONFIG: ConfigRecord({"server-round": 1, "seed": 7, "version": 0}),
+                BROADCAST: ArrayRecord({"scaffold/c": torch.zeros(3)}),
+            }
+        )
+        msg = Message(content, dst_node_id=100, message_type=MessageType.TRAIN)
+        with pytest.raises(ValueError, match="'scaffold/c' of 3"):
+            grid.send_and_receive([msg])
+    assert not grid.contexts[100].state.array_records
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_fedper_through_the_flower_simulation_gives_the_inprocess_model_and_personal_figures(task_file, tmp_path):
+    """The real engine (Ray actors, each serving several nodes): FedPer's personal heads stay in
+    each node's context.state, personalised evaluation runs on the nodes."""
+    from shoal.flower.engine import run_flower
+
+    sets = small(task_file, "algorithm.name='fedper'", "algorithm.personal_eval_steps=2")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as Ray gives each 1-CPU actor
+    try:
+        flower = run_flower(load_config(None, [*sets, "simulation.engine='flower'"]), tmp_path / "fl", progress=False)
+        run_simulation(load_config(None, sets), tmp_path / "ip", progress=False)
+        _, inproc_model = run_inprocess(load_config(None, sets))
+    finally:
+        torch.set_num_threads(threads)
+    assert (flower.global_params - inproc_model).abs().max().item() <= 1e-5
+    ours, theirs = read_jsonl(tmp_path / "fl" / "metrics.jsonl"), read_jsonl(tmp_path / "ip" / "metrics.jsonl")
+    assert [r["round"] for r in ours] == [1, 2]
+    for a, b in zip(ours, theirs, strict=True):
+        assert set(a) == set(b) and "fed_personal_accuracy" in a
+        for key in ("fed_personal_accuracy", "fed_personal_loss", "fed_accuracy", "test_accuracy", "train_loss"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), key
+    # the personal heads helped: each client's own two classes
+    assert ours[-1]["fed_personal_accuracy"] > ours[-1]["fed_accuracy"]
