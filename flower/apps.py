@@ -50,11 +50,9 @@ from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from shoal import assembly
 from shoal.aggregation import Strategy
-from shoal.assembly import ClientParts, make_round_strategy, make_sync_rounds, task_from_config, task_label
-from shoal.client.algorithms import ClientProgram
+from shoal.assembly import ClientParts, HoldsClient, make_round_strategy, make_sync_rounds, task_from_config, task_label
 from shoal.client.device import select_device
 from shoal.client.state import State
-from shoal.client.training import LocalTrainer
 from shoal.config import Config, load_config
 from shoal.errors import ConfigError, EngineError, SpecMismatch, UpdateRejected
 from shoal.params import ParamSpec
@@ -127,7 +125,7 @@ def from_arrays(record: ArrayRecord, spec: ParamSpec) -> torch.Tensor:
 
 
 @dataclass
-class Setup:
+class Setup(HoldsClient):
     """Task, data, model spec and the client parts (trainer and client program) built from a
     Config, once per process (a Ray actor serves many simulated clients; loading the task's data
     per message would dominate). Nothing in it belongs to one client: each node's state is in
@@ -142,18 +140,6 @@ class Setup:
     test: ClientData | None  # the central test set, on the trainer's device
     _train: dict[int, ClientData] = field(default_factory=dict)
     _test: dict[int, ClientData | None] = field(default_factory=dict)
-
-    @property
-    def trainer(self) -> LocalTrainer:
-        return self.client.trainer
-
-    @property
-    def program(self) -> ClientProgram:
-        return self.client.program
-
-    @property
-    def spec(self) -> ParamSpec:
-        return self.client.spec
 
     @property
     def num_clients(self) -> int:

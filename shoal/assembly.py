@@ -249,6 +249,25 @@ class ClientParts:
         return self.trainer.spec
 
 
+class HoldsClient:
+    """The trainer, client program and exchanged parameters of a role's ``client`` parts, for the
+    dataclasses that hold one (the simulation's, a node's, the Flower app's)."""
+
+    client: ClientParts
+
+    @property
+    def trainer(self) -> LocalTrainer:
+        return self.client.trainer
+
+    @property
+    def program(self) -> ClientProgram:
+        return self.client.program
+
+    @property
+    def spec(self) -> ParamSpec:
+        return self.client.spec
+
+
 def batching_blocker(cfg: Config, task: Task, trainer: LocalTrainer, in_memory: bool) -> str | None:
     """Why the config, the task or the model rules out training many clients as one batch (None: it may)."""
     algorithm = cfg.algorithm.name
@@ -321,7 +340,7 @@ _FED_EVAL_STREAM = 0xFEDE  # seeds that sample apart from client sampling
 
 
 @dataclass(frozen=True)
-class SimulationParts:
+class SimulationParts(HoldsClient):
     """Everything the in-process simulator runs (simulations/inprocess.py): the clients' data
     (``shards``: held tensors, or a population loaded client by client), the test sets, who the
     clients are, what trains them, their state store, the server's strategy and rounds, SCAFFOLD's
@@ -344,14 +363,6 @@ class SimulationParts:
     privacy: PrivacyBudget | None
     wire: WireStep
     fed_eval_clients: list[int]
-
-    @property
-    def trainer(self) -> LocalTrainer:
-        return self.client.trainer
-
-    @property
-    def spec(self) -> ParamSpec:
-        return self.client.spec
 
 
 def build_simulation(
@@ -551,7 +562,7 @@ def build_gossip(cfg: Config, task: Task | None = None, data: SimulationData | N
 
 
 @dataclass(frozen=True)
-class NodeParts:
+class NodeParts(HoldsClient):
     """What a deployed node (client/node.py) runs: its config and task, its name, its checked
     training and test data (tensors on the device; a Dataset as it is), the trainer and client
     program (``client``: the simulator's client step), the store of its client state between
@@ -567,18 +578,6 @@ class NodeParts:
     states: ClientState
     privacy: NodePrivacy | None
     compressor: Compressor
-
-    @property
-    def trainer(self) -> LocalTrainer:
-        return self.client.trainer
-
-    @property
-    def program(self) -> ClientProgram:
-        return self.client.program
-
-    @property
-    def spec(self) -> ParamSpec:
-        return self.client.spec
 
 
 def build_node(
