@@ -31,7 +31,7 @@ from .bodies import read_body
 from .chunks import MAX_BEGIN_BODY, ChunkedUploads, ChunkError
 from .connections import listen
 from .dashboard import is_dashboard_path, server_dashboard
-from .edge import MAX_EDGE_POLL_BODY, PartialIntake
+from .edge import MAX_EDGE_POLL_BODY, PartialIntake, check_edge
 from .edge_secure import get_edge_secagg, post_edge_secagg
 from .exposition import prometheus_text
 from .federation import DEFAULT_FEDERATION_BODY, Federation, RunError
@@ -630,9 +630,11 @@ async def post_partial(request: web.Request) -> web.Response:
     app, edge = request.app, request[NODE]
     svc = _svc(request)
     intake = _intake(request, svc)
-    if edge not in svc.cfg.hierarchy.edge_names:  # a node may not speak for other nodes
-        svc.refused("not_an_edge")
-        raise Refusal(403, "not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)")
+    try:
+        check_edge(svc, edge)  # a node may not speak for other nodes
+    except UpdateRejected as err:
+        svc.refused(err.code)
+        raise Refusal(403, err.code, str(err)) from None
     length = request.content_length
     if length is None:
         raise Refusal(411, "length_required", "send the body with a Content-Length header")

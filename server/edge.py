@@ -43,6 +43,12 @@ MAX_EDGE_POLL_BODY = 64 + 2 * 260 * MAX_ROSTER  # its nodes, and (async) those o
 MAX_RECENT_PARTIALS = 64  # an async root remembers this many of each edge's partials (retransmits)
 
 
+def check_edge(svc: ServerService, edge: str) -> None:
+    """UpdateRejected (``not_an_edge``, answered 403) unless ``edge`` is an edge of this server."""
+    if edge not in svc.cfg.hierarchy.edge_names:
+        raise UpdateRejected("not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)")
+
+
 def parse_roster(body: object) -> list[str]:
     """The node names of an edge's poll body ``{"nodes": [name, ...]}`` (an async edge may add
     ``"want": [...]``, see :func:`parse_want`); Malformed if it is not one."""
@@ -202,10 +208,7 @@ class PartialIntake:
         svc = self.service
         names = svc.cfg.hierarchy.edge_names
         try:
-            if edge not in names:
-                raise UpdateRejected(
-                    "not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)"
-                )
+            check_edge(svc, edge)
             why = self._why_not()
             if why is not None:
                 raise UpdateRejected("not_supported", f"this server takes no edges: {why}")
@@ -332,10 +335,7 @@ class PartialIntake:
         svc = self.service  # an edge is no node: it is not marked seen, so rounds never select it
         if svc.sync is None:
             try:
-                if edge not in svc.cfg.hierarchy.edge_names:
-                    raise UpdateRejected(
-                        "not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)"
-                    )
+                check_edge(svc, edge)
                 why = self._why_not()
                 if why is not None:
                     raise UpdateRejected("not_supported", f"this server takes no partials: {why}")
@@ -353,10 +353,7 @@ class PartialIntake:
                     svc._new_version(svc.rounds.version_fields(), now)
             return answer
         try:
-            if edge not in svc.cfg.hierarchy.edge_names:
-                raise UpdateRejected(
-                    "not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)"
-                )
+            check_edge(svc, edge)
             why = self._why_not()
             if why is None and svc.cfg.secure_aggregation.enabled:  # server/edge_secure.py
                 why = "its rounds are secure: an edge sends its nodes' masked sum (POST /v1/edge/secagg/masked_sum)"

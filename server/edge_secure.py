@@ -41,6 +41,7 @@ from shoal.metrics import json_safe
 from shoal.wire import MAX_HEADER_BYTES
 
 from .bodies import read_body
+from .edge import check_edge
 
 if TYPE_CHECKING:
     from .edge import PartialIntake
@@ -58,12 +59,6 @@ def body_limit(vector_size: int) -> int:
 
 
 # --- the root's side ---------------------------------------------------------------------------------
-
-
-def check_edge(svc: ServerService, edge: str) -> None:
-    """UpdateRejected (``not_an_edge``, answered 403) unless ``edge`` is an edge of this server."""
-    if edge not in svc.cfg.hierarchy.edge_names:
-        raise UpdateRejected("not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)")
 
 
 def relayed_round(
