@@ -104,7 +104,12 @@ def _metric_record(values: Mapping[str, int | float]) -> MetricRecord:
 
 def to_arrays(flat: torch.Tensor, spec: ParamSpec) -> ArrayRecord:
     """The flat parameter vector as an ArrayRecord named like the model's state_dict."""
-    return ArrayRecord({name: t.detach().cpu() for name, t in spec.views(flat).items()})
+    return tensor_record(spec.views(flat))
+
+
+def tensor_record(tensors: Mapping[str, torch.Tensor]) -> ArrayRecord:
+    """Named tensors (a client's state, what an algorithm sends beside the model) as an ArrayRecord."""
+    return ArrayRecord({name: t.detach().cpu() for name, t in tensors.items()})
 
 
 def from_arrays(record: ArrayRecord, spec: ParamSpec) -> torch.Tensor:
@@ -342,7 +347,7 @@ class ShoalStrategy(FlowerStrategy):
         """What the algorithm's server step sends beside the model (SCAFFOLD's c), or None."""
         if not self.stateful:
             return None
-        return ArrayRecord({k: v.detach().cpu() for k, v in self.strategy.broadcast().items()})  # type: ignore[attr-defined]
+        return tensor_record(self.strategy.broadcast())  # type: ignore[attr-defined]
 
     def _to_server(self, reply: Message) -> dict[str, torch.Tensor]:
         """A reply's tensors for the algorithm's server step (the strategy checks their names and
@@ -580,7 +585,7 @@ def save_state(setup: Setup, context: Context, state: State, version: int) -> No
     kept aside with the update's base ``version`` until the server says it took that update."""
     if not setup.program.keeps_state:
         return
-    record = ArrayRecord({k: v.detach().cpu() for k, v in state.items()})
+    record = tensor_record(state)
     if setup.program.settles:
         context.state[PENDING] = record
         context.state[PENDING_VERSION] = ConfigRecord({"version": version})
@@ -668,7 +673,7 @@ def make_client_app(cfg: Config | None = None, device: str | None = None) -> Cli
             }
         )
         if result.to_server:
-            content[TO_SERVER] = ArrayRecord({k: v.detach().cpu() for k, v in result.to_server.items()})
+            content[TO_SERVER] = tensor_record(result.to_server)
         return Message(content, reply_to=msg)
 
     @app.evaluate()
