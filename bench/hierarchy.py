@@ -161,12 +161,8 @@ def deployed(tmp: Path, n: int, edges: int, rounds: int, kill_after: int) -> dic
             if mb is not None:
                 rss.append(mb)
 
-        h.root()
-        for e in h.edge_names:
-            h.edge(e)
-        h.listening(120)
-        for i in range(n):
-            h.node(i)
+        h.start_servers()
+        h.start_nodes()  # the hierarchy's n nodes
         killed = None
         if edges and kill_after:
             killed = h.wait_status(lambda s: s["version"] >= kill_after, 300, sample)["version"]

@@ -64,10 +64,7 @@ def workdir(keep: str | None):
 
 
 def start(h: Hierarchy, hosts: int, dropout: float = 0.0, seed: int = 0) -> list[str]:
-    h.root()
-    for e in h.edge_names:
-        h.edge(e)
-    h.listening(180)
+    h.start_servers(180)
     return h.hosts(hosts, dropout, seed)
 
 

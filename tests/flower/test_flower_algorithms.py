@@ -37,34 +37,7 @@ from shoal.metrics import read_jsonl
 from shoal.simulations.experiment import run_simulation
 from shoal.simulations.inprocess import InProcessSimulation
 
-# Each client sees two of four classes of 2-d blobs; a small body and a personal head.
-TASK = """
-from collections import OrderedDict
-
-import torch
-from torch import nn
-
-from shoal.task import SimulationData, Task
-
-
-class TwoClasses(Task):
-    personal = ("head",)
-
-    def model(self):
-        return nn.Sequential(OrderedDict(body=nn.Linear(2, 8), act=nn.ReLU(), head=nn.Linear(8, 4)))
-
-    def simulation_data(self, num_clients, seed):
-        g = torch.Generator().manual_seed(seed)
-        centres = torch.tensor([[2.0, 0.0], [0.0, 2.0], [-2.0, 0.0], [0.0, -2.0]])
-
-        def draw(i, n):
-            y = torch.tensor([(i + k % 2) % 4 for k in range(n)])
-            return centres[y] + torch.randn(n, 2, generator=g), y
-
-        train = [draw(i, 20 + 2 * i) for i in range(num_clients)]
-        tests = [draw(i, 10) for i in range(num_clients)]
-        return SimulationData(train=train, test=draw(0, 20), client_test=tests)
-"""
+from ..simulations.test_client_algorithms import TASK  # two of four classes per client, a personal head
 
 SERVER_NODE = 1
 

@@ -151,6 +151,18 @@ class Hierarchy:
             args += ["--set", f"{k}={json.dumps(v)}"]
         return self._start(name, args)
 
+    def start_servers(self, timeout: float = 120) -> None:
+        """The root and every edge, once all of them accept connections (:meth:`listening`)."""
+        self.root()
+        for e in self.edge_names:
+            self.edge(e)
+        self.listening(timeout)
+
+    def start_nodes(self) -> None:
+        """Every node as a `shoal client` (:meth:`node`)."""
+        for i in range(self.n):
+            self.node(i)
+
     def listening(self, timeout: float) -> None:
         """Wait until the root and every edge accept connections."""
         end = time.monotonic() + timeout

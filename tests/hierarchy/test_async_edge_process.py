@@ -22,10 +22,7 @@ TABLES = '[asynchronous]\nalgorithm = "fedbuff"\nbuffer_size = 6\nmax_staleness 
 @pytest.mark.timeout(240)
 def test_an_async_root_counts_edge_partials_exactly(tmp_path):
     with hierarchy(tmp_path, n=8, edges=2, rounds=VERSIONS, deadline=10.0, extra=TABLES, add=ADD) as h:
-        h.root()
-        for e in h.edge_names:
-            h.edge(e)
-        h.listening(120)
+        h.start_servers()
         (host,) = h.hosts(1)
         assert h.wait("root", 150) == 0, h.dump()
         assert h.wait(host, 30) == 0, h.dump()

@@ -20,9 +20,7 @@ DEADLINE_S = 30.0  # the root's: the edge must be back (a process start) before 
 @pytest.mark.timeout(180)
 def test_a_restarted_edge_takes_back_the_round_s_updates(tmp_path):
     with hierarchy(tmp_path, n=4, edges=1, rounds=1, deadline=DEADLINE_S) as h:
-        h.root()
-        h.edge("edge-a")
-        h.listening(120)
+        h.start_servers()  # the root and edge-a
         silent = h.shards[3].stem  # in host-1, with node 1 (host k holds nodes k, k + 2)
         kept, gone = h.hosts(2, silent=[silent])
         end = time.monotonic() + 120

@@ -40,12 +40,8 @@ def test_two_edge_processes_run_hierfavg_exactly_and_a_killed_edge_s_nodes_reatt
             if mb is not None:
                 rss.append(mb)
 
-        h.root()
-        for e in h.edge_names:
-            h.edge(e)
-        h.listening(120)
-        for i in range(h.n):
-            h.node(i)
+        h.start_servers()
+        h.start_nodes()
         st = h.wait_status(lambda s: s["version"] >= EXACT_ROUNDS, 150, sample)
         killed_at = st["version"]
         h.kill("edge-a")  # nodes 0 and 1 are its nodes
@@ -130,12 +126,8 @@ def test_secure_aggregation_through_edge_processes_and_a_killed_edge_s_nodes_are
     drop-outs, recovered by the protocol (3 of 5 survive, the threshold is 3), so no round aborts;
     they re-attach to edge-a and later rounds count all 5 again."""
     with hierarchy(tmp_path, n=5, edges=2, rounds=SECURE_ROUNDS, deadline=4.0, extra=SECURE) as h:
-        h.root()
-        for e in h.edge_names:
-            h.edge(e)
-        h.listening(120)
-        for i in range(h.n):
-            h.node(i)
+        h.start_servers()
+        h.start_nodes()
         st = h.wait_status(lambda s: s["secure_aggregation"].get("round", 0) > SECURE_FLAT, 150)
         h.kill("edge-b")  # nodes 3 and 4
         killed_in = st["secure_aggregation"]["round"]
@@ -190,12 +182,8 @@ def test_distributed_dp_through_secure_edge_processes_is_accounted_as_flat(tmp_p
     with hierarchy(
         tmp_path, n=4, edges=2, rounds=2, deadline=6.0, extra=DISTRIBUTED, add={"server": "clients_per_round = 4"}
     ) as h:
-        h.root()
-        for e in h.edge_names:
-            h.edge(e)
-        h.listening(120)
-        for i in range(h.n):
-            h.node(i)
+        h.start_servers()
+        h.start_nodes()
         assert h.wait("root", 200) == 0, h.dump()
         records = h.records()
         sums = h.edge_records("edge-a") + h.edge_records("edge-b")

@@ -18,17 +18,10 @@ from shoal.errors import ConfigError
 from shoal.simulations.hierarchy import HierarchicalRound
 from shoal.simulations.inprocess import InProcessSimulation
 
-# 2NN on the synthetic data: 54,410 coordinates, so a std is measured to about +-0.6%
+from ..simulations.test_privacy_sound import BASE as FLAT_BASE  # the 2NN's 54,410 coordinates: a std to +-0.6%
+
 BASE = [
-    "simulation.num_clients=10",
-    "simulation.clients_per_round=5",
-    "simulation.rounds=1",
-    'model.name="2nn"',
-    "train.epochs=1",
-    "train.batch_size=10",
-    "output.plots=false",
-    "simulation.progress=false",
-    "privacy.reproducible=true",  # noisy and noiseless runs select the same clients and draw the same noise
+    *FLAT_BASE,  # noisy and noiseless runs select the same clients and draw the same noise
     "simulation.batch_clients=1",
     'privacy.mode="distributed"',
     'privacy.sampling="fixed"',

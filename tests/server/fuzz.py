@@ -68,6 +68,7 @@ from safetensors.torch import load as st_load
 
 from shoal.tls import client_context, make_private_ca, server_context
 
+from ..hierarchy.test_secure_root_http import Relayed  # a node whose edge relays its messages
 from .federation_live import served_federation
 from .live import live_server
 from .test_secure_rounds import Party
@@ -1333,24 +1334,6 @@ async def _legit_secure(server: ServerThread) -> None:
             request = decode_message(body, p.params.vector_size)
             assert (await p.post("unmask", encode_message(p.client.unmask(request), {"round": p.round})))[0] == 200
     assert svc.version == 1
-
-
-class Relayed(Party):
-    """A node whose secure aggregation messages its edge relays to the root (edge_secure mode)."""
-
-    def __init__(self, live, name: str, http, rng, edge_http):
-        super().__init__(live, name, http, rng)
-        self.edge_http = edge_http
-
-    async def post(self, route: str, body: bytes) -> tuple[int, dict]:
-        url = f"{self.live.url}/v1/edge/secagg/{route}"
-        async with self.edge_http.post(url, params={"node": self.name}, data=body) as r:
-            return r.status, await r.json()
-
-    async def fetch(self, route: str, round_: int | None = None) -> tuple[int, bytes]:
-        q = {"node": self.name, "round": str(self.round if round_ is None else round_), "wait": "0"}
-        async with self.edge_http.get(f"{self.live.url}/v1/edge/secagg/{route}", params=q) as r:
-            return r.status, await r.read()
 
 
 async def _sessions(server: ServerThread, stack, names) -> dict:
