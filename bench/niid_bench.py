@@ -48,6 +48,7 @@ def command(a: argparse.Namespace, split: str, algorithm: str, out: Path) -> lis
         "train.batch_size": "64",
         "train.lr": "0.01",
         "train.momentum": "0.9",
+        "train.weight_decay": str(a.weight_decay),
         "output.plots": "false",
         "algorithm.name": json.dumps("fedavg" if algorithm == "fedprox" else algorithm),
     }
@@ -76,6 +77,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--epochs", type=int, default=10)
     ap.add_argument("--mu", type=float, default=0.01, help="FedProx's mu")
+    ap.add_argument(
+        "--weight-decay", type=float, default=0.0, help="SGD weight decay (NIID-Bench's code defaults to 1e-5)"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--splits", default="dirichlet,labels")
     ap.add_argument("--algorithms", default="fedavg,fedprox,scaffold,fednova")
@@ -105,7 +109,10 @@ def main() -> None:
                 wall[(split, algorithm)] = time.perf_counter() - t0
                 status[(split, algorithm)] = p.returncode
                 print(f"{split} {algorithm}: exit {p.returncode} after {wall[(split, algorithm)]:.0f} s", flush=True)
-    print(f"\nNIID-Bench MNIST, 10 clients, {a.rounds} rounds, E = {a.epochs}, on {a.device} (seed {a.seed})")
+    print(
+        f"\nNIID-Bench MNIST, 10 clients, {a.rounds} rounds, E = {a.epochs}, weight decay {a.weight_decay},"
+        f" on {a.device} (seed {a.seed})"
+    )
     print("| split | algorithm | best test accuracy % | published (50 rounds) | difference | rounds | wall s |")
     print("|---|---|---|---|---|---|---|")
     for split, algorithm in jobs:
