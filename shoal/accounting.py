@@ -19,10 +19,12 @@ from __future__ import annotations
 import logging
 import math
 from functools import cache, lru_cache
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-import dp_accounting
-from dp_accounting import pld, rdp
+# dp-accounting is imported where it is used: it pulls in scipy (about 0.8 s), which a run or a
+# process without differential privacy (a peer, a node, a server) never needs at start-up.
+if TYPE_CHECKING:
+    import dp_accounting
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +33,9 @@ SAMPLINGS = ("poisson", "fixed")
 
 
 def _accountant(kind: str, replace_one: bool = False) -> dp_accounting.PrivacyAccountant:
+    import dp_accounting
+    from dp_accounting import pld, rdp
+
     if replace_one:
         if kind != "rdp":
             raise ValueError(
@@ -47,6 +52,8 @@ def _accountant(kind: str, replace_one: bool = False) -> dp_accounting.PrivacyAc
 
 def subsampled_gaussian(q: float, noise_multiplier: float, steps: int) -> dp_accounting.DpEvent:
     """``steps`` compositions of the Gaussian mechanism with Poisson sampling rate ``q``."""
+    import dp_accounting
+
     if steps <= 0:
         return dp_accounting.NoOpDpEvent()
     if q >= 1.0:
@@ -61,6 +68,8 @@ def fixed_size_gaussian(
 ) -> dp_accounting.DpEvent:
     """``steps`` rounds of K-of-N sampling without replacement, then a Gaussian of std z*C on a
     sum whose replace-one sensitivity is 2C: a Gaussian of multiplier z/2 for the accountant."""
+    import dp_accounting
+
     if steps <= 0:
         return dp_accounting.NoOpDpEvent()
     inner = dp_accounting.GaussianDpEvent(noise_multiplier / 2)
@@ -165,6 +174,8 @@ def _epsilon_of_segments(segments: tuple[tuple, ...], delta: float, kind: str) -
     ]
     if not events:
         return 0.0
+    import dp_accounting
+
     return _epsilon_of(dp_accounting.ComposedDpEvent(events), delta, kind if not fixed else "rdp", replace_one=fixed)
 
 
@@ -722,7 +733,9 @@ def _gaussian_round_rdp(q: float, z: float) -> tuple[float, ...]:
     Mironov, Talwar and Zhang 2019), so that it adds to the discrete Gaussian's curve order by order."""
     if z <= 0:
         return (math.inf,) * len(DDG_ORDERS)
-    acc = dp_accounting.rdp.RdpAccountant(orders=[float(a) for a in DDG_ORDERS])
+    from dp_accounting import rdp
+
+    acc = rdp.RdpAccountant(orders=[float(a) for a in DDG_ORDERS])
     acc.compose(subsampled_gaussian(min(q, 1.0), z, 1))
     return tuple(float(r) for r in acc.rdp)
 
