@@ -112,10 +112,12 @@ def read_local_data(task: Task, path: Path) -> LocalData:
 
 def builtin_local_data(task: BuiltinTask, shard: Shard) -> LocalData:
     """A shard of `shoal data split` for the built-in task: the model takes the shard's
-    input shape and classes (as nodes did before tasks existed)."""
+    input shape and classes (as nodes did before tasks existed); the shard's own test data
+    (``test_x`` / ``test_y``), when it has some, is the node's local test set."""
     task.input_shape = shard.input_shape
     task.num_classes = shard.num_classes or task.num_classes
-    return LocalData(train=(shard.x, shard.y))
+    test = None if shard.test_x is None or shard.test_y is None else (shard.test_x, shard.test_y)
+    return LocalData(train=(shard.x, shard.y), test=test)
 
 
 def diverged(update: Update) -> str | None:

@@ -66,8 +66,11 @@ def test_a_shard_names_the_node_and_is_data_of_the_builtin_task_only():
     cfg = load_config(None, SETS)
     shard = Shard("client-00007", torch.randn(16, 60), torch.randint(0, 10, (16,)), 10)
     parts = assembly.build(cfg, None, "node", data=shard)
-    assert parts.name == "client-00007" and parts.task.input_shape == (60,)
+    assert parts.name == "client-00007" and parts.task.input_shape == (60,) and parts.test is None
     assert assembly.build(cfg, parts.task, "node", data=shard, name="mine").name == "mine"
+    with_test = dataclasses.replace(shard, test_x=torch.randn(5, 60), test_y=torch.randint(0, 10, (5,)))
+    test = assembly.build(cfg, None, "node", data=with_test).test  # the shard's own test data is the node's
+    assert isinstance(test, tuple) and torch.equal(test[0], with_test.test_x) and torch.equal(test[1], with_test.test_y)
 
     class UserTask(Task):
         def model(self):
