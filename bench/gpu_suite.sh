@@ -127,7 +127,7 @@ section batched_fp32 200 "$PY" bench/sim_throughput.py --device cuda --models cn
   --samples 600 --repeats 2 --seq-cap 50
 section batched_bf16 60 "$PY" bench/sim_throughput.py --device cuda --models cnn --ks 1000 --samples 600 \
   --precision bf16 --repeats 2 --seq-cap 20
-section dp_sgd 150 "$PY" bench/bench_dp_sgd.py --device cuda --model 2nn,cnn --n 3000 --repeats 2
+section dp_sgd 90 "$PY" bench/bench_dp_sgd.py --device cuda --model 2nn,cnn --n 1500 --repeats 2
 section cuda_tests 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs \
   tests/aggregation/test_mean.py tests/aggregation/test_strategy.py tests/client
 section ray_gpu 120 "$PY" bench/engines.py --device cuda --engines inprocess,ray2gpu --clients 200 --cohort 100 \
