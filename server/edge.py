@@ -142,15 +142,28 @@ class PartialIntake:
         self.roster = EdgeRoster(service.cfg.hierarchy.edge_timeout_s)
         self._taken: tuple[int, set[str], int, int] = (-1, set(), 0, 0)  # round, edges, partial bytes, nodes
         # async roots: which edge handed out each node's open task (only it may count the node's
-        # update), the partials taken towards the next version, and each edge's recent partials
-        # (a retransmit of one of them is answered as a duplicate, counted once)
-        self.task_via: dict[str, str] = {}
+        # update; kept in the root's checkpoints, so that a restarted root still takes the partials
+        # of tasks it handed out before), the partials taken towards the next version, and each
+        # edge's recent partials (a retransmit of one of them is answered as a duplicate, counted once)
+        self.task_via: dict[str, str] = self._restored_task_via()
+        service.tier_state["task_via"] = self.task_via
         self._buffered: tuple[set[str], int, int] = (set(), 0, 0)
         self._recent: dict[str, OrderedDict[str, dict[str, Any]]] = {}
         service.tier_figures = self.figures
         numel = service.spec.numel
         # a float64 sum of the whole model, and a header naming up to ~40,000 nodes
         self.max_bytes = 8 * numel + MAX_HEADER_BYTES + 4096
+
+    def _restored_task_via(self) -> dict[str, str]:
+        """The edge of each open task the restored checkpoint names (none on a fresh start): only
+        nodes whose task the restored rounds still hold, each with a known edge."""
+        svc = self.service
+        saved = svc.tier_state.get("task_via")
+        outstanding = getattr(svc.rounds, "outstanding", None)
+        if not isinstance(saved, dict) or outstanding is None:
+            return {}
+        edges = set(svc.cfg.hierarchy.edge_names)
+        return {n: e for n, e in saved.items() if n in outstanding and isinstance(e, str) and e in edges}
 
     def figures(self, round_: int) -> dict[str, Any]:
         """A version's record: the edges whose partial the root took in that round (the same keys as

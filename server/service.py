@@ -263,6 +263,9 @@ class ServerService:
         self.secure_round: SecureRound | None = None  # [secure_aggregation]: the open round's protocol
         # what a tier below adds to a version's record (server/edge.py: the edges' partials of the round)
         self.tier_figures: Callable[[int], dict[str, Any]] | None = None
+        # what a tier below keeps across a restart, saved in each checkpoint (JSON values only;
+        # server/edge.py: which edge handed out each open task of an async root)
+        self.tier_state: dict[str, Any] = {}
         # the server process's CPU seconds and resident MB (a version's record has its share since the last)
         self.process_usage: Callable[[], tuple[float, float]] = process_usage
         self._last_version: tuple[float, float] | None = None  # (now, CPU seconds) at the last version
@@ -924,6 +927,7 @@ class ServerService:
             "last_record": self.last_record,
             "last_fed": self.last_fed,
             "rounds": _split_tensors(self.rounds.state_dict(), "rounds", tensors),
+            "tier": {k: dict(v) if isinstance(v, dict) else v for k, v in self.tier_state.items()},
         }
         return Checkpoint(self.version, tensors, state)
 
@@ -937,6 +941,8 @@ class ServerService:
         self.rounds.load_state_dict(_join_tensors(state["rounds"], tensors))
         self.last_record = state.get("last_record", {})
         self.last_fed = state.get("last_fed", {})
+        tier = state.get("tier", {})
+        self.tier_state = dict(tier) if isinstance(tier, dict) else {}
         self.resumed_from = path
         log.info("resumed from %s: version %d, round %d", path, self.version, self.rounds.round)
 

@@ -11,6 +11,7 @@ from shoal.aggregation.partial import encode_partial
 from shoal.errors import UpdateRejected
 from shoal.server.edge import EdgeBuffer, PartialIntake
 from shoal.server.service import ServerService
+from shoal.server.store import ServerStore, open_service
 from shoal.update import Update
 from shoal.wire import encode_update
 
@@ -168,6 +169,40 @@ def test_foreign_stale_and_hostile_partials_change_nothing(tmp_path) -> None:
     assert svc.counters.accepted == 8
     assert svc.rounds.stats.rejected == {"too_stale": 1}  # type: ignore[attr-defined]
     assert not any(n in svc.rounds.outstanding for n in NODES[:4])  # type: ignore[attr-defined]  # tasks closed
+
+
+def test_a_restarted_root_takes_the_partials_of_tasks_it_handed_out_before(tmp_path) -> None:
+    """The root's checkpoint keeps which edge handed out each open task: after a restart, the
+    edge's partial of those nodes counts (it was refused whole as not_your_node before), while a
+    task handed out after the checkpoint is gone with the rest of that lost state."""
+    cfg = root(tmp_path, k=2).cfg
+    svc = open_service(cfg, started_at=0.0)
+    intake = PartialIntake(svc)
+    a = EdgeBuffer("", svc.spec.numel, size=4)
+    b = EdgeBuffer("", svc.spec.numel, size=2)
+    edge_tasks(intake, "edge-a", NODES[:4], a)
+    edge_tasks(intake, "edge-b", NODES[4:6], b)
+    for n in NODES[4:6]:
+        b.submit(n, node_update(svc, n, 0), 1.0)
+    send(svc, intake, "edge-b", b)
+    assert svc.version == 1  # a checkpoint with edge-a's four open tasks in it
+    edge_tasks(intake, "edge-b", NODES[6:], b)  # after the checkpoint: lost in the crash
+
+    again = ServerService.from_config(cfg, restored=ServerStore(cfg).restore(resume=True))
+    assert again.version == 1
+    intake2 = PartialIntake(again)
+    assert intake2.task_via == {n: "edge-a" for n in NODES[:4]}
+    for n in NODES[:4]:
+        a.submit(n, node_update(again, n, 0), 1.0)
+    (part,) = a.flush()
+    answer = intake2.submit("edge-a", encode_partial(part, again.spec.hash), 2.0)
+    assert answer["status"] == "accepted" and answer["nodes"] == 4 and again.version == 2
+    for n in NODES[6:]:
+        b.submit(n, node_update(again, n, 1), 1.0)
+    (late,) = b.flush()
+    with pytest.raises(UpdateRejected) as e:
+        intake2.submit("edge-b", encode_partial(late, again.spec.hash), 2.0)
+    assert e.value.code == "not_your_node" and again.version == 2
 
 
 def test_edge_buffer_flushes_by_size_time_and_version() -> None:
