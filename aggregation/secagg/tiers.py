@@ -27,7 +27,6 @@ received recorded (``views``) for the tests that show it reveals nothing.
 from __future__ import annotations
 
 import base64
-import binascii
 import time
 from collections import defaultdict
 from collections.abc import Iterable
@@ -157,7 +156,7 @@ def open_message(body: bytes, root: RootKey, session: bytes, sender: str, max_by
     sealed = header.get("sealed")
     try:
         blob = base64.b64decode(sealed, validate=True) if isinstance(sealed, str) else b""
-    except binascii.Error:
+    except ValueError:  # not base64, or a str with non-ASCII characters (b64decode raises ValueError)
         blob = b""
     plain = open_at_root(blob, root, session, sender)
     if plain is None:

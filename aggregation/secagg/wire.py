@@ -10,7 +10,6 @@ Decoding checks kinds, types, sizes and ranges and raises a typed WireError
 from __future__ import annotations
 
 import base64
-import binascii
 from typing import Any, TypeGuard
 
 import numpy as np
@@ -57,7 +56,7 @@ def _b64(b: bytes) -> str:
 def _bytes(v: Any, what: str, size: int | None = None) -> bytes:
     try:
         out = base64.b64decode(v, validate=True) if isinstance(v, str) else None
-    except binascii.Error:
+    except ValueError:  # not base64, or a str with non-ASCII characters (b64decode raises ValueError)
         out = None
     if out is None or (size is not None and len(out) != size):
         raise Malformed(f"{what}: expected base64 of {size or 'some'} bytes")

@@ -5,6 +5,7 @@ import pytest
 
 from shoal.aggregation.secagg import SecAggClient, SecAggParams, SecAggServer
 from shoal.aggregation.secagg import crypto as C
+from shoal.aggregation.secagg.tiers import SEALED_KIND, RootKey, open_message
 from shoal.aggregation.secagg.wire import decode_message, encode_message
 from shoal.errors import Malformed, WireError
 from shoal.wire import encode
@@ -39,6 +40,12 @@ def test_malformed_messages_raise_wire_errors():
         decode_message(encode({}, {"kind": "nonsense"}), 4)
     with pytest.raises(Malformed, match="enc_key: expected base64 of 32 bytes"):
         decode_message(encode({}, {"kind": "public_keys", "sender": "a", "enc_key": "AAAA", "mask_key": "AAAA"}), 4)
+    with pytest.raises(Malformed, match="enc_key: expected base64 of 32 bytes"):  # not ASCII: was a 500 (fuzzer)
+        decode_message(encode({}, {"kind": "public_keys", "sender": "a", "enc_key": "\u03cf" * 44, "mask_key": "A"}), 4)
+    root = RootKey.new(C.Randomness())
+    sealed = encode({}, {"kind": SEALED_KIND, "sender": "a", "sealed": "\u03cf" * 64, "meta": {}})
+    with pytest.raises(Malformed, match="does not open under the root's key"):  # the sealed field, likewise
+        open_message(sealed, root, b"session", "a", 1 << 16)
     with pytest.raises(Malformed, match=r"self_mask\['b'\]"):
         decode_message(
             encode({}, {"kind": "unmask_shares", "sender": "a", "self_mask": {"b": [2**31] * 16}, "mask_key": {}}), 4
