@@ -30,6 +30,7 @@ from shoal.assembly import task_from_config
 from shoal.client.device import select_device
 from shoal.config import Config
 from shoal.errors import ConfigError, DataError, Malformed
+from shoal.log_redaction import add_secret
 from shoal.privacy_plan import plan_of
 from shoal.signals import on_stop_signals
 from shoal.task import (
@@ -191,6 +192,7 @@ def run_peer(
     check_peer_algorithm(cfg)
     check_peer_privacy(cfg)
     token = token if token is not None else os.environ.get("SHOAL_TOKEN", "")
+    add_secret(token)  # no log line shows it (shoal/log_redaction.py)
     if insecure:
         log.warning("--insecure: plain HTTP, models and the network token travel unencrypted")
         ssl_server = ssl_client = None

@@ -10,12 +10,19 @@ not complete by its deadline (``header_timeout`` from the connection's start,
 ``idle_timeout`` after each answer). The application disarms the deadline while it handles a
 request and re-arms it after (p2p/peer.py's middleware). :class:`PolicyResolver` is the
 client side: what a peer name resolves to passes p2p/addresses.py's policy.
+
+Under all of this, :func:`guarded_site` listens through shoal/connection_guard.py, the same guard
+as the server's: a connection is dropped unless its TLS handshake and first request head are done
+within HANDSHAKE_TIMEOUT_S (a crowd of silent sockets is dropped oldest first past MAX_PENDING
+or PENDING_PER_ADDRESS), and an eighth of the connection slots is kept for peers that present a
+client certificate the peer's TLS context verified (those bypass the per-address cap here).
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 from typing import Any
 
 from aiohttp import web
@@ -23,12 +30,17 @@ from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import DefaultResolver
 from aiohttp.web_protocol import RequestHandler
 
+from shoal.connection_guard import GuardedSite, GuardLimits, RedactedErrors
+
 from .addresses import AddressPolicy
 
 HEADER_TIMEOUT_S = 10.0  # a new connection's first request headers must be complete by then
 IDLE_TIMEOUT_S = 30.0  # an idle keep-alive connection is closed after this long
 MAX_CONNECTIONS_PER_ADDRESS = 64  # open connections from one remote address
 MAX_CONNECTIONS = 1024  # open connections in all (less where the open-file limit is lower)
+HANDSHAKE_TIMEOUT_S = 5.0  # a new connection's TLS handshake and first request head must be done by then
+MAX_PENDING = 256  # connections still in that stage (past it the oldest is dropped)
+PENDING_PER_ADDRESS = 32  # of those from one address (past it that address's oldest is dropped)
 
 
 def total_connections() -> int:
@@ -54,7 +66,7 @@ class Connections:
         self.refused = 0
 
 
-class GuardedHandler(RequestHandler):
+class GuardedHandler(RedactedErrors):
     """aiohttp's connection handler with a per-address cap and a deadline on each request's headers."""
 
     guard: Connections
@@ -65,6 +77,10 @@ class GuardedHandler(RequestHandler):
         super().connection_made(transport)
         peer = transport.get_extra_info("peername")
         addr = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        ssl_object = transport.get_extra_info("ssl_object")
+        if ssl_object is not None and ssl_object.getpeercert(binary_form=True) is not None:
+            self.arm()  # a peer with a client certificate: the listener's guard counted it among its reserve
+            return
         if self.guard.open.get(addr, 0) >= self.guard.per_address or self.guard.count >= self.guard.total:
             self.guard.refused += 1
             self.force_close()
@@ -147,3 +163,22 @@ class GuardedRunner(web.AppRunner):
             guard=self.guard,
             **server._kwargs,  # the runner's handler settings (keep-alive timeout, access log)
         )
+
+
+def guarded_site(
+    runner: web.BaseRunner, host: str, port: int, ssl_context: ssl.SSLContext | None, guard: Connections
+) -> GuardedSite:
+    """The peer's listening site behind shoal/connection_guard.py: a new connection has
+    HANDSHAKE_TIMEOUT_S for its TLS handshake and first request head (silent sockets are
+    dropped, the oldest first past MAX_PENDING or PENDING_PER_ADDRESS), and an eighth of the
+    connection slots is kept for peers that present a client certificate the TLS context
+    verified. The per-address cap and header deadlines of :class:`GuardedHandler` apply after."""
+    limits = GuardLimits(
+        max_connections=guard.total,
+        reserved=guard.total // 8,
+        per_address=guard.per_address,
+        max_pending=MAX_PENDING,
+        pending_per_address=PENDING_PER_ADDRESS,
+        handshake_timeout_s=HANDSHAKE_TIMEOUT_S,
+    )
+    return GuardedSite(runner, host, port, ssl_context, limits, "the peer's connection limit")

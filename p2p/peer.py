@@ -82,6 +82,7 @@ from .connections import (
     GuardedHandler,
     GuardedRunner,
     PolicyResolver,
+    guarded_site,
 )
 from .gossip import GossipNode
 from .group_average import GridAverage, SliceMessage
@@ -622,7 +623,7 @@ class Peer:
         self._stop = stop
         runner = GuardedRunner(self.app(), self.guard, access_log=None, keepalive_timeout=IDLE_TIMEOUT_S)
         await runner.setup()
-        site = web.TCPSite(runner, host, port, ssl_context=self.s.ssl_server)
+        site = guarded_site(runner, host, port, self.s.ssl_server, self.guard)
         await site.start()
         timeout = aiohttp.ClientTimeout(total=self.g.timeout, sock_connect=self.g.timeout)
         connector = aiohttp.TCPConnector(limit_per_host=OUTGOING_PER_HOST, resolver=PolicyResolver(self.svc.policy))

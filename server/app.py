@@ -24,6 +24,8 @@ from aiohttp.http_exceptions import HttpProcessingError
 from shoal.aggregation.secagg.identity import read_roster
 from shoal.config import Config
 from shoal.errors import ConfigError, ShoalError, TooLarge, UpdateRejected, WireError
+from shoal.log_redaction import install as redact_logs
+from shoal.log_redaction import redact
 from shoal.pki import peer_fingerprint, read_secret
 from shoal.signals import on_stop_signals
 
@@ -35,7 +37,7 @@ from .edge import MAX_EDGE_POLL_BODY, PartialIntake, check_edge
 from .edge_secure import get_edge_secagg, post_edge_secagg
 from .exposition import prometheus_text
 from .federation import DEFAULT_FEDERATION_BODY, Federation, RunError
-from .registry import AuthError, Registry, hash_token, well_formed
+from .registry import AuthError, Registry, Revocations, hash_token, well_formed
 from .service import MAX_EVAL_BODY, MAX_FAILURE_BODY, ModelDownload, ServerService
 
 log = logging.getLogger(__name__)
@@ -59,6 +61,7 @@ SUBMITTER = web.RequestKey("submitter", str)
 REGISTRY = web.AppKey("registry", Registry)
 CHANGED = web.AppKey("changed", dict)
 CHUNKS = web.AppKey("chunks", ChunkedUploads)  # open chunked uploads (server/chunks.py)
+REVOCATIONS = web.AppKey("revocations", Revocations)  # the revoked names, pushed to every run (registry.py)
 INTAKES = web.AppKey("intakes", weakref.WeakKeyDictionary)  # each run's PartialIntake (server/edge.py)
 CHUNK_DIGEST_HEADER = "X-Shoal-Chunk-Sha256"
 MODEL_DIGEST_HEADER = "X-Shoal-Sha256"  # the whole model's SHA-256, with every download (whole or a range)
@@ -493,6 +496,8 @@ async def get_task(request: web.Request) -> web.Response:
     evaluates = request.query.get("eval") == "1"
     while True:
         event = app[CHANGED]["event"]
+        if node in app[REVOCATIONS].names:  # revoked while its poll was held
+            return error(403, "revoked", f"node {node!r} was revoked")
         work = svc.poll(node, time.monotonic(), evaluates)
         if work is not None:
             if run is not None and FEDERATION in app:  # the run's config travels with each of its tasks
@@ -677,6 +682,9 @@ async def post_upload_begin(request: web.Request) -> web.Response:
     now = time.monotonic()
     svc.seen(node, now)
     run = request.match_info.get("run", "")
+    if not svc.holds_work(node):  # a session holds a buffer: only for work the run still takes
+        svc.refused("no_task")
+        return error(409, "no_task", f"node {node!r} holds no open task in this run: ask for one first")
     try:
         session = request.app[CHUNKS].begin(
             run, node, body, svc.update_limit, now, _upload_deadline(svc, now), svc.update_stream
@@ -859,7 +867,8 @@ class _QuietBadRequests(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
         if isinstance(exc, HttpProcessingError):
-            record.msg, record.args = "malformed HTTP request answered %s: %s", (exc.code, exc.message)
+            # the parser's message quotes the raw request bytes (an Authorization header among them)
+            record.msg, record.args = "malformed HTTP request answered %s: %s", (exc.code, redact(str(exc.message)))
             record.exc_info, record.exc_text, record.stack_info = None, None, None
             record.levelno, record.levelname = logging.INFO, "INFO"
         return True
@@ -871,6 +880,7 @@ def make_app(service: ServerService, registry: Registry) -> web.Application:
     app = _base_app(service.cfg, registry, service.max_body_bytes)
     app[SERVICE] = service
     app[CLOCK] = service
+    app[REVOCATIONS].subscribe(lambda names: service.forget(set(names)))
     if service.privacy is not None:  # N of central/distributed DP: the registered nodes, checked before any round
         service.bind_registry(sum(1 for n in registry.list() if n.enabled))
     sa = service.cfg.secure_aggregation
@@ -904,6 +914,9 @@ def _base_app(cfg: Config, registry: Registry, max_body: int) -> web.Application
     app[CHANGED] = {"event": asyncio.Event(), "slots": slots, "invites": invites, "touched": {}, "uploads": {}}
     app[CHUNKS] = ChunkedUploads(cfg.server.ingest_slots)
     app[INTAKES] = weakref.WeakKeyDictionary()
+    revocations = app[REVOCATIONS] = Revocations(registry)
+    revocations.subscribe(app[CHUNKS].drop_nodes)  # a revoked node's uploads let go of their buffers
+    revocations.subscribe(lambda _names: _notify(app))  # its held long poll is answered 403 at once
     quiet = logging.getLogger("aiohttp.server")
     if not any(isinstance(f, _QuietBadRequests) for f in quiet.filters):
         quiet.addFilter(_QuietBadRequests())
@@ -935,6 +948,7 @@ def make_federation_app(federation: Federation, registry: Registry) -> web.Appli
     app = _base_app(cfg, registry, cfg.server.max_body_bytes or DEFAULT_FEDERATION_BODY)
     app[FEDERATION] = federation
     app[CLOCK] = federation
+    app[REVOCATIONS].subscribe(lambda names: federation.forget(set(names)))
     app[SUBMITTERS] = researcher_tokens(cfg)
     _node_routes(app, "/runs/{run}")
     app.router.add_get("/v1/offers", get_offers)
@@ -1051,19 +1065,28 @@ def researcher_tokens(cfg: Config) -> dict[str, str]:
     return out
 
 
+def _holds_work(app: web.Application, run: str, node: str) -> bool:
+    """``node`` holds a task of ``run`` ("" on a one-run server) whose result would be taken."""
+    if FEDERATION in app:
+        svc = app[FEDERATION].active.get(run)
+        return svc is not None and svc.holds_work(node)
+    return SERVICE in app and app[SERVICE].holds_work(node)
+
+
 async def run_clock(app: web.Application, stop: asyncio.Event) -> None:
     """Drive the service's time: open rounds when nodes are there, close them at deadlines.
     It never dies of an exception: a failing tick is logged (at most once a minute) and retried.
-    A federation also reads which nodes were revoked every REVOKED_EVERY_S, so no run selects them."""
+    It also reads which nodes were revoked every REVOKED_EVERY_S: every run drops them at once."""
     svc = app[CLOCK]
     last_logged, revoked_at = -math.inf, -math.inf
     while not stop.is_set():
         pause = 0.05
         try:
-            if FEDERATION in app and time.monotonic() - revoked_at >= REVOKED_EVERY_S:
-                app[FEDERATION].forget({n.name for n in app[REGISTRY].list() if not n.enabled})
+            if REVOCATIONS in app and time.monotonic() - revoked_at >= REVOKED_EVERY_S:
+                app[REVOCATIONS].refresh()
                 revoked_at = time.monotonic()
-            app[CHUNKS].expire(time.monotonic())  # a stalled chunked upload lets go of its buffer
+            # a stalled chunked upload, or one whose task ended, lets go of its buffer
+            app[CHUNKS].expire(time.monotonic(), lambda run, node: _holds_work(app, run, node))
             if svc.tick(time.monotonic()):
                 _notify(app)
             if svc.finished(time.monotonic()):
@@ -1088,6 +1111,7 @@ async def serve(
     """Serve until every round is done (and the nodes were told), or SIGINT/SIGTERM; a
     federation serves until SIGINT/SIGTERM. A signal stops it within SHUTDOWN_S: requests in
     flight are cut (an upload not yet applied is not applied; its node sends it again)."""
+    redact_logs()  # no token, cookie or Authorization header in any log line from here on
     stop = stop or asyncio.Event()
     on_stop_signals(stop.set)
     app = make_federation_app(service, registry) if isinstance(service, Federation) else make_app(service, registry)
@@ -1097,7 +1121,7 @@ async def serve(
     )
     await runner.setup()
     assert runner.server is not None  # made by setup()
-    listener, _cap = await listen(runner.server, s.host, s.port, ssl_context, s.max_connections)
+    listener, guard = await listen(runner.server, s, ssl_context)
     scheme = "https" if ssl_context else "http"
     if isinstance(service, Federation):
         log.info("listening on %s://%s:%d: a federation of %d runs at once", scheme, s.host, s.port, service.max_runs)
@@ -1108,6 +1132,7 @@ async def serve(
     finally:
         _notify(app)
         listener.close()  # no new connections; those open are shut down by the runner
+        guard.close()  # and those not yet through their handshake are dropped
         await runner.cleanup()
     if isinstance(service, Federation):
         log.info("stopped; runs in progress resume from their checkpoints on the next start")

@@ -12,8 +12,8 @@ memory). When the last byte arrives the whole digest is checked and the upload i
 the service, which reads it back a block at a time into the round's sum (or whole, for the
 encodings decoded whole). An upload not finished by its deadline (``server.upload_timeout_s``,
 and the open round's deadline) is dropped with its file. At most ``max_sessions`` uploads are
-open at once, one per node and run; memory is one chunk per upload being sent, whatever the
-model's size.
+open at once, one per node, each only while its node holds a task in that run; memory is one
+chunk per upload being sent, whatever the model's size.
 """
 
 from __future__ import annotations
@@ -77,8 +77,8 @@ class ChunkedUploads:
         make_stream: Callable[[int], UpdateStream],
     ) -> Session:
         """Open an upload from ``{"size": n, "sha256": hex}`` (parsed JSON); a node's earlier open
-        upload in the same run is dropped (it starts over). ``make_stream(size)``: the checker of
-        the run's updates."""
+        upload (in any run: one per node) is dropped (it starts over). ``make_stream(size)``: the
+        checker of the run's updates. The caller checked that the node holds a task in ``run``."""
         if not isinstance(obj, dict) or set(obj) != {"size", "sha256"}:
             raise ChunkError("malformed", 'send exactly {"size": bytes, "sha256": "64 hex digits"}', 400)
         size, digest = obj["size"], obj["sha256"]
@@ -89,7 +89,7 @@ class ChunkedUploads:
         if not isinstance(digest, str) or not _HEX64.fullmatch(digest):
             raise ChunkError("malformed", "sha256 must be 64 lowercase hex digits (the whole update's)", 400)
         self.expire(now)
-        mine = [s for s in self.sessions.values() if s.owner == (run, node)]
+        mine = [s for s in self.sessions.values() if s.owner[1] == node]
         if any(s.busy for s in mine):
             raise ChunkError("busy", "a chunk of this node's open upload is still being read; try again", 409)
         for s in mine:
@@ -110,6 +110,13 @@ class ChunkedUploads:
         if self.sessions.get(s.id) is s:
             del self.sessions[s.id]
         s.staged.close()
+
+    def drop_nodes(self, nodes: frozenset[str] | set[str]) -> None:
+        """Drop every upload of these nodes (revoked), unless a chunk is being read into it (that
+        request ends by itself, and the node's next one is refused)."""
+        for s in list(self.sessions.values()):
+            if s.owner[1] in nodes and not s.busy:
+                self.drop(s)
 
     def get(self, run: str, node: str, upload: str, now: float) -> Session:
         """The node's open upload (404 if it has none of that id, 410 once its deadline passed)."""
@@ -174,9 +181,14 @@ class ChunkedUploads:
             raise ChunkError("bad_digest", "the whole update does not match the SHA-256 it was opened with", 400)
         return True
 
-    def expire(self, now: float) -> int:
-        """Drop the uploads past their deadline (not those with a chunk being read: it ends by then)."""
-        late = [s for s in self.sessions.values() if now >= s.deadline and not s.busy]
+    def expire(self, now: float, holds_task: Callable[[str, str], bool] | None = None) -> int:
+        """Drop the uploads past their deadline, and with ``holds_task(run, node)`` those whose
+        node no longer holds a task in that run (not those with a chunk being read: it ends by then)."""
+        late = [
+            s
+            for s in self.sessions.values()
+            if not s.busy and (now >= s.deadline or (holds_task is not None and not holds_task(*s.owner)))
+        ]
         for s in late:
             self.drop(s)
         return len(late)

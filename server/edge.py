@@ -101,15 +101,15 @@ class EdgeRoster:
     def claim(
         self, edge: str, nodes: list[str], now: float, enrolled: Callable[[str], bool]
     ) -> tuple[list[str], dict[str, str]]:
-        """Take ``edge``'s claim on ``nodes``: the names it now holds, and why the others are refused."""
+        """Take ``edge``'s claim on ``nodes``: the names it now holds, and the others refused, all
+        with one reason (``not_claimable``: not an enrolled node, or held by another live edge), so
+        an edge's poll cannot tell which names are enrolled at the root."""
         taken: list[str] = []
         refused: dict[str, str] = {}
         for n in nodes:
             other = self.holder(n, now)
-            if not enrolled(n):
-                refused[n] = "not_enrolled"
-            elif other is not None and other != edge:
-                refused[n] = "held_by_another_edge"
+            if not enrolled(n) or (other is not None and other != edge):
+                refused[n] = "not_claimable"
             else:
                 before = self.held.get(n)
                 if before is not None and before[0] != edge:

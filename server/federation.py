@@ -133,6 +133,11 @@ def run_config(fed: Config, raw: dict[str, Any], task: str, run_dir: Path) -> Co
     server.update(checkpoint_dir=str(run_dir / "checkpoints"), out_dir=str(run_dir))
     output = {"tensorboard": fed.output.tensorboard, **raw.get("output", {})}
     data = {**copy.deepcopy(raw), "server": server, "output": output}
+    named = data.get("hierarchy", {}).get("edge_names") if isinstance(data.get("hierarchy"), dict) else None
+    if named is not None and named != list(fed.hierarchy.edge_names):  # an edge speaks for nodes: the operator's
+        raise RunError("bad_config", "hierarchy.edge_names is the federation operator's, not a run's: leave it out")
+    if isinstance(data.get("hierarchy", {}), dict):
+        data["hierarchy"] = {**data.get("hierarchy", {}), "edge_names": list(fed.hierarchy.edge_names)}
     if task != BUILTIN:
         data["task"] = {**data.get("task", {}), "app": task}
     try:

@@ -22,6 +22,7 @@ import secrets
 import sqlite3
 import stat
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -128,6 +129,10 @@ class Registry:
         if cur.rowcount == 0:
             raise ConfigError(f"no node named {name!r} (see `shoal server nodes list`)")
 
+    def revoked(self) -> frozenset[str]:
+        """The names of the revoked nodes and edges."""
+        return frozenset(r[0] for r in self.db.execute("SELECT name FROM nodes WHERE enabled = 0"))
+
     def list(self) -> list[Node]:
         rows = self.db.execute("SELECT id, name, enabled, last_seen, key_sha256 FROM nodes ORDER BY id").fetchall()
         return [Node(r[0], r[1], bool(r[2]), r[3], r[4]) for r in rows]
@@ -191,3 +196,34 @@ def _private_file(path: Path) -> None:
     if mode & 0o077:
         log.warning("%s was readable by others (mode %o); made it 0600: it says who may connect", path, mode)
         path.chmod(0o600)
+
+
+class Revocations:
+    """Revocation in one place. `shoal server nodes revoke` writes the registry (another process);
+    the server's clock calls :meth:`refresh`, and the moment a name appears every subscriber is
+    handed the whole revoked set at once: each run's service (the open round stops waiting for
+    the node, no round selects it again), the chunked uploads (its sessions are dropped), the
+    long polls (its held poll is answered 403). ``names`` is the set an edge's poll answer carries
+    down to the edge's own nodes. A revocation is never undone (a node comes back under a new name)."""
+
+    def __init__(self, registry: Registry):
+        self.registry = registry
+        self.names: frozenset[str] = registry.revoked()
+        self._subscribers: list[Callable[[frozenset[str]], None]] = []
+
+    def subscribe(self, on_revoked: Callable[[frozenset[str]], None]) -> None:
+        """Call ``on_revoked(names)`` now and whenever a name is revoked."""
+        self._subscribers.append(on_revoked)
+        if self.names:
+            on_revoked(self.names)
+
+    def refresh(self) -> frozenset[str]:
+        """Read the registry; the names revoked since the last call (each subscriber was told)."""
+        now = self.registry.revoked()
+        new = now - self.names
+        if new:
+            self.names = self.names | now
+            log.warning("revoked: %s; dropped from every open round", ", ".join(sorted(new)))
+            for on_revoked in self._subscribers:
+                on_revoked(self.names)
+        return new

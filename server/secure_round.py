@@ -158,15 +158,20 @@ class SecureRound:
         if self.stage == "advertise" and node not in self.sent["advertise"]:
             self.failed.add(node)
 
+    def drop_node(self, node: str) -> None:
+        """``node`` was revoked: no stage waits for it any more (it is a dropout, as the protocol
+        handles any; the registry refuses its requests)."""
+        self.failed.add(node)
+
     def _expected(self, stage: str) -> set[str]:
         s = self.server
         return {
-            "advertise": set(self.selected) - self.failed,
+            "advertise": set(self.selected),
             "share": set(s.u1),
             "masked": set(s.u2),
             "consistency": set(s.u3) if s.stage == "consistency" else set(),
             "unmask": set(s.u4) if s.stage == "unmask" else set(),
-        }[stage]
+        }[stage] - self.failed
 
     def _check(self, node: str, route: str, round_: Any) -> str:
         if route not in ROUTES:

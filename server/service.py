@@ -32,6 +32,7 @@ from shoal.aggregation.mean import WeightedMean
 from shoal.aggregation.secagg.encoding import FixedPoint
 from shoal.aggregation.strategy import Strategy
 from shoal.assembly import ServerParts, make_evaluator
+from shoal.async_rounds import AsyncRounds
 from shoal.client.training import LocalTrainer, summarize_means
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMismatch, UpdateRejected
@@ -343,6 +344,16 @@ class ServerService:
             self.secure_round = None
             log.info("run stopped at version %d: %s", self.version, reason)
 
+    def holds_work(self, node: str) -> bool:
+        """``node`` holds a task of this run whose result would still be taken: only such a node
+        may open a chunked upload, and the upload ends with the task."""
+        if self.done or self.stopped is not None:
+            return False
+        if self.sync is not None:
+            return self.sync.assignment(node) is not None
+        task = self.rounds.outstanding.get(node) if isinstance(self.rounds, AsyncRounds) else None
+        return task is not None and self.rounds.holds_task(node, task.version)
+
     def forget(self, nodes: set[str]) -> None:
         """Revoked nodes: no longer counted as connected, so no round selects them again; the open
         round stops waiting for their results (it closes once the others reported)."""
@@ -351,6 +362,10 @@ class ServerService:
             self.last_seen.pop(n, None)
             if r is not None and r.open and n in r.selected and n not in r.received:
                 self.refused_task[n] = (r.round, r.version)
+                if self.secure_round is not None:  # its stages stop waiting for the node (a dropout)
+                    self.secure_round.drop_node(n)
+            if isinstance(self.rounds, AsyncRounds):  # its open task closes; a later update is not_assigned
+                self.rounds.forget(n)
 
     @property
     def _prefix(self) -> str:

@@ -52,6 +52,10 @@ def with_task(set_: list[str] | None, task: str | None) -> list[str]:
 
 
 def setup_logging(verbose: bool, quiet: bool = False) -> None:
+    """Log to stderr; no token, cookie or Authorization header reaches a line (shoal/log_redaction.py)."""
+    from shoal.log_redaction import install
+
+    install()
     logging.basicConfig(
         level=logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -37,6 +37,7 @@ from cryptography.hazmat.primitives.asymmetric.types import CertificatePublicKey
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from .errors import ConfigError
+from .log_redaction import add_secret
 
 log = logging.getLogger(__name__)
 
@@ -90,9 +91,13 @@ def read_secret(path: str | Path, what: str) -> str:
     after :func:`warn_if_shared`."""
     warn_if_shared(path, what)
     try:
-        return Path(path).read_text().strip()
+        text = Path(path).read_text().strip()
     except (OSError, UnicodeDecodeError) as e:
         raise ConfigError(f"{what} {str(path)!r} cannot be read: {e}") from None
+    for word in text.split():  # a token file, or "name token" lines: no log line shows the tokens
+        if len(word) >= 20:
+            add_secret(word)
+    return text
 
 
 def _write_public(path: Path, data: bytes) -> None:

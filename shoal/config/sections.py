@@ -323,7 +323,13 @@ class ServerConfig:
     max_failed_rounds: int = 5  # a run ends after this many rounds in a row without an accepted update (0 = never)
     min_upload_rate: float = 16384.0  # bytes/s an upload must keep after upload_grace_s (408 below it; 0 = off)
     upload_grace_s: float = 5.0  # seconds an upload may send slower than min_upload_rate at first
-    max_connections: int = 1024  # open connections (TLS: ~290 KB each, plain ~8 KB); past it: 503 and closed
+    max_connections: int = 1024  # connections served at once (TLS: ~290 KB each, plain ~8 KB); past it: 503 and closed
+    # the connection guard (docs/security.md): strangers cannot hold the slots enrolled nodes need
+    reserved_connections: int = 64  # of max_connections (at most half): only for clients with a tls_client_ca cert
+    connections_per_address: int = 128  # connections served at once to one address without a client certificate
+    handshake_timeout_s: float = 5.0  # a new connection's TLS handshake and first request head must be done by then
+    max_pending_connections: int = 256  # connections still in that stage; past it the oldest is dropped
+    pending_per_address: int = 32  # of those, from one address; past it that address's oldest is dropped
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:
@@ -351,13 +357,16 @@ class ServerConfig:
             raise ConfigError(
                 f"server.max_delta_abs = {self.max_delta_abs!r} must be a finite number >= 0 (0 = no bound)"
             )
-        for key in ("body_timeout_s", "upload_timeout_s", "idle_timeout_s"):
+        for key in ("body_timeout_s", "upload_timeout_s", "idle_timeout_s", "handshake_timeout_s"):
             v = getattr(self, key)
             if not (math.isfinite(v) and v > 0):
                 raise ConfigError(f"server.{key} = {v!r} must be a finite number of seconds > 0")
         _positive("server.uploads_per_node", self.uploads_per_node)
         _positive("server.max_failed_rounds", self.max_failed_rounds, allow_zero=True)
         _positive("server.max_connections", self.max_connections)
+        for key in ("connections_per_address", "max_pending_connections", "pending_per_address"):
+            _positive(f"server.{key}", getattr(self, key))
+        _positive("server.reserved_connections", self.reserved_connections, allow_zero=True)
         for key in ("min_upload_rate", "upload_grace_s"):
             v = getattr(self, key)
             if not (math.isfinite(v) and v >= 0):

@@ -45,7 +45,7 @@ async def _scenario(tmp_path) -> None:
         works = {n: svc.poll(n, now) or {} for n in NODES}
         answer = await edge_poll(live, "edge-a", ["n0", "n1", "n2", "n3", "n4"])  # n4 is edge-b's
         assert answer["status"] == "work" and sorted(answer["tasks"]) == EDGES["edge-a"]
-        assert answer["refused"] == {"n4": "held_by_another_edge"}
+        assert answer["refused"] == {"n4": "not_claimable"}
         assert answer["tasks"]["n0"] == works["n0"]["seed"]
         async with live.session("n0") as http, http.post(live.url + "/v1/edge/poll", json={"nodes": []}) as r:
             assert r.status == 403  # a node is no edge

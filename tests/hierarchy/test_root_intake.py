@@ -110,9 +110,9 @@ def test_the_root_decides_which_edge_speaks_for_a_node(tmp_path) -> None:
     intake = PartialIntake(root)
     enrolled = {*NODES, "edge-a", "edge-b"}
     a = intake.poll("edge-a", {"nodes": ["n0", "n1", "ghost", "edge-b"]}, enrolled.__contains__, 0.0)
-    assert a["refused"] == {"ghost": "not_enrolled", "edge-b": "not_enrolled"} and a["nodes"] == 2
+    assert a["refused"] == {"ghost": "not_claimable", "edge-b": "not_claimable"} and a["nodes"] == 2
     b = intake.poll("edge-b", {"nodes": ["n1", "n2"]}, enrolled.__contains__, 0.5)
-    assert b["refused"] == {"n1": "held_by_another_edge"} and b["nodes"] == 1
+    assert b["refused"] == {"n1": "not_claimable"}  # the same reason: no enrollment is revealed and b["nodes"] == 1
     for n in NODES[3:]:
         root.seen(n, 0.5)
     assert root.tick(0.5)  # n0..n2 are connected through the edges

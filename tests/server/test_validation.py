@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from shoal.server.app import CHANGED
+from shoal.server.app import CHANGED, REVOCATIONS
 from shoal.update import Update
 from shoal.wire import encode, encode_update
 
@@ -160,6 +160,38 @@ def test_auth_unknown_is_401_and_revoked_is_403(tmp_path):
                     assert resp.status == 200
                     assert (await resp.json())["status"] == "wait"
             assert "n1" not in live.service.last_seen  # a refused request is not a sign of life
+
+    asyncio.run(asyncio.wait_for(scenario(), 30))
+
+
+def test_a_revoked_node_is_dropped_from_the_open_round_and_its_held_poll_at_once(tmp_path):
+    """Revocation in one place (server/registry.py's Revocations, which the server's clock
+    refreshes): on a one-run server a revoked node's held long poll is answered 403 at once, and
+    the open round it was selected for closes once the others reported, not at its deadline."""
+
+    async def scenario():
+        async with live_server(tmp_path, NODES, clients_per_round=2, min_nodes=3, deadline_s=600) as live:
+            svc = live.service
+            _open_round(svc)
+            victim, idle = _selected_unselected(svc)
+            other = next(n for n in sorted(svc.rounds.selected) if n != victim)
+            version = svc.version
+            async with live.session(idle) as http:
+                held = asyncio.ensure_future(http.get(live.url + "/v1/task", params={"wait": "20"}))
+                await asyncio.sleep(0.2)  # its poll is held: no work for it in this round
+                assert not held.done()
+                for n in (victim, idle):
+                    live.registry.revoke(n)
+                assert live.app[REVOCATIONS].refresh() == {victim, idle}  # what the server's clock does
+                resp = await asyncio.wait_for(held, 5)
+                assert resp.status == 403 and (await resp.json())["error"] == "revoked"
+                resp.release()
+            async with live.session(other) as http:
+                async with http.post(live.url + "/v1/update", data=_good(svc, other)) as resp:
+                    assert resp.status == 200, await resp.text()
+            svc.tick(time.monotonic())  # (the upload's own tick may have closed it already)
+            assert svc.version == version + 1  # the round did not wait 600 s for the victim
+            assert not svc.rounds.open or victim not in svc.rounds.selected
 
     asyncio.run(asyncio.wait_for(scenario(), 30))
 
