@@ -28,7 +28,7 @@ from shoal.errors import ConfigError
 from shoal.params import ParamSpec
 from shoal.rounds import Assignment
 from shoal.seeding import derive_seed
-from shoal.task import ClientData, Task, task_name
+from shoal.task import LOSS_PART, ClientData, Task, task_name, user_batches
 from shoal.update import Update
 
 if TYPE_CHECKING:
@@ -377,7 +377,9 @@ def train_batched(
     Yields (index into ``tasks``, result) in the trainer's order."""
     x, y, starts, sizes = data
     terms = program.batch_terms(global_flat, states, broadcast)
-    for j, update in batched.train(global_flat, x, y, starts, sizes, [t.seed for t in tasks], terms):
+    trained = batched.train(global_flat, x, y, starts, sizes, [t.seed for t in tasks], terms)
+    # the task's model and loss run inside (vmap over clients): their errors name the loss
+    for j, update in user_batches(program.trainer.task, trained, LOSS_PART):
         update.base_version, update.sender = tasks[j].version, tasks[j].client_id
         yield j, program.finish(update, states[j], broadcast)
 

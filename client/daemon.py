@@ -31,6 +31,7 @@ import torch
 from shoal.config import config_from_dict
 from shoal.errors import ShoalError
 from shoal.signals import on_stop_signals
+from shoal.task import UserCodeError
 
 from .http import Backoff, NodeError, Refused, Retry, ServerList, check_response, connection_problem
 from .node import Node, builtin_local_data, read_local_data
@@ -248,6 +249,13 @@ class NodeDaemon:
         try:
             await node.run(signals=False)
             log.info("%s: over for this node after %d rounds", run, node.rounds_done)
+        except UserCodeError as e:  # the task's own code raised: the run's status says so (under DP, without data)
+            log.error("%s: this node stops taking part: %s", run, e)
+            try:
+                reason = node.failed_reason or node.failure_line(e)
+                await self._answer(run, {"answer": "failed", "reason": reason[:500]})
+            except (Retry, NodeError):
+                pass
         except ShoalError as e:  # a task refused by this node's policy, or the run's config not this node's
             log.error("%s: this node stops taking part: %s", run, e)
             try:

@@ -33,7 +33,7 @@ from shoal.config import PrivacyConfig, TrainConfig
 from shoal.errors import ConfigError
 from shoal.noise import NoiseSource
 from shoal.seeding import derive_seed
-from shoal.task import Task
+from shoal.task import LOSS_PART, Task, call_part
 from shoal.update import Update
 
 log = logging.getLogger(__name__)
@@ -176,7 +176,7 @@ class DpSgdTrainer(LocalTrainer):
                 for p in self.model.parameters():
                     p.grad_sample = torch.zeros((1, *p.shape), device=p.device, dtype=p.dtype)  # type: ignore[attr-defined]  # Opacus's per-sample gradient field
             else:
-                loss = self.task.loss(self.grad_sample_module, x[idx], y[idx])
+                loss = call_part(self.task, LOSS_PART, self.task.loss, self.grad_sample_module, x[idx], y[idx])
                 loss.backward()
                 loss_sum += float(loss.detach()) * len(idx)
                 sampled += len(idx)

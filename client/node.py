@@ -55,6 +55,7 @@ from shoal.task import (
     LocalData,
     Task,
     TaskError,
+    UserCodeError,
     as_tensors,
     call_part,
     task_name,
@@ -406,6 +407,7 @@ class Node:
         self.rounds_done = 0
         self.resumed = {"upload": 0, "download": 0}  # chunked transfers that went on after a lost connection
         self.failed_tasks: set[tuple[int, int]] = set()  # (round, version): diverged or refused, not retried
+        self.failed_reason: str | None = None  # the task's own code raised: what the server was told
 
     @classmethod
     def from_config(
@@ -557,6 +559,9 @@ class Node:
                 result = await asyncio.to_thread(self.program.local, self.train, assignment, on_disk, state, broadcast)
             else:
                 result = await asyncio.to_thread(self.program.fit, self.train, assignment, params, state, broadcast)
+        except UserCodeError as e:  # the task's own code raised: the server hears of it, this node stops
+            await self._user_code_failed(task, e)
+            raise
         except KeyError as e:  # the algorithm's broadcast did not come with the model
             raise NodeError(
                 f"algorithm.name = {self.program.name!r} needs {e} with the model, and the server sent none: "
@@ -599,6 +604,17 @@ class Node:
         if accepted and self.program.settles:  # SCAFFOLD: c_i moves only when the server took Delta c_i
             self.states.put(self.name, result.state)
 
+    def failure_line(self, e: UserCodeError, task: dict | None = None) -> str:
+        """What this node tells the server of its task's failure: the whole line, or under DP (this
+        node's own, or the run's) only the task's part and the exception's type, nothing of the data."""
+        private = self.privacy is not None or (task or {}).get("privacy") is not None
+        return e.public() if private else str(e)
+
+    async def _user_code_failed(self, task: dict, e: UserCodeError) -> None:
+        """The task's own code raised in a round: the server stops waiting for this node's update."""
+        self.failed_reason = self.failure_line(e, task)
+        await self._failed(task, "failed", self.failed_reason)
+
     async def _failed(self, task: dict, reason: str, detail: str) -> None:
         """This task failed here: one line, the server told (POST /v1/failed, docs/protocol.md),
         and the task is remembered so that it is not trained again."""
@@ -607,6 +623,8 @@ class Node:
         where = f"run {run}, round {round_}" if run else f"round {round_}"
         if reason == "diverged":
             log.warning("training diverged in %s: %s; not uploading", where, detail)
+        elif reason == "failed":
+            log.error("the task failed in %s: %s", where, detail)
         else:
             log.warning("task of %s refused by this node's policy: %s", where, detail)
         self.failed_tasks.add((round_, version))

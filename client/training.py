@@ -26,6 +26,7 @@ from shoal.config import TrainConfig
 from shoal.params import ParamSpec, bind_module, trainable_mask
 from shoal.seeding import derive_seed
 from shoal.task import (
+    LOSS_PART,
     ClientData,
     Task,
     TaskError,
@@ -34,6 +35,7 @@ from shoal.task import (
     num_examples,
     split_batch,
     task_name,
+    user_batches,
 )
 from shoal.update import Update
 
@@ -230,7 +232,7 @@ class LocalTrainer:
 
         def batches():
             for _ in range(epochs):
-                for batch in loader:
+                for batch in user_batches(task, loader):
                     yield split_batch(task.to_device(batch, self.device))
 
         return self._run(global_flat, batches(), n, base_version, sender, objective)
@@ -277,7 +279,7 @@ class LocalTrainer:
                 break
             grad.zero_()
             with autocast(self.device, cfg.precision):
-                loss = task.loss(model, xb, yb)
+                loss = call_part(task, LOSS_PART, task.loss, model, xb, yb)
             loss.float().backward()
             if obj.correction is not None:
                 grad.add_(self._masked(obj.correction))
@@ -329,7 +331,7 @@ class LocalTrainer:
         try:
             for xb, yb in batches:
                 with autocast(self.device, cfg.precision):
-                    loss = task.loss(model, xb, yb)
+                    loss = call_part(task, LOSS_PART, task.loss, model, xb, yb)
                 loss.float().backward()
                 loss_sum += loss.detach().float()
                 steps += 1
@@ -423,7 +425,7 @@ class LocalTrainer:
                 collate_fn=task.collate_fn,
                 generator=torch.Generator().manual_seed(0),
             )  # leaves the global RNG alone
-            out = self._evaluate(params, loader, summarize)
+            out = self._evaluate(params, user_batches(task, loader), summarize)
         return {**out, "num_examples": float(num_examples(data))}
 
     def _evaluate(self, params: torch.Tensor, batches, summarize: bool = True) -> dict[str, float]:

@@ -66,6 +66,9 @@ RUN_OUTPUT_KEYS = frozenset({"tensorboard"})
 BUILTIN = "builtin"  # --task builtin: shoal's own task of [model] + [data]
 MAX_RUN_CONFIG_BYTES = 64 * 1024
 _RUN_ID = re.compile(r"run-[0-9]{1,9}")
+#: A node's answer to a run: it takes part, it refuses (its operator's policy), or the task's own
+#: code raised on it (its model, loss, data or metrics: client/node.py) and it left the run.
+ANSWERS = ("joined", "refused", "failed")
 
 
 class RunError(ShoalError):
@@ -253,7 +256,7 @@ class Federation:
                 continue
             row = self.db.get(run_id)
             answer = self.db.answers(run_id).get(node, {})
-            if row is None or (answer.get("answer") == "refused" and not answer.get("temporary")):
+            if row is None or (answer.get("answer") in ("refused", "failed") and not answer.get("temporary")):
                 continue
             out.append(self._offer(row, svc))
         return out
@@ -276,26 +279,29 @@ class Federation:
         row = self._row(run_id)
         if (
             not isinstance(body, dict)
-            or body.get("answer") not in ("joined", "refused")
+            or body.get("answer") not in ANSWERS
             or set(body) - {"answer", "reason", "temporary"}
         ):
             raise RunError(
                 "malformed",
-                'send {"answer": "joined"} or {"answer": "refused", "reason": "...", "temporary": false}',
+                'send {"answer": "joined"}, {"answer": "refused", "reason": "...", "temporary": false} '
+                'or {"answer": "failed", "reason": "..."}',
             )
         reason, temporary = body.get("reason", ""), body.get("temporary", False)
         if not isinstance(reason, str) or len(reason) > 500 or not reason.isprintable():
             raise RunError("malformed", "reason must be printable text of at most 500 characters")
         if not isinstance(temporary, bool) or (temporary and body["answer"] != "refused"):
             raise RunError("malformed", "temporary is true or false, and only a refusal is temporary")
-        if body["answer"] == "refused" and not reason:
-            raise RunError("malformed", "a refusal needs its reason")
+        if body["answer"] != "joined" and not reason:
+            raise RunError("malformed", f"answer {body['answer']!r} needs its reason")
         stored = "deferred" if temporary else body["answer"]
         self.db.answer(row.id, node, stored, reason, time.time())
         svc = self.active.get(run_id)
-        if stored == "refused" and svc is not None:  # it left the run: no later round selects or waits for it
+        if stored in ("refused", "failed") and svc is not None:  # it left the run: no round selects or waits for it
             svc.forget({node})
-        if body["answer"] == "refused":
+        if body["answer"] == "failed":
+            log.warning("%s: the task failed on node %s: %s", run_id, node, reason)
+        elif body["answer"] == "refused":
             log.info("%s: node %s refused it%s: %s", run_id, node, " for now" if temporary else "", reason)
         return {"run": run_id, "answer": body["answer"], **({"temporary": True} if temporary else {})}
 

@@ -226,8 +226,18 @@ def main() -> None:
     try:
         app()
     except ShoalError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print_error(e)
         sys.exit(2)
+
+
+def print_error(e: ShoalError) -> None:
+    """``error: <one line>`` on stderr; with ``-v``/``--verbose`` first the traceback of what the
+    user's code raised (a UserCodeError's cause), which the one line names."""
+    if {"-v", "--verbose"} & set(sys.argv[1:]) and e.__cause__ is not None:
+        import traceback
+
+        traceback.print_exception(e.__cause__, file=sys.stderr)
+    print(f"error: {e}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ import importlib.util
 import inspect
 import logging
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -367,18 +367,81 @@ def task_name(task: Task) -> str:
 # --- checks: one clear line instead of a traceback deep inside training ------------------
 
 
+LOSS_PART = "loss(model, x, y)"
+
+
+class UserCodeError(TaskError):
+    """The user's task code raised: ``part`` names which call (``loss(model, x, y)``, ``dataset[i]``,
+    ``metrics(model, x, y)``, ...), ``exc_type`` the exception's class. :meth:`public` is what may
+    leave a node whose data is protected by DP: the part and the type, never the message (it can
+    quote a label, a file name, a value of the data)."""
+
+    def __init__(self, message: str, task: str, part: str, exc_type: str):
+        super().__init__(message)
+        self.task, self.part, self.exc_type = task, part, exc_type
+
+    def public(self) -> str:
+        return f"task {self.task}: {self.part} raised {self.exc_type}"
+
+
+def fix_hint(part: str, e: BaseException) -> str:
+    """A fix for the commonest mistakes at each part, read off the exception (empty: none known)."""
+    text = str(e)
+    if "out of bounds" in text and ("Target" in text or part.startswith(("loss", "metrics"))):
+        return "the model gives fewer outputs (classes) than the labels need: give model() one output per class"
+    if isinstance(e, RuntimeError) and ("shape" in text or "size" in text) and part.startswith(("loss", "metrics")):
+        return "the model's output and the targets do not fit: check model()'s last layer and the labels' shape"
+    if part.startswith(("dataset", "data", "collat")):
+        return "one of the data's items cannot be read or collated: check the Dataset's __getitem__ and the files"
+    return ""
+
+
+def user_error(task: Task, part: str, e: BaseException, fix: str = "") -> UserCodeError:
+    """The one line for an exception the user's code raised in ``part``, with the fix hint."""
+    hint = fix or fix_hint(part, e)
+    name = task_name(task)
+    if isinstance(e, NotImplementedError):
+        msg = f"task {name}: {part} is not implemented"
+    else:
+        lines = str(e).strip().splitlines()
+        # a DataLoader worker's exception carries the worker's traceback: its last line is the error
+        first = (lines[-1] if "Original Traceback" in str(e) else lines[0]) if lines else ""
+        first = first[:300].rstrip(".")  # the fix follows after "; "
+        msg = f"task {name}: {part} failed: {type(e).__name__}{': ' + first if first else ''}"
+    err = UserCodeError(msg + (f"; {hint}" if hint else ""), name, part, type(e).__name__)
+    err.__cause__ = e  # kept for `-v` (the CLI prints the traceback then), never printed otherwise
+    err.__suppress_context__ = True
+    return err
+
+
 def call_part(task: Task, part: str, fn: Callable[..., Any], *args: Any, fix: str = "") -> Any:
-    """Call one part of the user's task; an exception becomes a TaskError naming task and part."""
+    """Call one part of the user's task; an exception becomes a UserCodeError naming task and part.
+
+    Every call shoal makes into a task's code goes through here (or :func:`user_batches` for the
+    data), so a user's mistake is one line in every job: simulate, the sweep, a node, a peer."""
     try:
         return fn(*args)
     except ShoalError:
         raise
-    except NotImplementedError:
-        raise TaskError(f"task {task_name(task)}: {part} is not implemented{'; ' + fix if fix else ''}") from None
     except Exception as e:
-        raise TaskError(
-            f"task {task_name(task)}: {part} failed: {type(e).__name__}: {e}{'; ' + fix if fix else ''}"
-        ) from None
+        raise user_error(task, part, e, fix) from e
+
+
+def user_batches(task: Task, batches: Iterable[Any], part: str = "data (dataset[i] / collate_fn)") -> Iterator[Any]:
+    """``batches`` (a DataLoader over the task's Dataset), each failure of the user's
+    ``__getitem__`` or ``collate_fn`` a UserCodeError naming the data (or ``part``: any iteration
+    that runs the task's code, such as the batched trainer's steps)."""
+    it = iter(batches)
+    while True:
+        try:
+            batch = next(it)
+        except StopIteration:
+            return
+        except ShoalError:
+            raise
+        except Exception as e:
+            raise user_error(task, part, e) from e
+        yield batch
 
 
 def make_model(task: Task, seed: int | None = None) -> nn.Module:

@@ -32,7 +32,7 @@ from shoal.assembly import task_from_config, task_label
 from shoal.config import Config, PrivacyMode
 from shoal.errors import ConfigError, ShoalError
 from shoal.seeding import derive_seed
-from shoal.task import SimulationData, Task
+from shoal.task import SimulationData, Task, UserCodeError
 
 from .canary_audit import AuditTooSmall, run_canary_audit
 from .client_data import load_simulation_data
@@ -233,6 +233,8 @@ def run_privacy_sweep(cfg: Config, out_dir: str | Path) -> list[dict[str, Any]]:
             log.info("privacy-sweep: setting %d of %d: %s z=%g (%s)", i, len(grid), mode, z, where)
             try:
                 row = run_setting(cfg, data, mode, z, where, task, metric, _round_status(bar, mode, z, cfg))
+            except UserCodeError:  # the task's own code raised: every setting would, so the sweep stops with it
+                raise
             except (ShoalError, RuntimeError, ValueError, ArithmeticError) as e:
                 reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
                 log.warning("%s z=%g failed, the sweep goes on: %s", mode, z, reason)
