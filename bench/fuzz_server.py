@@ -13,6 +13,15 @@ they were unchanged from first to last, and the version a legitimate round reach
 Then two timed cases: `wait=nan` (answered at once) and upload slots held by clients that send
 headers with `Expect: 100-continue` and no body (a good upload goes through; each holder is
 answered 408 within server.body_timeout_s).
+
+With ``--insiders N``: N requests from insiders (tests/server/insider_fuzz.py says what is drawn):
+a researcher submitting runs with unregistered task references and configs below the floors,
+reading and stopping another researcher's run; nodes without a task opening chunked uploads; an
+edge claiming names that are no enrolled node; each credential on another role's routes. Per
+category: requests, answers of 5xx, hostile requests accepted, requests after which the state
+differed.
+
+    .venv/bin/python bench/fuzz_server.py --insiders 3000 --modes none
 """
 
 from __future__ import annotations
@@ -30,6 +39,29 @@ sys.path.insert(0, str(ROOT))
 
 from tests.server.fuzz import FUZZERS, MODES, Request, ServerThread, prepare, raw_request, run_mode  # noqa: E402
 from tests.server.hostile import good_update  # noqa: E402
+from tests.server.insider_fuzz import fuzz as fuzz_insiders  # noqa: E402
+from tests.server.insider_fuzz import insider_federation  # noqa: E402
+
+
+def insiders(tmp: Path, requests: int) -> None:
+    """The insider fuzzer's table (see the module doc)."""
+    import asyncio
+
+    async def main():
+        async with insider_federation(tmp) as ins:
+            return await fuzz_insiders(ins, batches=max(1, requests // 50), batch=50)
+
+    t0 = time.perf_counter()
+    figures = asyncio.run(main())
+    print(f"{'insiders':10} {'requests':>9} {'5xx':>5} {'accepted':>9} {'state changed':>14}  status counts")
+    for category, f in figures.items():
+        print(
+            f"{category:10} {f.requests:>9} {f.five_xx:>5} {f.accepted:>9} {f.state_changed:>14}  "
+            f"{dict(sorted(f.status.items()))}"
+        )
+        for e in f.examples:
+            print("  example:", e)
+    print(f"({time.perf_counter() - t0:.0f} s)")
 
 
 def timed_cases(tmp: Path) -> dict:
@@ -90,9 +122,15 @@ def timed_cases(tmp: Path) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--requests", type=int, default=10_000, help="per mode (a multiple of 50)")
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--modes", default=",".join(MODES), help="comma-separated, or none")
+    ap.add_argument("--insiders", type=int, default=0, help="requests of the insider fuzzer (0: not run)")
     args = ap.parse_args()
     rows = []
+    if args.insiders:
+        with tempfile.TemporaryDirectory() as tmp:
+            insiders(Path(tmp), args.insiders)
+    if args.modes == "none":
+        return
     with tempfile.TemporaryDirectory() as tmp:
         for mode in args.modes.split(","):
             (Path(tmp) / mode).mkdir()

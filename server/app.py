@@ -326,7 +326,7 @@ async def _read_into(request: web.Request, view: memoryview, length: int, first:
     server.body_timeout_s, the whole body by server.upload_timeout_s and by the open round's
     deadline (a held buffer never outlives its round), and after server.upload_grace_s the
     bytes so far must keep server.min_upload_rate (a slow drip cannot hold a buffer)."""
-    svc = _svc(request)
+    svc, node = _svc(request), request[NODE]
     s = svc.cfg.server
     loop = asyncio.get_running_loop()
     start = loop.time()
@@ -366,6 +366,17 @@ async def _read_into(request: web.Request, view: memoryview, length: int, first:
                 "too_slow",
                 f"upload sent {got} bytes in {elapsed:.1f} s, below server.min_upload_rate = "
                 f"{s.min_upload_rate:g} bytes/s after the {s.upload_grace_s:g} s grace",
+                close=True,
+            )
+        horizon = svc.upload_horizon(node, time.monotonic()) if got and elapsed > s.upload_grace_s else None
+        if horizon is not None and (length - got) * elapsed / got > horizon:
+            svc.refused("too_slow")
+            raise Refusal(
+                408,
+                "too_slow",
+                f"at {got / elapsed:.0f} bytes/s this upload ends after its task is more than "
+                f"asynchronous.max_staleness versions old (in about {max(horizon, 0.0):.1f} s at the recent pace "
+                "of versions), when it would be refused: ask for a new task, or send faster",
                 close=True,
             )
         if now >= deadline:

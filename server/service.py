@@ -271,6 +271,7 @@ class ServerService:
         # the server process's CPU seconds and resident MB (a version's record has its share since the last)
         self.process_usage: Callable[[], tuple[float, float]] = process_usage
         self._last_version: tuple[float, float] | None = None  # (now, CPU seconds) at the last version
+        self.version_interval: float | None = None  # seconds between versions, smoothed (async uploads' horizon)
         if cfg.secure_aggregation.enabled and s.clients_per_round:  # the headroom check, before any round
             FixedPoint(
                 cfg.secure_aggregation.clip,
@@ -355,6 +356,19 @@ class ServerService:
         task = self.rounds.outstanding.get(node) if isinstance(self.rounds, AsyncRounds) else None
         return task is not None and self.rounds.holds_task(node, task.version)
 
+    def upload_horizon(self, node: str, now: float) -> float | None:
+        """Async rounds: the seconds left before ``node``'s open task is more than
+        ``asynchronous.max_staleness`` versions old, at the recent pace of versions; an upload that
+        cannot finish by then holds a body buffer for an update that will be refused. None where
+        no bound is known (sync rounds, no task, no staleness bound, no version made yet)."""
+        if not isinstance(self.rounds, AsyncRounds) or self.version_interval is None or self._last_version is None:
+            return None
+        task = self.rounds.outstanding.get(node)
+        if task is None or self.rounds.max_staleness is None:
+            return None
+        versions_left = self.rounds.max_staleness - (self.rounds.version - task.version) + 1
+        return versions_left * self.version_interval - (now - self._last_version[0])
+
     def forget(self, nodes: set[str]) -> None:
         """Revoked nodes: no longer counted as connected, so no round selects them again; the open
         round stops waiting for their results (it closes once the others reported)."""
@@ -382,6 +396,8 @@ class ServerService:
         out = {"server_rss_mb": round(rss, 1)}
         if since is not None:
             out["server_round_s"] = round(now - since, 4)
+            dt = max(now - since, 0.0)
+            self.version_interval = dt if self.version_interval is None else 0.8 * self.version_interval + 0.2 * dt
         if cpu_then is not None:
             out["server_cpu_s"] = round(cpu - cpu_then, 4)
         return out

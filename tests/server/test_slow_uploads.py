@@ -82,3 +82,25 @@ def test_a_held_buffer_never_outlives_the_round_deadline(tmp_path):
             assert svc.counters.accepted == 0 and svc.version == 0
 
     asyncio.run(main())
+
+
+@pytest.mark.timeout(60)
+def test_an_async_upload_that_cannot_finish_before_its_task_is_too_stale_is_cut(tmp_path):
+    """Async rounds: an upload above server.min_upload_rate, but at a rate that ends after its task
+    is asynchronous.max_staleness versions old at the recent pace of versions, is cut after the
+    grace (it would hold a buffer for an update that will be refused)."""
+
+    async def main():
+        server = {"mode": "async", "min_upload_rate": 100.0, "upload_grace_s": 0.5, "min_nodes": 1}
+        sections = {"asynchronous": {"algorithm": "fedbuff", "buffer_size": 2, "max_staleness": 2}}
+        async with live_server(tmp_path, ["n0"], sections=sections, **server) as live:
+            svc = live.service
+            assert svc.poll("n0", time.monotonic())["status"] == "work"  # n0 holds a task
+            assert svc.upload_horizon("n0", time.monotonic()) is None  # no version made yet: no pace known
+            svc.version_interval, svc._last_version = 0.05, (time.monotonic(), 0.0)  # versions 20 a second
+            body = good_update(svc, "n0")
+            status, out, _ = await _drip(live.url, live.tokens["n0"], body, every_s=0.25, step=64)  # 256 B/s
+            assert (status, out["error"]) == (408, "too_slow") and "max_staleness" in out["detail"], out
+            assert svc.counters.rejected.get("too_slow") == 1 and svc.counters.accepted == 0
+
+    asyncio.run(main())
