@@ -27,6 +27,14 @@ N(0, z² C²) without any party seeing a less noisy value (docs/privacy.md). The
 divides (``DPMean`` with ``clip_norm=None`` and ``share_noise=(z, C)``); should fewer than t
 shares reach a sum taken in the clear, it adds the missing variance itself.
 
+The count does not show in the noise: with secure aggregation n survivors (t <= n <= K_max)
+put n z²C²/t on the sum, so over d coordinates its variance would tell every recipient n. The
+round's ``cohort`` K_max (the most summands a round is encoded for; a round with more is
+aborted) makes the server top the sum up to K_max z²C²/t, the same for every n: the released
+model's noise no longer depends on who took part. The top-up protects the released model's
+recipients, not against the server, which drew it (the server knows n anyway: it ran the
+protocol with the survivors); against the server only the t shares count.
+
 Empty rounds: with Poisson sampling a round may select nobody; the DP mean then releases its
 noise alone (McMahan et al. 2018, Algorithm 1 does the same), so an empty round is not told
 apart by what it releases.
@@ -66,8 +74,12 @@ def make_generator(device: torch.device | str, seed: int | None) -> Noise:
 
 
 def clip_to_norm(delta: torch.Tensor, clip_norm: float) -> tuple[torch.Tensor, float]:
-    """``delta * min(1, C / ||delta||)`` (a new tensor) and the norm before clipping."""
+    """``delta * min(1, C / ||delta||)`` (a new tensor) and the norm before clipping. An update with a
+    NaN or infinite entry becomes 0: the clip is then defined for every input (its sensitivity stays
+    C), so what DP releases never depends on whether one client's training went non-finite."""
     norm = float(torch.linalg.vector_norm(delta.double()))
+    if not math.isfinite(norm):
+        return torch.zeros_like(delta), norm
     scale = min(1.0, clip_norm / norm) if norm > 0 else 1.0
     return delta * scale, norm
 
@@ -102,6 +114,13 @@ def noise_share(
 def share_std(clip_norm: float, noise_multiplier: float, shares: int) -> float:
     """z C / sqrt(t): the std of one client's noise share when t shares make the sum's N(0, z²C²)."""
     return noise_multiplier * clip_norm / math.sqrt(shares)
+
+
+def cohort_cap(n: int, k: int) -> int:
+    """K_max, the most clients a Poisson round (mean k of n) is encoded for and its noise topped up to:
+    k + 7 sqrt(k) + 7, at most n. P(Binomial(n, k/n) above it) < 1e-9; a round that draws more is
+    aborted (a sampling event, docs/privacy.md)."""
+    return min(n, int(k + 7 * math.sqrt(k) + 7))
 
 
 @dataclass
@@ -154,6 +173,7 @@ class DPMean:
             raise ValueError("share_noise is for distributed DP, where the clients clip (clip_norm=None)")
         self.share_noise = share_noise
         self.shares = max(1, round(expected_clients))  # t: overwritten each round by expect_shares
+        self.cohort = 0  # K_max the released noise is topped up to (0: z²C², t shares in the clear)
         self._share_var = 0.0
         self.numel = numel
         self.clip_norm = clip_norm
@@ -172,11 +192,24 @@ class DPMean:
     def device(self) -> torch.device:
         return self._sum.device
 
-    def expect_shares(self, t: int) -> None:
-        """Distributed DP: each client of this round adds N(0, z²C²/t)."""
+    def expect_shares(self, t: int, cohort: int = 0) -> None:
+        """Distributed DP: each client of this round adds N(0, z²C²/t). ``cohort`` = K_max >= t (secure
+        aggregation): the released sum is topped up to K_max z²C²/t, whatever the survivors' count."""
         if t < 1:
             raise ValueError(f"t = {t} noise shares: must be >= 1")
+        if cohort and cohort < t:
+            raise ValueError(f"cohort = {cohort} is below t = {t} noise shares")
         self.shares = int(t)
+        self.cohort = int(cohort)
+
+    @property
+    def released_share_var(self) -> float:
+        """Distributed DP: the noise variance the released sum carries, n-independent: z²C², or
+        K_max z²C²/t with a cohort (the module doc)."""
+        if self.share_noise is None:
+            return 0.0
+        z, c = self.share_noise
+        return (z * c) ** 2 * max(1.0, self.cohort / self.shares if self.cohort else 1.0)
 
     @property
     def releases_noise(self) -> bool:
@@ -213,12 +246,13 @@ class DPMean:
         self.count += 1
 
     def missing_share_std(self) -> float:
-        """Distributed DP: the std the sum still lacks to carry N(0, z²C²) (0 when t shares arrived)."""
+        """Distributed DP: the std the sum still lacks to carry :attr:`released_share_var` (0 when the
+        shares that arrived carry it: t of them in the clear, K_max with a cohort)."""
         if self.share_noise is None:
             return 0.0
-        z, c = self.share_noise
-        missing = (z * c) ** 2 - self._share_var
-        return math.sqrt(missing) if missing > 1e-9 * (z * c) ** 2 else 0.0
+        target = self.released_share_var
+        missing = target - self._share_var
+        return math.sqrt(missing) if missing > 1e-9 * target else 0.0
 
     def mean(self) -> torch.Tensor:
         """(Σ clipped + N(0, z_Δ² C²)) / m as float32; then the adaptive clip update.
@@ -232,9 +266,11 @@ class DPMean:
         missing = self.missing_share_std()
         if missing > 0:
             log.info(
-                "distributed DP: %d noise shares of 1/%d reached the sum; the server adds the missing N(0, %.4g^2)",
+                "distributed DP: %d noise shares of 1/%d reached the sum; the server tops it up to %d shares "
+                "with N(0, %.4g^2)",
                 self.count,
                 self.shares,
+                max(self.cohort, self.shares),
                 missing,
             )
             total = total + gaussian(self.numel, missing, self._gen, torch.float64, self.device)

@@ -78,6 +78,7 @@ NOT_CURVES = frozenset(
         "epsilon",
         "epsilon_next",
         "epsilon_node",
+        "epsilon_server",
         "target_epsilon",
         "delta",
         "sampling_rate",
@@ -195,6 +196,7 @@ def curves(records: list[dict[str, Any]], x: str = "version") -> dict[str, Any]:
     record has no point there), epsilon with its target, and participation per version."""
     metrics: dict[str, list[list[float]]] = {}
     epsilon: list[list[float]] = []
+    against_server: list[list[float]] = []  # epsilon against the server itself, where noise protects against it
     participation: dict[str, list[list[float]]] = {"num_results": [], "num_late": []}
     target = None
     mode = None  # the run's privacy mode: a local-DP run whose nodes keep their epsilons has no points
@@ -211,6 +213,8 @@ def curves(records: list[dict[str, Any]], x: str = "version") -> dict[str, Any]:
                 metrics.setdefault(key, []).append([at, v])
         if _number(rec.get("epsilon")):
             epsilon.append([at, rec["epsilon"]])
+        if _number(rec.get("epsilon_server")):
+            against_server.append([at, rec["epsilon_server"]])
         if _number(rec.get("target_epsilon")):
             target = rec["target_epsilon"]
         if rec.get("privacy_mode") in ("central", "distributed", "local"):
@@ -218,7 +222,7 @@ def curves(records: list[dict[str, Any]], x: str = "version") -> dict[str, Any]:
     return {
         "x": x,
         "metrics": dict(sorted(metrics.items())),
-        "epsilon": {"points": epsilon, "target": target, "mode": mode},
+        "epsilon": {"points": epsilon, "server": against_server, "target": target, "mode": mode},
         "participation": participation,
     }
 
@@ -254,6 +258,8 @@ def run_summary(svc: Any, now: float) -> dict[str, Any]:
     }
     if svc.privacy is not None:
         out["epsilon"] = svc.privacy.epsilon
+        sv = svc.privacy.server_view
+        out["epsilon_server"] = sv.epsilon if sv is not None else None
         out["target_epsilon"] = svc.privacy.p.target_epsilon or None
     if svc.stop_reason:
         out["reason"] = svc.stop_reason

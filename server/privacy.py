@@ -21,7 +21,9 @@ fixed-point range check of aggregation.secagg.encoding.
 * ``distributed``: each node clips and adds N(0, z²C²/t). With secure aggregation t is
   the fewest survivors the protocol accepts for a round of K (raised by
   ``privacy.min_survivors``), and the round is aborted before any unmasking share is
-  asked for when fewer than t masked inputs arrived (:meth:`ServerPrivacy.check_survivors`);
+  asked for when fewer than t masked inputs arrived (:meth:`ServerPrivacy.check_survivors`),
+  or more than K_max (``aggregation.dp.cohort_cap``: a Poisson draw that far above K); the DP
+  mean tops the sum up to K_max shares, so the released noise does not tell the count;
   in the clear t is the number the round selected and the server adds what a missing
   share lacked (``DPMean.missing_share_std``).
 * ``local``: each node trains with DP-SGD and reports its own epsilon with its update
@@ -47,12 +49,13 @@ from shoal.accounting import (
     DdgRoundAccountant,
     LedgerMismatch,
     RoundAccountant,
+    ServerViewAccountant,
     check_delta_against,
     dp_sgd_schedule,
 )
 from shoal.accounting import epsilon as dp_epsilon
 from shoal.aggregation.discrete_gaussian import DdgParams, plan
-from shoal.aggregation.dp import DPMean, make_dp_strategy, share_std
+from shoal.aggregation.dp import DPMean, cohort_cap, make_dp_strategy, share_std
 from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer
 from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range
 from shoal.aggregation.strategy import Strategy
@@ -181,6 +184,7 @@ class ServerPrivacy:
         if self.plan.client_shares and self.secure:
             self.noise_shares = secure_noise_shares(cfg, self.k)
         self.round_shares = 0  # t of the open round (in the clear: the nodes it selected)
+        self.cohort = 0  # secure distributed DP: K_max, the shares the released sum is topped up to (bind)
         self.registered: int | None = None
         self.q: float | None = None
         self.accountant: RoundAccountant | DdgRoundAccountant | None = None
@@ -191,6 +195,9 @@ class ServerPrivacy:
         self.stopped: str | None = None
         self._saved_q: float | None = None
         self._saved_ledger: dict | None = None
+        # epsilon against the server itself (distributed DP under secure aggregation; bind)
+        self.server_view: ServerViewAccountant | None = None
+        self._saved_server_view: dict | None = None
 
     # --- set-up ----------------------------------------------------------------------
 
@@ -215,6 +222,8 @@ class ServerPrivacy:
         except ValueError as e:
             raise ConfigError(str(e)) from None
         self.registered = registered
+        if self.noise_shares:
+            self.cohort = max(cohort_cap(registered, self.k), self.noise_shares)
         q = self.k / registered
         if self._saved_q is not None and not math.isclose(self._saved_q, q):
             log.warning(
@@ -229,6 +238,7 @@ class ServerPrivacy:
             q = self._saved_q
         self.q = q
         clip: float | str = "adaptive" if p.adaptive_clipping else float(p.clip_norm)
+        ddg: dict | None = None
         if p.mechanism == "discrete_gaussian":  # nodes add integer noise while encoding, sized for t
             self.ddg = plan(
                 self.numel, p.clip_norm, p.noise_multiplier, self.noise_shares, max(registered, self.noise_shares),
@@ -239,6 +249,7 @@ class ServerPrivacy:
         else:
             # z_eff when the rounds' figures are released noised too (PrivacyPlan.accounted_z)
             self.accountant = self.plan.round_accountant(q, sampling="poisson", clip=clip)
+        self.server_view = self.plan.server_view_accountant(ddg)
         self._restore_ledger()  # a restart: earlier rounds as they ran, whatever z is now
         if self.accountant.rounds != self.rounds_charged:
             raise ConfigError(
@@ -316,9 +327,11 @@ class ServerPrivacy:
             assert self.accountant is not None, "bind() before the first round"
             self.rounds_charged += 1
             self.accountant.record_round(selected)
+            if self.server_view is not None:  # the server chose these: against it, no amplification
+                self.server_view.record_round(selected)
         if self.plan.client_shares:
             self.round_shares = self.noise_shares or max(1, len(selected))
-            self.aggregator.expect_shares(self.round_shares)
+            self.aggregator.expect_shares(self.round_shares, self.cohort)
 
     def check_survivors(self, survivors: int, round_: int) -> None:
         """Secure distributed DP: before any unmasking share is asked for, the sum must hold
@@ -327,6 +340,11 @@ class ServerPrivacy:
             raise SecAggAborted(
                 f"round {round_}: {survivors} masked inputs, fewer than the t = {self.noise_shares} "
                 "noise shares distributed DP needs for N(0, z^2 C^2) on the sum; not unmasking"
+            )
+        if self.cohort and survivors > self.cohort:
+            raise SecAggAborted(
+                f"round {round_}: {survivors} masked inputs, more than the K_max = {self.cohort} shares the "
+                "released noise is topped up to (the count would show in it); not unmasking"
             )
 
     def task_info(self) -> dict[str, Any]:
@@ -489,6 +507,7 @@ class ServerPrivacy:
         }
         if self.user_level:
             out.update(sampling="poisson", sampling_rate=self.q, rounds_charged=self.rounds_charged)
+            out.update(self.plan.server_view_fields(self.server_view))
             if self.p.adaptive_clipping:
                 out["clip_norm"] = self.clip_norm
         elif not self.reports_withheld:
@@ -531,6 +550,13 @@ class ServerPrivacy:
                 "# TYPE shoal_privacy_target_epsilon gauge",
                 f"shoal_privacy_target_epsilon {self.p.target_epsilon}",
             ]
+        if self.server_view is not None:
+            lines += [
+                "# HELP shoal_privacy_epsilon_server Epsilon against the server itself (no amplification by the "
+                "sample it chose; the worst node's).",
+                "# TYPE shoal_privacy_epsilon_server gauge",
+                f"shoal_privacy_epsilon_server {self.server_view.epsilon}",
+            ]
         if self.user_level:
             lines += [
                 "# HELP shoal_privacy_rounds_charged_total Rounds the accountant charged (every round that started).",
@@ -568,11 +594,20 @@ class ServerPrivacy:
             out["accountant"] = self.accountant.state_dict()
         elif self._saved_ledger is not None:
             out["accountant"] = self._saved_ledger
+        if self.server_view is not None:
+            out["server_view"] = self.server_view.state_dict()
+        elif self._saved_server_view is not None:
+            out["server_view"] = self._saved_server_view
         return out
 
     def _restore_ledger(self) -> None:
         """Charged rounds of a saved ledger into the accountant, once both exist (ConfigError if damaged,
         or charged with another mechanism: then the message says what it recorded and what to do)."""
+        if self.server_view is not None and self._saved_server_view is not None:
+            try:
+                self.server_view.load_state_dict(self._saved_server_view)
+            except (ValueError, TypeError, AttributeError) as e:
+                raise ConfigError(f"the privacy ledger in server.checkpoint_dir is damaged: {e}") from None
         if self.accountant is None or self._saved_ledger is None:
             return
         try:
@@ -594,4 +629,5 @@ class ServerPrivacy:
         if state.get("clip_norm") is not None and self.user_level:
             self.aggregator.clip_norm = float(state["clip_norm"])
         self._saved_ledger = state.get("accountant")
+        self._saved_server_view = state.get("server_view")
         self._restore_ledger()

@@ -37,7 +37,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.accounting import DdgRoundAccountant, LocalDpSgdAccountant, RoundAccountant
+from shoal.accounting import DdgRoundAccountant, LocalDpSgdAccountant, RoundAccountant, ServerViewAccountant
 from shoal.noise import NoiseSource
 
 #: privacy.release's choices
@@ -57,6 +57,8 @@ _KEPT = frozenset(
         "evaluation",
         # the privacy figures themselves
         "epsilon",
+        "epsilon_server",  # against the server, which chose and saw the sample (no amplification)
+        "server_accountant",
         "delta",
         "sampling",
         "sampling_rate",
@@ -214,6 +216,39 @@ class PrivacyPlan:
         )
 
     @property
+    def guards_against_server(self) -> bool:
+        """Whether any noise protects against the server itself: distributed DP under secure
+        aggregation (the server sees only the sum of at least t noisy shares)."""
+        return self.client_shares and self.secure
+
+    def server_view_accountant(self, ddg: dict | None = None) -> ServerViewAccountant | None:
+        """The accountant of epsilon against the server (no amplification by the sample it chose and
+        saw), or None where nothing protects against it (central DP, distributed DP in the clear).
+        ``ddg``: the distributed discrete Gaussian's parameters when that is the mechanism."""
+        if not self.guards_against_server:
+            return None
+        acc = ServerViewAccountant(self.delta, self.accountant, replace_one=self.sampling == "fixed")
+        acc.set_mechanism(self.noise_multiplier, ddg)
+        return acc
+
+    def server_view_fields(self, acc: ServerViewAccountant | None) -> dict[str, Any]:
+        """``epsilon_server`` and ``server_accountant`` of a user-level record ({} otherwise): the
+        worst node's epsilon against the server, or None with the reason where nothing protects
+        against it."""
+        if not self.user_level:
+            return {}
+        if acc is not None:
+            return {"epsilon_server": acc.epsilon, "server_accountant": acc.describe()}
+        if self.server_noise:
+            why = "none: the server sees each clipped update in the clear and adds the noise (central DP trusts it)"
+        else:
+            why = (
+                "none: without secure aggregation the server sees each update, which carries only its share "
+                "z C / sqrt(t) of the noise"
+            )
+        return {"epsilon_server": None, "server_accountant": why}
+
+    @property
     def release_z(self) -> float:
         """The multiplier of the noised round figures when they are released (0 otherwise)."""
         return self.release_noise_multiplier if self.release == "noised" and self.user_level else 0.0
@@ -273,9 +308,11 @@ class PrivacyPlan:
         self, num_results: int, client_losses: list[float] | None, noise: NoiseSource | None = None
     ) -> dict[str, float | None]:
         """``noised``: the round's result count and mean train loss with Gaussian noise (the
-        module doc); {} under any other policy. The loss is not released (None) when some
-        result's loss is unknown: summed where they trained (``client_losses`` None), or not sent
-        (distributed DP with secure aggregation: NaN); it is charged all the same.
+        module doc); {} under any other policy. Every loss is clipped to [0, L], a non-finite or
+        missing one (NaN) to L, so no branch looks at the clients' values: the loss is left out (None)
+        only for reasons that hold whatever the data, when the losses were summed where they trained
+        (``client_losses`` None, Ray workers) or are never sent (distributed DP under secure
+        aggregation), and when the noisy count is below 1 (post-processing). It is charged all the same.
         ``noise``: a fresh OS-keyed CSPRNG by default (shoal.noise: draws that resist the
         floating-point attack, like every other noise a guarantee rests on)."""
         if self.release != "noised" or not self.user_level:
@@ -283,11 +320,10 @@ class PrivacyPlan:
         unit = (noise or NoiseSource()).gaussian(2, 1.0)
         s, cap = self.release_noise_multiplier, self.release_loss_clip
         count = num_results + s * float(unit[0])
-        known = client_losses is not None and all(math.isfinite(x) for x in client_losses) and count >= 1
-        loss_sum = sum(min(max(x, 0.0), cap) for x in client_losses or [] if math.isfinite(x)) + s * cap * float(
-            unit[1]
-        )
-        return {"num_results_noisy": count, "train_loss_noisy": loss_sum / count if known else None}
+        sent = client_losses is not None and not (self.client_shares and self.secure)
+        clipped = (cap if math.isnan(x) else min(max(x, 0.0), cap) for x in client_losses or [])
+        loss_sum = sum(clipped) + s * cap * float(unit[1])
+        return {"num_results_noisy": count, "train_loss_noisy": loss_sum / count if sent and count >= 1 else None}
 
     def describe_release(self) -> str:
         """One line for logs and summaries."""

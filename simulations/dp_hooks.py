@@ -64,12 +64,13 @@ class DistributedNoise:
             fallback = expected_clients(cfg, cfg.simulation.num_clients)
             shares = (lambda: max(1, len(rounds.selected))) if rounds is not None else (lambda: fallback)
         self.shares = shares
+        self.cohort = 0  # secure aggregation: K_max, the shares the released sum is topped up to
 
     def __call__(self, task: Assignment, update: Update) -> Update:
         t = self.shares()
         agg = getattr(getattr(self.rounds, "strategy", None), "aggregator", None)
         if agg is not None and hasattr(agg, "expect_shares"):
-            agg.expect_shares(t)
+            agg.expect_shares(t, self.cohort)
         # the CSPRNG, or (privacy.reproducible) a generator seeded from the task's seed
         gen = make_generator(update.delta.device, derive_seed(task.seed, 0xD9) if self.p.reproducible else None)
         clipped, _ = clip_to_norm(update.delta, self.p.clip_norm)
@@ -138,6 +139,8 @@ class PrivacyBudget:
             k = expected_clients(cfg, n)
             # at z_eff when the round's figures are released noised too (PrivacyPlan.accounted_z)
             self.accountant = self.plan.round_accountant(k / n, sampling=self.sampling, num_clients=n, sample_size=k)
+        # epsilon against the server (distributed DP under secure aggregation; None elsewhere)
+        self.server_view = self.plan.server_view_accountant()
         check_delta(p.delta, p.mode, client_sizes)
         self.reproducible = p.reproducible
         log.info("privacy accounting: %s; %s", self.accountant.describe(), self.plan.describe_release())
@@ -153,6 +156,8 @@ class PrivacyBudget:
         """Account with another mechanism's analysis (the distributed discrete Gaussian's, which
         secure aggregation sizes); the target is checked again."""
         self.accountant = accountant
+        if self.server_view is not None:
+            self.server_view.set_mechanism(ddg=accountant.ddg)
         log.info("privacy accounting: %s", accountant.describe())
         if self.target and accountant.next_epsilon() > self.target:
             raise ConfigError(
@@ -169,6 +174,7 @@ class PrivacyBudget:
         """What a metrics.jsonl record gets: ``epsilon``, the client ``sampling`` and the ``accountant``
         it assumes, and ``clip_norm`` when it adapts."""
         out = {"epsilon": self.epsilon, "sampling": self.sampling, "accountant": self.accountant.describe()}
+        out.update(self.plan.server_view_fields(self.server_view))
         if self._aggregator is not None and self._aggregator.clip_norm is not None:
             out["clip_norm"] = float(self._aggregator.clip_norm)
         return out
@@ -180,6 +186,7 @@ class PrivacyBudget:
             "delta": self.delta,
             "sampling": self.sampling,
             "accountant": self.accountant.describe(),
+            **self.plan.server_view_fields(self.server_view),
             "release": self.plan.describe_release(),
             "randomness": describe_randomness(self.reproducible),
         }
@@ -194,13 +201,20 @@ class PrivacyBudget:
     def record_participants(self, client_ids: list[str]) -> None:
         """One round in which these clients (or gossip peers) trained; one listed twice trained twice."""
         self.accountant.record_round(client_ids)
+        if self.server_view is not None:
+            self.server_view.record_round(client_ids)
 
     def state_dict(self) -> dict:
         """What was charged so far (the accountant's ledger), as the server keeps its own."""
-        return self.accountant.state_dict()
+        out = self.accountant.state_dict()
+        if self.server_view is not None:
+            out["server_view"] = self.server_view.state_dict()
+        return out
 
     def load_state_dict(self, state: dict) -> None:
         self.accountant.load_state_dict(state)
+        if self.server_view is not None and "server_view" in state:
+            self.server_view.load_state_dict(state["server_view"])
 
     def allows_next_round(self) -> bool:
         """False (with a message) when one more round would take epsilon past the target."""

@@ -17,7 +17,9 @@ neighbourhood),
 and a round whose survivors number fewer than t is aborted before its sum is used, so every
 applied sum carries at least N(0, z²C²). The fixed-point range is checked against the share's
 std (aggregation.secagg.encoding.check_noise_range). Aborted rounds are charged by the
-accountant like any other.
+accountant like any other. The DP mean tops the sum of n survivors' shares up to K_max = the
+most summands a round is encoded for (a round with more aborts), so the released noise is
+K_max z²C²/t whatever n is and does not tell a recipient how many took part.
 
 With ``privacy.mechanism = "discrete_gaussian"`` the clients add no continuous noise: each encodes
 its update with the distributed discrete Gaussian (aggregation/discrete_gaussian.py: clip, scale,
@@ -38,7 +40,7 @@ import numpy as np
 import torch
 
 from shoal.aggregation.discrete_gaussian import DdgCodec, DdgParams, plan
-from shoal.aggregation.dp import share_std
+from shoal.aggregation.dp import cohort_cap, share_std
 from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggResult, SecAggServer
 from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range, example_weight
 from shoal.aggregation.secagg.group import SecureMean
@@ -96,6 +98,7 @@ class SecureAggregationRounds:
             for step in sim.client_steps:
                 if isinstance(step, DistributedNoise):  # its shares are for t survivors
                     step.shares = lambda: self.noise_shares
+                    step.cohort = self.max_summands  # the released sum is topped up to K_max shares
             log.info(
                 "distributed DP with secure aggregation: %d clients per round, each adds N(0, %.4g^2) "
                 "(t = %d survivors at least)",
@@ -240,13 +243,12 @@ class SecureAggregationRounds:
         result, cost = self.transport(params, encoded, drop_at, seed=seed)
         agg = getattr(self.sim.rounds.strategy, "aggregator", None)
         if agg is not None and hasattr(agg, "expect_shares"):  # the DP mean: every share was sized for t survivors
-            agg.expect_shares(self.noise_shares)
+            agg.expect_shares(self.noise_shares, self.max_summands)  # topped up to K_max shares
         total = codec.decode(result.total[:-1])
         n = max(len(result.included), 1)
         return SecureMean(total / n, result.included, float(n), cost)
 
 
 def poisson_cap(n: int, k: int) -> int:
-    """The most clients a Poisson round (mean k of n) is encoded for: k + 7 sqrt(k) + 7, at most n.
-    P(Binomial(n, k/n) above it) < 1e-9; a round that draws more is aborted (a sampling event)."""
-    return min(n, int(k + 7 * math.sqrt(k) + 7))
+    """The most clients a Poisson round (mean k of n) is encoded for (aggregation.dp.cohort_cap)."""
+    return cohort_cap(n, k)

@@ -175,7 +175,9 @@
     $("run-version").textContent = run.version === undefined ? "–" : String(run.version);
     const eps = run.epsilon && run.epsilon.points.length ? run.epsilon.points[run.epsilon.points.length - 1][1] : null;
     const kept = run.epsilon && run.epsilon.mode === "local" ? "local DP: each node keeps its epsilon" : "no DP";
-    $("run-epsilon").textContent = eps === null ? kept : fmtNum(eps) + " / " + (run.epsilon.target === null ? "no target" : fmtNum(run.epsilon.target));
+    const srv = run.epsilon && run.epsilon.server && run.epsilon.server.length ? run.epsilon.server[run.epsilon.server.length - 1][1] : null;
+    $("run-epsilon").textContent = (eps === null ? kept : fmtNum(eps) + " / " + (run.epsilon.target === null ? "no target" : fmtNum(run.epsilon.target)))
+      + (srv === null ? "" : " (against the server: " + fmtNum(srv) + ")");
     const t = run.traffic || {};
     if (t.live) {
       $("run-bytes").textContent = fmtBytes(t.bytes_up) + " / " + fmtBytes(t.bytes_down);

@@ -163,11 +163,11 @@ def test_curves_keep_every_metric_and_drop_what_is_not_a_number():
         "test_accuracy": [[1, 0.5], [2, 0.75]],
         "train_loss": [[1, 2.0]],
     }
-    assert c["epsilon"] == {"points": [[3, 1.5]], "target": 4.0, "mode": None}
+    assert c["epsilon"] == {"points": [[3, 1.5]], "server": [], "target": 4.0, "mode": None}
     assert c["participation"] == {"num_results": [[1, 3], [2, 2]], "num_late": [[2, 1]]}
     # local DP whose nodes keep their epsilons: no points, and the mode says why
     kept = curves([{"version": 1, "epsilon": None, "privacy_mode": "local", "delta": 1e-5}])
-    assert kept["epsilon"] == {"points": [], "target": None, "mode": "local"}
+    assert kept["epsilon"] == {"points": [], "server": [], "target": None, "mode": "local"}
 
 
 def test_the_server_console_says_where_the_run_is():

@@ -111,9 +111,14 @@ def test_noised_figures_carry_the_noise_they_are_charged_for():
     assert m == pytest.approx(0.5 + 1.0 + 5.0 + 2.0, abs=0.8)
     assert math.sqrt(sum((s - m) ** 2 for s in sums) / len(sums)) == pytest.approx(15.0, rel=0.05)
     assert PrivacyPlan(mode="central", release="withhold").noisy_round(5, [1.0]) == {}
-    # a loss not sent (secure aggregation) or summed on a worker: the count only
-    assert plan.noisy_round(5, [1.0, float("nan")], rng)["train_loss_noisy"] is None
+    # a loss summed on a worker, or never sent (distributed DP under secure aggregation): the count only,
+    # whatever the losses; a non-finite loss of one client is clipped like any other (NaN to L), so
+    # whether the loss is released never depends on the clients' values
     assert plan.noisy_round(5, None, rng)["train_loss_noisy"] is None
+    secure = PrivacyPlan(mode="distributed", noise_multiplier=1.0, release="noised", secure=True)
+    assert secure.noisy_round(5, [1.0, 2.0], rng)["train_loss_noisy"] is None
+    for bad in (float("nan"), float("inf")):
+        assert plan.noisy_round(50, [1.0, bad], rng)["train_loss_noisy"] is not None
 
 
 def test_noised_release_is_refused_for_local_dp():
