@@ -893,7 +893,8 @@ def make_app(service: ServerService, registry: Registry) -> web.Application:
     app[CLOCK] = service
     app[REVOCATIONS].subscribe(lambda names: service.forget(set(names)))
     if service.privacy is not None:  # N of central/distributed DP: the registered nodes, checked before any round
-        service.bind_registry(sum(1 for n in registry.list() if n.enabled))
+        edges = set(service.cfg.hierarchy.edge_names)  # registered to authenticate, but no node: never selected
+        service.bind_registry(sum(1 for n in registry.list() if n.enabled and n.name not in edges))
     sa = service.cfg.secure_aggregation
     if sa.enabled and sa.malicious_server:  # checked before any round, not when the first one opens
         if not sa.keys_file:

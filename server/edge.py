@@ -20,6 +20,7 @@ rounds inside one root round (the edge's own model between them). The edge proce
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import replace
@@ -35,7 +36,11 @@ from shoal.update import Update
 from shoal.wire import MAX_HEADER_BYTES
 
 if TYPE_CHECKING:
+    from shoal.config import Config
+
     from .service import ServerService
+
+log = logging.getLogger(__name__)
 
 #: The most node names one edge poll (POST /v1/edge/poll) may carry.
 MAX_ROSTER = 10_000
@@ -49,15 +54,45 @@ def check_edge(svc: ServerService, edge: str) -> None:
         raise UpdateRejected("not_an_edge", f"{edge!r} is not an edge aggregator of this server (hierarchy.edge_names)")
 
 
+def edge_terms(cfg: Config) -> dict[str, Any]:
+    """What an edge and its root must run alike, by the config key an operator sets: an edge names
+    them in every poll (``"config"``) and the root refuses an edge whose terms are not its own."""
+    return {
+        "server.mode": cfg.server.mode,
+        "algorithm.name": cfg.algorithm.name,
+        "privacy.mode": cfg.privacy.mode,
+        "secure_aggregation.enabled": bool(cfg.secure_aggregation.enabled),
+    }
+
+
+def terms_mismatch(root: dict[str, Any], edge: object) -> str | None:
+    """The first key on which an edge's terms (``edge``, from its poll) differ from the root's, as
+    one line naming it; None when they agree. Malformed if ``edge`` is not such an object."""
+    if not isinstance(edge, dict) or len(edge) > 32 or not all(isinstance(k, str) for k in edge):
+        raise Malformed('an edge poll\'s "config" is an object of at most 32 config keys')
+    for key, want in root.items():
+        got = edge.get(key)
+        if got != want or type(got) is not type(want):
+            return (
+                f"{key}: this edge runs {short_repr(got)}, the root's rounds run {short_repr(want)}; "
+                "give the edge the root's value (an edge runs the root's task, model, privacy and "
+                "secure aggregation tables)"
+            )
+    return None
+
+
 def parse_roster(body: object) -> list[str]:
     """The node names of an edge's poll body ``{"nodes": [name, ...]}`` (an async edge may add
-    ``"want": [...]``, see :func:`parse_want`); Malformed if it is not one."""
+    ``"want": [...]``, see :func:`parse_want`; every edge adds its ``"config"`` terms, see
+    :func:`edge_terms`); Malformed if it is not one."""
     if (
         not isinstance(body, dict)
-        or not {"nodes"} <= set(body) <= {"nodes", "want"}
+        or not {"nodes"} <= set(body) <= {"nodes", "want", "config"}
         or not isinstance(body["nodes"], list)
     ):
-        raise Malformed('an edge poll is a JSON object {"nodes": [node names]} (and "want": [node names])')
+        raise Malformed(
+            'an edge poll is a JSON object {"nodes": [node names]} (and "want": [node names], "config": {...})'
+        )
     nodes = body["nodes"]
     if len(nodes) > MAX_ROSTER:
         raise Malformed(f"an edge poll names {len(nodes)} nodes, over {MAX_ROSTER}")
@@ -93,6 +128,7 @@ class EdgeRoster:
         # last naming to the new edge's claim (at least timeout_s: a live holder keeps its nodes)
         self.moves: list[float] = []
         self._frozen: tuple[tuple[int, int], dict[str, str]] = ((-1, -1), {})
+        self.released: dict[str, float] = {}  # nodes of an edge the root refused, and when
 
     def holder(self, node: str, now: float) -> str | None:
         held = self.held.get(node)
@@ -115,10 +151,36 @@ class EdgeRoster:
                 if before is not None and before[0] != edge:
                     self.moves.append(now - before[1])
                 self.held[n] = (edge, now)
+                self.released.pop(n, None)
                 taken.append(n)
         if len(self.held) > 2 * MAX_ROSTER:  # forget the nodes nobody named for long
             self.held = {n: h for n, h in self.held.items() if now - h[1] <= self.timeout_s}
         return taken, refused
+
+    def release(self, edge: str, now: float) -> list[str]:
+        """``edge`` holds no node from now on (the root refused it): the nodes it held."""
+        gone = sorted(n for n, (e, _) in self.held.items() if e == edge)
+        for n in gone:
+            del self.held[n]
+            self.released[n] = now
+        if len(self.released) > 2 * MAX_ROSTER:
+            self.released = {n: t for n, t in self.released.items() if now - t <= self.timeout_s}
+        return gone
+
+    def reachable(self, nodes: list[str], last_seen: dict[str, float], now: float) -> list[str]:
+        """``nodes`` less those whose last word came from an edge that no longer holds them (it died,
+        or the root refused it): a round must not select a node no live edge can hand its task to. A
+        node that polled the root itself since stays."""
+        out = []
+        for n in nodes:
+            held = self.held.get(n)
+            via_edge = held is not None and last_seen.get(n, -1.0) <= held[1]
+            if via_edge and self.holder(n, now) is None:
+                continue
+            if held is None and n in self.released and last_seen.get(n, -1.0) <= self.released[n]:
+                continue
+            out.append(n)
+        return out
 
     def take_moves(self) -> list[float]:
         """The re-attachments since the last call (and forget them)."""
@@ -150,6 +212,11 @@ class PartialIntake:
         self._buffered: tuple[set[str], int, int] = (set(), 0, 0)
         self._recent: dict[str, OrderedDict[str, dict[str, Any]]] = {}
         service.tier_figures = self.figures
+        service.tier_available = lambda nodes, now: self.roster.reachable(nodes, service.last_seen, now)
+        service.tier_status = self.status
+        self.terms = edge_terms(service.cfg)
+        self.refused_edges: dict[str, str] = {}  # edge -> why the root refused it (its config), until it agrees
+        self._claims_logged: dict[tuple[str, str], str] = {}
         numel = service.spec.numel
         # a float64 sum of the whole model, and a header naming up to ~40,000 nodes
         self.max_bytes = 8 * numel + MAX_HEADER_BYTES + 4096
@@ -179,6 +246,29 @@ class PartialIntake:
         if r == round_:
             out.update(hier_edges_reporting=len(edges), hier_bytes_edge_root_up=nbytes, hier_nodes_via_edges=nodes)
         return out
+
+    def status(self, now: float) -> dict[str, Any]:
+        """The tier in the run's status: the edges that hold nodes now, and those refused (why)."""
+        live = sorted({e for n in self.roster.held if (e := self.roster.holder(n, now)) is not None})
+        return {"edges_live": live, "edges_refused": dict(self.refused_edges)}
+
+    def check_terms(self, edge: str, body: object, now: float) -> None:
+        """UpdateRejected (``config_mismatch``) when the edge's poll names terms (:func:`edge_terms`)
+        other than this root's: it holds no node from then on (rounds select none of them) and the
+        run's status names it, until it polls with the root's terms."""
+        terms = body.get("config") if isinstance(body, dict) else None
+        if terms is None:
+            return
+        why = terms_mismatch(self.terms, terms)
+        if why is None:
+            if self.refused_edges.pop(edge, None) is not None:
+                log.info("edge %s runs this root's terms now", edge)
+            return
+        gone = self.roster.release(edge, now)
+        if self.refused_edges.get(edge) != why:
+            log.warning("edge %s refused (its nodes are not selected: %s): %s", edge, short_repr(gone), why)
+        self.refused_edges[edge] = why
+        raise UpdateRejected("config_mismatch", why)
 
     def _why_not(self) -> str | None:
         cfg = self.service.cfg
@@ -226,6 +316,7 @@ class PartialIntake:
             if why is not None:
                 raise UpdateRejected("not_supported", f"this server takes no edges: {why}")
             nodes = parse_roster(body)
+            self.check_terms(edge, body, now)
         except Exception as e:
             svc.refused(getattr(e, "code", "error"))
             raise

@@ -52,7 +52,7 @@ from shoal.update import Update
 from shoal.wire import MAX_HEADER_BYTES, decode_model, decode_update, model_parts, read_header
 
 from .bodies import read_body
-from .edge import MAX_ROSTER, EdgeBuffer, EdgeRound, EdgeRounds
+from .edge import MAX_ROSTER, EdgeBuffer, EdgeRound, EdgeRounds, edge_terms
 from .edge_secure import RELAY, EdgeRelay, RelayLink, edge_get_secagg, edge_post_secagg
 from .edge_uplink import PartialRefused, UplinkGaveUp, send_partial
 from .service import MAX_FAILURE_BODY, ModelDownload, parse_failure_report, spec_mismatch_detail
@@ -327,11 +327,18 @@ class EdgeNodes:
         privacy = answer.get("privacy")
         if privacy is not None and (not isinstance(privacy, dict) or len(json.dumps(privacy)) > MAX_PRIVACY_INFO):
             raise Malformed(f"the root's privacy task fields are not an object of at most {MAX_PRIVACY_INFO} bytes")
+        # a round this edge cannot run as the root does: it stops (one line), it does not retry
         if (privacy is not None) != (self.cfg.privacy.mode != "none"):
-            raise Malformed(
-                f"this edge runs privacy.mode = {self.cfg.privacy.mode!r} and the root's round "
+            raise ConfigError(
+                f"privacy.mode: this edge runs {self.cfg.privacy.mode!r} and the root's round "
                 f"{'has' if privacy is not None else 'has no'} privacy task fields: run the edge with the root's "
                 "[privacy] table"
+            )
+        if (secure is not None) != bool(self.cfg.secure_aggregation.enabled):
+            raise ConfigError(
+                f"secure_aggregation.enabled: this edge runs {bool(self.cfg.secure_aggregation.enabled)}, the "
+                f"root's round is {'secure' if secure is not None else 'in the clear'}: run the edge with the root's "
+                "[secure_aggregation] table"
             )
         self.privacy = privacy
         h = self.cfg.hierarchy
@@ -559,7 +566,7 @@ class Uplink:
                 continue
             try:
                 nodes = self.edge.connected(now)[:MAX_ROSTER]  # the root takes no more
-                body: dict[str, Any] = {"nodes": nodes}
+                body: dict[str, Any] = {"nodes": nodes, "config": edge_terms(self.edge.cfg)}
                 buf = self.edge.buffer
                 if buf is not None:  # an async root hands out a task to each node that waits for one
                     self.wanted.clear()
@@ -627,8 +634,15 @@ class Uplink:
             self.parent + "/v1/edge/poll", params={"wait": str(POLL_WAIT_S)}, json=body, ssl=self.ssl
         ) as r:
             text = await r.text()
-            if r.status in (401, 403) or (r.status == 409 and "not_supported" in text):
-                raise ConfigError(f"the root {self.parent} refuses this edge ({r.status}): {text[:300]}")
+            if r.status in (401, 403, 409):
+                try:
+                    info = json.loads(text)
+                except ValueError:
+                    info = {}
+                info = info if isinstance(info, dict) else {}
+                code, detail = str(info.get("error", ""))[:40], str(info.get("detail", text))[:400]
+                if r.status != 409 or code in ("not_supported", "config_mismatch"):
+                    raise ConfigError(f"the root {self.parent} refuses this edge ({r.status} {code}): {detail}")
             if r.status != 200:
                 raise Malformed(f"{r.status}: {text[:300]}")
             answer = json.loads(text)

@@ -265,6 +265,10 @@ class ServerService:
         self.secure_round: SecureRound | None = None  # [secure_aggregation]: the open round's protocol
         # what a tier below adds to a version's record (server/edge.py: the edges' partials of the round)
         self.tier_figures: Callable[[int], dict[str, Any]] | None = None
+        # which connected nodes a round may select now (server/edge.py: not a node whose last word came
+        # from an edge that no longer holds it), and what the tier adds to the run's status
+        self.tier_available: Callable[[list[str], float], list[str]] | None = None
+        self.tier_status: Callable[[float], dict[str, Any]] | None = None
         # what a tier below keeps across a restart, saved in each checkpoint (JSON values only;
         # server/edge.py: which edge handed out each open task of an async root)
         self.tier_state: dict[str, Any] = {}
@@ -792,6 +796,8 @@ class ServerService:
                 )
                 return True  # done now: every waiting node is told so
             avail = self.connected(now)
+            if self.tier_available is not None:
+                avail = self.tier_available(avail, now)
             sa = self.cfg.secure_aggregation  # a secure round of fewer than min_inputs nodes would only abort
             if len(avail) < max(self.cfg.server.min_nodes, sa.min_inputs if sa.enabled else 1):
                 return False
@@ -1006,6 +1012,7 @@ class ServerService:
                 else {}
             ),
             **({"privacy": self.privacy.status()} if self.privacy is not None else {}),
+            **({"hierarchy": self.tier_status(now)} if self.tier_status is not None else {}),
         }
 
 

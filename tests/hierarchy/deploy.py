@@ -140,33 +140,37 @@ class Hierarchy:
     def root(self) -> subprocess.Popen:
         return self._start("root", ["server", "--config", str(self.config), "--insecure"])
 
-    def edge(self, name: str) -> subprocess.Popen:
+    def edge(self, name: str, sets: dict | None = None) -> subprocess.Popen:
+        """Edge ``name`` with the root's config; ``sets``: config values of its own (``--set``)."""
         sets = {
             "server.port": self.edge_ports[name],
             "server.out_dir": str(self.tmp / name),
             "hierarchy.parent_token_file": str(self.tmp / f"{name}.token"),
+            **(sets or {}),
         }
         args = ["server", "--config", str(self.config), "--insecure", "--parent", self.url]
         for k, v in sets.items():
             args += ["--set", f"{k}={json.dumps(v)}"]
         return self._start(name, args)
 
-    def start_servers(self, timeout: float = 120) -> None:
-        """The root and every edge, once all of them accept connections (:meth:`listening`)."""
+    def start_servers(self, timeout: float = 120, edge_sets: dict[str, dict] | None = None) -> None:
+        """The root and every edge, once all of them accept connections (:meth:`listening`);
+        ``edge_sets``: an edge's own config values (:meth:`edge`), by its name; such an edge may
+        stop at once (it is not waited for)."""
         self.root()
         for e in self.edge_names:
-            self.edge(e)
-        self.listening(timeout)
+            self.edge(e, (edge_sets or {}).get(e))
+        self.listening(timeout, skip=list(edge_sets or {}))
 
     def start_nodes(self) -> None:
         """Every node as a `shoal client` (:meth:`node`)."""
         for i in range(self.n):
             self.node(i)
 
-    def listening(self, timeout: float) -> None:
-        """Wait until the root and every edge accept connections."""
+    def listening(self, timeout: float, skip: list[str] | None = None) -> None:
+        """Wait until the root and every edge (but ``skip``) accept connections."""
         end = time.monotonic() + timeout
-        for port in [self.port, *self.edge_ports.values()]:
+        for port in [self.port, *(p for e, p in self.edge_ports.items() if e not in (skip or []))]:
             while True:
                 try:
                     socket.create_connection(("127.0.0.1", port), timeout=1).close()

@@ -53,6 +53,12 @@ def test_hostile_root_answers_change_nothing(tmp_path) -> None:
             e.from_root(answer, 0.0)
         assert err.value.code == "malformed", answer
         assert e.round is None and not e.done
+    # a round this edge cannot run as the root does: one line naming the key (it stops, not retries)
+    from shoal.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="^privacy.mode: this edge runs 'none'"):
+        e.from_root(work(privacy={"z": 1.0}), 0.0)
+    assert e.round is None
     assert e.from_root(work(deadline_s=30.0), 0.0)
     assert not e.from_root(work(deadline_s=29.0), 1.0)  # the same round: nothing new
     assert e.round is not None and e.round.close_at == 30.0 - e.cfg.hierarchy.edge_margin_s

@@ -175,20 +175,29 @@ clip_norm = 1.0
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_distributed_dp_through_secure_edge_processes_is_accounted_as_flat(tmp_path):
-    """Distributed DP on top of secure aggregation through 2 edges (4 nodes, 2 rounds): every node clips, adds its
+    """Distributed DP on top of secure aggregation through 2 edges (4 nodes, 2 rounds; a third edge
+    configured without DP stops at attach, and the run makes every version without it): every node clips, adds its
     noise share sized for t of the whole cohort (passed down by its edge from the root's task) and
     masks; the edges only relay and add masked vectors; the root unmasks the noisy sum and charges
     each round as a flat distributed-DP server would (its accountant's q and z)."""
     with hierarchy(
-        tmp_path, n=4, edges=2, rounds=2, deadline=6.0, extra=DISTRIBUTED, add={"server": "clients_per_round = 4"}
+        tmp_path, n=4, edges=3, rounds=2, deadline=6.0, extra=DISTRIBUTED, add={"server": "clients_per_round = 4"}
     ) as h:
-        h.start_servers()
+        # edge-c runs without the root's [privacy] table: it stops at attach with one line naming the key,
+        # and its node (node 3: edge-c, then edge-a, edge-b) re-attaches to edge-a
+        h.start_servers(edge_sets={"edge-c": {"privacy.mode": "none"}})
+        assert h.wait("edge-c", 60) == 2, h.dump()
         h.start_nodes()
         assert h.wait("root", 200) == 0, h.dump()
         records = h.records()
         sums = h.edge_records("edge-a") + h.edge_records("edge-b")
         nodes = {p.stem: (tmp_path / f"{p.stem}.log").read_text() for p in h.shards}
         log = h.dump()
+        refused = (tmp_path / "edge-c.log").read_text().strip().splitlines()
+        root_log = (tmp_path / "root.log").read_text()
+    assert "privacy.mode: this edge runs 'none', the root's rounds run 'distributed'" in refused[-1], refused
+    assert not [line for line in refused if "poll of the root" in line], refused  # no retries
+    assert "edge edge-c refused" in root_log, root_log
     # a round may abort (e.g. opened before the nodes reached their edges: nobody advertised keys);
     # it is charged like any round that started, and releases nothing
     done = [r for r in records if "aborted" not in r]
@@ -196,7 +205,8 @@ def test_distributed_dp_through_secure_edge_processes_is_accounted_as_flat(tmp_p
     assert all(r["privacy_mode"] == "distributed" and r["release"] == "withhold" for r in records), records
     assert "num_results" not in done[0]  # withheld under DP, as at a flat root
     assert [r["rounds_charged"] for r in records] == list(range(1, len(records) + 1)), records
-    for r in records:
+    for r in records:  # q = K / N with N the 4 nodes: the 3 edges are registered but are not nodes
+        assert r["sampling_rate"] == 1.0, r
         assert r["epsilon"] == pytest.approx(epsilon(r["sampling_rate"], 1.0, r["rounds_charged"], 1e-5)), r
     # Poisson selection at q = K / N: in each completed round, the nodes inside the masked sums the root
     # took are the nodes that added a share, each one share sized for the round's t (its whole cohort)

@@ -150,3 +150,20 @@ async def _lost_answer(tmp_path) -> None:
                     assert e.status == 400 and len(seen) == 3  # refused once, never sent again
         finally:
             await runner.cleanup()
+
+
+def test_edges_are_not_nodes_in_the_dp_population(tmp_path) -> None:
+    """8 nodes and 2 edges in the registry, K = 8: the accountant's N is the 8 nodes, so q = K / 8 = 1
+    (an edge authenticates as a registered name but is never selected)."""
+
+    async def scenario():
+        sections = {
+            "hierarchy": {"edge_names": ["edge-a", "edge-b"]},
+            "privacy": {"mode": "central", "noise_multiplier": 1.0, "clip_norm": 1.0},
+        }
+        nodes = [f"n{i}" for i in range(8)]
+        async with live_server(tmp_path, [*nodes, "edge-a", "edge-b"], sections=sections, clients_per_round=8) as live:
+            return live.service.privacy
+
+    privacy = asyncio.run(scenario())
+    assert (privacy.registered, privacy.q) == (8, 1.0)

@@ -9,7 +9,7 @@ import torch
 
 from shoal.aggregation.partial import Accumulator, encode_partial
 from shoal.errors import ShoalError, UpdateRejected
-from shoal.server.edge import PartialIntake
+from shoal.server.edge import PartialIntake, edge_terms
 from shoal.server.service import ServerService
 from shoal.update import Update
 from shoal.wire import encode_update
@@ -137,3 +137,29 @@ def test_the_root_decides_which_edge_speaks_for_a_node(tmp_path) -> None:
         intake.poll("n3", {"nodes": ["n4"]}, enrolled.__contains__, later)
     assert e.value.code == "not_an_edge"
     assert intake.roster.holder("n4", later) is None
+
+
+def test_an_edge_whose_config_differs_holds_no_node_and_the_round_selects_none_of_them(tmp_path) -> None:
+    """An edge names its config terms in every poll; one whose privacy mode differs from the root's
+    is refused (409 ``config_mismatch``, one line naming the key), loses the nodes it held, the next
+    round selects none of them, and the run's status says which edge and why, until it agrees."""
+    root = ServerService.from_config(small_config(tmp_path, EDGE_NAMES, clients_per_round=8, min_nodes=4, rounds=3))
+    intake = PartialIntake(root)
+    good = edge_terms(root.cfg)
+    bad = {**good, "privacy.mode": "central"}
+    assert intake.poll("edge-a", {"nodes": NODES[:4], "config": good}, NODES.__contains__, 0.0)["nodes"] == 4
+    assert intake.poll("edge-b", {"nodes": NODES[4:], "config": good}, NODES.__contains__, 0.0)["nodes"] == 4
+    with pytest.raises(UpdateRejected) as e:  # edge-b restarted with another [privacy] table
+        intake.poll("edge-b", {"nodes": NODES[4:], "config": bad}, NODES.__contains__, 0.5)
+    assert e.value.code == "config_mismatch" and str(e.value).startswith("privacy.mode: this edge runs 'central'")
+    assert "\n" not in str(e.value)
+    assert all(intake.roster.holder(n, 0.5) is None for n in NODES[4:])
+    status = root.status(0.5)["hierarchy"]
+    assert status["edges_refused"] == {"edge-b": str(e.value)} and status["edges_live"] == ["edge-a"]
+    assert root.tick(0.6)  # n4..n7 were last named by edge-b: connected, but no live edge can reach them
+    assert set(root.sync.selected) == set(NODES[:4])  # type: ignore[union-attr]
+    for terms in ({"privacy.mode": 1}, ["x"]):
+        with pytest.raises(ShoalError) as e:
+            intake.poll("edge-c", {"nodes": [], "config": terms}, NODES.__contains__, 0.7)
+    assert intake.poll("edge-b", {"nodes": NODES[4:], "config": good}, NODES.__contains__, 1.0)["nodes"] == 4
+    assert list(root.status(1.0)["hierarchy"]["edges_refused"]) == ["edge-c"]  # edge-b agrees now
