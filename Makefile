@@ -5,7 +5,13 @@ VENV   ?= .venv
 BIN     = $(VENV)/bin
 STAMP   = $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
+
+# The suite on JOBS pytest-xdist workers (the CI machine has 2 cores). --dist loadgroup keeps the
+# tests of one xdist_group (the Ray runtimes; a module's tests that share a module fixture) on one
+# worker, one after another; every other test goes to whichever worker is free.
+JOBS   ?= 2
+PYTEST  = $(BIN)/python -m pytest -q -p no:cacheprovider -n $(JOBS) --dist loadgroup
 
 $(STAMP): pyproject.toml constraints.txt
 	$(PYTHON) -m venv $(VENV)
@@ -22,7 +28,10 @@ lint: $(STAMP)  ## ruff (lint + format check) and mypy
 	$(BIN)/python .ci/typecheck.py
 
 test: lint  ## lint and types, then the whole test suite
-	$(BIN)/python -m pytest -q -p no:cacheprovider --durations=15
+	$(PYTEST) --durations=15
+
+test-fast: $(STAMP)  ## the edit loop: every test not marked slow, no lint (make test before a commit)
+	$(PYTEST) -m "not slow" $(ARGS)
 
 clean:
 	rm -rf runs .pytest_cache

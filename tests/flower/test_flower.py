@@ -21,6 +21,9 @@ from shoal.params import ParamSpec, flatten
 from shoal.simulations.experiment import run_simulation
 from shoal.simulations.inprocess import InProcessSimulation
 
+# every Ray runtime of the suite on one xdist worker, one at a time; the module fixture built once
+pytestmark = pytest.mark.xdist_group("ray")
+
 SMALL = [
     "simulation.num_clients=10",
     "simulation.clients_per_round=5",

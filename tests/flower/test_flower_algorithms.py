@@ -237,6 +237,7 @@ def test_a_broadcast_not_of_the_models_size_is_refused_before_training(task_file
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # one Ray runtime at a time (make test: -n 2)
 @pytest.mark.timeout(300)
 def test_fedper_through_the_flower_simulation_gives_the_inprocess_model_and_personal_figures(task_file, tmp_path):
     """The real engine (Ray actors, each serving several nodes): FedPer's personal heads stay in

@@ -75,6 +75,7 @@ def test_central_dp_on_the_adapter_is_swept_and_local_dp_sgd_is_refused_with_its
         InProcessSimulation.from_config(config("privacy.mode='local'", "simulation.rounds=1"))
 
 
+@pytest.mark.xdist_group("ray")  # one Ray runtime at a time (make test: -n 2)
 @pytest.mark.timeout(420)
 def test_the_ray_engine_gives_the_in_process_model():
     ray = pytest.importorskip("ray")

@@ -21,6 +21,7 @@ from shoal.config import load_config
 from shoal.pki import write_secret
 from shoal.server.registry import Registry
 from shoal.shards import write_shards
+from tests.ports import free_port
 
 CONFIG = """
 [simulation]
@@ -59,12 +60,6 @@ edge_margin_s = 0.5
 
 REPO = Path(__file__).resolve().parents[2]
 REATTACHED = re.compile(r"attached to (\S+), ([0-9.]+) s after the last server stopped answering")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def shoal(args: list[str], log: Path) -> subprocess.Popen:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -18,18 +17,9 @@ from typing import TypeVar
 
 import pytest
 
+from tests.ports import free_ports  # noqa: F401 - the peers' tests take their ports from here
+
 T = TypeVar("T")
-
-
-def free_ports(n: int) -> list[int]:
-    """``n`` distinct ports free on 127.0.0.1 now (all bound at once, so never the same twice)."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def start_peer(args: list[str], token: str, log: Path) -> subprocess.Popen:

@@ -45,7 +45,7 @@ from shoal.simulations.ray_engine import (  # noqa: E402 - after the skip when R
     worker_count,
 )
 
-pytestmark = [pytest.mark.slow]
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("ray")]  # one Ray cluster at a time (make test: -n 2)
 
 SMALL = [
     "simulation.num_clients=8",

@@ -9,7 +9,6 @@ import json
 import os
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,9 @@ from shoal.server.registry import Registry
 from shoal.shards import write_shards
 from shoal.simulations.inprocess import InProcessSimulation
 from shoal.tls import make_private_ca
+from tests.ports import free_port
+
+_free_port = free_port  # the name other test modules import
 
 CONFIG = """
 [simulation]
@@ -57,12 +59,6 @@ admin_token_file = "{tmp}/admin.token"
 """
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _shoal(args: list[str], log: Path, entry: Path | None = None) -> subprocess.Popen:
     """``shoal ARGS`` in a new process; ``entry``: a test-side script that wraps the CLI (fault injection)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # no spin-waiting threads on a shared CPU
@@ -74,7 +70,7 @@ def _shoal(args: list[str], log: Path, entry: Path | None = None) -> subprocess.
 
 class Deployment:
     def __init__(self, tmp: Path, n: int, rounds: int, deadline: float = 30.0, min_nodes: int | None = None):
-        self.tmp, self.port = tmp, _free_port()
+        self.tmp, self.port = tmp, free_port()
         self.config = tmp / "cfg.toml"
         self.admin = secrets.token_urlsafe(32)
         write_secret(tmp / "admin.token", self.admin.encode())

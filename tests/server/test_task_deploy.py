@@ -30,8 +30,8 @@ from shoal.tls import make_private_ca
 from shoal.update import Update
 from shoal.wire import encode_update
 
+from ..ports import free_port
 from .task_files import BROKEN_TASK, write_node_data, write_task
-from .test_deploy import _free_port
 
 CONFIG = """
 [simulation]
@@ -62,7 +62,7 @@ class TaskDeployment:
     """A config, TLS certificates, node tokens and .pt data for ``nodes`` nodes of the task."""
 
     def __init__(self, tmp: Path, nodes: int, rounds: int):
-        self.tmp, self.port = tmp, _free_port()
+        self.tmp, self.port = tmp, free_port()
         self.marks = tmp / "marks"
         self.marks.mkdir()
         self.task = write_task(tmp / "user")  # the user's own folder, outside the repository

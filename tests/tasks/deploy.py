@@ -67,10 +67,10 @@ def run_server_and_clients(
     folder: Path, task: str, data: list[str], extra_toml: str = "", rounds: int = 3, timeout: float = 240
 ) -> list[dict]:
     """`shoal server` and one `shoal client` per data path, over TLS; returns metrics.jsonl."""
-    from tests.server.test_deploy import _free_port
+    from tests.ports import free_port
 
     pki = make_private_ca(folder / "pki")
-    port = _free_port()
+    port = free_port()
     (folder / "server.toml").write_text(
         SERVER_TOML.format(port=port, rounds=rounds, nodes=len(data), tmp=folder, cert=pki.cert, key=pki.key)
         + extra_toml

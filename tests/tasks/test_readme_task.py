@@ -121,6 +121,7 @@ def test_readme_task_three_tls_peers(task_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.xdist_group("ray")  # one Ray runtime at a time (make test: -n 2)
 @pytest.mark.timeout(300)
 def test_readme_task_on_the_flower_engine(task_dir):
     shoal(
