@@ -18,6 +18,8 @@ nodes run only tasks their operator installed with the same hash (client/daemon.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import difflib
 import functools
 import hashlib
 import importlib.util
@@ -32,10 +34,11 @@ from typing import Any
 
 from safetensors.torch import save_file
 
-from shoal.config import Config, config_from_dict
+from shoal.config import Config, ServerConfig, config_from_dict
 from shoal.errors import ConfigError, ShoalError
 from shoal.task import load_task
 
+from .run_health import RunWatch, node_health
 from .runs_db import ACTIVE, RunRow, RunsDB
 from .service import Event, Record, ServerService
 from .store import open_service
@@ -59,6 +62,7 @@ RUN_SERVER_KEYS = frozenset(
         "max_delta_abs",
     }
 )
+SERVER_KEYS = frozenset(f.name for f in dataclasses.fields(ServerConfig))
 #: Tables a run may not set: they are the federation's or the simulator's.
 NOT_A_RUNS = frozenset({"federation", "heterogeneity", "gossip", "attack"})
 #: The [output] keys a run sets (TensorBoard files beside its metrics.jsonl; the default is the federation's).
@@ -117,6 +121,14 @@ def check_run_config(raw: Any) -> dict[str, Any]:
         raise RunError("bad_config", f"output.{output[0][:40]} is the federation's; a run sets output.tensorboard")
     server = raw.get("server", {})
     other = sorted(set(server) - RUN_SERVER_KEYS)
+    if other and other[0] not in SERVER_KEYS:  # a typo, not a federation's key
+        near = difflib.get_close_matches(other[0], sorted(RUN_SERVER_KEYS), n=1)
+        raise RunError(
+            "bad_config",
+            f"unknown key 'server.{other[0][:40]}'"
+            + (f" (did you mean server.{near[0]}?)" if near else "")
+            + f"; a run sets server.{{{', '.join(sorted(RUN_SERVER_KEYS))}}}",
+        )
     if other:
         raise RunError(
             "bad_config",
@@ -162,6 +174,8 @@ class Federation:
         self.user_stopped: set[str] = set()
         self.revoked: set[str] = set()
         self._failing: dict[str, float] = {}  # run -> when its clock's failure was last logged
+        self.watch: dict[str, RunWatch] = {}  # run -> its stall clock (server/run_health.py)
+        self.waiting: dict[str, str] = {}  # run -> what it waits for (shown in its status)
         for row in db.runs(("running",)):  # a restart: every run that was running goes on
             self._open(row, resume=True)
 
@@ -183,8 +197,8 @@ class Federation:
         digest = task_sha256(task)
         run_id = f"run-{self.db.count() + 1}"
         cfg = run_config(self.cfg, raw, task, self.dir / run_id)
-        try:  # the task loads and its model builds, before it is queued
-            ServerService.from_config(cfg, self._task(cfg))
+        try:  # the task loads and its model builds, and the run passes the checks it meets at start
+            ServerService.from_config(cfg, self._task(cfg), self.registered())
         except ShoalError as e:
             raise RunError("bad_task", f"the run cannot start: {e}") from None
         self.db.add(run_id, task, digest, raw, who, time.time())
@@ -214,6 +228,9 @@ class Federation:
         out["nodes"] = self.db.answers(run_id)
         svc = self.active.get(run_id)
         if svc is not None:
+            out["nodes"] = self._health(run_id, svc, now)
+            if run_id in self.waiting:
+                out["waiting_for"] = self.waiting[run_id]
             out["service"] = svc.status(now)
         return out
 
@@ -337,6 +354,7 @@ class Federation:
                 if self.revoked:
                     svc.forget(self.revoked)
                 changed |= svc.tick(now)
+                self._check_health(run_id, svc, now)
                 if svc.finished(now):
                     self._end(run_id, svc)
                     changed = True
@@ -354,6 +372,34 @@ class Federation:
 
     def finished(self, now: float) -> bool:
         return False  # a federation stays up until it is stopped
+
+    # --- run health (server/run_health.py) ------------------------------------------------------
+
+    def _health(self, run_id: str, svc: ServerService, now: float) -> dict[str, dict[str, Any]]:
+        """Each node's state in the run (online, training, offline, refused, failed)."""
+        r = svc.rounds
+        training = set(getattr(r, "outstanding", {}))  # async: the tasks nodes hold
+        if getattr(r, "open", False):  # sync: selected for the open round, no result yet
+            training |= set(getattr(r, "selected", ())) - set(getattr(r, "received", ()))
+        horizon = svc.cfg.server.poll_s + 5.0
+        return node_health(self.db.answers(run_id), svc.last_seen, now, horizon, training)
+
+    def _check_health(self, run_id: str, svc: ServerService, now: float) -> None:
+        """A run that cannot proceed ends ``failed`` with the reason; a waiting run says for what."""
+        if svc.done:
+            self.waiting.pop(run_id, None)
+            return
+        watch = self.watch.setdefault(run_id, RunWatch(svc.cfg.server.min_nodes, self.cfg.federation.run_stall_s))
+        waiting, fail = watch.check(self._health(run_id, svc, now), self.registered(), now)
+        if waiting is None:
+            self.waiting.pop(run_id, None)
+        elif self.waiting.get(run_id) is None:
+            log.info("%s %s", run_id, waiting)  # once when it starts waiting, not at every tick
+        if waiting is not None:
+            self.waiting[run_id] = waiting
+        if fail is not None:
+            log.warning("%s cannot proceed; it ends failed: %s", run_id, fail)
+            svc.stop(fail[:1000])
 
     def _task(self, cfg: Config):
         from shoal.assembly import task_from_config
@@ -425,6 +471,8 @@ class Federation:
         (run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         self.db.set_status(run_id, status, reason, time.time())
         del self.active[run_id]
+        self.watch.pop(run_id, None)
+        self.waiting.pop(run_id, None)
         svc.close_files()  # its TensorBoard writer (a thread and an open file) ends with the run
         log.info("%s %s at version %d%s", run_id, status, svc.version, f": {reason}" if reason else "")
 

@@ -746,9 +746,11 @@ class FederationConfig:
     max_queued: int = 32  # runs waiting at once; a submission above it is refused (429)
     tasks: list[str] = field(default_factory=list)  # task references a run may name ([] = any the server can load)
     researcher_tokens_file: str = ""  # file of "name token" lines allowed to submit and follow runs
+    run_stall_s: float = 600.0  # a run short of server.min_nodes nodes this long ends failed (0 = it waits)
 
     def validate(self) -> None:
         _positive("federation.max_runs", self.max_runs)
+        _positive("federation.run_stall_s", self.run_stall_s, allow_zero=True)
         _positive("federation.max_queued", self.max_queued, allow_zero=True)
 
 

@@ -527,7 +527,7 @@ def edge_poll_body(draw) -> bytes:
 def failure_body(draw) -> bytes:
     """Near-valid and broken failure reports: {"round", "version", "reason"} with wrong types,
     extra or missing fields, other reasons, or not JSON at all."""
-    reason = draw(st.sampled_from(["diverged", "refused"]))
+    reason = draw(st.sampled_from(["diverged", "refused", "failed"]))
     good = {"round": draw(st.integers(-2, 5)), "version": draw(st.integers(-2, 5)), "reason": reason}
     value = st.one_of(st.integers(-(2**63), 2**63), st.floats(), st.text(max_size=8), st.booleans(), st.none())
     kind = draw(st.sampled_from(["good", "field", "extra", "missing", "reason", "raw"]))
@@ -546,7 +546,7 @@ def failure_body(draw) -> bytes:
 
 def oracle_failure(body: bytes) -> bool:
     """An independent reading of docs/protocol.md's failure report: exactly round and version
-    (integers >= 0) and reason "diverged" or "refused"."""
+    (integers >= 0) and reason "diverged", "refused" or "failed"."""
     try:
         obj = json.loads(body)
     except ValueError:
@@ -563,7 +563,7 @@ def oracle_failure(body: bytes) -> bool:
         isinstance(obj, dict)
         and set(obj) == {"round", "version", "reason"}
         and ints
-        and obj["reason"] in ("diverged", "refused")
+        and obj["reason"] in ("diverged", "refused", "failed")
     )
 
 
