@@ -187,6 +187,10 @@ class EdgeRoster:
         moves, self.moves = self.moves, []
         return moves
 
+    def rehome(self, node: str, edge: str) -> None:
+        """``edge`` speaks for ``node`` in the frozen round from now on (see PartialIntake.poll)."""
+        self._frozen[1][node] = edge
+
     def round_edges(self, round: int, version: int, selected: Iterable[str], now: float) -> dict[str, str]:
         """node -> the edge that speaks for it in this round (frozen at the round's first call)."""
         if self._frozen[0] != (round, version):
@@ -332,6 +336,14 @@ class PartialIntake:
         if not r.open:
             return {**answer, "status": "wait"}
         edges = self.roster.round_edges(r.round, r.version, r.selected, now)
+        if not svc.cfg.secure_aggregation.enabled and edge not in self.inbox().origins:
+            # a plain round: a selected node this edge now holds (it re-attached here after its edge of
+            # the round died, or no edge held it when the round opened) gets its task here. Its old
+            # edge, if it comes back, cannot count it (not_your_node): one edge per node and round
+            for n in taken:
+                if n in r.selected and n not in r.received and edges.get(n) != edge:
+                    log.info("round %d: node %s re-attached to edge %s, which hands out its task", r.round, n, edge)
+                    self.roster.rehome(n, edge)
         tasks = {
             n: int(w["seed"])
             for n, w in works.items()
@@ -362,6 +374,17 @@ class PartialIntake:
         answer: dict[str, Any] = {"edge": edge, "version": svc.version, "nodes": len(taken)}
         if refused:
             answer["refused"] = dict(sorted(refused.items())[:100])
+        # every node it named that the registry does not enable (revoked, or never enrolled): the edge
+        # refuses it from this answer on, whatever its own copy of the registry says
+        revoked = sorted(n for n, why in refused.items() if why == "not_enrolled")
+        if revoked:
+            answer["revoked"] = revoked
+        for n, why in refused.items():  # each refused claim logged once (until its reason changes)
+            if self._claims_logged.get((edge, n)) != why:
+                if len(self._claims_logged) >= 2 * MAX_ROSTER:
+                    self._claims_logged.clear()
+                self._claims_logged[(edge, n)] = why
+                log.info("edge %s's claim on node %s refused: %s", edge, n, why)
         if svc.done:
             answer["status"] = "done"
             if svc.stop_reason is not None:
@@ -549,11 +572,24 @@ class EdgeRound:
         self.acc = Accumulator(round, version, numel, weighting)
         self.close_at = None if deadline_at is None else deadline_at - margin_s
         self.quorum = quorum
-        known = {n: w for n, w in (expected or {}).items() if n in self.nodes and w > 0}
+        self._expected = expected or {}
+        self._weigh()
+        self.closed = False
+
+    def _weigh(self) -> None:
+        known = {n: w for n, w in self._expected.items() if n in self.nodes and w > 0}
         default = sum(known.values()) / len(known) if known else 0.0
         # the weight the quorum is a share of (0: no weight known, the quorum counts nodes)
         self.expected_weight = sum(known.get(n, default) for n in self.nodes)
-        self.closed = False
+
+    def add(self, node: str) -> bool:
+        """The root gave this edge ``node``'s task during the round (it re-attached here): the edge waits
+        for it too. False once closed."""
+        if self.closed or node in self.nodes:
+            return False
+        self.nodes.add(node)
+        self._weigh()
+        return True
 
     def drop(self, node: str) -> None:
         """``node`` will send nothing this round (its training failed): the edge stops waiting for it."""
