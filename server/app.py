@@ -630,7 +630,7 @@ async def post_edge_poll(request: web.Request) -> web.Response:
     while True:
         event = app[CHANGED]["event"]
         try:
-            answer = intake.poll(edge, body, registry.enabled, time.monotonic())
+            answer = intake.poll(edge, body, registry.enabled, time.monotonic(), app[REVOCATIONS].names.__contains__)
         except ShoalError as e:
             status = 403 if getattr(e, "code", "") == "not_an_edge" else _status_of(e)
             return error(status, getattr(e, "code", "error"), str(e))

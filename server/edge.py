@@ -187,6 +187,10 @@ class EdgeRoster:
         moves, self.moves = self.moves, []
         return moves
 
+    def rehome(self, node: str, edge: str) -> None:
+        """``edge`` speaks for ``node`` in the frozen round from now on (see PartialIntake.poll)."""
+        self._frozen[1][node] = edge
+
     def round_edges(self, round: int, version: int, selected: Iterable[str], now: float) -> dict[str, str]:
         """node -> the edge that speaks for it in this round (frozen at the round's first call)."""
         if self._frozen[0] != (round, version):
@@ -302,12 +306,21 @@ class PartialIntake:
             self._inbox = PartialInbox(r.round, r.version, self.service.spec.numel, self.service.cfg.strategy.weighting)
         return self._inbox
 
-    def poll(self, edge: str, body: object, enrolled: Callable[[str], bool], now: float) -> dict[str, Any]:
+    def poll(
+        self,
+        edge: str,
+        body: object,
+        enrolled: Callable[[str], bool],
+        now: float,
+        revoked: Callable[[str], bool] = lambda _n: False,
+    ) -> dict[str, Any]:
         """An edge's poll (POST /v1/edge/poll): its connected nodes, claimed for it (:class:`EdgeRoster`;
         ``enrolled`` says a name is a node enabled in the root's registry) and counted as connected
         (rounds select them as they select nodes polling the root); the answer is the tasks of the
-        open round for the nodes this edge speaks for in it, or ``wait``, or ``done``. A ShoalError
-        with nothing changed if the poll is refused."""
+        open round for the nodes this edge speaks for in it, or ``wait``, or ``done``. ``revoked`` says a
+        name was revoked at the root: those among the refused names are listed for the edge to refuse
+        (names never enrolled are not, so a poll cannot probe the registry). A ShoalError with
+        nothing changed if the poll is refused."""
         svc = self.service
         names = svc.cfg.hierarchy.edge_names
         try:
@@ -322,9 +335,9 @@ class PartialIntake:
             raise
         taken, refused = self.roster.claim(edge, nodes, now, lambda n: n not in names and enrolled(n))
         if svc.sync is None:
-            return self._poll_async(edge, taken, refused, parse_want(body, nodes), now)  # type: ignore[arg-type]
+            return self._poll_async(edge, taken, refused, parse_want(body, nodes), now, revoked)  # type: ignore[arg-type]
         works = {n: svc.poll(n, now) for n in taken}  # each is seen (connected) as if it polled the root
-        answer = self._answer(edge, taken, refused)
+        answer = self._answer(edge, taken, refused, revoked)
         if svc.done:
             return answer
         r = svc.sync
@@ -332,6 +345,14 @@ class PartialIntake:
         if not r.open:
             return {**answer, "status": "wait"}
         edges = self.roster.round_edges(r.round, r.version, r.selected, now)
+        if not svc.cfg.secure_aggregation.enabled and edge not in self.inbox().origins:
+            # a plain round: a selected node this edge now holds (it re-attached here after its edge of
+            # the round died, or no edge held it when the round opened) gets its task here. Its old
+            # edge, if it comes back, cannot count it (not_your_node): one edge per node and round
+            for n in taken:
+                if n in r.selected and n not in r.received and edges.get(n) != edge:
+                    log.info("round %d: node %s re-attached to edge %s, which hands out its task", r.round, n, edge)
+                    self.roster.rehome(n, edge)
         tasks = {
             n: int(w["seed"])
             for n, w in works.items()
@@ -355,13 +376,26 @@ class PartialIntake:
             **({"deadline_s": round(left, 3)} if left is not None else {}),
         }
 
-    def _answer(self, edge: str, taken: list[str], refused: dict[str, str]) -> dict[str, Any]:
+    def _answer(
+        self, edge: str, taken: list[str], refused: dict[str, str], revoked: Callable[[str], bool]
+    ) -> dict[str, Any]:
         """What every answer to an edge's poll says (sync or async root): the version, how many of its
         nodes it holds, the claims refused, and ``done`` (with the reason) once the run ended."""
         svc = self.service
         answer: dict[str, Any] = {"edge": edge, "version": svc.version, "nodes": len(taken)}
         if refused:
             answer["refused"] = dict(sorted(refused.items())[:100])
+        # every node it named that the root revoked: the edge refuses it from this answer on, whatever
+        # its own copy of the registry says
+        gone = sorted(n for n in refused if revoked(n))
+        if gone:
+            answer["revoked"] = gone
+        for n, why in refused.items():  # each refused claim logged once (until its reason changes)
+            if self._claims_logged.get((edge, n)) != why:
+                if len(self._claims_logged) >= 2 * MAX_ROSTER:
+                    self._claims_logged.clear()
+                self._claims_logged[(edge, n)] = why
+                log.info("edge %s's claim on node %s refused: %s", edge, n, why)
         if svc.done:
             answer["status"] = "done"
             if svc.stop_reason is not None:
@@ -369,7 +403,13 @@ class PartialIntake:
         return answer
 
     def _poll_async(
-        self, edge: str, taken: list[str], refused: dict[str, str], want: set[str], now: float
+        self,
+        edge: str,
+        taken: list[str],
+        refused: dict[str, str],
+        want: set[str],
+        now: float,
+        revoked: Callable[[str], bool],
     ) -> dict[str, Any]:
         """An async root's answer to an edge's poll: a task from the current version for each node
         it holds that waits for one (``want``); the others are only seen (connected). A node's task
@@ -384,7 +424,7 @@ class PartialIntake:
             if work is not None and work.get("status") == "work":
                 tasks[n] = int(work["seed"])
                 self.task_via[n] = edge
-        answer = self._answer(edge, taken, refused)
+        answer = self._answer(edge, taken, refused, revoked)
         if svc.done:
             return answer
         if not tasks:
@@ -549,11 +589,24 @@ class EdgeRound:
         self.acc = Accumulator(round, version, numel, weighting)
         self.close_at = None if deadline_at is None else deadline_at - margin_s
         self.quorum = quorum
-        known = {n: w for n, w in (expected or {}).items() if n in self.nodes and w > 0}
+        self._expected = expected or {}
+        self._weigh()
+        self.closed = False
+
+    def _weigh(self) -> None:
+        known = {n: w for n, w in self._expected.items() if n in self.nodes and w > 0}
         default = sum(known.values()) / len(known) if known else 0.0
         # the weight the quorum is a share of (0: no weight known, the quorum counts nodes)
         self.expected_weight = sum(known.get(n, default) for n in self.nodes)
-        self.closed = False
+
+    def add(self, node: str) -> bool:
+        """The root gave this edge ``node``'s task during the round (it re-attached here): the edge waits
+        for it too. False once closed."""
+        if self.closed or node in self.nodes:
+            return False
+        self.nodes.add(node)
+        self._weigh()
+        return True
 
     def drop(self, node: str) -> None:
         """``node`` will send nothing this round (its training failed): the edge stops waiting for it."""

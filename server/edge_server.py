@@ -65,6 +65,15 @@ ASYNC_SEND_S = 60.0  # under an async root, a partial is sent again for this lon
 MAX_PRIVACY_INFO = 4096  # bytes of the root's privacy task fields an edge passes on to its nodes
 
 
+def _names(value: object) -> bool:
+    """``value`` is a list of at most MAX_ROSTER node names (1 to 256 characters)."""
+    return (
+        isinstance(value, list)
+        and len(value) <= MAX_ROSTER
+        and all(isinstance(n, str) and 1 <= len(n) <= 256 for n in value)
+    )
+
+
 def _int(obj: dict, key: str) -> int:
     v = obj.get(key)
     if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 2**53:
@@ -110,6 +119,11 @@ class EdgeNodes:
         # secure rounds: the edge relays the protocol and adds masked inputs (server/edge_secure.py)
         self.relay = EdgeRelay(cfg.secure_aggregation.stage_s, cfg.hierarchy.edge_margin_s)
         self.privacy: dict[str, Any] | None = None  # the root round's privacy task fields (distributed DP)
+        # nodes the root's registry does not enable (revoked there): refused here from the root's answer on,
+        # whatever this edge's copy of the registry says; and the root's other refusals of this edge's claims
+        self.revoked: set[str] = set()
+        self.refusal_log: dict[str, tuple[float, int]] = {}  # revoked node -> (last logged, refusals since)
+        self.claims_refused: dict[str, str] = {}
 
     # --- towards the nodes -------------------------------------------------------------
 
@@ -125,9 +139,15 @@ class EdgeNodes:
         if node_hash is not None and node_hash != self.spec.hash:
             raise SpecMismatch(spec_mismatch_detail(node_hash[:64], self.spec.hash))
 
+    def check_node(self, node: str) -> None:
+        """UpdateRejected (``revoked``; answered 403) for a node the root revoked."""
+        if node in self.revoked:
+            raise UpdateRejected("revoked", f"node {node!r} is revoked at the root; this edge serves it nothing")
+
     def poll(self, node: str, now: float) -> dict[str, Any] | None:
         """The node's task if it has one now (its root round, served from this edge), ``done`` at
         the end, else None."""
+        self.check_node(node)
         self.seen(node, now)
         if self.done:
             self.told_done.add(node)
@@ -173,8 +193,9 @@ class EdgeNodes:
     def submit(self, node: str, body: bytes | bytearray | memoryview, now: float) -> dict[str, Any]:
         """One node's update into the open round's sum (under an async root: into the edge's buffer);
         a ShoalError with nothing changed if refused (counted in ``refused`` by its code)."""
-        self.seen(node, now)
         try:
+            self.check_node(node)
+            self.seen(node, now)
             update, answer = self._take_async(body, node, now) if self.buffer is not None else self._take(body, node)
         except ShoalError as e:
             code = getattr(e, "code", "error")
@@ -293,7 +314,12 @@ class EdgeNodes:
         name = answer.get("edge")
         if not isinstance(name, str) or not 1 <= len(name) <= 256:
             raise Malformed("the root's answer names no edge")
+        revoked, refused = answer.get("revoked", []), answer.get("refused", {})
+        if not _names(revoked) or not isinstance(refused, dict) or not _names(list(refused)):
+            raise Malformed("the root's revoked / refused fields are not lists of node names")
         self.name = name
+        revoked_now = self.revoke(revoked, now)
+        self._claims(refused)
         if answer["status"] == "done":
             if not self.done:
                 log.info("the root reports done at version %s", answer.get("version"))
@@ -301,7 +327,7 @@ class EdgeNodes:
             self.done_answer = {k: answer[k] for k in ("version", "reason") if k in answer}
             return True
         if answer["status"] == "wait":
-            return False
+            return revoked_now
         round_, version = _int(answer, "round"), _int(answer, "version")
         tasks = answer.get("tasks")
         if (
@@ -318,8 +344,8 @@ class EdgeNodes:
         if left is not None and (isinstance(left, bool) or not isinstance(left, (int, float)) or not left >= 0):
             raise Malformed(f"the root's deadline_s = {str(left)[:40]} is not a number of seconds >= 0")
         er = self.round
-        if self.root_round == (round_, version):
-            return False  # the round this edge serves (the root freezes its holders: the same tasks)
+        if self.root_round == (round_, version):  # the round this edge serves: a node may have re-attached here
+            return self._joined(tasks) or revoked_now
         if er is not None and not er.closed and er.acc.count:
             log.warning("round %d: the root moved on to round %d before this edge's partial", er.round, round_)
         secure = answer.get("secure_aggregation")
@@ -369,6 +395,44 @@ class EdgeNodes:
         self.started_at = now
         log.info("round %d (version %d): %d of this edge's nodes have a task", round_, version, len(tasks))
         return True
+
+    def _joined(self, tasks: dict[str, int]) -> bool:
+        """The root handed this edge the task of a node that re-attached here in the open round (a plain
+        round with one edge round: secure rounds fixed their cohort; edge rounds their nodes)."""
+        er = self.round
+        if er is None or self.cycle is not None or self.relay.secure:
+            return False
+        new = [n for n in tasks if n not in self.seeds and er.add(n)]
+        for n in new:
+            self.seeds[n] = tasks[n]
+            log.info("round %d: node %s re-attached here and gets its task", er.round, n)
+        return bool(new)
+
+    def revoke(self, nodes: list[str], now: float) -> bool:
+        """The root revoked ``nodes`` (its answer's ``revoked``): from now on each is refused here (403),
+        served no model or task, dropped from the open round and not named to the root again. True
+        when a node was new to the list (its requests waiting here are answered at once)."""
+        new = [n for n in nodes if n not in self.revoked]
+        for n in new:
+            self.revoked.add(n)
+            self.last_seen.pop(n, None)
+            if self.round is not None:
+                self.round.drop(n)
+            log.warning("node %s is revoked at the root: refused here from now on", n)
+        return bool(new)
+
+    def _claims(self, refused: dict[str, Any]) -> None:
+        """Log each of this edge's claims the root refused, with its reason, once per change."""
+        for n, why in refused.items():
+            if (
+                n not in self.revoked
+                and self.claims_refused.get(n) != why
+                and len(self.claims_refused) < 2 * MAX_ROSTER
+            ):
+                self.claims_refused[n] = str(why)[:40]
+                log.warning("the root refuses this edge's claim on node %s: %s", n, str(why)[:40])
+        for n in [n for n in self.claims_refused if n not in refused]:
+            del self.claims_refused[n]
 
     def finished(self, now: float, done_at: float) -> bool:
         """Done, and every connected node was told so (or one poll period passed)."""
@@ -444,10 +508,40 @@ JOURNAL = web.AppKey("journal", RoundJournal)
 INGEST = web.AppKey("ingest", asyncio.Semaphore)  # bodies read at once: at most server.ingest_slots
 
 
+REFUSAL_LOG_S = 10.0  # an edge logs a revoked node's refused requests at most this often per node
+
+
+@web.middleware
+async def revoked_nodes(request: web.Request, handler):
+    """A node the root revoked gets 403 at this edge on every route, whatever the edge's copy of the
+    registry says (its body, if any, is not read); each refusal is logged with its reason (at most
+    one line per node per REFUSAL_LOG_S, with the count since)."""
+    from .app import NODE, _answer_and_hang_up, error
+
+    edge, node = request.app[EDGE], request.get(NODE)
+    if node is None or node not in edge.revoked:
+        return await handler(request)
+    edge.refused["revoked"] = edge.refused.get("revoked", 0) + 1
+    now = time.monotonic()
+    last, count = edge.refusal_log.get(node, (-math.inf, 0))
+    if now - last >= REFUSAL_LOG_S:
+        log.warning(
+            "refused %s %s of node %s: revoked at the root (%d more since)", request.method, request.path, node, count
+        )
+        edge.refusal_log[node] = (now, 0)
+    else:
+        edge.refusal_log[node] = (last, count + 1)
+    resp = error(403, "revoked", f"node {node!r} is revoked at the root; this edge serves it nothing")
+    if request.body_exists and not request.content.at_eof():
+        await _answer_and_hang_up(request, resp)
+    return resp
+
+
 def _edge_app(edge: EdgeNodes, registry) -> web.Application:
     from .app import _base_app
 
     app = _base_app(edge.cfg, registry, edge.max_body_bytes)
+    app.middlewares.append(revoked_nodes)  # after auth: it knows the node
     app[EDGE] = edge
     app[INGEST] = asyncio.Semaphore(edge.cfg.server.ingest_slots)
     app.router.add_get("/v1/task", get_task)
@@ -471,7 +565,10 @@ async def get_task(request: web.Request) -> web.Response:
         return error(_status_of(e), e.code, str(e))
     while True:
         event = request.app[CHANGED]["event"]
-        work = edge.poll(node, time.monotonic())
+        try:
+            work = edge.poll(node, time.monotonic())
+        except ShoalError as e:  # revoked at the root while it waited
+            return error(403, e.code, str(e))
         if work is not None:
             return web.json_response(work)
         left = end - time.monotonic()

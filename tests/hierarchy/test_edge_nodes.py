@@ -191,6 +191,20 @@ def test_the_edge_s_node_routes_refuse_hostile_requests(tmp_path) -> None:
                 status, answer = await call("POST", "/v1/update", headers=auth, data=body(e, "n0"))
                 assert (status, answer["status"]) == (200, "accepted")
                 assert e.round is not None and e.round.acc.senders == {"n0"}
+                # the root revokes n0 (its next poll answer says so): this edge's copy of the registry still
+                # has it, yet every route refuses it at once, the model included, and it is named no more
+                waiting = asyncio.ensure_future(call("GET", "/v1/task?wait=5", headers=auth))
+                await asyncio.sleep(0.2)
+                assert e.from_root({"edge": "edge-a", "status": "wait", "revoked": ["n0"]}, 1.0)
+                from shoal.server.app import _notify
+
+                _notify(runner.app)
+                assert (await waiting)[0] == 403  # its long poll ends with the refusal
+                for method, path, data in (("GET", "/v1/model", None), ("POST", "/v1/update", body(e, "n0"))):
+                    status, answer = await call(method, path, headers=auth, data=data)
+                    assert (status, answer["error"]) == (403, "revoked"), (path, answer)
+                assert e.refused["revoked"] == 2 and "n0" not in e.connected(time.monotonic())
+                assert not e.from_root({"edge": "edge-a", "status": "wait", "revoked": ["n0"]}, 1.1)  # known
         finally:
             await runner.cleanup()
             registry.close()

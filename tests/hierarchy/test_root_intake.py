@@ -104,13 +104,17 @@ def test_conflicts_double_counting_and_hostile_bodies_change_nothing(tmp_path) -
 
 def test_the_root_decides_which_edge_speaks_for_a_node(tmp_path) -> None:
     """A claim counts only for enrolled nodes (never an edge), the first live edge holds a node, a
-    silent edge loses its nodes after hierarchy.edge_timeout_s, and a round keeps the holders it
-    opened with: a node whose edge died is that round's drop-out, counted by nobody else."""
+    silent edge loses its nodes after hierarchy.edge_timeout_s; a node that re-attached to another
+    edge in the open round gets its task there (its dead edge cannot count it any more), and a round
+    never selects a node that no live edge holds when it opens."""
     root = ServerService.from_config(small_config(tmp_path, EDGE_NAMES, clients_per_round=8, min_nodes=8, rounds=3))
     intake = PartialIntake(root)
     enrolled = {*NODES, "edge-a", "edge-b"}
-    a = intake.poll("edge-a", {"nodes": ["n0", "n1", "ghost", "edge-b"]}, enrolled.__contains__, 0.0)
-    assert a["refused"] == {"ghost": "not_claimable", "edge-b": "not_claimable"} and a["nodes"] == 2
+    revoked = {"n9"}.__contains__  # n9 was enrolled and revoked at the root; ghost never was
+    a = intake.poll("edge-a", {"nodes": ["n0", "n1", "ghost", "edge-b", "n9"]}, enrolled.__contains__, 0.0, revoked)
+    assert a["refused"] == {"ghost": "not_claimable", "edge-b": "not_claimable", "n9": "not_claimable"}
+    assert a["nodes"] == 2
+    assert a["revoked"] == ["n9"]  # the edge refuses it from this answer on; an unknown name is not revealed
     b = intake.poll("edge-b", {"nodes": ["n1", "n2"]}, enrolled.__contains__, 0.5)
     assert b["refused"] == {"n1": "not_claimable"}  # the same reason: no enrollment is revealed and b["nodes"] == 1
     for n in NODES[3:]:
@@ -121,14 +125,28 @@ def test_the_root_decides_which_edge_speaks_for_a_node(tmp_path) -> None:
     timeout = root.cfg.hierarchy.edge_timeout_s
     later = 1.0 + timeout + 0.1  # edge-a fell silent: edge-b may claim its nodes, for the next rounds
     b = intake.poll("edge-b", {"nodes": ["n0", "n1", "n2"]}, enrolled.__contains__, later)
-    assert "refused" not in b and sorted(b["tasks"]) == ["n2"]  # this round still holds n0, n1 for edge-a
+    assert "refused" not in b and sorted(b["tasks"]) == ["n0", "n1", "n2"]  # n0, n1 re-attached: their tasks
+    assert b["tasks"]["n0"] == works[0]["seed"]  # the same task the root gave it through edge-a
     # the next version's record says two nodes moved, the longest 1.0 + timeout + 0.1 - 1.0 s after edge-a last named it
     moved = intake.figures(root.sync.round)  # type: ignore[union-attr]
     assert moved == {"hier_nodes_reattached": 2, "hier_reattach_s": pytest.approx(timeout + 0.1)}
     assert intake.figures(root.sync.round)["hier_nodes_reattached"] == 0  # type: ignore[union-attr]
-    with pytest.raises(UpdateRejected) as e:
-        intake.submit("edge-b", edge_body(root, works[:3]), later)
+    with pytest.raises(UpdateRejected) as e:  # edge-a is back with its old sum: not its nodes any more
+        intake.submit("edge-a", edge_body(root, works[:2]), later)
     assert e.value.code == "not_your_node" and root.sync.received == set()  # type: ignore[union-attr]
+    assert intake.submit("edge-b", edge_body(root, works[:3], origin="edge-b"), later)["status"] == "accepted"
+    # the next round opens after edge-b fell silent too: nodes last named by an edge no longer live are
+    # connected (heard from within poll_s + 5 s) but not selected; n3..n7 polled the root themselves
+    for n in NODES[3:]:
+        root.submit(n, encode_update(node_update(root, works[int(n[1:])]), root.spec, {"round": 1}), later)
+    assert root.tick(later) and root.version == 1
+    gone = later + timeout + 0.1
+    for n in NODES[3:]:
+        root.seen(n, gone)
+    assert set(root.connected(gone)) == set(NODES)
+    assert not root.tick(gone)  # 5 reachable nodes, below min_nodes = 8
+    assert intake.poll("edge-a", {"nodes": ["n0", "n1", "n2"]}, enrolled.__contains__, gone)["status"] == "wait"
+    assert root.tick(gone) and set(root.sync.selected) == set(NODES)  # type: ignore[union-attr]
     for bad in ({"nodes": "n0"}, {"nodes": ["n0", "n0"]}, {"nodes": [""]}, {"nodes": [], "x": 1}, [1]):
         with pytest.raises(ShoalError) as e:
             intake.poll("edge-b", bad, enrolled.__contains__, later)
