@@ -541,7 +541,7 @@ class ServerService:
         if self.secure_round is not None:  # its first stage stops waiting for this node's keys
             self.secure_round.failed_node(node)
         log.warning("round %d: node %s reports its task %s; it is not handed out again", round_, node, reason)
-        return {"status": "noted", "round": round_}
+        return {"status": "noted", "round": round_, "reason": reason}
 
     def _fed_pending(self, v: int, fed: FedVersion) -> bool:
         """A node asked to evaluate version ``v`` has not reported yet and still may: it holds
