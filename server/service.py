@@ -239,6 +239,7 @@ class ServerService:
         self.events: list[Event] = []
         self.emit: Callable[[Event], None] = emit if emit is not None else self.events.append
         self.started_at = started_at
+        self.elapsed_before = 0.0  # a resumed run: the elapsed_s its last record had (server/store.py)
         # the largest update (a dense float32 model and its header), and the largest request: an
         # update over max_body_bytes travels in chunks (server/chunks.py)
         # (SCAFFOLD's updates carry the control-variate delta beside the model-sized delta)
@@ -372,10 +373,11 @@ class ServerService:
         return out
 
     def _elapsed(self, now: float) -> float:
-        """Seconds since ``started_at`` (the first call's ``now`` unless given)."""
+        """Seconds since ``started_at`` (the first call's ``now`` unless given), after the
+        ``elapsed_before`` of the run's life before a restart."""
         if self.started_at is None:
             self.started_at = now
-        return round(now - self.started_at, 4)
+        return round(now - self.started_at + self.elapsed_before, 4)
 
     def finished(self, now: float) -> bool:
         """Done, and every connected node was told so (or one poll period passed)."""
