@@ -46,6 +46,11 @@ _SHA = re.compile(r"[0-9a-f]{64}|builtin")
 MAX_OFFERS = 64
 
 
+def node_setting(line: str) -> str:
+    """A connection hint written for `shoal client`'s options, in the node config's words."""
+    return line.replace("with --ca-cert", "as node.ca_cert in the node's config")
+
+
 def well_formed_offer(offer: Any) -> bool:
     """The server's offer has the shape this node reads (it comes from the network)."""
     return (
@@ -77,6 +82,7 @@ class NodeDaemon:
         self.deferred: dict[str, str] = {}  # run -> why this node cannot take part yet (asked again each poll)
         self.ledgers: dict[Path, str] = {}  # local-DP ledger in use -> the run spending that data's budget
         self.servers = ServerList(cfg.servers, log)  # the one in use: the next when it stops answering
+        self.error = ""  # why it stopped, when retrying could not help
 
     async def run(self) -> int:
         on_stop_signals(self._on_signal)
@@ -102,8 +108,9 @@ class NodeDaemon:
                     self._lost()
                     delay = backoff.next(self.rand)
                     log.warning("%s; retrying in %.2f s", e, delay)
-                except NodeError as e:
-                    log.error("%s", e)
+                except NodeError as e:  # retrying cannot help (a certificate, a scheme): `shoal node` exits 2
+                    self.error = node_setting(str(e))
+                    log.error("%s", self.error)
                     self.stop.set()
                     break
                 try:
@@ -113,7 +120,7 @@ class NodeDaemon:
             if self.runs:  # each run's Node sees the same stop and finishes its step
                 await asyncio.wait(list(self.runs.values()), timeout=30)
         log.info("node %s stops: took part in %d runs, refused %d", self.cfg.name, len(self.runs), len(self.refused))
-        return 0
+        return 2 if self.error else 0
 
     @property
     def url(self) -> str:

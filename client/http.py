@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import random
+import re
 from dataclasses import dataclass
 
 import aiohttp
@@ -24,8 +25,15 @@ class NodeError(ShoalError):
     code = "node_error"
 
 
+#: aiohttp quotes the connector's SSL context in its errors: the object's repr tells an operator nothing
+_SSL_REPR = re.compile(r"ssl:<ssl\.SSLContext object at 0x[0-9a-fA-F]+>")
+
+
 class Retry(Exception):
     """A transient failure: wait and try again."""
+
+    def __init__(self, msg: str = ""):
+        super().__init__(_SSL_REPR.sub("over TLS", msg))
 
 
 class Refused(Exception):

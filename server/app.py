@@ -844,6 +844,10 @@ async def post_failed(request: web.Request) -> web.Response:
     result = await _small_report(request, MAX_FAILURE_BODY, "failure", _svc(request).report_failure)
     if isinstance(result, web.Response):
         return result
+    run = request.match_info.get("run")
+    if run is not None:  # a federation's run: the report goes into its log (`shoal run logs`)
+        fed = request.app[FEDERATION]
+        fed.event(run, request[NODE], f"round {result['round']}: reports its task {result['reason']}")
     _tick(request.app)  # every selected node answered or failed: the round may close now
     return web.json_response(result)
 
@@ -970,6 +974,7 @@ def make_federation_app(federation: Federation, registry: Registry) -> web.Appli
     app.router.add_get("/v1/status", get_runs)
     app.router.add_get(RUNS_PATH + "/{run}", get_run)
     app.router.add_get(RUNS_PATH + "/{run}/metrics", get_run_metrics)
+    app.router.add_get(RUNS_PATH + "/{run}/events", get_run_events)
     app.router.add_post(RUNS_PATH + "/{run}/stop", post_run_stop)
     app.router.add_get(RUNS_PATH + "/{run}/files/{name}", get_run_file)
     server_dashboard(app[ADMIN], federation, registry).add_routes(app)
@@ -1040,6 +1045,23 @@ async def get_run_metrics(request: web.Request) -> web.Response:
         left = end - time.monotonic()
         if lines or left <= 0 or status not in ("queued", "running") or _gone(request):
             return web.json_response({"run": run, "status": status, "lines": [{"seq": n, **f} for n, f in lines]})
+        await _wait_event(event, min(left, _SLICE_S))
+
+
+async def get_run_events(request: web.Request) -> web.Response:
+    """The run's log lines after ``after`` (the server's events, its nodes' answers); with
+    ``wait``, held until one comes (`shoal run logs --follow`)."""
+    fed = request.app[FEDERATION]
+    run, after = request.match_info["run"], _integer(request, "after") if "after" in request.query else 0
+    end = time.monotonic() + (_seconds(request, "wait", 60.0) if "wait" in request.query else 0.0)
+    while True:
+        event = request.app[CHANGED]["event"]
+        lines = _fed_call(fed.events, run, after)
+        row = fed.db.get(run)
+        status = row.status if row is not None else "unknown"
+        left = end - time.monotonic()
+        if lines or left <= 0 or status not in ("queued", "running") or _gone(request):
+            return web.json_response({"run": run, "status": status, "lines": lines})
         await _wait_event(event, min(left, _SLICE_S))
 
 

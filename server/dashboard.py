@@ -381,6 +381,7 @@ class ServerSource:
                 item.update(run_summary(svc, now))
             else:
                 item["mode"] = row.config.get("server", {}).get("mode", self.source.cfg.server.mode)
+                item.update(self.source.final(row))  # an ended run: its last round and version
                 if row.ended is not None:
                     item["elapsed_s"] = round(row.ended - row.created, 1)
             out.append(item)

@@ -176,6 +176,7 @@ class Federation:
         self._failing: dict[str, float] = {}  # run -> when its clock's failure was last logged
         self.watch: dict[str, RunWatch] = {}  # run -> its stall clock (server/run_health.py)
         self.waiting: dict[str, str] = {}  # run -> what it waits for (shown in its status)
+        self._final: dict[str, dict[str, int]] = {}  # ended run -> its last round and version
         for row in db.runs(("running",)):  # a restart: every run that was running goes on
             self._open(row, resume=True)
 
@@ -202,6 +203,7 @@ class Federation:
         except ShoalError as e:
             raise RunError("bad_task", f"the run cannot start: {e}") from None
         self.db.add(run_id, task, digest, raw, who, time.time())
+        self.event(run_id, "server", f"submitted by {who}: task {task} (sha256 {digest[:12]})")
         log.info("%s submitted by %s: task %s (sha256 %s), %s", run_id, who, task, digest[:12], json.dumps(raw))
         return {"run": run_id, "status": "queued", "task_sha256": digest}
 
@@ -211,6 +213,7 @@ class Federation:
             return {"run": run_id, "status": row.status}
         reason = f"stopped by {who}"
         svc = self.active.get(run_id)
+        self.event(run_id, "server", reason)
         if svc is not None:
             self.user_stopped.add(run_id)
             svc.stop(reason)
@@ -234,6 +237,14 @@ class Federation:
             out["service"] = svc.status(now)
         return out
 
+    def event(self, run_id: str, source: str, line: str) -> None:
+        """One line of the run's log (`shoal run logs`): the server's events and its nodes' answers."""
+        self.db.add_event(run_id, source, line[:2000], time.time())
+
+    def events(self, run_id: str, after: int) -> list[dict[str, Any]]:
+        self._row(run_id)
+        return self.db.events(run_id, after)
+
     def metrics(self, run_id: str, after: int) -> list[tuple[int, dict[str, Any]]]:
         self._row(run_id)
         return self.db.metrics(run_id, after)
@@ -255,7 +266,20 @@ class Federation:
             out["reason"] = row.reason
         if svc is not None:
             out.update(version=svc.version, round=svc.rounds.round, rounds_target=svc.cfg.server.rounds)
+        elif row.status not in ACTIVE:
+            out.update(self.final(row))
         return out
+
+    def final(self, row: RunRow) -> dict[str, Any]:
+        """An ended run's last round and version (its summary.json, read once), and its target."""
+        if row.id not in self._final:
+            try:
+                summary = json.loads((self.dir / row.id / "summary.json").read_text())
+                self._final[row.id] = {"version": int(summary["version"]), "round": int(summary["rounds"])}
+            except (OSError, ValueError, KeyError, TypeError):  # it could not start: no summary
+                return {}
+        rounds = row.config.get("server", {}).get("rounds", ServerConfig().rounds)
+        return {**self._final[row.id], "rounds_target": rounds}
 
     def _row(self, run_id: str) -> RunRow:
         row = self.db.get(run_id) if isinstance(run_id, str) and _RUN_ID.fullmatch(run_id) else None
@@ -312,6 +336,10 @@ class Federation:
         if body["answer"] != "joined" and not reason:
             raise RunError("malformed", f"answer {body['answer']!r} needs its reason")
         stored = "deferred" if temporary else body["answer"]
+        before = self.db.answers(row.id).get(node, {})
+        if (before.get("answer"), before.get("reason", "")) != (body["answer"], reason):  # changes only
+            what = "refused for now" if temporary else body["answer"]
+            self.event(row.id, node, f"{what}: {reason}" if reason else what)
         self.db.answer(row.id, node, stored, reason, time.time())
         svc = self.active.get(run_id)
         if stored in ("refused", "failed") and svc is not None:  # it left the run: no round selects or waits for it
@@ -395,6 +423,7 @@ class Federation:
             self.waiting.pop(run_id, None)
         elif self.waiting.get(run_id) is None:
             log.info("%s %s", run_id, waiting)  # once when it starts waiting, not at every tick
+            self.event(run_id, "server", waiting)
         if waiting is not None:
             self.waiting[run_id] = waiting
         if fail is not None:
@@ -423,6 +452,7 @@ class Federation:
             )
         except ShoalError as e:
             log.warning("%s cannot start: %s", row.id, e)
+            self.event(row.id, "server", f"failed: cannot start: {e}")
             self.db.set_status(row.id, "failed", f"cannot start: {e}", time.time())
             return
         self.limit_requests(svc)
@@ -431,6 +461,7 @@ class Federation:
         if row.status != "running":
             self.db.set_status(row.id, "running")
         log.info("%s %s: task %s, %d rounds", row.id, "resumed" if resume else "started", row.task, cfg.server.rounds)
+        self.event(row.id, "server", f"{'resumed' if resume else 'started'}: {cfg.server.rounds} rounds, {svc.mode}")
 
     def limit_requests(self, svc: ServerService) -> None:
         """A run's requests are at most the federation's server.max_body_bytes (its body buffers'
@@ -475,6 +506,7 @@ class Federation:
         self.waiting.pop(run_id, None)
         svc.close_files()  # its TensorBoard writer (a thread and an open file) ends with the run
         log.info("%s %s at version %d%s", run_id, status, svc.version, f": {reason}" if reason else "")
+        self.event(run_id, "server", f"{status} at version {svc.version}" + (f": {reason}" if reason else ""))
 
 
 PULLED = ("model.safetensors", "metrics.jsonl", "summary.json")

@@ -126,16 +126,24 @@ def logs(
     token_file: Path = TokenOpt,
     ca_cert: Path | None = CaOpt,
 ) -> None:
-    """The run's metrics lines (JSON, as metrics.jsonl)."""
-    api, after = Api(server, token_file, ca_cert), 0
+    """The run's log on stderr (the server's events: submitted, started, waiting for nodes, ended
+    and why; each node's answers and failures, `# TIME SOURCE: LINE`) and its metrics lines on
+    stdout (JSON, as metrics.jsonl: `> run.jsonl` keeps them)."""
+    api, after, events_after = Api(server, token_file, ca_cert), 0, 0
     while True:
-        wait = "&wait=20" if follow else ""
+        news = api.call("GET", f"/v1/runs/{run}/events?after={events_after}", timeout=40)
+        for e in news["lines"]:
+            events_after = e["seq"]
+            stamp = time.strftime("%Y-%m-%dT%H:%M:%S", time.localtime(e["at"]))
+            typer.echo(f"# {stamp} {e['source']}: {e['line']}", err=True)
+        wait = "&wait=2" if follow else ""  # short: the log's lines are asked for between the waits
         out = api.call("GET", f"/v1/runs/{run}/metrics?after={after}{wait}", timeout=40)
         for line in out["lines"]:
             after = line.pop("seq")
             typer.echo(json.dumps(line))
         sys.stdout.flush()
-        if not follow or (out["status"] not in ("queued", "running") and not out["lines"]):
+        ended = out["status"] not in ("queued", "running") and not out["lines"] and not news["lines"]
+        if not follow or ended:
             if follow:
                 typer.echo(f"# {run} {out['status']}", err=True)
             return
@@ -167,3 +175,75 @@ def pull(
     for name in PULLED:
         (folder / name).write_bytes(api.raw("GET", f"/v1/runs/{run}/files/{name}", timeout=300))
     typer.echo(f"{run}: {', '.join(PULLED)} written to {folder}/")
+
+
+@app.command("wait")
+def wait(
+    run: str,
+    poll: float = typer.Option(2.0, "--poll", help="Seconds between status requests."),
+    timeout: float = typer.Option(0.0, "--timeout", help="Give up after this many seconds (0: wait until it ends)."),
+    server: str = ServerOpt,
+    token_file: Path = TokenOpt,
+    ca_cert: Path | None = CaOpt,
+) -> None:
+    """Wait until the run ends, with a progress bar of its rounds (and what it waits for); exit 0
+    when it finished, 1 when it failed or was stopped (its reason on stderr)."""
+    from shoal.simulations.run_loop import ProgressBar
+
+    api = Api(server, token_file, ca_cert)
+    end = time.monotonic() + timeout if timeout > 0 else float("inf")
+    st = api.call("GET", f"/v1/runs/{run}")
+    with ProgressBar(int(st.get("rounds_target") or 0), run) as bar:
+        done = 0
+        while st["status"] in ("queued", "running"):
+            version = int(st.get("version") or 0)
+            status = st.get("waiting_for") or st["status"]
+            bar.advance(status[:100], max(0, version - done))
+            done = max(done, version)
+            if not bar.enabled:  # no terminal: one line when something changes
+                line = f"{run} {st['status']} {version}/{st.get('rounds_target', '?')}: {status}"
+                if line != getattr(bar, "last", None):
+                    typer.echo(line, err=True)
+                    bar.last = line  # type: ignore[attr-defined]
+            if time.monotonic() > end:
+                raise ConfigError(f"{run} is still {st['status']} after --timeout {timeout:g} s")
+            time.sleep(max(0.2, poll))
+            st = api.call("GET", f"/v1/runs/{run}")
+        bar.advance(st["status"], max(0, int(st.get("version") or done) - done))
+    reason = f": {st['reason']}" if st.get("reason") else ""
+    typer.echo(f"{run} {st['status']} at version {st.get('version', '?')}{reason}", err=st["status"] != "finished")
+    if st["status"] != "finished":
+        raise typer.Exit(1)
+
+
+@app.command("validate")
+def validate(
+    config: Path = typer.Option(..., "--config", "-c", help=as_written("The run's TOML, as for submit.")),
+    task: str = typer.Option(..., "--task", "-t", help="The task, as the server has it installed."),
+    nodes: int = typer.Option(
+        0, "--nodes", help="The federation's registered nodes (N of central and distributed DP; 0: those checks skip)."
+    ),
+) -> None:
+    """Check a run's config and task here, with the checks the server makes when it takes the run
+    and when it starts it (the task loads, its model builds, DP and secure aggregation fit); nothing
+    is sent."""
+    import tempfile
+
+    from shoal.assembly import task_from_config
+    from shoal.config import Config
+    from shoal.server.federation import check_run_config, run_config, task_sha256
+    from shoal.server.service import ServerService
+    from shoal.task import load_task
+
+    try:
+        raw = tomllib.loads(config.read_text())
+    except (OSError, tomllib.TOMLDecodeError) as e:
+        raise ConfigError(f"--config {config}: {e}") from None
+    check_run_config(raw)
+    digest = task_sha256(task)
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = run_config(Config(), raw, task, Path(tmp))
+        loaded = load_task(cfg.task.app, cfg.task.args) if cfg.task.app else task_from_config(cfg)
+        ServerService.from_config(cfg, loaded, nodes or None)
+    what = f"{nodes} nodes" if nodes else "no --nodes: checks that need N skipped"
+    typer.echo(f"ok: {task} (sha256 {digest[:12]}), {cfg.server.rounds} rounds of {cfg.server.mode} ({what})")

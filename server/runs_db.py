@@ -41,7 +41,17 @@ _SCHEMA = (
         line TEXT NOT NULL,
         PRIMARY KEY (run, seq)
     )""",
+    # what happened to a run, for `shoal run logs`: the server's events and its nodes' answers
+    """CREATE TABLE IF NOT EXISTS events (
+        run TEXT NOT NULL,
+        seq INTEGER NOT NULL,
+        at REAL NOT NULL,
+        source TEXT NOT NULL,
+        line TEXT NOT NULL,
+        PRIMARY KEY (run, seq)
+    )""",
 )
+MAX_EVENTS = 10_000  # a run's event lines kept (later ones are dropped: a node's answers cannot fill the disk)
 
 #: A run's life: queued -> running -> finished | failed | stopped.
 ACTIVE = ("queued", "running")
@@ -139,6 +149,26 @@ class RunsDB:
             "SELECT seq, line FROM metrics WHERE run = ? AND seq > ? ORDER BY seq LIMIT ?", (run_id, after, limit)
         ).fetchall()
         return [(int(r[0]), json.loads(r[1])) for r in rows]
+
+    def add_event(self, run_id: str, source: str, line: str, now: float) -> bool:
+        """One line of the run's log (``source``: "server" or a node's name); False once the run
+        has MAX_EVENTS lines (nothing is written)."""
+        seq = int(self.db.execute("SELECT COALESCE(MAX(seq), 0) FROM events WHERE run = ?", (run_id,)).fetchone()[0])
+        if seq >= MAX_EVENTS:
+            return False
+        self.db.execute(
+            "INSERT INTO events (run, seq, at, source, line) VALUES (?, ?, ?, ?, ?)",
+            (run_id, seq + 1, now, source, line),
+        )
+        return True
+
+    def events(self, run_id: str, after: int = 0, limit: int = 1000) -> list[dict[str, Any]]:
+        """The run's log lines numbered from 1, those after ``after`` (at most ``limit``)."""
+        rows = self.db.execute(
+            "SELECT seq, at, source, line FROM events WHERE run = ? AND seq > ? ORDER BY seq LIMIT ?",
+            (run_id, after, limit),
+        ).fetchall()
+        return [{"seq": int(r[0]), "at": float(r[1]), "source": r[2], "line": r[3]} for r in rows]
 
 
 def _answer(answer: str, reason: str) -> dict[str, Any]:

@@ -240,6 +240,7 @@ class ServerService:
         self.events: list[Event] = []
         self.emit: Callable[[Event], None] = emit if emit is not None else self.events.append
         self.started_at = started_at
+        self.elapsed_before = 0.0  # a resumed run: the elapsed_s its last record had (server/store.py)
         # the largest update (a dense float32 model and its header), and the largest request: an
         # update over max_body_bytes travels in chunks (server/chunks.py)
         # (SCAFFOLD's updates carry the control-variate delta beside the model-sized delta)
@@ -407,10 +408,11 @@ class ServerService:
         return out
 
     def _elapsed(self, now: float) -> float:
-        """Seconds since ``started_at`` (the first call's ``now`` unless given)."""
+        """Seconds since ``started_at`` (the first call's ``now`` unless given), after the
+        ``elapsed_before`` of the run's life before a restart."""
         if self.started_at is None:
             self.started_at = now
-        return round(now - self.started_at, 4)
+        return round(now - self.started_at + self.elapsed_before, 4)
 
     def finished(self, now: float) -> bool:
         """Done, and every connected node was told so (or one poll period passed)."""
@@ -576,7 +578,7 @@ class ServerService:
         if self.secure_round is not None:  # its first stage stops waiting for this node's keys
             self.secure_round.failed_node(node)
         log.warning("round %d: node %s reports its task %s; it is not handed out again", round_, node, reason)
-        return {"status": "noted", "round": round_}
+        return {"status": "noted", "round": round_, "reason": reason}
 
     def _fed_pending(self, v: int, fed: FedVersion) -> bool:
         """A node asked to evaluate version ``v`` has not reported yet and still may: it holds

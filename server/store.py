@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from collections.abc import Callable
 from pathlib import Path
 
@@ -138,4 +139,25 @@ def open_service(
         started_at=started_at,
     )
     service.close_files = store.close
+    if restored.checkpoint is not None:  # elapsed_s goes on from where the run was, not from 0
+        service.elapsed_before = last_elapsed(store.metrics_path)
     return service
+
+
+def last_elapsed(path: Path, tail: int = 64 * 1024) -> float:
+    """The ``elapsed_s`` of the last metrics line that has one (0 without any): read from the file's
+    last ``tail`` bytes, so a long run's metrics are not read whole."""
+    try:
+        with path.open("rb") as f:
+            f.seek(max(0, f.seek(0, 2) - tail))
+            lines = f.read().splitlines()
+    except OSError:
+        return 0.0
+    for line in reversed(lines):
+        try:
+            value = json.loads(line).get("elapsed_s")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < math.inf:
+            return float(value)
+    return 0.0

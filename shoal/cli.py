@@ -10,7 +10,7 @@ from pathlib import Path
 import typer
 
 from .cli_help import as_written
-from .errors import ShoalError
+from .errors import ConfigError, ShoalError
 
 app = typer.Typer(
     name="shoal",
@@ -150,7 +150,12 @@ def peer(
     set_: list[str] | None = SetOpt,
     task: str | None = TaskOpt,
     token: str | None = typer.Option(
-        None, "--token", help="Network token shared by the peers (default: $SHOAL_TOKEN)."
+        None,
+        "--token",
+        help="Network token shared by the peers (default: $SHOAL_TOKEN; --token-file keeps it out of ps).",
+    ),
+    token_file: Path | None = typer.Option(
+        None, "--token-file", help="File holding the network token (mode 0600), instead of --token."
     ),
     advertise: str | None = typer.Option(
         None, "--advertise", help="URL other peers reach this one at (default: from --listen)."
@@ -167,6 +172,12 @@ def peer(
     from shoal.p2p.cli import run_peer
 
     from .config import load_config
+    from .pki import read_secret
+
+    if token_file is not None:
+        if token is not None:
+            raise ConfigError("give the network token with --token or --token-file, not both")
+        token = read_secret(token_file, "--token-file")
 
     run_peer(
         load_config(config, with_task(set_, task)),

@@ -73,10 +73,14 @@ def _points(run: Run, key: str) -> list[tuple[float, float]]:
     return [(r[run.x], r[key]) for r in run.records if _num(r.get(key)) and _num(r.get(run.x))]
 
 
+#: evaluation figures drawn: the central test set, the clients' own (federated), a peer's own test data
+REPORT_PREFIXES = (*EVAL_PREFIXES, "local_test_")
+
+
 def _eval_key(runs: list[Run], *names: str) -> str | None:
-    """The first of ``test_NAME`` / ``fed_NAME`` that a run reports."""
+    """The first of ``test_NAME`` / ``fed_NAME`` / ``local_test_NAME`` that a run reports."""
     for name in names:
-        for prefix in EVAL_PREFIXES:
+        for prefix in REPORT_PREFIXES:
             if any(_points(r, prefix + name) for r in runs):
                 return prefix + name
     return None
@@ -102,6 +106,16 @@ def _bytes(run: Run) -> list[tuple[float, float]]:
     return out
 
 
+def _same_figure(run: Run, key: str) -> list[tuple[float, float]]:
+    """``key``'s points, or the same figure on another test set the run reports (a federation's
+    ``fed_accuracy`` beside a peer's ``local_test_accuracy``)."""
+    pts = _points(run, key)
+    if pts:
+        return pts
+    name = next((key.removeprefix(p) for p in sorted(REPORT_PREFIXES, key=len, reverse=True) if key.startswith(p)), key)
+    return next((p for p in (_points(run, prefix + name) for prefix in REPORT_PREFIXES) if p), [])
+
+
 def panels(runs: list[Run]) -> list[Panel]:
     """Accuracy (or the first evaluation metric), loss, bytes and epsilon: those some run has."""
     out = []
@@ -109,14 +123,19 @@ def panels(runs: list[Run]) -> list[Panel]:
     for r in runs:
         for rec in r.records:
             first_metric = first_metric or next(
-                (k for k, v in rec.items() if k.startswith(EVAL_PREFIXES) and _num(v) and "num_examples" not in k), None
+                (
+                    k
+                    for k, v in rec.items()
+                    if k.startswith(REPORT_PREFIXES) and _num(v) and "num_examples" not in k and k != "fed_nodes"
+                ),
+                None,
             )
     acc = _eval_key(runs, "accuracy") or first_metric
     if acc:
-        out.append(Panel(acc.replace("_", " "), acc, {r.label: _points(r, acc) for r in runs}))
+        out.append(Panel(acc.replace("_", " "), acc, {r.label: _same_figure(r, acc) for r in runs}))
     loss = _eval_key(runs, "loss")
     if loss and loss != acc:
-        out.append(Panel(loss.replace("_", " "), loss, {r.label: _points(r, loss) for r in runs}))
+        out.append(Panel(loss.replace("_", " "), loss, {r.label: _same_figure(r, loss) for r in runs}))
     elif any(_points(r, "train_loss") for r in runs):
         out.append(Panel("train loss", "train_loss", {r.label: _points(r, "train_loss") for r in runs}))
     moved = {r.label: _bytes(r) for r in runs}

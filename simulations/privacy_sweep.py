@@ -29,10 +29,10 @@ from pathlib import Path
 from typing import Any
 
 from shoal.assembly import task_from_config, task_label
-from shoal.config import Config, PrivacyMode
+from shoal.config import Config, PrivacyConfig, PrivacyMode
 from shoal.errors import ConfigError, ShoalError
 from shoal.seeding import derive_seed
-from shoal.task import SimulationData, Task, UserCodeError
+from shoal.task import SimulationData, Task, UserCodeError, as_tensors
 
 from .canary_audit import AuditTooSmall, run_canary_audit
 from .client_data import load_simulation_data
@@ -87,6 +87,23 @@ def settings(cfg: Config) -> list[tuple[PrivacyMode, float]]:
     return baseline + [(m, z) for m in p.sweep_modes for z in p.sweep_noise_multipliers]
 
 
+def skip_local_dp_for_datasets(
+    grid: list[tuple[PrivacyMode, float]], cfg: Config, data: SimulationData
+) -> list[tuple[PrivacyMode, float]]:
+    """The default grid without its local-DP settings when the clients' data are Datasets (local
+    DP-SGD trains on (x, y) tensors), said once; a grid that names local DP is kept as asked."""
+    asked = cfg.privacy.sweep_modes != PrivacyConfig().sweep_modes
+    local = [s for s in grid if s[0] == "local"]
+    if asked or not local or all(as_tensors(d) is not None for d in data.train):
+        return grid
+    log.warning(
+        "privacy-sweep: the task's clients' data are Datasets and local DP-SGD trains on (x, y) tensors: "
+        "skipping the %d local-DP settings (name privacy.sweep_modes to choose the modes)",
+        len(local),
+    )
+    return [s for s in grid if s[0] != "local"]
+
+
 def run_setting(
     cfg: Config,
     data: SimulationData,
@@ -96,10 +113,12 @@ def run_setting(
     task: Task | None = None,
     metric: str | None = None,
     on_record: OnRecord | None = None,
+    warned: set[str] | None = None,
 ) -> dict[str, Any]:
     """One simulation plus its audit; members are the samples of clients that trained.
     ``metric``: the final metric reported as the utility (None: chosen from this run's).
-    ``on_record``: sees each round's metrics record (the sweep's progress line)."""
+    ``on_record``: sees each round's metrics record (the sweep's progress line).
+    ``warned``: warnings the sweep already gave (each is given once, not per setting)."""
     c = copy.deepcopy(cfg)
     c.privacy.mode, c.privacy.noise_multiplier = mode, z
     c.output.plots = False
@@ -126,7 +145,12 @@ def run_setting(
             found = run_canary_audit(c, data, task, out / "canary_audit")
             canary = {k: found[k] for k in NO_AUDIT}
         except AuditTooSmall as e:
-            log.warning("%s z=%g: no canary audit: %s", mode, z, e)
+            if warned is None or str(e) not in warned:
+                log.warning("no canary audit (for any setting of this sweep): %s", e)
+            else:
+                log.info("%s z=%g: no canary audit: %s", mode, z, e)
+            if warned is not None:
+                warned.add(str(e))
     row = {
         "mode": mode,
         "noise_multiplier": z,
@@ -223,7 +247,8 @@ def run_privacy_sweep(cfg: Config, out_dir: str | Path) -> list[dict[str, Any]]:
     out.mkdir(parents=True, exist_ok=True)
     task = task_from_config(cfg)
     data = load_simulation_data(task, cfg)  # one split for every setting
-    grid = settings(cfg)
+    grid = skip_local_dp_for_datasets(settings(cfg), cfg, data)
+    warned: set[str] = set()
     rows: list[dict[str, Any]] = []
     metric: str | None = None
     with ProgressBar(len(grid), "setting") as bar:
@@ -232,7 +257,7 @@ def run_privacy_sweep(cfg: Config, out_dir: str | Path) -> list[dict[str, Any]]:
             bar.advance(f"running {mode} z={z:g}", 0)  # where the sweep is while a setting trains and is audited
             log.info("privacy-sweep: setting %d of %d: %s z=%g (%s)", i, len(grid), mode, z, where)
             try:
-                row = run_setting(cfg, data, mode, z, where, task, metric, _round_status(bar, mode, z, cfg))
+                row = run_setting(cfg, data, mode, z, where, task, metric, _round_status(bar, mode, z, cfg), warned)
             except UserCodeError:  # the task's own code raised: every setting would, so the sweep stops with it
                 raise
             except (ShoalError, RuntimeError, ValueError, ArithmeticError) as e:

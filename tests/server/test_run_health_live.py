@@ -9,9 +9,11 @@ import asyncio
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 from shoal.client.daemon import NodeDaemon
 from shoal.client.node_config import load_node_config, source_sha256
+from shoal.server.run_cli import app as run_app
 from tests.server.federation_live import live_federation
 from tests.server.task_files import REGRESSION_TASK, write_node_data
 
@@ -104,6 +106,16 @@ def test_runs_that_cannot_proceed_end_failed_with_the_reason(tmp_path):
             line = "loss(model, x, y) failed: IndexError: Target 9 is out of bounds; the model gives"
             assert line in sa["reason"], sa
             assert {v["answer"] for v in sa["nodes"].values()} == {"failed"}, sa
+            # `shoal run logs`: the server's events and each node's failure line; `shoal run wait` exits 1
+            cli = ["--server", f.url, "--token-file", str(tmp_path / "admin.token")]
+            logs = await asyncio.to_thread(CliRunner().invoke, run_app, ["logs", a, *cli])
+            assert logs.exit_code == 0, logs.output
+            assert f"server: submitted by admin: task {five}" in logs.stderr
+            assert "n0: failed: task " in logs.stderr and "IndexError: Target 9 is out of bounds" in logs.stderr
+            assert "n1: round 1: reports its task failed" in logs.stderr or "n0: round 1: reports" in logs.stderr
+            assert "server: failed at version 0: every node refused or failed the run" in logs.stderr
+            waited = await asyncio.to_thread(CliRunner().invoke, run_app, ["wait", a, *cli])
+            assert waited.exit_code == 1 and f"{a} failed at version 0: every node" in waited.stderr
 
             # one unreadable item in a node's Dataset: the same, naming the data
             f.task_ref = bad_item
@@ -127,6 +139,8 @@ def test_runs_that_cannot_proceed_end_failed_with_the_reason(tmp_path):
             sd = await f.wait_ended(d, 30)
             assert sd["status"] == "failed", sd
             assert "federation.run_stall_s" in sd["reason"] or "every node" in sd["reason"], sd
+            logs = await asyncio.to_thread(CliRunner().invoke, run_app, ["logs", d, *cli])
+            assert "server: waiting for server.min_nodes = 3" in logs.stderr, logs.stderr
 
             # refused at submission (400, nothing queued): a typo, and a config the run would fail to start with
             async with f.session() as s:
@@ -145,5 +159,13 @@ def test_runs_that_cannot_proceed_end_failed_with_the_reason(tmp_path):
                     async with s.post(f.url + "/v1/runs", json={"task": five, "config": config}) as r:
                         body = await r.json()
                         assert r.status == 400 and needle in body["detail"], body
+            # `shoal run validate` makes the same checks here, before anything is sent
+            toml = tmp_path / "run.toml"
+            toml.write_text("[server]\nmin_nodess = 2\n")
+            checked = CliRunner().invoke(run_app, ["validate", "-c", str(toml), "--task", five])
+            assert checked.exit_code != 0 and "unknown key 'server.min_nodess'" in str(checked.exception)
+            toml.write_text("[server]\nrounds = 2\n[train]\nbatch_size = 8\n")
+            checked = CliRunner().invoke(run_app, ["validate", "-c", str(toml), "--task", five])
+            assert checked.exit_code == 0 and checked.output.startswith(f"ok: {five}"), checked.output
 
     asyncio.run(main())
