@@ -169,8 +169,9 @@ def parse_eval_report(body: bytes) -> tuple[int, int, dict[str, float]]:
 #: A node's report that its task failed on the node (POST /v1/failed, docs/protocol.md).
 MAX_FAILURE_BODY = 1024
 #: ``diverged``: a non-finite loss or update; ``refused``: the node's operator policy refuses the
-#: run's config that came with the task (a federation's node, client/daemon.py).
-FAILURE_REASONS = ("diverged", "refused")
+#: run's config that came with the task (a federation's node, client/daemon.py); ``failed``: no
+#: reason (a local- or distributed-DP node's notice, judged from its noised update only).
+FAILURE_REASONS = ("diverged", "refused", "failed")
 
 
 def parse_failure_report(body: bytes) -> tuple[int, int, str]:
@@ -181,7 +182,7 @@ def parse_failure_report(body: bytes) -> tuple[int, int, str]:
         raise Malformed(f"failure report is not JSON: {type(e).__name__}") from None
     if not isinstance(obj, dict) or set(obj) != {"round", "version", "reason"}:
         raise Malformed(
-            'a failure report is a JSON object {"round": r, "version": v, "reason": "diverged" or "refused"}'
+            'a failure report is a JSON object {"round": r, "version": v, "reason": "diverged", "refused" or "failed"}'
         )
     for key in ("round", "version"):
         v = obj[key]
