@@ -2,6 +2,7 @@
 
     python bench/canary_audit.py --runs 10
     python bench/canary_audit.py --ledger --runs 10 --bug-runs 10
+    python bench/canary_audit.py --synthetic --runs 10
 
 ``--ledger``: the all-iterates audit against the run's own ledger (simulations/canary_audit.py,
 ``audit_iterates``) on tests/privacy/test_ledger_audit.py's setting (2NN, 20 clients + 200
@@ -101,14 +102,53 @@ def ledger_table(runs: int, bug_runs: int) -> None:
         )
 
 
+def synthetic_table(runs: int) -> None:
+    """The ledger audit on releases built directly (tests/privacy/test_ledger_audit.py's ``synthetic``:
+    a Poisson-sampled Gaussian sum, 200 canaries, 400 unseen directions, 20,000 coordinates, 10
+    rounds): the ledger charges z = 0.7 at q = 0.1 for every round; each class plants one bug."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "privacy"))
+    from test_ledger_audit import synthetic
+
+    from shoal.privacy_plan import PrivacyPlan
+    from shoal.simulations.canary_audit import audit_iterates
+
+    classes = [  # name, true q, sigma, canary contribution, rounds charged
+        ("sound", 0.1, 0.7, 1.0, 10),
+        ("noise halved", 0.1, 0.35, 1.0, 10),
+        ("clip at 4C (noise for C)", 0.1, 0.7, 4.0, 10),
+        ("sampling at 2q, charged q", 0.2, 0.7, 1.0, 10),
+        ("one round not charged", 0.1, 0.7, 1.0, 9),
+    ]
+    print("| class (releases built directly) | runs | flagged | checks that fired | s |")
+    print("|---|---|---|---|---|")
+    for name, q, sigma, c, charged in classes:
+        t0 = time.perf_counter()
+        flagged, fired = 0, {}
+        for seed in range(runs):
+            acc = PrivacyPlan(mode="central", noise_multiplier=0.7).round_accountant(0.1)
+            for _ in range(charged):
+                acc.record_round([])
+            out = audit_iterates(*synthetic(10, q, sigma, c, seed=seed), acc, 1e-5)
+            flagged += out.flagged
+            for f in out.failed:
+                key = next((k for part, k in CHECKS if part in f), f)
+                fired[key] = fired.get(key, 0) + 1
+        checks = ", ".join(f"{k} ({v})" for k, v in fired.items()) or "-"
+        print(f"| {name} | {runs} | {flagged}/{runs} | {checks} | {time.perf_counter() - t0:.0f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=10, help="sound runs per setting")
     ap.add_argument("--ledger", action="store_true", help="the all-iterates audit against the ledger, per bug class")
     ap.add_argument("--bug-runs", type=int, default=10, help="--ledger: runs per planted bug class")
+    ap.add_argument("--synthetic", action="store_true", help="the ledger audit on releases built directly")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
+    if args.synthetic:
+        synthetic_table(args.runs)
+        return
     if args.ledger:
         ledger_table(args.runs, args.bug_runs)
         return
