@@ -389,8 +389,8 @@ class DdgCodec:
         x = np.asarray(update, dtype=np.float64).reshape(-1)
         if x.size != self.p.dim:
             raise ValueError(f"update has {x.size} entries, the mechanism {self.p.dim}")
-        if not np.isfinite(x).all():
-            raise ValueError(f"update has {int((~np.isfinite(x)).sum())} NaN/Inf entries; refusing to encode it")
+        if not np.isfinite(x).all():  # as aggregation.dp.clip_to_norm: 0, so the mechanism is defined for every
+            x = np.zeros_like(x)  # input and nothing it releases tells that one client's training went non-finite
         norm = float(np.linalg.norm(x))
         if norm > self.p.clip:
             x = x * (self.p.clip / norm)

@@ -1,6 +1,15 @@
 """How often the canary audit flags a sound run, and whether it flags planted bugs.
 
     python bench/canary_audit.py --runs 10
+    python bench/canary_audit.py --ledger --runs 10 --bug-runs 10
+    python bench/canary_audit.py --synthetic --runs 10
+
+``--ledger``: the all-iterates audit against the run's own ledger (simulations/canary_audit.py,
+``audit_iterates``) on tests/privacy/test_ledger_audit.py's setting (2NN, 20 clients + 200
+canaries at q = 1/20, 10 rounds, z = 0.7), central DP sound and with four planted bugs (noise
+halved, clip at 4C, sampling at 2q charged q, one round not charged), and local DP sound and with
+DP-SGD's noise removed; prints each class's detection rate (sound: false alarms) and which check
+fired.
 
 For each setting, ``--runs`` sound runs (seeds 0..runs-1) and one run per planted bug; prints the
 point estimate, the bootstrap interval, the accounted epsilon, and the verdict by the point
@@ -51,12 +60,98 @@ def one(sets: list[str], seed: int, bug=None) -> dict:
         )
 
 
+#: the ledger audit's checks, by a phrase of their message
+CHECKS = (("rounds released", "rounds"), ("selected at q", "q"), ("noise per unit", "z"), ("costs epsilon", "epsilon"))
+
+
+def ledger_table(runs: int, bug_runs: int) -> None:
+    """Detection rate of each planted bug class and false alarms of sound runs (the module doc)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "privacy"))
+    from test_ledger_audit import SETTING, sample_twice_as_often, skip_one_charge
+
+    central = [s for s in SETTING if not s.startswith("privacy.mode")] + ['privacy.mode="central"']
+    local = [s for s in SETTING if not s.startswith("privacy.mode")] + ['privacy.mode="local"']
+    classes = [
+        ("central, sound", central, None, runs),
+        ("central, noise halved", central, _halve_the_noise, bug_runs),
+        ("central, clip at 4C (noise for C)", central, _clip_at_4c, bug_runs),
+        ("central, sampling at 2q, charged q", central, sample_twice_as_often, bug_runs),
+        ("central, one round not charged", central, skip_one_charge, bug_runs),
+        ("local, sound", local, None, runs),
+        ("local, DP-SGD noise removed", local, _no_local_noise, bug_runs),
+    ]
+    print("| class | runs | flagged | by the ledger audit | by the final-model estimate | checks that fired | s |")
+    print("|---|---|---|---|---|---|---|")
+    for name, sets, bug, n in classes:
+        t0 = time.perf_counter()
+        flagged = by_ledger = by_estimate = 0
+        fired: dict[str, int] = {}
+        for seed in range(n):
+            o = one(sets, seed, bug)
+            flagged += bool(o["canary_flagged"])
+            by_ledger += bool(o["canary_ledger_flagged"])
+            by_estimate += o["canary_epsilon_low"] > o["canary_accounted_epsilon"]
+            for f in (o["canary_ledger_audit"] or {}).get("failed", []):
+                key = next((k for part, k in CHECKS if part in f), f)
+                fired[key] = fired.get(key, 0) + 1
+        checks = ", ".join(f"{k} ({v})" for k, v in fired.items()) or "-"
+        print(
+            f"| {name} | {n} | {flagged}/{n} | {by_ledger}/{n} | {by_estimate}/{n} | {checks} | "
+            f"{time.perf_counter() - t0:.0f} |",
+            flush=True,
+        )
+
+
+def synthetic_table(runs: int) -> None:
+    """The ledger audit on releases built directly (tests/privacy/test_ledger_audit.py's ``synthetic``:
+    a Poisson-sampled Gaussian sum, 200 canaries, 400 unseen directions, 20,000 coordinates, 10
+    rounds): the ledger charges z = 0.7 at q = 0.1 for every round; each class plants one bug."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "privacy"))
+    from test_ledger_audit import synthetic
+
+    from shoal.privacy_plan import PrivacyPlan
+    from shoal.simulations.canary_audit import audit_iterates
+
+    classes = [  # name, true q, sigma, canary contribution, rounds charged
+        ("sound", 0.1, 0.7, 1.0, 10),
+        ("noise halved", 0.1, 0.35, 1.0, 10),
+        ("clip at 4C (noise for C)", 0.1, 0.7, 4.0, 10),
+        ("sampling at 2q, charged q", 0.2, 0.7, 1.0, 10),
+        ("one round not charged", 0.1, 0.7, 1.0, 9),
+    ]
+    print("| class (releases built directly) | runs | flagged | checks that fired | s |")
+    print("|---|---|---|---|---|")
+    for name, q, sigma, c, charged in classes:
+        t0 = time.perf_counter()
+        flagged, fired = 0, {}
+        for seed in range(runs):
+            acc = PrivacyPlan(mode="central", noise_multiplier=0.7).round_accountant(0.1)
+            for _ in range(charged):
+                acc.record_round([])
+            out = audit_iterates(*synthetic(10, q, sigma, c, seed=seed), acc, 1e-5)
+            flagged += out.flagged
+            for f in out.failed:
+                key = next((k for part, k in CHECKS if part in f), f)
+                fired[key] = fired.get(key, 0) + 1
+        checks = ", ".join(f"{k} ({v})" for k, v in fired.items()) or "-"
+        print(f"| {name} | {runs} | {flagged}/{runs} | {checks} | {time.perf_counter() - t0:.0f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=10, help="sound runs per setting")
+    ap.add_argument("--ledger", action="store_true", help="the all-iterates audit against the ledger, per bug class")
+    ap.add_argument("--bug-runs", type=int, default=10, help="--ledger: runs per planted bug class")
+    ap.add_argument("--synthetic", action="store_true", help="the ledger audit on releases built directly")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(1)
+    if args.synthetic:
+        synthetic_table(args.runs)
+        return
+    if args.ledger:
+        ledger_table(args.runs, args.bug_runs)
+        return
     for name, sets in SETTINGS.items():
         print(f"\n## {name}")
         print("| run | estimate | 95% interval | accounted | flagged by point | flagged (lower end) |")

@@ -178,6 +178,7 @@ class DpSgdTrainer(LocalTrainer):
             else:
                 loss = call_part(self.task, LOSS_PART, self.task.loss, self.grad_sample_module, x[idx], y[idx])
                 loss.backward()
+                self._zero_non_finite_examples()
                 loss_sum += float(loss.detach()) * len(idx)
                 sampled += len(idx)
             if canary is not None and bool(draws[n]):
@@ -187,6 +188,20 @@ class DpSgdTrainer(LocalTrainer):
         delta = flat - global_flat
         metrics = {"train_loss": loss_sum / max(sampled, 1), "local_steps": float(steps)}
         return Update(delta=delta, num_examples=n, base_version=base_version, sender=sender, metrics=metrics)
+
+    def _zero_non_finite_examples(self) -> None:
+        """An example whose per-sample gradient has a NaN or Inf entry contributes 0 (before Opacus clips):
+        the clipped sum is then defined for every example (sensitivity C), so the noised update, and
+        anything judged from it, never tells that one example's gradient went non-finite."""
+        params = [p for p in self.model.parameters() if getattr(p, "grad_sample", None) is not None]
+        bad: torch.Tensor | None = None
+        for p in params:
+            gs = p.grad_sample  # type: ignore[attr-defined]  # Opacus's per-sample gradient field
+            row_bad = ~torch.isfinite(gs.reshape(gs.shape[0], -1)).all(dim=1)
+            bad = row_bad if bad is None else bad | row_bad
+        if bad is not None and bool(bad.any()):
+            for p in params:
+                p.grad_sample[bad] = 0  # type: ignore[attr-defined]
 
     def _public_batch(self) -> int:
         """train.batch_size as a number that does not depend on the data (privacy.local_sampling_rate)."""

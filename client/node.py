@@ -315,6 +315,25 @@ class NodePrivacy:
             return update
         return self.add_share(update, int(task["privacy"]["noise_shares"]), task.get("round"))
 
+    def release(self, update: Update, task: dict) -> tuple[Update, dict | None, str | None]:
+        """What leaves the node for a trained update, without I/O: the protected update
+        (:meth:`protect`), the report sent with it (:meth:`spend`: the round is counted first) and
+        what is wrong with what the mechanism released (:meth:`released_problem`; then the node sends
+        a notice without a reason instead of the update)."""
+        update = self.protect(update, task)
+        report = self.spend(int(task["round"]))  # counted before anything leaves the node
+        return update, report, self.released_problem(update, task)
+
+    def released_problem(self, update: Update, task: dict) -> str | None:
+        """Local and distributed DP: what is wrong with the update the mechanism released (NaN/Inf in
+        the noised delta; its loss is never looked at), or None. With secure aggregation the share is
+        added later, after the key directory (client/secure_node.py): nothing is judged here. The clip
+        maps a non-finite update to 0 and DP-SGD drops a non-finite example's gradient, so a noised
+        update is finite; this is the last guard, on released values only."""
+        if self.plan.server_noise or (self.plan.client_shares and "secure_aggregation" in task):
+            return None
+        return diverged(Update(update.delta, update.num_examples, update.base_version, update.sender, {}))
+
     def add_share(self, update: Update, t: int, round_) -> Update:
         """Distributed DP: clip to C and add N(0, z²C²/t) from the OS's entropy. With secure
         aggregation t is one this node checked against the key directory (client/secure_node.py)."""
@@ -569,16 +588,22 @@ class Node:
             ) from None
         update = result.update
         update.to_server = result.to_server  # SCAFFOLD's c_i+ - c_i travels beside the update
-        problem = diverged(update)
-        if problem is not None:  # checked before any privacy is spent or anything leaves the node
+        # Without DP, or with central DP (the server is trusted with the update itself): checked before
+        # anything leaves the node. Under local and distributed DP only what the mechanism released is
+        # looked at, after the round is spent (below): an un-noised loss or update would be a notice
+        # about one example or client that no noise covers.
+        problem = diverged(update) if self.privacy is None or self.privacy.plan.server_noise else None
+        if problem is not None:
             await self._failed(task, "diverged", problem)
             return
         if self.program.keeps_state and not self.program.settles:
             self.states.put(self.name, result.state)  # as the simulator keeps it: whether or not it is taken
         report = None
         if self.privacy is not None:
-            update = self.privacy.protect(update, task)
-            report = self.privacy.spend(int(task["round"]))  # counted before anything leaves the node
+            update, report, problem = self.privacy.release(update, task)
+            if problem is not None:  # judged from the noised update alone; the notice says no reason
+                await self._failed(task, "diverged", problem)
+                return
         if "secure_aggregation" in task:  # the update leaves this node only masked (client/secure_node.py)
             from .secure_node import run_secure_round  # secure aggregation only when the config asks
 
@@ -627,6 +652,8 @@ class Node:
             log.error("the task failed in %s: %s", where, detail)
         else:
             log.warning("task of %s refused by this node's policy: %s", where, detail)
+        if reason == "diverged" and self.privacy is not None and not self.privacy.plan.server_noise:
+            reason = "failed"  # under local and distributed DP a notice carries no reason
         self.failed_tasks.add((round_, version))
         try:
             await self._request("POST", "/v1/failed", json={"round": round_, "version": version, "reason": reason})

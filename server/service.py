@@ -171,7 +171,8 @@ def parse_eval_report(body: bytes) -> tuple[int, int, dict[str, float]]:
 MAX_FAILURE_BODY = 1024
 #: ``diverged``: a non-finite loss or update; ``refused``: the node's operator policy refuses the
 #: run's config that came with the task (a federation's node, client/daemon.py); ``failed``: the
-#: task's own code raised on the node (its model, loss, data or metrics; the node stops taking part).
+#: task's own code raised on the node (its model, loss, data or metrics; the node stops taking part),
+#: or, with no reason, a local- or distributed-DP node's notice, judged from its noised update only.
 FAILURE_REASONS = ("diverged", "refused", "failed")
 
 

@@ -35,6 +35,29 @@ bug in the mechanism or the accountant.
 The canaries are extra clients of a run of their own (:func:`run_canary_audit`): the population
 grows from N to N + k with the per-client sampling rate kept at q = K/N, so the accounted
 epsilon of the audit run (reported beside the estimate) is that of the same mechanism.
+
+**The all-iterates audit against the run's own ledger** (central and distributed DP,
+:func:`audit_iterates`). The final model cannot show an accountant or sampling bug: it hides
+how often and with how much noise each round released. So the audit also keeps every round's
+release (the change of the global model) and measures, from releases and canaries alone, each
+parameter the accountant charges, then reads the run's own ledger (rounds, q, z):
+
+* rounds released: every round the run ran, against the rounds the ledger charged (exact);
+* sampling rate: the canaries know when they were selected, so q is estimated from k x T
+  Bernoulli draws; its one-sided lower bound (Clopper-Pearson) must not exceed the ledger's q;
+* noise per unit of sensitivity: the release projected on the unseen directions gives the
+  noise std sigma (chi-square upper bound), the release projected on u_j in the rounds canary j
+  was selected gives what one client moves the sum by, c (its mean; a normal lower bound); the
+  run's effective multiplier sigma / c must not fall below the ledger's z. A canary sends 4C, so
+  clipping at 4C shows as c = 4C, halved noise as sigma = zC/2.
+
+Each bound holds with probability 1 - 1e-4 on a sound run, and the audit prices the measured
+mechanism (q at its lower bound, sigma / c at its upper bound, the releases seen) with
+dp-accounting as well: a run is flagged when any check fails. This is a parameter audit in the
+spirit of Steinke, Nasr and Jagielski 2023 (one run, many canaries) that tests the mechanism the
+accountant assumes rather than estimating epsilon from a statistic; it assumes a server step
+that is linear in the mean (FedAvg, SGD without momentum), so a round's model change is its
+noisy mean up to a constant that cancels in sigma / c.
 """
 
 from __future__ import annotations
@@ -50,7 +73,7 @@ import numpy as np
 import torch
 from scipy.special import log_ndtr
 
-from shoal.accounting import dp_sgd_schedule, epsilon
+from shoal.accounting import LocalDpSgdAccountant, dp_sgd_schedule, epsilon
 from shoal.config import Config
 from shoal.errors import ConfigError
 from shoal.privacy_plan import plan_of
@@ -256,6 +279,7 @@ class CanaryClients:
         self.index = {c: j for j, c in enumerate(canaries)}
         self.participated: set[str] = set()
         self.releases: dict[str, tuple[float, float]] = {}  # local: a canary's first update on (u_j, v_j)
+        self.selected_in: dict[int, list[str]] = {}  # round -> the canaries selected in it (all-iterates audit)
         cfg = sim.cfg
         self.local = plan_of(cfg).dp_sgd
         self.clip = cfg.privacy.clip_norm
@@ -277,6 +301,7 @@ class CanaryClients:
             if t.client_id not in self.canaries:
                 continue
             self.participated.add(t.client_id)
+            self.selected_in.setdefault(t.round, []).append(t.client_id)
             u = self.direction(t.client_id)
             if self.local:  # the real DP-SGD trainer, with one canary example among the client's data
                 from shoal.client.dp_sgd import DpSgdTrainer  # Opacus only in local mode
@@ -347,6 +372,16 @@ def run_canary_audit(
     if prepare is not None:
         prepare(sim)
     theta0 = sim.global_params.double().clone()
+    iterates: dict[int, torch.Tensor] = {}  # round -> its release (the change of the global model)
+    run_round = sim.run_round
+
+    def kept_round():
+        before = sim.global_params.double().clone()
+        summary = run_round()
+        iterates[summary.round] = sim.global_params.double() - before
+        return summary
+
+    sim.run_round = kept_round  # type: ignore[method-assign]
     summary = run_simulation(c, out_dir, progress=False, sim=sim)
     delta = sim.global_params.double() - theta0
     # Every inserted canary counts, selected or not: DP protects a client's presence in the
@@ -355,8 +390,13 @@ def run_canary_audit(
     if local:  # each canary client's first update against one update's accounted epsilon
         ins = np.array([r[0] for r in clients.releases.values()])
         outs = np.array([r[1] for r in clients.releases.values()])
-        rate, steps = dp_sgd_schedule(int(b), int(b), c.train.epochs, c.privacy.local_sampling_rate)
-        accounted = epsilon(rate, c.privacy.noise_multiplier, steps, c.privacy.delta, c.privacy.accountant)
+        # one participation of a canary client, priced by the run's own accountant (its schedule for that client)
+        acc = sim.privacy.accountant if sim.privacy is not None else None
+        if isinstance(acc, LocalDpSgdAccountant) and clients.releases:
+            accounted = max(acc.epsilon_of(cid, 1) for cid in clients.releases)
+        else:
+            rate, steps = dp_sgd_schedule(int(b), int(b), c.train.epochs, c.privacy.local_sampling_rate)
+            accounted = epsilon(rate, c.privacy.noise_multiplier, steps, c.privacy.delta, c.privacy.accountant)
         released = "each canary client's first update"
     else:
         ins = cosines(delta, (clients.direction(cid) for cid in ids))
@@ -365,6 +405,19 @@ def run_canary_audit(
         released = "the final model"
     est = estimate(ins, outs, c.privacy.delta, seed=seed)
     flagged = est.low > accounted  # even the interval's lower end exceeds what is accounted
+    parameters: IterateAudit | None = None
+    if not local and sim.privacy is not None and plan_of(c).user_level:
+        parameters = audit_iterates(
+            iterates,
+            clients.selected_in,
+            [clients.direction(cid) for cid in ids],
+            [direction(numel, derive_seed(seed, 0x0DD, i)) for i in range(m)],
+            ids,
+            sim.privacy.accountant,
+            c.privacy.delta,
+        )
+        flagged = flagged or parameters.flagged
+        log.info("all-iterates audit against the run's ledger: %s", parameters.describe())
     log.info(
         "canary audit (%s): empirical epsilon %.3g [%.3g, %.3g] vs accounted %.3g: %s (%d canaries, %d selected at "
         "least once, %d unseen)",
@@ -390,5 +443,119 @@ def run_canary_audit(
         "canary_cos_unseen_std": est.unseen_std,
         "canary_flagged": flagged,
         "canary_release": released,
+        "canary_ledger_flagged": parameters.flagged if parameters is not None else None,
+        "canary_ledger_audit": parameters.as_dict() if parameters is not None else None,
         "estimate": est,
     }
+
+
+# --- the all-iterates audit against the run's own ledger (the module doc) ---------------------
+
+#: each one-sided bound of the all-iterates audit fails on a sound run with at most this probability
+AUDIT_ALPHA = 1e-4
+
+
+@dataclass
+class IterateAudit:
+    """What the releases and the canaries measured, the ledger's figures, and which checks failed."""
+
+    rounds_seen: int
+    rounds_charged: int
+    q_hat: float
+    q_low: float
+    q_charged: float
+    sigma: float
+    sigma_high: float
+    c_hat: float
+    c_low: float
+    z_high: float  # sigma_high / c_low: the run's multiplier at its most generous
+    z_charged: float
+    epsilon_measured: float  # dp-accounting's price of (q_low, z_high, rounds_seen)
+    epsilon_charged: float
+    failed: list[str] = field(default_factory=list)
+
+    @property
+    def flagged(self) -> bool:
+        return bool(self.failed)
+
+    def describe(self) -> str:
+        head = "FLAGGED: " + "; ".join(self.failed) if self.failed else "consistent"
+        return (
+            f"{head} (rounds {self.rounds_seen} seen / {self.rounds_charged} charged; q >= {self.q_low:.4g} measured "
+            f"/ {self.q_charged:.4g} charged; z <= {self.z_high:.4g} measured (sigma {self.sigma:.4g}, c "
+            f"{self.c_hat:.4g}) / {self.z_charged:.4g} charged; epsilon {self.epsilon_measured:.4g} measured / "
+            f"{self.epsilon_charged:.4g} charged)"
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__} | {"flagged": self.flagged}
+
+
+def ledger_mechanism(accountant: Any) -> tuple[int, float, float]:
+    """(rounds, the largest q, the smallest z) the run's ledger charged: what the audit holds the
+    releases to. The discrete Gaussian's z is sqrt(t sigma^2) / C of its shares."""
+    entries = [e for e in accountant.state_dict().get("ledger", []) if int(e.get("rounds", 0)) > 0]
+    if not entries:
+        return 0, 0.0, math.inf
+    zs = []
+    for e in entries:
+        if e.get("mechanism") == "discrete_gaussian":
+            zs.append(math.sqrt(int(e["shares"]) * float(e["gamma"]) ** 2 * int(e["variance"])) / float(e["clip"]))
+        else:
+            zs.append(float(e["z"]))
+    return sum(int(e["rounds"]) for e in entries), max(float(e["q"]) for e in entries), min(zs)
+
+
+def audit_iterates(
+    iterates: dict[int, torch.Tensor],
+    selected_in: dict[int, list[str]],
+    inserted: list[torch.Tensor],
+    unseen: list[torch.Tensor],
+    canaries: list[str],
+    accountant: Any,
+    delta: float,
+    alpha: float = AUDIT_ALPHA,
+) -> IterateAudit:
+    """Every round's release against the run's ledger (the module doc): rounds, sampling rate and noise
+    per unit of sensitivity, each with a one-sided bound at level ``alpha``, and their dp-accounting price."""
+    from scipy.stats import beta, chi2, norm
+
+    rounds_charged, q_charged, z_charged = ledger_mechanism(accountant)
+    rounds_seen = len(iterates)
+    index = {cid: j for j, cid in enumerate(canaries)}
+    k = len(canaries)
+    picks = sum(len(v) for r, v in selected_in.items() if r in iterates)
+    trials = k * rounds_seen
+    q_hat = picks / trials if trials else 0.0
+    q_low = float(beta.ppf(alpha, picks, trials - picks + 1)) if picks else 0.0
+    released = [d for d in iterates.values() if bool(d.abs().sum() > 0)]  # an aborted round changed nothing
+    U = torch.stack([u.double() for u in unseen]) if unseen else torch.zeros(0)
+    noise = torch.cat([U @ d for d in released]) if released and len(unseen) else torch.zeros(0, dtype=torch.float64)
+    n = int(noise.numel())
+    sigma = float(noise.std()) if n > 1 else math.inf
+    sigma_high = sigma * math.sqrt((n - 1) / float(chi2.ppf(alpha, n - 1))) if n > 1 else math.inf
+    shifts = [
+        float(inserted[index[cid]].double() @ iterates[r])
+        for r, cids in selected_in.items()
+        if r in iterates and bool(iterates[r].abs().sum() > 0)
+        for cid in cids
+    ]
+    c_hat = float(np.mean(shifts)) if shifts else 0.0
+    c_low = c_hat - float(norm.ppf(1 - alpha)) * sigma_high / math.sqrt(len(shifts)) if shifts else 0.0
+    z_high = sigma_high / c_low if c_low > 0 else math.inf
+    kind = getattr(accountant, "kind", "rdp")  # priced as the ledger is (PLD is below RDP at equal parameters)
+    measured = epsilon(min(max(q_low, 1e-12), 1.0), z_high, rounds_seen, delta, kind) if math.isfinite(z_high) else 0.0
+    charged = float(accountant.epsilon)
+    failed = []
+    if rounds_seen > rounds_charged:
+        failed.append(f"{rounds_seen} rounds released, {rounds_charged} charged")
+    if q_low > q_charged * (1 + 1e-9):
+        failed.append(f"canaries selected at q >= {q_low:.4g}, the ledger charges q = {q_charged:.4g}")
+    if z_high < z_charged * (1 - 1e-9):
+        failed.append(f"noise per unit of sensitivity z <= {z_high:.4g}, the ledger charges z = {z_charged:.4g}")
+    if measured > charged * (1 + 1e-6):
+        failed.append(f"the measured mechanism costs epsilon >= {measured:.4g}, the ledger reports {charged:.4g}")
+    return IterateAudit(
+        rounds_seen, rounds_charged, q_hat, q_low, q_charged, sigma, sigma_high, c_hat, c_low, z_high, z_charged,
+        measured, charged, failed,
+    )  # fmt: skip

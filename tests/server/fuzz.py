@@ -538,7 +538,7 @@ def failure_body(draw) -> bytes:
     elif kind == "missing":
         good.pop(draw(st.sampled_from(sorted(good))))
     elif kind == "reason":
-        good["reason"] = draw(st.sampled_from(["", "Diverged", "nan", "x" * 300, "Refused", "temporary"]))
+        good["reason"] = draw(st.sampled_from(["", "Diverged", "nan", "x" * 300, "Refused", "temporary", "failed"]))
     elif kind == "raw":
         return draw(st.binary(max_size=64))
     return json.dumps(good).encode()
@@ -546,7 +546,7 @@ def failure_body(draw) -> bytes:
 
 def oracle_failure(body: bytes) -> bool:
     """An independent reading of docs/protocol.md's failure report: exactly round and version
-    (integers >= 0) and reason "diverged", "refused" or "failed"."""
+    (integers >= 0) and reason "diverged", "failed" or "refused"."""
     try:
         obj = json.loads(body)
     except ValueError:
@@ -563,7 +563,7 @@ def oracle_failure(body: bytes) -> bool:
         isinstance(obj, dict)
         and set(obj) == {"round", "version", "reason"}
         and ints
-        and obj["reason"] in ("diverged", "refused", "failed")
+        and obj["reason"] in ("diverged", "failed", "refused")
     )
 
 
