@@ -63,6 +63,7 @@ log = logging.getLogger(__name__)
 POLL_WAIT_S = 1.0  # the edge's poll of the root is held this long at most while the root has no work for it
 CLOSE_EVERY_S = 0.05  # how often the edge looks whether its part of the round is due to close
 ASYNC_SEND_S = 60.0  # under an async root, a partial is sent again for this long at most
+ATTACH_S = 30.0  # an edge whose root never answered stops (one line, why) after trying this long
 MAX_PRIVACY_INFO = 4096  # bytes of the root's privacy task fields an edge passes on to its nodes
 
 
@@ -682,10 +683,12 @@ class Uplink:
 
     async def poll_root(self, stop: asyncio.Event) -> None:
         """Name the connected nodes to the root, take its answer; fetch the round's model."""
-        from shoal.client.http import Backoff
+        from shoal.client.http import Backoff, connection_problem, unreachable
 
         backoff = Backoff()
         done_at: float | None = None
+        attached = False  # the root answered once: from then on it may restart, and the edge waits for it
+        failing_since: float | None = None
         while not stop.is_set():
             now = time.monotonic()
             if self.edge.done:  # the root is done (and may be gone): tell the nodes, then stop
@@ -716,9 +719,23 @@ class Uplink:
                 if buf is not None and buf.tasks:
                     await self.fetch_model(max(v for v, _ in buf.tasks.values()))
                 backoff.reset()
+                attached, failing_since = True, None
             except ConfigError:
                 raise
             except (aiohttp.ClientError, TimeoutError, ValueError, ShoalError) as e:
+                if isinstance(e, aiohttp.ClientError | TimeoutError):  # a node's hints, with the edge's keys
+                    problem = await connection_problem(
+                        self.parent, e, "edge", "hierarchy.parent (--parent)", "hierarchy.parent_ca_cert"
+                    )
+                    if problem is not None:
+                        raise ConfigError(f"the root {self.parent}: {problem}") from None
+                now = time.monotonic()
+                failing_since = failing_since if failing_since is not None else now
+                if not attached and now - failing_since >= ATTACH_S:
+                    raise ConfigError(
+                        f"the root did not answer this edge for {ATTACH_S:.0f} s: "
+                        + unreachable(self.parent, e, "hierarchy.parent (--parent)")
+                    ) from None
                 delay = backoff.next(self.rand)
                 log.warning(
                     "poll of the root %s failed (%s: %s); again in %.2f s", self.parent, type(e).__name__, e, delay
