@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 import re
+import socket
 from dataclasses import dataclass
 
 import aiohttp
@@ -109,13 +110,17 @@ class Backoff:
         self.attempt = 0
 
 
-async def connection_problem(url: str, e: BaseException) -> NodeError | None:
+async def connection_problem(
+    url: str, e: BaseException, who: str = "node", url_option: str = "--server", ca_option: str = "--ca-cert"
+) -> NodeError | None:
     """A failed connection to ``url`` that retrying cannot fix, as one NodeError line with the
-    fix (shoal/tls.py finds out what is wrong); None when it may be transient (retry)."""
+    fix (shoal/tls.py finds out what is wrong); None when it may be transient (retry). ``who``
+    dials ``url`` (given in ``url_option``) and trusts the CA of ``ca_option``: a node's flags, or
+    an edge's keys towards its root (``hierarchy.parent``, ``hierarchy.parent_ca_cert``)."""
     from shoal.tls import certificate_problem, speaks_tls
 
     if isinstance(e, aiohttp.ClientConnectorCertificateError):
-        return NodeError(await certificate_problem(url, e.certificate_error))
+        return NodeError(await certificate_problem(url, e.certificate_error, who, url_option, ca_option))
     if isinstance(e, aiohttp.ClientSSLError):
         if "WRONG_VERSION_NUMBER" in str(e):  # the server answered in plain HTTP
             plain = url.replace("https://", "http://", 1)
@@ -130,9 +135,28 @@ async def connection_problem(url: str, e: BaseException) -> NodeError | None:
     if hung_up and url.startswith("http://") and await speaks_tls(url):
         return NodeError(
             f"the server at {url} speaks HTTPS and hangs up on plain HTTP: use "
-            f"{url.replace('http://', 'https://', 1)} (with the federation's CA for a private one)"
+            f"{url.replace('http://', 'https://', 1)} in {url_option} (with {ca_option} for a private CA)"
         )
     return None
+
+
+def unreachable(url: str, e: BaseException, url_option: str = "--server") -> str:
+    """One line on why ``url`` did not answer (a failure that may pass: an unknown host, nobody
+    listening, no answer in time), for a caller that stops retrying; ``url_option`` gave the URL."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(url)
+    where = f"{parts.hostname}:{parts.port or (443 if parts.scheme == 'https' else 80)}"
+    if isinstance(getattr(e, "os_error", None), socket.gaierror):  # the name did not resolve
+        return f"the host {parts.hostname!r} of {url} is not known (DNS): check the name in {url_option}"
+    if isinstance(e, aiohttp.ClientConnectorError):
+        return (
+            f"nothing answers at {where} ({e.os_error}): is the server running there, and is the port in "
+            f"{url_option} right?"
+        )
+    if isinstance(e, TimeoutError | aiohttp.ServerTimeoutError):
+        return f"{where} did not answer in time: is a firewall dropping the connection?"
+    return f"{url} does not answer: {type(e).__name__}: {e}"
 
 
 async def check_response(resp: aiohttp.ClientResponse) -> None:

@@ -31,6 +31,7 @@ import math
 import os
 import random
 import ssl
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,6 +63,7 @@ log = logging.getLogger(__name__)
 POLL_WAIT_S = 1.0  # the edge's poll of the root is held this long at most while the root has no work for it
 CLOSE_EVERY_S = 0.05  # how often the edge looks whether its part of the round is due to close
 ASYNC_SEND_S = 60.0  # under an async root, a partial is sent again for this long at most
+ATTACH_S = 30.0  # an edge whose root never answered stops (one line, why) after trying this long
 MAX_PRIVACY_INFO = 4096  # bytes of the root's privacy task fields an edge passes on to its nodes
 
 
@@ -451,12 +453,19 @@ class RoundJournal:
     """The updates an edge took in the open root round, on disk (``server.out_dir``/edge-journal):
     one file per update, the node's body as it came, written (and fsynced) before the node hears
     ``accepted``. An edge restarted within the round (a crash, SIGKILL, a redeploy) takes them back
-    into its sum (:meth:`entries`), so what its nodes sent is not lost; files of other rounds are
-    removed as a new round starts (:meth:`keep_only`). Sync rounds only (``hierarchy.edge_journal``)."""
+    into its sum (:meth:`entries`), so what its nodes sent is not lost. The files are the nodes'
+    updates in the clear: the folder is 0700 and each file 0600 (the edge's user only), and none
+    outlives its use: a round's files go once the root answered its partial (:meth:`drop_round`),
+    those of any other round as soon as the root's answer shows it is not the round served here
+    (:meth:`keep_round`, at start-up too), and the folder at the end of the run (:meth:`remove`).
+    Sync rounds only (``hierarchy.edge_journal``)."""
 
     def __init__(self, folder: Path):
         self.folder = folder
-        folder.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        folder.chmod(0o700)  # an older folder (or one made under another umask) is closed too
+        self.names = {p.name for p in folder.iterdir()}  # what is on disk: pruning an empty journal reads nothing
+        self.lock = threading.Lock()  # keep() runs in a worker thread
 
     @staticmethod
     def _name(round: int, version: int, node: str) -> str:
@@ -465,11 +474,18 @@ class RoundJournal:
     def keep(self, round: int, version: int, node: str, body: bytes | bytearray | memoryview) -> None:
         path = self.folder / self._name(round, version, node)
         tmp = path.with_suffix(".tmp")
-        with open(tmp, "wb") as f:
+        with self.lock:
+            self.names.add(tmp.name)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)  # a .tmp left by a crash was made before: its mode is not ours
             f.write(body)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
+        with self.lock:
+            self.names.discard(tmp.name)
+            self.names.add(path.name)
 
     def nodes(self) -> list[str]:
         """Every node with an update kept (whatever its round): connected at an edge's start."""
@@ -484,11 +500,30 @@ class RoundJournal:
             if p.name.startswith(prefix)
         ]
 
-    def keep_only(self, round: int, version: int) -> None:
-        prefix = f"r{round}-v{version}-"
-        for p in self.folder.iterdir():
-            if not p.name.startswith(prefix):
-                p.unlink(missing_ok=True)
+    def keep_round(self, round: int | None) -> None:
+        """Remove every file but those of root round ``round`` (None: every file)."""
+        self._remove(lambda n: round is None or not n.startswith(f"r{round}-v"))
+
+    def drop_round(self, round: int) -> None:
+        """The root answered round ``round``'s partial: its updates are no longer needed."""
+        self._remove(lambda n: n.startswith(f"r{round}-v"))
+
+    def remove(self) -> None:
+        """The run is over: every file and the folder."""
+        with self.lock:
+            self.names |= {p.name for p in self.folder.iterdir()}
+        self.keep_round(None)
+        try:
+            self.folder.rmdir()
+        except OSError as e:
+            log.warning("the edge journal %s is not removed: %s", self.folder, e)
+
+    def _remove(self, which: Callable[[str], bool]) -> None:
+        with self.lock:
+            names = [n for n in self.names if which(n)]
+            for n in names:
+                (self.folder / n).unlink(missing_ok=True)
+                self.names.discard(n)
 
     def _files(self) -> list[Path]:
         out = []
@@ -648,10 +683,12 @@ class Uplink:
 
     async def poll_root(self, stop: asyncio.Event) -> None:
         """Name the connected nodes to the root, take its answer; fetch the round's model."""
-        from shoal.client.http import Backoff
+        from shoal.client.http import Backoff, connection_problem, unreachable
 
         backoff = Backoff()
         done_at: float | None = None
+        attached = False  # the root answered once: from then on it may restart, and the edge waits for it
+        failing_since: float | None = None
         while not stop.is_set():
             now = time.monotonic()
             if self.edge.done:  # the root is done (and may be gone): tell the nodes, then stop
@@ -675,15 +712,30 @@ class Uplink:
                 if self.edge.from_root(answer, time.monotonic()):
                     self.take_back()
                     self._changed()
+                self.prune_journal()
                 served = self.edge.root_round
                 if served is not None and self.edge.round is not None and not self.edge.round.closed:
                     await self.fetch_model(served[1])
                 if buf is not None and buf.tasks:
                     await self.fetch_model(max(v for v, _ in buf.tasks.values()))
                 backoff.reset()
+                attached, failing_since = True, None
             except ConfigError:
                 raise
             except (aiohttp.ClientError, TimeoutError, ValueError, ShoalError) as e:
+                if isinstance(e, aiohttp.ClientError | TimeoutError):  # a node's hints, with the edge's keys
+                    problem = await connection_problem(
+                        self.parent, e, "edge", "hierarchy.parent (--parent)", "hierarchy.parent_ca_cert"
+                    )
+                    if problem is not None:
+                        raise ConfigError(f"the root {self.parent}: {problem}") from None
+                now = time.monotonic()
+                failing_since = failing_since if failing_since is not None else now
+                if not attached and now - failing_since >= ATTACH_S:
+                    raise ConfigError(
+                        f"the root did not answer this edge for {ATTACH_S:.0f} s: "
+                        + unreachable(self.parent, e, "hierarchy.parent (--parent)")
+                    ) from None
                 delay = backoff.next(self.rand)
                 log.warning(
                     "poll of the root %s failed (%s: %s); again in %.2f s", self.parent, type(e).__name__, e, delay
@@ -693,6 +745,19 @@ class Uplink:
                 except TimeoutError:
                     pass
                 continue
+
+    def prune_journal(self) -> None:
+        """After each answer of the root: kept updates of a round this edge does not serve are removed
+        (the root moved on, or the run is done: then the journal's folder too)."""
+        journal = self.app.get(JOURNAL)
+        if journal is None:
+            return
+        if self.edge.done:
+            if journal.folder.exists():
+                journal.remove()
+            return
+        served = self.edge.root_round
+        journal.keep_round(None if served is None else served[0])
 
     def take_back(self) -> None:
         """A new round here: the updates this edge kept of it before a restart go back into its sum."""
@@ -706,7 +771,7 @@ class Uplink:
                 taken += 1
             except ShoalError as e:
                 log.warning("round %d: the kept update of %s is not taken back: %s", er.round, node, e)
-        journal.keep_only(er.round, er.version)
+        journal.keep_round(er.round)
         if taken:
             log.info("round %d: took back %d updates kept before this edge restarted", er.round, taken)
 
@@ -858,6 +923,9 @@ class Uplink:
         except (PartialRefused, UplinkGaveUp) as e:
             record["answer"] = "refused" if isinstance(e, PartialRefused) else "gave_up"
             log.warning("round %d: partial of %d nodes not taken: %s", er.round, part.count, e)
+        journal = self.app.get(JOURNAL)
+        if journal is not None:  # counted (or never will be): its updates are of no more use on disk
+            journal.drop_round(er.round)
         record["sent_after_s"] = round(time.monotonic() - started, 4)
         with self.metrics.open("a") as f:
             f.write(json.dumps(json_safe(record)) + "\n")

@@ -125,8 +125,11 @@ async def speaks_tls(url: str, timeout: float = 3.0) -> bool:
     return await peer_certificate(url.replace("http://", "https://", 1), timeout) is not None
 
 
-async def certificate_problem(url: str, error: BaseException) -> str:
-    """One line on why the server's certificate was refused, and the fix."""
+async def certificate_problem(
+    url: str, error: BaseException, who: str = "node", url_option: str = "--server", ca_option: str = "--ca-cert"
+) -> str:
+    """One line on why the server's certificate was refused, and the fix; ``who`` dials ``url`` (given
+    in ``url_option``) and trusts the CA given in ``ca_option`` (an edge: hierarchy.parent_ca_cert)."""
     code = getattr(error, "verify_code", None)
     what = getattr(error, "verify_message", None) or str(error)
     host = urlsplit(url).hostname or url
@@ -151,13 +154,13 @@ async def certificate_problem(url: str, error: BaseException) -> str:
             )
         valid = f"is for {', '.join(names)}" if names else "does not name it"
         return (
-            f"the server's certificate {valid}, not {host!r} (the host in --server): dial one of its names, "
+            f"the server's certificate {valid}, not {host!r} (the host in {url_option}): dial one of its names, "
             f"or give the server a certificate for it (`shoal pki server-cert --host {host}`)"
         )
     if code in _UNTRUSTED:
         return (
-            f"the server's certificate is not signed by a CA this node trusts ({what}): give the federation's "
-            "ca.pem with --ca-cert (a private CA is not in the system's trust store)"
+            f"the server's certificate is not signed by a CA this {who} trusts ({what}): give the federation's "
+            f"ca.pem with {ca_option} (a private CA is not in the system's trust store)"
         )
     if code == _EXPIRED:
         return f"the server's certificate has expired ({what}): the operator makes a new one (`shoal pki server-cert`)"

@@ -210,3 +210,55 @@ def test_the_edge_s_node_routes_refuse_hostile_requests(tmp_path) -> None:
             registry.close()
 
     asyncio.run(scenario())
+
+
+def test_an_edge_that_cannot_reach_its_root_stops_with_one_line_naming_the_fix(tmp_path, monkeypatch) -> None:
+    """The node's connection hints, with the edge's keys: a root whose CA the edge does not trust
+    (hierarchy.parent_ca_cert), http:// against an HTTPS root, https:// against a plain one, and an
+    unknown host, which ends after the bounded attach (ATTACH_S, 1 s here) with the reason."""
+    import asyncio
+    import dataclasses
+
+    from shoal.errors import ConfigError
+    from shoal.pki import write_secret
+    from shoal.server import edge_server
+    from shoal.server.registry import Registry
+    from shoal.tls import make_private_ca, server_context
+
+    from ..server.live import live_server
+
+    monkeypatch.setattr(edge_server, "ATTACH_S", 1.0)
+    pki = make_private_ca(tmp_path / "pki")
+    base = edge(tmp_path / "e")
+    registry = Registry(base.cfg.server.db)
+    write_secret(tmp_path / "edge.token", b"not-used-by-the-root-here")
+
+    async def stops(parent: str, ca: str = "") -> str:
+        h = dataclasses.replace(
+            base.cfg.hierarchy, parent=parent, parent_ca_cert=ca, parent_token_file=str(tmp_path / "edge.token")
+        )
+        cfg = dataclasses.replace(base.cfg, hierarchy=h, server=dataclasses.replace(base.cfg.server, port=0))
+        with pytest.raises(ConfigError) as err:
+            await asyncio.wait_for(edge_server.serve_edge(cfg, registry, None), 30)
+        assert "\n" not in str(err.value)
+        return str(err.value)
+
+    async def scenario() -> None:
+        tls = server_context(pki.cert, pki.key)
+        async with live_server(tmp_path / "r", ["n0"], ssl_context=tls) as live:
+            msg = await stops(live.url)  # the system's trust store: not this private CA
+            assert "not signed by a CA this edge trusts" in msg and "hierarchy.parent_ca_cert" in msg, msg
+            msg = await stops(live.url.replace("https://", "http://"))
+            assert "speaks HTTPS" in msg and "in hierarchy.parent" in msg, msg
+        async with live_server(tmp_path / "p", ["n0"]) as live:
+            msg = await stops(live.url.replace("http://", "https://"), str(pki.ca_cert))
+            assert "speaks plain HTTP" in msg, msg
+        msg = await stops("https://no-such-root.invalid:8443")
+        assert "did not answer this edge for 1 s" in msg and "'no-such-root.invalid'" in msg and "DNS" in msg, msg
+
+    for d in ("r", "p"):
+        (tmp_path / d).mkdir()
+    try:
+        asyncio.run(scenario())
+    finally:
+        registry.close()
