@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 CORE_MODULES = [
     "shoal.cli",
     "shoal.server.app",
@@ -31,6 +33,7 @@ DEPLOYED_MODULES = [
 ]
 
 
+@pytest.mark.slow
 def test_what_each_job_imports_in_a_fresh_interpreter(tmp_path):
     """One fresh interpreter (each start costs seconds) checks, in this order: a backend chosen
     before shoal is imported stays chosen; the deployed server, client and peer import nothing
