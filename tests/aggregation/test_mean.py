@@ -114,6 +114,7 @@ def test_float64_accumulator_does_not_depend_on_arrival_order():
 floats32 = st.floats(-1e3, 1e3, allow_nan=False, allow_infinity=False, width=32)
 
 
+@pytest.mark.slow
 @settings(max_examples=200, deadline=None)
 @given(data=st.data())
 def test_streaming_mean_equals_stacked_weighted_mean(data):

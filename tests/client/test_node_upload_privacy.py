@@ -47,6 +47,7 @@ def headers(n: int, seed: int, *extra: str) -> dict:
     return header
 
 
+@pytest.mark.slow
 def test_local_dp_upload_headers_do_not_tell_neighbouring_datasets_apart():
     """The default config: the whole header, every field, is the same for n and n - 1."""
     for seed in range(2):

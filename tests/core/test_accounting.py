@@ -20,6 +20,7 @@ def test_abadi_setting_is_at_most_the_moments_accountant(kind, steps, paper):
     assert eps > 0.5 * paper  # and not absurdly small
 
 
+@pytest.mark.slow
 def test_epsilon_grows_with_rounds_and_falls_with_noise():
     a = RoundAccountant(q=0.1, noise_multiplier=1.0, delta=1e-5)
     assert a.epsilon == 0.0
@@ -33,6 +34,7 @@ def test_epsilon_grows_with_rounds_and_falls_with_noise():
     assert epsilon(0.1, 0.0, 3, 1e-5) == float("inf")
 
 
+@pytest.mark.slow
 def test_local_accountant_is_the_worst_client_over_its_participations():
     sched = {"a": dp_sgd_schedule(100, 10, 2), "b": dp_sgd_schedule(50, 10, 2)}
     assert sched["a"] == (0.1, 20) and sched["b"] == (0.2, 10)
@@ -48,6 +50,7 @@ def test_local_accountant_is_the_worst_client_over_its_participations():
     assert acc.next_epsilon() >= max(epsilon(0.1, 1.0, 60, 1e-5), epsilon(0.2, 1.0, 20, 1e-5))
 
 
+@pytest.mark.slow
 def test_fixed_size_sampling_is_replace_one_with_sensitivity_2c():
     """K of N without replacement: dp-accounting's replace-one RDP event at multiplier z/2 (replacing one
     clipped update moves the sum by up to 2C); never below the Poisson figure for the same q."""
@@ -72,6 +75,7 @@ def test_fixed_size_sampling_is_replace_one_with_sensitivity_2c():
         RoundAccountant(0.5, 1.0, 1e-5, "pld", sampling="fixed", num_clients=10, sample_size=5)
 
 
+@pytest.mark.slow
 def test_round_ledger_composes_rounds_of_different_mechanisms_as_they_ran():
     """Rounds charged at (q, z) = (0.1, 1.0), then at (0.2, 2.0): the ledger keeps both, survives
     state_dict / load_state_dict, and its epsilon is the composition dp-accounting gives."""

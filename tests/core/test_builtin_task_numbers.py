@@ -76,6 +76,7 @@ REFERENCE = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES))
 def test_builtin_task_reproduces_the_pre_task_api_numbers(name):
     args, needs = CASES[name]

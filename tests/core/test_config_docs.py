@@ -6,18 +6,22 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import pytest
+
 from shoal.config import Config
 from shoal.config.docs import render, section_keys
 
 PAGE = Path(__file__).resolve().parents[2] / "docs" / "config.md"
 
 
+@pytest.mark.slow
 def test_the_page_is_the_generated_one():
     assert PAGE.read_text() == render(), (
         "docs/config.md is stale: regenerate it with `python -m shoal.config.docs > docs/config.md`"
     )
 
 
+@pytest.mark.slow
 def test_every_key_of_every_section_has_a_row_with_what_it_does():
     page = PAGE.read_text()
     for section in dataclasses.fields(Config):

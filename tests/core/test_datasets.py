@@ -360,6 +360,7 @@ def test_real_fashion_mnist() -> None:
     assert set(np.unique(fd.test.y.numpy())) == set(range(10))
 
 
+@pytest.mark.slow
 def test_real_femnist() -> None:
     fd = load_federated(DataConfig(dataset="femnist", dir=str(_real("femnist-leaf"))), 30, 0)
     assert fd.num_clients == 105

@@ -11,6 +11,7 @@ import torch
 REPO = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA the suite measures for minutes")
 def test_gpu_suite_says_no_cuda_and_exits_0():
     done = subprocess.run(

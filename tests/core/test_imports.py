@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 CORE_MODULES = [
     "shoal.cli",
     "shoal.server.app",
@@ -21,41 +23,40 @@ CORE_MODULES = [
 ]
 
 
-def test_the_core_jobs_import_neither_flower_nor_ray():
+DEPLOYED_MODULES = [
+    "shoal.server.app",
+    "shoal.server.cli",
+    "shoal.client.node",
+    "shoal.client.cli",
+    "shoal.p2p.peer",
+    "shoal.p2p.cli",
+]
+
+
+@pytest.mark.slow
+def test_what_each_job_imports_in_a_fresh_interpreter(tmp_path):
+    """One fresh interpreter (each start costs seconds) checks, in this order: a backend chosen
+    before shoal is imported stays chosen; the deployed server, client and peer import nothing
+    from the simulator; the core jobs import neither Flower nor Ray; drawing a report's curves
+    leaves the backend as it was."""
     code = (
         "import importlib, sys\n"
-        f"for m in {CORE_MODULES!r}: importlib.import_module(m)\n"
-        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('flwr', 'ray'))\n"
-        "print(','.join(bad))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "", f"imported: {out.stdout.strip()}"
-
-
-def test_the_deployed_server_client_and_peer_import_nothing_from_the_simulator():
-    code = (
-        "import sys\n"
-        "import shoal.server.app, shoal.server.cli, shoal.client.node, shoal.client.cli\n"
-        "import shoal.p2p.peer, shoal.p2p.cli\n"
-        "print(','.join(sorted(m for m in sys.modules if m.startswith('shoal.simulations'))))\n"
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "", f"imported: {out.stdout.strip()}"
-
-
-def test_importing_shoal_leaves_the_matplotlib_backend_alone(tmp_path):
-    code = (
         "import matplotlib\nmatplotlib.use('svg')\n"
+        f"for m in {DEPLOYED_MODULES!r}: importlib.import_module(m)\n"
+        "print('simulator:' + ','.join(sorted(m for m in sys.modules if m.startswith('shoal.simulations'))))\n"
+        f"for m in {CORE_MODULES!r}: importlib.import_module(m)\n"
+        "print('extras:' + ','.join(sorted(m for m in sys.modules if m.split('.')[0] in ('flwr', 'ray'))))\n"
         "import shoal.simulations.experiment, shoal.simulations.privacy_sweep, shoal.simulations.report as r\n"
         "assert matplotlib.get_backend() == 'svg', matplotlib.get_backend()\n"
         "recs = [{'round': 1, 'test_accuracy': 0.5}, {'round': 2, 'test_accuracy': 0.6}]\n"
         f"r.plot_curves(recs, {str(tmp_path)!r})\n"
         "assert matplotlib.get_backend() == 'svg', matplotlib.get_backend()\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
     assert out.returncode == 0, out.stderr
+    lines = dict(line.split(":", 1) for line in out.stdout.splitlines() if ":" in line)
+    assert lines.get("simulator") == "", f"the deployed jobs imported: {lines.get('simulator')}"
+    assert lines.get("extras") == "", f"the core jobs imported: {lines.get('extras')}"
     assert (tmp_path / "accuracy.png").stat().st_size > 1000
 
 

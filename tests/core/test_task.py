@@ -134,6 +134,7 @@ def test_a_broken_task_part_is_named(tmp_path, body, needle):
     assert needle in str(e.value)
 
 
+@pytest.mark.slow
 def test_the_cli_prints_one_line_and_exits_2_for_a_broken_task(tmp_path):
     path = tmp_path / "t.py"
     path.write_text("def broken(:\n")

@@ -75,6 +75,7 @@ def test_privacy_sweep_shows_the_setting_and_round_on_a_terminal(tmp_path):
     assert "central z=1: round 3 of 3, epsilon" in text, text[-3000:]  # the bar while it trains
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(200)
 def test_async_simulation_shows_each_version_on_a_terminal(tmp_path):
     args = ["simulate", "-o", str(tmp_path), "--set", 'simulation.mode="async"', "--set", "simulation.rounds=4"]

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 import torch
 
 from shoal.config import load_config
@@ -29,6 +30,7 @@ def _shoal(*args: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.slow
 def test_report_draws_runs_together_and_escapes_their_names(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

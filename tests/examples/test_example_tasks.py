@@ -67,6 +67,7 @@ def corpus() -> Path:
         pytest.skip(f"tinyshakespeare corpus absent (../shared/datasets/tinyshakespeare/input.txt): {e}")
 
 
+@pytest.mark.slow
 def test_shakespeare_learns_above_the_most_frequent_character(tmp_path, corpus):
     recs = simulate(
         tmp_path,
@@ -118,6 +119,7 @@ def test_shakespeare_roles_split_and_local_data_match_the_simulation(tmp_path, c
     assert sh.decode(single.train[0][0][:20]) == (folders[0] / "train.txt").read_text()[:20]
 
 
+@pytest.mark.slow
 def test_shakespeare_central_baseline_script(tmp_path, corpus):
     """The docs' baseline script: same model and trainer on the pooled text, a table beside a federated run."""
     sets = ["task.args={max_roles = 2, hidden = 16, embed_dim = 8}", "simulation.rounds=2", "train.batch_size=16"]
@@ -149,6 +151,7 @@ def test_shakespeare_central_baseline_script(tmp_path, corpus):
     assert f"| 2 | {fed[1]['test_accuracy']:.4f} | {central[1]['test_accuracy']:.4f} |" in out
 
 
+@pytest.mark.slow
 def test_shakespeare_bad_paths_give_one_clear_line(tmp_path):
     task = load_task(str(TASKS / "shakespeare.py") + ":task")
     with pytest.raises(TaskError, match="does not exist"):
@@ -183,6 +186,7 @@ def test_shakespeare_bad_paths_give_one_clear_line(tmp_path):
 # --- regression on CSV files ------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_regression_learns_and_r2_is_exact_from_the_means(tmp_path):
     recs = simulate(
         tmp_path,
@@ -271,6 +275,7 @@ def bn_buffer_numel(task) -> int:
     return sum(b.numel() for n, b in model.named_buffers() if b.is_floating_point())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("exchange", [True, False], ids=["fedavg-bn-stats", "fedbn"])
 def test_image_task_learns_with_and_without_exchanging_bn_stats(tmp_path, exchange):
     recs = simulate(
@@ -358,6 +363,7 @@ def test_image_bad_folders_give_clear_errors(tmp_path):
 # --- a frozen pretrained-style base with LoRA adapters: only the adapters travel ----------------------
 
 
+@pytest.mark.slow
 def test_adapter_sends_only_the_adapter_and_learns(tmp_path):
     recs = simulate(
         tmp_path,

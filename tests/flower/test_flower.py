@@ -325,6 +325,7 @@ def test_the_simulation_engine_bounds_flowers_client_start(nodes, match, monkeyp
     assert grid.waited in ([], [0.3])
 
 
+@pytest.mark.slow
 def test_a_flower_runtime_that_starts_no_client_ends_in_one_clear_error(tmp_path):
     """One GPU per client on a machine without one: Flower's runtime stops ('ActorPool is empty')
     and the run ends in an EngineError naming the settings, not a generic RuntimeError."""
