@@ -201,11 +201,12 @@ class Federation:
 
     def check_task(self, sub: Submission) -> None:
         """The slow checks (call it in a thread): the registered source still has its pin, and the
-        task loads with the run's arguments and builds its model: a user's task in the worker
-        process (server/task_check.py), shoal's built-ins here. RunError (logged) otherwise."""
+        task loads with the run's arguments and builds its model: in the worker process
+        (server/task_check.py) for every task that takes arguments, here for ``builtin`` (its
+        [model] + [data] are fixed choices). RunError (logged) otherwise."""
         try:
             self.tasks.verify(sub.entry)
-            if sub.entry.builtin:
+            if sub.entry.ref == BUILTIN:  # [model] + [data] of fixed choices (data.dir the federation's)
                 try:
                     svc = ServerService.from_config(sub.cfg, self._task(sub.cfg))
                 except ShoalError as e:
