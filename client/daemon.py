@@ -29,7 +29,7 @@ import aiohttp
 import torch
 
 from shoal.config import config_from_dict
-from shoal.errors import ShoalError
+from shoal.errors import ConfigError, ShoalError
 from shoal.signals import on_stop_signals
 from shoal.task import UserCodeError
 
@@ -219,16 +219,16 @@ class NodeDaemon:
 
         allowed = self.cfg.tasks[offer["task"]]
         raw = {k: dict(v) for k, v in offer["config"].items()}
-        if offer["task"] != BUILTIN:
-            raw["task"] = {**raw.get("task", {}), "app": offer["task"]}
+        if allowed.ref != BUILTIN:  # this node's own reference of the task the run names
+            raw["task"] = {**raw.get("task", {}), "app": allowed.ref}
         raw["train"] = {**raw.get("train", {}), "device": str(self.device)}
         cfg = config_from_dict(raw).validate()
         task = task_from_config(cfg)
-        if offer["task"] == BUILTIN:
+        if allowed.ref == BUILTIN:
             local = builtin_local_data(task, load_shard(allowed.data))  # type: ignore[arg-type]
         else:
             local = read_local_data(task, allowed.data)
-        return Node.from_config(
+        node = Node.from_config(
             ",".join(f"{u}/runs/{offer['run']}" for u in self.servers.in_turn()),  # the one in use first
             self.token,
             local,
@@ -242,6 +242,10 @@ class NodeDaemon:
             check_task=functools.partial(self.check_task, offer),
             state_dir=self.client_state_dir(offer),
         )
+        size, most = node.trainer.spec.numel, self.cfg.limits.max_parameters
+        if most and size > most:
+            raise ConfigError(f"the model has {size} parameters, over node {self.cfg.name}'s limit of {most}")
+        return node
 
     def client_state_dir(self, offer: dict[str, Any]) -> Path:
         """Where this node keeps a run's client state (control variates, personal parts): one folder

@@ -3,53 +3,66 @@ runs (each pinned by the SHA-256 of its source, with the local data it reads) an
 a run's config must keep before this node takes part.
 
 No code travels: the server names a task; the node runs it only if its operator installed
-that task here and pinned it, and only if the server's copy has the same hash.
+that task here under that name and pinned it, and only if the server's copy has the same hash; it
+loads its own reference of it, never a text from the network. ``[limits]`` are this operator's
+floors (shoal/floors.py): a run's config below any of them is refused with the reason, which the
+run's status shows.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import math
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shoal.config import Config, config_from_dict
+from shoal.config.sections import PRIVACY_MODES
 from shoal.errors import ConfigError
+from shoal.floors import below_floor
+from shoal.pki import check_node_name
 
 BUILTIN = "builtin"  # shoal's own task of [model] + [data]; its data is a shard of `shoal data split`
-PRIVACY_MODES = ("none", "central", "distributed", "local")
 
 
 def source_sha256(ref: str) -> str:
     """The SHA-256 of a task reference's source file (what `shoal node pin` prints)."""
-    if ref == BUILTIN:
-        return BUILTIN
-    from shoal.server.federation import RunError, task_sha256
+    from shoal.server.task_registry import task_sha256
 
-    try:
-        return task_sha256(ref)
-    except RunError as e:
-        raise ConfigError(str(e)) from None
+    return task_sha256(ref)
 
 
 @dataclass(frozen=True)
 class AllowedTask:
-    """One task this node runs: its reference as runs name it, its pin and the data it reads."""
+    """One task this node runs: the name runs give it (its reference unless the operator names it),
+    the reference this node loads, its pin and the data it reads."""
 
     ref: str
     sha256: str
     data: Path
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.name:
+            object.__setattr__(self, "name", self.ref)
 
 
 @dataclass
 class Limits:
-    """What a run's config may ask of this node."""
+    """What a run's config may ask of this node: its operator's floors (shoal/floors.py;
+    max_parameters and max_target_epsilon 0: no limit of that kind)."""
 
     max_epochs: int = 10
     max_rounds: int = 10_000
     privacy_modes: list[str] = field(default_factory=lambda: list(PRIVACY_MODES))
-    min_secure_group: int = 0  # secure aggregation over fewer nodes a round is refused
+    min_secure_group: int = 3  # secure aggregation over fewer nodes a round (or a lower min_inputs) is refused
     require_secure_aggregation: bool = False  # take part only in securely aggregated runs
+    min_noise_multiplier: float = 0.0  # under DP, privacy.noise_multiplier at least this
+    max_target_epsilon: float = 0.0  # under DP, privacy.target_epsilon set and at most this
+    max_parameters: int = 0  # the largest model this node trains (0: no limit)
 
 
 @dataclass
@@ -78,7 +91,7 @@ class NodeConfig:
         """Why this node refuses a run (None: it takes part). ``offer``: the server's
         {run, task, task_sha256, config}, already checked to be of the right shape."""
         ref, pin, cfg = offer["task"], offer["task_sha256"], offer["config"]
-        allowed = self.tasks.get(ref)
+        allowed = self.tasks.get(ref)  # by the name runs give it
         if allowed is None:
             return f"task {ref[:200]} is not allowed on node {self.name} (its node config lists {sorted(self.tasks)})"
         if pin != allowed.sha256:
@@ -86,34 +99,29 @@ class NodeConfig:
                 f"task {ref[:200]}: the server's source has sha256 {pin[:16]}..., "
                 f"node {self.name} pins {allowed.sha256[:16]}..."
             )
-        mine = source_sha256(ref) if ref != BUILTIN else BUILTIN
+        try:
+            mine = source_sha256(allowed.ref)
+        except ConfigError as e:
+            return f"task {ref[:200]}: the copy installed on node {self.name} cannot be read: {e}"
         if mine != allowed.sha256:
             return (
                 f"task {ref[:200]}: the copy installed on node {self.name} changed "
                 f"(sha256 {mine[:16]}..., pinned {allowed.sha256[:16]}...)"
             )
-        train, server = cfg.get("train", {}), cfg.get("server", {})
-        privacy, secure = cfg.get("privacy", {}), cfg.get("secure_aggregation", {})
-        epochs = train.get("epochs", 1)
-        if not isinstance(epochs, int) or epochs > self.limits.max_epochs:
-            return f"train.epochs = {str(epochs)[:20]} is over node {self.name}'s limit of {self.limits.max_epochs}"
-        rounds = server.get("rounds", 10)
-        if not isinstance(rounds, int) or rounds > self.limits.max_rounds:
-            return f"server.rounds = {str(rounds)[:20]} is over node {self.name}'s limit of {self.limits.max_rounds}"
-        mode = privacy.get("mode", "none")
-        if mode not in self.limits.privacy_modes:
-            return f"privacy.mode = {str(mode)[:20]!r} is not one node {self.name} allows ({self.limits.privacy_modes})"
-        enabled = secure.get("enabled", False) is True
-        if self.limits.require_secure_aggregation and not enabled:
-            return f"node {self.name} takes part only in securely aggregated runs (secure_aggregation.enabled)"
-        if enabled and self.limits.min_secure_group:
-            group = server.get("clients_per_round", 0) or server.get("min_nodes", 1)
-            if not isinstance(group, int) or group < self.limits.min_secure_group:
-                return (
-                    f"secure aggregation over {str(group)[:10]} nodes a round is below node {self.name}'s "
-                    f"minimum group of {self.limits.min_secure_group}"
-                )
-        return None
+        parsed = _run_config(json.dumps(cfg, sort_keys=True, default=str))
+        if isinstance(parsed, str):
+            return f"the run's config is not one node {self.name} takes: {parsed}"
+        return below_floor(self.limits, parsed, f"node {self.name}'s")
+
+
+@functools.lru_cache(maxsize=64)
+def _run_config(text: str) -> Config | str:
+    """A run's config (JSON text) read and checked, or why it cannot be: once per config, not at
+    each of its tasks (every task of a run carries the same config)."""
+    try:
+        return config_from_dict(json.loads(text)).validate()
+    except ConfigError as e:
+        return str(e)
 
 
 def parse_servers(value: object, where: str) -> list[str]:
@@ -151,6 +159,7 @@ def load_node_config(path: Path) -> NodeConfig:
     for key in ("server", "name"):
         if not isinstance(node.get(key), str) or not node[key]:
             raise ConfigError(f"node config {path}: node.{key} (a string) is needed")
+    check_node_name(node["name"])  # ASCII only: no look-alike of another node's name
     known = {"server", "token_file", "cert", "key", "name", "ca_cert", "device", "state_dir", "poll_s"}
     if set(node) - known:
         raise ConfigError(f"node config {path}: unknown key node.{sorted(set(node) - known)[0]}")
@@ -169,9 +178,18 @@ def load_node_config(path: Path) -> NodeConfig:
     for key, value in raw.get("limits", {}).items():
         if not hasattr(limits, key):
             raise ConfigError(f"node config {path}: unknown key limits.{key}")
-        if type(value) is not type(getattr(limits, key)):
-            raise ConfigError(f"limits.{key} = {value!r} must be a {type(getattr(limits, key)).__name__}")
+        want = type(getattr(limits, key))
+        if want is float and type(value) is int:
+            value = float(value)
+        if (
+            type(value) is not want
+            or (want is float and not math.isfinite(value))
+            or (want in (int, float) and value < 0)
+        ):
+            raise ConfigError(f"limits.{key} = {value!r} must be a {want.__name__} >= 0")
         setattr(limits, key, value)
+    if limits.min_secure_group < 3:
+        raise ConfigError(f"limits.min_secure_group = {limits.min_secure_group} must be >= 3")
     bad = sorted(set(limits.privacy_modes) - set(PRIVACY_MODES))
     if bad:
         raise ConfigError(f"limits.privacy_modes: {bad[0]!r} is not one of {PRIVACY_MODES}")
@@ -182,13 +200,16 @@ def load_node_config(path: Path) -> NodeConfig:
     for i, t in enumerate(entries):
         if (
             not isinstance(t, dict)
-            or set(t) != {"ref", "sha256", "data"}
-            or not all(isinstance(v, str) for v in t.values())
+            or not {"ref", "sha256", "data"} <= set(t) <= {"ref", "sha256", "data", "name"}
+            or not all(isinstance(v, str) and v for v in t.values())
         ):
             raise ConfigError(
-                f"node config {path}: [[tasks]] number {i + 1} needs exactly ref, sha256 and data (strings)"
+                f"node config {path}: [[tasks]] number {i + 1} needs ref, sha256 and data (and may have name), strings"
             )
-        tasks[t["ref"]] = AllowedTask(t["ref"], t["sha256"], Path(t["data"]).expanduser())
+        entry = AllowedTask(t["ref"], t["sha256"], Path(t["data"]).expanduser(), t.get("name", ""))
+        if entry.name in tasks:
+            raise ConfigError(f"node config {path}: two [[tasks]] are named {entry.name!r}")
+        tasks[entry.name] = entry
     return NodeConfig(
         server=servers[0],
         servers=servers,

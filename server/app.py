@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import json
 import logging
 import math
 import re
@@ -28,6 +27,7 @@ from shoal.log_redaction import install as redact_logs
 from shoal.log_redaction import redact
 from shoal.pki import peer_fingerprint, read_secret
 from shoal.signals import on_stop_signals
+from shoal.strict_json import loads_strict
 
 from .bodies import read_body
 from .chunks import MAX_BEGIN_BODY, ChunkedUploads, ChunkError
@@ -124,6 +124,8 @@ def _svc(request: web.Request) -> ServerService:
         raise Refusal(e.status, e.code, str(e)) from None
     if svc is None:
         raise Refusal(409, "run_over", f"{run} has ended; poll GET /v1/offers for the runs open now")
+    if NODE in request and request.app[FEDERATION].db.answer_of(run, request[NODE]) == "refused":
+        raise Refusal(403, "refused_run", f"node {request[NODE]} refused {run} for good; it gets none of its work")
     return svc
 
 
@@ -984,9 +986,9 @@ def make_federation_app(federation: Federation, registry: Registry) -> web.Appli
 async def _json_body(request: web.Request, limit: int) -> object:
     body = await read_body(request, limit, _settings(request).server.body_timeout_s)
     try:
-        return json.loads(body)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise Refusal(400, "malformed", "the body is not JSON") from None
+        return loads_strict(body)
+    except ValueError as e:
+        raise Refusal(400, "malformed", f"the body is not JSON: {e}"[:200]) from None
 
 
 def _settings(request: web.Request) -> Config:
@@ -1012,34 +1014,46 @@ async def post_answer(request: web.Request) -> web.Response:
     return web.json_response(_fed_call(fed.answer, request.match_info["run"], request[NODE], body))
 
 
+MAX_TASK_CHECKS = 4  # submissions whose task is being checked at once; more are told to retry
+
+
 async def post_run(request: web.Request) -> web.Response:
-    """`shoal run submit`: {"task": REF, "config": {section: {key: value}}}."""
+    """`shoal run submit`: {"task": NAME, "config": {section: {key: value}}}. The cheap checks here,
+    the task's in a thread (a user's task in the worker process), the run stored here."""
     body = await _json_body(request, MAX_RUN_BODY)
     if not isinstance(body, dict) or set(body) - {"task", "config"}:
-        raise Refusal(400, "malformed", 'send {"task": REF, "config": {...}}')
-    fed = request.app[FEDERATION]
-    result = _fed_call(fed.submit, body.get("task"), body.get("config", {}), request[SUBMITTER], time.monotonic())
+        raise Refusal(400, "malformed", 'send {"task": NAME, "config": {...}}')
+    fed, who, changed = request.app[FEDERATION], request[SUBMITTER], request.app[CHANGED]
+    sub = _fed_call(fed.prepare, body.get("task"), body.get("config", {}), who)
+    if changed.get("checks", 0) >= MAX_TASK_CHECKS:
+        raise Refusal(429, "busy", f"{MAX_TASK_CHECKS} submissions are being checked; try again in a few seconds")
+    changed["checks"] = changed.get("checks", 0) + 1
+    try:
+        await asyncio.to_thread(_fed_call, fed.check_task, sub)
+    finally:
+        changed["checks"] -= 1
+    result = _fed_call(fed.enqueue, sub)
     _tick(request.app)
     return web.json_response(result, status=201)
 
 
 async def get_runs(request: web.Request) -> web.Response:
-    return web.json_response({"runs": request.app[FEDERATION].runs()})
+    return web.json_response({"runs": request.app[FEDERATION].runs(request[SUBMITTER])})
 
 
 async def get_run(request: web.Request) -> web.Response:
     fed = request.app[FEDERATION]
-    return web.json_response(_fed_call(fed.status, request.match_info["run"], time.monotonic()))
+    return web.json_response(_fed_call(fed.status, request.match_info["run"], time.monotonic(), request[SUBMITTER]))
 
 
 async def get_run_metrics(request: web.Request) -> web.Response:
     """The run's metrics lines after ``after``; with ``wait``, held until one comes (logs --follow)."""
-    fed = request.app[FEDERATION]
+    fed, who = request.app[FEDERATION], request[SUBMITTER]
     run, after = request.match_info["run"], _integer(request, "after") if "after" in request.query else 0
     end = time.monotonic() + (_seconds(request, "wait", 60.0) if "wait" in request.query else 0.0)
     while True:
         event = request.app[CHANGED]["event"]
-        lines = _fed_call(fed.metrics, run, after)
+        lines = _fed_call(fed.metrics, run, after, who)
         row = fed.db.get(run)
         status = row.status if row is not None else "unknown"
         left = end - time.monotonic()
@@ -1073,10 +1087,13 @@ async def post_run_stop(request: web.Request) -> web.Response:
 
 
 async def get_run_file(request: web.Request) -> web.StreamResponse:
-    """`shoal run pull`: the final model, metrics.jsonl or summary.json of an ended run."""
+    """`shoal run pull`: the final model, metrics.jsonl or summary.json of an ended run (a
+    researcher's DP run: what its release policy lets out)."""
     fed, name = request.app[FEDERATION], request.match_info["name"]
-    path = _fed_call(fed.file, request.match_info["run"], name)
-    return web.FileResponse(path, headers={"Content-Type": "application/octet-stream"})
+    found = _fed_call(fed.file, request.match_info["run"], name, request[SUBMITTER])
+    if isinstance(found, bytes):
+        return web.Response(body=found, headers={"Content-Type": "application/octet-stream"})
+    return web.FileResponse(found, headers={"Content-Type": "application/octet-stream"})
 
 
 def researcher_tokens(cfg: Config) -> dict[str, str]:

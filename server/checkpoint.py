@@ -29,6 +29,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from shoal.errors import ConfigError, ShoalError
+from shoal.tensor_file import write_safetensors
 
 log = logging.getLogger(__name__)
 
@@ -51,51 +52,6 @@ def content_digest(tensors: dict[str, torch.Tensor], state_json: str) -> str:
         h.update(t.reshape(-1).view(torch.uint8).numpy().data)  # no copy
     h.update(state_json.encode())
     return h.hexdigest()
-
-
-#: safetensors' names of the dtypes a checkpoint may hold.
-_ST_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
-#: Bytes of a tensor written at once (views of its memory, no copy).
-WRITE_BYTES = 16 << 20
-
-
-def _raw(t: torch.Tensor) -> memoryview:
-    """A tensor's bytes as a view of its own memory (a contiguous CPU tensor: no copy)."""
-    return memoryview(t.reshape(-1).view(torch.uint8).numpy().data).cast("B")
-
-
-def write_safetensors(f, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
-    """The safetensors file of ``tensors`` (name order) written to the open binary file ``f`` from
-    the tensors' own memory, a slice at a time: no serialised copy of the model is made (what
-    ``safetensors.torch.save`` would build whole before it is written)."""
-    header: dict[str, Any] = {"__metadata__": metadata}
-    offset = 0
-    for name in sorted(tensors):
-        t = tensors[name]
-        if t.dtype not in _ST_DTYPES:
-            raise TypeError(f"checkpoint tensor {name!r} has dtype {t.dtype}, which safetensors cannot hold")
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _ST_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    head = json.dumps(header, separators=(",", ":")).encode()
-    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
-    f.write(len(head).to_bytes(8, "little"))
-    f.write(head)
-    for name in sorted(tensors):
-        raw = _raw(tensors[name])
-        for a in range(0, len(raw), WRITE_BYTES):
-            f.write(raw[a : a + WRITE_BYTES])
 
 
 def save_checkpoint(

@@ -25,6 +25,10 @@ app = typer.Typer(
 )
 nodes_app = typer.Typer(help="The node registry: add, list, revoke.", no_args_is_help=True)
 app.add_typer(nodes_app, name="nodes")
+tasks_app = typer.Typer(
+    help="The federation's task registry: the tasks runs may name (add, list, remove).", no_args_is_help=True
+)
+app.add_typer(tasks_app, name="tasks")
 
 ConfigOpt = typer.Option(None, "--config", "-c", help=as_written("TOML config with a [server] table."))
 SetOpt = typer.Option(None, "--set", help="Override one config value: section.key=value (repeatable).")
@@ -93,7 +97,10 @@ def _serve_federation(cfg: Config, registry, ctx, fresh: bool) -> None:
     db = RunsDB(Path(cfg.federation.dir) / "runs.sqlite")
     try:
         fed = Federation(cfg, db, registered=lambda: sum(1 for n in registry.list() if n.enabled))
-        asyncio.run(serve(fed, registry, ctx))
+        try:
+            asyncio.run(serve(fed, registry, ctx))
+        finally:
+            fed.close()
     finally:
         db.close()
 
@@ -292,3 +299,50 @@ def researcher_token(
     )
     if token_out is None:
         typer.echo(token)
+
+
+def _registry_file(config: Path | None, set_: list[str] | None) -> Path:
+    from .task_registry import REGISTRY_FILE
+
+    return Path(load_config(config, set_ or []).federation.dir) / REGISTRY_FILE
+
+
+@tasks_app.command("add")
+def tasks_add(
+    name: str = typer.Argument(..., help="The name runs give the task (`shoal run submit --task NAME`)."),
+    ref: str = typer.Argument(..., help="The task on this machine: path/to/file.py:name or package.module:name."),
+    config: Path | None = ConfigOpt,
+    set_: list[str] | None = SetOpt,
+) -> None:
+    """Register a task runs may name, pinned by the SHA-256 of its source now (run it again after
+    changing the source: a run naming a changed task is refused until then)."""
+    from .task_registry import add_task
+
+    path = _registry_file(config, set_)
+    entry = add_task(path, name, ref)
+    typer.echo(f"task {entry.name!r} -> {entry.ref} (sha256 {entry.sha256}) registered in {path}")
+    typer.echo(f'nodes allow it with [[tasks]] name = "{entry.name}", sha256 = "{entry.sha256}" and their own ref')
+
+
+@tasks_app.command("list")
+def tasks_list(config: Path | None = ConfigOpt, set_: list[str] | None = SetOpt) -> None:
+    """Every task runs may name: NAME, where it comes from, its pin and reference."""
+    from .task_registry import TaskRegistry
+
+    cfg = load_config(config, set_ or [])
+    for e in TaskRegistry(_registry_file(config, set_), cfg.federation.tasks).entries().values():
+        typer.echo(f"{e.name}\t{e.source}\t{e.sha256[:16]}\t{e.ref}")
+
+
+@tasks_app.command("remove")
+def tasks_remove(
+    name: str = typer.Argument(..., help="The registered task's name."),
+    config: Path | None = ConfigOpt,
+    set_: list[str] | None = SetOpt,
+) -> None:
+    """Unregister a task: new runs naming it are refused, and so is a queued run when it would start."""
+    from .task_registry import remove_task
+
+    path = _registry_file(config, set_)
+    remove_task(path, name)
+    typer.echo(f"task {name!r} removed from {path}")

@@ -463,7 +463,10 @@ class Dashboard:
         length = request.content_length
         if length is None or length > MAX_LOGIN_BODY:
             return _json({"error": "bad_request", "detail": f"send the form (at most {MAX_LOGIN_BODY} bytes)"}, 400)
-        form = await request.post()
+        try:
+            form = await request.post()
+        except (UnicodeDecodeError, ValueError):  # a body that is no form (not UTF-8, bad encoding)
+            return _json({"error": "bad_request", "detail": "send the login form (UTF-8, urlencoded)"}, 400)
         token = form.get("token")
         if not isinstance(token, str) or not self._token_ok(token.strip()):
             return _redirect("/login?failed=1")

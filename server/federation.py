@@ -10,9 +10,12 @@ checkpoints. Each run's protocol state stays in its own ServerService (sans-I/O)
 events go to its own folder through server/store.py and its metrics lines also to the
 database, so ``shoal run logs`` can follow them. server/app.py only moves messages.
 
-No code travels: a run names a task the server can already load (``federation.tasks``
-lists the allowed references when set), pinned by the SHA-256 of its source file, and the
-nodes run only tasks their operator installed with the same hash (client/daemon.py).
+No code travels: a run names a task its operator registered (server/task_registry.py: the
+built-ins, ``federation.tasks``, `shoal server tasks add`), pinned by the SHA-256 of its source
+file; the request's name is only looked up there. The task is loaded with the run's arguments in
+a worker process before the run is queued (server/task_check.py), and the nodes run only tasks
+their operator installed with the same hash (client/daemon.py). A run's config below the
+federation's floors (shoal/floors.py) is refused at submission; each node holds its own.
 """
 
 from __future__ import annotations
@@ -21,27 +24,31 @@ import copy
 import dataclasses
 import difflib
 import functools
-import hashlib
-import importlib.util
 import json
 import logging
 import math
 import re
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from safetensors.torch import save_file
-
 from shoal.config import Config, ServerConfig, config_from_dict
 from shoal.errors import ConfigError, ShoalError
+from shoal.floors import below_floor
 from shoal.task import load_task
+from shoal.tensor_file import save_file
 
+from .release import released_file, researcher_line, researcher_view, withholds
 from .run_health import RunWatch, node_health
 from .runs_db import ACTIVE, RunRow, RunsDB
 from .service import Event, Record, ServerService
 from .store import open_service
+from .task_check import TaskChecker
+from .task_registry import BUILTIN, REGISTRY_FILE, RunError, TaskEntry, TaskRegistry, task_sha256
+
+__all__ = ["BUILTIN", "Federation", "RunError", "Submission", "task_sha256"]
 
 log = logging.getLogger(__name__)
 
@@ -65,45 +72,21 @@ RUN_SERVER_KEYS = frozenset(
 SERVER_KEYS = frozenset(f.name for f in dataclasses.fields(ServerConfig))
 #: Tables a run may not set: they are the federation's or the simulator's.
 NOT_A_RUNS = frozenset({"federation", "heterogeneity", "gossip", "attack"})
+#: Keys of a run's tables that name files on the server: the federation's, never a request's.
+NOT_A_RUNS_KEYS = {
+    "data": ("dir",),
+    "algorithm": ("state_dir",),
+    "secure_aggregation": ("keys_file", "identity_key"),
+    "hierarchy": ("parent", "parent_token_file", "parent_ca_cert"),
+}
 #: The [output] keys a run sets (TensorBoard files beside its metrics.jsonl; the default is the federation's).
 RUN_OUTPUT_KEYS = frozenset({"tensorboard"})
-BUILTIN = "builtin"  # --task builtin: shoal's own task of [model] + [data]
 MAX_RUN_CONFIG_BYTES = 64 * 1024
 _RUN_ID = re.compile(r"run-[0-9]{1,9}")
 #: A node's answer to a run: it takes part, it refuses (its operator's policy), or the task's own
 #: code raised on it (its model, loss, data or metrics: client/node.py) and it left the run.
 ANSWERS = ("joined", "refused", "failed")
-
-
-class RunError(ShoalError):
-    """A run request that cannot be met; ``status`` is the HTTP status to answer."""
-
-    def __init__(self, code: str, detail: str, status: int = 400):
-        super().__init__(detail)
-        self.code, self.status = code, status
-
-
-def task_sha256(ref: str) -> str:
-    """The SHA-256 of the source file behind a task reference (what nodes pin it by)."""
-    if ref == BUILTIN:
-        return BUILTIN
-    target, sep, _attr = ref.rpartition(":")
-    if not sep or not target:
-        raise RunError("bad_task", f"task {ref[:200]!r}: expected path/to/file.py:name or package.module:name")
-    if target.endswith(".py") or "/" in target:
-        path = Path(target).expanduser()
-    else:
-        try:
-            spec = importlib.util.find_spec(target)
-        except (ImportError, ValueError) as e:
-            raise RunError("bad_task", f"task {ref[:200]!r}: module {target!r} cannot be found: {e}") from None
-        if spec is None or not spec.origin or not Path(spec.origin).is_file():
-            raise RunError("bad_task", f"task {ref[:200]!r}: module {target!r} has no source file on this machine")
-        path = Path(spec.origin)
-    try:
-        return hashlib.sha256(path.read_bytes()).hexdigest()
-    except OSError as e:
-        raise RunError("bad_task", f"task {ref[:200]!r}: {path} cannot be read: {e.strerror}") from None
+ADMIN = "admin"  # the submitter name of the admin token; a researcher may not take it
 
 
 def check_run_config(raw: Any) -> dict[str, Any]:
@@ -137,12 +120,17 @@ def check_run_config(raw: Any) -> dict[str, Any]:
         )
     if "app" in raw.get("task", {}):
         raise RunError("bad_config", "task.app: name the task with --task, not in the run's config")
+    for table, keys in NOT_A_RUNS_KEYS.items():
+        for key in keys:
+            if key in raw.get(table, {}):
+                raise RunError("bad_config", f"{table}.{key} names a file on the server: the federation's, not a run's")
     return raw
 
 
-def run_config(fed: Config, raw: dict[str, Any], task: str, run_dir: Path) -> Config:
+def run_config(fed: Config, raw: dict[str, Any], ref: str, run_dir: Path) -> Config:
     """A run's whole config: the federation's [server] (listen, TLS, limits), the run's
-    round keys and sections, its task, and its own checkpoint and metrics folders."""
+    round keys and sections, its task (the operator's reference of the registered name), its
+    own checkpoint and metrics folders, and the federation's files (data.dir, the keys file)."""
     server = {k: v for k, v in fed.server.__dict__.items() if k not in RUN_SERVER_KEYS}
     server.update(raw.get("server", {}))
     server.update(checkpoint_dir=str(run_dir / "checkpoints"), out_dir=str(run_dir))
@@ -153,12 +141,29 @@ def run_config(fed: Config, raw: dict[str, Any], task: str, run_dir: Path) -> Co
         raise RunError("bad_config", "hierarchy.edge_names is the federation operator's, not a run's: leave it out")
     if isinstance(data.get("hierarchy", {}), dict):
         data["hierarchy"] = {**data.get("hierarchy", {}), "edge_names": list(fed.hierarchy.edge_names)}
-    if task != BUILTIN:
-        data["task"] = {**data.get("task", {}), "app": task}
+    data["data"] = {**data.get("data", {}), "dir": fed.data.dir}
+    if fed.secure_aggregation.keys_file:
+        data["secure_aggregation"] = {
+            **data.get("secure_aggregation", {}),
+            "keys_file": fed.secure_aggregation.keys_file,
+        }
+    if ref != BUILTIN:
+        data["task"] = {**data.get("task", {}), "app": ref}
     try:
         return config_from_dict(data).validate()
     except ConfigError as e:
         raise RunError("bad_config", f"the run's config: {e}") from None
+
+
+@dataclass
+class Submission:
+    """A run being submitted: checked in steps (the cheap ones in the event loop, the task in a
+    worker), stored only once every step passed."""
+
+    who: str
+    entry: TaskEntry
+    raw: dict[str, Any]
+    cfg: Config
 
 
 class Federation:
@@ -170,6 +175,10 @@ class Federation:
         self.db = db
         self.dir = Path(cfg.federation.dir)
         self.registered = registered
+        self.tasks = TaskRegistry(self.dir / REGISTRY_FILE, cfg.federation.tasks)
+        self.checker = TaskChecker(cfg.federation.task_check_mb, cfg.federation.task_check_s)
+        if any(not e.builtin for e in self.tasks.entries().values()):
+            self.checker.warm()  # the worker imports torch meanwhile: the first submission does not wait for it
         self.active: dict[str, ServerService] = {}
         self.user_stopped: set[str] = set()
         self.revoked: set[str] = set()
@@ -180,35 +189,96 @@ class Federation:
         for row in db.runs(("running",)):  # a restart: every run that was running goes on
             self._open(row, resume=True)
 
+    def close(self) -> None:
+        """The task check's worker ends with the server."""
+        self.checker.close()
+
     # --- submitting and following runs --------------------------------------------------------
 
-    def submit(self, task: str, raw: Any, who: str, now: float) -> dict[str, Any]:
-        """Queue a run; RunError (nothing stored) if its task or config cannot run here."""
-        allowed = self.cfg.federation.tasks
-        if not isinstance(task, str) or not task or len(task) > 1024:
-            raise RunError("bad_task", "name the run's task (--task REF)")
-        if allowed and task not in allowed:
-            raise RunError("task_not_allowed", f"task {task[:200]!r} is not in federation.tasks ({allowed[:10]})", 403)
-        raw = check_run_config(raw)
-        if len(json.dumps(raw)) > MAX_RUN_CONFIG_BYTES:
-            raise RunError("too_large", f"the run's config is over {MAX_RUN_CONFIG_BYTES} bytes", 413)
+    def submit(self, task: Any, raw: Any, who: str, now: float) -> dict[str, Any]:
+        """Queue a run in one call (the steps below, the worker's included, in this thread)."""
+        sub = self.prepare(task, raw, who)
+        self.check_task(sub)
+        return self.enqueue(sub)
+
+    def prepare(self, task: Any, raw: Any, who: str) -> Submission:
+        """The cheap checks of a submission, in the event loop: the task is a registered name (only
+        looked up: nothing a request names is opened or imported), the config a run's and within
+        the federation's floors. RunError (400, one line, logged with ``who``) otherwise."""
+        try:
+            entry = self.tasks.resolve(task)
+            raw = check_run_config(raw)
+            if len(json.dumps(raw)) > MAX_RUN_CONFIG_BYTES:
+                raise RunError("too_large", f"the run's config is over {MAX_RUN_CONFIG_BYTES} bytes", 413)
+            queued = self.db.count("queued")
+            if queued >= self.cfg.federation.max_queued:
+                raise RunError("queue_full", f"{queued} runs already wait (federation.max_queued); try later", 429)
+            cfg = run_config(self.cfg, raw, entry.ref, self.dir / "checking")
+            floor = below_floor(self.cfg.federation, cfg, "the federation's")
+            if floor is not None:
+                raise RunError("below_floor", floor)
+        except RunError as e:
+            self._refused(who, task, e)
+            raise
+        return Submission(who, entry, raw, cfg)
+
+    def check_task(self, sub: Submission) -> None:
+        """The slow checks (call it in a thread): the registered source still has its pin, and the
+        task loads with the run's arguments and builds its model: in the worker process
+        (server/task_check.py) for every task that takes arguments, here for ``builtin`` (its
+        [model] + [data] are fixed choices). RunError (logged) otherwise."""
+        try:
+            self.tasks.verify(sub.entry)
+            if sub.entry.ref == BUILTIN:  # [model] + [data] of fixed choices (data.dir the federation's)
+                try:
+                    svc = ServerService.from_config(sub.cfg, self._task(sub.cfg), self.registered())
+                except ShoalError as e:
+                    raise RunError("bad_task", f"the run cannot start: {e}") from None
+                parameters: int | None = svc.spec.numel
+            else:
+                parameters, why = self.checker.check(sub.cfg.to_dict(), self.registered())
+                if why is not None:
+                    raise RunError("bad_task", f"the run cannot start: {why}")
+            floor = below_floor(self.cfg.federation, sub.cfg, "the federation's", parameters)
+            if floor is not None:
+                raise RunError("below_floor", floor)
+        except RunError as e:
+            self._refused(sub.who, sub.entry.name, e)
+            raise
+
+    def enqueue(self, sub: Submission) -> dict[str, Any]:
+        """Store the checked run as queued (in the event loop: run ids are handed out in order)."""
         queued = self.db.count("queued")
         if queued >= self.cfg.federation.max_queued:
             raise RunError("queue_full", f"{queued} runs already wait (federation.max_queued); try later", 429)
-        digest = task_sha256(task)
         run_id = f"run-{self.db.count() + 1}"
-        cfg = run_config(self.cfg, raw, task, self.dir / run_id)
-        try:  # the task loads and its model builds, and the run passes the checks it meets at start
-            ServerService.from_config(cfg, self._task(cfg), self.registered())
-        except ShoalError as e:
-            raise RunError("bad_task", f"the run cannot start: {e}") from None
-        self.db.add(run_id, task, digest, raw, who, time.time())
-        self.event(run_id, "server", f"submitted by {who}: task {task} (sha256 {digest[:12]})")
-        log.info("%s submitted by %s: task %s (sha256 %s), %s", run_id, who, task, digest[:12], json.dumps(raw))
-        return {"run": run_id, "status": "queued", "task_sha256": digest}
+        entry = sub.entry
+        self.db.add(run_id, entry.name, entry.sha256, sub.raw, sub.who, time.time())
+        log.info(
+            "%s submitted by %s: task %s (sha256 %s), %s",
+            run_id,
+            sub.who,
+            entry.name,
+            entry.sha256[:12],
+            json.dumps(sub.raw),
+        )
+        self.event(run_id, "server", f"submitted by {sub.who}: task {entry.name} (sha256 {entry.sha256[:12]})")
+        return {"run": run_id, "status": "queued", "task_sha256": entry.sha256}
+
+    @staticmethod
+    def _refused(who: str, task: Any, e: RunError) -> None:
+        log.warning("a run from %s refused (task %.80r): %s: %s", who, task, e.code, e)
+
+    def may_see(self, run_id: str, who: str) -> RunRow:
+        """The run, if ``who`` may see, follow, stop or pull it: the admin any run, a researcher
+        their own (RunError 403 for another's, 404 for none)."""
+        row = self._row(run_id)
+        if who != ADMIN and row.submitted_by != who:
+            raise RunError("not_your_run", f"{row.id} was submitted by another researcher", 403)
+        return row
 
     def stop(self, run_id: str, who: str) -> dict[str, Any]:
-        row = self._row(run_id)
+        row = self.may_see(run_id, who)
         if row.status not in ACTIVE:
             return {"run": run_id, "status": row.status}
         reason = f"stopped by {who}"
@@ -221,11 +291,14 @@ class Federation:
             self.db.set_status(run_id, "stopped", reason, time.time())
         return {"run": run_id, "status": "stopping" if svc is not None else "stopped", "reason": reason}
 
-    def runs(self) -> list[dict[str, Any]]:
-        return [self._summary(r) for r in self.db.runs()]
+    def runs(self, who: str = "admin") -> list[dict[str, Any]]:
+        """Every run for the admin; a researcher's own runs for a researcher."""
+        return [self._summary(r) for r in self.db.runs() if who == ADMIN or r.submitted_by == who]
 
-    def status(self, run_id: str, now: float) -> dict[str, Any]:
-        row = self._row(run_id)
+    def status(self, run_id: str, now: float, who: str = "admin") -> dict[str, Any]:
+        """The run's status as ``who`` may see it (server/release.py: a researcher's view of a DP
+        run carries only what its accountant covers)."""
+        row = self.may_see(run_id, who)
         out = self._summary(row)
         out["config"] = row.config
         out["nodes"] = self.db.answers(run_id)
@@ -235,29 +308,51 @@ class Federation:
             if run_id in self.waiting:
                 out["waiting_for"] = self.waiting[run_id]
             out["service"] = svc.status(now)
-        return out
+        return out if who == ADMIN else researcher_view(out, self._run_cfg(row))
 
     def event(self, run_id: str, source: str, line: str) -> None:
         """One line of the run's log (`shoal run logs`): the server's events and its nodes' answers."""
         self.db.add_event(run_id, source, line[:2000], time.time())
 
-    def events(self, run_id: str, after: int) -> list[dict[str, Any]]:
-        self._row(run_id)
-        return self.db.events(run_id, after)
+    def events(self, run_id: str, after: int, who: str = "admin") -> list[dict[str, Any]]:
+        """The run's log lines as ``who`` may see them: a researcher of a DP run gets the server's
+        lines only (a node's line can say which round selected it: server/release.py)."""
+        row = self.may_see(run_id, who)
+        lines = self.db.events(run_id, after)
+        cfg = None if who == ADMIN else self._run_cfg(row)
+        if who == ADMIN or (cfg is not None and not withholds(cfg)):
+            return lines
+        return [e for e in lines if e.get("source") == "server"]
 
-    def metrics(self, run_id: str, after: int) -> list[tuple[int, dict[str, Any]]]:
-        self._row(run_id)
-        return self.db.metrics(run_id, after)
+    def metrics(self, run_id: str, after: int, who: str = "admin") -> list[tuple[int, dict[str, Any]]]:
+        row = self.may_see(run_id, who)
+        lines = self.db.metrics(run_id, after)
+        if who == ADMIN:
+            return lines
+        cfg = self._run_cfg(row)
+        return [(n, researcher_line(line, cfg)) for n, line in lines]
 
-    def file(self, run_id: str, name: str) -> Path:
-        """One of the run's results for `shoal run pull`."""
-        self._row(run_id)
+    def file(self, run_id: str, name: str, who: str = "admin") -> Path | bytes:
+        """One of the run's results for `shoal run pull`: the file, or for a researcher of a DP
+        run its released part (metrics lines and summary as server/release.py lets out)."""
+        row = self.may_see(run_id, who)
         if name not in PULLED:
             raise RunError("not_found", f"a run's files are {', '.join(PULLED)}", 404)
         path = self.dir / run_id / name
         if not path.is_file():
             raise RunError("not_found", f"{run_id} has no {name} yet (it is written when the run ends)", 404)
-        return path
+        cfg = self._run_cfg(row)
+        if who == ADMIN or cfg is None or not withholds(cfg) or name == "model.safetensors":
+            return path
+        return released_file(name, path.read_bytes(), cfg)
+
+    def _run_cfg(self, row: RunRow) -> Config | None:
+        """The run's config as it ran (None if it no longer builds: then nothing is let out under
+        the assumption of no privacy, see release.py)."""
+        try:
+            return run_config(self.cfg, row.config, "registered:task", self.dir / row.id)  # never loaded
+        except RunError:
+            return None
 
     def _summary(self, row: RunRow) -> dict[str, Any]:
         svc = self.active.get(row.id)
@@ -431,6 +526,8 @@ class Federation:
             svc.stop(fail[:1000])
 
     def _task(self, cfg: Config):
+        """The run's task, in this process: a built-in, or a registered task whose pinned source
+        was checked (the operator's code) and whose loading was tried in the worker first."""
         from shoal.assembly import task_from_config
 
         return task_from_config(cfg) if not cfg.task.app else load_task(cfg.task.app, cfg.task.args)
@@ -438,9 +535,14 @@ class Federation:
     def _open(self, row: RunRow, resume: bool) -> None:
         run_dir = self.dir / row.id
         try:
-            cfg = run_config(self.cfg, row.config, row.task, run_dir)
-            if task_sha256(row.task) != row.task_sha256:
-                raise RunError("task_changed", f"the source of task {row.task} changed since the run was submitted")
+            entry = self.tasks.resolve(row.task)
+            if entry.sha256 != row.task_sha256:
+                raise RunError(
+                    "task_changed",
+                    f"task {row.task} was registered again with another source since the run was submitted",
+                )
+            self.tasks.verify(entry)
+            cfg = run_config(self.cfg, row.config, entry.ref, run_dir)
             task = self._task(cfg)
             svc = open_service(
                 cfg,

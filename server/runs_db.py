@@ -130,6 +130,11 @@ class RunsDB:
             (run_id, node, answer, reason, now),
         )
 
+    def answer_of(self, run_id: str, node: str) -> str | None:
+        """``node``'s answer to the run (None: it has not answered)."""
+        row = self.db.execute("SELECT answer FROM run_nodes WHERE run = ? AND node = ?", (run_id, node)).fetchone()
+        return row[0] if row is not None else None
+
     def answers(self, run_id: str) -> dict[str, dict[str, str]]:
         rows = self.db.execute(
             "SELECT node, answer, reason FROM run_nodes WHERE run = ? ORDER BY node", (run_id,)

@@ -38,6 +38,7 @@ from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMismatch, UpdateRejected
 from shoal.metrics import json_safe
 from shoal.rounds import Rounds, RoundSummary, SyncRounds, evaluation_due
+from shoal.strict_json import NonFiniteNumber, loads_strict
 from shoal.task import ClientData, Task, TaskError
 from shoal.update import Update
 from shoal.wire import (
@@ -135,9 +136,11 @@ class FedVersion:
 def parse_eval_report(body: bytes) -> tuple[int, int, dict[str, float]]:
     """``(version, num_examples, metrics)`` of a JSON report; Malformed/NonFinite if it is not one."""
     try:
-        obj = json.loads(body)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise Malformed(f"evaluation report is not JSON: {type(e).__name__}") from None
+        obj = loads_strict(body)
+    except NonFiniteNumber as e:
+        raise NonFinite(f"evaluation report: {e}") from None
+    except ValueError as e:
+        raise Malformed(f"evaluation report is not JSON: {e}"[:200]) from None
     if not isinstance(obj, dict):
         raise Malformed("evaluation report must be a JSON object {version, num_examples, metrics}")
     unknown = sorted(str(k)[:40] for k in set(obj) - {"version", "num_examples", "metrics"})
@@ -179,9 +182,9 @@ FAILURE_REASONS = ("diverged", "refused", "failed")
 def parse_failure_report(body: bytes) -> tuple[int, int, str]:
     """``(round, version, reason)`` of a JSON failure report; Malformed if it is not one."""
     try:
-        obj = json.loads(body)
-    except (UnicodeDecodeError, ValueError, RecursionError) as e:
-        raise Malformed(f"failure report is not JSON: {type(e).__name__}") from None
+        obj = loads_strict(body)
+    except ValueError as e:
+        raise Malformed(f"failure report is not JSON: {e}"[:200]) from None
     if not isinstance(obj, dict) or set(obj) != {"round", "version", "reason"}:
         raise Malformed(
             'a failure report is a JSON object {"round": r, "version": v, "reason": "diverged", "refused" or "failed"}'

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from .config import Config
 from .datasets import load_federated
 from .errors import DataError
+from .tensor_file import save_file
 
 SHARD_FORMAT = "shoal-shard/1"
 

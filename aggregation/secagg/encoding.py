@@ -72,8 +72,12 @@ class FixedPoint:
         return 2 * self.clip / self.levels
 
     def encode(self, x: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-        """Clip, scale to [0, L], round stochastically; uint32."""
-        scaled = (np.clip(np.asarray(x, dtype=np.float64), -self.clip, self.clip) + self.clip) / self.quantum
+        """Clip, scale to [0, L], round stochastically; uint32. NaN is refused (ValueError): clipped,
+        it would become an arbitrary integer and corrupt a sum no one can inspect; +-Inf clip."""
+        x = np.asarray(x, dtype=np.float64)
+        if np.isnan(x).any():
+            raise ValueError(f"input has {int(np.isnan(x).sum())} NaN entries; refusing to encode it")
+        scaled = (np.clip(x, -self.clip, self.clip) + self.clip) / self.quantum
         low = np.floor(scaled)
         up = rng.random(scaled.shape) < (scaled - low)
         return np.minimum(low + up, self.levels).astype(np.uint32)

@@ -61,7 +61,7 @@ def check_combinations(self: Any) -> None:
                 raise ConfigError(
                     f"{key} = {k} with secure aggregation: a sum of fewer than secure_aggregation.min_inputs = "
                     f"{least} masked inputs is never unmasked, so every round would abort; select at least "
-                    f"{least} (or lower min_inputs, knowing a sum of 1 input is that input)"
+                    f"{least} (3 is the least any config allows: a sum of 1 input is that input)"
                 )
     if self.simulation.mode == "gossip":
         from shoal.p2p.robust import check_gossip_settings  # robust merges and model compression (p2p/)

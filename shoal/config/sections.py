@@ -40,8 +40,33 @@ def check_choices(section: Any, name: str) -> None:
                 raise ConfigError(f"{name}.{f.name} = {v!r} is not one of {', '.join(map(repr, allowed))}")
 
 
+#: The one numeric setting where ``inf`` means something (a full batch); NaN is never a setting.
+INFINITE_ALLOWED = frozenset({"train.batch_size"})
+
+
+def check_finite(section: Any, name: str) -> None:
+    """Every number in a section (lists and [task.args] tables included) is finite: NaN passes
+    every ``<`` and ``>`` check, so a range check alone would let it through."""
+    if not dataclasses.is_dataclass(section):
+        return
+    for f in dataclasses.fields(section):
+        _finite(f"{name}.{f.name}", getattr(section, f.name))
+
+
+def _finite(key: str, value: Any) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        if not (value == math.inf and key in INFINITE_ALLOWED):
+            raise ConfigError(f"{key} = {value!r} must be a finite number")
+    elif isinstance(value, (list, tuple)):
+        for i, v in enumerate(value):
+            _finite(f"{key}[{i}]", v)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            _finite(f"{key}.{k}", v)
+
+
 def _positive(key: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
+    if (isinstance(value, float) and not math.isfinite(value)) or value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{key} = {value!r} must be {'>= 0' if allow_zero else '> 0'}")
 
 
@@ -522,6 +547,7 @@ class GossipConfig:
 
 # privacy.mode's choices, named: the privacy sweep runs a grid of them
 PrivacyMode = Literal["none", "central", "local", "distributed"]
+PRIVACY_MODES = ("none", "central", "distributed", "local")
 
 
 @dataclass
@@ -652,6 +678,10 @@ class PrivacyConfig:
             raise ConfigError(f"privacy.canaries_unseen = {self.canaries_unseen} must be >= 2")
 
 
+#: The smallest sum of masked inputs any config may let be unmasked (server, node, simulator).
+MIN_SECURE_INPUTS = 3
+
+
 @dataclass
 class SecureAggregationConfig:
     """Secure aggregation of each round's updates (Bonawitz et al. 2017; SecAgg+ graph of
@@ -670,17 +700,17 @@ class SecureAggregationConfig:
     dropout_unmask: float = 0.0  # injected: drops at the unmasking stage
     seed: int = 0  # protocol randomness and injected dropouts
     stage_s: float = 30.0  # `shoal server`: seconds each stage after the first waits for nodes
-    min_inputs: int = 3  # a sum of fewer masked inputs is never unmasked (server and every node refuse)
+    min_inputs: int = 3  # a sum of fewer masked inputs is never unmasked (server and every node refuse); >= 3
     malicious_server: bool = False  # the active-adversary variant: signed keys, a consistency round
     keys_file: str = ""  # malicious_server: JSON {node name: base64 Ed25519 public key}, given to every node
     identity_key: str = ""  # malicious_server, on a node: its Ed25519 key (`shoal keygen`)
 
     def validate(self) -> None:
         _positive("secure_aggregation.stage_s", self.stage_s)
-        if self.min_inputs < 1:
+        if self.min_inputs < MIN_SECURE_INPUTS:
             raise ConfigError(
-                f"secure_aggregation.min_inputs = {self.min_inputs} must be >= 1 (3 or more: a sum of one "
-                "masked input is that input, of two the other's to either node)"
+                f"secure_aggregation.min_inputs = {self.min_inputs} must be >= {MIN_SECURE_INPUTS}: a sum of one "
+                "masked input is that input, of two the other's to either node"
             )
         _positive("secure_aggregation.degree", self.degree, allow_zero=True)
         if not 0.5 <= self.threshold < 1:
@@ -744,14 +774,40 @@ class FederationConfig:
     dir: str = "server/federation"  # runs.sqlite and one folder per run (checkpoints, metrics, final model)
     max_runs: int = 2  # runs trained at once; later submissions wait in the queue
     max_queued: int = 32  # runs waiting at once; a submission above it is refused (429)
-    tasks: list[str] = field(default_factory=list)  # task references a run may name ([] = any the server can load)
+    tasks: list[str] = field(
+        default_factory=list
+    )  # tasks a run may name, "NAME=REF" or "REF", beside the built-ins and `shoal server tasks add`
     researcher_tokens_file: str = ""  # file of "name token" lines allowed to submit and follow runs
     run_stall_s: float = 600.0  # a run short of server.min_nodes nodes this long ends failed (0 = it waits)
+    task_check_mb: int = 2048  # a submitted run's task is loaded in a worker process of at most this much memory
+    task_check_s: float = 60.0  # ... which has this long to load it and build its model (else the run is refused)
+    # the federation's floors: a run's config below any of them is refused at submission
+    max_epochs: int = 1000  # the most train.epochs a run may ask
+    max_rounds: int = 1_000_000  # the most server.rounds a run may ask
+    max_parameters: int = 0  # the largest model (parameters) a run may train (0: no limit)
+    privacy_modes: list[PrivacyMode] = field(
+        default_factory=lambda: ["none", "central", "distributed", "local"]
+    )  # modes a run may use
+    min_secure_group: int = 3  # secure aggregation: the fewest nodes a round (and min_inputs) a run may set
+    require_secure_aggregation: bool = False  # every run must set secure_aggregation.enabled = true
+    min_noise_multiplier: float = 0.0  # under DP: the least privacy.noise_multiplier a run may set
+    max_target_epsilon: float = 0.0  # under DP: a run must set privacy.target_epsilon at most this (0: no limit)
 
     def validate(self) -> None:
         _positive("federation.max_runs", self.max_runs)
         _positive("federation.run_stall_s", self.run_stall_s, allow_zero=True)
         _positive("federation.max_queued", self.max_queued, allow_zero=True)
+        _positive("federation.task_check_mb", self.task_check_mb)
+        if self.task_check_mb < 512:
+            raise ConfigError(f"federation.task_check_mb = {self.task_check_mb}: at least 512 (torch alone needs that)")
+        _positive("federation.task_check_s", self.task_check_s)
+        for key in ("max_epochs", "max_rounds", "max_parameters", "min_noise_multiplier", "max_target_epsilon"):
+            _positive(f"federation.{key}", getattr(self, key), allow_zero=True)
+        if self.min_secure_group < MIN_SECURE_INPUTS:
+            raise ConfigError(
+                f"federation.min_secure_group = {self.min_secure_group} must be >= {MIN_SECURE_INPUTS} "
+                "(no secure sum of fewer inputs is unmasked)"
+            )
 
 
 @dataclass
@@ -832,6 +888,7 @@ class Config:
         for f in dataclasses.fields(self):
             section = getattr(self, f.name)
             check_choices(section, f.name)
+            check_finite(section, f.name)
             if hasattr(section, "validate"):
                 section.validate()
         check_combinations(self)

@@ -106,9 +106,16 @@ class LiveFederation:
 
 
 @asynccontextmanager
-async def live_federation(tmp: Path, nodes: list[str], researchers: dict[str, str] | None = None, **server):
-    """A federation on 127.0.0.1 with the regression task of tests/server/task_files.py installed;
-    ``researchers``: name -> token of federation.researcher_tokens_file."""
+async def live_federation(
+    tmp: Path,
+    nodes: list[str],
+    researchers: dict[str, str] | None = None,
+    federation: dict | None = None,
+    **server,
+):
+    """A federation on 127.0.0.1 with the regression task of tests/server/task_files.py installed
+    and registered (federation.tasks, by its reference); ``researchers``: name -> token of
+    federation.researcher_tokens_file; ``federation``: more [federation] keys (floors)."""
     torch.set_num_threads(1)
     admin = secrets.token_urlsafe(32)
     write_secret(tmp / "admin.token", admin.encode())
@@ -125,6 +132,8 @@ async def live_federation(tmp: Path, nodes: list[str], researchers: dict[str, st
                 "dir": str(tmp / "fed"),
                 "max_runs": 2,
                 "researcher_tokens_file": str(tmp / "researchers") if researchers else "",
+                "tasks": [f"{task}:Regression"],
+                **(federation or {}),
             },
         }
     ).validate()
@@ -154,6 +163,7 @@ async def live_federation(tmp: Path, nodes: list[str], researchers: dict[str, st
         stop.set()
         await clock
         await runner.cleanup()
+        fed.close()
         registry.close()
         db.close()
 
@@ -168,15 +178,31 @@ class ServedFederation:
 
 
 @asynccontextmanager
-async def served_federation(tmp: Path, nodes: list[str], run: dict, ssl_context=None, **server):
+async def served_federation(
+    tmp: Path,
+    nodes: list[str],
+    run: dict,
+    ssl_context=None,
+    researchers: dict[str, str] | None = None,
+    federation: dict | None = None,
+    **server,
+):
     """A federation on 127.0.0.1 with one built-in-task run already started (``run``: its config);
-    no clock: the test drives ``fed.tick`` or the run's ``tick`` itself (the fuzzer does)."""
+    no clock: the test drives ``fed.tick`` or the run's ``tick`` itself (the fuzzer does).
+    ``researchers``: name -> token; ``federation``: more [federation] keys."""
     admin = secrets.token_urlsafe(32)
     write_secret(tmp / "admin.token", admin.encode())
+    if researchers:
+        write_secret(tmp / "researchers", "".join(f"{n} {t}\n" for n, t in researchers.items()).encode())
     cfg = config_from_dict(
         {
             "server": {"db": str(tmp / "nodes.sqlite"), "admin_token_file": str(tmp / "admin.token"), **server},
-            "federation": {"enabled": True, "dir": str(tmp / "fed")},
+            "federation": {
+                "enabled": True,
+                "dir": str(tmp / "fed"),
+                "researcher_tokens_file": str(tmp / "researchers") if researchers else "",
+                **(federation or {}),
+            },
         }
     ).validate()
     registry = Registry(cfg.server.db)
@@ -196,5 +222,6 @@ async def served_federation(tmp: Path, nodes: list[str], run: dict, ssl_context=
         yield ServedFederation(f"{scheme}://127.0.0.1:{runner.addresses[0][1]}", fed, registry, tokens, app)
     finally:
         await runner.cleanup()
+        fed.close()
         registry.close()
         db.close()

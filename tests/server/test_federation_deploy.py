@@ -129,7 +129,7 @@ def test_readme_walkthrough_then_sigkill_in_the_middle_of_two_runs(tmp_path):
         assert {n: v["answer"] for n, v in status["nodes"].items()} == {f"node{i}": "joined" for i in range(3)}
 
         # SIGKILL the server while two runs train, start it again: both go on from their checkpoints
-        regression = "../examples/tasks/regression_csv.py:task"
+        regression = "regression"  # as `shoal server tasks add` registered it
         a = _api(fed, port, "/v1/runs", {"task": "builtin", "config": _run_toml(fed, "run-logreg.toml")})["run"]
         b = _api(fed, port, "/v1/runs", {"task": regression, "config": _run_toml(fed, "run-regression.toml")})["run"]
         assert (a, b) == ("run-5", "run-6")

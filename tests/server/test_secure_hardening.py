@@ -58,29 +58,22 @@ def test_colluding_nodes_with_all_zero_keys_get_400_and_the_round_goes_on(tmp_pa
 
 
 def test_a_nan_node_refuses_to_mask_and_the_round_completes_without_it(tmp_path, caplog):
-    """Three real client nodes; one trains with a learning rate that blows its update up to
+    """Four real client nodes; one trains with a learning rate that blows its update up to
     NaN/Inf. It says so in one line, reports the failure and does not join the secure
     aggregation nor train again; the round's key stage closes without waiting for it and the
-    round completes with the other two; the model stays finite."""
-    names = [f"client-{i:05d}" for i in range(3)]
+    round completes with the other three (min_inputs = 3); the model stays finite."""
+    names = [f"client-{i:05d}" for i in range(4)]
 
     async def scenario():
-        server = {"min_nodes": 3, "rounds": 1, "deadline_s": 30.0, "poll_s": 1.0}
-        # two of three nodes are summed: this test allows a sum of 2 (the default minimum is 3)
-        sections = {"secure_aggregation": {**SECURE["secure_aggregation"], "min_inputs": 2}}
+        server = {"min_nodes": 4, "rounds": 1, "deadline_s": 30.0, "poll_s": 1.0}
+        sections = {"secure_aggregation": SECURE["secure_aggregation"]}
         async with live_server(tmp_path, names, clock=True, sections=sections, **server) as live:
             cfg = small_config(tmp_path)
             shards = write_shards(cfg, tmp_path / "shards")
             nodes = []
             for i, name in enumerate(names):
-                lr = 1e38 if i == 2 else 0.05
-                ncfg = config_from_dict(
-                    {
-                        "model": {"name": "logreg"},
-                        "train": {"batch_size": 10, "lr": lr},
-                        "secure_aggregation": {"min_inputs": 2},  # each node allows the sum of two, too
-                    }
-                )
+                lr = 1e38 if i == 3 else 0.05
+                ncfg = config_from_dict({"model": {"name": "logreg"}, "train": {"batch_size": 10, "lr": lr}})
                 nodes.append(
                     Node.from_config(
                         live.url,
@@ -100,8 +93,8 @@ def test_a_nan_node_refuses_to_mask_and_the_round_completes_without_it(tmp_path,
     svc, nodes = asyncio.run(scenario())
     assert svc.version == 1 and bool(torch.isfinite(svc.rounds.global_params).all())
     assert svc.last_record["elapsed_s"] < 30.0  # its failure report closed the key stage, not the deadline
-    assert [n.rounds_done for n in nodes] == [1, 1, 0]
-    assert svc.secure_last["included"] == 2 and svc.secure_last["sent"]["keys"] == names[:2]
+    assert [n.rounds_done for n in nodes] == [1, 1, 1, 0]
+    assert svc.secure_last["included"] == 3 and svc.secure_last["sent"]["keys"] == names[:3]
     diverged = [r.getMessage() for r in caplog.records if r.getMessage().startswith("training diverged")]
     assert len(diverged) == 1, diverged  # trained once, not again and again
     assert diverged[0].startswith("training diverged in round 1: ") and diverged[0].endswith("; not uploading")

@@ -90,8 +90,9 @@ MODES = {
         "secure_aggregation.dropout_masked=0.1",
         "secure_aggregation.bits=20",
         "secure_aggregation.clip=4",
-        # the base config picks K = 1; the audit run keeps q = K/N over 520 clients (~26 a round)
-        "secure_aggregation.min_inputs=1",
+        # q = K/N = 1/20 as in the others, with K = 3 (no config unmasks a sum of fewer than 3)
+        "simulation.num_clients=60",
+        "simulation.clients_per_round=3",
     ],
     "local": ['privacy.mode="local"'],
 }

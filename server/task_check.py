@@ -1,0 +1,161 @@
+"""A submitted run's task is imported and its model built in a worker process, not in the server.
+
+The federation checks that a run can start (its registered task loads with the run's
+``[task.args]`` and its model builds) before it is queued. For a user's task that is the
+operator's code, but with a researcher's arguments, so it runs in one long-lived worker
+(``python -m shoal.server.task_check``) whose address space is capped with ``RLIMIT_AS``
+(``federation.task_check_mb``) and whose every check has a time limit (``federation.task_check_s``):
+a check over either is killed (the worker with it; the next check starts a new one) and the run
+refused. Nothing the check does touches the server's event loop or memory.
+
+The protocol is one JSON line each way: ``{"config": Config.to_dict()}`` in,
+``{"ok": true}`` or ``{"error": "one line"}`` out.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import selectors
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+MAX_ANSWER = 4096
+
+
+class TaskChecker:
+    """The parent's side: one worker, one check at a time (callers wait on a lock, in a thread)."""
+
+    def __init__(self, memory_mb: int, timeout_s: float):
+        self.memory_mb, self.timeout_s = memory_mb, timeout_s
+        self.proc: subprocess.Popen | None = None
+        self.lock = threading.Lock()
+
+    def _start(self) -> subprocess.Popen:
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        return subprocess.Popen(
+            [sys.executable, "-m", "shoal.server.task_check", str(self.memory_mb)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
+        )
+
+    def warm(self) -> None:
+        """Start the worker now (it imports torch: seconds), so the first submission does not wait."""
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self.proc = self._start()
+
+    def check(self, config: dict[str, Any], registered: int | None = None) -> tuple[int | None, str | None]:
+        """``(parameters, None)`` when the run's task loads, its model builds (of that many
+        parameters) and the run passes the checks it meets at start with ``registered`` nodes;
+        ``(None, why not)`` otherwise, in one line."""
+        with self.lock:
+            if self.proc is None or self.proc.poll() is not None:
+                self.proc = self._start()
+            proc = self.proc
+            assert proc.stdin is not None and proc.stdout is not None
+            try:
+                proc.stdin.write(json.dumps({"config": config, "registered": registered}).encode() + b"\n")
+                proc.stdin.flush()
+            except OSError:
+                self._kill()
+                return None, "the task check's worker stopped; try again"
+            line = self._read_line(proc, time.monotonic() + self.timeout_s)
+            if line is None:
+                self._kill()
+                return None, (
+                    f"the task did not load and build its model within federation.task_check_s = "
+                    f"{self.timeout_s:g} s and federation.task_check_mb = {self.memory_mb} MiB"
+                )
+            try:
+                answer = json.loads(line)
+            except ValueError:
+                self._kill()
+                return None, "the task check's worker answered garbage"
+            if answer.get("ok") is True and isinstance(answer.get("parameters"), int):
+                return answer["parameters"], None
+            return None, " ".join(str(answer.get("error", "the task check failed")).split())[:500]
+
+    def _read_line(self, proc: subprocess.Popen, end: float) -> bytes | None:
+        assert proc.stdout is not None
+        fd = proc.stdout.fileno()
+        buf = b""
+        with selectors.DefaultSelector() as sel:
+            sel.register(fd, selectors.EVENT_READ)
+            while b"\n" not in buf:
+                left = end - time.monotonic()
+                if left <= 0 or len(buf) > MAX_ANSWER or not sel.select(left):
+                    return None
+                chunk = os.read(fd, MAX_ANSWER)
+                if not chunk:  # the worker died (its memory limit, a crash)
+                    return None
+                buf += chunk
+        return buf.split(b"\n", 1)[0]
+
+    def _kill(self) -> None:
+        if self.proc is not None:
+            self.proc.kill()
+            self.proc.wait()
+            self.proc = None
+
+    def close(self) -> None:
+        with self.lock:
+            if self.proc is not None:
+                if self.proc.stdin is not None:
+                    self.proc.stdin.close()
+                try:
+                    self.proc.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    pass
+                self._kill()
+
+
+def _check(config: dict[str, Any], registered: int | None) -> int:
+    from shoal.config import config_from_dict
+    from shoal.server.service import ServerService
+    from shoal.task import load_task
+
+    cfg = config_from_dict(config).validate()
+    task = load_task(cfg.task.app, cfg.task.args) if cfg.task.app else None
+    return ServerService.from_config(cfg, task, registered).spec.numel
+
+
+def _request(line: bytes) -> tuple[dict[str, Any], int | None]:
+    """The federation's request (the run's config, the registered nodes): from the server, not a user."""
+    request = json.loads(line)
+    registered = request.get("registered")
+    return request["config"], registered if isinstance(registered, int) else None
+
+
+def main() -> None:
+    import resource
+
+    limit = int(sys.argv[1]) << 20
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    logging.disable(logging.CRITICAL)
+    out = sys.stdout.buffer
+    for line in sys.stdin.buffer:
+        try:
+            answer: dict[str, Any] = {"ok": True, "parameters": _check(*_request(line))}
+        except MemoryError:
+            answer = {"error": f"the task's model did not fit in federation.task_check_mb = {sys.argv[1]} MiB"}
+        except BaseException as e:  # anything the task's code raises is its answer, not the worker's end
+            text = f"{type(e).__name__}: {e}"
+            if "memory" in text.lower():  # torch's allocator says so in its own words
+                text = f"over federation.task_check_mb = {sys.argv[1]} MiB: {text}"
+            answer = {"error": text[:500]}
+        out.write(json.dumps(answer).encode() + b"\n")
+        out.flush()
+
+
+if __name__ == "__main__":
+    main()
