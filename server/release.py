@@ -36,6 +36,8 @@ PRIVACY_FIELDS = (
     "clip_norm",
     "target_epsilon",
     "epsilon_node",
+    "epsilon_server",
+    "server_accountant",
     "stopped",
 )
 

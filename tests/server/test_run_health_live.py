@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 from shoal.client.daemon import NodeDaemon
 from shoal.client.node_config import load_node_config, source_sha256
 from shoal.server.run_cli import app as run_app
+from shoal.server.task_registry import REGISTRY_FILE, add_task
 from tests.server.federation_live import live_federation
 from tests.server.task_files import REGRESSION_TASK, write_node_data
 
@@ -63,6 +64,7 @@ poll_s = 0.3
 """
 TASK = """
 [[tasks]]
+name = "{name}"
 ref = "{ref}"
 sha256 = "{sha}"
 data = "{data}"
@@ -83,13 +85,19 @@ def test_runs_that_cannot_proceed_end_failed_with_the_reason(tmp_path):
         async with live_federation(tmp_path, ["n0", "n1"]) as f:
             folder = tmp_path / "tasks"
             (folder / "broken.py").write_text(BROKEN)
-            good, five, bad_item = f.task_ref, f"{folder}/broken.py:FiveLogits", f"{folder}/broken.py:BadItem"
+            good, five_ref, bad_ref = f.task_ref, f"{folder}/broken.py:FiveLogits", f"{folder}/broken.py:BadItem"
+            five, bad_item = "five-logits", "bad-item"  # the operator registers them (`shoal server tasks add`)
+            add_task(f.fed.dir / REGISTRY_FILE, five, five_ref)
+            add_task(f.fed.dir / REGISTRY_FILE, bad_item, bad_ref)
             for name in ("n0", "n1"):  # both nodes install the two broken tasks, not the good one
                 data = write_node_data(tmp_path / f"{name}.pt", seed=int(name[-1]) + 1)
                 toml = tmp_path / f"{name}.toml"
                 toml.write_text(
                     NODE.format(url=f.url, tmp=tmp_path, name=name)
-                    + "".join(TASK.format(ref=r, sha=source_sha256(r), data=data) for r in (five, bad_item))
+                    + "".join(
+                        TASK.format(name=n, ref=r, sha=source_sha256(r), data=data)
+                        for n, r in ((five, five_ref), (bad_item, bad_ref))
+                    )
                 )
                 cfg = load_node_config(toml)
                 d = NodeDaemon(cfg, (tmp_path / f"{name}.token").read_text().strip(), torch.device("cpu"), None)
@@ -143,15 +151,16 @@ def test_runs_that_cannot_proceed_end_failed_with_the_reason(tmp_path):
             assert "server: waiting for server.min_nodes = 3" in logs.stderr, logs.stderr
 
             # refused at submission (400, nothing queued): a typo, and a config the run would fail to start with
+            f.registry.add("n2")  # a secure round takes 3 inputs at least: 3 registered nodes for K = 3
             async with f.session() as s:
                 for config, needle in [
                     (run_config() | {"server": {"min_nodess": 2}}, "unknown key 'server.min_nodess'"),
                     (
                         {
                             **run_config(),
-                            "server": {**run_config()["server"], "clients_per_round": 2},
+                            "server": {**run_config()["server"], "clients_per_round": 3},
                             "privacy": {"mode": "distributed", "noise_multiplier": 1.0, "clip_norm": 1.0},
-                            "secure_aggregation": {"enabled": True, "clip": 1.0, "min_inputs": 2},
+                            "secure_aggregation": {"enabled": True, "clip": 1.0, "min_inputs": 3},
                         },
                         "would clip the distributed-DP noise",
                     ),
@@ -162,10 +171,10 @@ def test_runs_that_cannot_proceed_end_failed_with_the_reason(tmp_path):
             # `shoal run validate` makes the same checks here, before anything is sent
             toml = tmp_path / "run.toml"
             toml.write_text("[server]\nmin_nodess = 2\n")
-            checked = CliRunner().invoke(run_app, ["validate", "-c", str(toml), "--task", five])
+            checked = CliRunner().invoke(run_app, ["validate", "-c", str(toml), "--task", five_ref])
             assert checked.exit_code != 0 and "unknown key 'server.min_nodess'" in str(checked.exception)
             toml.write_text("[server]\nrounds = 2\n[train]\nbatch_size = 8\n")
-            checked = CliRunner().invoke(run_app, ["validate", "-c", str(toml), "--task", five])
-            assert checked.exit_code == 0 and checked.output.startswith(f"ok: {five}"), checked.output
+            checked = CliRunner().invoke(run_app, ["validate", "-c", str(toml), "--task", five_ref])
+            assert checked.exit_code == 0 and checked.output.startswith(f"ok: {five_ref}"), checked.output
 
     asyncio.run(main())
