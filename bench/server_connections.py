@@ -9,8 +9,8 @@ Then it opens max_connections + 10 and counts the 503 answers of those past the 
 With ``--attack``: the connection guard under a crowd of silent sockets. A TLS server with
 ``server.tls_client_ca`` and two `shoal client` nodes enrolled by key train (sync rounds of the
 built-in logistic regression); versions per second are measured for ``--window`` seconds quiet,
-then for ``--window`` seconds while this process holds ``--silent`` TCP sockets that never send
-a byte (each reopened as soon as the server drops it), side by side. During both windows a new
+then for ``--window`` seconds while another process holds ``--silent`` TCP sockets that never
+send a byte (each reopened as soon as the server drops it), side by side. During both windows a new
 enrolled connection (TLS with a node certificate, one request) is opened every 0.5 s: how many
 were served and their median time to the answer.
 
@@ -161,6 +161,23 @@ async def _silent_crowd(port: int, n: int, stop: asyncio.Event, counts: dict[str
     await asyncio.gather(*(one() for _ in range(n)))
 
 
+def _crowd_process(port: int, n: int, seconds: float, out) -> None:
+    """The crowd in a process of its own (so that it does not slow this process's probes)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, n + 200)), hard))
+    counts = {"opened": 0, "connect_failed": 0}
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        asyncio.get_running_loop().call_later(seconds, stop.set)
+        await _silent_crowd(port, n, stop, counts)
+
+    asyncio.run(main())
+    out.put(counts)
+
+
 async def _probe(port: int, ctx, stop: asyncio.Event, out: list[float | None]) -> None:
     """A new enrolled connection every 0.5 s: seconds to its 200 answer, None if refused or cut."""
     while not stop.is_set():
@@ -188,15 +205,23 @@ async def _attack_windows(port: int, metrics: Path, ctx, silent: int, window: fl
         stop = asyncio.Event()
         counts = {"opened": 0, "connect_failed": 0}
         probes: list[float | None] = []
-        tasks = [asyncio.ensure_future(_probe(port, ctx, stop, probes))]
+        crowd = queue = None
         if attacked:
-            tasks.append(asyncio.ensure_future(_silent_crowd(port, silent, stop, counts)))
+            import multiprocessing
+
+            queue = multiprocessing.Queue()
+            crowd = multiprocessing.Process(target=_crowd_process, args=(port, silent, window + 2.0, queue))
+            crowd.start()
             await asyncio.sleep(1.0)  # the crowd is open
+        tasks = [asyncio.ensure_future(_probe(port, ctx, stop, probes))]
         v0, t0 = _versions(metrics), time.monotonic()
         await asyncio.sleep(window)
         rate = (_versions(metrics) - v0) / (time.monotonic() - t0)
         stop.set()
         await asyncio.wait(tasks, timeout=15)
+        if crowd is not None and queue is not None:
+            counts = await asyncio.get_running_loop().run_in_executor(None, queue.get, True, 60)
+            crowd.join(30)
         served = sorted(p for p in probes if p is not None)
         median = served[len(served) // 2] if served else float("nan")
         rows.append((attacked, rate, len(served), len(probes), median, counts["opened"], counts["connect_failed"]))
@@ -217,6 +242,13 @@ def attack(silent: int, window: float) -> None:
             f'tls_cert = "{pki.cert}"\ntls_key = "{pki.key}"\ntls_client_ca = "{pki.ca_cert}"\n'
         )
         (t / "server.toml").write_text(config)
+        split = subprocess.run(
+            [sys.executable, "-m", "shoal.cli", "data", "split", "-c", "server.toml", "--out", "shards"],
+            cwd=tmp, capture_output=True, text=True, timeout=300, check=False,
+        )  # fmt: skip
+        if split.returncode:
+            raise SystemExit(f"shoal data split failed:\n{split.stdout[-2000:]}{split.stderr[-2000:]}")
+        shards = sorted((t / "shards").glob("*.safetensors"))
         reg = Registry(t / "nodes.sqlite")
         certs = []
         for i in range(3):  # two training nodes and the probe
@@ -224,7 +256,6 @@ def attack(silent: int, window: float) -> None:
             csr = read_node_csr(made.csr, f"k{i}")
             certs.append((sign_node(pki.ca_cert.parent, csr, f"k{i}", t / f"k{i}" / f"k{i}.pem"), made.key))
             reg.add_key(f"k{i}", fingerprint(csr))
-            (t / f"k{i}.data").write_text(str(i + 1))
         reg.close()
         cli = [sys.executable, "-m", "shoal.cli"]
         procs = [
@@ -237,14 +268,18 @@ def attack(silent: int, window: float) -> None:
             procs.append(
                 subprocess.Popen(
                     [*cli, "client", "--server", f"https://127.0.0.1:{port}", "--cert", str(certs[i][0]),
-                     "--key", str(certs[i][1]), "--ca-cert", str(pki.ca_cert), "--data", f"{tmp}/k{i}.data",
+                     "--key", str(certs[i][1]), "--ca-cert", str(pki.ca_cert), "--data", str(shards[i]),
                      "-c", f"{tmp}/server.toml", "--name", f"k{i}", "--device", "cpu"],
                     cwd=tmp, stdout=subprocess.DEVNULL, stderr=open(t / f"k{i}.log", "w"),
                 )
             )  # fmt: skip
         try:
             ctx = client_context(pki.ca_cert, certs[2][0], certs[2][1])
-            rows = asyncio.run(_attack_windows(port, t / "run" / "metrics.jsonl", ctx, silent, window))
+            try:
+                rows = asyncio.run(_attack_windows(port, t / "run" / "metrics.jsonl", ctx, silent, window))
+            except RuntimeError as e:
+                tails = "".join(f"\n--- {n}:\n{(t / n).read_text()[-1500:]}" for n in ("server.log", "k0.log"))
+                raise SystemExit(f"{e}{tails}") from None
         finally:
             for p in procs:
                 p.terminate()

@@ -13,7 +13,7 @@ client side: what a peer name resolves to passes p2p/addresses.py's policy.
 
 Under all of this, :func:`guarded_site` listens through shoal/connection_guard.py, the same guard
 as the server's: a connection is dropped unless its TLS handshake and first request head are done
-within HANDSHAKE_TIMEOUT_S (a crowd of silent sockets is dropped oldest first past MAX_PENDING
+within HANDSHAKE_TIMEOUT_S (a crowd of silent sockets is dropped, silent ones first, past MAX_PENDING
 or PENDING_PER_ADDRESS), and an eighth of the connection slots is kept for peers that present a
 client certificate the peer's TLS context verified (those bypass the per-address cap here).
 """
@@ -39,8 +39,8 @@ IDLE_TIMEOUT_S = 30.0  # an idle keep-alive connection is closed after this long
 MAX_CONNECTIONS_PER_ADDRESS = 64  # open connections from one remote address
 MAX_CONNECTIONS = 1024  # open connections in all (less where the open-file limit is lower)
 HANDSHAKE_TIMEOUT_S = 5.0  # a new connection's TLS handshake and first request head must be done by then
-MAX_PENDING = 256  # connections still in that stage (past it the oldest is dropped)
-PENDING_PER_ADDRESS = 32  # of those from one address (past it that address's oldest is dropped)
+MAX_PENDING = 256  # connections still in that stage (past it the oldest silent one is dropped)
+PENDING_PER_ADDRESS = 32  # of those from one address (past it that address's oldest silent one is dropped)
 
 
 def total_connections() -> int:
@@ -170,7 +170,7 @@ def guarded_site(
 ) -> GuardedSite:
     """The peer's listening site behind shoal/connection_guard.py: a new connection has
     HANDSHAKE_TIMEOUT_S for its TLS handshake and first request head (silent sockets are
-    dropped, the oldest first past MAX_PENDING or PENDING_PER_ADDRESS), and an eighth of the
+    dropped, those that sent nothing first, past MAX_PENDING or PENDING_PER_ADDRESS), and an eighth of the
     connection slots is kept for peers that present a client certificate the TLS context
     verified. The per-address cap and header deadlines of :class:`GuardedHandler` apply after."""
     limits = GuardLimits(

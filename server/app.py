@@ -1172,7 +1172,7 @@ async def serve(
     )
     await runner.setup()
     assert runner.server is not None  # made by setup()
-    listener, guard = await listen(runner.server, s, ssl_context)
+    guard = await listen(runner.server, s, ssl_context)
     scheme = "https" if ssl_context else "http"
     if isinstance(service, Federation):
         log.info("listening on %s://%s:%d: a federation of %d runs at once", scheme, s.host, s.port, service.max_runs)
@@ -1182,8 +1182,7 @@ async def serve(
         await run_clock(app, stop)
     finally:
         _notify(app)
-        listener.close()  # no new connections; those open are shut down by the runner
-        guard.close()  # and those not yet through their handshake are dropped
+        guard.close()  # no new connections, those not through their handshake dropped; the runner ends the rest
         await runner.cleanup()
     if isinstance(service, Federation):
         log.info("stopped; runs in progress resume from their checkpoints on the next start")

@@ -4,7 +4,8 @@ Every accepted socket costs memory before a request is read (kernel buffers, the
 aiohttp's parser), so the guard bounds connections in two stages: a new connection has
 ``server.handshake_timeout_s`` to finish its TLS handshake and send its first request head
 (at most ``server.max_pending_connections`` at once, ``server.pending_per_address`` from one
-address; past either, the oldest is dropped, so silent sockets cannot lock anyone out), then it
+address; past either, the oldest that has sent nothing is dropped, so silent sockets cannot lock
+anyone out), then it
 is served among at most ``server.max_connections``, of which ``server.reserved_connections``
 are only for clients that presented a certificate of ``server.tls_client_ca`` (enrolled nodes).
 Past those: one ``503 too_many_connections`` answer and the connection is closed; a node
@@ -38,6 +39,7 @@ def limits(s: ServerConfig) -> GuardLimits:
 
 async def listen(
     factory: Callable[[], asyncio.Protocol], s: ServerConfig, ssl_context: ssl.SSLContext | None
-) -> tuple[asyncio.Server, ConnectionGuard]:
-    """Listen on ``server.host:server.port`` behind the connection guard (see the module doc)."""
+) -> ConnectionGuard:
+    """Listen on ``server.host:server.port`` behind the connection guard (see the module doc);
+    ``close()`` it to stop listening."""
     return await guarded_listen(factory, s.host, s.port, ssl_context, limits(s), "server.max_connections")

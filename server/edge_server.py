@@ -965,7 +965,7 @@ async def serve_edge(
     )
     await runner.setup()
     assert runner.server is not None
-    listener, guard = await listen(runner.server, s, ssl_context)
+    guard = await listen(runner.server, s, ssl_context)
     log.info(
         "edge listening on %s://%s:%d, under the root %s", "https" if ssl_context else "http", s.host, s.port, h.parent
     )
@@ -991,7 +991,6 @@ async def serve_edge(
                 await asyncio.wait(up.sending, timeout=SHUTDOWN_S)
     finally:
         _notify(app)
-        listener.close()
         guard.close()
         await runner.cleanup()
     log.info("edge stopped: %d updates taken, refused %s", edge.accepted, edge.refused)

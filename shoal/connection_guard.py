@@ -6,11 +6,10 @@ A connection goes through two stages:
 * **pending**: accepted, its TLS handshake and its first request's head not yet complete. A
   pending connection has ``handshake_timeout_s`` (a few seconds) for both, then it is aborted.
   Pending connections are bounded per source address (``pending_per_address``) and in all
-  (``max_pending``), and neither bound refuses a newcomer: past it, the *oldest* pending
-  connection (of that address, or in all) is aborted to make room. A crowd of silent sockets
-  therefore holds at most ``max_pending`` file descriptors for at most the timeout, and a
-  connection that completes its handshake in less time than the crowd takes to open
-  ``max_pending`` more sockets always gets through.
+  (``max_pending``), and neither bound refuses a newcomer: past it, a pending connection (of
+  that address, or in all) is aborted to make room, one that has sent nothing first. A crowd of
+  silent sockets therefore holds at most ``max_pending`` file descriptors for at most the
+  timeout, and evicts only itself once a real client's first bytes are in.
 * **served**: its first request's head arrived. Only now is the application's protocol (aiohttp's
   request handler) made and handed the bytes read so far. Served connections are bounded by
   ``max_connections``, of which ``reserved`` slots are only for connections that presented a
@@ -18,9 +17,13 @@ A connection goes through two stages:
   connections without one are also capped per address (``per_address``). Past a bound, one
   ``503 too_many_connections`` JSON answer, then the connection is closed.
 
-The TLS handshake is done here (``loop.start_tls``) rather than by the listening socket, so that
-the source address is known and the deadline runs from the moment of accept. Everything here is
-counted in :class:`ConnectionGuard`'s fields (tests and ``/status`` read them).
+The guard accepts on its own listening sockets: a new socket costs a file descriptor and a
+reader registration until its first bytes arrive, and only then is it handed to asyncio (with
+TLS: ``loop.connect_accepted_socket``, whose handshake runs under the same deadline). So the
+source address is known from the accept, and when a bound is reached the guard drops a socket
+that has sent nothing yet before one that is talking (the oldest of each): a crowd of silent
+sockets, however fast it is renewed, only ever evicts itself while a real client's hello is in.
+Everything here is counted in :class:`ConnectionGuard`'s fields (tests and ``/status`` read them).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import socket
 import ssl
 import time
 from collections import OrderedDict
@@ -97,9 +101,48 @@ class ConnectionGuard:
         self.timed_out = 0  # pending connections past handshake_timeout_s
         self.refused = 0  # answered 503 (a served bound was reached) or 431 (head too long)
         self._warned = -float("inf")
+        self.sockets: list[socket.socket] = []  # the listening sockets
 
-    def __call__(self) -> asyncio.Protocol:
-        return _Guarded(self)
+    async def start(self, host: str, port: int, backlog: int = 512) -> None:
+        """Listen on every address ``host`` resolves to (as asyncio's create_server does)."""
+        loop = asyncio.get_running_loop()
+        infos = await loop.getaddrinfo(host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+        seen = set()
+        for family, kind, proto, _, addr in infos:
+            if (family, addr) in seen:
+                continue
+            seen.add((family, addr))
+            sock = socket.socket(family, kind, proto)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6 and hasattr(socket, "IPPROTO_IPV6"):
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                sock.bind(addr)
+                sock.listen(backlog)
+                sock.setblocking(False)
+            except OSError:
+                sock.close()
+                self.close()
+                raise
+            self.sockets.append(sock)
+            loop.add_reader(sock.fileno(), self._accept, sock)
+
+    def _accept(self, listening: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        for _ in range(64):  # then let the loop serve the others
+            try:
+                conn, addr = listening.accept()
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as e:  # out of file descriptors, or the like: the backlog holds the rest
+                self._warn(f"accept failed: {e}")
+                return
+            conn.setblocking(False)
+            g = _Guarded(self, conn, str(addr[0]) if isinstance(addr, tuple) and addr else "?")
+            g._deadline = loop.call_later(self.limits.handshake_timeout_s, g._expire)
+            self._add_pending(g)
+            if not g.closed:
+                loop.add_reader(conn.fileno(), g._readable)
 
     # --- pending ------------------------------------------------------------------------------
 
@@ -107,11 +150,11 @@ class ConnectionGuard:
         self.accepted += 1
         mine = self.pending_by_address.setdefault(conn.address, OrderedDict())
         if len(mine) >= self.limits.pending_per_address:
-            self._evict(next(iter(mine)))
+            self._evict(_victim(mine))
         if len(self.pending) >= self.limits.max_pending:
-            self._evict(next(iter(self.pending)))
+            self._evict(_victim(self.pending))
         self.pending[conn] = conn.address
-        mine[conn] = None
+        self.pending_by_address.setdefault(conn.address, OrderedDict())[conn] = None
 
     def _drop_pending(self, conn: _Guarded) -> None:
         if self.pending.pop(conn, None) is None:
@@ -176,24 +219,37 @@ class ConnectionGuard:
             self._warned = now
 
     def close(self) -> None:
-        """Abort every pending connection (the listener is shutting down)."""
+        """Stop listening and abort every pending connection (served ones are the server's to end)."""
+        for sock in self.sockets:
+            try:
+                asyncio.get_running_loop().remove_reader(sock.fileno())
+            except (RuntimeError, ValueError):
+                pass
+            sock.close()
+        self.sockets = []
         for conn in list(self.pending):
             self._drop_pending(conn)
             conn.abort()
 
 
+def _victim(pending: OrderedDict) -> _Guarded:
+    """The connection a newcomer replaces: the oldest that has sent nothing, else the oldest."""
+    return next((c for c in pending if not c.spoke), next(iter(pending)))
+
+
 class _Guarded(asyncio.Protocol):
     """One connection: pending (TLS, first head) under a deadline, then the application's protocol."""
 
-    def __init__(self, guard: ConnectionGuard):
+    def __init__(self, guard: ConnectionGuard, sock: socket.socket, address: str):
         self.guard = guard
-        self.address = "?"
+        self.sock: socket.socket | None = sock  # until handed to asyncio
+        self.address = address
+        self.spoke = False  # its first bytes arrived
         self.certified = False
-        self.transport: asyncio.Transport | None = None  # the raw one, then the TLS one
+        self.transport: asyncio.Transport | None = None  # plain, or the TLS layer's
         self.inner: asyncio.Protocol | None = None
         self.head = bytearray()
         self.closed = False
-        self.ready = guard.ssl_context is None  # TLS: once start_tls handed back the TLS transport
         self._deadline: asyncio.TimerHandle | None = None
         self._tls: asyncio.Task | None = None
 
@@ -205,37 +261,41 @@ class _Guarded(asyncio.Protocol):
 
     # --- asyncio.Protocol ---------------------------------------------------------------------
 
+    def _readable(self) -> None:
+        """Its first bytes are in: hand the socket to asyncio (TLS under the same deadline)."""
+        loop = asyncio.get_running_loop()
+        sock, self.sock = self.sock, None
+        if sock is None or self.closed:
+            return
+        loop.remove_reader(sock.fileno())
+        self.spoke = True
+        self._tls = loop.create_task(self._connect(sock))
+
+    async def _connect(self, sock: socket.socket) -> None:
+        loop = asyncio.get_running_loop()
+        ctx = self.guard.ssl_context
+        try:
+            if ctx is None:
+                await loop.connect_accepted_socket(lambda: self, sock)
+            else:
+                left = self._deadline.when() - loop.time() if self._deadline is not None else 0.0
+                await loop.connect_accepted_socket(lambda: self, sock, ssl=ctx, ssl_handshake_timeout=max(left, 0.1))
+        except (OSError, ssl.SSLError, ConnectionError, TimeoutError, asyncio.CancelledError):
+            self.closed = True
+            self._disarm()
+            self.guard._drop_pending(self)
+            sock.close()
+
+    # --- asyncio.Protocol (once the socket is asyncio's: TLS done) ---------------------------
+
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
-        peer = transport.get_extra_info("peername")
-        self.address = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
-        loop = asyncio.get_running_loop()
-        self._deadline = loop.call_later(self.guard.limits.handshake_timeout_s, self._expire)
-        self.guard._add_pending(self)
-        if self.closed:  # evicted at once (a zero-sized bound)
+        if self.closed:
+            transport.abort()
             return
-        if self.guard.ssl_context is not None:
-            transport.pause_reading()  # the TLS layer reads the client's hello, not this object
-            self._tls = loop.create_task(self._handshake(transport, self.guard.ssl_context))
-
-    async def _handshake(self, raw: asyncio.Transport, ctx: ssl.SSLContext) -> None:
-        loop = asyncio.get_running_loop()
-        try:
-            tls = await loop.start_tls(
-                raw, self, ctx, server_side=True, ssl_handshake_timeout=self.guard.limits.handshake_timeout_s
-            )
-        except (OSError, ssl.SSLError, ConnectionError, TimeoutError, asyncio.CancelledError):
-            self.abort()
-            return
-        if tls is None or self.closed:
-            raw.abort()
-            return
-        self.transport = tls
-        ssl_object = tls.get_extra_info("ssl_object")
+        ssl_object = transport.get_extra_info("ssl_object")
         self.certified = ssl_object is not None and ssl_object.getpeercert(binary_form=True) is not None
-        self.ready = True
-        self._take_head()  # bytes the TLS layer handed over before start_tls returned
 
     def data_received(self, data: bytes) -> None:
         if self.inner is not None:
@@ -244,10 +304,7 @@ class _Guarded(asyncio.Protocol):
         if self.closed:
             return
         self.head += data
-        if self.ready:
-            self._take_head()
-        elif len(self.head) > self.guard.limits.max_head_bytes:
-            self.abort()
+        self._take_head()
 
     def _take_head(self) -> None:
         if self.closed or self.inner is not None:
@@ -326,10 +383,17 @@ class _Guarded(asyncio.Protocol):
         """Drop the connection now (no answer: it has not asked anything yet)."""
         self._disarm()
         self.closed = True
-        if self._tls is not None and not self._tls.done():
-            self._tls.cancel()
-        if self.transport is not None:
+        if self.sock is not None:  # never spoke: still ours
+            try:
+                asyncio.get_running_loop().remove_reader(self.sock.fileno())
+            except (RuntimeError, ValueError):
+                pass
+            self.sock.close()
+            self.sock = None
+        elif self.transport is not None:
             self.transport.abort()
+        elif self._tls is not None and not self._tls.done():
+            self._tls.cancel()  # asyncio closes the socket of a handshake it did not finish
 
 
 class RedactedErrors(RequestHandler):
@@ -354,14 +418,14 @@ async def listen(
     ssl_context: ssl.SSLContext | None,
     limits: GuardLimits,
     what: str = "server.max_connections",
-) -> tuple[asyncio.Server, ConnectionGuard]:
-    """Listen on ``host:port`` behind a :class:`ConnectionGuard` (see the module doc); aiohttp's
-    own server makes :class:`RedactedErrors` handlers."""
+) -> ConnectionGuard:
+    """Listen on ``host:port`` behind a :class:`ConnectionGuard` (see the module doc; its
+    ``close()`` stops listening); aiohttp's own server makes :class:`RedactedErrors` handlers."""
     if type(factory) is web.Server:
         factory = _redacting(factory)
     guard = ConnectionGuard(factory, limits, ssl_context, what)
-    server = await asyncio.get_running_loop().create_server(guard, host, port, backlog=512)
-    return server, guard
+    await guard.start(host, port)
+    return guard
 
 
 class GuardedSite(web.BaseSite):
@@ -387,9 +451,7 @@ class GuardedSite(web.BaseSite):
     async def start(self) -> None:
         await super().start()
         assert self._runner.server is not None
-        self._server, self.guard = await listen(
-            self._runner.server, self._host, self._port, self._ssl, self._limits, self._what
-        )
+        self.guard = await listen(self._runner.server, self._host, self._port, self._ssl, self._limits, self._what)
 
     async def stop(self) -> None:
         if self.guard is not None:

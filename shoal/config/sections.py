@@ -353,8 +353,8 @@ class ServerConfig:
     reserved_connections: int = 64  # of max_connections (at most half): only for clients with a tls_client_ca cert
     connections_per_address: int = 128  # connections served at once to one address without a client certificate
     handshake_timeout_s: float = 5.0  # a new connection's TLS handshake and first request head must be done by then
-    max_pending_connections: int = 256  # connections still in that stage; past it the oldest is dropped
-    pending_per_address: int = 32  # of those, from one address; past it that address's oldest is dropped
+    max_pending_connections: int = 256  # connections still in that stage; past it the oldest silent one is dropped
+    pending_per_address: int = 32  # of those, from one address; past it that address's oldest silent one is dropped
 
     def validate(self) -> None:
         if not 0 < self.port < 65536:

@@ -16,7 +16,7 @@ one an insider's role does not allow, by category:
   ``secure_aggregation.min_inputs`` < 3, one client per secure round, NaN/Inf/1e999 numbers, the
   server's own keys (port, database, admin token, TLS files), edges named by the run.
 - ``other_run`` (ra): reading, following, stopping and pulling files of rb's run.
-- ``chunks`` (f0 and e0, which hold no task; n0 for a run that does not exist): well-formed
+- ``chunks`` (f0 and e0, which hold no task; n0 and f0 for a run that never exists): well-formed
   openings of chunked uploads.
 - ``edge`` (e0): claims of names that are no node (strangers, researchers, ``admin``, itself,
   look-alikes), partials for nodes it does not hold; the same routes from f0, which is no edge.
@@ -221,7 +221,7 @@ def draw(rng: random.Random, ins: Insiders, category: str) -> Probe:
             return Probe(category, "ra", "POST", f"/v1/runs/{RUN}/stop")
         return Probe(category, "ra", "GET", path)
     if category == "chunks":
-        who, run = rng.choice([("f0", RUN), (EDGE, RUN), ("n0", "run-2"), ("f0", "run-2")])
+        who, run = rng.choice([("f0", RUN), (EDGE, RUN), ("n0", "run-999"), ("f0", "run-999")])  # no run-999
         size = rng.choice([1, 100, 2900, 10**6])
         body = _json({"size": size, "sha256": hashlib.sha256(secrets.token_bytes(8)).hexdigest()})
         return Probe(category, who, "POST", f"/runs/{run}/v1/uploads", body)

@@ -115,6 +115,14 @@ async def _ask(conn, token: str | None = None) -> bytes:
     return head.split(b"\r\n", 1)[0]
 
 
+async def _renew_silent(port: int, stop: asyncio.Event, into: list, most: int = 1500) -> None:
+    """Open silent sockets from the same address, one after another, until ``stop`` (or ``most``)."""
+    while not stop.is_set() and most > 0:
+        into.append(await _connect(port, None))
+        most -= 1
+        await asyncio.sleep(0)
+
+
 async def _closed_by_server(conn) -> bool:
     try:
         return await asyncio.wait_for(conn[0].read(), 10) == b""
@@ -170,10 +178,15 @@ def test_silent_sockets_and_strangers_cannot_lock_out_enrolled_nodes(tmp_path):
             assert await _ask(enrolled) == b"HTTP/1.1 200 OK"  # served, by its certificate
             silent = await asyncio.gather(*[_connect(port, None) for _ in range(300)])
             assert await _ask(enrolled) == b"HTTP/1.1 200 OK"  # the crowd does not touch it
+            crowd = asyncio.Event()
+            renewing = asyncio.ensure_future(_renew_silent(port, crowd, silent))  # and more, as fast as it can
+            await asyncio.sleep(0.2)
             for _ in range(5):  # new enrolled connections get through the crowd
                 conn = await _connect(port, with_cert)
                 held.append(conn)
                 assert await _ask(conn) == b"HTTP/1.1 200 OK"
+            crowd.set()
+            await renewing
             # strangers (no certificate, a valid token) fill what is outside the reserve: 16 - 8
             answers = []
             for _ in range(9):
@@ -187,7 +200,7 @@ def test_silent_sockets_and_strangers_cannot_lock_out_enrolled_nodes(tmp_path):
             conn = await _connect(port, with_cert)  # the reserve still admits a node certificate
             held.append(conn)
             assert await _ask(conn) == b"HTTP/1.1 200 OK"
-            # every silent socket is dropped: 268 at once to make room, the rest at the deadline
+            # every silent socket is dropped: most at once to make room, the rest at the deadline
             assert all(await asyncio.gather(*[_closed_by_server(c) for c in silent]))
             assert await _ask(enrolled) == b"HTTP/1.1 200 OK"
             # a socket that opens TLS and then sends nothing is dropped too
