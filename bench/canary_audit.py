@@ -95,8 +95,9 @@ def ledger_table(runs: int, bug_runs: int) -> None:
                 key = next((k for part, k in CHECKS if part in f), f)
                 fired[key] = fired.get(key, 0) + 1
         checks = ", ".join(f"{k} ({v})" for k, v in fired.items()) or "-"
+        ledger = f"{by_ledger}/{n}" if sets is central else "n/a (local)"  # local: first updates vs its accountant
         print(
-            f"| {name} | {n} | {flagged}/{n} | {by_ledger}/{n} | {by_estimate}/{n} | {checks} | "
+            f"| {name} | {n} | {flagged}/{n} | {ledger} | {by_estimate}/{n} | {checks} | "
             f"{time.perf_counter() - t0:.0f} |",
             flush=True,
         )
