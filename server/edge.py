@@ -345,12 +345,20 @@ class PartialIntake:
         if not r.open:
             return {**answer, "status": "wait"}
         edges = self.roster.round_edges(r.round, r.version, r.selected, now)
-        if not svc.cfg.secure_aggregation.enabled and edge not in self.inbox().origins:
+        if not svc.cfg.secure_aggregation.enabled:
             # a plain round: a selected node this edge now holds (it re-attached here after its edge of
             # the round died, or no edge held it when the round opened) gets its task here. Its old
-            # edge, if it comes back, cannot count it (not_your_node): one edge per node and round
+            # edge, if it comes back, cannot count it (not_your_node): one edge per node and round.
+            # If this edge's partial of the round is in already, the node cannot be counted in this
+            # round: the root stops waiting for it (it is attached, not late)
+            sent = edge in self.inbox().origins
             for n in taken:
                 if n in r.selected and n not in r.received and edges.get(n) != edge:
+                    if sent:
+                        if svc.refused_task.get(n) != (r.round, r.version):
+                            log.info("round %d: node %s re-attached to edge %s after its partial", r.round, n, edge)
+                            svc.refused_task[n] = (r.round, r.version)
+                        continue
                     log.info("round %d: node %s re-attached to edge %s, which hands out its task", r.round, n, edge)
                     self.roster.rehome(n, edge)
         tasks = {

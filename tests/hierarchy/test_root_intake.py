@@ -147,6 +147,14 @@ def test_the_root_decides_which_edge_speaks_for_a_node(tmp_path) -> None:
     assert not root.tick(gone)  # 5 reachable nodes, below min_nodes = 8
     assert intake.poll("edge-a", {"nodes": ["n0", "n1", "n2"]}, enrolled.__contains__, gone)["status"] == "wait"
     assert root.tick(gone) and set(root.sync.selected) == set(NODES)  # type: ignore[union-attr]
+    # n3 (no edge held it when the round opened) moves to edge-b, which sends its partial; then edge-a
+    # falls silent and n0 re-attaches to edge-b: too late to be counted this round, the root stops
+    # waiting for it rather than waiting out the deadline for an attached node
+    works = [dict(root.poll(n, gone) or {}, node=n) for n in NODES]
+    assert list(intake.poll("edge-b", {"nodes": ["n3"]}, enrolled.__contains__, gone)["tasks"]) == ["n3"]
+    assert intake.submit("edge-b", edge_body(root, works[3:4], origin="edge-b"), gone)["status"] == "accepted"
+    intake.poll("edge-b", {"nodes": ["n0", "n3"]}, enrolled.__contains__, gone + timeout + 0.1)
+    assert root.refused_task["n0"] == (root.sync.round, root.sync.version)  # type: ignore[union-attr]
     for bad in ({"nodes": "n0"}, {"nodes": ["n0", "n0"]}, {"nodes": [""]}, {"nodes": [], "x": 1}, [1]):
         with pytest.raises(ShoalError) as e:
             intake.poll("edge-b", bad, enrolled.__contains__, later)
