@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from shoal.errors import ConfigError, ShoalError
+from shoal.pki import check_node_name
 
 log = logging.getLogger(__name__)
 
@@ -177,8 +178,8 @@ class Registry:
 
 
 def _check_name(name: str) -> None:
-    if not name or len(name) > 128 or not all(c.isalnum() or c in "-_." for c in name):
-        raise ConfigError(f"node name {name!r}: use 1-128 letters, digits, '-', '_' or '.'")
+    """ASCII only (shoal.pki's rule): a look-alike Unicode letter must not make a second 'node0'."""
+    check_node_name(name)
 
 
 def well_formed_fingerprint(text: str) -> bool:
