@@ -150,7 +150,9 @@ def test_two_cliques_with_full_views_rejoin_through_a_lost_bootstrap_peer():
     ids = [f"p{i}" for i in range(10)]
     ring = {p: ids[(i + 1) % 10] for i, p in enumerate(ids)}
     net = {
-        p: Membership(p, 4, 2, timeout=1.0, max_failures=2, quarantine=30.0, seed=i, bootstrap_peers=(ring[p],))
+        p: Membership(
+            p, 4, 2, timeout=1.0, max_failures=2, quarantine=30.0, seed=i, bootstrap_peers=(ring[p],), period=0.5
+        )
         for i, p in enumerate(ids)
     }
     cliques = [ids[:5], ids[5:]]
