@@ -27,7 +27,8 @@ spirit of Brahms (Bortnikov et al. 2009) and Basalt (2021):
   fold nothing in (a flood triggers no view change, Brahms's rule);
 - exchanges go to *proven* peers: entries that answered one of our contacts (``answered``),
   and failing those, the history sample (the last ``view_size`` peers that answered, kept
-  even when they left the view), so a view full of made-up addresses never stops merges;
+  even when they left the view) or the bootstrap peers, so a view full of made-up addresses
+  never stops merges;
   entries only heard of are contacted by shuffles, where a made-up one fails and is dropped;
 - the directory is bounded (``max_known``) and forgets an entry no one vouched for (named it
   in a view exchange or a group, or messaged us) for ``forget_after``.
@@ -155,7 +156,8 @@ class Membership:
 
     def sample(self) -> str | None:
         """A random exchange partner. Every other draw (at random) is a proven peer: a view entry
-        that answered us, else one of the history sample; the others are any view entry with no
+        that answered us, else one of the history sample, else a bootstrap peer (the seeds); the
+        others are any view entry with no
         recent failure (healthy first). So at least half the exchanges reach peers that answer
         however many made-up addresses fill the view, and the rest keep the partners diverse."""
         ok = lambda p: self._failures.get(p, 0) == 0  # noqa: E731
@@ -163,6 +165,7 @@ class Membership:
         if self._rng.random() < 0.5:
             proven = [p for p in healthy if p in self.answered and ok(p)]
             history = sorted(p for p in self.answered if ok(p) and p != self.self_id)
+            history = history or [p for p in self.bootstrap_peers if p != self.self_id and p not in self._removed]
             healthy = proven or history or healthy
         return self._rng.choice(healthy) if healthy else None
 
