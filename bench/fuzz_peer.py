@@ -54,7 +54,7 @@ def main() -> int:
         )
         print(
             f"{'':14s} model finite {res.model_finite}, max |x| {res.model_max_abs:.3g} "
-            f"(<= max_abs: {res.within_max_abs}); steps {res.steps_before} -> {res.steps_after}, merges "
+            f"(<= max_abs: {res.within_max_abs}), norm / honest peers' {res.norm_ratio:.2f} (<= 2); steps {res.steps_before} -> {res.steps_after}, merges "
             f"{res.merges_before} -> {res.merges_after}; peer 500s {res.peer_errors}, peers up {res.peers_up}; "
             f"slow-header connections closed {res.slow_closed}/{res.slow_opened}; 401 before 100 Continue "
             f"{res.expect_unauthorized}; ok {res.ok}"

@@ -176,6 +176,7 @@ class MixMessage:
     step: int
     params: torch.Tensor
     reply: bool = False
+    seq: int = 0  # the sender's message counter (p2p/freshness.py)
 
 
 class DpsgdStep:
@@ -253,9 +254,9 @@ class DpsgdStep:
         self.closed = True
         out = self.own.double()
         acc = torch.zeros_like(out)
-        for x in self.neighbours.values():
+        for sender, x in self.neighbours.items():
             if bound is not None:
-                kept = bound.apply(self.own, x)
+                kept = bound.apply(self.own, x, sender)
                 if kept is None:
                     continue
                 x = kept

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .freshness import Counter, Freshness
 from .membership import Membership
 from .merge import MergeBound, MergeRule, ModelInfo
 
@@ -45,6 +46,7 @@ class ModelMessage:
     version: int
     num_examples: int
     reply: bool = False
+    seq: int = 0  # the sender's message counter (p2p/freshness.py): pushes are taken in increasing order only
 
     @property
     def info(self) -> ModelInfo:
@@ -75,6 +77,9 @@ class GossipNode:
         self.skipped = 0
         self.bounded = 0  # received models clipped or rejected by rule.norm_bound
         self._pending: dict[str, float] = {}  # peer -> deadline of our unanswered push
+        self.wall_offset = 0.0  # wall clock minus ``now``: message counters are wall-clock microseconds
+        self.counter = Counter()
+        self.freshness = Freshness()  # the pushes taken: a replayed, older or expired one moves nothing
 
     @property
     def id(self) -> str:
@@ -85,7 +90,10 @@ class GossipNode:
         return ModelInfo(self.age, self.num_examples)
 
     def local_update(self, new_params: torch.Tensor) -> None:
-        """Adopt the result of one round of local training on our own data."""
+        """Adopt the result of one round of local training on our own data: its length sets the
+        floor of the merge radius and restarts the drift budget (p2p/merge.py MergeBound)."""
+        step = float(torch.linalg.vector_norm((new_params.to(self.params.device) - self.params).double()))
+        self.merge_bound.local_step(step)
         self.params.copy_(new_params)
         self.age = bump(self.age)
         self.version = bump(self.version)
@@ -96,25 +104,40 @@ class GossipNode:
         self.age = 0
         self.version = bump(self.version)
         self._pending.clear()
+        self.merge_bound.reset()
 
-    def adopt(self, values: torch.Tensor) -> bool:
+    def adopt(self, values: torch.Tensor, clip: bool = True) -> bool:
         """Take an exchange's result (a group average, a D-PSGD mix, a secure group's mean) as
-        our model, through the merge bound; False (model kept) when the bound refuses it."""
-        before = self.merge_bound.clipped + self.merge_bound.refused
-        bounded = self.merge_bound.apply(self.params, values)
-        self.bounded += self.merge_bound.clipped + self.merge_bound.refused - before
-        if bounded is None:
+        our model, through the merge bound: clipped to its radius and within the drift budget
+        (``clip = False``, for a secure group's mean, where no member's part can be seen and
+        secure_aggregation.clip bounds each one: only ``max_abs``); False (model kept) when
+        the bound refuses it."""
+        b = self.merge_bound
+        before = b.clipped + b.refused + b.capped
+        if not clip:
+            if not b.within_max_abs(values):
+                b.refused += 1
+                self.bounded += 1
+                self.skipped += 1
+                return False
+            self.params.copy_(values.to(self.params.device, self.params.dtype))
+            self.version = bump(self.version)
+            self.merges = bump(self.merges)
+            return True
+        bounded = b.apply(self.params, values)
+        if bounded is None or b.move(self.params, bounded, 1.0) <= 0.0:
+            self.bounded += b.clipped + b.refused + b.capped - before
             self.skipped += 1
             return False
-        self.params.copy_(bounded)
+        self.bounded += b.clipped + b.refused + b.capped - before
         self.version = bump(self.version)
         self.merges = bump(self.merges)
         return True
 
-    def _message(self, target: str, reply: bool) -> ModelMessage:
-        return ModelMessage(
-            self.id, target, self.params.detach().clone(), self.age, self.version, self.num_examples, reply
-        )
+    def _message(self, target: str, reply: bool, now: float) -> ModelMessage:
+        seq = self.counter.next(now + self.wall_offset)
+        params = self.params.detach().clone()
+        return ModelMessage(self.id, target, params, self.age, self.version, self.num_examples, reply, seq)
 
     def start_exchange(self, now: float) -> ModelMessage | None:
         """Push our model to a peer drawn from the view (None when the view is empty)."""
@@ -123,11 +146,14 @@ class GossipNode:
         if peer is None:
             return None
         self._pending[peer] = now + self.timeout
-        return self._message(peer, reply=False)
+        return self._message(peer, reply=False, now=now)
 
     def on_push(self, msg: ModelMessage, now: float) -> ModelMessage:
-        """Answer with our pre-merge model, then merge the pushed one."""
-        answer = self._message(msg.sender, reply=True)
+        """Answer with our pre-merge model, then merge the pushed one. A push that is not fresh
+        (p2p/freshness.py: replayed, older than one taken, expired) raises Stale and moves nothing."""
+        self.freshness.check(msg.sender, msg.seq, now + self.wall_offset)
+        self.freshness.take(msg.sender, msg.seq)
+        answer = self._message(msg.sender, reply=True, now=now)
         self._merge(msg)
         self.membership.heard_from(msg.sender, now)
         return answer
@@ -158,18 +184,20 @@ class GossipNode:
         if self.rule.weight(self.info, msg.info) <= 0.0:  # too stale: not merged, not counted against the bound
             self.skipped += 1
             return
-        before = self.merge_bound.clipped + self.merge_bound.refused
-        other = self.merge_bound.apply(self.params, msg.params)
-        self.bounded += self.merge_bound.clipped + self.merge_bound.refused - before
-        if other is None:
+        b = self.merge_bound
+        before = b.clipped + b.refused + b.capped
+        other = b.apply(self.params, msg.params, msg.sender)  # self-centered clipping, per sender
+        if other is not None and self.rule.norm_bound > 0:
+            other, acted = self.rule.bound(self.params, other)
+            self.bounded += int(acted)
+        lam = self.rule.weight(self.info, msg.info)
+        if other is not None:
+            lam = b.move(self.params, other, lam)  # within the drift budget
+        self.bounded += b.clipped + b.refused + b.capped - before
+        if other is None or lam <= 0.0:
             self.skipped += 1
             return
-        if self.rule.norm_bound > 0:
-            self.bounded += int(self.rule.bound(self.params, other)[1])
-        lam, info = self.rule.merge(self.params, self.info, other, msg.info)
-        if lam <= 0.0:
-            self.skipped += 1
-            return
-        self.age = min(info.age, MAX_COUNT)
+        adopted = self.rule.weight(self.info, msg.info) >= 1.0
+        self.age = min(msg.age if adopted else max(self.age, msg.age), MAX_COUNT)
         self.version = bump(self.version)
         self.merges = bump(self.merges)

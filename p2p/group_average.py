@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .merge import MergeBound
+
 PHASES = ("part", "reduced", "repair", "repaired", "forward")
 
 
@@ -204,10 +206,12 @@ class GroupAverage:
         level: int = 0,
         hold: bool = False,
         patience: float = 0.0,
+        bound: MergeBound | None = None,
     ):
         """``hold``: once our slice is reduced, wait for :meth:`release` (the slice averaged
         further, by the next level of a :class:`GridAverage`) before sending it; ``patience``:
-        how much longer than ``timeout`` to wait for the others' slices (their next levels)."""
+        how much longer than ``timeout`` to wait for the others' slices (their next levels);
+        ``bound``: the member's merge bound, for self-centered clipping of the parts it reduces."""
         members = tuple(members)
         if me not in members or len(set(members)) != len(members) or len(members) < 2:
             raise ValueError("a group has >= 2 distinct members, this member among them")
@@ -240,8 +244,32 @@ class GroupAverage:
         self._late = 0
         self.started = False
         self.done = False
+        self.bound = bound
+        self.clipped = 0  # parts of our slice clipped to the merge radius
 
     # --- helpers ---------------------------------------------------------------------------
+
+    def _clip(self, parts: dict[str, tuple[float, torch.Tensor]]) -> dict[str, tuple[float, torch.Tensor]]:
+        """Self-centered clipping of the parts of our slice (He, Karimireddy and Jaggi 2022) before
+        we reduce it: each member's distance on the slice, scaled to the whole model, takes its
+        slot of our merge bound's window; then each ``part - ours`` is clipped to the radius
+        ``tau`` (so one member moves each slice's average by at most ``tau / k``: the whole
+        model by at most ``tau / sqrt(k)``, and the member's adopt bounds the rest)."""
+        if self.bound is None:
+            return parts
+        own = self._slice(self.own, self.index)
+        share = math.sqrt(max(own.numel(), 1) / max(self.own.numel(), 1))
+        dists = {m: float(torch.linalg.vector_norm((x - own).double())) for m, (_, x) in parts.items() if m != self.me}
+        for m, d in sorted(dists.items()):
+            self.bound.observe(m, d / share if share > 0 else d)
+        radius = self.bound.radius()
+        out = dict(parts)
+        for m, d in dists.items():
+            if d > radius:
+                w, x = parts[m]
+                out[m] = (w, own + (x - own) * (radius / d))
+                self.clipped += 1
+        return out
 
     def _slice(self, x: torch.Tensor, j: int) -> torch.Tensor:
         lo, hi = self.bounds[j]
@@ -420,7 +448,7 @@ class GroupAverage:
             if not waiting or now >= self.t0 + self.timeout:
                 self._mine.closed = True
                 self._contributed = set(self._mine.parts)
-                self._held = _average(self._mine.parts)
+                self._held = _average(self._clip(self._mine.parts))
                 if not self.hold:
                     out += self._send_reduced(self._held, now)
         if self._sent_at is None:
@@ -533,8 +561,10 @@ class GridAverage:
         weight: float,
         now: float,
         timeout: float,
+        bound: MergeBound | None = None,
     ):
         self.me, self.round, self.timeout = me, int(round_), float(timeout)
+        self.bound = bound  # the member's merge bound: each level clips the parts it reduces
         self.path = [tuple(g) for g in path]
         if not self.path or any(me not in g for g in self.path):
             raise ValueError("every group of the path holds this member")
@@ -575,6 +605,7 @@ class GridAverage:
             level=lv,
             hold=not last,
             patience=3 * self.timeout * below,
+            bound=self.bound,
         )
         self.levels[lv] = ga
         out = ga.start()

@@ -18,12 +18,28 @@ so stale entries of it that still circulate are ignored for ``quarantine`` time 
 A direct message from a peer proves it alive and lifts its quarantine (that is how a
 restarted peer rejoins: it contacts its bootstrap peers, which re-admit it).
 
+Against eclipse (an insider or a stranger filling views with addresses it makes up), in the
+spirit of Brahms (Bortnikov et al. 2009) and Basalt (2021):
+
+- a direct message never evicts a view entry: its sender takes a slot only if one is free;
+- pushes (shuffle requests and direct messages) change the view only within a rate: at most
+  ``push_limit`` per ``period`` in all, and one per sender; above it they are answered but
+  fold nothing in (a flood triggers no view change, Brahms's rule);
+- exchanges go to *proven* peers: entries that answered one of our contacts (``answered``),
+  and failing those, the history sample (the last ``view_size`` peers that answered, kept
+  even when they left the view) or the bootstrap peers, so a view full of made-up addresses
+  never stops merges;
+  entries only heard of are contacted by shuffles, where a made-up one fails and is dropped;
+- the directory is bounded (``max_known``) and forgets an entry no one vouched for (named it
+  in a view exchange or a group, or messaged us) for ``forget_after``.
+
 No sockets and no clock: time is passed in as ``now`` (seconds, or simulator cycles).
 """
 
 from __future__ import annotations
 
 import random
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 
@@ -38,6 +54,7 @@ class ShuffleRequest:
     sender: str
     target: str
     entries: tuple[tuple[str, int], ...]
+    seq: int = 0  # the sender's message counter (p2p/freshness.py)
 
 
 @dataclass(frozen=True)
@@ -45,6 +62,7 @@ class ShuffleResponse:
     sender: str
     target: str
     entries: tuple[tuple[str, int], ...]
+    seq: int = 0  # the sender's message counter (p2p/freshness.py)
 
 
 @dataclass
@@ -67,6 +85,9 @@ class Membership:
     bootstrap_peers: tuple[str, ...] = ()
     view: dict[str, ViewEntry] = field(default_factory=dict)
     max_known: int = 4096  # the directory's bound
+    forget_after: float = 60.0  # a directory entry no one vouched for this long is forgotten
+    push_limit: int = 0  # pushes that may change the view per ``period`` (0: 2 x shuffle_length)
+    period: float = 1.0
 
     def __post_init__(self) -> None:
         if self.view_size < 1 or not 1 <= self.shuffle_length <= self.view_size:
@@ -75,7 +96,14 @@ class Membership:
         self._pending: dict[str, _Pending] = {}
         self._failures: dict[str, int] = {}
         self._removed: dict[str, float] = {}
-        self.known: set[str] = set()
+        self.known: dict[str, float] = {}  # the directory: peer -> when it was last vouched for
+        self.answered: OrderedDict[str, float] = OrderedDict()  # history sample: peers that answered us
+        self._pushes: dict[str, int] = {}  # senders of view-changing pushes in the current period
+        self._push_window = 0.0  # start of the current period
+        self.floods = 0  # pushes answered without a view change (over the rate)
+        self._clock = 0.0  # the latest ``now`` seen (what ``add`` stamps directory entries with)
+        if self.push_limit <= 0:
+            self.push_limit = 2 * self.shuffle_length
         for p in self.bootstrap_peers:
             self.add(p)
 
@@ -88,19 +116,58 @@ class Membership:
         """Every other peer we know of and have not removed (sorted)."""
         return sorted(self.known)
 
+    def _vouch(self, peer: str, now: float) -> None:
+        """``peer`` was named to us or messaged us: into the directory (if there is room), fresh."""
+        self._clock = max(self._clock, now)
+        if peer == self.self_id:
+            return
+        if peer in self.known or len(self.known) < self.max_known:
+            self.known[peer] = now
+
     def learn(self, peer: str, now: float) -> None:
         """``peer`` was named to us (a group's member list): into the directory unless quarantined."""
-        if peer != self.self_id and not self._quarantined(peer, now) and len(self.known) < self.max_known:
-            self.known.add(peer)
+        if not self._quarantined(peer, now):
+            self._vouch(peer, now)
+
+    def forget(self, now: float) -> list[str]:
+        """Directory entries no one vouched for in ``forget_after`` (and not in the view or the
+        history sample) are forgotten; returns them."""
+        old = [
+            p
+            for p, t in self.known.items()
+            if now - t > self.forget_after and p not in self.view and p not in self.answered
+        ]
+        for p in old:
+            del self.known[p]
+        return old
+
+    def _may_push(self, sender: str, now: float) -> bool:
+        """Whether a push from ``sender`` may change the view: within ``push_limit`` per period, once per sender."""
+        if now - self._push_window >= self.period or now < self._push_window:
+            self._push_window, self._pushes = now, {}
+        if sender in self._pushes or len(self._pushes) >= self.push_limit:
+            self.floods += 1
+            return False
+        self._pushes[sender] = 1
+        return True
 
     def suspected(self) -> set[str]:
         return {p for p, n in self._failures.items() if n > 0}
 
     def sample(self) -> str | None:
-        """A uniformly random view entry, preferring peers with no recent failure."""
-        healthy = [p for p in self.view if self._failures.get(p, 0) == 0]
-        pool = sorted(healthy or self.view)
-        return self._rng.choice(pool) if pool else None
+        """A random exchange partner. Every other draw (at random) is a proven peer: a view entry
+        that answered us, else one of the history sample, else a bootstrap peer (the seeds); the
+        others are any view entry with no
+        recent failure (healthy first). So at least half the exchanges reach peers that answer
+        however many made-up addresses fill the view, and the rest keep the partners diverse."""
+        ok = lambda p: self._failures.get(p, 0) == 0  # noqa: E731
+        healthy = sorted(p for p in self.view if ok(p)) or sorted(self.view)
+        if self._rng.random() < 0.5:
+            proven = [p for p in healthy if p in self.answered and ok(p)]
+            history = sorted(p for p in self.answered if ok(p) and p != self.self_id)
+            history = history or [p for p in self.bootstrap_peers if p != self.self_id and p not in self._removed]
+            healthy = proven or history or healthy
+        return self._rng.choice(healthy) if healthy else None
 
     # --- view maintenance ----------------------------------------------------------------
 
@@ -108,8 +175,7 @@ class Membership:
         """Put ``peer`` in the view if there is room (or it is there: keep the younger age)."""
         if peer == self.self_id:
             return False
-        if len(self.known) < self.max_known:
-            self.known.add(peer)
+        self._vouch(peer, self._clock)
         if peer in self.view:
             self.view[peer].age = min(self.view[peer].age, age)
             return True
@@ -138,20 +204,17 @@ class Membership:
             self.add(p)
 
     def heard_from(self, peer: str, now: float) -> None:
-        """A direct, authenticated message from ``peer``: it is alive."""
+        """A direct message from ``peer`` (a push): it is alive and in the directory; it takes a
+        view slot only if one is free, and never evicts an entry (any sender can claim a name)."""
         self._failures.pop(peer, None)
         self._removed.pop(peer, None)
-        if peer != self.self_id and peer not in self.view and len(self.view) >= self.view_size:
-            oldest = max(self.view.values(), key=lambda e: (e.age, e.peer))
-            del self.view[oldest.peer]
+        self._vouch(peer, now)
         self.add(peer, 0)
 
     def seen(self, peer: str, now: float) -> None:
         """A direct message from ``peer`` that is no view exchange (a group's slice): it is
         alive and in the directory; it takes a view slot only if one is free."""
-        self._failures.pop(peer, None)
-        self._removed.pop(peer, None)
-        self.add(peer, 0)
+        self.heard_from(peer, now)
 
     def on_failure(self, peer: str, now: float) -> bool:
         """A contact with ``peer`` failed; returns True when this removed it."""
@@ -163,14 +226,28 @@ class Membership:
         return False
 
     def on_success(self, peer: str, now: float) -> None:
+        """``peer`` answered our contact: alive, proven, in the history sample; if the view is
+        full it takes the slot of the oldest entry that never answered."""
+        self.answered.pop(peer, None)
+        self.answered[peer] = now
+        while len(self.answered) > self.view_size:
+            self.answered.popitem(last=False)
+        if peer != self.self_id and peer not in self.view and len(self.view) >= self.view_size:
+            unproven = [e for e in self.view.values() if e.peer not in self.answered]
+            if unproven:
+                del self.view[max(unproven, key=lambda e: (e.age, e.peer)).peer]
         self.heard_from(peer, now)
 
     def remove(self, peer: str, now: float) -> None:
         self.view.pop(peer, None)
-        self.known.discard(peer)
+        self.known.pop(peer, None)
+        self.answered.pop(peer, None)
         self._failures.pop(peer, None)
         self._pending.pop(peer, None)
+        self._removed.pop(peer, None)
         self._removed[peer] = now
+        while len(self._removed) > self.max_known:  # bounded like the directory: the oldest go first
+            del self._removed[next(iter(self._removed))]
 
     def _quarantined(self, peer: str, now: float) -> bool:
         t = self._removed.get(peer)
@@ -184,7 +261,10 @@ class Membership:
     # --- the shuffle -----------------------------------------------------------------------
 
     def start_shuffle(self, now: float) -> ShuffleRequest | None:
-        """Age the view and build a shuffle request to the oldest peer (None if the view is empty)."""
+        """Age the view and build a shuffle request to the oldest peer (None if the view is empty);
+        directory entries no one vouched for lately are forgotten."""
+        self._clock = max(self._clock, now)
+        self.forget(now)
         self.rejoin(now)
         if not self.view:
             return None
@@ -203,8 +283,10 @@ class Membership:
         pool = sorted(p for p in self.view if p != msg.sender)
         picked = self._rng.sample(pool, min(self.shuffle_length, len(pool)))
         reply = ShuffleResponse(self.self_id, msg.sender, tuple((p, self.view[p].age) for p in picked))
-        self._fold(msg.entries, replaceable=picked, now=now)
-        self.heard_from(msg.sender, now)
+        if self._may_push(msg.sender, now):  # a flood of requests is answered but changes nothing
+            self._removed.pop(msg.sender, None)  # a direct message proves it alive: its own entry folds in
+            self._fold(msg.entries, replaceable=picked, now=now)
+            self.heard_from(msg.sender, now)
         return reply
 
     def cancel(self, peer: str) -> None:
@@ -213,8 +295,10 @@ class Membership:
 
     def on_shuffle_response(self, msg: ShuffleResponse, now: float) -> None:
         pending = self._pending.pop(msg.sender, None)
-        self._fold(msg.entries, replaceable=pending.sent if pending else [], now=now)
-        self.heard_from(msg.sender, now)
+        if pending is None:  # no shuffle of ours is open with it: an answer we did not ask for
+            return
+        self._fold(msg.entries, replaceable=pending.sent, now=now)
+        self.on_success(msg.sender, now)
 
     def expire(self, now: float) -> list[str]:
         """Shuffles unanswered past their deadline count as failures; returns those peers."""
@@ -231,8 +315,7 @@ class Membership:
         for peer, age in entries:
             if peer == self.self_id or self._quarantined(peer, now):
                 continue
-            if len(self.known) < self.max_known:
-                self.known.add(peer)
+            self._vouch(peer, now)
             if peer in self.view:
                 self.view[peer].age = min(self.view[peer].age, int(age))
                 continue

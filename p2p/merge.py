@@ -37,6 +37,7 @@ distances (the consensus distance metric shows them), or honest merges are cut t
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -122,42 +123,72 @@ class MergeRule:
 
 # --- the safe-merge bound every algorithm applies by default ------------------------------------
 
-RECENT_MERGES = 16  # accepted merge distances remembered for the bound's scale
-SCALE_FLOOR = 1.0  # the bound's scale never drops below this L2 norm (a model near zero still merges)
+WINDOW = 16  # senders whose latest distance sets the adaptive radius (one slot each)
+SELF = ""  # the window's key for the length of our own last local step
+
+
+def lower_median(values: list[float]) -> float:
+    """The lower median (of two values, the smaller): with an honest majority of entries it is
+    an honest value, and one entry alone can never raise it above the others."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2] if ordered else 0.0
 
 
 class MergeBound:
     """How far one received model (or one exchange's result) may move a peer's model.
 
-    Always on unless set to 0 (``gossip.merge_bound``, ``gossip.max_abs``), whatever
-    ``robust.norm_bound`` says, because one hostile message must never poison a peer:
+    Always on unless set to 0 (``gossip.merge_bound``, ``gossip.merge_radius``,
+    ``gossip.max_drift``, ``gossip.max_abs``), whatever ``robust.norm_bound`` says, because one
+    hostile insider must never poison a peer, however many messages it sends:
 
-    - a model with any value beyond ``max_abs`` in absolute value is refused outright (no
-      honest model holds 1e30; merging it would overflow ours);
-    - a model farther (L2) than ``relative x scale`` from ours is clipped to that distance
-      (``bound_mode = "clip"``) or refused (``"reject"``), where the scale is the largest of
-      our own model's norm, the median distance of our last RECENT_MERGES accepted merges
-      and SCALE_FLOOR. Only merges that needed no clipping enter the median, so a stream of
-      hostile models cannot raise the bound faster than honest merges already did.
+    - a model with any value beyond ``max_abs`` in absolute value is refused outright;
+    - self-centered clipping (He, Karimireddy and Jaggi 2022, "Byzantine-robust decentralized
+      learning via self-centered clipping", arXiv:2202.01545): a neighbour's ``x_j - x_i``
+      longer than the radius ``tau`` is clipped to it (``mode = "clip"``) or the model refused
+      (``"reject"``). ``tau`` is ``radius`` when set, else ``relative x`` the lower median of a
+      window of distances: the latest one of each of the last WINDOW senders (one slot per
+      sender, so a sender that writes a thousand times still holds one entry) and the length of
+      our own last local step (a scale no one else controls, and the floor of ``tau``: exact
+      averages that leave neighbours identical cannot shrink it to nothing; before a peer's
+      first local step ``tau`` is unbounded, so a fresh or restarted peer catches up with its
+      neighbours at once, within ``max_abs``). Each entry is recorded already
+      clipped to the ``tau`` in force, so a sender can lift the median only where honest
+      entries already sit above it: ``tau`` tracks the honest spread, never the norm of our
+      model or of the attacker's;
+    - a drift budget: between two local steps, the merges together move our model by a path
+      of at most ``drift x tau`` (a merge that would go farther is shortened), so the many
+      merges of a flood add up to no more than a few honest ones.
 
-    A peer that keeps merging with an attacker is still pulled (at most ``lam x bound`` per
-    merge); the bound makes each step small and finite, and honest merges pull it back.
-    Stateful (the recent distances), one per peer; sans-I/O.
+    Stateful (the window and the budget), one per peer; sans-I/O.
     """
 
-    def __init__(self, relative: float = 1.0, max_abs: float = 1e4, mode: str = "clip"):
-        if not relative >= 0 or not max_abs >= 0:
-            raise ValueError(f"merge bound {relative!r} and max_abs {max_abs!r} must be >= 0")
+    def __init__(
+        self,
+        relative: float = 2.0,
+        max_abs: float = 1e4,
+        mode: str = "clip",
+        radius: float = 0.0,
+        drift: float = 4.0,
+        window: int = WINDOW,
+    ):
+        for name, v in (("merge bound", relative), ("max_abs", max_abs), ("radius", radius), ("drift", drift)):
+            if not v >= 0:
+                raise ValueError(f"{name} {v!r} must be >= 0")
         if mode not in BOUND_MODES:
             raise ValueError(f"merge bound mode {mode!r} is not one of {BOUND_MODES}")
+        if window < 1:
+            raise ValueError(f"merge bound window {window!r} must be >= 1")
         self.relative, self.max_abs, self.mode = float(relative), float(max_abs), mode
-        self.recent: list[float] = []
+        self.fixed, self.drift, self.window = float(radius), float(drift), int(window)
+        self.distances: dict[str, float] = {}  # sender -> its latest distance (clipped); insertion order = recency
+        self.spent = 0.0  # path length merges moved us since our last local step
         self.clipped = 0
         self.refused = 0
+        self.capped = 0  # merges shortened by the drift budget
 
     @property
     def active(self) -> bool:
-        return self.relative > 0 or self.max_abs > 0
+        return self.relative > 0 or self.fixed > 0 or self.max_abs > 0
 
     def within_max_abs(self, other: torch.Tensor) -> bool:
         """True when every value of ``other`` is finite and within ``max_abs`` (0: finite only)."""
@@ -165,33 +196,90 @@ class MergeBound:
             return False
         return self.max_abs <= 0 or other.numel() == 0 or float(other.abs().max()) <= self.max_abs
 
-    def limit(self, own: torch.Tensor) -> float:
-        """The largest distance a received model may have from ``own`` (inf when off)."""
+    def radius(self) -> float:
+        """``tau``: the longest ``x_j - x_i`` merged as it is (inf when off)."""
+        if self.fixed > 0:
+            return self.fixed
         if self.relative <= 0:
             return float("inf")
-        recent = sorted(self.recent)
-        median = recent[len(recent) // 2] if recent else 0.0
-        scale = max(float(torch.linalg.vector_norm(own.float())), median, SCALE_FLOOR)
-        return self.relative * scale
+        own = self.distances.get(SELF)
+        if own is None:  # no local step yet: a fresh peer catches up with its neighbours at once
+            return float("inf")
+        return self.relative * max(own, lower_median(list(self.distances.values())))
 
-    def apply(self, own: torch.Tensor, other: torch.Tensor) -> torch.Tensor | None:
-        """``other`` as it may be merged into ``own``: unchanged, clipped to the bound, or
-        None when refused (beyond ``max_abs``, or beyond the bound in reject mode). Counts
-        what it did (``clipped``, ``refused``)."""
+    def limit(self, own: torch.Tensor | None = None) -> float:
+        """The largest distance a received model may have from ours (``radius()``)."""
+        return self.radius()
+
+    def _record(self, sender: str, dist: float) -> None:
+        self.distances.pop(sender, None)
+        self.distances[sender] = dist
+        while len(self.distances) > self.window:
+            oldest = next(k for k in self.distances if k != SELF)
+            del self.distances[oldest]
+
+    def reset(self) -> None:
+        """Forget the window (our model was reset): unbounded again until the next local step."""
+        self.distances.clear()
+        self.spent = 0.0
+
+    def local_step(self, length: float) -> None:
+        """Our own training moved us by ``length``: it enters the window and the drift budget restarts."""
+        if math.isfinite(length):
+            self._record(SELF, float(length))
+        self.spent = 0.0
+
+    def observe(self, sender: str, dist: float) -> None:
+        """``sender``'s model was ``dist`` from ours: its slot of the window, clipped to ``tau``."""
+        if sender != SELF and math.isfinite(dist):
+            self._record(sender, min(float(dist), self.radius()))
+
+    def apply(self, own: torch.Tensor, other: torch.Tensor, sender: str | None = None) -> torch.Tensor | None:
+        """``other`` as it may be merged into ``own``: unchanged, clipped to ``tau``, or None when
+        refused (beyond ``max_abs``, or beyond ``tau`` in reject mode). With ``sender`` its
+        distance takes that sender's slot of the window. Counts what it did."""
         other = other.to(own.device, own.dtype)
         if not self.within_max_abs(other):
             self.refused += 1
             return None
-        if self.relative <= 0:
+        limit = self.radius()
+        if math.isinf(limit):
             return other
-        limit = self.limit(own)
         diff = other - own
-        dist = float(torch.linalg.vector_norm(diff))
+        dist = float(torch.linalg.vector_norm(diff.double()))
+        if sender is not None:
+            self.observe(sender, dist)
         if dist <= limit:
-            self.recent = [*self.recent[-(RECENT_MERGES - 1) :], dist]
             return other
         if self.mode == "reject":
             self.refused += 1
             return None
         self.clipped += 1
         return own + diff * (limit / dist)
+
+    def allow(self, length: float) -> float:
+        """The share in [0, 1] of a step of ``length`` that the drift budget still allows; spends it."""
+        if self.drift <= 0 or length <= 0:
+            return 1.0
+        cap = self.drift * self.radius()
+        if math.isinf(cap):
+            return 1.0
+        left = max(cap - self.spent, 0.0)
+        share = 1.0 if length <= left else left / length
+        if share < 1.0:
+            self.capped += 1
+        self.spent += share * length
+        return share
+
+    def move(self, own: torch.Tensor, target: torch.Tensor, lam: float) -> float:
+        """``own <- own + lam' (target - own)`` in place, with ``lam' <= lam`` cut to the drift
+        budget; returns ``lam'``."""
+        if lam <= 0:
+            return 0.0
+        length = lam * float(torch.linalg.vector_norm((target - own).double()))
+        lam *= self.allow(length)
+        if lam >= 1.0:
+            own.copy_(target)
+        elif lam > 0:
+            own.lerp_(target, lam)
+        return lam

@@ -122,6 +122,7 @@ def parse_model(body: bytes, lim: Limits, target: str, reply: bool) -> ModelMess
         count(header.get("version"), "version"),
         count(header.get("num_examples"), "num_examples", 1),
         reply,
+        count(header.get("seq"), "seq", 1),
     )
 
 
@@ -138,6 +139,7 @@ def parse_mix(body: bytes, lim: Limits, target: str, reply: bool) -> MixMessage:
         count(header.get("step"), "step"),
         check_values(params, lim, "the model"),
         reply,
+        count(header.get("seq"), "seq", 1),
     )
 
 
@@ -198,12 +200,12 @@ def parse_secure(body: bytes, lim: Limits) -> SecureMessage:
 
 
 def parse_shuffle(body: bytes, lim: Limits, kind: type[_Shuffle], target: str) -> _Shuffle:
-    """A Cyclon shuffle request or answer: ``{"sender": URL, "entries": [[URL, age], ...]}``."""
+    """A Cyclon shuffle request or answer: ``{"sender": URL, "entries": [[URL, age], ...], "seq": counter}``."""
     if len(body) > MAX_SHUFFLE_BYTES:
         raise Malformed(f"shuffle body of {len(body)} bytes is over {MAX_SHUFFLE_BYTES}")
     data = parse_json(body, "shuffle body")
-    if not isinstance(data, dict) or set(data) != {"sender", "entries"} or not isinstance(data["entries"], list):
-        raise Malformed("shuffle body must be {'sender': URL, 'entries': [[URL, age], ...]}")
+    if not isinstance(data, dict) or set(data) != {"sender", "entries", "seq"} or not isinstance(data["entries"], list):
+        raise Malformed("shuffle body must be {'sender': URL, 'entries': [[URL, age], ...], 'seq': counter}")
     if len(data["entries"]) > lim.max_entries:
         raise Malformed(f"a shuffle carries at most {lim.max_entries} entries (gossip.view_size)")
     sender = address(data["sender"], "sender", lim)
@@ -212,7 +214,7 @@ def parse_shuffle(body: bytes, lim: Limits, kind: type[_Shuffle], target: str) -
         if not (isinstance(item, list) and len(item) == 2):
             raise Malformed("each shuffle entry must be [URL, age]")
         entries[address(item[0], "entry", lim)] = count(item[1], "entry age")
-    return kind(sender, target, tuple(entries.items()))
+    return kind(sender, target, tuple(entries.items()), count(data["seq"], "seq", 1))
 
 
 def parse_refusal(status: int, body: bytes) -> Refused:

@@ -93,7 +93,7 @@ class PeerSource:
                 else None,
                 "in_view": peer in m.view,
             }
-            for peer in sorted(set(m.view) | m.known)
+            for peer in sorted(set(m.view) | set(m.known))
         ]
 
 

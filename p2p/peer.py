@@ -141,7 +141,14 @@ class Peer:
         self.shared_examples = LOCAL_UPLOAD_EXAMPLES if self.plan.dp_sgd else num_examples(data.train)
         params = trainer.flat.detach().clone()
         self.svc = PeerService(
-            cfg, self.spec, params, self.shared_examples, settings.advertise, settings.bootstrap, settings.insecure
+            cfg,
+            self.spec,
+            params,
+            self.shared_examples,
+            settings.advertise,
+            settings.bootstrap,
+            settings.insecure,
+            wall_offset=time.time() - time.monotonic(),  # loop.time() is time.monotonic() in asyncio
         )
         self.max_bytes = self.svc.max_bytes
         self.body_timeout = max(5.0, 4 * g.timeout)
@@ -512,7 +519,7 @@ class Peer:
 
     async def dpsgd_step(self, step: int, until: float) -> None:
         """One D-PSGD mixing step with partners from our view, open to requests until ``until``."""
-        st, outs = self.svc.open_mix(step, until)
+        st, outs = self.svc.open_mix(step, until, self._now())
         self._step_open.setdefault(step, asyncio.Event()).set()
         for old in [k for k in self._step_open if k < step]:
             del self._step_open[old]

@@ -36,9 +36,10 @@ from .merge import MergeBound
 
 
 def make_merge_bound(cfg: Config) -> MergeBound:
-    """A peer's safe-merge bound from ``gossip.merge_bound``, ``gossip.max_abs`` and ``gossip.bound_mode``."""
+    """A peer's safe-merge bound from ``gossip.merge_bound``, ``merge_radius``, ``max_drift``,
+    ``max_abs`` and ``bound_mode``."""
     g = cfg.gossip
-    return MergeBound(g.merge_bound, g.max_abs, g.bound_mode)
+    return MergeBound(g.merge_bound, g.max_abs, g.bound_mode, g.merge_radius, g.max_drift)
 
 
 def robust_mixing(cfg: Config) -> bool:
@@ -102,11 +103,6 @@ def check_gossip_settings(cfg: Config) -> None:
             raise ConfigError(
                 "[compression] with gossip.algorithm = 'group_average': model slices travel as dense float32; "
                 "set compression.encoding = 'dense' and compression.zstd = false"
-            )
-        if cfg.attack.kind != "none" and cfg.attack.fraction > 0:
-            raise ConfigError(
-                "[attack] with gossip.algorithm = 'group_average' is not simulated (a forged part would go "
-                "straight into its group's exact average); set attack.kind = 'none'"
             )
     if g.algorithm == "gossip" and cfg.robust.rule != "mean":
         raise ConfigError(

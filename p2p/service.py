@@ -38,6 +38,7 @@ from shoal.wire import default_max_bytes
 
 from .addresses import AddressPolicy
 from .dpsgd import DpsgdStep, MixMessage
+from .freshness import Freshness, Stale
 from .gossip import GossipNode, ModelMessage, bump
 from .group_average import GridAverage, Refusal, SliceMessage, grid_path
 from .membership import Membership, ShuffleRequest, ShuffleResponse
@@ -52,6 +53,7 @@ log = logging.getLogger(__name__)
 MAX_HELD = 64  # group / secure group messages held for an exchange about to open
 KEEP_EXCHANGES = 8  # finished exchanges kept to answer late repair requests
 MAX_KNOWN = 1024  # the directory's bound (peers heard of)
+FORGET_AFTER = 20.0  # seconds (at least 10 periods) before the directory forgets a peer no one vouched for
 LOGGED_REFUSALS = 20  # refusals logged one by one; after that one in a thousand
 PATHS = {"gossip": "/gossip", "shuffle": "/shuffle", "group": "/group", "secure": "/secure", "dpsgd": "/dpsgd"}
 
@@ -89,6 +91,7 @@ class PeerService:
         me: str,
         bootstrap: tuple[str, ...] = (),
         insecure: bool = False,
+        wall_offset: float = 0.0,
     ):
         g = cfg.gossip
         self.cfg, self.g, self.spec = cfg, g, spec
@@ -105,10 +108,15 @@ class PeerService:
             seed=seed,
             bootstrap_peers=bootstrap,
             max_known=MAX_KNOWN,
+            forget_after=max(FORGET_AFTER, 10 * g.period),
+            period=g.period,
         )
         self.policy = AddressPolicy((me, *bootstrap), g.allow_networks, interval=g.period, burst=g.view_size)
         rule = MergeRule(g.merge, g.staleness_exponent, g.max_age_gap, cfg.robust.norm_bound, g.bound_mode)
         self.node = GossipNode(membership, params, num_examples, rule, g.timeout, make_merge_bound(cfg))
+        self.node.wall_offset = wall_offset  # the transport's wall clock minus its ``now``
+        self.shuffle_fresh = Freshness()  # shuffle requests taken (model pushes: the node's own table)
+        self.mix_fresh = Freshness()  # D-PSGD requests taken
         self.init = params.clone()  # secure groups mask the offset from the shared initial model
         self.rejected = 0
         self.bytes_sent = 0
@@ -152,6 +160,23 @@ class PeerService:
             log.info("refused %s (%d refused so far): %s", what, self.rejected, e)
         return Rejected(_status(e), e.code, str(e))
 
+    def stale(self, e: Stale, what: str) -> Rejected:
+        """A replayed, older or expired message: 409 (replayed) or 400 (expired), nothing moved."""
+        self.rejected += 1
+        if self._loud():
+            log.info("refused %s (%d refused so far): %s", what, self.rejected, e)
+        return Rejected(e.status, e.code, str(e))
+
+    def wall(self, now: float) -> float:
+        return now + self.node.wall_offset
+
+    def _fresh(self, table: Freshness, sender: str, seq: int, now: float, what: str) -> None:
+        """Raise Rejected unless ``seq`` is ``sender``'s next fresh counter (the caller takes it once accepted)."""
+        try:
+            table.check(sender, seq, self.wall(now))
+        except Stale as e:
+            raise self.stale(e, what) from None
+
     def _not_self(self, sender: str) -> None:
         if sender == self.id:
             self.rejected += 1
@@ -165,7 +190,7 @@ class PeerService:
     # --- push-pull gossip -------------------------------------------------------------------------
 
     def encode_model(self, msg: ModelMessage) -> bytes:
-        extra = {"age": msg.age, "num_examples": msg.num_examples, "sender": msg.sender}
+        extra = {"age": msg.age, "num_examples": msg.num_examples, "sender": msg.sender, "seq": msg.seq}
         self._sent = bump(self._sent)
         seed = derive_seed(self.cfg.simulation.seed, zlib.crc32(self.id.encode()), self._sent)
         body = encode_gossip_model(msg.params, self.spec, msg.version, extra, self.cfg.compression, seed)
@@ -181,16 +206,18 @@ class PeerService:
         except WireError as e:
             raise self.refuse(e, "a model") from None
         self._not_self(msg.sender)
-        return self.encode_model(self.node.on_push(msg, now))
+        try:
+            answer = self.node.on_push(msg, now)
+        except Stale as e:
+            raise self.stale(e, "a model") from None
+        return self.encode_model(answer)
 
     def start_exchange(self, now: float) -> Outgoing | None:
         msg = self.node.start_exchange(now)
         if msg is None:
             return None
         if not self.policy.may_contact(msg.target, now):
-            self.node.cancel(msg.target)
-            if not self.policy.allowed(msg.target):
-                self.node.membership.remove(msg.target, now)  # a kind we never contact: out of the view
+            self._not_contacted(msg.target, now)
             return None
         return Outgoing(msg.target + PATHS["gossip"], self.encode_model(msg))
 
@@ -208,6 +235,16 @@ class PeerService:
             return
         self.policy.on_success(target)
         self.node.on_reply(answer, now)
+
+    def _not_contacted(self, target: str, now: float) -> None:
+        """A contact the address policy would not make: a kind we never contact leaves the view;
+        one deferred by the rate of new contacts counts as a failed contact (an unverified address
+        is dropped), so made-up addresses cannot sit in a view for good."""
+        self.node.cancel(target)
+        if not self.policy.allowed(target):
+            self.node.membership.remove(target, now)
+        else:
+            self.on_contact_failure(target, now)
 
     def on_contact_failure(self, target: str, now: float) -> bool:
         """A contact with ``target`` failed (no answer, refused, a bad answer): a failure in the
@@ -237,9 +274,11 @@ class PeerService:
         except WireError as e:
             raise self.refuse(e, "a shuffle") from None
         self._not_self(req.sender)
+        self._fresh(self.shuffle_fresh, req.sender, req.seq, now, "a shuffle")
+        self.shuffle_fresh.take(req.sender, req.seq)
         req = ShuffleRequest(req.sender, req.target, self._usable(req.entries))
         resp = self.node.membership.on_shuffle_request(req, now)
-        out = json.dumps({"sender": resp.sender, "entries": [list(e) for e in resp.entries]}).encode()
+        out = self._shuffle_body(resp.sender, resp.entries, now)
         self.bytes_sent += len(out)
         return out
 
@@ -251,12 +290,15 @@ class PeerService:
             return None
         if not self.policy.may_contact(req.target, now):
             m.cancel(req.target)
-            if not self.policy.allowed(req.target):
-                m.remove(req.target, now)
+            self._not_contacted(req.target, now)
             return None
-        body = json.dumps({"sender": req.sender, "entries": [list(e) for e in req.entries]}).encode()
+        body = self._shuffle_body(req.sender, req.entries, now)
         self.bytes_sent += len(body)
         return Outgoing(req.target + PATHS["shuffle"], body, "application/json")
+
+    def _shuffle_body(self, sender: str, entries: tuple[tuple[str, int], ...], now: float) -> bytes:
+        seq = self.node.counter.next(self.wall(now))
+        return json.dumps({"sender": sender, "entries": [list(e) for e in entries], "seq": seq}).encode()
 
     def on_shuffle_reply(self, target: str, body: bytes, now: float) -> None:
         try:
@@ -357,7 +399,7 @@ class PeerService:
             self.group_stats["alone"] += 1
             self.held.pop(step, None)
             return None, []
-        ex = GridAverage(self.id, path, step, self.node.params, weight, now, self.g.timeout)
+        ex = GridAverage(self.id, path, step, self.node.params, weight, now, self.g.timeout, self.node.merge_bound)
         self.exchanges[step] = ex
         for old in sorted(self.exchanges)[:-KEEP_EXCHANGES]:
             del self.exchanges[old]
@@ -418,13 +460,19 @@ class PeerService:
             self.secure_stats["aborted"] += 1
             log.info("secure group of step %d: no average (%s)", step, res.reason or "out of time")
             return
-        if self.node.adopt(self.init + res.mean.to(self.init.device)):
+        if self.node.adopt(self.init + res.mean.to(self.init.device), clip=False):  # masked: no per-member clip
             self.secure_stats["averaged"] += 1
 
     # --- D-PSGD -------------------------------------------------------------------------------------
 
-    def encode_mix(self, msg: MixMessage) -> bytes:
-        extra = {"age": self.node.age, "num_examples": self.node.num_examples, "sender": msg.sender, "step": msg.step}
+    def encode_mix(self, msg: MixMessage, now: float) -> bytes:
+        extra = {
+            "age": self.node.age,
+            "num_examples": self.node.num_examples,
+            "sender": msg.sender,
+            "step": msg.step,
+            "seq": self.node.counter.next(self.wall(now)),
+        }
         self._sent = bump(self._sent)
         seed = derive_seed(self.cfg.simulation.seed, zlib.crc32(self.id.encode()), self._sent)
         body = encode_gossip_model(msg.params, self.spec, self.node.version, extra, self.cfg.compression, seed)
@@ -449,15 +497,17 @@ class PeerService:
         st = self.mixing.get(msg.step)
         if st is None:
             raise Rejected(409, "stale_round", f"step {msg.step} did not open here in time")
+        self._fresh(self.mix_fresh, msg.sender, msg.seq, now, "a D-PSGD model")
         try:
             answer = st.on_request(msg, now)
         except Refusal as e:
             self.dpsgd_stats["refused"] += 1
             raise Rejected(409, e.code, str(e)) from None
+        self.mix_fresh.take(msg.sender, msg.seq)
         self.node.membership.seen(msg.sender, now)
-        return self.encode_mix(answer)
+        return self.encode_mix(answer, now)
 
-    def open_mix(self, step: int, until: float) -> tuple[DpsgdStep, list[Outgoing]]:
+    def open_mix(self, step: int, until: float, now: float) -> tuple[DpsgdStep, list[Outgoing]]:
         m = self.node.membership
         pool = [p for p in m.peers() if p not in m.suspected()] or m.peers()
         rng = derive_seed(self.cfg.simulation.seed, zlib.crc32(self.id.encode()), step)
@@ -466,7 +516,7 @@ class PeerService:
         self.mixing[step] = st
         for old in sorted(self.mixing)[:-KEEP_EXCHANGES]:
             del self.mixing[old]
-        return st, [Outgoing(msg.target + PATHS["dpsgd"], self.encode_mix(msg)) for msg in st.start()]
+        return st, [Outgoing(msg.target + PATHS["dpsgd"], self.encode_mix(msg, now)) for msg in st.start()]
 
     def on_mix_reply(self, st: DpsgdStep, target: str, body: bytes, now: float) -> None:
         try:

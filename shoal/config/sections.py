@@ -489,8 +489,11 @@ class GossipConfig:
     bound_mode: Literal["clip", "reject"] = (
         "clip"  # robust.norm_bound > 0: clip | reject models farther than it from ours
     )
-    merge_bound: float = 1.0  # a received model moves ours by at most this x max(||own||, recent merges, 1) (L2),
-    # clipped or refused per bound_mode; 0 = off (p2p/merge.py MergeBound)
+    merge_bound: float = 2.0  # self-centered clipping: a neighbour's x_j - x_i is clipped to this x the median of
+    # recent neighbours' distances (one slot per sender) and our own last step (L2); 0 = off (p2p/merge.py MergeBound)
+    merge_radius: float = 0.0  # > 0: a fixed clipping radius (L2) instead of the adaptive one
+    max_drift: float = 4.0  # between two local steps merges move a model by a path of at most this x the radius
+    # (0 = no budget)
     max_abs: float = 1e4  # a received model with a value beyond this (absolute) is refused; 0 = finite only
     allow_networks: list[str] = field(default_factory=list)  # `shoal peer`: CIDRs contacted whatever their
     # kind (by default only addresses of the kinds of --advertise and --bootstrap; p2p/addresses.py)
@@ -522,6 +525,8 @@ class GossipConfig:
             raise ConfigError(f"gossip.group_size = {self.group_size} must be >= 2 (a group of one averages nothing)")
         _positive("gossip.staleness_exponent", self.staleness_exponent, allow_zero=True)
         _positive("gossip.merge_bound", self.merge_bound, allow_zero=True)
+        _positive("gossip.merge_radius", self.merge_radius, allow_zero=True)
+        _positive("gossip.max_drift", self.max_drift, allow_zero=True)
         _positive("gossip.max_abs", self.max_abs, allow_zero=True)
         _positive("gossip.max_age_gap", self.max_age_gap, allow_zero=True)
         _positive("gossip.view_size", self.view_size)

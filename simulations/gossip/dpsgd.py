@@ -86,7 +86,7 @@ class DPSGD:
             for j in torch.nonzero(w[i] > 0).flatten().tolist():
                 if j == i:
                     continue
-                x = node.merge_bound.apply(own, sent[j])
+                x = node.merge_bound.apply(own, sent[j], net.ids[j])
                 if x is not None:
                     mixed[i] += float(w[i, j]) * (x.double() - own.double())
             node.bounded += node.merge_bound.clipped + node.merge_bound.refused - before

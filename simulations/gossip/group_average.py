@@ -5,7 +5,9 @@ Every peer trains, then the peers average exactly within small groups of a virtu
 through ``gossip.group_levels`` of the grid's axes per exchange (0 = all: the global
 average on a full grid) and ``gossip.exchanges_per_round`` exchanges per round; slice
 messages cross the same virtual network (latency, loss, partitions; a message to an
-offline peer is refused), and peers that churn out vanish mid-round.
+offline peer is refused), and peers that churn out vanish mid-round. An attacker
+(``[attack]``) takes part with its forged model; every honest peer adopts its group's
+average through its merge bound (clipped to the radius, within the drift budget).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import numpy as np
 
 from shoal.p2p.group_average import GridAverage, Refusal, SliceMessage, grid_dims, grid_path
 from shoal.p2p.model_wire import encode_slice
+from shoal.seeding import derive_seed
 
 from .network import GossipNetwork
 
@@ -82,7 +85,10 @@ class GroupAverage:
         for p, path in paths.items():
             i = net.index[p]
             if net.online[i] and i not in gone and any(len(grp) >= 2 for grp in path):
-                objs[i] = GridAverage(p, path, step, net.models[i], self.weight[i], start, g.timeout)
+                own = net.models[i]
+                if net.attackers[i]:  # an attacker takes part with its forged model (network.forge)
+                    own = net.forge(own.clone(), derive_seed(seed, 0x6A7, step, i))
+                objs[i] = GridAverage(p, path, step, own, self.weight[i], start, g.timeout, net.nodes[i].merge_bound)
                 push(start, "start", i)
         for i, t in vanish_at.items():
             push(t, "vanish", i)

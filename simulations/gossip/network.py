@@ -41,6 +41,7 @@ from shoal import assembly
 from shoal.assembly import GossipParts, task_label
 from shoal.config import Config
 from shoal.errors import WireError
+from shoal.p2p.freshness import Stale
 from shoal.p2p.gossip import GossipNode, ModelMessage
 from shoal.p2p.membership import Membership, ShuffleRequest, ShuffleResponse
 from shoal.p2p.merge import MergeRule
@@ -55,6 +56,8 @@ from ..attacks import choose_attackers, flip_labels, label_count
 from ..inprocess import weighted_means
 
 log = logging.getLogger(__name__)
+
+FORGET_AFTER = 20.0  # rounds before a directory entry no one vouched for is forgotten (p2p/service.py: seconds)
 
 Message = ModelMessage | ShuffleRequest | ShuffleResponse
 
@@ -105,6 +108,7 @@ def peer_nodes(
             g.timeout,
             g.max_failures,
             quarantine=10 * g.churn_period,
+            forget_after=FORGET_AFTER,
             seed=derive_seed(seed, 0xC1C, i),
             bootstrap_peers=boot,
         )
@@ -224,7 +228,7 @@ class GossipNetwork:
         """(encoded size, the model the receiver decodes; None if validation rejects it)."""
         self._msgs += 1
         seed = derive_seed(self.cfg.simulation.seed, 0x3E55, self.round, self._msgs)
-        if self.attackers[src]:
+        if src >= 0 and self.attackers[src]:
             params = self.forge(params, seed)
         body = encode_gossip_model(params, self.spec, 0, extra, self.cfg.compression, seed)
         try:
@@ -241,18 +245,24 @@ class GossipNetwork:
         return len(json.dumps({"sender": msg.sender, "entries": msg.entries}))
 
     def send(self, msg: Message, now: float) -> None:
-        src, dst = self.index[msg.sender], self.index[msg.target]
+        """Put ``msg`` on the wire. A message to an address no peer has (one an attacker made up)
+        goes nowhere: its sender times out. One from a made-up sender is sent by an attacker
+        (bench/byzantine_gossip.py), its bytes uncounted."""
+        src, dst = self.index.get(msg.sender, -1), self.index.get(msg.target)
+        if dst is None:
+            self.lost += 1
+            return
         if isinstance(msg, ModelMessage) and self.wire:
             size, params = self.on_wire(
                 msg.params, src, {"age": msg.age, "num_examples": msg.num_examples, "sender": msg.sender}
             )
-            self.bytes_sent[src] += size
+            self.bytes_sent[max(src, 0)] += size
             if params is None:
                 return  # rejected by the receiver's validation: never merged, the sender times out
             msg = dataclasses.replace(msg, params=params)
-        else:
+        elif src >= 0:
             self.bytes_sent[src] += self._size(msg)
-        if self.rng.random() < self.g.loss or self.partitioned(src, dst):
+        if self.rng.random() < self.g.loss or (src >= 0 and self.partitioned(src, dst)):
             self.lost += 1
             return
         delay = self.rng.exponential(self.g.latency) if self.g.latency > 0 else 0.0
@@ -267,8 +277,13 @@ class GossipNetwork:
         if isinstance(msg, ModelMessage):
             if msg.reply:
                 node.on_reply(msg, now)
-            else:
-                self.send(node.on_push(msg, now), now)
+                return
+            try:
+                answer = node.on_push(msg, now)
+            except Stale:  # a replayed or out-of-order push: refused, moves nothing; the sender times out
+                self.rejected += 1
+                return
+            self.send(answer, now)
         elif isinstance(msg, ShuffleRequest):
             self.send(node.membership.on_shuffle_request(msg, now), now)
         else:

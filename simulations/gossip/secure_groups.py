@@ -71,7 +71,7 @@ class SecureGroups:
             for p, i in zip(ids, members):
                 net.bytes_sent[i] += out.cost.sent.get(p, 0)
                 if p in out.included:
-                    net.nodes[i].adopt(avg)  # through the peer's merge bound, as a real peer does
+                    net.nodes[i].adopt(avg, clip=False)  # through the peer's merge bound, as a real peer does
 
     def metrics(self) -> dict[str, float]:
         return {}

@@ -88,6 +88,7 @@ class Result:
     model_finite: bool = False
     model_max_abs: float = 0.0
     within_max_abs: bool = False
+    norm_ratio: float = 0.0  # the target's model norm over the largest of the other (honest) peers'
     steps_before: int = 0
     steps_after: int = 0
     merges_before: int = 0
@@ -106,6 +107,7 @@ class Result:
             and self.not_json == 0
             and self.model_finite
             and self.within_max_abs
+            and self.norm_ratio <= 2.0
             and self.steps_after > self.steps_before
             and self.merges_after > self.merges_before
             and self.peer_errors == 0
@@ -146,6 +148,13 @@ class Cases:
         self.spec = target.spec
         self.other_spec = ParamSpec.of(build_model("logreg", (21,), 4))
         self.sender = target.s.bootstrap[0]
+        self._seq = 0
+
+    def seq(self) -> int:
+        """A fresh message counter (wall-clock microseconds, increasing): requests sent at once
+        can still arrive out of order, and then the older one is refused (409), as it should be."""
+        self._seq = max(self._seq + 1, int(time.time() * 1e6))
+        return self._seq
 
     def own(self) -> torch.Tensor:
         return self.t.node.params.detach().clone()
@@ -153,12 +162,12 @@ class Cases:
     def model(self, params: torch.Tensor | None = None, spec: ParamSpec | None = None, **header: Any) -> bytes:
         params = self.own() + 0.001 if params is None else params
         step = self.t._wall_step()
-        extra = {"age": 1, "num_examples": 10, "sender": self.sender, "step": step, **header}
+        extra = {"age": 1, "num_examples": 10, "sender": self.sender, "step": step, "seq": self.seq(), **header}
         return encode_gossip_model(params, spec or self.spec, 1, extra)
 
     def raw_model(self, header: dict[str, Any]) -> bytes:
         base = {"kind": "model", "spec_hash": self.spec.hash, "version": 1, "age": 1, "num_examples": 10}
-        base |= {"sender": self.sender, "step": self.t._wall_step()}
+        base |= {"sender": self.sender, "step": self.t._wall_step(), "seq": self.seq()}
         return encode({"params": self.own()}, {**base, **header})
 
     def slice(self, **changes: Any) -> bytes:
@@ -186,7 +195,7 @@ class Cases:
         return encode_secure(SecureMessage(**{**fields, **changes}), self.spec)
 
     def shuffle(self, entries: list, sender: Any = None) -> bytes:
-        return json.dumps({"sender": sender or self.sender, "entries": entries}).encode()
+        return json.dumps({"sender": sender or self.sender, "entries": entries, "seq": self.seq()}).encode()
 
     def draw(self) -> Case:
         r = self.rng
@@ -403,6 +412,8 @@ async def fuzz_algorithm(algorithm: str, requests: int, tmp: Path, seed: int = 0
         res.model_finite = bool(torch.isfinite(params).all())
         res.model_max_abs = float(params.abs().max())
         res.within_max_abs = res.model_max_abs <= target.g.max_abs
+        others = [float(torch.linalg.vector_norm(p.node.params)) for p in peers if p is not target]
+        res.norm_ratio = float(torch.linalg.vector_norm(params)) / max(others + [1e-12])
         res.steps_after, res.merges_after = target.steps, target.node.merges
         res.peer_errors = sum(p.errors for p in peers)
         res.peers_up = not any(t.done() for t in runs)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shoal.p2p.membership import Membership, ShuffleResponse
+from shoal.p2p.membership import Membership, ShuffleRequest, ShuffleResponse
 
 
 def _network(n: int, view_size: int = 5, shuffle_length: int = 3) -> dict[str, Membership]:
@@ -150,7 +150,9 @@ def test_two_cliques_with_full_views_rejoin_through_a_lost_bootstrap_peer():
     ids = [f"p{i}" for i in range(10)]
     ring = {p: ids[(i + 1) % 10] for i, p in enumerate(ids)}
     net = {
-        p: Membership(p, 4, 2, timeout=1.0, max_failures=2, quarantine=30.0, seed=i, bootstrap_peers=(ring[p],))
+        p: Membership(
+            p, 4, 2, timeout=1.0, max_failures=2, quarantine=30.0, seed=i, bootstrap_peers=(ring[p],), period=0.5
+        )
         for i, p in enumerate(ids)
     }
     cliques = [ids[:5], ids[5:]]
@@ -189,3 +191,53 @@ def test_a_dead_bootstrap_peer_is_retried_once_per_quarantine_not_every_shuffle(
             m.on_shuffle_response(ShuffleResponse(req.target, "me", ()), float(t))
         m.expire(float(t))
     assert 3 <= contacts <= 6  # about once per 10 s quarantine (plus the timeout), not 60 times
+
+
+def test_an_insider_advertising_sybils_cannot_stop_merges_or_fill_the_directory_for_good():
+    """One insider sends a peer 4 messages a second for 60 s (two shuffles naming made-up
+    addresses out of 50, two pushes from made-up senders), on a virtual clock. The peer's
+    exchanges (one a second) reach a peer that answers at least every 5 s throughout; the
+    directory never holds more than its bound and holds no made-up entry 30 s after the attack."""
+    honest = [f"h{i}" for i in range(4)]
+    sybils = [f"sybil{k}" for k in range(50)]
+    net = {
+        p: Membership(p, 4, 2, timeout=1.0, max_failures=1, seed=i, bootstrap_peers=tuple(q for q in honest if q != p))
+        for i, p in enumerate(honest)
+    }
+    me = Membership("me", 4, 2, timeout=1.0, max_failures=1, seed=9, bootstrap_peers=("h0",), max_known=40)
+    me.forget_after = 20.0
+    alive = set(honest) | {"me"}
+    net["me"] = me
+    last_merge, worst_gap, most_fake = 0.0, 0.0, 0
+    for step in range(100 * 4):
+        now = step / 4
+        if now < 60:  # the insider, 4 messages a second
+            if step % 2 == 0:
+                entries = tuple((sybils[(step * 3 + k) % 50], 0) for k in range(4))
+                me.on_shuffle_request(ShuffleRequest("evil", "me", entries), now)
+            else:
+                me.heard_from(sybils[step % 50], now)
+        if step % 4:
+            continue
+        for pid in sorted(net):  # once a second: every peer shuffles, "me" also exchanges
+            m = net[pid]
+            m.expire(now)
+            req = m.start_shuffle(now)
+            if req is not None:
+                if req.target in alive:
+                    m.on_shuffle_response(net[req.target].on_shuffle_request(req, now), now)
+                else:
+                    m.cancel(req.target)
+                    m.on_failure(req.target, now)
+        partner = me.sample()
+        if partner in alive:
+            me.on_success(partner, now)
+            last_merge = now
+        elif partner is not None:
+            me.on_failure(partner, now)
+        worst_gap = max(worst_gap, now - last_merge)
+        most_fake = max(most_fake, sum(p.startswith("sybil") for p in me.known))
+    assert worst_gap <= 5.0, worst_gap
+    assert len(me.known) <= 40 and most_fake <= 40
+    assert not [p for p in me.known if p.startswith("sybil")]  # 40 s after the attack: all forgotten
+    assert me.floods > 0  # the insider's shuffles beyond the rate changed nothing

@@ -76,36 +76,79 @@ def test_reject_mode_ignores_a_model_beyond_the_bound():
 def test_merge_bound_refuses_huge_values_and_clips_far_models():
     from shoal.p2p.merge import MergeBound
 
-    b = MergeBound(1.0, 1e4)
-    own = torch.full((4,), 2.0)  # ||own|| = 4
+    b = MergeBound(2.0, 1e4)
+    own = torch.full((4,), 2.0)
     for huge in (torch.finfo(torch.float32).max, 1e30, 1e5):
-        assert b.apply(own, torch.full((4,), huge)) is None
+        assert b.apply(own, torch.full((4,), huge), "x") is None
     assert b.refused == 3
+    b.local_step(0.5)  # our own step sets the floor of the radius: 2 x 0.5
+    assert b.radius() == pytest.approx(1.0)
     far = own + torch.tensor([100.0, 0, 0, 0])
-    clipped = b.apply(own, far)
-    assert clipped is not None and torch.isclose(torch.linalg.vector_norm(clipped - own), torch.tensor(4.0))
-    assert b.clipped == 1 and b.recent == []  # a clipped merge does not widen the bound
-    near = own + 0.5
-    assert torch.equal(b.apply(own, near), near) and b.recent == [1.0]
-    assert MergeBound(1.0, 1e4, "reject").apply(own, far) is None
-    off = MergeBound(0.0, 0.0)
+    clipped = b.apply(own, far, "x")
+    assert clipped is not None and torch.isclose(torch.linalg.vector_norm(clipped - own), torch.tensor(1.0))
+    assert b.clipped == 1 and b.distances["x"] == pytest.approx(1.0)  # recorded clipped to the radius
+    assert MergeBound(2.0, 1e4, "reject", radius=1.0).apply(own, far) is None
+    off = MergeBound(0.0, 0.0, drift=0.0)
     assert torch.equal(off.apply(own, far), far)
     assert off.apply(own, torch.full((4,), float("inf"))) is None  # never a non-finite model
 
 
-def test_merge_bound_cannot_be_ratcheted_by_models_just_inside_it():
-    """A stream of models each just inside the bound grows it at most by the relative factor
-    per RECENT_MERGES / 2 merges, and never past max_abs."""
+def test_the_radius_follows_the_honest_spread_not_the_norm():
+    """Honest neighbours 0.3 apart set the radius (2 x their lower median), however large our
+    model's norm and whatever one sender writes, however often."""
     from shoal.p2p.merge import MergeBound
 
-    b = MergeBound(1.0, 1e4)
-    own = torch.zeros(10)
-    for _ in range(200):
-        limit = b.limit(own)
-        direction = torch.zeros(10)
-        direction[0] = 1.0
-        other = b.apply(own, own + direction * limit * 0.999)
-        if other is None:
-            break
-        own = own.lerp(other, 0.5)
-        assert torch.isfinite(own).all() and float(own.abs().max()) <= 1e4
+    b = MergeBound(2.0, 1e6)
+    own = torch.full((100,), 50.0)  # norm 500: the old bound would have allowed 500
+    b.local_step(0.1)
+    for _ in range(20):  # the radius grows to the honest spread in a few rounds (x2 each)
+        for k in range(4):
+            b.apply(own, own + 0.3 * torch.eye(100)[k], f"honest{k}")
+    assert b.radius() == pytest.approx(0.6, rel=1e-4)
+    for _ in range(1000):  # one insider, far off, a thousand times: one slot, clipped to the radius
+        b.apply(own, own * 10, "insider")
+    assert b.radius() == pytest.approx(0.6, rel=1e-4)
+    assert len(b.distances) == 6  # our step, four honest senders, the insider
+
+
+def test_the_window_holds_one_slot_per_sender_and_is_bounded():
+    from shoal.p2p.merge import SELF, MergeBound
+
+    b = MergeBound(2.0, 1e4, window=4)
+    b.local_step(1.0)
+    own = torch.zeros(3)
+    for k in range(10):
+        b.apply(own, torch.tensor([0.5, 0.0, 0.0]), f"s{k}")
+    assert len(b.distances) == 4 and SELF in b.distances  # our own step is never pushed out
+    assert list(b.distances)[-1] == "s9"
+
+
+def test_the_drift_budget_caps_how_far_merges_move_a_model_between_local_steps():
+    from shoal.p2p.merge import MergeBound
+
+    b = MergeBound(2.0, 1e4, radius=1.0, drift=3.0)
+    own = torch.zeros(5)
+    start = own.clone()
+    target = torch.full((5,), 100.0)
+    moved = [b.move(own, b.apply(own, target, "a"), 0.5) for _ in range(50)]  # a flood of merges
+    assert float(torch.linalg.vector_norm(own - start)) == pytest.approx(3.0, rel=1e-5)
+    assert moved[:6] == [0.5] * 6 and moved[-1] == 0.0 and b.capped > 0
+    b.local_step(0.1)  # the next local step opens a new budget
+    assert b.move(own, b.apply(own, target, "a"), 0.5) == 0.5
+
+
+def test_a_flood_of_scaled_models_moves_an_honest_model_by_a_bounded_amount():
+    """An insider pushing 10x its model a thousand times between two local steps: the honest
+    model moves at most drift x radius, not x (1 + lam) per merge as a norm-relative bound allowed."""
+    from shoal.p2p.gossip import GossipNode, ModelMessage
+    from shoal.p2p.membership import Membership
+
+    node = GossipNode(Membership("me", 4, 2, bootstrap_peers=("h",)), torch.zeros(50), 10, MergeRule("average"))
+    torch.manual_seed(0)
+    trained = torch.randn(50)
+    node.local_update(trained)  # one local step of length ||trained||
+    tau = node.merge_bound.radius()
+    for k in range(1000):
+        node.on_push(ModelMessage("evil", "me", trained * 10, 1, 1, 10, seq=k + 1), now=0.0)
+    assert float(torch.linalg.vector_norm(node.params - trained)) <= node.merge_bound.drift * tau * (1 + 1e-5)
+    assert node.merge_bound.capped > 0

@@ -4,7 +4,9 @@ a good exchange. Garbage gets 4xx and leaves the receiver's model untouched."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import struct
+import time
 
 import aiohttp
 import pytest
@@ -44,8 +46,16 @@ async def _serve(peer: Peer, ctx) -> tuple[web.AppRunner, int]:
     return runner, site._server.sockets[0].getsockname()[1]
 
 
+_SEQ = itertools.count(1)
+
+
+def _seq() -> int:
+    """A fresh message counter: the wall clock in microseconds, strictly increasing."""
+    return int(time.time() * 1e6) + next(_SEQ)
+
+
 def _model(peer: Peer, params: torch.Tensor, **extra) -> bytes:
-    header = {"age": 3, "num_examples": 10, "sender": "https://127.0.0.1:1", **extra}
+    header = {"age": 3, "num_examples": 10, "sender": "https://127.0.0.1:1", "seq": _seq(), **extra}
     return encode_model(params, peer.spec, 1, header)
 
 
@@ -160,7 +170,10 @@ def test_peer_command_refuses_what_it_cannot_run(args, message):
 def test_q8_models_over_http_and_a_rejecting_merge():
     """A peer with [compression] q8 answers in q8 (about a quarter of the bytes), reads a
     q8 push, and with robust.norm_bound + bound_mode = reject ignores a far-off model."""
-    cfg = load_config(None, ['compression.encoding="q8"', "robust.norm_bound=5.0", 'gossip.bound_mode="reject"'])
+    cfg = load_config(
+        None,
+        ['compression.encoding="q8"', "robust.norm_bound=5.0", 'gossip.bound_mode="reject"', "gossip.merge_radius=5.0"],
+    )
 
     async def main() -> None:
         peer = _peer("http://127.0.0.1:0", cfg=cfg)
@@ -173,14 +186,16 @@ def test_q8_models_over_http_and_a_rejecting_merge():
         q8 = CompressionConfig("q8")
         extra = {"age": 3, "num_examples": 10, "sender": "http://127.0.0.1:1"}
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=20)) as s:
-            async with s.post(url, data=encode_gossip_model(far, peer.spec, 1, extra, q8), headers=auth) as r:
+            body = encode_gossip_model(far, peer.spec, 1, {**extra, "seq": _seq()}, q8)
+            async with s.post(url, data=body, headers=auth) as r:
                 assert r.status == 200
                 body = await r.read()
             assert torch.equal(peer.node.params, own) and peer.node.bounded == 1
             answer, header = decode_gossip_model(body, peer.spec, peer.max_bytes)
             assert header["encoding"] == "q8" and len(body) < 0.4 * len(encode_gossip_model(own, peer.spec, 1, extra))
             assert float((answer - own).abs().max()) <= float(own.abs().max()) / 127 + 1e-6
-            async with s.post(url, data=encode_gossip_model(near, peer.spec, 1, extra, q8), headers=auth) as r:
+            body2 = encode_gossip_model(near, peer.spec, 1, {**extra, "seq": _seq()}, q8)
+            async with s.post(url, data=body2, headers=auth) as r:
                 assert r.status == 200
                 body2 = await r.read()
             assert peer.node.merges == 1 and float((peer.node.params - near).abs().max()) < 0.01

@@ -4,6 +4,7 @@ the merge bound, nothing but ``rejected`` moves, and an honest merge still goes 
 
 from __future__ import annotations
 
+import itertools
 import json
 import struct
 
@@ -34,17 +35,27 @@ def _service(cfg: Config | None = None, me: str = ME, insecure: bool = False) ->
     torch.manual_seed(0)
     spec = ParamSpec.of(build_model("logreg", (20,), 4))
     params = 0.1 * torch.randn(spec.numel, generator=torch.Generator().manual_seed(0))
-    return PeerService(cfg, spec, params, 30, me, (HONEST,), insecure)
+    svc = PeerService(cfg, spec, params, 30, me, (HONEST,), insecure)
+    svc.node.local_update(params + 0.01)  # one local step: it sets the merge radius's floor
+    return svc
+
+
+_SEQ = itertools.count(1)  # message counters (microseconds): fresh at the tests' clock of 0..30 s
 
 
 def _model(svc: PeerService, params: torch.Tensor, **header) -> bytes:
-    extra = {"age": 3, "num_examples": 10, "sender": HONEST, **header}
+    extra = {"age": 3, "num_examples": 10, "sender": HONEST, "seq": next(_SEQ), **header}
     return encode_gossip_model(params, svc.spec, 1, extra)
+
+
+def _sh(body: dict) -> bytes:
+    """A shuffle body, with a fresh message counter unless it names one."""
+    return json.dumps({**body, "seq": body.get("seq", next(_SEQ))}).encode()
 
 
 def _raw_model(svc: PeerService, params: torch.Tensor, header: dict) -> bytes:
     """A model body with any header fields (types shoal would never write)."""
-    full = {"kind": "model", "spec_hash": svc.spec.hash, "version": 1, **header}
+    full = {"kind": "model", "spec_hash": svc.spec.hash, "version": 1, "seq": next(_SEQ), **header}
     return encode({"params": params}, full)
 
 
@@ -152,14 +163,14 @@ def test_a_long_host_label_or_userinfo_is_refused_wherever_it_comes():
     _refused(svc, lambda: svc.on_gossip(_model(svc, good, sender=LONG_LABEL), 0.0), 400)
     _refused(svc, lambda: svc.on_gossip(_model(svc, good, sender="https://u:p@127.0.0.1:1"), 0.0), 400)
     shuffle = {"sender": HONEST, "entries": [[LONG_LABEL, 0]]}
-    _refused(svc, lambda: svc.on_shuffle(json.dumps(shuffle).encode(), 0.0), 400)
+    _refused(svc, lambda: svc.on_shuffle(_sh(shuffle), 0.0), 400)
     shuffle = {"sender": HONEST, "entries": [["https://u:p@127.0.0.1:1", 0]]}
-    _refused(svc, lambda: svc.on_shuffle(json.dumps(shuffle).encode(), 0.0), 400)
+    _refused(svc, lambda: svc.on_shuffle(_sh(shuffle), 0.0), 400)
     # the same in an answer to our own shuffle: a failure of that peer, nothing learned
     out = svc.start_shuffle(0.0)
     assert out is not None
     known = set(svc.node.membership.known)
-    svc.on_shuffle_reply(HONEST, json.dumps({"sender": HONEST, "entries": [[LONG_LABEL, 0]]}).encode(), 0.1)
+    svc.on_shuffle_reply(HONEST, _sh({"sender": HONEST, "entries": [[LONG_LABEL, 0]]}), 0.1)
     assert set(svc.node.membership.known) <= known
     _honest_merge_goes_on(svc)
 
@@ -190,7 +201,7 @@ def test_ages_and_counts_are_bounded_and_cannot_overflow():
         _refused(
             svc, lambda n=n: svc.on_gossip(_raw_model(svc, good, {"age": 1, "num_examples": n, "sender": HONEST}), 0)
         )
-    _refused(svc, lambda: svc.on_shuffle(json.dumps({"sender": HONEST, "entries": [[HONEST, True]]}).encode(), 0))
+    _refused(svc, lambda: svc.on_shuffle(_sh({"sender": HONEST, "entries": [[HONEST, True]]}), 0))
     svc.on_gossip(_model(svc, good, age=MAX_COUNT), 0.0)  # the largest age a peer takes ...
     assert svc.node.age == MAX_COUNT
     svc.node.local_update(svc.node.params)  # ... and one more local step does not pass it
@@ -258,9 +269,11 @@ def test_a_model_for_a_peer_that_runs_another_algorithm_or_itself_is_refused():
     svc = _service(load_config(None, ['gossip.algorithm="dpsgd"']))
     good = svc.node.params + 0.001
     _refused(svc, lambda: svc.on_gossip(_model(svc, good), 0.0), 409)
-    body = encode_gossip_model(good, svc.spec, 1, {"age": 1, "num_examples": 1, "sender": ME, "step": 10})
+    body = encode_gossip_model(good, svc.spec, 1, {"age": 1, "num_examples": 1, "sender": ME, "step": 10, "seq": 1})
     _refused(svc, lambda: svc.parse_mix_request(body, 10), 400)  # from ourselves
-    body = encode_gossip_model(good, svc.spec, 1, {"age": 1, "num_examples": 1, "sender": HONEST, "step": 10**6})
+    body = encode_gossip_model(
+        good, svc.spec, 1, {"age": 1, "num_examples": 1, "sender": HONEST, "step": 10**6, "seq": 1}
+    )
     _refused(svc, lambda: svc.parse_mix_request(body, 10), 409)
 
 
@@ -274,7 +287,7 @@ def test_a_model_for_a_peer_that_runs_another_algorithm_or_itself_is_refused():
 )
 def test_any_json_shuffle_is_taken_or_refused_with_a_4xx(value):
     svc = _service()
-    for body in (json.dumps(value).encode(), json.dumps({"sender": HONEST, "entries": value}).encode()):
+    for body in (json.dumps(value).encode(), _sh({"sender": HONEST, "entries": value})):
         before = _state(svc)
         try:
             svc.on_shuffle(body, 0.0)
@@ -322,7 +335,7 @@ def test_any_model_header_is_merged_within_the_bound_or_refused(header, value):
 def test_second_hand_entries_stay_unverified_until_reached_and_go_at_their_first_failure():
     svc = _service()
     heard = "https://127.0.0.7:9000"
-    body = json.dumps({"sender": HONEST, "entries": [[heard, 0], ["https://169.254.169.254:80", 0]]}).encode()
+    body = _sh({"sender": HONEST, "entries": [[heard, 0], ["https://169.254.169.254:80", 0]]})
     svc.on_shuffle(body, 0.0)
     m = svc.node.membership
     assert heard in m.view and "https://169.254.169.254:80" not in m.known  # a forbidden kind is dropped
@@ -330,10 +343,35 @@ def test_second_hand_entries_stay_unverified_until_reached_and_go_at_their_first
     assert svc.on_contact_failure(heard, 1.0) and heard not in m.view and heard not in m.known
     assert not svc.on_contact_failure(HONEST, 1.0) and HONEST in m.view  # verified: max_failures apply
     reached = "https://127.0.0.8:9000"
-    svc.on_shuffle(json.dumps({"sender": HONEST, "entries": [[reached, 0]]}).encode(), 2.0)
+    svc.on_shuffle(_sh({"sender": HONEST, "entries": [[reached, 0]]}), 2.0)
     out = svc.start_shuffle(3.0)
     while out is not None and not out.url.startswith(reached):
         out = svc.start_shuffle(3.0)
-    answer = json.dumps({"sender": reached, "entries": []}).encode()
+    answer = _sh({"sender": reached, "entries": []})
     svc.on_shuffle_reply(reached, answer, 3.1)
     assert reached in svc.policy.verified
+
+
+def test_a_replayed_or_older_model_is_refused_and_moves_nothing():
+    """Every push carries its sender's counter (wall-clock microseconds): a replay, or an older push
+    overtaken by a newer one, is 409 ``replayed``; one outside the validity (a model recorded long
+    ago) is 400 ``expired``; neither moves the model, the age or the view."""
+    svc = _service()
+    near = svc.node.params + 0.001
+    old = _model(svc, near, age=svc.node.age + 1, seq=5_000_000)
+    newer = _model(svc, near, age=svc.node.age + 1, seq=6_000_000)
+    svc.on_gossip(newer, 6.0)
+    for body in (newer, old):  # the same push again, and an older one after the newer
+        _refused(svc, lambda b=body: svc.on_gossip(b, 6.5), 409, "replayed")
+    stale = _model(svc, near, age=svc.node.age + 1, seq=7_000_000)
+    _refused(svc, lambda: svc.on_gossip(stale, 7.0 + 31.0), 400, "expired")  # 31 s later: past the validity
+    ahead = _model(svc, near, age=svc.node.age + 1, seq=200_000_000)
+    _refused(svc, lambda: svc.on_gossip(ahead, 7.0), 400, "expired")  # a clock 3 minutes ahead
+    fresh = _model(svc, near, age=svc.node.age + 1, seq=8_000_000)
+    merges = svc.node.merges
+    svc.on_gossip(fresh, 8.0)
+    assert svc.node.merges == merges + 1
+    shuffle = _sh({"sender": HONEST, "entries": [], "seq": 9_000_000})
+    svc.on_shuffle(shuffle, 9.0)
+    _refused(svc, lambda: svc.on_shuffle(shuffle, 9.1), 409, "replayed")
+    _refused(svc, lambda: svc.on_shuffle(_sh({"sender": HONEST, "entries": []}), 9.1), 409)  # counter 1..: older

@@ -201,6 +201,12 @@ class _RecordingPeers(LocalPeers):
             yield i, row
 
 
+# the exact-average checks turn the merge bound off: with it on, a member's part farther than the
+# radius is clipped (self-centered clipping in the reducer, p2p/group_average.py), so an average
+# is exact among members within the radius only
+EXACT = ("gossip.merge_bound=0", "gossip.max_drift=0")
+
+
 def _recording(config) -> GossipSimulation:
     return GossipSimulation.from_config(config, peers=_RecordingPeers)
 
@@ -257,7 +263,7 @@ def test_secure_groups_below_threshold_keep_their_models():
 
 
 def test_group_average_gives_each_group_its_weighted_average_and_counts_the_bytes():
-    sim = _recording(cfg('gossip.algorithm="group_average"', "gossip.group_size=4", "gossip.group_levels=1"))
+    sim = _recording(cfg('gossip.algorithm="group_average"', "gossip.group_size=4", "gossip.group_levels=1", *EXACT))
     sim.run_round()
     groups = sim.algorithm.last_groups
     assert sorted(i for g in groups for i in g) == list(range(sim.n))
@@ -277,7 +283,9 @@ def test_group_average_gives_each_group_its_weighted_average_and_counts_the_byte
 
 
 def test_group_average_equal_weights_and_determinism():
-    sim = _recording(cfg('gossip.algorithm="group_average"', 'gossip.group_weights="equal"', "gossip.group_levels=1"))
+    sim = _recording(
+        cfg('gossip.algorithm="group_average"', 'gossip.group_weights="equal"', "gossip.group_levels=1", *EXACT)
+    )
     sim.run_round()
     for members in sim.algorithm.last_groups:
         want = torch.stack([sim.peers.trained[i] for i in members]).mean(0)
@@ -291,7 +299,11 @@ def test_group_average_equal_weights_and_determinism():
 def test_group_average_with_churn_survivors_of_a_group_agree_and_vanished_peers_keep_their_models():
     sim = _recording(
         cfg(
-            'gossip.algorithm="group_average"', "simulation.num_clients=30", "gossip.churn=0.3", "gossip.churn_period=2"
+            'gossip.algorithm="group_average"',
+            "simulation.num_clients=30",
+            "gossip.churn=0.3",
+            "gossip.churn_period=2",
+            *EXACT,
         )
     )
     seen_vanish = seen_offline = 0
@@ -318,12 +330,13 @@ def test_group_average_settings_are_checked():
         cfg('gossip.algorithm="group_average"', 'robust.rule="median"')
     with pytest.raises(ConfigError, match="group_average"):
         cfg('gossip.algorithm="group_average"', 'compression.encoding="q8"')
-    with pytest.raises(ConfigError, match="group_average"):
-        cfg('gossip.algorithm="group_average"', 'attack.kind="sign_flip"', "attack.fraction=0.2")
+    cfg('gossip.algorithm="group_average"', 'attack.kind="sign_flip"', "attack.fraction=0.2")  # simulated now
 
 
 def test_group_average_d_exchanges_per_round_on_a_full_grid_give_the_global_weighted_average():
-    sim = _recording(cfg('gossip.algorithm="group_average"', "gossip.exchanges_per_round=2", "gossip.group_levels=1"))
+    sim = _recording(
+        cfg('gossip.algorithm="group_average"', "gossip.exchanges_per_round=2", "gossip.group_levels=1", *EXACT)
+    )
     sim.run_round()  # 12 peers on a 3 x 4 grid: two exchanges, one along each axis
     w = torch.tensor([float(sim.shards.size(i)) for i in range(sim.n)], dtype=torch.float64)
     want = (w[:, None] * torch.stack([sim.peers.trained[i].double() for i in range(sim.n)])).sum(0) / w.sum()
@@ -331,7 +344,7 @@ def test_group_average_d_exchanges_per_round_on_a_full_grid_give_the_global_weig
         assert torch.allclose(sim.models[i].double(), want, atol=1e-6)
     bytes_two = sim.evaluate()["bytes_sent_per_peer"]
     # the default: one exchange through both axes (a hierarchical all-reduce): the same average, fewer bytes
-    one = _recording(cfg('gossip.algorithm="group_average"'))
+    one = _recording(cfg('gossip.algorithm="group_average"', *EXACT))
     one.run_round()
     for i in range(one.n):
         assert torch.allclose(one.models[i].double(), want, atol=1e-6)

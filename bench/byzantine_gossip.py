@@ -1,0 +1,220 @@
+"""Insiders in gossip: N honest peers and f attackers on the simulator's virtual network, with the
+peer code ``shoal peer`` runs (GossipNode, MergeBound, Membership, Freshness), one round = one
+``gossip.period``. Each attack runs for ``--attack-rounds`` rounds, then the attackers leave
+(go offline for good) and the honest peers train on for ``--after`` rounds.
+
+Attacks (each against the run without attackers, same seed, same honest peers):
+
+- ``scale``: every model an attacker sends is ``x0 + 10 (x - x0)`` (attack.kind = "scale");
+- ``sign_flip``: ``x0 - 10 (x - x0)``;
+- ``replay``: the attacker re-sends models pushed to it (sender, counter and all) at least
+  REPLAY_AGE rounds old to every honest peer, four a round each;
+- ``eclipse``: the attacker sends each honest peer two shuffles naming 50 made-up addresses and
+  two pushes from made-up senders per round (4 messages per round per peer); none is served.
+
+For each algorithm (push-pull ``gossip``, ``dpsgd``, ``group_average``; replay and eclipse
+act on push-pull's messages and views only: D-PSGD's and group averaging's simulated
+neighbourhoods are fixed) it prints: the honest peers' mean accuracy at the end of the attack
+and ``--after`` rounds after it, the norm of their mean model over the no-attack run's, and the
+distance of their mean model from the no-attack run's (over that run's mean norm); with the
+defences off (``gossip.merge_bound = 0``, ``max_drift = 0``, ``max_abs = 0``) too. For replay:
+replays sent and taken; for eclipse: the longest stretch of rounds without a merge on any
+honest peer, made-up entries in views and directories at most and at the end.
+
+    .venv/bin/python bench/byzantine_gossip.py [--honest 5] [--attackers 1] [--attack-rounds 60]
+        [--after 30] [--algorithms gossip,dpsgd,group_average] [--attacks scale,sign_flip,replay,eclipse]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from shoal.config import load_config
+from shoal.p2p.gossip import ModelMessage
+from shoal.p2p.membership import ShuffleRequest
+from shoal.simulations.gossip import GossipSimulation
+
+torch.set_num_threads(1)
+SYBILS = 50
+REPLAY_AGE = 5.0  # rounds: a replayed model is at least this old
+FORGED = ("scale", "sign_flip")
+
+
+def build(args: argparse.Namespace, algorithm: str, attack: str, defences: bool) -> GossipSimulation:
+    n = args.honest + args.attackers
+    over = [
+        'simulation.mode="gossip"',
+        f"simulation.num_clients={n}",
+        f"simulation.seed={args.seed}",
+        f"simulation.rounds={args.attack_rounds + args.after}",
+        "train.batch_size=20",
+        f'gossip.algorithm="{algorithm}"',
+        "gossip.view_size=4",
+        "gossip.shuffle_length=2",
+        'gossip.topology="complete"',
+        "gossip.group_size=3",
+    ]
+    if attack in FORGED:
+        over += [f'attack.kind="{attack}"', f"attack.fraction={args.attackers / n}", "attack.scale=10"]
+    if not defences:
+        over += ["gossip.merge_bound=0", "gossip.max_drift=0", "gossip.max_abs=0"]
+    sim = GossipSimulation.from_config(load_config(None, over))
+    if attack not in FORGED and attack != "none":  # protocol attackers: the last peers, measured apart
+        sim.attackers[:] = False
+        sim.attackers[args.honest :] = True
+        sim.honest = np.flatnonzero(~sim.attackers)
+        sim.eval_idx = sim.honest
+    return sim
+
+
+class Insider:
+    """What a replaying or eclipsing attacker sends each round, on the network's own queue."""
+
+    def __init__(self, sim: GossipSimulation, kind: str):
+        self.sim, self.kind = sim, kind
+        self.bad = [int(i) for i in np.flatnonzero(sim.attackers)]
+        self.sybils = [f"sybil-{k:03d}" for k in range(SYBILS)]
+        self.captured: list[ModelMessage] = []
+        self.sent = 0
+        deliver = sim._deliver
+
+        def spy(msg: Any, now: float) -> None:  # the attacker keeps every model pushed to it
+            if isinstance(msg, ModelMessage) and sim.index[msg.target] in self.bad and not msg.reply:
+                self.captured = [*self.captured[-63:], msg]
+            deliver(msg, now)
+
+        sim._deliver = spy  # type: ignore[method-assign]
+
+    def round(self, start: float) -> None:
+        sim, rng = self.sim, self.sim.rng
+        for a in self.bad:
+            for h in sim.honest.tolist():
+                target = sim.ids[h]
+                for k in range(4):
+                    t = start + float(rng.random())
+                    old_enough = [m for m in self.captured if m.seq / 1e6 <= start - REPLAY_AGE]
+                    if self.kind == "replay" and old_enough:
+                        old = old_enough[int(rng.integers(len(old_enough)))]
+                        if old.sender != target:
+                            sim.send(dataclasses.replace(old, target=target), t)
+                            self.sent += 1
+                    elif self.kind == "eclipse":
+                        if k < 2:
+                            names = rng.choice(SYBILS, size=sim.g.view_size, replace=False)
+                            entries = tuple((self.sybils[int(j)], 0) for j in names)
+                            sim.send(ShuffleRequest(sim.ids[a], target, entries), t)
+                        else:
+                            fake = self.sybils[int(rng.integers(SYBILS))]
+                            node = sim.nodes[a]
+                            msg = ModelMessage(
+                                fake, target, node.params.clone(), node.age, node.version, 1, False, int(t * 1e6) + 1
+                            )
+                            sim.send(msg, t)
+                        self.sent += 1
+
+
+def run(args: argparse.Namespace, algorithm: str, attack: str, defences: bool, ref: dict | None) -> dict:
+    sim = build(args, algorithm, attack, defences)
+    insider = Insider(sim, attack) if attack in ("replay", "eclipse") else None
+    spy = insider
+    honest = torch.as_tensor(sim.honest)
+    out: dict[str, Any] = {"gap": 0, "fake_view": 0, "fake_dir": 0}
+    last_merge = {int(h): 0 for h in sim.honest}
+    merges = {int(h): 0 for h in sim.honest}
+    means: dict[int, torch.Tensor] = {}
+    for r in range(1, args.attack_rounds + args.after + 1):
+        if r == args.attack_rounds + 1:
+            sim.online[sim.attackers] = False  # the attackers leave
+            insider = None
+        if insider is not None:
+            insider.round(float(r - 1))
+        sim.run_round()
+        for h in sim.honest.tolist():
+            m = sim.nodes[h].merges
+            if m > merges[h]:
+                merges[h], last_merge[h] = m, r
+            out["gap"] = max(out["gap"], r - last_merge[h])
+        if attack == "eclipse":
+            fake_v = max(sum(p.startswith("sybil") for p in sim.nodes[h].membership.view) for h in sim.honest)
+            fake_d = max(sum(p.startswith("sybil") for p in sim.nodes[h].membership.known) for h in sim.honest)
+            out["fake_view"], out["fake_dir"] = max(out["fake_view"], fake_v), max(out["fake_dir"], fake_d)
+            out["fake_dir_end"] = fake_d
+        if r in (args.attack_rounds, args.attack_rounds + args.after):
+            ev = sim.evaluate()
+            means[r] = sim.models[honest].mean(0)
+            out[f"acc{r}"] = ev.get("peer_accuracy_mean", float("nan"))
+            out[f"norm{r}"] = float(means[r].norm())
+            out[f"max_abs{r}"] = float(sim.models[honest].abs().max())
+            if ref is not None:
+                out[f"dist{r}"] = float((means[r] - ref["means"][r]).norm()) / float(ref["means"][r].norm())
+    out["means"] = means
+    out["rejected"] = sim.rejected
+    out["sent"] = spy.sent if spy else 0
+    if attack == "replay":
+        out["replays_refused"] = sum(sim.nodes[h].freshness.refused for h in sim.honest.tolist())
+    out["bounded"] = int(sum(sim.nodes[h].bounded for h in sim.honest.tolist()))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--honest", type=int, default=5)
+    ap.add_argument("--attackers", type=int, default=1)
+    ap.add_argument("--attack-rounds", type=int, default=60)
+    ap.add_argument("--after", type=int, default=30)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--algorithms", default="gossip,dpsgd,group_average")
+    ap.add_argument("--attacks", default="scale,sign_flip,replay,eclipse")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.WARNING)
+    a, b = args.attack_rounds, args.attack_rounds + args.after
+    print(
+        f"{args.honest} honest peers + {args.attackers} attacker(s), attack for {a} rounds, then {args.after} "
+        "without; acc = honest peers' mean accuracy, norm = norm of the honest mean model / the no-attack run's, "
+        "dist = ||honest mean - no-attack honest mean|| / ||no-attack honest mean||\n"
+    )
+    head = (
+        f"| algorithm | attack | defences | acc @{a} | acc @{b} | norm @{a} | norm @{b} | dist @{a} | dist @{b} "
+        "| max abs @{a} | notes |"
+    )
+    print(head.replace("@{a}", f"@{a}"))
+    print("|" + "---|" * 11)
+    for alg in args.algorithms.split(","):
+        t0 = time.perf_counter()
+        ref = run(args, alg, "none", True, None)
+        n0 = {r: float(ref["means"][r].norm()) for r in (a, b)}
+        print(
+            f"| {alg} | none | on | {ref[f'acc{a}']:.3f} | {ref[f'acc{b}']:.3f} | 1.00 | 1.00 | 0 | 0 "
+            f"| {ref[f'max_abs{a}']:.3g} | {time.perf_counter() - t0:.0f} s |",
+            flush=True,
+        )
+        for attack in args.attacks.split(","):
+            if attack in ("replay", "eclipse") and alg != "gossip":
+                continue
+            for defences in (True, False) if attack in FORGED else (True,):
+                res = run(args, alg, attack, defences, ref)
+                notes = f"bounded {res['bounded']}"
+                if attack == "replay":
+                    notes = f"replays sent {res['sent']}, refused {res['replays_refused']}"
+                if attack == "eclipse":
+                    notes = (
+                        f"longest run without a merge {res['gap']} rounds; made-up entries at most "
+                        f"{res['fake_view']} in a view, {res['fake_dir']} in a directory, {res['fake_dir_end']} at the end"
+                    )
+                print(
+                    f"| {alg} | {attack} | {'on' if defences else 'off'} | {res[f'acc{a}']:.3f} | {res[f'acc{b}']:.3f} "
+                    f"| {res[f'norm{a}'] / n0[a]:.2f} | {res[f'norm{b}'] / n0[b]:.2f} | {res[f'dist{a}']:.2f} "
+                    f"| {res[f'dist{b}']:.2f} | {res[f'max_abs{a}']:.3g} | {notes} |",
+                    flush=True,
+                )
+
+
+if __name__ == "__main__":
+    main()
