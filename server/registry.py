@@ -207,9 +207,9 @@ class Revocations:
     long polls (its held poll is answered 403). ``names`` is the set an edge's poll answer carries
     down to the edge's own nodes. A revocation is never undone (a node comes back under a new name)."""
 
-    def __init__(self, registry: Registry):
-        self.registry = registry
-        self.names: frozenset[str] = registry.revoked()
+    def __init__(self, registry: Registry | None):
+        self.registry = registry  # None: a server with no registry (nothing to revoke)
+        self.names: frozenset[str] = registry.revoked() if registry is not None else frozenset()
         self._subscribers: list[Callable[[frozenset[str]], None]] = []
 
     def subscribe(self, on_revoked: Callable[[frozenset[str]], None]) -> None:
@@ -220,6 +220,8 @@ class Revocations:
 
     def refresh(self) -> frozenset[str]:
         """Read the registry; the names revoked since the last call (each subscriber was told)."""
+        if self.registry is None:
+            return frozenset()
         now = self.registry.revoked()
         new = now - self.names
         if new:

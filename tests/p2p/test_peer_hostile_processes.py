@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import time
 import urllib.error
 import urllib.request
 
@@ -104,7 +105,9 @@ def test_real_peers_take_the_probes_and_stop_cleanly_on_sigterm(tmp_path):
         # metadata entries are well formed: taken, never contacted
         status, _ = _post(
             target + "/shuffle",
-            json.dumps({"sender": urls[1], "entries": [["https://169.254.169.254:80", 0]]}).encode(),
+            json.dumps(
+                {"sender": urls[1], "entries": [["https://169.254.169.254:80", 0]], "seq": int(time.time() * 1e6)}
+            ).encode(),
             ctx,
         )
         assert status == 200
