@@ -65,10 +65,10 @@ def client(
     from shoal.client.device import select_device
     from shoal.config import load_config
     from shoal.shards import load_shard
-    from shoal.tasks import BuiltinTask
+    from shoal.tasks import BuiltinTask, builtin_local_data
     from shoal.tls import client_context
 
-    from .node import Node, builtin_local_data, read_local_data
+    from .node import Node, read_local_data
 
     setup_logging(verbose)
     if (token_file is None) == (cert is None):

@@ -30,7 +30,7 @@ is parsed by p2p/messages.py; this module moves bytes, keeps time and bounds con
   token only over HTTPS (plain HTTP only with ``insecure=True``).
 
 With ``privacy.mode = "local"`` the trainer runs DP-SGD on a seed only this peer knows, and
-the peer keeps its own epsilon over its trainings (client/node.py's NodePrivacy, the
+the peer keeps its own epsilon over its trainings (shoal/privacy_state.py's NodePrivacy, the
 simulator's accountant), stopping before a training that would pass ``target_epsilon``.
 
 A peer's identity is its advertised URL, so a peer restarted on the same address is the
@@ -62,12 +62,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from shoal.client.node import NodePrivacy
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.errors import ShoalError, TooLarge
 from shoal.metrics import MetricsLog, json_safe
 from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES, plan_of
+from shoal.privacy_state import NodePrivacy
 from shoal.rounds import evaluation_due
 from shoal.seeding import derive_seed
 from shoal.server.dashboard import is_dashboard_path

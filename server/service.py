@@ -105,17 +105,6 @@ class Counters:
 
 
 #: Bounds of a node's federated evaluation report (POST /v1/eval, docs/protocol.md).
-#: From this many parameters (a 512 MiB float32 model) up, ``server.sum_dtype = "auto"`` sums in float32.
-LARGE_MODEL_NUMEL = 1 << 27
-
-
-def sum_dtype(choice: str, numel: int) -> torch.dtype:
-    """The dtype of the plain weighted mean's sum that ``server.sum_dtype`` asks for a model of ``numel``."""
-    if choice == "auto":
-        return torch.float32 if numel >= LARGE_MODEL_NUMEL else torch.float64
-    return torch.float32 if choice == "float32" else torch.float64
-
-
 MAX_EVAL_BODY = 64 * 1024
 MAX_EVAL_METRICS = 32
 MAX_EVAL_EXAMPLES = 10**9

@@ -38,6 +38,14 @@ from shoal.config import Config
 from shoal.errors import ConfigError
 from shoal.params import ParamSpec, flatten
 from shoal.privacy_plan import plan_of
+from shoal.privacy_state import (
+    NodePrivacy,
+    PrivacyBudget,
+    expected_clients,
+    round_sampling,
+    selection_secret,
+    sum_dtype,
+)
 from shoal.rounds import Rounds, SyncRounds
 from shoal.seeding import derive_seed, rng
 from shoal.shards import Shard
@@ -56,13 +64,11 @@ from shoal.task import (
     num_examples,
     task_name,
 )
-from shoal.tasks import BuiltinTask
+from shoal.tasks import BuiltinTask, builtin_local_data
 
 if TYPE_CHECKING:
-    from shoal.client.node import NodePrivacy
     from shoal.server.privacy import ServerPrivacy
     from shoal.simulations.client_data import ClientShards, PopulationShards
-    from shoal.simulations.dp_hooks import PrivacyBudget
     from shoal.simulations.wire_step import WireStep
 
 log = logging.getLogger(__name__)
@@ -112,13 +118,6 @@ def make_evaluator(cfg: Config, task: Task, device: torch.device | str = "cpu") 
     """A plain trainer of the task's model for evaluation only (a server's central evaluation:
     never DP-SGD, whatever ``[privacy]`` says of the clients' training)."""
     return LocalTrainer(initial_model(cfg, task), cfg.train, device, task=task)
-
-
-def expected_clients(cfg: Config, num_clients: int) -> int:
-    """K, the number of clients a round selects (as SyncRounds.sample_size): the DP mean's
-    fixed denominator, the number of noise shares, and q = K / N for the accountant."""
-    sim = cfg.simulation
-    return min(sim.clients_per_round or max(1, round(sim.fraction * num_clients)), num_clients)
 
 
 def make_round_strategy(cfg: Config, numel: int, device: torch.device | str, num_clients: int) -> Strategy:
@@ -382,7 +381,6 @@ def build_simulation(
         load_simulation_data,
         on_device,
     )
-    from shoal.simulations.dp_hooks import PrivacyBudget, round_sampling, selection_secret
     from shoal.simulations.wire_step import WireStep
 
     task = task if task is not None else task_from_config(cfg)
@@ -484,7 +482,6 @@ def build_server(cfg: Config, task: Task | None = None, registered: int | None =
     registry, N of FedDyn's and SCAFFOLD's server steps (None: the larger of clients_per_round and
     min_nodes until the registry binds it)."""
     from shoal.server.privacy import ServerPrivacy
-    from shoal.server.service import sum_dtype
 
     s = cfg.server
     if cfg.algorithm.name != "fedavg" and s.mode != "sync":
@@ -593,7 +590,6 @@ def build_node(
     of ``shoal data split`` for the built-in task, whose client id names the node unless ``name``
     does); ``state_dir``: the folder of its client state (None: in memory); ``privacy_ledger``: the
     file where a local-DP node keeps the rounds it spent (None: in memory)."""
-    from shoal.client.node import NodePrivacy, builtin_local_data
     from shoal.client.state import DiskClientState, MemoryClientState
     from shoal.simulations.client_data import on_device
 

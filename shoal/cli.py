@@ -127,7 +127,7 @@ def data_split(
     """Write the simulator's client split as one shard file per node (x, y; with --task, the
     task's simulation_data() clients, when they are tensors)."""
     from .config import load_config
-    from .shards import write_shards
+    from .shard_split import write_shards
 
     paths = write_shards(load_config(config, with_task(set_, task)), out)
     typer.echo(f"wrote {len(paths)} shards to {out}/")

@@ -14,7 +14,8 @@ from shoal.aggregation.secagg import PublicKeys
 from shoal.aggregation.secagg.wire import decode_message, encode_message
 from shoal.client.node import Node
 from shoal.config import config_from_dict
-from shoal.shards import load_shard, write_shards
+from shoal.shard_split import write_shards
+from shoal.shards import load_shard
 
 from .hostile import good_update
 from .live import live_server, small_config
