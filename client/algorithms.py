@@ -17,10 +17,10 @@ import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from shoal.client.batched import BatchedTrainer, BatchTerms
 from shoal.client.state import State
 from shoal.client.training import LocalTrainer, Objective
 from shoal.config import Config
@@ -31,23 +31,10 @@ from shoal.seeding import derive_seed
 from shoal.task import LOSS_PART, ClientData, Task, task_name, user_batches
 from shoal.update import Update
 
-if TYPE_CHECKING:
-    from shoal.client.batched import BatchedTrainer
-
 log = logging.getLogger(__name__)
 
 _PERSONAL_STREAM = 0xD177  # seeds a client's personal training apart from its global one
 _FINE_TUNE_STREAM = 0xF17E  # seeds personalised evaluation's fine-tuning
-
-
-@dataclass
-class BatchTerms:
-    """The per-client terms of a batched round's local objective (client/batched.py), one row per
-    client in the order the clients were given: what :class:`Objective` is for one client."""
-
-    correction: torch.Tensor | None = None  # (K, numel): added to each gradient, before the momentum
-    drift: torch.Tensor | None = None  # (K, numel): added to each step, after the momentum
-    prox_mu: float | None = None  # replaces train.prox_mu for every client
 
 
 @dataclass

@@ -64,6 +64,7 @@ from aiohttp import web
 
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
+from shoal.config.rules import check_gossip_settings
 from shoal.errors import ShoalError, TooLarge
 from shoal.metrics import MetricsLog, json_safe
 from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES, plan_of
@@ -88,7 +89,6 @@ from .gossip import GossipNode
 from .group_average import GridAverage, SliceMessage
 from .messages import Refused, parse_refusal
 from .page import peer_dashboard
-from .robust import check_gossip_settings
 from .secure_group import SecureGroup, SecureMessage
 from .service import Outgoing, PeerService, Rejected
 

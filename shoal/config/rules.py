@@ -64,8 +64,6 @@ def check_combinations(self: Any) -> None:
                     f"{least} (3 is the least any config allows: a sum of 1 input is that input)"
                 )
     if self.simulation.mode == "gossip":
-        from shoal.p2p.robust import check_gossip_settings  # robust merges and model compression (p2p/)
-
         check_gossip_settings(self)
     _check_async_robust(self)
     _check_algorithm(self)
@@ -329,4 +327,33 @@ def _check_secure_tiers(self: Any, what: str) -> None:
         raise ConfigError(
             f"{what} with secure_aggregation.malicious_server = true: the consistency round through edges is not "
             "built; the honest-but-curious variant runs across tiers"
+        )
+
+
+def check_gossip_settings(cfg: Any) -> None:
+    """Refuse ``[robust]`` / ``[compression]`` settings that gossip cannot honour, by name."""
+    g = cfg.gossip
+    if cfg.compression.encoding == "topk":
+        raise ConfigError(
+            "compression.encoding = 'topk' with gossip: top-k of a whole model drops most of it, and error "
+            "feedback needs a reference model both peers share, which push-pull with random partners does not "
+            "keep; use 'q8' (8-bit model) and/or compression.zstd = true"
+        )
+    if g.algorithm == "group_average":
+        if cfg.robust.rule != "mean" or cfg.robust.norm_bound > 0:
+            raise ConfigError(
+                "[robust] with gossip.algorithm = 'group_average': a group's reducers average exactly what "
+                "arrived, with no robust rule yet; set robust.rule = 'mean' and robust.norm_bound = 0, or use "
+                "gossip.algorithm = 'dpsgd' (robust mixing) or 'gossip' (bounded merges)"
+            )
+        if cfg.compression.encoding != "dense" or cfg.compression.zstd:
+            raise ConfigError(
+                "[compression] with gossip.algorithm = 'group_average': model slices travel as dense float32; "
+                "set compression.encoding = 'dense' and compression.zstd = false"
+            )
+    if g.algorithm == "gossip" and cfg.robust.rule != "mean":
+        raise ConfigError(
+            f"robust.rule = {cfg.robust.rule!r} with gossip.algorithm = 'gossip': a push-pull merge sees one "
+            "model at a time, so there is nothing to take a median of; use robust.norm_bound > 0 (clipped or "
+            "rejecting merge) or gossip.algorithm = 'dpsgd', which mixes a whole neighbourhood through the rule"
         )
