@@ -129,7 +129,7 @@ def server(
     central_test_data() (evaluated each version when server.eval is true)."""
     if ctx.invoked_subcommand is not None:
         return
-    from shoal.cli import setup_logging, with_task
+    from shoal.cli_common import setup_logging, with_task
 
     setup_logging(verbose)
     sets = with_task(set_, task)

@@ -45,8 +45,9 @@ from aiohttp import web
 
 from shoal.config import config_from_dict
 from shoal.pki import write_secret
-from shoal.server.app import CHUNKS, INTAKES, make_federation_app
 from shoal.server.federation import Federation
+from shoal.server.federation_routes import make_federation_app
+from shoal.server.http_common import CHUNKS, INTAKES
 from shoal.server.registry import Registry
 from shoal.server.runs_db import RunsDB
 
