@@ -23,8 +23,8 @@ from shoal.web.dashboard import server_dashboard
 
 from .app_base import base_app
 from .connections import listen
-from .federation import Federation
-from .federation_routes import make_federation_app
+from .federation.routes import make_federation_app
+from .federation.runs import Federation
 from .http_common import ADMIN, CHUNKS, CLOCK, FEDERATION, REVOCATIONS, SERVICE, SHUTDOWN_S, notify
 from .node_routes import add_node_routes, get_metrics, get_status
 from .registry import Registry

@@ -20,7 +20,7 @@ from shoal.config import Config
 from shoal.errors import ShoalError, TooLarge, UpdateRejected, WireError
 
 from .chunks import ChunkedUploads
-from .federation import Federation
+from .federation.runs import Federation
 from .registry import Registry, Revocations
 from .service import ModelDownload, ServerService
 from .task_registry import RunError

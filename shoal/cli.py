@@ -82,7 +82,7 @@ from shoal.server.cli import app as _server_app  # noqa: E402
 app.add_typer(_server_app, name="server")
 app.command("client")(_client_command)
 from shoal.client.cli import node_app as _node_app  # noqa: E402
-from shoal.server.run_cli import app as _run_app  # noqa: E402
+from shoal.server.federation.run_cli import app as _run_app  # noqa: E402
 
 app.add_typer(_node_app, name="node")
 app.add_typer(_run_app, name="run")

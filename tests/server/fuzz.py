@@ -36,7 +36,7 @@ completes and moves the model by its nodes' weighted mean.
 A failing batch is reported as it is, not shrunk: replayed against the live server (whose state
 moved on) it is not the same test, and shrinking resends batches for many minutes.
 
-``federation`` mode fuzzes a federation server (server/federation.py) hosting one sync run: the
+``federation`` mode fuzzes a federation server (server/federation/runs.py) hosting one sync run: the
 node protocol under ``/runs/run-1`` (and under runs that do not exist), and the federation's own
 routes: offers, a node's answer to a run, and the runs routes of `shoal run` with malformed
 submissions, stops of runs that do not exist, lookups of junk ids and files. Its state also

@@ -11,10 +11,9 @@ from aiohttp import web
 
 from shoal.web.dashboard import server_dashboard
 
-from .app_base import RUNS_PATH, base_app, researcher_tokens
-from .bodies import json_body
-from .federation import DEFAULT_FEDERATION_BODY, Federation, RunError
-from .http_common import (
+from ..app_base import RUNS_PATH, base_app, researcher_tokens
+from ..bodies import json_body
+from ..http_common import (
     ADMIN,
     CHANGED,
     CLOCK,
@@ -31,8 +30,9 @@ from .http_common import (
     tick,
     wait_event,
 )
-from .node_routes import add_node_routes
-from .registry import Registry
+from ..node_routes import add_node_routes
+from ..registry import Registry
+from .runs import DEFAULT_FEDERATION_BODY, Federation, RunError
 
 log = logging.getLogger(__name__)
 
