@@ -38,7 +38,8 @@ import aiohttp
 import torch
 
 from shoal import assembly
-from shoal.accounting import LocalDpSgdAccountant, budget_allows, check_delta_against, dp_sgd_schedule
+from shoal.accounting import budget_allows, check_delta_against
+from shoal.accounting_dpsgd import LocalDpSgdAccountant, dp_sgd_schedule
 from shoal.aggregation.compression import OutOfHalfRange
 from shoal.aggregation.dp import clip_to_norm, make_generator, noise_share, share_std
 from shoal.assembly import NodeParts

@@ -23,13 +23,9 @@ import logging
 import secrets
 from collections.abc import Callable
 
-from shoal.accounting import (
-    Accountant,
-    DdgRoundAccountant,
-    budget_allows,
-    check_delta_against,
-    dp_sgd_schedule,
-)
+from shoal.accounting import Accountant, budget_allows, check_delta_against
+from shoal.accounting_dpsgd import dp_sgd_schedule
+from shoal.accounting_rounds import DdgRoundAccountant
 from shoal.aggregation import Strategy
 from shoal.aggregation.dp import DPMean, clip_to_norm, make_generator, noise_share
 from shoal.assembly import expected_clients
