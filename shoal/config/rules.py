@@ -64,7 +64,7 @@ def check_combinations(self: Any) -> None:
                     f"{least} (3 is the least any config allows: a sum of 1 input is that input)"
                 )
     if self.simulation.mode == "gossip":
-        from shoal.p2p.robust import check_gossip_settings  # robust merges and model compression (p2p/)
+        from shoal.p2p.settings import check_gossip_settings  # robust merges and model compression (p2p/)
 
         check_gossip_settings(self)
     _check_async_robust(self)
