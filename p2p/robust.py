@@ -30,8 +30,12 @@ import torch
 
 from shoal.aggregation.robust import make_aggregator
 from shoal.config import Config
+from shoal.config.rules import check_gossip_settings
 
 from .merge import MergeBound
+from .settings import robust_mixing
+
+__all__ = ["check_gossip_settings", "make_merge_bound", "robust_gossip_average", "robust_mixing"]
 
 
 def make_merge_bound(cfg: Config) -> MergeBound:
@@ -39,11 +43,6 @@ def make_merge_bound(cfg: Config) -> MergeBound:
     ``max_abs`` and ``bound_mode``."""
     g = cfg.gossip
     return MergeBound(g.merge_bound, g.max_abs, g.bound_mode, g.merge_radius, g.max_drift)
-
-
-def robust_mixing(cfg: Config) -> bool:
-    """True when D-PSGD must mix node by node through a robust rule (not ``W @ X``)."""
-    return cfg.robust.rule != "mean" or cfg.robust.norm_bound > 0
 
 
 def robust_gossip_average(
