@@ -70,8 +70,8 @@ def run_server(cfg: Config, insecure: bool = False, fresh: bool = False) -> None
         )
     registry = Registry(s.db)
     try:
-        if cfg.hierarchy.parent:  # an edge aggregator under that root (server/edge_server.py)
-            from .edge_server import serve_edge
+        if cfg.hierarchy.parent:  # an edge aggregator under that root (server/edge/app.py)
+            from .edge.app import serve_edge
 
             asyncio.run(serve_edge(cfg, registry, ctx, task=task))
             return

@@ -66,7 +66,7 @@ CHUNKS = web.AppKey("chunks", ChunkedUploads)  # open chunked uploads (server/ch
 REVOCATIONS = web.AppKey("revocations", Revocations)  # the revoked names, pushed to every run (registry.py)
 
 
-INTAKES = web.AppKey("intakes", weakref.WeakKeyDictionary)  # each run's PartialIntake (server/edge.py)
+INTAKES = web.AppKey("intakes", weakref.WeakKeyDictionary)  # each run's PartialIntake (server/edge/intake.py)
 
 
 CHUNK_DIGEST_HEADER = "X-Shoal-Chunk-Sha256"

@@ -324,7 +324,7 @@ def add_node_routes(app: web.Application, prefix: str) -> None:
     app.router.add_post(prefix + "/v1/uploads", post_upload_begin)
     app.router.add_put(prefix + "/v1/uploads/{upload}", put_upload_chunk)
     app.router.add_get(prefix + "/v1/uploads/{upload}", get_upload)
-    app.router.add_post(prefix + "/v1/partial", post_partial)  # edge aggregators (server/edge.py)
+    app.router.add_post(prefix + "/v1/partial", post_partial)  # edge aggregators (server/edge/intake.py)
     app.router.add_post(prefix + "/v1/edge/poll", post_edge_poll)
-    app.router.add_post(prefix + "/v1/edge/secagg/{stage}", post_edge_secagg)  # server/edge_secure.py
+    app.router.add_post(prefix + "/v1/edge/secagg/{stage}", post_edge_secagg)  # server/edge/secure.py
     app.router.add_get(prefix + "/v1/edge/secagg/{stage}", get_edge_secagg)

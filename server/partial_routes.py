@@ -1,6 +1,6 @@
 """A root's routes for its edge aggregators (docs/hierarchy.md): an edge's poll, its partial of
-the open round, and the secure aggregation messages it relays; the checks are server/edge.py's
-:class:`PartialIntake` and server/edge_secure.py's."""
+the open round, and the secure aggregation messages it relays; the checks are server/edge/intake.py's
+:class:`PartialIntake` and server/edge/secure.py's."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ from shoal.errors import ShoalError, TooLarge, UpdateRejected, short_repr
 from shoal.wire import MAX_HEADER_BYTES
 
 from .bodies import json_body, read_body
-from .edge import MAX_EDGE_POLL_BODY, PartialIntake, check_edge
-from .edge_secure import body_limit
+from .edge.intake import MAX_EDGE_POLL_BODY, PartialIntake, check_edge
+from .edge.secure import body_limit
 from .http_common import (
     CHANGED,
     INTAKES,
@@ -48,7 +48,7 @@ def intake_of(request: web.Request, svc: ServerService) -> PartialIntake:
 
 async def post_edge_poll(request: web.Request) -> web.Response:
     """An edge aggregator's poll: its connected nodes in, the open round's tasks for them out
-    (server/edge.py's PartialIntake.poll, docs/hierarchy.md); held up to ``wait`` seconds while
+    (server/edge/intake.py's PartialIntake.poll, docs/hierarchy.md); held up to ``wait`` seconds while
     there is no work for it."""
     app, edge = request.app, request[NODE]
     svc = svc_of(request)
@@ -72,7 +72,7 @@ async def post_edge_poll(request: web.Request) -> web.Response:
 
 
 async def post_partial(request: web.Request) -> web.Response:
-    """An edge aggregator's partial for the open round (server/edge.py, docs/hierarchy.md): read
+    """An edge aggregator's partial for the open round (server/edge/intake.py, docs/hierarchy.md): read
     under the upload limits (per-node count, body timeouts, minimum rate), then checked and merged."""
     app, edge = request.app, request[NODE]
     svc = svc_of(request)

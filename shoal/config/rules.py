@@ -9,7 +9,7 @@ from typing import Any
 
 from shoal.errors import ConfigError
 
-MAX_EDGE_ROUNDS = 4096  # hierarchy.edge_rounds at an edge process (server/edge.py numbers its models by it)
+MAX_EDGE_ROUNDS = 4096  # hierarchy.edge_rounds at an edge process (server/edge/rounds.py numbers its models by it)
 
 
 def check_combinations(self: Any) -> None:

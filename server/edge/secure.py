@@ -14,7 +14,7 @@ spans every node under every edge). An edge in between (aggregation/secagg/tiers
   delivery it relayed).
 
 The root takes that sum as if each node had sent its own masked input, each node at most once,
-and only from the edge that speaks for it in the round (server/edge.py's EdgeRoster). A sum that
+and only from the edge that speaks for it in the round (server/edge/intake.py's EdgeRoster). A sum that
 never comes (the edge died, or dropped it) leaves its nodes as the protocol's drop-outs.
 
 :class:`EdgeRelay` is the edge's state without I/O; the edge's aiohttp handlers follow. The root's
@@ -41,8 +41,8 @@ from shoal.errors import Malformed, ShoalError, UpdateRejected
 from shoal.metrics import json_safe
 from shoal.wire import MAX_HEADER_BYTES
 
-from .bodies import read_body
-from .http_common import NODE, SETTINGS, error, integer_param, notify, seconds_param, status_of
+from ..bodies import read_body
+from ..http_common import NODE, SETTINGS, error, integer_param, notify, seconds_param, status_of
 
 log = logging.getLogger(__name__)
 
@@ -197,7 +197,7 @@ class RelayLink:
 
     async def send_sums(self, stop: asyncio.Event, changed) -> None:
         """Send the masked sum up when it is due, retransmitted until the root answers."""
-        from .edge_uplink import PartialRefused, UplinkGaveUp, send_partial
+        from .partial_sender import PartialRefused, UplinkGaveUp, send_partial
 
         assert self.http is not None
         loop = asyncio.get_running_loop()
