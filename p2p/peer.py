@@ -71,8 +71,8 @@ from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES, plan_of
 from shoal.privacy_state import NodePrivacy
 from shoal.rounds import evaluation_due
 from shoal.seeding import derive_seed
-from shoal.server.dashboard import is_dashboard_path
 from shoal.task import ClientData, num_examples, task_name
+from shoal.web.dashboard import is_dashboard_path
 from shoal.wire import encode_model
 
 from .connections import (

@@ -52,10 +52,26 @@ from shoal.task import Task
 from shoal.update import Update
 from shoal.wire import MAX_HEADER_BYTES, decode_model, decode_update, model_parts, read_header
 
+from .app_base import base_app
 from .bodies import read_body
+from .connections import listen
 from .edge import MAX_ROSTER, EdgeBuffer, EdgeRound, EdgeRounds, edge_terms
 from .edge_secure import RELAY, EdgeRelay, RelayLink, edge_get_secagg, edge_post_secagg
 from .edge_uplink import PartialRefused, UplinkGaveUp, send_partial
+from .http_common import (
+    CHANGED,
+    NODE,
+    SHUTDOWN_S,
+    SPEC_HASH_HEADER,
+    Refusal,
+    answer_and_hang_up,
+    error,
+    notify,
+    seconds_param,
+    send_model,
+    status_of,
+    wait_event,
+)
 from .service import MAX_FAILURE_BODY, ModelDownload, parse_failure_report, spec_mismatch_detail
 
 log = logging.getLogger(__name__)
@@ -551,7 +567,6 @@ async def revoked_nodes(request: web.Request, handler):
     """A node the root revoked gets 403 at this edge on every route, whatever the edge's copy of the
     registry says (its body, if any, is not read); each refusal is logged with its reason (at most
     one line per node per REFUSAL_LOG_S, with the count since)."""
-    from .app import NODE, _answer_and_hang_up, error
 
     edge, node = request.app[EDGE], request.get(NODE)
     if node is None or node not in edge.revoked:
@@ -568,14 +583,13 @@ async def revoked_nodes(request: web.Request, handler):
         edge.refusal_log[node] = (last, count + 1)
     resp = error(403, "revoked", f"node {node!r} is revoked at the root; this edge serves it nothing")
     if request.body_exists and not request.content.at_eof():
-        await _answer_and_hang_up(request, resp)
+        await answer_and_hang_up(request, resp)
     return resp
 
 
 def _edge_app(edge: EdgeNodes, registry) -> web.Application:
-    from .app import _base_app
 
-    app = _base_app(edge.cfg, registry, edge.max_body_bytes)
+    app = base_app(edge.cfg, registry, edge.max_body_bytes)
     app.middlewares.append(revoked_nodes)  # after auth: it knows the node
     app[EDGE] = edge
     app[INGEST] = asyncio.Semaphore(edge.cfg.server.ingest_slots)
@@ -590,14 +604,13 @@ def _edge_app(edge: EdgeNodes, registry) -> web.Application:
 
 
 async def get_task(request: web.Request) -> web.Response:
-    from .app import CHANGED, NODE, SPEC_HASH_HEADER, _seconds, _status_of, _wait_event, error
 
     edge, node = request.app[EDGE], request[NODE]
-    end = time.monotonic() + _seconds(request, "wait", edge.cfg.server.poll_s)
+    end = time.monotonic() + seconds_param(request, "wait", edge.cfg.server.poll_s)
     try:
         edge.check_spec(request.headers.get(SPEC_HASH_HEADER))
     except ShoalError as e:
-        return error(_status_of(e), e.code, str(e))
+        return error(status_of(e), e.code, str(e))
     while True:
         event = request.app[CHANGED]["event"]
         try:
@@ -609,11 +622,10 @@ async def get_task(request: web.Request) -> web.Response:
         left = end - time.monotonic()
         if left <= 0:
             return web.json_response({"status": "wait", "version": edge.version})
-        await _wait_event(event, min(left, 1.0))
+        await wait_event(event, min(left, 1.0))
 
 
 async def get_model(request: web.Request) -> web.StreamResponse:
-    from .app import NODE, Refusal, send_model
 
     edge = request.app[EDGE]
     edge.seen(request[NODE], time.monotonic())
@@ -629,7 +641,6 @@ async def _body(request: web.Request, limit: int) -> bytes:
 
 
 async def post_update(request: web.Request) -> web.Response:
-    from .app import NODE, _notify, _status_of, error
 
     edge, node = request.app[EDGE], request[NODE]
     try:
@@ -644,20 +655,19 @@ async def post_update(request: web.Request) -> web.Response:
                     log.error("round %d: the update of %s is summed but not kept on disk: %s", result["round"], node, e)
     except ShoalError as e:
         log.info("update from %s refused: %s: %s", node, getattr(e, "code", "error"), e)
-        return error(_status_of(e), getattr(e, "code", "error"), str(e))
-    _notify(request.app)  # the closer looks at once whether the round is complete
+        return error(status_of(e), getattr(e, "code", "error"), str(e))
+    notify(request.app)  # the closer looks at once whether the round is complete
     return web.json_response(result)
 
 
 async def post_failed(request: web.Request) -> web.Response:
-    from .app import NODE, _status_of, error
 
     edge = request.app[EDGE]
     body = await _body(request, MAX_FAILURE_BODY)
     try:
         return web.json_response(edge.failed(request[NODE], body, time.monotonic()))
     except ShoalError as e:
-        return error(_status_of(e), getattr(e, "code", "error"), str(e))
+        return error(status_of(e), getattr(e, "code", "error"), str(e))
 
 
 class Uplink:
@@ -677,9 +687,7 @@ class Uplink:
         self.metrics = out / "edge_metrics.jsonl"
 
     def _changed(self) -> None:
-        from .app import _notify
-
-        _notify(self.app)
+        notify(self.app)
 
     async def poll_root(self, stop: asyncio.Event) -> None:
         """Name the connected nodes to the root, take its answer; fetch the round's model."""
@@ -941,9 +949,6 @@ async def serve_edge(
     """Serve this edge's nodes until the root says done (and the nodes were told), or SIGINT/SIGTERM."""
     from shoal.tls import client_context
 
-    from .app import SHUTDOWN_S, _notify
-    from .connections import listen
-
     h, s = cfg.hierarchy, cfg.server
     if not h.parent_token_file:
         raise ConfigError(
@@ -990,7 +995,7 @@ async def serve_edge(
             if up.sending:  # a partial on its way finishes (bounded by the root's deadline)
                 await asyncio.wait(up.sending, timeout=SHUTDOWN_S)
     finally:
-        _notify(app)
+        notify(app)
         guard.close()
         await runner.cleanup()
     log.info("edge stopped: %d updates taken, refused %s", edge.accepted, edge.refused)

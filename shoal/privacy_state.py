@@ -24,14 +24,9 @@ from pathlib import Path
 
 import torch
 
-from shoal.accounting import (
-    Accountant,
-    DdgRoundAccountant,
-    LocalDpSgdAccountant,
-    budget_allows,
-    check_delta_against,
-    dp_sgd_schedule,
-)
+from shoal.accounting import Accountant, budget_allows, check_delta_against
+from shoal.accounting_dpsgd import LocalDpSgdAccountant, dp_sgd_schedule
+from shoal.accounting_rounds import DdgRoundAccountant
 from shoal.aggregation import Strategy
 from shoal.aggregation.dp import DPMean, clip_to_norm, make_generator, noise_share, share_std
 from shoal.client.http import NodeError

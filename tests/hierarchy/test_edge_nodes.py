@@ -196,9 +196,9 @@ def test_the_edge_s_node_routes_refuse_hostile_requests(tmp_path) -> None:
                 waiting = asyncio.ensure_future(call("GET", "/v1/task?wait=5", headers=auth))
                 await asyncio.sleep(0.2)
                 assert e.from_root({"edge": "edge-a", "status": "wait", "revoked": ["n0"]}, 1.0)
-                from shoal.server.app import _notify
+                from shoal.server.http_common import notify
 
-                _notify(runner.app)
+                notify(runner.app)
                 assert (await waiting)[0] == 403  # its long poll ends with the refusal
                 for method, path, data in (("GET", "/v1/model", None), ("POST", "/v1/update", body(e, "n0"))):
                     status, answer = await call(method, path, headers=auth, data=data)

@@ -36,7 +36,7 @@ completes and moves the model by its nodes' weighted mean.
 A failing batch is reported as it is, not shrunk: replayed against the live server (whose state
 moved on) it is not the same test, and shrinking resends batches for many minutes.
 
-``federation`` mode fuzzes a federation server (server/federation.py) hosting one sync run: the
+``federation`` mode fuzzes a federation server (server/federation/runs.py) hosting one sync run: the
 node protocol under ``/runs/run-1`` (and under runs that do not exist), and the federation's own
 routes: offers, a node's answer to a run, and the runs routes of `shoal run` with malformed
 submissions, stops of runs that do not exist, lookups of junk ids and files. Its state also
@@ -1152,7 +1152,7 @@ def snapshot(svc, fed=None, app=None) -> tuple:
     if sr is None or not svc.cfg.hierarchy.edge_names:
         return base
     # edge_secure: the protocol's state, who the root saw, and who speaks for whom in the round
-    from shoal.server.app import INTAKES
+    from shoal.server.http_common import INTAKES
 
     intake = app[INTAKES].get(svc) if app is not None else None
     return base + (

@@ -15,7 +15,7 @@ import torch
 from shoal.aggregation.compression import Encoded, OutOfHalfRange, to_half
 from shoal.client.node import Node
 from shoal.config import config_from_dict
-from shoal.server.app import CHUNKS
+from shoal.server.http_common import CHUNKS
 from shoal.shards import Shard
 from shoal.update import Update
 from shoal.wire import decode_model, encode_update
