@@ -28,6 +28,7 @@ from shoal.aggregation.fedbuff import FedBuff
 from shoal.aggregation.robust import make_aggregator
 from shoal.aggregation.scaffold import ScaffoldControl
 from shoal.aggregation.staleness import make_staleness_weight
+from shoal.algorithms import algorithm_of
 from shoal.async_rounds import AsyncRounds
 from shoal.client.algorithms import ClientProgram, make_program
 from shoal.client.batched import BatchedTrainer, make_batched_trainer
@@ -128,11 +129,12 @@ def make_round_strategy(cfg: Config, numel: int, device: torch.device | str, num
         seed = derive_seed(cfg.simulation.seed, 0xD9)
         k = expected_clients(cfg, num_clients)
         return make_dp_strategy(cfg.strategy, cfg.privacy, numel, k, device, seed)
-    if cfg.algorithm.name == "fednova":  # config rules allow it only with the plain mean, no DP
+    step = algorithm_of(cfg).server_step  # the registry's declaration (shoal/algorithms.py)
+    if step == "fednova":  # config rules allow it only with the plain mean, no DP
         from shoal.aggregation.fednova import FedNovaStrategy
 
         return FedNovaStrategy(WeightedMean(numel, device), make_server_optimizer(cfg.strategy), cfg.strategy.weighting)
-    if cfg.algorithm.name == "feddyn":
+    if step == "feddyn":
         from shoal.aggregation.feddyn import FedDynStrategy
 
         return FedDynStrategy(numel, num_clients, cfg.algorithm.feddyn_alpha, device, cfg.strategy.weighting)
@@ -269,11 +271,11 @@ class HoldsClient:
 
 def batching_blocker(cfg: Config, task: Task, trainer: LocalTrainer, in_memory: bool) -> str | None:
     """Why the config, the task or the model rules out training many clients as one batch (None: it may)."""
-    algorithm = cfg.algorithm.name
+    declared = algorithm_of(cfg)
     if plan_of(cfg).dp_sgd:  # DP-SGD clips per sample with Opacus: never batched across clients
         return "privacy.mode = 'local' (DP-SGD) trains each client with Opacus"
-    if algorithm in ("ditto", "fedper", "fedrep"):
-        return f"algorithm.name = {algorithm!r} trains a personal part of its own on each client"
+    if not declared.batchable:
+        return f"algorithm.name = {declared.name!r} trains a personal part of its own on each client"
     if not in_memory:
         return "the clients' data are torch Datasets (read through a DataLoader), not tensors"
     if type(task).loss is not Task.loss:
@@ -415,7 +417,7 @@ def build_simulation(
     # One client step (client/algorithms.py) and the clients' state between their rounds.
     states = make_client_state(cfg.algorithm.state_dir, device)
     strategy = make_round_strategy(cfg, spec.numel, device, n)
-    control = ScaffoldControl(spec.numel, n, device) if cfg.algorithm.name == "scaffold" else None
+    control = ScaffoldControl(spec.numel, n, device) if algorithm_of(cfg).control_variate else None
     rounds = make_sync_rounds(
         strategy,
         client.trainer.flat.detach().clone(),
@@ -484,7 +486,7 @@ def build_server(cfg: Config, task: Task | None = None, registered: int | None =
     from shoal.server.privacy import ServerPrivacy
 
     s = cfg.server
-    if cfg.algorithm.name != "fedavg" and s.mode != "sync":
+    if s.mode not in algorithm_of(cfg).modes:
         raise ConfigError(
             f"algorithm.name = {cfg.algorithm.name!r} with server.mode = {s.mode!r}: the algorithm's client state "
             "and server step assume a node trains from the round's model and its result belongs to that round; "
@@ -514,7 +516,7 @@ def build_server(cfg: Config, task: Task | None = None, registered: int | None =
             spec.numel * 4 / 1e6,
             spec.numel * 8 / 1e6,
         )
-    if cfg.algorithm.name == "scaffold":
+    if algorithm_of(cfg).control_variate:
         from shoal.aggregation.scaffold import ScaffoldStrategy
 
         strategy = ScaffoldStrategy(strategy, spec.numel, population)

@@ -13,6 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from shoal.algorithms import AlgorithmName
 from shoal.errors import ConfigError
 
 from .rules import check_combinations
@@ -217,9 +218,6 @@ class StrategyConfig:
             v = getattr(self, k)
             if not 0 <= v < 1:
                 raise ConfigError(f"strategy.{k} = {v} must be in [0, 1)")
-
-
-AlgorithmName = Literal["fedavg", "scaffold", "fednova", "feddyn", "ditto", "fedper", "fedrep"]
 
 
 @dataclass
