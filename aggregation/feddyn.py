@@ -25,6 +25,9 @@ class FedDynStrategy(Strategy):
         self.num_clients = num_clients
         self.h = torch.zeros(numel, device=device)
 
+    def bind_population(self, num_clients: int) -> None:
+        self.num_clients = num_clients
+
     def accumulate_sum(self, part: PartialSum) -> None:
         raise TypeError("FedDyn counts the round's clients; it takes each update")
 

@@ -88,6 +88,9 @@ class ScaffoldStrategy(Strategy):
     def broadcast(self) -> dict[str, torch.Tensor]:
         return self.control.broadcast()
 
+    def bind_population(self, num_clients: int) -> None:
+        self.control.num_clients = num_clients
+
     def state_dict(self):
         return {"optimizer": super().state_dict(), "c": self.control.c.clone()}
 

@@ -47,6 +47,13 @@ class Strategy:
         self.weighting = weighting
         self._global: torch.Tensor | None = None
 
+    def broadcast(self) -> dict[str, torch.Tensor] | None:
+        """Tensors that travel to the clients beside the model (SCAFFOLD's control variate); none here."""
+        return None
+
+    def bind_population(self, num_clients: int) -> None:
+        """The population N, for a step that divides by it (FedDyn's, SCAFFOLD's); nothing here."""
+
     def begin(self, global_flat: torch.Tensor) -> None:
         """Start a round from the global parameters the clients were sent (not modified)."""
         self.aggregator.reset()

@@ -346,9 +346,8 @@ class ShoalStrategy(FlowerStrategy):
 
     def _broadcast(self) -> ArrayRecord | None:
         """What the algorithm's server step sends beside the model (SCAFFOLD's c), or None."""
-        if not self.stateful:
-            return None
-        return tensor_record(self.strategy.broadcast())  # type: ignore[attr-defined]
+        aux = self.strategy.broadcast() if self.stateful else None
+        return tensor_record(aux) if aux is not None else None
 
     def _to_server(self, reply: Message) -> dict[str, torch.Tensor]:
         """A reply's tensors for the algorithm's server step (the strategy checks their names and

@@ -305,7 +305,7 @@ class SecureRound:
     def _algorithm_meta(self, meta: dict[str, Any]) -> dict[str, float]:
         """What the algorithm sends in the clear beside the keys (FedNova's step weight), checked
         (Malformed); another algorithm's field is refused, as on the plain upload path."""
-        if self.payload.algorithm != "fednova":
+        if not self.payload.normalised:
             if FEDNOVA_A in meta:
                 raise Malformed(f"keys: algorithm.name = {self.payload.algorithm!r} takes no {FEDNOVA_A}")
             return {}

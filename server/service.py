@@ -31,6 +31,7 @@ from shoal import assembly
 from shoal.aggregation.mean import WeightedMean
 from shoal.aggregation.secagg.encoding import FixedPoint
 from shoal.aggregation.strategy import Strategy
+from shoal.algorithms import algorithm_of
 from shoal.assembly import ServerParts, make_evaluator
 from shoal.async_rounds import AsyncRounds
 from shoal.client.training import LocalTrainer, summarize_means
@@ -236,8 +237,8 @@ class ServerService:
         self.elapsed_before = 0.0  # a resumed run: the elapsed_s its last record had (server/store.py)
         # the largest update (a dense float32 model and its header), and the largest request: an
         # update over max_body_bytes travels in chunks (server/chunks.py)
-        # (SCAFFOLD's updates carry the control-variate delta beside the model-sized delta)
-        sent = 2 if cfg.algorithm.name == "scaffold" else 1
+        # (an algorithm's extra tensors, SCAFFOLD's control-variate delta, are model-sized too)
+        sent = 1 + len(algorithm_of(cfg).to_server)
         self.update_limit = max(s.max_body_bytes, sent * self.spec.nbytes + MAX_HEADER_BYTES)
         self.max_body_bytes = s.max_body_bytes or self.spec.nbytes + MAX_HEADER_BYTES
         self.mode = s.mode
@@ -436,8 +437,8 @@ class ServerService:
         """The current global model as a download (GET /v1/model, whole or by range): made once
         per version from the parameters' own memory, no encoded copy of the model."""
         if self._download is None or self._download.version != self.version:
-            broadcast = getattr(self.sync.strategy if self.sync is not None else None, "broadcast", None)
-            if callable(broadcast) and broadcast():  # an algorithm's tensors travel with the model: encoded
+            # an algorithm's tensors travel with the model: the model is sent encoded with them
+            if self.sync is not None and self.sync.strategy.broadcast():
                 head, data = b"", memoryview(self.model_body())
             else:
                 head, data = model_parts(self.rounds.global_params, self.spec, self.version)
@@ -448,8 +449,7 @@ class ServerService:
         """The current global model on the wire, encoded once per version (with the algorithm's
         broadcast beside it: SCAFFOLD's server control variate)."""
         if self._model_cache is None or self._model_cache[0] != self.version:
-            broadcast = getattr(self.sync.strategy if self.sync is not None else None, "broadcast", None)
-            aux = broadcast() if callable(broadcast) else None
+            aux = self.sync.strategy.broadcast() if self.sync is not None else None
             body = encode_model(self.rounds.global_params, self.spec, self.version, aux=aux)
             self._model_cache = (self.version, body)
         return self._model_cache[1]
@@ -755,14 +755,14 @@ class ServerService:
     def _check_algorithm_fields(self, update) -> None:
         """What the algorithm's server step needs beside the update is there (Malformed, nothing
         changed, otherwise); nothing an algorithm does not use may come with it."""
-        name = self.cfg.algorithm.name
-        wanted = {"scaffold/dc"} if name == "scaffold" else set()
+        declared = algorithm_of(self.cfg)
+        name, wanted = declared.name, set(declared.to_server)
         if set(update.to_server) != wanted:
             raise Malformed(
                 f"the update carries {sorted(update.to_server)} beside its delta; algorithm.name = {name!r} "
                 f"takes {sorted(wanted)}"
             )
-        if name == "fednova":
+        if "fednova_a" in declared.reports:
             a = update.metrics.get("fednova_a", 0.0)
             if not (a >= 1.0 and math.isfinite(a)):
                 raise Malformed(f"FedNova's update needs metrics.fednova_a >= 1 (its local steps' weight), got {a!r}")
@@ -928,10 +928,8 @@ class ServerService:
         says why that is the population the accountant needs). ConfigError if it cannot be sound."""
         if self.privacy is not None and self.sync is not None:
             self.privacy.bind(registered, self.sync)
-        strategy = self.sync.strategy if self.sync is not None else None
-        for part in (strategy, getattr(strategy, "control", None)):  # FedDyn's and SCAFFOLD's N
-            if part is not None and hasattr(part, "num_clients") and registered > 0:
-                part.num_clients = registered
+        if self.sync is not None and registered > 0:
+            self.sync.strategy.bind_population(registered)  # FedDyn's and SCAFFOLD's N
 
     def _dp(self) -> ServerPrivacy:
         """The privacy state (the callers run only when [privacy] is on)."""

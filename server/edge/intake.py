@@ -28,6 +28,7 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from shoal.aggregation.partial import PartialInbox, decode_partial
+from shoal.algorithms import algorithm_of
 from shoal.errors import Malformed, UpdateRejected, short_repr
 from shoal.wire import MAX_HEADER_BYTES
 
@@ -288,7 +289,7 @@ class PartialIntake:
                 "DP runs through edges with secure aggregation in sync rounds: each node clips and adds its noise "
                 "share before masking)"
             )
-        if cfg.algorithm.name != "fedavg":
+        if not algorithm_of(cfg).summable:
             return f"algorithm.name = {cfg.algorithm.name!r} needs each node's own step and state, not a sum"
         if cfg.robust.rule != "mean":
             return f"robust.rule = {cfg.robust.rule!r} needs each update, not a sum"
