@@ -26,12 +26,14 @@ from shoal.accounting_dpsgd import LocalDpSgdAccountant, dp_sgd_schedule
 from shoal.aggregation.secagg.encoding import FixedPoint, encode_weighted
 from shoal.aggregation.secagg.wire import decode_message, encode_message
 from shoal.client.http import NodeError
-from shoal.client.node import Node, NodePrivacy
+from shoal.client.node import Node
 from shoal.config import config_from_dict
 from shoal.errors import ConfigError
+from shoal.privacy_state import NodePrivacy
 from shoal.server.service import ServerService
 from shoal.server.store import open_service
-from shoal.shards import Shard, load_shard, write_shards
+from shoal.shard_split import write_shards
+from shoal.shards import Shard, load_shard
 from shoal.update import Update
 from shoal.wire import decode_update, encode_model, encode_update
 
