@@ -87,3 +87,66 @@ def ddg_round_rdp(
 
 
 DDG_KEYS = ("dim", "clip", "gamma", "bits", "beta", "variance", "shares", "max_summands", "sensitivity_sq")
+
+
+# --- PLD: the round as a continuous Gaussian up to a pointwise factor --------------------------
+#
+# Why this holds (docs/privacy.md, "PLD for the discrete Gaussian"). Write theta(w) for an upper
+# bound on 2 sum_{j>=1} exp(-2 pi^2 w j^2); by Poisson summation, sum_k exp(-(k-c)^2/2w) lies within
+# sqrt(2 pi w) (1 +- theta(w)) for every real c. Then, per coordinate:
+# (1) the sum of t shares N_Z(0, v) has, at every integer m, a probability within
+#     [(1+theta(v))^-t prod_{k<t} (1-theta(kv/(k+1))), prod_{k<t} (1+theta(kv/(k+1)))] times the
+#     Gaussian density phi_{tv}(m) (induction over the shares, one convolution at a time);
+# (2) rounding a continuous Y ~ N(x, tv - r^2) to the integer k with probability proportional to
+#     exp(-(k-Y)^2/2r^2) gives k with probability within [1/(1+theta(r^2)), 1/(1-theta(r^2))] times
+#     phi_{tv}(k - x), and commutes with integer shifts x.
+# So the round's output, for every neighbouring input, is within a factor e^{+-b} (b summed over the
+# coordinates) of a post-processing of the continuous Gaussian mechanism of std sqrt(tv - r^2) and
+# L2 sensitivity Delta_2/gamma. Pointwise factors survive Poisson sampling (mixtures), adaptive
+# composition (they multiply: B = sum of the rounds' b) and post-processing, and turn a hockey-stick
+# divergence H_{e^eps} of the Gaussian pair into one of at most e^B H_{e^(eps-2B)}: so the rounds'
+# epsilon at delta is at most the continuous Gaussian's epsilon at delta e^-B, plus 2B, and the
+# Gaussian's is priced by dp-accounting's PLD (Poisson subsampling exact, pessimistic rounding).
+# More shares than t, the server's top-up and the modular reduction are post-processing.
+
+ROUNDING_VAR = 4.0  # r^2 of step (2): theta(4) < 1e-34, and 4 of the sum's integer variance is lost
+
+
+def theta(w: float) -> float:
+    """An upper bound on 2 sum_{j>=1} exp(-2 pi^2 w j^2) (j^2 >= 1 + 3(j - 1): a geometric series)."""
+    if w <= 0:
+        return math.inf
+    c = 2.0 * math.pi**2 * w
+    return 2.0 * math.exp(-c) / -math.expm1(-3.0 * c)
+
+
+@lru_cache(maxsize=1024)
+def ddg_gaussian_equivalent(
+    variance: int, shares: int, dim: int, sensitivity_sq: float, gamma: float
+) -> tuple[float, float]:
+    """(z, b) of one unsampled round of the distributed discrete Gaussian: it is a post-processing of
+    the continuous Gaussian mechanism of noise multiplier z, up to a pointwise factor e^{+-b} on its
+    output probabilities (see above). (0, inf) when the shares' noise is too small for the bound."""
+    total = shares * variance - ROUNDING_VAR
+    sens = math.sqrt(sensitivity_sq) / gamma  # Delta_2 in steps of gamma
+    terms = [theta(variance * k / (k + 1)) for k in range(1, shares)]
+    worst = max([theta(variance), theta(ROUNDING_VAR), *terms])
+    if total <= 0 or sens <= 0 or worst >= 1:
+        return 0.0, math.inf
+    per_coordinate = (
+        shares * math.log1p(theta(variance)) - sum(math.log1p(-t) for t in terms) - math.log1p(-theta(ROUNDING_VAR))
+    )
+    return math.sqrt(total) / sens, dim * per_coordinate
+
+
+def ddg_round_gaussian(e: dict) -> tuple[float, float]:
+    """(z, b) of one unsampled round recorded as ledger entry ``e``, its noised round figures
+    (``release_z``: two Gaussians of that multiplier on the same sample) composed in: Gaussians of
+    multipliers z_i compose to one of multiplier (sum z_i^-2)^-1/2."""
+    z, b = ddg_gaussian_equivalent(
+        int(e["variance"]), int(e["shares"]), int(e["dim"]), float(e["sensitivity_sq"]), float(e["gamma"])
+    )
+    release_z = float(e.get("release_z", 0.0))
+    if z > 0 and release_z > 0:
+        z = (z**-2 + 2 * release_z**-2) ** -0.5
+    return z, b

@@ -8,6 +8,7 @@ import math
 from functools import lru_cache
 
 from shoal.accounting import (
+    ACCOUNTANTS,
     LEDGER_ORDERS,
     SAMPLINGS,
     epsilon,
@@ -17,7 +18,7 @@ from shoal.accounting import (
     rdp_to_epsilon,
     subsampled_gaussian,
 )
-from shoal.accounting_ddg import DDG_KEYS, ddg_round_rdp
+from shoal.accounting_ddg import DDG_KEYS, ROUNDING_VAR, ddg_round_gaussian, ddg_round_rdp
 
 
 class LedgerMismatch(ValueError):
@@ -52,13 +53,13 @@ class RoundLedger:
     def epsilon_after(self, extra: int) -> float:
         """epsilon of the ledger plus ``extra`` more rounds of the current mechanism. A ledger that
         also holds rounds of the other Poisson mechanism (a restart switched privacy.mechanism) is
-        composed in RDP: :func:`mixed_ledger_epsilon`."""
+        composed as :func:`mixed_ledger_epsilon` says."""
         entries = [e for e in [*self.ledger, {**self._current(), "rounds": extra}] if int(e["rounds"]) > 0]
         if not entries:
             return 0.0
         if all(e["mechanism"] == self.MECHANISM for e in entries):
             return self._price(entries)
-        return mixed_ledger_epsilon(entries, self.delta)
+        return mixed_ledger_epsilon(entries, self.delta, self.kind)
 
     @staticmethod
     def _check_entry(e: dict) -> None:
@@ -138,6 +139,8 @@ class RoundLedger:
         others = sum(int(e["rounds"]) for e in self.ledger if e["mechanism"] != self.MECHANISM)
         if not others:
             return ""
+        if self.kind == "pld":
+            return f"; {others} earlier rounds of the other Gaussian mechanism, composed with these by PLD"
         return (
             f"; {others} earlier rounds of the other Gaussian mechanism, composed with these in RDP at integer "
             f"orders {LEDGER_ORDERS[0]}-{LEDGER_ORDERS[-1]}"
@@ -279,11 +282,11 @@ class RoundAccountant(RoundLedger):
         return text + self._mixed_note()
 
 
-def epsilon_ddg(q: float, ddg: dict, steps: int, delta: float) -> float:
+def epsilon_ddg(q: float, ddg: dict, steps: int, delta: float, kind: str = "rdp") -> float:
     """epsilon at ``delta`` after ``steps`` rounds of the distributed discrete Gaussian with Poisson
     sampling rate q; ``ddg`` is aggregation.discrete_gaussian.DdgParams.as_dict() plus its
     ``sensitivity_sq`` (Delta_2^2)."""
-    return DdgRoundAccountant(q, ddg, delta).epsilon_after(steps)
+    return DdgRoundAccountant(q, ddg, delta, kind=kind).epsilon_after(steps)
 
 
 class DdgRoundAccountant(RoundLedger):
@@ -298,8 +301,10 @@ class DdgRoundAccountant(RoundLedger):
     ENTRY_KEYS = ("mechanism", "sampling", "q", *DDG_KEYS, "release_z")
     DEFAULTS = {"release_z": 0.0}  # ledgers written before the noised release was charged had none
 
-    def __init__(self, q: float, ddg: dict, delta: float, release_z: float = 0.0):
-        super().__init__(delta, "rdp")
+    def __init__(self, q: float, ddg: dict, delta: float, release_z: float = 0.0, kind: str = "rdp"):
+        if kind not in ACCOUNTANTS:
+            raise ValueError(f"accountant {kind!r} is not one of {ACCOUNTANTS}")
+        super().__init__(delta, kind)
         self.set_mechanism(q, ddg, release_z)
 
     def set_mechanism(self, q: float, ddg: dict, release_z: float = 0.0) -> None:
@@ -344,6 +349,8 @@ class DdgRoundAccountant(RoundLedger):
         )
 
     def _price(self, entries: list[dict]) -> float:
+        if self.kind == "pld":
+            return pld_ledger_epsilon(entries, self.delta)
         total = [0.0] * len(LEDGER_ORDERS)
         for e in entries:
             total = [t + int(e["rounds"]) * r for t, r in zip(total, self.rdp_curve(e), strict=True)]
@@ -357,8 +364,17 @@ class DdgRoundAccountant(RoundLedger):
             f"sampling of clients (q = {self.q:.4g}), add/remove-one client, t = {d['shares']} shares of variance "
             f"{int(d['variance'])} x gamma^2 (gamma = {float(d['gamma']):.4g}, sigma = {math.sqrt(client_var):.4g}), "
             f"Delta_2 = {math.sqrt(float(d['sensitivity_sq'])):.4g} after rounding (C = {float(d['clip']):g}), "
-            f"modulus 2^{d['bits']}; RDP of the paper's bound with Zhu-Wang Poisson subsampling"
+            f"modulus 2^{d['bits']}; "
         )
+        if self.kind == "pld":
+            z, b = ddg_round_gaussian(self._current())
+            text += (
+                f"PLD: each round is the continuous Gaussian of multiplier {z:.4g} (the sum of t shares, less "
+                f"{ROUNDING_VAR:g} of its integer variance) up to a factor e^(+-{b:.2g}) on every output's "
+                "probability, Poisson-subsampled and composed by dp-accounting's PLD"
+            )
+        else:
+            text += "RDP of the paper's bound with Zhu-Wang Poisson subsampling"
         if self.release_z:
             text += (
                 f"; each round also charged for its noised result count and train loss (multiplier "
@@ -383,12 +399,37 @@ def _gaussian_round_rdp(q: float, z: float) -> tuple[float, ...]:
     return tuple(float(r) for r in acc.rdp)
 
 
-def mixed_ledger_epsilon(entries: list[dict], delta: float) -> float:
+def pld_ledger_epsilon(entries: list[dict], delta: float) -> float:
+    """epsilon at ``delta`` of Poisson-sampled rounds of the continuous Gaussian (``z`` is the multiplier
+    the round was charged at) and of the distributed discrete Gaussian (each the continuous Gaussian of
+    :func:`ddg_round_gaussian` up to a pointwise factor e^{+-b}), by dp-accounting's PLD: the
+    Gaussians' epsilon at delta e^-B, plus 2B, B the rounds' factors summed (shoal.accounting_ddg)."""
+    segments, slack = [], 0.0
+    for e in entries:
+        if e["mechanism"] == RoundAccountant.MECHANISM:
+            if e["sampling"] != "poisson":
+                raise ValueError("fixed-size rounds are not composed with Poisson rounds of another mechanism")
+            z, b = float(e["z"]), 0.0
+        else:
+            z, b = ddg_round_gaussian(e)
+        slack += int(e["rounds"]) * b
+        segments.append(("poisson", min(float(e["q"]), 1.0), z, None, None, int(e["rounds"])))
+    if not math.isfinite(slack):
+        return math.inf
+    target = delta * math.exp(-slack)
+    if len(segments) == 1:
+        _, q, z, _, _, r = segments[0]
+        return epsilon(q, z, r, target, "pld") + 2 * slack
+    return epsilon_of_segments(tuple(segments), target, "pld") + 2 * slack
+
+
+def mixed_ledger_epsilon(entries: list[dict], delta: float, kind: str = "rdp") -> float:
     """epsilon at ``delta`` of a ledger holding Poisson-sampled rounds of both the continuous Gaussian
-    (``z`` is the multiplier the round was charged at) and the distributed discrete Gaussian: RDP
-    composes by adding the curves at each order; the total is converted with :func:`rdp_to_epsilon`.
-    The continuous rounds are priced in RDP here even where the run's accountant is PLD (a valid
-    upper bound, slightly looser)."""
+    (``z`` is the multiplier the round was charged at) and the distributed discrete Gaussian. With
+    ``kind = "pld"`` by :func:`pld_ledger_epsilon`; else in RDP, which composes by adding the curves
+    at each order, the total converted with :func:`rdp_to_epsilon`."""
+    if kind == "pld":
+        return pld_ledger_epsilon(entries, delta)
     total = [0.0] * len(LEDGER_ORDERS)
     for e in entries:
         if e["mechanism"] == RoundAccountant.MECHANISM:

@@ -258,7 +258,7 @@ class PrivacyPlan:
     def ddg_accountant(self, q: float, ddg: dict) -> DdgRoundAccountant:
         """The distributed discrete Gaussian's accountant (simulator and server): its paper's bound per
         round, plus the noised round figures' Gaussian (:attr:`release_z`) composed on the same sample."""
-        return DdgRoundAccountant(q, ddg, self.delta, self.release_z)
+        return DdgRoundAccountant(q, ddg, self.delta, self.release_z, self.accountant)
 
     def local_accountant(self, schedules: dict[str, tuple[float, int]]) -> LocalDpSgdAccountant:
         """Local DP-SGD's accountant (simulator, node, peer): per client over its participations."""

@@ -23,13 +23,12 @@ from .protocol import (
     SecAggParams,
     SecAggProtocolError,
     SecAggRefused,
-    SecAggResult,
-    SecAggServer,
     ShareDelivery,
     UnmaskRequest,
     UnmaskShares,
     keyed_graph_seed,
 )
+from .server import SecAggResult, SecAggServer
 
 __all__ = [
     "ConsistencyRequest",

@@ -16,7 +16,8 @@ import numpy as np
 
 from . import crypto as C
 from . import identity as ID
-from .protocol import SecAggClient, SecAggParams, SecAggResult, SecAggServer
+from .protocol import SecAggClient, SecAggParams
+from .server import SecAggResult, SecAggServer
 
 STAGES = ("advertise", "share", "masked", "unmask")
 

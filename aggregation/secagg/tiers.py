@@ -10,7 +10,7 @@ An edge aggregator between nodes and the root only
   the clear;
 * adds its nodes' masked inputs modulo 2^32 (:class:`EdgeMaskedSum`) and sends the root one
   :class:`~.protocol.MaskedSum` naming the nodes inside. The root's
-  :meth:`~.protocol.SecAggServer.receive_masked_sum` takes it as if each of those nodes had sent
+  :meth:`~.server.SecAggServer.receive_masked_sum` takes it as if each of those nodes had sent
   its own masked input, each node counted at most once.
 
 A masked input is uniform modulo 2^32 whatever the input (its self mask alone is a fresh PRG
@@ -46,10 +46,9 @@ from .protocol import (
     SecAggClient,
     SecAggParams,
     SecAggProtocolError,
-    SecAggResult,
-    SecAggServer,
     UnmaskShares,
 )
+from .server import SecAggResult, SecAggServer
 from .wire import decode_message, encode_message
 
 INFO_SEAL = b"shoal secagg v1 unmasking sealed to the root"

@@ -637,11 +637,10 @@ class PrivacyConfig:
             _positive("privacy.gamma", self.gamma, allow_zero=True)
             if not 0 <= self.beta < 1:
                 raise ConfigError(f"privacy.beta = {self.beta} must be in [0, 1)")
-            if self.sampling != "poisson" or self.accountant != "rdp":
+            if self.sampling != "poisson":
                 raise ConfigError(
-                    "privacy.mechanism = 'discrete_gaussian' is accounted with RDP under Poisson sampling (the "
-                    "paper's bound with Zhu-Wang amplification): set privacy.sampling = 'poisson' and "
-                    "privacy.accountant = 'rdp'"
+                    "privacy.mechanism = 'discrete_gaussian' is accounted under Poisson sampling (RDP of the "
+                    "paper's bound, or PLD): set privacy.sampling = 'poisson'"
                 )
         if self.sampling == "fixed" and self.accountant != "rdp" and self.mode in ("central", "distributed"):
             raise ConfigError(

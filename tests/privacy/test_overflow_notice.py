@@ -19,7 +19,7 @@ from shoal.rounds import Assignment
 from shoal.shards import Shard
 from shoal.wire import update_parts
 
-RUNS = 20  # bench-size runs are for the docs figure; here enough to see a difference of 142 in 200
+RUNS = 20  # bench/overflow_notice.py runs 200 for the docs figure; here enough to see the old check fire
 
 
 def _cfg():
