@@ -972,6 +972,8 @@ def make_federation_app(federation: Federation, registry: Registry) -> web.Appli
     app.router.add_get("/v1/offers", get_offers)
     app.router.add_post("/runs/{run}/v1/answer", post_answer)
     app.router.add_post(RUNS_PATH, post_run)
+    app.router.add_post(RUNS_PATH + "/bundles", post_bundle)  # server/bundle_store.py: stored, never imported
+    app.router.add_get("/runs/{run}/v1/bundle", get_run_bundle)
     app.router.add_get(RUNS_PATH, get_runs)
     app.router.add_get("/v1/status", get_runs)
     app.router.add_get(RUNS_PATH + "/{run}", get_run)
@@ -1035,6 +1037,23 @@ async def post_run(request: web.Request) -> web.Response:
     result = _fed_call(fed.enqueue, sub)
     _tick(request.app)
     return web.json_response(result, status=201)
+
+
+async def post_bundle(request: web.Request) -> web.Response:
+    """`shoal run submit --bundle`: a signed task bundle's bytes; answers the task name to submit."""
+    fed = request.app[FEDERATION]
+    if not fed.cfg.federation.max_bundle_mb:
+        raise Refusal(403, "bundles_off", "this federation takes no task bundles (federation.max_bundle_mb = 0)")
+    limit = min(fed.cfg.federation.max_bundle_mb << 20, fed.cfg.server.max_body_bytes or DEFAULT_FEDERATION_BODY)
+    blob = await read_body(request, max(limit, 1), _settings(request).server.body_timeout_s, what="bundle")
+    result = await asyncio.to_thread(_fed_call, fed.upload_bundle, request[SUBMITTER], blob, fed.bundles_in_use())
+    return web.json_response(result, status=201)
+
+
+async def get_run_bundle(request: web.Request) -> web.Response:
+    """A node fetches a bundle run's task to verify it against its own trusted publishers."""
+    blob = _fed_call(request.app[FEDERATION].bundle, request.match_info["run"], request[NODE])
+    return web.Response(body=blob, headers={"Content-Type": "application/octet-stream"})
 
 
 async def get_runs(request: web.Request) -> web.Response:

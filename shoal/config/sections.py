@@ -786,6 +786,7 @@ class FederationConfig:
     run_stall_s: float = 600.0  # a run short of server.min_nodes nodes this long ends failed (0 = it waits)
     task_check_mb: int = 2048  # a submitted run's task is loaded in a worker process of at most this much memory
     task_check_s: float = 60.0  # ... which has this long to load it and build its model (else the run is refused)
+    max_bundle_mb: int = 64  # largest signed task bundle, initial model included (`run submit --bundle`; 0: none)
     # the federation's floors: a run's config below any of them is refused at submission
     max_epochs: int = 1000  # the most train.epochs a run may ask
     max_rounds: int = 1_000_000  # the most server.rounds a run may ask
@@ -806,6 +807,7 @@ class FederationConfig:
         if self.task_check_mb < 512:
             raise ConfigError(f"federation.task_check_mb = {self.task_check_mb}: at least 512 (torch alone needs that)")
         _positive("federation.task_check_s", self.task_check_s)
+        _positive("federation.max_bundle_mb", self.max_bundle_mb, allow_zero=True)
         for key in ("max_epochs", "max_rounds", "max_parameters", "min_noise_multiplier", "max_target_epsilon"):
             _positive(f"federation.{key}", getattr(self, key), allow_zero=True)
         if self.min_secure_group < MIN_SECURE_INPUTS:
