@@ -109,7 +109,7 @@ def keygen(
     out: Path = typer.Option(..., "--out", "-o", help="The private key file to write (mode 0600, never overwritten)."),
 ) -> None:
     """Make a publisher key pair: OUT (private, 0600) and OUT.pub; prints the public key that node
-    operators list in [node] trusted_publishers."""
+    operators list as node.trusted_publishers in their node configs."""
     from .bundle import new_private_key, private_key_pem, public_key_text
     from .pki import write_secret
 
@@ -125,7 +125,9 @@ def pack_command(
     source: Path = typer.Argument(..., help="The task's folder, or its one .py file."),
     task: str = typer.Option(..., "--task", "-t", help="The entry: file.py:name, relative to the folder."),
     key: Path = typer.Option(..., "--key", help="The publisher's private key (`shoal bundle keygen`)."),
-    config: Path | None = typer.Option(None, "--config", "-c", help="The run's TOML ([task.args], simulation.seed)."),
+    config: Path | None = typer.Option(
+        None, "--config", "-c", help="The run's TOML (its task.args and simulation.seed)."
+    ),
     out: Path = typer.Option(..., "--out", "-o", help="The bundle file to write."),
 ) -> None:
     """Pack and sign a bundle into a file (`shoal run submit --bundle FILE` sends it as it is)."""
