@@ -333,14 +333,22 @@ class Federation:
         row = self.may_see(run_id, who)
         out = self._summary(row)
         out["config"] = row.config
-        out["nodes"] = self.db.answers(run_id)
+        out.update(self.health(run_id, now))
         svc = self.active.get(run_id)
         if svc is not None:
-            out["nodes"] = self._health(run_id, svc, now)
-            if run_id in self.waiting:
-                out["waiting_for"] = self.waiting[run_id]
             out["service"] = svc.status(now)
         return out if who == ADMIN else researcher_view(out, self._run_cfg(row))
+
+    def health(self, run_id: str, now: float) -> dict[str, Any]:
+        """The run's nodes (answer, state, last seen, reason) and what a waiting run waits for: as
+        `shoal run status` shows them to the admin (and the dashboard, server/dashboard.py)."""
+        svc = self.active.get(run_id)
+        if svc is None:
+            return {"nodes": self.db.answers(run_id)}
+        out: dict[str, Any] = {"nodes": self._health(run_id, svc, now)}
+        if run_id in self.waiting:
+            out["waiting_for"] = self.waiting[run_id]
+        return out
 
     def event(self, run_id: str, source: str, line: str) -> None:
         """One line of the run's log (`shoal run logs`): the server's events and its nodes' answers."""
