@@ -291,10 +291,13 @@ class Federation:
         return self.bundles.add(who, blob, in_use)
 
     def bundle(self, run_id: str, node: str) -> bytes:
-        """The signed bundle of a running run, for a node to verify itself (RunError 404 otherwise)."""
+        """The signed bundle of a running run, for a node to verify itself (RunError 404 otherwise;
+        403 for a node that refused the run or failed in it)."""
         row, svc = self._row(run_id), self.active.get(run_id)
         if svc is None or not is_bundle(row.task):
             raise RunError("no_bundle", f"{run_id} is not running a bundle's task", 404)
+        if self.db.answer_of(run_id, node) in ("refused", "failed"):
+            raise RunError("refused_run", f"node {node} left {run_id}", 403)
         return self.bundles.blob(row.task, row.submitted_by)
 
     @staticmethod

@@ -72,6 +72,10 @@ def test_the_server_stores_a_bundle_and_runs_its_model_without_its_code(tmp_path
     offer = fed.offers("n0")[0]
     assert offer["task"] == task and "bundle:" + offer["task_sha256"] == task
     assert fed.bundle(run, "n0") == data
+    fed.answer(run, "n1", {"answer": "refused", "reason": "not this one"})
+    with pytest.raises(RunError) as e:  # a node that left the run gets no more of it
+        fed.bundle(run, "n1")
+    assert e.value.status == 403
     with pytest.raises(RunError) as e:  # bob names alice's bundle: it is not his
         fed.prepare(task, RUN, "bob")
     assert e.value.code == "unknown_bundle"
