@@ -149,7 +149,7 @@ class AsynchronousConfig:
 
 @dataclass
 class FederationConfig:
-    """A long-running server that hosts runs submitted with `shoal run submit` (server/federation.py)."""
+    """A long-running server that hosts runs submitted with `shoal run submit` (server/federation/runs.py)."""
 
     enabled: bool = False  # `shoal server` hosts submitted runs instead of one run of its own [task]
     dir: str = "server/federation"  # runs.sqlite and one folder per run (checkpoints, metrics, final model)

@@ -17,13 +17,14 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from shoal.algorithms import AlgorithmName
+
 from .checks import INFINITE_ALLOWED, check_choices, check_finite, choices, positive
 from .network import AsynchronousConfig, FederationConfig, GossipConfig, HierarchyConfig, ServerConfig
 from .privacy import MIN_SECURE_INPUTS, PRIVACY_MODES, PrivacyConfig, PrivacyMode, SecureAggregationConfig
 from .rules import check_combinations
 from .training import (
     AlgorithmConfig,
-    AlgorithmName,
     AttackConfig,
     CompressionConfig,
     DataConfig,

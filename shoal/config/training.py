@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from shoal.algorithms import AlgorithmName
 from shoal.errors import ConfigError
 
 from .checks import positive
@@ -160,9 +161,6 @@ class StrategyConfig:
             v = getattr(self, k)
             if not 0 <= v < 1:
                 raise ConfigError(f"strategy.{k} = {v} must be in [0, 1)")
-
-
-AlgorithmName = Literal["fedavg", "scaffold", "fednova", "feddyn", "ditto", "fedper", "fedrep"]
 
 
 @dataclass

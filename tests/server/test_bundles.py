@@ -20,9 +20,9 @@ from shoal.client.bundle_tasks import admit_bundle, install
 from shoal.client.node_config import load_node_config
 from shoal.config import config_from_dict
 from shoal.errors import ConfigError
-from shoal.server import bundle_store
-from shoal.server.federation import Federation, RunError
-from shoal.server.runs_db import RunsDB
+from shoal.server.federation import bundle_store
+from shoal.server.federation.runs import Federation, RunError
+from shoal.server.federation.runs_db import RunsDB
 
 MARK = "bundled_code_never_runs_on_the_server"
 CODE = f"import {MARK}\nraise SystemExit('{MARK}')\n".encode()

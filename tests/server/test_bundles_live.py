@@ -20,7 +20,7 @@ from shoal import bundle as fmt
 from shoal.bundle_cli import app as bundle_app
 from shoal.client.daemon import NodeDaemon
 from shoal.client.node_config import load_node_config
-from shoal.server.run_cli import app as run_app
+from shoal.server.federation.run_cli import app as run_app
 from tests.server.federation_live import live_federation
 from tests.server.task_files import REGRESSION_TASK, write_node_data
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from shoal.bundle import BundleError, read
 from shoal.bundle_model import BundledModel, state_module
 
-from .task_registry import RunError, TaskEntry
+from ..task_registry import RunError, TaskEntry
 
 log = logging.getLogger(__name__)
 
