@@ -34,6 +34,7 @@ from shoal.signals import on_stop_signals
 from shoal.task import UserCodeError
 from shoal.tasks import builtin_local_data
 
+from .bundle_tasks import admit_bundle
 from .http import Backoff, NodeError, Refused, Retry, ServerList, check_response, connection_problem
 from .node import Node, read_local_data
 from .node_config import BUILTIN, NodeConfig
@@ -145,7 +146,7 @@ class NodeDaemon:
         to run (policy, limits, a task that does not load here), for now when the cause passes
         (this data set's local-DP ledger is spent by another run: asked again at each poll)."""
         run = offer["run"]
-        reason = self.cfg.check(offer)
+        reason = await admit_bundle(self.cfg, offer, self.http, self.url, self.ssl) or self.cfg.check(offer)
         ledger = self.ledger(offer)
         if reason is None and self.ledgers.get(ledger, run) != run:
             busy = (

@@ -12,6 +12,7 @@ run's status shows.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import math
 import tomllib
@@ -44,10 +45,20 @@ class AllowedTask:
     sha256: str
     data: Path
     name: str = ""
+    bundle: Path | None = None  # a signed bundle's file this node verified (client/bundle_tasks.py)
 
     def __post_init__(self) -> None:
         if not self.name:
             object.__setattr__(self, "name", self.ref)
+
+    def installed_sha256(self) -> str:
+        """The SHA-256 of what is installed here now: the task's source, or its bundle's file."""
+        if self.bundle is None:
+            return source_sha256(self.ref)
+        try:
+            return hashlib.sha256(self.bundle.read_bytes()).hexdigest()
+        except OSError as e:
+            raise ConfigError(f"bundle {self.bundle} cannot be read: {e.strerror}") from None
 
 
 @dataclass
@@ -63,6 +74,19 @@ class Limits:
     min_noise_multiplier: float = 0.0  # under DP, privacy.noise_multiplier at least this
     max_target_epsilon: float = 0.0  # under DP, privacy.target_epsilon set and at most this
     max_parameters: int = 0  # the largest model this node trains (0: no limit)
+
+
+@dataclass
+class BundlePolicy:
+    """[node] keys for signed task bundles (`shoal run submit --bundle`): the publisher keys this
+    node trusts (none: it takes no bundle), the data a bundle's task reads here, and the limits of
+    the worker process that imports a bundle's task first (client/bundle_tasks.py)."""
+
+    trusted_publishers: list[str] = field(default_factory=list)  # "ed25519:BASE64", as `shoal bundle keygen` prints
+    data: Path | None = None  # node.bundle_data: the --data a bundle's task reads on this node
+    check_mb: int = 2048  # node.bundle_check_mb: memory of the worker that imports a bundle's task first
+    check_s: float = 60.0  # node.bundle_check_s: its time to load the task and build its model
+    max_mb: int = 64  # node.bundle_max_mb: the largest bundle this node fetches
 
 
 @dataclass
@@ -83,6 +107,7 @@ class NodeConfig:
     limits: Limits = field(default_factory=Limits)
     tasks: dict[str, AllowedTask] = field(default_factory=dict)
     servers: list[str] = field(default_factory=list)  # every URL, ``server`` first ([] = ``server`` alone)
+    bundles: BundlePolicy = field(default_factory=lambda: BundlePolicy())  # signed task bundles it takes
 
     def __post_init__(self) -> None:
         self.servers = self.servers or [self.server]
@@ -100,7 +125,7 @@ class NodeConfig:
                 f"node {self.name} pins {allowed.sha256[:16]}..."
             )
         try:
-            mine = source_sha256(allowed.ref)
+            mine = allowed.installed_sha256()
         except ConfigError as e:
             return f"task {ref[:200]}: the copy installed on node {self.name} cannot be read: {e}"
         if mine != allowed.sha256:
@@ -108,6 +133,8 @@ class NodeConfig:
                 f"task {ref[:200]}: the copy installed on node {self.name} changed "
                 f"(sha256 {mine[:16]}..., pinned {allowed.sha256[:16]}...)"
             )
+        if allowed.ref != BUILTIN:  # the run's config as this node runs it: with its own reference of the task
+            cfg = {**cfg, "task": {**cfg.get("task", {}), "app": allowed.ref}}
         parsed = _run_config(json.dumps(cfg, sort_keys=True, default=str))
         if isinstance(parsed, str):
             return f"the run's config is not one node {self.name} takes: {parsed}"
@@ -160,6 +187,7 @@ def load_node_config(path: Path) -> NodeConfig:
         if not isinstance(node.get(key), str) or not node[key]:
             raise ConfigError(f"node config {path}: node.{key} (a string) is needed")
     check_node_name(node["name"])  # ASCII only: no look-alike of another node's name
+    bundles = bundle_policy(node, path)
     known = {"server", "token_file", "cert", "key", "name", "ca_cert", "device", "state_dir", "poll_s"}
     if set(node) - known:
         raise ConfigError(f"node config {path}: unknown key node.{sorted(set(node) - known)[0]}")
@@ -223,4 +251,45 @@ def load_node_config(path: Path) -> NodeConfig:
         poll_s=float(poll_s),
         limits=limits,
         tasks=tasks,
+        bundles=bundles,
     )
+
+
+BUNDLE_KEYS = ("trusted_publishers", "bundle_data", "bundle_check_mb", "bundle_check_s", "bundle_max_mb")
+
+
+def bundle_policy(node: dict[str, Any], path: Path) -> BundlePolicy:
+    """The [node] keys of signed task bundles, taken out of ``node`` and checked; ConfigError
+    naming the key otherwise."""
+    from shoal.bundle import BundleError, parse_public_key
+
+    got = {k: node.pop(k) for k in BUNDLE_KEYS if k in node}
+    keys = got.get("trusted_publishers", [])
+    if not isinstance(keys, list) or len(keys) > 64:
+        raise ConfigError(f"node config {path}: node.trusted_publishers is a list of at most 64 publisher keys")
+    for key in keys:
+        try:
+            parse_public_key(key)
+        except BundleError as e:
+            raise ConfigError(f"node config {path}: node.trusted_publishers: {str(key)[:60]!r}: {e}") from None
+    data = got.get("bundle_data")
+    if data is not None and (not isinstance(data, str) or not data):
+        raise ConfigError(f"node config {path}: node.bundle_data must be a path")
+    if keys and data is None:
+        raise ConfigError(
+            f"node config {path}: node.trusted_publishers is set: give node.bundle_data, the data bundles read"
+        )
+    policy = BundlePolicy(list(dict.fromkeys(keys)), Path(data).expanduser() if data else None)
+    for key, attr, low in (
+        ("bundle_check_mb", "check_mb", 512),
+        ("bundle_check_s", "check_s", 1),
+        ("bundle_max_mb", "max_mb", 1),
+    ):
+        if key in got:
+            value, want = got[key], type(getattr(policy, attr))
+            if want is float and type(value) is int:
+                value = float(value)
+            if type(value) is not want or not math.isfinite(value) or value < low:
+                raise ConfigError(f"node config {path}: node.{key} = {value!r} must be a {want.__name__} >= {low}")
+            setattr(policy, attr, value)
+    return policy

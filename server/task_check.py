@@ -32,15 +32,16 @@ MAX_ANSWER = 4096
 class TaskChecker:
     """The parent's side: one worker, one check at a time (callers wait on a lock, in a thread)."""
 
-    def __init__(self, memory_mb: int, timeout_s: float):
-        self.memory_mb, self.timeout_s = memory_mb, timeout_s
+    def __init__(self, memory_mb: int, timeout_s: float, where: str = "federation.task_check"):
+        """``where``: the settings of the limits, as refusals name them."""
+        self.memory_mb, self.timeout_s, self.where = memory_mb, timeout_s, where
         self.proc: subprocess.Popen | None = None
         self.lock = threading.Lock()
 
     def _start(self) -> subprocess.Popen:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         return subprocess.Popen(
-            [sys.executable, "-m", "shoal.server.task_check", str(self.memory_mb)],
+            [sys.executable, "-m", "shoal.server.task_check", str(self.memory_mb), self.where],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -58,32 +59,49 @@ class TaskChecker:
         """``(parameters, None)`` when the run's task loads, its model builds (of that many
         parameters) and the run passes the checks it meets at start with ``registered`` nodes;
         ``(None, why not)`` otherwise, in one line."""
+        answer = self._ask({"config": config, "registered": registered})
+        if isinstance(answer, str):
+            return None, answer
+        return answer["parameters"], None
+
+    def model_check(self, config: dict[str, Any]) -> tuple[str | None, str | None]:
+        """``(spec hash, None)`` when the task of ``config`` loads and builds its model (a node's
+        check of a bundle's task before it imports it itself); ``(None, why not)`` otherwise."""
+        answer = self._ask({"config": config, "probe": "model"})
+        if isinstance(answer, str):
+            return None, answer
+        if not isinstance(answer.get("spec_hash"), str):
+            return None, "the task check's worker answered garbage"
+        return answer["spec_hash"], None
+
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any] | str:
+        """The worker's answer to one request, or why there is none (one line)."""
         with self.lock:
             if self.proc is None or self.proc.poll() is not None:
                 self.proc = self._start()
             proc = self.proc
             assert proc.stdin is not None and proc.stdout is not None
             try:
-                proc.stdin.write(json.dumps({"config": config, "registered": registered}).encode() + b"\n")
+                proc.stdin.write(json.dumps(request).encode() + b"\n")
                 proc.stdin.flush()
             except OSError:
                 self._kill()
-                return None, "the task check's worker stopped; try again"
+                return "the task check's worker stopped; try again"
             line = self._read_line(proc, time.monotonic() + self.timeout_s)
             if line is None:
                 self._kill()
-                return None, (
-                    f"the task did not load and build its model within federation.task_check_s = "
-                    f"{self.timeout_s:g} s and federation.task_check_mb = {self.memory_mb} MiB"
+                return (
+                    f"the task did not load and build its model within {self.where}_s = "
+                    f"{self.timeout_s:g} s and {self.where}_mb = {self.memory_mb} MiB"
                 )
             try:
                 answer = json.loads(line)
             except ValueError:
                 self._kill()
-                return None, "the task check's worker answered garbage"
+                return "the task check's worker answered garbage"
             if answer.get("ok") is True and isinstance(answer.get("parameters"), int):
-                return answer["parameters"], None
-            return None, " ".join(str(answer.get("error", "the task check failed")).split())[:500]
+                return answer
+            return " ".join(str(answer.get("error", "the task check failed")).split())[:500]
 
     def _read_line(self, proc: subprocess.Popen, end: float) -> bytes | None:
         assert proc.stdout is not None
@@ -129,29 +147,46 @@ def _check(config: dict[str, Any], registered: int | None) -> int:
     return ServerService.from_config(cfg, task, registered).spec.numel
 
 
-def _request(line: bytes) -> tuple[dict[str, Any], int | None]:
-    """The federation's request (the run's config, the registered nodes): from the server, not a user."""
+def _model(config: dict[str, Any]) -> dict[str, Any]:
+    """The task's model built as every engine builds it: its size and layout hash."""
+    from shoal.assembly import initial_model
+    from shoal.config import config_from_dict
+    from shoal.params import ParamSpec
+    from shoal.task import load_task
+
+    cfg = config_from_dict(config).validate()
+    task = load_task(cfg.task.app, cfg.task.args)
+    model = initial_model(cfg, task)
+    spec = ParamSpec.of(model, exchange_buffers=task.exchange_buffers).with_base(model)
+    return {"ok": True, "parameters": spec.numel, "spec_hash": spec.hash}
+
+
+def _answer(line: bytes) -> dict[str, Any]:
+    """The answer to a request of the parent (a server's or a node's, never a user's)."""
     request = json.loads(line)
+    if request.get("probe") == "model":
+        return _model(request["config"])
     registered = request.get("registered")
-    return request["config"], registered if isinstance(registered, int) else None
+    return {"ok": True, "parameters": _check(request["config"], registered if isinstance(registered, int) else None)}
 
 
 def main() -> None:
     import resource
 
     limit = int(sys.argv[1]) << 20
+    where = sys.argv[2] if len(sys.argv) > 2 else "federation.task_check"
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     logging.disable(logging.CRITICAL)
     out = sys.stdout.buffer
     for line in sys.stdin.buffer:
         try:
-            answer: dict[str, Any] = {"ok": True, "parameters": _check(*_request(line))}
+            answer = _answer(line)
         except MemoryError:
-            answer = {"error": f"the task's model did not fit in federation.task_check_mb = {sys.argv[1]} MiB"}
+            answer = {"error": f"the task's model did not fit in {where}_mb = {sys.argv[1]} MiB"}
         except BaseException as e:  # anything the task's code raises is its answer, not the worker's end
             text = f"{type(e).__name__}: {e}"
             if "memory" in text.lower():  # torch's allocator says so in its own words
-                text = f"over federation.task_check_mb = {sys.argv[1]} MiB: {text}"
+                text = f"over {where}_mb = {sys.argv[1]} MiB: {text}"
             answer = {"error": text[:500]}
         out.write(json.dumps(answer).encode() + b"\n")
         out.flush()

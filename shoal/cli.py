@@ -92,6 +92,9 @@ app.command("keygen")(_keygen_command)
 from shoal.pki_cli import app as _pki_app  # noqa: E402
 
 app.add_typer(_pki_app, name="pki")
+from shoal.bundle_cli import app as _bundle_app  # noqa: E402
+
+app.add_typer(_bundle_app, name="bundle")
 _data_app = typer.Typer(help="Node data shards.", no_args_is_help=True)
 app.add_typer(_data_app, name="data")
 

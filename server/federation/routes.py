@@ -32,6 +32,7 @@ from ..http_common import (
 )
 from ..node_routes import add_node_routes
 from ..registry import Registry
+from .bundle_routes import add_bundle_routes
 from .runs import DEFAULT_FEDERATION_BODY, Federation, RunError
 
 log = logging.getLogger(__name__)
@@ -53,6 +54,7 @@ def make_federation_app(federation: Federation, registry: Registry) -> web.Appli
     app.router.add_get("/v1/offers", get_offers)
     app.router.add_post("/runs/{run}/v1/answer", post_answer)
     app.router.add_post(RUNS_PATH, post_run)
+    add_bundle_routes(app)  # signed task bundles: stored, never imported (bundle_routes.py)
     app.router.add_get(RUNS_PATH, get_runs)
     app.router.add_get("/v1/status", get_runs)
     app.router.add_get(RUNS_PATH + "/{run}", get_run)

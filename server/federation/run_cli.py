@@ -51,12 +51,13 @@ class Api:
         return json.loads(self.raw(method, path, body, timeout))
 
     def raw(self, method: str, path: str, body: Any = None, timeout: float = 30.0) -> bytes:
-        data = json.dumps(body).encode() if body is not None else None
+        data = body if isinstance(body, bytes) else json.dumps(body).encode() if body is not None else None
+        kind = "application/octet-stream" if isinstance(body, bytes) else "application/json"
         req = urllib.request.Request(
             self.url + path,
             data=data,
             method=method,
-            headers={"Authorization": f"Bearer {self.token}", **({"Content-Type": "application/json"} if data else {})},
+            headers={"Authorization": f"Bearer {self.token}", **({"Content-Type": kind} if data else {})},
         )
         try:
             return self._send(req, timeout)
@@ -87,17 +88,33 @@ def submit(
     config: Path = typer.Option(
         ..., "--config", "-c", help=as_written("The run's TOML: [server] rounds, [train], [privacy] ...")
     ),
-    task: str = typer.Option(..., "--task", "-t", help="The task, as the server and the nodes have it installed."),
+    task: str = typer.Option(
+        ...,
+        "--task",
+        "-t",
+        help="The task, as the server and the nodes have it installed; with --bundle, its entry: file.py:name.",
+    ),
+    bundle: Path | None = typer.Option(
+        None, "--bundle", help="Pack the task's folder (or .py file) as a signed bundle; or send a bundle file."
+    ),
+    key: Path | None = typer.Option(None, "--key", help="--bundle: the publisher key (`shoal bundle keygen`)."),
     server: str = ServerOpt,
     token_file: Path = TokenOpt,
     ca_cert: Path | None = CaOpt,
 ) -> None:
-    """Queue a run; prints its id. It starts when fewer than federation.max_runs train."""
+    """Queue a run; prints its id. It starts when fewer than federation.max_runs train. With
+    --bundle the task travels, signed: nodes that trust the publisher key run it."""
     try:
         raw = tomllib.loads(config.read_text())
     except (OSError, tomllib.TOMLDecodeError) as e:
         raise ConfigError(f"--config {config}: {e}") from None
-    out = Api(server, token_file, ca_cert).call("POST", "/v1/runs", {"task": task, "config": raw})
+    api = Api(server, token_file, ca_cert)
+    if bundle is not None:
+        from shoal.bundle_cli import bundle_for_run
+
+        blob = bundle_for_run(bundle, task, key, raw)
+        task = api.call("POST", "/v1/runs/bundles", blob, timeout=120.0)["task"]
+    out = api.call("POST", "/v1/runs", {"task": task, "config": raw})
     typer.echo(out["run"])
 
 

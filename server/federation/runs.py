@@ -44,6 +44,7 @@ from ..service import Event, Record, ServerService
 from ..store import open_service
 from ..task_check import TaskChecker
 from ..task_registry import BUILTIN, REGISTRY_FILE, RunError, TaskEntry, TaskRegistry, task_sha256
+from .bundle_store import BundleStore, bundle_app, is_bundle
 from .release import released_file, researcher_line, researcher_view, withholds
 from .run_health import RunWatch, node_health
 from .runs_db import ACTIVE, RunRow, RunsDB
@@ -176,6 +177,9 @@ class Federation:
         self.dir = Path(cfg.federation.dir)
         self.registered = registered
         self.tasks = TaskRegistry(self.dir / REGISTRY_FILE, cfg.federation.tasks)
+        self.bundles = BundleStore(
+            self.dir / "bundles", cfg.federation.max_bundle_mb << 20, cfg.federation.max_parameters
+        )
         self.checker = TaskChecker(cfg.federation.task_check_mb, cfg.federation.task_check_s)
         if any(not e.builtin for e in self.tasks.entries().values()):
             self.checker.warm()  # the worker imports torch meanwhile: the first submission does not wait for it
@@ -206,14 +210,14 @@ class Federation:
         looked up: nothing a request names is opened or imported), the config a run's and within
         the federation's floors. RunError (400, one line, logged with ``who``) otherwise."""
         try:
-            entry = self.tasks.resolve(task)
+            entry = self._entry(task, who)
             raw = check_run_config(raw)
             if len(json.dumps(raw)) > MAX_RUN_CONFIG_BYTES:
                 raise RunError("too_large", f"the run's config is over {MAX_RUN_CONFIG_BYTES} bytes", 413)
             queued = self.db.count("queued")
             if queued >= self.cfg.federation.max_queued:
                 raise RunError("queue_full", f"{queued} runs already wait (federation.max_queued); try later", 429)
-            cfg = run_config(self.cfg, raw, entry.ref, self.dir / "checking")
+            cfg = run_config(self.cfg, raw, self._app(entry), self.dir / "checking")
             floor = below_floor(self.cfg.federation, cfg, "the federation's")
             if floor is not None:
                 raise RunError("below_floor", floor)
@@ -228,10 +232,14 @@ class Federation:
         (server/task_check.py) for every task that takes arguments, here for ``builtin`` (its
         [model] + [data] are fixed choices). RunError (logged) otherwise."""
         try:
-            self.tasks.verify(sub.entry)
-            if sub.entry.ref == BUILTIN:  # [model] + [data] of fixed choices (data.dir the federation's)
+            if sub.entry.source != "bundle":
+                self.tasks.verify(sub.entry)
+            if sub.entry.ref == BUILTIN or sub.entry.source == "bundle":  # fixed choices, or a bundle's model as data
                 try:
-                    svc = ServerService.from_config(sub.cfg, self._task(sub.cfg), self.registered())
+                    task = (
+                        self._task(sub.cfg) if sub.entry.ref == BUILTIN else self.bundles.task(sub.entry.ref, sub.who)
+                    )
+                    svc = ServerService.from_config(sub.cfg, task, self.registered())
                 except ShoalError as e:
                     raise RunError("bad_task", f"the run cannot start: {e}") from None
                 parameters: int | None = svc.spec.numel
@@ -264,6 +272,33 @@ class Federation:
         )
         self.event(run_id, "server", f"submitted by {sub.who}: task {entry.name} (sha256 {entry.sha256[:12]})")
         return {"run": run_id, "status": "queued", "task_sha256": entry.sha256}
+
+    def _entry(self, task: Any, who: str) -> TaskEntry:
+        """A run's task: a signed bundle ``who`` uploaded (server/federation/bundle_store.py), or a registered task."""
+        return self.bundles.resolve(task, who) if is_bundle(task) else self.tasks.resolve(task)
+
+    @staticmethod
+    def _app(entry: TaskEntry) -> str:
+        """task.app of a run's config here: the operator's reference, or a bundle's unloadable name."""
+        return bundle_app(entry.ref) if entry.source == "bundle" else entry.ref
+
+    def bundles_in_use(self) -> set[str]:
+        """The bundles queued or running runs name (kept when a submitter's store makes room)."""
+        return {r.task for r in self.db.runs(ACTIVE) if is_bundle(r.task)}
+
+    def upload_bundle(self, who: str, blob: bytes, in_use: set[str]) -> dict[str, Any]:
+        """Keep a researcher's bundle (in a thread): its format, limits and hashes checked, never imported."""
+        return self.bundles.add(who, blob, in_use)
+
+    def bundle(self, run_id: str, node: str) -> bytes:
+        """The signed bundle of a running run, for a node to verify itself (RunError 404 otherwise;
+        403 for a node that refused the run or failed in it)."""
+        row, svc = self._row(run_id), self.active.get(run_id)
+        if svc is None or not is_bundle(row.task):
+            raise RunError("no_bundle", f"{run_id} is not running a bundle's task", 404)
+        if self.db.answer_of(run_id, node) in ("refused", "failed"):
+            raise RunError("refused_run", f"node {node} left {run_id}", 403)
+        return self.bundles.blob(row.task, row.submitted_by)
 
     @staticmethod
     def _refused(who: str, task: Any, e: RunError) -> None:
@@ -301,14 +336,22 @@ class Federation:
         row = self.may_see(run_id, who)
         out = self._summary(row)
         out["config"] = row.config
-        out["nodes"] = self.db.answers(run_id)
+        out.update(self.health(run_id, now))
         svc = self.active.get(run_id)
         if svc is not None:
-            out["nodes"] = self._health(run_id, svc, now)
-            if run_id in self.waiting:
-                out["waiting_for"] = self.waiting[run_id]
             out["service"] = svc.status(now)
         return out if who == ADMIN else researcher_view(out, self._run_cfg(row))
+
+    def health(self, run_id: str, now: float) -> dict[str, Any]:
+        """The run's nodes (answer, state, last seen, reason) and what a waiting run waits for: as
+        `shoal run status` shows them to the admin (and the dashboard, shoal/web/dashboard.py)."""
+        svc = self.active.get(run_id)
+        if svc is None:
+            return {"nodes": self.db.answers(run_id)}
+        out: dict[str, Any] = {"nodes": self._health(run_id, svc, now)}
+        if run_id in self.waiting:
+            out["waiting_for"] = self.waiting[run_id]
+        return out
 
     def event(self, run_id: str, source: str, line: str) -> None:
         """One line of the run's log (`shoal run logs`): the server's events and its nodes' answers."""
@@ -535,15 +578,19 @@ class Federation:
     def _open(self, row: RunRow, resume: bool) -> None:
         run_dir = self.dir / row.id
         try:
-            entry = self.tasks.resolve(row.task)
+            entry = self._entry(row.task, row.submitted_by)
             if entry.sha256 != row.task_sha256:
                 raise RunError(
                     "task_changed",
                     f"task {row.task} was registered again with another source since the run was submitted",
                 )
-            self.tasks.verify(entry)
-            cfg = run_config(self.cfg, row.config, entry.ref, run_dir)
-            task = self._task(cfg)
+            if entry.source == "bundle":
+                cfg = run_config(self.cfg, row.config, self._app(entry), run_dir)
+                task = self.bundles.task(entry.ref, row.submitted_by)
+            else:
+                self.tasks.verify(entry)
+                cfg = run_config(self.cfg, row.config, entry.ref, run_dir)
+                task = self._task(cfg)
             svc = open_service(
                 cfg,
                 resume=resume,

@@ -1,12 +1,13 @@
 """docs/config.md, generated from the config dataclasses: ``python -m shoal.config.docs > docs/config.md``.
 
-Everything on the page is read from sections.py, so the page cannot drift from the code
+Everything on the page is read from the sections' modules (sections.py and the families it
+imports), so the page cannot drift from the code
 (tests/core/test_config_docs.py checks that the file equals what this prints):
 
 * key, type, default and choices: the dataclass fields and their annotations;
-* the allowed range: each section's ``validate()``, from its ``_positive(...)`` calls and the
+* the allowed range: each section's ``validate()``, from its ``positive(...)`` calls and the
   "``section.key = ... must be ...``" messages it raises (read from the source, not run);
-* what a key does: its comment in sections.py. A field's comment is the one on its own
+* what a key does: its comment in its section's module. A field's comment is the one on its own
   lines, followed by comment lines right below it; a field without one takes the comment
   block right above it. A blank line ends a comment block (a heading over several fields).
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import inspect
 import io
 import math
 import re
@@ -24,7 +26,6 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-from . import sections
 from .sections import Config
 
 HEADER = """# Configuration reference
@@ -63,7 +64,7 @@ def _comments(source: str) -> dict[int, tuple[str, bool]]:
 
 
 def _field_docs(source: str, cls: type) -> dict[str, str]:
-    """Each field's description, from the comments of sections.py (the rules in the module doc)."""
+    """Each field's description, from the comments of its section's module (the rules in the module doc)."""
     tree = ast.parse(source)
     node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls.__name__)
     comments = _comments(source)
@@ -135,7 +136,7 @@ def _ranges(source: str, cls: type, section: str) -> dict[str, list[str]]:
             for sub in ast.walk(st):
                 if isinstance(sub, ast.Call) and isinstance(sub.func, ast.Name) and sub.args:
                     name = _text(sub.args[0], env)
-                    if sub.func.id == "_positive" and name and name.startswith(section + "."):
+                    if sub.func.id == "positive" and name and name.startswith(section + "."):
                         zero = any(
                             kw.arg == "allow_zero" and isinstance(kw.value, ast.Constant) and kw.value.value
                             for kw in sub.keywords
@@ -187,7 +188,7 @@ def section_keys(name: str) -> list[Key]:
     """The rows of one section (``name`` as in TOML: ``server``, ``secure_aggregation``, ...)."""
     obj = getattr(Config(), name)
     cls = type(obj)
-    source = Path(sections.__file__).read_text()
+    source = Path(inspect.getfile(cls)).read_text()  # the section's own module (training.py, network.py, ...)
     docs, ranges = _field_docs(source, cls), _ranges(source, cls, name)
     hints = typing.get_type_hints(cls)
     rows = []

@@ -10,6 +10,8 @@ endpoints, which scripts can read with the admin token as a Bearer header too:
 * ``GET /v1/dashboard/runs/{run}``: one run's curves (every numeric metric of metrics.jsonl over
   versions), epsilon against its target, bytes up and down, accepted and refused uploads by
   reason, stragglers and dropouts;
+  in a federation also ``health``: each node's answer, state (online, training, offline, deferred,
+  refused, failed), seconds since it was last seen and its last error, and what a waiting run waits for;
 * ``GET /v1/dashboard/nodes``: the registered nodes: online, last seen, runs and rounds taken,
   last refusal, revoked.
 
@@ -392,7 +394,10 @@ class ServerSource:
         if found is None:
             return None
         records = self._records(run_id)
-        return {**found, "records": len(records), **curves(records), "traffic": traffic(self._services().get(run_id))}
+        out = {**found, "records": len(records), **curves(records), "traffic": traffic(self._services().get(run_id))}
+        if hasattr(self.source, "health"):  # a federation: each node's health in this run, as `shoal run status`
+            out["health"] = self.source.health(run_id, now)
+        return out
 
     def nodes(self, now: float) -> list[dict[str, Any]]:
         return node_rows(self.registry.list(), self._services(), now, time.time())

@@ -30,7 +30,7 @@ def test_every_key_of_every_section_has_a_row_with_what_it_does():
         names = [f.name for f in dataclasses.fields(getattr(Config(), section.name))]
         assert list(rows) == names
         for name, row in rows.items():
-            assert row.doc, f"{section.name}.{name} has no comment in shoal/config/sections.py: say what it does"
+            assert row.doc, f"{section.name}.{name} has no comment in shoal/config/: say what it does"
             assert f"| `{name}` | {row.type} | `{row.default}` |" in page
 
 

@@ -1,5 +1,6 @@
 """The page of a federation server: every run of the runs table, each run's curves from its
-metrics lines, a per-run TensorBoard flag, and the nodes with the runs and rounds they took."""
+metrics lines, each node's health in each run, a per-run TensorBoard flag, and the nodes with the
+runs and rounds they took."""
 
 from __future__ import annotations
 
@@ -57,6 +58,10 @@ def test_federation_runs_curves_nodes_and_a_run_with_tensorboard(tmp_path):
     t = live["traffic"]
     assert t["live"] and t["accepted"] >= 4 and t["bytes_up"] > 0 and t["bytes_down"] > 0
     assert [h["version"] for h in t["history"]][:2] == [1, 2]
+    health = live["health"]["nodes"]  # each node's health in the run, as `shoal run status` shows it
+    assert set(health) == {"n0", "n1"}, live["health"]
+    assert all(h["state"] in ("online", "training") and h["last_seen_s"] >= 0 for h in health.values()), health
+    assert {h["answer"] for h in ended["health"]["nodes"].values()} == {"joined"}, ended["health"]
     assert set(nodes) == {"n0", "n1"} and all(b in n["runs"] for n in nodes.values())
     assert all(n["runs"][b]["accepted"] >= 2 for n in nodes.values())
     assert_events_match_metrics(tmp_path / "fed" / a, ("train_loss",))  # the run asked for TensorBoard files

@@ -169,6 +169,7 @@
 
   function renderRun(run) {
     $("run").hidden = false;
+    renderHealth(run.health);
     $("run-name").textContent = run.run;
     $("run-status").replaceChildren(badge(run.status));
     $("run-round").textContent = run.round === undefined ? "–" : String(run.round);
@@ -226,6 +227,25 @@
       const tr = el("tr");
       cell(tr, code, "refusal-code");
       cell(tr, fmtNum(n), "num");
+      body.appendChild(tr);
+    }
+  }
+
+  function renderHealth(health) {
+    $("run-health-box").hidden = !health;
+    if (!health) return;
+    $("run-waiting").hidden = !health.waiting_for;
+    $("run-waiting").textContent = health.waiting_for || "";
+    const body = $("run-health").tBodies[0];
+    body.replaceChildren();
+    for (const [name, h] of Object.entries(health.nodes || {})) {
+      const tr = el("tr");
+      tr.dataset.node = name;
+      cell(tr, name, "node-name");
+      const st = h.state || h.answer || "–";
+      cell(tr, badge(st, st === "online" || st === "training" ? "online" : "offline"));
+      cell(tr, h.last_seen_s === null || h.last_seen_s === undefined ? "–" : fmtSeconds(h.last_seen_s) + " ago", "num");
+      cell(tr, h.reason || "–");
       body.appendChild(tr);
     }
   }
