@@ -498,7 +498,7 @@ class PartialIntake:
                 svc.counters.bytes_received += len(body)
                 svc.activity.accepted(edge, len(body), version, now)
                 if svc.version != version:
-                    svc._new_version(svc.rounds.version_fields(), now)
+                    svc.new_version(svc.rounds.version_fields(), now)
             return answer
         try:
             check_edge(svc, edge)

@@ -39,7 +39,8 @@ from shoal.task import Task
 from shoal.update import Update
 from shoal.wire import MAX_HEADER_BYTES, decode_model, decode_update, model_parts
 
-from ..service import ModelDownload, parse_failure_report, spec_mismatch_detail
+from ..model_download import ModelDownload
+from ..node_reports import parse_failure_report, spec_mismatch_detail
 from .intake import MAX_ROSTER
 from .rounds import EdgeBuffer, EdgeRound, EdgeRounds
 from .secure import EdgeRelay
