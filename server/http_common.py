@@ -21,8 +21,9 @@ from shoal.errors import ShoalError, TooLarge, UpdateRejected, WireError
 
 from .chunks import ChunkedUploads
 from .federation.runs import Federation
+from .model_download import ModelDownload
 from .registry import Registry, Revocations
-from .service import ModelDownload, ServerService
+from .service import ServerService
 from .task_registry import RunError
 
 log = logging.getLogger(__name__)

@@ -34,8 +34,9 @@ from .http_common import (
     tick,
     wait_event,
 )
+from .node_reports import MAX_EVAL_BODY, MAX_FAILURE_BODY
 from .partial_routes import get_edge_secagg, post_edge_poll, post_edge_secagg, post_partial
-from .service import MAX_EVAL_BODY, MAX_FAILURE_BODY, ServerService
+from .service import ServerService
 from .task_registry import RunError
 from .upload_reading import check_length, expect_update, first_chunk, invited, read_into, take_buffer, upload_of
 

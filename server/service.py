@@ -15,11 +15,9 @@ nodes, the accountant, the budget and the nodes' reports.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import math
-import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,10 +34,9 @@ from shoal.assembly import ServerParts, make_evaluator
 from shoal.async_rounds import AsyncRounds
 from shoal.client.training import LocalTrainer, summarize_means
 from shoal.config import Config
-from shoal.errors import ConfigError, Malformed, NonFinite, ShoalError, SpecMismatch, UpdateRejected
+from shoal.errors import ConfigError, Malformed, ShoalError, SpecMismatch, UpdateRejected
 from shoal.metrics import json_safe
 from shoal.rounds import Rounds, RoundSummary, SyncRounds, evaluation_due
-from shoal.strict_json import NonFiniteNumber, loads_strict
 from shoal.task import ClientData, Task, TaskError
 from shoal.update import Update
 from shoal.wire import (
@@ -53,45 +50,20 @@ from shoal.wire import (
 )
 
 from .activity import Activity, console_line, process_usage
+from .events import Checkpoint, Event, PrivacyLedger, Record, Restored, join_tensors, split_tensors
+from .model_download import ModelDownload
+from .node_reports import (
+    MAX_EVAL_METRICS,
+    FedVersion,
+    parse_eval_report,
+    parse_failure_report,
+    spec_mismatch_detail,
+)
 from .privacy import ServerPrivacy
 from .secure_round import SecureRound
 from .staging import Staged
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class Record:
-    """A line of metrics.jsonl (a new version, a federated evaluation, a privacy event)."""
-
-    fields: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Checkpoint:
-    """The state a restart resumes from; written before the version's Record."""
-
-    version: int
-    tensors: dict[str, torch.Tensor]
-    state: dict[str, Any]
-
-
-@dataclass(frozen=True)
-class PrivacyLedger:
-    """Every round charged so far; durable before anything of a charged round is released."""
-
-    state: dict[str, Any]
-
-
-Event = Record | Checkpoint | PrivacyLedger
-
-
-@dataclass(frozen=True)
-class Restored:
-    """What an earlier run left (read by server/store.py): its last checkpoint and privacy ledger."""
-
-    checkpoint: tuple[Path, dict[str, torch.Tensor], dict[str, Any]] | None = None
-    ledger: dict[str, Any] | None = None
 
 
 @dataclass
@@ -103,98 +75,6 @@ class Counters:
     rounds_completed: int = 0
     rounds_abandoned: int = 0
     rejected: dict[str, int] = field(default_factory=dict)
-
-
-#: Bounds of a node's federated evaluation report (POST /v1/eval, docs/protocol.md).
-MAX_EVAL_BODY = 64 * 1024
-MAX_EVAL_METRICS = 32
-MAX_EVAL_EXAMPLES = 10**9
-_METRIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")
-
-
-@dataclass
-class FedVersion:
-    """The nodes' evaluations of one global version, summed as they arrive."""
-
-    asked: set[str] = field(default_factory=set)
-    reported: set[str] = field(default_factory=set)
-    sums: dict[str, float] = field(default_factory=dict)  # metric -> sum of value x examples
-    counts: dict[str, int] = field(default_factory=dict)  # metric -> examples behind it
-    num_examples: int = 0
-
-
-def parse_eval_report(body: bytes) -> tuple[int, int, dict[str, float]]:
-    """``(version, num_examples, metrics)`` of a JSON report; Malformed/NonFinite if it is not one."""
-    try:
-        obj = loads_strict(body)
-    except NonFiniteNumber as e:
-        raise NonFinite(f"evaluation report: {e}") from None
-    except ValueError as e:
-        raise Malformed(f"evaluation report is not JSON: {e}"[:200]) from None
-    if not isinstance(obj, dict):
-        raise Malformed("evaluation report must be a JSON object {version, num_examples, metrics}")
-    unknown = sorted(str(k)[:40] for k in set(obj) - {"version", "num_examples", "metrics"})
-    if unknown:
-        raise Malformed(f"evaluation report has unknown fields {unknown[:5]}; expected version, num_examples, metrics")
-    ints = {}
-    for key, low, high in (("version", 0, 2**53), ("num_examples", 1, MAX_EVAL_EXAMPLES)):
-        v = obj.get(key)
-        if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
-            raise Malformed(f"evaluation report field {key!r} must be an integer in [{low}, {high}], got {str(v)[:40]}")
-        ints[key] = v
-    metrics = obj.get("metrics")
-    if not isinstance(metrics, dict) or not 1 <= len(metrics) <= MAX_EVAL_METRICS:
-        raise Malformed(f"evaluation report field 'metrics' must map 1 to {MAX_EVAL_METRICS} names to numbers")
-    out: dict[str, float] = {}
-    for name, v in metrics.items():
-        if not _METRIC_NAME.fullmatch(name) or name == "num_examples":
-            raise Malformed(
-                f"metric name {name[:70]!r} must match [A-Za-z][A-Za-z0-9_.-]{{0,63}} and not be 'num_examples'"
-            )
-        try:
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(float(v)):
-                raise ValueError
-        except (OverflowError, ValueError):
-            raise NonFinite(f"metric {name!r} must be a finite number, got {str(v)[:40]}") from None
-        out[name] = float(v)
-    return ints["version"], ints["num_examples"], out
-
-
-#: A node's report that its task failed on the node (POST /v1/failed, docs/protocol.md).
-MAX_FAILURE_BODY = 1024
-#: ``diverged``: a non-finite loss or update; ``refused``: the node's operator policy refuses the
-#: run's config that came with the task (a federation's node, client/daemon.py); ``failed``: the
-#: task's own code raised on the node (its model, loss, data or metrics; the node stops taking part),
-#: or, with no reason, a local- or distributed-DP node's notice, judged from its noised update only.
-FAILURE_REASONS = ("diverged", "refused", "failed")
-
-
-def parse_failure_report(body: bytes) -> tuple[int, int, str]:
-    """``(round, version, reason)`` of a JSON failure report; Malformed if it is not one."""
-    try:
-        obj = loads_strict(body)
-    except ValueError as e:
-        raise Malformed(f"failure report is not JSON: {e}"[:200]) from None
-    if not isinstance(obj, dict) or set(obj) != {"round", "version", "reason"}:
-        raise Malformed(
-            'a failure report is a JSON object {"round": r, "version": v, "reason": "diverged", "refused" or "failed"}'
-        )
-    for key in ("round", "version"):
-        v = obj[key]
-        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= 2**53:
-            raise Malformed(f"failure report field {key!r} must be an integer >= 0, got {str(v)[:40]}")
-    if obj["reason"] not in FAILURE_REASONS:
-        raise Malformed(f"failure report reason {str(obj['reason'])[:40]!r} is not one of {list(FAILURE_REASONS)}")
-    return obj["round"], obj["version"], obj["reason"]
-
-
-def spec_mismatch_detail(node_hash: str, server_hash: str) -> str:
-    return (
-        f"model spec mismatch: the node's model has spec hash {node_hash!r}, the server's has {server_hash!r} "
-        "(another architecture, parameter layout or frozen base weights): run the node with the same task, model "
-        "and base checkpoint as the server "
-        "(--task / [task] app and [task.args]; for the built-in task the same [model] and [data])"
-    )
 
 
 class ServerService:
@@ -731,7 +611,7 @@ class ServerService:
         self.counters.bytes_received += nbytes
         self.activity.accepted(node, nbytes, self.rounds.round, now)
         if advanced:  # async: the update completed a new version
-            self._new_version(self.rounds.version_fields(), now)
+            self.new_version(self.rounds.version_fields(), now)
         elif self.fed:
             self._settle_fed(now)  # this node's task from an older version is over
         return {"status": "accepted", "round": self.rounds.round, "version": self.version}
@@ -849,7 +729,7 @@ class ServerService:
             log.info(
                 "round %d: deadline, closed with %d of %d results", r.round, summary.num_results, summary.num_selected
             )
-        self._new_version(
+        self.new_version(
             {
                 "round": summary.round,
                 "train_loss": summary.train_loss,
@@ -893,9 +773,10 @@ class ServerService:
                 )
             )
 
-    def _new_version(self, fields: dict[str, Any], now: float, summary: RoundSummary | None = None) -> None:
+    def new_version(self, fields: dict[str, Any], now: float, summary: RoundSummary | None = None) -> None:
         """A new global version: evaluate, checkpoint, then log (the simulator's record shape;
-        under DP what privacy.release lets out, with ``summary``'s noisy figures when noised)."""
+        under DP what privacy.release lets out, with ``summary``'s noisy figures when noised). Also
+        the way in for a round closed elsewhere (server/edge/intake.py: an async root's partials)."""
         self.counters.rounds_completed += 1
         self.failed_streak = 0
         self._download = None  # the old version's (a download in flight keeps what it sends)
@@ -957,7 +838,7 @@ class ServerService:
             "spec_hash": self.spec.hash,
             "last_record": self.last_record,
             "last_fed": self.last_fed,
-            "rounds": _split_tensors(self.rounds.state_dict(), "rounds", tensors),
+            "rounds": split_tensors(self.rounds.state_dict(), "rounds", tensors),
             "tier": {k: dict(v) if isinstance(v, dict) else v for k, v in self.tier_state.items()},
         }
         return Checkpoint(self.version, tensors, state)
@@ -969,7 +850,7 @@ class ServerService:
                 f"this config is {self.mode!r} with {self.spec.hash!r}: use the config it was made with, "
                 "or another server.checkpoint_dir"
             )
-        self.rounds.load_state_dict(_join_tensors(state["rounds"], tensors))
+        self.rounds.load_state_dict(join_tensors(state["rounds"], tensors))
         self.last_record = state.get("last_record", {})
         self.last_fed = state.get("last_fed", {})
         tier = state.get("tier", {})
@@ -1009,42 +890,6 @@ class ServerService:
         }
 
 
-@dataclass
-class ModelDownload:
-    """One version of the global model as its node download: the message header ``head``, then the
-    parameters' memory ``data`` (server/app.py serves it whole or a byte range at a time)."""
-
-    version: int
-    etag: str
-    head: bytes
-    data: memoryview
-    _sha256: str | None = None
-
-    @property
-    def size(self) -> int:
-        return len(self.head) + len(self.data)
-
-    def pieces(self, start: int, end: int, step: int = 1 << 20) -> Iterator[memoryview]:
-        """The bytes ``[start, end)`` as views of at most ``step`` bytes (no copy)."""
-        for part, base in ((memoryview(self.head), 0), (self.data, len(self.head))):
-            a, b = max(start - base, 0), min(end - base, len(part))
-            for x in range(a, b, step):
-                yield part[x : min(x + step, b)]
-
-    def sha256(self, start: int = 0, end: int | None = None) -> str:
-        """The SHA-256 of bytes ``[start, end)`` (the whole: computed once). Releases the GIL: run it
-        in a thread for a large model."""
-        whole = start == 0 and end in (None, self.size)
-        if whole and self._sha256 is not None:
-            return self._sha256
-        h = hashlib.sha256()
-        for piece in self.pieces(start, self.size if end is None else end, 16 << 20):
-            h.update(piece)
-        if whole:
-            self._sha256 = h.hexdigest()
-        return h.hexdigest()
-
-
 class _Pieces:
     """The blocks of a staged update, noting whether the sum has begun taking them."""
 
@@ -1064,27 +909,3 @@ def _sent_spec_hash(body: bytes | memoryview, max_bytes: int) -> Any:
         return read_header(cast(bytes, body), max_bytes)[0].get("spec_hash")  # read_header takes any buffer
     except ShoalError:
         return None
-
-
-def _split_tensors(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:
-    """``obj`` with every tensor replaced by ``{"__tensor__": name}``, tensors into ``tensors``
-    (the global model is stored as ``params``, the name a reader looks for)."""
-    if isinstance(obj, torch.Tensor):
-        name = "params" if path == "rounds.global_params" else path
-        tensors[name] = obj
-        return {"__tensor__": name}
-    if isinstance(obj, dict):
-        return {str(k): _split_tensors(v, f"{path}.{k}", tensors) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_split_tensors(v, f"{path}.{i}", tensors) for i, v in enumerate(obj)]
-    return obj
-
-
-def _join_tensors(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
-    if isinstance(obj, dict):
-        if set(obj) == {"__tensor__"}:
-            return tensors[obj["__tensor__"]]
-        return {k: _join_tensors(v, tensors) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_join_tensors(v, tensors) for v in obj]
-    return obj

@@ -24,7 +24,8 @@ from shoal.task import ClientData, Task, call_part, check_data
 from shoal.tensorboard import TensorBoardLog
 
 from .checkpoint import newest_intact, save_checkpoint, write_durably
-from .service import Checkpoint, Event, PrivacyLedger, Record, Restored, ServerService
+from .events import Checkpoint, Event, PrivacyLedger, Record, Restored
+from .service import ServerService
 
 log = logging.getLogger(__name__)
 

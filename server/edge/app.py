@@ -37,7 +37,7 @@ from ..http_common import (
     status_of,
     wait_event,
 )
-from ..service import MAX_FAILURE_BODY
+from ..node_reports import MAX_FAILURE_BODY
 from .journal import JOURNAL, RoundJournal
 from .secure import RELAY, RelayLink, edge_get_secagg, edge_post_secagg
 from .service import EdgeNodes, edge_spec

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 from shoal.aggregation.partial import PartialInbox, decode_partial
 from shoal.algorithms import algorithm_of
 from shoal.errors import Malformed, UpdateRejected, short_repr
+from shoal.privacy_plan import plan_of
 from shoal.wire import MAX_HEADER_BYTES
 
 if TYPE_CHECKING:
@@ -282,8 +283,9 @@ class PartialIntake:
             return "robust.norm_bound bounds each update, which a sum hides"
         if cfg.secure_aggregation.enabled and cfg.secure_aggregation.malicious_server:
             return "secure_aggregation.malicious_server = true: its consistency round through edges is not built"
-        distributed_secure = cfg.privacy.mode == "distributed" and cfg.secure_aggregation.enabled
-        if cfg.privacy.mode != "none" and not (distributed_secure and self.service.sync is not None):
+        plan = plan_of(cfg)
+        distributed_secure = plan.client_shares and plan.secure
+        if plan.enabled and not (distributed_secure and self.service.sync is not None):
             return (
                 f"privacy.mode = {cfg.privacy.mode!r}: the DP mean clips each update, which a sum hides (distributed "
                 "DP runs through edges with secure aggregation in sync rounds: each node clips and adds its noise "
@@ -499,7 +501,7 @@ class PartialIntake:
                 svc.counters.bytes_received += len(body)
                 svc.activity.accepted(edge, len(body), version, now)
                 if svc.version != version:
-                    svc._new_version(svc.rounds.version_fields(), now)
+                    svc.new_version(svc.rounds.version_fields(), now)
             return answer
         try:
             check_edge(svc, edge)

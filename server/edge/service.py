@@ -35,11 +35,13 @@ from shoal.assembly import initial_model, task_from_config
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, ShoalError, SpecMismatch, UpdateRejected
 from shoal.params import ParamSpec
+from shoal.privacy_plan import plan_of
 from shoal.task import Task
 from shoal.update import Update
 from shoal.wire import MAX_HEADER_BYTES, decode_model, decode_update, model_parts
 
-from ..service import ModelDownload, parse_failure_report, spec_mismatch_detail
+from ..model_download import ModelDownload
+from ..node_reports import parse_failure_report, spec_mismatch_detail
 from .intake import MAX_ROSTER
 from .rounds import EdgeBuffer, EdgeRound, EdgeRounds
 from .secure import EdgeRelay
@@ -338,7 +340,7 @@ class EdgeNodes:
         if privacy is not None and (not isinstance(privacy, dict) or len(json.dumps(privacy)) > MAX_PRIVACY_INFO):
             raise Malformed(f"the root's privacy task fields are not an object of at most {MAX_PRIVACY_INFO} bytes")
         # a round this edge cannot run as the root does: it stops (one line), it does not retry
-        if (privacy is not None) != (self.cfg.privacy.mode != "none"):
+        if (privacy is not None) != plan_of(self.cfg).enabled:
             raise ConfigError(
                 f"privacy.mode: this edge runs {self.cfg.privacy.mode!r} and the root's round "
                 f"{'has' if privacy is not None else 'has no'} privacy task fields: run the edge with the root's "

@@ -23,7 +23,8 @@ from shoal.wire import read_header
 from ..http_common import (
     notify,
 )
-from ..service import ModelDownload, spec_mismatch_detail
+from ..model_download import ModelDownload
+from ..node_reports import spec_mismatch_detail
 from .intake import MAX_ROSTER, edge_terms
 from .journal import JOURNAL
 from .partial_sender import PartialRefused, UplinkGaveUp, send_partial

@@ -44,7 +44,7 @@ PRIVACY_FIELDS = (
 
 def withholds(cfg: Config | None) -> bool:
     """A researcher's view of this run is filtered (DP, or a config that no longer builds)."""
-    return cfg is None or cfg.privacy.mode != "none"
+    return cfg is None or plan_of(cfg).enabled
 
 
 def _plan(cfg: Config | None) -> PrivacyPlan | None:

@@ -40,7 +40,8 @@ from shoal.floors import below_floor
 from shoal.task import load_task
 from shoal.tensor_file import save_file
 
-from ..service import Event, Record, ServerService
+from ..events import Event, Record
+from ..service import ServerService
 from ..store import open_service
 from ..task_check import TaskChecker
 from ..task_registry import BUILTIN, REGISTRY_FILE, RunError, TaskEntry, TaskRegistry, task_sha256

@@ -9,7 +9,7 @@ import torch
 
 from shoal.errors import ShoalError
 from shoal.server.edge.service import EdgeNodes, edge_spec
-from shoal.server.service import ModelDownload
+from shoal.server.model_download import ModelDownload
 from shoal.update import Update
 from shoal.wire import encode_update
 

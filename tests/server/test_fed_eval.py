@@ -12,7 +12,8 @@ import pytest
 from shoal.config import config_from_dict
 from shoal.server.exposition import prometheus_text
 from shoal.server.http_common import SPEC_HASH_HEADER
-from shoal.server.service import MAX_EVAL_METRICS, ServerService
+from shoal.server.node_reports import MAX_EVAL_METRICS
+from shoal.server.service import ServerService
 from shoal.server.store import open_service
 
 from .live import ADMIN, live_server
@@ -57,7 +58,7 @@ def _bad_reports(big: int) -> dict[str, tuple[int, str, bytes]]:
 def test_eval_reports_are_validated_and_weighted_by_examples(tmp_path):
     """Nodes asked to evaluate version 1 report it; every bad report is a 4xx that changes
     nothing; the example-weighted means land in metrics.jsonl and /v1/status."""
-    from shoal.server.service import MAX_EVAL_BODY
+    from shoal.server.node_reports import MAX_EVAL_BODY
 
     async def scenario():
         async with live_server(tmp_path, NODES, clients_per_round=2, min_nodes=3) as live:

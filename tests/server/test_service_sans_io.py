@@ -9,7 +9,8 @@ import json
 import torch
 
 from shoal.server.checkpoint import latest_checkpoint
-from shoal.server.service import Checkpoint, Record, Restored, ServerService
+from shoal.server.events import Checkpoint, Record, Restored
+from shoal.server.service import ServerService
 from shoal.server.store import ServerStore, open_service
 from shoal.update import Update
 from shoal.wire import encode_update
