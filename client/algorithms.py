@@ -15,24 +15,19 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
 from shoal.client.state import State
-from shoal.client.training import LocalTrainer, Objective
+from shoal.client.training import LocalTrainer, Objective, seeded_rng
 from shoal.config import Config
 from shoal.errors import ConfigError
 from shoal.params import ParamSpec
 from shoal.rounds import Assignment
 from shoal.seeding import derive_seed
-from shoal.task import LOSS_PART, ClientData, Task, task_name, user_batches
+from shoal.task import ClientData, Task, task_name
 from shoal.update import Update
-
-if TYPE_CHECKING:
-    from shoal.client.batched import BatchedTrainer
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +112,7 @@ class ClientProgram:
         return result
 
     #: the local step is plain SGD plus per-client terms (:meth:`objective`), so the batched
-    #: trainer can run many clients of it at once (:func:`train_batched`)
+    #: trainer can run many clients of it at once (client/pipeline.py)
     batchable = True
 
     def local(
@@ -179,7 +174,9 @@ class ClientProgram:
         if steps <= 0:
             return start.clone()
         obj = Objective(start=start, anchor=start, prox_mu=0.0, mask=self.tune_mask, epochs=steps, max_steps=steps)
-        self.trainer.fit(global_flat, data, derive_seed(seed, _FINE_TUNE_STREAM), objective=obj)
+        tune_seed = derive_seed(seed, _FINE_TUNE_STREAM)
+        with seeded_rng(tune_seed, self.device):  # dropout draws alike on every engine
+            self.trainer.fit(global_flat, data, tune_seed, objective=obj)
         return self.trainer.flat.detach().clone()
 
 
@@ -360,28 +357,6 @@ class FedRep(FedPer):
         update = self.trainer.fit(global_flat, data, task.seed, task.version, task.client_id, objective=body)
         update.metrics["local_steps"] = update.metrics.get("local_steps", 0.0) + first.metrics.get("local_steps", 0.0)
         return self._split(update)
-
-
-def train_batched(
-    program: ClientProgram,
-    batched: BatchedTrainer,
-    global_flat: torch.Tensor,
-    data: tuple[torch.Tensor, torch.Tensor, list[int], list[int]],
-    tasks: list[Assignment],
-    states: list[State],
-    broadcast: State,
-) -> Iterator[tuple[int, ClientResult]]:
-    """Many clients' :meth:`ClientProgram.local` at once on the batched trainer: each client's
-    objective terms stacked (:meth:`ClientProgram.batch_terms`), then each trained update
-    finished as one by one (``data``: x, y, starts, sizes of the clients, in ``tasks`` order).
-    Yields (index into ``tasks``, result) in the trainer's order."""
-    x, y, starts, sizes = data
-    terms = program.batch_terms(global_flat, states, broadcast)
-    trained = batched.train(global_flat, x, y, starts, sizes, [t.seed for t in tasks], terms)
-    # the task's model and loss run inside (vmap over clients): their errors name the loss
-    for j, update in user_batches(program.trainer.task, trained, LOSS_PART):
-        update.base_version, update.sender = tasks[j].version, tasks[j].client_id
-        yield j, program.finish(update, states[j], broadcast)
 
 
 def make_program(cfg: Config, task: Task, trainer: LocalTrainer) -> ClientProgram:

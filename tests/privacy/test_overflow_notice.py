@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from shoal.client.node import Node, diverged
+from shoal.client.node import Node
+from shoal.client.training_report import diverged
 from shoal.config import config_from_dict
 from shoal.rounds import Assignment
 from shoal.shards import Shard
