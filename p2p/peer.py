@@ -63,6 +63,7 @@ import aiohttp
 from aiohttp import web
 
 from shoal.client.node import NodePrivacy
+from shoal.client.pipeline import local_step
 from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.errors import ShoalError, TooLarge
@@ -563,7 +564,7 @@ class Peer:
             seed = derive_seed(self.cfg.simulation.seed, self.steps, zlib.crc32(self.node.id.encode()))
             if self.privacy is not None:
                 seed = self.privacy.training_seed(seed)  # DP-SGD's noise and sampling on a seed only we know
-            update = self.trainer.fit(self.node.params, self.data.train, seed)
+            update = local_step(self.trainer, self.node.params, self.data.train, seed)  # the client pipeline's
             self.train_loss = update.metrics.get("train_loss")
             self.node.local_update(self.trainer.flat)
             self.steps += 1
