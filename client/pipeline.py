@@ -32,10 +32,10 @@ import torch
 
 from shoal.aggregation.compression import Compressor, Encoded
 from shoal.rounds import Assignment
-from shoal.task import LOSS_PART, ClientData, user_batches
+from shoal.task import ClientData
 from shoal.update import Update
 
-from .algorithms import ClientProgram, ClientResult
+from .algorithms import ClientProgram, ClientResult, train_batched
 from .state import ClientState, MemoryClientState, State
 from .training import seeded_rng
 
@@ -45,28 +45,6 @@ if TYPE_CHECKING:
 
 # (x, y, starts, sizes) of a cohort for the batched trainer (simulations/client_data.py's gather)
 Cohort = tuple[torch.Tensor, torch.Tensor, list[int], list[int]]
-
-
-def train_batched(
-    program: ClientProgram,
-    batched: BatchedTrainer,
-    global_flat: torch.Tensor,
-    data: tuple[torch.Tensor, torch.Tensor, list[int], list[int]],
-    tasks: list[Assignment],
-    states: list[State],
-    broadcast: State,
-) -> Iterator[tuple[int, ClientResult]]:
-    """Many clients' :meth:`ClientProgram.local` at once on the batched trainer: each client's
-    objective terms stacked (:meth:`ClientProgram.batch_terms`), then each trained update
-    finished as one by one (``data``: x, y, starts, sizes of the clients, in ``tasks`` order).
-    Yields (index into ``tasks``, result) in the trainer's order."""
-    x, y, starts, sizes = data
-    terms = program.batch_terms(global_flat, states, broadcast)
-    trained = batched.train(global_flat, x, y, starts, sizes, [t.seed for t in tasks], terms)
-    # the task's model and loss run inside (vmap over clients): their errors name the loss
-    for j, update in user_batches(program.trainer.task, trained, LOSS_PART):
-        update.base_version, update.sender = tasks[j].version, tasks[j].client_id
-        yield j, program.finish(update, states[j], broadcast)
 
 
 def local_step(trainer: LocalTrainer, start: torch.Tensor, data: ClientData, seed: int) -> Update:

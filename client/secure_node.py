@@ -87,9 +87,11 @@ class SecureNode(Protocol):
     stop: asyncio.Event
     rand: random.Random
     http: aiohttp.ClientSession
-    privacy: SharePrivacy | None
     program: ClientProgram
     secure_cfg: SecureAggregationConfig
+
+    @property
+    def privacy(self) -> SharePrivacy | None: ...
 
     @property
     def url(self) -> str: ...
@@ -238,7 +240,7 @@ async def run_secure_round(node: SecureNode, task: TaskMessage, update: Update, 
         k, bits = int(info["summands"]), int(info["bits"])
         values, weights = FixedPoint(float(info["clip"]), bits, k), FixedPoint(1.0, bits, k)
         size = params.vector_size
-        payload = SecurePayload(node.program.name, update.delta.numel())
+        payload = SecurePayload(node.program.name, update.delta.numel())  # the layout its algorithm declares
         if size != payload.vector_size:
             raise Malformed(
                 f"secure_aggregation.vector_size = {size}, but this node masks {payload.vector_size} entries "

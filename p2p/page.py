@@ -1,4 +1,4 @@
-"""A gossip peer's own page: ``shoal peer`` serves the dashboard of server/dashboard.py for itself,
+"""A gossip peer's own page: ``shoal peer`` serves the dashboard of shoal/web/dashboard.py for itself,
 behind its network token: its training steps and metric curves, epsilon (local DP), bytes sent,
 merges and refusals, and its neighbours (the view) and directory."""
 
@@ -6,36 +6,46 @@ from __future__ import annotations
 
 import hmac
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any
 
-from shoal.server.dashboard import Dashboard, curves
+from shoal.web.dashboard import Dashboard, curves
 
-if TYPE_CHECKING:
-    from .peer import Peer
+from .connections import Connections
+from .runtime import PeerRuntime
+from .service import PeerService
+from .store import PeerStore
 
 RUN = "peer"  # the page's one run: this peer's training
 
 
 class PeerSource:
-    """What the page shows of one :class:`~shoal.p2p.peer.Peer`."""
+    """What the page shows of one peer: its protocol state, its training, its records."""
 
     kind = "peer"
 
-    def __init__(self, peer: Peer):
-        self.peer = peer
+    def __init__(
+        self,
+        svc: PeerService,
+        runtime: PeerRuntime,
+        store: PeerStore,
+        guard: Connections,
+        stopped: Callable[[], bool],
+    ):
+        self.svc, self.runtime, self.store, self.guard, self.stopped = svc, runtime, store, guard, stopped
         self.started = time.monotonic()
 
     def _summary(self, now: float) -> dict[str, Any]:
-        p = self.peer
-        rounds = p.g.rounds or None
-        done = p._stop.is_set() or (rounds is not None and p.steps >= rounds)
+        g, steps = self.svc.g, self.runtime.steps
+        rounds = g.rounds or None
+        done = self.stopped() or (rounds is not None and steps >= rounds)
         return {
             "run": RUN,
-            "task": p.status()["task"],
+            "task": self.runtime.task_name,
             "status": "finished" if done else "running",
-            "mode": f"gossip: {p.g.algorithm}",
-            "round": p.steps,
-            "version": p.node.version,
+            "mode": f"gossip: {g.algorithm}",
+            "round": steps,
+            "version": self.svc.node.version,
             **({"rounds_target": rounds} if rounds else {}),
             "elapsed_s": round(now - self.started, 1),
         }
@@ -46,12 +56,12 @@ class PeerSource:
     def run(self, run_id: str, now: float) -> dict[str, Any] | None:
         if run_id != RUN:
             return None
-        p = self.peer
-        records = p.metrics.records if p.metrics is not None else []
-        status = p.svc.counters()
-        refused = {"messages": p.svc.rejected, "addresses": status["addresses"]["refused"]}
+        svc = self.svc
+        records = self.store.records
+        status = svc.counters()
+        refused = {"messages": svc.rejected, "addresses": status["addresses"]["refused"]}
         refused.update({f"merge_bound_{k}": v for k, v in status["merge_bound"].items()})
-        refused["connections"] = p.guard.refused
+        refused["connections"] = self.guard.refused
         history = [
             {
                 "version": r["round"],
@@ -67,9 +77,9 @@ class PeerSource:
         ]
         traffic = {
             "live": True,
-            "bytes_up": p.svc.bytes_sent,
+            "bytes_up": svc.bytes_sent,
             "bytes_down": None,
-            "accepted": p.node.merges,
+            "accepted": svc.node.merges,
             "refused": {k: v for k, v in refused.items() if v},
             "stragglers": None,
             "dropouts": None,
@@ -79,7 +89,7 @@ class PeerSource:
 
     def nodes(self, now: float) -> list[dict[str, Any]]:
         """The view (neighbours this peer exchanges with) and the rest of its directory."""
-        m = self.peer.node.membership
+        m = self.svc.node.membership
         suspected = m.suspected()
         return [
             {
@@ -97,12 +107,11 @@ class PeerSource:
         ]
 
 
-def peer_dashboard(peer: Peer) -> Dashboard:
+def peer_dashboard(source: PeerSource, token: str) -> Dashboard:
     """The page, opened by the peer's network token (off when the peer runs without one)."""
-    token = peer.s.token
 
     def check(candidate: str) -> bool:
         return bool(token) and hmac.compare_digest(candidate.encode(errors="replace"), token.encode())
 
     off = "" if token else "this peer runs without a network token (--token-file): its page is off"
-    return Dashboard(PeerSource(peer), check, off)
+    return Dashboard(source, check, off)

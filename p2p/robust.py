@@ -30,9 +30,12 @@ import torch
 
 from shoal.aggregation.robust import make_aggregator
 from shoal.config import Config
-from shoal.errors import ConfigError
+from shoal.config.rules import check_gossip_settings
 
 from .merge import MergeBound
+from .settings import robust_mixing
+
+__all__ = ["check_gossip_settings", "make_merge_bound", "robust_gossip_average", "robust_mixing"]
 
 
 def make_merge_bound(cfg: Config) -> MergeBound:
@@ -40,11 +43,6 @@ def make_merge_bound(cfg: Config) -> MergeBound:
     ``max_abs`` and ``bound_mode``."""
     g = cfg.gossip
     return MergeBound(g.merge_bound, g.max_abs, g.bound_mode, g.merge_radius, g.max_drift)
-
-
-def robust_mixing(cfg: Config) -> bool:
-    """True when D-PSGD must mix node by node through a robust rule (not ``W @ X``)."""
-    return cfg.robust.rule != "mean" or cfg.robust.norm_bound > 0
 
 
 def robust_gossip_average(
@@ -81,32 +79,3 @@ def robust_gossip_average(
             out[i] = own[i] + agg.mean()
         clipped += getattr(agg, "clipped", 0)
     return out, clipped
-
-
-def check_gossip_settings(cfg: Config) -> None:
-    """Refuse ``[robust]`` / ``[compression]`` settings that gossip cannot honour, by name."""
-    g = cfg.gossip
-    if cfg.compression.encoding == "topk":
-        raise ConfigError(
-            "compression.encoding = 'topk' with gossip: top-k of a whole model drops most of it, and error "
-            "feedback needs a reference model both peers share, which push-pull with random partners does not "
-            "keep; use 'q8' (8-bit model) and/or compression.zstd = true"
-        )
-    if g.algorithm == "group_average":
-        if cfg.robust.rule != "mean" or cfg.robust.norm_bound > 0:
-            raise ConfigError(
-                "[robust] with gossip.algorithm = 'group_average': a group's reducers average exactly what "
-                "arrived, with no robust rule yet; set robust.rule = 'mean' and robust.norm_bound = 0, or use "
-                "gossip.algorithm = 'dpsgd' (robust mixing) or 'gossip' (bounded merges)"
-            )
-        if cfg.compression.encoding != "dense" or cfg.compression.zstd:
-            raise ConfigError(
-                "[compression] with gossip.algorithm = 'group_average': model slices travel as dense float32; "
-                "set compression.encoding = 'dense' and compression.zstd = false"
-            )
-    if g.algorithm == "gossip" and cfg.robust.rule != "mean":
-        raise ConfigError(
-            f"robust.rule = {cfg.robust.rule!r} with gossip.algorithm = 'gossip': a push-pull merge sees one "
-            "model at a time, so there is nothing to take a median of; use robust.norm_bound > 0 (clipped or "
-            "rejecting merge) or gossip.algorithm = 'dpsgd', which mixes a whole neighbourhood through the rule"
-        )

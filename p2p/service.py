@@ -40,10 +40,11 @@ from .addresses import AddressPolicy
 from .dpsgd import DpsgdStep, MixMessage
 from .freshness import Freshness, Stale
 from .gossip import GossipNode, ModelMessage, bump
-from .group_average import GridAverage, Refusal, SliceMessage, grid_path
+from .grid_average import GridAverage, grid_path
+from .group_average import Refusal, SliceMessage
 from .membership import Membership, ShuffleRequest, ShuffleResponse
 from .merge import MergeRule
-from .messages import Limits, parse_mix, parse_model, parse_secure, parse_shuffle, parse_slice, peek_spec_hash
+from .messages import Limits, Refused, parse_mix, parse_model, parse_secure, parse_shuffle, parse_slice, peek_spec_hash
 from .model_wire import encode_gossip_model, encode_secure, encode_slice
 from .robust import make_merge_bound
 from .secure_group import SecureGroup, SecureMessage
@@ -462,6 +463,31 @@ class PeerService:
             return
         if self.node.adopt(self.init + res.mean.to(self.init.device), clip=False):  # masked: no per-member clip
             self.secure_stats["averaged"] += 1
+
+    def tick_exchange(
+        self, ex: GridAverage | SecureGroup, now: float
+    ) -> tuple[list[SliceMessage] | list[SecureMessage], float | None]:
+        """An open group exchange at ``now``: what to send, and when it next needs a tick."""
+        return ex.tick(now), ex.next_deadline()
+
+    def on_member_failed(
+        self, ex: GridAverage | SecureGroup, target: str, error: Exception | None, now: float
+    ) -> list[SliceMessage] | list[SecureMessage]:
+        """A group message to ``target`` did not arrive: ``error`` None (we may not contact it
+        now), a Refused (alive, but it will not take it) or a transport failure (a failure in the
+        membership). Either way ``target`` is gone for this exchange; what to send now."""
+        if isinstance(error, Refused):
+            self.node.membership.seen(target, now)
+        elif error is not None and self.on_contact_failure(target, now):
+            log.info("%s: removed %s after repeated failures", self.id, target)
+        return ex.on_unreachable(target, now)
+
+    def on_mix_failed(self, st: DpsgdStep, target: str, error: Exception | None, now: float) -> None:
+        """A D-PSGD partner did not answer: no edge this step; a transport failure (not a refusal)
+        counts against it in the membership."""
+        if error is not None and not isinstance(error, Refused):
+            self.on_contact_failure(target, now)
+        st.on_unreachable(target, now)
 
     # --- D-PSGD -------------------------------------------------------------------------------------
 

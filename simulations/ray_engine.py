@@ -46,6 +46,7 @@ import numpy as np
 import torch
 
 from shoal.aggregation import Strategy, WeightedMean
+from shoal.algorithms import algorithm_of
 from shoal.assembly import with_absolute_task
 from shoal.client.algorithms import ClientResult
 from shoal.config import Config
@@ -429,7 +430,7 @@ def summing_blocker(sim: InProcessSimulation) -> str | None:
     cfg = sim.cfg
     if not cfg.simulation.ray_partial_sums:
         return "simulation.ray_partial_sums = false"
-    if cfg.algorithm.name != "fedavg":
+    if not algorithm_of(cfg).summable:
         return f"algorithm.name = {cfg.algorithm.name!r} returns each client's state and step"
     if cfg.secure_aggregation.enabled:
         return "secure aggregation masks each update"

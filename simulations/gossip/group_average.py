@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from shoal.p2p.group_average import GridAverage, Refusal, SliceMessage, grid_dims, grid_path
+from shoal.p2p.grid_average import GridAverage, grid_path
+from shoal.p2p.group_average import Refusal, SliceMessage, grid_dims
 from shoal.p2p.model_wire import encode_slice
 from shoal.seeding import derive_seed
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from shoal.client.training_report import figures_line
+from shoal.client.node import figures_line
 from shoal.task import Task, load_task
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "tasks"

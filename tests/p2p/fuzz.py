@@ -161,18 +161,18 @@ class Cases:
 
     def model(self, params: torch.Tensor | None = None, spec: ParamSpec | None = None, **header: Any) -> bytes:
         params = self.own() + 0.001 if params is None else params
-        step = self.t._wall_step()
+        step = self.t.wall_step()
         extra = {"age": 1, "num_examples": 10, "sender": self.sender, "step": step, "seq": self.seq(), **header}
         return encode_gossip_model(params, spec or self.spec, 1, extra)
 
     def raw_model(self, header: dict[str, Any]) -> bytes:
         base = {"kind": "model", "spec_hash": self.spec.hash, "version": 1, "age": 1, "num_examples": 10}
-        base |= {"sender": self.sender, "step": self.t._wall_step(), "seq": self.seq()}
+        base |= {"sender": self.sender, "step": self.t.wall_step(), "seq": self.seq()}
         return encode({"params": self.own()}, {**base, **header})
 
     def slice(self, **changes: Any) -> bytes:
         members = tuple(sorted((self.t.svc.id, self.sender)))
-        step = self.t._wall_step() + 1
+        step = self.t.wall_step() + 1
         n = self.spec.numel
         msg = SliceMessage(
             self.sender, self.t.svc.id, step, group_id(step, members), members, 0, "part", 1.0, torch.zeros(n // 2)
@@ -185,7 +185,7 @@ class Cases:
         fields = dict(
             sender=self.sender,
             target=self.t.svc.id,
-            round=self.t._wall_step() + 1,
+            round=self.t.wall_step() + 1,
             group="g",
             members=members,
             kind="abort",
@@ -282,7 +282,7 @@ class Cases:
             # request is on its way (the wall clock moves on): any answer but a 5xx
             offset = r.choice([-5, 1, 3, 10**9])
             invalid = self.algorithm != "group_average" or offset in (-5, 10**9)
-            return Case("/group", self.slice(round=self.t._wall_step() + offset), invalid, "slice")
+            return Case("/group", self.slice(round=self.t.wall_step() + offset), invalid, "slice")
         if k == 15:
             changes = r.choice(
                 [
@@ -301,7 +301,7 @@ class Cases:
         if k == 16:
             offset = r.choice([-5, 1, 10**9])
             invalid = self.algorithm != "secure_groups" or offset in (-5, 10**9)
-            return Case("/secure", self.secure(round=self.t._wall_step() + offset), invalid, "secure message")
+            return Case("/secure", self.secure(round=self.t.wall_step() + offset), invalid, "secure message")
         if k == 17:
             return Case(r.choice(list(PATHS.values())), self.model(), True, "no token", {"Authorization": ""})
         if k == 18:

@@ -14,14 +14,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shoal.p2p.grid_average import GridAverage, grid_path
 from shoal.p2p.group_average import (
-    GridAverage,
     GroupAverage,
     Refusal,
     SliceMessage,
     grid_dims,
     grid_groups,
-    grid_path,
     group_id,
     group_of,
     slice_bounds,

@@ -251,7 +251,8 @@ class _Rows(torch.utils.data.Dataset):
 @pytest.mark.timeout(60)
 def test_a_peer_trains_and_evaluates_on_torch_datasets(tmp_path):
     """Dataset train/test data (the DataLoader path) train the model and give one metrics
-    record with every default metric of the task on the peer's own test data."""
+    record with every default metric of the task on the peer's own test data; the saved model
+    loads into the task's model by name."""
     torch.manual_seed(0)
     trainer = LocalTrainer(build_model("logreg", (8,), 3), Config().train)
     g = torch.Generator().manual_seed(2)
@@ -273,6 +274,13 @@ def test_a_peer_trains_and_evaluates_on_torch_datasets(tmp_path):
     assert {"local_test_loss", "local_test_accuracy"} <= set(record) and record["local_test_num_examples"] == 30
     assert not any(k.startswith("test_") for k in record)
     assert peer.status()["metrics"]["local_test_accuracy"] == record["local_test_accuracy"]
+    # the saved model is named tensors that the task's model loads, like `shoal run pull` gives
+    from safetensors.torch import load_file
+
+    saved = load_file(str(peer.save_model()))
+    fresh = build_model("logreg", (8,), 3)
+    fresh.load_state_dict(saved)
+    assert torch.equal(torch.cat([v.reshape(-1) for v in saved.values()]).sort().values, peer.node.params.sort().values)
 
 
 @pytest.mark.timeout(60)

@@ -73,7 +73,7 @@ def test_an_exchange_over_https_gives_every_peer_the_weighted_average(tmp_path):
         peers, runners, urls, _ = await _network(tmp_path, 6, "gossip.group_size=3")  # a 2 x 3 grid
         w = torch.tensor([20.0 + 10 * i for i in range(6)], dtype=torch.float64)
         want = (w[:, None] * torch.stack([p.node.params.double() for p in peers])).sum(0) / w.sum()
-        step = peers[0]._wall_step()
+        step = peers[0].wall_step()
         weights = await asyncio.gather(*[p.group_exchange(step, float(w[i])) for i, p in enumerate(peers)])
         for p, wt in zip(peers, weights):
             assert torch.allclose(p.node.params.double(), want, atol=1e-6)
@@ -94,7 +94,7 @@ def test_a_dead_peer_costs_its_deadlines_and_the_others_agree(tmp_path):
         peers, runners, urls, _ = await _network(tmp_path, 4, "gossip.group_size=4", "gossip.timeout=1.0")
         await runners[3].cleanup()  # peer 3 is gone: its port refuses connections
         live = peers[:3]
-        step = peers[0]._wall_step()
+        step = peers[0].wall_step()
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         await asyncio.gather(*[p.group_exchange(step, 1.0) for p in live])
@@ -115,7 +115,7 @@ def test_bad_slices_are_refused_and_change_nothing(tmp_path):
     async def main() -> None:
         peers, runners, urls, cctx = await _network(tmp_path, 2, "gossip.group_size=2")
         a, b = peers
-        step = a._wall_step()
+        step = a.wall_step()
         members = tuple(sorted(urls))
         target = b.node.id
         sender = a.node.id
@@ -169,7 +169,7 @@ def test_dpsgd_peers_mix_over_https_and_keep_the_sum(tmp_path):
             tmp_path, 4, 'gossip.algorithm="dpsgd"', "gossip.degree=2", "gossip.period=1.0"
         )
         before = torch.stack([p.node.params.clone() for p in peers])
-        step = peers[0]._wall_step() + 1
+        step = peers[0].wall_step() + 1
         loop = asyncio.get_running_loop()
         await asyncio.gather(*[p.dpsgd_step(step, loop.time() + 1.5) for p in peers])
         after = torch.stack([p.node.params for p in peers])
@@ -198,9 +198,9 @@ def test_a_secure_group_over_https_gives_every_member_the_weighted_average_and_a
             p.node.params.copy_(
                 p.svc.init + 0.1 * torch.randn(p.spec.numel, generator=torch.Generator().manual_seed(len(p.node.id)))
             )
-        from shoal.p2p.group_average import grid_path
+        from shoal.p2p.grid_average import grid_path
 
-        step = peers[0]._wall_step()
+        step = peers[0].wall_step()
         relay = grid_path(urls, urls[0], step, 5, 1)[0][0]  # the group's first member relays
         dead = next(i for i in range(5) if urls[i] != relay)
         await runners[dead].cleanup()  # one member is gone: its port refuses connections

@@ -14,6 +14,8 @@ import urllib.request
 
 import pytest
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
 
 from shoal.assembly import initial_model, task_from_config
 from shoal.config import load_config
@@ -21,7 +23,7 @@ from shoal.p2p.group_average import SliceMessage, group_id
 from shoal.p2p.model_wire import encode_slice
 from shoal.params import ParamSpec
 from shoal.tls import client_context, make_private_ca
-from shoal.wire import encode_model, read_header
+from shoal.wire import encode_model
 
 from .processes import free_ports, peer_status, start_peer, stop_peers, wait_for
 
@@ -129,8 +131,10 @@ def test_real_peers_take_the_probes_and_stop_cleanly_on_sigterm(tmp_path):
     for i in range(2):
         log = (tmp_path / f"peer{i}.log").read_text()
         assert "Traceback" not in log, log[-3000:]
-    body = (tmp_path / "peer0" / "model.safetensors").read_bytes()
-    header, _ = read_header(body, len(body))
-    assert header["kind"] == "model" and header["spec_hash"] == after["spec_hash"]
+    saved = tmp_path / "peer0" / "model.safetensors"  # named tensors, as `shoal run pull` gives
+    with safe_open(str(saved), "pt") as f:
+        assert f.metadata()["spec_hash"] == after["spec_hash"]
+    model = initial_model(cfg, task_from_config(cfg))
+    model.load_state_dict(load_file(str(saved)))
     records = [json.loads(line) for line in (tmp_path / "peer0" / "metrics.jsonl").read_text().splitlines()]
     assert records[-1].get("final") is True and records[-1]["round"] >= after["steps"]

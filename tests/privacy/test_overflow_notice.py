@@ -13,8 +13,8 @@ import math
 import torch
 
 from shoal.client.node import Node
-from shoal.client.training_report import diverged
 from shoal.config import config_from_dict
+from shoal.privacy_state import diverged
 from shoal.rounds import Assignment
 from shoal.shards import Shard
 from shoal.wire import update_parts
