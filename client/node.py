@@ -59,6 +59,7 @@ from shoal.wire import update_parts
 from .algorithms import ClientProgram
 from .disk_model import DiskModel
 from .http import Backoff, NodeError, Refused, Retry, ServerList
+from .node_connection import ServerConnection
 from .pipeline import ClientPipeline
 from .runlog import RunTag
 from .task_message import TaskMessage
@@ -117,7 +118,7 @@ def figures_line(task: Task, means: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.4g}" for k, v in shown.items()) or "no metrics"
 
 
-class Node:
+class Node(ServerConnection):
     """One node's loop; :meth:`run` returns when the server says done or on stop."""
 
     def __init__(
