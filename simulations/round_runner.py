@@ -20,9 +20,9 @@ from shoal.update import PartialSum, Update
 
 if TYPE_CHECKING:
     from shoal.client.state import State
+    from shoal.privacy_state import PrivacyBudget
 
     from .client_data import ClientShards, PopulationShards
-    from .dp_hooks import PrivacyBudget
     from .wire_step import WireStep
 
 
