@@ -70,9 +70,14 @@ OCTET = {"Content-Type": "application/octet-stream"}
 class SharePrivacy(Protocol):
     """The node's side of ``[privacy]`` as a secure round uses it (client/node.py's NodePrivacy)."""
 
-    plan: PrivacyPlan
-    p: PrivacyConfig
-    mode: str
+    @property
+    def plan(self) -> PrivacyPlan: ...
+
+    @property
+    def p(self) -> PrivacyConfig: ...
+
+    @property
+    def mode(self) -> str: ...
 
     def add_share(self, update: Update, t: int, round_: Any) -> Update: ...
 
