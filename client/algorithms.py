@@ -23,7 +23,7 @@ import torch
 from shoal.algorithms import algorithm, algorithm_of
 from shoal.client.batched import BatchedTrainer, BatchTerms
 from shoal.client.state import State
-from shoal.client.training import LocalTrainer, Objective
+from shoal.client.training import LocalTrainer, Objective, seeded_rng
 from shoal.config import Config
 from shoal.errors import ConfigError
 from shoal.params import ParamSpec
@@ -173,7 +173,9 @@ class ClientProgram:
         if steps <= 0:
             return start.clone()
         obj = Objective(start=start, anchor=start, prox_mu=0.0, mask=self.tune_mask, epochs=steps, max_steps=steps)
-        self.trainer.fit(global_flat, data, derive_seed(seed, _FINE_TUNE_STREAM), objective=obj)
+        tune_seed = derive_seed(seed, _FINE_TUNE_STREAM)
+        with seeded_rng(tune_seed, self.device):  # dropout draws alike on every engine
+            self.trainer.fit(global_flat, data, tune_seed, objective=obj)
         return self.trainer.flat.detach().clone()
 
 

@@ -39,10 +39,8 @@ from shoal import assembly
 from shoal.aggregation.compression import OutOfHalfRange
 from shoal.assembly import NodeParts
 from shoal.config import Config
-from shoal.errors import ShoalError, SpecMismatch, short_repr
-from shoal.params import ParamSpec
+from shoal.errors import ShoalError, short_repr
 from shoal.privacy_state import diverged
-from shoal.rounds import Assignment
 from shoal.seeding import derive_seed
 from shoal.shards import Shard
 from shoal.signals import on_stop_signals
@@ -56,14 +54,17 @@ from shoal.task import (
     call_part,
     task_name,
 )
-from shoal.wire import MODEL_AUX, decode_model, default_max_bytes, read_header, update_parts
+from shoal.wire import update_parts
 
 from .algorithms import ClientProgram
-from .disk_model import DiskModel, read_table
-from .http import Backoff, NodeError, Refused, Retry, ServerList, check_response, connection_problem
+from .disk_model import DiskModel
+from .http import Backoff, NodeError, Refused, Retry, ServerList
+from .node_connection import ServerConnection
+from .pipeline import ClientPipeline
 from .runlog import RunTag
+from .task_message import TaskMessage
 from .training import LocalTrainer, summarize_means
-from .transfer import CHUNK_DIGEST_HEADER, Body, OnDisk, download
+from .transfer import Body
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +79,6 @@ class PolicyRefusal(ShoalError):
 
 
 SPEC_HASH_HEADER = "X-Shoal-Spec-Hash"  # sent with every poll (docs/protocol.md)
-# Refusals that say nothing against the update itself: no round was open for it (a restarted
-# server reopens the same round, with the same task, once its nodes are back), or it already
-# arrived. The server hands such a task out again, and the node trains it again.
-RETRAINABLE = frozenset({"round_closed", "duplicate"})
 _METRIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_.\-]{0,63}")  # what the server takes in an evaluation report
 
 
@@ -121,7 +118,7 @@ def figures_line(task: Task, means: dict[str, float]) -> str:
     return ", ".join(f"{k} {v:.4g}" for k, v in shown.items()) or "no metrics"
 
 
-class Node:
+class Node(ServerConnection):
     """One node's loop; :meth:`run` returns when the server says done or on stop."""
 
     def __init__(
@@ -156,6 +153,8 @@ class Node:
         self.states = parts.states
         self.privacy = parts.privacy
         self.compressor = parts.compressor  # [compression]: the upload's encoding
+        # train -> client state -> DP (self.privacy) -> encode / secure payload -> upload -> settle
+        self.pipeline = ClientPipeline(self.program, self.states, compressor=self.compressor)
         cfg = parts.cfg
         self.personal_eval_steps = cfg.algorithm.personal_eval_steps
         self.zstd_level = cfg.compression.zstd_level if cfg.compression.zstd else 0
@@ -209,28 +208,26 @@ class Node:
             self.http = http
             while not self.stop.is_set():
                 try:
-                    task = await self._until_stop(
+                    body = await self._until_stop(
                         self._request(
                             "GET", "/v1/task", params=poll, headers={SPEC_HASH_HEADER: self.trainer.spec.hash}
                         )
                     )
-                    if task is None:
+                    if body is None:
                         break
                     self.backoff.reset()
                     self._answered()
-                    if task["status"] == "done":
-                        log.info(
-                            "server reports done at version %s%s",
-                            task.get("version"),
-                            f" ({task['reason']})" if task.get("reason") else "",
-                        )
-                        if task.get("evaluate") and self.test is not None:  # the final model
-                            params = await self._get_model(int(task["version"]))
+                    task = TaskMessage.parse(body)  # read once; everything after reads its typed fields
+                    if task.status == "done":
+                        reason = f" ({task.reason})" if task.reason else ""
+                        log.info("server reports done at version %s%s", task.version, reason)
+                        if task.evaluate and self.test is not None:  # the final model
+                            params = await self._get_model(task.version)
                             if params is not None:
                                 flat = params if isinstance(params, torch.Tensor) else params.load()
-                                await self._evaluate(flat, int(task["version"]), self.test)
+                                await self._evaluate(flat, task.version, self.test)
                         break
-                    if task["status"] == "work":
+                    if task.status == "work":
                         await self._work(task)
                 except Refused as e:
                     raise NodeError(f"server refused this node's poll: {e}") from None
@@ -244,24 +241,6 @@ class Node:
                         pass
         log.info("node %s stops after %d rounds", self.name, self.rounds_done)
         return 0
-
-    @property
-    def url(self) -> str:
-        """The server in use."""
-        return self.servers.url
-
-    @property
-    def urls(self) -> list[str]:
-        return self.servers.urls
-
-    def _lost(self, leave: bool = False) -> None:
-        """The server in use did not answer; after a few failures in a row (or at once with
-        ``leave``) the next one of the list is tried (an edge aggregator that died: its nodes
-        re-attach to another)."""
-        self.servers.lost(asyncio.get_running_loop().time(), leave)
-
-    def _answered(self) -> None:
-        self.servers.answered(asyncio.get_running_loop().time())
 
     def _on_signal(self) -> None:
         log.info("signal received: finishing the current step, then exiting")
@@ -278,23 +257,23 @@ class Node:
         task.cancel()
         return None
 
-    def _check_privacy(self, task: dict) -> None:
+    def _check_privacy(self, task: TaskMessage) -> None:
         """The task must run this node's privacy mode (NodeError otherwise: stop)."""
         if self.privacy is not None:
-            self.privacy.check_task(task)
-        elif task.get("privacy") is not None:
-            mode = task["privacy"].get("mode") if isinstance(task["privacy"], dict) else task["privacy"]
+            self.privacy.check_task(task.raw)
+        elif task.privacy is not None:
+            mode = task.privacy.get("mode")
             raise NodeError(
                 f"the server runs privacy.mode = {short_repr(mode)}, this node's config has no [privacy]: "
                 "run the node with the server's [privacy] table"
             )
 
-    async def _work(self, task: dict) -> None:
-        version = int(task["version"])
-        if (int(task["round"]), version) in self.failed_tasks:  # trained once, diverged or refused: not again
+    async def _work(self, task: TaskMessage) -> None:
+        version = task.version
+        if task.key in self.failed_tasks:  # trained once, diverged or refused: not again
             await self._pause(self.poll_s)  # a server that hands it out again is not asked in a tight loop
             return
-        refusal = self.check_task(task) if self.check_task is not None else None
+        refusal = self.check_task(task.raw) if self.check_task is not None else None
         if refusal is not None:  # before the model is fetched or anything is trained
             await self._failed(task, "refused", refusal)
             raise PolicyRefusal(refusal)
@@ -302,24 +281,27 @@ class Node:
         if self.privacy is not None and not self.privacy.allows_next_round():
             self.stop.set()  # this node's own budget: it takes no more work
             return
-        chunk = task.get("upload_chunk_bytes")  # the model is larger than one request: download it by ranges
-        chunked = isinstance(chunk, int) and not isinstance(chunk, bool) and chunk > 0
-        params = await self._get_model(version, chunk if chunked else None, to_disk=chunked and self._global_on_disk)
+        chunk = task.upload_chunk_bytes  # the model is larger than one request: download it by ranges
+        params = await self._get_model(version, chunk, to_disk=chunk is not None and self._global_on_disk)
         if params is None:
             return  # the server moved on; ask again
-        if task.get("evaluate") and self.test is not None:  # the global model, before training on it
+        if task.evaluate and self.test is not None:  # the global model, before training on it
             await self._evaluate(params if isinstance(params, torch.Tensor) else params.load(), version, self.test)
-        seed = self.privacy.training_seed(int(task["seed"])) if self.privacy is not None else int(task["seed"])
+        seed = self.privacy.training_seed(task.seed) if self.privacy is not None else task.seed
         broadcast = self._broadcast[1] if self._broadcast[0] == version else {}
-        state = self.states.get(self.name) if self.program.keeps_state else {}
-        assignment = Assignment(self.name, int(task["round"]), version, seed)
+        state = self.pipeline.state_of(self.name)
+        on_disk = isinstance(params, DiskModel)  # plain FedAvg from the model on disk (client/disk_model.py):
+        # it stands in for the global tensor, which LocalTrainer._run reads from the file
         try:
-            if isinstance(params, DiskModel):  # plain FedAvg from the model on disk (client/disk_model.py):
-                # it stands in for the global tensor, which LocalTrainer._run reads from the file
-                on_disk = cast(torch.Tensor, params)
-                result = await asyncio.to_thread(self.program.local, self.train, assignment, on_disk, state, broadcast)
-            else:
-                result = await asyncio.to_thread(self.program.fit, self.train, assignment, params, state, broadcast)
+            result = await asyncio.to_thread(
+                self.pipeline.train_one,
+                self.train,
+                task.assignment(self.name, seed),
+                cast(torch.Tensor, params),
+                state,
+                broadcast,
+                on_disk,
+            )
         except UserCodeError as e:  # the task's own code raised: the server hears of it, this node stops
             await self._user_code_failed(task, e)
             raise
@@ -338,27 +320,26 @@ class Node:
         if problem is not None:
             await self._failed(task, "diverged", problem)
             return
-        if self.program.keeps_state and not self.program.settles:
-            self.states.put(self.name, result.state)  # as the simulator keeps it: whether or not it is taken
+        self.pipeline.keep(self.name, result)  # as the simulator keeps it (a settling program: held)
         report = None
         if self.privacy is not None:
-            update, report, problem = self.privacy.release(update, task)
+            update, report, problem = self.privacy.release(update, task.raw)
             if problem is not None:  # judged from the noised update alone; the notice says no reason
                 await self._failed(task, "diverged", problem)
                 return
-        if "secure_aggregation" in task:  # the update leaves this node only masked (client/secure_node.py)
+        if task.secure:  # the update leaves this node only masked (client/secure_node.py)
             from .secure_node import run_secure_round  # secure aggregation only when the config asks
 
             accepted = await run_secure_round(self, task, update, report)
             self.rounds_done += accepted
-            if accepted and self.program.settles:  # SCAFFOLD: Delta c_i went into the masked sum
-                self.states.put(self.name, result.state)
+            self.pipeline.settle({self.name} if accepted else None)  # SCAFFOLD: Delta c_i went into the sum
             return
-        extra = {"round": int(task["round"]), **({"privacy": report} if report is not None else {})}
-        tag = (int(task["round"]), int(task["seed"]))  # this upload's entry in the error feedback
+        extra = {"round": task.round, **({"privacy": report} if report is not None else {})}
+        tag = (task.round, task.seed)  # this upload's entry in the error feedback
         try:
-            payload = self.compressor.encode(update.delta, self.name, int(task["seed"]), tag)
+            payload = self.pipeline.encode(update, self.name, task.seed, tag)
         except OutOfHalfRange as e:  # float16 would send Inf: nothing leaves the node
+            self.pipeline.settle(None)
             await self._failed(task, "diverged", str(e))
             return
         accepted = False
@@ -367,25 +348,24 @@ class Node:
             body = Body(update_parts(update, self.trainer.spec, extra, payload=payload, zstd_level=self.zstd_level))
             accepted = await self._upload(task, body)
         finally:  # top-k: what the server did not take goes back into the residual (also on NodeError)
-            (self.compressor.accepted if accepted else self.compressor.not_accepted)(self.name, tag)
-        if accepted and self.program.settles:  # SCAFFOLD: c_i moves only when the server took Delta c_i
-            self.states.put(self.name, result.state)
+            self.pipeline.feedback(self.name, tag, accepted)
+            self.pipeline.settle({self.name} if accepted else None)  # SCAFFOLD: c_i moves only when taken
 
-    def failure_line(self, e: UserCodeError, task: dict | None = None) -> str:
+    def failure_line(self, e: UserCodeError, task: TaskMessage | None = None) -> str:
         """What this node tells the server of its task's failure: the whole line, or under DP (this
         node's own, or the run's) only the task's part and the exception's type, nothing of the data."""
-        private = self.privacy is not None or (task or {}).get("privacy") is not None
+        private = self.privacy is not None or (task is not None and task.privacy is not None)
         return e.public() if private else str(e)
 
-    async def _user_code_failed(self, task: dict, e: UserCodeError) -> None:
+    async def _user_code_failed(self, task: TaskMessage, e: UserCodeError) -> None:
         """The task's own code raised in a round: the server stops waiting for this node's update."""
         self.failed_reason = self.failure_line(e, task)
         await self._failed(task, "failed", self.failed_reason)
 
-    async def _failed(self, task: dict, reason: str, detail: str) -> None:
+    async def _failed(self, task: TaskMessage, reason: str, detail: str) -> None:
         """This task failed here: one line, the server told (POST /v1/failed, docs/protocol.md),
         and the task is remembered so that it is not trained again."""
-        round_, version = int(task["round"]), int(task["version"])
+        round_, version = task.key
         run = self.url.rsplit("/runs/", 1)[1] if "/runs/" in self.url else None
         where = f"run {run}, round {round_}" if run else f"round {round_}"
         if reason == "diverged":
@@ -396,94 +376,11 @@ class Node:
             log.warning("task of %s refused by this node's policy: %s", where, detail)
         if reason == "diverged" and self.privacy is not None and not self.privacy.plan.server_noise:
             reason = "failed"  # under local and distributed DP a notice carries no reason
-        self.failed_tasks.add((round_, version))
+        self.failed_tasks.add(task.key)
         try:
             await self._request("POST", "/v1/failed", json={"round": round_, "version": version, "reason": reason})
         except (Refused, Retry) as e:
             log.info("%s: the failure was not reported to the server: %s", where, e)
-
-    async def _pause(self, seconds: float) -> None:
-        try:
-            await asyncio.wait_for(self.stop.wait(), seconds)
-        except TimeoutError:
-            pass
-
-    async def _upload(self, task: dict, body: Body | bytes) -> bool:
-        """POST the update; True when the server accepted it (200), False when it refused it
-        or it was never sent (stopping)."""
-        body = body if isinstance(body, Body) else Body([body])
-        # Retry the upload through transient failures: the task (round, version, seed)
-        # is deterministic, so the same update is right after a server restart too.
-        backoff = Backoff()
-        chunk = task.get("upload_chunk_bytes")
-        chunked = isinstance(chunk, int) and not isinstance(chunk, bool) and 0 < chunk < len(body)
-        while True:
-            try:
-                if chunked:
-                    assert isinstance(chunk, int)
-                    result = await self._upload_chunks(body, chunk)
-                else:
-                    result = await self._request(
-                        "POST",
-                        "/v1/update",
-                        data=body.whole(),
-                        expect100=True,
-                        headers={"Content-Type": "application/octet-stream"},
-                    )
-                log.info("round %s: update accepted (version %s)", task["round"], result.get("version"))
-                self.rounds_done += 1
-                return True
-            except Retry as e:
-                if self.stop.is_set():
-                    log.warning("stopping with an unsent update: %s", e)
-                    return False
-                if len(self.urls) > 1:  # this server is gone: so is its round for this node (its drop-out)
-                    log.warning("round %s: upload failed (%s); trying the next server", task["round"], e)
-                    self._lost(leave=True)
-                    return False
-                delay = backoff.next(self.rand)
-                log.warning("upload failed (%s); retrying in %.2f s", e, delay)
-                await asyncio.sleep(delay)
-            except Refused as e:  # the same update would be refused again: this task is not trained twice
-                log.warning("round %s: update refused: %s", task["round"], e)
-                if e.code not in RETRAINABLE:
-                    self.failed_tasks.add((int(task["round"]), int(task["version"])))
-                return False
-
-    async def _upload_chunks(self, body: Body, chunk: int) -> dict:
-        """An update larger than one request, in chunks (docs/protocol.md, "Chunked uploads"): open
-        it with its size and SHA-256, send each chunk with its own SHA-256 at the offset the server
-        has; after a lost connection ask the server for that offset and go on from it. Returns the
-        server's answer to the last chunk (the upload's); Retry when the upload must start over."""
-        opened = await self._request("POST", "/v1/uploads", json={"size": len(body), "sha256": body.sha256()})
-        upload, step = str(opened["upload"]), min(chunk, int(opened.get("chunk_bytes", chunk)))
-        received, backoff = 0, Backoff()
-        while True:
-            end = min(received + step, len(body))
-            part = body.chunk(received, end)
-            try:
-                result = await self._request(
-                    "PUT",
-                    f"/v1/uploads/{upload}",
-                    params={"offset": str(received)},
-                    data=part,
-                    headers={"Content-Type": "application/octet-stream", CHUNK_DIGEST_HEADER: sha256(part).hexdigest()},
-                )
-            except (Retry, Refused) as e:
-                if isinstance(e, Refused) and e.code not in ("bad_offset", "bad_digest", "busy"):
-                    raise  # the upload is gone (expired, unknown) or the update refused: the caller decides
-                if self.stop.is_set():
-                    raise Retry(f"stopping with a chunked upload at byte {received}: {e}") from None
-                await asyncio.sleep(backoff.next(self.rand))
-                state = await self._request("GET", f"/v1/uploads/{upload}")  # where to go on from
-                received = int(state["received"])
-                self.resumed["upload"] += 1
-                log.info("chunked upload resumes at byte %d of %d (%s)", received, len(body), e)
-                continue
-            backoff.reset()
-            if end == len(body):
-                return result
-            received = int(result["received"])
 
     async def _evaluate(self, params: torch.Tensor, version: int, test: ClientData) -> None:
         """Federated evaluation: the global model on this node's test data, reported with its
@@ -528,87 +425,3 @@ class Node:
             and not self.trainer.cfg.prox_mu
             and self.trainer.device.type == "cpu"
         )
-
-    async def _get_model(
-        self, version: int, chunk: int | None = None, to_disk: bool = False
-    ) -> torch.Tensor | DiskModel | None:
-        """The global model of ``version``, from the cache when the ETag still matches; by ranges of
-        ``chunk`` bytes (resumable, client/transfer.py) when the task says the model is larger than
-        one request. The parameters are a view of the one buffer the download filled, or with
-        ``to_disk`` the checked file it filled (:class:`DiskModel`)."""
-        headers = {"If-None-Match": self._model[0]} if self._model else {}
-        limit = (default_max_bytes(self.trainer.spec) + 64 * len(self.trainer.spec.entries)) * (1 + len(MODEL_AUX))
-        for _attempt in range(2):
-            got = await download(
-                self.http, self.url + "/v1/model", self._ssl, headers, limit, chunk, self.rand, self.resumed, to_disk
-            )
-            if got is None:  # 304: the cached model is current
-                if self._model and self._model[1] == version:
-                    return self._model[2]
-                headers = {}
-                continue
-            body, etag = got
-            if self._model is not None and isinstance(self._model[2], DiskModel):
-                self._model[2].close()  # the version before: its file goes
-            self._model = None
-            params: torch.Tensor | DiskModel
-            try:
-                if isinstance(body, OnDisk):
-                    params = DiskModel(body, self.trainer.spec)
-                    header = params.header
-                else:
-                    params, header = decode_model(body, self.trainer.spec, copy=False)
-            except SpecMismatch as e:
-                raise NodeError(self._spec_mismatch(body, e)) from None
-            self._model = (etag, int(header["version"]), params)
-            self._broadcast = (int(header["version"]), header.get("aux_tensors", {}))
-            break
-        if self._model is None or self._model[1] != version:
-            return None
-        return self._model[2]
-
-    def _spec_mismatch(self, body: bytes | bytearray | OnDisk, e: SpecMismatch) -> str:
-        """One line: both spec hashes, the first tensor that differs, and the fix (``body``: the
-        downloaded model, in memory or in its file)."""
-        mine = self.trainer.spec
-        try:
-            header = read_table(body)[1] if isinstance(body, OnDisk) else read_header(body, len(body))[0]
-            theirs = ParamSpec.from_json(header["spec"])
-        except Exception:
-            return f"the server's model does not fit this node's: {e}"
-        a, b = theirs.to_json(), mine.to_json()
-        if a == b:  # the exchanged tensors agree: what differs is what never travels
-            return (
-                f"model spec mismatch: the server's model has spec hash {header.get('spec_hash')!r}, this node's "
-                f"{mine.hash!r}, with the same exchanged tensors: the frozen parameters differ (another base "
-                "checkpoint or pretrained weights): load the same base model as the server"
-            )
-        diff = next(((x, y) for x, y in zip(a, b) if x != y), None)
-        first = (
-            f"first difference: server {diff[0][0]} {diff[0][1]}, node {diff[1][0]} {diff[1][1]}"
-            if diff
-            else f"server {len(a)} tensors, node {len(b)}"
-        )
-        return (
-            f"model spec mismatch: the server's model has spec hash {header.get('spec_hash')!r}, this node's "
-            f"{mine.hash!r} ({first}): run the node with the same task and model as the server "
-            "(--task / [task] app and [task.args]; for the built-in task the same [model] and [data])"
-        )
-
-    @property
-    def _ssl(self):
-        return self.ssl if self.ssl is not None else True
-
-    async def _request(self, method: str, path: str, **kw) -> dict:
-        try:
-            async with self.http.request(method, self.url + path, ssl=self._ssl, **kw) as resp:
-                await self._check(resp)
-                return await resp.json()
-        except (TimeoutError, aiohttp.ClientConnectionError, aiohttp.ClientPayloadError) as e:
-            problem = await connection_problem(self.url, e)  # a bad certificate, the wrong scheme: one line
-            if problem is not None:
-                raise problem from None
-            raise Retry(f"{method} {path}: {type(e).__name__}: {e}") from None
-
-    async def _check(self, resp: aiohttp.ClientResponse) -> None:
-        await check_response(resp)

@@ -26,6 +26,9 @@ import base64
 import binascii
 import dataclasses
 import logging
+import random
+import ssl
+from typing import Any, Protocol
 
 import aiohttp
 import numpy as np
@@ -46,12 +49,16 @@ from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range, enc
 from shoal.aggregation.secagg.payload import SecurePayload
 from shoal.aggregation.secagg.tiers import seal_message
 from shoal.aggregation.secagg.wire import decode_message, encode_message, message_meta, params_from_json
+from shoal.config import PrivacyConfig, SecureAggregationConfig
 from shoal.errors import Malformed, ShoalError, short_repr
 from shoal.noise import NoiseSource
+from shoal.privacy_plan import PrivacyPlan
 from shoal.update import Update
 
+from .algorithms import ClientProgram
 from .http import Backoff, Refused, Retry
 from .runlog import RunTag
+from .task_message import TaskMessage
 
 log = logging.getLogger(__name__)
 log.addFilter(RunTag())  # lines of a federation run's work name the run
@@ -60,22 +67,64 @@ MIN_THRESHOLD = 0.5  # t > half of each neighbourhood (shoal.config checks the s
 OCTET = {"Content-Type": "application/octet-stream"}
 
 
+class SharePrivacy(Protocol):
+    """The node's side of ``[privacy]`` as a secure round uses it (client/node.py's NodePrivacy)."""
+
+    @property
+    def plan(self) -> PrivacyPlan: ...
+
+    @property
+    def p(self) -> PrivacyConfig: ...
+
+    @property
+    def mode(self) -> str: ...
+
+    def add_share(self, update: Update, t: int, round_: Any) -> Update: ...
+
+
+class SecureNode(Protocol):
+    """What a secure round uses of the node that runs it (client/node.py's Node): its name, its
+    server connection, its stop flag, its privacy side, its client program and its own
+    ``[secure_aggregation]`` settings."""
+
+    name: str
+    poll_s: float
+    stop: asyncio.Event
+    rand: random.Random
+    http: aiohttp.ClientSession
+    program: ClientProgram
+    secure_cfg: SecureAggregationConfig
+
+    @property
+    def privacy(self) -> SharePrivacy | None: ...
+
+    @property
+    def url(self) -> str: ...
+
+    @property
+    def _ssl(self) -> ssl.SSLContext | bool: ...
+
+    async def _request(self, method: str, path: str, **kw: Any) -> dict: ...
+
+    async def _check(self, resp: aiohttp.ClientResponse) -> None: ...
+
+    def _lost(self, leave: bool = False) -> None: ...
+
+
 class _Left(Exception):
     """This node is out of the round (refused, excluded, aborted or stopping)."""
 
 
-def _unreachable(node, url: str, route: str) -> None:
+def _unreachable(node: SecureNode, url: str, route: str) -> None:
     """The server of this round did not answer: counted as any lost request (the node moves to the
     next server of its list after a few: a dead edge aggregator). A node that moved leaves the
     round, whose protocol ran at the old server (the root counts it a drop-out)."""
-    lost = getattr(node, "_lost", None)
-    if lost is not None:
-        lost()
+    node._lost()
     if node.url != url:
         raise _Left(f"{route}: {url} stopped answering; the node moved to {node.url}")
 
 
-async def _post(node, route: str, body: bytes) -> None:
+async def _post(node: SecureNode, route: str, body: bytes) -> None:
     backoff = Backoff()
     url = node.url
     while True:
@@ -93,7 +142,7 @@ async def _post(node, route: str, body: bytes) -> None:
             await asyncio.sleep(delay)
 
 
-async def _fetch(node, route: str, round_: int) -> bytes:
+async def _fetch(node: SecureNode, route: str, round_: int) -> bytes:
     """Long-poll GET /v1/secagg/{route} until the stage closed; the message body."""
     backoff = Backoff()
     params = {"round": str(round_), "wait": str(node.poll_s)}
@@ -129,12 +178,12 @@ def _checked_shares(t: int, directory: KeyDirectory) -> int:
     return t
 
 
-def _dp_shares(node, task: dict, values: FixedPoint, info: dict) -> int:
+def _dp_shares(node: SecureNode, task: TaskMessage, values: FixedPoint, info: dict) -> int:
     """Distributed DP: t, after checking the round can carry this node's noise share (0 otherwise)."""
-    privacy = getattr(node, "privacy", None)
+    privacy = node.privacy
     if privacy is None or not privacy.plan.client_shares:
         return 0
-    t = int(task["privacy"]["noise_shares"])
+    t = int((task.privacy or {})["noise_shares"])
     if privacy.p.mechanism != "discrete_gaussian":  # the discrete Gaussian has no fixed-point range
         check_noise_range(values, privacy.p.clip_norm, share_std(privacy.p.clip_norm, privacy.p.noise_multiplier, t), t)
     if info.get("weighting") != "uniform":
@@ -145,12 +194,11 @@ def _dp_shares(node, task: dict, values: FixedPoint, info: dict) -> int:
     return t
 
 
-def _distributed(node) -> bool:
-    privacy = getattr(node, "privacy", None)
-    return privacy is not None and privacy.plan.client_shares
+def _distributed(node: SecureNode) -> bool:
+    return node.privacy is not None and node.privacy.plan.client_shares
 
 
-def _clear_meta(node, update: Update, payload: SecurePayload) -> dict:
+def _clear_meta(node: SecureNode, update: Update, payload: SecurePayload) -> dict:
     """What goes beside the keys in the clear. Without DP: the example count and train loss (and
     FedNova's step weight, a function of the count and the run's settings: payload.py).
     Distributed DP: nothing (the count travels inside the masked vector, the loss is not sent).
@@ -164,7 +212,7 @@ def _clear_meta(node, update: Update, payload: SecurePayload) -> dict:
 
 
 def _masked_vector(
-    node,
+    node: SecureNode,
     update: Update,
     max_weight: float,
     weighting: str,
@@ -185,12 +233,14 @@ def _masked_vector(
     return x
 
 
-async def run_secure_round(node, task: dict, update: Update, report: dict | None = None) -> bool:
+async def run_secure_round(node: SecureNode, task: TaskMessage, update: Update, report: dict | None = None) -> bool:
     """The protocol for one task; True when this node's unmasking shares were accepted.
     ``report``: a local-DP node's privacy report, sent with its keys."""
-    round_ = int(task["round"])
+    round_ = task.round
     try:
-        info = task["secure_aggregation"]
+        info = task.secure_aggregation
+        if info is None:
+            raise Malformed("the task runs no secure aggregation")
         params = params_from_json(info)
         k, bits = int(info["summands"]), int(info["bits"])
         values, weights = FixedPoint(float(info["clip"]), bits, k), FixedPoint(1.0, bits, k)
@@ -231,6 +281,7 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
         directory = _expect(decode_message(body, size), KeyDirectory)
         if t:  # distributed DP: the share is sized now, for a t this node can hold the server to
             t = _checked_shares(t, directory)
+            assert node.privacy is not None  # t > 0: distributed DP
             if node.privacy.p.mechanism != "discrete_gaussian":  # else the noise comes with the encoding below
                 update = node.privacy.add_share(update, t, round_)
         max_weight = message_meta(body, size).get("max_weight")
@@ -267,19 +318,20 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
     return True
 
 
-def _ddg_codec(node, task: dict, t: int, params: SecAggParams, dim: int) -> DdgCodec | None:
+def _ddg_codec(node: SecureNode, task: TaskMessage, t: int, params: SecAggParams, dim: int) -> DdgCodec | None:
     """Distributed DP with the discrete Gaussian: the encoder this node's own config gives for t
     shares. Everything that sets the noise (z, C, bits, beta, gamma, the variance) is derived here;
     only the most summands a round may hold comes from the server, and the node refuses a task
     whose mechanism differs from the one it derived (None: another mechanism)."""
-    privacy = getattr(node, "privacy", None)
+    privacy = node.privacy
     if privacy is None or privacy.mode != "distributed" or privacy.p.mechanism != "discrete_gaussian":
         return None
-    p, theirs = privacy.p, task["privacy"].get("ddg")
-    if task["privacy"].get("mechanism") != "discrete_gaussian" or not isinstance(theirs, dict):
+    theirs_table = task.privacy or {}
+    p, theirs = privacy.p, theirs_table.get("ddg")
+    if theirs_table.get("mechanism") != "discrete_gaussian" or not isinstance(theirs, dict):
         raise Malformed(
             "this node adds the distributed discrete Gaussian (privacy.mechanism = 'discrete_gaussian'); the "
-            f"server's round runs {str(task['privacy'].get('mechanism'))[:40]!r}: refusing to take part"
+            f"server's round runs {str(theirs_table.get('mechanism'))[:40]!r}: refusing to take part"
         )
     most = theirs.get("max_summands")
     if not isinstance(most, int) or isinstance(most, bool) or not t <= most <= 1 << 20:
@@ -292,7 +344,7 @@ def _ddg_codec(node, task: dict, t: int, params: SecAggParams, dim: int) -> DdgC
         )
     log.info(
         "round %s: discrete-Gaussian encoding, integer noise of variance %d at gamma = %.4g (t = %d), modulus 2^%d",
-        task.get("round"),
+        task.round,
         mine.variance,
         mine.gamma,
         t,
@@ -301,11 +353,10 @@ def _ddg_codec(node, task: dict, t: int, params: SecAggParams, dim: int) -> DdgC
     return DdgCodec(mine, rotation_seed(params.session))
 
 
-def _own_minimum(node, params: SecAggParams, selected: int) -> SecAggParams:
+def _own_minimum(node: SecureNode, params: SecAggParams, selected: int) -> SecAggParams:
     """The round's parameters with this node's own secure_aggregation.min_inputs (the larger of
     the server's and its own): the node itself never unmasks a smaller sum, whatever the server says."""
-    sa = getattr(node, "secure_cfg", None)
-    least = max(params.min_inputs, sa.min_inputs if sa is not None else 1)
+    least = max(params.min_inputs, node.secure_cfg.min_inputs)
     if selected < least:
         raise Malformed(
             f"the round selects {selected} nodes, fewer than this node's secure_aggregation.min_inputs = "
@@ -314,18 +365,18 @@ def _own_minimum(node, params: SecAggParams, selected: int) -> SecAggParams:
     return dataclasses.replace(params, min_inputs=least)
 
 
-def _identity(node, params) -> tuple[bytes | None, dict[str, bytes] | None]:
+def _identity(node: SecureNode, params: SecAggParams) -> tuple[bytes | None, dict[str, bytes] | None]:
     """This node's identity key and the keys file, when the round runs the malicious-server
     variant; a node configured for that variant refuses a round that does not run it."""
-    sa = getattr(node, "secure_cfg", None)
-    if sa is not None and sa.malicious_server and not params.malicious:
+    sa = node.secure_cfg
+    if sa.malicious_server and not params.malicious:
         raise Malformed(
             "this node is set to secure_aggregation.malicious_server = true, but the server's round "
             "does not run that variant: refusing to take part"
         )
     if not params.malicious:
         return None, None
-    if sa is None or not sa.keys_file or not sa.identity_key:
+    if not sa.keys_file or not sa.identity_key:
         raise Malformed(
             "the server runs the malicious-server variant: set secure_aggregation.keys_file and "
             "identity_key on this node"

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,6 +64,27 @@ def summarize_means(task: Task, means: dict[str, float]) -> dict[str, float]:
     if not isinstance(out, dict):
         raise TaskError(f"task {task_name(task)}: summarize() returned a {type(out).__name__}, expected a dict")
     return {k: float(v) for k, v in out.items()}
+
+
+_DROPOUT_STREAM = 0xD209  # seeds torch's global RNG (dropout) apart from the batch order
+
+
+@contextlib.contextmanager
+def seeded_rng(seed: int, device: torch.device) -> Iterator[None]:
+    """torch's global RNG seeded from a client-round's ``seed`` for one client's training (what
+    dropout and other random layers draw from), then put back as it was: the client's update does
+    not depend on what ran before it in the process (other clients, another run, a Ray worker's
+    history), and nothing after it sees its draws."""
+    devices = (
+        [device.index if device.index is not None else torch.cuda.current_device()] if device.type == "cuda" else []
+    )
+    with torch.random.fork_rng(devices=devices, device_type="cuda"):
+        s = derive_seed(seed, _DROPOUT_STREAM) % (1 << 63)
+        torch.random.default_generator.manual_seed(s)
+        if devices:
+            with torch.cuda.device(devices[0]):
+                torch.cuda.manual_seed(s)
+        yield
 
 
 @dataclass

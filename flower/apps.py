@@ -1,12 +1,12 @@
-"""shoal inside Flower 1.41 (the message API): a server strategy and a ClientApp.
+"""shoal inside Flower 1.41 (the message API): a server strategy; the ClientApp is flower/client_app.py.
 
 :class:`ShoalStrategy` is a ``flwr.serverapp.strategy.Strategy`` whose aggregation is
 shoal's streaming :class:`~shoal.aggregation.Strategy` (FedAvg, FedAvgM, FedAdam, ...)
 driven by shoal's :class:`~shoal.rounds.SyncRounds`: the same client sampling, the same
 per-client seeds and the same checks as the in-process engine and the HTTP server.
-:func:`make_client_app` runs shoal's client step (the ``[algorithm]`` client program of
-client/algorithms.py, the one the in-process simulator, the Ray workers and the deployed node
-call) as a Flower ClientApp, so a shoal client joins a SuperLink through ``flower-supernode``.
+:func:`~shoal.flower.client_app.make_client_app` runs shoal's client pipeline (client/pipeline.py,
+the one the in-process simulator, the Ray workers and the deployed node run) as a Flower
+ClientApp, so a shoal client joins a SuperLink through ``flower-supernode``.
 What a client keeps between its rounds (FedBN's buffers, FedPer's and FedRep's personal layers,
 Ditto's personal model, FedDyn's gradient memory, SCAFFOLD's control variate, momentum) lives
 in the node's ``context.state``, loaded before and saved after each step. SCAFFOLD's server
@@ -44,7 +44,6 @@ from dataclasses import dataclass, field
 import torch
 from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, MetricRecord, RecordDict
 from flwr.app.typing import ConfigRecordValues, MetricRecordValues
-from flwr.clientapp import ClientApp
 from flwr.serverapp import Grid, ServerApp
 from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
@@ -53,12 +52,11 @@ from shoal.aggregation import Strategy
 from shoal.algorithms import algorithm_of
 from shoal.assembly import ClientParts, HoldsClient, make_round_strategy, make_sync_rounds, task_from_config, task_label
 from shoal.client.device import select_device
-from shoal.client.state import State
+from shoal.client.pipeline import ClientPipeline
 from shoal.config import Config, load_config
 from shoal.errors import ConfigError, EngineError, SpecMismatch, UpdateRejected
 from shoal.params import ParamSpec
-from shoal.rounds import Assignment, RoundSummary, SyncRounds, evaluation_due, i_hash
-from shoal.seeding import derive_seed
+from shoal.rounds import Assignment, RoundSummary, SyncRounds, evaluation_due
 from shoal.simulations.client_data import client_id, load_simulation_data, on_device
 from shoal.simulations.inprocess import weighted_means
 from shoal.task import ClientData, SimulationData, Task
@@ -86,7 +84,7 @@ RUN_CONFIG_KEY = "shoal-config"  # run_config key (pyproject.toml / --run-config
 # --- records -----------------------------------------------------------------------------
 
 
-def _scalar(value: ConfigRecordValues, key: str) -> int | float | str | bytes:
+def scalar(value: ConfigRecordValues, key: str) -> int | float | str | bytes:
     """A record entry for int() or float(): a list (a node's bad reply) is a ValueError, which
     the strategy turns into a dropped reply, not a TypeError that stops the run."""
     if isinstance(value, list):
@@ -94,7 +92,7 @@ def _scalar(value: ConfigRecordValues, key: str) -> int | float | str | bytes:
     return value
 
 
-def _metric_record(values: Mapping[str, int | float]) -> MetricRecord:
+def metric_record(values: Mapping[str, int | float]) -> MetricRecord:
     """A MetricRecord of numbers (flwr's constructor takes an invariant dict of its value union)."""
     record: dict[str, MetricRecordValues] = dict(values)
     return MetricRecord(record)
@@ -144,6 +142,7 @@ class Setup(HoldsClient):
     initial: torch.Tensor  # the global model before round 1, as the in-process engine makes it
     client_ids: list[str]
     test: ClientData | None  # the central test set, on the trainer's device
+    pipeline: ClientPipeline  # the client's steps around ``client.program`` (client/pipeline.py)
     _train: dict[int, ClientData] = field(default_factory=dict)
     _test: dict[int, ClientData | None] = field(default_factory=dict)
 
@@ -185,7 +184,8 @@ def _build(cfg: Config, device: str) -> Setup:
         if data.client_ids is not None
         else [client_id(i) for i in range(len(data.train))]
     )
-    return Setup(cfg, task, data, client, trainer.flat.detach().clone().cpu(), ids, on_device(data.test, dev))
+    initial = trainer.flat.detach().clone().cpu()
+    return Setup(cfg, task, data, client, initial, ids, on_device(data.test, dev), ClientPipeline(client.program))
 
 
 @functools.lru_cache(maxsize=2)
@@ -382,7 +382,7 @@ class ShoalStrategy(FlowerStrategy):
                 metrics = reply.content.metric_records[METRICS]
                 update = Update(
                     delta=local - rounds.global_params,
-                    num_examples=int(_scalar(metrics[NUM_EXAMPLES], NUM_EXAMPLES)),
+                    num_examples=int(scalar(metrics[NUM_EXAMPLES], NUM_EXAMPLES)),
                     base_version=task.version,
                     sender=task.client_id,
                     metrics={k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
@@ -444,7 +444,7 @@ class ShoalStrategy(FlowerStrategy):
                 continue
             try:
                 metrics = reply.content.metric_records[METRICS]
-                n = float(_scalar(metrics[NUM_EXAMPLES], NUM_EXAMPLES))
+                n = float(scalar(metrics[NUM_EXAMPLES], NUM_EXAMPLES))
             except (KeyError, TypeError, ValueError) as e:
                 self._drop(server_round, cid, f"evaluation reply rejected: {e}")
                 continue
@@ -456,7 +456,7 @@ class ShoalStrategy(FlowerStrategy):
                     personal.append({**own, "num_examples": n})
         self.last_federated = {f"fed_{k}": v for k, v in weighted_means(results, self.task).items()}
         self.last_federated.update({f"fed_{PERSONAL}{k}": v for k, v in weighted_means(personal, self.task).items()})
-        return _metric_record(self.last_federated) if self.last_federated else None
+        return metric_record(self.last_federated) if self.last_federated else None
 
 
 # Called after each evaluated round: (round summary, {"test_<metric>", "fed_<metric>", ...}, global params).
@@ -535,168 +535,10 @@ def make_server_app(
             ev.update(strategy.last_federated)  # this round's, from aggregate_evaluate (it runs first)
             if on_round is not None and strategy.last_round is not None:
                 on_round(strategy.last_round, ev, params)
-            return _metric_record(ev) if ev else None
+            return metric_record(ev) if ev else None
 
         strategy.start(
             grid, to_arrays(setup.initial, setup.spec), num_rounds=sim.rounds, timeout=timeout, evaluate_fn=evaluate
         )
-
-    return app
-
-
-# --- the client side --------------------------------------------------------------------
-
-
-def _partition(context: Context) -> int:
-    try:
-        return int(context.node_config["partition-id"])
-    except KeyError:
-        raise ConfigError(
-            "node config has no 'partition-id': start the node with "
-            "flower-supernode --node-config 'partition-id=3 num-partitions=10'"
-        ) from None
-
-
-def _node(context: Context, cfg: Config | None, device: str | None) -> tuple[Setup, int, str]:
-    """This node's Setup, partition and client id."""
-    c = cfg or config_from_context(context)
-    pid = _partition(context)
-    setup = setup_for(c, device)
-    if not 0 <= pid < setup.num_clients:
-        raise ConfigError(f"partition-id {pid} is outside the {setup.num_clients} clients of this config")
-    return setup, pid, setup.client_ids[pid]
-
-
-def load_state(setup: Setup, context: Context) -> State:
-    """This node's client state from its ``context.state`` (empty before its first round, or when
-    the algorithm keeps nothing): a Ray actor's trainer serves many nodes, so nothing of one
-    node's stays in it between messages."""
-    if not setup.program.keeps_state:
-        return {}
-    record = context.state.array_records.get(CLIENT_STATE)
-    if record is None:
-        return {}
-    return {k: torch.from_numpy(v.numpy().copy()) for k, v in record.items()}
-
-
-def save_state(setup: Setup, context: Context, state: State, version: int) -> None:
-    """The state the client program returned replaces this node's (it is the whole new state);
-    for a program whose state follows the server's (SCAFFOLD: c stays the mean of the c_i) it is
-    kept aside with the update's base ``version`` until the server says it took that update."""
-    if not setup.program.keeps_state:
-        return
-    record = tensor_record(state)
-    if setup.program.settles:
-        context.state[PENDING] = record
-        context.state[PENDING_VERSION] = ConfigRecord({"version": version})
-    else:
-        context.state[CLIENT_STATE] = record
-
-
-def _broadcast_of(msg: Message, spec: ParamSpec) -> State:
-    """What the server's step sent beside the model (SCAFFOLD's c): model-sized float vectors,
-    else a ValueError naming the entry (nothing is trained on a vector of another model)."""
-    out: State = {}
-    for name, array in (msg.content.array_records.get(BROADCAST) or {}).items():
-        t = torch.from_numpy(array.numpy().copy()).reshape(-1)
-        if t.numel() != spec.numel or not t.is_floating_point():
-            raise ValueError(
-                f"the server sent {name!r} of {t.numel()} {t.dtype} entries beside the model; "
-                f"this model has {spec.numel} float parameters"
-            )
-        out[name] = t.float()
-    return out
-
-
-def settle(setup: Setup, context: Context, conf: ConfigRecord) -> None:
-    """SCAFFOLD: the state set aside after this node's last step becomes its state when the
-    server's message says it aggregated that update (``taken`` = its base version); otherwise
-    (dropped, refused, the round aborted) it is discarded, as the in-process engine discards it."""
-    if not setup.program.settles or PENDING not in context.state.array_records or TAKEN not in conf:
-        return
-    meta = context.state.config_records.get(PENDING_VERSION)
-    taken = int(_scalar(conf[TAKEN], TAKEN))
-    if meta is not None and int(_scalar(meta["version"], "version")) == taken:
-        context.state[CLIENT_STATE] = context.state.array_records[PENDING]
-    del context.state[PENDING]
-    if meta is not None:
-        del context.state[PENDING_VERSION]
-
-
-def make_client_app(cfg: Config | None = None, device: str | None = None) -> ClientApp:
-    """A ClientApp running shoal's client step (the ``[algorithm]`` client program) on client
-    ``partition-id`` of the task's simulation data (``task.simulation_data(simulation.num_clients,
-    simulation.seed)``).
-
-    Train messages from :class:`ShoalStrategy` carry the seed; from another strategy
-    (Flower's FedAvg) the seed is derived from (simulation.seed, server-round, client
-    id) exactly as SyncRounds derives it. The reply's model is the global one plus the update
-    the program sends. Evaluate messages are answered with the task's metrics on the client's
-    own test data (``num-examples`` 0 when it has none), with its own buffers (FedBN) and, with
-    ``algorithm.personal_eval_steps`` >= 0, the metrics of its personalised model as
-    ``personal_<metric>``. The client's state between rounds lives in the node's
-    ``context.state``. ``device`` defaults to ``train.device``.
-    """
-    app = ClientApp()
-
-    @app.query()
-    def identify(msg: Message, context: Context) -> Message:
-        _, _, cid = _node(context, cfg, device)
-        return Message(RecordDict({IDENTITY: ConfigRecord({"client-id": cid})}), reply_to=msg)
-
-    @app.train()
-    def train(msg: Message, context: Context) -> Message:
-        setup, pid, cid = _node(context, cfg, device)
-        conf = msg.content.config_records.get(CONFIG, ConfigRecord())
-        rnd = int(_scalar(conf.get("server-round", 1), "server-round"))
-        seed = int(_scalar(conf.get("seed", derive_seed(setup.cfg.simulation.seed, rnd, i_hash(cid))), "seed"))
-        version = int(_scalar(conf.get("version", rnd - 1), "version"))
-        global_flat = from_arrays(msg.content.array_records[ARRAYS], setup.spec)
-        broadcast = _broadcast_of(msg, setup.spec)  # checked before anything of the node's changes
-        settle(setup, context, conf)
-        task = Assignment(cid, rnd, version, seed)
-        state = load_state(setup, context)
-        try:
-            result = setup.program.fit(setup.client_train(pid), task, global_flat, state, broadcast)
-        except KeyError as e:  # the algorithm's broadcast did not come with the model
-            raise ConfigError(
-                f"algorithm.name = {setup.program.name!r} needs {e} with the model, and the server sent none: "
-                "run the ServerApp with shoal's ShoalStrategy and the same [algorithm]"
-            ) from None
-        save_state(setup, context, result.state, version)
-        update = result.update
-        local = global_flat + update.delta.detach().to(global_flat.device)  # what the program sends, as a model
-        content = RecordDict(
-            {
-                ARRAYS: to_arrays(local, setup.spec),
-                METRICS: _metric_record({NUM_EXAMPLES: update.num_examples, **update.metrics}),
-            }
-        )
-        if result.to_server:
-            content[TO_SERVER] = tensor_record(result.to_server)
-        return Message(content, reply_to=msg)
-
-    @app.evaluate()
-    def evaluate(msg: Message, context: Context) -> Message:
-        setup, pid, _ = _node(context, cfg, device)
-        test = setup.client_test(pid)
-        metrics: dict[str, int | float] = {NUM_EXAMPLES: 0}
-        settle(setup, context, msg.content.config_records.get(CONFIG, ConfigRecord()))
-        if test is not None:
-            state = load_state(setup, context)
-            setup.program.load_buffers(state)  # FedBN: this node's own statistics
-            params = from_arrays(msg.content.array_records[ARRAYS], setup.spec)
-            ev = setup.trainer.evaluate_data(params, test, summarize=False)  # raw means: the strategy summarizes
-            metrics = {NUM_EXAMPLES: int(ev.pop("num_examples")), **ev}
-            steps = setup.cfg.algorithm.personal_eval_steps
-            if steps >= 0:  # the personalised model: its personal part, fine-tuned on its own training data
-                conf = msg.content.config_records.get(CONFIG, ConfigRecord())
-                version = int(_scalar(conf.get("version", conf.get("server-round", 0)), "version"))
-                seed = derive_seed(setup.cfg.simulation.seed, pid, version)  # as the in-process engine seeds it
-                tuned = setup.program.fine_tuned(setup.client_train(pid), params, state, steps, seed)
-                personal = setup.trainer.evaluate_data(tuned, test, summarize=False)
-                personal.pop("num_examples")
-                metrics.update({f"{PERSONAL}{k}": v for k, v in personal.items()})
-        return Message(RecordDict({METRICS: _metric_record(metrics)}), reply_to=msg)
 
     return app

@@ -31,7 +31,8 @@ from shoal.errors import ConfigError, EngineError
 from shoal.rounds import RoundSummary
 from shoal.simulations.run_loop import Report, Step, run_engine
 
-from .apps import make_client_app, make_server_app, setup_for
+from .apps import make_server_app, setup_for
+from .client_app import make_client_app
 
 log = logging.getLogger(__name__)
 

@@ -61,9 +61,9 @@ from shoal.update import PartialSum, Update
 from shoal.wire import encode_model
 
 from .link_time import EdgeTraffic, LinkModel, flat_round_s, tree_round_s
+from .round_runner import RunnerHost
 
 if TYPE_CHECKING:
-    from .inprocess import InProcessSimulation
     from .secure_rounds import SecureAggregationRounds
 
 log = logging.getLogger(__name__)
@@ -111,7 +111,7 @@ class HierarchicalRound:
     """The round runner of virtual edges (a SummingRunner: InProcessSimulation.run_round submits
     the root's merged sum with SyncRounds.submit_sum)."""
 
-    def __init__(self, sim: InProcessSimulation):
+    def __init__(self, sim: RunnerHost):
         self.sim = sim
         self.cfg = sim.cfg.hierarchy
         self.edge_of = assign_edges(sim.client_ids, self.cfg, sim.cfg.simulation.seed)

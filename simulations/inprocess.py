@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from shoal import assembly
 from shoal.aggregation.secagg import SecAggAborted
 from shoal.assembly import SimulationParts
-from shoal.client.algorithms import ClientResult, train_batched
+from shoal.client.algorithms import ClientResult
+from shoal.client.pipeline import ClientPipeline
 from shoal.client.state import State
 from shoal.client.training import summarize_means
 from shoal.config import Config
@@ -27,7 +27,7 @@ from shoal.privacy_plan import plan_of
 from shoal.rounds import Assignment, RoundSummary, evaluation_due
 from shoal.seeding import derive_seed
 from shoal.task import ClientData, Population, SimulationData, Task
-from shoal.update import PartialSum, Update
+from shoal.update import Update
 
 from .attacks import attack_steps
 from .client_data import (
@@ -36,69 +36,39 @@ from .client_data import (
     client_id,
 )
 from .dp_hooks import distributed_noise_step
+from .hierarchy import HierarchicalRound
+from .round_runner import ClientPool, ClientStep, RoundRunner, SummingRunner
 from .run_loop import Report, Step
-
-if TYPE_CHECKING:
-    from .secure_rounds import SecureAggregationRounds
+from .secure_rounds import SecureAggregationRounds
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ClientShards", "InProcessSimulation", "client_id"]
+__all__ = ["ClientPool", "ClientShards", "InProcessSimulation", "RoundRunner", "SummingRunner", "client_id"]
 
 
 _FED_EVAL_STREAM = 0xFEDE  # seeds a population's federated-evaluation sample apart from client sampling
 
 
-# A step between a client's training and the aggregator (an attack, local DP noise,
-# compression...). Each feature adds its own in ``InProcessSimulation._client_steps``.
-ClientStep = Callable[[Assignment, Update], Update]
-
-
-class RoundRunner(Protocol):
-    """How a round's selected clients turn into the updates the aggregator receives."""
-
-    def updates(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
-        """Aggregator-ready updates; raise SecAggAborted to abort the round (model unchanged)."""
-        ...
-
-
-class ClientPool(Protocol):
-    """Who trains the selected clients: this process (LocalClients) or workers elsewhere."""
-
-    def train(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]: ...
-
-
-class SummingRunner(Protocol):
-    """A round runner whose clients' updates arrive already summed (the Ray engine's workers, when
-    the pipeline is a plain weighted mean): ``run_round`` submits each part with SyncRounds.submit_sum."""
-
-    def partial_sums(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[PartialSum]: ...
-
-
 class LocalClients:
-    """The selected clients train here: batched when the model and task allow
-    (client/batched.py), else one by one with the simulation's client program (client/algorithms.py:
-    the algorithm's local step, with the client's state from ``sim.states``: FedBN's buffers,
-    control variates, personal parameters)."""
+    """The selected clients train here, through the simulation's client pipeline (client/pipeline.py):
+    batched when the model and task allow (client/batched.py), else one by one with the algorithm's
+    local step, with the client's state from ``sim.states`` (FedBN's buffers, control variates,
+    personal parameters)."""
 
     def __init__(self, sim: InProcessSimulation):
         self.sim = sim
 
     def train(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
         sim = self.sim
-        broadcast = sim.broadcast()
-        if sim.batched is not None:
-            # a population's cohort is loaded and concatenated here; held data are sliced in place
-            data = sim.shards.gather([sim._index[t.client_id] for t in tasks])
-            states = [sim.client_state(t.client_id) for t in tasks]
-            for j, result in train_batched(sim.program, sim.batched, global_params, data, tasks, states, broadcast):
-                yield tasks[j], sim.keep_result(tasks[j].client_id, result)
-            return
-        for task in tasks:
-            i = sim._index[task.client_id]
-            state = sim.client_state(task.client_id)
-            result = sim.program.fit(sim.shards.data(i), task, global_params, state, broadcast)
-            yield task, sim.keep_result(task.client_id, result)
+        indices = [sim.client_index(t.client_id) for t in tasks]
+        # a population's cohort is loaded and concatenated at once; held data are sliced in place
+        return sim.pipeline.run(
+            tasks,
+            global_params,
+            sim.broadcast(),
+            lambda j: sim.shards.data(indices[j]),
+            lambda: sim.shards.gather(indices),
+        )
 
 
 class PlainRound:
@@ -147,28 +117,22 @@ class InProcessSimulation:
         self.states, self.control, self.rounds = parts.states, parts.control, parts.rounds
         self.privacy, self.wire = parts.privacy, parts.wire
         self.fed_eval_clients = parts.fed_eval_clients
-        self._pending: dict[str, ClientResult] = {}  # SCAFFOLD: kept once the server accepted the update
+        # train -> client state -> (the client steps: attack, DP share, wire) -> settle
+        self.pipeline = ClientPipeline(self.program, self.states, self.batched)
         self.num_classes: int | None = getattr(self.task, "num_classes", None)
         self._index = {cid: i for i, cid in enumerate(self.client_ids)}
         self.client_steps: list[ClientStep] = self._client_steps()
         self.participants: set[str] = set()  # every client that trained in some round
         self.clients: ClientPool = (clients or LocalClients)(self)
         if runner is None and cfg.hierarchy.edges:
-            from .hierarchy import HierarchicalRound
-
             runner = HierarchicalRound
         if runner is None and cfg.secure_aggregation.enabled:
-            from .secure_rounds import SecureAggregationRounds
-
             runner = SecureAggregationRounds
         self.runner: RoundRunner = (runner or PlainRound)(self)
         # secure aggregation's runner: it keeps the last round's protocol outcome (``last``)
         self.secure_aggregation: SecureAggregationRounds | None = None
-        if cfg.secure_aggregation.enabled:
-            from .secure_rounds import SecureAggregationRounds
-
-            if isinstance(self.runner, SecureAggregationRounds):
-                self.secure_aggregation = self.runner
+        if cfg.secure_aggregation.enabled and isinstance(self.runner, SecureAggregationRounds):
+            self.secure_aggregation = self.runner
         log.info(
             "simulation: %d clients, %d train examples, model of %d exchanged parameters on %s (%s)",
             len(self.client_ids),
@@ -210,7 +174,7 @@ class InProcessSimulation:
 
     def client_state(self, client_id: str) -> State:
         """What ``client_id`` kept from its last round (empty when the algorithm keeps nothing)."""
-        return self.states.get(client_id) if self.program.keeps_state else {}
+        return self.pipeline.state_of(client_id)
 
     def broadcast(self) -> State:
         """What the server sends with the model this round (SCAFFOLD's control variate)."""
@@ -218,28 +182,20 @@ class InProcessSimulation:
 
     def keep_result(self, client_id: str, result: ClientResult) -> Update:
         """Store the client's new state (or hold it until the round settles, SCAFFOLD); its update."""
-        if self.program.settles:
-            self._pending[client_id] = result
-        elif self.program.keeps_state:
-            self.states.put(client_id, result.state)
-        return result.update
+        return self.pipeline.keep(client_id, result)
 
     def held_to_server(self, client_id: str) -> State:
         """The live ``to_server`` of ``client_id``'s held result (empty when none is held): secure
         aggregation masks it and puts the round's unmasked share of the sum in its place."""
-        result = self._pending.get(client_id)
-        return result.to_server if result is not None else {}
+        return self.pipeline.held_to_server(client_id)
 
     def settle(self, accepted: set[str] | None) -> None:
         """Close the round for the algorithm: the accepted clients' held state is kept and their
         ``to_server`` reaches the server's step; the others' is dropped (``None``: none accepted)."""
-        pending, self._pending = self._pending, {}
-        for cid, result in pending.items():
-            if accepted is not None and cid in accepted:
-                self.states.put(cid, result.state)
-                if self.control is not None:
-                    self.control.add(result.to_server)
+        kept = self.pipeline.settle(accepted)
         if self.control is not None:
+            for to_server in kept:
+                self.control.add(to_server)
             self.control.step()
 
     @property

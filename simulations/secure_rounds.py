@@ -34,7 +34,6 @@ import dataclasses
 import logging
 import math
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -54,9 +53,7 @@ from shoal.seeding import derive_seed, rng
 from shoal.update import Update
 
 from .dp_hooks import DistributedNoise
-
-if TYPE_CHECKING:
-    from .inprocess import InProcessSimulation
+from .round_runner import RunnerHost
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +63,7 @@ class SecureAggregationRounds:
     steps run before masking, the aggregator receives only the unmasked mean; keeps the last
     round's protocol outcome in ``last`` (included, dropped, server/client CPU seconds)."""
 
-    def __init__(self, sim: InProcessSimulation) -> None:
+    def __init__(self, sim: RunnerHost) -> None:
         self.sim = sim
         self.cfg = sim.cfg.secure_aggregation
         # distributed DP's server divides the plain sum by K: every client weighs the same

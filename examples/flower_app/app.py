@@ -27,11 +27,11 @@ from shoal.flower.apps import (  # noqa: E402
     config_from_context,
     evaluated_round,
     from_arrays,
-    make_client_app,
     round_strategy,
     setup_for,
     to_arrays,
 )
+from shoal.flower.client_app import make_client_app  # noqa: E402
 
 CONFIG = Path(__file__).with_name("shoal.toml")
 

@@ -39,6 +39,7 @@ import torch
 
 from shoal import assembly
 from shoal.assembly import GossipParts, task_label
+from shoal.client.pipeline import ClientPipeline
 from shoal.config import Config
 from shoal.errors import WireError
 from shoal.p2p.freshness import Stale
@@ -85,7 +86,7 @@ class LocalPeers:
     def train(self, indices: list[int], models: torch.Tensor, round: int) -> Iterator[tuple[int, torch.Tensor]]:
         net = self.net
         for i in indices:
-            net.trainer.fit(models[i], net.shards.data(i), derive_seed(net.cfg.simulation.seed, round, i))
+            net.pipeline.local_step(models[i], net.shards.data(i), derive_seed(net.cfg.simulation.seed, round, i))
             yield i, net.trainer.flat.clone()
 
 
@@ -131,6 +132,7 @@ class GossipNetwork:
         self.g = g
         self.device, self.task, self.data, self.shards = parts.device, parts.task, parts.data, parts.shards
         self.trainer = parts.client.trainer  # DP-SGD with privacy.mode = 'local'
+        self.pipeline = ClientPipeline(parts.client.program)  # a peer's local step, seeded as every client's
         self.spec = self.trainer.spec
         self.test, self.client_test = parts.test, parts.client_test
         self.num_classes: int | None = getattr(self.task, "num_classes", None)

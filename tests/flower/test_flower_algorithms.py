@@ -27,12 +27,12 @@ from shoal.flower.apps import (
     CONFIG,
     PENDING,
     ShoalStrategy,
-    make_client_app,
     make_server_app,
     round_strategy,
     setup_for,
     to_arrays,
 )
+from shoal.flower.client_app import make_client_app
 from shoal.metrics import read_jsonl
 from shoal.simulations.experiment import run_simulation
 from shoal.simulations.inprocess import InProcessSimulation
@@ -166,6 +166,45 @@ def test_the_clientapp_runs_the_client_program_as_in_process(task_file, extra):
     # what each node keeps lives in its own context.state (FedNova keeps nothing)
     kept = [c.state.array_records.get(CLIENT_STATE) for c in grid.contexts.values()]
     assert any(record is not None and len(record) > 0 for record in kept) == setup_for(cfg).program.keeps_state
+
+
+DROPOUT_TASK = """
+import torch
+from torch import nn
+from shoal.task import SimulationData, Task
+
+
+class Dropped(Task):
+    \"\"\"2-d blobs of four classes through a model with dropout (it draws from torch's global RNG).\"\"\"
+
+    def model(self):
+        return nn.Sequential(nn.Linear(2, 16), nn.ReLU(), nn.Dropout(0.5), nn.Linear(16, 4))
+
+    def simulation_data(self, num_clients, seed):
+        g = torch.Generator().manual_seed(seed)
+        centres = torch.tensor([[2.0, 0.0], [0.0, 2.0], [-2.0, 0.0], [0.0, -2.0]])
+        y = [torch.randint(0, 4, (24 + 2 * i,), generator=g) for i in range(num_clients)]
+        train = [(centres[t] + torch.randn(len(t), 2, generator=g), t) for t in y]
+        return SimulationData(train=train, test=train[0])
+"""
+
+
+def test_a_model_with_dropout_gives_the_in_process_model(tmp_path):
+    """Dropout's draws come from the client pipeline's RNG, seeded from each client's round seed:
+    whatever the process drew before (another client, another run, a Ray actor's history), the
+    ClientApp's model is the in-process engine's."""
+    path = tmp_path / "dropped.py"
+    path.write_text(DROPOUT_TASK)
+    extra = [f"task.app='{path}:Dropped'", "simulation.rounds=3"]
+    cfg = load_config(None, [*small(path, *extra), "simulation.engine='flower'"])
+    torch.manual_seed(12345)  # a global RNG state unlike the in-process run's
+    _, flower_model, _ = run_local_flower(cfg, cfg.simulation.num_clients)
+    torch.manual_seed(0)
+    start = InProcessSimulation.from_config(load_config(None, small(path, *extra))).global_params.cpu().clone()
+    torch.manual_seed(777)
+    _, inproc_model = run_inprocess(load_config(None, small(path, *extra)))
+    assert (inproc_model - start).abs().max().item() > 1e-3  # it trained
+    assert (flower_model - inproc_model).abs().max().item() <= 1e-6
 
 
 def test_scaffold_nodes_keep_their_control_variate_only_when_the_server_took_their_update(task_file):

@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 
 from shoal.client.node import Node
+from shoal.client.task_message import TaskMessage
 from shoal.config import load_config
 from shoal.errors import ShoalError
 from shoal.pki import read_secret
@@ -54,23 +55,23 @@ class HostedNode(Node):
             with self.events.open("a") as f:  # at once: a host killed mid-run keeps what happened
                 f.write(json.dumps(event) + "\n")
 
-    task_now: dict = {}
+    task_now: TaskMessage | None = None
 
     def drops(self, round_: object) -> bool:
         return self.name in self.silent or (
             self.dropout > 0 and random.Random(f"{self.seed}:{self.name}:{round_}").random() < self.dropout
         )
 
-    async def _work(self, task: dict) -> None:
+    async def _work(self, task: TaskMessage) -> None:
         self.task_now = task
         await super()._work(task)
 
     async def _request(self, method: str, path: str, **kw) -> dict:
         """Secure rounds: the coin makes the node vanish before its masked input (after its keys)."""
-        task = self.task_now
-        event = {"node": self.name, "round": task.get("round"), "version": task.get("version"), "server": self.url}
-        if path == "/v1/secagg/masked" and self.drops(task.get("round")):
-            self.failed_tasks.add((int(task["round"]), int(task["version"])))
+        task = self.task_now or TaskMessage("none")
+        event = {"node": self.name, "round": task.round, "version": task.version, "server": self.url}
+        if path == "/v1/secagg/masked" and self.drops(task.round):
+            self.failed_tasks.add(task.key)
             self.note({**event, "outcome": "dropped"})
             raise DroppedOut("dropped out before its masked input")
         answer = await super()._request(method, path, **kw)
@@ -78,10 +79,10 @@ class HostedNode(Node):
             self.note({**event, "outcome": "masked"})
         return answer
 
-    async def _upload(self, task: dict, body) -> bool:  # type: ignore[no-untyped-def]
-        event = {"node": self.name, "round": int(task["round"]), "version": int(task["version"]), "server": self.url}
-        if self.drops(task["round"]):
-            self.failed_tasks.add((int(task["round"]), int(task["version"])))  # gone for this round
+    async def _upload(self, task: TaskMessage, body) -> bool:  # type: ignore[no-untyped-def]
+        event = {"node": self.name, "round": task.round, "version": task.version, "server": self.url}
+        if self.drops(task.round):
+            self.failed_tasks.add(task.key)  # gone for this round
             self.note({**event, "outcome": "dropped"})
             return False
         accepted = await super()._upload(task, body)

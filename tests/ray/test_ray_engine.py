@@ -228,12 +228,13 @@ from shoal.task import SimulationData, Task
 
 
 class Clinics(Task):
-    """Two features shifted per client; BatchNorm statistics stay on each client (FedBN)."""
+    """Two features shifted per client; BatchNorm statistics stay on each client (FedBN); dropout
+    draws from torch's global RNG, seeded per client and round by the client pipeline."""
 
     exchange_buffers = False
 
     def model(self):
-        return nn.Sequential(nn.Linear(2, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 2))
+        return nn.Sequential(nn.Linear(2, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Dropout(0.3), nn.Linear(6, 2))
 
     def simulation_data(self, num_clients, seed):
         g = torch.Generator().manual_seed(seed)
@@ -246,7 +247,7 @@ class Clinics(Task):
 
 
 @pytest.mark.timeout(120)
-def test_fedbn_buffers_stay_with_each_client_across_rounds(pool, tmp_path):
+def test_fedbn_buffers_stay_with_each_client_and_dropout_draws_as_in_process(pool, tmp_path):
     path = tmp_path / "clinics.py"
     path.write_text(FEDBN_TASK)
     here, there = same_model(pool, f"task.app='{path}:Clinics'", "simulation.rounds=4", "train.batch_size=8")

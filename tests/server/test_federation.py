@@ -206,6 +206,7 @@ def test_an_upload_that_found_no_round_open_is_trained_again(tmp_path):
     round_closed): the reopened round hands out the same task, so the node must not mark it as one
     it never trains again (as it does for an update the server refused for what it is)."""
     from shoal.client.node import Node, read_local_data
+    from shoal.client.task_message import TaskMessage
 
     from .hostile import good_update
     from .live import live_server
@@ -220,7 +221,7 @@ def test_an_upload_that_found_no_round_open_is_trained_again(tmp_path):
             data = read_local_data(task, write_node_data(tmp_path / "n0.pt", 1))
             node = Node.from_config(live.url, live.tokens["n0"], data, cfg, torch.device("cpu"), None, 1.0, "n0", task)
             async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {live.tokens['n0']}"}) as node.http:
-                work = {"round": 1, "version": 0, "seed": 0}
+                work = TaskMessage.parse({"status": "work", "round": 1, "version": 0, "seed": 0})
                 assert not await node._upload(work, good_update(svc, "n0", round=1))  # no round open: 409
                 assert (1, 0) not in node.failed_tasks
                 svc.seen("n0", time.monotonic())
