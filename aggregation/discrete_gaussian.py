@@ -22,7 +22,7 @@ Reducing modulo 2^bits is post-processing of the integer sum, so the guarantee d
 on it; a coordinate whose sum leaves the range only loses accuracy (:func:`plan` sizes gamma
 so that happens about never).
 
-Privacy (shoal.accounting.ddg_rdp): the sum of n discrete Gaussians of variance sigma^2/gamma^2
+Privacy (shoal.accounting_ddg.ddg_rdp): the sum of n discrete Gaussians of variance sigma^2/gamma^2
 is close to one of variance n sigma^2/gamma^2 (the paper's tau term), and the rounded update's
 norm is at most Delta_2 (:meth:`DdgParams.sensitivity_sq`). Like the continuous mechanism, each
 share's variance is sized for the fewest survivors t that secure aggregation accepts, so every

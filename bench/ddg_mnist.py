@@ -25,7 +25,8 @@ import math
 import tempfile
 import time
 
-from shoal.accounting import DdgRoundAccountant, epsilon
+from shoal.accounting import epsilon
+from shoal.accounting_rounds import DdgRoundAccountant
 from shoal.aggregation.discrete_gaussian import DdgConfigError, plan
 from shoal.config import load_config
 from shoal.simulations.experiment import run_simulation

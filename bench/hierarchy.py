@@ -5,7 +5,7 @@ by side: a ServerService (server/service.py) with the 1.66M-parameter MNIST CNN 
 opens a sync round of K = N nodes; flat, each node's update body goes through
 ``ServerService.submit`` (decode in place, validate, stream into the sum); hierarchical, each
 edge's partial body (its nodes' sum, aggregation/partial.py) goes through
-``PartialIntake.submit`` (server/edge.py: decode, validate, dedup, SyncRounds.submit_sum). Then
+``PartialIntake.submit`` (server/edge/intake.py: decode, validate, dedup, SyncRounds.submit_sum). Then
 ``tick`` closes the round (the strategy divides, the optimizer steps, the checkpoint event is
 made). Root CPU is this process's CPU time over a round's submits and its close; ingress is the
 sum of the bodies the root read. One edge's own CPU for its part of the round (decode its nodes'
@@ -49,7 +49,7 @@ import torch
 
 from shoal.aggregation.partial import Accumulator, encode_partial
 from shoal.config import config_from_dict
-from shoal.server.edge import PartialIntake
+from shoal.server.edge.intake import PartialIntake
 from shoal.server.service import ServerService
 from shoal.update import Update
 from shoal.wire import decode_update, encode_update

@@ -17,10 +17,11 @@ import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from shoal.algorithms import algorithm, algorithm_of
+from shoal.client.batched import BatchedTrainer, BatchTerms
 from shoal.client.state import State
 from shoal.client.training import LocalTrainer, Objective
 from shoal.config import Config
@@ -31,23 +32,10 @@ from shoal.seeding import derive_seed
 from shoal.task import LOSS_PART, ClientData, Task, task_name, user_batches
 from shoal.update import Update
 
-if TYPE_CHECKING:
-    from shoal.client.batched import BatchedTrainer
-
 log = logging.getLogger(__name__)
 
 _PERSONAL_STREAM = 0xD177  # seeds a client's personal training apart from its global one
 _FINE_TUNE_STREAM = 0xF17E  # seeds personalised evaluation's fine-tuning
-
-
-@dataclass
-class BatchTerms:
-    """The per-client terms of a batched round's local objective (client/batched.py), one row per
-    client in the order the clients were given: what :class:`Objective` is for one client."""
-
-    correction: torch.Tensor | None = None  # (K, numel): added to each gradient, before the momentum
-    drift: torch.Tensor | None = None  # (K, numel): added to each step, after the momentum
-    prox_mu: float | None = None  # replaces train.prox_mu for every client
 
 
 @dataclass
@@ -76,11 +64,9 @@ class ClientProgram:
     model (McMahan et al. 2017, Algorithm 1, ClientUpdate); FedBN's buffers stay in the state."""
 
     name = "fedavg"
-    #: True: the new state may be kept only if the server accepted the update (state the server
-    #: mirrors, such as SCAFFOLD's c = mean of c_i)
-    settles = False
 
-    def __init__(self, trainer: LocalTrainer, cfg: Config):
+    def __init__(self, trainer: LocalTrainer, cfg: Config, task: Task | None = None):
+        self.declared = algorithm(self.name)  # what the registry says this algorithm is and runs with
         self.trainer = trainer
         self.cfg = cfg
         self.device = trainer.flat.device
@@ -94,9 +80,21 @@ class ClientProgram:
         return self.trainer._train_mask.to(self.device).float()
 
     @property
+    def settles(self) -> bool:
+        """True: the new state may be kept only if the server accepted the update (state the server
+        mirrors, such as SCAFFOLD's c = mean of c_i)."""
+        return self.declared.settles
+
+    @property
+    def batchable(self) -> bool:
+        """The local step is plain SGD plus per-client terms (:meth:`objective`), so the batched
+        trainer can run many clients of it at once (:func:`train_batched`)."""
+        return self.declared.batchable
+
+    @property
     def keeps_state(self) -> bool:
         """Whether clients keep anything between rounds (else the store is never read)."""
-        return bool(self.trainer.local_names) or self.keep_optimizer
+        return self.declared.stateful or bool(self.trainer.local_names) or self.keep_optimizer
 
     def fit(
         self, data: ClientData, task: Assignment, global_flat: torch.Tensor, state: State, broadcast: State
@@ -115,10 +113,6 @@ class ClientProgram:
         if momentum is not None:
             result.state["optimizer/momentum"] = momentum
         return result
-
-    #: the local step is plain SGD plus per-client terms (:meth:`objective`), so the batched
-    #: trainer can run many clients of it at once (:func:`train_batched`)
-    batchable = True
 
     def local(
         self, data: ClientData, task: Assignment, global_flat: torch.Tensor, state: State, broadcast: State
@@ -196,11 +190,6 @@ class Scaffold(ClientProgram):
     diverged (measured: MNIST, rho = 0.9, test loss 1.6e8 by round 3)."""
 
     name = "scaffold"
-    settles = True
-
-    @property
-    def keeps_state(self) -> bool:
-        return True
 
     def _cs(self, state: State, broadcast: State) -> tuple[torch.Tensor, torch.Tensor]:
         c = broadcast["scaffold/c"].to(self.device)
@@ -248,10 +237,6 @@ class FedDyn(ClientProgram):
 
     name = "feddyn"
 
-    @property
-    def keeps_state(self) -> bool:
-        return True
-
     def _g(self, state: State, like: torch.Tensor) -> torch.Tensor:
         g = state.get("feddyn/grad")
         return torch.zeros_like(like) if g is None else g.to(self.device)
@@ -272,12 +257,7 @@ class Ditto(ClientProgram):
     ``w^t`` the round began with, and never leaves the client. ``v_k`` starts as the global model
     the client first receives."""
 
-    name = "ditto"
-    batchable = False  # two trainings a round (the global model's and the personal one)
-
-    @property
-    def keeps_state(self) -> bool:
-        return True
+    name = "ditto"  # two trainings a round (the global model's and the personal one): not batchable
 
     def local(self, data, task, global_flat, state, broadcast) -> ClientResult:
         a = self.cfg.algorithm
@@ -299,11 +279,12 @@ class FedPer(ClientProgram):
     personal layers); the update's personal entries are zero, so the server averages the base
     only, and the client keeps its personal entries."""
 
-    name = "fedper"
-    batchable = False  # it starts each client from its own head (a per-client start the batched trainer lacks)
+    name = "fedper"  # it starts each client from its own head (a per-client start the batched trainer lacks)
 
-    def __init__(self, trainer: LocalTrainer, cfg: Config, task: Task):
+    def __init__(self, trainer: LocalTrainer, cfg: Config, task: Task | None = None):
         super().__init__(trainer, cfg)
+        if task is None:
+            raise TypeError(f"{type(self).__name__} takes the task, whose `personal` names the personal layers")
         personal = tuple(getattr(task, "personal", ()) or ())
         self.mask = personal_mask(trainer.spec, personal).to(self.device)
         if not personal or not bool(self.mask.any()):
@@ -313,10 +294,6 @@ class FedPer(ClientProgram):
                 f"(e.g. personal = ('head',) for the parameters of model.head)"
             )
         self.shared = (~self.mask).float()
-
-    @property
-    def keeps_state(self) -> bool:
-        return True
 
     def personal_model(self, global_flat, state):
         own = state.get("personal")
@@ -384,15 +361,23 @@ def train_batched(
         yield j, program.finish(update, states[j], broadcast)
 
 
+def program_classes() -> dict[str, type[ClientProgram]]:
+    """Every client program by its class name (what a registry entry's ``program`` names)."""
+    found: dict[str, type[ClientProgram]] = {}
+    todo: list[type[ClientProgram]] = [ClientProgram]
+    while todo:
+        cls = todo.pop()
+        found[cls.__name__] = cls
+        todo.extend(cls.__subclasses__())
+    return found
+
+
 def make_program(cfg: Config, task: Task, trainer: LocalTrainer) -> ClientProgram:
-    """The client step ``algorithm.name`` asks for."""
-    name = cfg.algorithm.name
-    if name != "fedavg" and task.optimizer is not None:
+    """The client step ``algorithm.name`` asks for: the program its registry entry declares."""
+    declared = algorithm_of(cfg)
+    if declared.own_sgd and task.optimizer is not None:
         raise ConfigError(
-            f"algorithm.name = {name!r} changes shoal's SGD step, but task {task_name(task)} trains with the "
-            f"{task.optimizer} optimizer; leave the task's optimizer unset"
+            f"algorithm.name = {declared.name!r} changes shoal's SGD step, but task {task_name(task)} trains with "
+            f"the {task.optimizer} optimizer; leave the task's optimizer unset"
         )
-    if name in ("fedper", "fedrep"):
-        return (FedPer if name == "fedper" else FedRep)(trainer, cfg, task)
-    cls = {"fedavg": ClientProgram, "scaffold": Scaffold, "fednova": FedNova, "feddyn": FedDyn, "ditto": Ditto}[name]
-    return cls(trainer, cfg)
+    return program_classes()[declared.program](trainer, cfg, task)

@@ -35,7 +35,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 import torch.fx
@@ -49,10 +48,18 @@ from shoal.update import Update
 
 from .training import autocast
 
-if TYPE_CHECKING:
-    from .algorithms import BatchTerms
-
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class BatchTerms:
+    """The per-client terms of a batched round's local objective (:class:`BatchedTrainer`), one row per
+    client in the order the clients were given: what ``training.Objective`` is for one client."""
+
+    correction: torch.Tensor | None = None  # (K, numel): added to each gradient, before the momentum
+    drift: torch.Tensor | None = None  # (K, numel): added to each step, after the momentum
+    prox_mu: float | None = None  # replaces train.prox_mu for every client
+
 
 # TrainConfig fields whose meaning BatchedTrainer reproduces. A field added later (by a
 # feature that changes local training) makes the batched path step aside, unless it is

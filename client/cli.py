@@ -61,14 +61,14 @@ def client(
 ) -> None:
     """Long-poll for work, train locally, upload the update; the data never leaves this node."""
     from shoal.assembly import task_from_config
-    from shoal.cli import setup_logging, with_task
+    from shoal.cli_common import setup_logging, with_task
     from shoal.client.device import select_device
     from shoal.config import load_config
     from shoal.shards import load_shard
-    from shoal.tasks import BuiltinTask
+    from shoal.tasks import BuiltinTask, builtin_local_data
     from shoal.tls import client_context
 
-    from .node import Node, builtin_local_data, read_local_data
+    from .node import Node, read_local_data
 
     setup_logging(verbose)
     if (token_file is None) == (cert is None):
@@ -145,7 +145,7 @@ def node(
     with backoff when the server goes away. Stop with SIGINT/SIGTERM."""
     if ctx.invoked_subcommand is not None:
         return
-    from shoal.cli import setup_logging
+    from shoal.cli_common import setup_logging
     from shoal.client.device import select_device
     from shoal.tls import client_context
 

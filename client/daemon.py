@@ -32,9 +32,10 @@ from shoal.config import config_from_dict
 from shoal.errors import ConfigError, ShoalError
 from shoal.signals import on_stop_signals
 from shoal.task import UserCodeError
+from shoal.tasks import builtin_local_data
 
 from .http import Backoff, NodeError, Refused, Retry, ServerList, check_response, connection_problem
-from .node import Node, builtin_local_data, read_local_data
+from .node import Node, read_local_data
 from .node_config import BUILTIN, NodeConfig
 from .runlog import RUN, RunTag
 

@@ -27,7 +27,7 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 from opacus.validators import ModuleValidator
 from torch import nn
 
-from shoal.accounting import dp_sgd_schedule
+from shoal.accounting_dpsgd import dp_sgd_schedule
 from shoal.client.training import LocalTrainer, Objective
 from shoal.config import PrivacyConfig, TrainConfig
 from shoal.errors import ConfigError

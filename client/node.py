@@ -9,7 +9,7 @@ failures and server restarts are retried with exponential backoff and full jitte
 revoked node, an untrusted certificate or another model than the server's are not
 retried. SIGINT/SIGTERM let the current step finish, then the node exits.
 
-With ``[privacy]`` (:class:`NodePrivacy`, docs/privacy.md "In deployment") the node follows
+With ``[privacy]`` (:class:`~shoal.privacy_state.NodePrivacy`, docs/privacy.md "In deployment") the node follows
 its own config, not the server's word: in distributed mode it clips and adds its noise share
 before the update leaves it, in local mode it trains with DP-SGD on a seed only it knows and
 accounts its own epsilon; a server whose task names another privacy mode is refused.
@@ -22,12 +22,10 @@ into the residual unless the server took it.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import random
 import re
-import secrets
 import ssl
 from collections.abc import Callable
 from hashlib import sha256
@@ -38,14 +36,12 @@ import aiohttp
 import torch
 
 from shoal import assembly
-from shoal.accounting import LocalDpSgdAccountant, budget_allows, check_delta_against, dp_sgd_schedule
 from shoal.aggregation.compression import OutOfHalfRange
-from shoal.aggregation.dp import clip_to_norm, make_generator, noise_share, share_std
 from shoal.assembly import NodeParts
 from shoal.config import Config
-from shoal.errors import ConfigError, ShoalError, SpecMismatch, short_repr
+from shoal.errors import ShoalError, SpecMismatch, short_repr
 from shoal.params import ParamSpec
-from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES, plan_of
+from shoal.privacy_state import diverged
 from shoal.rounds import Assignment
 from shoal.seeding import derive_seed
 from shoal.shards import Shard
@@ -60,8 +56,6 @@ from shoal.task import (
     call_part,
     task_name,
 )
-from shoal.tasks import BuiltinTask
-from shoal.update import Update
 from shoal.wire import MODEL_AUX, decode_model, default_max_bytes, read_header, update_parts
 
 from .algorithms import ClientProgram
@@ -111,31 +105,6 @@ def read_local_data(task: Task, path: Path) -> LocalData:
     return local
 
 
-def builtin_local_data(task: BuiltinTask, shard: Shard) -> LocalData:
-    """A shard of `shoal data split` for the built-in task: the model takes the shard's
-    input shape and classes (as nodes did before tasks existed); the shard's own test data
-    (``test_x`` / ``test_y``), when it has some, is the node's local test set."""
-    task.input_shape = shard.input_shape
-    task.num_classes = shard.num_classes or task.num_classes
-    test = None if shard.test_x is None or shard.test_y is None else (shard.test_x, shard.test_y)
-    return LocalData(train=(shard.x, shard.y), test=test)
-
-
-def diverged(update: Update) -> str | None:
-    """What is wrong with a trained update that must not be uploaded (None if nothing): a
-    non-finite training loss, or NaN/Inf entries in the update itself."""
-    loss = update.metrics.get("train_loss")
-    if loss is not None and not math.isfinite(loss):
-        return f"loss {loss}"
-    delta = update.delta
-    if delta.numel() and all(math.isfinite(float(v)) for v in torch.aminmax(delta)):  # one pass, no temporary
-        return None
-    bad = int((~torch.isfinite(delta)).sum())
-    if bad:
-        return f"the update has {bad} NaN/Inf entries of {delta.numel()}"
-    return None
-
-
 def figures_line(task: Task, means: dict[str, float]) -> str:
     """The task's summarized figures of raw means, for a log line: what ``summarize`` derives
     (R², macro-F1, perplexity) first, then loss and accuracy; the raw parts a task derives them
@@ -150,233 +119,6 @@ def figures_line(task: Task, means: dict[str, float]) -> str:
     if derived:
         shown = {**derived, **{k: summary[k] for k in ("loss", "accuracy") if k in summary}}
     return ", ".join(f"{k} {v:.4g}" for k, v in shown.items()) or "no metrics"
-
-
-class NodePrivacy:
-    """This node's side of ``[privacy]``; the node's own config is its promise to its data.
-
-    * ``central``: nothing is added here (the server clips and adds the noise, which is
-      what central DP trusts it to do); the node checks that the server runs central DP
-      with its z and C.
-    * ``distributed``: clip to C and add N(0, z²C²/t) before the update leaves the node; the
-      noise comes from the OS, never from the server's seed. In the clear t is the task's; with
-      secure aggregation the share is added after the key directory, and t must be one this node
-      can hold the server to (no more than its checked neighbourhood, and it unmasks no sum of
-      fewer survivors): a task that asks for more is refused (client/secure_node.py).
-    * ``local``: DP-SGD (the trainer) on a seed only this node knows (with the server's
-      seed the server could redraw the noise and the example samples), and the node's own
-      epsilon over its data size, batch, epochs and the rounds it took part in. That count
-      is kept in a ledger file, so a restarted node goes on from it; the node takes no work
-      that would pass ``privacy.target_epsilon``, and reports its epsilon with each update only
-      where the report reveals nothing of its data (PrivacyPlan.node_reports).
-    """
-
-    def __init__(self, cfg: Config, name: str, num_train: int, ledger: Path | None = None):
-        p = cfg.privacy
-        if p.noise_multiplier <= 0:
-            raise ConfigError(
-                f"privacy.mode = {p.mode!r} with privacy.noise_multiplier = 0 adds no noise (epsilon "
-                "is infinite); set a noise multiplier > 0, or privacy.mode = 'none'"
-            )
-        self.plan = plan_of(cfg)
-        self.p, self.mode, self.name, self.ledger = p, p.mode, name, ledger
-        self.accountant: LocalDpSgdAccountant | None = None
-        if self.plan.dp_sgd:
-            try:  # DP-SGD protects one of this node's examples
-                check_delta_against(p.delta, num_train, "examples on this node")
-            except ValueError as e:
-                raise ConfigError(str(e)) from None
-            self.schedule = dp_sgd_schedule(
-                num_train, cfg.train.batch(num_train), cfg.train.epochs, p.local_sampling_rate
-            )
-            self.accountant = self.plan.local_accountant({name: self.schedule})
-            self.accountant.load_state_dict({**self.accountant.state_dict(), "participations": {name: self._load()}})
-            if p.target_epsilon and self.rounds == 0 and self.accountant.next_epsilon() > p.target_epsilon:
-                raise ConfigError(
-                    f"privacy.target_epsilon = {p.target_epsilon:g} is below the epsilon of one round of DP-SGD on "
-                    f"this node's {num_train} examples ({self.accountant.next_epsilon():.3g} at delta = "
-                    f"{p.delta:g}); raise it or raise privacy.noise_multiplier"
-                )
-            q, steps = self.schedule
-            log.info(
-                "local DP: DP-SGD on %d examples, sampling rate %.4g, %d steps a round, z = %g; epsilon = %.4g "
-                "after %d rounds so far",
-                num_train,
-                q,
-                steps,
-                p.noise_multiplier,
-                self.epsilon,
-                self.rounds,
-            )
-
-    @property
-    def rounds(self) -> int:
-        return self.accountant.rounds_of(self.name) if self.accountant is not None else 0
-
-    @property
-    def epsilon(self) -> float:
-        return self.accountant.epsilon if self.accountant is not None else 0.0
-
-    def _ledger_entry(self) -> dict:
-        return {
-            "node": self.name,
-            "schedule": list(self.schedule),
-            "noise_multiplier": self.p.noise_multiplier,
-            "accountant": self.p.accountant,
-            "rounds": self.rounds,
-        }
-
-    def _load(self) -> int:
-        """The rounds this node already spent on its data (0 without a ledger)."""
-        if self.ledger is None or not self.ledger.exists():
-            return 0
-        try:
-            saved = json.loads(self.ledger.read_text())
-            rounds = int(saved["rounds"])
-            same = (
-                saved["node"],
-                [float(v) for v in saved["schedule"]],
-                float(saved["noise_multiplier"]),
-                saved["accountant"],
-            ) == (self.name, [float(v) for v in self.schedule], self.p.noise_multiplier, self.p.accountant)
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise ConfigError(
-                f"the privacy ledger {self.ledger} cannot be read ({type(e).__name__}: {e}); without "
-                "it the rounds already spent are unknown: restore it, or give --privacy-ledger another "
-                "file if this node's data was never trained on"
-            ) from None
-        if not same:
-            raise ConfigError(
-                f"the privacy ledger {self.ledger} was written for node {saved['node']!r} with DP-SGD schedule "
-                f"{saved['schedule']} (sampling rate, steps a round), z = {saved['noise_multiplier']} and the "
-                f"{saved['accountant']} accountant; this node now runs {list(self.schedule)}, z = "
-                f"{self.p.noise_multiplier}, {self.p.accountant}: its {rounds} earlier rounds cannot be composed "
-                "with these; keep the earlier settings, or use another ledger only for other data"
-            )
-        return rounds
-
-    def _save(self) -> None:
-        if self.ledger is None:
-            return
-        try:
-            self.ledger.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.ledger.with_name(self.ledger.name + ".tmp")
-            tmp.write_text(json.dumps(self._ledger_entry()))
-            tmp.replace(self.ledger)
-        except OSError as e:  # without its ledger the node cannot keep its own account: it stops
-            raise ConfigError(
-                f"the privacy ledger {self.ledger} cannot be written ({e}); give --privacy-ledger a writable file"
-            ) from None
-
-    def check_task(self, task: dict) -> None:
-        """NodeError unless the server's task runs this node's privacy mode (and, where the
-        server adds or divides the noise, with this node's z and C)."""
-        info = task.get("privacy")
-        if not isinstance(info, dict) or info.get("mode") != self.mode:
-            theirs = info.get("mode") if isinstance(info, dict) else "none"
-            raise NodeError(
-                f"the server runs privacy.mode = {short_repr(theirs)}, this node's config says "
-                f"{self.mode!r}: no update leaves this node with another privacy than its own config's"
-            )
-        if self.plan.dp_sgd:
-            return
-        for key in ("noise_multiplier", "clip_norm"):
-            v, mine = info.get(key), getattr(self.p, key)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isclose(v, mine, rel_tol=1e-9):
-                raise NodeError(
-                    f"the server runs privacy.{key} = {short_repr(v)}, this node's config says {mine:g}: "
-                    "run the node with the server's [privacy] table"
-                )
-        if self.plan.client_shares:
-            t = info.get("noise_shares")
-            if not isinstance(t, int) or isinstance(t, bool) or t < 1:
-                raise NodeError(f"the task's privacy.noise_shares = {short_repr(t)} must be an integer >= 1")
-            if self.p.mechanism == "discrete_gaussian" and not isinstance(task.get("secure_aggregation"), dict):
-                raise NodeError(
-                    "this node adds its discrete-Gaussian noise while encoding for secure aggregation, and the "
-                    "task runs none: refusing to send the update in the clear"
-                )
-
-    def allows_next_round(self) -> bool:
-        """Local DP: False (with a log line) when one more round would pass privacy.target_epsilon."""
-        return self.accountant is None or budget_allows(self.accountant, self.p.target_epsilon, self.p.delta)
-
-    def training_seed(self, task_seed: int) -> int:
-        """Local DP trains on a seed only this node knows; otherwise the task's (reproducible runs)."""
-        return secrets.randbits(63) if self.plan.dp_sgd else task_seed
-
-    def protect(self, update: Update, task: dict) -> Update:
-        """What leaves the node. Distributed DP: clip to C, add this node's share N(0, z²C²/t).
-        Local DP: the DP-SGD update and nothing data-dependent beside it (no train loss, local
-        steps or example count: it says 1 example, and the server weighs local-DP updates alike)."""
-        if self.plan.dp_sgd:
-            return Update(update.delta, LOCAL_UPLOAD_EXAMPLES, update.base_version, update.sender, {})
-        if not self.plan.client_shares or "secure_aggregation" in task:  # secure: after the key directory
-            return update
-        return self.add_share(update, int(task["privacy"]["noise_shares"]), task.get("round"))
-
-    def release(self, update: Update, task: dict) -> tuple[Update, dict | None, str | None]:
-        """What leaves the node for a trained update, without I/O: the protected update
-        (:meth:`protect`), the report sent with it (:meth:`spend`: the round is counted first) and
-        what is wrong with what the mechanism released (:meth:`released_problem`; then the node sends
-        a notice without a reason instead of the update)."""
-        update = self.protect(update, task)
-        report = self.spend(int(task["round"]))  # counted before anything leaves the node
-        return update, report, self.released_problem(update, task)
-
-    def released_problem(self, update: Update, task: dict) -> str | None:
-        """Local and distributed DP: what is wrong with the update the mechanism released (NaN/Inf in
-        the noised delta; its loss is never looked at), or None. With secure aggregation the share is
-        added later, after the key directory (client/secure_node.py): nothing is judged here. The clip
-        maps a non-finite update to 0 and DP-SGD drops a non-finite example's gradient, so a noised
-        update is finite; this is the last guard, on released values only."""
-        if self.plan.server_noise or (self.plan.client_shares and "secure_aggregation" in task):
-            return None
-        return diverged(Update(update.delta, update.num_examples, update.base_version, update.sender, {}))
-
-    def add_share(self, update: Update, t: int, round_) -> Update:
-        """Distributed DP: clip to C and add N(0, z²C²/t) from the OS's entropy. With secure
-        aggregation t is one this node checked against the key directory (client/secure_node.py)."""
-        clipped, norm = clip_to_norm(update.delta, self.p.clip_norm)
-        update.delta = noise_share(
-            clipped, self.p.clip_norm, self.p.noise_multiplier, t, make_generator(update.delta.device, None)
-        )  # OS entropy
-        log.info(
-            "round %s: update of norm %.4g clipped to C = %g, noise share N(0, %.4g^2) added (t = %d)",
-            round_,
-            norm,
-            self.p.clip_norm,
-            share_std(self.p.clip_norm, self.p.noise_multiplier, t),
-            t,
-        )
-        return update
-
-    def spend(self, round_: int) -> dict | None:
-        """Local DP: count this round (the update is about to leave), save the ledger, log and
-        return the report sent with the update: {epsilon, epsilon_next, delta, rounds}; None when
-        the run withholds reports (PrivacyPlan.node_reports: the epsilon at q = B / n_k would tell
-        the server roughly how many examples this node holds). The node's own budget check
-        (:meth:`allows_next_round`) does not depend on it."""
-        if self.accountant is None:
-            return None
-        self.accountant.record_round([self.name])
-        self._save()
-        report = {
-            "epsilon": self.epsilon,
-            "epsilon_next": self.accountant.next_epsilon(),
-            "delta": self.p.delta,
-            "rounds": self.rounds,
-        }
-        log.info(
-            "round %d: local DP epsilon = %.4g at delta = %g after %d rounds (%.4g after one more%s)",
-            round_,
-            report["epsilon"],
-            self.p.delta,
-            self.rounds,
-            report["epsilon_next"],
-            f"; target {self.p.target_epsilon:g}" if self.p.target_epsilon else "",
-        )
-        return report if self.plan.node_reports else None
 
 
 class Node:

@@ -195,7 +195,7 @@ async def run_secure_round(node, task: dict, update: Update, report: dict | None
         k, bits = int(info["summands"]), int(info["bits"])
         values, weights = FixedPoint(float(info["clip"]), bits, k), FixedPoint(1.0, bits, k)
         size = params.vector_size
-        payload = SecurePayload(getattr(getattr(node, "program", None), "name", "fedavg"), update.delta.numel())
+        payload = SecurePayload(node.program.name, update.delta.numel())  # the layout its algorithm declares
         if size != payload.vector_size:
             raise Malformed(
                 f"secure_aggregation.vector_size = {size}, but this node masks {payload.vector_size} entries "

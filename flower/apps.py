@@ -50,6 +50,7 @@ from flwr.serverapp.strategy import Strategy as FlowerStrategy
 
 from shoal import assembly
 from shoal.aggregation import Strategy
+from shoal.algorithms import algorithm_of
 from shoal.assembly import ClientParts, HoldsClient, make_round_strategy, make_sync_rounds, task_from_config, task_label
 from shoal.client.device import select_device
 from shoal.client.state import State
@@ -468,7 +469,7 @@ def round_strategy(cfg: Config, setup: Setup, device: torch.device | str = "cpu"
     FedDyn's or the DP mean, as shoal.assembly makes it) and, for SCAFFOLD, the server control
     variate moved over the updates each round took (N: the task's clients)."""
     inner = make_round_strategy(cfg, setup.spec.numel, device, setup.num_clients)
-    if cfg.algorithm.name != "scaffold":
+    if not algorithm_of(cfg).control_variate:
         return inner
     from shoal.aggregation.scaffold import ScaffoldStrategy
 

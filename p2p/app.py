@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from shoal.errors import TooLarge
-from shoal.server.dashboard import Dashboard, is_dashboard_path
+from shoal.web.dashboard import Dashboard, is_dashboard_path
 
 from .connections import Connections, GuardedHandler
 from .grid_average import GridAverage

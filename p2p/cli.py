@@ -31,6 +31,7 @@ from shoal import assembly
 from shoal.assembly import task_from_config
 from shoal.client.device import select_device
 from shoal.config import Config
+from shoal.config.rules import check_gossip_settings
 from shoal.errors import ConfigError, DataError, Malformed
 from shoal.log_redaction import add_secret
 from shoal.privacy_plan import plan_of
@@ -51,7 +52,7 @@ from shoal.tls import client_context, server_context
 
 from .addresses import check_url
 from .peer import Peer, PeerData, PeerSettings
-from .robust import check_gossip_settings, robust_mixing
+from .robust import robust_mixing
 
 log = logging.getLogger(__name__)
 

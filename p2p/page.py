@@ -1,4 +1,4 @@
-"""A gossip peer's own page: ``shoal peer`` serves the dashboard of server/dashboard.py for itself,
+"""A gossip peer's own page: ``shoal peer`` serves the dashboard of shoal/web/dashboard.py for itself,
 behind its network token: its training steps and metric curves, epsilon (local DP), bytes sent,
 merges and refusals, and its neighbours (the view) and directory."""
 
@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from shoal.server.dashboard import Dashboard, curves
+from shoal.web.dashboard import Dashboard, curves
 
 from .connections import Connections
 from .runtime import PeerRuntime

@@ -53,6 +53,7 @@ import aiohttp
 from aiohttp import web
 
 from shoal.config import Config
+from shoal.config.rules import check_gossip_settings
 from shoal.errors import ShoalError
 from shoal.metrics import MetricsLog, json_safe
 from shoal.rounds import evaluation_due
@@ -75,7 +76,6 @@ from .page import PeerSource, peer_dashboard
 from .runtime import PeerData, PeerRuntime, Trainer
 from .secure_group import SecureGroup, SecureMessage
 from .service import Outgoing, PeerService, Rejected
-from .settings import check_gossip_settings
 from .store import PeerStore
 
 __all__ = ["Peer", "PeerData", "PeerSettings"]

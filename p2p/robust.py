@@ -30,9 +30,10 @@ import torch
 
 from shoal.aggregation.robust import make_aggregator
 from shoal.config import Config
+from shoal.config.rules import check_gossip_settings
 
 from .merge import MergeBound
-from .settings import check_gossip_settings, robust_mixing
+from .settings import robust_mixing
 
 __all__ = ["check_gossip_settings", "make_merge_bound", "robust_gossip_average", "robust_mixing"]
 

@@ -16,10 +16,10 @@ from typing import Any, Protocol
 
 import torch
 
-from shoal.client.node import NodePrivacy
 from shoal.config import Config
 from shoal.params import ParamSpec
 from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES, plan_of
+from shoal.privacy_state import NodePrivacy
 from shoal.seeding import derive_seed
 from shoal.task import ClientData, Task, num_examples, task_name
 from shoal.update import Update

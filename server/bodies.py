@@ -18,6 +18,10 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from shoal.strict_json import loads_strict
+
+from .http_common import Refusal, settings_of
+
 
 async def read_body(
     request: web.Request,
@@ -30,7 +34,6 @@ async def read_body(
 ) -> bytes:
     """The body of ``request``, at most ``limit`` bytes, read within ``timeout_s`` seconds (the
     value of ``server.{timeout_key}``); ``what`` names it in the refusals' details."""
-    from .app import Refusal
 
     def refuse(status: int, code: str, detail: str, close: bool = False) -> Refusal:
         if refused is not None:
@@ -51,3 +54,11 @@ async def read_body(
     if len(body) != length:  # aiohttp reads exactly Content-Length bytes; a short body is refused, never parsed
         raise refuse(400, "malformed", f"{what} of {len(body)} bytes, not its Content-Length of {length}")
     return body
+
+
+async def json_body(request: web.Request, limit: int) -> object:
+    body = await read_body(request, limit, settings_of(request).server.body_timeout_s)
+    try:
+        return loads_strict(body)
+    except ValueError as e:
+        raise Refusal(400, "malformed", f"the body is not JSON: {e}"[:200]) from None

@@ -70,8 +70,8 @@ def run_server(cfg: Config, insecure: bool = False, fresh: bool = False) -> None
         )
     registry = Registry(s.db)
     try:
-        if cfg.hierarchy.parent:  # an edge aggregator under that root (server/edge_server.py)
-            from .edge_server import serve_edge
+        if cfg.hierarchy.parent:  # an edge aggregator under that root (server/edge/app.py)
+            from .edge.app import serve_edge
 
             asyncio.run(serve_edge(cfg, registry, ctx, task=task))
             return
@@ -89,8 +89,8 @@ def _serve_federation(cfg: Config, registry, ctx, fresh: bool) -> None:
     from pathlib import Path
 
     from .app import serve
-    from .federation import Federation
-    from .runs_db import RunsDB
+    from .federation.runs import Federation
+    from .federation.runs_db import RunsDB
 
     if fresh:
         raise ConfigError("--fresh is for a one-run server; a federation's runs are stopped with `shoal run stop`")
@@ -129,7 +129,7 @@ def server(
     central_test_data() (evaluated each version when server.eval is true)."""
     if ctx.invoked_subcommand is not None:
         return
-    from shoal.cli import setup_logging, with_task
+    from shoal.cli_common import setup_logging, with_task
 
     setup_logging(verbose)
     sets = with_task(set_, task)
@@ -283,7 +283,7 @@ def researcher_token(
 
     The file holds lines of NAME TOKEN and is rewritten atomically with mode 0600; the server reads
     it when it starts (restart it after a change)."""
-    from .researchers import add_researcher, remove_researcher
+    from .federation.researchers import add_researcher, remove_researcher
 
     if remove:
         if token_out is not None:

@@ -45,15 +45,11 @@ import math
 import secrets
 from typing import Any
 
-from shoal.accounting import (
-    DdgRoundAccountant,
-    LedgerMismatch,
-    RoundAccountant,
-    ServerViewAccountant,
-    check_delta_against,
-    dp_sgd_schedule,
-)
+from shoal.accounting import check_delta_against
 from shoal.accounting import epsilon as dp_epsilon
+from shoal.accounting_dpsgd import dp_sgd_schedule
+from shoal.accounting_rounds import DdgRoundAccountant, LedgerMismatch, RoundAccountant
+from shoal.accounting_server import ServerViewAccountant
 from shoal.aggregation.discrete_gaussian import DdgParams, plan
 from shoal.aggregation.dp import DPMean, cohort_cap, make_dp_strategy, share_std
 from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer

@@ -14,7 +14,6 @@ per-request lookup cheap. Only the hash is stored; the token is shown once.
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import logging
 import os
@@ -28,6 +27,7 @@ from pathlib import Path
 
 from shoal.errors import ConfigError, ShoalError
 from shoal.pki import check_node_name
+from shoal.tokens import hash_token, well_formed
 
 log = logging.getLogger(__name__)
 
@@ -61,18 +61,6 @@ class Node:
     enabled: bool
     last_seen: float | None
     key: str | None = None  # the fingerprint of a key node (None: a token node)
-
-
-TOKEN_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_")
-
-
-def well_formed(token: str) -> bool:
-    """What ``secrets.token_urlsafe`` makes (and nothing that cannot be hashed)."""
-    return 0 < len(token) <= 256 and all(c in TOKEN_CHARS for c in token)
-
-
-def hash_token(token: str) -> str:
-    return hashlib.sha256(token.encode()).hexdigest()
 
 
 class Registry:

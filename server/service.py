@@ -105,17 +105,6 @@ class Counters:
 
 
 #: Bounds of a node's federated evaluation report (POST /v1/eval, docs/protocol.md).
-#: From this many parameters (a 512 MiB float32 model) up, ``server.sum_dtype = "auto"`` sums in float32.
-LARGE_MODEL_NUMEL = 1 << 27
-
-
-def sum_dtype(choice: str, numel: int) -> torch.dtype:
-    """The dtype of the plain weighted mean's sum that ``server.sum_dtype`` asks for a model of ``numel``."""
-    if choice == "auto":
-        return torch.float32 if numel >= LARGE_MODEL_NUMEL else torch.float64
-    return torch.float32 if choice == "float32" else torch.float64
-
-
 MAX_EVAL_BODY = 64 * 1024
 MAX_EVAL_METRICS = 32
 MAX_EVAL_EXAMPLES = 10**9
@@ -268,14 +257,14 @@ class ServerService:
         self._model_cache: tuple[int, bytes] | None = None
         self._download: ModelDownload | None = None
         self.secure_round: SecureRound | None = None  # [secure_aggregation]: the open round's protocol
-        # what a tier below adds to a version's record (server/edge.py: the edges' partials of the round)
+        # what a tier below adds to a version's record (server/edge/intake.py: the edges' partials of the round)
         self.tier_figures: Callable[[int], dict[str, Any]] | None = None
-        # which connected nodes a round may select now (server/edge.py: not a node whose last word came
+        # which connected nodes a round may select now (server/edge/intake.py: not a node whose last word came
         # from an edge that no longer holds it), and what the tier adds to the run's status
         self.tier_available: Callable[[list[str], float], list[str]] | None = None
         self.tier_status: Callable[[float], dict[str, Any]] | None = None
         # what a tier below keeps across a restart, saved in each checkpoint (JSON values only;
-        # server/edge.py: which edge handed out each open task of an async root)
+        # server/edge/intake.py: which edge handed out each open task of an async root)
         self.tier_state: dict[str, Any] = {}
         # the server process's CPU seconds and resident MB (a version's record has its share since the last)
         self.process_usage: Callable[[], tuple[float, float]] = process_usage

@@ -28,6 +28,7 @@ from shoal.aggregation.fedbuff import FedBuff
 from shoal.aggregation.robust import make_aggregator
 from shoal.aggregation.scaffold import ScaffoldControl
 from shoal.aggregation.staleness import make_staleness_weight
+from shoal.algorithms import algorithm_of
 from shoal.async_rounds import AsyncRounds
 from shoal.client.algorithms import ClientProgram, make_program
 from shoal.client.batched import BatchedTrainer, make_batched_trainer
@@ -38,6 +39,14 @@ from shoal.config import Config
 from shoal.errors import ConfigError
 from shoal.params import ParamSpec, flatten
 from shoal.privacy_plan import plan_of
+from shoal.privacy_state import (
+    NodePrivacy,
+    PrivacyBudget,
+    expected_clients,
+    round_sampling,
+    selection_secret,
+    sum_dtype,
+)
 from shoal.rounds import Rounds, SyncRounds
 from shoal.seeding import derive_seed, rng
 from shoal.shards import Shard
@@ -56,13 +65,11 @@ from shoal.task import (
     num_examples,
     task_name,
 )
-from shoal.tasks import BuiltinTask
+from shoal.tasks import BuiltinTask, builtin_local_data
 
 if TYPE_CHECKING:
-    from shoal.client.node import NodePrivacy
     from shoal.server.privacy import ServerPrivacy
     from shoal.simulations.client_data import ClientShards, PopulationShards
-    from shoal.simulations.dp_hooks import PrivacyBudget
     from shoal.simulations.wire_step import WireStep
 
 log = logging.getLogger(__name__)
@@ -114,13 +121,6 @@ def make_evaluator(cfg: Config, task: Task, device: torch.device | str = "cpu") 
     return LocalTrainer(initial_model(cfg, task), cfg.train, device, task=task)
 
 
-def expected_clients(cfg: Config, num_clients: int) -> int:
-    """K, the number of clients a round selects (as SyncRounds.sample_size): the DP mean's
-    fixed denominator, the number of noise shares, and q = K / N for the accountant."""
-    sim = cfg.simulation
-    return min(sim.clients_per_round or max(1, round(sim.fraction * num_clients)), num_clients)
-
-
 def make_round_strategy(cfg: Config, numel: int, device: torch.device | str, num_clients: int) -> Strategy:
     """The server's strategy: the DP mean for central/distributed DP, else ``[strategy]`` x ``[robust]``."""
     if plan_of(cfg).user_level:
@@ -129,11 +129,12 @@ def make_round_strategy(cfg: Config, numel: int, device: torch.device | str, num
         seed = derive_seed(cfg.simulation.seed, 0xD9)
         k = expected_clients(cfg, num_clients)
         return make_dp_strategy(cfg.strategy, cfg.privacy, numel, k, device, seed)
-    if cfg.algorithm.name == "fednova":  # config rules allow it only with the plain mean, no DP
+    step = algorithm_of(cfg).server_step  # the registry's declaration (shoal/algorithms.py)
+    if step == "fednova":  # config rules allow it only with the plain mean, no DP
         from shoal.aggregation.fednova import FedNovaStrategy
 
         return FedNovaStrategy(WeightedMean(numel, device), make_server_optimizer(cfg.strategy), cfg.strategy.weighting)
-    if cfg.algorithm.name == "feddyn":
+    if step == "feddyn":
         from shoal.aggregation.feddyn import FedDynStrategy
 
         return FedDynStrategy(numel, num_clients, cfg.algorithm.feddyn_alpha, device, cfg.strategy.weighting)
@@ -270,11 +271,11 @@ class HoldsClient:
 
 def batching_blocker(cfg: Config, task: Task, trainer: LocalTrainer, in_memory: bool) -> str | None:
     """Why the config, the task or the model rules out training many clients as one batch (None: it may)."""
-    algorithm = cfg.algorithm.name
+    declared = algorithm_of(cfg)
     if plan_of(cfg).dp_sgd:  # DP-SGD clips per sample with Opacus: never batched across clients
         return "privacy.mode = 'local' (DP-SGD) trains each client with Opacus"
-    if algorithm in ("ditto", "fedper", "fedrep"):
-        return f"algorithm.name = {algorithm!r} trains a personal part of its own on each client"
+    if not declared.batchable:
+        return f"algorithm.name = {declared.name!r} trains a personal part of its own on each client"
     if not in_memory:
         return "the clients' data are torch Datasets (read through a DataLoader), not tensors"
     if type(task).loss is not Task.loss:
@@ -382,7 +383,6 @@ def build_simulation(
         load_simulation_data,
         on_device,
     )
-    from shoal.simulations.dp_hooks import PrivacyBudget, round_sampling, selection_secret
     from shoal.simulations.wire_step import WireStep
 
     task = task if task is not None else task_from_config(cfg)
@@ -417,7 +417,7 @@ def build_simulation(
     # One client step (client/algorithms.py) and the clients' state between their rounds.
     states = make_client_state(cfg.algorithm.state_dir, device)
     strategy = make_round_strategy(cfg, spec.numel, device, n)
-    control = ScaffoldControl(spec.numel, n, device) if cfg.algorithm.name == "scaffold" else None
+    control = ScaffoldControl(spec.numel, n, device) if algorithm_of(cfg).control_variate else None
     rounds = make_sync_rounds(
         strategy,
         client.trainer.flat.detach().clone(),
@@ -484,10 +484,9 @@ def build_server(cfg: Config, task: Task | None = None, registered: int | None =
     registry, N of FedDyn's and SCAFFOLD's server steps (None: the larger of clients_per_round and
     min_nodes until the registry binds it)."""
     from shoal.server.privacy import ServerPrivacy
-    from shoal.server.service import sum_dtype
 
     s = cfg.server
-    if cfg.algorithm.name != "fedavg" and s.mode != "sync":
+    if s.mode not in algorithm_of(cfg).modes:
         raise ConfigError(
             f"algorithm.name = {cfg.algorithm.name!r} with server.mode = {s.mode!r}: the algorithm's client state "
             "and server step assume a node trains from the round's model and its result belongs to that round; "
@@ -517,7 +516,7 @@ def build_server(cfg: Config, task: Task | None = None, registered: int | None =
             spec.numel * 4 / 1e6,
             spec.numel * 8 / 1e6,
         )
-    if cfg.algorithm.name == "scaffold":
+    if algorithm_of(cfg).control_variate:
         from shoal.aggregation.scaffold import ScaffoldStrategy
 
         strategy = ScaffoldStrategy(strategy, spec.numel, population)
@@ -593,7 +592,6 @@ def build_node(
     of ``shoal data split`` for the built-in task, whose client id names the node unless ``name``
     does); ``state_dir``: the folder of its client state (None: in memory); ``privacy_ledger``: the
     file where a local-DP node keeps the rounds it spent (None: in memory)."""
-    from shoal.client.node import NodePrivacy, builtin_local_data
     from shoal.client.state import DiskClientState, MemoryClientState
     from shoal.simulations.client_data import on_device
 

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import json
-import logging
 import sys
 from pathlib import Path
 
 import typer
 
+from .cli_common import setup_logging, with_task
 from .cli_help import as_written
 from .errors import ConfigError, ShoalError
 
@@ -41,26 +40,6 @@ TaskOpt = typer.Option(
         "(default: [task] app, else the built-in task of [model] + [data])."
     ),
 )
-
-
-def with_task(set_: list[str] | None, task: str | None) -> list[str]:
-    """The --set overrides, plus ``task.app`` when ``--task`` is given."""
-    out = list(set_ or [])
-    if task:
-        out.append(f"task.app={json.dumps(task)}")
-    return out
-
-
-def setup_logging(verbose: bool, quiet: bool = False) -> None:
-    """Log to stderr; no token, cookie or Authorization header reaches a line (shoal/log_redaction.py)."""
-    from shoal.log_redaction import install
-
-    install()
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.WARNING if quiet else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        datefmt="%Y-%m-%dT%H:%M:%S",
-    )
 
 
 @app.command()
@@ -103,7 +82,7 @@ from shoal.server.cli import app as _server_app  # noqa: E402
 app.add_typer(_server_app, name="server")
 app.command("client")(_client_command)
 from shoal.client.cli import node_app as _node_app  # noqa: E402
-from shoal.server.run_cli import app as _run_app  # noqa: E402
+from shoal.server.federation.run_cli import app as _run_app  # noqa: E402
 
 app.add_typer(_node_app, name="node")
 app.add_typer(_run_app, name="run")
@@ -127,7 +106,7 @@ def data_split(
     """Write the simulator's client split as one shard file per node (x, y; with --task, the
     task's simulation_data() clients, when they are tensors)."""
     from .config import load_config
-    from .shards import write_shards
+    from .shard_split import write_shards
 
     paths = write_shards(load_config(config, with_task(set_, task)), out)
     typer.echo(f"wrote {len(paths)} shards to {out}/")

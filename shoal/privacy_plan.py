@@ -37,7 +37,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from shoal.accounting import DdgRoundAccountant, LocalDpSgdAccountant, RoundAccountant, ServerViewAccountant
+from shoal.accounting_dpsgd import LocalDpSgdAccountant
+from shoal.accounting_rounds import DdgRoundAccountant, RoundAccountant
+from shoal.accounting_server import ServerViewAccountant
 from shoal.noise import NoiseSource
 
 #: privacy.release's choices

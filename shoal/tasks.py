@@ -24,7 +24,7 @@ from .config import DataConfig
 from .datasets import load_federated, model_io
 from .errors import ConfigError
 from .models import build_model
-from .shards import load_shard
+from .shards import Shard, load_shard
 from .synthetic import DIMENSION, NUM_CLASSES, SyntheticPopulation
 from .task import LocalData, SimulationData, Task
 from .task_data import Partitioned
@@ -126,3 +126,13 @@ class SyntheticPopulationTask(Task):
 
     def describe(self) -> str:
         return f"synthetic population ({self.alpha:g}, {self.beta:g}) / logreg"
+
+
+def builtin_local_data(task: BuiltinTask, shard: Shard) -> LocalData:
+    """A shard of `shoal data split` for the built-in task: the model takes the shard's
+    input shape and classes (as nodes did before tasks existed); the shard's own test data
+    (``test_x`` / ``test_y``), when it has some, is the node's local test set."""
+    task.input_shape = shard.input_shape
+    task.num_classes = shard.num_classes or task.num_classes
+    test = None if shard.test_x is None or shard.test_y is None else (shard.test_x, shard.test_y)
+    return LocalData(train=(shard.x, shard.y), test=test)

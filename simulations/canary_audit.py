@@ -73,7 +73,8 @@ import numpy as np
 import torch
 from scipy.special import log_ndtr
 
-from shoal.accounting import LocalDpSgdAccountant, dp_sgd_schedule, epsilon
+from shoal.accounting import epsilon
+from shoal.accounting_dpsgd import LocalDpSgdAccountant, dp_sgd_schedule
 from shoal.config import Config
 from shoal.errors import ConfigError
 from shoal.privacy_plan import plan_of

@@ -8,7 +8,7 @@ one sealed :class:`~shoal.aggregation.partial.Partial` up (encoded and decoded a
 wire: its bytes are measured, and a float32 wire form rounds as a deployment's does); the
 root's :class:`~shoal.aggregation.partial.PartialInbox` merges the partials and hands one
 sum to the root's strategy (SyncRounds.submit_sum), which divides and steps the server
-optimizer. The same objects a deployed edge (server/edge.py) drives.
+optimizer. The same objects a deployed edge (server/edge/intake.py, rounds.py) drives.
 
 HierFAVG (Liu et al. 2020, "Client-Edge-Cloud Hierarchical Federated Learning"):
 ``hierarchy.edge_rounds = kappa_2`` edge aggregations per root round. In edge round k the

@@ -49,6 +49,7 @@ import torch
 
 from shoal import assembly
 from shoal.aggregation import Strategy, WeightedMean
+from shoal.algorithms import algorithm_of
 from shoal.assembly import Batching, task_from_config, with_absolute_task
 from shoal.client.algorithms import ClientResult, train_batched
 from shoal.client.device import select_device
@@ -679,7 +680,7 @@ def summing_blocker(sim: InProcessSimulation) -> str | None:
     cfg = sim.cfg
     if not cfg.simulation.ray_partial_sums:
         return "simulation.ray_partial_sums = false"
-    if cfg.algorithm.name != "fedavg":
+    if not algorithm_of(cfg).summable:
         return f"algorithm.name = {cfg.algorithm.name!r} returns each client's state and step"
     if cfg.secure_aggregation.enabled:
         return "secure aggregation masks each update"

@@ -25,7 +25,7 @@ With ``privacy.mechanism = "discrete_gaussian"`` the clients add no continuous n
 its update with the distributed discrete Gaussian (aggregation/discrete_gaussian.py: clip, scale,
 rotate, round, integer noise of variance sigma^2/gamma^2 with sigma^2 = z^2 C^2 / t, modulo 2^bits),
 the protocol sums those integers and the sum is decoded; the accountant is the mechanism's own
-(shoal.accounting.DdgRoundAccountant). Its noise comes from shoal.noise's CSPRNG.
+(shoal.accounting_rounds.DdgRoundAccountant). Its noise comes from shoal.noise's CSPRNG.
 """
 
 from __future__ import annotations

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from shoal.algorithms import algorithm
 from shoal.update import Update
 
 from .encoding import FixedPoint, encode_weighted, weighted_mean
@@ -65,7 +66,13 @@ class SecurePayload:
 
     @property
     def masks_control(self) -> bool:
-        return self.algorithm == "scaffold"
+        """Each client masks its control-variate delta beside its update (the registry's declaration)."""
+        return algorithm(self.algorithm).secure_payload == "control_delta"
+
+    @property
+    def normalised(self) -> bool:
+        """Each client masks ``Delta_i / a_i`` and sends ``a_i`` in the clear (FedNova's normalised mean)."""
+        return algorithm(self.algorithm).secure_payload == "normalised"
 
     @property
     def vector_size(self) -> int:
@@ -74,7 +81,7 @@ class SecurePayload:
 
     def clear_meta(self, update: Update) -> dict[str, float]:
         """What beside the example count travels in the clear: FedNova's ``a_k``."""
-        if self.algorithm != "fednova":
+        if not self.normalised:
             return {}
         return {FEDNOVA_A: step_weight(update.metrics.get(FEDNOVA_A), update.sender)}
 
@@ -85,7 +92,7 @@ class SecurePayload:
         delta = update.delta.detach().cpu().numpy().astype(np.float64)
         if delta.size != self.numel:
             raise ValueError(f"the update has {delta.size} entries, the model {self.numel}")
-        if self.algorithm == "fednova":
+        if self.normalised:
             delta = delta / step_weight(update.metrics.get(FEDNOVA_A), update.sender)
         vec = encode_weighted(delta, weight, values, weights, rng)
         if not self.masks_control:
@@ -132,7 +139,7 @@ class SecurePayload:
         out = []
         for name, (n, metrics) in members.items():
             delta = mean
-            if self.algorithm == "fednova":
+            if self.normalised:
                 delta = mean * step_weight(metrics.get(FEDNOVA_A), name)
             out.append(Update(delta, n, version, name, dict(metrics), dict(extra)))
         return out

@@ -81,7 +81,7 @@ if __name__ == "__main__":
     from flwr.simulation import run_simulation
 
     from shoal.assembly import with_absolute_task
-    from shoal.cli import with_task
+    from shoal.cli_common import with_task
     from shoal.flower.engine import backend_config
 
     ap = argparse.ArgumentParser(description="shoal strategy + shoal clients on Flower's simulation engine")

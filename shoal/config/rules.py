@@ -7,9 +7,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from shoal.algorithms import algorithm_of, refusal
 from shoal.errors import ConfigError
 
-MAX_EDGE_ROUNDS = 4096  # hierarchy.edge_rounds at an edge process (server/edge.py numbers its models by it)
+MAX_EDGE_ROUNDS = 4096  # hierarchy.edge_rounds at an edge process (server/edge/rounds.py numbers its models by it)
 
 
 def check_combinations(self: Any) -> None:
@@ -64,8 +65,6 @@ def check_combinations(self: Any) -> None:
                     f"{least} (3 is the least any config allows: a sum of 1 input is that input)"
                 )
     if self.simulation.mode == "gossip":
-        from shoal.p2p.settings import check_gossip_settings  # robust merges and model compression (p2p/)
-
         check_gossip_settings(self)
     _check_async_robust(self)
     _check_algorithm(self)
@@ -141,14 +140,11 @@ def _check_async_robust(self: Any) -> None:
         )
 
 
-# Why each algorithm cannot run with a setting: (algorithms, setting is on, the reason).
-_DRIFT = ("scaffold", "fednova", "feddyn")
-
-
 def _check_algorithm(self: Any) -> None:
     """``[algorithm]`` runs in the simulator's sync rounds; where its math needs each client's
     update, or a second per-client message, the combination is refused with the reason."""
     name, sim = self.algorithm.name, self.simulation
+    declared = algorithm_of(self)
     if self.algorithm.personal_eval_steps >= 0 and self.privacy.mode != "none":
         raise ConfigError(
             f"algorithm.personal_eval_steps = {self.algorithm.personal_eval_steps} with privacy.mode = "
@@ -159,56 +155,15 @@ def _check_algorithm(self: Any) -> None:
         keep = None
         if self.train.momentum == 0:
             keep = "train.momentum = 0: plain SGD has no optimizer state"
-        elif name in ("fednova", "ditto", "fedrep"):
-            keep = f"algorithm.name = {name!r}: " + (
-                "FedNova's normaliser assumes momentum starts at zero"
-                if name == "fednova"
-                else "it runs two local trainings a round (one momentum buffer would mix them)"
-            )
+        elif declared.keep_optimizer_refusal:
+            keep = f"algorithm.name = {name!r}: {declared.keep_optimizer_refusal}"
         elif sim.mode != "sync" or self.heterogeneity.enabled:
             keep = "a mode other than sync rounds (in-process, on Ray or on Flower)"
         elif self.privacy.mode == "local":
             keep = "privacy.mode = 'local': the DP-SGD trainer keeps its own optimizer"
         if keep:
             raise ConfigError(f"algorithm.keep_optimizer_state = true with {keep}")
-    if name == "fedavg":
-        return
-    why = None
-    if sim.mode != "sync":
-        why = (
-            f"simulation.mode = {sim.mode!r}: the algorithm's client state and server step assume a client trains "
-            "from the round's model and its result belongs to that round (stale results would apply control "
-            "variates or regularisers of another model)"
-        )
-    elif self.heterogeneity.enabled:
-        why = "heterogeneity.enabled = true: the virtual-clock engine does not carry client state yet"
-    elif self.privacy.mode == "local":
-        why = "privacy.mode = 'local': the DP-SGD trainer (Opacus) does not take the algorithm's local objective"
-    elif name in _DRIFT and self.robust.rule != "mean":
-        why = f"robust.rule = {self.robust.rule!r}: the algorithm's server step is defined on the mean of updates"
-    elif name in _DRIFT and self.privacy.mode != "none":
-        why = {
-            "scaffold": (
-                f"privacy.mode = {self.privacy.mode!r}: each client's control-variate delta is a second release "
-                "of its data that the DP mean neither clips nor noises"
-            ),
-            "fednova": (
-                f"privacy.mode = {self.privacy.mode!r}: the normaliser rescales each clipped update by its "
-                "client's step count, so the noise no longer matches the sensitivity"
-            ),
-            "feddyn": (
-                f"privacy.mode = {self.privacy.mode!r}: FedDyn's server step over the DP mean is not wired "
-                "(its client regulariser would also see unclipped state)"
-            ),
-        }[name]
-    elif name in ("scaffold", "feddyn", "fednova") and self.strategy.name != "fedavg":
-        why = (
-            f"strategy.name = {self.strategy.name!r}: the algorithm has its own server step (strategy.name = 'fedavg')"
-        )
-    elif name == "fednova" and self.train.prox_mu:
-        why = "train.prox_mu > 0: FedNova's normaliser here is that of SGD with momentum (no proximal term)"
-    elif name in ("feddyn", "ditto") and self.train.prox_mu:
-        why = "train.prox_mu > 0: the algorithm sets its own proximal term"
+    why = refusal(self)  # the algorithm's declared modes, privacy modes and server step (shoal/algorithms.py)
     if why:
         raise ConfigError(f"algorithm.name = {name!r} with {why}")
 
@@ -241,7 +196,7 @@ def _check_edge(self: Any) -> None:
             ),
             (
                 f"algorithm.name = {self.algorithm.name!r}",
-                self.algorithm.name != "fedavg",
+                not algorithm_of(self).summable,
                 "the algorithm needs each node's own step and state, not a sum",
             ),
             (f"robust.rule = {self.robust.rule!r}", self.robust.rule != "mean", "a robust rule needs each update"),
@@ -290,7 +245,7 @@ def _check_hierarchy(self: Any) -> None:
             (f"simulation.mode = {self.simulation.mode!r}", self.simulation.mode != "sync"),
             (f"simulation.engine = {self.simulation.engine!r}", self.simulation.engine == "flower"),
             ("heterogeneity.enabled", self.heterogeneity.enabled),
-            (f"algorithm.name = {self.algorithm.name!r}", self.algorithm.name != "fedavg"),
+            (f"algorithm.name = {self.algorithm.name!r}", not algorithm_of(self).summable),
             (f"robust.rule = {self.robust.rule!r}", self.robust.rule != "mean"),
             (
                 f"privacy.mode = {self.privacy.mode!r}",
@@ -329,4 +284,33 @@ def _check_secure_tiers(self: Any, what: str) -> None:
         raise ConfigError(
             f"{what} with secure_aggregation.malicious_server = true: the consistency round through edges is not "
             "built; the honest-but-curious variant runs across tiers"
+        )
+
+
+def check_gossip_settings(cfg: Any) -> None:
+    """Refuse ``[robust]`` / ``[compression]`` settings that gossip cannot honour, by name."""
+    g = cfg.gossip
+    if cfg.compression.encoding == "topk":
+        raise ConfigError(
+            "compression.encoding = 'topk' with gossip: top-k of a whole model drops most of it, and error "
+            "feedback needs a reference model both peers share, which push-pull with random partners does not "
+            "keep; use 'q8' (8-bit model) and/or compression.zstd = true"
+        )
+    if g.algorithm == "group_average":
+        if cfg.robust.rule != "mean" or cfg.robust.norm_bound > 0:
+            raise ConfigError(
+                "[robust] with gossip.algorithm = 'group_average': a group's reducers average exactly what "
+                "arrived, with no robust rule yet; set robust.rule = 'mean' and robust.norm_bound = 0, or use "
+                "gossip.algorithm = 'dpsgd' (robust mixing) or 'gossip' (bounded merges)"
+            )
+        if cfg.compression.encoding != "dense" or cfg.compression.zstd:
+            raise ConfigError(
+                "[compression] with gossip.algorithm = 'group_average': model slices travel as dense float32; "
+                "set compression.encoding = 'dense' and compression.zstd = false"
+            )
+    if g.algorithm == "gossip" and cfg.robust.rule != "mean":
+        raise ConfigError(
+            f"robust.rule = {cfg.robust.rule!r} with gossip.algorithm = 'gossip': a push-pull merge sees one "
+            "model at a time, so there is nothing to take a median of; use robust.norm_bound > 0 (clipped or "
+            "rejecting merge) or gossip.algorithm = 'dpsgd', which mixes a whole neighbourhood through the rule"
         )

@@ -13,6 +13,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from shoal.algorithms import AlgorithmName
 from shoal.errors import ConfigError
 
 from .rules import check_combinations
@@ -217,9 +218,6 @@ class StrategyConfig:
             v = getattr(self, k)
             if not 0 <= v < 1:
                 raise ConfigError(f"strategy.{k} = {v} must be in [0, 1)")
-
-
-AlgorithmName = Literal["fedavg", "scaffold", "fednova", "feddyn", "ditto", "fedper", "fedrep"]
 
 
 @dataclass
@@ -773,7 +771,7 @@ class OutputConfig:
 
 @dataclass
 class FederationConfig:
-    """A long-running server that hosts runs submitted with `shoal run submit` (server/federation.py)."""
+    """A long-running server that hosts runs submitted with `shoal run submit` (server/federation/runs.py)."""
 
     enabled: bool = False  # `shoal server` hosts submitted runs instead of one run of its own [task]
     dir: str = "server/federation"  # runs.sqlite and one folder per run (checkpoints, metrics, final model)

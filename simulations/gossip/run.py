@@ -2,7 +2,7 @@
 algorithm ``gossip.algorithm`` names, driven through the run loop like every engine.
 
 With ``privacy.mode = "local"`` every peer trains with DP-SGD (the network's trainer) and
-:class:`~shoal.simulations.dp_hooks.PrivacyBudget` accounts each peer's example-level epsilon
+:class:`~shoal.privacy_state.PrivacyBudget` accounts each peer's example-level epsilon
 over the local trainings it actually ran (``GossipNetwork.trained``, round by round): whatever
 a peer sends is post-processing of its DP-SGD outputs and of other peers' independent data.
 Records and the summary get ``epsilon`` (the worst peer), ``delta`` and the ``accountant``; the
@@ -18,9 +18,9 @@ from typing import Any, Protocol
 from shoal.assembly import GossipParts
 from shoal.config import Config
 from shoal.privacy_plan import plan_of
+from shoal.privacy_state import PrivacyBudget
 from shoal.rounds import evaluation_due
 
-from ..dp_hooks import PrivacyBudget
 from ..run_loop import OnRecord, Report, Step, run_engine
 from .dpsgd import DPSGD
 from .group_average import GroupAverage

@@ -8,9 +8,10 @@ import torch
 
 from shoal import assembly
 from shoal.assembly import NodeParts
-from shoal.client.node import Node, NodePrivacy
+from shoal.client.node import Node
 from shoal.client.state import DiskClientState, MemoryClientState
 from shoal.config import load_config
+from shoal.privacy_state import NodePrivacy
 from shoal.shards import Shard
 from shoal.task import LocalData, Task, TaskError
 

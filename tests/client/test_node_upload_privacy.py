@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from shoal.assembly import initial_model, make_trainer, task_from_config
-from shoal.client.node import NodePrivacy
 from shoal.config import load_config
+from shoal.privacy_state import NodePrivacy
 from shoal.wire import encode_update, read_header
 
 SETS = [

@@ -4,7 +4,9 @@ import json
 
 import pytest
 
-from shoal.accounting import LocalDpSgdAccountant, RoundAccountant, dp_sgd_schedule, epsilon
+from shoal.accounting import epsilon
+from shoal.accounting_dpsgd import LocalDpSgdAccountant, dp_sgd_schedule
+from shoal.accounting_rounds import RoundAccountant
 
 # Abadi et al. 2016, Section 5 / Fig. 2: q = 0.01, sigma = 4, delta = 1e-5; the moments
 # accountant gives epsilon = 1.26 after 10,000 steps and 2.55 after 40,000.
@@ -107,14 +109,9 @@ def test_both_round_accountants_share_one_ledger_and_compose_each_others_poisson
     """A restart that switches between the continuous and the discrete Gaussian keeps every charged
     round as it ran and composes both in RDP (curves added order by order); fixed-size rounds,
     whose neighbouring relation differs, are refused with the reason."""
-    from shoal.accounting import (
-        DDG_ORDERS,
-        DdgRoundAccountant,
-        LedgerMismatch,
-        RoundLedger,
-        mixed_ledger_epsilon,
-        rdp_to_epsilon,
-    )
+    from shoal.accounting import LEDGER_ORDERS as DDG_ORDERS
+    from shoal.accounting import rdp_to_epsilon
+    from shoal.accounting_rounds import DdgRoundAccountant, LedgerMismatch, RoundLedger, mixed_ledger_epsilon
     from shoal.aggregation.discrete_gaussian import plan
 
     p = plan(1000, 1.0, 1.0, 4, 10, 16)
@@ -140,7 +137,7 @@ def test_both_round_accountants_share_one_ledger_and_compose_each_others_poisson
     assert gauss_rdp == pytest.approx(gauss.epsilon, rel=0.02)  # the same rounds in RDP at integer orders
     by_hand = rdp_to_epsilon(
         DDG_ORDERS,
-        [4 * a + 4 * b for a, b in zip(RoundAccountant_rdp(0.2, 1.0), ddg._curve(ddg.ledger[0]), strict=True)],
+        [4 * a + 4 * b for a, b in zip(RoundAccountant_rdp(0.2, 1.0), ddg.rdp_curve(ddg.ledger[0]), strict=True)],
         1e-5,
     )
     assert switched.epsilon == pytest.approx(by_hand)
@@ -167,7 +164,7 @@ def RoundAccountant_rdp(q: float, z: float) -> list[float]:
     """One Poisson-subsampled Gaussian round's RDP at DDG_ORDERS, from dp-accounting directly."""
     import dp_accounting
 
-    from shoal.accounting import DDG_ORDERS
+    from shoal.accounting import LEDGER_ORDERS as DDG_ORDERS
 
     acc = dp_accounting.rdp.RdpAccountant(orders=[float(a) for a in DDG_ORDERS])
     acc.compose(dp_accounting.PoissonSampledDpEvent(q, dp_accounting.GaussianDpEvent(z)))
@@ -175,7 +172,7 @@ def RoundAccountant_rdp(q: float, z: float) -> list[float]:
 
 
 def test_a_configured_local_sampling_rate_makes_the_schedule_independent_of_the_data():
-    from shoal.accounting import dp_sgd_schedule
+    from shoal.accounting_dpsgd import dp_sgd_schedule
 
     assert dp_sgd_schedule(40, 8, 2) == (0.2, 10) and dp_sgd_schedule(41, 8, 2) != (0.2, 10)
     assert {dp_sgd_schedule(n, 8, 2, rate=0.2) for n in (5, 40, 41, 10_000)} == {(0.2, 10)}

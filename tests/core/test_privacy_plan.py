@@ -2,7 +2,8 @@
 
 import pytest
 
-from shoal.accounting import LocalDpSgdAccountant, RoundAccountant, dp_sgd_schedule
+from shoal.accounting_dpsgd import LocalDpSgdAccountant, dp_sgd_schedule
+from shoal.accounting_rounds import RoundAccountant
 from shoal.config import load_config
 from shoal.privacy_plan import PrivacyPlan, combined_multiplier, plan_of
 

@@ -8,7 +8,8 @@ from shoal.cli import app
 from shoal.config import load_config
 from shoal.datasets import load_federated
 from shoal.errors import DataError
-from shoal.shards import load_shard, write_shards
+from shoal.shard_split import write_shards
+from shoal.shards import load_shard
 from shoal.task import TaskError
 
 TASK = """

@@ -24,9 +24,9 @@ import pytest
 
 from shoal.metrics import read_jsonl
 from shoal.pki import write_secret
-from shoal.server.dashboard import CSP
 from shoal.server.registry import Registry, hash_token
 from shoal.tls import make_private_ca
+from shoal.web.dashboard import CSP
 
 from ..server.test_deploy import deployment
 

@@ -7,8 +7,8 @@ import asyncio
 
 import aiohttp
 
-from shoal.server.dashboard import COOKIE, CSP, Sessions, curves
 from shoal.tls import client_context, make_private_ca, server_context
+from shoal.web.dashboard import COOKIE, CSP, Sessions, curves
 
 from ..server.live import ADMIN, live_server
 

@@ -13,7 +13,7 @@ from shoal.client.training import LocalTrainer
 from shoal.config import Config
 from shoal.models import build_model
 from shoal.p2p.peer import Peer, PeerData, PeerSettings
-from shoal.server.dashboard import COOKIE, CSP
+from shoal.web.dashboard import COOKIE, CSP
 
 from .events import assert_events_match_metrics
 

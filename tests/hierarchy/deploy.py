@@ -20,7 +20,7 @@ from pathlib import Path
 from shoal.config import load_config
 from shoal.pki import write_secret
 from shoal.server.registry import Registry
-from shoal.shards import write_shards
+from shoal.shard_split import write_shards
 from tests.ports import free_port
 
 CONFIG = """

@@ -9,7 +9,8 @@ import torch
 
 from shoal.aggregation.partial import encode_partial
 from shoal.errors import UpdateRejected
-from shoal.server.edge import EdgeBuffer, PartialIntake
+from shoal.server.edge.intake import PartialIntake
+from shoal.server.edge.rounds import EdgeBuffer
 from shoal.server.service import ServerService
 from shoal.server.store import ServerStore, open_service
 from shoal.update import Update

@@ -55,7 +55,10 @@ def test_the_journal_is_private_and_goes_when_its_round_is_answered_or_the_root_
     """Fast, without processes: each kept update is 0600 in a 0700 folder; a round's files go once the
     root answered its partial; at start-up, kept files of a round the root no longer serves go at the
     root's first answer; at the end of the run the folder goes too."""
-    from shoal.server.edge_server import JOURNAL, EdgeNodes, RoundJournal, Uplink, _edge_app, edge_spec
+    from shoal.server.edge.app import _edge_app
+    from shoal.server.edge.journal import JOURNAL, RoundJournal
+    from shoal.server.edge.service import EdgeNodes, edge_spec
+    from shoal.server.edge.uplink import Uplink
     from shoal.server.registry import Registry
 
     from ..server.live import small_config

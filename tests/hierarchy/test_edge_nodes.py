@@ -1,4 +1,4 @@
-"""An edge aggregator's state without I/O (server/edge_server.py's EdgeNodes): the root's answers are
+"""An edge aggregator's state without I/O (server/edge/service.py's EdgeNodes): the root's answers are
 checked before anything changes, nodes get their tasks only with the round's model, updates are
 checked as a root checks them and summed into one partial equal to the root's own sum."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from shoal.errors import ShoalError
-from shoal.server.edge_server import EdgeNodes, edge_spec
+from shoal.server.edge.service import EdgeNodes, edge_spec
 from shoal.server.service import ModelDownload
 from shoal.update import Update
 from shoal.wire import encode_update
@@ -139,7 +139,7 @@ def test_the_edge_s_node_routes_refuse_hostile_requests(tmp_path) -> None:
     import aiohttp
     from aiohttp import web
 
-    from shoal.server.edge_server import _edge_app
+    from shoal.server.edge.app import _edge_app
     from shoal.server.registry import Registry
 
     async def scenario() -> None:
@@ -196,9 +196,9 @@ def test_the_edge_s_node_routes_refuse_hostile_requests(tmp_path) -> None:
                 waiting = asyncio.ensure_future(call("GET", "/v1/task?wait=5", headers=auth))
                 await asyncio.sleep(0.2)
                 assert e.from_root({"edge": "edge-a", "status": "wait", "revoked": ["n0"]}, 1.0)
-                from shoal.server.app import _notify
+                from shoal.server.http_common import notify
 
-                _notify(runner.app)
+                notify(runner.app)
                 assert (await waiting)[0] == 403  # its long poll ends with the refusal
                 for method, path, data in (("GET", "/v1/model", None), ("POST", "/v1/update", body(e, "n0"))):
                     status, answer = await call(method, path, headers=auth, data=data)
@@ -221,13 +221,14 @@ def test_an_edge_that_cannot_reach_its_root_stops_with_one_line_naming_the_fix(t
 
     from shoal.errors import ConfigError
     from shoal.pki import write_secret
-    from shoal.server import edge_server
+    from shoal.server.edge import app as edge_app
+    from shoal.server.edge import uplink
     from shoal.server.registry import Registry
     from shoal.tls import make_private_ca, server_context
 
     from ..server.live import live_server
 
-    monkeypatch.setattr(edge_server, "ATTACH_S", 1.0)
+    monkeypatch.setattr(uplink, "ATTACH_S", 1.0)
     pki = make_private_ca(tmp_path / "pki")
     base = edge(tmp_path / "e")
     registry = Registry(base.cfg.server.db)
@@ -239,7 +240,7 @@ def test_an_edge_that_cannot_reach_its_root_stops_with_one_line_naming_the_fix(t
         )
         cfg = dataclasses.replace(base.cfg, hierarchy=h, server=dataclasses.replace(base.cfg.server, port=0))
         with pytest.raises(ConfigError) as err:
-            await asyncio.wait_for(edge_server.serve_edge(cfg, registry, None), 30)
+            await asyncio.wait_for(edge_app.serve_edge(cfg, registry, None), 30)
         assert "\n" not in str(err.value)
         return str(err.value)
 

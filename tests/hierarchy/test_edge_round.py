@@ -1,4 +1,4 @@
-"""An edge's round (server/edge.py, without I/O) with the root's ServerService: two edges give the
+"""An edge's round (server/edge/rounds.py, without I/O) with the root's ServerService: two edges give the
 flat model, a retransmit counts once, an edge closes at its quorum by weight or before the root's
 deadline, and a dead edge is the drop-out of its nodes."""
 
@@ -9,7 +9,8 @@ import torch
 
 from shoal.aggregation.partial import encode_partial
 from shoal.errors import UpdateRejected
-from shoal.server.edge import EdgeRound, PartialIntake, Retransmit
+from shoal.server.edge.intake import PartialIntake
+from shoal.server.edge.rounds import EdgeRound, Retransmit
 from shoal.server.service import ServerService
 from shoal.update import Update
 from shoal.wire import encode_update

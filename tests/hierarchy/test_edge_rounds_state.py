@@ -34,8 +34,8 @@ def test_the_edge_state_runs_its_edge_rounds_and_sends_one_partial(tmp_path) -> 
     import torch
 
     from shoal.seeding import derive_seed
-    from shoal.server.edge import EDGE_ROUND_STREAM, edge_version
-    from shoal.server.edge_server import EdgeNodes, edge_spec
+    from shoal.server.edge.rounds import EDGE_ROUND_STREAM, edge_version
+    from shoal.server.edge.service import EdgeNodes, edge_spec
     from shoal.server.service import ModelDownload
     from shoal.update import Update
     from shoal.wire import decode_model, encode_model, encode_update

@@ -98,7 +98,7 @@ async def _lost_answer(tmp_path) -> None:
     import aiohttp
     from aiohttp import web
 
-    from shoal.server.edge_uplink import PartialRefused, send_partial
+    from shoal.server.edge.partial_sender import PartialRefused, send_partial
 
     sections = {"hierarchy": {"edge_names": list(EDGES)}}
     async with live_server(tmp_path, [*NODES, *EDGES], sections=sections, clients_per_round=6, min_nodes=6) as live:

@@ -1,4 +1,4 @@
-"""The root's intake of edge partials (server/edge.py): two edges' partials give the flat round's
+"""The root's intake of edge partials (server/edge/intake.py): two edges' partials give the flat round's
 model, a retransmit counts once, conflicts, double counting, unselected nodes and hostile bodies
 are refused with nothing changed."""
 
@@ -9,7 +9,7 @@ import torch
 
 from shoal.aggregation.partial import Accumulator, encode_partial
 from shoal.errors import ShoalError, UpdateRejected
-from shoal.server.edge import PartialIntake, edge_terms
+from shoal.server.edge.intake import PartialIntake, edge_terms
 from shoal.server.service import ServerService
 from shoal.update import Update
 from shoal.wire import encode_update

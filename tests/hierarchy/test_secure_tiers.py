@@ -277,13 +277,13 @@ def test_an_edge_holds_no_unmasking_material_even_when_another_edge_is_lost() ->
 
 
 def test_an_edge_relay_adds_only_its_nodes_masked_inputs_and_sends_when_due() -> None:
-    """server/edge_secure.py's EdgeRelay, without I/O: it takes a masked input only from a node of
+    """server/edge/secure.py's EdgeRelay, without I/O: it takes a masked input only from a node of
     its round, once, as that node; its sum goes up when every node it relayed into the round sent
     one (or was refused by the root), or at its deadline; a root answer that is no secure round it
     can relay is refused with nothing changed."""
     from shoal.aggregation.secagg.wire import params_to_json
     from shoal.errors import SpecMismatch, UpdateRejected
-    from shoal.server.edge_secure import EdgeRelay
+    from shoal.server.edge.secure import EdgeRelay
 
     size = 6
     info = {**params_to_json(params(size)), "root_key": "a2V5", "stage_s": 4.0}

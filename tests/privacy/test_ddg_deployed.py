@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shoal.accounting import DdgRoundAccountant
+from shoal.accounting_rounds import DdgRoundAccountant
 from shoal.aggregation.discrete_gaussian import plan
 from shoal.config import load_config
 from shoal.server.privacy import secure_noise_shares

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from dp_accounting import rdp
 
-from shoal.accounting import DdgRoundAccountant
+from shoal.accounting_rounds import DdgRoundAccountant
 from shoal.aggregation import discrete_gaussian as dg
 from shoal.aggregation.secagg import SecAggParams
 from shoal.aggregation.secagg.memory import run_in_memory

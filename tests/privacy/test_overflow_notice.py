@@ -12,8 +12,9 @@ import math
 
 import torch
 
-from shoal.client.node import Node, diverged
+from shoal.client.node import Node
 from shoal.config import config_from_dict
+from shoal.privacy_state import diverged
 from shoal.rounds import Assignment
 from shoal.shards import Shard
 from shoal.wire import update_parts

@@ -18,10 +18,11 @@ from shoal.client.daemon import NodeDaemon
 from shoal.client.node_config import load_node_config, source_sha256
 from shoal.config import config_from_dict
 from shoal.pki import write_secret
-from shoal.server.app import make_federation_app, run_clock
-from shoal.server.federation import Federation
+from shoal.server.app import run_clock
+from shoal.server.federation.routes import make_federation_app
+from shoal.server.federation.runs import Federation
+from shoal.server.federation.runs_db import RunsDB
 from shoal.server.registry import Registry
-from shoal.server.runs_db import RunsDB
 from tests.server.task_files import write_node_data, write_task
 
 NODE_TOML = """

@@ -22,7 +22,7 @@ request goes over its own TLS connection as raw bytes, and its answer is checked
 Afterwards a legitimate round must still complete (see ``legit_round``).
 
 ``edge_secure`` mode fuzzes a root whose two edges (f0, f1) relay a secure round for their nodes
-(server/edge_secure.py, docs/hierarchy.md "Secure aggregation through edges"), opened over real
+(server/edge/secure.py, docs/hierarchy.md "Secure aggregation through edges"), opened over real
 HTTP and left at its masked stage: f0's masked sum of its nodes is in, the direct nodes' masked
 inputs are awaited. Most requests go to the root's relay routes ``/v1/edge/secagg/{stage}``: from
 the wrong edge, from nodes and strangers, for another edge's node or names that are no node,
@@ -36,7 +36,7 @@ completes and moves the model by its nodes' weighted mean.
 A failing batch is reported as it is, not shrunk: replayed against the live server (whose state
 moved on) it is not the same test, and shrinking resends batches for many minutes.
 
-``federation`` mode fuzzes a federation server (server/federation.py) hosting one sync run: the
+``federation`` mode fuzzes a federation server (server/federation/runs.py) hosting one sync run: the
 node protocol under ``/runs/run-1`` (and under runs that do not exist), and the federation's own
 routes: offers, a node's answer to a run, and the runs routes of `shoal run` with malformed
 submissions, stops of runs that do not exist, lookups of junk ids and files. Its state also
@@ -106,7 +106,7 @@ def prefix(mode: str) -> str:
 def mode_config(mode: str) -> tuple[dict, dict]:
     """(server keys, other sections) of the server each mode fuzzes."""
     server = {"deadline_s": 600.0, "poll_s": 2.0, "body_timeout_s": 2.0, "rounds": 5, "uploads_per_node": 4}
-    edge = {"hierarchy": {"edge_names": ["f0"]}}  # f0 may POST /v1/partial (server/edge.py)
+    edge = {"hierarchy": {"edge_names": ["f0"]}}  # f0 may POST /v1/partial (server/edge/intake.py)
     if mode == "sync":
         return {**server, "clients_per_round": 2, "min_nodes": 2}, edge
     if mode == "federation":
@@ -740,7 +740,7 @@ def requests(ctx: Ctx, mode: str):
             route = draw(st.sampled_from(["task", "model"]))
         if route in federation:
             return draw(federation_request(ctx, route, sender))
-        if route == "edge_post":  # the root's relay routes (server/edge_secure.py)
+        if route == "edge_post":  # the root's relay routes (server/edge/secure.py)
             return draw(edge_post_request(ctx))
         if route == "edge_get":
             return draw(edge_get_request(ctx))
@@ -1152,7 +1152,7 @@ def snapshot(svc, fed=None, app=None) -> tuple:
     if sr is None or not svc.cfg.hierarchy.edge_names:
         return base
     # edge_secure: the protocol's state, who the root saw, and who speaks for whom in the round
-    from shoal.server.app import INTAKES
+    from shoal.server.http_common import INTAKES
 
     intake = app[INTAKES].get(svc) if app is not None else None
     return base + (
@@ -1361,7 +1361,7 @@ async def _prepare_edges(server: ServerThread) -> Ctx:
     from shoal.aggregation.secagg import MaskedSum
     from shoal.aggregation.secagg.tiers import EdgeMaskedSum
     from shoal.aggregation.secagg.wire import decode_message, encode_message, message_meta
-    from shoal.server.edge_secure import body_limit
+    from shoal.server.edge.secure import body_limit
 
     live, svc = server.live, server.svc
     before = svc.rounds.global_params.clone()

@@ -45,10 +45,11 @@ from aiohttp import web
 
 from shoal.config import config_from_dict
 from shoal.pki import write_secret
-from shoal.server.app import CHUNKS, INTAKES, make_federation_app
-from shoal.server.federation import Federation
+from shoal.server.federation.routes import make_federation_app
+from shoal.server.federation.runs import Federation
+from shoal.server.federation.runs_db import RunsDB
+from shoal.server.http_common import CHUNKS, INTAKES
 from shoal.server.registry import Registry
-from shoal.server.runs_db import RunsDB
 
 RUN = "run-1"
 NODES = ["n0", "n1", "f0"]

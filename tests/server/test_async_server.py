@@ -12,7 +12,8 @@ from shoal.client.node import Node
 from shoal.config import config_from_dict
 from shoal.server.checkpoint import latest_checkpoint, load_checkpoint
 from shoal.server.store import open_service
-from shoal.shards import load_shard, write_shards
+from shoal.shard_split import write_shards
+from shoal.shards import load_shard
 from shoal.update import Update
 from shoal.wire import encode_update
 

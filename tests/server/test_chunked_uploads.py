@@ -14,7 +14,7 @@ import torch
 
 from shoal.client.node import Node
 from shoal.config import config_from_dict
-from shoal.server.app import CHUNKS
+from shoal.server.http_common import CHUNKS
 from shoal.shards import Shard
 
 from .hostile import good_update

@@ -23,7 +23,7 @@ from shoal.config import load_config
 from shoal.pki import write_secret
 from shoal.server.checkpoint import latest_checkpoint, load_checkpoint
 from shoal.server.registry import Registry
-from shoal.shards import write_shards
+from shoal.shard_split import write_shards
 from shoal.simulations.inprocess import InProcessSimulation
 from shoal.tls import make_private_ca
 from tests.ports import free_port

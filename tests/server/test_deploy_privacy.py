@@ -21,16 +21,19 @@ import pytest
 import torch
 from aiohttp import web
 
-from shoal.accounting import LocalDpSgdAccountant, dp_sgd_schedule, epsilon
+from shoal.accounting import epsilon
+from shoal.accounting_dpsgd import LocalDpSgdAccountant, dp_sgd_schedule
 from shoal.aggregation.secagg.encoding import FixedPoint, encode_weighted
 from shoal.aggregation.secagg.wire import decode_message, encode_message
 from shoal.client.http import NodeError
-from shoal.client.node import Node, NodePrivacy
+from shoal.client.node import Node
 from shoal.config import config_from_dict
 from shoal.errors import ConfigError
+from shoal.privacy_state import NodePrivacy
 from shoal.server.service import ServerService
 from shoal.server.store import open_service
-from shoal.shards import Shard, load_shard, write_shards
+from shoal.shard_split import write_shards
+from shoal.shards import Shard, load_shard
 from shoal.update import Update
 from shoal.wire import decode_update, encode_model, encode_update
 
@@ -760,7 +763,7 @@ def test_a_restart_that_changes_the_mechanism_composes_the_rounds_as_they_ran(tm
     """Three rounds charged with continuous noise shares, then a restart asking for the discrete
     Gaussian: the three rounds stay charged as they ran (z = 1, q = 0.75) and compose with the new
     ones in RDP; never re-priced at the new mechanism, never refused as "damaged"."""
-    from shoal.accounting import mixed_ledger_epsilon
+    from shoal.accounting_rounds import mixed_ledger_epsilon
     from shoal.server.privacy import ServerPrivacy
 
     sections = {

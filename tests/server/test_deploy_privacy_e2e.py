@@ -13,7 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from shoal.accounting import LocalDpSgdAccountant, dp_sgd_schedule, epsilon
+from shoal.accounting import epsilon
+from shoal.accounting_dpsgd import LocalDpSgdAccountant, dp_sgd_schedule
 from shoal.shards import load_shard
 
 from .test_deploy import Deployment, _wait, deployment

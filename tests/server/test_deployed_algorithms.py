@@ -15,7 +15,8 @@ from shoal.config import config_from_dict
 from shoal.errors import ConfigError, Malformed
 from shoal.server.service import ServerService
 from shoal.server.store import ServerStore, open_service
-from shoal.shards import load_shard, write_shards
+from shoal.shard_split import write_shards
+from shoal.shards import load_shard
 from shoal.simulations.inprocess import InProcessSimulation
 from shoal.update import Update
 from shoal.wire import decode_model, encode_update

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from shoal.config import config_from_dict
-from shoal.server.app import SPEC_HASH_HEADER
 from shoal.server.exposition import prometheus_text
+from shoal.server.http_common import SPEC_HASH_HEADER
 from shoal.server.service import MAX_EVAL_METRICS, ServerService
 from shoal.server.store import open_service
 

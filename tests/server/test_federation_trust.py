@@ -27,9 +27,9 @@ from shoal.cli import app as cli
 from shoal.client.node_config import AllowedTask, Limits, NodeConfig, load_node_config
 from shoal.config import config_from_dict
 from shoal.errors import ConfigError
-from shoal.server.federation import Federation, RunError
-from shoal.server.release import researcher_line, researcher_view
-from shoal.server.runs_db import RunsDB
+from shoal.server.federation.release import researcher_line, researcher_view
+from shoal.server.federation.runs import Federation, RunError
+from shoal.server.federation.runs_db import RunsDB
 from shoal.server.task_check import TaskChecker
 from shoal.server.task_registry import TaskRegistry, add_task, task_sha256
 from shoal.strict_json import loads_strict
@@ -66,7 +66,7 @@ def test_a_run_names_only_a_registered_task_and_nothing_it_names_is_opened_or_im
     global _SEEN
     for ref in hostile:
         _SEEN = []
-        with caplog.at_level(logging.WARNING, logger="shoal.server.federation"), pytest.raises(RunError) as e:
+        with caplog.at_level(logging.WARNING, logger="shoal.server.federation.runs"), pytest.raises(RunError) as e:
             fed.prepare(ref, {}, "mallory")
         seen, _SEEN = _SEEN, None
         assert e.value.status == 400 and e.value.code == "task_not_registered", e.value

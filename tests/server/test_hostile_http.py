@@ -12,7 +12,8 @@ import time
 import pytest
 from aiohttp import web
 
-from shoal.server.app import CHANGED, make_app
+from shoal.server.app import make_app
+from shoal.server.http_common import CHANGED
 from shoal.server.registry import Registry
 from shoal.server.store import open_service
 
@@ -161,7 +162,7 @@ def test_an_unexpected_exception_is_a_500_json_and_the_server_goes_on(tmp_path, 
         await site.start()
         url = f"http://127.0.0.1:{runner.addresses[0][1]}"
         try:
-            with caplog.at_level(logging.ERROR, logger="shoal.server.app"):
+            with caplog.at_level(logging.ERROR, logger="shoal.server.http_common"):
                 status, body = await raw_request(url, get("/v1/boom", token))
             assert status == 500 and body["error"] == "internal" and "nothing was applied" in body["detail"]
             assert [r for r in caplog.records if r.exc_info and "a bug" in str(r.exc_info[1])]

@@ -15,7 +15,7 @@ import torch
 from shoal.aggregation.compression import Encoded, OutOfHalfRange, to_half
 from shoal.client.node import Node
 from shoal.config import config_from_dict
-from shoal.server.app import CHUNKS
+from shoal.server.http_common import CHUNKS
 from shoal.shards import Shard
 from shoal.update import Update
 from shoal.wire import decode_model, encode_update
@@ -250,7 +250,7 @@ def test_model_ranges_digests_and_refusals(tmp_path):
 
 
 def test_the_round_sum_is_float32_from_a_512_mb_model_up_unless_the_config_says():
-    from shoal.server.service import LARGE_MODEL_NUMEL, sum_dtype
+    from shoal.privacy_state import LARGE_MODEL_NUMEL, sum_dtype
 
     assert LARGE_MODEL_NUMEL * 4 == 512 * 2**20
     assert sum_dtype("auto", LARGE_MODEL_NUMEL) == torch.float32

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from shoal.cli import app
 from shoal.config import config_from_dict
 from shoal.pki import fingerprint, issue_server_cert, make_ca, make_node_key, read_node_csr, sign_node
-from shoal.server.app import researcher_tokens
+from shoal.server.app_base import researcher_tokens
 from shoal.server.registry import hash_token
 from shoal.tls import client_context, server_context
 

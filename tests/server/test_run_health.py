@@ -1,12 +1,12 @@
 """Run health without I/O: node states, what a waiting run waits for, and when a run that cannot
-proceed ends failed (server/run_health.py); the run keys a submission may set (server/federation.py)."""
+proceed ends failed (server/federation/run_health.py); the run keys a submission may set (server/federation/runs.py)."""
 
 from __future__ import annotations
 
 import pytest
 
-from shoal.server.federation import RunError, check_run_config
-from shoal.server.run_health import RunWatch, node_health
+from shoal.server.federation.run_health import RunWatch, node_health
+from shoal.server.federation.runs import RunError, check_run_config
 
 HORIZON = 25.0
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from shoal.client.daemon import NodeDaemon
 from shoal.client.node_config import load_node_config, source_sha256
-from shoal.server.run_cli import app as run_app
+from shoal.server.federation.run_cli import app as run_app
 from shoal.server.task_registry import REGISTRY_FILE, add_task
 from tests.server.federation_live import live_federation
 from tests.server.task_files import REGRESSION_TASK, write_node_data

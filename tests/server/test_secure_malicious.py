@@ -21,7 +21,8 @@ from shoal.client.node import Node
 from shoal.client.secure_node import _identity
 from shoal.config import config_from_dict
 from shoal.errors import Malformed
-from shoal.shards import load_shard, write_shards
+from shoal.shard_split import write_shards
+from shoal.shards import load_shard
 
 from .live import live_server, small_config
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from shoal.server.app import CHANGED, REVOCATIONS
+from shoal.server.http_common import CHANGED, REVOCATIONS
 from shoal.update import Update
 from shoal.wire import encode, encode_update
 

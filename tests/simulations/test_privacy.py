@@ -83,7 +83,7 @@ def test_adaptive_clipping_moves_the_clip_norm_in_a_run():
 
 @pytest.mark.parametrize("k,fraction,n", [(0, 0.1, 100), (0, 0.01, 30), (5, 0.1, 3), (7, 0.5, 100)])
 def test_expected_clients_is_what_sync_rounds_selects(k, fraction, n):
-    from shoal.assembly import expected_clients
+    from shoal.privacy_state import expected_clients
     from shoal.rounds import SyncRounds
 
     cfg = _cfg("central")
@@ -94,7 +94,7 @@ def test_expected_clients_is_what_sync_rounds_selects(k, fraction, n):
 def test_delta_at_or_above_one_over_n_is_refused_and_near_it_warned(caplog):
     import logging
 
-    from shoal.simulations.dp_hooks import check_delta
+    from shoal.privacy_state import check_delta
 
     clients = {f"c{i}": 50 for i in range(20)}
     with pytest.raises(ConfigError, match=r"privacy.delta = 0.05 is at least 1/N = 0.05 \(N = 20 clients\)"):

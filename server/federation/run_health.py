@@ -1,6 +1,6 @@
 """Whether a federation's run can still go on, what a waiting run waits for, and each node's health.
 
-Plain logic without I/O (time passed in): server/federation.py hands in the nodes' answers to the
+Plain logic without I/O (time passed in): server/federation/runs.py hands in the nodes' answers to the
 run (``joined``, ``refused``, ``failed``: the task's own code raised on the node), when each node
 was last heard from in the run, and the number of nodes registered; it gets back each node's state
 (``online``, ``training``, ``offline``: not heard from for a poll period, ``refused``, ``failed``), the line a

@@ -2,7 +2,7 @@
 
 A run is a task reference and the submitter's config (mode, rounds, training settings,
 DP, secure aggregation, compression, robust rule). :class:`Federation` keeps the runs
-table (server/runs_db.py), starts queued runs while fewer than ``federation.max_runs``
+table (server/federation/runs_db.py), starts queued runs while fewer than ``federation.max_runs``
 train, drives each run's clock, ends a run when its service is finished (every round
 run, its privacy budget spent, ``server.max_failed_rounds`` failed rounds in a row, or
 ``shoal run stop``) and, after a restart, reopens every run that was running from its
@@ -40,13 +40,13 @@ from shoal.floors import below_floor
 from shoal.task import load_task
 from shoal.tensor_file import save_file
 
+from ..service import Event, Record, ServerService
+from ..store import open_service
+from ..task_check import TaskChecker
+from ..task_registry import BUILTIN, REGISTRY_FILE, RunError, TaskEntry, TaskRegistry, task_sha256
 from .release import released_file, researcher_line, researcher_view, withholds
 from .run_health import RunWatch, node_health
 from .runs_db import ACTIVE, RunRow, RunsDB
-from .service import Event, Record, ServerService
-from .store import open_service
-from .task_check import TaskChecker
-from .task_registry import BUILTIN, REGISTRY_FILE, RunError, TaskEntry, TaskRegistry, task_sha256
 
 __all__ = ["BUILTIN", "Federation", "RunError", "Submission", "task_sha256"]
 
@@ -183,7 +183,7 @@ class Federation:
         self.user_stopped: set[str] = set()
         self.revoked: set[str] = set()
         self._failing: dict[str, float] = {}  # run -> when its clock's failure was last logged
-        self.watch: dict[str, RunWatch] = {}  # run -> its stall clock (server/run_health.py)
+        self.watch: dict[str, RunWatch] = {}  # run -> its stall clock (server/federation/run_health.py)
         self.waiting: dict[str, str] = {}  # run -> what it waits for (shown in its status)
         self._final: dict[str, dict[str, int]] = {}  # ended run -> its last round and version
         for row in db.runs(("running",)):  # a restart: every run that was running goes on
@@ -296,7 +296,7 @@ class Federation:
         return [self._summary(r) for r in self.db.runs() if who == ADMIN or r.submitted_by == who]
 
     def status(self, run_id: str, now: float, who: str = "admin") -> dict[str, Any]:
-        """The run's status as ``who`` may see it (server/release.py: a researcher's view of a DP
+        """The run's status as ``who`` may see it (server/federation/release.py: a researcher's view of a DP
         run carries only what its accountant covers)."""
         row = self.may_see(run_id, who)
         out = self._summary(row)
@@ -316,7 +316,7 @@ class Federation:
 
     def events(self, run_id: str, after: int, who: str = "admin") -> list[dict[str, Any]]:
         """The run's log lines as ``who`` may see them: a researcher of a DP run gets the server's
-        lines only (a node's line can say which round selected it: server/release.py)."""
+        lines only (a node's line can say which round selected it: server/federation/release.py)."""
         row = self.may_see(run_id, who)
         lines = self.db.events(run_id, after)
         cfg = None if who == ADMIN else self._run_cfg(row)
@@ -334,7 +334,7 @@ class Federation:
 
     def file(self, run_id: str, name: str, who: str = "admin") -> Path | bytes:
         """One of the run's results for `shoal run pull`: the file, or for a researcher of a DP
-        run its released part (metrics lines and summary as server/release.py lets out)."""
+        run its released part (metrics lines and summary as server/federation/release.py lets out)."""
         row = self.may_see(run_id, who)
         if name not in PULLED:
             raise RunError("not_found", f"a run's files are {', '.join(PULLED)}", 404)
@@ -496,7 +496,7 @@ class Federation:
     def finished(self, now: float) -> bool:
         return False  # a federation stays up until it is stopped
 
-    # --- run health (server/run_health.py) ------------------------------------------------------
+    # --- run health (server/federation/run_health.py) ------------------------------------------------------
 
     def _health(self, run_id: str, svc: ServerService, now: float) -> dict[str, dict[str, Any]]:
         """Each node's state in the run (online, training, offline, refused, failed)."""

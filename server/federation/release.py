@@ -80,7 +80,7 @@ def researcher_view(status: dict[str, Any], cfg: Config | None) -> dict[str, Any
         if isinstance(svc.get("privacy"), dict):
             view["privacy"] = {k: svc["privacy"][k] for k in PRIVACY_FIELDS if k in svc["privacy"]}
         out["service"] = view
-    out["view"] = "researcher: only what the run's privacy accountant covers (server/release.py)"
+    out["view"] = "researcher: only what the run's privacy accountant covers (server/federation/release.py)"
     return out
 
 

@@ -14,10 +14,11 @@ spans every node under every edge). An edge in between (aggregation/secagg/tiers
   delivery it relayed).
 
 The root takes that sum as if each node had sent its own masked input, each node at most once,
-and only from the edge that speaks for it in the round (server/edge.py's EdgeRoster). A sum that
+and only from the edge that speaks for it in the round (server/edge/intake.py's EdgeRoster). A sum that
 never comes (the edge died, or dropped it) leaves its nodes as the protocol's drop-outs.
 
-:class:`EdgeRelay` is the edge's state without I/O; the aiohttp handlers of both sides follow.
+:class:`EdgeRelay` is the edge's state without I/O; the edge's aiohttp handlers follow. The root's
+side (its routes for relayed messages and masked sums) is server/partial_routes.py.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import aiohttp
 from aiohttp import web
@@ -36,17 +37,12 @@ from aiohttp import web
 from shoal.aggregation.secagg import MaskedInput, SecAggProtocolError
 from shoal.aggregation.secagg.tiers import EdgeMaskedSum
 from shoal.aggregation.secagg.wire import decode_message, encode_message, params_from_json
-from shoal.errors import Malformed, ShoalError, UpdateRejected, short_repr
+from shoal.errors import Malformed, ShoalError, UpdateRejected
 from shoal.metrics import json_safe
 from shoal.wire import MAX_HEADER_BYTES
 
-from .bodies import read_body
-from .edge import check_edge
-
-if TYPE_CHECKING:
-    from .edge import PartialIntake
-    from .secure_round import SecureRound
-    from .service import ServerService
+from ..bodies import read_body
+from ..http_common import NODE, SETTINGS, error, integer_param, notify, seconds_param, status_of
 
 log = logging.getLogger(__name__)
 
@@ -56,104 +52,6 @@ RELAYED = ("keys", "shares", "consistency", "unmask")  # what an edge forwards (
 def body_limit(vector_size: int) -> int:
     """The largest secure aggregation message of a round (a masked vector and a header)."""
     return 4 * vector_size + 4 * MAX_HEADER_BYTES
-
-
-# --- the root's side ---------------------------------------------------------------------------------
-
-
-def relayed_round(
-    svc: ServerService, intake: PartialIntake, edge: str, node: str | None, now: float
-) -> tuple[SecureRound, dict[str, str]]:
-    """The open secure round and who speaks for whom in it, for a message ``edge`` relays (from
-    ``node``; None: its masked sum). UpdateRejected unless ``edge`` is an edge of this server that
-    speaks for ``node`` in the open round; only then is ``node`` seen (alive, heard through its
-    edge): the name an edge puts in a query is no node of the root's until the roster says so."""
-    check_edge(svc, edge)
-    sr, r = svc.secure_round, svc.sync
-    if sr is None or r is None:
-        what = "secure aggregation is off" if not svc.cfg.secure_aggregation.enabled else "no secure round is open"
-        raise UpdateRejected("round_closed", f"{what} (version {svc.version})")
-    held = intake.roster.round_edges(r.round, r.version, r.selected, now)
-    if node is not None:
-        if held.get(node) != edge:
-            raise UpdateRejected(
-                "not_your_node",
-                f"edge {edge!r} does not speak for {short_repr(node)} in round {r.round} (POST /v1/edge/poll)",
-            )
-        svc.seen(node, now)
-    return sr, held
-
-
-def _node_of(request: web.Request) -> str:
-    from .app import Refusal
-
-    node = request.query.get("node", "")
-    if not 1 <= len(node) <= 256:
-        raise Refusal(400, "bad_request", "query parameter 'node' (the relayed node's name) is needed")
-    return node
-
-
-async def post_edge_secagg(request: web.Request) -> web.Response:
-    """``POST /v1/edge/secagg/{stage}?node=NAME``: an edge relays one of its node's messages;
-    ``POST /v1/edge/secagg/masked_sum``: an edge's sum of its nodes' masked inputs."""
-    from .app import NODE, Refusal, _intake, _status_of, _svc, _tick, error
-
-    app, edge = request.app, request[NODE]
-    svc = _svc(request)
-    stage = request.match_info["stage"]
-    try:
-        check_edge(svc, edge)
-    except UpdateRejected as e:  # a node's or a stranger's body is not read: answered, hung up on
-        svc.refused(e.code)
-        raise Refusal(403, e.code, str(e), close=True) from None
-    limit = body_limit(svc.secure_round.params.vector_size) if svc.secure_round is not None else MAX_HEADER_BYTES
-    body = await read_body(request, limit, svc.cfg.server.body_timeout_s)
-    now = time.monotonic()
-    try:
-        if stage == "masked_sum":
-            sr, held = relayed_round(svc, _intake(request, svc), edge, None, now)
-            result = sr.receive_masked_sum(edge, body, held)
-        elif stage == "masked":
-            raise UpdateRejected("not_relayed", "an edge sends its nodes' masked inputs only in its masked sum")
-        else:
-            node = _node_of(request)
-            sr, _ = relayed_round(svc, _intake(request, svc), edge, node, now)
-            result = sr.receive(node, stage, body)
-    except ShoalError as e:
-        svc.refused(getattr(e, "code", "error"))
-        log.info("relayed secure aggregation message from edge %s refused: %s: %s", edge, getattr(e, "code", ""), e)
-        status = 403 if getattr(e, "code", "") == "not_an_edge" else _status_of(e)
-        return error(status, getattr(e, "code", "error"), str(e))
-    _tick(app)
-    return web.json_response(result)
-
-
-async def get_edge_secagg(request: web.Request) -> web.Response:
-    """``GET /v1/edge/secagg/{stage}?node=NAME&round=R&wait=S``: the root's answer to a stage for one
-    of the edge's nodes (long-polled as GET /v1/secagg/{stage})."""
-    from .app import _SLICE_S, CHANGED, NODE, _gone, _intake, _integer, _seconds, _status_of, _svc, _wait_event, error
-
-    app, edge = request.app, request[NODE]
-    svc = _svc(request)
-    node = _node_of(request)
-    round_ = _integer(request, "round")
-    end = time.monotonic() + _seconds(request, "wait", svc.cfg.server.poll_s)
-    while True:
-        event = app[CHANGED]["event"]
-        try:
-            sr, _ = relayed_round(svc, _intake(request, svc), edge, node, time.monotonic())
-            body = sr.reply(node, request.match_info["stage"], round_)
-        except ShoalError as e:
-            status = 403 if getattr(e, "code", "") == "not_an_edge" else _status_of(e)
-            return error(status, getattr(e, "code", "error"), str(e))
-        if body is not None:
-            return web.Response(body=body, content_type="application/octet-stream")
-        left = end - time.monotonic()
-        if left <= 0:
-            return web.json_response({"status": "wait", "round": round_}, status=202)
-        if _gone(request):
-            return error(400, "disconnected", "the connection was lost")
-        await _wait_event(event, min(left, _SLICE_S))
 
 
 # --- the edge's side ---------------------------------------------------------------------------------
@@ -299,7 +197,7 @@ class RelayLink:
 
     async def send_sums(self, stop: asyncio.Event, changed) -> None:
         """Send the masked sum up when it is due, retransmitted until the root answers."""
-        from .edge_uplink import PartialRefused, UplinkGaveUp, send_partial
+        from .partial_sender import PartialRefused, UplinkGaveUp, send_partial
 
         assert self.http is not None
         loop = asyncio.get_running_loop()
@@ -334,8 +232,6 @@ RELAY = web.AppKey("relay", RelayLink)
 
 async def edge_post_secagg(request: web.Request) -> web.Response:
     """A node's ``POST /v1/secagg/{stage}`` at its edge: masked inputs are added here, the rest relayed."""
-    from .app import NODE, SETTINGS, _notify, _status_of, error
-
     link, node = request.app[RELAY], request[NODE]
     relay, stage = link.relay, request.match_info["stage"]
     link.heard(node, time.monotonic())
@@ -344,12 +240,12 @@ async def edge_post_secagg(request: web.Request) -> web.Response:
         body = await read_body(request, body_limit(relay.vector_size), request.app[SETTINGS].server.body_timeout_s)
         if stage == "masked":
             result = relay.add(node, body)
-            _notify(request.app)
+            notify(request.app)
             return web.json_response(result)
         if stage not in RELAYED:
             raise UpdateRejected("unknown_stage", f"{stage!r} is not a secure aggregation stage")
     except ShoalError as e:
-        return error(_status_of(e), getattr(e, "code", "error"), str(e))
+        return error(status_of(e), getattr(e, "code", "error"), str(e))
     try:
         answer = await link.forward("POST", stage, {"node": node}, body)
     except (aiohttp.ClientError, TimeoutError) as e:
@@ -360,17 +256,15 @@ async def edge_post_secagg(request: web.Request) -> web.Response:
 
 async def edge_get_secagg(request: web.Request) -> web.Response:
     """A node's long-poll ``GET /v1/secagg/{stage}`` at its edge, relayed to the root."""
-    from .app import NODE, _integer, _seconds, _status_of, error
-
     link, node = request.app[RELAY], request[NODE]
     relay, stage = link.relay, request.match_info["stage"]
     link.heard(node, time.monotonic())
     try:
         relay.check(node)
     except ShoalError as e:
-        return error(_status_of(e), getattr(e, "code", "error"), str(e))
-    round_ = _integer(request, "round")
-    wait = _seconds(request, "wait", 10.0)
+        return error(status_of(e), getattr(e, "code", "error"), str(e))
+    round_ = integer_param(request, "round")
+    wait = seconds_param(request, "wait", 10.0)
     try:
         answer = await link.forward("GET", stage, {"node": node, "round": str(round_), "wait": f"{wait:g}"}, None)
     except (aiohttp.ClientError, TimeoutError) as e:

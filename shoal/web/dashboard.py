@@ -13,7 +13,7 @@ endpoints, which scripts can read with the admin token as a Bearer header too:
 * ``GET /v1/dashboard/nodes``: the registered nodes: online, last seen, runs and rounds taken,
   last refusal, revoked.
 
-The charts are drawn by uPlot (MIT, shipped in server/static with its licence); every string a
+The charts are drawn by uPlot (MIT, shipped in shoal/web/static with its licence); every string a
 node or a task supplies reaches the page as JSON and is put in with ``textContent``.
 """
 
@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from .registry import hash_token, well_formed
+from shoal.tokens import hash_token, well_formed
 
 STATIC = Path(__file__).parent / "static"
 STATIC_FILES = {  # name -> content type; nothing else under /static/ is served

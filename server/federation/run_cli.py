@@ -167,7 +167,7 @@ def pull(
     ca_cert: Path | None = CaOpt,
 ) -> None:
     """The ended run's final model (model.safetensors), metrics.jsonl and summary.json."""
-    from shoal.server.federation import PULLED
+    from shoal.server.federation.runs import PULLED
 
     api = Api(server, token_file, ca_cert)
     folder = out or Path(run)
@@ -231,7 +231,7 @@ def validate(
 
     from shoal.assembly import task_from_config
     from shoal.config import Config
-    from shoal.server.federation import check_run_config, run_config, task_sha256
+    from shoal.server.federation.runs import check_run_config, run_config, task_sha256
     from shoal.server.service import ServerService
     from shoal.task import load_task
 

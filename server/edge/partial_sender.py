@@ -1,7 +1,7 @@
 """An edge's HTTP side towards its parent: POST the partial until the parent answers.
 
 The partial goes to ``{parent}/v1/partial`` (docs/protocol.md) on the schedule of
-server/edge.py's :class:`~shoal.server.edge.Retransmit`: at once, then again after 0.5 s,
+server/edge/rounds.py's :class:`~shoal.server.edge.rounds.Retransmit`: at once, then again after 0.5 s,
 doubling to 8 s, while no answer comes (a refused or dropped connection, a timeout, a 429 or a
 5xx). Sending it again is safe: the parent answers a partial it already took as a
 ``duplicate`` and counts it once. A 200 (``accepted`` or ``duplicate``) ends it; any other 4xx
@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import aiohttp
 
-from .edge import Retransmit
+from .rounds import Retransmit
+
+log = logging.getLogger(__name__)
 
 
 class PartialRefused(RuntimeError):
