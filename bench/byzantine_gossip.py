@@ -23,6 +23,7 @@ honest peer, made-up entries in views and directories at most and at the end.
 
     .venv/bin/python bench/byzantine_gossip.py [--honest 5] [--attackers 1] [--attack-rounds 60]
         [--after 30] [--algorithms gossip,dpsgd,group_average] [--attacks scale,sign_flip,replay,eclipse]
+        [--defences-only]
 """
 
 from __future__ import annotations
@@ -172,6 +173,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--algorithms", default="gossip,dpsgd,group_average")
     ap.add_argument("--attacks", default="scale,sign_flip,replay,eclipse")
+    ap.add_argument("--defences-only", action="store_true", help="skip the runs with the defences off")
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     a, b = args.attack_rounds, args.attack_rounds + args.after
@@ -198,7 +200,7 @@ def main() -> None:
         for attack in args.attacks.split(","):
             if attack in ("replay", "eclipse") and alg != "gossip":
                 continue
-            for defences in (True, False) if attack in FORGED else (True,):
+            for defences in (True, False) if attack in FORGED and not args.defences_only else (True,):
                 res = run(args, alg, attack, defences, ref)
                 notes = f"bounded {res['bounded']}"
                 if attack == "replay":

@@ -30,12 +30,13 @@ from shoal.web.dashboard import Dashboard, is_dashboard_path
 from .connections import Connections, GuardedHandler
 from .grid_average import GridAverage
 from .group_average import SliceMessage
+from .identity import cert_hosts
 from .secure_group import SecureGroup, SecureMessage
-from .service import PeerService, Rejected
+from .service import Parsed, PeerService, Rejected
 
 log = logging.getLogger(__name__)
 
-MAX_WAITING_STEPS = 8  # D-PSGD requests that may wait for a step about to open
+OFF_LOOP_BYTES = 64 * 1024  # bodies above this are parsed in a worker thread, not on the event loop
 
 
 class Exchanges(Protocol):
@@ -179,16 +180,34 @@ class PeerApp:
 
     # --- routes ----------------------------------------------------------------------------------
 
-    async def handle_gossip(self, request: web.Request) -> web.Response:
+    async def parsed(self, request: web.Request, kind: str) -> bytes | Parsed:
+        """The body, parsed once (PeerService.parse): a large one in a worker thread, so that its
+        JSON header and tensors never hold up the event loop (the other requests, the exchanges);
+        a small one is left to the service to parse in place."""
         body = await self.body(request)
-        return web.Response(body=self.svc.on_gossip(body, self.ex.now()), content_type="application/octet-stream")
+        if len(body) <= OFF_LOOP_BYTES:
+            return body
+        return await asyncio.to_thread(self.svc.parse, kind, body)
+
+    @staticmethod
+    def identity(request: web.Request) -> frozenset[str] | None:
+        """The hosts of the caller's verified TLS client certificate (None: it presented none)."""
+        transport = request.transport
+        return cert_hosts(transport.get_extra_info("peercert")) if transport is not None else None
+
+    async def handle_gossip(self, request: web.Request) -> web.Response:
+        body = await self.parsed(request, "gossip")
+        answer = self.svc.on_gossip(body, self.ex.now(), self.identity(request))
+        return web.Response(body=answer, content_type="application/octet-stream")
 
     async def handle_shuffle(self, request: web.Request) -> web.Response:
-        body = await self.body(request)
-        return web.Response(body=self.svc.on_shuffle(body, self.ex.now()), content_type="application/json")
+        body = await self.parsed(request, "shuffle")
+        answer = self.svc.on_shuffle(body, self.ex.now(), self.identity(request))
+        return web.Response(body=answer, content_type="application/json")
 
     async def handle_group(self, request: web.Request) -> web.Response:
-        ex, out = self.svc.on_group(await self.body(request), self.ex.now(), self.ex.wall_step())
+        body = await self.parsed(request, "group")
+        ex, out = self.svc.on_group(body, self.ex.now(), self.ex.wall_step(), self.identity(request))
         if ex is None:
             return web.json_response({"ok": True, "held": True})
         self.ex.dispatch(ex, out)
@@ -196,7 +215,8 @@ class PeerApp:
         return web.json_response({"ok": True})
 
     async def handle_secure(self, request: web.Request) -> web.Response:
-        sg, out = self.svc.on_secure(await self.body(request), self.ex.now(), self.ex.wall_step())
+        body = await self.parsed(request, "secure")
+        sg, out = self.svc.on_secure(body, self.ex.now(), self.ex.wall_step(), self.identity(request))
         if sg is None:
             return web.json_response({"ok": True, "held": True})
         self.ex.dispatch(sg, out)
@@ -204,7 +224,8 @@ class PeerApp:
         return web.json_response({"ok": True})
 
     async def handle_dpsgd(self, request: web.Request) -> web.Response:
-        msg = self.svc.parse_mix_request(await self.body(request), self.ex.wall_step())
+        body = await self.parsed(request, "dpsgd")
+        msg = self.svc.parse_mix_request(body, self.ex.wall_step(), self.identity(request))
         if msg.step not in self.svc.mixing:  # the sender is ahead of us: wait for our step, briefly
             await self.ex.wait_for_step(msg.step)
         body = self.svc.on_mix_request(msg, self.ex.now())

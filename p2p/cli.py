@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import overload
 
 import torch
+from cryptography import x509
+from cryptography.x509.oid import ExtendedKeyUsageOID
 
 from shoal import assembly
 from shoal.assembly import task_from_config
@@ -154,6 +156,19 @@ def _peer_url(text: str, flag: str, insecure: bool) -> str:
         raise ConfigError(f"{flag} {text.strip()[:100]!r}: {e}") from None
 
 
+def is_peer_certificate(path: Path) -> bool:
+    """Whether the PEM certificate at ``path`` is good for TLS clients too (``shoal pki peer-cert``):
+    then the peer presents it when it calls others and binds every caller's messages to theirs."""
+    try:
+        cert = x509.load_pem_x509_certificate(Path(path).read_bytes())
+        usage = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+    except x509.ExtensionNotFound:
+        return False
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"--tls-cert {str(path)!r} is not a PEM certificate: {e}") from None
+    return ExtendedKeyUsageOID.CLIENT_AUTH in usage
+
+
 def check_peer_algorithm(cfg: Config) -> None:
     """What a real peer runs: every algorithm, D-PSGD with plain mixing."""
     g = cfg.gossip
@@ -194,13 +209,19 @@ def run_peer(
     check_peer_privacy(cfg)
     token = token if token is not None else os.environ.get("SHOAL_TOKEN", "")
     add_secret(token)  # no log line shows it (shoal/log_redaction.py)
+    certified = False
     if insecure:
         log.warning("--insecure: plain HTTP, models and the network token travel unencrypted")
         ssl_server = ssl_client = None
     else:
         if not (tls_cert and tls_key):
             raise ConfigError("HTTPS needs --tls-cert and --tls-key (or pass --insecure explicitly for plain HTTP)")
-        ssl_server, ssl_client = server_context(tls_cert, tls_key), client_context(ca_cert)
+        certified = ca_cert is not None and is_peer_certificate(tls_cert)
+        if certified:  # a peer certificate: presented as our client certificate, callers' bound to theirs
+            ssl_server = server_context(tls_cert, tls_key, client_ca=ca_cert)
+            ssl_client = client_context(ca_cert, tls_cert, tls_key)
+        else:
+            ssl_server, ssl_client = server_context(tls_cert, tls_key), client_context(ca_cert)
     if not token:
         log.warning("no network token (--token or SHOAL_TOKEN): any client can send this peer models")
     scheme = "http" if insecure else "https"
@@ -226,7 +247,9 @@ def run_peer(
         num_examples(peer_data.test) if peer_data.test is not None else "none",
         num_examples(peer_data.central_test) if peer_data.central_test is not None else "none",
     )
-    peer = Peer(cfg, trainer, peer_data, PeerSettings(me, boot, token, insecure, ssl_server, ssl_client, out))
+    peer = Peer(
+        cfg, trainer, peer_data, PeerSettings(me, boot, token, insecure, ssl_server, ssl_client, out, certified)
+    )
 
     async def main() -> None:
         stop = asyncio.Event()

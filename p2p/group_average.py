@@ -262,7 +262,7 @@ class GroupAverage:
         dists = {m: float(torch.linalg.vector_norm((x - own).double())) for m, (_, x) in parts.items() if m != self.me}
         for m, d in sorted(dists.items()):
             self.bound.observe(m, d / share if share > 0 else d)
-        radius = self.bound.radius()
+        radius = self.bound.radius() * share
         out = dict(parts)
         for m, d in dists.items():
             if d > radius:
@@ -270,6 +270,23 @@ class GroupAverage:
                 out[m] = (w, own + (x - own) * (radius / d))
                 self.clipped += 1
         return out
+
+    def _bounded(self, j: int, data: torch.Tensor) -> torch.Tensor:
+        """Another member's average of slice j (``reduced``, ``forward``, ``repaired``), bounded
+        around our own values of that slice before we take it: a hostile reducer sends whatever
+        it likes for its slice, so its ``average - ours`` is clipped like a neighbour's model, to
+        the merge bound's radius scaled to the slice's share of the model (self-centered clipping
+        of the reducer's output, not only of the parts we reduce). An honest average lies within
+        the honest spread and passes unchanged."""
+        if self.bound is None:
+            return data
+        own = self._slice(self.own, j)
+        radius = self.bound.radius() * math.sqrt(max(own.numel(), 1) / max(self.own.numel(), 1))
+        d = float(torch.linalg.vector_norm((data - own).double()))
+        if not d > radius:
+            return data
+        self.clipped += 1
+        return own + (data - own) * (radius / d)
 
     def _slice(self, x: torch.Tensor, j: int) -> torch.Tensor:
         lo, hi = self.bounds[j]
@@ -385,6 +402,8 @@ class GroupAverage:
         sent them a repair part, and everyone they sent theirs to)."""
         self.check(msg)
         j, data = msg.slice, msg.data.detach().float()
+        if msg.phase in ("reduced", "forward", "repaired"):
+            data = self._bounded(j, data)
         value = (data, msg.weight, msg.count)
         if msg.phase == "repair":
             self._answered.setdefault(j, set()).add(msg.sender)

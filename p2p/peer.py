@@ -95,6 +95,7 @@ class PeerSettings:
     ssl_server: ssl.SSLContext | None = None
     ssl_client: ssl.SSLContext | None = None
     out_dir: Path | None = None
+    certified: bool = False  # senders bound to client certificates (p2p/identity.py, docs/peer.md)
 
 
 class Peer:
@@ -117,6 +118,7 @@ class Peer:
             settings.bootstrap,
             settings.insecure,
             wall_offset=time.time() - time.monotonic(),  # loop.time() is time.monotonic() in asyncio
+            certified=settings.certified,
         )
         self.max_bytes = self.svc.max_bytes
         self.guard = Connections(MAX_CONNECTIONS_PER_ADDRESS, HEADER_TIMEOUT_S, IDLE_TIMEOUT_S)
@@ -127,7 +129,7 @@ class Peer:
         self._tasks: set[asyncio.Task] = set()
         self._step_open: dict[int, asyncio.Event] = {}
         page = peer_dashboard(
-            PeerSource(self.svc, self.runtime, self.store, self.guard, self._stop.is_set), settings.token
+            PeerSource(self.svc, self.runtime, self.store, self.guard, lambda: self._stop.is_set()), settings.token
         )
         self.http = PeerApp(self.svc, settings.token, self.guard, self, self.status, page, max(5.0, 4 * g.timeout))
 

@@ -42,6 +42,7 @@ from .freshness import Freshness, Stale
 from .gossip import GossipNode, ModelMessage, bump
 from .grid_average import GridAverage, grid_path
 from .group_average import Refusal, SliceMessage
+from .identity import sender_matches
 from .membership import Membership, ShuffleRequest, ShuffleResponse
 from .merge import MergeRule
 from .messages import Limits, Refused, parse_mix, parse_model, parse_secure, parse_shuffle, parse_slice, peek_spec_hash
@@ -57,6 +58,10 @@ MAX_KNOWN = 1024  # the directory's bound (peers heard of)
 FORGET_AFTER = 20.0  # seconds (at least 10 periods) before the directory forgets a peer no one vouched for
 LOGGED_REFUSALS = 20  # refusals logged one by one; after that one in a thousand
 PATHS = {"gossip": "/gossip", "shuffle": "/shuffle", "group": "/group", "secure": "/secure", "dpsgd": "/dpsgd"}
+
+
+# what PeerService.parse gives: a typed message, or the WireError that refuses the body
+Parsed = ModelMessage | MixMessage | SliceMessage | SecureMessage | ShuffleRequest | WireError
 
 
 class Rejected(ShoalError):
@@ -93,6 +98,7 @@ class PeerService:
         bootstrap: tuple[str, ...] = (),
         insecure: bool = False,
         wall_offset: float = 0.0,
+        certified: bool = False,
     ):
         g = cfg.gossip
         self.cfg, self.g, self.spec = cfg, g, spec
@@ -120,6 +126,9 @@ class PeerService:
         self.mix_fresh = Freshness()  # D-PSGD requests taken
         self.init = params.clone()  # secure groups mask the offset from the shared initial model
         self.rejected = 0
+        # with a peer certificate and a CA: every message's sender is bound to the caller's client
+        # certificate (p2p/identity.py); without: the sender is what the message says
+        self.certified = certified
         self.bytes_sent = 0
         self._sent = 0  # messages encoded: seeds q8's stochastic rounding
         self.exchanges: dict[int, GridAverage] = {}
@@ -142,13 +151,76 @@ class PeerService:
         theirs = peek_spec_hash(body)
         if theirs is not None and theirs != self.spec.hash:
             self.rejected += 1
-            detail = (
-                f"the model sent has spec hash {theirs[:80]!r}, this peer's model {self.spec.hash!r}: another "
-                "task, [task.args] or architecture; the peers of one network must run the same task and config"
-            )
+            detail = self._spec_detail(theirs)
             if self._loud():
                 log.warning("refused a model: %s", detail)
             raise Rejected(400, SpecMismatch.code, detail)
+
+    def _spec_detail(self, theirs: str) -> str:
+        return (
+            f"the model sent has spec hash {theirs[:80]!r}, this peer's model {self.spec.hash!r}: another "
+            "task, [task.args] or architecture; the peers of one network must run the same task and config"
+        )
+
+    def parse(self, kind: str, body: bytes) -> Parsed:
+        """The typed message of a ``POST /<kind>`` body, or the WireError that refuses it (returned,
+        not raised). Pure: it reads only this peer's limits and writes nothing, so the transport
+        may run it off its event loop for a large body; the header's JSON is parsed once (a
+        refused body's spec hash is read again, to say when it is another task's)."""
+        try:
+            if kind == "gossip":
+                return parse_model(body, self.limits, self.id, reply=False)
+            if kind == "dpsgd":
+                return parse_mix(body, self.limits, self.id, reply=False)
+            if kind == "group":
+                return parse_slice(body, self.limits)
+            if kind == "secure":
+                return parse_secure(body, self.limits)
+            if kind == "shuffle":
+                return parse_shuffle(body, self.limits, ShuffleRequest, self.id)
+        except WireError as e:
+            theirs = peek_spec_hash(body) if kind != "shuffle" else None
+            if theirs is not None and theirs != self.spec.hash:
+                return SpecMismatch(self._spec_detail(theirs))
+            return e
+        raise ValueError(f"no message kind {kind!r}")
+
+    def _take(self, parsed: bytes | Parsed, kind: str, what: str, identity: frozenset[str] | None) -> Any:
+        """The message of a body (parsed here unless the transport parsed it already), its sender
+        checked against the caller's certificate; raises Rejected (nothing changed) otherwise."""
+        if isinstance(parsed, bytes | bytearray):
+            parsed = self.parse(kind, bytes(parsed))
+        if isinstance(parsed, SpecMismatch):
+            self.rejected += 1
+            if self._loud():
+                log.warning("refused %s: %s", what, parsed)
+            raise Rejected(400, SpecMismatch.code, str(parsed))
+        if isinstance(parsed, WireError):
+            raise self.refuse(parsed, what)
+        self.check_sender(parsed.sender, identity)
+        return parsed
+
+    def check_sender(self, sender: str, identity: frozenset[str] | None) -> None:
+        """With certificates (``certified``): ``sender`` must be a host of the caller's client
+        certificate (``identity``: its subjectAltName hosts; None when it presented none)."""
+        if not self.certified:
+            return
+        if identity is None:
+            self.rejected += 1
+            raise Rejected(
+                403,
+                "client_certificate_required",
+                "this peer takes messages only from peers with a client certificate of its CA (shoal pki peer-cert)",
+            )
+        if not sender_matches(sender, identity):
+            self.rejected += 1
+            if self._loud():
+                log.warning("refused a message from %s: its certificate names %s", sender, sorted(identity)[:4])
+            raise Rejected(
+                403,
+                "sender_mismatch",
+                f"the message names sender {sender[:100]!r}, which the caller's client certificate does not cover",
+            )
 
     def _loud(self) -> bool:
         """Whether this refusal is logged: the first LOGGED_REFUSALS, then one in a thousand
@@ -198,14 +270,10 @@ class PeerService:
         self.bytes_sent += len(body)
         return body
 
-    def on_gossip(self, body: bytes, now: float) -> bytes:
+    def on_gossip(self, body: bytes | Parsed, now: float, identity: frozenset[str] | None = None) -> bytes:
         """``POST /gossip``: answer with our pre-merge model, then merge theirs (through the bound)."""
         self._running("gossip")
-        self.check_spec_hash(body)
-        try:
-            msg = parse_model(body, self.limits, self.id, reply=False)
-        except WireError as e:
-            raise self.refuse(e, "a model") from None
+        msg: ModelMessage = self._take(body, "gossip", "a model", identity)
         self._not_self(msg.sender)
         try:
             answer = self.node.on_push(msg, now)
@@ -268,12 +336,9 @@ class PeerService:
         network's addresses are well formed, just not ours)."""
         return tuple((p, a) for p, a in entries if self.policy.allowed(p))
 
-    def on_shuffle(self, body: bytes, now: float) -> bytes:
+    def on_shuffle(self, body: bytes | Parsed, now: float, identity: frozenset[str] | None = None) -> bytes:
         """``POST /shuffle``: a Cyclon shuffle request; the answer is a JSON shuffle response."""
-        try:
-            req = parse_shuffle(body, self.limits, ShuffleRequest, self.id)
-        except WireError as e:
-            raise self.refuse(e, "a shuffle") from None
+        req: ShuffleRequest = self._take(body, "shuffle", "a shuffle", identity)
         self._not_self(req.sender)
         self._fresh(self.shuffle_fresh, req.sender, req.seq, now, "a shuffle")
         self.shuffle_fresh.take(req.sender, req.seq)
@@ -337,14 +402,12 @@ class PeerService:
             if self.policy.allowed(member):
                 m.learn(member, now)
 
-    def on_group(self, body: bytes, now: float, wall_step: int) -> tuple[GridAverage | None, list[SliceMessage]]:
+    def on_group(
+        self, body: bytes | Parsed, now: float, wall_step: int, identity: frozenset[str] | None = None
+    ) -> tuple[GridAverage | None, list[SliceMessage]]:
         """``POST /group``: a slice for an open exchange (its answers returned), or held for one about to open."""
         self._running("group_average")
-        self.check_spec_hash(body)
-        try:
-            msg = parse_slice(body, self.limits)
-        except WireError as e:
-            raise self.refuse(e, "a slice") from None
+        msg: SliceMessage = self._take(body, "group", "a slice", identity)
         if msg.target != self.id or msg.sender == self.id:
             self.rejected += 1
             raise Rejected(400, "malformed", f"slice for {msg.target!r} from {msg.sender!r} sent to {self.id}")
@@ -360,14 +423,12 @@ class PeerService:
         self._learn(msg, now)
         return ex, out
 
-    def on_secure(self, body: bytes, now: float, wall_step: int) -> tuple[SecureGroup | None, list[SecureMessage]]:
+    def on_secure(
+        self, body: bytes | Parsed, now: float, wall_step: int, identity: frozenset[str] | None = None
+    ) -> tuple[SecureGroup | None, list[SecureMessage]]:
         """``POST /secure``: a secure group message for an open group, or held for one about to open."""
         self._running("secure_groups")
-        self.check_spec_hash(body)
-        try:
-            msg = parse_secure(body, self.limits)
-        except WireError as e:
-            raise self.refuse(e, "a secure group message") from None
+        msg: SecureMessage = self._take(body, "secure", "a secure group message", identity)
         if msg.target != self.id or msg.sender == self.id:
             self.rejected += 1
             raise Rejected(400, "malformed", f"message for {msg.target!r} from {msg.sender!r} sent to {self.id}")
@@ -505,14 +566,12 @@ class PeerService:
         self.bytes_sent += len(body)
         return body
 
-    def parse_mix_request(self, body: bytes, wall_step: int) -> MixMessage:
+    def parse_mix_request(
+        self, body: bytes | Parsed, wall_step: int, identity: frozenset[str] | None = None
+    ) -> MixMessage:
         """A ``POST /dpsgd`` body, checked; the step must be open or about to open."""
         self._running("dpsgd")
-        self.check_spec_hash(body)
-        try:
-            msg = parse_mix(body, self.limits, self.id, reply=False)
-        except WireError as e:
-            raise self.refuse(e, "a model") from None
+        msg: MixMessage = self._take(body, "dpsgd", "a model", identity)
         self._not_self(msg.sender)
         m = self.g.exchanges_per_round
         if msg.step not in self.mixing and not wall_step <= msg.step <= wall_step + 2 * m:

@@ -223,7 +223,7 @@ def _issue(
     subject: str,
     public_key: ec.EllipticCurvePublicKey,
     days: int,
-    usage: x509.ObjectIdentifier,
+    usage: x509.ObjectIdentifier | list[x509.ObjectIdentifier],
     sans: list[x509.GeneralName] | None = None,
 ) -> x509.Certificate:
     ca_cert, ca_key = ca
@@ -238,7 +238,7 @@ def _issue(
         .not_valid_before(now - dt.timedelta(minutes=5))
         .not_valid_after(end)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+        .add_extension(x509.ExtendedKeyUsage(usage if isinstance(usage, list) else [usage]), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
     )
     if sans:
@@ -247,20 +247,29 @@ def _issue(
 
 
 def issue_server_cert(
-    ca_dir: str | Path, hosts: list[str] | tuple[str, ...], out_dir: str | Path, days: int = 825
+    ca_dir: str | Path,
+    hosts: list[str] | tuple[str, ...],
+    out_dir: str | Path,
+    days: int = 825,
+    name: str = "server",
+    client_auth: bool = False,
 ) -> tuple[Path, Path]:
-    """Write ``server.pem`` (the certificate, then the CA's: a full chain) and ``server.key``
-    (0600) for ``hosts``, every one in the subjectAltName."""
+    """Write ``NAME.pem`` (the certificate, then the CA's: a full chain) and ``NAME.key`` (0600)
+    for ``hosts``, every one in the subjectAltName. ``client_auth``: good as a TLS client
+    certificate too (a gossip peer's, which serves and calls with one certificate)."""
     _check_days(days)
     if not hosts:
         raise ConfigError("--host is needed: every host name and IP address nodes dial (repeat --host)")
     sans = [subject_alt_name(h) for h in hosts]
     ca = load_ca(ca_dir)
     out = Path(out_dir)
-    cert_path, key_path = out / SERVER_CERT, out / SERVER_KEY
+    cert_path, key_path = (
+        (out / SERVER_CERT, out / SERVER_KEY) if name == "server" else (out / f"{name}.pem", out / f"{name}.key")
+    )
     key = ec.generate_private_key(ec.SECP256R1())
     write_secret(key_path, _key_pem(key))
-    cert = _issue(ca, hosts[0].strip(), key.public_key(), days, ExtendedKeyUsageOID.SERVER_AUTH, sans)
+    usage = [ExtendedKeyUsageOID.SERVER_AUTH] + ([ExtendedKeyUsageOID.CLIENT_AUTH] if client_auth else [])
+    cert = _issue(ca, hosts[0].strip(), key.public_key(), days, usage, sans)
     _write_public(
         cert_path, cert.public_bytes(serialization.Encoding.PEM) + ca[0].public_bytes(serialization.Encoding.PEM)
     )
@@ -388,7 +397,10 @@ def renew_cert(
         usage = old.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
     except x509.ExtensionNotFound:
         usage = x509.ExtendedKeyUsage([])
-    if ExtendedKeyUsageOID.SERVER_AUTH in usage:
+    oid: x509.ObjectIdentifier | list[x509.ObjectIdentifier]
+    if ExtendedKeyUsageOID.SERVER_AUTH in usage and ExtendedKeyUsageOID.CLIENT_AUTH in usage:  # a peer's
+        kind, oid = "server", [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+    elif ExtendedKeyUsageOID.SERVER_AUTH in usage:
         kind, oid = "server", ExtendedKeyUsageOID.SERVER_AUTH
     elif ExtendedKeyUsageOID.CLIENT_AUTH in usage:
         kind, oid = "node", ExtendedKeyUsageOID.CLIENT_AUTH

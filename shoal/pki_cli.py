@@ -46,6 +46,30 @@ def server_cert(
     )
 
 
+@app.command("peer-cert")
+def peer_cert(
+    ca_dir: Path = typer.Option(..., "--ca-dir", help="The folder of ca.pem and ca.key (`shoal pki ca`)."),
+    name: str = typer.Option(..., "--name", help="The peer's name: the files are NAME.pem and NAME.key."),
+    host: list[str] = typer.Option(
+        ...,
+        "--host",
+        help="A host name or IP address other peers dial (repeat for each; all go in the subjectAltName).",
+    ),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Folder for NAME.pem and NAME.key (default: --ca-dir)."),
+    days: int = typer.Option(825, "--days", help="Days the certificate is valid (1 to 3650)."),
+) -> None:
+    """Make a gossip peer's certificate and key (server and client use) for every --host; give them to
+    `shoal peer --tls-cert NAME.pem --tls-key NAME.key --ca-cert ca.pem`."""
+    from .pki import check_node_name, issue_server_cert
+
+    check_node_name(name)
+    cert, key = issue_server_cert(ca_dir, host, out or ca_dir, days, name=name, client_auth=True)
+    typer.echo(
+        f"peer certificate for {', '.join(host)}: {cert} and {key} (mode 0600); run `shoal peer "
+        f"--tls-cert {cert} --tls-key {key} --ca-cert {Path(ca_dir) / 'ca.pem'}`"
+    )
+
+
 @app.command("node-key")
 def node_key(
     name: str = typer.Option(..., "--name", help="The node's name, as the operator registers it."),

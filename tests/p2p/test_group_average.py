@@ -323,3 +323,28 @@ def test_a_grid_exchange_with_dropouts_finishes_within_its_deadlines_and_stays_a
         assert bool(((r >= lo - 1e-5) & (r <= hi + 1e-5)).all())  # a convex combination, coordinate-wise
     if not crash:
         assert all(torch.allclose(out[m].values, stack.mean(0), atol=1e-5) for m in survivors)
+
+
+def test_a_hostile_reducers_forged_slice_is_clipped_around_each_members_own_values():
+    """An insider takes part with a forged model (x100): the honest reducers clip its parts, and its
+    own reduced slice (which it controls whole) is clipped around each honest member's values of
+    that slice, so no honest member's model moves by more than the radius on any slice."""
+    from shoal.p2p.merge import MergeBound
+
+    members = ["p0", "p1", "bad"]
+    values = _vectors(members, 30, 1)
+    values["bad"] = 100 * values["bad"]
+    weights = {m: 1.0 for m in members}
+    radius = 1.0
+    out, _ = drive(
+        members,
+        values,
+        weights,
+        make=lambda m: GroupAverage(m, members, 0, values[m], 1.0, 0.0, 1.0, bound=MergeBound(radius=radius)),
+    )
+    for m in ("p0", "p1"):
+        moved = out[m].values - values[m]
+        assert float(torch.linalg.vector_norm(moved)) <= radius * (1 + 1e-5), m
+    # without the bound the forged slice is taken as it came
+    plain, _ = drive(members, values, weights)
+    assert float(torch.linalg.vector_norm(plain["p0"].values - values["p0"])) > 10 * radius

@@ -375,3 +375,56 @@ def test_a_replayed_or_older_model_is_refused_and_moves_nothing():
     svc.on_shuffle(shuffle, 9.0)
     _refused(svc, lambda: svc.on_shuffle(shuffle, 9.1), 409, "replayed")
     _refused(svc, lambda: svc.on_shuffle(_sh({"sender": HONEST, "entries": []}), 9.1), 409)  # counter 1..: older
+
+
+def test_with_certificates_a_sender_is_bound_to_the_callers_certificate():
+    """A certified peer takes a message only when the caller's client certificate covers the sender
+    it names: none (403 client_certificate_required) or another host's (403 sender_mismatch) is
+    refused with nothing moved, not even the sender's freshness (the same message then goes through)."""
+    from shoal.p2p.identity import cert_hosts
+
+    spec = ParamSpec.of(build_model("logreg", (20,), 4))
+    params = 0.1 * torch.randn(spec.numel, generator=torch.Generator().manual_seed(0))
+    svc = PeerService(Config(), spec, params, 30, ME, (HONEST,), certified=True)
+    svc.node.local_update(params + 0.01)
+    body = _model(svc, svc.node.params + 0.001, age=svc.node.age + 1)
+    shuffle = _sh({"sender": HONEST, "entries": []})
+    other = cert_hosts({"subjectAltName": (("DNS", "evil.example"), ("IP Address", "10.0.0.9"))})
+    for identity, code in ((None, "client_certificate_required"), (other, "sender_mismatch")):
+        _refused(svc, lambda i=identity: svc.on_gossip(body, 0.0, i), 403, code)
+        _refused(svc, lambda i=identity: svc.on_shuffle(shuffle, 0.0, i), 403, code)
+    mine = cert_hosts({"subjectAltName": (("DNS", "localhost"), ("IP Address", "127.0.0.1"))})
+    merges = svc.node.merges
+    svc.on_gossip(body, 0.0, mine)
+    svc.on_shuffle(shuffle, 0.0, mine)
+    assert svc.node.merges == merges + 1
+    assert cert_hosts({}) is None and cert_hosts(None) is None  # no client certificate presented
+    plain = _service()  # without certificates the sender is what the message says
+    plain.on_gossip(_model(plain, plain.node.params + 0.001, age=plain.node.age + 1), 0.0, None)
+
+
+def test_a_body_is_parsed_once_off_the_service_and_deep_or_huge_ones_are_refused():
+    """PeerService.parse is pure (the transport runs it in a worker thread for large bodies): it
+    returns the refusal instead of raising and moves nothing; the service then answers a deeply
+    nested header 400 and a body over the limit 413, state untouched, and keeps serving."""
+    from shoal.errors import TooLarge
+
+    svc = _service()
+    nested: object = 1
+    for _ in range(500):
+        nested = [nested]
+    deep = _raw_model(svc, svc.node.params.clone(), {"age": nested})
+    deeper = json.dumps({"sender": HONEST, "entries": [], "x": nested}).encode()
+    huge = b"x" * (svc.max_bytes + 1)
+    before = _state(svc)
+    parsed = [svc.parse("gossip", deep), svc.parse("shuffle", deeper), svc.parse("gossip", huge)]
+    assert isinstance(parsed[0], Malformed) and isinstance(parsed[1], Malformed) and isinstance(parsed[2], TooLarge)
+    _unchanged(svc, before)
+    assert svc.rejected == 0
+    _refused(svc, lambda: svc.on_gossip(parsed[0], 0.0), 400, "malformed")
+    _refused(svc, lambda: svc.on_shuffle(parsed[1], 0.0), 400, "malformed")
+    _refused(svc, lambda: svc.on_gossip(parsed[2], 0.0), 413)
+    good = svc.parse("gossip", _model(svc, svc.node.params + 0.001, age=svc.node.age + 1))
+    merges = svc.node.merges
+    svc.on_gossip(good, 1.0)  # a body parsed elsewhere is taken like one parsed in place
+    assert svc.node.merges == merges + 1
