@@ -22,13 +22,14 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)  ## the built-in simulation: Synthetic(1,1), 30 clients, logistic regression
 	$(BIN)/shoal simulate --out runs/demo
 
-lint: $(STAMP)  ## ruff (lint + format check) and mypy
+lint: $(STAMP)  ## ruff (lint + format check), mypy, and no import cycle / private name imported across modules
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/python .ci/typecheck.py
+	$(BIN)/python .ci/import_check.py
 
 test: lint  ## lint and types, then the whole test suite
-	$(PYTEST) --durations=15
+	$(PYTEST) --durations=40
 
 test-fast: $(STAMP)  ## the edit loop: every test not marked slow, no lint (make test before a commit)
 	$(PYTEST) -m "not slow" $(ARGS)
