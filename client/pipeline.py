@@ -26,7 +26,7 @@ node (client/node.py) and the gossip peer's local step (:meth:`ClientPipeline.lo
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -47,7 +47,15 @@ if TYPE_CHECKING:
 Cohort = tuple[torch.Tensor, torch.Tensor, list[int], list[int]]
 
 
-def local_step(trainer: LocalTrainer, start: torch.Tensor, data: ClientData, seed: int) -> Update:
+class StepTrainer(Protocol):
+    """What a local step needs of a trainer (a LocalTrainer, or a peer's)."""
+
+    device: torch.device
+
+    def fit(self, global_flat: torch.Tensor, data: ClientData, seed: int) -> Update: ...
+
+
+def local_step(trainer: StepTrainer, start: torch.Tensor, data: ClientData, seed: int) -> Update:
     """A gossip peer's local training from its own model ``start`` (no algorithm state, no
     broadcast): plain local SGD (or DP-SGD) seeded like every client's, dropout included; the
     trained model is ``trainer.flat``. The entry point of a peer that holds a trainer only."""

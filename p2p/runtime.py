@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
+from shoal.client.pipeline import local_step
 from shoal.config import Config
 from shoal.params import ParamSpec
 from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES, plan_of
@@ -42,6 +43,7 @@ class Trainer(Protocol):
     spec: ParamSpec
     flat: torch.Tensor
     task: Task
+    device: torch.device
 
     def fit(self, global_flat: torch.Tensor, data: ClientData, seed: int) -> Update: ...
 
@@ -81,7 +83,7 @@ class PeerRuntime:
         seed = derive_seed(self.cfg.simulation.seed, self.steps, zlib.crc32(self.me.encode()))
         if self.privacy is not None:
             seed = self.privacy.training_seed(seed)  # DP-SGD's noise and sampling on a seed only we know
-        update = self.trainer.fit(params, self.data.train, seed)
+        update = local_step(self.trainer, params, self.data.train, seed)  # the client pipeline's step
         self.train_loss = update.metrics.get("train_loss")
         self.steps += 1
         if self.privacy is not None:  # the model leaves this peer with its next message
