@@ -21,47 +21,41 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import torch
 
 from shoal import assembly
-from shoal.aggregation.mean import WeightedMean
 from shoal.aggregation.secagg.encoding import FixedPoint
-from shoal.aggregation.strategy import Strategy
-from shoal.algorithms import algorithm_of
 from shoal.assembly import ServerParts, make_evaluator
 from shoal.async_rounds import AsyncRounds
-from shoal.client.training import LocalTrainer, summarize_means
+from shoal.client.training import LocalTrainer
 from shoal.config import Config
-from shoal.errors import ConfigError, Malformed, ShoalError, SpecMismatch, UpdateRejected
+from shoal.errors import ConfigError, ShoalError, SpecMismatch, UpdateRejected
 from shoal.metrics import json_safe
-from shoal.rounds import Rounds, RoundSummary, SyncRounds, evaluation_due
-from shoal.task import ClientData, Task, TaskError
+from shoal.rounds import Rounds, RoundSummary, SyncRounds
+from shoal.task import ClientData, Task
 from shoal.update import Update
 from shoal.wire import (
-    MAX_HEADER_BYTES,
     UpdateStream,
-    decode_update,
     encode_model,
     model_parts,
-    read_header,
     update_fields,
 )
 
 from .activity import Activity, console_line, process_usage
 from .events import Checkpoint, Event, PrivacyLedger, Record, Restored, join_tensors, split_tensors
+from .fed_eval import FederatedEvaluation
 from .model_download import ModelDownload
 from .node_reports import (
-    MAX_EVAL_METRICS,
     FedVersion,
-    parse_eval_report,
     parse_failure_report,
     spec_mismatch_detail,
 )
 from .privacy import ServerPrivacy
 from .secure_round import SecureRound
 from .staging import Staged
+from .upload_checks import StagedBlocks, UploadChecks
 
 log = logging.getLogger(__name__)
 
@@ -90,13 +84,15 @@ class ServerService:
         restored: Restored | None = None,
         emit: Callable[[Event], None] | None = None,
         started_at: float | None = None,
+        fed_eval: FederatedEvaluation | None = None,
     ):
         """``parts``: the task, spec, rounds and DP state shoal.assembly built (:meth:`from_config`).
         ``registered``: the enabled nodes of the registry (N of central and distributed DP);
         when None, :func:`server.app.make_app` gives it with :meth:`bind_registry` before serving.
         ``test``: the central test set (server/store.py's ``open_service`` loads the task's).
         ``restored``: what an earlier run left. ``emit``: where events go (default: ``self.events``).
-        ``started_at``: the ``now`` records' elapsed_s counts from (default: the first call's)."""
+        ``started_at``: the ``now`` records' elapsed_s counts from (default: the first call's).
+        ``fed_eval``: the federated evaluation (default: the config's, server/fed_eval.py)."""
         if not isinstance(parts, ServerParts):
             raise TypeError(
                 f"ServerService takes the parts shoal.assembly builds, not a {type(parts).__name__}: "
@@ -115,17 +111,18 @@ class ServerService:
         self.emit: Callable[[Event], None] = emit if emit is not None else self.events.append
         self.started_at = started_at
         self.elapsed_before = 0.0  # a resumed run: the elapsed_s its last record had (server/store.py)
-        # the largest update (a dense float32 model and its header), and the largest request: an
-        # update over max_body_bytes travels in chunks (server/chunks.py)
-        # (an algorithm's extra tensors, SCAFFOLD's control-variate delta, are model-sized too)
-        sent = 1 + len(algorithm_of(cfg).to_server)
-        self.update_limit = max(s.max_body_bytes, sent * self.spec.nbytes + MAX_HEADER_BYTES)
-        self.max_body_bytes = s.max_body_bytes or self.spec.nbytes + MAX_HEADER_BYTES
+        self.uploads = UploadChecks(cfg, self.spec)  # what an upload must be (server/upload_checks.py)
+        self.update_limit = self.uploads.update_limit
+        self.max_body_bytes = self.uploads.max_body_bytes
         self.mode = s.mode
-        self.fed_every = cfg.simulation.eval_every
-        self.fed: dict[int, FedVersion] = {}  # versions whose federated evaluation is open
-        self.fed_finished = False  # the final version's evaluation is written
-        self.last_fed: dict[str, Any] = {}
+        # the nodes' evaluations of the global model (none asked where the privacy plan forbids
+        # un-noised figures of their data)
+        self.fed_eval = fed_eval or FederatedEvaluation(
+            self.task,
+            cfg.simulation.eval_every,
+            s.rounds,
+            self.privacy is None or self.privacy.plan.client_evaluations,
+        )
         self.counters = Counters()
         self.activity = Activity()  # by node and over versions, for the dashboard (server/dashboard.py)
         self.label = ""  # a federation's run id: the console's progress lines start with it
@@ -294,13 +291,11 @@ class ServerService:
             return False
         self.done_at = self.done_at if self.done_at is not None else now
         waiting = set(self.connected(now)) - self.told_done
-        final = self.fed.get(self.version)
-        if final is not None:  # nodes told to evaluate the final model, not reported yet
-            waiting |= final.asked - final.reported
+        waiting |= self.fed_eval.waiting_on(self.version)  # told to evaluate the final model, not reported yet
         if waiting and now - self.done_at <= self.cfg.server.poll_s + 5:
             return False
-        self._close_fed(lambda v: True, now)
-        self.fed_finished = True
+        for record in self.fed_eval.finish(self._elapsed(now)):
+            self.emit(Record(record))
         return True
 
     def connected(self, now: float) -> list[str]:
@@ -355,7 +350,7 @@ class ServerService:
             answer: dict[str, Any] = {"status": "done", "version": self.version}
             if self.stop_reason is not None:
                 answer["reason"] = self.stop_reason
-            return self._with_eval(answer, node, evaluates)
+            return self.fed_eval.ask(answer, node, evaluates)
         r = self.rounds
         t = r.assignment(node, quorum=len(self.connected(now)) >= self.cfg.server.min_nodes)
         if t is None or self.refused_task.get(node) == (t.round, t.version):
@@ -372,61 +367,39 @@ class ServerService:
             work["secure_aggregation"] = self.secure_round.task_info()
         if self.privacy is not None:
             work["privacy"] = self.privacy.task_info()
-        return self._with_eval(work, node, evaluates)
+        return self.fed_eval.ask(work, node, evaluates)
 
-    # --- federated evaluation ------------------------------------------------------
+    # --- federated evaluation (server/fed_eval.py) -----------------------------------
 
-    def wants_fed(self, version: int) -> bool:
-        """Versions the nodes evaluate: every ``simulation.eval_every``-th, and the last."""
-        return (
-            not self.fed_finished
-            and (self.privacy is None or self.privacy.plan.client_evaluations)  # un-noised figures of their data
-            and evaluation_due(version, self.fed_every, self.cfg.server.rounds)
-        )
+    @property
+    def fed(self) -> dict[int, FedVersion]:
+        """The versions whose federated evaluation is open."""
+        return self.fed_eval.open
 
-    def _with_eval(self, answer: dict[str, Any], node: str, evaluates: bool) -> dict[str, Any]:
-        v = int(answer["version"])
-        if evaluates and self.wants_fed(v):
-            fed = self.fed.setdefault(v, FedVersion())
-            if node not in fed.reported:
-                fed.asked.add(node)
-                answer["evaluate"] = True
-        return answer
+    @property
+    def last_fed(self) -> dict[str, Any]:
+        """The last federated evaluation written."""
+        return self.fed_eval.last
 
     def report_eval(self, node: str, body: bytes, now: float) -> dict[str, Any]:
         """Take one node's evaluation of a global version (POST /v1/eval); a ShoalError
         with nothing changed if it is refused."""
         self.seen(node, now)
         try:
-            version, n, metrics = parse_eval_report(body)
-            fed = self.fed.get(version)
-            if version > self.version:
-                raise UpdateRejected("unknown_version", f"version {version} is newer than the server's {self.version}")
-            if fed is None or node not in fed.asked:
-                what = "closed" if fed is None else "not asked of this node"
-                raise UpdateRejected(
-                    "eval_not_open",
-                    f"evaluation of version {version} is {what} (the server is at "
-                    f"version {self.version}); report only versions a task said to evaluate",
-                )
-            if node in fed.reported:
-                raise UpdateRejected("duplicate", f"this node already reported its evaluation of version {version}")
-            names = set(fed.counts) | set(metrics)
-            if len(names) > MAX_EVAL_METRICS:
-                raise Malformed(f"version {version} would have {len(names)} metric names, over {MAX_EVAL_METRICS}")
+            version = self.fed_eval.take(node, body, self.version)
         except ShoalError as e:
             self.refused(getattr(e, "code", "error"))
             raise
-        fed.reported.add(node)
-        fed.num_examples += n
-        for name, v in metrics.items():
-            fed.sums[name] = fed.sums.get(name, 0.0) + v * n
-            fed.counts[name] = fed.counts.get(name, 0) + n
         if self.done:
             self.finished(now)  # the last report of the final version writes it at once
         else:
             self._settle_fed(now)
         return {"status": "accepted", "version": version}
+
+    def _settle_fed(self, now: float) -> None:
+        """Write the evaluations of older versions that no node can still report."""
+        for record in self.fed_eval.settle(self.version, self.rounds.holds_task, self._elapsed(now)):
+            self.emit(Record(record))
 
     def report_failure(self, node: str, body: bytes, now: float) -> dict[str, Any]:
         """A node's task failed on the node (its training diverged, so nothing was uploaded):
@@ -453,41 +426,6 @@ class ServerService:
         log.warning("round %d: node %s reports its task %s; it is not handed out again", round_, node, reason)
         return {"status": "noted", "round": round_, "reason": reason}
 
-    def _fed_pending(self, v: int, fed: FedVersion) -> bool:
-        """A node asked to evaluate version ``v`` has not reported yet and still may: it holds
-        a task from ``v`` (async: until that task is too stale to be taken)."""
-        return any(self.rounds.holds_task(n, v) for n in fed.asked - fed.reported)
-
-    def _settle_fed(self, now: float) -> None:
-        """Write the evaluations of older versions that no node can still report."""
-        self._close_fed(lambda v: v < self.version and not self._fed_pending(v, self.fed[v]), now)
-
-    def _close_fed(self, which: Callable[[int], bool], now: float) -> None:
-        """Write the federated evaluation of every open version ``which(v)`` selects (if any node reported)."""
-        for v in sorted(k for k in self.fed if which(k)):
-            fed = self.fed.pop(v)
-            if not fed.reported:
-                continue
-            record: dict[str, Any] = {"version": v, "evaluation": "federated"}
-            means = {k: fed.sums[k] / fed.counts[k] for k in sorted(fed.sums)}
-            # the global model's figures, and the personalised ones (personal_*: algorithm.personal_eval_steps)
-            personal = {k.removeprefix("personal_"): m for k, m in means.items() if k.startswith("personal_")}
-            own = {k: m for k, m in means.items() if not k.startswith("personal_")}
-            for prefix, part in (("", own), ("personal_", personal)):
-                try:  # derived figures (perplexity, R²) from the pooled means, once
-                    part = summarize_means(self.task, part) if part else part
-                except TaskError as e:
-                    log.warning("federated evaluation of version %d: %s; writing the raw means", v, e)
-                record.update({f"fed_{prefix}{k}": part[k] for k in part})
-            record.update(
-                fed_num_examples=fed.num_examples,
-                fed_nodes=len(fed.reported),
-                elapsed_s=self._elapsed(now),
-            )
-            self.last_fed = json_safe(record)
-            self.emit(Record(self.last_fed))
-            log.info("version %d, federated evaluation: %s", v, json.dumps(self.last_fed))
-
     def secure(self, node: str, now: float) -> SecureRound:
         """The open round's secure aggregation, for the /v1/secagg routes."""
         self.seen(node, now)
@@ -502,50 +440,21 @@ class ServerService:
         ``body`` is decoded in place (no copy); it may be reused once this returns."""
 
         def decoded() -> tuple[Update, dict[str, Any], None]:
-            s = self.cfg.server
-            try:
-                update, header = decode_update(
-                    body,
-                    self.spec,
-                    self.update_limit,
-                    copy=False,
-                    max_examples=s.max_examples,
-                    max_abs=s.max_delta_abs,
-                )
-            except SpecMismatch:
-                sent = _sent_spec_hash(body, self.update_limit)
-                if isinstance(sent, str) and sent != self.spec.hash:
-                    raise SpecMismatch(spec_mismatch_detail(sent[:64], self.spec.hash)) from None
-                raise
-            return update, header, None
+            return (*self.uploads.decode(body), None)
 
         return self._take(node, now, decoded, len(body))
 
     def update_stream(self, size: int) -> UpdateStream:
         """The checker of one chunked upload of ``size`` bytes, fed as its chunks arrive."""
-        s = self.cfg.server
-        return UpdateStream(self.spec, size, self.update_limit, s.max_examples, s.max_delta_abs)
-
-    def streams(self, stream: UpdateStream) -> bool:
-        """A complete chunked upload enters the round's sum a block at a time (no model-sized
-        copy): its values were checked as they arrived, and the round sums plain weighted means
-        (not a robust rule, a DP mean or an async buffer, which look at each update whole)."""
-        r = self.sync
-        return (
-            stream.complete
-            and stream.dtype is not None
-            and r is not None
-            and type(r.strategy) is Strategy
-            and type(r.strategy.aggregator) is WeightedMean
-        )
+        return self.uploads.stream(size)
 
     def submit_staged(self, node: str, stream: UpdateStream, staged: Staged, now: float) -> dict[str, Any]:
         """A complete chunked upload (server/chunks.py): checked as it arrived by ``stream``, its
-        bytes in ``staged``. Summed a block at a time where :meth:`streams` allows, else read whole
+        bytes in ``staged``. Summed a block at a time where ``UploadChecks.streamable`` allows, else read whole
         and taken as :meth:`submit` takes a body. Refused as :meth:`submit` refuses, nothing changed."""
-        if not self.streams(stream):
+        if not self.uploads.streamable(stream, self.sync):
             return self.submit(node, memoryview(staged.read_all()), now)
-        assert stream.header is not None and stream.dtype is not None  # streams() checked both
+        assert stream.header is not None and stream.dtype is not None  # streamable() checked both
         header, dtype = stream.header, stream.dtype
 
         def decoded() -> tuple[Update, dict[str, Any], Iterator[torch.Tensor]]:
@@ -592,7 +501,7 @@ class ServerService:
                 )
             r.check_round(node, header.get("round"))
             update.sender = node  # the authenticated identity, not what the body claims
-            self._check_algorithm_fields(update)
+            self.uploads.check_algorithm_fields(update)
             report = None
             if self.privacy is not None and self.privacy.plan.dp_sgd:  # checked before anything changes
                 self.privacy.check_local_upload(update.num_examples, update.metrics)
@@ -600,7 +509,7 @@ class ServerService:
             if blocks is None:
                 advanced = r.submit(node, update)
             else:
-                assert self.sync is not None  # streams() allows blocks in sync rounds only
+                assert self.sync is not None  # streamable() allows blocks in sync rounds only
                 advanced = self._submit_blocks(self.sync, node, update, blocks, now)
         except Exception as e:
             self.upload_refused(node, e, now)
@@ -622,7 +531,7 @@ class ServerService:
         """Sum a staged update into the open round; should reading it back fail midway (the disk),
         the round's sum is partial: the round is dropped (model and version unchanged) and the
         error raised, so nothing half-applied survives."""
-        pieces = _Pieces(blocks)
+        pieces = StagedBlocks(blocks)
         try:
             return r.submit(node, update, blocks=pieces)
         except Exception:
@@ -631,21 +540,6 @@ class ServerService:
                 r.abort_round()
                 self._round_failed(r.round, now)
             raise
-
-    def _check_algorithm_fields(self, update) -> None:
-        """What the algorithm's server step needs beside the update is there (Malformed, nothing
-        changed, otherwise); nothing an algorithm does not use may come with it."""
-        declared = algorithm_of(self.cfg)
-        name, wanted = declared.name, set(declared.to_server)
-        if set(update.to_server) != wanted:
-            raise Malformed(
-                f"the update carries {sorted(update.to_server)} beside its delta; algorithm.name = {name!r} "
-                f"takes {sorted(wanted)}"
-            )
-        if "fednova_a" in declared.reports:
-            a = update.metrics.get("fednova_a", 0.0)
-            if not (a >= 1.0 and math.isfinite(a)):
-                raise Malformed(f"FedNova's update needs metrics.fednova_a >= 1 (its local steps' weight), got {a!r}")
 
     def refused(self, code: str) -> None:
         """Count an upload refused with error ``code`` (here or by the transport)."""
@@ -852,7 +746,7 @@ class ServerService:
             )
         self.rounds.load_state_dict(join_tensors(state["rounds"], tensors))
         self.last_record = state.get("last_record", {})
-        self.last_fed = state.get("last_fed", {})
+        self.fed_eval.last = state.get("last_fed", {})
         tier = state.get("tier", {})
         self.tier_state = dict(tier) if isinstance(tier, dict) else {}
         self.resumed_from = path
@@ -888,24 +782,3 @@ class ServerService:
             **({"privacy": self.privacy.status()} if self.privacy is not None else {}),
             **({"hierarchy": self.tier_status(now)} if self.tier_status is not None else {}),
         }
-
-
-class _Pieces:
-    """The blocks of a staged update, noting whether the sum has begun taking them."""
-
-    def __init__(self, blocks: Iterator[torch.Tensor]):
-        self.blocks = blocks
-        self.started = False
-
-    def __iter__(self) -> Iterator[torch.Tensor]:
-        for piece in self.blocks:
-            self.started = True
-            yield piece
-
-
-def _sent_spec_hash(body: bytes | memoryview, max_bytes: int) -> Any:
-    """The spec hash an upload's header claims (None if the header cannot be read)."""
-    try:
-        return read_header(cast(bytes, body), max_bytes)[0].get("spec_hash")  # read_header takes any buffer
-    except ShoalError:
-        return None
