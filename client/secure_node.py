@@ -324,7 +324,7 @@ def _ddg_codec(node: SecureNode, task: TaskMessage, t: int, params: SecAggParams
     only the most summands a round may hold comes from the server, and the node refuses a task
     whose mechanism differs from the one it derived (None: another mechanism)."""
     privacy = node.privacy
-    if privacy is None or privacy.mode != "distributed" or privacy.p.mechanism != "discrete_gaussian":
+    if privacy is None or not privacy.plan.client_shares or privacy.p.mechanism != "discrete_gaussian":
         return None
     theirs_table = task.privacy or {}
     p, theirs = privacy.p, theirs_table.get("ddg")
