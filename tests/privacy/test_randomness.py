@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import shoal.noise
-import shoal.simulations.dp_hooks as dp_hooks
+import shoal.privacy_state as privacy_state
 from shoal.aggregation.dp import make_generator
 from shoal.client.dp_sgd import DpSgdTrainer
 from shoal.config import PrivacyConfig, TrainConfig, load_config
@@ -30,7 +30,7 @@ def cfg(mode, *extra):
 def os_entropy(monkeypatch):
     """Every read of OS entropy by the noise sources and the selection secret: its size in bytes."""
     reads = []
-    urandom, token = os.urandom, dp_hooks.secrets.token_bytes
+    urandom, token = os.urandom, privacy_state.secrets.token_bytes
 
     def read(n):
         reads.append(n)
@@ -41,7 +41,7 @@ def os_entropy(monkeypatch):
         return token(n)
 
     monkeypatch.setattr(shoal.noise.os, "urandom", read)
-    monkeypatch.setattr(dp_hooks.secrets, "token_bytes", token_bytes)
+    monkeypatch.setattr(privacy_state.secrets, "token_bytes", token_bytes)
     return reads
 
 

@@ -27,6 +27,7 @@ from shoal.aggregation.secagg.encoding import FixedPoint, encode_weighted
 from shoal.aggregation.secagg.wire import decode_message, encode_message
 from shoal.client.http import NodeError
 from shoal.client.node import Node
+from shoal.client.task_message import TaskMessage
 from shoal.config import config_from_dict
 from shoal.errors import ConfigError
 from shoal.privacy_state import NodePrivacy
@@ -564,7 +565,7 @@ def test_node_refuses_a_server_with_another_privacy(tmp_path):
         name="n0",
     )
     with pytest.raises(NodeError, match="this node's config has no \\[privacy\\]"):
-        node._check_privacy(task)
+        node._check_privacy(TaskMessage.parse({"status": "work", "version": 0, "seed": 0, **task}))
     # distributed: clipped to C, plus a share of std z C / sqrt(t) drawn from the OS
     upd = priv.protect(Update(torch.full((40_000,), 1.0), 5), task)
     clipped = torch.full((40_000,), 1 / 200)
