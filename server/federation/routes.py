@@ -1,4 +1,4 @@
-"""A federation's server (docs/federation.md): each run speaks the node protocol under
+"""A federation's server (docs/deploy.md): each run speaks the node protocol under
 ``/runs/{run}``; nodes find the open runs at ``GET /v1/offers``; ``/v1/runs`` is `shoal run`'s."""
 
 from __future__ import annotations
