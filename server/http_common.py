@@ -12,6 +12,7 @@ import math
 import re
 import time
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 from aiohttp import web
@@ -218,6 +219,31 @@ async def wait_event(event: asyncio.Event, timeout: float) -> None:
             await event.wait()
     except TimeoutError:
         pass
+
+
+async def long_poll_secagg(
+    request: web.Request,
+    round_: int,
+    end: float,
+    reply: Callable[[], bytes | None],
+    refused_status: Callable[[ShoalError], int],
+) -> web.Response:
+    """A secure-aggregation stage's answer, long-polled until ``end``: ``reply()`` gives the bytes
+    (None: not yet); 202 ``wait`` at ``end``; a refusal as ``refused_status`` maps it."""
+    while True:
+        event = request.app[CHANGED]["event"]
+        try:
+            body = reply()
+        except ShoalError as e:
+            return error(refused_status(e), getattr(e, "code", "error"), str(e))
+        if body is not None:
+            return web.Response(body=body, content_type="application/octet-stream")
+        left = end - time.monotonic()
+        if left <= 0:
+            return web.json_response({"status": "wait", "round": round_}, status=202)
+        if gone(request):
+            return error(400, "disconnected", "the connection was lost")
+        await wait_event(event, min(left, SLICE_S))
 
 
 def settings_of(request: web.Request) -> Config:

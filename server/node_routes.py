@@ -27,6 +27,7 @@ from .http_common import (
     error,
     gone,
     integer_param,
+    long_poll_secagg,
     seconds_param,
     send_model,
     status_of,
@@ -252,24 +253,14 @@ async def post_secagg(request: web.Request) -> web.Response:
 async def get_secagg(request: web.Request) -> web.Response:
     """Long-poll for the server's answer to a stage: 200 with the message once the stage
     closed, 202 ``{"status": "wait"}`` if it is still open when ``wait`` runs out."""
-    app, node = request.app, request[NODE]
+    node = request[NODE]
     svc = svc_of(request)
     round_ = integer_param(request, "round")
     end = time.monotonic() + seconds_param(request, "wait", svc.cfg.server.poll_s)
-    while True:
-        event = app[CHANGED]["event"]
-        try:
-            body = svc.secure(node, time.monotonic()).reply(node, request.match_info["stage"], round_)
-        except ShoalError as e:
-            return error(status_of(e), getattr(e, "code", "error"), str(e))
-        if body is not None:
-            return web.Response(body=body, content_type="application/octet-stream")
-        left = end - time.monotonic()
-        if left <= 0:
-            return web.json_response({"status": "wait", "round": round_}, status=202)
-        if gone(request):
-            return error(400, "disconnected", "the connection was lost")
-        await wait_event(event, min(left, SLICE_S))
+    stage = request.match_info["stage"]
+    return await long_poll_secagg(
+        request, round_, end, lambda: svc.secure(node, time.monotonic()).reply(node, stage, round_), status_of
+    )
 
 
 async def _small_report(request: web.Request, limit: int, what: str, handle) -> web.Response | dict:

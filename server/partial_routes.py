@@ -26,6 +26,7 @@ from .http_common import (
     error,
     gone,
     integer_param,
+    long_poll_secagg,
     seconds_param,
     status_of,
     svc_of,
@@ -158,8 +159,7 @@ async def post_edge_secagg(request: web.Request) -> web.Response:
     except ShoalError as e:
         svc.refused(getattr(e, "code", "error"))
         log.info("relayed secure aggregation message from edge %s refused: %s: %s", edge, getattr(e, "code", ""), e)
-        status = 403 if getattr(e, "code", "") == "not_an_edge" else status_of(e)
-        return error(status, getattr(e, "code", "error"), str(e))
+        return error(_relay_status(e), getattr(e, "code", "error"), str(e))
     tick(app)
     return web.json_response(result)
 
@@ -167,24 +167,20 @@ async def post_edge_secagg(request: web.Request) -> web.Response:
 async def get_edge_secagg(request: web.Request) -> web.Response:
     """``GET /v1/edge/secagg/{stage}?node=NAME&round=R&wait=S``: the root's answer to a stage for one
     of the edge's nodes (long-polled as GET /v1/secagg/{stage})."""
-    app, edge = request.app, request[NODE]
+    edge = request[NODE]
     svc = svc_of(request)
     node = _node_of(request)
     round_ = integer_param(request, "round")
     end = time.monotonic() + seconds_param(request, "wait", svc.cfg.server.poll_s)
-    while True:
-        event = app[CHANGED]["event"]
-        try:
-            sr, _ = relayed_round(svc, intake_of(request, svc), edge, node, time.monotonic())
-            body = sr.reply(node, request.match_info["stage"], round_)
-        except ShoalError as e:
-            status = 403 if getattr(e, "code", "") == "not_an_edge" else status_of(e)
-            return error(status, getattr(e, "code", "error"), str(e))
-        if body is not None:
-            return web.Response(body=body, content_type="application/octet-stream")
-        left = end - time.monotonic()
-        if left <= 0:
-            return web.json_response({"status": "wait", "round": round_}, status=202)
-        if gone(request):
-            return error(400, "disconnected", "the connection was lost")
-        await wait_event(event, min(left, SLICE_S))
+    stage = request.match_info["stage"]
+
+    def reply() -> bytes | None:
+        sr, _ = relayed_round(svc, intake_of(request, svc), edge, node, time.monotonic())
+        return sr.reply(node, stage, round_)
+
+    return await long_poll_secagg(request, round_, end, reply, _relay_status)
+
+
+def _relay_status(e: ShoalError) -> int:
+    """A relayed request's refusal: 403 for a caller that is not an edge, else as any refusal."""
+    return 403 if getattr(e, "code", "") == "not_an_edge" else status_of(e)
