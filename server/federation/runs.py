@@ -37,7 +37,6 @@ from typing import Any
 from shoal.config import Config, ServerConfig, config_from_dict
 from shoal.errors import ConfigError, ShoalError
 from shoal.floors import below_floor
-from shoal.task import load_task
 from shoal.tensor_file import save_file
 
 from ..events import Event, Record
@@ -574,7 +573,7 @@ class Federation:
         was checked (the operator's code) and whose loading was tried in the worker first."""
         from shoal.assembly import task_from_config
 
-        return task_from_config(cfg) if not cfg.task.app else load_task(cfg.task.app, cfg.task.args)
+        return task_from_config(cfg)
 
     def _open(self, row: RunRow, resume: bool) -> None:
         run_dir = self.dir / row.id
