@@ -5,6 +5,12 @@ peer code ``shoal peer`` runs (GossipNode, MergeBound, Membership, Freshness), o
 
 Attacks (each against the run without attackers, same seed, same honest peers):
 
+- ``alone``: no attack, but the attackers' peers are offline throughout: the honest peers on their
+  own. This, not ``none`` (where the attackers' peers train honestly and bring their data), is
+  what a defence can at best reach: a peer that sends forged models withholds its data, and
+  with peers whose data differ (the default task gives each its own distribution) that costs
+  accuracy on the common test set whatever the honest peers do;
+
 - ``scale``: every model an attacker sends is ``x0 + 10 (x - x0)`` (attack.kind = "scale");
 - ``sign_flip``: ``x0 - 10 (x - x0)``;
 - ``replay``: the attacker re-sends models pushed to it (sender, counter and all) at least
@@ -22,8 +28,8 @@ replays sent and taken; for eclipse: the longest stretch of rounds without a mer
 honest peer, made-up entries in views and directories at most and at the end.
 
     .venv/bin/python bench/byzantine_gossip.py [--honest 5] [--attackers 1] [--attack-rounds 60]
-        [--after 30] [--algorithms gossip,dpsgd,group_average] [--attacks scale,sign_flip,replay,eclipse]
-        [--defences-only]
+        [--after 30] [--algorithms gossip,dpsgd,group_average] [--attacks alone,scale,sign_flip,replay,eclipse]
+        [--defences-only] [--set gossip.KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -61,13 +67,18 @@ def build(args: argparse.Namespace, algorithm: str, attack: str, defences: bool)
         "gossip.shuffle_length=2",
         'gossip.topology="complete"',
         "gossip.group_size=3",
+        *args.set,
     ]
-    if attack in FORGED:
-        over += [f'attack.kind="{attack}"', f"attack.fraction={args.attackers / n}", "attack.scale=10"]
+    if attack in FORGED or attack == "alone":
+        over += [
+            f'attack.kind="{"sign_flip" if attack == "alone" else attack}"',
+            f"attack.fraction={args.attackers / n}",
+            "attack.scale=10",
+        ]
     if not defences:
         over += ["gossip.merge_bound=0", "gossip.max_drift=0", "gossip.max_abs=0"]
     sim = GossipSimulation.from_config(load_config(None, over))
-    if attack not in FORGED and attack != "none":  # protocol attackers: the last peers, measured apart
+    if attack not in (*FORGED, "none", "alone"):  # protocol attackers: the last peers, measured apart
         sim.attackers[:] = False
         sim.attackers[args.honest :] = True
         sim.honest = np.flatnonzero(~sim.attackers)
@@ -130,6 +141,8 @@ def run(args: argparse.Namespace, algorithm: str, attack: str, defences: bool, r
     last_merge = {int(h): 0 for h in sim.honest}
     merges = {int(h): 0 for h in sim.honest}
     means: dict[int, torch.Tensor] = {}
+    if attack == "alone":  # the honest peers without the attacker's peer: the attacker is offline throughout
+        sim.online[sim.attackers] = False
     for r in range(1, args.attack_rounds + args.after + 1):
         if r == args.attack_rounds + 1:
             sim.online[sim.attackers] = False  # the attackers leave
@@ -172,8 +185,11 @@ def main() -> None:
     ap.add_argument("--after", type=int, default=30)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--algorithms", default="gossip,dpsgd,group_average")
-    ap.add_argument("--attacks", default="scale,sign_flip,replay,eclipse")
+    ap.add_argument("--attacks", default="alone,scale,sign_flip,replay,eclipse")
     ap.add_argument("--defences-only", action="store_true", help="skip the runs with the defences off")
+    ap.add_argument(
+        "--set", action="append", default=[], help="a config override for every run, e.g. gossip.merge_bound=1"
+    )
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
     a, b = args.attack_rounds, args.attack_rounds + args.after

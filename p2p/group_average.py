@@ -265,10 +265,12 @@ class GroupAverage:
         radius = self.bound.radius() * share
         out = dict(parts)
         for m, d in dists.items():
-            if d > radius:
-                w, x = parts[m]
-                out[m] = (w, own + (x - own) * (radius / d))
-                self.clipped += 1
+            factor = self.bound.shrink(d, radius)
+            if factor is not None and factor == 1.0:
+                continue
+            w, x = parts[m]  # refused (far beyond the radius): its weight stays with our own values
+            out[m] = (w, own.clone() if factor is None else own + (x - own) * factor)
+            self.clipped += 1
         return out
 
     def _bounded(self, j: int, data: torch.Tensor) -> torch.Tensor:
@@ -283,10 +285,11 @@ class GroupAverage:
         own = self._slice(self.own, j)
         radius = self.bound.radius() * math.sqrt(max(own.numel(), 1) / max(self.own.numel(), 1))
         d = float(torch.linalg.vector_norm((data - own).double()))
-        if not d > radius:
+        factor = self.bound.shrink(d, radius)
+        if factor is not None and factor == 1.0:
             return data
         self.clipped += 1
-        return own + (data - own) * (radius / d)
+        return own.clone() if factor is None else own + (data - own) * factor
 
     def _slice(self, x: torch.Tensor, j: int) -> torch.Tensor:
         lo, hi = self.bounds[j]

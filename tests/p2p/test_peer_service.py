@@ -182,9 +182,14 @@ def test_huge_models_are_refused_and_far_ones_clipped():
         e = _refused(svc, lambda v=value: svc.on_gossip(_model(svc, torch.full_like(svc.node.params, v)), 0.0), 400)
         assert e.code == "out_of_range"
     own = svc.node.params.clone()
-    limit = svc.node.merge_bound.limit(own)
-    svc.on_gossip(_model(svc, torch.full_like(own, 9e3), age=10**6), 0.0)  # within max_abs, far: clipped
-    assert svc.node.merge_bound.clipped == 1 and svc.node.bounded == 1
+    bound = svc.node.merge_bound
+    limit = bound.limit(own)
+    refused = bound.refused
+    svc.on_gossip(_model(svc, torch.full_like(own, 9e3), age=10**6), 0.0)  # within max_abs, far beyond the radius
+    assert bound.refused == refused + 1 and svc.node.bounded == 1 and torch.equal(svc.node.params, own)
+    direction = torch.ones_like(own) / own.numel() ** 0.5
+    svc.on_gossip(_model(svc, own + 2 * limit * direction, age=10**6), 0.0)  # beyond the radius, within 4x: clipped
+    assert bound.clipped == 1 and svc.node.bounded == 2
     assert float(torch.linalg.vector_norm(svc.node.params - own)) <= limit * (1 + 1e-5)
     assert torch.isfinite(svc.node.params).all()
     _honest_merge_goes_on(svc)
