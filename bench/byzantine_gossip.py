@@ -29,7 +29,7 @@ honest peer, made-up entries in views and directories at most and at the end.
 
     .venv/bin/python bench/byzantine_gossip.py [--honest 5] [--attackers 1] [--attack-rounds 60]
         [--after 30] [--algorithms gossip,dpsgd,group_average] [--attacks alone,scale,sign_flip,replay,eclipse]
-        [--defences-only] [--set gossip.KEY=VALUE ...]
+        [--defences-only] [--scale 10] [--set gossip.KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def build(args: argparse.Namespace, algorithm: str, attack: str, defences: bool)
         over += [
             f'attack.kind="{"sign_flip" if attack == "alone" else attack}"',
             f"attack.fraction={args.attackers / n}",
-            "attack.scale=10",
+            f"attack.scale={args.scale}",
         ]
     if not defences:
         over += ["gossip.merge_bound=0", "gossip.max_drift=0", "gossip.max_abs=0"]
@@ -184,6 +184,7 @@ def main() -> None:
     ap.add_argument("--attack-rounds", type=int, default=60)
     ap.add_argument("--after", type=int, default=30)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--scale", type=float, default=10.0, help="the forged attacks' factor (x0 +- scale (x - x0))")
     ap.add_argument("--algorithms", default="gossip,dpsgd,group_average")
     ap.add_argument("--attacks", default="alone,scale,sign_flip,replay,eclipse")
     ap.add_argument("--defences-only", action="store_true", help="skip the runs with the defences off")
