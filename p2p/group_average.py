@@ -254,7 +254,8 @@ class GroupAverage:
         we reduce it: each member's distance on the slice, scaled to the whole model, takes its
         slot of our merge bound's window; then each ``part - ours`` is clipped to the radius
         ``tau`` (so one member moves each slice's average by at most ``tau / k``: the whole
-        model by at most ``tau / sqrt(k)``, and the member's adopt bounds the rest)."""
+        model by at most ``tau / sqrt(k)``, and the member's adopt bounds the rest), and a part
+        beyond ``far x tau`` is replaced by our own values (its weight stays, its pull is gone)."""
         if self.bound is None:
             return parts
         own = self._slice(self.own, self.index)
@@ -278,8 +279,9 @@ class GroupAverage:
         around our own values of that slice before we take it: a hostile reducer sends whatever
         it likes for its slice, so its ``average - ours`` is clipped like a neighbour's model, to
         the merge bound's radius scaled to the slice's share of the model (self-centered clipping
-        of the reducer's output, not only of the parts we reduce). An honest average lies within
-        the honest spread and passes unchanged."""
+        of the reducer's output, not only of the parts we reduce); beyond ``far x`` that radius
+        our own values of the slice are kept. An honest average lies within the honest spread
+        and passes unchanged."""
         if self.bound is None:
             return data
         own = self._slice(self.own, j)
