@@ -197,7 +197,7 @@ def test_an_insider_advertising_sybils_cannot_stop_merges_or_fill_the_directory_
     """One insider sends a peer 4 messages a second for 60 s (two shuffles naming made-up
     addresses out of 50, two pushes from made-up senders), on a virtual clock. The peer's
     exchanges (one a second) reach a peer that answers at least every 5 s throughout; the
-    directory never holds more than its bound and holds no made-up entry 30 s after the attack.
+    directory never holds more than its bound and holds no made-up entry 30 s after the attack."""
     honest = [f"h{i}" for i in range(4)]
     sybils = [f"sybil{k}" for k in range(50)]
     net = {
