@@ -401,7 +401,8 @@ class ServerPrivacy:
         p = self.p
         if not self.plan.dp_sgd or not p.local_sampling_rate:
             return None
-        q, steps = dp_sgd_schedule(1, 1, self.cfg.train.epochs, p.local_sampling_rate)
+        epochs = self.cfg.train.epochs
+        q, steps = dp_sgd_schedule(1, 1, epochs, p.local_sampling_rate, p.round_steps(epochs))
         return {
             "epsilon": dp_epsilon(q, p.noise_multiplier, steps * rounds, p.delta, p.accountant),
             "epsilon_next": dp_epsilon(q, p.noise_multiplier, steps * (rounds + 1), p.delta, p.accountant),
@@ -420,9 +421,9 @@ class ServerPrivacy:
             if not math.isclose(float(report[key]), float(public[key]), rel_tol=1e-6, abs_tol=1e-9):
                 raise Malformed(
                     f"privacy report: {key} = {report[key]:.6g} after {report['rounds']} rounds, but "
-                    f"privacy.local_sampling_rate = {self.p.local_sampling_rate:g} with {self.cfg.train.epochs} "
-                    f"epochs gives {public[key]:.6g} for every node: run the node with the server's [privacy] "
-                    "and [train] tables"
+                    f"privacy.local_sampling_rate = {self.p.local_sampling_rate:g} with "
+                    f"{self.p.round_steps(self.cfg.train.epochs)} steps a round gives {public[key]:.6g} for every "
+                    "node: run the node with the server's [privacy] and [train] tables"
                 )
         return public
 
