@@ -471,20 +471,21 @@ class ServerPrivacy:
             return "not bound to the registry yet"
         if self.p.local_sampling_rate:
             return (
-                f"example-level DP-SGD on each node at the run's sampling rate q = {self.p.local_sampling_rate:g} "
-                "(whatever a node's data size), over the rounds it took part in; every node's report is checked "
+                f"example-level DP-SGD on each node at the run's sampling rate q = {self.p.local_sampling_rate:g}, "
+                f"{self.p.round_steps(self.cfg.train.epochs)} steps a round (whatever a node's data size), over the "
+                "rounds it took part in; every node's report is checked "
                 "against that public schedule and the worst node's is shown"
             )
         if self.reports_withheld:
             return (
-                "example-level DP-SGD on each node, accounted by the node over its own data size, batch, epochs "
-                "and the rounds it took part in; each node enforces privacy.target_epsilon itself and keeps its "
-                "epsilon (at q = B / n_k it would reveal roughly the node's example count; set "
+                "example-level DP-SGD on each node, accounted by the node over its own data size, batch, steps "
+                "a round and the rounds it took part in; each node enforces privacy.target_epsilon itself and keeps "
+                "its epsilon (at q = B / n_k it would reveal roughly the node's example count; set "
                 "privacy.local_sampling_rate to have reports the server checks and shows)"
             )
         return (
-            "example-level DP-SGD on each node, accounted by the node over its own data size, batch, epochs "
-            "and the rounds it took part in; the worst node's report is shown (privacy.release = 'clear': "
+            "example-level DP-SGD on each node, accounted by the node over its own data size, batch, steps "
+            "a round and the rounds it took part in; the worst node's report is shown (privacy.release = 'clear': "
             "not checked, and it reveals roughly each node's example count)"
         )
 

@@ -225,7 +225,7 @@ class NodePrivacy:
       fewer survivors): a task that asks for more is refused (client/secure_node.py).
     * ``local``: DP-SGD (the trainer) on a seed only this node knows (with the server's
       seed the server could redraw the noise and the example samples), and the node's own
-      epsilon over its data size, batch, epochs and the rounds it took part in. That count
+      epsilon over its data size, batch, steps a round and the rounds it took part in. That count
       is kept in a ledger file, so a restarted node goes on from it; the node takes no work
       that would pass ``privacy.target_epsilon``, and reports its epsilon with each update only
       where the report reveals nothing of its data (PrivacyPlan.node_reports).
