@@ -65,8 +65,8 @@ class PrivacyConfig:
     release_noise_multiplier: float = 5.0  # noised: the count's noise std; the loss sum's is this x loss clip
     release_loss_clip: float = 5.0  # noised: each client's train loss clipped to [0, this] (the loss sum's sensitivity)
     # local: how many DP-SGD steps a round runs. steps = privacy.local_steps, a number of the config's, whatever
-    # a client's example count n_k (the round takes as long on 40 examples as on 4000, so its duration does not
-    # reveal n_k); epochs = train.epochs passes over the client's data (epochs * round(n_k / B) steps: the
+    # a client's example count n_k (at rate B / n_k, an expected batch of B: a round's duration does not follow
+    # n_k); epochs = train.epochs passes over the client's data (epochs * round(n_k / B) steps: the
     # round's duration, which the server and anyone timing the upload see, grows with n_k and is NOT covered by
     # the epsilon; samples at q = B / n_k, so local_sampling_rate must be 0)
     local_schedule: Literal["steps", "epochs"] = "steps"
