@@ -134,7 +134,7 @@ def test_local_dp_nodes_report_their_epsilon_and_the_target_stops_the_run(tmp_pa
         sizes = {p.stem: int(load_shard(p).x.shape[0]) for p in d.shards}
 
         def accounted(name: str, rounds: int) -> LocalDpSgdAccountant:
-            acc = LocalDpSgdAccountant({name: dp_sgd_schedule(sizes[name], 10, 1)}, 1.0, 1e-5)
+            acc = LocalDpSgdAccountant({name: dp_sgd_schedule(sizes[name], 10, 1, steps=10)}, 1.0, 1e-5)
             for _ in range(rounds):
                 acc.record_round([name])
             return acc
