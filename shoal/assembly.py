@@ -348,13 +348,14 @@ _FED_EVAL_STREAM = 0xFEDE  # seeds that sample apart from client sampling
 class SimulationParts(HoldsClient):
     """Everything the in-process simulator runs (simulations/inprocess.py): the clients' data
     (``shards``: held tensors, or a population loaded client by client), the test sets, who the
-    clients are, what trains them, their state store, the server's strategy and rounds, SCAFFOLD's
-    control variate, the privacy budget, the wire and the sample of a population's federated
-    evaluation. Built final: ``runner`` names the round runner (``plain``, ``secure_aggregation``
-    or virtual ``edges``; the simulation makes it, a function of the simulation), ``secure`` is
-    secure aggregation's sizing (shoal/secure_sizing.py: t, K_max, the discrete Gaussian), from
-    which ``privacy`` already has the right accountant and ``noise`` (distributed DP's client step,
-    None under the discrete Gaussian, which the encoding adds) its shares and cohort."""
+    clients are, what trains them, their state store, the server's strategy and rounds (on the
+    virtual clock with the deadline keys), SCAFFOLD's control variate, the privacy budget, the wire
+    and the sample of a population's federated evaluation. Built final: ``runner`` names the round
+    runner (``plain``, ``secure_aggregation`` or virtual ``edges``; the simulation makes it, a
+    function of the simulation), ``secure`` is secure aggregation's sizing (shoal/secure_sizing.py:
+    t, K_max, the discrete Gaussian), from which ``privacy`` already has the right accountant and
+    ``noise`` (distributed DP's client step, None under the discrete Gaussian, which the encoding
+    adds) its shares and cohort."""
 
     cfg: Config
     task: Task
@@ -430,14 +431,14 @@ def build_simulation(
     states = make_client_state(cfg.algorithm.state_dir, device)
     strategy = make_round_strategy(cfg, spec.numel, device, n)
     control = ScaffoldControl(spec.numel, n, device) if algorithm_of(cfg).control_variate else None
-    rounds = make_sync_rounds(
-        strategy,
-        client.trainer.flat.detach().clone(),
-        sim.clients_per_round,
-        sim.fraction,
-        sim.seed,
-        sampling=round_sampling(cfg),  # DP: the sampling its accountant assumes
-    )
+    flat = client.trainer.flat.detach().clone()
+    if sim.mode == "sync" and cfg.heterogeneity.enabled:  # the virtual clock's: deadline, over-selection, late
+        a = cfg.asynchronous
+        rounds = make_deadline_rounds(
+            cfg, flat, spec.numel, sim.clients_per_round, sim.fraction, a.deadline_s or None, a.min_fraction, strategy
+        )
+    else:  # DP: the sampling its accountant assumes
+        rounds = make_sync_rounds(strategy, flat, sim.clients_per_round, sim.fraction, sim.seed, round_sampling(cfg))
     rounds.secret = selection_secret(cfg)  # DP: selection and task seeds from the OS
     secure = size_secure_rounds(cfg, n, spec.numel)  # t, K_max and the discrete Gaussian, checked
     ddg = secure.ddg_accounting() if secure is not None else None  # then accounted with its own bound
