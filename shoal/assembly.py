@@ -48,6 +48,7 @@ from shoal.privacy_state import (
     sum_dtype,
 )
 from shoal.rounds import Rounds, SyncRounds
+from shoal.secure_sizing import SecureSizing, size_secure_rounds
 from shoal.seeding import derive_seed, rng
 from shoal.shards import Shard
 from shoal.task import (
@@ -70,6 +71,7 @@ from shoal.tasks import BuiltinTask, builtin_local_data
 if TYPE_CHECKING:
     from shoal.server.privacy import ServerPrivacy
     from shoal.simulations.client_data import ClientShards, PopulationShards
+    from shoal.simulations.dp_hooks import DistributedNoise
     from shoal.simulations.wire_step import WireStep
 
 log = logging.getLogger(__name__)
@@ -335,6 +337,8 @@ def with_batching(cfg: Config, parts: ClientParts, batching: Batching) -> Client
     return dataclasses.replace(parts, batched=batched)
 
 
+RunnerKind = Literal["plain", "secure_aggregation", "edges"]
+
 # A population's federated evaluation: a fixed, seeded sample of a round's size (the same clients
 # every evaluation, so the curve compares rounds), loaded one client at a time.
 _FED_EVAL_STREAM = 0xFEDE  # seeds that sample apart from client sampling
@@ -344,9 +348,14 @@ _FED_EVAL_STREAM = 0xFEDE  # seeds that sample apart from client sampling
 class SimulationParts(HoldsClient):
     """Everything the in-process simulator runs (simulations/inprocess.py): the clients' data
     (``shards``: held tensors, or a population loaded client by client), the test sets, who the
-    clients are, what trains them, their state store, the server's strategy and rounds, SCAFFOLD's
-    control variate, the privacy budget, the wire and the sample of a population's federated
-    evaluation. The round runner is chosen by the simulation (it is a function of it)."""
+    clients are, what trains them, their state store, the server's strategy and rounds (on the
+    virtual clock with the deadline keys), SCAFFOLD's control variate, the privacy budget, the wire
+    and the sample of a population's federated evaluation. Built final: ``runner`` names the round
+    runner (``plain``, ``secure_aggregation`` or virtual ``edges``; the simulation makes it, a
+    function of the simulation), ``secure`` is secure aggregation's sizing (shoal/secure_sizing.py:
+    t, K_max, the discrete Gaussian), from which ``privacy`` already has the right accountant and
+    ``noise`` (distributed DP's client step, None under the discrete Gaussian, which the encoding
+    adds) its shares and cohort."""
 
     cfg: Config
     task: Task
@@ -364,6 +373,9 @@ class SimulationParts(HoldsClient):
     privacy: PrivacyBudget | None
     wire: WireStep
     fed_eval_clients: list[int]
+    runner: RunnerKind = "plain"
+    secure: SecureSizing | None = None
+    noise: DistributedNoise | None = None
 
 
 def build_simulation(
@@ -383,6 +395,7 @@ def build_simulation(
         load_simulation_data,
         on_device,
     )
+    from shoal.simulations.dp_hooks import DistributedNoise
     from shoal.simulations.wire_step import WireStep
 
     task = task if task is not None else task_from_config(cfg)
@@ -418,20 +431,27 @@ def build_simulation(
     states = make_client_state(cfg.algorithm.state_dir, device)
     strategy = make_round_strategy(cfg, spec.numel, device, n)
     control = ScaffoldControl(spec.numel, n, device) if algorithm_of(cfg).control_variate else None
-    rounds = make_sync_rounds(
-        strategy,
-        client.trainer.flat.detach().clone(),
-        sim.clients_per_round,
-        sim.fraction,
-        sim.seed,
-        sampling=round_sampling(cfg),  # DP: the sampling its accountant assumes
-    )
+    flat = client.trainer.flat.detach().clone()
+    if sim.mode == "sync" and cfg.heterogeneity.enabled:  # the virtual clock's: deadline, over-selection, late
+        a = cfg.asynchronous
+        rounds = make_deadline_rounds(
+            cfg, flat, spec.numel, sim.clients_per_round, sim.fraction, a.deadline_s or None, a.min_fraction, strategy
+        )
+    else:  # DP: the sampling its accountant assumes
+        rounds = make_sync_rounds(strategy, flat, sim.clients_per_round, sim.fraction, sim.seed, round_sampling(cfg))
     rounds.secret = selection_secret(cfg)  # DP: selection and task seeds from the OS
-    privacy = (
-        PrivacyBudget(cfg, {c: shards.size(i) for i, c in enumerate(client_ids)}, strategy)
-        if plan_of(cfg).enabled
-        else None
-    )
+    secure = size_secure_rounds(cfg, n, spec.numel)  # t, K_max and the discrete Gaussian, checked
+    ddg = secure.ddg_accounting() if secure is not None else None  # then accounted with its own bound
+    sizes = {c: shards.size(i) for i, c in enumerate(client_ids)}
+    privacy = PrivacyBudget(cfg, sizes, strategy, ddg=ddg) if plan_of(cfg).enabled else None
+    noise = None  # distributed DP's share: N(0, z^2 C^2 / t), t = secure aggregation's survivors or those selected
+    if plan_of(cfg).client_shares and ddg is None:
+        noise = DistributedNoise(cfg, rounds, *((secure.noise_shares, secure.max_summands) if secure else ()))
+    runner: RunnerKind = "plain"
+    if cfg.hierarchy.edges:
+        runner = "edges"
+    elif cfg.secure_aggregation.enabled:
+        runner = "secure_aggregation"
     # top-k residuals: in memory, or beside the clients' state on disk (algorithm.state_dir)
     residuals = None
     if cfg.algorithm.state_dir and cfg.compression.encoding == "topk":
@@ -462,6 +482,9 @@ def build_simulation(
         privacy,
         wire,
         fed_eval,
+        runner,
+        secure,
+        noise,
     )
 
 

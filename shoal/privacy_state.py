@@ -26,7 +26,6 @@ import torch
 
 from shoal.accounting import Accountant, budget_allows, check_delta_against
 from shoal.accounting_dpsgd import LocalDpSgdAccountant, local_schedule
-from shoal.accounting_rounds import DdgRoundAccountant
 from shoal.aggregation import Strategy
 from shoal.aggregation.dp import DPMean, clip_to_norm, make_generator, noise_share, share_std
 from shoal.client.http import NodeError
@@ -95,9 +94,12 @@ class PrivacyBudget:
         client_sizes: dict[str, int],
         strategy: Strategy | None = None,
         sampling: str | None = None,
+        ddg: dict | None = None,
     ):
         """``sampling``: how the engine picks who trains, for records (default: the sync rounds'
-        sampling, :func:`round_sampling`; gossip says ``online``: every online peer trains)."""
+        sampling, :func:`round_sampling`; gossip says ``online``: every online peer trains).
+        ``ddg``: the distributed discrete Gaussian's parameters when that is the mechanism
+        (shoal.secure_sizing sizes them; SecureSizing.ddg_accounting), accounted with its own bound."""
         p = cfg.privacy
         self.plan = plan_of(cfg)
         agg = strategy.aggregator if strategy is not None else None
@@ -110,13 +112,16 @@ class PrivacyBudget:
         if self.plan.dp_sgd:
             schedules = {c: local_schedule(n, cfg.train, cfg.privacy) for c, n in client_sizes.items()}
             self.accountant = self.plan.local_accountant(schedules)
+        elif ddg is not None:
+            n = len(client_sizes)
+            self.accountant = self.plan.ddg_accountant(expected_clients(cfg, n) / n, ddg)
         else:
             n = len(client_sizes)
             k = expected_clients(cfg, n)
             # at z_eff when the round's figures are released noised too (PrivacyPlan.accounted_z)
             self.accountant = self.plan.round_accountant(k / n, sampling=self.sampling, num_clients=n, sample_size=k)
         # epsilon against the server (distributed DP under secure aggregation; None elsewhere)
-        self.server_view = self.plan.server_view_accountant()
+        self.server_view = self.plan.server_view_accountant(ddg)
         check_delta(p.delta, p.mode, client_sizes)
         self.reproducible = p.reproducible
         log.info("privacy accounting: %s; %s", self.accountant.describe(), self.plan.describe_release())
@@ -126,20 +131,6 @@ class PrivacyBudget:
                 f"privacy.target_epsilon = {self.target:g} is below the epsilon of a single round "
                 f"({self.accountant.next_epsilon():.3g} at delta = {self.delta:g}); raise it or "
                 "raise privacy.noise_multiplier"
-            )
-
-    def use_accountant(self, accountant: DdgRoundAccountant) -> None:
-        """Account with another mechanism's analysis (the distributed discrete Gaussian's, which
-        secure aggregation sizes); the target is checked again."""
-        self.accountant = accountant
-        if self.server_view is not None:
-            self.server_view.set_mechanism(ddg=accountant.ddg)
-        log.info("privacy accounting: %s", accountant.describe())
-        if self.target and accountant.next_epsilon() > self.target:
-            raise ConfigError(
-                f"privacy.target_epsilon = {self.target:g} is below the epsilon of a single round "
-                f"({accountant.next_epsilon():.3g} at delta = {self.delta:g}); raise it or raise "
-                "privacy.noise_multiplier"
             )
 
     @property

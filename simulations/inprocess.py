@@ -35,7 +35,6 @@ from .client_data import (
     PopulationShards,
     client_id,
 )
-from .dp_hooks import distributed_noise_step
 from .hierarchy import HierarchicalRound
 from .round_runner import ClientPool, ClientStep, RoundRunner, SummingRunner
 from .run_loop import Report, Step
@@ -92,8 +91,9 @@ class InProcessSimulation:
     Composed, not patched: the client pool (``LocalClients``: one by one or batched, here;
     passed as ``clients`` to train elsewhere or to replace some clients), ``client_steps``
     (what happens to each update before it is sent) and the
-    round runner (``PlainRound``, or secure aggregation's ``SecureAggregationRounds``,
-    chosen from the config or passed as ``runner``, a function of the simulation).
+    round runner (``PlainRound``, secure aggregation's ``SecureAggregationRounds`` or virtual edges'
+    ``HierarchicalRound``, as the parts name it, or passed as ``runner``, a function of the simulation).
+    Every part is read as built: nothing here or in a runner re-wires one.
     """
 
     def __init__(
@@ -124,11 +124,8 @@ class InProcessSimulation:
         self.client_steps: list[ClientStep] = self._client_steps()
         self.participants: set[str] = set()  # every client that trained in some round
         self.clients: ClientPool = (clients or LocalClients)(self)
-        if runner is None and cfg.hierarchy.edges:
-            runner = HierarchicalRound
-        if runner is None and cfg.secure_aggregation.enabled:
-            runner = SecureAggregationRounds
-        self.runner: RoundRunner = (runner or PlainRound)(self)
+        # the round runner the parts name (shoal.assembly chose it), unless one is passed
+        self.runner: RoundRunner = (runner or RUNNERS[parts.runner])(self)
         # secure aggregation's runner: it keeps the last round's protocol outcome (``last``)
         self.secure_aggregation: SecureAggregationRounds | None = None
         if cfg.secure_aggregation.enabled and isinstance(self.runner, SecureAggregationRounds):
@@ -208,11 +205,10 @@ class InProcessSimulation:
         return self.rounds.global_params
 
     def _client_steps(self) -> list[ClientStep]:
-        """The client-side steps the config asks for, in pipeline order (DESIGN.md)."""
-        steps: list[ClientStep] = [*attack_steps(self)]
-        if plan_of(self.cfg).client_shares:
-            steps.append(distributed_noise_step(self.cfg, len(self.client_ids), self.rounds))
-        return [*steps, self.wire]
+        """The client-side steps the config asks for, in pipeline order (DESIGN.md): the simulated
+        attack, then the parts' distributed-DP noise share (built sized, shoal.assembly), the wire."""
+        noise = [self.parts.noise] if self.parts.noise is not None else []
+        return [*attack_steps(self), *noise, self.wire]
 
     def train_clients(
         self, tasks: list[Assignment], global_params: torch.Tensor
@@ -402,6 +398,14 @@ class InProcessSimulation:
         out = {f"fed_{k}": v for k, v in weighted_means(results, self.task).items()}
         out.update({f"fed_personal_{k}": v for k, v in weighted_means(personal, self.task).items()})
         return out
+
+
+# the round runner of each kind shoal.assembly may choose (SimulationParts.runner)
+RUNNERS: dict[str, Callable[[InProcessSimulation], RoundRunner]] = {
+    "plain": PlainRound,
+    "secure_aggregation": SecureAggregationRounds,
+    "edges": HierarchicalRound,
+}
 
 
 def weighted_means(results: list[dict[str, float]], task: Task | None = None) -> dict[str, float]:

@@ -19,6 +19,7 @@ from shoal.rounds import Assignment, SyncRounds
 from shoal.update import PartialSum, Update
 
 if TYPE_CHECKING:
+    from shoal.assembly import SimulationParts
     from shoal.client.state import State
     from shoal.privacy_state import PrivacyBudget
 
@@ -55,7 +56,13 @@ class SummingRunner(Protocol):
 class RunnerHost(Protocol):
     """What a round runner uses of the simulation it runs in (InProcessSimulation)."""
 
-    client_steps: list[ClientStep]  # secure aggregation adds its noise share itself
+    @property
+    def client_steps(self) -> list[ClientStep]:
+        """Attack, DP noise share, wire: fixed when the simulation starts (read, never re-wired)."""
+        ...
+
+    @property
+    def parts(self) -> SimulationParts: ...
 
     @property
     def cfg(self) -> Config: ...

@@ -10,6 +10,9 @@ for SCAFFOLD and FedNova (its control-variate delta; its update over its step we
 aggregation/secagg/payload.py's, shared with the server and the nodes. A round the
 protocol aborts (too few survivors) applies nothing: the global model and version stay.
 
+The sizing (t, K_max, the discrete Gaussian's parameters) is shoal/secure_sizing.py's, done when
+shoal.assembly builds the simulation's parts; this runner only reads it (``sim.parts.secure``).
+
 Distributed DP (docs/privacy.md): every noise share has variance z²C²/t with t = the fewest
 survivors secure aggregation accepts for a round of K clients (K = the expected round size;
 raised to ceil(privacy.min_survivors K) when set, e.g. for SecAgg+ whose threshold counts one
@@ -32,16 +35,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
 
-from shoal.aggregation.discrete_gaussian import DdgCodec, DdgParams, plan
-from shoal.aggregation.dp import cohort_cap, share_std
-from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggResult, SecAggServer
-from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range, example_weight
+from shoal.aggregation.discrete_gaussian import DdgCodec, DdgParams
+from shoal.aggregation.dp import share_std
+from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggResult
+from shoal.aggregation.secagg.encoding import FixedPoint, example_weight
 from shoal.aggregation.secagg.group import SecureMean
 from shoal.aggregation.secagg.memory import STAGES, SecAggCost, injected_dropouts, run_in_memory
 from shoal.aggregation.secagg.payload import SecurePayload, SecureSums
@@ -52,7 +54,6 @@ from shoal.rounds import Assignment
 from shoal.seeding import derive_seed, rng
 from shoal.update import Update
 
-from .dp_hooks import DistributedNoise
 from .round_runner import RunnerHost
 
 log = logging.getLogger(__name__)
@@ -66,77 +67,61 @@ class SecureAggregationRounds:
     def __init__(self, sim: RunnerHost) -> None:
         self.sim = sim
         self.cfg = sim.cfg.secure_aggregation
+        sizing = sim.parts.secure  # t, K_max and the discrete Gaussian, sized when the parts were built
+        if sizing is None:
+            raise TypeError("SecureAggregationRounds runs parts built with [secure_aggregation] enabled = true")
+        self.sizing = sizing
         # distributed DP's server divides the plain sum by K: every client weighs the same
         self.weighting = "uniform" if plan_of(sim.cfg).client_shares else sim.cfg.strategy.weighting
-        n = len(sim.client_ids)
-        k = sim.rounds.sample_size(n)
-        self.max_summands = poisson_cap(n, k) if sim.rounds.sampling == "poisson" else k
-        self.values = FixedPoint(self.cfg.clip, self.cfg.bits, self.max_summands)  # raises if too many x 2^bits
+        self.values = FixedPoint(self.cfg.clip, self.cfg.bits, self.max_summands)
         self.weights = FixedPoint(1.0, self.cfg.bits, self.max_summands)
         self.max_weight = self.cfg.max_weight or sim.shards.max_size()
-        lost = 1 - math.prod(1 - getattr(self.cfg, f"dropout_{s}") for s in STAGES[:3])
-        self.expected_dropout = min(max(lost, 0.1), 0.99)  # sizes an automatic secagg+ degree
         self.payload = SecurePayload(sim.cfg.algorithm.name, sim.spec.numel)  # what each client masks
         self.last: dict = {}
         # how one aggregation's messages move: all in this process, or through virtual edges
         # (simulations/hierarchy.py sets aggregation.secagg.tiers.run_through_edges)
         self.transport: Callable[..., tuple[SecAggResult, SecAggCost]] = run_in_memory
-        self.noise_shares = 0  # distributed DP: t, the fewest survivors a round may complete with
-        p = sim.cfg.privacy
-        self.ddg: DdgParams | None = None  # the distributed discrete Gaussian's parameters
-        if plan_of(sim.cfg).client_shares and p.mechanism == "discrete_gaussian":
-            self.noise_shares = max(self.min_survivors(k), math.ceil(p.min_survivors * k - 1e-9))
-            self._use_discrete_gaussian(k, n)
-        elif plan_of(sim.cfg).client_shares:
-            self.noise_shares = max(self.min_survivors(k), math.ceil(p.min_survivors * k - 1e-9))
-            std = share_std(p.clip_norm, p.noise_multiplier, self.noise_shares)
-            if p.noise_multiplier > 0:
-                check_noise_range(self.values, p.clip_norm, std, self.noise_shares)
-            for step in sim.client_steps:
-                if isinstance(step, DistributedNoise):  # its shares are for t survivors
-                    step.shares = lambda: self.noise_shares
-                    step.cohort = self.max_summands  # the released sum is topped up to K_max shares
+        p, k = sim.cfg.privacy, sizing.sample_size
+        if self.ddg is not None:
+            log.info(
+                "distributed discrete Gaussian with secure aggregation: %d clients per round, each adds integer "
+                "noise of variance %d at granularity gamma = %.4g (sigma = %.4g, t = %d survivors at least), "
+                "modulus 2^%d",
+                k,
+                self.ddg.variance,
+                self.ddg.gamma,
+                self.ddg.client_std,
+                self.noise_shares,
+                self.ddg.bits,
+            )
+        elif self.noise_shares:
             log.info(
                 "distributed DP with secure aggregation: %d clients per round, each adds N(0, %.4g^2) "
                 "(t = %d survivors at least)",
                 k,
-                std,
+                share_std(p.clip_norm, p.noise_multiplier, self.noise_shares),
                 self.noise_shares,
             )
 
-    def _use_discrete_gaussian(self, k: int, n: int) -> None:
-        """Size the mechanism for t survivors, drop the continuous noise step, account with its bound."""
-        sim, p = self.sim, self.sim.cfg.privacy
-        self.ddg = plan(
-            sim.spec.numel, p.clip_norm, p.noise_multiplier, self.noise_shares, self.max_summands, p.bits, p.beta,
-            p.gamma, p.rotation,
-        )  # fmt: skip
-        sim.client_steps = [s for s in sim.client_steps if not isinstance(s, DistributedNoise)]
-        if sim.privacy is not None:
-            ddg = {**self.ddg.as_dict(), "sensitivity_sq": self.ddg.sensitivity_sq()}
-            sim.privacy.use_accountant(sim.privacy.plan.ddg_accountant(k / n, ddg))
-        log.info(
-            "distributed discrete Gaussian with secure aggregation: %d clients per round, each adds integer noise "
-            "of variance %d at granularity gamma = %.4g (sigma = %.4g, t = %d survivors at least), modulus 2^%d",
-            k,
-            self.ddg.variance,
-            self.ddg.gamma,
-            self.ddg.client_std,
-            self.noise_shares,
-            self.ddg.bits,
-        )
+    @property
+    def max_summands(self) -> int:
+        """K_max: the most clients a round is encoded for (a round with more aborts)."""
+        return self.sizing.max_summands
 
-    def min_survivors(self, n: int) -> int:
-        """The fewest survivors secure aggregation accepts in a round of ``n`` clients (its threshold)."""
-        params = SecAggParams(
-            session=b"threshold",
-            vector_size=1,
-            graph=self.cfg.graph,
-            degree=self.cfg.degree,
-            threshold_fraction=self.cfg.threshold,
-            expected_dropout=self.expected_dropout,
-        )
-        return SecAggServer(params, [f"c{i}" for i in range(max(n, 1))]).threshold
+    @property
+    def noise_shares(self) -> int:
+        """Distributed DP: t, the fewest survivors a round may complete with (0 without)."""
+        return self.sizing.noise_shares
+
+    @property
+    def ddg(self) -> DdgParams | None:
+        """The distributed discrete Gaussian's parameters (None: not the mechanism)."""
+        return self.sizing.ddg
+
+    @property
+    def expected_dropout(self) -> float:
+        """What an automatic SecAgg+ degree is sized to survive."""
+        return self.sizing.expected_dropout
 
     def _drop_at(self, ids: list[str], round_: int) -> dict[str, str]:
         """Which client drops at which stage: at each stage it is still in, a client
@@ -244,8 +229,3 @@ class SecureAggregationRounds:
         total = codec.decode(result.total[:-1])
         n = max(len(result.included), 1)
         return SecureMean(total / n, result.included, float(n), cost)
-
-
-def poisson_cap(n: int, k: int) -> int:
-    """The most clients a Poisson round (mean k of n) is encoded for (aggregation.dp.cohort_cap)."""
-    return cohort_cap(n, k)

@@ -16,23 +16,14 @@ import logging
 from collections.abc import Iterator
 from typing import Any
 
-from shoal import assembly
 from shoal.config import Config
-from shoal.errors import UpdateRejected, WireError
-from shoal.rounds import RoundSummary, SyncRounds, evaluation_due
+from shoal.errors import ConfigError, UpdateRejected, WireError
+from shoal.rounds import RoundSummary, evaluation_due
 
 from .async_engine import VirtualClients, VirtualEngine, staleness_figures
 from .inprocess import InProcessSimulation
 
 log = logging.getLogger(__name__)
-
-
-def make_deadline_rounds(cfg: Config, global_params, numel: int) -> SyncRounds:
-    """SyncRounds with the ``[asynchronous]`` deadline, over-selection and late-result keys."""
-    a, sim = cfg.asynchronous, cfg.simulation
-    return assembly.make_deadline_rounds(
-        cfg, global_params, numel, sim.clients_per_round, sim.fraction, a.deadline_s or None, a.min_fraction
-    )
 
 
 class VirtualSyncEngine(VirtualEngine):
@@ -44,7 +35,10 @@ class VirtualSyncEngine(VirtualEngine):
         self.cfg = cfg
         self.clients = VirtualClients(cfg, sim)
         self.sim = self.clients.sim
-        self.rounds = make_deadline_rounds(cfg, self.sim.trainer.flat.detach().clone(), self.sim.spec.numel)
+        if not self.sim.cfg.heterogeneity.enabled:
+            raise ConfigError("the virtual-clock sync engine runs configs with heterogeneity.enabled = true")
+        # the deadline-aware SyncRounds shoal.assembly built for the virtual clock (SimulationParts.rounds)
+        self.rounds = self.sim.rounds
         self.live: set[str] = set()  # selected this round, still training
         self.accepted = 0
         self.rejected: dict[str, int] = {}

@@ -6,10 +6,12 @@ import pytest
 import torch
 
 from shoal import assembly
+from shoal.accounting_rounds import DdgRoundAccountant
 from shoal.assembly import Batching, ClientParts, GossipParts, ServerParts, SimulationParts
 from shoal.config import load_config
 from shoal.rounds import SyncRounds
 from shoal.server.service import ServerService
+from shoal.simulations.dp_hooks import DistributedNoise
 from shoal.simulations.gossip import GossipSimulation
 from shoal.simulations.inprocess import InProcessSimulation
 from shoal.simulations.run_loop import Step, run_engine
@@ -56,6 +58,34 @@ def test_async_server_parts_have_no_sync_rounds_and_stateful_algorithms_are_refu
         assembly.build(cfg('server.mode="async"', 'algorithm.name="scaffold"'), None, "server")
     with pytest.raises(ValueError, match="no parts for role"):
         assembly.build(c, None, "edge")  # type: ignore[call-overload]
+
+
+@pytest.mark.parametrize("mechanism", ["gaussian", "discrete_gaussian"])
+def test_secure_dp_parts_are_final_when_built(mechanism):
+    """The round runner, the sizing (t, K_max, the discrete Gaussian), the accountant and the noise step
+    are chosen by build; running a round re-wires none of them."""
+    c = cfg(
+        *("secure_aggregation.enabled=true", "secure_aggregation.bits=20", "secure_aggregation.clip=9"),
+        *('privacy.mode="distributed"', f'privacy.mechanism="{mechanism}"', "privacy.noise_multiplier=0.8"),
+        "privacy.reproducible=true",
+    )
+    parts = assembly.build(c, None, "simulation")
+    sizing, privacy = parts.secure, parts.privacy
+    assert parts.runner == "secure_aggregation" and sizing is not None and privacy is not None
+    accountant = privacy.accountant
+    if mechanism == "discrete_gaussian":  # the mechanism's own bound, and no continuous noise step
+        assert isinstance(accountant, DdgRoundAccountant) and parts.noise is None
+        assert sizing.ddg is not None and sizing.ddg.shares == sizing.noise_shares
+    else:  # each share sized for t survivors, the released sum topped up to K_max shares
+        assert parts.noise is not None and sizing.ddg is None and not isinstance(accountant, DdgRoundAccountant)
+        assert (parts.noise.shares(), parts.noise.cohort) == (sizing.noise_shares, sizing.max_summands)
+    sim = InProcessSimulation(parts)
+    steps = list(sim.client_steps)
+    assert [s for s in steps if isinstance(s, DistributedNoise)] == ([] if parts.noise is None else [parts.noise])
+    sim.run_round()
+    assert sim.privacy is privacy and privacy.accountant is accountant and accountant.rounds == 1
+    assert sim.client_steps == steps and sim.rounds is parts.rounds
+    assert sim.secure_aggregation is not None and sim.secure_aggregation.sizing is sizing
 
 
 def test_batching_is_decided_once_for_every_role():

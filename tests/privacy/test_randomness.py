@@ -82,7 +82,7 @@ def test_reproducible_mode_repeats_and_says_what_it_gives_up(os_entropy):
 @pytest.mark.parametrize("reproducible", [False, True])
 def test_distributed_noise_shares(reproducible):
     c = cfg("distributed", f"privacy.reproducible={str(reproducible).lower()}")
-    step = DistributedNoise(c, shares=lambda: 4)
+    step = DistributedNoise(c, shares=4)
     task = Assignment("c0", 1, 0, seed=1234)
     draws = [step(task, Update(torch.zeros(1000), 10, 0)).delta for _ in range(2)]
     assert torch.equal(draws[0], draws[1]) == reproducible
