@@ -40,9 +40,9 @@ __all__ = ["check_gossip_settings", "make_merge_bound", "robust_gossip_average",
 
 def make_merge_bound(cfg: Config) -> MergeBound:
     """A peer's safe-merge bound from ``gossip.merge_bound``, ``merge_radius``, ``max_drift``,
-    ``max_abs`` and ``bound_mode``."""
+    ``merge_far``, ``max_abs`` and ``bound_mode``."""
     g = cfg.gossip
-    return MergeBound(g.merge_bound, g.max_abs, g.bound_mode, g.merge_radius, g.max_drift)
+    return MergeBound(g.merge_bound, g.max_abs, g.bound_mode, g.merge_radius, g.max_drift, far=g.merge_far)
 
 
 def robust_gossip_average(

@@ -271,6 +271,7 @@ class GossipConfig:
     merge_radius: float = 0.0  # > 0: a fixed clipping radius (L2) instead of the adaptive one
     max_drift: float = 4.0  # between two local steps merges move a model by a path of at most this x the radius
     # (0 = no budget)
+    merge_far: float = 4.0  # a model more than this x the radius away is refused, not clipped (0 = clip however far)
     max_abs: float = 1e4  # a received model with a value beyond this (absolute) is refused; 0 = finite only
     allow_networks: list[str] = field(default_factory=list)  # `shoal peer`: CIDRs contacted whatever their
     # kind (by default only addresses of the kinds of --advertise and --bootstrap; p2p/addresses.py)
@@ -304,6 +305,9 @@ class GossipConfig:
         positive("gossip.merge_bound", self.merge_bound, allow_zero=True)
         positive("gossip.merge_radius", self.merge_radius, allow_zero=True)
         positive("gossip.max_drift", self.max_drift, allow_zero=True)
+        positive("gossip.merge_far", self.merge_far, allow_zero=True)
+        if 0 < self.merge_far < 1:
+            raise ConfigError(f"gossip.merge_far = {self.merge_far} must be 0 (off) or >= 1 (a multiple of the radius)")
         positive("gossip.max_abs", self.max_abs, allow_zero=True)
         positive("gossip.max_age_gap", self.max_age_gap, allow_zero=True)
         positive("gossip.view_size", self.view_size)
