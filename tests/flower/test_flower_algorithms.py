@@ -109,7 +109,22 @@ def server_process():
         TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = before
 
 
-def run_local_flower(cfg, num_nodes: int) -> tuple[list[dict[str, float]], torch.Tensor, LocalGrid]:
+class ArrivingGrid(LocalGrid):
+    """Flower's simulation registers its SuperNodes while the ServerApp already runs: here one
+    more node is connected at each look."""
+
+    def __init__(self, client_app, num_nodes: int):
+        super().__init__(client_app, num_nodes)
+        self.seen = 0
+
+    def get_node_ids(self):
+        self.seen = min(self.seen + 1, len(self.contexts))
+        return list(self.contexts)[: self.seen]
+
+
+def run_local_flower(
+    cfg, num_nodes: int, grid_class: type[LocalGrid] = LocalGrid
+) -> tuple[list[dict[str, float]], torch.Tensor, LocalGrid]:
     """shoal's ServerApp and ClientApp of ``cfg`` over a LocalGrid: each evaluated round's figures
     and the final global model."""
     rounds: list[dict[str, float]] = []
@@ -119,7 +134,7 @@ def run_local_flower(cfg, num_nodes: int) -> tuple[list[dict[str, float]], torch
         rounds.append({**ev, "train_loss": summary.train_loss})
         final[:] = [params]
 
-    grid = LocalGrid(make_client_app(cfg, "cpu"), num_nodes)
+    grid = grid_class(make_client_app(cfg, "cpu"), num_nodes)
     with server_process():
         server = make_server_app(cfg, on_round, strict=True)
         server(grid, Context(run_id=1, node_id=SERVER_NODE, node_config={}, state=RecordDict(), run_config={}))
@@ -139,6 +154,17 @@ def close(a: dict[str, float], b: dict[str, float]) -> None:
     assert set(a) == set(b)
     for key in a:
         assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), (key, a[key], b[key])
+
+
+def test_the_simulation_samples_from_every_node_even_while_they_are_still_registering(task_file):
+    """The simulation's ServerApp waits for all its nodes before the first round's sampling: the
+    clients the in-process engine picks, however late Flower registers the last nodes."""
+    cfg = load_config(None, small(task_file, "simulation.engine='flower'", "simulation.rounds=1"))
+    flower, flower_model, grid = run_local_flower(cfg, cfg.simulation.num_clients, ArrivingGrid)
+    inproc, inproc_model = run_inprocess(load_config(None, small(task_file, "simulation.rounds=1")))
+    assert grid.seen == cfg.simulation.num_clients
+    assert (flower_model - inproc_model).abs().max().item() <= 1e-5
+    close(flower[0], inproc[0])
 
 
 @pytest.mark.parametrize(
