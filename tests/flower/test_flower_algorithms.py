@@ -4,7 +4,7 @@ and kept momentum through Flower give the in-process engine's global model and f
 
 Most cases run shoal's ServerApp and ClientApp with Flower's own Messages, Contexts and
 dispatch, the nodes served in this process by a small grid (no Ray, well under a second a
-case); one case runs the real Flower simulation (Ray) as ``simulation.engine = 'flower'`` does.
+case); tests/flower/test_flower.py runs FedPer through the real Flower simulation (Ray).
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ from shoal.flower.apps import (
     to_arrays,
 )
 from shoal.flower.client_app import make_client_app
-from shoal.metrics import read_jsonl
-from shoal.simulations.experiment import run_simulation
 from shoal.simulations.inprocess import InProcessSimulation
 
 from ..simulations.test_client_algorithms import TASK  # two of four classes per client, a personal head
@@ -299,31 +297,3 @@ def test_a_broadcast_not_of_the_models_size_is_refused_before_training(task_file
         with pytest.raises(ValueError, match="'scaffold/c' of 3"):
             grid.send_and_receive([msg])
     assert not grid.contexts[100].state.array_records
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("ray")  # one Ray runtime at a time (make test: -n 2)
-@pytest.mark.timeout(300)
-def test_fedper_through_the_flower_simulation_gives_the_inprocess_model_and_personal_figures(task_file, tmp_path):
-    """The real engine (Ray actors, each serving several nodes): FedPer's personal heads stay in
-    each node's context.state, personalised evaluation runs on the nodes."""
-    from shoal.flower.engine import run_flower
-
-    sets = small(task_file, "algorithm.name='fedper'", "algorithm.personal_eval_steps=2")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as Ray gives each 1-CPU actor
-    try:
-        flower = run_flower(load_config(None, [*sets, "simulation.engine='flower'"]), tmp_path / "fl", progress=False)
-        run_simulation(load_config(None, sets), tmp_path / "ip", progress=False)
-        _, inproc_model = run_inprocess(load_config(None, sets))
-    finally:
-        torch.set_num_threads(threads)
-    assert (flower.global_params - inproc_model).abs().max().item() <= 1e-5
-    ours, theirs = read_jsonl(tmp_path / "fl" / "metrics.jsonl"), read_jsonl(tmp_path / "ip" / "metrics.jsonl")
-    assert [r["round"] for r in ours] == [1, 2]
-    for a, b in zip(ours, theirs, strict=True):
-        assert set(a) == set(b) and "fed_personal_accuracy" in a
-        for key in ("fed_personal_accuracy", "fed_personal_loss", "fed_accuracy", "test_accuracy", "train_loss"):
-            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), key
-    # the personal heads helped: each client's own two classes
-    assert ours[-1]["fed_personal_accuracy"] > ours[-1]["fed_accuracy"]
