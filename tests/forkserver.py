@@ -5,9 +5,10 @@ request. Each child is a real process running the real entry point (``python -m 
 file, exactly as if it had been exec'd; only the import is shared. tests/spawn.py drives it.
 
 Protocol (one JSON object per line): requests on stdin ``{"id", "module" | "path", "argv", "cwd",
-"env", "log", "append", "session"}``; answers on stdout ``{"id", "pid"}`` (or ``{"id", "error"}``),
-then ``{"exit": pid, "status": code}`` when a child ends (code < 0: killed by that signal). It
-exits when stdin closes (the pytest worker ended).
+"env", "log", "err", "append", "session"}`` (``err``: stderr's own file, else it goes with stdout
+to ``log``); answers on stdout ``{"id", "pid"}`` (or ``{"id", "error"}``), then ``{"exit": pid,
+"status": code}`` when a child ends (code < 0: killed by that signal). It exits when stdin closes
+(the pytest worker ended).
 
 Nothing here runs a torch op before forking, so no thread pool exists to be copied half-made; a
 child reseeds what a fresh interpreter would have seeded from the OS (numpy's global generator).
@@ -116,6 +117,10 @@ def run_child(req: dict[str, Any]) -> None:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
+    if req.get("err"):  # stderr to its own file
+        err = os.open(req["err"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(err, 2)
+        os.close(err)
     sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own stdin, for its lifetime
     sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
     sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)

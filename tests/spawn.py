@@ -167,24 +167,51 @@ def python_process(
     cwd: Path | None = None,
     append: bool = False,
     new_session: bool = True,
+    err: Path | None = None,
 ) -> Forked | subprocess.Popen:
-    """``python -m MODULE ARGV`` (or ``python SCRIPT ARGV``) with stdout and stderr to ``log``,
-    forked warm unless ``SHOAL_TEST_SPAWN=exec``."""
+    """``python -m MODULE ARGV`` (or ``python SCRIPT ARGV``) with stdout and stderr to ``log``
+    (stderr to ``err`` if given), forked warm unless ``SHOAL_TEST_SPAWN=exec``."""
     env = dict(os.environ if env is None else env)
     cwd = cwd or Path.cwd()
     entry = ["-m", module] if script is None else [str(script)]
     if os.environ.get("SHOAL_TEST_SPAWN", "fork") == "exec":
-        with log.open("ab" if append else "wb") as out:
+        with log.open("ab" if append else "wb") as out, (err or log).open("ab" if err is None else "wb") as errs:
             return subprocess.Popen(
                 [sys.executable, *entry, *argv],
                 stdout=out,
-                stderr=subprocess.STDOUT,
+                stderr=subprocess.STDOUT if err is None else errs,
                 env=env,
                 cwd=cwd,
                 start_new_session=new_session,
             )
     server = _fork_server()
     req: dict[str, Any] = {"argv": [str(a) for a in argv], "cwd": str(cwd), "env": env, "log": str(log.absolute())}
-    req.update({"append": append, "session": new_session})
+    req.update({"append": append, "session": new_session, "err": str(err.absolute()) if err else None})
     req.update({"module": module} if script is None else {"path": str(script)})
     return Forked(server, server.start(req), [sys.executable, *entry, *argv])
+
+
+def run_python(
+    argv: list[str],
+    *,
+    module: str | None = "shoal.cli",
+    script: Path | None = None,
+    env: dict[str, str] | None = None,
+    cwd: Path | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """:func:`subprocess.run` of ``python -m MODULE ARGV`` with its output captured as text, started
+    as :func:`python_process` starts it."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="shoal-run-") as tmp:
+        out, err = Path(tmp) / "out", Path(tmp) / "err"
+        p = python_process(argv, out, module=module, script=script, env=env, cwd=cwd, new_session=False, err=err)
+        try:
+            rc = p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait(10)
+            raise
+        cmd = [sys.executable, *(["-m", module] if script is None else [str(script)]), *argv]
+        return subprocess.CompletedProcess(cmd, rc, out.read_text(), err.read_text())

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
@@ -18,6 +16,7 @@ from shoal.config import TrainConfig, load_config
 from shoal.params import ParamSpec
 from shoal.simulations.inprocess import InProcessSimulation
 from shoal.task import TaskError, check_loss, load_task
+from tests.spawn import run_python
 
 TASK_FILE = """
 import torch
@@ -138,13 +137,7 @@ def test_a_broken_task_part_is_named(tmp_path, body, needle):
 def test_the_cli_prints_one_line_and_exits_2_for_a_broken_task(tmp_path):
     path = tmp_path / "t.py"
     path.write_text("def broken(:\n")
-    proc = subprocess.run(
-        [sys.executable, "-m", "shoal.cli", "simulate", "--task", f"{path}:task", "-q"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-    )
+    proc = run_python(["simulate", "--task", f"{path}:task", "-q"], timeout=120, cwd=tmp_path)
     assert proc.returncode == 2
     assert proc.stderr.startswith(f"error: task {path}:task: importing {path} failed: SyntaxError")
     assert "Traceback" not in proc.stderr

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from shoal.config import load_config
 from shoal.metrics import read_jsonl
 from shoal.report import load_run, panels
 from shoal.simulations.experiment import run_simulation
+from tests.spawn import run_python
 
 SMALL = [
     "simulation.num_clients=8",
@@ -25,9 +25,7 @@ SMALL = [
 
 def _shoal(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    return subprocess.run(
-        [sys.executable, "-m", "shoal.cli", *args], capture_output=True, text=True, env=env, timeout=120
-    )
+    return run_python(list(args), env=env, timeout=120)
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ from shoal.params import ParamSpec
 from shoal.task import TaskError, load_task, make_model
 from shoal.update import Update
 from shoal.wire import encode_update
+from tests.spawn import run_python
 
 from ..conftest import REPO
 
@@ -43,9 +44,7 @@ def simulate(tmp_path: Path, task: str, *sets: str) -> list[dict]:
     args = ["simulate", "-q", "--task", f"examples/tasks/{task}", "--out", str(tmp_path)]
     for s in sets:
         args += ["--set", s]
-    r = subprocess.run(
-        SHOAL + args, capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, **ENV_1THREAD}
-    )
+    r = run_python(args, cwd=REPO, env={**os.environ, **ENV_1THREAD}, timeout=300)
     assert r.returncode == 0, r.stderr
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 

@@ -98,7 +98,9 @@ def test_distributed_dp_with_secure_aggregation_and_a_node_killed_after_masking(
             '\n[privacy]\nmode = "distributed"\nnoise_multiplier = 1.0\nclip_norm = 1.0\n'
             "\n[secure_aggregation]\nenabled = true\nstage_s = 4.0\nclip = 6.0\n",
         )
-        server = d.server("--insecure", "--set", f"server.clients_per_round={N}")
+        # the dead node counts as connected for poll_s + 5 s after its last word: round 1's unmask stage
+        # waits stage_s for it, so a short poll_s could drop it below min_nodes = 5 before round 2 opens
+        server = d.server("--insecure", "--set", f"server.clients_per_round={N}", "--set", "server.poll_s=10")
         clients = [d.client(i) for i in range(N - 1)]
         victim = d.client(N - 1, entry=KILL_AFTER_MASKED)
         assert _wait(victim, d, 90) == -signal.SIGKILL, d.dump()

@@ -13,7 +13,6 @@ import os
 import signal
 import ssl
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -227,10 +226,10 @@ def test_unreadable_data_and_a_task_that_does_not_import_are_one_line(tmp_path):
     missing = tmp_path / "user" / "no-such-node.pt"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
 
-    def shoal(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            [sys.executable, "-m", "shoal.cli", *args], capture_output=True, text=True, timeout=60, env=env
-        )
+    def shoal(*args: str) -> tuple[int, str]:
+        """The exit status and what the process wrote (stdout and stderr: only stderr has anything)."""
+        log = tmp_path / f"run-{len(list(tmp_path.glob('run-*.log')))}.log"
+        return python_process(list(args), log, env=env).wait(120), log.read_text()
 
     client = ["client", "--server", "https://127.0.0.1:9", "--token-file", str(token)]
     cases = {
@@ -256,7 +255,7 @@ def test_unreadable_data_and_a_task_that_does_not_import_are_one_line(tmp_path):
             ["broken.py:T", "shoal_no_such_module_for_tests"],
         ),
     }
-    for case, (res, words) in cases.items():
-        lines = res.stderr.strip().splitlines()
-        assert res.returncode == 2 and len(lines) == 1 and lines[0].startswith("error: "), (case, res.stderr)
+    for case, ((rc, out), words) in cases.items():
+        lines = out.strip().splitlines()
+        assert rc == 2 and len(lines) == 1 and lines[0].startswith("error: "), (case, out)
         assert all(w in lines[0] for w in words), (case, lines[0])

@@ -3,10 +3,10 @@
 import csv
 import math
 import os
-import subprocess
-import sys
 
 import pytest
+
+from tests.spawn import run_python
 
 CONFIG = """
 [simulation]
@@ -33,13 +33,7 @@ def test_privacy_sweep_writes_table_csv_and_plot(tmp_path):
     cfg.write_text(CONFIG)
     out = tmp_path / "out"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "shoal.cli", "privacy-sweep", "--config", str(cfg), "--out", str(out), "-q"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
+    proc = run_python(["privacy-sweep", "--config", str(cfg), "--out", str(out), "-q"], timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr
     rows = list(csv.DictReader((out / "results.csv").open()))
     assert [(r["mode"], float(r["noise_multiplier"])) for r in rows] == [

@@ -1,18 +1,18 @@
 """The `shoal simulate` job as a user runs it: a real subprocess, real files."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
 from tests.conftest import REPO
+from tests.spawn import run_python
 
 SHOAL = [sys.executable, "-m", "shoal.cli"]
 
 
 def run(args, **kw):
-    return subprocess.run(SHOAL + args, capture_output=True, text=True, timeout=300, cwd=kw.pop("cwd", REPO), **kw)
+    return run_python(args, cwd=kw.pop("cwd", REPO), timeout=300, **kw)
 
 
 def test_help_lists_the_jobs():

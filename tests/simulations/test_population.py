@@ -6,8 +6,6 @@ selects, and refuse with one line what it cannot do without every client's data.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -22,6 +20,7 @@ from shoal.synthetic import SyntheticPopulation
 from shoal.task import TaskError
 from shoal.tasks import SyntheticPopulationTask
 from tests.conftest import REPO
+from tests.spawn import run_python
 
 
 def cfg(n: int, k: int, *extra: str):
@@ -223,12 +222,10 @@ def test_synthetic_population_is_a_function_of_seed_and_client():
 
 
 def test_cli_simulates_the_builtin_population(tmp_path):
-    r = subprocess.run(
-        [sys.executable, "-m", "shoal.cli", "simulate", "-q", "--task", "shoal.tasks:SyntheticPopulationTask"]
+    r = run_python(
+        ["simulate", "-q", "--task", "shoal.tasks:SyntheticPopulationTask"]
         + ["--out", str(tmp_path), "--set", "simulation.num_clients=20000", "--set", "simulation.clients_per_round=20"]
         + ["--set", "simulation.rounds=3"],
-        capture_output=True,
-        text=True,
         timeout=120,
         cwd=REPO,
     )

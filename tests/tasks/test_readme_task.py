@@ -11,10 +11,11 @@ import json
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests.spawn import run_python
 
 from .deploy import run_peers, run_server_and_clients
 
@@ -36,9 +37,7 @@ def task_dir(tmp_path: Path) -> Path:
 
 def shoal(*args: str, cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-m", "shoal.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
-    )
+    proc = run_python(list(args), cwd=cwd, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
 
