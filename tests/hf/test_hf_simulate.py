@@ -35,8 +35,8 @@ BASE = [
 ]
 
 
-def config(*extra: str, engine: str = "inprocess"):
-    return load_config(None, [*BASE, f"simulation.engine='{engine}'", "simulation.ray_workers_per_node=1", *extra])
+def config(*extra: str):
+    return load_config(None, [*BASE, *extra])
 
 
 @pytest.mark.timeout(300)
