@@ -36,6 +36,9 @@ SMALL = [
     "output.plots=false",
     "simulation.ray_num_cpus=2",
     "simulation.flower_client_cpus=1",
+    # the ServerApp's thread waits this long for clients that never come; the interpreter waits
+    # for that thread at exit (at the default 300 s the pytest process outlived the suite by minutes)
+    "simulation.ray_start_timeout_s=5",
 ]
 
 
