@@ -63,7 +63,8 @@ def main() -> None:
         dp = {}
         for reproducible in (True, False):
             torch.manual_seed(0)
-            privacy = PrivacyConfig(mode="local", reproducible=reproducible)
+            # as many steps as plain SGD's epoch (n // B), at rate B / n: the per-step times compare
+            privacy = PrivacyConfig(mode="local", reproducible=reproducible, local_steps=steps)
             dp[reproducible] = DpSgdTrainer(build_model(name, (1, 28, 28), 10), cfg, privacy, device)
         start = plain.flat.detach().clone()
         t_plain = best_of(plain, start, x, y, a.repeats, device)

@@ -1,11 +1,12 @@
 """Local differential privacy on a client: DP-SGD (Abadi et al. 2016) with Opacus.
 
-Each local step draws a Poisson sample of the client's examples (rate q = B / n_k, the
-assumption of the accountant), and Opacus computes per-sample gradients
-(``GradSampleModule``), clips each to ``privacy.clip_norm`` and adds N(0, z² C²) to their
-sum (``DPOptimizer``), divided by the expected batch size B. The update the client sends
+Each local step draws a Poisson sample of the client's examples (rate q = B / n_k, or
+``privacy.local_sampling_rate``: the accountant's assumption), and Opacus computes per-sample
+gradients (``GradSampleModule``), clips each to ``privacy.clip_norm`` and adds N(0, z² C²) to
+their sum (``DPOptimizer``), divided by the expected batch size B. The update the client sends
 is then differentially private with respect to each of its examples, whatever the server
-does with it.
+does with it. A round is a fixed number of such steps by default (``privacy.local_schedule =
+"steps"``), so how long it takes does not tell how many examples the client holds.
 
 The flat-buffer binding stays: the model's parameters remain views of the trainer's
 flat buffer, Opacus writes fresh ``.grad`` tensors and torch's SGD updates the
@@ -27,7 +28,7 @@ from opacus.optimizers.optimizer import _check_processed_flag, _mark_as_processe
 from opacus.validators import ModuleValidator
 from torch import nn
 
-from shoal.accounting_dpsgd import dp_sgd_schedule
+from shoal.accounting_dpsgd import local_schedule
 from shoal.client.training import LocalTrainer, Objective
 from shoal.config import PrivacyConfig, TrainConfig
 from shoal.errors import ConfigError
@@ -106,6 +107,12 @@ class DpSgdTrainer(LocalTrainer):
             )
         super().__init__(fix_for_opacus(model), cfg, device, task=task)
         self.privacy = privacy
+        if privacy.local_schedule == "epochs":
+            log.warning(
+                "DP-SGD: privacy.local_schedule = 'epochs' runs train.epochs * round(n / B) steps a round, so "
+                "the round's duration reveals this client's example count n (not covered by the epsilon); "
+                "the default 'steps' runs a fixed number"
+            )
         self.grad_sample_module = GradSampleModule(self.model, loss_reduction="mean")
         self._sgd = torch.optim.SGD(
             self.model.parameters(), lr=cfg.lr, momentum=cfg.momentum, weight_decay=cfg.weight_decay
@@ -142,8 +149,9 @@ class DpSgdTrainer(LocalTrainer):
         sender: str = "",
         objective: Objective | None = None,
     ) -> Update:
-        """``epochs * round(n / B)`` DP-SGD steps on Poisson samples of rate B / n from ``global_flat`` (or, with
-        ``privacy.local_sampling_rate`` q, ``epochs * round(1 / q)`` steps of rate q)."""
+        """DP-SGD steps on Poisson samples from ``global_flat``, on the schedule the accountant charges
+        (:func:`~shoal.accounting_dpsgd.local_schedule`): by default ``privacy.local_steps`` steps of rate
+        B / n (or ``privacy.local_sampling_rate``), whatever n is."""
         if objective is not None:  # config rules refuse [algorithm] with privacy.mode = 'local'
             raise ConfigError("DP-SGD (privacy.mode = 'local') trains plain local SGD; it takes no algorithm objective")
         cfg, flat = self.cfg, self.flat
@@ -151,11 +159,11 @@ class DpSgdTrainer(LocalTrainer):
         flat.copy_(global_flat)
         self._sgd.state.clear()  # momentum starts at zero for every client
         n = int(y.shape[0])
-        rate = self.privacy.local_sampling_rate
-        q, steps = dp_sgd_schedule(n, cfg.batch(n), cfg.epochs, rate)
-        # the noisy sum is divided by B; with a fixed rate by the configured B (never by n_k: the step's
-        # scale would then depend on the data, outside the analysis)
-        self._dp_opt.expected_batch_size = self._public_batch() if rate else cfg.batch(n)
+        q, steps = local_schedule(n, cfg, self.privacy)
+        # the noisy sum is divided by B; with a fixed rate or a fixed step count by the configured B (never by
+        # n_k: the step's scale would then depend on the data, outside the analysis)
+        fixed = self.privacy.local_sampling_rate > 0 or self.privacy.local_schedule == "steps"
+        self._dp_opt.expected_batch_size = self._public_batch() if fixed else cfg.batch(n)
         # privacy.reproducible: noise and batches from the task's seed; otherwise both from a CSPRNG
         # (shoal.noise) keyed with 256 bits from the OS
         src = None if self.privacy.reproducible else NoiseSource()
@@ -204,12 +212,13 @@ class DpSgdTrainer(LocalTrainer):
                 p.grad_sample[bad] = 0  # type: ignore[attr-defined]
 
     def _public_batch(self) -> int:
-        """train.batch_size as a number that does not depend on the data (privacy.local_sampling_rate)."""
+        """train.batch_size as a number that does not depend on the data (config rules refuse a full batch)."""
         b = self.cfg.batch_size
         if not b or b == float("inf"):
             raise ConfigError(
-                "privacy.local_sampling_rate needs a finite train.batch_size B: the noisy gradient sum is "
-                "divided by B, which must not depend on a client's example count"
+                "privacy.mode = 'local' with privacy.local_schedule = 'steps' or privacy.local_sampling_rate needs "
+                "a finite train.batch_size B: the noisy gradient sum is divided by B, which must not depend on a "
+                "client's example count"
             )
         return int(b)
 

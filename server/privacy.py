@@ -401,7 +401,8 @@ class ServerPrivacy:
         p = self.p
         if not self.plan.dp_sgd or not p.local_sampling_rate:
             return None
-        q, steps = dp_sgd_schedule(1, 1, self.cfg.train.epochs, p.local_sampling_rate)
+        epochs = self.cfg.train.epochs
+        q, steps = dp_sgd_schedule(1, 1, epochs, p.local_sampling_rate, p.round_steps(epochs))
         return {
             "epsilon": dp_epsilon(q, p.noise_multiplier, steps * rounds, p.delta, p.accountant),
             "epsilon_next": dp_epsilon(q, p.noise_multiplier, steps * (rounds + 1), p.delta, p.accountant),
@@ -420,9 +421,9 @@ class ServerPrivacy:
             if not math.isclose(float(report[key]), float(public[key]), rel_tol=1e-6, abs_tol=1e-9):
                 raise Malformed(
                     f"privacy report: {key} = {report[key]:.6g} after {report['rounds']} rounds, but "
-                    f"privacy.local_sampling_rate = {self.p.local_sampling_rate:g} with {self.cfg.train.epochs} "
-                    f"epochs gives {public[key]:.6g} for every node: run the node with the server's [privacy] "
-                    "and [train] tables"
+                    f"privacy.local_sampling_rate = {self.p.local_sampling_rate:g} with "
+                    f"{self.p.round_steps(self.cfg.train.epochs)} steps a round gives {public[key]:.6g} for every "
+                    "node: run the node with the server's [privacy] and [train] tables"
                 )
         return public
 
@@ -470,20 +471,21 @@ class ServerPrivacy:
             return "not bound to the registry yet"
         if self.p.local_sampling_rate:
             return (
-                f"example-level DP-SGD on each node at the run's sampling rate q = {self.p.local_sampling_rate:g} "
-                "(whatever a node's data size), over the rounds it took part in; every node's report is checked "
+                f"example-level DP-SGD on each node at the run's sampling rate q = {self.p.local_sampling_rate:g}, "
+                f"{self.p.round_steps(self.cfg.train.epochs)} steps a round (whatever a node's data size), over the "
+                "rounds it took part in; every node's report is checked "
                 "against that public schedule and the worst node's is shown"
             )
         if self.reports_withheld:
             return (
-                "example-level DP-SGD on each node, accounted by the node over its own data size, batch, epochs "
-                "and the rounds it took part in; each node enforces privacy.target_epsilon itself and keeps its "
-                "epsilon (at q = B / n_k it would reveal roughly the node's example count; set "
+                "example-level DP-SGD on each node, accounted by the node over its own data size, batch, steps "
+                "a round and the rounds it took part in; each node enforces privacy.target_epsilon itself and keeps "
+                "its epsilon (at q = B / n_k it would reveal roughly the node's example count; set "
                 "privacy.local_sampling_rate to have reports the server checks and shows)"
             )
         return (
-            "example-level DP-SGD on each node, accounted by the node over its own data size, batch, epochs "
-            "and the rounds it took part in; the worst node's report is shown (privacy.release = 'clear': "
+            "example-level DP-SGD on each node, accounted by the node over its own data size, batch, steps "
+            "a round and the rounds it took part in; the worst node's report is shown (privacy.release = 'clear': "
             "not checked, and it reveals roughly each node's example count)"
         )
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from shoal.accounting import epsilon
+from shoal.config import PrivacyConfig, TrainConfig
 
 
 class LocalDpSgdAccountant:
@@ -39,7 +40,8 @@ class LocalDpSgdAccountant:
 
     def describe(self) -> str:
         return (
-            f"example-level DP-SGD per client: Poisson sampling of examples (rate B/n_k) and "
+            "example-level DP-SGD per client: Poisson sampling of examples (rate B/n_k, or "
+            "privacy.local_sampling_rate) in each client's steps a round (privacy.local_schedule), "
             f"{self.kind.upper()} composition over each client's realised participations, add/remove-one "
             f"example; the worst client is reported (z = {self.z:g})"
         )
@@ -85,12 +87,27 @@ class LocalDpSgdAccountant:
         self.participations = {str(c): int(k) for c, k in saved.items()}
 
 
-def dp_sgd_schedule(n: int, batch_size: int, epochs: int, rate: float = 0.0) -> tuple[float, int]:
-    """(sampling rate, steps per participation) of DP-SGD on ``n`` examples with expected batch B:
-    rate B / n, ``epochs * round(n / B)`` steps (Opacus' Poisson loader makes the same count).
-    ``rate`` > 0 (privacy.local_sampling_rate): that rate and ``epochs * round(1 / rate)`` steps,
-    whatever ``n`` is, so the schedule and the epsilon are the config's, not the data's."""
+def dp_sgd_schedule(n: int, batch_size: int, epochs: int, rate: float = 0.0, steps: int = 0) -> tuple[float, int]:
+    """(sampling rate, steps per participation) of DP-SGD on ``n`` examples with expected batch B
+    (``batch_size``, at most ``n``).
+
+    ``steps`` > 0 (privacy.local_schedule = "steps", the default; PrivacyConfig.round_steps): that
+    many steps whatever ``n`` is, at ``rate`` (privacy.local_sampling_rate) when it is > 0, else at
+    B / n (an expected batch of B examples: neither the step count nor the batch tells ``n``).
+    ``steps`` = 0 (local_schedule = "epochs"): rate B / n and ``epochs * round(n / B)`` steps (Opacus'
+    Poisson loader makes the same count), or with ``rate`` > 0 that rate and ``epochs * round(1 / rate)``."""
+    if steps > 0:
+        return (min(float(rate), 1.0) if rate > 0 else min(batch_size, n) / n), int(steps)
     if rate > 0:
         return min(float(rate), 1.0), epochs * max(1, round(1 / rate))
     b = min(batch_size, n)
     return b / n, epochs * max(1, round(n / b))
+
+
+def local_schedule(n: int, train: TrainConfig, privacy: PrivacyConfig) -> tuple[float, int]:
+    """The schedule local DP-SGD runs on a client of ``n`` examples under ``[train]`` and ``[privacy]``,
+    and so the one its accountant charges (the trainer, the simulator's budget, a node's and a peer's
+    ledger and the server's check of a report all call this)."""
+    return dp_sgd_schedule(
+        n, train.batch(n), train.epochs, privacy.local_sampling_rate, privacy.round_steps(train.epochs)
+    )

@@ -7,7 +7,7 @@ import json
 import math
 from functools import lru_cache
 
-from shoal.accounting import LEDGER_ORDERS, epsilon, rdp_to_epsilon
+from shoal.accounting import LEDGER_ORDERS, gaussian_epsilon, rdp_to_epsilon
 from shoal.accounting_ddg import DDG_KEYS, ddg_round_gaussian
 from shoal.accounting_rounds import DdgRoundAccountant
 
@@ -136,7 +136,7 @@ class ServerViewAccountant:
 @lru_cache(maxsize=4096)
 def server_view_epsilon(rho: float, ddg: tuple[tuple[str, int], ...], delta: float, kind: str) -> float:
     """epsilon at ``delta`` of unsampled rounds: Gaussians whose 1/z^2 sum to ``rho`` (one Gaussian of
-    multiplier rho^-1/2, priced by dp-accounting's PLD whatever ``kind``: exact for one Gaussian) and
+    multiplier rho^-1/2, priced exactly by its privacy profile whatever ``kind``) and
     discrete-Gaussian rounds (params json, count): with ``kind = "pld"`` each the continuous Gaussian of
     shoal.accounting_ddg.ddg_round_gaussian up to a pointwise factor e^{+-b} (so one Gaussian again, at
     delta e^-B, plus 2B), else in RDP, as their accountant."""
@@ -150,9 +150,9 @@ def server_view_epsilon(rho: float, ddg: tuple[tuple[str, int], ...], delta: flo
             slack += count * b
         if not math.isfinite(rho + slack):
             return math.inf
-        return epsilon(1.0, rho**-0.5, 1, delta * math.exp(-slack), "pld") + 2 * slack
-    if not ddg:  # one Gaussian: dp-accounting's PLD of it is exact up to its discretisation (an upper bound)
-        return epsilon(1.0, rho**-0.5, 1, delta, "pld") if rho > 0 else 0.0
+        return gaussian_epsilon(rho**-0.5, delta * math.exp(-slack)) + 2 * slack
+    if not ddg:  # one Gaussian: its exact privacy profile
+        return gaussian_epsilon(rho**-0.5, delta) if rho > 0 else 0.0
     total = [a * rho / 2 for a in LEDGER_ORDERS]  # the Gaussian's RDP: a / (2 z^2) per round
     for key, count in ddg:
         curve = DdgRoundAccountant.rdp_curve({**json.loads(key), "q": 1.0, "release_z": 0.0})

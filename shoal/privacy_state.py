@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from shoal.accounting import Accountant, budget_allows, check_delta_against
-from shoal.accounting_dpsgd import LocalDpSgdAccountant, dp_sgd_schedule
+from shoal.accounting_dpsgd import LocalDpSgdAccountant, local_schedule
 from shoal.accounting_rounds import DdgRoundAccountant
 from shoal.aggregation import Strategy
 from shoal.aggregation.dp import DPMean, clip_to_norm, make_generator, noise_share, share_std
@@ -108,10 +108,7 @@ class PrivacyBudget:
         self.sampling = sampling or round_sampling(cfg)
         self.accountant: Accountant
         if self.plan.dp_sgd:
-            rate = cfg.privacy.local_sampling_rate
-            schedules = {
-                c: dp_sgd_schedule(n, cfg.train.batch(n), cfg.train.epochs, rate) for c, n in client_sizes.items()
-            }
+            schedules = {c: local_schedule(n, cfg.train, cfg.privacy) for c, n in client_sizes.items()}
             self.accountant = self.plan.local_accountant(schedules)
         else:
             n = len(client_sizes)
@@ -228,7 +225,7 @@ class NodePrivacy:
       fewer survivors): a task that asks for more is refused (client/secure_node.py).
     * ``local``: DP-SGD (the trainer) on a seed only this node knows (with the server's
       seed the server could redraw the noise and the example samples), and the node's own
-      epsilon over its data size, batch, epochs and the rounds it took part in. That count
+      epsilon over its data size, batch, steps a round and the rounds it took part in. That count
       is kept in a ledger file, so a restarted node goes on from it; the node takes no work
       that would pass ``privacy.target_epsilon``, and reports its epsilon with each update only
       where the report reveals nothing of its data (PrivacyPlan.node_reports).
@@ -249,9 +246,7 @@ class NodePrivacy:
                 check_delta_against(p.delta, num_train, "examples on this node")
             except ValueError as e:
                 raise ConfigError(str(e)) from None
-            self.schedule = dp_sgd_schedule(
-                num_train, cfg.train.batch(num_train), cfg.train.epochs, p.local_sampling_rate
-            )
+            self.schedule = local_schedule(num_train, cfg.train, p)
             self.accountant = self.plan.local_accountant({name: self.schedule})
             self.accountant.load_state_dict({**self.accountant.state_dict(), "participations": {name: self._load()}})
             if p.target_epsilon and self.rounds == 0 and self.accountant.next_epsilon() > p.target_epsilon:

@@ -74,7 +74,7 @@ import torch
 from scipy.special import log_ndtr
 
 from shoal.accounting import epsilon
-from shoal.accounting_dpsgd import LocalDpSgdAccountant, dp_sgd_schedule
+from shoal.accounting_dpsgd import LocalDpSgdAccountant, local_schedule
 from shoal.config import Config
 from shoal.errors import ConfigError
 from shoal.privacy_plan import plan_of
@@ -396,7 +396,7 @@ def run_canary_audit(
         if isinstance(acc, LocalDpSgdAccountant) and clients.releases:
             accounted = max(acc.epsilon_of(cid, 1) for cid in clients.releases)
         else:
-            rate, steps = dp_sgd_schedule(int(b), int(b), c.train.epochs, c.privacy.local_sampling_rate)
+            rate, steps = local_schedule(int(b), c.train, c.privacy)
             accounted = epsilon(rate, c.privacy.noise_multiplier, steps, c.privacy.delta, c.privacy.accountant)
         released = "each canary client's first update"
     else:

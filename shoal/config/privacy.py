@@ -13,6 +13,8 @@ from .checks import positive
 # privacy.mode's choices, named: the privacy sweep runs a grid of them
 PrivacyMode = Literal["none", "central", "local", "distributed"]
 PRIVACY_MODES = ("none", "central", "distributed", "local")
+#: local DP-SGD's steps a round per train.epochs when neither privacy.local_steps nor a sampling rate names them
+DEFAULT_STEPS_PER_EPOCH = 10
 
 
 @dataclass
@@ -62,10 +64,20 @@ class PrivacyConfig:
     release: Literal["withhold", "noised", "clear"] = "withhold"
     release_noise_multiplier: float = 5.0  # noised: the count's noise std; the loss sum's is this x loss clip
     release_loss_clip: float = 5.0  # noised: each client's train loss clipped to [0, this] (the loss sum's sensitivity)
-    # local: DP-SGD's per-example sampling rate q for every client, with epochs * round(1/q) steps a round, so a
-    # client's epsilon (and the report its node then sends) depends on the config and its rounds only, never on its
-    # example count n_k; 0 = q = B / n_k per client (its epsilon reveals roughly n_k, so a node sends no report
-    # unless release = clear, and enforces target_epsilon itself)
+    # local: how many DP-SGD steps a round runs. steps = privacy.local_steps, a number of the config's, whatever
+    # a client's example count n_k (at rate B / n_k, an expected batch of B: a round's duration does not follow
+    # n_k); epochs = train.epochs passes over the client's data (epochs * round(n_k / B) steps: the
+    # round's duration, which the server and anyone timing the upload see, grows with n_k and is NOT covered by
+    # the epsilon; samples at q = B / n_k, so local_sampling_rate must be 0)
+    local_schedule: Literal["steps", "epochs"] = "steps"
+    # local, schedule = steps: DP-SGD steps a round; 0 = train.epochs * round(1/q) with local_sampling_rate q,
+    # else train.epochs * 10
+    local_steps: int = 0
+    # local: DP-SGD's per-example sampling rate q for every client, so a client's epsilon (and the report its node
+    # then sends) depends on the config and its rounds only, never on its example count n_k (its expected batch
+    # q n_k does, and with it each step's time); 0 = q = B / n_k per client (expected batch B whatever n_k; its
+    # epsilon reveals roughly n_k, so a node sends no report unless release = clear, and enforces target_epsilon
+    # itself)
     local_sampling_rate: float = 0.0
     # `shoal privacy-sweep`: the grid run after a non-private baseline
     sweep_modes: list[Literal["central", "local", "distributed"]] = field(default_factory=lambda: ["central", "local"])
@@ -122,6 +134,19 @@ class PrivacyConfig:
                 f"privacy.local_sampling_rate = {self.local_sampling_rate} must be in [0, 1]; "
                 "0 samples at B / n_k per client"
             )
+        positive("privacy.local_steps", self.local_steps, allow_zero=True)
+        if self.local_schedule == "epochs" and self.local_sampling_rate:
+            raise ConfigError(
+                f"privacy.local_schedule = 'epochs' samples each client's examples at q = B / n_k, but "
+                f"privacy.local_sampling_rate = {self.local_sampling_rate:g} asks for a fixed q (whose steps do "
+                "not depend on n_k anyway): set local_schedule = 'steps' (the default) or local_sampling_rate = 0"
+            )
+        if self.local_schedule == "epochs" and self.local_steps:
+            raise ConfigError(
+                f"privacy.local_steps = {self.local_steps} with privacy.local_schedule = 'epochs': the epochs "
+                "schedule runs train.epochs * round(n_k / B) steps; set local_steps = 0, or local_schedule = "
+                "'steps' (the default) to run that many steps whatever n_k"
+            )
         if self.release == "noised" and self.mode == "local":
             raise ConfigError(
                 "privacy.release = 'noised' with privacy.mode = 'local': the noisy count and loss are charged "
@@ -140,6 +165,17 @@ class PrivacyConfig:
         positive("privacy.canaries_unseen", self.canaries_unseen)
         if self.canaries_unseen < 2:
             raise ConfigError(f"privacy.canaries_unseen = {self.canaries_unseen} must be >= 2")
+
+    def round_steps(self, epochs: int) -> int:
+        """Local DP-SGD's steps a round under ``local_schedule = "steps"``, from the config alone
+        (``epochs``: train.epochs); 0 under ``"epochs"``, whose steps depend on each client's n_k."""
+        if self.local_schedule == "epochs":
+            return 0
+        if self.local_steps:
+            return int(self.local_steps)
+        if self.local_sampling_rate:
+            return epochs * max(1, round(1 / self.local_sampling_rate))
+        return epochs * DEFAULT_STEPS_PER_EPOCH
 
 
 #: The smallest sum of masked inputs any config may let be unmasked (server, node, simulator).

@@ -91,6 +91,8 @@ def check_combinations(self: Any) -> None:
         )
     if dp != "none":
         _check_privacy_mode(self, dp)
+    if dp == "local":
+        _check_local_batch(self)
 
 
 def _check_privacy_mode(self: Any, dp: str) -> None:
@@ -114,6 +116,19 @@ def _check_privacy_mode(self: Any, dp: str) -> None:
         raise ConfigError(
             f"privacy.mode = {dp!r} needs simulation.mode = 'sync'{local} (it is {mode!r}): "
             "the accountant counts sampled synchronous rounds"
+        )
+
+
+def _check_local_batch(self: Any) -> None:
+    """Local DP-SGD on a fixed schedule divides each step's noisy sum by train.batch_size, never by
+    anything of a client's data; a full batch (B = n_k) is the data's."""
+    p, b = self.privacy, self.train.batch_size
+    if (p.local_schedule == "steps" or p.local_sampling_rate) and (not b or b == float("inf")):
+        raise ConfigError(
+            f"train.batch_size = {b!r} (the full local dataset) with privacy.mode = 'local': DP-SGD's "
+            "steps divide the noisy gradient sum by B, which must not depend on a client's example count, "
+            "and a full batch of n_k examples makes every step's time tell n_k; set a finite "
+            "train.batch_size (the expected batch)"
         )
 
 

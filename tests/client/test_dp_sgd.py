@@ -24,13 +24,15 @@ def _model():
 
 def test_clipped_step_is_bounded_and_matches_sgd_without_clipping():
     x, y = _data()
-    cfg = TrainConfig(epochs=1, batch_size=40, lr=0.5)  # q = 1: one step on all 40 examples
-    tight = DpSgdTrainer(_model(), cfg, PrivacyConfig(mode="local", noise_multiplier=0.0, clip_norm=0.01))
+    cfg = TrainConfig(epochs=1, batch_size=40, lr=0.5)  # q = 1, local_steps = 1: one step on all 40 examples
+    tight = DpSgdTrainer(
+        _model(), cfg, PrivacyConfig(mode="local", noise_multiplier=0.0, clip_norm=0.01, local_steps=1)
+    )
     g = tight.flat.detach().clone()
     u = tight.train(g, x, y, seed=1)
     # the mean of 40 per-sample gradients each clipped to C moves at most lr * C
     assert 0 < float(u.delta.norm()) <= 0.5 * 0.01 * (1 + 1e-5)
-    loose = DpSgdTrainer(_model(), cfg, PrivacyConfig(mode="local", noise_multiplier=0.0, clip_norm=1e6))
+    loose = DpSgdTrainer(_model(), cfg, PrivacyConfig(mode="local", noise_multiplier=0.0, clip_norm=1e6, local_steps=1))
     plain = LocalTrainer(_model(), cfg)
     assert torch.allclose(loose.train(g, x, y, seed=1).delta, plain.train(g, x, y, seed=1).delta, atol=1e-6)
     # parameters are still views of the flat buffer after Opacus' steps
@@ -42,7 +44,7 @@ def test_noise_enters_the_update_with_std_z_c_over_batch():
     x, y = _data()
     cfg = TrainConfig(epochs=1, batch_size=40, lr=1.0)
     z, c = 2.0, 1e-6  # gradients clipped to ~0: the step is the noise, lr * N(0, (zC)^2) / B
-    seeded = PrivacyConfig(mode="local", noise_multiplier=z, clip_norm=c, reproducible=True)
+    seeded = PrivacyConfig(mode="local", noise_multiplier=z, clip_norm=c, reproducible=True, local_steps=1)
     t = DpSgdTrainer(_model(), cfg, seeded)
     g = t.flat.detach().clone()
     d = t.train(g, x, y, seed=2).delta

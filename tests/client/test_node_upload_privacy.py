@@ -96,7 +96,7 @@ def test_with_the_runs_sampling_rate_the_report_is_identical_too_and_the_server_
     assert server.status()["node_epsilon"]["n0"]["epsilon"] == report["epsilon"]
     assert "sampling rate q = 0.2" in server.describe()
     lying = {**report, "epsilon": report["epsilon"] / 2}
-    with pytest.raises(Malformed, match="privacy.local_sampling_rate = 0.2 with 1 epochs gives"):
+    with pytest.raises(Malformed, match="privacy.local_sampling_rate = 0.2 with 5 steps a round gives"):
         server.check_report(lying)
     server.take_report("n1", lying)  # where it can no longer be refused: the schedule's figures are shown
     assert server.reports["n1"]["epsilon"] == report["epsilon"]

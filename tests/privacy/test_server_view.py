@@ -140,3 +140,18 @@ def test_the_server_reports_and_keeps_the_epsilon_against_itself(tmp_path):
     restarted.load_state_dict(json.loads(json.dumps(p.state_dict())))
     restarted.bind(5, svc.rounds)
     assert restarted.record()["epsilon_server"] == status["epsilon_server"]
+
+
+@pytest.mark.parametrize("z", [1.0, 3.0])
+def test_one_gaussian_is_priced_by_its_exact_privacy_profile(z):
+    """The server's view prices unsampled Gaussian rounds with the Gaussian's exact epsilon (its
+    privacy profile, solved for epsilon): never above dp-accounting's PLD of the same mechanism
+    (an upper bound), and within its discretisation of it."""
+    from shoal.accounting import gaussian_epsilon
+
+    acc = pld.PLDAccountant()
+    acc.compose(dp_accounting.GaussianDpEvent(z))
+    theirs = float(acc.get_epsilon(DELTA))
+    ours = gaussian_epsilon(z, DELTA)
+    assert ours <= theirs and ours == pytest.approx(theirs, rel=1e-6)
+    assert gaussian_epsilon(z / 2**0.5, DELTA) == pytest.approx(_unamplified(z, 2), rel=1e-6)  # two rounds compose

@@ -463,7 +463,7 @@ def test_noise_on_the_deployed_aggregate_is_what_the_accountant_assumes(tmp_path
 
 def test_local_dp_nodes_report_their_own_epsilon_and_the_worst_stops_the_run(tmp_path):
     """Three DP-SGD nodes with different data sizes: each reports the epsilon of its own
-    schedule (checked against the accountant on n_k, B, epochs and its rounds); the server
+    schedule (checked against the accountant on n_k, B, 2 steps a round and its rounds); the server
     shows each and the worst, refuses an update without a report (nothing changes), and stops
     when the worst node's next round would pass target_epsilon."""
     names, sizes = ["n0", "n1", "n2"], [20, 40, 80]
@@ -474,6 +474,7 @@ def test_local_dp_nodes_report_their_own_epsilon_and_the_worst_stops_the_run(tmp
             "clip_norm": 1.0,
             "target_epsilon": 12.0,
             "release": "clear",
+            "local_steps": 2,  # a few rounds before the smallest node's budget runs out
         }
     }
 
@@ -520,7 +521,7 @@ def test_local_dp_nodes_report_their_own_epsilon_and_the_worst_stops_the_run(tmp
     p = status["privacy"]
     rounds = p["node_epsilon"]["n0"]["rounds"]
     for n, k in zip(names, sizes):
-        acc = LocalDpSgdAccountant({n: dp_sgd_schedule(k, 10, 1)}, 1.0, 1e-5)
+        acc = LocalDpSgdAccountant({n: dp_sgd_schedule(k, 10, 1, steps=2)}, 1.0, 1e-5)
         for _ in range(rounds):
             acc.record_round([n])
         assert p["node_epsilon"][n] == {
@@ -575,11 +576,12 @@ def test_node_refuses_a_server_with_another_privacy(tmp_path):
 
 
 def test_local_dp_node_ledger_budget_and_secret_seed(tmp_path):
-    cfg = _node_cfg({"privacy": {"mode": "local", "noise_multiplier": 1.0, "target_epsilon": 8.0}})
+    # 4 steps a round at B / n = 0.25: room for 3 rounds under the target
+    cfg = _node_cfg({"privacy": {"mode": "local", "noise_multiplier": 1.0, "target_epsilon": 8.0, "local_steps": 4}})
     ledger = tmp_path / "n0.privacy.json"
     priv = NodePrivacy(cfg, "n0", 40, ledger)
     assert priv.training_seed(7) != 7 and priv.training_seed(7) != priv.training_seed(7)
-    acc = LocalDpSgdAccountant({"n0": dp_sgd_schedule(40, 10, 1)}, 1.0, 1e-5)
+    acc = LocalDpSgdAccountant({"n0": dp_sgd_schedule(40, 10, 1, steps=4)}, 1.0, 1e-5)
     for i in (1, 2):  # the default withholds the report (it reveals roughly n_k); the node counts all the same
         assert priv.spend(i) is None
         acc.record_round(["n0"])
@@ -587,7 +589,9 @@ def test_local_dp_node_ledger_budget_and_secret_seed(tmp_path):
         assert priv.accountant.next_epsilon() == pytest.approx(acc.next_epsilon())
     clear = NodePrivacy(_node_cfg({"privacy": {"mode": "local", "release": "clear"}}), "n9", 40)
     assert clear.spend(1) == {
-        "epsilon": pytest.approx(LocalDpSgdAccountant({"n9": dp_sgd_schedule(40, 10, 1)}, 1.0, 1e-5).next_epsilon()),
+        "epsilon": pytest.approx(
+            LocalDpSgdAccountant({"n9": dp_sgd_schedule(40, 10, 1, steps=10)}, 1.0, 1e-5).next_epsilon()
+        ),
         "epsilon_next": pytest.approx(clear.accountant.next_epsilon()),
         "delta": 1e-5,
         "rounds": 1,

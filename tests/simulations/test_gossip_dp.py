@@ -38,14 +38,13 @@ def cfg(*extra):
 
 
 def expected_epsilon(sim: GossipSimulation, trainings: list[int]) -> float:
-    """The worst peer's epsilon, computed here from the DP-SGD schedule (rate B/n, round(n/B)
-    steps per training, one epoch) and how many times each peer trained."""
+    """The worst peer's epsilon, computed here from the default DP-SGD schedule (rate B/n, a fixed
+    10 steps per training: one epoch's worth, whatever n) and how many times each peer trained."""
     worst = 0.0
     for i, k in enumerate(trainings):
         if k:
             n = sim.shards.size(i)
-            b = min(B, n)
-            worst = max(worst, epsilon(b / n, Z, max(1, round(n / b)) * k, DELTA))
+            worst = max(worst, epsilon(min(B, n) / n, Z, 10 * k, DELTA))
     return worst
 
 

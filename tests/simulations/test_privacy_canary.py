@@ -94,7 +94,8 @@ MODES = {
         "simulation.num_clients=60",
         "simulation.clients_per_round=3",
     ],
-    "local": ['privacy.mode="local"'],
+    # one DP-SGD step a round: a canary client's update (B examples, q = 1) is one Gaussian release
+    "local": ['privacy.mode="local"', "privacy.local_steps=1"],
 }
 
 
