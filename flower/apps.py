@@ -295,6 +295,11 @@ class ShoalStrategy(FlowerStrategy):
                     f"{self.start_timeout_s:g} s: Ray started no ClientApp actor (Flower's log above says why; "
                     "check simulation.flower_client_cpus / flower_client_gpus against what the machine has)"
                 )
+            if first and len(replies) < len(new):  # sampling from those that answered picks other clients
+                raise EngineError(
+                    f"{len(replies)} of the {len(new)} Flower clients answered within "
+                    f"simulation.ray_start_timeout_s = {self.start_timeout_s:g} s; raise it on a busy machine"
+                )
             for reply in replies:
                 node = reply.metadata.src_node_id
                 cid = f"node-{node}"
@@ -313,15 +318,18 @@ class ShoalStrategy(FlowerStrategy):
             self.rounds = make_sync_rounds(self.strategy, params, self.clients_per_round, self.fraction, self.seed)
         else:
             self.rounds.global_params = params
-        started = time.monotonic()
+        started, said = time.monotonic(), False
         while (connected := len(list(grid.get_node_ids()))) < self.min_available_nodes:
             if self.start_timeout_s is not None and time.monotonic() - started > self.start_timeout_s:
                 raise EngineError(
                     f"{connected} of {self.min_available_nodes} Flower nodes connected within "
                     f"simulation.ray_start_timeout_s = {self.start_timeout_s:g} s"
                 )
-            log.info("waiting for %d Flower nodes to connect", self.min_available_nodes)
-            time.sleep(1)  # as Flower's own sample_nodes waits
+            if not said:
+                log.info("waiting for %d Flower nodes to connect", self.min_available_nodes)
+                said = self.start_timeout_s is not None  # a deployed server says it every second
+            # a simulation registers its nodes within milliseconds; a deployed SuperNode takes its time
+            time.sleep(0.02 if self.start_timeout_s is not None else 1)
         node_of = self.identify(grid)
         tasks = self.rounds.start_round(list(node_of))
         self._tasks = {node_of[t.client_id]: t for t in tasks}
@@ -517,6 +525,9 @@ def make_server_app(
             sim.clients_per_round,
             sim.fraction,
             sim.seed,
+            # the simulation's SuperNodes are registered while this app already runs: sampling from
+            # the first ones to appear would pick other clients than the in-process engine picks
+            min_available_nodes=setup.num_clients if strict else 1,
             strict=strict,
             device=trainer.device,
             federated_eval=due if setup.has_client_test else None,

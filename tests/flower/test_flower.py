@@ -1,8 +1,11 @@
 """shoal inside Flower: the ArrayRecord mapping, the engine's Ray settings, and one real
-Flower simulation (Ray) compared with the in-process engine on the same config and seed.
+Flower simulation (Ray) compared with the in-process engine on the same config and seed: a
+user's task file named by a relative path (Dataset clients, FedBN, FedPer's personal heads,
+a custom metric, federated and personalised evaluation).
 
-Ray's start-up costs seconds, so the suite runs exactly one Flower simulation (a module
-fixture) and two tests read it. Ray is held to 2 CPUs, one per client actor.
+Each Flower simulation starts and stops a Ray runtime (tens of seconds on two loaded cores),
+so the suite runs one that works (a module fixture that three tests read) and one that cannot
+start a client. Ray is held to 2 CPUs, one per client actor.
 """
 
 import json
@@ -25,15 +28,17 @@ from shoal.simulations.inprocess import InProcessSimulation
 pytestmark = pytest.mark.xdist_group("ray")
 
 SMALL = [
-    "simulation.num_clients=10",
-    "simulation.clients_per_round=5",
-    "simulation.rounds=3",
+    "simulation.num_clients=2",
+    "simulation.clients_per_round=1",
+    "simulation.rounds=1",
     "simulation.device='cpu'",
     "simulation.progress=false",
     "output.plots=false",
     "simulation.ray_num_cpus=2",
     "simulation.flower_client_cpus=1",
-    "output.tensorboard=true",
+    # the ServerApp's thread waits this long for clients that never come; the interpreter waits
+    # for that thread at exit (at the default 300 s the pytest process outlived the suite by minutes)
+    "simulation.ray_start_timeout_s=5",
 ]
 
 
@@ -81,67 +86,14 @@ def test_a_client_larger_than_the_ray_runtime_is_a_config_error():
         load_config(None, ["simulation.engine='spark'"])
 
 
-@pytest.fixture(scope="module")
-def flower_and_inprocess(tmp_path_factory):
-    """The same 10-client, 5-per-round, 3-round experiment on both engines."""
-    from shoal.flower.engine import run_flower
+# --- one real Flower simulation, read by three tests ---------------------------------------
 
-    cfg = load_config(None, SMALL)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as Ray gives each 1-CPU actor; more threads only contend on 2 cores
-    try:
-        flower_out = tmp_path_factory.mktemp("flower")
-        flower = run_flower(load_config(None, SMALL + ["simulation.engine='flower'"]), flower_out, progress=False)
-        sim = InProcessSimulation.from_config(cfg)
-        initial = sim.evaluate()
-        for _ in range(cfg.simulation.rounds):
-            sim.run_round()
-        inproc_out = tmp_path_factory.mktemp("inprocess")
-        run_simulation(cfg, inproc_out, progress=False)
-    finally:
-        torch.set_num_threads(threads)
-    return flower, flower_out, sim, initial, inproc_out
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_flower_engine_reproduces_the_inprocess_global_model(flower_and_inprocess):
-    flower, flower_out, sim, _, inproc_out = flower_and_inprocess
-    diff = (flower.global_params - sim.global_params.cpu()).abs().max().item()
-    assert diff <= 1e-5, diff
-    ours, theirs = read_jsonl(flower_out / "metrics.jsonl"), read_jsonl(inproc_out / "metrics.jsonl")
-    assert [r["round"] for r in ours] == [1, 2, 3]
-    for a, b in zip(ours, theirs, strict=True):
-        assert set(a) == set(b)
-        for key in ("version", "num_results", "num_examples"):
-            assert a[key] == b[key], key
-        for key in ("test_accuracy", "test_loss", "train_loss"):
-            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), key
-    summary = json.loads((flower_out / "summary.json").read_text())
-    assert summary["engine"] == "flower" and summary["rounds"] == 3 and summary["num_clients"] == 10
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_flower_and_inprocess_runs_write_the_same_numbers_as_tensorboard_events(flower_and_inprocess):
-    from ..dashboard.events import assert_events_match_metrics
-
-    _, flower_out, _, _, inproc_out = flower_and_inprocess
-    for out in (flower_out, inproc_out):
-        assert_events_match_metrics(out, ("test_accuracy", "train_loss"))
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_shoal_strategy_in_a_flower_serverapp_improves_accuracy(flower_and_inprocess):
-    """ServerApp(ShoalStrategy) against shoal ClientApps in Flower's simulation."""
-    flower, _, _, initial, _ = flower_and_inprocess
-    assert flower.summary["final_test_accuracy"] > initial["test_accuracy"] + 0.1, (flower.summary, initial)
-
-
-# --- a user's task file, outside the repository, through the Flower engine ---------------
-
+# A user's task file, outside the repository, named by a relative path as a user would type it:
+# Dataset clients, FedBN buffers kept per node, FedPer's personal heads kept per node, a custom
+# metric, federated evaluation on the clients' own test data only (no central test set), named ids.
 USER_TASK = '''
+from collections import OrderedDict
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -165,13 +117,16 @@ class Rows(Dataset):
 
 class Sites(Task):
     exchange_buffers = False  # BatchNorm statistics stay on each site (FedBN)
+    personal = ("head",)  # FedPer: each site keeps its own head
 
     def __init__(self, hidden=8):
         self.hidden = hidden
 
     def model(self):
-        return nn.Sequential(nn.Linear(4, self.hidden), nn.BatchNorm1d(self.hidden), nn.ReLU(),
-                             nn.Linear(self.hidden, 3))
+        h = self.hidden
+        return nn.Sequential(
+            OrderedDict(body=nn.Linear(4, h), norm=nn.BatchNorm1d(h), act=nn.ReLU(), head=nn.Linear(h, 3))
+        )
 
     def metrics(self, model, x, y):
         out = model(x)
@@ -182,14 +137,111 @@ class Sites(Task):
         g = torch.Generator().manual_seed(seed)
         w = torch.randn(4, 3, generator=g)
 
-        def rows(n, shift):
-            x = torch.randn(n, 4, generator=g) + shift
-            return Rows(x, (x @ w).argmax(1))
+        def rows(n, site):  # each site sees two of the three classes
+            x = torch.randn(n, 4, generator=g) + site
+            y = (x @ w).argmax(1)
+            return Rows(x, torch.where(y == site % 3, (y + 1) % 3, y))
 
         train = [rows(40, i) for i in range(num_clients)]
         test = [rows(20, i) if i % 2 == 0 else None for i in range(num_clients)]
         return SimulationData(train=train, client_test=test, client_ids=[f"site-{i}" for i in range(num_clients)])
 '''
+
+USER_SETTINGS = [
+    "task.app='sites.py:Sites'",
+    "task.args={hidden = 6}",
+    "algorithm.name='fedper'",
+    "algorithm.personal_eval_steps=2",
+    "simulation.num_clients=4",
+    "simulation.clients_per_round=2",
+    "simulation.rounds=3",
+    "simulation.eval_every=1",
+    "simulation.device='cpu'",
+    "simulation.progress=false",
+    "output.plots=false",
+    "output.tensorboard=true",
+    "simulation.ray_num_cpus=2",
+    "simulation.flower_client_cpus=1",
+    "train.batch_size=10",
+    "train.lr=0.1",
+]
+
+
+@pytest.fixture(scope="module")
+def flower_and_inprocess(tmp_path_factory):
+    """The user's task on both engines: the real Flower engine (Ray actors, each serving several
+    nodes; each node's personal head and BatchNorm statistics in its context.state) and in-process."""
+    from shoal.flower.engine import run_flower
+
+    work = tmp_path_factory.mktemp("user")
+    (work / "sites.py").write_text(USER_TASK)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as Ray gives each 1-CPU actor; more threads only contend on 2 cores
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.chdir(work)  # the task is named by a relative path
+            flower_out = tmp_path_factory.mktemp("flower")
+            flower = run_flower(
+                load_config(None, [*USER_SETTINGS, "simulation.engine='flower'"]), flower_out, progress=False
+            )
+            cfg = load_config(None, USER_SETTINGS)
+            sim = InProcessSimulation.from_config(cfg)
+            initial = sim.evaluate()
+            for _ in range(cfg.simulation.rounds):
+                sim.run_round()
+            inproc_out = tmp_path_factory.mktemp("inprocess")
+            run_simulation(cfg, inproc_out, progress=False)
+    finally:
+        torch.set_num_threads(threads)
+    return flower, flower_out, sim, initial, inproc_out, work
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_user_task_file_through_the_flower_engine_gives_the_inprocess_model_and_records(flower_and_inprocess):
+    """Dataset clients, FedBN buffers and FedPer heads kept per node, a custom metric, federated
+    and personalised evaluation on the clients' own test data, named client ids: the same model
+    and records as in-process."""
+    flower, flower_out, sim, _, inproc_out, work = flower_and_inprocess
+    assert sim.spec.numel == flower.global_params.numel()  # BatchNorm statistics are not exchanged
+    diff = (flower.global_params - sim.global_params.cpu()).abs().max().item()
+    assert diff <= 1e-5, diff
+    ours, theirs = read_jsonl(flower_out / "metrics.jsonl"), read_jsonl(inproc_out / "metrics.jsonl")
+    assert [r["round"] for r in ours] == [1, 2, 3]
+    for a, b in zip(ours, theirs, strict=True):
+        assert set(a) == set(b)
+        assert {"fed_loss", "fed_accuracy", "fed_top2", "fed_num_examples", "fed_personal_accuracy"} <= set(a)
+        assert not any(k.startswith("test_") for k in a)  # the task has no central test set
+        assert a["fed_num_examples"] == 40  # sites 0 and 2 have 20 test rows each
+        for key in ("version", "num_results", "num_examples"):
+            assert a[key] == b[key], key
+        for key in ("fed_loss", "fed_accuracy", "fed_top2", "fed_personal_accuracy", "fed_personal_loss", "train_loss"):
+            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), key
+    summary = json.loads((flower_out / "summary.json").read_text())
+    assert summary["engine"] == "flower" and summary["rounds"] == 3 and summary["num_clients"] == 4
+    assert summary["task"] == f"{work / 'sites.py'}:Sites"
+    assert summary["final_metrics"]["fed_top2"] == ours[-1]["fed_top2"]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_flower_and_inprocess_runs_write_the_same_numbers_as_tensorboard_events(flower_and_inprocess):
+    from ..dashboard.events import assert_events_match_metrics
+
+    _, flower_out, _, _, inproc_out, _ = flower_and_inprocess
+    for out in (flower_out, inproc_out):
+        assert_events_match_metrics(out, ("fed_accuracy", "fed_personal_accuracy", "train_loss"))
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_shoal_strategy_in_a_flower_serverapp_improves_accuracy(flower_and_inprocess):
+    """ServerApp(ShoalStrategy) against shoal ClientApps in Flower's simulation: the personal
+    heads learned each site's classes (FedPer's shared model alone does much worse)."""
+    flower, _, _, initial, _, _ = flower_and_inprocess
+    final = flower.summary["final_metrics"]
+    assert final["fed_personal_accuracy"] > initial["fed_personal_accuracy"] + 0.1, (final, initial)
+    assert final["fed_personal_accuracy"] > final["fed_accuracy"]
 
 
 def test_task_file_path_is_made_absolute_for_the_workers(tmp_path, monkeypatch):
@@ -201,61 +253,6 @@ def test_task_file_path_is_made_absolute_for_the_workers(tmp_path, monkeypatch):
     assert cfg.task.app == "sub/my_task.py:Sites"  # the caller's config is left as it was
     module = load_config(None, ["task.app='my_pkg.tasks:Sites'"])
     assert with_absolute_task(module).task.app == "my_pkg.tasks:Sites"
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(300)
-def test_a_user_task_file_runs_through_the_flower_engine_as_in_process(tmp_path, monkeypatch):
-    """Dataset clients, FedBN buffers kept per node, a custom metric, federated evaluation
-    on the clients' own test data, named client ids: the same model and records as in-process."""
-    from shoal.flower.engine import run_flower
-
-    work = tmp_path / "user"
-    work.mkdir()
-    (work / "sites.py").write_text(USER_TASK)
-    monkeypatch.chdir(work)  # the task is named by a relative path, as a user would type it
-    small = [
-        "task.app='sites.py:Sites'",
-        "task.args={hidden = 6}",
-        "simulation.num_clients=4",
-        "simulation.clients_per_round=2",
-        "simulation.rounds=3",
-        "simulation.eval_every=1",
-        "simulation.device='cpu'",
-        "simulation.progress=false",
-        "output.plots=false",
-        "simulation.ray_num_cpus=2",
-        "simulation.flower_client_cpus=1",
-        "train.batch_size=10",
-        "train.lr=0.1",
-    ]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        flower = run_flower(
-            load_config(None, small + ["simulation.engine='flower'"]), tmp_path / "flower", progress=False
-        )
-        cfg = load_config(None, small)
-        sim = InProcessSimulation.from_config(cfg)
-        for _ in range(cfg.simulation.rounds):
-            sim.run_round()
-        run_simulation(cfg, tmp_path / "inprocess", progress=False)
-    finally:
-        torch.set_num_threads(threads)
-    assert sim.spec.numel == flower.global_params.numel()  # BatchNorm statistics are not exchanged
-    assert (flower.global_params - sim.global_params.cpu()).abs().max().item() <= 1e-5
-    ours = read_jsonl(tmp_path / "flower" / "metrics.jsonl")
-    theirs = read_jsonl(tmp_path / "inprocess" / "metrics.jsonl")
-    assert [r["round"] for r in ours] == [1, 2, 3]
-    for a, b in zip(ours, theirs, strict=True):
-        assert set(a) == set(b)
-        assert {"fed_loss", "fed_accuracy", "fed_top2", "fed_num_examples"} <= set(a)
-        assert not any(k.startswith("test_") for k in a)  # the task has no central test set
-        assert a["fed_num_examples"] == 40  # sites 0 and 2 have 20 test rows each
-        for key in ("fed_loss", "fed_accuracy", "fed_top2", "train_loss"):
-            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), key
-    assert flower.summary["task"] == f"{work / 'sites.py'}:Sites"
-    assert flower.summary["final_metrics"]["fed_top2"] == ours[-1]["fed_top2"]
 
 
 def test_a_reply_with_a_list_for_its_example_count_is_dropped_not_a_crash():
@@ -334,8 +331,6 @@ def test_a_flower_runtime_that_starts_no_client_ends_in_one_clear_error(tmp_path
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU: the client would start")
-    cfg = load_config(
-        None, [*SMALL, "simulation.engine='flower'", "simulation.rounds=1", "simulation.flower_client_gpus=1"]
-    )
+    cfg = load_config(None, [*SMALL, "simulation.engine='flower'", "simulation.flower_client_gpus=1"])
     with pytest.raises(EngineError, match="flower_client_gpus"):
         run_flower(cfg, tmp_path / "out", progress=False)

@@ -4,7 +4,7 @@ and kept momentum through Flower give the in-process engine's global model and f
 
 Most cases run shoal's ServerApp and ClientApp with Flower's own Messages, Contexts and
 dispatch, the nodes served in this process by a small grid (no Ray, well under a second a
-case); one case runs the real Flower simulation (Ray) as ``simulation.engine = 'flower'`` does.
+case); tests/flower/test_flower.py runs FedPer through the real Flower simulation (Ray).
 """
 
 from __future__ import annotations
@@ -33,8 +33,6 @@ from shoal.flower.apps import (
     to_arrays,
 )
 from shoal.flower.client_app import make_client_app
-from shoal.metrics import read_jsonl
-from shoal.simulations.experiment import run_simulation
 from shoal.simulations.inprocess import InProcessSimulation
 
 from ..simulations.test_client_algorithms import TASK  # two of four classes per client, a personal head
@@ -109,7 +107,22 @@ def server_process():
         TaskIdentity._task_id, TaskIdentity._run_id, TaskIdentity._node_id = before
 
 
-def run_local_flower(cfg, num_nodes: int) -> tuple[list[dict[str, float]], torch.Tensor, LocalGrid]:
+class ArrivingGrid(LocalGrid):
+    """Flower's simulation registers its SuperNodes while the ServerApp already runs: here one
+    more node is connected at each look."""
+
+    def __init__(self, client_app, num_nodes: int):
+        super().__init__(client_app, num_nodes)
+        self.seen = 0
+
+    def get_node_ids(self):
+        self.seen = min(self.seen + 1, len(self.contexts))
+        return list(self.contexts)[: self.seen]
+
+
+def run_local_flower(
+    cfg, num_nodes: int, grid_class: type[LocalGrid] = LocalGrid
+) -> tuple[list[dict[str, float]], torch.Tensor, LocalGrid]:
     """shoal's ServerApp and ClientApp of ``cfg`` over a LocalGrid: each evaluated round's figures
     and the final global model."""
     rounds: list[dict[str, float]] = []
@@ -119,7 +132,7 @@ def run_local_flower(cfg, num_nodes: int) -> tuple[list[dict[str, float]], torch
         rounds.append({**ev, "train_loss": summary.train_loss})
         final[:] = [params]
 
-    grid = LocalGrid(make_client_app(cfg, "cpu"), num_nodes)
+    grid = grid_class(make_client_app(cfg, "cpu"), num_nodes)
     with server_process():
         server = make_server_app(cfg, on_round, strict=True)
         server(grid, Context(run_id=1, node_id=SERVER_NODE, node_config={}, state=RecordDict(), run_config={}))
@@ -139,6 +152,17 @@ def close(a: dict[str, float], b: dict[str, float]) -> None:
     assert set(a) == set(b)
     for key in a:
         assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), (key, a[key], b[key])
+
+
+def test_the_simulation_samples_from_every_node_even_while_they_are_still_registering(task_file):
+    """The simulation's ServerApp waits for all its nodes before the first round's sampling: the
+    clients the in-process engine picks, however late Flower registers the last nodes."""
+    cfg = load_config(None, small(task_file, "simulation.engine='flower'", "simulation.rounds=1"))
+    flower, flower_model, grid = run_local_flower(cfg, cfg.simulation.num_clients, ArrivingGrid)
+    inproc, inproc_model = run_inprocess(load_config(None, small(task_file, "simulation.rounds=1")))
+    assert grid.seen == cfg.simulation.num_clients
+    assert (flower_model - inproc_model).abs().max().item() <= 1e-5
+    close(flower[0], inproc[0])
 
 
 @pytest.mark.parametrize(
@@ -273,31 +297,3 @@ def test_a_broadcast_not_of_the_models_size_is_refused_before_training(task_file
         with pytest.raises(ValueError, match="'scaffold/c' of 3"):
             grid.send_and_receive([msg])
     assert not grid.contexts[100].state.array_records
-
-
-@pytest.mark.slow
-@pytest.mark.xdist_group("ray")  # one Ray runtime at a time (make test: -n 2)
-@pytest.mark.timeout(300)
-def test_fedper_through_the_flower_simulation_gives_the_inprocess_model_and_personal_figures(task_file, tmp_path):
-    """The real engine (Ray actors, each serving several nodes): FedPer's personal heads stay in
-    each node's context.state, personalised evaluation runs on the nodes."""
-    from shoal.flower.engine import run_flower
-
-    sets = small(task_file, "algorithm.name='fedper'", "algorithm.personal_eval_steps=2")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as Ray gives each 1-CPU actor
-    try:
-        flower = run_flower(load_config(None, [*sets, "simulation.engine='flower'"]), tmp_path / "fl", progress=False)
-        run_simulation(load_config(None, sets), tmp_path / "ip", progress=False)
-        _, inproc_model = run_inprocess(load_config(None, sets))
-    finally:
-        torch.set_num_threads(threads)
-    assert (flower.global_params - inproc_model).abs().max().item() <= 1e-5
-    ours, theirs = read_jsonl(tmp_path / "fl" / "metrics.jsonl"), read_jsonl(tmp_path / "ip" / "metrics.jsonl")
-    assert [r["round"] for r in ours] == [1, 2]
-    for a, b in zip(ours, theirs, strict=True):
-        assert set(a) == set(b) and "fed_personal_accuracy" in a
-        for key in ("fed_personal_accuracy", "fed_personal_loss", "fed_accuracy", "test_accuracy", "train_loss"):
-            assert math.isclose(a[key], b[key], rel_tol=1e-5, abs_tol=1e-6), key
-    # the personal heads helped: each client's own two classes
-    assert ours[-1]["fed_personal_accuracy"] > ours[-1]["fed_accuracy"]

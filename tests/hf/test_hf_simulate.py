@@ -1,11 +1,11 @@
-"""The federated LoRA example through `shoal simulate` (in-process and on Ray workers) and
-`shoal privacy-sweep`: only adapter tensors are on the wire, the model learns, the Ray engine
-gives the in-process model, DP on the adapter runs (central) or is refused with its reason (local)."""
+"""The federated LoRA example through `shoal simulate` and `shoal privacy-sweep`: only adapter
+tensors are on the wire, the model learns, DP on the adapter runs (central) or is refused with
+its reason (local). That the Ray engine gives the in-process model is tested on the Ray suite's
+shared cluster (tests/ray/test_ray_engine.py)."""
 
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
@@ -35,8 +35,8 @@ BASE = [
 ]
 
 
-def config(*extra: str, engine: str = "inprocess"):
-    return load_config(None, [*BASE, f"simulation.engine='{engine}'", "simulation.ray_workers_per_node=1", *extra])
+def config(*extra: str):
+    return load_config(None, [*BASE, *extra])
 
 
 @pytest.mark.timeout(300)
@@ -73,29 +73,3 @@ def test_central_dp_on_the_adapter_is_swept_and_local_dp_sgd_is_refused_with_its
     # task has its own optimizer and dict Datasets, and the run is refused before any training
     with pytest.raises(ConfigError, match="privacy.mode = 'local': DP-SGD brings its own optimizer"):
         InProcessSimulation.from_config(config("privacy.mode='local'", "simulation.rounds=1"))
-
-
-@pytest.mark.xdist_group("ray")  # one Ray runtime at a time (make test: -n 2)
-@pytest.mark.timeout(420)
-def test_the_ray_engine_gives_the_in_process_model():
-    ray = pytest.importorskip("ray")
-    from shoal.simulations.ray_engine import WorkerPool, ray_simulation
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    ray.init(num_cpus=1, object_store_memory=80 << 20, include_dashboard=False)
-    pool = WorkerPool(config(engine="ray"))
-    try:
-        here, there = InProcessSimulation.from_config(config()), ray_simulation(config(engine="ray"), pool)
-        start = here.global_params.clone()
-        for _ in range(2):
-            here.run_round()
-            there.run_round()
-        a, b = here.global_params.detach().cpu(), there.global_params.detach().cpu()
-        assert a.numel() == ADAPTER_NUMEL
-        assert (a - start).abs().max() > 1e-4  # it trained
-        assert (a - b).abs().max().item() <= 1e-5
-    finally:
-        pool.close()
-        ray.shutdown()
-        torch.set_num_threads(threads)

@@ -291,17 +291,19 @@ def test_a_worker_killed_mid_round_does_not_change_the_result(pool):
             killed.append(1)
 
     pool.on_submitted = kill_first_worker
+    one = "simulation.rounds=1"  # each restart costs a worker process; one round shows the result kept
     try:
-        here, there = same_model(pool, "simulation.ray_partial_sums=false")
+        here, there = same_model(pool, "simulation.ray_partial_sums=false", one)
         assert isinstance(there.runner, PlainRound)
-        again = ray_simulation(config(engine="ray"), pool)
+        again = ray_simulation(config(one, engine="ray"), pool)
         assert (rounds(again) - here.global_params).abs().max().item() <= 1e-5  # the summed path too
         peers = GossipSimulation.from_config(config(*GOSSIP, engine="ray"), peers=ray_peers(pool))  # and gossip's
         alone = GossipSimulation.from_config(config(*GOSSIP))
-        for _ in range(2):
-            peers.run_round()
-            alone.run_round()
+        start = alone.models.clone()
+        peers.run_round()
+        alone.run_round()
         assert (peers.models - alone.models).abs().max().item() <= 1e-5
+        assert (alone.models - start).abs().max().item() > 1e-3
     finally:
         pool.on_submitted = None
     assert len(killed) == 3 and pool.resubmitted >= 3
@@ -436,6 +438,31 @@ def test_virtual_edges_on_the_workers_give_the_in_process_model(pool, extra):
     assert isinstance(there.runner, HierarchicalRound) and isinstance(here.runner, HierarchicalRound)
     assert there.runner.links.total == here.runner.links.total
     assert there.runner.lost_total == here.runner.lost_total
+
+
+@pytest.mark.timeout(300)
+def test_the_federated_lora_example_gives_the_in_process_model(pool):
+    """The federated LoRA example (tests/hf/tiny.py) on the module's workers: a Hugging Face model
+    with its base frozen, only the adapter trained and exchanged, the in-process model."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    from ..hf.tiny import ADAPTER_NUMEL, CORPUS, OVERRIDES
+
+    if not CORPUS.is_file():
+        pytest.skip(f"{CORPUS} is not there")
+    lora = [
+        *OVERRIDES,
+        *("simulation.num_clients=3", "simulation.clients_per_round=3", "simulation.rounds=2"),
+        *("simulation.device='cpu'", "simulation.progress=false", "output.plots=false"),
+        *("train.batch_size=16", "train.lr=0.01", "simulation.ray_workers_per_node=1"),
+    ]
+    here = InProcessSimulation.from_config(load_config(None, lora))
+    there = ray_simulation(load_config(None, [*lora, "simulation.engine='ray'"]), pool)
+    start = here.global_params.clone()
+    a, b = rounds(here), rounds(there)
+    assert a.numel() == ADAPTER_NUMEL
+    assert (a - start).abs().max() > 1e-4  # it trained
+    assert (a - b).abs().max().item() <= 1e-5
 
 
 def test_workers_that_ray_cannot_place_stop_the_run_in_one_line(pool):
