@@ -124,7 +124,7 @@ class MergeRule:
 # --- the safe-merge bound every algorithm applies by default ------------------------------------
 
 WINDOW = 16  # senders whose latest distance sets the adaptive radius (one slot each)
-FAR = 4.0  # a model more than FAR x tau from ours is refused, not clipped (MergeBound)
+FAR = 4.0  # MergeBound(): refuse beyond FAR x tau; peers and the simulator take gossip.merge_far (0: clip)
 SELF = ""  # the window's key for the length of our own last local step
 
 

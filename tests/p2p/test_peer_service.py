@@ -175,8 +175,13 @@ def test_a_long_host_label_or_userinfo_is_refused_wherever_it_comes():
     _honest_merge_goes_on(svc)
 
 
-def test_huge_models_are_refused_and_far_ones_clipped():
-    svc = _service()
+@pytest.mark.parametrize("far", [0.0, 4.0])
+def test_huge_models_are_refused_and_far_ones_clipped(far):
+    """Beyond max_abs: refused. Beyond the radius: clipped; with gossip.merge_far = 4 a model
+    more than 4 radii away is refused instead (the default, 0, clips however far)."""
+    cfg = Config()
+    cfg.gossip.merge_far = far
+    svc = _service(cfg)
     big = torch.finfo(torch.float32).max
     for value in (big, 1e30, 2e4):
         e = _refused(svc, lambda v=value: svc.on_gossip(_model(svc, torch.full_like(svc.node.params, v)), 0.0), 400)
@@ -184,12 +189,18 @@ def test_huge_models_are_refused_and_far_ones_clipped():
     own = svc.node.params.clone()
     bound = svc.node.merge_bound
     limit = bound.limit(own)
-    refused = bound.refused
+    refused, clipped = bound.refused, bound.clipped
     svc.on_gossip(_model(svc, torch.full_like(own, 9e3), age=10**6), 0.0)  # within max_abs, far beyond the radius
-    assert bound.refused == refused + 1 and svc.node.bounded == 1 and torch.equal(svc.node.params, own)
+    if far:
+        assert bound.refused == refused + 1 and svc.node.bounded == 1 and torch.equal(svc.node.params, own)
+    else:
+        assert bound.clipped == clipped + 1 and svc.node.bounded == 1
+        assert float(torch.linalg.vector_norm(svc.node.params - own)) <= limit * (1 + 1e-5)
+        own = svc.node.params.clone()
+        limit = bound.limit(own)
     direction = torch.ones_like(own) / own.numel() ** 0.5
     svc.on_gossip(_model(svc, own + 2 * limit * direction, age=10**6), 0.0)  # beyond the radius, within 4x: clipped
-    assert bound.clipped == 1 and svc.node.bounded == 2
+    assert bound.clipped == clipped + (1 if far else 2) and svc.node.bounded == 2
     assert float(torch.linalg.vector_norm(svc.node.params - own)) <= limit * (1 + 1e-5)
     assert torch.isfinite(svc.node.params).all()
     _honest_merge_goes_on(svc)
