@@ -5,6 +5,12 @@ peer code ``shoal peer`` runs (GossipNode, MergeBound, Membership, Freshness), o
 
 Attacks (each against the run without attackers, same seed, same honest peers):
 
+- ``alone``: no attack, but the attackers' peers are offline throughout: the honest peers on their
+  own. This, not ``none`` (where the attackers' peers train honestly and bring their data), is
+  what a defence can at best reach: a peer that sends forged models withholds its data, and
+  with peers whose data differ (the default task gives each its own distribution) that costs
+  accuracy on the common test set whatever the honest peers do;
+
 - ``scale``: every model an attacker sends is ``x0 + 10 (x - x0)`` (attack.kind = "scale");
 - ``sign_flip``: ``x0 - 10 (x - x0)``;
 - ``replay``: the attacker re-sends models pushed to it (sender, counter and all) at least
@@ -22,16 +28,24 @@ replays sent and taken; for eclipse: the longest stretch of rounds without a mer
 honest peer, made-up entries in views and directories at most and at the end.
 
     .venv/bin/python bench/byzantine_gossip.py [--honest 5] [--attackers 1] [--attack-rounds 60]
-        [--after 30] [--algorithms gossip,dpsgd,group_average] [--attacks scale,sign_flip,replay,eclipse]
-        [--defences-only]
+        [--after 30] [--algorithms gossip,dpsgd,group_average] [--attacks alone,scale,sign_flip,replay,eclipse]
+        [--defences-only] [--scale 10] [--set gossip.KEY=VALUE ...]
+    .venv/bin/python bench/byzantine_gossip.py --lockout 512 [--old-cap]   # connections, not merges
+
+``--lockout SLOTS``: 12 source addresses x 64 connections (silent, or a request head and no body)
+against the peer's connection guard on loopback; prints how ``GET /status`` from a 13th address
+and a push with a client certificate fare (512 slots: a peer whose open-file limit is 1,024).
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import logging
+import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -61,13 +75,18 @@ def build(args: argparse.Namespace, algorithm: str, attack: str, defences: bool)
         "gossip.shuffle_length=2",
         'gossip.topology="complete"',
         "gossip.group_size=3",
+        *args.set,
     ]
-    if attack in FORGED:
-        over += [f'attack.kind="{attack}"', f"attack.fraction={args.attackers / n}", "attack.scale=10"]
+    if attack in FORGED or attack == "alone":
+        over += [
+            f'attack.kind="{"sign_flip" if attack == "alone" else attack}"',
+            f"attack.fraction={args.attackers / n}",
+            f"attack.scale={args.scale}",
+        ]
     if not defences:
         over += ["gossip.merge_bound=0", "gossip.max_drift=0", "gossip.max_abs=0"]
     sim = GossipSimulation.from_config(load_config(None, over))
-    if attack not in FORGED and attack != "none":  # protocol attackers: the last peers, measured apart
+    if attack not in (*FORGED, "none", "alone"):  # protocol attackers: the last peers, measured apart
         sim.attackers[:] = False
         sim.attackers[args.honest :] = True
         sim.honest = np.flatnonzero(~sim.attackers)
@@ -130,6 +149,8 @@ def run(args: argparse.Namespace, algorithm: str, attack: str, defences: bool, r
     last_merge = {int(h): 0 for h in sim.honest}
     merges = {int(h): 0 for h in sim.honest}
     means: dict[int, torch.Tensor] = {}
+    if attack == "alone":  # the honest peers without the attacker's peer: the attacker is offline throughout
+        sim.online[sim.attackers] = False
     for r in range(1, args.attack_rounds + args.after + 1):
         if r == args.attack_rounds + 1:
             sim.online[sim.attackers] = False  # the attackers leave
@@ -164,6 +185,86 @@ def run(args: argparse.Namespace, algorithm: str, attack: str, defences: bool, r
     return out
 
 
+async def _open(port: int, ctx: Any, source: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host = "127.0.0.1" if ctx else None
+    return await asyncio.wait_for(
+        asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname=host, local_addr=(source, 0)), 10
+    )
+
+
+async def _ask(conn: tuple[asyncio.StreamReader, asyncio.StreamWriter], request: bytes) -> tuple[float, str]:
+    t0 = time.perf_counter()
+    reader, writer = conn
+    writer.write(request)
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+    return time.perf_counter() - t0, head.split(b"\r\n", 1)[0].decode()[9:12]
+
+
+async def lockout(total: int, old_cap: bool) -> None:
+    """12 source addresses x 64 connections (16 silent, 48 TLS callers without a certificate that
+    send a request head and no body) against a listener with the peer's connection guard
+    (p2p/connections.py, ``total`` slots); then 10 x ``GET /status`` from a 13th address and a
+    push with a client certificate from a crowded one, each on a new TLS connection."""
+    from aiohttp import web
+
+    from shoal.p2p.connections import MAX_CONNECTIONS_PER_ADDRESS, Connections, GuardedRunner, guarded_site
+    from shoal.pki import issue_server_cert, make_ca
+    from shoal.tls import client_context, server_context
+
+    tmp = Path(tempfile.mkdtemp())
+    make_ca(tmp / "pki", "bench CA", 1)
+    ca = tmp / "pki" / "ca.pem"
+    cert, key = issue_server_cert(tmp / "pki", ["127.0.0.1"], tmp / "p", 1, client_auth=True)
+    guard = Connections(MAX_CONNECTIONS_PER_ADDRESS, 60.0, 60.0, total=total)
+    if old_cap:
+        guard.per_address = MAX_CONNECTIONS_PER_ADDRESS  # the cap before 1/16 of the open slots
+    print(f"slots {guard.total}, reserved for certificates {guard.reserved}, per address {guard.per_address}")
+
+    async def gossip(request: web.Request) -> web.Response:
+        return web.json_response({"bytes": len(await request.read())})
+
+    async def status(request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_get("/status", status)
+    app.router.add_post("/gossip", gossip)
+    runner = GuardedRunner(app, guard, access_log=None)
+    await runner.setup()
+    site = guarded_site(runner, "127.0.0.1", 0, server_context(cert, key, client_ca=ca), guard)
+    await site.start()
+    assert site.guard is not None
+    port = site.guard.sockets[0].getsockname()[1]
+    held = []
+    without, with_cert = client_context(ca), client_context(ca, cert, key)
+    for a in range(2, 14):
+        held += await asyncio.gather(*[_open(port, None, f"127.0.0.{a}") for _ in range(16)])
+        for _ in range(48):
+            conn = await _open(port, without, f"127.0.0.{a}")
+            conn[1].write(b"POST /gossip HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n")
+            held.append(conn)
+    await asyncio.sleep(1.0)
+    g = site.guard
+    print(f"crowd: served {g.served}, answered 503 {g.refused}, silent ones evicted {g.evicted}")
+    answers = []
+    for _ in range(10):
+        t0 = time.perf_counter()
+        conn = await _open(port, without, "127.0.0.1")
+        held.append(conn)
+        _, code = await _ask(conn, b"GET /status HTTP/1.1\r\nHost: x\r\n\r\n")
+        answers.append(f"{code} in {time.perf_counter() - t0:.3f} s")
+    print("GET /status from a 13th address:", ", ".join(answers))
+    t0 = time.perf_counter()
+    conn = await _open(port, with_cert, "127.0.0.2")
+    held.append(conn)
+    _, code = await _ask(conn, b"POST /gossip HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc")
+    print(f"a push with a client certificate from a crowded address: {code} in {time.perf_counter() - t0:.3f} s")
+    for _, w in held:
+        w.close()
+    await site.stop()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--honest", type=int, default=5)
@@ -171,11 +272,20 @@ def main() -> None:
     ap.add_argument("--attack-rounds", type=int, default=60)
     ap.add_argument("--after", type=int, default=30)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--scale", type=float, default=10.0, help="the forged attacks' factor (x0 +- scale (x - x0))")
     ap.add_argument("--algorithms", default="gossip,dpsgd,group_average")
-    ap.add_argument("--attacks", default="scale,sign_flip,replay,eclipse")
+    ap.add_argument("--attacks", default="alone,scale,sign_flip,replay,eclipse")
     ap.add_argument("--defences-only", action="store_true", help="skip the runs with the defences off")
+    ap.add_argument(
+        "--set", action="append", default=[], help="a config override for every run, e.g. gossip.merge_bound=1"
+    )
+    ap.add_argument("--lockout", type=int, metavar="SLOTS", help="only the connection lock-out, with SLOTS slots")
+    ap.add_argument("--old-cap", action="store_true", help="--lockout with 64 per address, as before")
     args = ap.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+    logging.basicConfig(level=logging.ERROR)
+    if args.lockout:
+        asyncio.run(lockout(args.lockout, args.old_cap))
+        return
     a, b = args.attack_rounds, args.attack_rounds + args.after
     print(
         f"{args.honest} honest peers + {args.attackers} attacker(s), attack for {a} rounds, then {args.after} "

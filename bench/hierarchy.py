@@ -79,7 +79,8 @@ def service(tmp: Path, n: int, model: str) -> ServerService:
             },
         }
     ).validate()
-    svc = ServerService.from_config(cfg, emit=lambda e: None)  # events dropped: no disk writes in the timing
+    # events dropped: no disk writes in the timing; the root takes edge partials (its tier)
+    svc = ServerService.from_config(cfg, emit=lambda e: None, tier=PartialIntake)
     return svc
 
 
@@ -123,13 +124,11 @@ def edge_part(svc: ServerService, works: list[dict], delta: torch.Tensor, name: 
     return out, cpu_s() - c0
 
 
-INTAKES: dict[int, PartialIntake] = {}  # one root intake per service, as server/app.py keeps one
-
-
 def tree_round(
     svc: ServerService, nodes: list[str], edges: int, delta: torch.Tensor, now: float, dtype: str
 ) -> tuple[float, int, float]:
-    intake = INTAKES.setdefault(id(svc), PartialIntake(svc))
+    intake = svc.tier
+    assert isinstance(intake, PartialIntake), "the root is made with tier=PartialIntake"
     for e in range(edges):  # each edge names its nodes (POST /v1/edge/poll) before the round opens
         intake.poll(f"edge-{e}", {"nodes": nodes[e::edges]}, lambda n: True, now)
     works = open_round(svc, nodes, now)

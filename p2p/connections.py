@@ -41,6 +41,7 @@ MAX_CONNECTIONS = 1024  # open connections in all (less where the open-file limi
 HANDSHAKE_TIMEOUT_S = 5.0  # a new connection's TLS handshake and first request head must be done by then
 MAX_PENDING = 256  # connections still in that stage (past it the oldest silent one is dropped)
 PENDING_PER_ADDRESS = 32  # of those from one address (past it that address's oldest silent one is dropped)
+ADDRESSES_TO_FILL = 16  # one address holds at most this share (1/16) of the slots open to callers without a certificate
 
 
 def total_connections() -> int:
@@ -56,11 +57,19 @@ def total_connections() -> int:
 
 
 class Connections:
-    """Open connections per remote address and in all, and each connection's deadline for its next request."""
+    """Open connections per remote address and in all, and each connection's deadline for its next request.
+
+    Of ``total`` slots, ``reserved`` (an eighth) are only for callers with a verified client
+    certificate (peers with a `shoal pki peer-cert`); one address without a certificate holds at
+    most ``per_address``, and never more than 1/ADDRESSES_TO_FILL of the other slots, so it takes
+    more than ADDRESSES_TO_FILL source addresses (not 12 x 64 sockets where the open-file limit
+    is 1024) to fill them and lock out ``/status`` and token-only peers."""
 
     def __init__(self, per_address: int, header_timeout: float, idle_timeout: float, total: int | None = None):
-        self.per_address, self.header_timeout, self.idle_timeout = per_address, header_timeout, idle_timeout
+        self.header_timeout, self.idle_timeout = header_timeout, idle_timeout
         self.total = total_connections() if total is None else total
+        self.reserved = self.total // 8
+        self.per_address = max(1, min(per_address, (self.total - self.reserved) // ADDRESSES_TO_FILL))
         self.open: dict[str, int] = {}
         self.count = 0
         self.refused = 0
@@ -175,7 +184,7 @@ def guarded_site(
     verified. The per-address cap and header deadlines of :class:`GuardedHandler` apply after."""
     limits = GuardLimits(
         max_connections=guard.total,
-        reserved=guard.total // 8,
+        reserved=guard.reserved,
         per_address=guard.per_address,
         max_pending=MAX_PENDING,
         pending_per_address=PENDING_PER_ADDRESS,

@@ -254,7 +254,8 @@ class GroupAverage:
         we reduce it: each member's distance on the slice, scaled to the whole model, takes its
         slot of our merge bound's window; then each ``part - ours`` is clipped to the radius
         ``tau`` (so one member moves each slice's average by at most ``tau / k``: the whole
-        model by at most ``tau / sqrt(k)``, and the member's adopt bounds the rest)."""
+        model by at most ``tau / sqrt(k)``, and the member's adopt bounds the rest), and a part
+        beyond ``far x tau`` is replaced by our own values (its weight stays, its pull is gone)."""
         if self.bound is None:
             return parts
         own = self._slice(self.own, self.index)
@@ -265,10 +266,12 @@ class GroupAverage:
         radius = self.bound.radius() * share
         out = dict(parts)
         for m, d in dists.items():
-            if d > radius:
-                w, x = parts[m]
-                out[m] = (w, own + (x - own) * (radius / d))
-                self.clipped += 1
+            factor = self.bound.shrink(d, radius)
+            if factor is not None and factor == 1.0:
+                continue
+            w, x = parts[m]  # refused (far beyond the radius): its weight stays with our own values
+            out[m] = (w, own.clone() if factor is None else own + (x - own) * factor)
+            self.clipped += 1
         return out
 
     def _bounded(self, j: int, data: torch.Tensor) -> torch.Tensor:
@@ -276,17 +279,19 @@ class GroupAverage:
         around our own values of that slice before we take it: a hostile reducer sends whatever
         it likes for its slice, so its ``average - ours`` is clipped like a neighbour's model, to
         the merge bound's radius scaled to the slice's share of the model (self-centered clipping
-        of the reducer's output, not only of the parts we reduce). An honest average lies within
-        the honest spread and passes unchanged."""
+        of the reducer's output, not only of the parts we reduce); beyond ``far x`` that radius
+        our own values of the slice are kept. An honest average lies within the honest spread
+        and passes unchanged."""
         if self.bound is None:
             return data
         own = self._slice(self.own, j)
         radius = self.bound.radius() * math.sqrt(max(own.numel(), 1) / max(self.own.numel(), 1))
         d = float(torch.linalg.vector_norm((data - own).double()))
-        if not d > radius:
+        factor = self.bound.shrink(d, radius)
+        if factor is not None and factor == 1.0:
             return data
         self.clipped += 1
-        return own + (data - own) * (radius / d)
+        return own.clone() if factor is None else own + (data - own) * factor
 
     def _slice(self, x: torch.Tensor, j: int) -> torch.Tensor:
         lo, hi = self.bounds[j]

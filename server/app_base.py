@@ -7,7 +7,6 @@ import asyncio
 import hmac
 import logging
 import time
-import weakref
 
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
@@ -23,7 +22,6 @@ from .http_common import (
     ADMIN,
     CHANGED,
     CHUNKS,
-    INTAKES,
     NODE,
     REGISTRY,
     REVOCATIONS,
@@ -169,7 +167,6 @@ def base_app(cfg: Config, registry: Registry, max_body: int) -> web.Application:
         invites.put_nowait(True)
     app[CHANGED] = {"event": asyncio.Event(), "slots": slots, "invites": invites, "touched": {}, "uploads": {}}
     app[CHUNKS] = ChunkedUploads(cfg.server.ingest_slots)
-    app[INTAKES] = weakref.WeakKeyDictionary()
     revocations = app[REVOCATIONS] = Revocations(registry)
     revocations.subscribe(app[CHUNKS].drop_nodes)  # a revoked node's uploads let go of their buffers
     revocations.subscribe(lambda _names: notify(app))  # its held long poll is answered 403 at once

@@ -38,10 +38,12 @@ Event = Record | Checkpoint | PrivacyLedger
 
 @dataclass(frozen=True)
 class Restored:
-    """What an earlier run left (read by server/store.py): its last checkpoint and privacy ledger."""
+    """What an earlier run left (read by server/store.py): its last checkpoint and privacy ledger,
+    and the elapsed_s of its last record (a resumed run's clock goes on from there, not from 0)."""
 
     checkpoint: tuple[Path, dict[str, torch.Tensor], dict[str, Any]] | None = None
     ledger: dict[str, Any] | None = None
+    elapsed_s: float = 0.0
 
 
 def split_tensors(obj: Any, path: str, tensors: dict[str, torch.Tensor]) -> Any:

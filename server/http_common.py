@@ -11,7 +11,6 @@ import logging
 import math
 import re
 import time
-import weakref
 from collections.abc import Callable
 from typing import Protocol
 
@@ -66,9 +65,6 @@ CHUNKS = web.AppKey("chunks", ChunkedUploads)  # open chunked uploads (server/ch
 
 
 REVOCATIONS = web.AppKey("revocations", Revocations)  # the revoked names, pushed to every run (registry.py)
-
-
-INTAKES = web.AppKey("intakes", weakref.WeakKeyDictionary)  # each run's PartialIntake (server/edge/intake.py)
 
 
 CHUNK_DIGEST_HEADER = "X-Shoal-Chunk-Sha256"

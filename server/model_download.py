@@ -7,6 +7,11 @@ import hashlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+import torch
+
+from shoal.params import ParamSpec
+from shoal.wire import encode_model, model_parts
+
 
 @dataclass
 class ModelDownload:
@@ -42,3 +47,31 @@ class ModelDownload:
         if whole:
             self._sha256 = h.hexdigest()
         return h.hexdigest()
+
+
+class ServedModel:
+    """The global model as nodes get it, made once per version: the encoded message (with the
+    algorithm's broadcast beside the model: SCAFFOLD's control variate) and the download of the
+    parameters' own memory (no encoded copy) where nothing travels beside the model."""
+
+    def __init__(self, spec: ParamSpec):
+        self.spec = spec
+        self._body: tuple[int, bytes] | None = None
+        self._download: ModelDownload | None = None
+
+    def etag(self, version: int) -> str:
+        return f'"{self.spec.hash}-v{version}"'
+
+    def body(self, version: int, params: torch.Tensor, aux: dict[str, torch.Tensor] | None) -> bytes:
+        if self._body is None or self._body[0] != version:
+            self._body = (version, encode_model(params, self.spec, version, aux=aux))
+        return self._body[1]
+
+    def download(self, version: int, params: torch.Tensor, aux: dict[str, torch.Tensor] | None) -> ModelDownload:
+        if self._download is None or self._download.version != version:
+            if aux:
+                head, data = b"", memoryview(self.body(version, params, aux))
+            else:
+                head, data = model_parts(params, self.spec, version)
+            self._download = ModelDownload(version, self.etag(version), head, data)
+        return self._download

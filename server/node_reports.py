@@ -8,7 +8,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from shoal.errors import Malformed, NonFinite
+from shoal.errors import Malformed, NonFinite, UpdateRejected
 from shoal.strict_json import NonFiniteNumber, loads_strict
 
 #: Bounds of a node's federated evaluation report (POST /v1/eval, docs/protocol.md).
@@ -92,6 +92,15 @@ def parse_failure_report(body: bytes) -> tuple[int, int, str]:
     if obj["reason"] not in FAILURE_REASONS:
         raise Malformed(f"failure report reason {str(obj['reason'])[:40]!r} is not one of {list(FAILURE_REASONS)}")
     return obj["round"], obj["version"], obj["reason"]
+
+
+def not_held_report(node: str, round_: int, version: int, at_round: int, at_version: int) -> UpdateRejected:
+    """The refusal of a failure report for a task the node does not hold (or reported already)."""
+    return UpdateRejected(
+        "not_selected",
+        f"node {node!r} holds no task of round {round_} from version {version} (the server is at round "
+        f"{at_round}, version {at_version}); report only the task the node holds, once",
+    )
 
 
 def spec_mismatch_detail(node_hash: str, server_hash: str) -> str:

@@ -17,7 +17,6 @@ from .edge.intake import MAX_EDGE_POLL_BODY, PartialIntake, check_edge
 from .edge.secure import body_limit
 from .http_common import (
     CHANGED,
-    INTAKES,
     NODE,
     REGISTRY,
     REVOCATIONS,
@@ -40,11 +39,11 @@ from .upload_reading import first_chunk, read_into, upload_of
 log = logging.getLogger(__name__)
 
 
-def intake_of(request: web.Request, svc: ServerService) -> PartialIntake:
-    intake = request.app[INTAKES].get(svc)
-    if intake is None:
-        intake = request.app[INTAKES][svc] = PartialIntake(svc)
-    return intake
+def intake_of(svc: ServerService) -> PartialIntake:
+    """The run's edge intake; a server without edges (``hierarchy.edge_names`` empty) has none."""
+    if not isinstance(svc.tier, PartialIntake):
+        raise Refusal(403, "not_an_edge", "this server has no edge aggregators (hierarchy.edge_names is empty)")
+    return svc.tier
 
 
 async def post_edge_poll(request: web.Request) -> web.Response:
@@ -53,7 +52,7 @@ async def post_edge_poll(request: web.Request) -> web.Response:
     there is no work for it."""
     app, edge = request.app, request[NODE]
     svc = svc_of(request)
-    intake = intake_of(request, svc)
+    intake = intake_of(svc)
     body = await json_body(request, MAX_EDGE_POLL_BODY)
     end = time.monotonic() + seconds_param(
         request, "wait", min(svc.cfg.server.poll_s, svc.cfg.hierarchy.edge_timeout_s / 2)
@@ -77,7 +76,7 @@ async def post_partial(request: web.Request) -> web.Response:
     under the upload limits (per-node count, body timeouts, minimum rate), then checked and merged."""
     app, edge = request.app, request[NODE]
     svc = svc_of(request)
-    intake = intake_of(request, svc)
+    intake = intake_of(svc)
     try:
         check_edge(svc, edge)  # a node may not speak for other nodes
     except UpdateRejected as err:
@@ -148,13 +147,13 @@ async def post_edge_secagg(request: web.Request) -> web.Response:
     now = time.monotonic()
     try:
         if stage == "masked_sum":
-            sr, held = relayed_round(svc, intake_of(request, svc), edge, None, now)
+            sr, held = relayed_round(svc, intake_of(svc), edge, None, now)
             result = sr.receive_masked_sum(edge, body, held)
         elif stage == "masked":
             raise UpdateRejected("not_relayed", "an edge sends its nodes' masked inputs only in its masked sum")
         else:
             node = _node_of(request)
-            sr, _ = relayed_round(svc, intake_of(request, svc), edge, node, now)
+            sr, _ = relayed_round(svc, intake_of(svc), edge, node, now)
             result = sr.receive(node, stage, body)
     except ShoalError as e:
         svc.refused(getattr(e, "code", "error"))
@@ -175,7 +174,7 @@ async def get_edge_secagg(request: web.Request) -> web.Response:
     stage = request.match_info["stage"]
 
     def reply() -> bytes | None:
-        sr, _ = relayed_round(svc, intake_of(request, svc), edge, node, time.monotonic())
+        sr, _ = relayed_round(svc, intake_of(svc), edge, node, time.monotonic())
         return sr.reply(node, stage, round_)
 
     return await long_poll_secagg(request, round_, end, reply, _relay_status)

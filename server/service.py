@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,6 @@ from typing import Any
 import torch
 
 from shoal import assembly
-from shoal.aggregation.secagg.encoding import FixedPoint
 from shoal.assembly import ServerParts, make_evaluator
 from shoal.async_rounds import AsyncRounds
 from shoal.client.training import LocalTrainer
@@ -36,25 +34,23 @@ from shoal.metrics import json_safe
 from shoal.rounds import Rounds, RoundSummary, SyncRounds
 from shoal.task import ClientData, Task
 from shoal.update import Update
-from shoal.wire import (
-    UpdateStream,
-    encode_model,
-    model_parts,
-    update_fields,
-)
+from shoal.wire import UpdateStream, update_fields
 
 from .activity import Activity, console_line, process_usage
 from .events import Checkpoint, Event, PrivacyLedger, Record, Restored, join_tensors, split_tensors
 from .fed_eval import FederatedEvaluation
-from .model_download import ModelDownload
+from .model_download import ModelDownload, ServedModel
 from .node_reports import (
     FedVersion,
+    not_held_report,
     parse_failure_report,
     spec_mismatch_detail,
 )
 from .privacy import ServerPrivacy
+from .run_clock import RunClock
 from .secure_round import SecureRound
 from .staging import Staged
+from .tier import Tier
 from .upload_checks import StagedBlocks, UploadChecks
 
 log = logging.getLogger(__name__)
@@ -85,6 +81,11 @@ class ServerService:
         emit: Callable[[Event], None] | None = None,
         started_at: float | None = None,
         fed_eval: FederatedEvaluation | None = None,
+        tier: Callable[[ServerService], Tier] | None = None,
+        label: str = "",
+        close_files: Callable[[], None] = lambda: None,
+        max_body_bytes: int | None = None,
+        process_usage: Callable[[], tuple[float, float]] = process_usage,
     ):
         """``parts``: the task, spec, rounds and DP state shoal.assembly built (:meth:`from_config`).
         ``registered``: the enabled nodes of the registry (N of central and distributed DP);
@@ -92,7 +93,12 @@ class ServerService:
         ``test``: the central test set (server/store.py's ``open_service`` loads the task's).
         ``restored``: what an earlier run left. ``emit``: where events go (default: ``self.events``).
         ``started_at``: the ``now`` records' elapsed_s counts from (default: the first call's).
-        ``fed_eval``: the federated evaluation (default: the config's, server/fed_eval.py)."""
+        ``fed_eval``: the federated evaluation (default: the config's, server/fed_eval.py).
+        ``tier``: makes the tier below (server/tier.py; a root with edges: PartialIntake).
+        ``label``: a federation's run id (the console's progress lines start with it).
+        ``close_files``: closes what server/store.py opened for the events.
+        ``max_body_bytes``: a lower cap on one request's body than the config's (a federation's).
+        ``process_usage``: the process's (CPU seconds, resident MB) for each version's record."""
         if not isinstance(parts, ServerParts):
             raise TypeError(
                 f"ServerService takes the parts shoal.assembly builds, not a {type(parts).__name__}: "
@@ -109,11 +115,11 @@ class ServerService:
         self.test = test
         self.events: list[Event] = []
         self.emit: Callable[[Event], None] = emit if emit is not None else self.events.append
-        self.started_at = started_at
-        self.elapsed_before = 0.0  # a resumed run: the elapsed_s its last record had (server/store.py)
+        restored = restored or Restored()
+        self.clock = RunClock(started_at, restored.elapsed_s, process_usage)
         self.uploads = UploadChecks(cfg, self.spec)  # what an upload must be (server/upload_checks.py)
         self.update_limit = self.uploads.update_limit
-        self.max_body_bytes = self.uploads.max_body_bytes
+        self.max_body_bytes = min(self.uploads.max_body_bytes, max_body_bytes or self.uploads.max_body_bytes)
         self.mode = s.mode
         # the nodes' evaluations of the global model (none asked where the privacy plan forbids
         # un-noised figures of their data)
@@ -125,35 +131,16 @@ class ServerService:
         )
         self.counters = Counters()
         self.activity = Activity()  # by node and over versions, for the dashboard (server/dashboard.py)
-        self.label = ""  # a federation's run id: the console's progress lines start with it
-        self.close_files: Callable[[], None] = lambda: None  # server/store.py's open_service sets it
+        self.label = label
+        self.close_files = close_files
         self.last_seen: dict[str, float] = {}
         self.told_done: set[str] = set()
         self.done_at: float | None = None
         self.last_record: dict[str, Any] = {}
         self.resumed_from: Path | None = None
-        self._model_cache: tuple[int, bytes] | None = None
-        self._download: ModelDownload | None = None
+        self.served = ServedModel(self.spec)  # the model as nodes download it (server/model_download.py)
         self.secure_round: SecureRound | None = None  # [secure_aggregation]: the open round's protocol
-        # what a tier below adds to a version's record (server/edge/intake.py: the edges' partials of the round)
-        self.tier_figures: Callable[[int], dict[str, Any]] | None = None
-        # which connected nodes a round may select now (server/edge/intake.py: not a node whose last word came
-        # from an edge that no longer holds it), and what the tier adds to the run's status
-        self.tier_available: Callable[[list[str], float], list[str]] | None = None
-        self.tier_status: Callable[[float], dict[str, Any]] | None = None
-        # what a tier below keeps across a restart, saved in each checkpoint (JSON values only;
-        # server/edge/intake.py: which edge handed out each open task of an async root)
-        self.tier_state: dict[str, Any] = {}
-        # the server process's CPU seconds and resident MB (a version's record has its share since the last)
-        self.process_usage: Callable[[], tuple[float, float]] = process_usage
-        self._last_version: tuple[float, float] | None = None  # (now, CPU seconds) at the last version
-        self.version_interval: float | None = None  # seconds between versions, smoothed (async uploads' horizon)
-        if cfg.secure_aggregation.enabled and s.clients_per_round:  # the headroom check, before any round
-            FixedPoint(
-                cfg.secure_aggregation.clip,
-                cfg.secure_aggregation.bits,
-                math.ceil(s.clients_per_round * (1 + cfg.asynchronous.over_selection)),
-            )
+        self.restored_tier: dict[str, Any] = {}  # what the tier kept in the checkpoint resumed from
         self.secure_last: dict[str, Any] = {}
         # guards of the run loop: rounds in a row without an accepted update (server.max_failed_rounds),
         # the sync task of each node whose upload was refused (not handed out again), and why the run
@@ -161,7 +148,6 @@ class ServerService:
         self.failed_streak = 0
         self.refused_task: dict[str, tuple[int, int]] = {}
         self.stopped: str | None = None
-        restored = restored or Restored()
         if restored.checkpoint is not None:
             self._restore(*restored.checkpoint)
         if self.privacy is not None:
@@ -170,6 +156,8 @@ class ServerService:
                 log.info("privacy ledger: %d rounds charged so far", self.privacy.rounds_charged)
         if registered is not None:
             self.bind_registry(registered)
+        # the tier below (a root's edges): last, so that it sees the restored rounds and its saved state
+        self.tier: Tier | None = tier(self) if tier is not None else None
 
     @classmethod
     def from_config(
@@ -237,13 +225,12 @@ class ServerService:
         ``asynchronous.max_staleness`` versions old, at the recent pace of versions; an upload that
         cannot finish by then holds a body buffer for an update that will be refused. None where
         no bound is known (sync rounds, no task, no staleness bound, no version made yet)."""
-        if not isinstance(self.rounds, AsyncRounds) or self.version_interval is None or self._last_version is None:
+        if not isinstance(self.rounds, AsyncRounds):
             return None
         task = self.rounds.outstanding.get(node)
         if task is None or self.rounds.max_staleness is None:
             return None
-        versions_left = self.rounds.max_staleness - (self.rounds.version - task.version) + 1
-        return versions_left * self.version_interval - (now - self._last_version[0])
+        return self.clock.seconds_for(self.rounds.max_staleness - (self.rounds.version - task.version) + 1, now)
 
     def forget(self, nodes: set[str]) -> None:
         """Revoked nodes: no longer counted as connected, so no round selects them again; the open
@@ -262,28 +249,9 @@ class ServerService:
     def _prefix(self) -> str:
         return f"{self.label}: " if self.label else ""
 
-    def _process_figures(self, now: float) -> dict[str, float]:
-        """The server's cost of this version: seconds since the last version (the run's start for
-        the first), the process's CPU seconds in them and its resident memory now. Process-wide:
-        a federation's runs share the process, so each run's figures include the others' work."""
-        cpu, rss = self.process_usage()
-        since, cpu_then = self._last_version if self._last_version is not None else (self.started_at, None)
-        self._last_version = (now, cpu)
-        out = {"server_rss_mb": round(rss, 1)}
-        if since is not None:
-            out["server_round_s"] = round(now - since, 4)
-            dt = max(now - since, 0.0)
-            self.version_interval = dt if self.version_interval is None else 0.8 * self.version_interval + 0.2 * dt
-        if cpu_then is not None:
-            out["server_cpu_s"] = round(cpu - cpu_then, 4)
-        return out
-
     def _elapsed(self, now: float) -> float:
-        """Seconds since ``started_at`` (the first call's ``now`` unless given), after the
-        ``elapsed_before`` of the run's life before a restart."""
-        if self.started_at is None:
-            self.started_at = now
-        return round(now - self.started_at + self.elapsed_before, 4)
+        """Seconds of the run's life (server/run_clock.py)."""
+        return self.clock.elapsed(now)
 
     def finished(self, now: float) -> bool:
         """Done, and every connected node was told so (or one poll period passed)."""
@@ -308,30 +276,21 @@ class ServerService:
         if node not in self.cfg.hierarchy.edge_names:  # an edge aggregator (its model download) is no node
             self.last_seen[node] = now
 
+    def _broadcast(self) -> dict[str, torch.Tensor] | None:
+        """What the algorithm sends beside the model (SCAFFOLD's server control variate), or None."""
+        return (self.sync.strategy.broadcast() or None) if self.sync is not None else None
+
     def model_download(self) -> ModelDownload:
-        """The current global model as a download (GET /v1/model, whole or by range): made once
-        per version from the parameters' own memory, no encoded copy of the model."""
-        if self._download is None or self._download.version != self.version:
-            # an algorithm's tensors travel with the model: the model is sent encoded with them
-            if self.sync is not None and self.sync.strategy.broadcast():
-                head, data = b"", memoryview(self.model_body())
-            else:
-                head, data = model_parts(self.rounds.global_params, self.spec, self.version)
-            self._download = ModelDownload(self.version, self.etag, head, data)
-        return self._download
+        """The current global model as a download (GET /v1/model, whole or by range)."""
+        return self.served.download(self.version, self.rounds.global_params, self._broadcast())
 
     def model_body(self) -> bytes:
-        """The current global model on the wire, encoded once per version (with the algorithm's
-        broadcast beside it: SCAFFOLD's server control variate)."""
-        if self._model_cache is None or self._model_cache[0] != self.version:
-            aux = self.sync.strategy.broadcast() if self.sync is not None else None
-            body = encode_model(self.rounds.global_params, self.spec, self.version, aux=aux)
-            self._model_cache = (self.version, body)
-        return self._model_cache[1]
+        """The current global model on the wire, encoded once per version."""
+        return self.served.body(self.version, self.rounds.global_params, self._broadcast())
 
     @property
     def etag(self) -> str:
-        return f'"{self.spec.hash}-v{self.version}"'
+        return self.served.etag(self.version)
 
     # --- requests ------------------------------------------------------------------
 
@@ -409,13 +368,9 @@ class ServerService:
         self.seen(node, now)
         try:
             round_, version, reason = parse_failure_report(body)
-            r = self.rounds
-            if r.round != round_ or not r.holds_task(node, version) or self.refused_task.get(node) == (round_, version):
-                raise UpdateRejected(
-                    "not_selected",
-                    f"node {node!r} holds no task of round {round_} from version {version} (the server is at "
-                    f"round {r.round}, version {r.version}); report only the task the node holds, once",
-                )
+            held = self.rounds.round == round_ and self.rounds.holds_task(node, version)
+            if not held or self.refused_task.get(node) == (round_, version):
+                raise not_held_report(node, round_, version, self.rounds.round, self.rounds.version)
         except ShoalError as e:
             self.refused(getattr(e, "code", "error"))
             raise
@@ -553,41 +508,7 @@ class ServerService:
         if self.done or r is None:  # async: versions advance in submit, not on the clock
             return False
         if not r.open:
-            if self.privacy is not None and not self.privacy.allows_next_round():
-                self._privacy_event(
-                    {
-                        "round": r.round,
-                        "version": r.version,
-                        "stopped": self.privacy.stopped,
-                        "epsilon_next": self.privacy.next_epsilon,
-                    },
-                    now,
-                )
-                return True  # done now: every waiting node is told so
-            avail = self.connected(now)
-            if self.tier_available is not None:
-                avail = self.tier_available(avail, now)
-            sa = self.cfg.secure_aggregation  # a secure round of fewer than min_inputs nodes would only abort
-            if len(avail) < max(self.cfg.server.min_nodes, sa.min_inputs if sa.enabled else 1):
-                return False
-            if self.privacy is not None and not self.privacy.bound:
-                raise ConfigError("privacy: the server does not know N, its registered nodes (bind_registry)")
-            tasks = r.start_round(avail, now)
-            log.info(
-                "%sround %d (of %d versions): %d of %d nodes selected, at version %d",
-                self._prefix,
-                r.round,
-                self.cfg.server.rounds,
-                len(tasks),
-                len(avail),
-                r.version,
-            )
-            if self.privacy is not None:
-                self.privacy.round_started(sorted(r.selected))
-                self._save_privacy()  # charged before anything of the round is released
-            if self.cfg.secure_aggregation.enabled and tasks:  # nobody selected: the round closes at once
-                self.secure_round = SecureRound(self.cfg, r, self.spec.numel, now, self.privacy)
-            return True
+            return self._open_round(r, now)
         if self.secure_round is not None:  # the protocol's stages decide when the round closes
             changed = self.secure_round.tick(now)
             if not self.secure_round.over:
@@ -595,10 +516,8 @@ class ServerService:
             secure, self.secure_round = self.secure_round, None
             self.secure_last = secure.status()
             summary = secure.close(r)
-            if summary is None:  # aborted: model and version unchanged, the next round runs
-                self._round_failed(r.round, now)
-                if self.privacy is not None:  # charged all the same: say so in the record
-                    self._privacy_event({"round": r.round, "version": r.version, "aborted": secure.aborted}, now)
+            if summary is None:  # aborted: model and version unchanged, the next round runs (charged all the same)
+                self._round_failed(r.round, now, {"round": r.round, "version": r.version, "aborted": secure.aborted})
                 return True
         elif not r.should_close(now) and not self._all_answered(r):
             return False
@@ -608,32 +527,43 @@ class ServerService:
         if summary.failed:
             log.warning(
                 "round %d failed with %d of %d results (min_fraction %.2f); model unchanged",
-                r.round,
-                summary.num_results,
-                summary.num_selected,
-                self.cfg.server.min_fraction,
+                *(r.round, summary.num_results, summary.num_selected, self.cfg.server.min_fraction),
             )
-            self._round_failed(r.round, now)
-            if self.privacy is not None:
-                self._privacy_event(
-                    {"round": r.round, "version": r.version, "failed": True, "num_results": summary.num_results}, now
-                )
+            failed = {"round": r.round, "version": r.version, "failed": True, "num_results": summary.num_results}
+            self._round_failed(r.round, now, failed)
             return True
         if summary.num_results < summary.num_selected:
             log.info(
                 "round %d: deadline, closed with %d of %d results", r.round, summary.num_results, summary.num_selected
             )
-        self.new_version(
-            {
-                "round": summary.round,
-                "train_loss": summary.train_loss,
-                "num_results": summary.num_results,
-                "num_examples": summary.num_examples,
-                "num_late": summary.num_late,
-            },
-            now,
-            summary,
+        fields = ("round", "train_loss", "num_results", "num_examples", "num_late")
+        self.new_version({k: getattr(summary, k) for k in fields}, now, summary)
+        return True
+
+    def _open_round(self, r: SyncRounds, now: float) -> bool:
+        """Select the round's nodes once enough are connected (and the budget allows a round)."""
+        if self.privacy is not None and not self.privacy.allows_next_round():
+            stopped = {"stopped": self.privacy.stopped, "epsilon_next": self.privacy.next_epsilon}
+            self._privacy_event(self.privacy, {"round": r.round, "version": r.version, **stopped}, now)
+            return True  # done now: every waiting node is told so
+        avail = self.connected(now)
+        if self.tier is not None:
+            avail = self.tier.available(avail, now)
+        sa = self.cfg.secure_aggregation  # a secure round of fewer than min_inputs nodes would only abort
+        if len(avail) < max(self.cfg.server.min_nodes, sa.min_inputs if sa.enabled else 1):
+            return False
+        if self.privacy is not None and not self.privacy.bound:
+            raise ConfigError("privacy: the server does not know N, its registered nodes (bind_registry)")
+        tasks = r.start_round(avail, now)
+        log.info(
+            "%sround %d (of %d versions): %d of %d nodes selected, at version %d",
+            *(self._prefix, r.round, self.cfg.server.rounds, len(tasks), len(avail), r.version),
         )
+        if self.privacy is not None:
+            self.privacy.round_started(sorted(r.selected))
+            self._save_privacy(self.privacy)  # charged before anything of the round is released
+        if sa.enabled and tasks:  # nobody selected: the round closes at once
+            self.secure_round = SecureRound(self.cfg, r, self.spec.numel, now, self.privacy)
         return True
 
     def _all_answered(self, r: SyncRounds) -> bool:
@@ -643,8 +573,9 @@ class ServerService:
         refused = {n for n, t in self.refused_task.items() if t == (r.round, r.version)}
         return bool(refused) and set(r.selected) <= r.received | refused
 
-    def _round_failed(self, round_: int, now: float) -> None:
-        """A round ended without a new version; after server.max_failed_rounds in a row the run ends."""
+    def _round_failed(self, round_: int, now: float, privacy_fields: dict[str, Any] | None = None) -> None:
+        """A round ended without a new version; under DP, a record of it (``privacy_fields``: the
+        round was charged all the same). After server.max_failed_rounds in a row the run ends."""
         self.counters.rounds_abandoned += 1
         self.failed_streak += 1
         limit = self.cfg.server.max_failed_rounds
@@ -654,18 +585,10 @@ class ServerService:
                 f"{limit}); updates refused so far: {dict(self.counters.rejected)}"
             )
             log.warning("round %d failed; the run ends: %s", round_, self.stopped)
-            self.emit(
-                Record(
-                    json_safe(
-                        {
-                            "round": round_,
-                            "version": self.version,
-                            "stopped": self.stopped,
-                            "elapsed_s": self._elapsed(now),
-                        }
-                    )
-                )
-            )
+            stop = {"round": round_, "version": self.version, "stopped": self.stopped, "elapsed_s": self._elapsed(now)}
+            self.emit(Record(json_safe(stop)))
+        if self.privacy is not None and privacy_fields is not None:
+            self._privacy_event(self.privacy, privacy_fields, now)
 
     def new_version(self, fields: dict[str, Any], now: float, summary: RoundSummary | None = None) -> None:
         """A new global version: evaluate, checkpoint, then log (the simulator's record shape;
@@ -673,15 +596,14 @@ class ServerService:
         the way in for a round closed elsewhere (server/edge/intake.py: an async root's partials)."""
         self.counters.rounds_completed += 1
         self.failed_streak = 0
-        self._download = None  # the old version's (a download in flight keeps what it sends)
         record: dict[str, Any] = {"round": self.rounds.round, "version": self.version}
         if self.test is not None:
             ev = self.trainer.evaluate_data(self.rounds.global_params, self.test)
             record.update({f"test_{k}": v for k, v in ev.items() if k != "num_examples"})
         record.update(fields)
-        if self.tier_figures is not None:
-            record.update(self.tier_figures(int(record["round"])))
-        record.update(self._process_figures(now))
+        if self.tier is not None:
+            record.update(self.tier.figures(int(record["round"])))
+        record.update(self.clock.version_figures(now))
         record["elapsed_s"] = self._elapsed(now)
         if self.privacy is not None:
             record = self.privacy.released(record, summary)
@@ -690,7 +612,7 @@ class ServerService:
         self.activity.snapshot(record["round"], self.version, c.accepted, sum(c.rejected.values()), record["elapsed_s"])
         self.emit(self._checkpoint())  # first: a crash between the two loses a log line, never a version
         if self.privacy is not None:
-            self._save_privacy()  # the adaptive clip norm and the nodes' reports of this version
+            self._save_privacy(self.privacy)  # the adaptive clip norm and the nodes' reports of this version
         self._settle_fed(now)  # the nodes evaluated older versions before training on them
         self.emit(Record(self.last_record))
         log.info("%s%s", self._prefix, console_line(self.last_record, self.cfg.server.rounds))  # where the run is
@@ -706,20 +628,14 @@ class ServerService:
         if self.sync is not None and registered > 0:
             self.sync.strategy.bind_population(registered)  # FedDyn's and SCAFFOLD's N
 
-    def _dp(self) -> ServerPrivacy:
-        """The privacy state (the callers run only when [privacy] is on)."""
-        if self.privacy is None:
-            raise RuntimeError("privacy.mode = 'none': no privacy ledger")
-        return self.privacy
-
-    def _privacy_event(self, fields: dict[str, Any], now: float) -> None:
+    def _privacy_event(self, dp: ServerPrivacy, fields: dict[str, Any], now: float) -> None:
         """A metrics.jsonl record for a round that released no new version but changed the
         privacy picture (charged and aborted or failed, or the budget stopped the run)."""
-        self.emit(Record(json_safe(self._dp().released({**fields, "elapsed_s": self._elapsed(now)}))))
-        self._save_privacy()
+        self.emit(Record(json_safe(dp.released({**fields, "elapsed_s": self._elapsed(now)}))))
+        self._save_privacy(dp)
 
-    def _save_privacy(self) -> None:
-        self.emit(PrivacyLedger(self._dp().state_dict()))
+    def _save_privacy(self, dp: ServerPrivacy) -> None:
+        self.emit(PrivacyLedger(dp.state_dict()))
 
     # --- checkpoints ---------------------------------------------------------------
 
@@ -733,7 +649,7 @@ class ServerService:
             "last_record": self.last_record,
             "last_fed": self.last_fed,
             "rounds": split_tensors(self.rounds.state_dict(), "rounds", tensors),
-            "tier": {k: dict(v) if isinstance(v, dict) else v for k, v in self.tier_state.items()},
+            "tier": self.tier.state() if self.tier is not None else {},
         }
         return Checkpoint(self.version, tensors, state)
 
@@ -748,7 +664,7 @@ class ServerService:
         self.last_record = state.get("last_record", {})
         self.fed_eval.last = state.get("last_fed", {})
         tier = state.get("tier", {})
-        self.tier_state = dict(tier) if isinstance(tier, dict) else {}
+        self.restored_tier = dict(tier) if isinstance(tier, dict) else {}
         self.resumed_from = path
         log.info("resumed from %s: version %d, round %d", path, self.version, self.rounds.round)
 
@@ -780,5 +696,5 @@ class ServerService:
                 else {}
             ),
             **({"privacy": self.privacy.status()} if self.privacy is not None else {}),
-            **({"hierarchy": self.tier_status(now)} if self.tier_status is not None else {}),
+            **({"hierarchy": self.tier.status(now)} if self.tier is not None else {}),
         }

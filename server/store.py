@@ -15,6 +15,7 @@ import logging
 import math
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from shoal.assembly import task_from_config
 from shoal.config import Config
@@ -24,6 +25,7 @@ from shoal.task import ClientData, Task, call_part, check_data
 from shoal.tensorboard import TensorBoardLog
 
 from .checkpoint import newest_intact, save_checkpoint, write_durably
+from .edge.intake import PartialIntake
 from .events import Checkpoint, Event, PrivacyLedger, Record, Restored
 from .service import ServerService
 
@@ -55,7 +57,8 @@ class ServerStore:
         elif not resume or not self.metrics_path.exists():
             self.metrics_path.write_text("")
         ledger = self._read_ledger(resume) if plan_of(self.cfg).enabled else None
-        return Restored(checkpoint, ledger)
+        # elapsed_s goes on from where the run was, not from 0
+        return Restored(checkpoint, ledger, last_elapsed(self.metrics_path) if checkpoint is not None else 0.0)
 
     def _read_ledger(self, resume: bool) -> dict | None:
         if not self.privacy_path.exists():
@@ -123,26 +126,27 @@ def open_service(
     registered: int | None = None,
     started_at: float | None = None,
     also: Callable[[Event], None] | None = None,
+    **service: Any,
 ) -> ServerService:
     """An aggregator whose events land in its files: restored from the latest checkpoint and
-    ledger unless ``resume`` is False, evaluating on the task's central test set. ``also``
-    sees each event after it is written (a federation's database keeps the metrics lines)."""
+    ledger unless ``resume`` is False, evaluating on the task's central test set, with a root's
+    edge intake when ``hierarchy.edge_names`` lists edges. ``also`` sees each event after it is
+    written (a federation's database keeps the metrics lines); ``service``: more of
+    ServerService's keywords (a federation's run label and body cap)."""
     task = task if task is not None else task_from_config(cfg)
     store = ServerStore(cfg)
-    restored = store.restore(resume)
-    service = ServerService.from_config(
+    return ServerService.from_config(
         cfg,
         task,
         registered,
         test=central_test_data(cfg, task),
-        restored=restored,
+        restored=store.restore(resume),
         emit=store.write if also is None else _both(store.write, also),
         started_at=started_at,
+        close_files=store.close,
+        tier=PartialIntake if cfg.hierarchy.edge_names else None,
+        **service,
     )
-    service.close_files = store.close
-    if restored.checkpoint is not None:  # elapsed_s goes on from where the run was, not from 0
-        service.elapsed_before = last_elapsed(store.metrics_path)
-    return service
 
 
 def last_elapsed(path: Path, tail: int = 64 * 1024) -> float:

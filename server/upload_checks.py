@@ -13,6 +13,7 @@ from typing import Any, cast
 import torch
 
 from shoal.aggregation.mean import WeightedMean
+from shoal.aggregation.secagg.encoding import FixedPoint
 from shoal.aggregation.strategy import Strategy
 from shoal.algorithms import algorithm_of
 from shoal.config import Config
@@ -38,6 +39,9 @@ class UploadChecks:
         sent = 1 + len(self.algorithm.to_server)
         self.update_limit = max(s.max_body_bytes, sent * spec.nbytes + MAX_HEADER_BYTES)
         self.max_body_bytes = s.max_body_bytes or spec.nbytes + MAX_HEADER_BYTES
+        if cfg.secure_aggregation.enabled and s.clients_per_round:  # the headroom check, before any round
+            sa = cfg.secure_aggregation
+            FixedPoint(sa.clip, sa.bits, math.ceil(s.clients_per_round * (1 + cfg.asynchronous.over_selection)))
 
     def decode(self, body: bytes | memoryview) -> tuple[Update, dict[str, Any]]:
         """The update and header of a whole body (a writable ``body`` is decoded in place); a

@@ -198,7 +198,8 @@ class EdgeRoster:
 
 
 class PartialIntake:
-    """The root's intake of edge partials into its sync rounds (one per ServerService)."""
+    """The root's intake of edge partials into its sync rounds: the tier of a ServerService
+    (server/tier.py), which makes it (``ServerService(..., tier=PartialIntake)``)."""
 
     def __init__(self, service: ServerService):
         self.service = service
@@ -210,12 +211,8 @@ class PartialIntake:
         # of tasks it handed out before), the partials taken towards the next version, and each
         # edge's recent partials (a retransmit of one of them is answered as a duplicate, counted once)
         self.task_via: dict[str, str] = self._restored_task_via()
-        service.tier_state["task_via"] = self.task_via
         self._buffered: tuple[set[str], int, int] = (set(), 0, 0)
         self._recent: dict[str, OrderedDict[str, dict[str, Any]]] = {}
-        service.tier_figures = self.figures
-        service.tier_available = lambda nodes, now: self.roster.reachable(nodes, service.last_seen, now)
-        service.tier_status = self.status
         self.terms = edge_terms(service.cfg)
         self.refused_edges: dict[str, str] = {}  # edge -> why the root refused it (its config), until it agrees
         self._claims_logged: dict[tuple[str, str], str] = {}
@@ -227,12 +224,21 @@ class PartialIntake:
         """The edge of each open task the restored checkpoint names (none on a fresh start): only
         nodes whose task the restored rounds still hold, each with a known edge."""
         svc = self.service
-        saved = svc.tier_state.get("task_via")
+        saved = svc.restored_tier.get("task_via")
         outstanding = getattr(svc.rounds, "outstanding", None)
         if not isinstance(saved, dict) or outstanding is None:
             return {}
         edges = set(svc.cfg.hierarchy.edge_names)
         return {n: e for n, e in saved.items() if n in outstanding and isinstance(e, str) and e in edges}
+
+    def available(self, nodes: list[str], now: float) -> list[str]:
+        """The connected ``nodes`` a round may select: not a node whose last word came from an edge
+        that no longer holds it."""
+        return self.roster.reachable(nodes, self.service.last_seen, now)
+
+    def state(self) -> dict[str, Any]:
+        """Kept in each checkpoint: which edge handed out each open task of an async root."""
+        return {"task_via": dict(self.task_via)}
 
     def figures(self, round_: int) -> dict[str, Any]:
         """A version's record: the edges whose partial the root took in that round (the same keys as

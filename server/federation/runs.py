@@ -37,7 +37,6 @@ from typing import Any
 from shoal.config import Config, ServerConfig, config_from_dict
 from shoal.errors import ConfigError, ShoalError
 from shoal.floors import below_floor
-from shoal.task import load_task
 from shoal.tensor_file import save_file
 
 from ..events import Event, Record
@@ -574,7 +573,7 @@ class Federation:
         was checked (the operator's code) and whose loading was tried in the worker first."""
         from shoal.assembly import task_from_config
 
-        return task_from_config(cfg) if not cfg.task.app else load_task(cfg.task.app, cfg.task.args)
+        return task_from_config(cfg)
 
     def _open(self, row: RunRow, resume: bool) -> None:
         run_dir = self.dir / row.id
@@ -599,24 +598,24 @@ class Federation:
                 registered=self.registered(),
                 started_at=time.monotonic(),
                 also=functools.partial(self._record, row.id),
+                label=row.id,
+                max_body_bytes=self.max_body_bytes(),
             )
         except ShoalError as e:
             log.warning("%s cannot start: %s", row.id, e)
             self.event(row.id, "server", f"failed: cannot start: {e}")
             self.db.set_status(row.id, "failed", f"cannot start: {e}", time.time())
             return
-        self.limit_requests(svc)
-        svc.label = row.id
         self.active[row.id] = svc
         if row.status != "running":
             self.db.set_status(row.id, "running")
         log.info("%s %s: task %s, %d rounds", row.id, "resumed" if resume else "started", row.task, cfg.server.rounds)
         self.event(row.id, "server", f"{'resumed' if resume else 'started'}: {cfg.server.rounds} rounds, {svc.mode}")
 
-    def limit_requests(self, svc: ServerService) -> None:
+    def max_body_bytes(self) -> int:
         """A run's requests are at most the federation's server.max_body_bytes (its body buffers'
         size); a larger update travels in chunks (server/chunks.py)."""
-        svc.max_body_bytes = min(svc.max_body_bytes, self.cfg.server.max_body_bytes or DEFAULT_FEDERATION_BODY)
+        return self.cfg.server.max_body_bytes or DEFAULT_FEDERATION_BODY
 
     def _record(self, run_id: str, event: Event) -> None:
         if isinstance(event, Record):

@@ -26,6 +26,7 @@ from shoal.pki import write_secret  # noqa: E402
 from shoal.server.registry import Registry  # noqa: E402
 from shoal.task import load_task, make_model  # noqa: E402
 from shoal.tls import make_private_ca  # noqa: E402
+from tests.spawn import python_process
 
 from ..p2p.network import LocalNetwork  # noqa: E402
 from ..p2p.processes import free_ports  # noqa: E402
@@ -108,13 +109,7 @@ def test_server_and_three_clients_over_tls_exchange_adapters_only(tmp_path):
     def run(args: list[str], tag: str) -> subprocess.Popen:
         log = tmp_path / f"{tag}.log"
         logs.append(log)
-        p = subprocess.Popen(
-            [sys.executable, "-m", "shoal.cli", *args],
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        p = python_process(args, log, env=env)
         procs.append(p)
         return p
 

@@ -11,7 +11,6 @@ import secrets
 import signal
 import socket
 import subprocess
-import sys
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from shoal.pki import write_secret
 from shoal.server.registry import Registry
 from shoal.shard_split import write_shards
 from tests.ports import free_port
+from tests.spawn import python_process
 
 CONFIG = """
 [simulation]
@@ -64,13 +64,7 @@ REATTACHED = re.compile(r"attached to (\S+), ([0-9.]+) s after the last server s
 
 def shoal(args: list[str], log: Path) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "shoal.cli", *args],
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
+    return python_process(args, log, env=env)
 
 
 class Hierarchy:
@@ -226,14 +220,7 @@ class Hierarchy:
             log = self.tmp / f"{tag}.log"
             self.logs.append(log)
             env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-            self.procs[tag] = subprocess.Popen(
-                [sys.executable, "-m", "tests.hierarchy.nodehost", str(spec)],
-                stdout=log.open("w"),
-                stderr=subprocess.STDOUT,
-                env=env,
-                cwd=REPO,
-                start_new_session=True,
-            )
+            self.procs[tag] = python_process([str(spec)], log, module="tests.hierarchy.nodehost", env=env, cwd=REPO)
             tags.append(tag)
         return tags
 

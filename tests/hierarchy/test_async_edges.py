@@ -32,7 +32,9 @@ def root(tmp_path, k: int = 4, max_staleness: int = 3) -> ServerService:
         },
         "strategy": {"weighting": "examples"},
     }
-    return ServerService.from_config(small_config(tmp_path, sections, mode="async", rounds=50, min_nodes=1))
+    return ServerService.from_config(
+        small_config(tmp_path, sections, mode="async", rounds=50, min_nodes=1), tier=PartialIntake
+    )
 
 
 def node_update(svc: ServerService, node: str, version: int) -> Update:
@@ -75,7 +77,7 @@ def test_edge_partials_give_flat_fedbuff_with_staleness(tmp_path) -> None:
     assert flat.version == 2
 
     svc = root(tmp_path / "root")
-    intake = PartialIntake(svc)
+    intake = svc.tier
     a = EdgeBuffer("", svc.spec.numel, size=2)
     b = EdgeBuffer("", svc.spec.numel, size=4)
     assert edge_tasks(intake, "edge-a", NODES[:4], a) == 0
@@ -117,7 +119,7 @@ def test_a_partial_crossing_k_enters_whole(tmp_path) -> None:
     for n in NODES[:6]:
         flat_submit(flat, n, 0)
     svc = root(tmp_path / "root", k=4)
-    intake = PartialIntake(svc)
+    intake = svc.tier
     a = EdgeBuffer("", svc.spec.numel, size=3)
     edge_tasks(intake, "edge-a", NODES[:6], a)
     for n in NODES[:3]:
@@ -132,7 +134,7 @@ def test_a_partial_crossing_k_enters_whole(tmp_path) -> None:
 
 def test_foreign_stale_and_hostile_partials_change_nothing(tmp_path) -> None:
     svc = root(tmp_path, k=2, max_staleness=1)
-    intake = PartialIntake(svc)
+    intake = svc.tier
     a = EdgeBuffer("", svc.spec.numel, size=8)
     b = EdgeBuffer("", svc.spec.numel, size=8)
     edge_tasks(intake, "edge-a", NODES[:4], a)
@@ -178,7 +180,7 @@ def test_a_restarted_root_takes_the_partials_of_tasks_it_handed_out_before(tmp_p
     task handed out after the checkpoint is gone with the rest of that lost state."""
     cfg = root(tmp_path, k=2).cfg
     svc = open_service(cfg, started_at=0.0)
-    intake = PartialIntake(svc)
+    intake = svc.tier
     a = EdgeBuffer("", svc.spec.numel, size=4)
     b = EdgeBuffer("", svc.spec.numel, size=2)
     edge_tasks(intake, "edge-a", NODES[:4], a)
@@ -189,9 +191,9 @@ def test_a_restarted_root_takes_the_partials_of_tasks_it_handed_out_before(tmp_p
     assert svc.version == 1  # a checkpoint with edge-a's four open tasks in it
     edge_tasks(intake, "edge-b", NODES[6:], b)  # after the checkpoint: lost in the crash
 
-    again = ServerService.from_config(cfg, restored=ServerStore(cfg).restore(resume=True))
+    again = ServerService.from_config(cfg, restored=ServerStore(cfg).restore(resume=True), tier=PartialIntake)
     assert again.version == 1
-    intake2 = PartialIntake(again)
+    intake2 = again.tier
     assert intake2.task_via == {n: "edge-a" for n in NODES[:4]}
     for n in NODES[:4]:
         a.submit(n, node_update(again, n, 0), 1.0)

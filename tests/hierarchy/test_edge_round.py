@@ -35,8 +35,8 @@ def root(tmp_path, **server) -> tuple[ServerService, dict[str, dict]]:
 def with_edges(tmp_path, **server) -> tuple[ServerService, dict[str, dict], PartialIntake]:
     """A root whose nodes are connected through the edges (each edge named its nodes in its poll)."""
     opts = {"clients_per_round": 10, "min_nodes": 10, "rounds": 3, "deadline_s": 60.0, **server}
-    svc = ServerService.from_config(small_config(tmp_path, EDGE_NAMES, **opts))
-    intake = PartialIntake(svc)
+    svc = ServerService.from_config(small_config(tmp_path, EDGE_NAMES, **opts), tier=PartialIntake)
+    intake = svc.tier
     for name, nodes in EDGES.items():
         assert intake.poll(name, {"nodes": nodes}, NODES.__contains__, 0.0)["status"] == "wait"
     assert svc.tick(0.0)

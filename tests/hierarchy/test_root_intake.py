@@ -24,8 +24,10 @@ NODES = [f"n{i}" for i in range(8)]
 def open_round(tmp_path, edges: dict[str, list[str]] | None = None) -> tuple[ServerService, list[dict], PartialIntake]:
     """A root with a round open over NODES; ``edges``: each edge named its nodes (POST /v1/edge/poll)
     before the round opened, so the root lets it speak for them in this round."""
-    svc = ServerService.from_config(small_config(tmp_path, EDGE_NAMES, clients_per_round=8, min_nodes=8, rounds=3))
-    intake = PartialIntake(svc)
+    svc = ServerService.from_config(
+        small_config(tmp_path, EDGE_NAMES, clients_per_round=8, min_nodes=8, rounds=3), tier=PartialIntake
+    )
+    intake = svc.tier
     for edge, nodes in (edges or {}).items():
         assert intake.poll(edge, {"nodes": nodes}, NODES.__contains__, 0.0)["status"] == "wait"
     for n in NODES:
@@ -59,7 +61,7 @@ def test_two_edges_give_the_flat_round_and_retransmits_count_once(tmp_path) -> N
     assert intake.submit("edge-a", a, 1.1)["status"] == "duplicate"  # a retransmit: counted once
     assert intake.submit("edge-b", b, 1.2) == {"status": "accepted", "round": 1, "version": 0, "nodes": 3}
     assert root.counters.accepted == 8
-    root.process_usage = lambda: (12.5, 300.04)  # CPU seconds and resident MB of the process
+    root.clock.usage = lambda: (12.5, 300.04)  # CPU seconds and resident MB of the process
     assert root.tick(2.0) and root.version == 1  # every selected node is in: the round closes
     torch.testing.assert_close(root.rounds.global_params, flat.rounds.global_params, atol=1e-6, rtol=0)
     record = root.events[-1].fields
@@ -107,8 +109,10 @@ def test_the_root_decides_which_edge_speaks_for_a_node(tmp_path) -> None:
     silent edge loses its nodes after hierarchy.edge_timeout_s; a node that re-attached to another
     edge in the open round gets its task there (its dead edge cannot count it any more), and a round
     never selects a node that no live edge holds when it opens."""
-    root = ServerService.from_config(small_config(tmp_path, EDGE_NAMES, clients_per_round=8, min_nodes=8, rounds=3))
-    intake = PartialIntake(root)
+    root = ServerService.from_config(
+        small_config(tmp_path, EDGE_NAMES, clients_per_round=8, min_nodes=8, rounds=3), tier=PartialIntake
+    )
+    intake = root.tier
     enrolled = {*NODES, "edge-a", "edge-b"}
     revoked = {"n9"}.__contains__  # n9 was enrolled and revoked at the root; ghost never was
     a = intake.poll("edge-a", {"nodes": ["n0", "n1", "ghost", "edge-b", "n9"]}, enrolled.__contains__, 0.0, revoked)
@@ -169,8 +173,10 @@ def test_an_edge_whose_config_differs_holds_no_node_and_the_round_selects_none_o
     """An edge names its config terms in every poll; one whose privacy mode differs from the root's
     is refused (409 ``config_mismatch``, one line naming the key), loses the nodes it held, the next
     round selects none of them, and the run's status says which edge and why, until it agrees."""
-    root = ServerService.from_config(small_config(tmp_path, EDGE_NAMES, clients_per_round=8, min_nodes=4, rounds=3))
-    intake = PartialIntake(root)
+    root = ServerService.from_config(
+        small_config(tmp_path, EDGE_NAMES, clients_per_round=8, min_nodes=4, rounds=3), tier=PartialIntake
+    )
+    intake = root.tier
     good = edge_terms(root.cfg)
     bad = {**good, "privacy.mode": "central"}
     assert intake.poll("edge-a", {"nodes": NODES[:4], "config": good}, NODES.__contains__, 0.0)["nodes"] == 4

@@ -120,20 +120,20 @@ def test_the_simulators_matrix_form_gives_the_same_models_as_mixing_steps():
     per_node = torch.stack([st.result() for st in steps])
     matrix = gossip_average(mixing_matrix("ring", n), x).float()
     assert torch.allclose(per_node, matrix, atol=1e-6)
-    tight = [MergeBound(radius=0.05), MergeBound(radius=0.05)]  # the bound acts, on both forms alike
+    tight = [MergeBound(radius=0.05, far=0.0), MergeBound(radius=0.05, far=0.0)]  # the bound clips, both forms alike
     a = [tight[0].apply(x[i], per_node[i]) for i in range(n)]
     b = [tight[1].apply(x[i], matrix[i]) for i in range(n)]
     assert tight[0].clipped == tight[1].clipped > 0
     assert all(u is not None and v is not None and torch.allclose(u, v, atol=1e-6) for u, v in zip(a, b))
 
 
-def _drag(per_neighbour: bool, steps: int = 150) -> float:
+def _drag(per_neighbour: bool, steps: int = 150, far: float = 0.0) -> float:
     """A peer mixing with three honest neighbours (near the honest model h) and one holder of
     the network token that sends a far-off model (every value 9,900: within max_abs) at every
-    step; returns how far the peer ends from h."""
+    step; returns how far the peer ends from h. ``far = 0``: clipping alone, never refusing."""
     torch.manual_seed(0)
     h = torch.randn(200)
-    bound = MergeBound(relative=2.0, max_abs=1e4, drift=0.0)  # clipping alone (no drift budget)
+    bound = MergeBound(relative=2.0, max_abs=1e4, drift=0.0, far=far)  # no drift budget
     x = h.clone()
     for t in range(steps):
         bound.local_step(0.1)  # the peer's own training step
@@ -155,3 +155,5 @@ def test_one_far_off_neighbour_cannot_drag_a_dpsgd_peer_away():
     dragged = _drag(per_neighbour=False)
     assert bounded < 3 * max(h_norm, 1.0), bounded
     assert dragged > 100 * bounded, (dragged, bounded)
+    refused = _drag(per_neighbour=True, far=4.0)  # the default: a model beyond 4 radii is refused
+    assert refused < 0.5 * bounded, (refused, bounded)  # what is left is the honest neighbours' noise

@@ -208,7 +208,7 @@ def test_an_insider_advertising_sybils_cannot_stop_merges_or_fill_the_directory_
     me.forget_after = 20.0
     alive = set(honest) | {"me"}
     net["me"] = me
-    last_merge, worst_gap, most_fake = 0.0, 0.0, 0
+    last_merge, worst_gap, most_fake, fake_at_90 = 0.0, 0.0, 0, -1
     for step in range(100 * 4):
         now = step / 4
         if now < 60:  # the insider, 4 messages a second
@@ -237,7 +237,10 @@ def test_an_insider_advertising_sybils_cannot_stop_merges_or_fill_the_directory_
             me.on_failure(partner, now)
         worst_gap = max(worst_gap, now - last_merge)
         most_fake = max(most_fake, sum(p.startswith("sybil") for p in me.known))
+        if now == 90:
+            fake_at_90 = sum(p.startswith("sybil") for p in me.known)
     assert worst_gap <= 5.0, worst_gap
+    assert fake_at_90 == 0  # 30 s after the attack
     assert len(me.known) <= 40 and most_fake <= 40
     assert not [p for p in me.known if p.startswith("sybil")]  # 40 s after the attack: all forgotten
     assert me.floods > 0  # the insider's shuffles beyond the rate changed nothing

@@ -83,11 +83,15 @@ def test_merge_bound_refuses_huge_values_and_clips_far_models():
     assert b.refused == 3
     b.local_step(0.5)  # our own step sets the floor of the radius: 2 x 0.5
     assert b.radius() == pytest.approx(1.0)
-    far = own + torch.tensor([100.0, 0, 0, 0])
+    far = own + torch.tensor([3.0, 0, 0, 0])  # beyond the radius, within far x radius: clipped
     clipped = b.apply(own, far, "x")
     assert clipped is not None and torch.isclose(torch.linalg.vector_norm(clipped - own), torch.tensor(1.0))
     assert b.clipped == 1 and b.distances["x"] == pytest.approx(1.0)  # recorded clipped to the radius
     assert MergeBound(2.0, 1e4, "reject", radius=1.0).apply(own, far) is None
+    assert b.apply(own, own + torch.tensor([100.0, 0, 0, 0]), "y") is None  # beyond far x radius: refused
+    assert b.refused == 4 and b.distances["y"] == pytest.approx(1.0)
+    clip_all = MergeBound(2.0, 1e4, radius=1.0, far=0.0)  # far = 0: clipped however far
+    assert clip_all.apply(own, own + torch.tensor([100.0, 0, 0, 0])) is not None
     off = MergeBound(0.0, 0.0, drift=0.0)
     assert torch.equal(off.apply(own, far), far)
     assert off.apply(own, torch.full((4,), float("inf"))) is None  # never a non-finite model
@@ -126,7 +130,7 @@ def test_the_window_holds_one_slot_per_sender_and_is_bounded():
 def test_the_drift_budget_caps_how_far_merges_move_a_model_between_local_steps():
     from shoal.p2p.merge import MergeBound
 
-    b = MergeBound(2.0, 1e4, radius=1.0, drift=3.0)
+    b = MergeBound(2.0, 1e4, radius=1.0, drift=3.0, far=0.0)  # far = 0: the flood is clipped, not refused
     own = torch.zeros(5)
     start = own.clone()
     target = torch.full((5,), 100.0)
@@ -138,12 +142,17 @@ def test_the_drift_budget_caps_how_far_merges_move_a_model_between_local_steps()
 
 
 def test_a_flood_of_scaled_models_moves_an_honest_model_by_a_bounded_amount():
-    """An insider pushing 10x its model a thousand times between two local steps: the honest
-    model moves at most drift x radius, not x (1 + lam) per merge as a norm-relative bound allowed."""
+    """An insider pushing 10x its model a thousand times between two local steps, with clipping
+    alone (far = 0: no refusal): the honest model moves at most drift x radius, not x (1 + lam)
+    per merge as a norm-relative bound allowed."""
     from shoal.p2p.gossip import GossipNode, ModelMessage
     from shoal.p2p.membership import Membership
+    from shoal.p2p.merge import MergeBound
 
-    node = GossipNode(Membership("me", 4, 2, bootstrap_peers=("h",)), torch.zeros(50), 10, MergeRule("average"))
+    clip_only = MergeBound(far=0.0)
+    node = GossipNode(
+        Membership("me", 4, 2, bootstrap_peers=("h",)), torch.zeros(50), 10, MergeRule("average"), bound=clip_only
+    )
     torch.manual_seed(0)
     trained = torch.randn(50)
     node.local_update(trained)  # one local step of length ||trained||
@@ -152,3 +161,26 @@ def test_a_flood_of_scaled_models_moves_an_honest_model_by_a_bounded_amount():
         node.on_push(ModelMessage("evil", "me", trained * 10, 1, 1, 10, seq=k + 1), now=0.0)
     assert float(torch.linalg.vector_norm(node.params - trained)) <= node.merge_bound.drift * tau * (1 + 1e-5)
     assert node.merge_bound.capped > 0
+
+
+def test_a_sign_flipped_model_moves_nothing_and_a_fresh_peer_still_catches_up():
+    """A sign-flipped x10 model (x0 - 10 (x - x0)) lies far beyond far x radius from an honest
+    model: refused, so a thousand of them move the model not at all (clipping alone moved it by the
+    radius each merge, in one direction). A fresh peer (no local step yet) adopts a far-off honest
+    model at once, and its own far-off model is refused by the others until it has."""
+    from shoal.p2p.gossip import GossipNode, ModelMessage
+    from shoal.p2p.membership import Membership
+
+    node = GossipNode(Membership("me", 4, 2, bootstrap_peers=("h",)), torch.zeros(50), 10, MergeRule("average"))
+    torch.manual_seed(0)
+    node.local_update(torch.randn(50))
+    trained = node.params + 0.01 * torch.randn(50)
+    node.local_update(trained)  # a short step: the radius is 2 x its length
+    for k in range(1000):
+        node.on_push(ModelMessage("evil", "me", -10 * trained, 1, 1, 10, seq=k + 1), now=0.0)
+    assert torch.equal(node.params, trained) and node.merge_bound.refused == 1000 and node.merges == 0
+    fresh = GossipNode(Membership("new", 4, 2, bootstrap_peers=("me",)), torch.zeros(50), 10, MergeRule("age"))
+    answer = node.on_push(ModelMessage("new", "me", fresh.params.clone(), 0, 0, 10, seq=1), now=0.0)
+    assert torch.equal(node.params, trained)  # the fresh peer's model, far off: refused
+    fresh.on_reply(answer, now=0.0)
+    assert torch.equal(fresh.params, trained)  # adopted whole (age rule, its own age 0)

@@ -182,9 +182,14 @@ def test_huge_models_are_refused_and_far_ones_clipped():
         e = _refused(svc, lambda v=value: svc.on_gossip(_model(svc, torch.full_like(svc.node.params, v)), 0.0), 400)
         assert e.code == "out_of_range"
     own = svc.node.params.clone()
-    limit = svc.node.merge_bound.limit(own)
-    svc.on_gossip(_model(svc, torch.full_like(own, 9e3), age=10**6), 0.0)  # within max_abs, far: clipped
-    assert svc.node.merge_bound.clipped == 1 and svc.node.bounded == 1
+    bound = svc.node.merge_bound
+    limit = bound.limit(own)
+    refused = bound.refused
+    svc.on_gossip(_model(svc, torch.full_like(own, 9e3), age=10**6), 0.0)  # within max_abs, far beyond the radius
+    assert bound.refused == refused + 1 and svc.node.bounded == 1 and torch.equal(svc.node.params, own)
+    direction = torch.ones_like(own) / own.numel() ** 0.5
+    svc.on_gossip(_model(svc, own + 2 * limit * direction, age=10**6), 0.0)  # beyond the radius, within 4x: clipped
+    assert bound.clipped == 1 and svc.node.bounded == 2
     assert float(torch.linalg.vector_norm(svc.node.params - own)) <= limit * (1 + 1e-5)
     assert torch.isfinite(svc.node.params).all()
     _honest_merge_goes_on(svc)
@@ -428,3 +433,77 @@ def test_a_body_is_parsed_once_off_the_service_and_deep_or_huge_ones_are_refused
     merges = svc.node.merges
     svc.on_gossip(good, 1.0)  # a body parsed elsewhere is taken like one parsed in place
     assert svc.node.merges == merges + 1
+
+
+def test_an_insider_advertising_50_sybil_addresses_cannot_stop_merges_or_stay_in_the_directory():
+    """PeerService objects on a virtual clock: one peer, four honest peers that answer, and an
+    insider that for 60 s sends it 4 messages a second (two shuffles naming addresses out of 50
+    made up, two pushes from made-up senders) and answers shuffles with made-up addresses too. Every
+    peer trains, shuffles and exchanges once a second (contacts within the address policy's
+    rate). The peer's exchanges merge at least every 5 s throughout; its directory never holds
+    more than its bound, and 30 s after the attack no made-up entry is left (deferred or failed
+    contacts drop them, the directory forgets what no one vouches for)."""
+    from shoal.p2p.service import MAX_KNOWN
+
+    honest = [f"https://127.0.0.1:{9001 + i}" for i in range(4)]
+    evil = "https://127.0.0.1:9666"
+    sybils = [f"https://127.0.0.1:{10000 + k}" for k in range(50)]
+    spec = ParamSpec.of(build_model("logreg", (20,), 4))
+    params = 0.1 * torch.randn(spec.numel, generator=torch.Generator().manual_seed(0))
+    peers = {}
+    for url in [ME, *honest]:
+        peers[url] = PeerService(Config(), spec, params.clone(), 30, url, tuple(h for h in honest if h != url), False)
+        peers[url].node.local_update(params + 0.01)
+    svc, m = peers[ME], peers[ME].node.membership
+    seq = itertools.count(1)
+    gen = torch.Generator().manual_seed(1)
+
+    def us(now: float) -> int:  # a fresh counter at ``now`` (the senders' clocks agree with ours)
+        return int(now * 1e6) + next(seq) % 1000
+
+    def target(url: str, path: str) -> str:
+        return url[: -len(path)]
+
+    last_merge, worst_gap, most_fake, fake_at_90 = 0.0, 0.0, 0, -1
+    for step in range(91 * 4):
+        now = step / 4
+        if now < 60:
+            if step % 2 == 0:  # a shuffle naming four made-up addresses
+                names = [[sybils[(step * 3 + k) % 50], 0] for k in range(4)]
+                svc.on_shuffle(_sh({"sender": evil, "entries": names, "seq": us(now)}), now)
+            else:  # a push from a made-up sender
+                fake = sybils[(step * 7) % 50]
+                svc.on_gossip(_model(svc, svc.node.params + 0.001, sender=fake, seq=us(now)), now)
+        if step % 4 == 0:
+            for p in peers.values():  # every peer trains once a second (a local step restarts the drift budget)
+                p.node.local_update(p.node.params + 0.001 * torch.randn(spec.numel, generator=gen))
+            merges = svc.node.merges
+            for p in peers.values():  # every peer shuffles and exchanges once a second
+                out = p.start_shuffle(now)
+                if out is not None:
+                    to = target(out.url, "/shuffle")
+                    if to in peers:
+                        p.on_shuffle_reply(to, peers[to].on_shuffle(out.body, now), now)
+                    elif to == evil and now < 60:
+                        names = [[sybils[(step + k) % 50], 0] for k in range(4)]
+                        p.on_shuffle_reply(to, _sh({"sender": evil, "entries": names, "seq": us(now)}), now)
+                    else:
+                        p.on_contact_failure(to, now)  # a made-up address: nothing answers
+                out = p.start_exchange(now)
+                if out is not None:
+                    to = target(out.url, "/gossip")
+                    if to in peers:
+                        p.on_exchange_reply(to, peers[to].on_gossip(out.body, now), now)
+                    else:
+                        p.on_contact_failure(to, now)
+            if svc.node.merges > merges:
+                last_merge = now
+        worst_gap = max(worst_gap, now - last_merge)
+        fake_now = sum(p in sybils for p in m.known)
+        most_fake = max(most_fake, fake_now)
+        if now == 90:
+            fake_at_90 = fake_now
+    assert worst_gap <= 5.0, worst_gap
+    assert len(m.known) <= MAX_KNOWN and most_fake <= 50
+    assert fake_at_90 == 0, [p for p in m.known if p in sybils]
+    assert m.floods > 0  # the insider's pushes beyond the rate changed nothing

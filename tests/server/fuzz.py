@@ -1152,9 +1152,7 @@ def snapshot(svc, fed=None, app=None) -> tuple:
     if sr is None or not svc.cfg.hierarchy.edge_names:
         return base
     # edge_secure: the protocol's state, who the root saw, and who speaks for whom in the round
-    from shoal.server.http_common import INTAKES
-
-    intake = app[INTAKES].get(svc) if app is not None else None
+    intake = svc.tier
     return base + (
         sr.stage,
         sr.aborted,

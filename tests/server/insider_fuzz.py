@@ -48,7 +48,7 @@ from shoal.pki import write_secret
 from shoal.server.federation.routes import make_federation_app
 from shoal.server.federation.runs import Federation
 from shoal.server.federation.runs_db import RunsDB
-from shoal.server.http_common import CHUNKS, INTAKES
+from shoal.server.http_common import CHUNKS
 from shoal.server.registry import Registry
 
 RUN = "run-1"
@@ -276,7 +276,7 @@ def snapshot(ins: Insiders) -> tuple:
             c.accepted,
             c.rounds_completed,
         )
-        intake = ins.app[INTAKES].get(svc)
+        intake = svc.tier
         run_state += (tuple(sorted((n, h[0]) for n, h in intake.roster.held.items())) if intake else (),)
     return (
         json.dumps([(r.id, r.status, r.reason) for r in fed.db.runs()]),

@@ -10,7 +10,6 @@ import os
 import secrets
 import signal
 import subprocess
-import sys
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -27,6 +26,7 @@ from shoal.shard_split import write_shards
 from shoal.simulations.inprocess import InProcessSimulation
 from shoal.tls import make_private_ca
 from tests.ports import free_port
+from tests.spawn import python_process
 
 _free_port = free_port  # the name other test modules import
 
@@ -62,10 +62,7 @@ admin_token_file = "{tmp}/admin.token"
 def _shoal(args: list[str], log: Path, entry: Path | None = None) -> subprocess.Popen:
     """``shoal ARGS`` in a new process; ``entry``: a test-side script that wraps the CLI (fault injection)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}  # no spin-waiting threads on a shared CPU
-    cmd = [sys.executable, str(entry)] if entry else [sys.executable, "-m", "shoal.cli"]
-    return subprocess.Popen(
-        [*cmd, *args], stdout=log.open("w"), stderr=subprocess.STDOUT, env=env, start_new_session=True
-    )
+    return python_process(args, log, script=entry, env=env)
 
 
 class Deployment:

@@ -34,9 +34,8 @@ def _sync_round(svc: ServerService, now: float) -> None:
 
 def test_a_sync_round_touches_no_file_and_emits_checkpoint_then_record(tmp_path):
     cfg = small_config(tmp_path, clients_per_round=2, min_nodes=2, rounds=3)
-    svc = ServerService.from_config(cfg, started_at=100.0)
     usage = iter([(1.0, 50.0), (1.75, 60.0)])  # the process's CPU seconds and resident MB, as read
-    svc.process_usage = lambda: next(usage)
+    svc = ServerService.from_config(cfg, started_at=100.0, process_usage=lambda: next(usage))
     for node in ("a", "b", "c"):
         svc.seen(node, 100.0)
     _sync_round(svc, 101.0)

@@ -97,7 +97,7 @@ def test_an_async_upload_that_cannot_finish_before_its_task_is_too_stale_is_cut(
             svc = live.service
             assert svc.poll("n0", time.monotonic())["status"] == "work"  # n0 holds a task
             assert svc.upload_horizon("n0", time.monotonic()) is None  # no version made yet: no pace known
-            svc.version_interval, svc._last_version = 0.05, (time.monotonic(), 0.0)  # versions 20 a second
+            svc.clock.interval, svc.clock.last_version = 0.05, (time.monotonic(), 0.0)  # versions 20 a second
             body = good_update(svc, "n0")
             status, out, _ = await _drip(live.url, live.tokens["n0"], body, every_s=0.25, step=64)  # 256 B/s
             assert (status, out["error"]) == (408, "too_slow") and "max_staleness" in out["detail"], out

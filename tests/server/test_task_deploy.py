@@ -29,6 +29,7 @@ from shoal.task import load_task, make_model
 from shoal.tls import make_private_ca
 from shoal.update import Update
 from shoal.wire import encode_update
+from tests.spawn import python_process
 
 from ..ports import free_port
 from .task_files import BROKEN_TASK, write_node_data, write_task
@@ -86,13 +87,7 @@ class TaskDeployment:
         log = self.tmp / f"{tag}.log"
         self.logs.append(log)
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1", "REGTASK_MARKS": str(self.marks)}
-        p = subprocess.Popen(
-            [sys.executable, "-m", "shoal.cli", *args],
-            stdout=log.open("w"),
-            stderr=subprocess.STDOUT,
-            env=env,
-            start_new_session=True,
-        )
+        p = python_process(args, log, env=env)
         self.procs.append(p)
         return p
 

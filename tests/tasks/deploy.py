@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 from shoal.metrics import read_jsonl
@@ -17,6 +16,7 @@ from shoal.pki import write_secret
 from shoal.server.registry import Registry
 from shoal.tls import make_private_ca
 from tests.p2p.processes import free_ports
+from tests.spawn import python_process
 
 SERVER_TOML = """
 [server]
@@ -37,14 +37,7 @@ tls_key = "{key}"
 
 def _spawn(args: list[str], cwd: Path, log: Path) -> subprocess.Popen:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, "-m", "shoal.cli", *args],
-        cwd=cwd,
-        stdout=log.open("w"),
-        stderr=subprocess.STDOUT,
-        env=env,
-        start_new_session=True,
-    )
+    return python_process(args, log, env=env, cwd=cwd)
 
 
 def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> None:

@@ -1,0 +1,142 @@
+"""A warm start for the process tests' `shoal` processes: this process imports torch and shoal's
+heavy modules once (2-3 s of CPU each time a fresh Python does it), then forks one child per
+request. Each child is a real process running the real entry point (``python -m MODULE ARGS`` or
+``python SCRIPT ARGS``) with its own arguments, environment, working directory, session and log
+file, exactly as if it had been exec'd; only the import is shared. tests/spawn.py drives it.
+
+Protocol (one JSON object per line): requests on stdin ``{"id", "module" | "path", "argv", "cwd",
+"env", "log", "append", "session"}``; answers on stdout ``{"id", "pid"}`` (or ``{"id", "error"}``),
+then ``{"exit": pid, "status": code}`` when a child ends (code < 0: killed by that signal). It
+exits when stdin closes (the pytest worker ended).
+
+Nothing here runs a torch op before forking, so no thread pool exists to be copied half-made; a
+child reseeds what a fresh interpreter would have seeded from the OS (numpy's global generator).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import runpy
+import select
+import signal
+import sys
+from typing import Any
+
+# what `shoal server/client/node/peer` import (not shoal.cli itself: it runs as __main__, as with -m)
+PRELOAD = (
+    "torch",
+    "numpy",
+    "aiohttp",
+    "shoal.client.cli",
+    "shoal.server.cli",
+    "shoal.p2p.cli",
+    "shoal.client.node",
+    "shoal.server.app",
+    "shoal.server.edge.app",
+    "shoal.p2p.peer",
+)
+
+
+def _reap(out: Any) -> None:
+    while True:
+        try:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        out.write(json.dumps({"exit": pid, "status": code}) + "\n")
+        out.flush()
+
+
+def serve() -> dict[str, Any] | None:
+    """Answer requests until stdin closes (returns None); in a forked child, return its request."""
+    for name in PRELOAD:
+        __import__(name)
+    out = os.fdopen(os.dup(1), "w")
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    signal.set_wakeup_fd(wake_w)
+    out.write(json.dumps({"ready": os.getpid()}) + "\n")
+    out.flush()
+    buf = b""
+    while True:
+        try:
+            ready, _, _ = select.select([0, wake_r], [], [])
+        except InterruptedError:
+            continue
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+            _reap(out)
+        if 0 not in ready:
+            continue
+        chunk = os.read(0, 1 << 16)
+        if not chunk:
+            return None
+        buf += chunk
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            req = json.loads(line)
+            try:
+                pid = os.fork()
+            except OSError as e:
+                out.write(json.dumps({"id": req["id"], "error": str(e)}) + "\n")
+                out.flush()
+                continue
+            if pid == 0:
+                signal.set_wakeup_fd(-1)
+                for fd in (wake_r, wake_w, out.fileno()):
+                    os.close(fd)
+                return req
+            out.write(json.dumps({"id": req["id"], "pid": pid}) + "\n")
+            out.flush()
+
+
+def run_child(req: dict[str, Any]) -> None:
+    """Become the requested process: session, directory, environment, log file, then the entry
+    point as ``__main__``; the interpreter then exits as any would (SystemExit's code, threads
+    joined, atexit run)."""
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if req.get("session"):
+        os.setsid()
+    os.chdir(req["cwd"])
+    os.environ.clear()
+    os.environ.update(req["env"])
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    os.close(devnull)
+    flags = os.O_WRONLY | os.O_CREAT | (os.O_APPEND if req.get("append") else os.O_TRUNC)
+    log = os.open(req["log"], flags, 0o644)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own stdin, for its lifetime
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True, write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True, write_through=True)
+    import numpy as np
+    import torch
+
+    np.random.seed()  # a fresh interpreter seeds numpy's global generator from the OS at import
+    threads = req["env"].get("OMP_NUM_THREADS")
+    if threads and threads.isdigit():
+        torch.set_num_threads(int(threads))
+    if "module" in req:
+        sys.path[0] = os.getcwd()  # as `python -m` puts the working directory first
+        sys.argv = [req["module"], *req["argv"]]
+        runpy.run_module(req["module"], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = [req["path"], *req["argv"]]
+        sys.path[0] = os.path.dirname(os.path.abspath(req["path"]))
+        runpy.run_path(req["path"], run_name="__main__")
+
+
+if __name__ == "__main__":
+    job = serve()
+    if job is not None:
+        run_child(job)
