@@ -1,11 +1,12 @@
 """The federated LoRA example deployed for real, at test size: `shoal server` and three
-`shoal client` processes over TLS (each node reading its own role's text), and three
-`shoal peer` processes. Only the adapters travel: the exchanged spec is the adapters' and the
-bytes per update are the adapters' float32 plus a small header. Every wait is bounded and every
-process is stopped by the test."""
+`shoal client` processes over TLS (each node reading its own role's text), and three peers
+built as `shoal peer` builds them, in one event loop. Only the adapters travel: the exchanged
+spec is the adapters' and the bytes per update are the adapters' float32 plus a small header.
+Every wait is bounded and every process is stopped by the test."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import subprocess
@@ -18,7 +19,8 @@ import pytest
 pytest.importorskip("transformers")
 pytest.importorskip("peft")
 
-from shoal.metrics import read_jsonl  # noqa: E402 - after the skips
+from shoal.config import load_config  # noqa: E402 - after the skips
+from shoal.metrics import read_jsonl  # noqa: E402
 from shoal.params import ParamSpec  # noqa: E402
 from shoal.pki import write_secret  # noqa: E402
 from shoal.server.registry import Registry  # noqa: E402
@@ -26,7 +28,8 @@ from shoal.task import load_task, make_model  # noqa: E402
 from shoal.tls import make_private_ca  # noqa: E402
 from tests.spawn import python_process
 
-from ..p2p.processes import free_ports, peer_status, start_peer, stop_peers, wait_for  # noqa: E402
+from ..p2p.network import LocalNetwork  # noqa: E402
+from ..p2p.processes import free_ports  # noqa: E402
 from .tiny import ADAPTER_NUMEL, TASK, TOML_ARGS, base_numel, needs_corpus  # noqa: E402
 
 pytestmark = [needs_corpus, pytest.mark.slow]
@@ -149,37 +152,34 @@ def test_server_and_three_clients_over_tls_exchange_adapters_only(tmp_path):
 
 @pytest.mark.timeout(300)
 def test_three_peers_gossip_the_adapters_only(tmp_path):
+    """Three peers built as `shoal peer -c peer.toml --data client:<i>` builds them, in one event
+    loop (tests/p2p/network.py: real HTTP between them, one transformers import)."""
     config = tmp_path / "peer.toml"
     config.write_text(
         f'[task]\napp = "{TASK}"\n[task.args]\n{TOML_ARGS}\n'
         "[simulation]\nnum_clients = 3\nseed = 5\n[train]\nlr = 0.01\nbatch_size = 16\n"
         "[gossip]\nperiod = 0.3\ntimeout = 10.0\nview_size = 2\nshuffle_length = 1\nmax_failures = 3\n"
     )
-    ports = free_ports(3)
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    token = "hf-peer-token"
-    procs = []
-    try:
-        for i in range(3):
-            args = ["--listen", f"127.0.0.1:{ports[i]}", "--bootstrap", urls[(i + 1) % 3], "-c", str(config)]
-            args += ["--data", f"client:{i}", "--out", str(tmp_path / f"out{i}"), "--insecure"]
-            procs.append(start_peer(args, token, tmp_path / f"peer{i}.log"))
 
-        def trained():
-            st = [peer_status(u, token) for u in urls]
-            return st if all(s and s["steps"] >= 2 and s["merges"] >= 1 for s in st) else None
+    async def main() -> dict[int, dict]:
+        async with LocalNetwork(load_config(config), 3, tmp_path) as net:
+            for i in range(3):
+                net.start(i, [(i + 1) % 3])
 
-        statuses = wait_for(trained, 200, "3 peers to train 2 steps and merge", procs)
-    finally:
-        stop_peers(procs)
-    logs = "\n".join((tmp_path / f"peer{i}.log").read_text() for i in range(3))
-    assert all(p.returncode == 0 for p in procs), logs[-3000:]
-    assert "Traceback" not in logs
+            def trained():
+                st = net.statuses(range(3))
+                return st if all(s["steps"] >= 2 and s["merges"] >= 1 for s in st.values()) else None
+
+            statuses = await net.wait_for(trained, 200, "3 peers to train 2 steps and merge")
+            assert all(p.errors == 0 for p in net.peers.values())
+            return statuses
+
+    statuses = asyncio.run(main())
     ours = adapter_spec_hash(seed=5)
-    assert {s["spec_hash"] for s in statuses} == {ours}  # every peer exchanges the adapters' spec
+    assert {s["spec_hash"] for s in statuses.values()} == {ours}  # every peer exchanges the adapters' spec
     whole = 4 * base_numel()
     for i in range(3):
-        records = read_jsonl(tmp_path / f"out{i}" / "metrics.jsonl")
+        records = read_jsonl(tmp_path / f"peer{i}" / "metrics.jsonl")
         assert {"test_perplexity", "local_test_perplexity"} <= set(records[-1]), records[-1]
         # a gossip step sends a model or two (push, pull reply) of the adapters' 8 KiB; one copy
         # of the whole model would be 126 KiB

@@ -1,5 +1,6 @@
-"""Real `shoal peer` processes for the process tests: free loopback ports, start, /status,
-bounded waits and a stop that always ends every process."""
+"""Real `shoal peer` processes for the process tests: free loopback ports, start (forked warm by
+tests/spawn.py: no torch import per peer), /status, bounded waits and a stop that always ends
+every process."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import os
 import signal
 import ssl
 import subprocess
-import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterable
@@ -18,16 +18,15 @@ from typing import TypeVar
 import pytest
 
 from tests.ports import free_ports  # noqa: F401 - the peers' tests take their ports from here
+from tests.spawn import Forked, python_process
 
 T = TypeVar("T")
 
 
-def start_peer(args: list[str], token: str, log: Path) -> subprocess.Popen:
+def start_peer(args: list[str], token: str, log: Path) -> Forked | subprocess.Popen:
     """``shoal peer --token TOKEN ARGS`` with one torch thread, its output appended to ``log``."""
-    cmd = [sys.executable, "-m", "shoal.cli", "peer", "--token", token, *args]
-    return subprocess.Popen(
-        cmd, stdout=log.open("ab"), stderr=subprocess.STDOUT, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return python_process(["peer", "--token", token, *args], log, env=env, append=True)
 
 
 def peer_status(url: str, token: str, ctx: ssl.SSLContext | None = None) -> dict | None:
@@ -40,7 +39,9 @@ def peer_status(url: str, token: str, ctx: ssl.SSLContext | None = None) -> dict
         return None
 
 
-def wait_for(pred: Callable[[], T | None], seconds: float, what: str, procs: Iterable[subprocess.Popen] = ()) -> T:
+def wait_for(
+    pred: Callable[[], T | None], seconds: float, what: str, procs: Iterable[Forked | subprocess.Popen] = ()
+) -> T:
     """Poll ``pred`` until it returns something truthy; fail after ``seconds``, or at once when
     one of ``procs`` (those that must stay up) has exited."""
     procs = list(procs)
@@ -55,7 +56,7 @@ def wait_for(pred: Callable[[], T | None], seconds: float, what: str, procs: Ite
     pytest.fail(f"timed out waiting for {what}")
 
 
-def stop_peers(procs: Iterable[subprocess.Popen]) -> None:
+def stop_peers(procs: Iterable[Forked | subprocess.Popen]) -> None:
     """SIGTERM every live peer, then wait; a peer that does not stop in 20 s is killed."""
     procs = list(procs)
     for p in procs:

@@ -4,7 +4,9 @@ no server, so central and distributed DP are refused."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import logging
 
 import pytest
 import torch
@@ -14,9 +16,8 @@ from shoal.errors import ConfigError
 from shoal.p2p.cli import run_peer
 from shoal.simulations.gossip import GossipSimulation
 
-from .processes import free_ports, start_peer, stop_peers, wait_for
+from .network import LocalNetwork
 
-TOKEN = "dp-peer-token"
 DP = [
     "simulation.num_clients=3",
     "simulation.seed=3",
@@ -47,33 +48,34 @@ def _simulated_epsilon(sim: GossipSimulation, peer: int, trainings: int) -> floa
 
 
 @pytest.mark.timeout(240)
-def test_three_dp_peers_report_the_simulators_epsilon_and_stop_at_the_target(tmp_path):
-    """Three real peers with DP-SGD, gossip.rounds = 3: each one's final record has the epsilon the
-    simulator's accountant gives that peer (same shard, schedule and noise) for its trainings.
-    Peer 2 also has privacy.target_epsilon between its epsilon after 2 and after 3 trainings:
-    it stops by itself after 2."""
+def test_three_dp_peers_report_the_simulators_epsilon_and_stop_at_the_target(tmp_path, caplog):
+    """Three peers with DP-SGD (tests/p2p/network.py: built as `shoal peer` builds them, in one
+    event loop), gossip.rounds = 3: each one's final record has the epsilon the simulator's
+    accountant gives that peer (same shard, schedule and noise) for its trainings. Peer 2 also has
+    privacy.target_epsilon between its epsilon after 2 and after 3 trainings: it stops by itself
+    after 2."""
     sim = GossipSimulation.from_config(load_config(None, [*DP, 'simulation.mode="gossip"', "output.plots=false"]))
     target = (_simulated_epsilon(sim, 2, 2) + _simulated_epsilon(sim, 2, 3)) / 2
-    ports = free_ports(3)
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    procs = []
-    for i in range(3):
-        args = ["--insecure", "--listen", f"127.0.0.1:{ports[i]}", "--bootstrap", urls[(i + 1) % 3]]
-        args += ["--data", f"client:{i}", "--out", str(tmp_path / f"peer{i}")]
-        for s in [*DP, "gossip.rounds=3", *([f"privacy.target_epsilon={target}"] if i == 2 else [])]:
-            args += ["--set", s]
-        procs.append(start_peer(args, TOKEN, tmp_path / f"peer{i}.log"))
-    try:
-        wait_for(lambda: all(p.poll() is not None for p in procs) or None, 180, "the peers to finish")
-    finally:
-        stop_peers(procs)
-    assert all(p.returncode == 0 for p in procs)
+    cfg = load_config(None, [*DP, "gossip.rounds=3"])
+    capped = load_config(None, [*DP, "gossip.rounds=3", f"privacy.target_epsilon={target}"])
+
+    async def main() -> None:
+        async with LocalNetwork(cfg, 3, tmp_path) as net:
+            for i in range(3):
+                net.start(i, [(i + 1) % 3], capped if i == 2 else None)
+            _, pending = await asyncio.wait(net.runs.values(), timeout=180)
+            assert not pending, f"the peers did not finish their 3 rounds in 180 s; {net.summary()}"
+            for run in net.runs.values():
+                run.result()  # none crashed
+            assert all(p.errors == 0 for p in net.peers.values())
+
+    with caplog.at_level(logging.WARNING, logger="shoal.accounting"):
+        asyncio.run(main())
     for i, trainings in enumerate([3, 3, 2]):
         records = [json.loads(x) for x in (tmp_path / f"peer{i}" / "metrics.jsonl").read_text().splitlines()]
         last = records[-1]
         assert last["round"] == last["dp_trainings"] == trainings and last["delta"] == 1e-5, (i, last)
         assert last["epsilon"] == pytest.approx(_simulated_epsilon(sim, i, trainings), rel=1e-12), i
         assert last["epsilon"] > 0 and last["final"] is True and torch.isfinite(torch.tensor(last["test_loss"]))
-        assert "Traceback" not in (tmp_path / f"peer{i}.log").read_text()
     assert records[-1]["epsilon"] <= target
-    assert "privacy budget reached" in (tmp_path / "peer2.log").read_text()
+    assert "privacy budget reached" in caplog.text

@@ -1,14 +1,17 @@
 """`shoal peer` with a user's task written outside the repository: three real peer processes
-(HTTPS with certificates the test makes, and plain HTTP with ``--data client:<i>``) train on
-their own data, exchange models and write metrics.jsonl with the task's own metrics; a bad
-``--data`` path is one clear line; a peer running a different model is refused by spec hash.
+(HTTPS with certificates the test makes) train on their own files, exchange models and write
+metrics.jsonl with the task's own metrics; peers built as `shoal peer` builds them, in one event
+loop (tests/p2p/network.py), report central and own metrics with ``--data client:<i>`` and
+refuse a peer running a different model by spec hash; a bad ``--data`` path is one clear line.
 Every wait is bounded and every process is stopped by the test."""
 
 from __future__ import annotations
 
+import asyncio
+import json
+import logging
 import re
 import ssl
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
@@ -16,9 +19,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from shoal.config import Config, load_config
 from shoal.metrics import read_jsonl
 from shoal.tls import make_private_ca
 
+from .network import LocalNetwork
 from .processes import free_ports, peer_status, start_peer, stop_peers, wait_for
 
 TOKEN = "peer-task-token"
@@ -157,17 +162,41 @@ def test_three_peers_train_a_user_task_on_their_own_files_over_https(tmp_path):
         assert last["merges"] >= 1 and last["bytes_sent"] > 0
 
 
+def _cfg(task: str, config: Path, *settings: str) -> Config:
+    """The config `shoal peer --task TASK -c CONFIG --set ...` loads."""
+    return load_config(config, [*settings, f"task.app={json.dumps(task)}"])
+
+
+async def _trained(net: LocalNetwork, steps: int, what: str) -> dict[int, dict]:
+    """Wait (bounded) until every peer has trained ``steps`` steps and merged a model."""
+
+    def done():
+        st = net.statuses(range(net.n))
+        return st if all(s["steps"] >= steps and s["merges"] >= 1 for s in st.values()) else None
+
+    return await net.wait_for(done, 150, what)
+
+
 @pytest.mark.timeout(240)
 def test_three_peers_on_clients_of_the_task_split_report_central_and_own_metrics(tmp_path):
-    runs, _ = _run_three(tmp_path, [f"client:{i}" for i in range(3)], tls=False)
-    for records in runs:
+    """``--data client:<i>`` with a user's task (tests/p2p/network.py: three peers in one event loop)."""
+    task, config, _ = _write_task(tmp_path)
+
+    async def main() -> None:
+        async with LocalNetwork(_cfg(task, config), 3, tmp_path) as net:
+            for i in range(3):
+                net.start(i, [(i + 1) % 3])
+            await _trained(net, 5, "3 peers to train 5 steps and merge")
+
+    asyncio.run(main())
+    for i in range(3):
+        records = read_jsonl(tmp_path / f"peer{i}" / "metrics.jsonl")
         last = records[-1]
         assert {"test_loss", "test_r2", "local_test_loss", "local_test_r2"} <= set(last), last
-        assert last["local_test_num_examples"] == 12
+        assert last["local_test_num_examples"] == 12 and last["final"] is True
         assert last["test_loss"] < records[0]["test_loss"]
 
 
-@pytest.mark.timeout(120)
 @pytest.mark.parametrize(
     "data, expect",
     [
@@ -176,82 +205,55 @@ def test_three_peers_on_clients_of_the_task_split_report_central_and_own_metrics
         ("client:7", r"the split has 3 clients"),
     ],
 )
-def test_a_bad_data_path_is_one_clear_line(tmp_path, data, expect):
+def test_a_bad_data_path_is_one_clear_line(tmp_path, data, expect, monkeypatch, capsys):
+    """`shoal peer`'s entry point in this process (shoal.cli.main), as the command runs it."""
+    from shoal.cli import main
+
     task, config, _ = _write_task(tmp_path)
     (tmp_path / "bad.csv").write_text("not,a,number\n")
     arg = data if data.startswith("client:") else str(tmp_path / data)
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "shoal.cli",
-            "peer",
-            "--insecure",
-            "--listen",
-            "127.0.0.1:1",
-            "--task",
-            task,
-            "-c",
-            str(config),
-            "--data",
-            arg,
-        ],
-        capture_output=True,
-        text=True,
-        timeout=100,
-    )
-    lines = [ln for ln in r.stderr.splitlines() if ln.startswith("error:")]
-    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    argv = ["shoal", "peer", "--insecure", "--listen", "127.0.0.1:1", "--task", task, "-c", str(config), "--data", arg]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as exit_:
+        main()
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if ln.startswith("error:")]
+    assert exit_.value.code == 2 and len(lines) == 1 and "Traceback" not in err, err
     assert re.search(expect, lines[0]) and (data.startswith("client:") or "my_task.py:task" in lines[0]), lines[0]
 
 
 @pytest.mark.timeout(180)
-def test_a_peer_with_another_model_is_refused_by_spec_hash_and_nothing_crashes(tmp_path):
+def test_a_peer_with_another_model_is_refused_by_spec_hash_and_nothing_crashes(tmp_path, caplog):
+    """Two peers of the same task file with another width (tests/p2p/network.py: in one event
+    loop), each on its own CSV file: each refuses the other's model naming both spec hashes, the
+    sender is told the same in the 400 answer, nothing is merged and both keep training."""
     task, config, files = _write_task(tmp_path, 2)
-    ports = free_ports(2)
-    urls = [f"http://127.0.0.1:{p}" for p in ports]
-    configs = []
-    for hidden in (16, 8):  # the same task file with another width: another parameter spec
-        configs.append(tmp_path / f"hidden{hidden}.toml")
-        configs[-1].write_text(config.read_text() + f"[task.args]\nhidden = {hidden}\n")
-    procs = []
-    try:
-        for i in range(2):
-            args = [
-                "--insecure",
-                "--listen",
-                f"127.0.0.1:{ports[i]}",
-                "--bootstrap",
-                urls[1 - i],
-                "--task",
-                task,
-                "-c",
-                str(configs[i]),
-                "--data",
-                str(files[i]),
-                "--out",
-                str(tmp_path / f"out{i}"),
-            ]
-            procs.append(start_peer(args, TOKEN, tmp_path / f"peer{i}.log"))
+    cfgs = [_cfg(task, config, f"task.args.hidden={hidden}") for hidden in (16, 8)]
 
-        def refused_both_ways():
-            st = [peer_status(u, TOKEN) for u in urls]
-            return st if all(s and s["rejected"] >= 1 and s["steps"] >= 3 for s in st) else None
+    async def main() -> list[dict]:
+        async with LocalNetwork(cfgs[0], 2, tmp_path, [str(f) for f in files]) as net:
+            for i in range(2):
+                net.start(i, [1 - i], cfgs[i])
 
-        statuses = wait_for(refused_both_ways, 120, "each peer to refuse the other's model", procs)
-    finally:
-        stop_peers(procs)
-    assert all(p.returncode == 0 for p in procs)
+            def refused_both_ways():
+                st = net.statuses(range(2))
+                return st if all(s["rejected"] >= 1 and s["steps"] >= 3 for s in st.values()) else None
+
+            statuses = await net.wait_for(refused_both_ways, 120, "each peer to refuse the other's model")
+            assert all(p.errors == 0 for p in net.peers.values())
+            return [statuses[0], statuses[1]]
+
+    with caplog.at_level(logging.INFO, logger="shoal.p2p"):
+        statuses = asyncio.run(main())
     hashes = [s["spec_hash"] for s in statuses]
     assert hashes[0] != hashes[1]
+    lines = caplog.text.splitlines()
     for i in range(2):
-        log = (tmp_path / f"peer{i}.log").read_text()
-        assert "Traceback" not in log
         assert statuses[i]["merges"] == 0  # nothing of the other model was mixed in
         # the receiver names both hashes; the sender is told the same in the 400 answer
-        refusal = [ln for ln in log.splitlines() if "refused a model: the model sent has spec hash" in ln]
-        told = [ln for ln in log.splitlines() if "refused our model" in ln]
-        assert refusal and hashes[i] in refusal[0] and hashes[1 - i] in refusal[0], log[-2000:]
-        assert told and hashes[i] in told[0] and hashes[1 - i] in told[0], log[-2000:]
-        records = read_jsonl(tmp_path / f"out{i}" / "metrics.jsonl")
+        sent = f"the model sent has spec hash {hashes[1 - i]!r}, this peer's model {hashes[i]!r}"
+        ours = f"the model sent has spec hash {hashes[i]!r}, this peer's model {hashes[1 - i]!r}"
+        assert any("refused a model: " + sent in ln for ln in lines), caplog.text[-2000:]
+        assert any("refused our model" in ln and ours in ln for ln in lines), caplog.text[-2000:]
+        records = read_jsonl(tmp_path / f"peer{i}" / "metrics.jsonl")
         assert records[-1]["local_test_r2"] > records[0]["local_test_r2"]  # it kept training on its own
