@@ -52,8 +52,8 @@ async def post_edge_poll(request: web.Request) -> web.Response:
     there is no work for it."""
     app, edge = request.app, request[NODE]
     svc = svc_of(request)
+    body = await json_body(request, MAX_EDGE_POLL_BODY)  # bounded and timed as every body, first
     intake = intake_of(svc)
-    body = await json_body(request, MAX_EDGE_POLL_BODY)
     end = time.monotonic() + seconds_param(
         request, "wait", min(svc.cfg.server.poll_s, svc.cfg.hierarchy.edge_timeout_s / 2)
     )
@@ -76,12 +76,12 @@ async def post_partial(request: web.Request) -> web.Response:
     under the upload limits (per-node count, body timeouts, minimum rate), then checked and merged."""
     app, edge = request.app, request[NODE]
     svc = svc_of(request)
-    intake = intake_of(svc)
     try:
         check_edge(svc, edge)  # a node may not speak for other nodes
     except UpdateRejected as err:
         svc.refused(err.code)
         raise Refusal(403, err.code, str(err)) from None
+    intake = intake_of(svc)
     length = request.content_length
     if length is None:
         raise Refusal(411, "length_required", "send the body with a Content-Length header")

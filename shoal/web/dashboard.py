@@ -256,7 +256,7 @@ def run_summary(svc: Any, now: float) -> dict[str, Any]:
         "version": svc.version,
         "rounds_target": svc.cfg.server.rounds,
         "connected": len(svc.connected(now)),
-        "elapsed_s": round(now - svc.started_at, 1) if svc.started_at is not None else 0.0,
+        "elapsed_s": round(now - svc.clock.started_at, 1) if svc.clock.started_at is not None else 0.0,
     }
     if svc.privacy is not None:
         out["epsilon"] = svc.privacy.epsilon
