@@ -52,13 +52,14 @@ from shoal.accounting_rounds import DdgRoundAccountant, LedgerMismatch, RoundAcc
 from shoal.accounting_server import ServerViewAccountant
 from shoal.aggregation.discrete_gaussian import DdgParams, plan
 from shoal.aggregation.dp import DPMean, cohort_cap, make_dp_strategy, share_std
-from shoal.aggregation.secagg import SecAggAborted, SecAggParams, SecAggServer
+from shoal.aggregation.secagg import SecAggAborted
 from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range
 from shoal.aggregation.strategy import Strategy
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, short_repr
 from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES, plan_of
 from shoal.rounds import RoundSummary, SyncRounds
+from shoal.secure_sizing import min_survivors
 
 log = logging.getLogger(__name__)
 
@@ -115,16 +116,7 @@ def check_deployable(cfg: Config) -> None:
 def secure_noise_shares(cfg: Config, k: int) -> int:
     """t for distributed DP with secure aggregation: the fewest survivors the protocol accepts
     in a round of ``k`` nodes (its threshold), raised to ceil(privacy.min_survivors k)."""
-    sa = cfg.secure_aggregation
-    params = SecAggParams(
-        session=b"threshold",
-        vector_size=1,
-        graph=sa.graph,
-        degree=sa.degree,
-        threshold_fraction=sa.threshold,
-        expected_dropout=EXPECTED_DROPOUT,
-    )
-    threshold = SecAggServer(params, [f"c{i}" for i in range(max(k, 1))]).threshold
+    threshold = min_survivors(cfg.secure_aggregation, k, EXPECTED_DROPOUT)
     return max(threshold, math.ceil(cfg.privacy.min_survivors * k - 1e-9))
 
 
