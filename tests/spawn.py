@@ -215,3 +215,17 @@ def run_python(
             raise
         cmd = [sys.executable, *(["-m", module] if script is None else [str(script)]), *argv]
         return subprocess.CompletedProcess(cmd, rc, out.read_text(), err.read_text())
+
+
+def kill_group(p: Forked | subprocess.Popen, timeout: float = 10) -> None:
+    """SIGKILL ``p``'s process group (a process started in its own session) and wait for it. A group
+    already gone is fine: a forked child can have exited and been reaped by the fork server before
+    its exit reached :meth:`Forked.poll`."""
+    import signal
+
+    if p.poll() is None:
+        try:
+            os.killpg(p.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        p.wait(timeout)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import signal
 import subprocess
 import sys
 import tomllib
@@ -26,7 +25,7 @@ from shoal.pki import write_secret  # noqa: E402
 from shoal.server.registry import Registry  # noqa: E402
 from shoal.task import load_task, make_model  # noqa: E402
 from shoal.tls import make_private_ca  # noqa: E402
-from tests.spawn import python_process
+from tests.spawn import kill_group, python_process
 
 from ..p2p.network import LocalNetwork  # noqa: E402
 from ..p2p.processes import free_ports  # noqa: E402
@@ -132,9 +131,7 @@ def test_server_and_three_clients_over_tls_exchange_adapters_only(tmp_path):
             pytest.fail(f"a process did not finish in time\n{dump()}")
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
+            kill_group(p, 5)
     records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
     versions = [r for r in records if "evaluation" not in r]
     assert [r["version"] for r in versions] == [1, 2] and all(r["num_results"] == 3 for r in versions), records

@@ -21,7 +21,7 @@ from shoal.pki import write_secret
 from shoal.server.registry import Registry
 from shoal.shard_split import write_shards
 from tests.ports import free_port
-from tests.spawn import python_process
+from tests.spawn import kill_group, python_process
 
 CONFIG = """
 [simulation]
@@ -301,9 +301,7 @@ class Hierarchy:
 
     def stop(self) -> None:
         for p in self.procs.values():
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
+            kill_group(p, 5)
 
 
 @contextmanager

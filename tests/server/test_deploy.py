@@ -26,7 +26,7 @@ from shoal.shard_split import write_shards
 from shoal.simulations.inprocess import InProcessSimulation
 from shoal.tls import make_private_ca
 from tests.ports import free_port
-from tests.spawn import python_process
+from tests.spawn import kill_group, python_process
 
 _free_port = free_port  # the name other test modules import
 
@@ -140,9 +140,7 @@ class Deployment:
 
     def stop(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
+            kill_group(p, 5)
 
 
 @contextmanager

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import ssl
 import subprocess
 import time
@@ -28,7 +27,7 @@ from shoal.task import load_task, make_model
 from shoal.tls import make_private_ca
 from shoal.update import Update
 from shoal.wire import encode_update
-from tests.spawn import python_process
+from tests.spawn import kill_group, python_process
 
 from ..ports import free_port
 from .task_files import BROKEN_TASK, write_node_data, write_task
@@ -147,9 +146,7 @@ class TaskDeployment:
 
     def stop(self) -> None:
         for p in self.procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(5)
+            kill_group(p, 5)
 
 
 @pytest.fixture

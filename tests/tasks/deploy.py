@@ -7,7 +7,6 @@ wait is bounded, every process is killed at the end, and a failure shows the log
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from shoal.pki import write_secret
 from shoal.server.registry import Registry
 from shoal.tls import make_private_ca
 from tests.p2p.processes import free_ports
-from tests.spawn import python_process
+from tests.spawn import kill_group, python_process
 
 SERVER_TOML = """
 [server]
@@ -48,9 +47,7 @@ def _finish(procs: list[subprocess.Popen], logs: list[Path], timeout: float) -> 
         pass
     finally:
         for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+            kill_group(p, 10)
     text = "\n".join(f"--- {f.name}\n{f.read_text()[-2500:]}" for f in logs if f.exists())
     assert [p.returncode for p in procs] == [0] * len(procs), text
     assert "Traceback" not in text, text
