@@ -111,7 +111,9 @@ DDG_KEYS = ("dim", "clip", "gamma", "bits", "beta", "variance", "shares", "max_s
 # Gaussian's is priced by dp-accounting's PLD (Poisson subsampling exact, pessimistic rounding).
 # tests/privacy/test_ddg_bound_exact.py checks (1), (1)+(2) against e^{+-b}, and the reported epsilon
 # against the exact one, numerically at integer variance 1-2 a share (where b is largest).
-# More shares than t, the server's top-up and the modular reduction are post-processing.
+# More shares than t, the server's top-up and the modular reduction are post-processing: the top-up
+# adds integer shares (DdgCodec.top_up), so every released sum carries exactly K_max of them whatever
+# the count (a continuous top-up would not be: it leaves a sum of all K_max on the lattice alone).
 
 ROUNDING_VAR = 4.0  # r^2 of step (2): theta(4) < 1e-34, and 4 of the sum's integer variance is lost
 
