@@ -54,6 +54,7 @@ from shoal.aggregation.strategy import Strategy
 from shoal.config import PrivacyConfig, StrategyConfig
 from shoal.errors import ConfigError
 from shoal.noise import NoiseSource
+from shoal.privacy_plan import PrivacyPlan
 
 log = logging.getLogger(__name__)
 
@@ -325,13 +326,14 @@ def make_dp_strategy(
     ``seed`` seeds the noise only with ``privacy.reproducible``; otherwise it comes from the CSPRNG."""
     if not privacy.reproducible:
         seed = None
-    if privacy.mode == "central":
+    plan = PrivacyPlan(mode=privacy.mode)  # who adds the noise is the plan's answer
+    if plan.server_noise:
         adaptive = None
         if privacy.adaptive_clipping:
             sb = privacy.clipped_count_stddev or expected_clients / 20
             adaptive = AdaptiveClipping(privacy.target_quantile, privacy.clip_lr, sb)
         agg = DPMean(numel, privacy.clip_norm, privacy.noise_multiplier, expected_clients, device, seed, adaptive)
-    elif privacy.mode == "distributed":
+    elif plan.client_shares:
         agg = DPMean(
             numel, None, 0.0, expected_clients, device, seed, share_noise=(privacy.noise_multiplier, privacy.clip_norm)
         )
