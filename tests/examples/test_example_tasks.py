@@ -8,7 +8,6 @@ import importlib.util
 import json
 import math
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,6 @@ from tests.spawn import run_python
 from ..conftest import REPO
 
 TASKS = REPO / "examples" / "tasks"
-SHOAL = [sys.executable, "-m", "shoal.cli"]
 ENV_1THREAD = {"OMP_NUM_THREADS": "1"}
 
 
@@ -49,8 +47,9 @@ def simulate(tmp_path: Path, task: str, *sets: str) -> list[dict]:
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
 
 
-def run_helper(*args: str) -> subprocess.CompletedProcess:
-    r = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120, cwd=REPO)
+def run_helper(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``python SCRIPT ARGS`` from the repository root, forked warm as :func:`simulate`'s runs are."""
+    r = run_python(list(args), module=None, script=REPO / script, cwd=REPO, timeout=120)
     assert r.returncode == 0, r.stderr
     return r
 
@@ -160,9 +159,8 @@ def test_shakespeare_bad_paths_give_one_clear_line(tmp_path):
     (tmp_path / "train.txt").write_text("too short")
     with pytest.raises(TaskError, match="fewer than 81 characters"):
         task.local_data(tmp_path)
-    r = subprocess.run(
-        SHOAL
-        + [
+    r = run_python(
+        [
             "simulate",
             "-q",
             "--task",
@@ -172,10 +170,8 @@ def test_shakespeare_bad_paths_give_one_clear_line(tmp_path):
             "--set",
             'task.args={path = "/nonexistent/input.txt"}',
         ],
-        capture_output=True,
-        text=True,
-        timeout=120,
         cwd=REPO,
+        timeout=120,
     )
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
