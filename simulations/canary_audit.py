@@ -65,7 +65,7 @@ from __future__ import annotations
 import copy
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -388,6 +388,7 @@ def run_canary_audit(
     # Every inserted canary counts, selected or not: DP protects a client's presence in the
     # population, and with Poisson sampling a canary never selected is part of that mechanism.
     numel = sim.spec.numel
+    user_level = not local and sim.privacy is not None and plan_of(c).user_level
     if local:  # each canary client's first update against one update's accounted epsilon
         ins = np.array([r[0] for r in clients.releases.values()])
         outs = np.array([r[1] for r in clients.releases.values()])
@@ -400,19 +401,23 @@ def run_canary_audit(
             accounted = epsilon(rate, c.privacy.noise_multiplier, steps, c.privacy.delta, c.privacy.accountant)
         released = "each canary client's first update"
     else:
-        ins = cosines(delta, (clients.direction(cid) for cid in ids))
-        outs = cosines(delta, (direction(numel, derive_seed(seed, 0x0DD, i)) for i in range(m)))
+        inserted: Iterable[torch.Tensor] = (clients.direction(cid) for cid in ids)
+        unseen_dirs: Iterable[torch.Tensor] = (direction(numel, derive_seed(seed, 0x0DD, i)) for i in range(m))
+        if user_level:  # the all-iterates audit below needs them all again: each drawn once (a randn of numel)
+            inserted, unseen_dirs = list(inserted), list(unseen_dirs)
+        ins = cosines(delta, inserted)
+        outs = cosines(delta, unseen_dirs)
         accounted = summary.get("epsilon", math.inf)
         released = "the final model"
     est = estimate(ins, outs, c.privacy.delta, seed=seed)
     flagged = est.low > accounted  # even the interval's lower end exceeds what is accounted
     parameters: IterateAudit | None = None
-    if not local and sim.privacy is not None and plan_of(c).user_level:
+    if user_level and sim.privacy is not None:
         parameters = audit_iterates(
             iterates,
             clients.selected_in,
-            [clients.direction(cid) for cid in ids],
-            [direction(numel, derive_seed(seed, 0x0DD, i)) for i in range(m)],
+            list(inserted),
+            list(unseen_dirs),
             ids,
             sim.privacy.accountant,
             c.privacy.delta,
