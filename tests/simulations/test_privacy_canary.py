@@ -167,18 +167,28 @@ def test_a_tight_central_audit_of_a_sound_run_is_not_flagged(tmp_path):
     assert out["canary_epsilon"] > 0.3 * out["canary_accounted_epsilon"]  # tight: the estimate is near it
 
 
+# Canaries (inserted, unseen) per planted bug, sized by the margin of the interval's lower end over
+# the accounted 7.16 (measured, simulation.seed 0, 1, 2): halved noise 9.2 to 11.4 with 200 canaries,
+# so it keeps 500 (11.8 at seed 0); clipping at 4C 28.3 to 29.2 and DP-SGD without noise 330 to 1124
+# with 200, many times the spread across seeds, so 200 do (each canary costs a direction of numel).
 @pytest.mark.parametrize(
-    "mode,bug",
-    [("central", _halve_the_noise), ("central", _clip_at_4c), ("local", _no_local_noise)],
+    "mode,bug,canaries",
+    [
+        ("central", _halve_the_noise, (500, 1000)),
+        ("central", _clip_at_4c, (200, 400)),
+        ("local", _no_local_noise, (200, 400)),
+    ],
     ids=["noise-halved", "clip-at-4C", "local-noise-removed"],
 )
-def test_the_audit_flags_each_planted_bug(tmp_path, mode, bug):
+def test_the_audit_flags_each_planted_bug(tmp_path, mode, bug, canaries):
     """Plant a bug the accountant cannot see: the sum carries half the accounted noise; clipping at
     4C with noise for C (caught because canaries send 4C); DP-SGD without its noise (caught because
     local canaries go through the real trainer). Even the interval's lower end exceeds the
     accounted epsilon."""
+    k, m = canaries
     cfg = load_config(None, [*AUDIT, *MODES[mode], *(TIGHT if mode == "central" else [])])
     task = task_from_config(cfg)
-    out = run_canary_audit(cfg, load_simulation_data(task, cfg), task, tmp_path, prepare=bug(cfg))
+    out = run_canary_audit(cfg, load_simulation_data(task, cfg), task, tmp_path, k, m, prepare=bug(cfg))
+    assert out["canaries"] == k and out["canaries_unseen"] == (m if mode == "central" else out["canaries_selected"])
     assert out["canary_flagged"], (out["canary_epsilon_low"], out["canary_accounted_epsilon"])
     assert out["canary_epsilon_low"] > out["canary_accounted_epsilon"]
