@@ -149,8 +149,9 @@ class MergeBound:
       learning via self-centered clipping", arXiv:2202.01545): a neighbour's ``x_j - x_i``
       longer than the radius ``tau`` is clipped to it (``mode = "clip"``) or the model refused
       (``"reject"``). ``tau`` is ``radius`` when set, else ``relative x`` the lower median of a
-      window of distances: the latest one of each of the last WINDOW senders (one slot per
-      sender, so a sender that writes a thousand times still holds one entry) and the length of
+      window of distances: the latest one of each of the last WINDOW senders heard from in our
+      last ``horizon`` local steps (one slot per sender, so a sender that writes a thousand times
+      still holds one entry, and a dead or departed one leaves) and the length of
       our own last local step (a scale no one else controls, and the floor of ``tau``: exact
       averages that leave neighbours identical cannot shrink it to nothing; before a peer's
       first local step ``tau`` is unbounded, so a fresh or restarted peer catches up with its
@@ -166,9 +167,13 @@ class MergeBound:
       ``x0 - 10 (x - x0)`` lies hundreds of radii away). Clipping alone lets such a model pull
       every merge by ``tau`` in one consistent direction that the honest neighbours, pulled the
       same way, never pull back from: measured in docs/results.md, a sign-flipping insider then
-      held the honest peers' accuracy 19 to 28 points below the honest peers' own. A fresh
-      peer (no local step yet, ``tau`` unbounded) still adopts its neighbours' models at once,
-      and the others refuse its far-off model until it has: it catches up in one exchange;
+      held the honest peers' accuracy 19 to 28 points below the honest peers' own. Unless we
+      are outvoted (:meth:`outvoted`): when most of the window's senders, and at least QUORUM,
+      last sent a model beyond ``far x tau``, it is we who are far from the neighbourhood (a
+      restarted peer, one side of a healed partition, a peer that trained apart), and far models
+      are clipped toward, as with ``far = 0``, until we are back among them. A minority insider
+      never tips the vote; a majority of the window could already set ``tau``, and the most it
+      gains here is clipping instead of refusal;
     - a drift budget: between two local steps, the merges together move our model by a path
       of at most ``drift x tau`` (a merge that would go farther is shortened), so the many
       merges of a flood add up to no more than a few honest ones.
@@ -186,6 +191,7 @@ class MergeBound:
         window: int = WINDOW,
         far: float = FAR,
         horizon: int = HORIZON,
+        quorum: int = QUORUM,
     ):
         checks = (("merge bound", relative), ("max_abs", max_abs), ("radius", radius), ("drift", drift), ("far", far))
         for name, v in checks:
@@ -198,7 +204,7 @@ class MergeBound:
         self.relative, self.max_abs, self.mode = float(relative), float(max_abs), mode
         self.fixed, self.drift, self.window = float(radius), float(drift), int(window)
         self.far = max(float(far), 1.0) if far > 0 else 0.0  # 0: clip however far (mode "clip")
-        self.horizon = int(horizon)
+        self.horizon, self.quorum = int(horizon), int(quorum)  # quorum: far votes it takes to follow
         self.distances: dict[str, float] = {}  # sender -> its latest distance (clipped); insertion order = recency
         self.heard: dict[str, int] = {}  # sender -> our local step count when its distance was recorded
         self.beyond: set[str] = set()  # senders whose latest model lay beyond far x tau
@@ -285,7 +291,7 @@ class MergeBound:
         insider that is a minority of the window never tips it, and a lone far sender never
         does (QUORUM: with one neighbour heard, who is the outlier cannot be told)."""
         live = len(self.distances) - (SELF in self.distances)
-        return len(self.beyond) >= QUORUM and 2 * len(self.beyond) > live
+        return len(self.beyond) >= max(self.quorum, 1) and 2 * len(self.beyond) > live
 
     def shrink(self, dist: float, limit: float) -> float | None:
         """The factor a difference of length ``dist`` is scaled by under the radius ``limit``:

@@ -219,64 +219,61 @@ def test_a_neighbourhood_that_moved_together_is_followed_a_lone_far_insider_is_r
 
 
 def test_peers_pulled_apart_come_back_together_and_a_restarted_peer_catches_up():
-    """Push-pull between two groups of three GossipNodes whose models were pulled far apart (each
-    group trained toward its own optimum for 40 steps), on a virtual clock: with the default bound
-    (refuse beyond far x tau, unless most live senders are that far) they merge into one model
-    again, and once together every model a sign-flipping insider pushes to them is refused. A peer
-    restarted from scratch (model reset, one local step) catches up with the others."""
+    """Two groups of three GossipNodes, each peer pulled toward its own optimum (the groups' optima
+    13 apart), gossip within their group only for 40 steps (a partition): far beyond far x tau of
+    each other. Then push-pull between all of them, on a virtual clock: with the default bound
+    (refuse beyond far x tau, unless most live senders are that far) the groups merge into one
+    again (refusing alone kept them apart), then every model a sign-flipping insider pushes to
+    them is refused. A
+    peer restarted from scratch (model reset) catches up with the others."""
     from shoal.p2p.gossip import GossipNode, ModelMessage
     from shoal.p2p.membership import Membership
 
     torch.manual_seed(0)
     ids = [f"p{k}" for k in range(6)]
-    nodes = [
-        GossipNode(Membership(i, 5, 2, bootstrap_peers=tuple(j for j in ids if j != i)), torch.zeros(20), 10)
-        for i in ids
-    ]
-    anchor = [torch.full((20,), 0.0), torch.full((20,), 3.0)]  # each group's optimum: the groups are ~13 apart
+    nodes = [GossipNode(Membership(i, 5, 2, bootstrap_peers=tuple(set(ids) - {i})), torch.zeros(20), 10) for i in ids]
+    optimum = [torch.full((20,), 3.0 * (k // 3) + 0.1 * k) for k in range(6)]
     count = iter(range(1, 10**6))
     x0 = torch.zeros(20)
 
     def seq(now: float) -> int:  # message counters are wall-clock microseconds (p2p/freshness.py)
         return int(now * 1e6) + next(count)
 
-    def train(k: int) -> None:  # one local step: 10% of the way to the group's optimum, plus noise
+    def train(k: int) -> None:  # one local step: 10% of the way to the peer's own optimum, plus noise
         n = nodes[k]
-        n.local_update(n.params + 0.1 * (anchor[k // 3] - n.params) + 0.01 * torch.randn(20))
+        n.local_update(n.params + 0.1 * (optimum[k] - n.params) + 0.01 * torch.randn(20))
 
-    def exchange(k: int, now: float) -> None:
-        n = nodes[k]
-        peer = ids[int(torch.randint(6, ()))]
-        if peer == n.id:
-            return
-        push = ModelMessage(n.id, peer, n.params.clone(), n.age, n.version, 10, False, seq(now))
-        n.on_reply(nodes[ids.index(peer)].on_push(push, now), now)
+    def exchange(k: int, now: float, among: range) -> None:
+        n, peer = nodes[k], ids[among[int(torch.randint(len(among), ()))]]
+        if peer != n.id:
+            push = ModelMessage(n.id, peer, n.params.clone(), n.age, n.version, 10, False, seq(now))
+            n.on_reply(nodes[ids.index(peer)].on_push(push, now), now)
 
-    def spread() -> float:
-        return max(float(torch.linalg.vector_norm(a.params - b.params)) for a in nodes for b in nodes)
+    def gap() -> float:  # distance between the two groups' mean models
+        return float(torch.linalg.vector_norm(sum(n.params for n in nodes[:3]) - sum(n.params for n in nodes[3:]))) / 3
 
-    for _ in range(40):  # apart: each group on its own
+    for step in range(40):  # partitioned: each group gossips on its own
         for k in range(6):
             train(k)
-    assert spread() > 10
-    anchor = [torch.full((20,), 1.5)] * 2  # together; the optimum is now common, an insider pushes its flip
-    for step in range(300):
-        now = float(step)
-        if step == 200:
-            refused = [n.merge_bound.refused for n in nodes]
+            exchange(k, float(step), range(3 * (k // 3), 3 * (k // 3) + 3))
+    assert gap() > 10 > 4 * max(n.merge_bound.radius() for n in nodes) * 10
+    for step in range(40, 240):  # healed: gossip between all of them
         for k in range(6):
             train(k)
-            exchange(k, now)
-            evil = ModelMessage("evil", ids[k], x0 - 10 * (nodes[k].params - x0), 10**6, 1, 10, False, seq(now))
-            nodes[k].on_push(evil, now)
-    assert spread() < 0.5 and all(float((n.params - 1.5).abs().max()) < 0.5 for n in nodes)
-    # back together, every forged model is refused (while a peer was outvoted, far models were clipped)
-    assert all(n.merge_bound.refused - r >= 100 for n, r in zip(nodes, refused, strict=True))
-    assert sum(n.merge_bound.followed for n in nodes) > 0  # the far group was followed, not refused
+            exchange(k, float(step), range(6))
+    # the far group was followed: 1.79 apart, as with clipping alone (far = 0); refusing kept them 14.7 apart
+    assert gap() < 3.0 and sum(n.merge_bound.followed for n in nodes) > 0
+    refused = [n.merge_bound.refused for n in nodes]
+    for step in range(240, 340):  # an insider pushes its sign flip to everyone, every step: refused
+        for k in range(6):
+            train(k)
+            exchange(k, float(step), range(6))
+            evil = ModelMessage("evil", ids[k], x0 - 10 * (nodes[k].params - x0), 10**6, 1, 10, False, seq(step))
+            nodes[k].on_push(evil, float(step))
+    assert all(n.merge_bound.refused - r >= 100 for n, r in zip(nodes, refused, strict=True)) and gap() < 3.0
     nodes[0].restart(torch.zeros(20))
-    for step in range(100):
-        now = 300.0 + step
+    for step in range(340, 440):
         for k in range(6):
             train(k)
-            exchange(k, now)
-    assert spread() < 0.5
+            exchange(k, float(step), range(6))
+    assert float(torch.linalg.vector_norm(nodes[0].params - nodes[1].params)) < 1.0  # its group's neighbour
