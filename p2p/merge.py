@@ -126,7 +126,7 @@ class MergeRule:
 WINDOW = 16  # senders whose latest distance sets the adaptive radius (one slot each)
 HORIZON = 16  # local steps: a sender not heard from in this many of ours leaves the window
 QUORUM = 2  # far senders it takes (and a majority of the live ones) to clip toward far models, not refuse them
-FAR = 4.0  # MergeBound(): refuse beyond FAR x tau; peers and the simulator take gossip.merge_far (0: clip)
+FAR = 4.0  # refuse beyond FAR x tau (gossip.merge_far, 4 by default; 0: clip however far)
 SELF = ""  # the window's key for the length of our own last local step
 
 
@@ -154,8 +154,9 @@ class MergeBound:
       still holds one entry, and a dead or departed one leaves) and the length of
       our own last local step (a scale no one else controls, and the floor of ``tau``: exact
       averages that leave neighbours identical cannot shrink it to nothing; before a peer's
-      first local step ``tau`` is unbounded, so a fresh or restarted peer catches up with its
-      neighbours at once, within ``max_abs``). Each entry is recorded already
+      first local step ``tau`` is unbounded, so a fresh peer takes its neighbours' models at
+      once, within ``max_abs``; one that trained first follows them by the vote below). Each
+      entry is recorded already
       clipped to the ``tau`` in force, so a sender can lift the median only where honest
       entries already sit above it: ``tau`` tracks the honest spread, never the norm of our
       model or of the attacker's;
