@@ -277,3 +277,25 @@ def test_peers_pulled_apart_come_back_together_and_a_restarted_peer_catches_up()
             train(k)
             exchange(k, float(step), range(6))
     assert float(torch.linalg.vector_norm(nodes[0].params - nodes[1].params)) < 1.0  # its group's neighbour
+
+
+def test_a_peer_ahead_in_age_follows_a_far_majority_behind_it():
+    """With ``max_age_gap`` a model far behind ours in age is not merged. A group that ran ahead
+    in age while apart would then skip the larger group's models for good, while that group
+    refuses its far ones. Such a model still takes its sender's slot and vote: a lone one is
+    skipped, but once most live senders are far, their models are merged (clipped to tau)."""
+    from shoal.p2p.gossip import GossipNode, ModelMessage
+    from shoal.p2p.membership import Membership
+
+    node = GossipNode(
+        Membership("me", 4, 2, bootstrap_peers=("a",)), torch.zeros(10), 10, MergeRule("age", max_age_gap=20)
+    )
+    for _ in range(100):  # far ahead in age: 100 local steps of length 0.1
+        node.local_update(node.params + 0.01)
+    own = node.params.clone()
+    far = own + 10.0  # behind by 90 in age, hundreds of radii away
+    node.on_push(ModelMessage("a", "me", far.clone(), 10, 10, 10, seq=1), now=0.0)
+    assert torch.equal(node.params, own) and node.skipped == 1  # a lone far sender: skipped
+    node.on_push(ModelMessage("b", "me", far.clone(), 10, 10, 10, seq=1), now=0.0)
+    moved = float(torch.linalg.vector_norm(node.params - own))
+    assert 0 < moved <= node.merge_bound.radius() * (1 + 1e-5) and node.merge_bound.followed == 1
