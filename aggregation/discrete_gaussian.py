@@ -16,7 +16,8 @@ integers that secure aggregation sums from the start. Each client (:meth:`DdgCod
    only, every bit from the CSPRNG of shoal.noise;
 5. reduces modulo 2^bits; secure aggregation masks and sums these integers.
 
-The server (:meth:`DdgCodec.decode`) takes the unmasked sum modulo 2^bits, maps it to the
+The server tops the unmasked sum up to K_max shares with more draws of the same integer noise
+(:meth:`DdgCodec.top_up`), then (:meth:`DdgCodec.decode`) takes it modulo 2^bits, maps it to the
 centred integers [-2^(bits-1), 2^(bits-1)), multiplies by gamma and undoes the rotation.
 Reducing modulo 2^bits is post-processing of the integer sum, so the guarantee does not depend
 on it; a coordinate whose sum leaves the range only loses accuracy (:func:`plan` sizes gamma
@@ -403,6 +404,18 @@ class DdgCodec:
 
     def reduce(self, integers: np.ndarray) -> np.ndarray:
         return np.mod(integers, self.p.modulus).astype(np.uint32)
+
+    def top_up(self, total: np.ndarray, shares: int, src: NoiseSource) -> np.ndarray:
+        """The secure sum ``total`` (its first ``dim`` entries) plus ``shares`` more draws of a client's
+        integer noise, modulo 2^bits: the server tops a sum of n survivors up to K_max shares here,
+        in the integers, so every released sum is the clients' rounded updates plus exactly K_max
+        shares whatever n. Topped up with continuous noise instead, a sum of all K_max survivors
+        (which only a round holding the client can reach when K_max = N) alone would lie on the
+        lattice and tell that round apart."""
+        out = np.mod(np.asarray(total, dtype=np.int64).reshape(-1)[: self.p.dim], self.p.modulus)
+        for _ in range(max(0, int(shares))):
+            out = np.mod(out + sample(src, self.p.variance, self.p.dim), self.p.modulus)
+        return out
 
     def decode(self, total: np.ndarray) -> np.ndarray:
         """The float64 sum of the clients' updates (with their noise) from the secure sum of their

@@ -54,6 +54,7 @@ from shoal.aggregation.strategy import Strategy
 from shoal.config import PrivacyConfig, StrategyConfig
 from shoal.errors import ConfigError
 from shoal.noise import NoiseSource
+from shoal.privacy_plan import PrivacyPlan
 
 log = logging.getLogger(__name__)
 
@@ -174,6 +175,7 @@ class DPMean:
         self.share_noise = share_noise
         self.shares = max(1, round(expected_clients))  # t: overwritten each round by expect_shares
         self.cohort = 0  # K_max the released noise is topped up to (0: z²C², t shares in the clear)
+        self.topped_up = False  # the sum arrives carrying the cohort's shares (expect_shares' in_sum)
         self._share_var = 0.0
         self.numel = numel
         self.clip_norm = clip_norm
@@ -192,15 +194,19 @@ class DPMean:
     def device(self) -> torch.device:
         return self._sum.device
 
-    def expect_shares(self, t: int, cohort: int = 0) -> None:
+    def expect_shares(self, t: int, cohort: int = 0, in_sum: bool = False) -> None:
         """Distributed DP: each client of this round adds N(0, z²C²/t). ``cohort`` = K_max >= t (secure
-        aggregation): the released sum is topped up to K_max z²C²/t, whatever the survivors' count."""
+        aggregation): the released sum is topped up to K_max z²C²/t, whatever the survivors' count.
+        ``in_sum``: the secure sum arrives topped up already (the distributed discrete Gaussian does it
+        in the integers, DdgCodec.top_up), so a round with updates gets no continuous noise here; an
+        empty round still releases K_max z²C²/t."""
         if t < 1:
             raise ValueError(f"t = {t} noise shares: must be >= 1")
         if cohort and cohort < t:
             raise ValueError(f"cohort = {cohort} is below t = {t} noise shares")
         self.shares = int(t)
         self.cohort = int(cohort)
+        self.topped_up = bool(in_sum)
 
     @property
     def released_share_var(self) -> float:
@@ -248,7 +254,7 @@ class DPMean:
     def missing_share_std(self) -> float:
         """Distributed DP: the std the sum still lacks to carry :attr:`released_share_var` (0 when the
         shares that arrived carry it: t of them in the clear, K_max with a cohort)."""
-        if self.share_noise is None:
+        if self.share_noise is None or (self.topped_up and self.count):
             return 0.0
         target = self.released_share_var
         missing = target - self._share_var
@@ -320,13 +326,14 @@ def make_dp_strategy(
     ``seed`` seeds the noise only with ``privacy.reproducible``; otherwise it comes from the CSPRNG."""
     if not privacy.reproducible:
         seed = None
-    if privacy.mode == "central":
+    plan = PrivacyPlan(mode=privacy.mode)  # who adds the noise is the plan's answer
+    if plan.server_noise:
         adaptive = None
         if privacy.adaptive_clipping:
             sb = privacy.clipped_count_stddev or expected_clients / 20
             adaptive = AdaptiveClipping(privacy.target_quantile, privacy.clip_lr, sb)
         agg = DPMean(numel, privacy.clip_norm, privacy.noise_multiplier, expected_clients, device, seed, adaptive)
-    elif privacy.mode == "distributed":
+    elif plan.client_shares:
         agg = DPMean(
             numel, None, 0.0, expected_clients, device, seed, share_noise=(privacy.noise_multiplier, privacy.clip_norm)
         )

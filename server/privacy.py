@@ -319,7 +319,8 @@ class ServerPrivacy:
                 self.server_view.record_round(selected)
         if self.plan.client_shares:
             self.round_shares = self.noise_shares or max(1, len(selected))
-            self.aggregator.expect_shares(self.round_shares, self.cohort)
+            # the discrete Gaussian's secure sum arrives topped up to K_max in the integers (secure_round)
+            self.aggregator.expect_shares(self.round_shares, self.cohort, in_sum=self.ddg is not None)
 
     def check_survivors(self, survivors: int, round_: int) -> None:
         """Secure distributed DP: before any unmasking share is asked for, the sum must hold

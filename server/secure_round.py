@@ -59,6 +59,7 @@ from shoal.aggregation.secagg.tiers import RootKey, open_message
 from shoal.aggregation.secagg.wire import decode_message, encode_message, message_meta, params_to_json
 from shoal.config import Config
 from shoal.errors import Malformed, OutOfRange, UpdateRejected, short_repr
+from shoal.noise import NoiseSource
 from shoal.rounds import RoundSummary, SyncRounds
 from shoal.seeding import derive_seed
 from shoal.update import Update
@@ -402,7 +403,9 @@ class SecureRound:
             if self.privacy is not None and self.privacy.plan.client_shares:  # [clip(delta_k), n_k / max_weight]
                 total, counts = decode_weighted(result.total, len(result.included), self.values, self.weights)
                 if self.privacy.ddg is not None:  # the model entries are the discrete Gaussian's integers
-                    total = DdgCodec(self.privacy.ddg, rotation_seed(self.params.session)).decode(result.total[:-1])
+                    codec = DdgCodec(self.privacy.ddg, rotation_seed(self.params.session))
+                    missing = self.privacy.cohort - len(result.included)  # topped up to K_max shares, in the integers
+                    total = codec.decode(codec.top_up(result.total[:-1], missing, NoiseSource()))
                 self.mean, self.examples = total / len(result.included), max(0, round(counts * self.max_weight))
             else:
                 self.sums = self.payload.decode(result.total, len(result.included), self.values, self.weights)

@@ -96,7 +96,9 @@ DDG_KEYS = ("dim", "clip", "gamma", "bits", "beta", "variance", "shares", "max_s
 # sqrt(2 pi w) (1 +- theta(w)) for every real c. Then, per coordinate:
 # (1) the sum of t shares N_Z(0, v) has, at every integer m, a probability within
 #     [(1+theta(v))^-t prod_{k<t} (1-theta(kv/(k+1))), prod_{k<t} (1+theta(kv/(k+1)))] times the
-#     Gaussian density phi_{tv}(m) (induction over the shares, one convolution at a time);
+#     Gaussian density phi_{tv}(m) (induction over the shares, one convolution at a time: adding a
+#     share to k of them sums exp(-(j-c)^2/2w) over j with w = kv/(k+1); the upper factor has no
+#     (1-theta(v))^-t because N_Z(0, v)'s normaliser, the sum at c = 0, is at least sqrt(2 pi v));
 # (2) rounding a continuous Y ~ N(x, tv - r^2) to the integer k with probability proportional to
 #     exp(-(k-Y)^2/2r^2) gives k with probability within [1/(1+theta(r^2)), 1/(1-theta(r^2))] times
 #     phi_{tv}(k - x), and commutes with integer shifts x.
@@ -107,7 +109,11 @@ DDG_KEYS = ("dim", "clip", "gamma", "bits", "beta", "variance", "shares", "max_s
 # divergence H_{e^eps} of the Gaussian pair into one of at most e^B H_{e^(eps-2B)}: so the rounds'
 # epsilon at delta is at most the continuous Gaussian's epsilon at delta e^-B, plus 2B, and the
 # Gaussian's is priced by dp-accounting's PLD (Poisson subsampling exact, pessimistic rounding).
-# More shares than t, the server's top-up and the modular reduction are post-processing.
+# tests/privacy/test_ddg_bound_exact.py checks (1), (1)+(2) against e^{+-b}, and the reported epsilon
+# against the exact one, numerically at integer variance 1-2 a share (where b is largest).
+# More shares than t, the server's top-up and the modular reduction are post-processing: the top-up
+# adds integer shares (DdgCodec.top_up), so every released sum carries exactly K_max of them whatever
+# the count (a continuous top-up would not be: it leaves a sum of all K_max on the lattice alone).
 
 ROUNDING_VAR = 4.0  # r^2 of step (2): theta(4) < 1e-34, and 4 of the sum's integer variance is lost
 

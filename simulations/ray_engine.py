@@ -58,7 +58,7 @@ from shoal.update import PartialSum, Update
 
 from .client_data import client_id
 from .gossip.network import GossipNetwork
-from .inprocess import InProcessSimulation, PlainRound, RoundRunner
+from .inprocess import RUNNERS, InProcessSimulation, PlainRound, RoundRunner
 from .ray_worker import RayWorker, WorkerSetup, WorkItem, clients_digest
 from .run_loop import OnRecord, run_engine
 
@@ -509,14 +509,10 @@ def ray_simulation(cfg: Config, pool: WorkerPool | None = None) -> InProcessSimu
     pool = pool if pool is not None else WorkerPool(cfg)
 
     def runner(sim: InProcessSimulation) -> RoundRunner:
-        if cfg.hierarchy.edges:  # virtual edges sum their clients' updates (simulations/hierarchy.py)
-            from .hierarchy import HierarchicalRound
-
-            return HierarchicalRound(sim)
-        if cfg.secure_aggregation.enabled:
-            from .secure_rounds import SecureAggregationRounds
-
-            return SecureAggregationRounds(sim)
+        """The runner the parts name (shoal.assembly chose it); only a plain round may instead
+        let each worker send its clients' partial sum."""
+        if sim.parts.runner != "plain":
+            return RUNNERS[sim.parts.runner](sim)
         why = summing_blocker(sim)
         if why is None:
             log.info("ray: workers send partial sums (plain weighted mean)")

@@ -225,7 +225,9 @@ class SecureAggregationRounds:
         result, cost = self.transport(params, encoded, drop_at, seed=seed)
         agg = getattr(self.sim.rounds.strategy, "aggregator", None)
         if agg is not None and hasattr(agg, "expect_shares"):  # the DP mean: every share was sized for t survivors
-            agg.expect_shares(self.noise_shares, self.max_summands)  # topped up to K_max shares
-        total = codec.decode(result.total[:-1])
+            agg.expect_shares(self.noise_shares, self.max_summands, in_sum=True)  # topped up here, in the integers
+        server = NoiseSource.for_run(reproducible, self.sim.cfg.simulation.seed, round_, -1)  # the server's draws
+        topped = codec.top_up(result.total[:-1], self.max_summands - len(result.included), server)
+        total = codec.decode(topped)
         n = max(len(result.included), 1)
         return SecureMean(total / n, result.included, float(n), cost)

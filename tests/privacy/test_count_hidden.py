@@ -6,6 +6,8 @@ recipient of the model would read n off the variance. The DP mean tops the sum u
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -68,3 +70,25 @@ def test_the_server_tops_up_to_k_max_and_aborts_above_it(tmp_path):
     for bad in (2, 11):
         with pytest.raises(SecAggAborted):
             p.check_survivors(bad, 1)
+
+
+def test_the_discrete_gaussians_sum_arrives_topped_up(tmp_path):
+    """The distributed discrete Gaussian: the server tops the unmasked sum up to K_max shares in the
+    integers (DdgCodec.top_up), so the DP mean adds no continuous noise to a round with updates (which
+    would leave only a round of all K_max survivors on the lattice); an empty round still gets K_max."""
+    from shoal.server.store import open_service
+
+    from ..server.live import small_config
+
+    sections = {
+        "privacy": {"mode": "distributed", "mechanism": "discrete_gaussian", "noise_multiplier": Z, "clip_norm": C},
+        "secure_aggregation": {"enabled": True},
+    }
+    svc = open_service(small_config(tmp_path, sections, clients_per_round=K), registered=N)
+    p = svc.privacy
+    assert p.ddg is not None and (p.noise_shares, p.cohort) == (T, 10)
+    p.round_started([f"n{i}" for i in range(4)])
+    agg = p.aggregator
+    assert agg.topped_up and agg.missing_share_std() == pytest.approx(math.sqrt(10 * (Z * C) ** 2 / T))  # empty
+    agg.add(torch.zeros(agg.numel))
+    assert agg.missing_share_std() == 0.0

@@ -15,6 +15,7 @@ from shoal.aggregation.secagg.memory import run_in_memory
 from shoal.config import load_config
 from shoal.errors import ConfigError
 from shoal.noise import NoiseSource
+from shoal.seeding import derive_seed
 from shoal.simulations.inprocess import InProcessSimulation
 
 
@@ -121,6 +122,21 @@ def test_noise_of_the_unmasked_sum_matches_the_analysis():
     rounding = n * p.gamma**2 / 4  # unbiased rounding adds at most gamma^2/4 per coordinate and client
     assert abs(noise.mean()) < 5 * math.sqrt(expected / d)
     assert abs(noise.var() / expected - 1) < 5 * math.sqrt(2 / d) + rounding / expected
+
+
+def test_the_server_tops_the_sum_up_in_the_integers():
+    """DdgCodec.top_up adds whole draws of a client's integer noise to the unmasked sum (modulo 2^bits):
+    3 survivors topped up to K_max = 8 carry 8 shares, and the sum stays on the integers."""
+    d, t, kmax = 20_000, 3, 8
+    p = dg.plan(d, clip=1.0, noise_multiplier=1.0, shares=t, max_summands=kmax, bits=18)
+    codec = dg.DdgCodec(p, rotation_seed=5)
+    enc = {f"c{i}": codec.encode(np.zeros(d), NoiseSource.seeded(12, i)) for i in range(t)}
+    total = _secure_sum(enc).total
+    topped = codec.top_up(total, kmax - t, NoiseSource.seeded(13))
+    assert topped.dtype == np.int64 and topped.shape == (d,) and ((0 <= topped) & (topped < p.modulus)).all()
+    centred = np.where(topped >= p.modulus // 2, topped - p.modulus, topped)
+    assert abs(centred.var() / (kmax * p.variance) - 1) < 5 * math.sqrt(2 / d)
+    assert np.array_equal(codec.top_up(total, 0, NoiseSource.seeded(13)), np.mod(total[:d].astype(np.int64), p.modulus))
 
 
 def _paper_epsilon(c, gamma, beta, d, var_int, n, delta, release_z=0.0):
@@ -240,7 +256,18 @@ def test_simulated_rounds_use_the_mechanism_and_its_accountant(release):
     assert sa is not None and sa.ddg is not None and sa.ddg.shares == sa.noise_shares
     assert not any(type(s).__name__ == "DistributedNoise" for s in sim.client_steps)
     g0 = sim.global_params.clone()
-    summaries = [sim.run_round() for _ in range(2)]
+    summaries = []
+    for _ in range(2):
+        before = sim.global_params.clone().double()
+        summaries.append(sim.run_round())
+        # The released sum (K times FedAvg's step) lies on the round's rotated lattice although fewer
+        # than K_max = 12 survived: the server tops it up to K_max shares in the integers. Topped up
+        # with continuous noise, only a round of all K_max would lie on it, and tell itself apart.
+        assert 0 < sa.last["included"] < sa.max_summands == 12
+        seed = derive_seed(cfg.secure_aggregation.seed, cfg.simulation.seed, summaries[-1].round)
+        rotation = dg.DdgCodec(sa.ddg, derive_seed(seed, 0x40D)).rotation
+        steps = rotation.forward((sim.global_params.double() - before).numpy() * 6) / sa.ddg.gamma
+        assert np.abs(steps - np.round(steps)).max() < 0.01
     assert not bool((sim.global_params == g0).all())
     acc = sim.privacy.accountant
     assert isinstance(acc, DdgRoundAccountant) and acc.rounds == 2
