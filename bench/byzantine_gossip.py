@@ -18,6 +18,14 @@ Attacks (each against the run without attackers, same seed, same honest peers):
 - ``eclipse``: the attacker sends each honest peer two shuffles naming 50 made-up addresses and
   two pushes from made-up senders per round (4 messages per round per peer); none is served.
 
+Recovery runs (no attacker: every peer honest, against ``none``): ``partition`` splits the
+network in two halves for the ``--attack-rounds`` rounds (``gossip.partition_end``), each half
+training apart, then heals it; ``restart`` restarts peer 0 from scratch (the initial model, an
+empty merge window) when the attack rounds end. The notes give the spread (the largest distance
+between two peers' models, over the norm of the no-attack run's mean model) at both times, and
+the far models clipped toward rather than refused (``followed``). ``--no-follow`` never follows (MergeBound quorum
+unreachable: far models from a lone sender or a whole neighbourhood alike are refused).
+
 For each algorithm (push-pull ``gossip``, ``dpsgd``, ``group_average``; replay and eclipse
 act on push-pull's messages and views only: D-PSGD's and group averaging's simulated
 neighbourhoods are fixed) it prints: the honest peers' mean accuracy at the end of the attack
@@ -29,7 +37,7 @@ honest peer, made-up entries in views and directories at most and at the end.
 
     .venv/bin/python bench/byzantine_gossip.py [--honest 5] [--attackers 1] [--attack-rounds 60]
         [--after 30] [--algorithms gossip,dpsgd,group_average] [--attacks alone,scale,sign_flip,replay,eclipse]
-        [--defences-only] [--scale 10] [--set gossip.KEY=VALUE ...]
+        [--defences-only] [--scale 10] [--no-follow] [--set gossip.KEY=VALUE ...]
     .venv/bin/python bench/byzantine_gossip.py --lockout 512 [--old-cap]   # connections, not merges
 
 ``--lockout SLOTS``: 12 source addresses x 64 connections (silent, or a request head and no body)
@@ -60,6 +68,7 @@ torch.set_num_threads(1)
 SYBILS = 50
 REPLAY_AGE = 5.0  # rounds: a replayed model is at least this old
 FORGED = ("scale", "sign_flip")
+RECOVERY = ("partition", "restart")
 
 
 def build(args: argparse.Namespace, algorithm: str, attack: str, defences: bool) -> GossipSimulation:
@@ -83,10 +92,15 @@ def build(args: argparse.Namespace, algorithm: str, attack: str, defences: bool)
             f"attack.fraction={args.attackers / n}",
             f"attack.scale={args.scale}",
         ]
+    if attack == "partition":
+        over += [f"gossip.partition_end={args.attack_rounds}"]
     if not defences:
         over += ["gossip.merge_bound=0", "gossip.max_drift=0", "gossip.max_abs=0"]
     sim = GossipSimulation.from_config(load_config(None, over))
-    if attack not in (*FORGED, "none", "alone"):  # protocol attackers: the last peers, measured apart
+    if args.no_follow:
+        for node in sim.nodes:
+            node.merge_bound.quorum = 10**9
+    if attack not in (*FORGED, *RECOVERY, "none", "alone"):  # protocol attackers: the last peers, measured apart
         sim.attackers[:] = False
         sim.attackers[args.honest :] = True
         sim.honest = np.flatnonzero(~sim.attackers)
@@ -155,6 +169,8 @@ def run(args: argparse.Namespace, algorithm: str, attack: str, defences: bool, r
         if r == args.attack_rounds + 1:
             sim.online[sim.attackers] = False  # the attackers leave
             insider = None
+            if attack == "restart":
+                sim.nodes[0].restart(sim.init)
         if insider is not None:
             insider.round(float(r - 1))
         sim.run_round()
@@ -174,6 +190,7 @@ def run(args: argparse.Namespace, algorithm: str, attack: str, defences: bool, r
             out[f"acc{r}"] = ev.get("peer_accuracy_mean", float("nan"))
             out[f"norm{r}"] = float(means[r].norm())
             out[f"max_abs{r}"] = float(sim.models[honest].abs().max())
+            out[f"spread{r}"] = float(torch.cdist(sim.models[honest].double(), sim.models[honest].double()).max())
             if ref is not None:
                 out[f"dist{r}"] = float((means[r] - ref["means"][r]).norm()) / float(ref["means"][r].norm())
     out["means"] = means
@@ -182,6 +199,7 @@ def run(args: argparse.Namespace, algorithm: str, attack: str, defences: bool, r
     if attack == "replay":
         out["replays_refused"] = sum(sim.nodes[h].freshness.refused for h in sim.honest.tolist())
     out["bounded"] = int(sum(sim.nodes[h].bounded for h in sim.honest.tolist()))
+    out["followed"] = int(sum(sim.nodes[h].merge_bound.followed for h in sim.honest.tolist()))
     return out
 
 
@@ -276,6 +294,7 @@ def main() -> None:
     ap.add_argument("--algorithms", default="gossip,dpsgd,group_average")
     ap.add_argument("--attacks", default="alone,scale,sign_flip,replay,eclipse")
     ap.add_argument("--defences-only", action="store_true", help="skip the runs with the defences off")
+    ap.add_argument("--no-follow", action="store_true", help="refuse far models even from most live senders")
     ap.add_argument(
         "--set", action="append", default=[], help="a config override for every run, e.g. gossip.merge_bound=1"
     )
@@ -315,6 +334,12 @@ def main() -> None:
                 notes = f"bounded {res['bounded']}"
                 if attack == "replay":
                     notes = f"replays sent {res['sent']}, refused {res['replays_refused']}"
+                if attack in RECOVERY:
+                    notes += (
+                        f"; spread {res[f'spread{a}'] / n0[a]:.3f}, {res[f'spread{b}'] / n0[b]:.3f} "
+                        f"(none: {ref[f'spread{a}'] / n0[a]:.3f}, {ref[f'spread{b}'] / n0[b]:.3f}); "
+                        f"followed {res['followed']}"
+                    )
                 if attack == "eclipse":
                     notes = (
                         f"longest run without a merge {res['gap']} rounds; made-up entries at most "

@@ -17,6 +17,7 @@ claims. Every received model passes the peer's MergeBound (p2p/merge.py) before 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import torch
@@ -180,24 +181,40 @@ class GossipNode:
             self.on_failure(p, now)
         return late
 
-    def _merge(self, msg: ModelMessage) -> None:
-        if self.rule.weight(self.info, msg.info) <= 0.0:  # too stale: not merged, not counted against the bound
-            self.skipped += 1
-            return
+    def _outlier(self, msg: ModelMessage) -> bool:
+        """A model too far behind ours in age to merge still takes its sender's slot of the merge
+        bound's window (its distance and its vote); True when it lies beyond ``far x tau`` and most
+        live senders are that far (MergeBound.outvoted): then it is our model, not theirs, that
+        is off (a group that trained apart, or ran ahead in age, meeting a larger one), and the
+        age gap must not keep us from following them."""
         b = self.merge_bound
+        if math.isinf(b.radius()) or not b.within_max_abs(msg.params):
+            return False
+        own = self.params
+        b.observe(msg.sender, float(torch.linalg.vector_norm((msg.params.to(own.device, own.dtype) - own).double())))
+        return msg.sender in b.beyond and b.outvoted()
+
+    def _merge(self, msg: ModelMessage) -> None:
+        b = self.merge_bound
+        rule = self.rule
+        if rule.weight(self.info, msg.info) <= 0.0 and not self._outlier(msg):
+            self.skipped += 1  # too stale: not merged, not counted against the bound
+            return
+        if rule.weight(self.info, msg.info) <= 0.0:  # we are the outlier: its age does not make it stale
+            rule = MergeRule(rule.rule, rule.staleness_exponent, 0, rule.norm_bound, rule.bound_mode)
         before = b.clipped + b.refused + b.capped
         other = b.apply(self.params, msg.params, msg.sender)  # self-centered clipping, per sender
-        if other is not None and self.rule.norm_bound > 0:
-            other, acted = self.rule.bound(self.params, other)
+        if other is not None and rule.norm_bound > 0:
+            other, acted = rule.bound(self.params, other)
             self.bounded += int(acted)
-        lam = self.rule.weight(self.info, msg.info)
+        lam = rule.weight(self.info, msg.info)
         if other is not None:
             lam = b.move(self.params, other, lam)  # within the drift budget
         self.bounded += b.clipped + b.refused + b.capped - before
         if other is None or lam <= 0.0:
             self.skipped += 1
             return
-        adopted = self.rule.weight(self.info, msg.info) >= 1.0
+        adopted = rule.weight(self.info, msg.info) >= 1.0
         self.age = min(msg.age if adopted else max(self.age, msg.age), MAX_COUNT)
         self.version = bump(self.version)
         self.merges = bump(self.merges)

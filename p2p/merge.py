@@ -124,7 +124,9 @@ class MergeRule:
 # --- the safe-merge bound every algorithm applies by default ------------------------------------
 
 WINDOW = 16  # senders whose latest distance sets the adaptive radius (one slot each)
-FAR = 4.0  # MergeBound(): refuse beyond FAR x tau; peers and the simulator take gossip.merge_far (0: clip)
+HORIZON = 16  # local steps: a sender not heard from in this many of ours leaves the window
+QUORUM = 2  # far senders it takes (and a majority of the live ones) to clip toward far models, not refuse them
+FAR = 4.0  # refuse beyond FAR x tau (gossip.merge_far, 4 by default; 0: clip however far)
 SELF = ""  # the window's key for the length of our own last local step
 
 
@@ -147,12 +149,14 @@ class MergeBound:
       learning via self-centered clipping", arXiv:2202.01545): a neighbour's ``x_j - x_i``
       longer than the radius ``tau`` is clipped to it (``mode = "clip"``) or the model refused
       (``"reject"``). ``tau`` is ``radius`` when set, else ``relative x`` the lower median of a
-      window of distances: the latest one of each of the last WINDOW senders (one slot per
-      sender, so a sender that writes a thousand times still holds one entry) and the length of
+      window of distances: the latest one of each of the last WINDOW senders heard from in our
+      last ``horizon`` local steps (one slot per sender, so a sender that writes a thousand times
+      still holds one entry, and a dead or departed one leaves) and the length of
       our own last local step (a scale no one else controls, and the floor of ``tau``: exact
       averages that leave neighbours identical cannot shrink it to nothing; before a peer's
-      first local step ``tau`` is unbounded, so a fresh or restarted peer catches up with its
-      neighbours at once, within ``max_abs``). Each entry is recorded already
+      first local step ``tau`` is unbounded, so a fresh peer takes its neighbours' models at
+      once, within ``max_abs``; one that trained first follows them by the vote below). Each
+      entry is recorded already
       clipped to the ``tau`` in force, so a sender can lift the median only where honest
       entries already sit above it: ``tau`` tracks the honest spread, never the norm of our
       model or of the attacker's;
@@ -164,9 +168,13 @@ class MergeBound:
       ``x0 - 10 (x - x0)`` lies hundreds of radii away). Clipping alone lets such a model pull
       every merge by ``tau`` in one consistent direction that the honest neighbours, pulled the
       same way, never pull back from: measured in docs/results.md, a sign-flipping insider then
-      held the honest peers' accuracy 19 to 28 points below the honest peers' own. A fresh
-      peer (no local step yet, ``tau`` unbounded) still adopts its neighbours' models at once,
-      and the others refuse its far-off model until it has: it catches up in one exchange;
+      held the honest peers' accuracy 19 to 28 points below the honest peers' own. Unless we
+      are outvoted (:meth:`outvoted`): when most of the window's senders, and at least QUORUM,
+      last sent a model beyond ``far x tau``, it is we who are far from the neighbourhood (a
+      restarted peer, one side of a healed partition, a peer that trained apart), and far models
+      are clipped toward, as with ``far = 0``, until we are back among them. A minority insider
+      never tips the vote; a majority of the window could already set ``tau``, and the most it
+      gains here is clipping instead of refusal;
     - a drift budget: between two local steps, the merges together move our model by a path
       of at most ``drift x tau`` (a merge that would go farther is shortened), so the many
       merges of a flood add up to no more than a few honest ones.
@@ -183,6 +191,8 @@ class MergeBound:
         drift: float = 4.0,
         window: int = WINDOW,
         far: float = FAR,
+        horizon: int = HORIZON,
+        quorum: int = QUORUM,
     ):
         checks = (("merge bound", relative), ("max_abs", max_abs), ("radius", radius), ("drift", drift), ("far", far))
         for name, v in checks:
@@ -190,12 +200,17 @@ class MergeBound:
                 raise ValueError(f"{name} {v!r} must be >= 0")
         if mode not in BOUND_MODES:
             raise ValueError(f"merge bound mode {mode!r} is not one of {BOUND_MODES}")
-        if window < 1:
-            raise ValueError(f"merge bound window {window!r} must be >= 1")
+        if window < 1 or horizon < 1:
+            raise ValueError(f"merge bound window {window!r} and horizon {horizon!r} must be >= 1")
         self.relative, self.max_abs, self.mode = float(relative), float(max_abs), mode
         self.fixed, self.drift, self.window = float(radius), float(drift), int(window)
         self.far = max(float(far), 1.0) if far > 0 else 0.0  # 0: clip however far (mode "clip")
+        self.horizon, self.quorum = int(horizon), int(quorum)  # quorum: far votes it takes to follow
         self.distances: dict[str, float] = {}  # sender -> its latest distance (clipped); insertion order = recency
+        self.heard: dict[str, int] = {}  # sender -> our local step count when its distance was recorded
+        self.beyond: set[str] = set()  # senders whose latest model lay beyond far x tau
+        self.steps = 0  # our local steps so far
+        self.followed = 0  # models beyond far x tau clipped, not refused: most live senders were that far
         self.spent = 0.0  # path length merges moved us since our last local step
         self.clipped = 0
         self.refused = 0
@@ -229,25 +244,55 @@ class MergeBound:
     def _record(self, sender: str, dist: float) -> None:
         self.distances.pop(sender, None)
         self.distances[sender] = dist
+        self.heard[sender] = self.steps
         while len(self.distances) > self.window:
-            oldest = next(k for k in self.distances if k != SELF)
-            del self.distances[oldest]
+            self._forget(next(k for k in self.distances if k != SELF))
+
+    def _forget(self, sender: str) -> None:
+        self.distances.pop(sender, None)
+        self.heard.pop(sender, None)
+        self.beyond.discard(sender)
 
     def reset(self) -> None:
         """Forget the window (our model was reset): unbounded again until the next local step."""
         self.distances.clear()
+        self.heard.clear()
+        self.beyond.clear()
         self.spent = 0.0
 
     def local_step(self, length: float) -> None:
-        """Our own training moved us by ``length``: it enters the window and the drift budget restarts."""
+        """Our own training moved us by ``length``: it enters the window, the drift budget restarts,
+        and senders not heard from in the last ``horizon`` local steps leave the window (a dead
+        or departed neighbour's old distance no longer holds ``tau`` where it was)."""
+        self.steps += 1
         if math.isfinite(length):
             self._record(SELF, float(length))
+        for sender in [k for k, at in self.heard.items() if k != SELF and at < self.steps - self.horizon]:
+            self._forget(sender)
         self.spent = 0.0
 
     def observe(self, sender: str, dist: float) -> None:
-        """``sender``'s model was ``dist`` from ours: its slot of the window, clipped to ``tau``."""
-        if sender != SELF and math.isfinite(dist):
-            self._record(sender, min(float(dist), self.radius()))
+        """``sender``'s model was ``dist`` from ours: its slot of the window, clipped to ``tau``,
+        and whether it lay beyond ``far x tau`` (its vote in :meth:`outvoted`)."""
+        if sender == SELF or not math.isfinite(dist):
+            return
+        tau = self.radius()
+        if self.far > 0 and dist > self.far * tau:
+            self.beyond.add(sender)
+        else:
+            self.beyond.discard(sender)
+        self._record(sender, min(float(dist), tau))
+
+    def outvoted(self) -> bool:
+        """True when most of the live senders (those in the window: heard from in the last
+        ``horizon`` local steps; our own step does not vote) last sent a model beyond
+        ``far x tau``: then it is we who are far from the neighbourhood (a restarted peer, a peer
+        that trained apart for a while, one side of a healed partition), and far models are
+        clipped toward, not refused. One sender is one vote however often it writes, so an
+        insider that is a minority of the window never tips it, and a lone far sender never
+        does (QUORUM: with one neighbour heard, who is the outlier cannot be told)."""
+        live = len(self.distances) - (SELF in self.distances)
+        return len(self.beyond) >= max(self.quorum, 1) and 2 * len(self.beyond) > live
 
     def shrink(self, dist: float, limit: float) -> float | None:
         """The factor a difference of length ``dist`` is scaled by under the radius ``limit``:
@@ -255,9 +300,14 @@ class MergeBound:
         or beyond ``limit`` in reject mode). Counts what it did."""
         if not dist > limit:
             return 1.0
-        if self.mode == "reject" or (self.far > 0 and dist > self.far * limit):
+        if self.mode == "reject":
             self.refused += 1
             return None
+        if self.far > 0 and dist > self.far * limit:
+            if not self.outvoted():
+                self.refused += 1
+                return None
+            self.followed += 1
         self.clipped += 1
         return limit / dist
 

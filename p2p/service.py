@@ -645,7 +645,11 @@ class PeerService:
             "bytes_sent": self.bytes_sent,
             "rejected": self.rejected,
             "bounded": n.bounded,
-            "merge_bound": {"clipped": n.merge_bound.clipped, "refused": n.merge_bound.refused},
+            "merge_bound": {
+                "clipped": n.merge_bound.clipped,
+                "refused": n.merge_bound.refused,
+                "followed": n.merge_bound.followed,  # far models clipped toward: most live senders were that far
+            },
             "addresses": {
                 "refused": self.policy.refused,
                 "deferred": self.policy.deferred,

@@ -48,7 +48,7 @@ class DPSGD:
         w = w + torch.diag(1.0 - w.sum(1))
         nbrs = (w[live][:, live] > 0).sum(1).cpu().numpy() - 1
         for _ in range(net.g.exchanges_per_round):  # m gossip steps per round: X <- W^m X
-            if not net.wire and not robust_mixing(net.cfg):
+            if not net.wire and not robust_mixing(net.cfg) and self.unbounded(w, live):
                 self.adopt(gossip_average(w, net.models, alive).float(), live)
                 net.bytes_sent[live] += nbrs * net.model_bytes
                 continue
@@ -70,6 +70,22 @@ class DPSGD:
             else:
                 mixed = self.bounded_mix(wk, sent, live)
             self.adopt(mixed.float(), live)
+
+    def unbounded(self, w: torch.Tensor, live: np.ndarray) -> bool:
+        """True when every online peer's neighbours lie within its merge radius (each distance
+        takes the neighbour's slot of the peer's window, as DpsgdStep.result records it): then
+        the bounded mix is the plain ``W X``. A restarted or drifted peer makes it False, and the
+        round mixes through each peer's bound (its vote included)."""
+        net = self.net
+        dist = torch.cdist(net.models.double(), net.models.double())
+        within = True
+        for i in live.tolist():
+            bound = net.nodes[i].merge_bound
+            for j in torch.nonzero(w[i] > 0).flatten().tolist():
+                if j != i:
+                    bound.observe(net.ids[j], float(dist[i, j]))
+                    within = within and not float(dist[i, j]) > bound.radius()
+        return within
 
     def bounded_mix(self, w: torch.Tensor, sent: torch.Tensor, live: np.ndarray) -> torch.Tensor:
         """Each online peer's row of the mix with every neighbour's model through that peer's

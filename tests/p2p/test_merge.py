@@ -176,11 +176,126 @@ def test_a_sign_flipped_model_moves_nothing_and_a_fresh_peer_still_catches_up():
     node.local_update(torch.randn(50))
     trained = node.params + 0.01 * torch.randn(50)
     node.local_update(trained)  # a short step: the radius is 2 x its length
+    for k, h in enumerate(("h1", "h2")):  # two honest neighbours with our model: merged
+        node.on_push(ModelMessage(h, "me", trained.clone(), 1, 1, 10, seq=k + 1), now=0.0)
     for k in range(1000):
         node.on_push(ModelMessage("evil", "me", -10 * trained, 1, 1, 10, seq=k + 1), now=0.0)
-    assert torch.equal(node.params, trained) and node.merge_bound.refused == 1000 and node.merges == 0
+    assert torch.equal(node.params, trained) and node.merge_bound.refused == 1000 and node.merges == 2
     fresh = GossipNode(Membership("new", 4, 2, bootstrap_peers=("me",)), torch.zeros(50), 10, MergeRule("age"))
     answer = node.on_push(ModelMessage("new", "me", fresh.params.clone(), 0, 0, 10, seq=1), now=0.0)
-    assert torch.equal(node.params, trained)  # the fresh peer's model, far off: refused
+    assert torch.equal(node.params, trained)  # the fresh peer's model, far off: refused (2 far votes of 4)
     fresh.on_reply(answer, now=0.0)
     assert torch.equal(fresh.params, trained)  # adopted whole (age rule, its own age 0)
+
+
+def test_a_neighbourhood_that_moved_together_is_followed_a_lone_far_insider_is_refused():
+    """Four honest senders all move far off together (a partition healed, or we are the one that
+    drifted): once most live senders are beyond far x tau we are the outlier, and their models
+    are clipped toward, not refused. One insider far off, however often it writes, stays refused;
+    a sender not heard from for ``horizon`` local steps leaves the window and its vote."""
+    from shoal.p2p.merge import SELF, MergeBound
+
+    b = MergeBound(2.0, 1e4, horizon=8)
+    own = torch.zeros(10)
+    b.local_step(0.1)
+    honest = [f"h{k}" for k in range(4)]
+    for k, h in enumerate(honest):  # near neighbours: the radius is 2 x their lower median
+        assert b.apply(own, own + 0.1 * torch.eye(10)[k], h) is not None
+    tau = b.radius()
+    assert tau == pytest.approx(0.2)
+    for _ in range(100):  # a lone insider, far off: one vote of five, refused every time
+        assert b.apply(own, own + 100.0, "insider") is None
+    assert b.refused == 100 and not b.outvoted()
+    moved = own + 50 * tau * torch.ones(10) / 10**0.5  # the whole neighbourhood, 50 radii away
+    taken = [b.apply(own, moved + 0.01 * torch.eye(10)[k], h) for k, h in enumerate(honest)]
+    # h0: two far votes of five (with the insider's): refused; h1 makes three of five: followed
+    assert taken[0] is None and all(t is not None for t in taken[1:])
+    assert float(torch.linalg.vector_norm(taken[1] - own)) == pytest.approx(tau, rel=1e-5)  # clipped to tau
+    assert b.followed == 3 and b.outvoted()
+    for _ in range(9):  # nobody heard for more than the horizon: the window is our own step alone
+        b.local_step(0.1)
+    assert set(b.distances) == {SELF} and not b.beyond and b.radius() == pytest.approx(0.2)
+    assert b.apply(own, own + 100.0, "insider") is None  # alone, the insider is never followed
+
+
+def test_peers_pulled_apart_come_back_together_and_a_restarted_peer_catches_up():
+    """Two groups of three GossipNodes, each peer pulled toward its own optimum (the groups' optima
+    13 apart), gossip within their group only for 40 steps (a partition): far beyond far x tau of
+    each other. Then push-pull between all of them, on a virtual clock: with the default bound
+    (refuse beyond far x tau, unless most live senders are that far) the groups merge into one
+    again (refusing alone kept them apart), then every model a sign-flipping insider pushes to
+    them is refused. A
+    peer restarted from scratch (model reset) catches up with the others."""
+    from shoal.p2p.gossip import GossipNode, ModelMessage
+    from shoal.p2p.membership import Membership
+
+    torch.manual_seed(0)
+    ids = [f"p{k}" for k in range(6)]
+    nodes = [GossipNode(Membership(i, 5, 2, bootstrap_peers=tuple(set(ids) - {i})), torch.zeros(20), 10) for i in ids]
+    optimum = [torch.full((20,), 3.0 * (k // 3) + 0.1 * k) for k in range(6)]
+    count = iter(range(1, 10**6))
+    x0 = torch.zeros(20)
+
+    def seq(now: float) -> int:  # message counters are wall-clock microseconds (p2p/freshness.py)
+        return int(now * 1e6) + next(count)
+
+    def train(k: int) -> None:  # one local step: 10% of the way to the peer's own optimum, plus noise
+        n = nodes[k]
+        n.local_update(n.params + 0.1 * (optimum[k] - n.params) + 0.01 * torch.randn(20))
+
+    def exchange(k: int, now: float, among: range) -> None:
+        n, peer = nodes[k], ids[among[int(torch.randint(len(among), ()))]]
+        if peer != n.id:
+            push = ModelMessage(n.id, peer, n.params.clone(), n.age, n.version, 10, False, seq(now))
+            n.on_reply(nodes[ids.index(peer)].on_push(push, now), now)
+
+    def gap() -> float:  # distance between the two groups' mean models
+        return float(torch.linalg.vector_norm(sum(n.params for n in nodes[:3]) - sum(n.params for n in nodes[3:]))) / 3
+
+    for step in range(40):  # partitioned: each group gossips on its own
+        for k in range(6):
+            train(k)
+            exchange(k, float(step), range(3 * (k // 3), 3 * (k // 3) + 3))
+    assert gap() > 10 > 4 * max(n.merge_bound.radius() for n in nodes) * 10
+    for step in range(40, 240):  # healed: gossip between all of them
+        for k in range(6):
+            train(k)
+            exchange(k, float(step), range(6))
+    # the far group was followed: 1.79 apart, as with clipping alone (far = 0); refusing kept them 14.7 apart
+    assert gap() < 3.0 and sum(n.merge_bound.followed for n in nodes) > 0
+    refused = [n.merge_bound.refused for n in nodes]
+    for step in range(240, 340):  # an insider pushes its sign flip to everyone, every step: refused
+        for k in range(6):
+            train(k)
+            exchange(k, float(step), range(6))
+            evil = ModelMessage("evil", ids[k], x0 - 10 * (nodes[k].params - x0), 10**6, 1, 10, False, seq(step))
+            nodes[k].on_push(evil, float(step))
+    assert all(n.merge_bound.refused - r >= 100 for n, r in zip(nodes, refused, strict=True)) and gap() < 3.0
+    nodes[0].restart(torch.zeros(20))
+    for step in range(340, 440):
+        for k in range(6):
+            train(k)
+            exchange(k, float(step), range(6))
+    assert float(torch.linalg.vector_norm(nodes[0].params - nodes[1].params)) < 1.0  # its group's neighbour
+
+
+def test_a_peer_ahead_in_age_follows_a_far_majority_behind_it():
+    """With ``max_age_gap`` a model far behind ours in age is not merged. A group that ran ahead
+    in age while apart would then skip the larger group's models for good, while that group
+    refuses its far ones. Such a model still takes its sender's slot and vote: a lone one is
+    skipped, but once most live senders are far, their models are merged (clipped to tau)."""
+    from shoal.p2p.gossip import GossipNode, ModelMessage
+    from shoal.p2p.membership import Membership
+
+    node = GossipNode(
+        Membership("me", 4, 2, bootstrap_peers=("a",)), torch.zeros(10), 10, MergeRule("age", max_age_gap=20)
+    )
+    for _ in range(100):  # far ahead in age: 100 local steps of length 0.1
+        node.local_update(node.params + 0.01)
+    own = node.params.clone()
+    far = own + 10.0  # behind by 90 in age, hundreds of radii away
+    node.on_push(ModelMessage("a", "me", far.clone(), 10, 10, 10, seq=1), now=0.0)
+    assert torch.equal(node.params, own) and node.skipped == 1  # a lone far sender: skipped
+    node.on_push(ModelMessage("b", "me", far.clone(), 10, 10, 10, seq=1), now=0.0)
+    moved = float(torch.linalg.vector_norm(node.params - own))
+    assert 0 < moved <= node.merge_bound.radius() * (1 + 1e-5) and node.merge_bound.followed == 1
