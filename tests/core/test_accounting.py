@@ -177,3 +177,31 @@ def test_a_configured_local_sampling_rate_makes_the_schedule_independent_of_the_
     assert dp_sgd_schedule(40, 8, 2) == (0.2, 10) and dp_sgd_schedule(41, 8, 2) != (0.2, 10)
     assert {dp_sgd_schedule(n, 8, 2, rate=0.2) for n in (5, 40, 41, 10_000)} == {(0.2, 10)}
     assert dp_sgd_schedule(7, 8, 1, rate=0.03) == (0.03, 33)
+
+
+def test_rdp_figures_from_cached_curves_equal_dp_accountings_accountant_exactly():
+    """Each mechanism's RDP curve is computed once and scaled by its count: the figures are the
+    ones a fresh dp-accounting RDP accountant gives for the whole event, to the last bit."""
+    import dp_accounting
+    from dp_accounting import rdp
+
+    from shoal.accounting import epsilon_fixed_size, epsilon_of_segments, fixed_size_gaussian, subsampled_gaussian
+
+    def fresh(event, replace_one=False):
+        relation = dp_accounting.NeighboringRelation.REPLACE_ONE if replace_one else None
+        acc = rdp.RdpAccountant(neighboring_relation=relation) if relation else rdp.RdpAccountant()
+        acc.compose(event)
+        return acc.get_epsilon(1e-5)
+
+    for q, z, steps in [(0.1, 1.0, 100), (0.01, 1.1, 1000), (1.0, 0.8, 7), (0.5, 0.5, 3)]:
+        assert epsilon(q, z, steps, 1e-5) == fresh(subsampled_gaussian(q, z, steps))
+    assert epsilon_fixed_size(20, 5, 2.0, 10, 1e-5) == fresh(fixed_size_gaussian(20, 5, 2.0, 10), replace_one=True)
+    segments = (
+        ("poisson", 0.1, 1.0, 100, 10, 30),
+        ("poisson", 0.2, 1.5, 100, 20, 40),
+        ("poisson", 0.1, 1.0, 100, 10, 5),
+    )
+    composed = dp_accounting.ComposedDpEvent(
+        [subsampled_gaussian(0.1, 1.0, 30), subsampled_gaussian(0.2, 1.5, 40), subsampled_gaussian(0.1, 1.0, 5)]
+    )
+    assert epsilon_of_segments(segments, 1e-5, "rdp") == pytest.approx(fresh(composed), rel=1e-12)
