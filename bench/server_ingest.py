@@ -63,6 +63,23 @@ out_dir = "{tmp}/run"
 """
 
 
+# All N nodes of this bench connect from 127.0.0.1 without a client certificate: the crowd of
+# sockets from one address that the server's per-address caps exist to stop. A deployment's nodes
+# come from their own addresses (or hold a certificate); here the caps are lifted to N, for servers
+# that have them.
+ONE_ADDRESS = """connections_per_address = {cap}
+max_pending_connections = {cap}
+pending_per_address = {cap}
+"""
+
+
+def _knows_address_caps(python: str) -> bool:
+    """Whether the shoal under ``python`` has the per-address connection caps (older ones refuse the keys)."""
+    probe = "from shoal.config import load_config; load_config(None, ['server.connections_per_address=8'])"
+    # run outside any checkout: `-c` puts the working directory first on sys.path
+    return subprocess.run([python, "-c", probe], capture_output=True, cwd=tempfile.gettempdir()).returncode == 0
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -138,6 +155,8 @@ def run(n: int, body: bytes, tls: bool = False, python: str = sys.executable) ->
         port = _free_port()
         cfg_path = Path(tmp) / "server.toml"
         config = CONFIG.format(port=port, n=n, tmp=tmp)
+        if _knows_address_caps(python):
+            config += ONE_ADDRESS.format(cap=max(n + 16, 256))
         ssl_ctx, flags, scheme = None, ["--insecure"], "http"
         if tls:
             pki = make_private_ca(Path(tmp) / "pki")
