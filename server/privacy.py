@@ -265,6 +265,13 @@ class ServerPrivacy:
                 "privacy.noise_multiplier"
             )
         rounds.poisson_rate = q
+        if self.noise_shares:  # the simulator charges this (shoal.accounting_aborts); the server cannot yet
+            log.warning(
+                "privacy: whether a secure round aborts (fewer than t = %d survivors) depends on who was sampled, "
+                "and the network's dropouts are not modelled: the reported epsilon does not cover it "
+                "(docs/privacy.md, 'Aborted rounds under Poisson sampling')",
+                self.noise_shares,
+            )
         # Poisson draws and task seeds from a keyed hash of 256 bits from the OS: nobody can
         # recompute them from the config, nor from the task seeds the nodes see
         rounds.secret = secrets.token_bytes(32)

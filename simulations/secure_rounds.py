@@ -21,9 +21,10 @@ and a round whose survivors number fewer than t is aborted before its sum is use
 applied sum carries at least N(0, z²C²). The fixed-point range is checked against the share's
 std (aggregation.secagg.encoding.check_noise_range). Aborted rounds are charged by the
 accountant like any other, and under Poisson sampling that a round aborts depends on the sample:
-each round adds its failure probability to delta (shoal.accounting_aborts, SecureSizing.abort_delta). The DP mean tops the sum of n survivors' shares up to K_max = the
-most summands a round is encoded for (a round with more aborts), so the released noise is
-K_max z²C²/t whatever n is and does not tell a recipient how many took part.
+each round adds its failure probability to delta (shoal.accounting_aborts, SecureSizing.abort_delta).
+The DP mean tops the sum of n survivors' shares up to K_max = the most summands a round is encoded
+for (a round with more aborts), so the released noise is K_max z²C²/t whatever n is and does not
+tell a recipient how many took part.
 
 With ``privacy.mechanism = "discrete_gaussian"`` the clients add no continuous noise: each encodes
 its update with the distributed discrete Gaussian (aggregation/discrete_gaussian.py: clip, scale,
