@@ -83,6 +83,6 @@ def check_abort_delta(delta: float, phi: float, rounds: int, population: int, t:
             f"(the chance a client is sampled with exactly t - 1 other survivors, or alone, or past K_max), "
             f"{rounds} rounds make delta = {total:.3g} >= 1/N = {1 / population:.3g} (N = {population}), which "
             "promises nothing. Make t - 1 survivors improbable: more clients (N) or a larger "
-            "clients_per_round, a lower secure_aggregation.threshold or privacy.min_survivors, fewer rounds, "
+            "clients_per_round, a lower privacy.min_survivors (if set), fewer rounds, "
             'or privacy.sampling = "fixed" (its size does not depend on the data)'
         )
