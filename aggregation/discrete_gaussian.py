@@ -417,6 +417,13 @@ class DdgCodec:
             out = np.mod(out + sample(src, self.p.variance, self.p.dim), self.p.modulus)
         return out
 
+    def noise_only(self, shares: int, src: NoiseSource) -> np.ndarray:
+        """What a round without updates releases: ``shares`` (K_max) draws of a client's integer noise,
+        decoded like any secure sum (float64). An empty round is then the mechanism at n = 0: its
+        release lies on the round's rotated lattice like every other, where continuous noise would
+        tell it apart."""
+        return self.decode(self.top_up(np.zeros(self.p.dim, dtype=np.int64), shares, src))
+
     def decode(self, total: np.ndarray) -> np.ndarray:
         """The float64 sum of the clients' updates (with their noise) from the secure sum of their
         encodings (any integer type, taken modulo 2^bits)."""

@@ -37,13 +37,16 @@ protocol with the survivors); against the server only the t shares count.
 
 Empty rounds: with Poisson sampling a round may select nobody; the DP mean then releases its
 noise alone (McMahan et al. 2018, Algorithm 1 does the same), so an empty round is not told
-apart by what it releases.
+apart by what it releases. Under the distributed discrete Gaussian that noise is K_max integer
+shares decoded like a secure sum (``expect_shares``' ``empty_release``, DdgCodec.noise_only):
+continuous noise would be off the lattice every other release lies on.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -176,6 +179,7 @@ class DPMean:
         self.shares = max(1, round(expected_clients))  # t: overwritten each round by expect_shares
         self.cohort = 0  # K_max the released noise is topped up to (0: z²C², t shares in the clear)
         self.topped_up = False  # the sum arrives carrying the cohort's shares (expect_shares' in_sum)
+        self.empty_release: Callable[[], torch.Tensor] | None = None  # an empty round's noise (in_sum only)
         self._share_var = 0.0
         self.numel = numel
         self.clip_norm = clip_norm
@@ -194,19 +198,29 @@ class DPMean:
     def device(self) -> torch.device:
         return self._sum.device
 
-    def expect_shares(self, t: int, cohort: int = 0, in_sum: bool = False) -> None:
+    def expect_shares(
+        self,
+        t: int,
+        cohort: int = 0,
+        in_sum: bool = False,
+        empty_release: Callable[[], torch.Tensor] | None = None,
+    ) -> None:
         """Distributed DP: each client of this round adds N(0, z²C²/t). ``cohort`` = K_max >= t (secure
         aggregation): the released sum is topped up to K_max z²C²/t, whatever the survivors' count.
         ``in_sum``: the secure sum arrives topped up already (the distributed discrete Gaussian does it
-        in the integers, DdgCodec.top_up), so a round with updates gets no continuous noise here; an
-        empty round still releases K_max z²C²/t."""
+        in the integers, DdgCodec.top_up), so this mean adds no continuous noise at all; an empty round
+        then releases ``empty_release()`` (required with ``in_sum``: K_max integer shares decoded in the
+        round's rotation, DdgCodec.noise_only), the mechanism at n = 0."""
         if t < 1:
             raise ValueError(f"t = {t} noise shares: must be >= 1")
         if cohort and cohort < t:
             raise ValueError(f"cohort = {cohort} is below t = {t} noise shares")
+        if in_sum and empty_release is None:
+            raise ValueError("a sum topped up in the integers (in_sum) needs the noise an empty round releases")
         self.shares = int(t)
         self.cohort = int(cohort)
         self.topped_up = bool(in_sum)
+        self.empty_release = empty_release if in_sum else None
 
     @property
     def released_share_var(self) -> float:
@@ -254,7 +268,7 @@ class DPMean:
     def missing_share_std(self) -> float:
         """Distributed DP: the std the sum still lacks to carry :attr:`released_share_var` (0 when the
         shares that arrived carry it: t of them in the clear, K_max with a cohort)."""
-        if self.share_noise is None or (self.topped_up and self.count):
+        if self.share_noise is None or self.topped_up:  # topped up: in the sum, or the empty release
             return 0.0
         target = self.released_share_var
         missing = target - self._share_var
@@ -269,6 +283,8 @@ class DPMean:
         if self.sum_noise_multiplier > 0 and self.clip_norm is not None:
             std = self.sum_noise_multiplier * self.clip_norm
             total = total + gaussian(self.numel, std, self._gen, torch.float64, self.device)
+        if self.count == 0 and self.empty_release is not None:  # the lattice noise of n = 0 (in_sum)
+            total = total + self.empty_release().to(self.device, torch.float64).reshape(-1)
         missing = self.missing_share_std()
         if missing > 0:
             log.info(

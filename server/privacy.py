@@ -43,20 +43,24 @@ from __future__ import annotations
 import logging
 import math
 import secrets
+from collections.abc import Callable
 from typing import Any
+
+import torch
 
 from shoal.accounting import check_delta_against
 from shoal.accounting import epsilon as dp_epsilon
 from shoal.accounting_dpsgd import dp_sgd_schedule
 from shoal.accounting_rounds import DdgRoundAccountant, LedgerMismatch, RoundAccountant
 from shoal.accounting_server import ServerViewAccountant
-from shoal.aggregation.discrete_gaussian import DdgParams, plan
+from shoal.aggregation.discrete_gaussian import DdgCodec, DdgParams, plan, rotation_seed
 from shoal.aggregation.dp import DPMean, cohort_cap, make_dp_strategy, share_std
 from shoal.aggregation.secagg import SecAggAborted
 from shoal.aggregation.secagg.encoding import FixedPoint, check_noise_range
 from shoal.aggregation.strategy import Strategy
 from shoal.config import Config
 from shoal.errors import ConfigError, Malformed, short_repr
+from shoal.noise import NoiseSource
 from shoal.privacy_plan import LOCAL_UPLOAD_EXAMPLES, plan_of
 from shoal.rounds import RoundSummary, SyncRounds
 from shoal.secure_sizing import min_survivors
@@ -69,6 +73,11 @@ EXPECTED_DROPOUT = 0.1
 #: ``privacy`` meta of its secure-aggregation keys)
 REPORT_FIELDS = ("epsilon", "epsilon_next", "delta", "rounds")
 MAX_NODE_EPSILONS = 10_000  # nodes shown one by one in status / Prometheus
+
+
+def empty_round_rotation(round_: int) -> int:
+    """The public rotation seed of a discrete-Gaussian round that selected nobody (no secure session)."""
+    return rotation_seed(f"shoal-server/{round_}/empty".encode())
 
 
 def check_deployable(cfg: Config) -> None:
@@ -256,6 +265,13 @@ class ServerPrivacy:
                 "privacy.noise_multiplier"
             )
         rounds.poisson_rate = q
+        if self.noise_shares:  # the simulator charges this (shoal.accounting_aborts); the server cannot yet
+            log.warning(
+                "privacy: whether a secure round aborts (fewer than t = %d survivors) depends on who was sampled, "
+                "and the network's dropouts are not modelled: the reported epsilon does not cover it "
+                "(docs/privacy.md, 'Aborted rounds under Poisson sampling')",
+                self.noise_shares,
+            )
         # Poisson draws and task seeds from a keyed hash of 256 bits from the OS: nobody can
         # recompute them from the config, nor from the task seeds the nodes see
         rounds.secret = secrets.token_bytes(32)
@@ -308,7 +324,7 @@ class ServerPrivacy:
         log.warning("stopping: %s", self.stopped)
         return False
 
-    def round_started(self, selected: list[str]) -> None:
+    def round_started(self, selected: list[str], round_: int = 0) -> None:
         """A round opened: it is charged now (every round that starts is, also one that selects
         nobody or aborts), and a distributed-DP mean learns t."""
         if self.user_level:
@@ -319,8 +335,25 @@ class ServerPrivacy:
                 self.server_view.record_round(selected)
         if self.plan.client_shares:
             self.round_shares = self.noise_shares or max(1, len(selected))
-            # the discrete Gaussian's secure sum arrives topped up to K_max in the integers (secure_round)
-            self.aggregator.expect_shares(self.round_shares, self.cohort, in_sum=self.ddg is not None)
+            # the discrete Gaussian's secure sum arrives topped up to K_max in the integers (secure_round);
+            # a round without updates releases K_max integer shares, decoded like a sum (the mechanism at n = 0)
+            self.aggregator.expect_shares(
+                self.round_shares, self.cohort, in_sum=self.ddg is not None, empty_release=self._empty_release(round_)
+            )
+
+    def _empty_release(self, round_: int) -> Callable[[], torch.Tensor] | None:
+        """The discrete Gaussian's release of a round without updates: K_max integer shares from the OS
+        CSPRNG, decoded in a public rotation of the round (:func:`empty_round_rotation`), like a secure
+        round's sum (None: not the mechanism)."""
+        if self.ddg is None:
+            return None
+        codec = DdgCodec(self.ddg, empty_round_rotation(round_))
+        shares = self.cohort
+
+        def release() -> torch.Tensor:
+            return torch.from_numpy(codec.noise_only(shares, NoiseSource()))
+
+        return release
 
     def check_survivors(self, survivors: int, round_: int) -> None:
         """Secure distributed DP: before any unmasking share is asked for, the sum must hold

@@ -560,7 +560,7 @@ class ServerService:
             *(self._prefix, r.round, self.cfg.server.rounds, len(tasks), len(avail), r.version),
         )
         if self.privacy is not None:
-            self.privacy.round_started(sorted(r.selected))
+            self.privacy.round_started(sorted(r.selected), r.round)
             self._save_privacy(self.privacy)  # charged before anything of the round is released
         if sa.enabled and tasks:  # nobody selected: the round closes at once
             self.secure_round = SecureRound(self.cfg, r, self.spec.numel, now, self.privacy)

@@ -37,11 +37,15 @@ class RoundLedger:
 
     MECHANISM = ""  # the entries' "mechanism", privacy.mechanism's value for it
     ENTRY_KEYS: tuple[str, ...] = ()  # what an entry records (besides "rounds"): :meth:`_current`'s keys
-    DEFAULTS: dict = {}  # entry keys an older ledger may lack, with the value they then had
+    # entry keys an older ledger may lack, with the value they then had (aborts were not charged)
+    DEFAULTS: dict = {"abort_delta": 0.0}
 
     def __init__(self, delta: float, kind: str):
         self.delta, self.kind = delta, kind
         self.ledger: list[dict] = []  # charged rounds: one entry per run of equal mechanisms
+        # each round's failure probability from secure aggregation's aborts (shoal.accounting_aborts):
+        # the epsilon holds at delta plus the ledger's sum of it (composed_delta)
+        self.abort_delta = 0.0
 
     def _current(self) -> dict:
         raise NotImplementedError
@@ -64,6 +68,12 @@ class RoundLedger:
     @staticmethod
     def _check_entry(e: dict) -> None:
         """ValueError when a saved entry's parameters are out of range."""
+
+    def composed_delta(self, extra: int = 0) -> float:
+        """The delta the epsilon holds at after the ledger plus ``extra`` more rounds: the accountant's
+        delta plus every charged round's abort failure probability (shoal.accounting_aborts)."""
+        spent = sum(int(e["rounds"]) * float(e.get("abort_delta", 0.0)) for e in self.ledger)
+        return self.delta + spent + extra * self.abort_delta
 
     @property
     def rounds(self) -> int:
@@ -126,7 +136,7 @@ class RoundLedger:
             keys = (*kind.ENTRY_KEYS, "rounds")
             if any(k not in e for k in keys):
                 raise ValueError(f"a privacy ledger entry lacks one of {keys}: {str(e)[:200]}")
-            if int(e["rounds"]) < 0 or not 0 <= float(e["q"]) <= 1:
+            if int(e["rounds"]) < 0 or not 0 <= float(e["q"]) <= 1 or not 0 <= float(e["abort_delta"]) <= 1:
                 raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
             kind._check_entry(e)
             entries.append({k: e[k] for k in keys})
@@ -233,7 +243,7 @@ class RoundAccountant(RoundLedger):
         self.sampling, self.num_clients, self.sample_size, self.clip = sampling, num_clients, sample_size, clip
 
     MECHANISM = "gaussian"
-    ENTRY_KEYS = ("mechanism", "sampling", "q", "z", "clip", "num_clients", "sample_size")
+    ENTRY_KEYS = ("mechanism", "sampling", "q", "z", "clip", "num_clients", "sample_size", "abort_delta")
 
     def _current(self) -> dict:
         return {
@@ -244,6 +254,7 @@ class RoundAccountant(RoundLedger):
             "clip": self.clip,
             "num_clients": self.num_clients,
             "sample_size": self.sample_size,
+            "abort_delta": self.abort_delta,
         }
 
     @staticmethod
@@ -298,8 +309,9 @@ class DdgRoundAccountant(RoundLedger):
     ledger records every charged round's parameters, so a restart composes them as they ran."""
 
     MECHANISM = "discrete_gaussian"
-    ENTRY_KEYS = ("mechanism", "sampling", "q", *DDG_KEYS, "release_z")
-    DEFAULTS = {"release_z": 0.0}  # ledgers written before the noised release was charged had none
+    ENTRY_KEYS = ("mechanism", "sampling", "q", *DDG_KEYS, "release_z", "abort_delta")
+    # ledgers written before the noised release (or the aborts) were charged had none
+    DEFAULTS = {"release_z": 0.0, "abort_delta": 0.0}
 
     def __init__(self, q: float, ddg: dict, delta: float, release_z: float = 0.0, kind: str = "rdp"):
         if kind not in ACCOUNTANTS:
@@ -327,6 +339,7 @@ class DdgRoundAccountant(RoundLedger):
             "q": self.q,
             **self.ddg,
             "release_z": self.release_z,
+            "abort_delta": self.abort_delta,
         }
 
     @staticmethod

@@ -25,7 +25,9 @@ from pathlib import Path
 import torch
 
 from shoal.accounting import Accountant, budget_allows, check_delta_against
+from shoal.accounting_aborts import check_abort_delta
 from shoal.accounting_dpsgd import LocalDpSgdAccountant, local_schedule
+from shoal.accounting_rounds import RoundLedger
 from shoal.aggregation import Strategy
 from shoal.aggregation.dp import DPMean, clip_to_norm, make_generator, noise_share, share_std
 from shoal.client.http import NodeError
@@ -95,11 +97,16 @@ class PrivacyBudget:
         strategy: Strategy | None = None,
         sampling: str | None = None,
         ddg: dict | None = None,
+        abort_delta: float = 0.0,
+        noise_shares: int = 0,
     ):
         """``sampling``: how the engine picks who trains, for records (default: the sync rounds'
         sampling, :func:`round_sampling`; gossip says ``online``: every online peer trains).
         ``ddg``: the distributed discrete Gaussian's parameters when that is the mechanism
-        (shoal.secure_sizing sizes them; SecureSizing.ddg_accounting), accounted with its own bound."""
+        (shoal.secure_sizing sizes them; SecureSizing.ddg_accounting), accounted with its own bound.
+        ``abort_delta``: each round's failure probability from secure aggregation's aborts of fewer
+        than ``noise_shares`` (t) survivors (shoal.accounting_aborts), charged in the ledger and added
+        to the delta the records report; a run whose rounds would take that delta to 1/N is refused."""
         p = cfg.privacy
         self.plan = plan_of(cfg)
         agg = strategy.aggregator if strategy is not None else None
@@ -123,6 +130,15 @@ class PrivacyBudget:
         # epsilon against the server (distributed DP under secure aggregation; None elsewhere)
         self.server_view = self.plan.server_view_accountant(ddg)
         check_delta(p.delta, p.mode, client_sizes)
+        self.population = len(client_sizes)
+        if abort_delta > 0 and isinstance(self.accountant, RoundLedger):
+            check_abort_delta(p.delta, abort_delta, cfg.simulation.rounds, self.population, noise_shares)
+            self.accountant.abort_delta = abort_delta
+            log.info(
+                "privacy: secure aggregation's aborts cost delta %.3g a round (shoal.accounting_aborts); the "
+                "epsilon holds at privacy.delta plus that per charged round",
+                abort_delta,
+            )
         self.reproducible = p.reproducible
         log.info("privacy accounting: %s; %s", self.accountant.describe(), self.plan.describe_release())
         (log.warning if p.reproducible else log.info)("privacy randomness: %s", describe_randomness(p.reproducible))
@@ -141,6 +157,7 @@ class PrivacyBudget:
         """What a metrics.jsonl record gets: ``epsilon``, the client ``sampling`` and the ``accountant``
         it assumes, and ``clip_norm`` when it adapts."""
         out = {"epsilon": self.epsilon, "sampling": self.sampling, "accountant": self.accountant.describe()}
+        out.update(self.delta_fields())
         out.update(self.plan.server_view_fields(self.server_view))
         if self._aggregator is not None and self._aggregator.clip_norm is not None:
             out["clip_norm"] = float(self._aggregator.clip_norm)
@@ -151,12 +168,22 @@ class PrivacyBudget:
         return {
             "epsilon": self.epsilon,
             "delta": self.delta,
+            **self.delta_fields(),
             "sampling": self.sampling,
             "accountant": self.accountant.describe(),
             **self.plan.server_view_fields(self.server_view),
             "release": self.plan.describe_release(),
             "randomness": describe_randomness(self.reproducible),
         }
+
+    def delta_fields(self) -> dict:
+        """With aborts charged: ``delta``, the delta the epsilon holds at (privacy.delta plus the charged
+        rounds' abort failure probability), and ``abort_delta``, that sum ({} without the charge)."""
+        acc = self.accountant
+        if not isinstance(acc, RoundLedger) or not any(float(e.get("abort_delta", 0)) for e in acc.ledger):
+            return {}
+        composed = acc.composed_delta()
+        return {"delta": composed, "abort_delta": composed - acc.delta}
 
     def round_figures(self, summary: RoundSummary) -> dict:
         """privacy.release = "noised": the round's noisy result count and train loss ({} otherwise)."""
@@ -184,7 +211,16 @@ class PrivacyBudget:
             self.server_view.load_state_dict(state["server_view"])
 
     def allows_next_round(self) -> bool:
-        """False (with a message) when one more round would take epsilon past the target."""
+        """False (with a message) when one more round would take epsilon past the target, or the
+        composed delta (aborts charged) to 1/N."""
+        acc = self.accountant
+        if isinstance(acc, RoundLedger) and acc.abort_delta and acc.composed_delta(1) >= 1.0 / self.population:
+            log.warning(
+                "stopping: one more round would take delta to %.3g >= 1/N = %.3g (secure aggregation's aborts)",
+                acc.composed_delta(1),
+                1.0 / self.population,
+            )
+            return False
         return budget_allows(self.accountant, self.target, self.delta)
 
 

@@ -479,6 +479,8 @@ class IterateAudit:
     epsilon_measured: float  # dp-accounting's price of (q_low, z_high, rounds_seen)
     epsilon_charged: float
     failed: list[str] = field(default_factory=list)
+    aborted_seen: int = 0  # rounds that released nothing (secure aggregation aborted them)
+    abort_delta_charged: float = 0.0  # the ledger's summed abort failure probability (accounting_aborts)
 
     @property
     def flagged(self) -> bool:
@@ -490,7 +492,8 @@ class IterateAudit:
             f"{head} (rounds {self.rounds_seen} seen / {self.rounds_charged} charged; q >= {self.q_low:.4g} measured "
             f"/ {self.q_charged:.4g} charged; z <= {self.z_high:.4g} measured (sigma {self.sigma:.4g}, c "
             f"{self.c_hat:.4g}) / {self.z_charged:.4g} charged; epsilon {self.epsilon_measured:.4g} measured / "
-            f"{self.epsilon_charged:.4g} charged)"
+            f"{self.epsilon_charged:.4g} charged; {self.aborted_seen} rounds aborted, abort delta "
+            f"{self.abort_delta_charged:.3g} charged)"
         )
 
     def as_dict(self) -> dict[str, Any]:
@@ -561,7 +564,14 @@ def audit_iterates(
         failed.append(f"noise per unit of sensitivity z <= {z_high:.4g}, the ledger charges z = {z_charged:.4g}")
     if measured > charged * (1 + 1e-6):
         failed.append(f"the measured mechanism costs epsilon >= {measured:.4g}, the ledger reports {charged:.4g}")
+    # an abort's occurrence depends on the sample (shoal.accounting_aborts): Poisson rounds that aborted
+    # need the ledger's abort charge, or the reported delta leaves them out
+    aborted = rounds_seen - len(released)
+    entries = accountant.state_dict().get("ledger", [])
+    abort_charged = sum(int(e.get("rounds", 0)) * float(e.get("abort_delta", 0.0)) for e in entries)
+    if aborted and abort_charged <= 0 and any(e.get("sampling") == "poisson" for e in entries):
+        failed.append(f"{aborted} rounds aborted under Poisson sampling, the ledger charges no abort delta")
     return IterateAudit(
         rounds_seen, rounds_charged, q_hat, q_low, q_charged, sigma, sigma_high, c_hat, c_low, z_high, z_charged,
-        measured, charged, failed,
+        measured, charged, failed, aborted, abort_charged,
     )  # fmt: skip

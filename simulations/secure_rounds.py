@@ -20,9 +20,11 @@ neighbourhood),
 and a round whose survivors number fewer than t is aborted before its sum is used, so every
 applied sum carries at least N(0, z²C²). The fixed-point range is checked against the share's
 std (aggregation.secagg.encoding.check_noise_range). Aborted rounds are charged by the
-accountant like any other. The DP mean tops the sum of n survivors' shares up to K_max = the
-most summands a round is encoded for (a round with more aborts), so the released noise is
-K_max z²C²/t whatever n is and does not tell a recipient how many took part.
+accountant like any other, and under Poisson sampling that a round aborts depends on the sample:
+each round adds its failure probability to delta (shoal.accounting_aborts, SecureSizing.abort_delta).
+The DP mean tops the sum of n survivors' shares up to K_max = the most summands a round is encoded
+for (a round with more aborts), so the released noise is K_max z²C²/t whatever n is and does not
+tell a recipient how many took part.
 
 With ``privacy.mechanism = "discrete_gaussian"`` the clients add no continuous noise: each encodes
 its update with the distributed discrete Gaussian (aggregation/discrete_gaussian.py: clip, scale,
@@ -133,6 +135,7 @@ class SecureAggregationRounds:
     def updates(self, tasks: list[Assignment], global_params: torch.Tensor) -> Iterator[tuple[Assignment, Update]]:
         """Train, apply the client steps, mask, run the protocol; the unmasked mean per included
         client. Raises SecAggAborted when too few survive (the simulation keeps the model)."""
+        self._expect_shares(self.sim.rounds.round)
         trained = []
         for task, update in self.sim.train_clients(tasks, global_params):
             sent = self.sim.apply_client_steps(task, update)  # a payload validation refuses is counted
@@ -210,24 +213,48 @@ class SecureAggregationRounds:
                 Update(agg.delta.to(global_params.device), agg.num_examples, u.base_version, u.sender, agg.metrics),
             )
 
+    def _codec(self, round_: int) -> DdgCodec:
+        """The round's discrete Gaussian codec: its rotation's seed is public, derived from the round."""
+        assert self.ddg is not None
+        seed = derive_seed(self.cfg.seed, self.sim.cfg.simulation.seed, round_)
+        return DdgCodec(self.ddg, derive_seed(seed, 0x40D))
+
+    def _server_noise(self, round_: int) -> NoiseSource:
+        """The server's own draws of the round (the top-up, or an empty round's noise)."""
+        return NoiseSource.for_run(self.sim.cfg.privacy.reproducible, self.sim.cfg.simulation.seed, round_, -1)
+
+    def _expect_shares(self, round_: int) -> None:
+        """Tell the DP mean, before the round's sum or its absence, what the release carries: t shares
+        sized for the fewest survivors, topped up to K_max; with the discrete Gaussian the top-up is in
+        the integers and an empty round releases K_max integer shares in the round's rotation (the
+        mechanism at n = 0: continuous noise would be off the lattice of every other release)."""
+        agg = getattr(self.sim.rounds.strategy, "aggregator", None)
+        if not self.noise_shares or agg is None or not hasattr(agg, "expect_shares"):
+            return
+        if self.ddg is None:
+            agg.expect_shares(self.noise_shares, self.max_summands)
+            return
+        codec, k_max = self._codec(round_), self.max_summands
+
+        def empty() -> torch.Tensor:
+            return torch.from_numpy(codec.noise_only(k_max, self._server_noise(round_)))
+
+        agg.expect_shares(self.noise_shares, k_max, in_sum=True, empty_release=empty)
+
     def _discrete_gaussian_mean(
         self, inputs: dict, params: SecAggParams, drop_at: dict[str, str], seed: int, round_: int
     ) -> SecureMean:
         """Encode each client's update with the distributed discrete Gaussian (and a 0 in the weight
         entry: every client weighs the same), securely sum, decode the sum; its mean over the included."""
-        assert self.ddg is not None
-        codec = DdgCodec(self.ddg, derive_seed(seed, 0x40D))  # the rotation's seed is public
+        codec = self._codec(round_)  # the rotation's seed is public
         reproducible = self.sim.cfg.privacy.reproducible
         encoded = {}
         for cid, x in inputs.items():
             src = NoiseSource.for_run(reproducible, self.sim.cfg.simulation.seed, round_, int.from_bytes(cid.encode()))
             encoded[cid] = np.concatenate([codec.encode(x, src), np.zeros(1, dtype=np.uint32)])
         result, cost = self.transport(params, encoded, drop_at, seed=seed)
-        agg = getattr(self.sim.rounds.strategy, "aggregator", None)
-        if agg is not None and hasattr(agg, "expect_shares"):  # the DP mean: every share was sized for t survivors
-            agg.expect_shares(self.noise_shares, self.max_summands, in_sum=True)  # topped up here, in the integers
-        server = NoiseSource.for_run(reproducible, self.sim.cfg.simulation.seed, round_, -1)  # the server's draws
-        topped = codec.top_up(result.total[:-1], self.max_summands - len(result.included), server)
+        # topped up here, in the integers, to K_max shares (the DP mean was told so: _expect_shares)
+        topped = codec.top_up(result.total[:-1], self.max_summands - len(result.included), self._server_noise(round_))
         total = codec.decode(topped)
         n = max(len(result.included), 1)
         return SecureMean(total / n, result.included, float(n), cost)

@@ -9,6 +9,7 @@ from shoal import assembly
 from shoal.accounting_rounds import DdgRoundAccountant
 from shoal.assembly import Batching, ClientParts, GossipParts, ServerParts, SimulationParts
 from shoal.config import load_config
+from shoal.errors import ConfigError
 from shoal.rounds import SyncRounds
 from shoal.server.service import ServerService
 from shoal.simulations.dp_hooks import DistributedNoise
@@ -64,13 +65,16 @@ def test_async_server_parts_have_no_sync_rounds_and_stateful_algorithms_are_refu
 def test_secure_dp_parts_are_final_when_built(mechanism):
     """The round runner, the sizing (t, K_max, the discrete Gaussian), the accountant and the noise step
     are chosen by build; running a round re-wires none of them."""
-    c = cfg(
+    extra = (
         *("secure_aggregation.enabled=true", "secure_aggregation.bits=20", "secure_aggregation.clip=9"),
         *('privacy.mode="distributed"', f'privacy.mechanism="{mechanism}"', "privacy.noise_multiplier=0.8"),
         "privacy.reproducible=true",
     )
+    c = cfg(*extra, "simulation.rounds=1")  # N = 8: a round's aborts cost delta 0.086; 3 rounds pass 1/N
     parts = assembly.build(c, None, "simulation")
     sizing, privacy = parts.secure, parts.privacy
+    # the aborts' failure probability, q (P[2 other survivors] + P[no other]) of Binomial(7, 1/2), is charged
+    assert sizing is not None and sizing.abort_delta == pytest.approx(0.5 * (21 + 1) / 128)
     assert parts.runner == "secure_aggregation" and sizing is not None and privacy is not None
     accountant = privacy.accountant
     if mechanism == "discrete_gaussian":  # the mechanism's own bound, and no continuous noise step
@@ -84,6 +88,10 @@ def test_secure_dp_parts_are_final_when_built(mechanism):
     assert [s for s in steps if isinstance(s, DistributedNoise)] == ([] if parts.noise is None else [parts.noise])
     sim.run_round()
     assert sim.privacy is privacy and privacy.accountant is accountant and accountant.rounds == 1
+    assert accountant.ledger[0]["abort_delta"] == sizing.abort_delta  # in the ledger, and in the reported delta
+    assert privacy.metrics()["delta"] == pytest.approx(1e-5 + sizing.abort_delta)
+    with pytest.raises(ConfigError, match=r"3 rounds make delta = 0\.258 >= 1/N = 0\.125 \(N = 8\)"):
+        assembly.build(cfg(*extra), None, "simulation")
     assert sim.client_steps == steps and sim.rounds is parts.rounds
     assert sim.secure_aggregation is not None and sim.secure_aggregation.sizing is sizing
 

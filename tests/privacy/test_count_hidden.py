@@ -6,8 +6,7 @@ recipient of the model would read n off the variance. The DP mean tops the sum u
 
 from __future__ import annotations
 
-import math
-
+import numpy as np
 import pytest
 import torch
 
@@ -75,7 +74,11 @@ def test_the_server_tops_up_to_k_max_and_aborts_above_it(tmp_path):
 def test_the_discrete_gaussians_sum_arrives_topped_up(tmp_path):
     """The distributed discrete Gaussian: the server tops the unmasked sum up to K_max shares in the
     integers (DdgCodec.top_up), so the DP mean adds no continuous noise to a round with updates (which
-    would leave only a round of all K_max survivors on the lattice); an empty round still gets K_max."""
+    would leave only a round of all K_max survivors on the lattice); a round that selected nobody
+    releases K_max integer shares decoded in its rotation, on the lattice like every other release
+    (continuous noise there would tell the empty round apart)."""
+    from shoal.aggregation.discrete_gaussian import DdgCodec
+    from shoal.server.privacy import empty_round_rotation
     from shoal.server.store import open_service
 
     from ..server.live import small_config
@@ -87,8 +90,15 @@ def test_the_discrete_gaussians_sum_arrives_topped_up(tmp_path):
     svc = open_service(small_config(tmp_path, sections, clients_per_round=K), registered=N)
     p = svc.privacy
     assert p.ddg is not None and (p.noise_shares, p.cohort) == (T, 10)
-    p.round_started([f"n{i}" for i in range(4)])
+    p.round_started([], 7)
     agg = p.aggregator
-    assert agg.topped_up and agg.missing_share_std() == pytest.approx(math.sqrt(10 * (Z * C) ** 2 / T))  # empty
+    assert agg.topped_up and agg.missing_share_std() == 0.0
+    released = agg.mean().double().numpy() * K  # the noise sum an empty round released
+    rotation = DdgCodec(p.ddg, empty_round_rotation(7)).rotation
+    steps = rotation.forward(released) / p.ddg.gamma
+    assert np.abs(steps - np.round(steps)).max() < 0.01  # on the rotated integer lattice
+    var = float(np.var(steps)) * p.ddg.gamma**2  # K_max shares of sigma^2 = z^2 C^2 / t each
+    assert var == pytest.approx(10 * (Z * C) ** 2 / T, rel=0.1)
+    p.round_started([f"n{i}" for i in range(4)], 8)
     agg.add(torch.zeros(agg.numel))
     assert agg.missing_share_std() == 0.0

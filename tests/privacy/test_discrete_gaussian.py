@@ -279,3 +279,35 @@ def test_simulated_rounds_use_the_mechanism_and_its_accountant(release):
     if release == "noised":
         assert figures["num_results_noisy"] != summaries[-1].num_results
     assert "discrete Gaussian" in sim.privacy.summary()["accountant"]
+
+
+def test_a_simulated_round_that_selects_nobody_releases_lattice_noise():
+    """An empty round is the mechanism at n = 0: K_max integer shares decoded in the round's rotation,
+    so its release lies on the rotated lattice like a round with updates (continuous noise would not)."""
+    cfg = load_config(
+        None,
+        [
+            "simulation.rounds=1",
+            "simulation.num_clients=12",
+            "simulation.clients_per_round=6",
+            "secure_aggregation.enabled=true",
+            'privacy.mode="distributed"',
+            'privacy.mechanism="discrete_gaussian"',
+            "privacy.noise_multiplier=0.8",
+            "privacy.reproducible=true",
+        ],
+    )
+    sim = InProcessSimulation.from_config(cfg)
+    sa = sim.secure_aggregation
+    assert sa is not None and sa.ddg is not None
+    sim.rounds.poisson_rate = 1e-12  # the Poisson draw selects nobody
+    before = sim.global_params.clone().double()
+    summary = sim.run_round()
+    assert summary.num_selected == 0 and summary.version == 1  # released, like any round
+    seed = derive_seed(cfg.secure_aggregation.seed, cfg.simulation.seed, summary.round)
+    rotation = dg.DdgCodec(sa.ddg, derive_seed(seed, 0x40D)).rotation
+    steps = rotation.forward((sim.global_params.double() - before).numpy() * 6) / sa.ddg.gamma
+    assert np.abs(steps - np.round(steps)).max() < 0.01
+    var = float(np.var(steps)) * sa.ddg.gamma**2  # K_max = 12 shares of z^2 C^2 / t
+    assert var == pytest.approx(12 * sa.ddg.variance * sa.ddg.gamma**2, rel=0.05)
+    assert sim.privacy.accountant.rounds == 1  # charged like any round

@@ -122,3 +122,22 @@ def test_the_noise_per_unit_of_sensitivity_is_held_to_the_ledger(sigma, contribu
         assert any("noise per unit" in f for f in out.failed) and out.epsilon_measured > out.epsilon_charged
     else:
         assert math.isfinite(out.z_high) and out.z_high >= 0.7
+
+
+@pytest.mark.parametrize("charged", [True, False], ids=["aborts-charged", "aborts-uncharged"])
+def test_aborted_rounds_are_held_to_the_ledgers_abort_charge(charged):
+    """Two of 10 Poisson rounds aborted (released nothing): whether a round aborts depends on the
+    sample, so the ledger must charge its abort delta (shoal.accounting_aborts); without it the audit
+    flags the run, with it the audit reports the charge."""
+    acc = PrivacyPlan(mode="central", noise_multiplier=0.7).round_accountant(0.1)
+    acc.abort_delta = 1e-8 if charged else 0.0
+    for _ in range(10):
+        acc.record_round([])
+    iterates, selected, us, vs, canaries = synthetic(10, 0.1, 0.7, 1.0)
+    for r in (3, 7):
+        iterates[r] = torch.zeros_like(iterates[r])
+    out = audit_iterates(iterates, selected, us, vs, canaries, acc, 1e-5)
+    assert out.aborted_seen == 2 and out.abort_delta_charged == pytest.approx(1e-7 if charged else 0.0)
+    assert out.flagged != charged, out.describe()
+    assert charged or "2 rounds aborted under Poisson sampling" in out.failed[-1]
+    assert acc.composed_delta() == pytest.approx(1e-5 + out.abort_delta_charged)

@@ -94,7 +94,9 @@ def test_a_simulation_writes_both_epsilons_in_every_record_and_the_summary(tmp_p
         [
             "simulation.num_clients=10",
             "simulation.clients_per_round=5",
-            "simulation.rounds=3",
+            # N = 10, K = 5, t = 3: each round's aborts cost delta 0.036 (shoal.accounting_aborts), and 3
+            # rounds would take delta past 1/N (refused)
+            "simulation.rounds=2",
             'model.name="logreg"',
             "train.epochs=1",
             "output.plots=false",
@@ -112,13 +114,14 @@ def test_a_simulation_writes_both_epsilons_in_every_record_and_the_summary(tmp_p
     )
     run_simulation(cfg, tmp_path)
     records = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if "epsilon" in r]
-    assert len(records) == 3
+    assert len(records) == 2
     for r in records:
         assert r["epsilon_server"] > r["epsilon"] and "no amplification" in r["server_accountant"]
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["epsilon_server"] == records[-1]["epsilon_server"]
-    # no node took part in more than the 3 rounds: at most three unamplified Gaussians of z = 2
-    assert records[-1]["epsilon_server"] <= _unamplified(2.0, 3) * (1 + 1e-3)
+    assert summary["delta"] == records[-1]["delta"] == pytest.approx(1e-5 + 2 * 0.5 * (36 + 1) / 512)
+    # no node took part in more than the 2 rounds: at most two unamplified Gaussians of z = 2
+    assert records[-1]["epsilon_server"] <= _unamplified(2.0, 2) * (1 + 1e-3)
 
 
 def test_the_server_reports_and_keeps_the_epsilon_against_itself(tmp_path):

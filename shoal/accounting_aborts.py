@@ -1,0 +1,88 @@
+"""What aborted secure rounds cost under Poisson sampling: a failure probability added to delta.
+
+Distributed DP with secure aggregation aborts a round whose survivors number fewer than t (nothing
+is unmasked; the model stays) or whose selection exceeds K_max (the encoding's headroom). Whether a
+round aborts depends on who was sampled, so it is a release the Gaussian accountant does not price:
+with client x sampled and exactly t - 1 others the round releases the sum of t updates, without x
+it aborts, and the release moves by up to t C, not C.
+
+**The bound (per round, add/remove of client x, D' = D + {x}).** Condition on the others' outcome O
+(who of D is sampled, m of them, and their updates), whose distribution is the same under D and D'
+(Poisson sampling draws each client alone). Both releases are mixtures over O with the same
+weights, so revealing O gives a dominating pair (hockey-stick divergences are jointly convex).
+Given O, D releases the others' result and D' releases it with probability 1 - q (x not sampled)
+and with x's participation with probability q. With no dropouts (section below) that is exactly
+the subsampled Gaussian the accountant charges (sensitivity C, shifted by the others' sum), unless
+
+* m = t_eff - 1 (with x the round releases a sum of t_eff updates, without x it aborts),
+* m = 0 (without x an empty round releases its noise; with x alone the round aborts when t_eff >= 2),
+* m >= K_max (with x the round passes K_max and aborts; without x it released up to K_max updates).
+
+For those O reveal also whether x was sampled (a coin of probability q under both, so again a
+dominating pair): not sampled, the releases are equal; sampled, bound the pair by one with disjoint
+supports (infinite privacy loss). Each round is then dominated by "with probability phi an infinite
+loss, otherwise the charged subsampled Gaussian" (a zero loss is dominated by it too), with
+phi = q (P[m = t_eff - 1] + P[m = 0] + P[m >= K_max]), m ~ Binomial(N - 1, q), and T rounds compose
+to delta_T(eps) = 1 - (1 - phi)^T (1 - delta_gauss(eps)) <= delta_gauss(eps) + T phi: the run's
+epsilon holds at the accountant's delta plus the summed phi of its rounds (the ledger records each
+round's phi; the reported delta is that sum). With dropouts the same argument with every O in the
+second list gives phi = q.
+
+**The dropout model.** Without injected dropouts every sampled client's masked input reaches the
+sum, the protocol's own thresholds (floor(f m) + 1 of m) never bind, and a round aborts exactly
+when it selected m clients with 1 <= m < t_eff = max(t, secure_aggregation.min_inputs), or more than
+K_max: phi is exact for that. With injected dropouts the protocol aborts at several stages against
+thresholds that grow with m (so x's presence moves them), and a lost edge or the SecAgg+ graph
+drops clients together; shoal does not bound those events, so phi takes its worst value q (the
+probability x is sampled at all). Fixed-size sampling (replace-one) has no such event: the
+sample's size does not depend on the data, so neither does an abort.
+"""
+
+from __future__ import annotations
+
+from scipy.stats import binom
+
+from shoal.config import Config
+from shoal.errors import ConfigError
+
+
+def abort_delta(population: int, q: float, t: int, k_max: int) -> float:
+    """phi of one Poisson round without dropouts (module doc): ``population`` N clients sampled at rate
+    ``q``; a round of m selected uses its sum when t <= m <= K_max, aborts when 1 <= m < t or m > K_max."""
+    if population < 1 or not 0 <= q <= 1 or t < 1 or k_max < t:
+        raise ValueError(f"abort_delta: N = {population}, q = {q}, t = {t}, K_max = {k_max}")
+    others = population - 1
+    boundary = float(binom.pmf(t - 1, others, q))
+    nobody = float(binom.pmf(0, others, q))
+    too_many = float(binom.sf(k_max - 1, others, q))
+    return min(q, q * (boundary + nobody + too_many))
+
+
+def simulated_abort_delta(cfg: Config, population: int, q: float, t: int, k_max: int) -> float:
+    """phi of one simulated secure round of distributed DP at rate ``q`` (0 under fixed-size sampling,
+    q where dropouts are injected: the module doc)."""
+    sa = cfg.secure_aggregation
+    if cfg.privacy.sampling == "fixed":
+        return 0.0
+    if any(getattr(sa, f"dropout_{s}") > 0 for s in ("advertise", "share", "masked", "unmask")):
+        return q
+    if cfg.hierarchy.edge_failure > 0:
+        return q
+    t_eff = max(t, sa.min_inputs)
+    return abort_delta(population, q, t_eff, max(k_max, t_eff))
+
+
+def check_abort_delta(delta: float, phi: float, rounds: int, population: int, t: int) -> None:
+    """Refuse (ConfigError naming the numbers and the fix) a run whose aborts would take the composed
+    delta (privacy.delta + rounds phi) to 1/N, where it promises nothing."""
+    total = delta + rounds * phi
+    if phi > 0 and total >= 1.0 / population:
+        raise ConfigError(
+            f"distributed DP with secure aggregation: a round aborts when fewer than t = {t} of its clients "
+            f"survive, and whether it does depends on who was sampled; that costs delta {phi:.3g} a round "
+            f"(the chance a client is sampled with exactly t - 1 other survivors, or alone, or past K_max), "
+            f"{rounds} rounds make delta = {total:.3g} >= 1/N = {1 / population:.3g} (N = {population}), which "
+            "promises nothing. Make t - 1 survivors improbable: more clients (N) or a larger "
+            "clients_per_round, a lower privacy.min_survivors (if set), fewer rounds, "
+            'or privacy.sampling = "fixed" (its size does not depend on the data)'
+        )
