@@ -40,7 +40,7 @@ def walkthrough(port: int) -> str:
     return "set -euo pipefail\n" + "\n".join(blocks).replace("8443", str(port))
 
 
-ROUNDS = 20  # of each run in the README
+ROUNDS = 60  # of each run in the README
 
 
 def _env(port: int) -> dict:
