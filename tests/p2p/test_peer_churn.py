@@ -17,6 +17,8 @@ from shoal.config import load_config
 
 from .network import LocalNetwork
 
+pytestmark = pytest.mark.slow  # its files run first under xdist; `make test-fast` leaves them out
+
 N = 10
 DEAD = (3, 7)
 COMMON = [

@@ -9,6 +9,8 @@ import pytest
 
 from .fuzz import ALGORITHMS, fuzz_algorithm
 
+pytestmark = pytest.mark.slow  # its files run first under xdist; `make test-fast` leaves them out
+
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

@@ -17,6 +17,8 @@ from shoal.wire import decode_update
 
 from .fuzz import MODES, Ctx, oracle_update, run_mode, update_body
 
+pytestmark = pytest.mark.slow  # its files run first under xdist; `make test-fast` leaves them out
+
 SPEC = ParamSpec.of(build_model("logreg", (60,), 10))
 CTX = Ctx(SPEC.numel, SPEC.hash, 3, 4, 1_000_000, 1e4, SPEC.nbytes + (1 << 20), {})
 

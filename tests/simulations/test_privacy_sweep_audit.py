@@ -10,6 +10,8 @@ import torch
 from shoal.config import load_config
 from shoal.simulations.privacy_sweep import run_privacy_sweep
 
+pytestmark = pytest.mark.slow  # its files run first under xdist; `make test-fast` leaves them out
+
 SMALL = [
     "simulation.num_clients=6",
     "simulation.clients_per_round=3",
