@@ -36,13 +36,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """Under pytest-xdist (`make test`: --dist loadgroup) the tests of a module that share a
     module- or class-scoped fixture run on one worker, so the fixture (a Ray cluster, a Flower
     run, a data set) is built once and not once per worker. Tests with their own xdist_group mark
-    keep it.
-
-    The files that hold a test marked ``slow`` (the process tests, the long simulations) run first,
-    each file's tests still together and in order: the workers share them out while there is much
-    left to do, instead of one worker finishing a long test alone at the end of the run."""
-    slow_files = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("slow")}
-    items.sort(key=lambda item: item.nodeid.split("::")[0] not in slow_files)  # stable: order kept within
+    keep it."""
     for item in items:
         if item.get_closest_marker("xdist_group") is not None:
             continue

@@ -17,7 +17,7 @@ from shoal.config import load_config
 
 from .network import LocalNetwork
 
-pytestmark = pytest.mark.slow  # its files run first under xdist; `make test-fast` leaves them out
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
 N = 10
 DEAD = (3, 7)

@@ -9,7 +9,7 @@ import pytest
 
 from .fuzz import ALGORITHMS, fuzz_algorithm
 
-pytestmark = pytest.mark.slow  # its files run first under xdist; `make test-fast` leaves them out
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
 
 @pytest.mark.timeout(240)

@@ -15,7 +15,7 @@ from shoal.assembly import task_from_config
 from shoal.config import config_from_dict
 from tests.server.federation_live import live_federation
 
-pytestmark = pytest.mark.slow  # its files run first under xdist; `make test-fast` leaves them out
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
 NODES = ["n0", "n1", "n2"]
 

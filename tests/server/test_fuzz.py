@@ -17,7 +17,7 @@ from shoal.wire import decode_update
 
 from .fuzz import MODES, Ctx, oracle_update, run_mode, update_body
 
-pytestmark = pytest.mark.slow  # its files run first under xdist; `make test-fast` leaves them out
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
 SPEC = ParamSpec.of(build_model("logreg", (60,), 10))
 CTX = Ctx(SPEC.numel, SPEC.hash, 3, 4, 1_000_000, 1e4, SPEC.nbytes + (1 << 20), {})

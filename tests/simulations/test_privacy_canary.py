@@ -13,7 +13,7 @@ from shoal.errors import ConfigError
 from shoal.simulations.canary_audit import direction, estimate, gaussian_epsilon, run_canary_audit, with_canaries
 from shoal.simulations.client_data import load_simulation_data
 
-pytestmark = pytest.mark.slow  # its files run first under xdist; `make test-fast` leaves them out
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
 
 @pytest.fixture(autouse=True)

@@ -10,7 +10,7 @@ import torch
 from shoal.config import load_config
 from shoal.simulations.privacy_sweep import run_privacy_sweep
 
-pytestmark = pytest.mark.slow  # its files run first under xdist; `make test-fast` leaves them out
+pytestmark = pytest.mark.slow  # `make test-fast` leaves it out
 
 SMALL = [
     "simulation.num_clients=6",
