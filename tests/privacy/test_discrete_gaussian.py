@@ -6,6 +6,7 @@ import math
 import dp_accounting
 import numpy as np
 import pytest
+import torch
 from dp_accounting import rdp
 
 from shoal.accounting_rounds import DdgRoundAccountant
@@ -235,23 +236,39 @@ def test_bad_combinations_are_refused_with_the_numbers():
         load_config(None, ['privacy.mode="central"', 'privacy.mechanism="discrete_gaussian"'])
 
 
-@pytest.mark.parametrize("release", ["withhold", "noised"])
-def test_simulated_rounds_use_the_mechanism_and_its_accountant(release):
+def ddg_simulation(rounds: int, *settings: str) -> InProcessSimulation:
+    """12 clients, 6 a round, secure distributed DP with the discrete Gaussian (z = 0.8), a seeded
+    selection (an OS-drawn one may abort every round: too few)."""
     cfg = load_config(
         None,
         [
-            "simulation.rounds=2",
+            f"simulation.rounds={rounds}",
             "simulation.num_clients=12",
             "simulation.clients_per_round=6",
             "secure_aggregation.enabled=true",
             'privacy.mode="distributed"',
             'privacy.mechanism="discrete_gaussian"',
             "privacy.noise_multiplier=0.8",
-            f'privacy.release="{release}"',
-            "privacy.reproducible=true",  # a seeded selection: an OS-drawn one may abort both rounds (too few)
+            "privacy.reproducible=true",
+            *settings,
         ],
     )
-    sim = InProcessSimulation.from_config(cfg)
+    return InProcessSimulation.from_config(cfg)
+
+
+def rotated_steps(sim: InProcessSimulation, round_: int, before: torch.Tensor) -> np.ndarray:
+    """The round's released sum (K = 6 times FedAvg's step from ``before``) in the round's rotation,
+    in units of the lattice step gamma: integers when the release lies on the rotated lattice."""
+    sa, cfg = sim.secure_aggregation, sim.cfg
+    assert sa is not None and sa.ddg is not None
+    seed = derive_seed(cfg.secure_aggregation.seed, cfg.simulation.seed, round_)
+    rotation = dg.DdgCodec(sa.ddg, derive_seed(seed, 0x40D)).rotation
+    return rotation.forward((sim.global_params.double() - before).numpy() * 6) / sa.ddg.gamma
+
+
+@pytest.mark.parametrize("release", ["withhold", "noised"])
+def test_simulated_rounds_use_the_mechanism_and_its_accountant(release):
+    sim = ddg_simulation(2, f'privacy.release="{release}"')
     sa = sim.secure_aggregation
     assert sa is not None and sa.ddg is not None and sa.ddg.shares == sa.noise_shares
     assert not any(type(s).__name__ == "DistributedNoise" for s in sim.client_steps)
@@ -264,9 +281,7 @@ def test_simulated_rounds_use_the_mechanism_and_its_accountant(release):
         # than K_max = 12 survived: the server tops it up to K_max shares in the integers. Topped up
         # with continuous noise, only a round of all K_max would lie on it, and tell itself apart.
         assert 0 < sa.last["included"] < sa.max_summands == 12
-        seed = derive_seed(cfg.secure_aggregation.seed, cfg.simulation.seed, summaries[-1].round)
-        rotation = dg.DdgCodec(sa.ddg, derive_seed(seed, 0x40D)).rotation
-        steps = rotation.forward((sim.global_params.double() - before).numpy() * 6) / sa.ddg.gamma
+        steps = rotated_steps(sim, summaries[-1].round, before)
         assert np.abs(steps - np.round(steps)).max() < 0.01
     assert not bool((sim.global_params == g0).all())
     acc = sim.privacy.accountant
@@ -284,29 +299,14 @@ def test_simulated_rounds_use_the_mechanism_and_its_accountant(release):
 def test_a_simulated_round_that_selects_nobody_releases_lattice_noise():
     """An empty round is the mechanism at n = 0: K_max integer shares decoded in the round's rotation,
     so its release lies on the rotated lattice like a round with updates (continuous noise would not)."""
-    cfg = load_config(
-        None,
-        [
-            "simulation.rounds=1",
-            "simulation.num_clients=12",
-            "simulation.clients_per_round=6",
-            "secure_aggregation.enabled=true",
-            'privacy.mode="distributed"',
-            'privacy.mechanism="discrete_gaussian"',
-            "privacy.noise_multiplier=0.8",
-            "privacy.reproducible=true",
-        ],
-    )
-    sim = InProcessSimulation.from_config(cfg)
+    sim = ddg_simulation(1)
     sa = sim.secure_aggregation
     assert sa is not None and sa.ddg is not None
     sim.rounds.poisson_rate = 1e-12  # the Poisson draw selects nobody
     before = sim.global_params.clone().double()
     summary = sim.run_round()
     assert summary.num_selected == 0 and summary.version == 1  # released, like any round
-    seed = derive_seed(cfg.secure_aggregation.seed, cfg.simulation.seed, summary.round)
-    rotation = dg.DdgCodec(sa.ddg, derive_seed(seed, 0x40D)).rotation
-    steps = rotation.forward((sim.global_params.double() - before).numpy() * 6) / sa.ddg.gamma
+    steps = rotated_steps(sim, summary.round, before)
     assert np.abs(steps - np.round(steps)).max() < 0.01
     var = float(np.var(steps)) * sa.ddg.gamma**2  # K_max = 12 shares of z^2 C^2 / t
     assert var == pytest.approx(12 * sa.ddg.variance * sa.ddg.gamma**2, rel=0.05)
