@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import os
 import socket
 import subprocess
@@ -73,6 +74,7 @@ pending_per_address = {cap}
 """
 
 
+@functools.cache
 def _knows_address_caps(python: str) -> bool:
     """Whether the shoal under ``python`` has the per-address connection caps (older ones refuse the keys)."""
     probe = "from shoal.config import load_config; load_config(None, ['server.connections_per_address=8'])"
