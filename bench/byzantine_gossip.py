@@ -33,7 +33,9 @@ and ``--after`` rounds after it, the norm of their mean model over the no-attack
 distance of their mean model from the no-attack run's (over that run's mean norm); with the
 defences off (``gossip.merge_bound = 0``, ``max_drift = 0``, ``max_abs = 0``) too. For replay:
 replays sent and taken; for eclipse: the longest stretch of rounds without a merge on any
-honest peer, made-up entries in views and directories at most and at the end.
+honest peer, made-up entries in views, directories and history samples at most and at the end,
+the mean made-up share of honest views and history samples over the attack rounds, and the
+honest peers' merges (against the no-attack run's).
 
     .venv/bin/python bench/byzantine_gossip.py [--honest 5] [--attackers 1] [--attack-rounds 60]
         [--after 30] [--algorithms gossip,dpsgd,group_average] [--attacks alone,scale,sign_flip,replay,eclipse]
@@ -61,7 +63,7 @@ import torch
 
 from shoal.config import load_config
 from shoal.p2p.gossip import ModelMessage
-from shoal.p2p.membership import ShuffleRequest
+from shoal.p2p.membership import Membership, ShuffleRequest
 from shoal.simulations.gossip import GossipSimulation
 
 torch.set_num_threads(1)
@@ -106,6 +108,11 @@ def build(args: argparse.Namespace, algorithm: str, attack: str, defences: bool)
         sim.honest = np.flatnonzero(~sim.attackers)
         sim.eval_idx = sim.honest
     return sim
+
+
+def history(m: Membership) -> list[str]:
+    """The peers an honest peer's history sample holds: its min-wise samplers' IDs."""
+    return m.history.sample()
 
 
 class Insider:
@@ -159,7 +166,8 @@ def run(args: argparse.Namespace, algorithm: str, attack: str, defences: bool, r
     insider = Insider(sim, attack) if attack in ("replay", "eclipse") else None
     spy = insider
     honest = torch.as_tensor(sim.honest)
-    out: dict[str, Any] = {"gap": 0, "fake_view": 0, "fake_dir": 0}
+    out: dict[str, Any] = {"gap": 0, "fake_view": 0, "fake_dir": 0, "fake_hist": 0}
+    shares: dict[str, list[float]] = {"view": [], "hist": []}  # per honest peer and attack round
     last_merge = {int(h): 0 for h in sim.honest}
     merges = {int(h): 0 for h in sim.honest}
     means: dict[int, torch.Tensor] = {}
@@ -184,6 +192,16 @@ def run(args: argparse.Namespace, algorithm: str, attack: str, defences: bool, r
             fake_d = max(sum(p.startswith("sybil") for p in sim.nodes[h].membership.known) for h in sim.honest)
             out["fake_view"], out["fake_dir"] = max(out["fake_view"], fake_v), max(out["fake_dir"], fake_d)
             out["fake_dir_end"] = fake_d
+            if insider is not None:
+                for h in sim.honest.tolist():
+                    m = sim.nodes[h].membership
+                    view, hist = list(m.view), history(m)
+                    shares["view"].append(sum(p.startswith("sybil") for p in view) / max(len(view), 1))
+                    shares["hist"].append(sum(p.startswith("sybil") for p in hist) / max(len(hist), 1))
+                    out["fake_hist"] = max(out["fake_hist"], sum(p.startswith("sybil") for p in hist))
+            out["fake_hist_end"] = max(
+                sum(p.startswith("sybil") for p in history(sim.nodes[h].membership)) for h in sim.honest
+            )
         if r in (args.attack_rounds, args.attack_rounds + args.after):
             ev = sim.evaluate()
             means[r] = sim.models[honest].mean(0)
@@ -194,6 +212,9 @@ def run(args: argparse.Namespace, algorithm: str, attack: str, defences: bool, r
             if ref is not None:
                 out[f"dist{r}"] = float((means[r] - ref["means"][r]).norm()) / float(ref["means"][r].norm())
     out["means"] = means
+    out["view_share"] = float(np.mean(shares["view"])) if shares["view"] else 0.0
+    out["hist_share"] = float(np.mean(shares["hist"])) if shares["hist"] else 0.0
+    out["merges"] = sum(merges.values())
     out["rejected"] = sim.rejected
     out["sent"] = spy.sent if spy else 0
     if attack == "replay":
@@ -343,7 +364,10 @@ def main() -> None:
                 if attack == "eclipse":
                     notes = (
                         f"longest run without a merge {res['gap']} rounds; made-up entries at most "
-                        f"{res['fake_view']} in a view, {res['fake_dir']} in a directory, {res['fake_dir_end']} at the end"
+                        f"{res['fake_view']} in a view, {res['fake_dir']} in a directory, {res['fake_dir_end']} at the end; "
+                        f"{res['fake_hist']} in a history sample, {res['fake_hist_end']} at the end; mean made-up share during the attack: views "
+                        f"{res['view_share']:.3f}, history samples {res['hist_share']:.3f}; merges {res['merges']} "
+                        f"(none: {ref['merges']})"
                     )
                 print(
                     f"| {alg} | {attack} | {'on' if defences else 'off'} | {res[f'acc{a}']:.3f} | {res[f'acc{b}']:.3f} "

@@ -117,7 +117,10 @@ class PeerService:
             max_known=MAX_KNOWN,
             forget_after=max(FORGET_AFTER, 10 * g.period),
             period=g.period,
-        )
+            samplers=g.samplers,
+            push_share=g.push_share,
+            pull_share=g.pull_share,
+        )  # the history samplers' keys come from the OS (Membership's default)
         self.policy = AddressPolicy((me, *bootstrap), g.allow_networks, interval=g.period, burst=g.view_size)
         rule = MergeRule(g.merge, g.staleness_exponent, g.max_age_gap, cfg.robust.norm_bound, g.bound_mode)
         self.node = GossipNode(membership, params, num_examples, rule, g.timeout, make_merge_bound(cfg))

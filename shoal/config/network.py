@@ -279,6 +279,11 @@ class GossipConfig:
     # kind (by default only addresses of the kinds of --advertise and --bootstrap; p2p/addresses.py)
     view_size: int = 8  # Cyclon partial view
     shuffle_length: int = 4  # entries swapped per shuffle
+    samplers: int = 16  # min-wise samplers behind the history sample (Brahms): each keeps the ID of least
+    # keyed hash of all it learned, so repeating an ID gains an attacker nothing; failed IDs are reset out
+    push_share: float = 0.45  # at most this share of a view from pushes (Brahms's alpha)
+    pull_share: float = 0.45  # at most this share from shuffle answers (beta); the rest, at least one slot,
+    # from the history sample (gamma = 1 - push_share - pull_share)
     exchanges_per_round: int = 1  # push-pull exchanges a peer starts after each local step
     timeout: float = 1.0  # rounds (simulator) or seconds (peer) before no answer is a failure
     max_failures: int = 2  # consecutive failures before a peer leaves a view
@@ -315,6 +320,15 @@ class GossipConfig:
         positive("gossip.view_size", self.view_size)
         if not 1 <= self.shuffle_length <= self.view_size:
             raise ConfigError(f"gossip.shuffle_length = {self.shuffle_length} must be in [1, gossip.view_size]")
+        positive("gossip.samplers", self.samplers)
+        for k in ("push_share", "pull_share"):
+            if not 0 <= getattr(self, k) < 1:
+                raise ConfigError(f"gossip.{k} = {getattr(self, k)} must be in [0, 1)")
+        if self.push_share + self.pull_share >= 1:
+            raise ConfigError(
+                f"gossip.push_share + gossip.pull_share = {self.push_share + self.pull_share} must be < 1 "
+                "(the rest of the view comes from the history sample)"
+            )
         positive("gossip.exchanges_per_round", self.exchanges_per_round)
         positive("gossip.timeout", self.timeout)
         positive("gossip.max_failures", self.max_failures)

@@ -31,6 +31,7 @@ import dataclasses
 import heapq
 import json
 import logging
+import random
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, Protocol, Self
 
@@ -112,6 +113,12 @@ def peer_nodes(
             forget_after=FORGET_AFTER,
             seed=derive_seed(seed, 0xC1C, i),
             bootstrap_peers=boot,
+            samplers=g.samplers,
+            push_share=g.push_share,
+            pull_share=g.pull_share,
+            # seeded keys so a run repeats (``shoal peer`` draws them from the OS); the simulated
+            # attackers never read them
+            sampler_keys=random.Random(derive_seed(seed, 0x5A3, i)).randbytes,
         )
         nodes.append(GossipNode(m, models[i], shared[i], rule, g.timeout, make_merge_bound(cfg)))
     return nodes
