@@ -28,24 +28,22 @@ KEY_BYTES = 32  # BLAKE2b takes keys up to 64 bytes
 class Sampler:
     """One min-wise sampler: the ID with the smallest keyed hash of those fed since the last reset."""
 
-    __slots__ = ("key", "best", "_rank")
+    __slots__ = ("key", "best", "rank", "keyed", "epoch")
 
-    def __init__(self, key: bytes):
-        self.key = key
-        self.best: str | None = None
-        self._rank = b""
+    def __init__(self, key: bytes, epoch: int = 0):
+        self.reset(key, epoch)
 
-    def rank(self, peer: str) -> bytes:
-        return blake2b(peer.encode(), key=self.key, digest_size=16).digest()
+    def feed(self, peer: str, data: bytes | None = None) -> None:
+        h = self.keyed.copy()  # the key's block was hashed once, at reset, not once per ID
+        h.update(peer.encode() if data is None else data)
+        r = h.digest()
+        if self.best is None or r < self.rank:
+            self.best, self.rank = peer, r
 
-    def feed(self, peer: str) -> None:
-        r = self.rank(peer)
-        if self.best is None or r < self._rank:
-            self.best, self._rank = peer, r
-
-    def reset(self, key: bytes) -> None:
-        """A new key and nothing held (Brahms's ``init``)."""
-        self.key, self.best, self._rank = key, None, b""
+    def reset(self, key: bytes, epoch: int) -> None:
+        """A new key and nothing held (Brahms's ``init``), at the samplers' reset count ``epoch``."""
+        self.key, self.best, self.rank, self.epoch = key, None, b"", epoch
+        self.keyed = blake2b(key=key, digest_size=16)
 
 
 class Samplers:
@@ -56,21 +54,30 @@ class Samplers:
             raise ValueError("need at least one sampler")
         self._keys = keys or os.urandom
         self.samplers = [Sampler(self._keys(KEY_BYTES)) for _ in range(count)]
-        self.memory = memory  # the bound of the record of IDs fed since the last reset
-        self._fed: OrderedDict[str, None] = OrderedDict()  # IDs every sampler has seen, most recent last
+        self.memory = memory  # the bound of the record of IDs fed
+        self._fed: OrderedDict[str, int] = OrderedDict()  # ID -> the epoch it was last fed at, most recent last
+        self._epoch = 0  # resets so far
         self.resets = 0
 
     def feed(self, peer: str) -> None:
-        """One ID of the stream. An ID every sampler has seen (none was reset since) is a no-op
-        for the minimum, so it costs no hashing."""
-        if peer in self._fed:
-            self._fed.move_to_end(peer)
+        """One ID of the stream. Feeding an ID a sampler has seen is a no-op for its minimum, so
+        only the samplers reset since this ID was last fed hash it (all of them, for a new ID)."""
+        seen = self._fed.get(peer)
+        self._fed[peer] = self._epoch
+        self._fed.move_to_end(peer)
+        if seen == self._epoch:
             return
-        self._fed[peer] = None
         while len(self._fed) > self.memory:
             self._fed.popitem(last=False)
-        for s in self.samplers:
-            s.feed(peer)
+        data = peer.encode()
+        for s in self.samplers:  # Sampler.feed inlined: this loop is the samplers' whole cost
+            if seen is not None and s.epoch <= seen:
+                continue
+            h = s.keyed.copy()
+            h.update(data)
+            r = h.digest()
+            if s.best is None or r < s.rank:
+                s.best, s.rank = peer, r
 
     def feed_all(self, peers: Iterable[str]) -> None:
         for p in peers:
@@ -83,10 +90,10 @@ class Samplers:
         held = [s for s in self.samplers if s.best == peer]
         if not held:
             return 0
-        self._fed.clear()  # the reset samplers have seen nothing: every ID must be hashed again
+        self._epoch += 1
         alive = [p for p in refill if p != peer]
         for s in held:
-            s.reset(self._keys(KEY_BYTES))
+            s.reset(self._keys(KEY_BYTES), self._epoch)
             for p in alive:
                 s.feed(p)
         self.resets += len(held)
