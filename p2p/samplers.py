@@ -29,6 +29,11 @@ class Sampler:
     """One min-wise sampler: the ID with the smallest keyed hash of those fed since the last reset."""
 
     __slots__ = ("key", "best", "rank", "keyed", "epoch")
+    key: bytes
+    best: str | None
+    rank: bytes
+    keyed: blake2b  # a keyed state, copied for each ID
+    epoch: int
 
     def __init__(self, key: bytes, epoch: int = 0):
         self.reset(key, epoch)
