@@ -32,11 +32,14 @@ spirit of Brahms (Bortnikov et al. 2009) and Basalt (2021):
 - the history sample is Brahms's: ``samplers`` min-wise independent samplers (p2p/samplers.py)
   fed every ID this peer learns (pushes, shuffle answers, directory entries, direct messages).
   Each keeps the ID with the least keyed hash, so repeating an ID gains nothing: an attacker
-  holds about its share of the *distinct* IDs seen, however often it pushes. An ID removed
-  after failed contacts is reset out of the samplers holding it (Brahms's probing);
+  holds about its share of the *distinct* IDs seen, however often it pushes (a flood beyond
+  the push rate feeds nothing). Every other shuffle goes to a sampled ID that has not answered
+  us yet, and an ID removed after failed contacts is reset out of the samplers holding it
+  (Brahms's probing), so made-up IDs leave the samplers once the attack stops;
 - the view is renewed as Brahms's mix: at most ``push_share`` of its slots from pushes (and
   only within the push rate), at most ``pull_share`` from shuffle answers, and at least the
-  rest (one slot or more) from the history sample, refilled before each shuffle;
+  rest (one slot or more) from the history sample, which also refills a view less than half
+  full, before each shuffle;
 - the directory is bounded (``max_known``) and forgets an entry no one vouched for (named it
   in a view exchange or a group, or messaged us) for ``forget_after``.
 
