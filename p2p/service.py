@@ -661,6 +661,9 @@ class PeerService:
             "held": sum(map(len, self.held.values())),
             "algorithm": self.g.algorithm,
             "directory": len(n.membership.known),
+            # how many peers the history samplers hold, not which (their winners are theirs to know)
+            "history": len(n.membership.history.sample()),
+            "sampler_resets": n.membership.history.resets,
             **({"group": dict(self.group_stats)} if self.g.algorithm == "group_average" else {}),
             **({"dpsgd": dict(self.dpsgd_stats)} if self.g.algorithm == "dpsgd" else {}),
             **({"secure": dict(self.secure_stats)} if self.g.algorithm == "secure_groups" else {}),
