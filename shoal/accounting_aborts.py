@@ -40,8 +40,6 @@ sample's size does not depend on the data, so neither does an abort.
 
 from __future__ import annotations
 
-from scipy.stats import binom
-
 from shoal.config import Config
 from shoal.errors import ConfigError
 
@@ -51,6 +49,9 @@ def abort_delta(population: int, q: float, t: int, k_max: int) -> float:
     ``q``; a round of m selected uses its sum when t <= m <= K_max, aborts when 1 <= m < t or m > K_max."""
     if population < 1 or not 0 <= q <= 1 or t < 1 or k_max < t:
         raise ValueError(f"abort_delta: N = {population}, q = {q}, t = {t}, K_max = {k_max}")
+    from scipy.stats import binom  # here, not at the top: scipy.stats takes ~2 s to import, and every
+    # role's assembly imports this module while only distributed DP with secure aggregation calls it
+
     others = population - 1
     boundary = float(binom.pmf(t - 1, others, q))
     nobody = float(binom.pmf(0, others, q))
