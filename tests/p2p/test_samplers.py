@@ -8,6 +8,8 @@ import random
 
 import pytest
 
+from shoal.config import load_config
+from shoal.errors import ConfigError
 from shoal.p2p.membership import Membership, ShuffleRequest, ShuffleResponse
 from shoal.p2p.samplers import Samplers
 
@@ -99,3 +101,12 @@ def test_shuffles_probe_unproven_history_ids_and_made_up_ones_leave():
     assert probed
     assert not [p for p in m.history.held() if p is None or p.startswith("fake")], m.history.held()
     assert set(m.history.sample()) <= {"a", "b", "c"}
+
+
+@pytest.mark.parametrize(
+    "override", ["gossip.samplers=0", "gossip.pull_share=-0.1", "gossip.push_share=0.6", "gossip.push_share=1.0"]
+)
+def test_sampler_settings_out_of_range_are_refused(override):
+    """No samplers, a negative share, or push and pull shares leaving no slot for the history sample."""
+    with pytest.raises(ConfigError, match=override.split("=")[0]):
+        load_config(None, [override])
