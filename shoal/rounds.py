@@ -409,6 +409,18 @@ class SyncRounds:
             }
         return self._summary(failed=False)
 
+    def finish_empty(self) -> RoundSummary:
+        """Close the open round, into which nothing was summed, as one that selected nobody (secure
+        distributed DP's abort: the DP noise of an empty round is released, so that an abort shows
+        as nothing of its own; shoal.accounting_aborts). Its selected clients are not late."""
+        if not self.open:
+            raise RuntimeError("finish_empty called with no open round")
+        if self.received or self._late_count:
+            raise RuntimeError("finish_empty called on a round that took updates")
+        self.strategy.begin(self.global_params)
+        self.selected = {}
+        return self._finish_empty()
+
     def _finish_empty(self) -> RoundSummary:
         """Poisson sampling picked nobody: a strategy that releases something without updates
         (DP noise, so that an empty round looks like any other) makes a new version; any other
