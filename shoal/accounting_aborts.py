@@ -1,4 +1,6 @@
-"""What aborted secure rounds cost under Poisson sampling: a failure probability added to delta.
+"""What aborted secure rounds cost under Poisson sampling: a failure probability added to delta (the
+union bound, for aborts that release nothing) or, where an abort is released as an empty round (the
+simulator and `shoal server` under distributed DP), a mixture of sensitivities (the last section).
 
 Distributed DP with secure aggregation aborts a round whose survivors number fewer than t (nothing
 is unmasked; the model stays) or whose selection exceeds K_max (the encoding's headroom). Whether a
@@ -24,9 +26,10 @@ supports (infinite privacy loss). Each round is then dominated by "with probabil
 loss, otherwise the charged subsampled Gaussian" (a zero loss is dominated by it too), with
 phi = q (P[m = t_eff - 1] + P[m = 0] + P[m >= K_max]), m ~ Binomial(N - 1, q), and T rounds compose
 to delta_T(eps) = 1 - (1 - phi)^T (1 - delta_gauss(eps)) <= delta_gauss(eps) + T phi: the run's
-epsilon holds at the accountant's delta plus the summed phi of its rounds (the ledger records each
-round's phi; the reported delta is that sum). With dropouts the same argument with every O in the
-second list gives phi = q.
+epsilon holds at the accountant's delta plus the summed phi of its rounds (a ledger entry's
+``abort_delta``, which ledgers written before aborts were released as empty rounds carry). With
+dropouts the same argument with every O in the second list gives phi = q. :func:`abort_delta` is
+kept to compare (bench/abort_accounting.py).
 
 **The dropout model.** Without injected dropouts every sampled client's masked input reaches the
 sum, the protocol's own thresholds (floor(f m) + 1 of m) never bind, and a round aborts exactly
@@ -44,7 +47,6 @@ from scipy.stats import binom
 
 from shoal.accounting_mixture import Branches, normalize
 from shoal.config import Config
-from shoal.errors import ConfigError
 
 
 def abort_delta(population: int, q: float, t: int, k_max: int) -> float:
@@ -57,36 +59,6 @@ def abort_delta(population: int, q: float, t: int, k_max: int) -> float:
     nobody = float(binom.pmf(0, others, q))
     too_many = float(binom.sf(k_max - 1, others, q))
     return min(q, q * (boundary + nobody + too_many))
-
-
-def simulated_abort_delta(cfg: Config, population: int, q: float, t: int, k_max: int) -> float:
-    """phi of one simulated secure round of distributed DP at rate ``q`` (0 under fixed-size sampling,
-    q where dropouts are injected: the module doc)."""
-    sa = cfg.secure_aggregation
-    if cfg.privacy.sampling == "fixed":
-        return 0.0
-    if any(getattr(sa, f"dropout_{s}") > 0 for s in ("advertise", "share", "masked", "unmask")):
-        return q
-    if cfg.hierarchy.edge_failure > 0:
-        return q
-    t_eff = max(t, sa.min_inputs)
-    return abort_delta(population, q, t_eff, max(k_max, t_eff))
-
-
-def check_abort_delta(delta: float, phi: float, rounds: int, population: int, t: int) -> None:
-    """Refuse (ConfigError naming the numbers and the fix) a run whose aborts would take the composed
-    delta (privacy.delta + rounds phi) to 1/N, where it promises nothing."""
-    total = delta + rounds * phi
-    if phi > 0 and total >= 1.0 / population:
-        raise ConfigError(
-            f"distributed DP with secure aggregation: a round aborts when fewer than t = {t} of its clients "
-            f"survive, and whether it does depends on who was sampled; that costs delta {phi:.3g} a round "
-            f"(the chance a client is sampled with exactly t - 1 other survivors, or alone, or past K_max), "
-            f"{rounds} rounds make delta = {total:.3g} >= 1/N = {1 / population:.3g} (N = {population}), which "
-            "promises nothing. Make t - 1 survivors improbable: more clients (N) or a larger "
-            "clients_per_round, a lower privacy.min_survivors (if set), fewer rounds, "
-            'or privacy.sampling = "fixed" (its size does not depend on the data)'
-        )
 
 
 # --- aborts released as empty rounds: a mixture, not a failure probability ---------------------

@@ -158,6 +158,13 @@ class RoundLedger:
             raise LedgerMismatch(self._mismatch(unfit))
         self.ledger = entries
 
+    def _aborts_note(self) -> str:
+        """For :meth:`describe`: the abort branches the rounds are priced with (empty without)."""
+        if self.abort_branches == PLAIN:
+            return ""
+        mix = ", ".join(f"{s:g} C with P = {p:.3g}" for s, p in self.abort_branches)
+        return f"; an aborted round released as an empty one, each round the mixture of sensitivities {mix}"
+
     def _mixed_note(self) -> str:
         """For :meth:`describe`: how a ledger of both Gaussians is composed (empty when it is not)."""
         others = sum(int(e["rounds"]) for e in self.ledger if e["mechanism"] != self.MECHANISM)
@@ -309,7 +316,7 @@ class RoundAccountant(RoundLedger):
         earlier = self.earlier_rounds()
         if earlier:
             text += f"; composed with {earlier} earlier rounds of other parameters"
-        return text + self._mixed_note()
+        return text + self._aborts_note() + self._mixed_note()
 
 
 def epsilon_ddg(q: float, ddg: dict, steps: int, delta: float, kind: str = "rdp") -> float:
@@ -411,7 +418,7 @@ class DdgRoundAccountant(RoundLedger):
         earlier = self.earlier_rounds()
         if earlier:
             text += f"; composed with {earlier} earlier rounds of other parameters"
-        return text + self._mixed_note()
+        return text + self._aborts_note() + self._mixed_note()
 
 
 @lru_cache(maxsize=256)

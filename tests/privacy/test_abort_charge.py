@@ -1,6 +1,7 @@
-"""What secure rounds' aborts cost under Poisson sampling (shoal.accounting_aborts): the failure
-probability phi a round, its model (no dropouts: exact; injected dropouts: q; fixed-size: 0), and the
-refusal of a run whose rounds take privacy.delta + T phi to 1/N."""
+"""What secure rounds' aborts cost under Poisson sampling (shoal.accounting_aborts): the union bound's
+failure probability phi a round (kept to compare), and, an abort released as an empty round, the
+mixture's branches (no dropouts: exact; injected dropouts or `shoal server`: a node deciding the abort
+with a bounded probability, at K_max C; fixed-size: nothing), in the simulator and in the server."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import pytest
 import torch
 from scipy.stats import binom
 
-from shoal.accounting_aborts import abort_delta, simulated_abort_delta
+from shoal.accounting import epsilon
+from shoal.accounting_aborts import abort_branches, abort_delta, bounded_branches, simulated_branches
 from shoal.assembly import build
 from shoal.config import load_config
 from shoal.errors import ConfigError
@@ -31,20 +33,28 @@ def test_phi_is_the_chance_a_sampled_client_meets_a_boundary():
     # the cap: with K_max = 6 of N = 10, 6 or more others push a round with x past it
     assert abort_delta(10, 0.5, 3, 6) == pytest.approx(0.5 * (binom.pmf(2, 9, 0.5) + 0.5**9 + binom.sf(5, 9, 0.5)))
     assert abort_delta(1000, 0.1, 50, 177) < 2e-10  # a large population makes a round of t - 1 improbable
+    # released as empty rounds: m <= 1 costs nothing, m = 2 a Gaussian of sensitivity 3C, else C
+    branches = abort_branches(10, 0.5, 3, 10)
+    assert [s for s, _ in branches] == [0.0, 1.0, 3.0]
+    assert [p for _, p in branches] == pytest.approx([10 / 512, 466 / 512, 36 / 512])
     cfg = load_config(None, REVIEWED)
-    assert simulated_abort_delta(cfg, 10, 0.5, 3, 10) == abort_delta(10, 0.5, 3, 10)
+    assert simulated_branches(cfg, 10, 0.5, 3, 10) == branches
     dropped = load_config(None, [*REVIEWED, "secure_aggregation.dropout_masked=0.1"])
-    assert simulated_abort_delta(dropped, 10, 0.5, 3, 10) == 0.5  # not bounded: x's whole sampling probability
+    assert simulated_branches(dropped, 10, 0.5, 3, 10) == bounded_branches(1.0, 10)  # not bounded: the worst
     fixed = load_config(None, [*REVIEWED, 'privacy.sampling="fixed"'])
-    assert simulated_abort_delta(fixed, 10, 0.5, 3, 5) == 0.0  # the sample's size does not depend on the data
+    assert simulated_branches(fixed, 10, 0.5, 3, 5) is None  # the sample's size does not depend on the data
 
 
-def test_the_reviewed_configuration_is_refused_with_the_numbers_and_the_fix():
-    with pytest.raises(ConfigError, match=r"0\.0361 a round.*15 rounds make delta = 0\.542 >= 1/N = 0\.1") as e:
-        build(load_config(None, REVIEWED), None, "simulation")
-    assert 'privacy.sampling = "fixed"' in str(e.value) and "more clients (N)" in str(e.value)
+def test_the_reviewed_configuration_runs_with_its_aborts_priced_as_a_mixture():
+    """Refused under the union bound (delta 0.036 a round, past 1/N in 3 rounds), it now runs: its aborts
+    are released as empty rounds and every round is priced as the mixture, above the plain Gaussian."""
+    parts = build(load_config(None, REVIEWED), None, "simulation")
+    assert parts.secure is not None and parts.privacy is not None
+    acc = parts.privacy.accountant
+    assert parts.secure.abort_branches == acc.abort_branches == abort_branches(10, 0.5, 3, parts.secure.max_summands)
+    assert epsilon(0.5, 1.0, 15, 1e-5) < acc.epsilon_after(15) < 100
     parts = build(load_config(None, [*REVIEWED, 'privacy.sampling="fixed"']), None, "simulation")
-    assert parts.secure is not None and parts.secure.abort_delta == 0.0
+    assert parts.secure is not None and parts.secure.abort_branches is None
 
 
 def test_an_aborted_secure_round_is_released_as_an_empty_round_and_charged_as_a_mixture(tmp_path):
