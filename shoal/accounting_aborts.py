@@ -43,8 +43,6 @@ sample's size does not depend on the data, so neither does an abort.
 
 from __future__ import annotations
 
-from scipy.stats import binom
-
 from shoal.accounting_mixture import Branches, normalize
 from shoal.config import Config
 
@@ -54,6 +52,9 @@ def abort_delta(population: int, q: float, t: int, k_max: int) -> float:
     ``q``; a round of m selected uses its sum when t <= m <= K_max, aborts when 1 <= m < t or m > K_max."""
     if population < 1 or not 0 <= q <= 1 or t < 1 or k_max < t:
         raise ValueError(f"abort_delta: N = {population}, q = {q}, t = {t}, K_max = {k_max}")
+    from scipy.stats import binom  # here, not at the top: scipy.stats takes ~2 s to import, and every
+    # role's assembly imports this module while only distributed DP with secure aggregation calls it
+
     others = population - 1
     boundary = float(binom.pmf(t - 1, others, q))
     nobody = float(binom.pmf(0, others, q))
@@ -80,6 +81,8 @@ def abort_branches(population: int, q: float, t: int, k_max: int) -> Branches:
     an empty round's noise (above), m ~ Binomial(N - 1, q)."""
     if population < 1 or not 0 <= q <= 1 or t < 1 or k_max < t:
         raise ValueError(f"abort_branches: N = {population}, q = {q}, t = {t}, K_max = {k_max}")
+    from scipy.stats import binom  # here: ~2 s to import, and only secure distributed DP calls it (abort_delta)
+
     others = population - 1
     boundary = float(binom.pmf(t - 1, others, q))
     full = float(binom.pmf(k_max, others, q))
@@ -91,6 +94,8 @@ def abort_branches(population: int, q: float, t: int, k_max: int) -> Branches:
 def flip_probability(population: int, q: float, t: int, k_max: int) -> float:
     """P[m = t - 1] + P[m = K_max]: the chance, without dropouts, that x's presence decides whether the
     round aborts; a declared bound (privacy.abort_bound) below it is refused."""
+    from scipy.stats import binom  # here: ~2 s to import (abort_delta)
+
     others = population - 1
     return float(binom.pmf(t - 1, others, q)) + float(binom.pmf(k_max, others, q))
 

@@ -31,6 +31,7 @@ from typing import Any
 from shoal.assembly import task_from_config, task_label
 from shoal.config import Config, PrivacyConfig, PrivacyMode
 from shoal.errors import ConfigError, ShoalError
+from shoal.progress import ProgressBar
 from shoal.seeding import derive_seed
 from shoal.task import SimulationData, Task, UserCodeError, as_tensors
 
@@ -39,7 +40,7 @@ from .client_data import load_simulation_data
 from .experiment import run_simulation
 from .inprocess import InProcessSimulation
 from .mia import loss_threshold_audit
-from .run_loop import OnRecord, ProgressBar
+from .run_loop import OnRecord
 
 log = logging.getLogger(__name__)
 

@@ -205,7 +205,7 @@ def wait(
 ) -> None:
     """Wait until the run ends, with a progress bar of its rounds (and what it waits for); exit 0
     when it finished, 1 when it failed or was stopped (its reason on stderr)."""
-    from shoal.simulations.run_loop import ProgressBar
+    from shoal.progress import ProgressBar
 
     api = Api(server, token_file, ca_cert)
     end = time.monotonic() + timeout if timeout > 0 else float("inf")
