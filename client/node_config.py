@@ -73,6 +73,7 @@ class Limits:
     require_secure_aggregation: bool = False  # take part only in securely aggregated runs
     min_noise_multiplier: float = 0.0  # under DP, privacy.noise_multiplier at least this
     max_target_epsilon: float = 0.0  # under DP, privacy.target_epsilon set and at most this
+    min_abort_bound: float = 0.0  # distributed DP, secure: privacy.abort_bound at least this (0: any)
     max_parameters: int = 0  # the largest model this node trains (0: no limit)
 
 
@@ -218,6 +219,8 @@ def load_node_config(path: Path) -> NodeConfig:
         setattr(limits, key, value)
     if limits.min_secure_group < 3:
         raise ConfigError(f"limits.min_secure_group = {limits.min_secure_group} must be >= 3")
+    if limits.min_abort_bound > 1:
+        raise ConfigError(f"limits.min_abort_bound = {limits.min_abort_bound} must be a probability in [0, 1]")
     bad = sorted(set(limits.privacy_modes) - set(PRIVACY_MODES))
     if bad:
         raise ConfigError(f"limits.privacy_modes: {bad[0]!r} is not one of {PRIVACY_MODES}")

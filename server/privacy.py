@@ -50,6 +50,7 @@ import torch
 
 from shoal.accounting import check_delta_against
 from shoal.accounting import epsilon as dp_epsilon
+from shoal.accounting_aborts import bounded_branches, flip_probability
 from shoal.accounting_dpsgd import dp_sgd_schedule
 from shoal.accounting_rounds import DdgRoundAccountant, LedgerMismatch, RoundAccountant
 from shoal.accounting_server import ServerViewAccountant
@@ -75,9 +76,12 @@ REPORT_FIELDS = ("epsilon", "epsilon_next", "delta", "rounds")
 MAX_NODE_EPSILONS = 10_000  # nodes shown one by one in status / Prometheus
 
 
-def empty_round_rotation(round_: int) -> int:
-    """The public rotation seed of a discrete-Gaussian round that selected nobody (no secure session)."""
-    return rotation_seed(f"shoal-server/{round_}/empty".encode())
+def secret_rotation(round_: int) -> int:
+    """A rotation seed drawn as a secure round's is (server/secure_round.py: from its session, 16 bytes
+    from the OS), for a discrete-Gaussian round that releases noise alone (it selected nobody, or it
+    aborted): a seed anyone could derive would let them read that release on its lattice and tell
+    such a round from one with updates, whose rotation is secret."""
+    return rotation_seed(f"shoal-server/{round_}/".encode() + secrets.token_bytes(16))
 
 
 def check_deployable(cfg: Config) -> None:
@@ -195,6 +199,7 @@ class ServerPrivacy:
         # epsilon against the server itself (distributed DP under secure aggregation; bind)
         self.server_view: ServerViewAccountant | None = None
         self._saved_server_view: dict | None = None
+        self.empty_rotation = 0  # the secret rotation seed of the open round's noise-only release (DDG)
 
     # --- set-up ----------------------------------------------------------------------
 
@@ -247,6 +252,8 @@ class ServerPrivacy:
             # z_eff when the rounds' figures are released noised too (PrivacyPlan.accounted_z)
             self.accountant = self.plan.round_accountant(q, sampling="poisson", clip=clip)
         self.server_view = self.plan.server_view_accountant(ddg)
+        if self.noise_shares:  # secure distributed DP: what its aborts cost
+            self._charge_aborts(registered, q)
         self._restore_ledger()  # a restart: earlier rounds as they ran, whatever z is now
         if self.accountant.rounds != self.rounds_charged:
             raise ConfigError(
@@ -265,13 +272,6 @@ class ServerPrivacy:
                 "privacy.noise_multiplier"
             )
         rounds.poisson_rate = q
-        if self.noise_shares:  # the simulator charges this (shoal.accounting_aborts); the server cannot yet
-            log.warning(
-                "privacy: whether a secure round aborts (fewer than t = %d survivors) depends on who was sampled, "
-                "and the network's dropouts are not modelled: the reported epsilon does not cover it "
-                "(docs/privacy.md, 'Aborted rounds under Poisson sampling')",
-                self.noise_shares,
-            )
         # Poisson draws and task seeds from a keyed hash of 256 bits from the OS: nobody can
         # recompute them from the config, nor from the task seeds the nodes see
         rounds.secret = secrets.token_bytes(32)
@@ -283,6 +283,33 @@ class ServerPrivacy:
             f"; each node adds N(0, {self.share_std:.4g}^2) for t = {self.noise_shares} survivors at least"
             if self.noise_shares
             else "",
+        )
+
+    def _charge_aborts(self, registered: int, q: float) -> None:
+        """Secure distributed DP: an aborted round releases what an empty round does (SecureRound.close),
+        and whether a round aborts depends on who was sampled; the accountant prices each round as the
+        mixture of shoal.accounting_aborts.bounded_branches: with probability privacy.abort_bound (never
+        below the chance without dropouts) a node's presence decides the abort, at sensitivity K_max C."""
+        assert self.accountant is not None
+        t, k_max = self.noise_shares, max(self.cohort, self.noise_shares)
+        least = flip_probability(registered, q, t, k_max)
+        bound = self.p.abort_bound
+        if bound < least:
+            raise ConfigError(
+                f"privacy.abort_bound = {bound:g} is below {least:.3g}, the chance that a sampled node's presence "
+                f"decides whether a round aborts even without dropouts (t = {t}, K_max = {k_max}, N = {registered}, "
+                f"q = {q:.4g}); raise it"
+            )
+        self.accountant.abort_branches = bounded_branches(bound, k_max)
+        log.log(
+            logging.WARNING if bound >= 1 else logging.INFO,
+            "privacy: a secure round that aborts (fewer than t = %d or more than K_max = %d survivors) is released "
+            "as an empty round; each round is charged as a node deciding the abort with probability %.3g (%s), "
+            "at sensitivity K_max C (docs/privacy.md, 'Aborted rounds')",
+            t,
+            k_max,
+            bound,
+            "privacy.abort_bound: the worst case, which makes epsilon large" if bound >= 1 else "privacy.abort_bound",
         )
 
     @property
@@ -343,11 +370,12 @@ class ServerPrivacy:
 
     def _empty_release(self, round_: int) -> Callable[[], torch.Tensor] | None:
         """The discrete Gaussian's release of a round without updates: K_max integer shares from the OS
-        CSPRNG, decoded in a public rotation of the round (:func:`empty_round_rotation`), like a secure
+        CSPRNG, decoded in a secret rotation of the round (:func:`secret_rotation`), like a secure
         round's sum (None: not the mechanism)."""
         if self.ddg is None:
             return None
-        codec = DdgCodec(self.ddg, empty_round_rotation(round_))
+        self.empty_rotation = secret_rotation(round_)
+        codec = DdgCodec(self.ddg, self.empty_rotation)
         shares = self.cohort
 
         def release() -> torch.Tensor:

@@ -419,8 +419,16 @@ class SecureRound:
             )
 
     def close(self, rounds: SyncRounds) -> RoundSummary | None:
-        """Hand the unmasked mean to ``rounds`` and finish it, or abort it; None if aborted."""
+        """Hand the unmasked mean to ``rounds`` and finish it, or abort it; None if aborted. Under
+        distributed DP an aborted round is finished as one that selected nobody: it releases the
+        noise alone, at a new version, like an empty round (shoal.accounting_aborts: whether it
+        aborts depends on who was sampled, and it must not show)."""
         if self.aborted is not None:
+            if self.privacy is not None and self.privacy.plan.client_shares:
+                log.warning(
+                    "round %d aborted by secure aggregation; released as an empty round: %s", self.round, self.aborted
+                )
+                return rounds.finish_empty()
             log.warning(
                 "round %d aborted by secure aggregation, model and version unchanged: %s", self.round, self.aborted
             )

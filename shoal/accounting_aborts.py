@@ -1,4 +1,6 @@
-"""What aborted secure rounds cost under Poisson sampling: a failure probability added to delta.
+"""What aborted secure rounds cost under Poisson sampling: a failure probability added to delta (the
+union bound, for aborts that release nothing) or, where an abort is released as an empty round (the
+simulator and `shoal server` under distributed DP), a mixture of sensitivities (the last section).
 
 Distributed DP with secure aggregation aborts a round whose survivors number fewer than t (nothing
 is unmasked; the model stays) or whose selection exceeds K_max (the encoding's headroom). Whether a
@@ -24,9 +26,10 @@ supports (infinite privacy loss). Each round is then dominated by "with probabil
 loss, otherwise the charged subsampled Gaussian" (a zero loss is dominated by it too), with
 phi = q (P[m = t_eff - 1] + P[m = 0] + P[m >= K_max]), m ~ Binomial(N - 1, q), and T rounds compose
 to delta_T(eps) = 1 - (1 - phi)^T (1 - delta_gauss(eps)) <= delta_gauss(eps) + T phi: the run's
-epsilon holds at the accountant's delta plus the summed phi of its rounds (the ledger records each
-round's phi; the reported delta is that sum). With dropouts the same argument with every O in the
-second list gives phi = q.
+epsilon holds at the accountant's delta plus the summed phi of its rounds (a ledger entry's
+``abort_delta``, which ledgers written before aborts were released as empty rounds carry). With
+dropouts the same argument with every O in the second list gives phi = q. :func:`abort_delta` is
+kept to compare (bench/abort_accounting.py).
 
 **The dropout model.** Without injected dropouts every sampled client's masked input reaches the
 sum, the protocol's own thresholds (floor(f m) + 1 of m) never bind, and a round aborts exactly
@@ -40,8 +43,8 @@ sample's size does not depend on the data, so neither does an abort.
 
 from __future__ import annotations
 
+from shoal.accounting_mixture import Branches, normalize
 from shoal.config import Config
-from shoal.errors import ConfigError
 
 
 def abort_delta(population: int, q: float, t: int, k_max: int) -> float:
@@ -59,31 +62,64 @@ def abort_delta(population: int, q: float, t: int, k_max: int) -> float:
     return min(q, q * (boundary + nobody + too_many))
 
 
-def simulated_abort_delta(cfg: Config, population: int, q: float, t: int, k_max: int) -> float:
-    """phi of one simulated secure round of distributed DP at rate ``q`` (0 under fixed-size sampling,
-    q where dropouts are injected: the module doc)."""
+# --- aborts released as empty rounds: a mixture, not a failure probability ---------------------
+#
+# When an aborted round releases exactly what a round that selected nobody releases (K_max noise
+# shares, a new version, the same record), an abort is no event of its own: the round's release is
+# f(S) = (sum of S's updates + noise) when t <= |S| <= K_max, else noise alone. With O revealed as
+# above, given m the pair is the Poisson-subsampled Gaussian of sensitivity s(m) C: s = t at
+# m = t - 1 (without x noise, with x a sum of t), s = K_max at m = K_max (without x a sum of K_max,
+# with x the round passes K_max: noise), s = 0 for m <= t - 2 or m > K_max (noise either way, m = 0
+# among them: x alone aborts, which now looks like nobody), s = 1 otherwise. Revealing m as well gives
+# the dominating pair whose loss is the m-weighted mixture (shoal.accounting_mixture): at most the
+# union bound's, since the tC and K_max C branches are dominated by the infinite loss it charges
+# them and m = 0 costs nothing here.
+
+
+def abort_branches(population: int, q: float, t: int, k_max: int) -> Branches:
+    """The branches (s, P[m in the branch]) of one Poisson round without dropouts whose aborts release
+    an empty round's noise (above), m ~ Binomial(N - 1, q)."""
+    if population < 1 or not 0 <= q <= 1 or t < 1 or k_max < t:
+        raise ValueError(f"abort_branches: N = {population}, q = {q}, t = {t}, K_max = {k_max}")
+    from scipy.stats import binom  # here: ~2 s to import, and only secure distributed DP calls it (abort_delta)
+
+    others = population - 1
+    boundary = float(binom.pmf(t - 1, others, q))
+    full = float(binom.pmf(k_max, others, q))
+    silent = (float(binom.cdf(t - 2, others, q)) if t >= 2 else 0.0) + float(binom.sf(k_max, others, q))
+    plain = max(0.0, 1.0 - boundary - full - silent)
+    return normalize([(0.0, silent), (1.0, plain), (float(t), boundary), (float(k_max), full)])
+
+
+def flip_probability(population: int, q: float, t: int, k_max: int) -> float:
+    """P[m = t - 1] + P[m = K_max]: the chance, without dropouts, that x's presence decides whether the
+    round aborts; a declared bound (privacy.abort_bound) below it is refused."""
+    from scipy.stats import binom  # here: ~2 s to import (abort_delta)
+
+    others = population - 1
+    return float(binom.pmf(t - 1, others, q)) + float(binom.pmf(k_max, others, q))
+
+
+def bounded_branches(bound: float, k_max: int) -> Branches:
+    """The branches of a round whose dropouts nobody bounds but a declaration: with probability ``bound``
+    (given x sampled) x's presence decides whether the round aborts, and then the release moves by at
+    most K_max C (one side is noise alone, the other a sum of at most K_max updates: also where x's
+    presence raised a stage threshold of the protocol, or passed K_max); otherwise by C."""
+    if not 0 <= bound <= 1:
+        raise ValueError(f"abort bound {bound} is not a probability")
+    return normalize([(1.0, 1.0 - bound), (float(k_max), bound)])
+
+
+def simulated_branches(cfg: Config, population: int, q: float, t: int, k_max: int) -> Branches | None:
+    """The abort branches of a simulated secure round of distributed DP whose aborts release an empty
+    round's noise: exact without injected dropouts, the worst case (K_max C whenever x is sampled)
+    with them; None under fixed-size sampling (a sample's size does not depend on the data)."""
     sa = cfg.secure_aggregation
     if cfg.privacy.sampling == "fixed":
-        return 0.0
-    if any(getattr(sa, f"dropout_{s}") > 0 for s in ("advertise", "share", "masked", "unmask")):
-        return q
-    if cfg.hierarchy.edge_failure > 0:
-        return q
+        return None
     t_eff = max(t, sa.min_inputs)
-    return abort_delta(population, q, t_eff, max(k_max, t_eff))
-
-
-def check_abort_delta(delta: float, phi: float, rounds: int, population: int, t: int) -> None:
-    """Refuse (ConfigError naming the numbers and the fix) a run whose aborts would take the composed
-    delta (privacy.delta + rounds phi) to 1/N, where it promises nothing."""
-    total = delta + rounds * phi
-    if phi > 0 and total >= 1.0 / population:
-        raise ConfigError(
-            f"distributed DP with secure aggregation: a round aborts when fewer than t = {t} of its clients "
-            f"survive, and whether it does depends on who was sampled; that costs delta {phi:.3g} a round "
-            f"(the chance a client is sampled with exactly t - 1 other survivors, or alone, or past K_max), "
-            f"{rounds} rounds make delta = {total:.3g} >= 1/N = {1 / population:.3g} (N = {population}), which "
-            "promises nothing. Make t - 1 survivors improbable: more clients (N) or a larger "
-            "clients_per_round, a lower privacy.min_survivors (if set), fewer rounds, "
-            'or privacy.sampling = "fixed" (its size does not depend on the data)'
-        )
+    if any(getattr(sa, f"dropout_{s}") > 0 for s in ("advertise", "share", "masked", "unmask")):
+        return bounded_branches(1.0, max(k_max, t_eff))
+    if cfg.hierarchy.edge_failure > 0:
+        return bounded_branches(1.0, max(k_max, t_eff))
+    return abort_branches(population, q, t_eff, max(k_max, t_eff))

@@ -19,6 +19,16 @@ from shoal.accounting import (
     subsampled_gaussian,
 )
 from shoal.accounting_ddg import DDG_KEYS, ROUNDING_VAR, ddg_round_gaussian, ddg_round_rdp
+from shoal.accounting_mixture import (
+    NEGLIGIBLE,
+    PLAIN,
+    Branches,
+    as_json,
+    mixture_pld_epsilon,
+    mixture_rdp,
+    normalize,
+    split_tail,
+)
 
 
 class LedgerMismatch(ValueError):
@@ -38,7 +48,7 @@ class RoundLedger:
     MECHANISM = ""  # the entries' "mechanism", privacy.mechanism's value for it
     ENTRY_KEYS: tuple[str, ...] = ()  # what an entry records (besides "rounds"): :meth:`_current`'s keys
     # entry keys an older ledger may lack, with the value they then had (aborts were not charged)
-    DEFAULTS: dict = {"abort_delta": 0.0}
+    DEFAULTS: dict = {"abort_delta": 0.0, "abort_branches": as_json(PLAIN)}
 
     def __init__(self, delta: float, kind: str):
         self.delta, self.kind = delta, kind
@@ -46,6 +56,9 @@ class RoundLedger:
         # each round's failure probability from secure aggregation's aborts (shoal.accounting_aborts):
         # the epsilon holds at delta plus the ledger's sum of it (composed_delta)
         self.abort_delta = 0.0
+        # or priced as a mixture: (s, p) = with probability p the round has sensitivity s C
+        # (shoal.accounting_mixture; an aborted round released like an empty one)
+        self.abort_branches: Branches = PLAIN
 
     def _current(self) -> dict:
         raise NotImplementedError
@@ -138,11 +151,19 @@ class RoundLedger:
                 raise ValueError(f"a privacy ledger entry lacks one of {keys}: {str(e)[:200]}")
             if int(e["rounds"]) < 0 or not 0 <= float(e["q"]) <= 1 or not 0 <= float(e["abort_delta"]) <= 1:
                 raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
+            e["abort_branches"] = as_json(normalize(e["abort_branches"]))  # ValueError if it is not one
             kind._check_entry(e)
             entries.append({k: e[k] for k in keys})
         if unfit:
             raise LedgerMismatch(self._mismatch(unfit))
         self.ledger = entries
+
+    def _aborts_note(self) -> str:
+        """For :meth:`describe`: the abort branches the rounds are priced with (empty without)."""
+        if self.abort_branches == PLAIN:
+            return ""
+        mix = ", ".join(f"{s:g} C with P = {p:.3g}" for s, p in self.abort_branches)
+        return f"; an aborted round released as an empty one, each round the mixture of sensitivities {mix}"
 
     def _mixed_note(self) -> str:
         """For :meth:`describe`: how a ledger of both Gaussians is composed (empty when it is not)."""
@@ -243,7 +264,9 @@ class RoundAccountant(RoundLedger):
         self.sampling, self.num_clients, self.sample_size, self.clip = sampling, num_clients, sample_size, clip
 
     MECHANISM = "gaussian"
-    ENTRY_KEYS = ("mechanism", "sampling", "q", "z", "clip", "num_clients", "sample_size", "abort_delta")
+    ENTRY_KEYS = (
+        "mechanism", "sampling", "q", "z", "clip", "num_clients", "sample_size", "abort_delta", "abort_branches"
+    )  # fmt: skip
 
     def _current(self) -> dict:
         return {
@@ -255,6 +278,7 @@ class RoundAccountant(RoundLedger):
             "num_clients": self.num_clients,
             "sample_size": self.sample_size,
             "abort_delta": self.abort_delta,
+            "abort_branches": as_json(self.abort_branches),
         }
 
     @staticmethod
@@ -263,6 +287,8 @@ class RoundAccountant(RoundLedger):
             raise ValueError(f"a privacy ledger entry out of range: {str(e)[:200]}")
 
     def _price(self, entries: list[dict]) -> float:
+        if any(branches_of(e) != PLAIN for e in entries):  # Poisson rounds priced as mixtures
+            return mixed_ledger_epsilon(entries, self.delta, self.kind)
         segments = tuple(
             (e["sampling"], float(e["q"]), float(e["z"]), e["num_clients"], e["sample_size"], int(e["rounds"]))
             for e in entries
@@ -290,7 +316,7 @@ class RoundAccountant(RoundLedger):
         earlier = self.earlier_rounds()
         if earlier:
             text += f"; composed with {earlier} earlier rounds of other parameters"
-        return text + self._mixed_note()
+        return text + self._aborts_note() + self._mixed_note()
 
 
 def epsilon_ddg(q: float, ddg: dict, steps: int, delta: float, kind: str = "rdp") -> float:
@@ -309,9 +335,9 @@ class DdgRoundAccountant(RoundLedger):
     ledger records every charged round's parameters, so a restart composes them as they ran."""
 
     MECHANISM = "discrete_gaussian"
-    ENTRY_KEYS = ("mechanism", "sampling", "q", *DDG_KEYS, "release_z", "abort_delta")
+    ENTRY_KEYS = ("mechanism", "sampling", "q", *DDG_KEYS, "release_z", "abort_delta", "abort_branches")
     # ledgers written before the noised release (or the aborts) were charged had none
-    DEFAULTS = {"release_z": 0.0, "abort_delta": 0.0}
+    DEFAULTS = {"release_z": 0.0, "abort_delta": 0.0, "abort_branches": as_json(PLAIN)}
 
     def __init__(self, q: float, ddg: dict, delta: float, release_z: float = 0.0, kind: str = "rdp"):
         if kind not in ACCOUNTANTS:
@@ -340,6 +366,7 @@ class DdgRoundAccountant(RoundLedger):
             **self.ddg,
             "release_z": self.release_z,
             "abort_delta": self.abort_delta,
+            "abort_branches": as_json(self.abort_branches),
         }
 
     @staticmethod
@@ -362,12 +389,7 @@ class DdgRoundAccountant(RoundLedger):
         )
 
     def _price(self, entries: list[dict]) -> float:
-        if self.kind == "pld":
-            return pld_ledger_epsilon(entries, self.delta)
-        total = [0.0] * len(LEDGER_ORDERS)
-        for e in entries:
-            total = [t + int(e["rounds"]) * r for t, r in zip(total, self.rdp_curve(e), strict=True)]
-        return rdp_to_epsilon(LEDGER_ORDERS, total, self.delta)
+        return mixed_ledger_epsilon(entries, self.delta, self.kind)
 
     def describe(self) -> str:
         d = self.ddg
@@ -396,7 +418,7 @@ class DdgRoundAccountant(RoundLedger):
         earlier = self.earlier_rounds()
         if earlier:
             text += f"; composed with {earlier} earlier rounds of other parameters"
-        return text + self._mixed_note()
+        return text + self._aborts_note() + self._mixed_note()
 
 
 @lru_cache(maxsize=256)
@@ -412,24 +434,61 @@ def _gaussian_round_rdp(q: float, z: float) -> tuple[float, ...]:
     return tuple(float(r) for r in acc.rdp)
 
 
+def branches_of(e: dict) -> Branches:
+    """The entry's abort branches (shoal.accounting_mixture; PLAIN: sensitivity C in every round)."""
+    return normalize(e.get("abort_branches", PLAIN))
+
+
+def _entry_gaussian(e: dict) -> tuple[float, float]:
+    """(z, b) of one unsampled round of entry ``e`` at sensitivity C: its multiplier as a continuous
+    Gaussian and the pointwise factor e^{+-b} (0 for the continuous Gaussian itself)."""
+    if e["mechanism"] == RoundAccountant.MECHANISM:
+        if e["sampling"] != "poisson":
+            raise ValueError("fixed-size rounds are not composed with Poisson rounds of another mechanism")
+        return float(e["z"]), 0.0
+    return ddg_round_gaussian(e)
+
+
+def entry_rdp(e: dict) -> tuple[float, ...]:
+    """One round of entry ``e`` in RDP at LEDGER_ORDERS: the mixture of its abort branches, each the
+    round at s times the sensitivity (s^2 the discrete Gaussian's Delta_2^2, and the noised figures'
+    multiplier over s: a branch of s clients moves the count by s and the loss sum by s L)."""
+    curves: list[tuple[float, tuple[float, ...] | None]] = []
+    for s, p in branches_of(e):
+        if s <= 0:
+            curves.append((p, None))
+        elif e["mechanism"] == RoundAccountant.MECHANISM:
+            if e["sampling"] != "poisson":
+                raise ValueError("fixed-size rounds are not composed with Poisson rounds of another mechanism")
+            curves.append((p, _gaussian_round_rdp(float(e["q"]), float(e["z"]) / s)))
+        else:
+            scaled = {**e, "sensitivity_sq": float(e["sensitivity_sq"]) * s * s}
+            scaled["release_z"] = float(e["release_z"]) / s
+            curves.append((p, DdgRoundAccountant.rdp_curve(scaled)))
+    if len(curves) == 1 and curves[0][1] is not None:
+        return curves[0][1]
+    return mixture_rdp(curves, LEDGER_ORDERS)
+
+
 def pld_ledger_epsilon(entries: list[dict], delta: float) -> float:
     """epsilon at ``delta`` of Poisson-sampled rounds of the continuous Gaussian (``z`` is the multiplier
     the round was charged at) and of the distributed discrete Gaussian (each the continuous Gaussian of
     :func:`ddg_round_gaussian` up to a pointwise factor e^{+-b}), by dp-accounting's PLD: the
-    Gaussians' epsilon at delta e^-B, plus 2B, B the rounds' factors summed (shoal.accounting_ddg)."""
-    segments, slack = [], 0.0
+    Gaussians' epsilon at delta e^-B, plus 2B, B the rounds' factors summed (shoal.accounting_ddg).
+    Rounds with abort branches are their mixture (shoal.accounting_mixture): the factor e^{+-b} is
+    pointwise, whatever the sensitivity, so it holds for every branch and for their mixture."""
+    segments, mixed, slack = [], [], 0.0
     for e in entries:
-        if e["mechanism"] == RoundAccountant.MECHANISM:
-            if e["sampling"] != "poisson":
-                raise ValueError("fixed-size rounds are not composed with Poisson rounds of another mechanism")
-            z, b = float(e["z"]), 0.0
-        else:
-            z, b = ddg_round_gaussian(e)
+        z, b = _entry_gaussian(e)
         slack += int(e["rounds"]) * b
-        segments.append(("poisson", min(float(e["q"]), 1.0), z, None, None, int(e["rounds"])))
+        q, rounds = min(float(e["q"]), 1.0), int(e["rounds"])
+        segments.append(("poisson", q, z, None, None, rounds))
+        mixed.append((q, z, branches_of(e), rounds))
     if not math.isfinite(slack):
         return math.inf
     target = delta * math.exp(-slack)
+    if any(br != PLAIN for _, _, br, _ in mixed):
+        return mixture_pld_epsilon(tuple(mixed), target) + 2 * slack
     if len(segments) == 1:
         _, q, z, _, _, r = segments[0]
         return epsilon(q, z, r, target, "pld") + 2 * slack
@@ -437,21 +496,39 @@ def pld_ledger_epsilon(entries: list[dict], delta: float) -> float:
 
 
 def mixed_ledger_epsilon(entries: list[dict], delta: float, kind: str = "rdp") -> float:
-    """epsilon at ``delta`` of a ledger holding Poisson-sampled rounds of both the continuous Gaussian
-    (``z`` is the multiplier the round was charged at) and the distributed discrete Gaussian. With
-    ``kind = "pld"`` by :func:`pld_ledger_epsilon`; else in RDP, which composes by adding the curves
-    at each order, the total converted with :func:`rdp_to_epsilon`."""
+    """epsilon at ``delta`` of a ledger of Poisson-sampled rounds of the continuous Gaussian (``z`` is
+    the multiplier the round was charged at) and the distributed discrete Gaussian, either or both,
+    with or without abort branches. With ``kind = "pld"`` by :func:`pld_ledger_epsilon`; else in
+    RDP, which composes by adding the curves at each order, the total converted with
+    :func:`rdp_to_epsilon`. Where rounds have branches above sensitivity C, also with the negligible
+    ones, and then all of them, charged as an infinite loss (their probability times q, summed over the
+    rounds, taken from delta: shoal.accounting_mixture.split_tail); the smallest epsilon, all upper
+    bounds."""
+    best = _ledger_epsilon(entries, delta, kind)
+    for rarer_than in (NEGLIGIBLE, 1.0):
+        cut, spent = [], 0.0
+        for e in entries:
+            rest, tail = split_tail(branches_of(e), rarer_than)
+            cut.append({**e, "abort_branches": as_json(rest)})
+            spent += int(e["rounds"]) * min(float(e["q"]), 1.0) * tail
+        if 0 < spent < delta:
+            best = min(best, _ledger_epsilon(cut, delta - spent, kind))
+    return best
+
+
+def _ledger_epsilon(entries: list[dict], delta: float, kind: str) -> float:
     if kind == "pld":
         return pld_ledger_epsilon(entries, delta)
+    if all(e["mechanism"] == RoundAccountant.MECHANISM and branches_of(e) == PLAIN for e in entries):
+        segments = tuple(
+            ("poisson", min(float(e["q"]), 1.0), float(e["z"]), None, None, int(e["rounds"])) for e in entries
+        )
+        if len(segments) == 1:  # dp-accounting's RDP at its own orders, as a round without aborts
+            return epsilon(segments[0][1], segments[0][2], segments[0][5], delta, "rdp")
+        return epsilon_of_segments(segments, delta, "rdp")
     total = [0.0] * len(LEDGER_ORDERS)
     for e in entries:
-        if e["mechanism"] == RoundAccountant.MECHANISM:
-            if e["sampling"] != "poisson":
-                raise ValueError("fixed-size rounds are not composed with Poisson rounds of another mechanism")
-            curve = _gaussian_round_rdp(float(e["q"]), float(e["z"]))
-        else:
-            curve = DdgRoundAccountant.rdp_curve(e)
-        total = [t + int(e["rounds"]) * r for t, r in zip(total, curve, strict=True)]
+        total = [t + int(e["rounds"]) * r for t, r in zip(total, entry_rdp(e), strict=True)]
     return rdp_to_epsilon(LEDGER_ORDERS, total, delta)
 
 

@@ -443,8 +443,8 @@ def build_simulation(
     secure = size_secure_rounds(cfg, n, spec.numel)  # t, K_max and the discrete Gaussian, checked
     ddg = secure.ddg_accounting() if secure is not None else None  # then accounted with its own bound
     sizes = {c: shards.size(i) for i, c in enumerate(client_ids)}
-    aborts = (secure.abort_delta, secure.noise_shares) if secure is not None else (0.0, 0)  # what aborts cost
-    privacy = PrivacyBudget(cfg, sizes, strategy, None, ddg, *aborts) if plan_of(cfg).enabled else None
+    aborts = secure.abort_branches if secure is not None else None  # what a round costs with its aborts
+    privacy = PrivacyBudget(cfg, sizes, strategy, None, ddg, aborts) if plan_of(cfg).enabled else None
     noise = None  # distributed DP's share: N(0, z^2 C^2 / t), t = secure aggregation's survivors or those selected
     if plan_of(cfg).client_shares and ddg is None:
         noise = DistributedNoise(cfg, rounds, *((secure.noise_shares, secure.max_summands) if secure else ()))

@@ -34,6 +34,8 @@ class Floors(Protocol):
     def max_target_epsilon(self) -> float: ...
     @property
     def max_parameters(self) -> int: ...
+    @property
+    def min_abort_bound(self) -> float: ...
 
 
 def below_floor(floors: Floors, cfg: Config, whose: str, parameters: int | None = None) -> str | None:
@@ -60,6 +62,11 @@ def below_floor(floors: Floors, cfg: Config, whose: str, parameters: int | None 
         if p.noise_multiplier < f.min_noise_multiplier:
             z, z_min = p.noise_multiplier, f.min_noise_multiplier
             return f"privacy.noise_multiplier = {z:g} is below {whose} floor of {z_min:g}"
+        if p.mode == "distributed" and sa.enabled and p.abort_bound < f.min_abort_bound:
+            return (
+                f"privacy.abort_bound = {p.abort_bound:g} is below {whose} floor of {f.min_abort_bound:g} (the "
+                "operator's bound on a node deciding whether a secure round aborts)"
+            )
         if f.max_target_epsilon and not 0 < p.target_epsilon <= f.max_target_epsilon:
             return (
                 f"privacy.target_epsilon = {p.target_epsilon:g}: {whose} operator needs a target epsilon "

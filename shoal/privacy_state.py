@@ -25,8 +25,8 @@ from pathlib import Path
 import torch
 
 from shoal.accounting import Accountant, budget_allows, check_delta_against
-from shoal.accounting_aborts import check_abort_delta
 from shoal.accounting_dpsgd import LocalDpSgdAccountant, local_schedule
+from shoal.accounting_mixture import Branches
 from shoal.accounting_rounds import RoundLedger
 from shoal.aggregation import Strategy
 from shoal.aggregation.dp import DPMean, clip_to_norm, make_generator, noise_share, share_std
@@ -97,16 +97,15 @@ class PrivacyBudget:
         strategy: Strategy | None = None,
         sampling: str | None = None,
         ddg: dict | None = None,
-        abort_delta: float = 0.0,
-        noise_shares: int = 0,
+        abort_branches: Branches | None = None,
     ):
         """``sampling``: how the engine picks who trains, for records (default: the sync rounds'
         sampling, :func:`round_sampling`; gossip says ``online``: every online peer trains).
         ``ddg``: the distributed discrete Gaussian's parameters when that is the mechanism
         (shoal.secure_sizing sizes them; SecureSizing.ddg_accounting), accounted with its own bound.
-        ``abort_delta``: each round's failure probability from secure aggregation's aborts of fewer
-        than ``noise_shares`` (t) survivors (shoal.accounting_aborts), charged in the ledger and added
-        to the delta the records report; a run whose rounds would take that delta to 1/N is refused."""
+        ``abort_branches``: what each round costs when secure aggregation's aborts are released as empty
+        rounds (shoal.accounting_aborts: a mixture of sensitivities by the others' sample), recorded
+        in the ledger and priced by the accountant."""
         p = cfg.privacy
         self.plan = plan_of(cfg)
         agg = strategy.aggregator if strategy is not None else None
@@ -131,13 +130,14 @@ class PrivacyBudget:
         self.server_view = self.plan.server_view_accountant(ddg)
         check_delta(p.delta, p.mode, client_sizes)
         self.population = len(client_sizes)
-        if abort_delta > 0 and isinstance(self.accountant, RoundLedger):
-            check_abort_delta(p.delta, abort_delta, cfg.simulation.rounds, self.population, noise_shares)
-            self.accountant.abort_delta = abort_delta
+        # an aborted round is released as an empty one (InProcessSimulation), priced as these branches
+        self.aborts_released = abort_branches is not None and isinstance(self.accountant, RoundLedger)
+        if abort_branches is not None and isinstance(self.accountant, RoundLedger):
+            self.accountant.abort_branches = abort_branches
             log.info(
-                "privacy: secure aggregation's aborts cost delta %.3g a round (shoal.accounting_aborts); the "
-                "epsilon holds at privacy.delta plus that per charged round",
-                abort_delta,
+                "privacy: an aborted secure round is released as an empty one; each round is charged as the "
+                "mixture (sensitivity x C, probability) %s (shoal.accounting_aborts)",
+                ", ".join(f"({s:g}, {q:.3g})" for s, q in abort_branches),
             )
         self.reproducible = p.reproducible
         log.info("privacy accounting: %s; %s", self.accountant.describe(), self.plan.describe_release())

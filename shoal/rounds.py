@@ -409,6 +409,18 @@ class SyncRounds:
             }
         return self._summary(failed=False)
 
+    def finish_empty(self) -> RoundSummary:
+        """Close the open round as one that selected nobody, dropping anything summed into it (secure
+        distributed DP's abort: the DP noise of an empty round is released, so that an abort shows as
+        nothing of its own; shoal.accounting_aborts). Its selected clients are not late."""
+        if not self.open:
+            raise RuntimeError("finish_empty called with no open round")
+        self.strategy.begin(self.global_params)
+        self.selected, self.received = {}, set()
+        self._examples, self._loss_sum, self._losses = 0, 0.0, []
+        self._late_count, self._late_hist = 0, {}
+        return self._finish_empty()
+
     def _finish_empty(self) -> RoundSummary:
         """Poisson sampling picked nobody: a strategy that releases something without updates
         (DP noise, so that an empty round looks like any other) makes a new version; any other

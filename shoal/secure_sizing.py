@@ -23,7 +23,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from shoal.accounting_aborts import simulated_abort_delta
+from shoal.accounting_aborts import simulated_branches
+from shoal.accounting_mixture import Branches
 from shoal.aggregation.discrete_gaussian import DdgParams, plan
 from shoal.aggregation.dp import cohort_cap, share_std
 from shoal.aggregation.secagg import SecAggParams, SecAggServer
@@ -45,7 +46,8 @@ class SecureSizing:
     expected_dropout: float
     noise_shares: int = 0
     ddg: DdgParams | None = None
-    abort_delta: float = 0.0  # distributed DP: each round's failure probability from aborts (accounting_aborts)
+    # distributed DP: what a round costs, its aborts released as empty rounds (accounting_aborts); None: nothing
+    abort_branches: Branches | None = None
 
     def ddg_accounting(self) -> dict | None:
         """The discrete Gaussian's parameters as its accountant takes them (None: not the mechanism)."""
@@ -90,10 +92,10 @@ def size_secure_rounds(cfg: Config, num_clients: int, numel: int) -> SecureSizin
     if not plan_of(cfg).client_shares:
         return SecureSizing(k, most, dropout)
     t = max(min_survivors(sa, k, dropout), math.ceil(p.min_survivors * k - 1e-9))
-    aborts = simulated_abort_delta(cfg, n, k / n, t, most)  # whether a round aborts depends on the sample
+    aborts = simulated_branches(cfg, n, k / n, t, most)  # whether a round aborts depends on the sample
     if p.mechanism == "discrete_gaussian":
         ddg = plan(numel, p.clip_norm, p.noise_multiplier, t, most, p.bits, p.beta, p.gamma, p.rotation)
         return SecureSizing(k, most, dropout, t, ddg, aborts)
     if p.noise_multiplier > 0:
         check_noise_range(values, p.clip_norm, share_std(p.clip_norm, p.noise_multiplier, t), t)
-    return SecureSizing(k, most, dropout, t, abort_delta=aborts)
+    return SecureSizing(k, most, dropout, t, abort_branches=aborts)

@@ -275,7 +275,18 @@ class InProcessSimulation:
         return summary
 
     def _abort_round(self, why: str) -> RoundSummary:
-        log.warning("round %d aborted, model unchanged: %s", self.rounds.round, why)
+        """Where the accountant prices aborts as released (PrivacyBudget.aborts_released: distributed DP,
+        Poisson sampling) the aborted round is released as one that selected nobody (its noise alone, a
+        new version), as `shoal server` does: whether a round aborts depends on the sample
+        (shoal.accounting_aborts). Otherwise (a fixed-size sample, whose size does not depend on the
+        data) the model stays."""
+        empty = self.privacy is not None and self.privacy.aborts_released
+        log.warning(
+            "round %d aborted, %s: %s",
+            self.rounds.round,
+            "released as an empty round" if empty else "model unchanged",
+            why,
+        )
         if self.secure_aggregation is not None:
             self.secure_aggregation.last = {"aborted": why}
         if self.privacy is not None:  # charged like any round that started (docs/privacy.md)
@@ -283,7 +294,7 @@ class InProcessSimulation:
         for cid in self.rounds.selected:  # nothing was applied: error feedback keeps it all
             self.wire.not_accepted(cid)
         self.settle(None)
-        return self.rounds.abort_round()
+        return self.rounds.finish_empty() if empty else self.rounds.abort_round()
 
     def steps(self) -> Iterator[Step]:
         """``simulation.rounds`` rounds (fewer when the privacy budget runs out), as run-loop steps:

@@ -8,7 +8,8 @@ weighted mean ``sum_k w_k delta_k / sum_k w_k``, once per included client with t
 client's example count, so its own weighting reproduces the same mean. What each client masks
 for SCAFFOLD and FedNova (its control-variate delta; its update over its step weight) is
 aggregation/secagg/payload.py's, shared with the server and the nodes. A round the
-protocol aborts (too few survivors) applies nothing: the global model and version stay.
+protocol aborts (too few survivors) applies no sum: under distributed DP with Poisson sampling it
+releases an empty round's noise, else the global model and version stay.
 
 The sizing (t, K_max, the discrete Gaussian's parameters) is shoal/secure_sizing.py's, done when
 shoal.assembly builds the simulation's parts; this runner only reads it (``sim.parts.secure``).
@@ -21,7 +22,8 @@ and a round whose survivors number fewer than t is aborted before its sum is use
 applied sum carries at least N(0, z²C²). The fixed-point range is checked against the share's
 std (aggregation.secagg.encoding.check_noise_range). Aborted rounds are charged by the
 accountant like any other, and under Poisson sampling that a round aborts depends on the sample:
-each round adds its failure probability to delta (shoal.accounting_aborts, SecureSizing.abort_delta).
+the aborted round is released as an empty one (InProcessSimulation) and each round priced as a
+mixture of sensitivities (shoal.accounting_aborts, SecureSizing.abort_branches).
 The DP mean tops the sum of n survivors' shares up to K_max = the most summands a round is encoded
 for (a round with more aborts), so the released noise is K_max z²C²/t whatever n is and does not
 tell a recipient how many took part.

@@ -174,6 +174,9 @@ class FederationConfig:
     require_secure_aggregation: bool = False  # every run must set secure_aggregation.enabled = true
     min_noise_multiplier: float = 0.0  # under DP: the least privacy.noise_multiplier a run may set
     max_target_epsilon: float = 0.0  # under DP: a run must set privacy.target_epsilon at most this (0: no limit)
+    # distributed DP with secure aggregation: the least privacy.abort_bound a run may declare (the operator's
+    # bound on a node deciding a round's abort; 1 = the worst case; docs/privacy.md "Aborted rounds")
+    min_abort_bound: float = 1.0
 
     def validate(self) -> None:
         positive("federation.max_runs", self.max_runs)
@@ -186,6 +189,8 @@ class FederationConfig:
         positive("federation.max_bundle_mb", self.max_bundle_mb, allow_zero=True)
         for key in ("max_epochs", "max_rounds", "max_parameters", "min_noise_multiplier", "max_target_epsilon"):
             positive(f"federation.{key}", getattr(self, key), allow_zero=True)
+        if not 0 <= self.min_abort_bound <= 1:
+            raise ConfigError(f"federation.min_abort_bound = {self.min_abort_bound} must be a probability in [0, 1]")
         if self.min_secure_group < MIN_SECURE_INPUTS:
             raise ConfigError(
                 f"federation.min_secure_group = {self.min_secure_group} must be >= {MIN_SECURE_INPUTS} "

@@ -46,6 +46,11 @@ class PrivacyConfig:
     # distributed DP with secure aggregation: noise shares are sized for t = max(the protocol's
     # threshold, ceil(min_survivors * K)) survivors, and a round with fewer is aborted; 0 = the threshold
     min_survivors: float = 0.0
+    # distributed DP with secure aggregation in `shoal server` (Poisson): an upper bound on the chance that
+    # a sampled node's presence decides whether a round aborts (dropouts and the protocol's thresholds,
+    # which the server cannot bound); 1 = the worst case. Below 1 only as the operator declares it
+    # (federation.min_abort_bound); docs/privacy.md "Aborted rounds"
+    abort_bound: float = 1.0
     # distributed DP's noise: gaussian (continuous shares, then fixed-point encoding) or discrete_gaussian
     # (the distributed discrete Gaussian of Kairouz et al. 2021: integer noise in the modular domain
     # secure aggregation sums; needs secure aggregation)
@@ -96,6 +101,8 @@ class PrivacyConfig:
         positive("privacy.target_epsilon", self.target_epsilon, allow_zero=True)
         if not 0 < self.delta < 1:
             raise ConfigError(f"privacy.delta = {self.delta} must be in (0, 1)")
+        if not 0 <= self.abort_bound <= 1:
+            raise ConfigError(f"privacy.abort_bound = {self.abort_bound} must be a probability in [0, 1]")
         if not 0 <= self.min_survivors <= 1:
             raise ConfigError(
                 f"privacy.min_survivors = {self.min_survivors} must be a fraction of the round's clients in [0, 1]"

@@ -9,7 +9,6 @@ from shoal import assembly
 from shoal.accounting_rounds import DdgRoundAccountant
 from shoal.assembly import Batching, ClientParts, GossipParts, ServerParts, SimulationParts
 from shoal.config import load_config
-from shoal.errors import ConfigError
 from shoal.rounds import SyncRounds
 from shoal.server.service import ServerService
 from shoal.simulations.dp_hooks import DistributedNoise
@@ -70,11 +69,14 @@ def test_secure_dp_parts_are_final_when_built(mechanism):
         *('privacy.mode="distributed"', f'privacy.mechanism="{mechanism}"', "privacy.noise_multiplier=0.8"),
         "privacy.reproducible=true",
     )
-    c = cfg(*extra, "simulation.rounds=1")  # N = 8: a round's aborts cost delta 0.086; 3 rounds pass 1/N
+    c = cfg(*extra, "simulation.rounds=1")
     parts = assembly.build(c, None, "simulation")
     sizing, privacy = parts.secure, parts.privacy
-    # the aborts' failure probability, q (P[2 other survivors] + P[no other]) of Binomial(7, 1/2), is charged
-    assert sizing is not None and sizing.abort_delta == pytest.approx(0.5 * (21 + 1) / 128)
+    # N = 8, t = 3: an aborted round is released as an empty one, and the round priced as the mixture of
+    # Binomial(7, 1/2) others: m <= 1 nothing, m = 2 sensitivity 3C (P = 21/128), else C
+    assert sizing is not None and sizing.abort_branches is not None
+    assert [s for s, _ in sizing.abort_branches] == [0.0, 1.0, 3.0]
+    assert [p for _, p in sizing.abort_branches] == pytest.approx([8 / 128, 99 / 128, 21 / 128])
     assert parts.runner == "secure_aggregation" and sizing is not None and privacy is not None
     accountant = privacy.accountant
     if mechanism == "discrete_gaussian":  # the mechanism's own bound, and no continuous noise step
@@ -88,10 +90,8 @@ def test_secure_dp_parts_are_final_when_built(mechanism):
     assert [s for s in steps if isinstance(s, DistributedNoise)] == ([] if parts.noise is None else [parts.noise])
     sim.run_round()
     assert sim.privacy is privacy and privacy.accountant is accountant and accountant.rounds == 1
-    assert accountant.ledger[0]["abort_delta"] == sizing.abort_delta  # in the ledger, and in the reported delta
-    assert privacy.metrics()["delta"] == pytest.approx(1e-5 + sizing.abort_delta)
-    with pytest.raises(ConfigError, match=r"3 rounds make delta = 0\.258 >= 1/N = 0\.125 \(N = 8\)"):
-        assembly.build(cfg(*extra), None, "simulation")
+    assert accountant.ledger[0]["abort_branches"] == [list(b) for b in sizing.abort_branches]  # in the ledger
+    assert "abort_delta" not in privacy.metrics()  # nothing added to delta
     assert sim.client_steps == steps and sim.rounds is parts.rounds
     assert sim.secure_aggregation is not None and sim.secure_aggregation.sizing is sizing
 

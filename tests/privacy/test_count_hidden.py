@@ -75,10 +75,10 @@ def test_the_discrete_gaussians_sum_arrives_topped_up(tmp_path):
     """The distributed discrete Gaussian: the server tops the unmasked sum up to K_max shares in the
     integers (DdgCodec.top_up), so the DP mean adds no continuous noise to a round with updates (which
     would leave only a round of all K_max survivors on the lattice); a round that selected nobody
-    releases K_max integer shares decoded in its rotation, on the lattice like every other release
-    (continuous noise there would tell the empty round apart)."""
+    releases K_max integer shares decoded in a secret rotation drawn like a secure round's, on the
+    lattice like every other release (continuous noise, or a rotation anyone could derive, would tell
+    the empty round apart)."""
     from shoal.aggregation.discrete_gaussian import DdgCodec
-    from shoal.server.privacy import empty_round_rotation
     from shoal.server.store import open_service
 
     from ..server.live import small_config
@@ -94,11 +94,13 @@ def test_the_discrete_gaussians_sum_arrives_topped_up(tmp_path):
     agg = p.aggregator
     assert agg.topped_up and agg.missing_share_std() == 0.0
     released = agg.mean().double().numpy() * K  # the noise sum an empty round released
-    rotation = DdgCodec(p.ddg, empty_round_rotation(7)).rotation
+    rotation = DdgCodec(p.ddg, p.empty_rotation).rotation  # the round's secret, kept by the server
     steps = rotation.forward(released) / p.ddg.gamma
     assert np.abs(steps - np.round(steps)).max() < 0.01  # on the rotated integer lattice
     var = float(np.var(steps)) * p.ddg.gamma**2  # K_max shares of sigma^2 = z^2 C^2 / t each
     assert var == pytest.approx(10 * (Z * C) ** 2 / T, rel=0.1)
+    first = p.empty_rotation
     p.round_started([f"n{i}" for i in range(4)], 8)
+    assert p.empty_rotation != first  # a fresh secret every round
     agg.add(torch.zeros(agg.numel))
     assert agg.missing_share_std() == 0.0

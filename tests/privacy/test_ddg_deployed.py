@@ -27,7 +27,8 @@ def test_nodes_encode_the_discrete_gaussian_and_the_server_decodes_and_accounts_
         with d.config.open("a") as f:
             f.write(
                 '\n[privacy]\nmode = "distributed"\nmechanism = "discrete_gaussian"\nnoise_multiplier = 1.0\n'
-                "clip_norm = 1.0\n\n[secure_aggregation]\nenabled = true\nstage_s = 4.0\n"
+                # q = 1: no node's presence decides an abort without dropouts; the operator declares none
+                "clip_norm = 1.0\nabort_bound = 0.0\n\n[secure_aggregation]\nenabled = true\nstage_s = 4.0\n"
             )
         server = d.server("--insecure", "--set", f"server.clients_per_round={N}")
         clients = [d.client(i) for i in range(N)]

@@ -9,6 +9,7 @@ import pytest
 import torch
 from dp_accounting import rdp
 
+from shoal.accounting_aborts import abort_branches
 from shoal.accounting_rounds import DdgRoundAccountant
 from shoal.aggregation import discrete_gaussian as dg
 from shoal.aggregation.secagg import SecAggParams
@@ -288,6 +289,8 @@ def test_simulated_rounds_use_the_mechanism_and_its_accountant(release):
     assert isinstance(acc, DdgRoundAccountant) and acc.rounds == 2
     release_z = 5.0 if release == "noised" else 0.0  # privacy.release_noise_multiplier's default
     expected = DdgRoundAccountant(0.5, {**sa.ddg.as_dict(), "sensitivity_sq": sa.ddg.sensitivity_sq()}, 1e-5, release_z)
+    # N = 12 at q = 1/2: an aborted round is released as an empty one, each round priced as the mixture
+    expected.abort_branches = abort_branches(12, 0.5, sa.noise_shares, sa.max_summands)
     assert sim.privacy.epsilon == pytest.approx(expected.epsilon_after(2))
     figures = sim.privacy.round_figures(summaries[-1])
     assert ("num_results_noisy" in figures) == (release == "noised")

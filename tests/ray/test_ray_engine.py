@@ -151,7 +151,7 @@ def test_records_and_summary_of_a_ray_run_match_in_process(pool, tmp_path):
         pytest.param(
             ["secure_aggregation.enabled=true", "secure_aggregation.clip=4.0"]
             + ["privacy.mode='distributed'", "privacy.noise_multiplier=0.5"]
-            # N = 8, K = 4: each Poisson round's aborts cost delta 0.086, 3 rounds would pass 1/N (refused)
+            # N = 8, K = 4 (an aborted Poisson round is released as an empty one, in both engines)
             + ["simulation.rounds=1"],
             "SecureAggregationRounds",
             id="secagg-distributed-dp",

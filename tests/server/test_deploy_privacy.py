@@ -21,7 +21,7 @@ import pytest
 import torch
 from aiohttp import web
 
-from shoal.accounting import epsilon
+from shoal.accounting import LEDGER_ORDERS, epsilon, rdp_to_epsilon
 from shoal.accounting_dpsgd import LocalDpSgdAccountant, dp_sgd_schedule
 from shoal.aggregation.secagg.encoding import FixedPoint, encode_weighted
 from shoal.aggregation.secagg.wire import decode_message, encode_message
@@ -206,8 +206,11 @@ def test_budget_stops_before_target_and_the_nodes_are_told(tmp_path, caplog):
 def test_survivor_check_aborts_before_any_unmasking_share_is_asked(tmp_path):
     """Distributed DP + secure aggregation, 4 nodes, min_survivors = 1: every share is sized for
     t = 4. Round 1: 3 masked inputs (enough for the protocol's own threshold of 3), fewer than
-    t: the round aborts when the masked stage closes, no unmasking request is made, the model
-    is unchanged and the round is charged. Round 2: all 4 mask and the sum is released."""
+    t: the round aborts when the masked stage closes, no unmasking request is made, and the round
+    is released as an empty one (noise alone, a new version, a record like any round's) and charged.
+    Round 2: all 4 mask and the sum is released. q = 1 and no privacy.abort_bound: every round is
+    charged as the worst case, a node deciding the abort at sensitivity K_max C = 4C (a Gaussian of
+    multiplier z/4, RDP 8 a per round at order a)."""
     names = ["n0", "n1", "n2", "n3"]
     sections = {
         "privacy": {"mode": "distributed", "noise_multiplier": 1.0, "clip_norm": 1.0, "min_survivors": 1.0},
@@ -272,7 +275,7 @@ def test_survivor_check_aborts_before_any_unmasking_share_is_asked(tmp_path):
             assert svc.tick(time.monotonic() + LATER)  # the masked stage closes with 3 < t
             assert svc.secure_round is None and sr.aborted and "fewer than the t = 4 noise shares" in sr.aborted
             assert "masked" not in sr.replies and sr.server.stage == "masked"  # nobody was asked to unmask
-            assert svc.version == 0 and torch.equal(svc.rounds.global_params, before)
+            assert svc.version == 1 and not torch.equal(svc.rounds.global_params, before)  # the noise alone
             assert svc.privacy.rounds_charged == 1
             parties = await secure_round(live, stack, maskers=4)
             sr2 = svc.secure_round
@@ -281,16 +284,21 @@ def test_survivor_check_aborts_before_any_unmasking_share_is_asked(tmp_path):
                 status, body = await p.fetch("masked")
                 request = decode_message(body, p.params.vector_size)
                 assert (await p.post("unmask", encode_message(p.client.unmask(request), {"round": p.round})))[0] == 200
-            assert svc.version == 1 and svc.privacy.rounds_charged == 2
+            assert svc.version == 2 and svc.privacy.rounds_charged == 2
             assert svc.secure_last["included"] == 4
             # the server learnt the sum of the counts (inside the masked vector), no node's own
             assert sr2.examples is not None and abs(sr2.examples - sum(p.examples for p in parties)) <= 1
 
     asyncio.run(asyncio.wait_for(scenario(), 40))
     records = _records(tmp_path)
-    assert "fewer than the t = 4" in records[0]["aborted"] and records[0]["rounds_charged"] == 1
-    assert records[0]["epsilon"] == pytest.approx(epsilon(1.0, 1.0, 1, 1e-5))
-    assert records[1]["version"] == 1 and records[1]["epsilon"] == pytest.approx(epsilon(1.0, 1.0, 2, 1e-5))
+    assert "aborted" not in records[0] and set(records[0]) == set(records[1])  # no release tells the abort
+    assert records[0]["version"] == 1 and records[0]["rounds_charged"] == 1
+
+    def eps(rounds: int) -> float:
+        return rdp_to_epsilon(LEDGER_ORDERS, [rounds * 8.0 * a for a in LEDGER_ORDERS], 1e-5)
+
+    assert records[0]["epsilon"] == pytest.approx(eps(1))
+    assert records[1]["version"] == 2 and records[1]["epsilon"] == pytest.approx(eps(2))
 
 
 @pytest.mark.parametrize(
@@ -306,7 +314,7 @@ def test_nodes_do_not_trust_the_server_for_t(tmp_path, caplog, inflated, refusal
     (test-side fault injection). t = 5 for 4 nodes: every node refuses at the key directory,
     before any noise or masked input leaves it. t = 4 (the threshold is 3) with one node
     failing before it masks: the 3 others were sized for 4 and refuse to unmask 3. Either way
-    the sum is never unmasked and the model stays as it was."""
+    the sum is never unmasked: the round is released as an empty one (noise alone)."""
     names = [f"client-{i:05d}" for i in range(4)]
     sections = {
         "privacy": {"mode": "distributed", "noise_multiplier": 1.0, "clip_norm": 1.0},
@@ -340,7 +348,7 @@ def test_nodes_do_not_trust_the_server_for_t(tmp_path, caplog, inflated, refusal
             runs = [asyncio.ensure_future(n.run()) for n in nodes]
             with caplog.at_level(logging.INFO):
                 for _ in range(300):
-                    if svc.counters.rounds_abandoned:
+                    if (svc.secure_last or {}).get("aborted"):
                         break
                     await asyncio.sleep(0.05)
                 for n in nodes:
@@ -349,8 +357,7 @@ def test_nodes_do_not_trust_the_server_for_t(tmp_path, caplog, inflated, refusal
             return svc, before
 
     svc, before = asyncio.run(scenario())
-    assert svc.counters.rounds_abandoned == 1 and svc.version == 0
-    assert torch.equal(svc.rounds.global_params, before)
+    assert svc.secure_last["aborted"] and svc.counters.rounds_abandoned == 0 and svc.version == 1  # as empty
     sent = svc.secure_last["sent"]
     assert sent["unmask"] == [] and len(sent["masked"]) == (0 if inflated == 5 else 3)
     assert caplog.text.count(refusal) == (4 if inflated == 5 else 3)

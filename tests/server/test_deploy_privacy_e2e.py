@@ -97,7 +97,8 @@ def test_distributed_dp_with_secure_aggregation_and_a_node_killed_after_masking(
     with deployment(tmp_path, n=N, rounds=2, deadline=6.0) as d:
         _append(
             d,
-            '\n[privacy]\nmode = "distributed"\nnoise_multiplier = 1.0\nclip_norm = 1.0\n'
+            # abort_bound = 0: the operator declares that no node's presence decides an abort (q = 1)
+            '\n[privacy]\nmode = "distributed"\nnoise_multiplier = 1.0\nclip_norm = 1.0\nabort_bound = 0.0\n'
             "\n[secure_aggregation]\nenabled = true\nstage_s = 4.0\nclip = 6.0\n",
         )
         # the dead node counts as connected for poll_s + 5 s after its last word: round 1's unmask stage
