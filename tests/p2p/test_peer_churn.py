@@ -27,7 +27,7 @@ COMMON = [
     'model.name="logreg"',
     "train.lr=0.01",
     "train.batch_size=20",
-    "gossip.period=1.0",
+    "gossip.period=0.5",
     "gossip.timeout=10.0",
     "gossip.view_size=4",
     "gossip.shuffle_length=2",
@@ -41,10 +41,10 @@ COMMON = [
 # exchange must end by 0.8 of its slot; the group algorithms' take several hops) and a slow
 # answer is not taken for a dead peer (gossip.timeout; a killed peer's port refuses at once).
 ALGORITHMS = {
-    "group_average": (['gossip.algorithm="group_average"', "gossip.group_size=3", "gossip.period=2.0"], 0.75),
+    "group_average": (['gossip.algorithm="group_average"', "gossip.group_size=3", "gossip.period=1.0"], 0.75),
     "dpsgd": (['gossip.algorithm="dpsgd"', "gossip.degree=4"], 0.8),
     "secure_groups": (
-        ['gossip.algorithm="secure_groups"', "gossip.group_size=3", "gossip.period=2.0", "secure_aggregation.bits=20"],
+        ['gossip.algorithm="secure_groups"', "gossip.group_size=3", "gossip.period=1.0", "secure_aggregation.bits=20"],
         0.7,
     ),
 }
