@@ -5,9 +5,11 @@ request. Each child is a real process running the real entry point (``python -m 
 file, exactly as if it had been exec'd; only the import is shared. tests/spawn.py drives it.
 
 Protocol (one JSON object per line): requests on stdin ``{"id", "module" | "path", "argv", "cwd",
-"env", "log", "err", "append", "session"}`` (``err``: stderr's own file, else it goes with stdout
-to ``log``); answers on stdout ``{"id", "pid"}`` (or ``{"id", "error"}``), then ``{"exit": pid,
-"status": code}`` when a child ends (code < 0: killed by that signal). It exits when stdin closes
+"env", "log", "err", "append", "session", "preload"}`` (``err``: stderr's own file, else it goes
+with stdout to ``log``; ``preload``: modules this process imports before this fork and keeps for
+the next ones, e.g. transformers for the Hugging Face tests, which no other test pays for);
+answers on stdout ``{"id", "pid"}`` (or ``{"id", "error"}``), then ``{"exit": pid, "status":
+code}`` when a child ends (code < 0: killed by that signal). It exits when stdin closes
 (the pytest worker ended).
 
 Nothing here runs a torch op before forking, so no thread pool exists to be copied half-made; a
@@ -82,6 +84,11 @@ def serve() -> dict[str, Any] | None:
         while b"\n" in buf:
             line, buf = buf.split(b"\n", 1)
             req = json.loads(line)
+            for name in req.get("preload") or ():  # imported here once, for this child and the next ones
+                try:
+                    __import__(name)
+                except ImportError:
+                    pass  # the child's own import says why
             try:
                 pid = os.fork()
             except OSError as e:

@@ -168,9 +168,11 @@ def python_process(
     append: bool = False,
     new_session: bool = True,
     err: Path | None = None,
+    preload: tuple[str, ...] = (),
 ) -> Forked | subprocess.Popen:
     """``python -m MODULE ARGV`` (or ``python SCRIPT ARGV``) with stdout and stderr to ``log``
-    (stderr to ``err`` if given), forked warm unless ``SHOAL_TEST_SPAWN=exec``."""
+    (stderr to ``err`` if given), forked warm unless ``SHOAL_TEST_SPAWN=exec``; ``preload``: heavy
+    modules the child will import, imported once by the fork server (and kept for later children)."""
     env = dict(os.environ if env is None else env)
     cwd = cwd or Path.cwd()
     entry = ["-m", module] if script is None else [str(script)]
@@ -187,6 +189,7 @@ def python_process(
     server = _fork_server()
     req: dict[str, Any] = {"argv": [str(a) for a in argv], "cwd": str(cwd), "env": env, "log": str(log.absolute())}
     req.update({"append": append, "session": new_session, "err": str(err.absolute()) if err else None})
+    req["preload"] = list(preload)
     req.update({"module": module} if script is None else {"path": str(script)})
     return Forked(server, server.start(req), [sys.executable, *entry, *argv])
 
@@ -199,6 +202,7 @@ def run_python(
     env: dict[str, str] | None = None,
     cwd: Path | None = None,
     timeout: float = 300,
+    preload: tuple[str, ...] = (),
 ) -> subprocess.CompletedProcess:
     """:func:`subprocess.run` of ``python -m MODULE ARGV`` with its output captured as text, started
     as :func:`python_process` starts it."""
@@ -206,7 +210,9 @@ def run_python(
 
     with tempfile.TemporaryDirectory(prefix="shoal-run-") as tmp:
         out, err = Path(tmp) / "out", Path(tmp) / "err"
-        p = python_process(argv, out, module=module, script=script, env=env, cwd=cwd, new_session=False, err=err)
+        p = python_process(
+            argv, out, module=module, script=script, env=env, cwd=cwd, new_session=False, err=err, preload=preload
+        )
         try:
             rc = p.wait(timeout)
         except subprocess.TimeoutExpired:

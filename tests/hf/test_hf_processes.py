@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import os
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -25,7 +24,7 @@ from shoal.pki import write_secret  # noqa: E402
 from shoal.server.registry import Registry  # noqa: E402
 from shoal.task import load_task, make_model  # noqa: E402
 from shoal.tls import make_private_ca  # noqa: E402
-from tests.spawn import kill_group, python_process
+from tests.spawn import kill_group, python_process, run_python
 
 from ..p2p.network import LocalNetwork  # noqa: E402
 from ..p2p.processes import free_ports  # noqa: E402
@@ -34,6 +33,7 @@ from .tiny import ADAPTER_NUMEL, TASK, TOML_ARGS, base_numel, needs_corpus  # no
 pytestmark = [needs_corpus, pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[2]
+HF = ("transformers", "peft")  # what each process of the example imports: the fork server imports them once
 MAX_BODY = 4 * ADAPTER_NUMEL + 2048
 
 SERVER_CONFIG = """
@@ -76,12 +76,11 @@ def adapter_spec_hash(seed: int = 3) -> str:
 
 def write_roles(folder: Path) -> list[Path]:
     """The three clients' text folders, as `python examples/hf/shakespeare_lora.py write-roles` writes them."""
-    out = subprocess.run(
-        [sys.executable, str(REPO / "examples" / "hf" / "shakespeare_lora.py"), "write-roles", str(folder)]
-        + ["--roles", "3"],
-        capture_output=True,
-        text=True,
+    out = run_python(
+        ["write-roles", str(folder), "--roles", "3"],
+        script=REPO / "examples" / "hf" / "shakespeare_lora.py",
         timeout=60,
+        preload=HF,
     )
     assert out.returncode == 0, out.stderr
     return [Path(line) for line in out.stdout.split()]
@@ -108,7 +107,7 @@ def test_server_and_three_clients_over_tls_exchange_adapters_only(tmp_path):
     def run(args: list[str], tag: str) -> subprocess.Popen:
         log = tmp_path / f"{tag}.log"
         logs.append(log)
-        p = python_process(args, log, env=env)
+        p = python_process(args, log, env=env, preload=HF)
         procs.append(p)
         return p
 
