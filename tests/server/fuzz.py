@@ -1,5 +1,5 @@
-"""A fuzzer for a live aggregator over TLS, shared by tests/server/test_fuzz.py (about a
-thousand requests per mode) and bench/fuzz_server.py (ten thousand).
+"""A fuzzer for a live aggregator over TLS, shared by tests/server/test_fuzz.py (six
+hundred requests per mode) and bench/fuzz_server.py (ten thousand).
 
 Hypothesis draws hostile requests: update bodies built field by field with every header field
 and table entry either right or replaced by any JSON value, lying offsets, special floats
