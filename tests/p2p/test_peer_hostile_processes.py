@@ -2,7 +2,11 @@
 issue's probes from outside (a shuffle entry with a 64-character host label, user:pass@ and
 metadata entries, a model of FLT_MAX, an age of 20 digits, a slice to a push-pull peer):
 each gets its 4xx, nobody crashes or logs a traceback, honest merges go on, and SIGTERM
-writes the final model and metrics and exits within a few seconds."""
+writes the final model and metrics and exits within a few seconds.
+
+The well-formed shuffle the test sends names a sender no peer runs: peer 1's own shuffles carry
+its clock's counter, and one sent after ours but taken first would make ours a replay (409).
+Every /status read is a bounded wait, not one 3 s try: CI's load varies."""
 
 from __future__ import annotations
 
@@ -51,7 +55,7 @@ def _post(url: str, body: bytes, ctx) -> tuple[int, dict]:
 def test_real_peers_take_the_probes_and_stop_cleanly_on_sigterm(tmp_path):
     pki = make_private_ca(tmp_path)
     ctx = client_context(pki.ca_cert)
-    ports = free_ports(2)
+    ports = free_ports(3)  # the third: nobody listens there, the made-up sender of the well-formed shuffle
     urls = [f"https://127.0.0.1:{p}" for p in ports]
     procs = []
     try:
@@ -78,13 +82,14 @@ def test_real_peers_take_the_probes_and_stop_cleanly_on_sigterm(tmp_path):
         members = tuple(sorted(urls))
         part = SliceMessage(urls[1], target, 10**6, group_id(10**6, members), members, 0, "part", 1.0, near[:5])
         long_label = "https://" + "a" * 64 + ".example.org:9000"
+
+        def shuffle(sender: str, entries: list) -> bytes:  # with a counter: refused for what it probes
+            return json.dumps({"sender": sender, "entries": entries, "seq": int(time.time() * 1e6)}).encode()
+
         probes = {
-            "long label entry": ("/shuffle", json.dumps({"sender": urls[1], "entries": [[long_label, 0]]}).encode()),
-            "userinfo entry": (
-                "/shuffle",
-                json.dumps({"sender": urls[1], "entries": [["https://u:p@127.0.0.1:1", 0]]}).encode(),
-            ),
-            "long label sender": ("/shuffle", json.dumps({"sender": long_label, "entries": []}).encode()),
+            "long label entry": ("/shuffle", shuffle(urls[1], [[long_label, 0]])),
+            "userinfo entry": ("/shuffle", shuffle(urls[1], [["https://u:p@127.0.0.1:1", 0]])),
+            "long label sender": ("/shuffle", shuffle(long_label, [])),
             "deep json": ("/shuffle", b"[" * 5000 + b"]" * 5000),
             "5000 digits": ("/shuffle", b'{"sender": "x", "entries": [["y", ' + b"9" * 5000 + b"]]}"),
             "FLT_MAX model": ("/gossip", encode_model(huge, spec, 1, {"age": 5, **sender})),
@@ -102,18 +107,13 @@ def test_real_peers_take_the_probes_and_stop_cleanly_on_sigterm(tmp_path):
         for name, (path, body) in probes.items():
             status, answer = _post(target + path, body, ctx)
             assert status == 400 and "error" in answer, name
+            assert "shuffle body must be" not in answer["detail"], (name, answer)
         status, answer = _post(target + "/group", encode_slice(part, spec), ctx)  # a push-pull peer holds none
         assert status == 409 and answer["error"] == "not_running"
-        # metadata entries are well formed: taken, never contacted
-        status, _ = _post(
-            target + "/shuffle",
-            json.dumps(
-                {"sender": urls[1], "entries": [["https://169.254.169.254:80", 0]], "seq": int(time.time() * 1e6)}
-            ).encode(),
-            ctx,
-        )
-        assert status == 200
-        before = peer_status(target, TOKEN, ctx)
+        # metadata entries are well formed: taken, never contacted (from a sender whose counter we own)
+        status, answer = _post(target + "/shuffle", shuffle(urls[2], [["https://169.254.169.254:80", 0]]), ctx)
+        assert status == 200, answer
+        before = wait_for(lambda: peer_status(target, TOKEN, ctx), 30, "peer 0's status", procs)
         after = wait_for(
             lambda: (s := peer_status(target, TOKEN, ctx)) and s["merges"] > before["merges"] + 1 and s,
             60,
@@ -121,7 +121,8 @@ def test_real_peers_take_the_probes_and_stop_cleanly_on_sigterm(tmp_path):
             procs,
         )
         assert "https://169.254.169.254:80" not in after["view"]
-        assert after["errors"] == 0 and peer_status(urls[1], TOKEN, ctx)["errors"] == 0
+        other = wait_for(lambda: peer_status(urls[1], TOKEN, ctx), 30, "peer 1's status", procs)
+        assert after["errors"] == 0 and other["errors"] == 0
         assert after["held"] == 0 and after["rejected"] >= len(probes)
         procs[0].send_signal(signal.SIGTERM)  # bounded by the wait, not timed: CI's load varies
         procs[0].wait(timeout=30)
