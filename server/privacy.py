@@ -545,9 +545,10 @@ class ServerPrivacy:
 
     def released(self, record: dict[str, Any], summary: RoundSummary | None = None) -> dict[str, Any]:
         """What of a metrics record ``privacy.release`` lets out, with this round's noisy figures
-        (``noised``, from ``summary``) and the privacy fields."""
+        (``noised``, from ``summary``) and the privacy fields; no wall-clock timing while it
+        withholds (``PrivacyPlan.release_served_record``)."""
         noisy = self.plan.noisy_round(summary.num_results, summary.client_losses) if summary is not None else {}
-        return self.plan.release_record({**record, **noisy, **self.record()})
+        return self.plan.release_served_record({**record, **noisy, **self.record()})
 
     def record(self) -> dict[str, Any]:
         """The privacy fields of a metrics.jsonl record (as the simulator writes them)."""

@@ -24,11 +24,13 @@ class RunClock:
         self.usage = usage
         self.last_version: tuple[float, float] | None = None  # (now, CPU seconds) at the last version
         self.interval: float | None = None  # seconds between versions, smoothed
+        self.latest = elapsed_before  # the last elapsed() (a checkpoint keeps it: DP records do not carry it)
 
     def elapsed(self, now: float) -> float:
         if self.started_at is None:
             self.started_at = now
-        return round(now - self.started_at + self.elapsed_before, 4)
+        self.latest = round(now - self.started_at + self.elapsed_before, 4)
+        return self.latest
 
     def version_figures(self, now: float) -> dict[str, float]:
         """The server's cost of this version: seconds since the last version (the run's start for

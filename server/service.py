@@ -586,7 +586,7 @@ class ServerService:
             )
             log.warning("round %d failed; the run ends: %s", round_, self.stopped)
             stop = {"round": round_, "version": self.version, "stopped": self.stopped, "elapsed_s": self._elapsed(now)}
-            self.emit(Record(json_safe(stop)))
+            self.emit(Record(json_safe(self.privacy.released(stop) if self.privacy is not None else stop)))
         if self.privacy is not None and privacy_fields is not None:
             self._privacy_event(self.privacy, privacy_fields, now)
 
@@ -604,18 +604,18 @@ class ServerService:
         if self.tier is not None:
             record.update(self.tier.figures(int(record["round"])))
         record.update(self.clock.version_figures(now))
-        record["elapsed_s"] = self._elapsed(now)
-        if self.privacy is not None:
+        record["elapsed_s"] = elapsed = self._elapsed(now)
+        if self.privacy is not None:  # under DP without the round's timing (the operator's log keeps it)
             record = self.privacy.released(record, summary)
         self.last_record = json_safe(record)
         c = self.counters
-        self.activity.snapshot(record["round"], self.version, c.accepted, sum(c.rejected.values()), record["elapsed_s"])
+        self.activity.snapshot(int(record["round"]), self.version, c.accepted, sum(c.rejected.values()), elapsed)
         self.emit(self._checkpoint())  # first: a crash between the two loses a log line, never a version
         if self.privacy is not None:
             self._save_privacy(self.privacy)  # the adaptive clip norm and the nodes' reports of this version
         self._settle_fed(now)  # the nodes evaluated older versions before training on them
         self.emit(Record(self.last_record))
-        log.info("%s%s", self._prefix, console_line(self.last_record, self.cfg.server.rounds))  # where the run is
+        log.info("%s%s", self._prefix, console_line({**self.last_record, "elapsed_s": elapsed}, self.cfg.server.rounds))
         log.debug("version %d: %s", self.version, json.dumps(self.last_record))
 
     # --- privacy ---------------------------------------------------------------------
@@ -629,8 +629,7 @@ class ServerService:
             self.sync.strategy.bind_population(registered)  # FedDyn's and SCAFFOLD's N
 
     def _privacy_event(self, dp: ServerPrivacy, fields: dict[str, Any], now: float) -> None:
-        """A metrics.jsonl record for a round that released no new version but changed the
-        privacy picture (charged and aborted or failed, or the budget stopped the run)."""
+        """The record of a round without a new version that changed the privacy picture (charged)."""
         self.emit(Record(json_safe(dp.released({**fields, "elapsed_s": self._elapsed(now)}))))
         self._save_privacy(dp)
 
@@ -647,6 +646,7 @@ class ServerService:
             "round": self.rounds.round,
             "spec_hash": self.spec.hash,
             "last_record": self.last_record,
+            "elapsed_s": self.clock.latest,  # a DP run's records do not carry it (server/store.py reads it)
             "last_fed": self.last_fed,
             "rounds": split_tensors(self.rounds.state_dict(), "rounds", tensors),
             "tier": self.tier.state() if self.tier is not None else {},

@@ -57,8 +57,13 @@ class ServerStore:
         elif not resume or not self.metrics_path.exists():
             self.metrics_path.write_text("")
         ledger = self._read_ledger(resume) if plan_of(self.cfg).enabled else None
-        # elapsed_s goes on from where the run was, not from 0
-        return Restored(checkpoint, ledger, last_elapsed(self.metrics_path) if checkpoint is not None else 0.0)
+        # elapsed_s goes on from where the run was, not from 0: its last record's, or the checkpoint's
+        # (a DP run's records do not carry it: shoal/privacy_plan.py SERVED_TIMING)
+        if checkpoint is None:
+            return Restored(checkpoint, ledger, 0.0)
+        kept = checkpoint[2].get("elapsed_s")
+        elapsed = max(last_elapsed(self.metrics_path), float(kept) if isinstance(kept, (int, float)) else 0.0)
+        return Restored(checkpoint, ledger, elapsed)
 
     def _read_ledger(self, resume: bool) -> dict | None:
         if not self.privacy_path.exists():

@@ -92,6 +92,10 @@ _KEPT = frozenset(
 _KEPT_PREFIXES = ("test_", "average_model_", "peer_accuracy_")
 #: the noised release's own fields
 NOISY_FIELDS = ("num_results_noisy", "train_loss_noisy")
+#: wall-clock figures of a deployed server's records: how long a round took depends on who was
+#: sampled and what they hold (a round that sampled nobody closes at once, an aborted secure round
+#: at its stage's deadline, a node's training time grows with its data), which no accountant covers
+SERVED_TIMING = frozenset({"elapsed_s", "server_round_s", "server_cpu_s", "server_rss_mb"})
 
 #: summary.json figures that are totals of per-round data-dependent counts
 _SUMMARY_WITHHELD = frozenset(
@@ -299,6 +303,16 @@ class PrivacyPlan:
         }
         out["release"] = self.release
         return out
+
+    def release_served_record(self, record: dict[str, Any]) -> dict[str, Any]:
+        """What of a deployed server's metrics record (``shoal server``, a federation's run) this
+        policy lets out: :meth:`release_record` without the wall-clock figures (:data:`SERVED_TIMING`)
+        whenever it withholds, so a record's fields and values do not tell an aborted round from an
+        empty one, nor time who was sampled. The operator's log and views keep the timing."""
+        out = self.release_record(record)
+        if not self.withholds:
+            return out
+        return {k: v for k, v in out.items() if k not in SERVED_TIMING}
 
     def release_summary(self, figures: dict[str, Any]) -> dict[str, Any]:
         """summary.json figures without the totals of withheld per-round counts."""

@@ -3,8 +3,8 @@
 A run without DP (``privacy.mode = "none"``) shows its researcher everything the admin sees of
 it. Under DP the researcher's view carries only what the run's accountant covers: the released
 model's figures, the privacy figures themselves and the noised counts of ``privacy.release =
-"noised"`` (shoal/privacy_plan.py ``release_record``), and never which nodes a round selected,
-how many reported, or any node's own figures; a run whose config says ``release = "clear"`` is
+"noised"`` (shoal/privacy_plan.py ``release_served_record``: no wall-clock timing), and never which
+nodes a round selected, how many reported, or any node's own figures; a run whose config says ``release = "clear"`` is
 shown to its researcher as ``withhold`` (clear figures are the operator's, outside the claim).
 Every route that renders a run for a researcher (``GET /v1/runs/{run}``, its metrics, `shoal run
 pull`) calls this module; the admin's views do not. The dashboard is the admin's only.
@@ -60,8 +60,8 @@ def researcher_line(line: dict[str, Any], cfg: Config | None) -> dict[str, Any]:
         return line
     plan = _plan(cfg)
     if plan is None or not plan.enabled:  # a config we cannot read: only where the run is
-        return {k: line[k] for k in ("round", "version", "elapsed_s") if k in line}
-    return plan.release_record(line)
+        return {k: line[k] for k in ("round", "version") if k in line}
+    return plan.release_served_record(line)
 
 
 def researcher_view(status: dict[str, Any], cfg: Config | None) -> dict[str, Any]:

@@ -61,12 +61,15 @@ def test_an_aborted_secure_round_is_released_as_an_empty_round_and_charged_as_a_
     """shoal server, distributed discrete Gaussian under secure aggregation, Poisson q = 4/20: a round
     whose selected nodes never answer aborts (too few survivors) and is finished as a round that
     selected nobody: a new version of noise alone, a metrics record with the same fields as an empty
-    round's (no "aborted"), so no release tells an abort apart; every round is charged as the mixture
-    of bounded_branches (a node deciding the abort with probability privacy.abort_bound, at K_max C)."""
+    round's (no "aborted", and no timing: the empty one closes at once), so no release tells an abort
+    apart; every round is charged as the mixture of bounded_branches (a node deciding the abort with
+    probability privacy.abort_bound, at K_max C)."""
     import json
 
     from shoal.accounting_aborts import bounded_branches, flip_probability
     from shoal.accounting_mixture import as_json
+    from shoal.privacy_plan import SERVED_TIMING
+    from shoal.server.federation.release import researcher_line
     from shoal.server.store import open_service
 
     from ..server.live import small_config
@@ -108,6 +111,15 @@ def test_an_aborted_secure_round_is_released_as_an_empty_round_and_charged_as_a_
     aborted, empty = by_version[kinds["aborted"]], by_version[kinds["empty"]]
     assert "aborted" not in aborted and "failed" not in aborted
     assert set(aborted) == set(empty)
+    # nor does its timing: an empty round closed at once, an aborted one at its stages' deadlines, and
+    # no released record (metrics.jsonl, the researcher's view of a federation run) carries a clock
+    assert not any(SERVED_TIMING & set(r) for r in lines)
+    seen = [researcher_line(r, cfg) for r in (aborted, empty)]
+    assert set(seen[0]) == set(seen[1]) and not SERVED_TIMING & set(seen[0])
+    differ = {k for k in seen[0] if seen[0][k] != seen[1][k] and not k.startswith("test_")}  # the model's own
+    assert differ <= {"round", "version", "epsilon", "rounds_charged", "epsilon_server", "server_accountant"}
+    assert svc.clock.latest >= now - 10.0  # the operator's clock (log, checkpoint) still runs
+    assert open_service(cfg, registered=20).clock.elapsed_before == svc.clock.latest  # and resumes from it
     entry = p.accountant.ledger[-1]
     assert entry["abort_branches"] == as_json(bounded_branches(0.3, p.cohort))
     assert aborted["rounds_charged"] == kinds["aborted"] and p.rounds_charged == svc.version  # every round charged
