@@ -82,11 +82,10 @@ class RoundLedger:
     def _check_entry(e: dict) -> None:
         """ValueError when a saved entry's parameters are out of range."""
 
-    def composed_delta(self, extra: int = 0) -> float:
-        """The delta the epsilon holds at after the ledger plus ``extra`` more rounds: the accountant's
-        delta plus every charged round's abort failure probability (shoal.accounting_aborts)."""
-        spent = sum(int(e["rounds"]) * float(e.get("abort_delta", 0.0)) for e in self.ledger)
-        return self.delta + spent + extra * self.abort_delta
+    def composed_delta(self) -> float:
+        """The delta the epsilon holds at: the accountant's delta plus every charged round's abort
+        failure probability (shoal.accounting_aborts; ledgers of the union-bound charge carry it)."""
+        return self.delta + sum(int(e["rounds"]) * float(e.get("abort_delta", 0.0)) for e in self.ledger)
 
     @property
     def rounds(self) -> int:

@@ -129,10 +129,10 @@ class PrivacyBudget:
         # epsilon against the server (distributed DP under secure aggregation; None elsewhere)
         self.server_view = self.plan.server_view_accountant(ddg)
         check_delta(p.delta, p.mode, client_sizes)
-        self.population = len(client_sizes)
         # an aborted round is released as an empty one (InProcessSimulation), priced as these branches
-        self.aborts_released = abort_branches is not None and isinstance(self.accountant, RoundLedger)
+        self.aborts_released = False
         if abort_branches is not None and isinstance(self.accountant, RoundLedger):
+            self.aborts_released = True
             self.accountant.abort_branches = abort_branches
             log.info(
                 "privacy: an aborted secure round is released as an empty one; each round is charged as the "
@@ -211,16 +211,7 @@ class PrivacyBudget:
             self.server_view.load_state_dict(state["server_view"])
 
     def allows_next_round(self) -> bool:
-        """False (with a message) when one more round would take epsilon past the target, or the
-        composed delta (aborts charged) to 1/N."""
-        acc = self.accountant
-        if isinstance(acc, RoundLedger) and acc.abort_delta and acc.composed_delta(1) >= 1.0 / self.population:
-            log.warning(
-                "stopping: one more round would take delta to %.3g >= 1/N = %.3g (secure aggregation's aborts)",
-                acc.composed_delta(1),
-                1.0 / self.population,
-            )
-            return False
+        """False (with a message) when one more round would take epsilon past the target."""
         return budget_allows(self.accountant, self.target, self.delta)
 
 
