@@ -47,18 +47,22 @@ from shoal.accounting_mixture import Branches, normalize
 from shoal.config import Config
 
 
+def _others(population: int, q: float):
+    """m ~ Binomial(N - 1, q), the other clients a round samples (scipy.stats, imported here and not
+    at the top: it takes ~2 s, every role's assembly imports this module, and only secure
+    distributed DP calls it)."""
+    from scipy.stats import binom
+
+    return binom(population - 1, q)
+
+
 def abort_delta(population: int, q: float, t: int, k_max: int) -> float:
     """phi of one Poisson round without dropouts (module doc): ``population`` N clients sampled at rate
     ``q``; a round of m selected uses its sum when t <= m <= K_max, aborts when 1 <= m < t or m > K_max."""
     if population < 1 or not 0 <= q <= 1 or t < 1 or k_max < t:
         raise ValueError(f"abort_delta: N = {population}, q = {q}, t = {t}, K_max = {k_max}")
-    from scipy.stats import binom  # here, not at the top: scipy.stats takes ~2 s to import, and every
-    # role's assembly imports this module while only distributed DP with secure aggregation calls it
-
-    others = population - 1
-    boundary = float(binom.pmf(t - 1, others, q))
-    nobody = float(binom.pmf(0, others, q))
-    too_many = float(binom.sf(k_max - 1, others, q))
+    m = _others(population, q)
+    boundary, nobody, too_many = float(m.pmf(t - 1)), float(m.pmf(0)), float(m.sf(k_max - 1))
     return min(q, q * (boundary + nobody + too_many))
 
 
@@ -81,12 +85,9 @@ def abort_branches(population: int, q: float, t: int, k_max: int) -> Branches:
     an empty round's noise (above), m ~ Binomial(N - 1, q)."""
     if population < 1 or not 0 <= q <= 1 or t < 1 or k_max < t:
         raise ValueError(f"abort_branches: N = {population}, q = {q}, t = {t}, K_max = {k_max}")
-    from scipy.stats import binom  # here: ~2 s to import, and only secure distributed DP calls it (abort_delta)
-
-    others = population - 1
-    boundary = float(binom.pmf(t - 1, others, q))
-    full = float(binom.pmf(k_max, others, q))
-    silent = (float(binom.cdf(t - 2, others, q)) if t >= 2 else 0.0) + float(binom.sf(k_max, others, q))
+    m = _others(population, q)
+    boundary, full = float(m.pmf(t - 1)), float(m.pmf(k_max))
+    silent = (float(m.cdf(t - 2)) if t >= 2 else 0.0) + float(m.sf(k_max))
     plain = max(0.0, 1.0 - boundary - full - silent)
     return normalize([(0.0, silent), (1.0, plain), (float(t), boundary), (float(k_max), full)])
 
@@ -94,10 +95,8 @@ def abort_branches(population: int, q: float, t: int, k_max: int) -> Branches:
 def flip_probability(population: int, q: float, t: int, k_max: int) -> float:
     """P[m = t - 1] + P[m = K_max]: the chance, without dropouts, that x's presence decides whether the
     round aborts; a declared bound (privacy.abort_bound) below it is refused."""
-    from scipy.stats import binom  # here: ~2 s to import (abort_delta)
-
-    others = population - 1
-    return float(binom.pmf(t - 1, others, q)) + float(binom.pmf(k_max, others, q))
+    m = _others(population, q)
+    return float(m.pmf(t - 1)) + float(m.pmf(k_max))
 
 
 def bounded_branches(bound: float, k_max: int) -> Branches:
