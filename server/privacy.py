@@ -76,12 +76,19 @@ REPORT_FIELDS = ("epsilon", "epsilon_next", "delta", "rounds")
 MAX_NODE_EPSILONS = 10_000  # nodes shown one by one in status / Prometheus
 
 
+def secret_session(round_: int) -> bytes:
+    """A secure round's session: fresh per aggregation (16 bytes from the OS), so a round re-run after
+    a restart never reuses keys or masks, and the discrete Gaussian's rotation (derived from it) is
+    secret."""
+    return f"shoal-server/{round_}/".encode() + secrets.token_bytes(16)
+
+
 def secret_rotation(round_: int) -> int:
-    """A rotation seed drawn as a secure round's is (server/secure_round.py: from its session, 16 bytes
-    from the OS), for a discrete-Gaussian round that releases noise alone (it selected nobody, or it
-    aborted): a seed anyone could derive would let them read that release on its lattice and tell
-    such a round from one with updates, whose rotation is secret."""
-    return rotation_seed(f"shoal-server/{round_}/".encode() + secrets.token_bytes(16))
+    """A rotation seed drawn as a secure round's is (from a :func:`secret_session`), for a
+    discrete-Gaussian round that releases noise alone (it selected nobody, or it aborted): a seed
+    anyone could derive would let them read that release on its lattice and tell such a round from
+    one with updates, whose rotation is secret."""
+    return rotation_seed(secret_session(round_))
 
 
 def check_deployable(cfg: Config) -> None:

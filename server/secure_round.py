@@ -31,7 +31,6 @@ import base64
 import hashlib
 import logging
 import math
-import secrets
 from collections.abc import Callable
 from typing import Any
 
@@ -65,7 +64,7 @@ from shoal.seeding import derive_seed
 from shoal.update import Update
 from shoal.wire import MAX_HEADER_BYTES
 
-from .privacy import EXPECTED_DROPOUT, ServerPrivacy
+from .privacy import EXPECTED_DROPOUT, ServerPrivacy, secret_session
 
 log = logging.getLogger(__name__)
 
@@ -97,8 +96,7 @@ class SecureRound:
         self.weighting = "uniform" if privacy is not None and privacy.plan.client_shares else cfg.strategy.weighting
         self.max_examples = cfg.server.max_examples
         self.params = SecAggParams(
-            # fresh per aggregation: a round re-run after a restart never reuses keys or masks
-            session=f"shoal-server/{self.round}/".encode() + secrets.token_bytes(16),
+            session=secret_session(self.round),  # fresh per aggregation
             vector_size=self.payload.vector_size,
             graph=sa.graph,
             degree=sa.degree,
