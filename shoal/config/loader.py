@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 from shoal.errors import ConfigError
 
+from .checks import field_types
 from .sections import Config
 
 
@@ -70,7 +71,7 @@ def _type_name(annotation: Any) -> str:
 
 
 def _apply(section_obj: Any, section_name: str, values: dict[str, Any]) -> None:
-    hints = typing.get_type_hints(type(section_obj))
+    hints = field_types(type(section_obj))
     known = {f.name for f in dataclasses.fields(section_obj)}
     for key, value in values.items():
         if key not in known:
