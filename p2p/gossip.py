@@ -193,7 +193,9 @@ class GossipNode:
         if math.isinf(b.radius()) or not b.within_max_abs(msg.params):
             return False
         own = self.params
-        b.observe(msg.sender, float(torch.linalg.vector_norm((msg.params.to(own.device, own.dtype) - own).double())))
+        diff = msg.params.to(own.device, own.dtype) - own
+        dist = float(torch.linalg.vector_norm(diff.double()))
+        b.observe(msg.sender, dist, b.reach(own, diff, dist))
         return msg.sender in b.beyond and b.outvoted()
 
     def _merge(self, msg: ModelMessage) -> None:

@@ -127,6 +127,8 @@ WINDOW = 16  # senders whose latest distance sets the adaptive radius (one slot 
 HORIZON = 16  # local steps: a sender not heard from in this many of ours leaves the window
 QUORUM = 2  # far senders it takes (and a majority of the live ones) to clip toward far models, not refuse them
 FAR = 4.0  # refuse beyond FAR x max(tau, travelled) (gossip.merge_far, 4 by default; 0: clip however far)
+BACK = 0.5  # a model whose difference from ours points back toward our start (cosine with our travel below
+# -BACK) gets the far limit of the radius alone: undoing training is what a sign flip does, whatever its factor
 SELF = ""  # the window's key for the length of our own last local step
 
 
@@ -168,7 +170,9 @@ class MergeBound:
       the same start lies within the honest spread, or, where its data differ (a data-heavy
       peer whose local steps are several times ours, far beyond ``far x tau`` right after each
       of them), within a few times our travel; an attacker's ``x0 - 10 (x - x0)`` lies 11 times
-      its own travel away, and hundreds of radii. Clipping alone lets such a model pull every
+      its own travel away, and hundreds of radii. A model whose difference from ours points back
+      toward our start (:meth:`reach`: a sign flip of any factor does) gets ``far x tau`` alone.
+      Clipping alone lets such a model pull every
       merge by ``tau`` in one consistent direction that the honest neighbours, pulled the same
       way, never pull back from: measured in docs/results.md, a sign-flipping insider then held
       the honest peers' accuracy 19 to 28 points below the honest peers' own. An insider that
@@ -279,6 +283,19 @@ class MergeBound:
             return 0.0
         return float(torch.linalg.vector_norm((own - self.origin.to(own.device, own.dtype)).double()))
 
+    def reach(self, own: torch.Tensor, diff: torch.Tensor, dist: float) -> float:
+        """The travel :meth:`far_limit` may count for a model ``diff`` away from ``own``: ours, or 0
+        when ``diff`` points back toward where we started (its cosine with ``own - origin`` below
+        -BACK), so that such a model is held to ``far x tau`` alone."""
+        if self.origin is None or self.origin.shape != own.shape or dist <= 0 or self.travelled <= 0:
+            return self.travelled
+        v = (own - self.origin.to(own.device, own.dtype)).double()
+        nv = float(torch.linalg.vector_norm(v))
+        if nv <= 0:
+            return self.travelled
+        cos = float(torch.dot(diff.double().flatten(), v.flatten())) / (dist * nv)
+        return 0.0 if cos < -BACK else self.travelled
+
     def far_limit(self, limit: float, travelled: float | None = None) -> float:
         """The distance beyond which a model is refused, not clipped: ``far x`` the larger of the
         radius ``limit`` and how far our model has come from where it started (``travelled``, by
@@ -353,9 +370,10 @@ class MergeBound:
             return other
         diff = other - own
         dist = float(torch.linalg.vector_norm(diff.double()))
+        reach = self.reach(own, diff, dist)
         if sender is not None:
-            self.observe(sender, dist)
-        factor = self.shrink(dist, limit)
+            self.observe(sender, dist, reach)
+        factor = self.shrink(dist, limit, reach)
         if factor is None or factor == 1.0:
             return None if factor is None else other
         return own + diff * factor
