@@ -72,6 +72,7 @@ class GossipNode:
         self.rule = rule or MergeRule()
         self.timeout = timeout
         self.merge_bound = bound if bound is not None else MergeBound()
+        self.merge_bound.start(params)
         self.age = 0
         self.version = 0
         self.merges = 0
@@ -93,8 +94,8 @@ class GossipNode:
     def local_update(self, new_params: torch.Tensor) -> None:
         """Adopt the result of one round of local training on our own data: its length sets the
         floor of the merge radius and restarts the drift budget (p2p/merge.py MergeBound)."""
-        step = float(torch.linalg.vector_norm((new_params.to(self.params.device) - self.params).double()))
-        self.merge_bound.local_step(step)
+        new = new_params.to(self.params.device, self.params.dtype)
+        self.merge_bound.local_step(float(torch.linalg.vector_norm((new - self.params).double())), new)
         self.params.copy_(new_params)
         self.age = bump(self.age)
         self.version = bump(self.version)
@@ -106,6 +107,7 @@ class GossipNode:
         self.version = bump(self.version)
         self._pending.clear()
         self.merge_bound.reset()
+        self.merge_bound.start(params)
 
     def adopt(self, values: torch.Tensor, clip: bool = True) -> bool:
         """Take an exchange's result (a group average, a D-PSGD mix, a secure group's mean) as
@@ -183,7 +185,7 @@ class GossipNode:
 
     def _outlier(self, msg: ModelMessage) -> bool:
         """A model too far behind ours in age to merge still takes its sender's slot of the merge
-        bound's window (its distance and its vote); True when it lies beyond ``far x tau`` and most
+        bound's window (its distance and its vote); True when it lies beyond the far limit and most
         live senders are that far (MergeBound.outvoted): then it is our model, not theirs, that
         is off (a group that trained apart, or ran ahead in age, meeting a larger one), and the
         age gap must not keep us from following them."""
@@ -191,7 +193,9 @@ class GossipNode:
         if math.isinf(b.radius()) or not b.within_max_abs(msg.params):
             return False
         own = self.params
-        b.observe(msg.sender, float(torch.linalg.vector_norm((msg.params.to(own.device, own.dtype) - own).double())))
+        diff = msg.params.to(own.device, own.dtype) - own
+        dist = float(torch.linalg.vector_norm(diff.double()))
+        b.observe(msg.sender, dist, b.reach(own, diff, dist))
         return msg.sender in b.beyond and b.outvoted()
 
     def _merge(self, msg: ModelMessage) -> None:

@@ -262,11 +262,13 @@ class GroupAverage:
         share = math.sqrt(max(own.numel(), 1) / max(self.own.numel(), 1))
         dists = {m: float(torch.linalg.vector_norm((x - own).double())) for m, (_, x) in parts.items() if m != self.me}
         for m, d in sorted(dists.items()):
-            self.bound.observe(m, d / share if share > 0 else d)
+            self.bound.observe(m, d / share if share > 0 else d, 0.0)  # voting by the limit the slices get
         radius = self.bound.radius() * share
         out = dict(parts)
         for m, d in dists.items():
-            factor = self.bound.shrink(d, radius)
+            # far x the radius alone, not our travel: exact averages leave the members within a
+            # step of each other, and a slice's travel let forged parts and averages through
+            factor = self.bound.shrink(d, radius, 0.0)
             if factor is not None and factor == 1.0:
                 continue
             w, x = parts[m]  # refused (far beyond the radius): its weight stays with our own values
@@ -287,7 +289,7 @@ class GroupAverage:
         own = self._slice(self.own, j)
         radius = self.bound.radius() * math.sqrt(max(own.numel(), 1) / max(self.own.numel(), 1))
         d = float(torch.linalg.vector_norm((data - own).double()))
-        factor = self.bound.shrink(d, radius)
+        factor = self.bound.shrink(d, radius, 0.0)  # a slice: far x its radius alone, as in _clip
         if factor is not None and factor == 1.0:
             return data
         self.clipped += 1

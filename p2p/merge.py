@@ -126,7 +126,9 @@ class MergeRule:
 WINDOW = 16  # senders whose latest distance sets the adaptive radius (one slot each)
 HORIZON = 16  # local steps: a sender not heard from in this many of ours leaves the window
 QUORUM = 2  # far senders it takes (and a majority of the live ones) to clip toward far models, not refuse them
-FAR = 4.0  # refuse beyond FAR x tau (gossip.merge_far, 4 by default; 0: clip however far)
+FAR = 4.0  # refuse beyond FAR x max(tau, travelled) (gossip.merge_far, 4 by default; 0: clip however far)
+BACK = 0.5  # a model whose difference from ours points back toward our start (cosine with our travel below
+# -BACK) gets the far limit of the radius alone: undoing training is what a sign flip does, whatever its factor
 SELF = ""  # the window's key for the length of our own last local step
 
 
@@ -160,17 +162,24 @@ class MergeBound:
       clipped to the ``tau`` in force, so a sender can lift the median only where honest
       entries already sit above it: ``tau`` tracks the honest spread, never the norm of our
       model or of the attacker's;
-    - a model more than ``far x tau`` away is refused, not clipped (a hard redescending
-      influence: in ``x_j - x_i``'s direction a neighbour moves us by its distance up to ``tau``,
-      by ``tau`` up to ``far x tau``, and not at all beyond). Honest neighbours sit within the
-      honest spread, so ``far x tau`` (8x the median distance with the default ``relative``)
-      refuses only models no honest peer sends, like a scaled or sign-flipped one (an attacker's
-      ``x0 - 10 (x - x0)`` lies hundreds of radii away). Clipping alone lets such a model pull
-      every merge by ``tau`` in one consistent direction that the honest neighbours, pulled the
-      same way, never pull back from: measured in docs/results.md, a sign-flipping insider then
-      held the honest peers' accuracy 19 to 28 points below the honest peers' own. Unless we
+    - a model more than ``far x max(tau, travelled)`` away is refused, not clipped (a hard
+      redescending influence: in ``x_j - x_i``'s direction a neighbour moves us by its distance
+      up to ``tau``, by ``tau`` up to that limit, and not at all beyond). ``travelled`` is how far
+      our model was from the one it started from (start()) at our last local step: the scale of
+      what training does to a model, which no one else controls. An honest neighbour trained from
+      the same start lies within the honest spread, or, where its data differ (a data-heavy
+      peer whose local steps are several times ours, far beyond ``far x tau`` right after each
+      of them), within a few times our travel; an attacker's ``x0 - 10 (x - x0)`` lies 11 times
+      its own travel away, and hundreds of radii. A model whose difference from ours points back
+      toward our start (:meth:`reach`: a sign flip of any factor does) gets ``far x tau`` alone.
+      Clipping alone lets such a model pull every
+      merge by ``tau`` in one consistent direction that the honest neighbours, pulled the same
+      way, never pull back from: measured in docs/results.md, a sign-flipping insider then held
+      the honest peers' accuracy 19 to 28 points below the honest peers' own. An insider that
+      sends a model just inside the limit is clipped: it pulls by ``tau`` a merge, as under
+      clipping alone, whatever the limit. Unless we
       are outvoted (:meth:`outvoted`): when most of the window's senders, and at least QUORUM,
-      last sent a model beyond ``far x tau``, it is we who are far from the neighbourhood (a
+      last sent a model beyond the far limit, it is we who are far from the neighbourhood (a
       restarted peer, one side of a healed partition, a peer that trained apart), and far models
       are clipped toward, as with ``far = 0``, until we are back among them. A minority insider
       never tips the vote; a majority of the window could already set ``tau``, and the most it
@@ -206,11 +215,13 @@ class MergeBound:
         self.fixed, self.drift, self.window = float(radius), float(drift), int(window)
         self.far = max(float(far), 1.0) if far > 0 else 0.0  # 0: clip however far (mode "clip")
         self.horizon, self.quorum = int(horizon), int(quorum)  # quorum: far votes it takes to follow
+        self.origin: torch.Tensor | None = None  # the model we started from (start()): one more copy of it
+        self.travelled = 0.0  # how far our model was from it at our last local step
         self.distances: dict[str, float] = {}  # sender -> its latest distance (clipped); insertion order = recency
         self.heard: dict[str, int] = {}  # sender -> our local step count when its distance was recorded
-        self.beyond: set[str] = set()  # senders whose latest model lay beyond far x tau
+        self.beyond: set[str] = set()  # senders whose latest model lay beyond the far limit
         self.steps = 0  # our local steps so far
-        self.followed = 0  # models beyond far x tau clipped, not refused: most live senders were that far
+        self.followed = 0  # models beyond the far limit clipped, not refused: most live senders were that far
         self.spent = 0.0  # path length merges moved us since our last local step
         self.clipped = 0
         self.refused = 0
@@ -259,25 +270,60 @@ class MergeBound:
         self.heard.clear()
         self.beyond.clear()
         self.spent = 0.0
+        self.origin, self.travelled = None, 0.0
 
-    def local_step(self, length: float) -> None:
+    def start(self, params: torch.Tensor) -> None:
+        """Our model starts (again) from ``params``: how far training has taken it is measured from here."""
+        self.origin = params.detach().clone()
+        self.travelled = 0.0
+
+    def travel(self, own: torch.Tensor) -> float:
+        """How far ``own`` is from where we started (0 when unknown)."""
+        if self.origin is None or self.origin.shape != own.shape:
+            return 0.0
+        return float(torch.linalg.vector_norm((own - self.origin.to(own.device, own.dtype)).double()))
+
+    def reach(self, own: torch.Tensor, diff: torch.Tensor, dist: float) -> float:
+        """The travel :meth:`far_limit` may count for a model ``diff`` away from ``own``: ours, or 0
+        when ``diff`` points back toward where we started (its cosine with ``own - origin`` below
+        -BACK), so that such a model is held to ``far x tau`` alone."""
+        if self.origin is None or self.origin.shape != own.shape or dist <= 0 or self.travelled <= 0:
+            return self.travelled
+        v = (own - self.origin.to(own.device, own.dtype)).double()
+        nv = float(torch.linalg.vector_norm(v))
+        if nv <= 0:
+            return self.travelled
+        cos = float(torch.dot(diff.double().flatten(), v.flatten())) / (dist * nv)
+        return 0.0 if cos < -BACK else self.travelled
+
+    def far_limit(self, limit: float, travelled: float | None = None) -> float:
+        """The distance beyond which a model is refused, not clipped: ``far x`` the larger of the
+        radius ``limit`` and how far our model has come from where it started (``travelled``, by
+        default as of our last local step)."""
+        return self.far * max(limit, self.travelled if travelled is None else travelled)
+
+    def local_step(self, length: float, model: torch.Tensor | None = None) -> None:
         """Our own training moved us by ``length``: it enters the window, the drift budget restarts,
         and senders not heard from in the last ``horizon`` local steps leave the window (a dead
         or departed neighbour's old distance no longer holds ``tau`` where it was)."""
         self.steps += 1
+        if model is not None:
+            travelled = self.travel(model)
+            self.travelled = travelled if math.isfinite(travelled) else self.travelled
         if math.isfinite(length):
             self._record(SELF, float(length))
         for sender in [k for k, at in self.heard.items() if k != SELF and at < self.steps - self.horizon]:
             self._forget(sender)
         self.spent = 0.0
 
-    def observe(self, sender: str, dist: float) -> None:
+    def observe(self, sender: str, dist: float, travelled: float | None = None) -> None:
         """``sender``'s model was ``dist`` from ours: its slot of the window, clipped to ``tau``,
-        and whether it lay beyond ``far x tau`` (its vote in :meth:`outvoted`)."""
+        and whether it lay beyond :meth:`far_limit` (with ``travelled`` as :meth:`shrink` will
+        use it: its vote in :meth:`outvoted`)."""
         if sender == SELF or not math.isfinite(dist):
             return
         tau = self.radius()
-        if self.far > 0 and dist > self.far * tau:
+        if self.far > 0 and dist > self.far_limit(tau, travelled):
             self.beyond.add(sender)
         else:
             self.beyond.discard(sender)
@@ -286,7 +332,7 @@ class MergeBound:
     def outvoted(self) -> bool:
         """True when most of the live senders (those in the window: heard from in the last
         ``horizon`` local steps; our own step does not vote) last sent a model beyond
-        ``far x tau``: then it is we who are far from the neighbourhood (a restarted peer, a peer
+        the far limit: then it is we who are far from the neighbourhood (a restarted peer, a peer
         that trained apart for a while, one side of a healed partition), and far models are
         clipped toward, not refused. One sender is one vote however often it writes, so an
         insider that is a minority of the window never tips it, and a lone far sender never
@@ -294,16 +340,16 @@ class MergeBound:
         live = len(self.distances) - (SELF in self.distances)
         return len(self.beyond) >= max(self.quorum, 1) and 2 * len(self.beyond) > live
 
-    def shrink(self, dist: float, limit: float) -> float | None:
+    def shrink(self, dist: float, limit: float, travelled: float | None = None) -> float | None:
         """The factor a difference of length ``dist`` is scaled by under the radius ``limit``:
-        1 within it, ``limit / dist`` when clipped, None when refused (beyond ``far x limit``,
+        1 within it, ``limit / dist`` when clipped, None when refused (beyond :meth:`far_limit`,
         or beyond ``limit`` in reject mode). Counts what it did."""
         if not dist > limit:
             return 1.0
         if self.mode == "reject":
             self.refused += 1
             return None
-        if self.far > 0 and dist > self.far * limit:
+        if self.far > 0 and dist > self.far_limit(limit, travelled):
             if not self.outvoted():
                 self.refused += 1
                 return None
@@ -313,7 +359,7 @@ class MergeBound:
 
     def apply(self, own: torch.Tensor, other: torch.Tensor, sender: str | None = None) -> torch.Tensor | None:
         """``other`` as it may be merged into ``own``: unchanged, clipped to ``tau``, or None when
-        refused (beyond ``max_abs``, beyond ``far x tau``, or beyond ``tau`` in reject mode). With ``sender`` its
+        refused (beyond ``max_abs``, beyond the far limit, or beyond ``tau`` in reject mode). With ``sender`` its
         distance takes that sender's slot of the window. Counts what it did."""
         other = other.to(own.device, own.dtype)
         if not self.within_max_abs(other):
@@ -324,9 +370,10 @@ class MergeBound:
             return other
         diff = other - own
         dist = float(torch.linalg.vector_norm(diff.double()))
+        reach = self.reach(own, diff, dist)
         if sender is not None:
-            self.observe(sender, dist)
-        factor = self.shrink(dist, limit)
+            self.observe(sender, dist, reach)
+        factor = self.shrink(dist, limit, reach)
         if factor is None or factor == 1.0:
             return None if factor is None else other
         return own + diff * factor

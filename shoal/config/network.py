@@ -276,9 +276,11 @@ class GossipConfig:
     merge_radius: float = 0.0  # > 0: a fixed clipping radius (L2) instead of the adaptive one
     max_drift: float = 4.0  # between two local steps merges move a model by a path of at most this x the radius
     # (0 = no budget)
-    merge_far: float = 0.0  # > 0: a model more than this x the radius away is refused, not clipped, unless most
-    # recently heard senders are that far (we are the outlier: clip toward them); 4 holds a sign-flipping insider,
-    # but an honest minority whose local steps are much longer can be refused for good (docs/results.md); 0 = clip
+    merge_far: float = 4.0  # > 0: a model more than this x the larger of the radius and the distance our model
+    # has come from its start (the radius alone for a model pointing back toward that start) is refused, not
+    # clipped, unless most recently heard senders are that far (we are the outlier: clip toward them); 4 refuses a
+    # sign-flipping or scaling (x10) insider and still merges an honest minority whose local steps are several
+    # times longer (docs/results.md); 0 = clip however far
     max_abs: float = 1e4  # a received model with a value beyond this (absolute) is refused; 0 = finite only
     allow_networks: list[str] = field(default_factory=list)  # `shoal peer`: CIDRs contacted whatever their
     # kind (by default only addresses of the kinds of --advertise and --bootstrap; p2p/addresses.py)

@@ -164,10 +164,11 @@ def test_a_flood_of_scaled_models_moves_an_honest_model_by_a_bounded_amount():
 
 
 def test_a_sign_flipped_model_moves_nothing_and_a_fresh_peer_still_catches_up():
-    """A sign-flipped x10 model (x0 - 10 (x - x0)) lies far beyond far x radius from an honest
-    model: refused, so a thousand of them move the model not at all (clipping alone moved it by the
-    radius each merge, in one direction). A fresh peer (no local step yet) adopts a far-off honest
-    model at once, and its own far-off model is refused by the others until it has."""
+    """A sign-flipped x10 model (x0 - 10 (x - x0)) lies 11 times as far from an honest model as
+    that model has come from the start, far beyond far x radius too: refused, so a thousand of
+    them move the model not at all (clipping alone moved it by the radius each merge, in one
+    direction). A fresh peer (no local step yet) adopts a far-off honest model at once; its own
+    model, the start, points back along our travel and is refused too."""
     from shoal.p2p.gossip import GossipNode, ModelMessage
     from shoal.p2p.membership import Membership
 
@@ -183,7 +184,8 @@ def test_a_sign_flipped_model_moves_nothing_and_a_fresh_peer_still_catches_up():
     assert torch.equal(node.params, trained) and node.merge_bound.refused == 1000 and node.merges == 2
     fresh = GossipNode(Membership("new", 4, 2, bootstrap_peers=("me",)), torch.zeros(50), 10, MergeRule("age"))
     answer = node.on_push(ModelMessage("new", "me", fresh.params.clone(), 0, 0, 10, seq=1), now=0.0)
-    assert torch.equal(node.params, trained)  # the fresh peer's model, far off: refused (2 far votes of 4)
+    # the fresh peer's model is where we started: it would undo our training, held to far x tau: refused
+    assert torch.equal(node.params, trained) and node.merge_bound.refused == 1001
     fresh.on_reply(answer, now=0.0)
     assert torch.equal(fresh.params, trained)  # adopted whole (age rule, its own age 0)
 
@@ -299,3 +301,59 @@ def test_a_peer_ahead_in_age_follows_a_far_majority_behind_it():
     node.on_push(ModelMessage("b", "me", far.clone(), 10, 10, 10, seq=1), now=0.0)
     moved = float(torch.linalg.vector_norm(node.params - own))
     assert 0 < moved <= node.merge_bound.radius() * (1 + 1e-5) and node.merge_bound.followed == 1
+
+
+def test_a_data_heavy_minority_is_merged_and_a_sign_flipping_insider_refused():
+    """Four peers take short local steps, two hold more data and take steps about 6x longer
+    toward an optimum of their own. Right after each of its steps a heavy peer lies beyond
+    ``far x tau`` of the light peers, whose radius comes from their short steps (measured on this
+    test: by the radius alone the light peers refused 26 to 45 of the heavy peers' models each,
+    and the groups' means ended 1.19 apart instead of 0.86). It lies well within ``far x`` how
+    far a light peer's model has come from the start they share, so it is clipped and merged.
+    A sign-flipped x2 model lies only 3 times that far, but it points back toward the start, so
+    it is held to ``far x tau`` and refused by every peer, heavy or not."""
+    from shoal.p2p.gossip import GossipNode, ModelMessage
+    from shoal.p2p.membership import Membership
+
+    torch.manual_seed(0)
+    ids = [f"p{k}" for k in range(6)]
+    heavy = {4, 5}
+    x0 = torch.randn(20)
+    nodes = [GossipNode(Membership(i, 5, 2, bootstrap_peers=tuple(set(ids) - {i})), x0.clone(), 10) for i in ids]
+    base, apart = torch.randn(20), torch.randn(20)
+    optimum = [x0 + base + (apart if k in heavy else 0) + 0.1 * torch.randn(20) for k in range(6)]
+    count = iter(range(1, 10**6))
+    lengths: dict[bool, list[float]] = {False: [], True: []}
+
+    def seq(now: float) -> int:
+        return int(now * 1e6) + next(count)
+
+    def train(k: int) -> None:  # the heavy peers go 25% of the way to their optimum a step, the others 10%
+        n, (rate, noise) = nodes[k], (0.25, 0.03) if k in heavy else (0.1, 0.01)
+        new = n.params + rate * (optimum[k] - n.params) + noise * torch.randn(20)
+        lengths[k in heavy].append(float(torch.linalg.vector_norm(new - n.params)))
+        n.local_update(new)
+
+    def exchange(k: int, now: float) -> None:
+        n, peer = nodes[k], int(torch.randint(6, ()))
+        if peer != k:
+            push = ModelMessage(n.id, ids[peer], n.params.clone(), n.age, n.version, 10, False, seq(now))
+            n.on_reply(nodes[peer].on_push(push, now), now)
+
+    for step in range(100):
+        for k in range(6):
+            train(k)
+            exchange(k, float(step))
+    light, steps = [n for k, n in enumerate(nodes) if k not in heavy], {h: sum(v) / len(v) for h, v in lengths.items()}
+    assert steps[True] > 4 * steps[False]  # the heavy peers' steps are much longer
+    assert all(n.merge_bound.refused <= 1 for n in light)  # their models are merged, not refused
+    mean = [sum(n.params for k, n in enumerate(nodes) if (k in heavy) == h) / (2 if h else 4) for h in (False, True)]
+    assert float(torch.linalg.vector_norm(mean[0] - mean[1])) < 1.0
+    refused = [n.merge_bound.refused for n in nodes]
+    for step in range(100, 120):  # an insider pushes its sign flip to every peer, every step
+        for k in range(6):
+            train(k)
+            exchange(k, float(step))
+            evil = ModelMessage("evil", ids[k], x0 - 2 * (nodes[k].params - x0), 10**6, 1, 10, False, seq(step))
+            nodes[k].on_push(evil, float(step))
+    assert all(n.merge_bound.refused - r == 20 for n, r in zip(nodes, refused, strict=True))

@@ -177,9 +177,9 @@ def test_a_long_host_label_or_userinfo_is_refused_wherever_it_comes():
 
 @pytest.mark.parametrize("far", [0.0, 4.0])
 def test_huge_models_are_refused_and_far_ones_clipped(far):
-    """Beyond max_abs: refused. Beyond the radius: clipped; with gossip.merge_far = 4 a model
-    more than 4 radii away from a lone sender is refused instead (the default, 0, clips however
-    far)."""
+    """Beyond max_abs: refused. Beyond the radius: clipped; with gossip.merge_far = 4 (the
+    default) a model from a lone sender more than 4 radii away, and 4 times as far as our model
+    has come from its start, is refused instead (0 clips however far)."""
     cfg = Config()
     cfg.gossip.merge_far = far
     svc = _service(cfg)
