@@ -277,19 +277,26 @@ class MergeBound:
         self.origin = params.detach().clone()
         self.travelled = 0.0
 
+    def _from_start(self, own: torch.Tensor) -> torch.Tensor | None:
+        """``own - origin`` in double (None when we have no start of its shape)."""
+        if self.origin is None or self.origin.shape != own.shape:
+            return None
+        return (own - self.origin.to(own.device, own.dtype)).double()
+
     def travel(self, own: torch.Tensor) -> float:
         """How far ``own`` is from where we started (0 when unknown)."""
-        if self.origin is None or self.origin.shape != own.shape:
-            return 0.0
-        return float(torch.linalg.vector_norm((own - self.origin.to(own.device, own.dtype)).double()))
+        v = self._from_start(own)
+        return 0.0 if v is None else float(torch.linalg.vector_norm(v))
 
     def reach(self, own: torch.Tensor, diff: torch.Tensor, dist: float) -> float:
         """The travel :meth:`far_limit` may count for a model ``diff`` away from ``own``: ours, or 0
         when ``diff`` points back toward where we started (its cosine with ``own - origin`` below
         -BACK), so that such a model is held to ``far x tau`` alone."""
-        if self.origin is None or self.origin.shape != own.shape or dist <= 0 or self.travelled <= 0:
+        if dist <= 0 or self.travelled <= 0:
             return self.travelled
-        v = (own - self.origin.to(own.device, own.dtype)).double()
+        v = self._from_start(own)
+        if v is None:
+            return self.travelled
         nv = float(torch.linalg.vector_norm(v))
         if nv <= 0:
             return self.travelled

@@ -29,6 +29,7 @@ import select
 import signal
 import sys
 import threading
+from collections.abc import Iterable
 from typing import Any
 
 # what `shoal server/client/node/peer` import (not shoal.cli itself: it runs as __main__, as with -m)
@@ -50,7 +51,7 @@ PRELOAD = (
 )
 
 
-def _preload(names: Any) -> None:
+def _preload(names: Iterable[str]) -> None:
     """Import ``names`` and leave the root logger as a fresh interpreter has it: opacus calls
     logging.basicConfig when imported, and a child's own basicConfig (the CLI's) would then do nothing."""
     for name in names:

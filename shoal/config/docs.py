@@ -26,6 +26,7 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
+from .checks import field_types
 from .sections import Config
 
 HEADER = """# Configuration reference
@@ -190,7 +191,7 @@ def section_keys(name: str) -> list[Key]:
     cls = type(obj)
     source = Path(inspect.getfile(cls)).read_text()  # the section's own module (training.py, network.py, ...)
     docs, ranges = _field_docs(source, cls), _ranges(source, cls, name)
-    hints = typing.get_type_hints(cls)
+    hints = field_types(cls)
     rows = []
     for f in dataclasses.fields(obj):
         hint = hints[f.name]
