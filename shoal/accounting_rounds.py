@@ -438,13 +438,19 @@ def branches_of(e: dict) -> Branches:
     return normalize(e.get("abort_branches", PLAIN))
 
 
+def _poisson_z(e: dict) -> float:
+    """The multiplier of a continuous-Gaussian entry of Poisson rounds (ValueError for fixed-size ones,
+    which these compositions do not cover)."""
+    if e["sampling"] != "poisson":
+        raise ValueError("fixed-size rounds are not composed with Poisson rounds of another mechanism")
+    return float(e["z"])
+
+
 def _entry_gaussian(e: dict) -> tuple[float, float]:
     """(z, b) of one unsampled round of entry ``e`` at sensitivity C: its multiplier as a continuous
     Gaussian and the pointwise factor e^{+-b} (0 for the continuous Gaussian itself)."""
     if e["mechanism"] == RoundAccountant.MECHANISM:
-        if e["sampling"] != "poisson":
-            raise ValueError("fixed-size rounds are not composed with Poisson rounds of another mechanism")
-        return float(e["z"]), 0.0
+        return _poisson_z(e), 0.0
     return ddg_round_gaussian(e)
 
 
@@ -457,9 +463,7 @@ def entry_rdp(e: dict) -> tuple[float, ...]:
         if s <= 0:
             curves.append((p, None))
         elif e["mechanism"] == RoundAccountant.MECHANISM:
-            if e["sampling"] != "poisson":
-                raise ValueError("fixed-size rounds are not composed with Poisson rounds of another mechanism")
-            curves.append((p, _gaussian_round_rdp(float(e["q"]), float(e["z"]) / s)))
+            curves.append((p, _gaussian_round_rdp(float(e["q"]), _poisson_z(e) / s)))
         else:
             scaled = {**e, "sensitivity_sq": float(e["sensitivity_sq"]) * s * s}
             scaled["release_z"] = float(e["release_z"]) / s
@@ -520,7 +524,7 @@ def _ledger_epsilon(entries: list[dict], delta: float, kind: str) -> float:
         return pld_ledger_epsilon(entries, delta)
     if all(e["mechanism"] == RoundAccountant.MECHANISM and branches_of(e) == PLAIN for e in entries):
         segments = tuple(
-            ("poisson", min(float(e["q"]), 1.0), float(e["z"]), None, None, int(e["rounds"])) for e in entries
+            ("poisson", min(float(e["q"]), 1.0), _poisson_z(e), None, None, int(e["rounds"])) for e in entries
         )
         if len(segments) == 1:  # dp-accounting's RDP at its own orders, as a round without aborts
             return epsilon(segments[0][1], segments[0][2], segments[0][5], delta, "rdp")
