@@ -26,8 +26,12 @@ batching pay for the 2NN: under vmap, autograd writes each client's gradient and
 step reads it back, passes over K stacked models that no longer fit in cache
 (docs/results.md, "Fast simulation").
 
-Models with buffers (BatchNorm statistics) or layers that draw randomness (dropout) are
-not batched: :func:`unsupported_reason` says why and the simulator trains them one by one.
+Layers vmap cannot batch by itself (GRU, LSTM, RNN: no batching rule) or batches slowly
+(attention), and with ``simulation.batched_conv = "matmul"`` Conv2d, run as the stand-ins of
+client/batched_layers.py: :func:`batchable` swaps them into a copy of the model, with the same
+parameter names, which is what the vmap path calls. Models with buffers (BatchNorm
+statistics) or layers that draw randomness (dropout with p > 0) are not batched:
+:func:`unsupported_reason` says why and the simulator trains them one by one.
 """
 
 from __future__ import annotations
@@ -46,6 +50,7 @@ from shoal.config import TrainConfig
 from shoal.params import Entry, ParamSpec
 from shoal.update import Update
 
+from .batched_layers import CONV_MODES, batchable, random_layers
 from .training import autocast
 
 log = logging.getLogger(__name__)
@@ -77,7 +82,6 @@ CPU_CHUNK_BYTES = 32 << 20
 # simulation"). MLPs that LinearChain handles are batched on a CPU at any size; GPUs
 # batch every model.
 CPU_AUTO_MAX_PARAMS = 100_000
-_RANDOM_OR_STATEFUL = (nn.modules.dropout._DropoutNd, nn.modules.batchnorm._NormBase)
 
 
 def unsupported_reason(model: nn.Module, cfg: TrainConfig) -> str | None:
@@ -85,9 +89,12 @@ def unsupported_reason(model: nn.Module, cfg: TrainConfig) -> str | None:
     buffers = [n for n, _ in model.named_buffers()]
     if buffers:
         return f"the model has buffers ({', '.join(buffers[:3])}) that vmap cannot keep per client"
-    layers = sorted({type(m).__name__ for m in model.modules() if isinstance(m, _RANDOM_OR_STATEFUL)})
-    if layers:
-        return f"the model has {', '.join(layers)} layers (randomness/statistics per client)"
+    norms = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.modules.batchnorm._NormBase)})
+    if norms:
+        return f"the model has {', '.join(norms)} layers (batch statistics per client)"
+    random = random_layers(model)
+    if random:
+        return f"the model has {', '.join(random)} layers that draw random numbers per client (p > 0)"
     default = TrainConfig()
     for f in dataclasses.fields(cfg):
         if f.name not in HANDLED_TRAIN_FIELDS and getattr(cfg, f.name) != getattr(default, f.name):
@@ -206,16 +213,19 @@ def activation_floats(model: nn.Module, example: torch.Tensor | tuple[int, ...])
     return total
 
 
-def vmap_blocker(model: nn.Module, example: torch.Tensor | tuple[int, ...]) -> str | None:
+def vmap_blocker(model: nn.Module, example: torch.Tensor | tuple[int, ...], conv: str = "grouped") -> str | None:
     """Why the vmap path cannot run ``model`` (None: it can), found by trying it: a forward pass of
-    two stacked copies of the parameters on a zero input under ``torch.func.vmap``. Recurrent
-    layers (no batching rule for aten::gru/lstm), outputs that are not one logits tensor, and any
-    op vmap cannot batch are caught here, once, instead of failing in the first round."""
+    two stacked copies of the parameters on a zero input under ``torch.func.vmap``, with the
+    stand-in layers the trainer uses (:func:`batchable`, ``conv`` as in BatchedTrainer). Layers
+    left without a stand-in (an LSTM with proj_size: no batching rule for aten::lstm), outputs
+    that are not one logits tensor, and any op vmap cannot batch are caught here, once, instead
+    of failing in the first round."""
     x = as_example(model, example)
     params = {n: torch.stack([p.detach(), p.detach()]) for n, p in model.named_parameters()}
+    swapped = batchable(model, conv).train()
 
     def forward(p: dict[str, torch.Tensor]) -> object:
-        return functional_call(model, p, (x,))
+        return functional_call(swapped, p, (x,))
 
     try:
         with torch.no_grad():
@@ -269,11 +279,19 @@ class BatchedTrainer:
     """Trains up to ``max_clients`` clients at once from one global vector."""
 
     def __init__(
-        self, model: nn.Module, spec: ParamSpec, cfg: TrainConfig, device: torch.device | str, max_clients: int
+        self,
+        model: nn.Module,
+        spec: ParamSpec,
+        cfg: TrainConfig,
+        device: torch.device | str,
+        max_clients: int,
+        conv: str = "grouped",
     ):
         reason = unsupported_reason(model, cfg)
         if reason is not None:
             raise ValueError(f"cannot batch clients: {reason}")
+        if conv not in CONV_MODES:
+            raise ValueError(f"cannot batch clients: batched_conv = {conv!r} is not one of {', '.join(CONV_MODES)}")
         self.model = model
         self.spec = spec
         self.cfg = cfg
@@ -289,8 +307,13 @@ class BatchedTrainer:
         all_trainable = self._trainable == {e.name for e in spec.entries}
         self.chain = linear_chain(model, spec) if cfg.precision == "fp32" and all_trainable else None
 
+        # What the vmap path runs: a copy with the stand-in layers (same parameter names and
+        # tensors; the model itself is left as it is), in training mode as LocalTrainer puts it.
+        self.conv = conv
+        self.batchable = batchable(model, conv).train()
+
         def forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-            return functional_call(self.model, params, (x,))
+            return functional_call(self.batchable, params, (x,))
 
         self._forward = vmap(forward)
         self._terms = _ChunkTerms(None, None, cfg.prox_mu)  # the chunk being trained (train sets it)
@@ -561,6 +584,7 @@ def make_batched_trainer(
     example: torch.Tensor | tuple[int, ...],
     clients_per_round: int,
     max_client_size: int,
+    conv: str = "grouped",
 ) -> BatchedTrainer | None:
     """``simulation.batch_clients`` -> a BatchedTrainer, or None to train one by one.
 
@@ -569,14 +593,15 @@ def make_batched_trainer(
     models up to CPU_AUTO_MAX_PARAMS); an
     integer N trains N at once as asked (1 = sequential; the memory is then the user's call). A model
     or option that cannot be batched falls back to sequential and says why, once. ``example`` is
-    one input (a batch of one, with the data's dtype), or just its shape.
+    one input (a batch of one, with the data's dtype), or just its shape. ``conv``:
+    ``simulation.batched_conv``, how the vmap path runs Conv2d layers.
     """
     if setting == 1 or clients_per_round <= 1:
         return None
     reason = unsupported_reason(model, cfg)
     chain = reason is None and cfg.precision == "fp32" and linear_chain(model, spec) is not None
     if reason is None and not chain:
-        reason = vmap_blocker(model, example)
+        reason = vmap_blocker(model, example, conv)
     if reason is not None:
         level = logging.INFO if setting == "auto" else logging.WARNING
         log.log(level, "simulation.batch_clients = %r: training clients one by one because %s", setting, reason)
@@ -596,6 +621,6 @@ def make_batched_trainer(
             "simulation.batch_clients = %r: one client per chunk fits the memory budget; training one by one", setting
         )
         return None
-    trainer = BatchedTrainer(model, spec, cfg, device, n)
+    trainer = BatchedTrainer(model, spec, cfg, device, n, conv)
     log.info("training up to %d clients at once (%s) on %s", n, "Linear chain" if trainer.chain else "vmap", device)
     return trainer

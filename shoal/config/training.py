@@ -33,6 +33,9 @@ class SimulationConfig:
     device: str = "auto"  # where simulated clients train: auto | cpu | cuda[:N]
     progress: bool = True  # progress bar on a terminal
     batch_clients: int | str = "auto"  # clients trained at once (vmap): auto | N | 1 (one by one)
+    # how batched clients' Conv2d layers run: grouped (one grouped convolution over the clients) |
+    # matmul (im2col and one batched matmul, which can use a GPU's tensor cores)
+    batched_conv: Literal["grouped", "matmul"] = "grouped"
     flower_client_cpus: float = 1.0  # engine=flower: CPUs Ray reserves per client (Flower's default is 2)
     flower_client_gpus: float = 0.0  # engine=flower: GPU fraction per client (0.25 = four per GPU)
     ray_address: str = ""  # engine=ray|flower: an existing Ray cluster ("auto", "host:6379"); "" starts one here
