@@ -94,12 +94,12 @@ class BatchableGRU(_RecurrentLoop, nn.GRU):
     def forward(self, input, hx=None):
         _packed(input)
 
-        def cell(gi, gh, state):
+        two = 2 * self.hidden_size
+
+        def cell(gi, gh, state):  # r and z in one sigmoid: fewer ops per step, each one batched
             h = state[0]
-            ir, iz, i_n = gi.chunk(3, -1)
-            hr, hz, hn = gh.chunk(3, -1)
-            r, z = torch.sigmoid(ir + hr), torch.sigmoid(iz + hz)
-            new = torch.tanh(i_n + r * hn)
+            r, z = torch.sigmoid(gi[..., :two] + gh[..., :two]).chunk(2, -1)
+            new = torch.tanh(gi[..., two:] + r * gh[..., two:])
             return (new + z * (h - new),)
 
         out, (h_n,) = self._run(input, None if hx is None else (hx,), cell, 1)
