@@ -70,12 +70,14 @@ class _RecurrentLoop:
             for d in range(dirs):
                 sfx = f"l{layer}{'_reverse' if d else ''}"
                 gi = F.linear(x, getattr(m, f"weight_ih_{sfx}"), getattr(m, f"bias_ih_{sfx}") if m.bias else None)
+                # one unbind, not gi[t] per step: each indexing's backward writes a gi-sized zero tensor
+                per_time = gi.unbind(0)
                 w_hh = getattr(m, f"weight_hh_{sfx}")
                 b_hh = getattr(m, f"bias_hh_{sfx}") if m.bias else None
                 state = tuple(h[layer * dirs + d] for h in hx)
                 per_step: list[torch.Tensor] = [torch.empty(0)] * steps
                 for t in reversed(range(steps)) if d else range(steps):
-                    state = cell(gi[t], F.linear(state[0], w_hh, b_hh), state)
+                    state = cell(per_time[t], F.linear(state[0], w_hh, b_hh), state)
                     per_step[t] = state[0]
                 outs.append(torch.stack(per_step))
                 for i, s in enumerate(state):
@@ -94,12 +96,13 @@ class BatchableGRU(_RecurrentLoop, nn.GRU):
     def forward(self, input, hx=None):
         _packed(input)
 
-        two = 2 * self.hidden_size
+        sizes = [2 * self.hidden_size, self.hidden_size]
 
         def cell(gi, gh, state):  # r and z in one sigmoid: fewer ops per step, each one batched
             h = state[0]
-            r, z = torch.sigmoid(gi[..., :two] + gh[..., :two]).chunk(2, -1)
-            new = torch.tanh(gi[..., two:] + r * gh[..., two:])
+            (gi_rz, gi_n), (gh_rz, gh_n) = gi.split(sizes, -1), gh.split(sizes, -1)
+            r, z = torch.sigmoid(gi_rz + gh_rz).chunk(2, -1)
+            new = torch.tanh(gi_n + r * gh_n)
             return (new + z * (h - new),)
 
         out, (h_n,) = self._run(input, None if hx is None else (hx,), cell, 1)
