@@ -243,6 +243,10 @@ def main() -> None:
             f"{r['engine']:<10} {r['total_s']:>8.1f} {r['rounds_s']:>9.1f} {per_round:>8.2f} {ratio:>9.2f} "
             f"{r['accuracy']:>9.4f} {r['driver_peak_mb']:>10.0f} {workers:>24}"
         )
+        line = {"bench": "engines", "engine": r["engine"], "device": args.device, "s_per_round": per_round}
+        print(
+            "RESULT " + json.dumps(line | {"x_inprocess": ratio if base else None, "accuracy": r["accuracy"]})
+        )  # bench/gpu_summary.py
 
 
 if __name__ == "__main__":

@@ -22,7 +22,11 @@
 #   4. the Ray engine with two workers sharing the GPU (ray_gpus_per_worker = 0.5) against the
 #      in-process engine on the same GPU (bench/engines.py);
 #   5. `shoal server` + two `shoal client` nodes training on CUDA vs on the CPU (bench/gpu_node.py).
-# Each section's output goes to $OUT (or /tmp/gpu_suite) and a summary table ends the run.
+# Each section's output goes to $OUT (or /tmp/gpu_suite); the benches also print one `RESULT {json}`
+# line per measured cell there, from which bench/gpu_summary.py ends the run with a table: per
+# section its figures, the previous ones (bench/gpu_previous.json: value, card, date), new/previous
+# and which direction is better, and the share of the card's data-sheet peak where a FLOP count is
+# defined ("peak unknown" for a card not in bench/sim_throughput.py's table).
 # On a machine without CUDA it says so and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -102,9 +106,10 @@ fi
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
 "$PY" -c 'import torch; print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")'
+CARD=$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))')
 MNIST=$(realpath "$DATA/mnist" 2>/dev/null || echo "$DATA/mnist")
 
-names=() statuses=() seconds=()
+: >"$OUT/sections.tsv"
 section() {  # section NAME LIMIT_S COMMAND...: run with a time limit, keep its output, note how it ended
   local name=$1 limit=$2
   shift 2
@@ -112,15 +117,15 @@ section() {  # section NAME LIMIT_S COMMAND...: run with a time limit, keep its 
   echo
   echo "=== $name (at most ${limit} s)"
   local t0=$SECONDS rc
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -E 'Warning|warnings.warn|^\s*$'
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -E 'Warning|warnings.warn|^RESULT |^\s*$'
   rc=${PIPESTATUS[0]}
-  names+=("$name")
-  seconds+=($((SECONDS - t0)))
+  local status
   case $rc in
-    0) statuses+=(ok) ;;
-    124 | 137) statuses+=("timed out") ;;
-    *) statuses+=("failed ($rc)") ;;
+    0) status=ok ;;
+    124 | 137) status="timed out" ;;
+    *) status="failed ($rc)" ;;
   esac
+  printf '%s\t%s\t%s\n' "$name" "$status" $((SECONDS - t0)) >>"$OUT/sections.tsv"
 }
 
 section batched_fp32 200 "$PY" bench/sim_throughput.py --device cuda --models cnn,2nn,logreg --ks 10,100,1000 \
@@ -135,17 +140,5 @@ section ray_gpu 120 "$PY" bench/engines.py --device cuda --engines inprocess,ray
 section node_cuda 120 "$PY" bench/gpu_node.py --data-dir "$MNIST" --rounds 3 --examples 3000
 
 echo
-echo "=== summary ($(($(date +%s) - start)) s in all; logs in $OUT)"
-printf '%-14s %-12s %6s  %s\n' section status seconds "key figure"
-key() {  # the line of a section's log that answers its question
-  case $1 in
-    batched_fp32 | batched_bf16) grep -m1 'target:' "$OUT/$1.log" ;;
-    dp_sgd) grep -E '^cnn ' "$OUT/$1.log" | awk '{print "cnn DP-SGD " $3 " ms/step, " $4 " of plain"}' ;;
-    cuda_tests) grep -E '(passed|failed)' "$OUT/$1.log" | tail -1 ;;
-    ray_gpu) grep -E '^ray2gpu' "$OUT/$1.log" | awk '{print "ray2gpu " $4 " s/round, " $5 "x in-process, acc " $6}' ;;
-    node_cuda) grep -E '^cpu / cuda' "$OUT/$1.log" ;;
-  esac
-}
-for i in "${!names[@]}"; do
-  printf '%-14s %-12s %6s  %s\n' "${names[$i]}" "${statuses[$i]}" "${seconds[$i]}" "$(key "${names[$i]}" | head -1)"
-done
+echo "=== summary ($(($(date +%s) - start)) s in all; logs in $OUT; previous figures from bench/gpu_previous.json)"
+"$PY" bench/gpu_summary.py --out "$OUT" --card "$CARD" || echo "gpu_suite: the summary failed (the logs are in $OUT)"

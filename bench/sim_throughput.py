@@ -150,6 +150,16 @@ def peak_tflops(device: torch.device, precision: str, override: float | None) ->
     return None, f"{name}: peak unknown, pass --peak-tflops"
 
 
+def print_result(name, k, samples, cfg, device, s_round, over_seq, flop_round) -> None:
+    """One cell as a ``RESULT {json}`` line, which bench/gpu_summary.py reads for the GPU suite's summary."""
+    import json
+
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    fields = {"bench": "sim_throughput", "card": card, "model": name, "k": k, "samples": samples}
+    fields |= {"batch_size": cfg.batch_size, "precision": cfg.precision, "s_per_round": s_round}
+    print("RESULT " + json.dumps(fields | {"batched_over_seq": over_seq, "flop_per_round": flop_round}), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
@@ -259,6 +269,7 @@ def main() -> None:
                     if m < k:
                         line += f"  (bare/seq timed on {m} of {k} clients)"
                     print(line, flush=True)
+                    print_result(name, k, samples, cfg, device, t_bat, r_bat / r_seq, fps * samples * k)
                     if name == "cnn" and k == 1000 and samples == 600 and args.batch_size == 10:
                         verdict = "met" if t_bat <= 5.0 else "NOT met"
                         print(
