@@ -49,10 +49,16 @@ MNIST = (
 )
 ENGINES = {
     "inprocess": ["simulation.engine='inprocess'"],
-    "ray1": ["simulation.engine='ray'", "simulation.ray_workers=1"],
-    "ray2": ["simulation.engine='ray'", "simulation.ray_workers=2"],
+    # ray_share_gpu: measure the Ray workers even where shoal would run in-process instead (docs/ray.md, "One GPU")
+    "ray1": ["simulation.engine='ray'", "simulation.ray_workers=1", "simulation.ray_share_gpu=true"],
+    "ray2": ["simulation.engine='ray'", "simulation.ray_workers=2", "simulation.ray_share_gpu=true"],
     # two workers sharing one GPU (run with --device cuda)
-    "ray2gpu": ["simulation.engine='ray'", "simulation.ray_workers=2", "simulation.ray_gpus_per_worker=0.5"],
+    "ray2gpu": [
+        "simulation.engine='ray'",
+        "simulation.ray_workers=2",
+        "simulation.ray_gpus_per_worker=0.5",
+        "simulation.ray_share_gpu=true",
+    ],
     "flower": ["simulation.engine='flower'", "simulation.flower_client_cpus=1"],
 }
 

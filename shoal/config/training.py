@@ -41,6 +41,9 @@ class SimulationConfig:
     ray_workers_per_node: int = 0  # engine=ray: workers placed on every node of the cluster (0 = Ray places them)
     ray_cpus_per_worker: float = 1.0  # engine=ray: CPUs reserved per worker (also its torch threads)
     ray_gpus_per_worker: float = 0.0  # engine=ray: GPU fraction per worker (0.25 = four workers share a GPU)
+    # engine=ray, local runtime: let several workers share one GPU; false runs the in-process engine there
+    # instead, which batches the whole round's clients on that GPU (docs/ray.md, "One GPU")
+    ray_share_gpu: bool = False
     ray_max_restarts: int = 3  # engine=ray: a dead worker is restarted this often; its clients are re-run
     ray_partial_sums: bool = True  # engine=ray: workers sum their clients' updates when the pipeline allows
     # engine=ray / flower: longest wait for the workers (Flower: its clients) to be placed and loaded,
@@ -68,6 +71,11 @@ class SimulationConfig:
         positive("simulation.ray_gpus_per_worker", self.ray_gpus_per_worker, allow_zero=True)
         positive("simulation.ray_max_restarts", self.ray_max_restarts, allow_zero=True)
         positive("simulation.ray_start_timeout_s", self.ray_start_timeout_s)
+        if self.ray_share_gpu and self.engine != "ray":
+            raise ConfigError(
+                f"simulation.ray_share_gpu = true applies to simulation.engine = 'ray' (Ray workers on one GPU), "
+                f"not to {self.engine!r}: drop it or set the engine"
+            )
         if self.ray_workers and self.ray_workers_per_node:
             raise ConfigError(
                 "simulation.ray_workers and simulation.ray_workers_per_node are both set: "
