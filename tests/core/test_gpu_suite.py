@@ -70,15 +70,10 @@ def test_the_summary_sets_each_figure_beside_the_previous_one_with_the_share_of_
     def rows(card: str) -> dict[tuple[str, str], list[str]]:
         """(section, figure) -> the row's cells after the figure's name."""
         out, section = {}, ""
-        for line in summary.summary(tmp_path, card):
-            cells = line.split()
-            if line[:1] != " ":
-                section, cells = cells[0], cells[3 if cells[1] != "timed" and cells[1] != "failed" else 4 :]
-            elif cells[0].startswith("("):
-                out[(section, "peak")] = cells
-                continue
-            if cells:
-                out[(section, cells[0])] = cells[1:]
+        for line in summary.summary(tmp_path, card)[1:]:  # the header first
+            section = line[:13].strip() or section  # name, status and seconds fill the first 30 characters
+            cells = line[30:].split()
+            out[(section, "peak" if cells[0].startswith("(") else cells[0])] = cells[1:]
         return out
 
     h200 = rows("NVIDIA H200")
