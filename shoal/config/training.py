@@ -33,6 +33,7 @@ class SimulationConfig:
     device: str = "auto"  # where simulated clients train: auto | cpu | cuda[:N]
     progress: bool = True  # progress bar on a terminal
     batch_clients: int | str = "auto"  # clients trained at once (vmap): auto | N | 1 (one by one)
+    cuda_graphs: bool = True  # on a GPU, record each batched local step once and replay it (fewer launches)
     flower_client_cpus: float = 1.0  # engine=flower: CPUs Ray reserves per client (Flower's default is 2)
     flower_client_gpus: float = 0.0  # engine=flower: GPU fraction per client (0.25 = four per GPU)
     ray_address: str = ""  # engine=ray|flower: an existing Ray cluster ("auto", "host:6379"); "" starts one here
@@ -129,7 +130,8 @@ class TrainConfig:
     weight_decay: float = 0.0  # local L2 weight decay
     prox_mu: float = 0.0  # FedProx proximal term (Li et al. 2020); 0 is FedAvg
     device: str = "auto"  # auto | cpu | cuda | cuda:N (client nodes)
-    precision: Literal["fp32", "bf16"] = "fp32"  # fp32 | bf16 (autocast of the forward pass)
+    # fp32 | tf32 (on a GPU: matmuls and convolutions in TensorFloat-32) | bf16 (autocast of the forward pass)
+    precision: Literal["fp32", "tf32", "bf16"] = "fp32"
 
     def validate(self) -> None:
         positive("train.epochs", self.epochs)
