@@ -15,8 +15,11 @@
 # bounded in time and reported even when another fails:
 #   1. batched simulation vs one-by-one training on the same GPU: MNIST CNN, 2NN and logistic
 #      regression with 10, 100 and 1,000 clients per round (600 examples each, E = 1, B = 10),
-#      seconds per round and FLOP/s against the GPU's data-sheet peak (bench/sim_throughput.py);
-#      the CNN at 1,000 clients once more in bf16;
+#      seconds per round and FLOP/s against the GPU's data-sheet peak (bench/sim_throughput.py),
+#      the batched steps as CUDA graph replays and eagerly side by side; the CNN at 1,000 clients
+#      once more in TF32 and in bf16;
+#   1b. NIID-Bench's setting (10 MNIST CNN clients, E = 10, B = 64; bench/niid_bench.py): seconds
+#      per round of FedAvg with CUDA graphs and without, 4 rounds each (the first not counted);
 #   2. DP-SGD (Opacus per-sample gradients) against plain SGD on the GPU (bench/bench_dp_sgd.py);
 #   3. the CUDA tests (and the training/aggregation test files around them) with pytest;
 #   4. the Ray engine with two workers sharing the GPU (ray_gpus_per_worker = 0.5) against the
@@ -128,10 +131,16 @@ section() {  # section NAME LIMIT_S COMMAND...: run with a time limit, keep its 
   printf '%s\t%s\t%s\n' "$name" "$status" $((SECONDS - t0)) >>"$OUT/sections.tsv"
 }
 
-section batched_fp32 200 "$PY" bench/sim_throughput.py --device cuda --models cnn,2nn,logreg --ks 10,100,1000 \
-  --samples 600 --repeats 2 --seq-cap 50
+section batched_fp32 240 "$PY" bench/sim_throughput.py --device cuda --models cnn,2nn,logreg --ks 10,100,1000 \
+  --samples 600 --repeats 2 --seq-cap 50 --cuda-graphs both
+section batched_tf32 60 "$PY" bench/sim_throughput.py --device cuda --models cnn --ks 1000 --samples 600 \
+  --precision tf32 --repeats 2 --seq-cap 20
 section batched_bf16 60 "$PY" bench/sim_throughput.py --device cuda --models cnn --ks 1000 --samples 600 \
   --precision bf16 --repeats 2 --seq-cap 20
+section niid_round 150 bash -c "'$PY' bench/niid_bench.py --data '$MNIST' --device cuda --rounds 4 \
+  --splits dirichlet --algorithms fedavg --out '$OUT/niid_graphs' --round-time --cuda-graphs on &&
+  '$PY' bench/niid_bench.py --data '$MNIST' --device cuda --rounds 4 --splits dirichlet --algorithms fedavg \
+  --out '$OUT/niid_eager' --round-time --cuda-graphs off"
 section dp_sgd 90 "$PY" bench/bench_dp_sgd.py --device cuda --model 2nn,cnn --n 1500 --repeats 2
 section cuda_tests 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs \
   tests/aggregation/test_mean.py tests/aggregation/test_strategy.py tests/client

@@ -38,10 +38,10 @@ class Figure:
 
 
 def peak_tflops(card: str, precision: str) -> float | None:
-    """The card's dense data-sheet peak for ``precision`` (fp32 or bf16), or None for a card not in the table."""
-    for key, (fp32, bf16) in PEAK_TFLOPS.items():
+    """The card's dense data-sheet peak for ``precision`` (fp32, tf32 or bf16), or None for one not in the table."""
+    for key, peaks in PEAK_TFLOPS.items():
         if key in card:
-            return bf16 if precision == "bf16" else fp32
+            return peaks.get(precision)
     return None
 
 
@@ -81,6 +81,8 @@ def batched_figures(records: list[dict], card: str) -> list[Figure]:
             Figure(f"{tag}_x_one_by_one", r["batched_over_seq"], "x", "higher"),
             Figure(f"{tag}_of_peak", share(r["flop_per_round"], r["s_per_round"], peak), "of peak", "higher"),
         ]
+        if r.get("eager_s_per_round"):  # the same round without CUDA graphs, timed beside it
+            out.append(Figure(f"{tag}_x_eager", r["eager_s_per_round"] / r["s_per_round"], "x", "higher"))
     return out
 
 
@@ -99,6 +101,25 @@ def dp_figures(records: list[dict], card: str) -> list[Figure]:
             ms = r[f"{way}_ms_per_step"]
             out.append(Figure(f"{r['model']}_{way}_ms_per_step", ms, "ms", "lower"))
             out.append(Figure(f"{r['model']}_{way}_of_peak", share(flop, ms / 1e3, peak), "of peak", "higher"))
+    return out
+
+
+def niid_figures(records: list[dict]) -> list[Figure]:
+    """NIID-Bench's setting (10 clients, E = 10, B = 64): seconds per round with CUDA graphs, and the
+    same run's eager seconds over them."""
+    out = []
+    runs = {
+        (r["split"], r["algorithm"], r["cuda_graphs"]): r["s_per_round"]
+        for r in records
+        if r.get("bench") == "niid_round"
+    }
+    for (split, algorithm, graphs), sec in runs.items():
+        if not graphs:
+            continue
+        out.append(Figure(f"{algorithm}_{split}_s_per_round", sec, "s", "lower"))
+        eager = runs.get((split, algorithm, False))
+        if sec and eager:
+            out.append(Figure(f"{algorithm}_{split}_x_eager", eager / sec, "x", "higher"))
     return out
 
 
@@ -130,6 +151,8 @@ def section_figures(name: str, log: Path, card: str) -> list[Figure]:
         return dp_figures(records, card)
     if name == "ray_gpu":
         return ray_figures(records)
+    if name == "niid_round":
+        return niid_figures(records)
     if name == "node_cuda":
         return node_figures(records)
     if name == "cuda_tests":
@@ -149,7 +172,7 @@ def shown(value: float | None, unit: str) -> str:
 
 def peak_line(card: str, section: str) -> str | None:
     """What the section's shares are of: the card's peak, or that it is unknown."""
-    precision = {"batched_fp32": "fp32", "batched_bf16": "bf16", "dp_sgd": "fp32"}.get(section)
+    precision = {"batched_fp32": "fp32", "batched_tf32": "tf32", "batched_bf16": "bf16", "dp_sgd": "fp32"}.get(section)
     if precision is None:
         return None
     peak = peak_tflops(card, precision)

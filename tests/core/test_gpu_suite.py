@@ -54,8 +54,9 @@ def test_the_summary_sets_each_figure_beside_the_previous_one_with_the_share_of_
     summary, throughput = load_bench("gpu_summary"), load_bench("sim_throughput")
     cfg = TrainConfig(batch_size=10, precision="fp32")
     # the CNN at K = 1000 in half the previous 5.82 s, at 10% of the H200's 67 TFLOP/s fp32 peak
-    throughput.print_result("cnn", 1000, 600, cfg, torch.device("cpu"), 2.91, 38.8, 0.1 * 67e12 * 2.91)
-    throughput.print_result("cnn", 100, 600, cfg, torch.device("cpu"), 0.3, 10.0, 1e12)  # not the largest K
+    # (timed beside its CUDA graph replays, the same round took 4.365 s eagerly)
+    throughput.print_result("cnn", 1000, 600, cfg, torch.device("cpu"), 2.91, 38.8, 0.1 * 67e12 * 2.91, True, 4.365)
+    throughput.print_result("cnn", 100, 600, cfg, torch.device("cpu"), 0.3, 10.0, 1e12, True)  # not the largest K
     (tmp_path / "batched_fp32.log").write_text("device cuda\n" + capsys.readouterr().out + "  target: ...\n")
     (tmp_path / "batched_bf16.log").write_text('RESULT {"bench": "sim_throughput", "card": "NVI')
     dp = {"bench": "dp_sgd", "card": "NVIDIA H200", "model": "cnn", "batch": 10, "plain_ms_per_step": 1.0}
@@ -63,8 +64,16 @@ def test_the_summary_sets_each_figure_beside_the_previous_one_with_the_share_of_
     dp |= {"dp_flop_per_step": None}  # the FLOP counter could not follow the DP trainer
     (tmp_path / "dp_sgd.log").write_text("RESULT " + json.dumps(dp) + "\n")
     (tmp_path / "node_cuda.log").write_text("Traceback ...\n")
+    niid = {"bench": "niid_round", "split": "dirichlet", "algorithm": "fedavg", "seed": 0}
+    (tmp_path / "niid_round.log").write_text(
+        "".join(
+            f"RESULT {json.dumps(niid | {'cuda_graphs': g, 's_per_round': t})}\n"
+            for g, t in ((True, 0.5), (False, 4.0))
+        )
+    )
     (tmp_path / "sections.tsv").write_text(
-        "batched_fp32\tok\t150\nbatched_bf16\ttimed out\t60\ndp_sgd\tok\t80\nnode_cuda\tfailed (1)\t3\n"
+        "batched_fp32\tok\t150\nbatched_bf16\ttimed out\t60\nniid_round\tok\t90\ndp_sgd\tok\t80\n"
+        "node_cuda\tfailed (1)\t3\n"
     )
 
     def rows(card: str) -> dict[tuple[str, str], list[str]]:
@@ -81,6 +90,7 @@ def test_the_summary_sets_each_figure_beside_the_previous_one_with_the_share_of_
     assert cnn == ["2.91", "s", "5.82", "s", "NVIDIA", "H200,", "2026-11-28", "0.50", "lower"]
     assert h200[("batched_fp32", "cnn_1000_x_one_by_one")][-2:] == ["2.00", "higher"]
     assert h200[("batched_fp32", "cnn_1000_of_peak")][:2] == ["10.00%", "11.00%"]
+    assert h200[("batched_fp32", "cnn_1000_x_eager")][:2] == ["1.5", "x"]  # no previous figure
     assert ("batched_fp32", "cnn_100_s_per_round") not in h200  # the largest K only
     assert "67" in h200[("batched_fp32", "peak")] and "fp32" in h200[("batched_fp32", "peak")]
     # the section cut short: the previous figures with nothing new beside them
@@ -89,6 +99,8 @@ def test_the_summary_sets_each_figure_beside_the_previous_one_with_the_share_of_
     assert h200[("dp_sgd", "cnn_seeded_of_peak")][0] == "n/a"
     assert h200[("dp_sgd", "cnn_csprng_ms_per_step")][-2:] == ["1.00", "lower"]
     assert h200[("node_cuda", "cpu_over_cuda")][:3] == ["-", "3.24", "x"]
+    assert h200[("niid_round", "fedavg_dirichlet_s_per_round")][:2] == ["0.5", "s"]
+    assert h200[("niid_round", "fedavg_dirichlet_x_eager")][:2] == ["8", "x"]
 
     unknown = rows("Some Future GPU 9000")
     assert unknown[("batched_fp32", "cnn_1000_of_peak")][0] == "n/a"
