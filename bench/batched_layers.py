@@ -19,6 +19,9 @@ to float32 rounding).
 
     python bench/batched_layers.py --device cpu --quick   # CPU: ~1 min on a shared 2-core machine
     python bench/batched_layers.py --device cuda          # GPU: 600 samples per client, CNN at K = 100
+    python bench/batched_layers.py --device cuda --no-cuda-graphs   # the batched steps eager
+
+On a GPU the batched steps are replayed as CUDA graphs, as ``simulation.cuda_graphs`` does.
 """
 
 from __future__ import annotations
@@ -108,7 +111,9 @@ def bench_gru(args, device: torch.device, cfg: TrainConfig) -> None:
     trainer = LocalTrainer(GRUClassifier().to(device), cfg, device)
     n = args.samples
     x, y = data(args.clients * n, (SEQ, FEATURES), SEQ_CLASSES, device)
-    batched = make_batched_trainer("auto", trainer.model, trainer.spec, cfg, device, (SEQ, FEATURES), args.per_round, n)
+    batched = make_batched_trainer(
+        "auto", trainer.model, trainer.spec, cfg, device, (SEQ, FEATURES), args.per_round, n, not args.no_cuda_graphs
+    )
     if batched is None:
         print("gru: the batched trainer declined this model (see the log line above)")
         return
@@ -153,7 +158,8 @@ def bench_cnn(args, device: torch.device, cfg: TrainConfig) -> None:
     starts, sizes = [i * n for i in range(k)], [n] * k
     g = trainer.flat.detach().clone()
     trainers = {
-        conv: BatchedTrainer(trainer.model, trainer.spec, cfg, device, k, conv) for conv in ("grouped", "matmul")
+        conv: BatchedTrainer(trainer.model, trainer.spec, cfg, device, k, not args.no_cuda_graphs, conv)
+        for conv in ("grouped", "matmul")
     }
     m = min(k, args.seq_cap)
     round_seq(trainer, g, x, y, starts[:1], sizes[:1], device)  # warm-up
@@ -195,6 +201,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=10)
     ap.add_argument("--repeats", type=int, default=3, help="time each way this many times, keep the best")
     ap.add_argument("--threads", type=int, default=0, help="torch CPU threads (default: torch's)")
+    ap.add_argument("--no-cuda-graphs", action="store_true", help="batched steps eager on a GPU (default: replayed)")
     ap.add_argument("--quick", action="store_true", help="CPU smoke size: 100 clients, 20 a round, 2 repeats")
     args = ap.parse_args()
     device = select_device(args.device)
@@ -216,6 +223,7 @@ def main() -> None:
             else f" ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"
         )
         + f", B = {args.batch_size}, 1 local epoch, plain SGD, fp32, best of {args.repeats}"
+        + (f", CUDA graphs {'off' if args.no_cuda_graphs else 'on'}" if cuda else "")
     )
     cases = args.cases.split(",")
     if "gru" in cases:
