@@ -297,3 +297,35 @@ def test_refusals_say_why(caplog):
     assert any("one by one" in r.getMessage() and "lstm" in r.getMessage() for r in caplog.records)
     with pytest.raises(ValueError, match="batched_conv"):
         BatchedTrainer(small_cnn(), ParamSpec.of(small_cnn()), cfg, "cpu", 2, conv="fft")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("name", ["gru", "lstm", "transformer-encoder", "cnn-matmul-conv"])
+def test_stand_ins_replay_as_cuda_graphs_and_equal_local_trainer(name):
+    """On a GPU the batched steps are recorded and replayed (simulation.cuda_graphs): the stand-ins
+    capture without falling back, and each client equals LocalTrainer's (cuDNN's fused GRU/LSTM
+    and convolutions against the stand-ins' matmuls, TF32 off)."""
+    build, shape, conv = MODELS[name]
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False
+    try:
+        torch.manual_seed(0)
+        cfg = TrainConfig(epochs=1, batch_size=4, lr=0.1, momentum=0.5)
+        trainer = LocalTrainer(build().cuda(), cfg, "cuda")
+        sizes = [40, 40, 36]  # 10, 10 and 9 steps: long enough runs to be recorded
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn((sum(sizes), *shape), generator=g).cuda()
+        y = torch.randint(0, CLASSES, (sum(sizes),), generator=g).cuda()
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        batched = BatchedTrainer(trainer.model, trainer.spec, cfg, "cuda", 3, True, conv)
+        start = trainer.flat.clone()
+        got = dict(batched.train(start, x, y, starts, sizes, [1, 2, 3]))
+        assert batched.step_graphs is not None  # no capture failed
+        for i, (a, n) in enumerate(zip(starts, sizes)):
+            want = trainer.train(start, x[a : a + n], y[a : a + n], i + 1)
+            assert torch.allclose(got[i].delta, want.delta, atol=1e-4, rtol=0), (
+                i,
+                (got[i].delta - want.delta).abs().max(),
+            )
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
