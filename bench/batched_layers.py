@@ -8,6 +8,10 @@ Two cases, each side by side in one run (the ways take turns within every repeat
   ``seq`` is LocalTrainer one client after another (torch's fused GRU kernel: cuDNN on a
   GPU), ``batched`` is BatchedTrainer as ``simulation.batch_clients = "auto"`` builds it
   (the GRU as the time loop of batched matmuls of client/batched_layers.py);
+- ``attn``: a one-layer transformer-encoder classifier (d_model 32, 4 heads, sequences of 20,
+  dropout 0) on the GRU's data, batched with the attention stand-in against batched with
+  torch's own nn.MultiheadAttention under vmap (whose CPU attention kernel has no batching
+  rule: vmap runs it client by client) and one by one;
 - ``cnn``: McMahan et al.'s MNIST CNN (1x28x28, 1.66M parameters), K clients batched with
   ``simulation.batched_conv = "grouped"`` (vmap's grouped convolution) and ``"matmul"``
   (im2col + bmm), and one by one on the first ``--seq-cap`` of them (extrapolated to K).
@@ -27,10 +31,12 @@ On a GPU the batched steps are replayed as CUDA graphs, as ``simulation.cuda_gra
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import random
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -59,6 +65,20 @@ class GRUClassifier(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out, _ = self.rnn(x)
         return self.head(out[:, -1])
+
+
+class EncoderClassifier(nn.Module):
+    """A linear embedding of the 4 features to 32, one transformer-encoder layer, mean over time, a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(FEATURES, 32)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+        self.head = nn.Linear(32, SEQ_CLASSES)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.enc(self.inp(x)).mean(1))
 
 
 def sync(device: torch.device) -> None:
@@ -149,6 +169,42 @@ def bench_gru(args, device: torch.device, cfg: TrainConfig) -> None:
     )
 
 
+def bench_attn(args, device: torch.device, cfg: TrainConfig) -> None:
+    torch.manual_seed(0)
+    trainer = LocalTrainer(EncoderClassifier().to(device), cfg, device)
+    k, n = args.per_round, args.samples
+    x, y = data(k * n, (SEQ, FEATURES), SEQ_CLASSES, device)
+    starts, sizes = [i * n for i in range(k)], [n] * k
+    g = trainer.flat.detach().clone()
+    graphs = not args.no_cuda_graphs
+    standin = BatchedTrainer(trainer.model, trainer.spec, cfg, device, k, graphs)
+    stock = BatchedTrainer(trainer.model, trainer.spec, cfg, device, k, graphs)
+    stock.batchable = copy.deepcopy(trainer.model).train()  # torch's attention under vmap, nothing swapped
+    m = min(k, args.seq_cap)
+    round_seq(trainer, g, x, y, starts[:1], sizes[:1], device)  # warm-up
+    round_batched(standin, g, x, y, starts[:2], sizes[:2], device)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # vmap's "performance drop" warning for the stock kernel
+        round_batched(stock, g, x, y, starts[:2], sizes[:2], device)
+        t_seq, t_standin, t_stock = timed(
+            [
+                lambda: round_seq(trainer, g, x, y, starts[:m], sizes[:m], device),
+                lambda: round_batched(standin, g, x, y, starts, sizes, device),
+                lambda: round_batched(stock, g, x, y, starts, sizes, device),
+            ],
+            device,
+            args.repeats,
+        )
+    seq_round = t_seq * k / m
+    print(
+        f"attn {k} clients, {n} sequences each: one by one {seq_round:.3f} s/round"
+        + (f" (timed on {m})" if m < k else "")
+        + f", batched with torch's attention {t_stock:.3f} s/round ({seq_round / t_stock:.2f}x), "
+        f"batched with the stand-in {t_standin:.3f} s/round ({seq_round / t_standin:.2f}x; load {load()})",
+        flush=True,
+    )
+
+
 def bench_cnn(args, device: torch.device, cfg: TrainConfig) -> None:
     torch.manual_seed(0)
     shape = (1, 28, 28)
@@ -191,10 +247,10 @@ def bench_cnn(args, device: torch.device, cfg: TrainConfig) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cpu", help="cpu | cuda | auto")
-    ap.add_argument("--cases", default="gru,cnn", help="gru, cnn or both")
+    ap.add_argument("--cases", default="gru,attn,cnn", help="any of gru, attn, cnn")
     ap.add_argument("--clients", type=int, default=400, help="gru: clients in the pool")
-    ap.add_argument("--per-round", type=int, default=100, help="gru: clients a round")
-    ap.add_argument("--samples", type=int, default=0, help="gru: sequences per client (default 600 CUDA, 60 CPU)")
+    ap.add_argument("--per-round", type=int, default=100, help="gru, attn: clients a round")
+    ap.add_argument("--samples", type=int, default=0, help="gru, attn: sequences per client (default 600 CUDA, 60 CPU)")
     ap.add_argument("--cnn-clients", type=int, default=0, help="cnn: clients a round (default 100 CUDA, 10 CPU)")
     ap.add_argument("--cnn-samples", type=int, default=0, help="cnn: images per client (default 600 CUDA, 20 CPU)")
     ap.add_argument("--seq-cap", type=int, default=0, help="cnn: time one by one on at most this many (default 20)")
@@ -228,6 +284,8 @@ def main() -> None:
     cases = args.cases.split(",")
     if "gru" in cases:
         bench_gru(args, device, cfg)
+    if "attn" in cases:
+        bench_attn(args, device, cfg)
     if "cnn" in cases:
         bench_cnn(args, device, cfg)
 
