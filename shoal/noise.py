@@ -31,6 +31,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from typing import Literal
 
 import numpy as np
 import torch
@@ -169,7 +170,9 @@ class NoiseSource:
         self.gaussian_into(out, std)
         return out
 
-    def gaussian_into(self, out: torch.Tensor, std: float, keystream: str = "auto") -> torch.Tensor:
+    def gaussian_into(
+        self, out: torch.Tensor, std: float, keystream: Literal["auto", "aes", "chacha20"] = "auto"
+    ) -> torch.Tensor:
         """Fill the contiguous tensor ``out`` (any float dtype and shape) with N(0, std^2) draws,
         computed in float64 from 53-bit uniforms in blocks (so memory stays bounded, and on the CPU
         the working arrays stay in cache), rounded to ``out``'s dtype only at the end. Returns ``out``.
