@@ -18,10 +18,10 @@ Words are held in int32 lanes: torch's uint32 lacks most ops, and its int32 addi
 shift act on the bits as unsigned arithmetic modulo 2^32 would (addition wraps; left shift shifts
 the bits out), so only the right shift needs care: it is arithmetic for a signed type, so a
 rotation masks the bits it brings in. int64 lanes masked with 0xFFFFFFFF after every addition and
-rotation take more ops and move twice the bytes: on one CPU thread 65,536 blocks took 189 ms in
-int64 lanes against 34 ms in int32 (``python bench/chacha20_lanes.py``, which also runs with
-``--device cuda``), so int32 it is. The CPU and CUDA keystreams are compared bit for bit in
-tests/privacy/test_chacha20.py.
+rotation take more ops and move twice the bytes: on one CPU thread of a shared machine, 65,536
+blocks took 3x to 5.6x as long in int64 lanes as in int32 (two runs of
+``python bench/chacha20_variants.py``, which also runs with ``--device cuda``), so int32 it is.
+The CPU and CUDA keystreams are compared bit for bit in tests/privacy/test_chacha20.py.
 
 The block position never repeats under a key: a stream's position is a 128-bit integer, the
 96-bit nonce above the 32-bit counter, so a stream that outgrows 2^32 blocks under one nonce goes
