@@ -15,6 +15,7 @@ the device, best of ``--repeats``.
 from __future__ import annotations
 
 import argparse
+import json
 import time
 
 import torch
@@ -38,6 +39,20 @@ def best_of(trainer, g, x, y, repeats: int, device: torch.device) -> float:
             torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     return min(times)
+
+
+def flop_per_step(trainer, g, x, y, steps: int) -> float | None:
+    """FLOPs of one step, counted as bench/sim_throughput.py counts them (torch.utils.flop_counter:
+    matmuls and convolutions, so Opacus's per-sample gradients count and the noise does not) over
+    one epoch; None when the counter cannot follow the trainer."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    try:
+        with FlopCounterMode(display=False) as counter:
+            trainer.train(g, x, y, seed=0)
+    except Exception:  # noqa: BLE001 - a figure we cannot count is reported as n/a, not a failed bench
+        return None
+    return counter.get_total_flops() / steps
 
 
 def main() -> None:
@@ -79,6 +94,11 @@ def main() -> None:
             f"{name:<7} {ms[0]:>13.2f} {ms[1]:>10.2f} {ms[2]:>10.2f} {t_dp / t_plain:>8.1f}x {ms[2] - ms[1]:>16.2f}",
             flush=True,
         )
+        fields = {"bench": "dp_sgd", "card": where if device.type == "cuda" else "cpu", "model": name, "batch": a.batch}
+        fields |= {"plain_ms_per_step": ms[0], "seeded_ms_per_step": ms[1], "csprng_ms_per_step": ms[2]}
+        flops = {"plain_flop_per_step": flop_per_step(plain, start, x, y, steps)}
+        flops["dp_flop_per_step"] = flop_per_step(dp[True], start, x, y, steps)  # the CSPRNG adds no FLOPs
+        print("RESULT " + json.dumps(fields | flops), flush=True)  # for bench/gpu_summary.py
 
 
 if __name__ == "__main__":

@@ -49,10 +49,16 @@ MNIST = (
 )
 ENGINES = {
     "inprocess": ["simulation.engine='inprocess'"],
-    "ray1": ["simulation.engine='ray'", "simulation.ray_workers=1"],
-    "ray2": ["simulation.engine='ray'", "simulation.ray_workers=2"],
+    # ray_share_gpu: measure the Ray workers even where shoal would run in-process instead (docs/ray.md, "One GPU")
+    "ray1": ["simulation.engine='ray'", "simulation.ray_workers=1", "simulation.ray_share_gpu=true"],
+    "ray2": ["simulation.engine='ray'", "simulation.ray_workers=2", "simulation.ray_share_gpu=true"],
     # two workers sharing one GPU (run with --device cuda)
-    "ray2gpu": ["simulation.engine='ray'", "simulation.ray_workers=2", "simulation.ray_gpus_per_worker=0.5"],
+    "ray2gpu": [
+        "simulation.engine='ray'",
+        "simulation.ray_workers=2",
+        "simulation.ray_gpus_per_worker=0.5",
+        "simulation.ray_share_gpu=true",
+    ],
     "flower": ["simulation.engine='flower'", "simulation.flower_client_cpus=1"],
 }
 
@@ -243,6 +249,10 @@ def main() -> None:
             f"{r['engine']:<10} {r['total_s']:>8.1f} {r['rounds_s']:>9.1f} {per_round:>8.2f} {ratio:>9.2f} "
             f"{r['accuracy']:>9.4f} {r['driver_peak_mb']:>10.0f} {workers:>24}"
         )
+        line = {"bench": "engines", "engine": r["engine"], "device": args.device, "s_per_round": per_round}
+        print(
+            "RESULT " + json.dumps(line | {"x_inprocess": ratio if base else None, "accuracy": r["accuracy"]})
+        )  # bench/gpu_summary.py
 
 
 if __name__ == "__main__":

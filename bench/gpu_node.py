@@ -16,6 +16,7 @@ Every wait is bounded and every process is killed at the end; loopback only.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -205,7 +206,10 @@ def main() -> None:
         )
     by = {r["device"]: r for r in results}
     if "cpu" in by and "cuda" in by:
-        print(f"cpu / cuda run time: {by['cpu']['elapsed_s'] / by['cuda']['elapsed_s']:.2f}x")
+        ratio = by["cpu"]["elapsed_s"] / by["cuda"]["elapsed_s"]
+        print(f"cpu / cuda run time: {ratio:.2f}x")
+        line = {"bench": "gpu_node", "cpu_s": by["cpu"]["elapsed_s"], "cuda_s": by["cuda"]["elapsed_s"]}
+        print("RESULT " + json.dumps(line | {"cpu_over_cuda": ratio, "clients_on_gpu": by["cuda"]["clients_on_gpu"]}))
     if "cuda" in by and by["cuda"]["clients_on_gpu"] < 2:
         raise SystemExit("the CUDA nodes did not show up in nvidia-smi's compute processes")
 

@@ -15,14 +15,21 @@
 # bounded in time and reported even when another fails:
 #   1. batched simulation vs one-by-one training on the same GPU: MNIST CNN, 2NN and logistic
 #      regression with 10, 100 and 1,000 clients per round (600 examples each, E = 1, B = 10),
-#      seconds per round and FLOP/s against the GPU's data-sheet peak (bench/sim_throughput.py);
-#      the CNN at 1,000 clients once more in bf16;
+#      seconds per round and FLOP/s against the GPU's data-sheet peak (bench/sim_throughput.py),
+#      the batched steps as CUDA graph replays and eagerly side by side; the CNN at 1,000 clients
+#      once more in TF32 and in bf16;
+#   1b. NIID-Bench's setting (10 MNIST CNN clients, E = 10, B = 64; bench/niid_bench.py): seconds
+#      per round of FedAvg with CUDA graphs and without, 4 rounds each (the first not counted);
 #   2. DP-SGD (Opacus per-sample gradients) against plain SGD on the GPU (bench/bench_dp_sgd.py);
 #   3. the CUDA tests (and the training/aggregation test files around them) with pytest;
 #   4. the Ray engine with two workers sharing the GPU (ray_gpus_per_worker = 0.5) against the
 #      in-process engine on the same GPU (bench/engines.py);
 #   5. `shoal server` + two `shoal client` nodes training on CUDA vs on the CPU (bench/gpu_node.py).
-# Each section's output goes to $OUT (or /tmp/gpu_suite) and a summary table ends the run.
+# Each section's output goes to $OUT (or /tmp/gpu_suite); the benches also print one `RESULT {json}`
+# line per measured cell there, from which bench/gpu_summary.py ends the run with a table: per
+# section its figures, the previous ones (bench/gpu_previous.json: value, card, date), new/previous
+# and which direction is better, and the share of the card's data-sheet peak where a FLOP count is
+# defined ("peak unknown" for a card not in bench/sim_throughput.py's table).
 # On a machine without CUDA it says so and exits 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -102,9 +109,10 @@ fi
 
 nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.max.sm --format=csv,noheader 2>/dev/null | sed 's/^/gpu: /'
 "$PY" -c 'import torch; print(f"torch {torch.__version__}, CUDA {torch.version.cuda}, {torch.cuda.get_device_name(0)}")'
+CARD=$("$PY" -c 'import torch; print(torch.cuda.get_device_name(0))')
 MNIST=$(realpath "$DATA/mnist" 2>/dev/null || echo "$DATA/mnist")
 
-names=() statuses=() seconds=()
+: >"$OUT/sections.tsv"
 section() {  # section NAME LIMIT_S COMMAND...: run with a time limit, keep its output, note how it ended
   local name=$1 limit=$2
   shift 2
@@ -112,21 +120,27 @@ section() {  # section NAME LIMIT_S COMMAND...: run with a time limit, keep its 
   echo
   echo "=== $name (at most ${limit} s)"
   local t0=$SECONDS rc
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -E 'Warning|warnings.warn|^\s*$'
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log" | grep -v -E 'Warning|warnings.warn|^RESULT |^\s*$'
   rc=${PIPESTATUS[0]}
-  names+=("$name")
-  seconds+=($((SECONDS - t0)))
+  local status
   case $rc in
-    0) statuses+=(ok) ;;
-    124 | 137) statuses+=("timed out") ;;
-    *) statuses+=("failed ($rc)") ;;
+    0) status=ok ;;
+    124 | 137) status="timed out" ;;
+    *) status="failed ($rc)" ;;
   esac
+  printf '%s\t%s\t%s\n' "$name" "$status" $((SECONDS - t0)) >>"$OUT/sections.tsv"
 }
 
-section batched_fp32 200 "$PY" bench/sim_throughput.py --device cuda --models cnn,2nn,logreg --ks 10,100,1000 \
-  --samples 600 --repeats 2 --seq-cap 50
+section batched_fp32 240 "$PY" bench/sim_throughput.py --device cuda --models cnn,2nn,logreg --ks 10,100,1000 \
+  --samples 600 --repeats 2 --seq-cap 50 --cuda-graphs both
+section batched_tf32 60 "$PY" bench/sim_throughput.py --device cuda --models cnn --ks 1000 --samples 600 \
+  --precision tf32 --repeats 2 --seq-cap 20
 section batched_bf16 60 "$PY" bench/sim_throughput.py --device cuda --models cnn --ks 1000 --samples 600 \
   --precision bf16 --repeats 2 --seq-cap 20
+section niid_round 150 bash -c "'$PY' bench/niid_bench.py --data '$MNIST' --device cuda --rounds 4 \
+  --splits dirichlet --algorithms fedavg --out '$OUT/niid_graphs' --round-time --cuda-graphs on &&
+  '$PY' bench/niid_bench.py --data '$MNIST' --device cuda --rounds 4 --splits dirichlet --algorithms fedavg \
+  --out '$OUT/niid_eager' --round-time --cuda-graphs off"
 section dp_sgd 90 "$PY" bench/bench_dp_sgd.py --device cuda --model 2nn,cnn --n 1500 --repeats 2
 section cuda_tests 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs \
   tests/aggregation/test_mean.py tests/aggregation/test_strategy.py tests/client
@@ -135,17 +149,5 @@ section ray_gpu 120 "$PY" bench/engines.py --device cuda --engines inprocess,ray
 section node_cuda 120 "$PY" bench/gpu_node.py --data-dir "$MNIST" --rounds 3 --examples 3000
 
 echo
-echo "=== summary ($(($(date +%s) - start)) s in all; logs in $OUT)"
-printf '%-14s %-12s %6s  %s\n' section status seconds "key figure"
-key() {  # the line of a section's log that answers its question
-  case $1 in
-    batched_fp32 | batched_bf16) grep -m1 'target:' "$OUT/$1.log" ;;
-    dp_sgd) grep -E '^cnn ' "$OUT/$1.log" | awk '{print "cnn DP-SGD " $3 " ms/step, " $4 " of plain"}' ;;
-    cuda_tests) grep -E '(passed|failed)' "$OUT/$1.log" | tail -1 ;;
-    ray_gpu) grep -E '^ray2gpu' "$OUT/$1.log" | awk '{print "ray2gpu " $4 " s/round, " $5 "x in-process, acc " $6}' ;;
-    node_cuda) grep -E '^cpu / cuda' "$OUT/$1.log" ;;
-  esac
-}
-for i in "${!names[@]}"; do
-  printf '%-14s %-12s %6s  %s\n' "${names[$i]}" "${statuses[$i]}" "${seconds[$i]}" "$(key "${names[$i]}" | head -1)"
-done
+echo "=== summary ($(($(date +%s) - start)) s in all; logs in $OUT; previous figures from bench/gpu_previous.json)"
+"$PY" bench/gpu_summary.py --out "$OUT" --card "$CARD" || echo "gpu_suite: the summary failed (the logs are in $OUT)"

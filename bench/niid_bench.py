@@ -55,6 +55,7 @@ def command(a: argparse.Namespace, seed: int, split: str, algorithm: str, out: P
         "train.momentum": "0.9",
         "train.weight_decay": str(a.weight_decay),
         "output.plots": "false",
+        "simulation.cuda_graphs": "true" if a.cuda_graphs == "on" else "false",
         "algorithm.name": json.dumps("fedavg" if algorithm == "fedprox" else algorithm),
     }
     if algorithm == "fedprox":
@@ -73,6 +74,17 @@ def best(out: Path) -> tuple[float | None, int]:
     acc = [json.loads(x).get("test_accuracy") for x in path.read_text().splitlines() if x.strip()]
     acc = [a for a in acc if a is not None]
     return (100 * max(acc) if acc else None), len(acc)
+
+
+def seconds_per_round(out: Path) -> float | None:
+    """The median seconds between a run's consecutive rounds after its first (which pays for loading,
+    cuDNN's autotuning and the first graph captures), from metrics.jsonl's ``elapsed_s``."""
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return None
+    elapsed = [json.loads(x).get("elapsed_s") for x in path.read_text().splitlines() if x.strip()]
+    gaps = sorted(b - a for a, b in zip(elapsed[1:], elapsed[2:]) if a is not None and b is not None)
+    return gaps[len(gaps) // 2] if gaps else None
 
 
 def run_all(a: argparse.Namespace, jobs: list[tuple[int, str, str]]) -> dict[tuple[int, str, str], str]:
@@ -119,6 +131,14 @@ def main() -> None:
     ap.add_argument("--parallel", type=int, default=1, help="runs at once")
     ap.add_argument("--out", default="runs/niid")
     ap.add_argument("--table-only", action="store_true", help="run nothing: the table of the runs in --out")
+    ap.add_argument(
+        "--cuda-graphs", default="on", choices=("on", "off"), help="simulation.cuda_graphs (on a GPU; on by default)"
+    )
+    ap.add_argument(
+        "--round-time",
+        action="store_true",
+        help="also print each run's median seconds per round after the first (a RESULT line each, for the GPU suite)",
+    )
     a = ap.parse_args()
     if not a.table_only:
         if not a.data:
@@ -146,6 +166,14 @@ def main() -> None:
         mean = f"{sum(got) / len(got):.2f}" if got else ""
         diff = f"{sum(got) / len(got) - pub:+.2f}" if got else ""
         print(f"| {split} | {algorithm} | {' | '.join(cells)} | {mean} | {pub:.2f} | {diff} |")
+    if a.round_time:
+        for seed in seeds:
+            for split, algorithm in rows:
+                sec = seconds_per_round(folder(a, seed, split, algorithm))
+                print(f"seed {seed} {split} {algorithm}: {sec if sec is None else round(sec, 3)} s per round")
+                fields = {"bench": "niid_round", "split": split, "algorithm": algorithm, "seed": seed}
+                fields |= {"cuda_graphs": a.cuda_graphs == "on", "s_per_round": sec}
+                print("RESULT " + json.dumps(fields), flush=True)
 
 
 if __name__ == "__main__":

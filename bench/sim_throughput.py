@@ -49,16 +49,16 @@ from shoal.params import ParamSpec  # noqa: E402
 
 SHAPE, CLASSES = (1, 28, 28), 10
 
-# Dense peak TFLOP/s by GPU name fragment: (fp32 without tensor cores, bf16 tensor cores),
-# from the vendors' data sheets (SXM parts; bf16 without sparsity).
+# Dense peak TFLOP/s by GPU name fragment and precision, from the vendors' data sheets (SXM parts,
+# without sparsity): fp32 without tensor cores, tf32 and bf16 on tensor cores. A missing entry is unknown.
 PEAK_TFLOPS = {
-    "H200": (67.0, 989.0),
-    "H100": (67.0, 989.0),
-    "A100": (19.5, 312.0),
-    "L40S": (91.6, 362.0),
-    "A10G": (31.2, 70.0),
-    "L4": (30.3, 121.0),
-    "RTX 4090": (82.6, 165.0),
+    "H200": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.0},
+    "H100": {"fp32": 67.0, "tf32": 494.7, "bf16": 989.0},
+    "A100": {"fp32": 19.5, "tf32": 156.0, "bf16": 312.0},
+    "L40S": {"fp32": 91.6, "tf32": 183.0, "bf16": 362.0},
+    "A10G": {"fp32": 31.2, "bf16": 70.0},
+    "L4": {"fp32": 30.3, "tf32": 60.0, "bf16": 121.0},
+    "RTX 4090": {"fp32": 82.6, "tf32": 82.6, "bf16": 165.0},
 }
 
 
@@ -144,10 +144,22 @@ def peak_tflops(device: torch.device, precision: str, override: float | None) ->
     if override:
         return override, "given with --peak-tflops"
     name = torch.cuda.get_device_name(device)
-    for key, (fp32, bf16) in PEAK_TFLOPS.items():
-        if key in name:
-            return (bf16 if precision == "bf16" else fp32), f"{name}, {precision} dense data-sheet peak"
-    return None, f"{name}: peak unknown, pass --peak-tflops"
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in name and precision in peaks:
+            return peaks[precision], f"{name}, {precision} dense data-sheet peak"
+    return None, f"{name}: {precision} peak unknown, pass --peak-tflops"
+
+
+def print_result(name, k, samples, cfg, device, s_round, over_seq, flop_round, graphs, eager=None) -> None:
+    """One cell as a ``RESULT {json}`` line, which bench/gpu_summary.py reads for the GPU suite's summary.
+    ``eager``: the same round's seconds with CUDA graphs off, when timed beside it."""
+    import json
+
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    fields = {"bench": "sim_throughput", "card": card, "model": name, "k": k, "samples": samples}
+    fields |= {"batch_size": cfg.batch_size, "precision": cfg.precision, "s_per_round": s_round, "cuda_graphs": graphs}
+    fields |= {"eager_s_per_round": eager}
+    print("RESULT " + json.dumps(fields | {"batched_over_seq": over_seq, "flop_per_round": flop_round}), flush=True)
 
 
 def main() -> None:
@@ -157,7 +169,13 @@ def main() -> None:
     ap.add_argument("--ks", default="", help="clients per round (default 1,10,100,1000; --quick: 10,100)")
     ap.add_argument("--samples", type=int, default=0, help="samples per client (default: 600 on CUDA, 60 on CPU)")
     ap.add_argument("--batch-size", type=int, default=10)
-    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "tf32", "bf16"))
+    ap.add_argument(
+        "--cuda-graphs",
+        default="on",
+        choices=("on", "off", "both"),
+        help="batched steps as CUDA graph replays (on, as the simulator runs), eagerly (off), or both side by side",
+    )
     ap.add_argument("--momentum", type=float, default=0.0, help="local SGD momentum (0: plain SGD, the fused update)")
     ap.add_argument(
         "--seq-cap", type=int, default=0, help="time bare/seq on at most this many clients (default 100 CUDA, 20 CPU)"
@@ -197,6 +215,7 @@ def main() -> None:
         + (f" ({torch.cuda.get_device_name(device)})" if cuda else f" ({os.cpu_count()} cores)")
         + f", {samples} samples per client, B = {args.batch_size}, 1 local epoch, momentum {args.momentum}, {args.precision}"
         + (f", cudnn.benchmark {torch.backends.cudnn.benchmark}, TF32 matmul {args.tf32_matmul}" if cuda else "")
+        + (f", CUDA graphs {args.cuda_graphs}" if cuda else "")
     )
     if cuda:
         print(f"peak: {peak} TFLOP/s ({peak_note})")
@@ -228,23 +247,29 @@ def main() -> None:
                 m = min(k, seq_cap)
                 chunks = [int(c) for c in args.chunks.split(",")] if args.chunks else [fit]
                 for chunk in chunks:
-                    batched = BatchedTrainer(trainer.model, spec, cfg, device, min(k, chunk))
+                    graphs = args.cuda_graphs != "off"
+                    batched = BatchedTrainer(trainer.model, spec, cfg, device, min(k, chunk), cuda_graphs=graphs)
+                    eager = None
+                    if args.cuda_graphs == "both" and cuda:
+                        eager = BatchedTrainer(trainer.model, spec, cfg, device, min(k, chunk), cuda_graphs=False)
                     if args.vmap:
                         batched.chain = None
+                        if eager is not None:
+                            eager.chain = None
                     # warm-up (kernels, allocator) on a few clients, then best of r rounds each
                     w = min(k, 4)
                     run_bare(bare_model, g, spec, x, y, starts[:w], sizes[:w], cfg, device)
                     run_seq(trainer, g, spec, x, y, starts[:w], sizes[:w], device)
                     run_batched(batched, g, spec, x, y, starts[:w], sizes[:w], device)
-                    t_bare, t_seq, t_bat = timed(
-                        [
-                            lambda: run_bare(bare_model, g, spec, x, y, starts[:m], sizes[:m], cfg, device),
-                            lambda: run_seq(trainer, g, spec, x, y, starts[:m], sizes[:m], device),
-                            lambda: run_batched(batched, g, spec, x, y, starts, sizes, device),
-                        ],
-                        device,
-                        args.repeats,
-                    )
+                    ways = [
+                        lambda: run_bare(bare_model, g, spec, x, y, starts[:m], sizes[:m], cfg, device),
+                        lambda: run_seq(trainer, g, spec, x, y, starts[:m], sizes[:m], device),
+                        lambda: run_batched(batched, g, spec, x, y, starts, sizes, device),
+                    ]
+                    if eager is not None:
+                        run_batched(eager, g, spec, x, y, starts[:w], sizes[:w], device)
+                        ways.append(lambda: run_batched(eager, g, spec, x, y, starts, sizes, device))
+                    t_bare, t_seq, t_bat, *t_eager = timed(ways, device, args.repeats)
                     r_bare, r_seq, r_bat = m / t_bare, m / t_seq, k / t_bat
                     path = "chain" if batched.chain is not None else "vmap"
                     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -259,12 +284,24 @@ def main() -> None:
                     if m < k:
                         line += f"  (bare/seq timed on {m} of {k} clients)"
                     print(line, flush=True)
-                    if name == "cnn" and k == 1000 and samples == 600 and args.batch_size == 10:
-                        verdict = "met" if t_bat <= 5.0 else "NOT met"
+                    graphs_on = graphs and cuda and batched.step_graphs is not None
+                    if t_eager:
                         print(
-                            f"  target: 1000 clients x 600 samples, CNN, B = 10: {t_bat:.2f} s per round (<= 5 s: {verdict})"
+                            f"  CUDA graphs: {t_bat:.3f} s per round, eagerly {t_eager[0]:.3f} s: "
+                            f"{t_eager[0] / t_bat:.2f}x"
+                            + ("" if graphs_on else " (a capture failed: both ran eagerly)")
                         )
-                    batched = None  # free the chunk before the next one
+                    flop = fps * samples * k
+                    t_off = t_eager[0] if t_eager else None
+                    print_result(name, k, samples, cfg, device, t_bat, r_bat / r_seq, flop, graphs_on, t_off)
+                    if name == "cnn" and k == 1000 and samples == 600 and args.batch_size == 10:
+                        limit = 1.0 if args.precision == "bf16" else 2.0
+                        verdict = "met" if t_bat <= limit else "NOT met"
+                        print(
+                            f"  target: 1000 clients x 600 samples, CNN, B = 10, {args.precision}: {t_bat:.2f} s per "
+                            f"round (<= {limit:g} s: {verdict})"
+                        )
+                    batched = eager = None  # free the chunk before the next one
                 x = y = None  # free the clients before the next K
             notes[name] = f"  {name}: {spec.numel:,} parameters, {fps / 1e6:.2f} MFLOP per training sample (fwd+bwd)"
     print("\n".join(notes.values()))

@@ -46,7 +46,8 @@ from shoal.config import TrainConfig
 from shoal.params import Entry, ParamSpec
 from shoal.update import Update
 
-from .training import autocast
+from .step_graphs import StepRunner
+from .training import autocast, matmul_precision
 
 log = logging.getLogger(__name__)
 
@@ -269,7 +270,13 @@ class BatchedTrainer:
     """Trains up to ``max_clients`` clients at once from one global vector."""
 
     def __init__(
-        self, model: nn.Module, spec: ParamSpec, cfg: TrainConfig, device: torch.device | str, max_clients: int
+        self,
+        model: nn.Module,
+        spec: ParamSpec,
+        cfg: TrainConfig,
+        device: torch.device | str,
+        max_clients: int,
+        cuda_graphs: bool = True,
     ):
         reason = unsupported_reason(model, cfg)
         if reason is not None:
@@ -279,6 +286,8 @@ class BatchedTrainer:
         self.cfg = cfg
         self.device = torch.device(device)
         self.max_clients = max(1, int(max_clients))
+        # how a step is recorded and replayed: CUDA graphs on a GPU, None (eager) elsewhere (client/step_graphs.py)
+        self.step_graphs = StepRunner.cuda_graphs(self.device, cuda_graphs)
         names = {n for n, _ in model.named_parameters()}
         missing = [e.name for e in spec.entries if e.name not in names]
         if missing:
@@ -287,7 +296,7 @@ class BatchedTrainer:
         # The hand-written chain path: fp32 only (bf16 autocast stays with vmap) and
         # every tensor trainable (it has no per-entry mask for frozen ones).
         all_trainable = self._trainable == {e.name for e in spec.entries}
-        self.chain = linear_chain(model, spec) if cfg.precision == "fp32" and all_trainable else None
+        self.chain = linear_chain(model, spec) if cfg.precision != "bf16" and all_trainable else None
 
         def forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
             return functional_call(self.model, params, (x,))
@@ -321,15 +330,16 @@ class BatchedTrainer:
         for c in range(0, len(order), self.max_clients):
             chunk = order[c : c + self.max_clients]
             self._terms = self._chunk_terms(terms, chunk)
-            deltas, losses = train_chunk(
-                global_flat,
-                x_all,
-                y_all,
-                [starts[i] for i in chunk],
-                [sizes[i] for i in chunk],
-                [seeds[i] for i in chunk],
-                [steps[i] for i in chunk],
-            )
+            with matmul_precision(self.device, self.cfg.precision):
+                deltas, losses = train_chunk(
+                    global_flat,
+                    x_all,
+                    y_all,
+                    [starts[i] for i in chunk],
+                    [sizes[i] for i in chunk],
+                    [seeds[i] for i in chunk],
+                    [steps[i] for i in chunk],
+                )
             for j, i in enumerate(chunk):
                 metrics = {"train_loss": float(losses[j]) / max(steps[i], 1), "local_steps": float(steps[i])}
                 yield i, Update(delta=deltas[j], num_examples=int(sizes[i]), metrics=metrics)
@@ -393,15 +403,15 @@ class BatchedTrainer:
         params = global_flat.unsqueeze(0).repeat(k, 1)
         momentum = torch.zeros_like(params) if cfg.momentum > 0 else None
         loss_sum = torch.zeros(k, device=self.device)
-        # clients are sorted by steps (descending): active[t] = how many still train at t
-        active = [sum(1 for s in steps if s > t) for t in range(max(steps, default=0))]
-        for t, a in enumerate(active):
+        clock = torch.zeros(1, dtype=torch.long, device=self.device)  # the step, read and moved on the device
+
+        def step(a: int) -> None:
             # One leaf per tensor (views of the first a rows): autograd returns each
             # gradient once, and the step below works on the same views in place.
             p = [self._rows(params, e, a).detach().requires_grad_(e.name in self._trainable) for e in spec.entries]
-            idx = rows[:a, t]
-            xb, yb, wb = x_all[idx], y_all[idx], weights[:a, t]
-            with autocast(self.device, cfg.precision):
+            idx, wb = self._batch_at(rows, weights, clock, a)
+            xb, yb = x_all[idx], y_all[idx]
+            with autocast(self.device, cfg.precision, cache=False):
                 logits = self._forward({e.name: v for e, v in zip(spec.entries, p)}, xb)
             ce = F.cross_entropy(logits.flatten(0, 1).float(), yb.flatten(), reduction="none").view_as(wb)
             loss = (ce * wb).sum(1)
@@ -418,8 +428,26 @@ class BatchedTrainer:
                         a,
                     )
                 loss_sum[:a] += loss.detach()
+                clock.add_(1)
+
+        self._run_steps(step, steps)
         deltas = params - global_flat
         return deltas, loss_sum.cpu()
+
+    def _run_steps(self, step, steps: Sequence[int]) -> None:
+        """``step(a)`` for every local step of the chunk, ``a`` the clients still training (they are
+        sorted by steps, most first, so they are a prefix of the rows), as CUDA graph replays where
+        they can be (client/step_graphs.py)."""
+        runner = StepRunner(self.step_graphs, self.device)
+        runner.run(step, [sum(1 for s in steps if s > t) for t in range(max(steps, default=0))])
+        if runner.failed:
+            self.step_graphs = None
+
+    @staticmethod
+    def _batch_at(rows: torch.Tensor, weights: torch.Tensor, clock: torch.Tensor, a: int):
+        """The batch of step ``clock`` for the first ``a`` clients: row indices and loss weights (a, B),
+        selected on the device so that a recorded step picks the next batch at each replay."""
+        return rows[:a].index_select(1, clock).squeeze(1), weights[:a].index_select(1, clock).squeeze(1)
 
     def _train_chunk_chain(self, global_flat, x_all, y_all, starts, sizes, seeds, steps):
         """_train_chunk for a Flatten/Linear/ReLU chain: batched matmuls, backward by hand.
@@ -443,10 +471,11 @@ class BatchedTrainer:
         loss_sum = torch.zeros(k, device=self.device)
         x_flat = x_all.flatten(1)
         first_linear = next(i for i, layer in enumerate(chain) if layer.kind == "linear")
-        active = [sum(1 for s in steps if s > t) for t in range(max(steps, default=0))]
-        for t, a in enumerate(active):
-            idx = rows[:a, t]
-            h, yb, wb = x_flat[idx], y_all[idx], weights[:a, t]
+        clock = torch.zeros(1, dtype=torch.long, device=self.device)  # the step, read and moved on the device
+
+        def step(a: int) -> None:
+            idx, wb = self._batch_at(rows, weights, clock, a)
+            h, yb = x_flat[idx], y_all[idx]
             tape = []  # per layer: a Linear's input, a ReLU's output
             for layer in chain:
                 if layer.kind == "linear":
@@ -498,7 +527,12 @@ class BatchedTrainer:
                             a,
                             lambda buf, beta: buf.mul_(beta).add_(d.sum(1)) if beta else torch.sum(d, 1, out=buf),
                         )
+                if d_in is None:  # the first Linear: nothing before it learns
+                    break
                 d = d_in
+            clock.add_(1)
+
+        self._run_steps(step, steps)
         return params - global_flat, loss_sum.cpu()
 
     def _chain_step(self, params, state, global_flat, e, a: int, accumulate) -> None:
@@ -561,6 +595,7 @@ def make_batched_trainer(
     example: torch.Tensor | tuple[int, ...],
     clients_per_round: int,
     max_client_size: int,
+    cuda_graphs: bool = True,
 ) -> BatchedTrainer | None:
     """``simulation.batch_clients`` -> a BatchedTrainer, or None to train one by one.
 
@@ -574,7 +609,7 @@ def make_batched_trainer(
     if setting == 1 or clients_per_round <= 1:
         return None
     reason = unsupported_reason(model, cfg)
-    chain = reason is None and cfg.precision == "fp32" and linear_chain(model, spec) is not None
+    chain = reason is None and cfg.precision != "bf16" and linear_chain(model, spec) is not None
     if reason is None and not chain:
         reason = vmap_blocker(model, example)
     if reason is not None:
@@ -596,6 +631,6 @@ def make_batched_trainer(
             "simulation.batch_clients = %r: one client per chunk fits the memory budget; training one by one", setting
         )
         return None
-    trainer = BatchedTrainer(model, spec, cfg, device, n)
+    trainer = BatchedTrainer(model, spec, cfg, device, n, cuda_graphs)
     log.info("training up to %d clients at once (%s) on %s", n, "Linear chain" if trainer.chain else "vmap", device)
     return trainer

@@ -47,15 +47,32 @@ log = logging.getLogger(__name__)
 log.addFilter(RunTag())  # lines of a federation run's work name the run
 
 
-def autocast(device: torch.device, precision: str) -> contextlib.AbstractContextManager:
+def autocast(device: torch.device, precision: str, cache: bool = True) -> contextlib.AbstractContextManager:
     """``train.precision``: fp32 runs as is; bf16 runs the forward pass under autocast.
 
     Parameters, gradients and optimizer state stay float32 (mixed precision); only the
     matmuls/convolutions run in bfloat16, which tensor-core GPUs do several times faster.
+    ``cache=False`` recasts the weights at every use: what a step recorded as a CUDA graph needs.
     """
     if precision == "bf16":
-        return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+        return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache)
     return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def matmul_precision(device: torch.device, precision: str) -> Iterator[None]:
+    """``train.precision = "tf32"`` on a CUDA GPU: matmuls and convolutions, forward and backward, in
+    TensorFloat-32 (fp32 range, a 10-bit mantissa, tensor cores) while training, torch's settings put
+    back after. Parameters, gradients and optimizer state stay float32. Nothing changes on a CPU."""
+    if precision != "tf32" or device.type != "cuda":
+        yield
+        return
+    before = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = before
 
 
 def summarize_means(task: Task, means: dict[str, float]) -> dict[str, float]:
@@ -260,6 +277,18 @@ class LocalTrainer:
         return self._run(global_flat, batches(), n, base_version, sender, objective)
 
     def _run(
+        self,
+        global_flat: torch.Tensor | DiskModel,
+        batches,
+        n: int,
+        base_version: int,
+        sender: str,
+        objective: Objective | None = None,
+    ) -> Update:
+        with matmul_precision(self.device, self.cfg.precision):
+            return self._train_steps(global_flat, batches, n, base_version, sender, objective)
+
+    def _train_steps(
         self,
         global_flat: torch.Tensor | DiskModel,
         batches,

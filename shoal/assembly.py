@@ -333,6 +333,7 @@ def with_batching(cfg: Config, parts: ClientParts, batching: Batching) -> Client
         batching.example,
         batching.cohort,
         batching.max_client_size,
+        cfg.simulation.cuda_graphs,
     )
     return dataclasses.replace(parts, batched=batched)
 

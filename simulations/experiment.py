@@ -58,6 +58,10 @@ def run_simulation(
 
         return run_flower_simulation(cfg, out_dir, progress, on_record)
     if cfg.simulation.engine == "ray" and sim is None:  # shoal's rounds here, clients on Ray workers
+        from .ray_gpu_sharing import engine_for_run
+
+        cfg = engine_for_run(cfg)  # several workers on one local GPU: the in-process engine instead
+    if cfg.simulation.engine == "ray" and sim is None:
         return ray_engine()(cfg, out_dir, progress, on_record)
     if cfg.simulation.mode == "gossip":  # decentralized peers, no server (simulations/gossip/)
         from .gossip import run_gossip_simulation

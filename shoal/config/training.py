@@ -33,6 +33,7 @@ class SimulationConfig:
     device: str = "auto"  # where simulated clients train: auto | cpu | cuda[:N]
     progress: bool = True  # progress bar on a terminal
     batch_clients: int | str = "auto"  # clients trained at once (vmap): auto | N | 1 (one by one)
+    cuda_graphs: bool = True  # on a GPU, record each batched local step once and replay it (fewer launches)
     flower_client_cpus: float = 1.0  # engine=flower: CPUs Ray reserves per client (Flower's default is 2)
     flower_client_gpus: float = 0.0  # engine=flower: GPU fraction per client (0.25 = four per GPU)
     ray_address: str = ""  # engine=ray|flower: an existing Ray cluster ("auto", "host:6379"); "" starts one here
@@ -41,6 +42,9 @@ class SimulationConfig:
     ray_workers_per_node: int = 0  # engine=ray: workers placed on every node of the cluster (0 = Ray places them)
     ray_cpus_per_worker: float = 1.0  # engine=ray: CPUs reserved per worker (also its torch threads)
     ray_gpus_per_worker: float = 0.0  # engine=ray: GPU fraction per worker (0.25 = four workers share a GPU)
+    # engine=ray, local runtime: let several workers share one GPU; false runs the in-process engine there
+    # instead, which batches the whole round's clients on that GPU (docs/ray.md, "One GPU")
+    ray_share_gpu: bool = False
     ray_max_restarts: int = 3  # engine=ray: a dead worker is restarted this often; its clients are re-run
     ray_partial_sums: bool = True  # engine=ray: workers sum their clients' updates when the pipeline allows
     # engine=ray / flower: longest wait for the workers (Flower: its clients) to be placed and loaded,
@@ -68,6 +72,11 @@ class SimulationConfig:
         positive("simulation.ray_gpus_per_worker", self.ray_gpus_per_worker, allow_zero=True)
         positive("simulation.ray_max_restarts", self.ray_max_restarts, allow_zero=True)
         positive("simulation.ray_start_timeout_s", self.ray_start_timeout_s)
+        if self.ray_share_gpu and self.engine != "ray":
+            raise ConfigError(
+                f"simulation.ray_share_gpu = true applies to simulation.engine = 'ray' (Ray workers on one GPU), "
+                f"not to {self.engine!r}: drop it or set the engine"
+            )
         if self.ray_workers and self.ray_workers_per_node:
             raise ConfigError(
                 "simulation.ray_workers and simulation.ray_workers_per_node are both set: "
@@ -121,7 +130,8 @@ class TrainConfig:
     weight_decay: float = 0.0  # local L2 weight decay
     prox_mu: float = 0.0  # FedProx proximal term (Li et al. 2020); 0 is FedAvg
     device: str = "auto"  # auto | cpu | cuda | cuda:N (client nodes)
-    precision: Literal["fp32", "bf16"] = "fp32"  # fp32 | bf16 (autocast of the forward pass)
+    # fp32 | tf32 (on a GPU: matmuls and convolutions in TensorFloat-32) | bf16 (autocast of the forward pass)
+    precision: Literal["fp32", "tf32", "bf16"] = "fp32"
 
     def validate(self) -> None:
         positive("train.epochs", self.epochs)
