@@ -96,6 +96,7 @@ def main() -> None:
         )
         fields = {"bench": "dp_sgd", "card": where if device.type == "cuda" else "cpu", "model": name, "batch": a.batch}
         fields |= {"plain_ms_per_step": ms[0], "seeded_ms_per_step": ms[1], "csprng_ms_per_step": ms[2]}
+        fields["csprng_keystream"] = "chacha20 on the device" if device.type == "cuda" else "aes-ctr on the cpu"
         flops = {"plain_flop_per_step": flop_per_step(plain, start, x, y, steps)}
         flops["dp_flop_per_step"] = flop_per_step(dp[True], start, x, y, steps)  # the CSPRNG adds no FLOPs
         print("RESULT " + json.dumps(fields | flops), flush=True)  # for bench/gpu_summary.py
