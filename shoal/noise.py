@@ -45,7 +45,7 @@ _AES_BLOCK = 16
 _U64_MAX = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 GAUSSIAN_SUMMANDS = 4  # draws summed per continuous Gaussian entry (module doc)
 GAUSSIAN_BLOCK = 1 << 15  # entries transformed at a time on the CPU: the float64 working arrays stay in L2
-GAUSSIAN_BLOCK_DEVICE = 1 << 21  # on a CUDA device: few kernel launches, bounded memory (~0.2 GB a block)
+GAUSSIAN_BLOCK_DEVICE = 1 << 21  # on a CUDA device: few kernel launches, bounded memory (~0.4 GB a block)
 
 
 class NoiseSource:
