@@ -1,7 +1,9 @@
 """DP-SGD's cost on a client, measured side by side: plain SGD on the flat buffer vs
 DP-SGD with Opacus (per-sample gradients, clipping, noise) on the same bound model, with the
 per-step noise from the CSPRNG (the default) and from torch's seeded generator
-(``privacy.reproducible = true``); the last column is what the CSPRNG adds per step.
+(``privacy.reproducible = true``); the last column is what the CSPRNG adds per step. On a CUDA
+device the CSPRNG column's noise is made there, from a ChaCha20 stream keyed from the step's
+AES-CTR source (shoal/chacha20.py); on the CPU it is the AES-CTR keystream itself.
 
     OMP_NUM_THREADS=1 python bench/bench_dp_sgd.py [--model 2nn] [--n 500] [--repeats 3]
     python bench/bench_dp_sgd.py --device cuda --model 2nn,cnn --n 6000
@@ -69,6 +71,8 @@ def main() -> None:
     steps = a.n // a.batch
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else f"{torch.get_num_threads()} thread(s)"
     print(f"DP-SGD (Opacus per-sample gradients) vs plain SGD on {device} ({where}): {a.n} examples, batch {a.batch}")
+    made = "ChaCha20 made on the device, keyed from" if device.type == "cuda" else "the CPU keystream of"
+    print(f"DP CSPRNG: noise from {made} an AES-256-CTR source keyed from the OS (shoal.noise)")
     print(
         f"{'model':<7} {'plain ms/step':>13} {'DP seeded':>10} {'DP CSPRNG':>10} {'DP/plain':>9} {'CSPRNG +ms/step':>16}"
     )
@@ -92,6 +96,7 @@ def main() -> None:
         )
         fields = {"bench": "dp_sgd", "card": where if device.type == "cuda" else "cpu", "model": name, "batch": a.batch}
         fields |= {"plain_ms_per_step": ms[0], "seeded_ms_per_step": ms[1], "csprng_ms_per_step": ms[2]}
+        fields["csprng_keystream"] = "chacha20 on the device" if device.type == "cuda" else "aes-ctr on the cpu"
         flops = {"plain_flop_per_step": flop_per_step(plain, start, x, y, steps)}
         flops["dp_flop_per_step"] = flop_per_step(dp[True], start, x, y, steps)  # the CSPRNG adds no FLOPs
         print("RESULT " + json.dumps(fields | flops), flush=True)  # for bench/gpu_summary.py

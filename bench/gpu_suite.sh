@@ -21,6 +21,9 @@
 #   1b. NIID-Bench's setting (10 MNIST CNN clients, E = 10, B = 64; bench/niid_bench.py): seconds
 #      per round of FedAvg with CUDA graphs and without, 4 rounds each (the first not counted);
 #   2. DP-SGD (Opacus per-sample gradients) against plain SGD on the GPU (bench/bench_dp_sgd.py);
+#   2b. the CSPRNG's Gaussian keystreams side by side for the CNN's 1.66M parameters (torch's
+#      generator, AES-CTR on the CPU copied over, ChaCha20 made on the GPU; bench/ddg_noise.py) and
+#      ChaCha20's variants, torch.compile included (bench/chacha20_variants.py);
 #   3. the CUDA tests (and the training/aggregation test files around them) with pytest;
 #   4. the Ray engine with two workers sharing the GPU (ray_gpus_per_worker = 0.5) against the
 #      in-process engine on the same GPU (bench/engines.py);
@@ -142,8 +145,11 @@ section niid_round 150 bash -c "'$PY' bench/niid_bench.py --data '$MNIST' --devi
   '$PY' bench/niid_bench.py --data '$MNIST' --device cuda --rounds 4 --splits dirichlet --algorithms fedavg \
   --out '$OUT/niid_eager' --round-time --cuda-graphs off"
 section dp_sgd 90 "$PY" bench/bench_dp_sgd.py --device cuda --model 2nn,cnn --n 1500 --repeats 2
+section noise_device 150 bash -c "'$PY' bench/ddg_noise.py --device cuda --n 1663370 --reps 5 &&
+  '$PY' bench/chacha20_variants.py --device cuda --blocks 831685 --reps 5 --compile"
 section cuda_tests 120 "$PY" -m pytest -q -p no:cacheprovider -o addopts= -rs \
-  tests/aggregation/test_mean.py tests/aggregation/test_strategy.py tests/client
+  tests/aggregation/test_mean.py tests/aggregation/test_strategy.py tests/client tests/privacy/test_chacha20.py \
+  tests/privacy/test_randomness.py
 section ray_gpu 120 "$PY" bench/engines.py --device cuda --engines inprocess,ray2gpu --clients 200 --cohort 100 \
   --rounds 3 --model cnn --data-dir "$MNIST" --ray-cpus 4
 section node_cuda 120 "$PY" bench/gpu_node.py --data-dir "$MNIST" --rounds 3 --examples 3000

@@ -64,7 +64,8 @@ class CsprngDPOptimizer(DPOptimizer):
     AES-CTR CSPRNG keyed from the OS, each entry a sum of four Box-Muller draws against the
     floating-point attack) when :attr:`noise_source` is set; Opacus' own draw from its torch
     generator otherwise (``privacy.reproducible``). One CSPRNG call covers all the model's
-    parameters of a step; on a CUDA device the keystream's words are copied there and transformed there."""
+    parameters of a step; on a CUDA device the noise is made there from the source's device stream
+    (ChaCha20 keyed from its AES stream, shoal/chacha20.py), so no keystream crosses the bus."""
 
     noise_source: NoiseSource | None = None
 

@@ -10,6 +10,12 @@ distributed noise shares (continuous or discrete) and the rounding of the discre
 so a run repeats exactly; the guarantee then does not hold against anyone who knows the seed,
 and the run's log and summary say so (:func:`describe`).
 
+Gaussian noise for a CUDA tensor (DP-SGD's steps on a GPU, central noise drawn there) takes its bits
+from a second stream made on the device itself: ChaCha20 (shoal/chacha20.py), keyed with 32 bytes
+of this source's AES stream the first time a device asks (:meth:`NoiseSource.device_stream`), so
+it is as unpredictable as the source (OS-keyed, or repeating when seeded) and its keystream never
+crosses the bus. Everything else (integers, uniforms, discrete noise, CPU tensors) stays on AES-CTR.
+
 Continuous Gaussian noise (:meth:`NoiseSource.gaussian`) is not a single floating-point draw per
 entry: Mironov (2012) shows that the set of values a textbook floating-point sampler can output
 has gaps that depend on the value added, so an output can give away which of two neighbouring
@@ -25,10 +31,13 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+from typing import Literal
 
 import numpy as np
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
+
+from shoal.chacha20 import ChaCha20Stream
 
 KEY_BYTES = 32  # 256-bit keys: at least 128 bits of OS entropy in every unreproducible stream
 _ZERO_IV = bytes(16)
@@ -36,7 +45,7 @@ _AES_BLOCK = 16
 _U64_MAX = np.uint64(0xFFFF_FFFF_FFFF_FFFF)
 GAUSSIAN_SUMMANDS = 4  # draws summed per continuous Gaussian entry (module doc)
 GAUSSIAN_BLOCK = 1 << 15  # entries transformed at a time on the CPU: the float64 working arrays stay in L2
-GAUSSIAN_BLOCK_DEVICE = 1 << 21  # on a CUDA device: few kernel launches, bounded memory (~0.2 GB a block)
+GAUSSIAN_BLOCK_DEVICE = 1 << 21  # on a CUDA device: few kernel launches, bounded memory (~0.4 GB a block)
 
 
 class NoiseSource:
@@ -53,6 +62,7 @@ class NoiseSource:
         self.reproducible = reproducible
         self._stream = Cipher(algorithms.AES(key), modes.CTR(_ZERO_IV)).encryptor()
         self._zeros = b""  # the plaintext of the keystream (zeros), grown on demand
+        self._device_streams: dict[torch.device, ChaCha20Stream] = {}  # keyed from this stream when first used
 
     @classmethod
     def seeded(cls, *parts: int) -> NoiseSource:
@@ -160,38 +170,63 @@ class NoiseSource:
         self.gaussian_into(out, std)
         return out
 
-    def gaussian_into(self, out: torch.Tensor, std: float) -> torch.Tensor:
+    def gaussian_into(
+        self, out: torch.Tensor, std: float, keystream: Literal["auto", "aes", "chacha20"] = "auto"
+    ) -> torch.Tensor:
         """Fill the contiguous tensor ``out`` (any float dtype and shape) with N(0, std^2) draws,
         computed in float64 from 53-bit uniforms in blocks (so memory stays bounded, and on the CPU
-        the working arrays stay in cache), rounded to ``out``'s dtype only at the end. The keystream
-        is always the CPU's; on a CUDA device its words are copied there and transformed there (8
-        bytes per uniform moved instead of the CPU's transform), elsewhere the CPU transforms them.
-        Returns ``out``."""
+        the working arrays stay in cache), rounded to ``out``'s dtype only at the end. Returns ``out``.
+
+        ``keystream`` says where the uniforms' bits come from: ``"auto"`` takes the device stream
+        (:meth:`device_stream`, ChaCha20 made on the device) for a CUDA tensor and this source's
+        AES-CTR stream otherwise; ``"aes"`` always the AES-CTR stream (made on the CPU, copied to a
+        CUDA device as 8 bytes per uniform); ``"chacha20"`` always the device stream (on the CPU,
+        for tests and benchmarks). The transform is the same either way."""
         if not out.is_contiguous():
             raise ValueError("gaussian_into fills a contiguous tensor")
+        if keystream not in ("auto", "aes", "chacha20"):
+            raise ValueError(f"keystream is 'auto', 'aes' or 'chacha20', not {keystream!r}")
         where = out.device if out.device.type == "cuda" else torch.device("cpu")
+        if keystream == "chacha20" or (keystream == "auto" and where.type == "cuda"):
+            top53 = self.device_stream(where).top53
+        else:
+            top53 = self._top53
         size = GAUSSIAN_BLOCK if where.type == "cpu" else GAUSSIAN_BLOCK_DEVICE
         flat = out.view(-1)
         for start in range(0, flat.numel(), size):
             block = flat[start : start + size]
-            block.copy_(self._gaussian_block(block.numel(), std, where).to(block.dtype))  # rounded where drawn
+            n = block.numel()
+            z = _box_muller_sums(top53(4 * n).to(where), n, std)
+            block.copy_(z.to(block.dtype))  # rounded where drawn
         return out
 
-    def _gaussian_block(self, n: int, std: float, where: torch.device) -> torch.Tensor:
-        """``n`` entries on ``where``: each the sum of 4 Box-Muller draws (2 pairs: cos and sin of
-        each), float64.
+    def device_stream(self, device: torch.device | str) -> ChaCha20Stream:
+        """This source's ChaCha20 stream on ``device``, keyed with 32 bytes of its AES stream when
+        first asked for (so it is OS-keyed when this source is, and repeats when it is seeded)."""
+        device = torch.device(device)
+        if device not in self._device_streams:
+            self._device_streams[device] = ChaCha20Stream(self.secret(KEY_BYTES), device)
+        return self._device_streams[device]
 
-        The transform runs in torch (its vectorised float64 log, sin and cos, several times faster
-        than numpy's), on uniforms with 53 random bits each."""
-        pairs = 2 * n  # each pair (radius, angle) gives two independent summands, cos and sin
-        top53 = torch.from_numpy((self.words(2 * pairs) >> np.uint64(11)).view(np.int64))  # in [0, 2^53)
-        u = top53.to(where).to(torch.float64).mul_(1.0 / (1 << 53))  # [0, 1) in steps of 2^-53
-        u1, u2 = u[:pairs], u[pairs:]
-        radius = torch.log1p(u1.neg_()).mul_(-2.0).sqrt_()  # 1 - u1 in (0, 1]: never log(0)
-        angle = u2.mul_(2.0 * math.pi)
-        z = torch.cos(angle).mul_(radius).add_(torch.sin(angle).mul_(radius))  # 2 summands per pair
-        z = z[:n].add_(z[n:])  # pair i and pair n + i: four summands per entry
-        return z.mul_(std / math.sqrt(GAUSSIAN_SUMMANDS))
+    def _top53(self, n: int) -> torch.Tensor:
+        """``n`` integers in [0, 2^53) from the AES stream (int64, on the CPU)."""
+        return torch.from_numpy((self.words(n) >> np.uint64(11)).view(np.int64))
+
+
+def _box_muller_sums(top53: torch.Tensor, n: int, std: float) -> torch.Tensor:
+    """``n`` N(0, std^2) entries (float64, where ``top53`` is) from ``4 n`` 53-bit integers: each entry
+    the sum of 4 Box-Muller draws (2 pairs: cos and sin of each).
+
+    The transform runs in torch (its vectorised float64 log, sin and cos, several times faster
+    than numpy's), on uniforms with 53 random bits each."""
+    pairs = 2 * n  # each pair (radius, angle) gives two independent summands, cos and sin
+    u = top53.to(torch.float64).mul_(1.0 / (1 << 53))  # [0, 1) in steps of 2^-53
+    u1, u2 = u[:pairs], u[pairs:]
+    radius = torch.log1p(u1.neg_()).mul_(-2.0).sqrt_()  # 1 - u1 in (0, 1]: never log(0)
+    angle = u2.mul_(2.0 * math.pi)
+    z = torch.cos(angle).mul_(radius).add_(torch.sin(angle).mul_(radius))  # 2 summands per pair
+    z = z[:n].add_(z[n:])  # pair i and pair n + i: four summands per entry
+    return z.mul_(std / math.sqrt(GAUSSIAN_SUMMANDS))
 
 
 def describe(reproducible: bool) -> str:
@@ -201,4 +236,7 @@ def describe(reproducible: bool) -> str:
             "privacy.reproducible = true: selection and noise are seeded from simulation.seed, so the run "
             "repeats exactly; the privacy guarantee does NOT hold against anyone who knows the seed"
         )
-    return "selection and noise from a CSPRNG (AES-256-CTR) keyed with 256 bits from the OS"
+    return (
+        "selection and noise from a CSPRNG (AES-256-CTR, and ChaCha20 keyed from it for noise made on a GPU) "
+        "keyed with 256 bits from the OS"
+    )

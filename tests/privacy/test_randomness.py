@@ -156,3 +156,42 @@ def test_dp_sgd_step_noise_comes_from_the_noise_source_with_the_right_std():
     assert torch.equal(a, b) and a.dtype == torch.float32 and a.numel() == 30_100
     assert float(a.std()) == pytest.approx(2.0 * 1.5 / 4, rel=0.03) and abs(float(a.mean())) < 0.02
     assert not torch.equal(a, step_grad(NoiseSource()))
+
+
+def test_device_stream_gaussian_is_keyed_from_the_source_and_normal():
+    """The ChaCha20 Gaussian that a CUDA tensor gets (forced onto the CPU here): keyed with 32 bytes
+    of the source's AES stream, so it repeats exactly when the source is seeded; normal."""
+    n = 20_000
+    a, b = NoiseSource.seeded(3), NoiseSource.seeded(3)
+    x = a.gaussian_into(torch.empty(n, dtype=torch.float64), 2.0, keystream="chacha20")
+    assert torch.equal(x, b.gaussian_into(torch.empty(n, dtype=torch.float64), 2.0, keystream="chacha20"))
+    after_key = NoiseSource.seeded(3)
+    after_key.secret()  # the device stream's key: the AES stream goes on after it
+    assert np.array_equal(a.words(4), after_key.words(4))
+    assert not torch.equal(x[:100], torch.from_numpy(NoiseSource.seeded(3).gaussian(100, 2.0)))
+    assert abs(float(x.mean())) < 5 * 2.0 / math.sqrt(n)
+    assert abs(float(x.var()) - 4.0) < 5 * 4.0 * math.sqrt(2 / n)
+    assert float(((x / 2.0) ** 4).mean()) == pytest.approx(3.0, rel=0.1)  # Gaussian tails
+    y = a.gaussian_into(torch.empty(n, dtype=torch.float64), 2.0, keystream="chacha20")
+    assert not torch.equal(x, y)  # the stream moved on
+    with pytest.raises(ValueError, match="keystream"):
+        a.gaussian_into(torch.empty(3), 1.0, keystream="os")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_gaussian_into_a_cuda_tensor_draws_on_the_device():
+    n = 70_001
+    t = NoiseSource.seeded(3).gaussian_tensor(n, 2.0, "cuda")
+    cpu = NoiseSource.seeded(3).gaussian_into(torch.empty(n, dtype=torch.float64), 2.0, keystream="chacha20")
+    # the same bits; CUDA's float64 log, sin and cos may differ from the CPU's in the last place
+    assert t.device.type == "cuda" and torch.allclose(t.cpu(), cpu.float(), rtol=1e-5, atol=1e-6)
+    aes = NoiseSource.seeded(3).gaussian_into(torch.empty(n, device="cuda"), 2.0, keystream="aes")
+    assert torch.allclose(aes.cpu(), torch.from_numpy(NoiseSource.seeded(3).gaussian(n, 2.0)).float(), atol=1e-5)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(40, 1, 28, 28, generator=g), torch.randint(0, 10, (40,), generator=g)
+    privacy = PrivacyConfig(mode="local", noise_multiplier=1.0, clip_norm=1.0)
+    trainer = DpSgdTrainer(
+        build_model("logreg", (1, 28, 28), 10), TrainConfig(epochs=1, batch_size=10, lr=0.1), privacy, "cuda"
+    )
+    delta = trainer.train(trainer.flat.detach().clone(), x.cuda(), y.cuda(), seed=5).delta
+    assert torch.isfinite(delta).all() and float(delta.abs().sum()) > 0
