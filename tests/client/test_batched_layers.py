@@ -295,8 +295,22 @@ def test_refusals_say_why(caplog):
     with caplog.at_level(logging.WARNING, logger="shoal.client.batched"):
         assert make_batched_trainer(4, proj, ParamSpec.of(proj), cfg, torch.device("cpu"), (6, 4), 4, 10) is None
     assert any("one by one" in r.getMessage() and "lstm" in r.getMessage() for r in caplog.records)
+    assert "PackedSequence" in vmap_blocker(Packed(), (6, 4))
     with pytest.raises(ValueError, match="batched_conv"):
         BatchedTrainer(small_cnn(), ParamSpec.of(small_cnn()), cfg, "cpu", 2, conv="fft")
+
+
+class Packed(nn.Module):
+    """Packs its (full-length) sequences before the GRU: the stand-in refuses a PackedSequence."""
+
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.GRU(4, 5, batch_first=True), nn.Linear(5, CLASSES)
+
+    def forward(self, x):
+        lengths = torch.full((x.shape[0],), x.shape[1])
+        _, h = self.rnn(nn.utils.rnn.pack_padded_sequence(x, lengths, batch_first=True))
+        return self.head(h[-1])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
