@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import random
 import sys
@@ -122,6 +123,13 @@ def round_batched(batched: BatchedTrainer, g, x, y, starts, sizes, device) -> to
     return acc.mean()
 
 
+def print_result(case: str, device: torch.device, s_round: float, over_seq: float) -> None:
+    """One case as a ``RESULT {json}`` line, which bench/gpu_summary.py reads for the GPU suite's summary."""
+    card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    fields = {"bench": "batched_layers", "card": card, "case": case, "s_per_round": s_round}
+    print("RESULT " + json.dumps(fields | {"x_one_by_one": over_seq}), flush=True)
+
+
 def load() -> str:
     return f"{os.getloadavg()[0]:.1f}" if hasattr(os, "getloadavg") else "?"
 
@@ -167,6 +175,7 @@ def bench_gru(args, device: torch.device, cfg: TrainConfig) -> None:
         f"(max |batched - one by one| of the mean update {diff:.1e}; load {load()})",
         flush=True,
     )
+    print_result("gru", device, t_bat, t_seq / t_bat)
 
 
 def bench_attn(args, device: torch.device, cfg: TrainConfig) -> None:
@@ -203,6 +212,7 @@ def bench_attn(args, device: torch.device, cfg: TrainConfig) -> None:
         f"batched with the stand-in {t_standin:.3f} s/round ({seq_round / t_standin:.2f}x; load {load()})",
         flush=True,
     )
+    print_result("attn", device, t_standin, seq_round / t_standin)
 
 
 def bench_cnn(args, device: torch.device, cfg: TrainConfig) -> None:
@@ -242,6 +252,8 @@ def bench_cnn(args, device: torch.device, cfg: TrainConfig) -> None:
         f"(max |batched - one by one| grouped {diffs['grouped']}, matmul {diffs['matmul']}; load {load()})",
         flush=True,
     )
+    print_result("cnn_grouped", device, t_grouped, seq_round / t_grouped)
+    print_result("cnn_matmul", device, t_matmul, seq_round / t_matmul)
 
 
 def main() -> None:

@@ -17,7 +17,10 @@
 #      regression with 10, 100 and 1,000 clients per round (600 examples each, E = 1, B = 10),
 #      seconds per round and FLOP/s against the GPU's data-sheet peak (bench/sim_throughput.py),
 #      the batched steps as CUDA graph replays and eagerly side by side; the CNN at 1,000 clients
-#      once more in TF32 and in bf16;
+#      once more in TF32 and in bf16, and with its convolutions as batched matmuls (im2col + bmm,
+#      simulation.batched_conv = "matmul") in TF32 and bf16; the GRU classifier (400 clients, 100 a
+#      round), a transformer encoder and the CNN's two convolution paths batched vs one by one
+#      (bench/batched_layers.py);
 #   1b. NIID-Bench's setting (10 MNIST CNN clients, E = 10, B = 64; bench/niid_bench.py): seconds
 #      per round of FedAvg with CUDA graphs and without, 4 rounds each (the first not counted);
 #   2. DP-SGD (Opacus per-sample gradients) against plain SGD on the GPU (bench/bench_dp_sgd.py);
@@ -140,6 +143,11 @@ section batched_tf32 60 "$PY" bench/sim_throughput.py --device cuda --models cnn
   --precision tf32 --repeats 2 --seq-cap 20
 section batched_bf16 60 "$PY" bench/sim_throughput.py --device cuda --models cnn --ks 1000 --samples 600 \
   --precision bf16 --repeats 2 --seq-cap 20
+section batched_mm_tf32 60 "$PY" bench/sim_throughput.py --device cuda --models cnn --ks 1000 --samples 600 \
+  --precision tf32 --batched-conv matmul --repeats 2 --seq-cap 20
+section batched_mm_bf16 60 "$PY" bench/sim_throughput.py --device cuda --models cnn --ks 1000 --samples 600 \
+  --precision bf16 --batched-conv matmul --repeats 2 --seq-cap 20
+section batched_layers 240 "$PY" bench/batched_layers.py --device cuda --repeats 2
 section niid_round 150 bash -c "'$PY' bench/niid_bench.py --data '$MNIST' --device cuda --rounds 4 \
   --splits dirichlet --algorithms fedavg --out '$OUT/niid_graphs' --round-time --cuda-graphs on &&
   '$PY' bench/niid_bench.py --data '$MNIST' --device cuda --rounds 4 --splits dirichlet --algorithms fedavg \

@@ -70,8 +70,11 @@ def batched_figures(records: list[dict], card: str) -> list[Figure]:
     """Per model at its largest K: seconds per round, the speed-up over one by one, the share of peak."""
     largest: dict[str, dict] = {}
     for r in records:
-        if r.get("bench") == "sim_throughput" and r["k"] >= largest.get(r["model"], {"k": -1})["k"]:
-            largest[r["model"]] = r
+        if r.get("bench") != "sim_throughput":
+            continue
+        model = r["model"] if r.get("conv", "grouped") == "grouped" else f"{r['model']}_{r['conv']}"
+        if r["k"] >= largest.get(model, {"k": -1})["k"]:
+            largest[model] = r
     out = []
     for model, r in largest.items():
         tag = f"{model}_{r['k']}"
@@ -123,6 +126,16 @@ def niid_figures(records: list[dict]) -> list[Figure]:
     return out
 
 
+def layer_figures(records: list[dict]) -> list[Figure]:
+    """bench/batched_layers.py: each case's batched seconds per round and speed-up over one by one."""
+    out = []
+    for r in records:
+        if r.get("bench") == "batched_layers":
+            out.append(Figure(f"{r['case']}_s_per_round", r["s_per_round"], "s", "lower"))
+            out.append(Figure(f"{r['case']}_x_one_by_one", r["x_one_by_one"], "x", "higher"))
+    return out
+
+
 def ray_figures(records: list[dict]) -> list[Figure]:
     return [
         Figure(f"{r['engine']}_x_inprocess", r["x_inprocess"], "x", "lower")
@@ -151,6 +164,8 @@ def section_figures(name: str, log: Path, card: str) -> list[Figure]:
         return dp_figures(records, card)
     if name == "ray_gpu":
         return ray_figures(records)
+    if name == "batched_layers":
+        return layer_figures(records)
     if name == "niid_round":
         return niid_figures(records)
     if name == "node_cuda":
@@ -173,6 +188,8 @@ def shown(value: float | None, unit: str) -> str:
 def peak_line(card: str, section: str) -> str | None:
     """What the section's shares are of: the card's peak, or that it is unknown."""
     precision = {"batched_fp32": "fp32", "batched_tf32": "tf32", "batched_bf16": "bf16", "dp_sgd": "fp32"}.get(section)
+    if section.startswith("batched_mm_"):  # the matmul-convolution sections: batched_mm_<precision>
+        precision = section.removeprefix("batched_mm_")
     if precision is None:
         return None
     peak = peak_tflops(card, precision)

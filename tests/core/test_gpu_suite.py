@@ -57,6 +57,7 @@ def test_the_summary_sets_each_figure_beside_the_previous_one_with_the_share_of_
     # (timed beside its CUDA graph replays, the same round took 4.365 s eagerly)
     throughput.print_result("cnn", 1000, 600, cfg, torch.device("cpu"), 2.91, 38.8, 0.1 * 67e12 * 2.91, True, 4.365)
     throughput.print_result("cnn", 100, 600, cfg, torch.device("cpu"), 0.3, 10.0, 1e12, True)  # not the largest K
+    throughput.print_result("cnn", 1000, 600, cfg, torch.device("cpu"), 1.5, 75.0, 1e12, True, None, "matmul")
     (tmp_path / "batched_fp32.log").write_text("device cuda\n" + capsys.readouterr().out + "  target: ...\n")
     (tmp_path / "batched_bf16.log").write_text('RESULT {"bench": "sim_throughput", "card": "NVI')
     dp = {"bench": "dp_sgd", "card": "NVIDIA H200", "model": "cnn", "batch": 10, "plain_ms_per_step": 1.0}
@@ -92,6 +93,7 @@ def test_the_summary_sets_each_figure_beside_the_previous_one_with_the_share_of_
     assert h200[("batched_fp32", "cnn_1000_of_peak")][:2] == ["10.00%", "11.00%"]
     assert h200[("batched_fp32", "cnn_1000_x_eager")][:2] == ["1.5", "x"]  # no previous figure
     assert ("batched_fp32", "cnn_100_s_per_round") not in h200  # the largest K only
+    assert h200[("batched_fp32", "cnn_matmul_1000_s_per_round")][:2] == ["1.5", "s"]  # apart from grouped
     assert "67" in h200[("batched_fp32", "peak")] and "fp32" in h200[("batched_fp32", "peak")]
     # the section cut short: the previous figures with nothing new beside them
     assert h200[("batched_bf16", "cnn_1000_s_per_round")][:3] == ["-", "4.01", "s"]
