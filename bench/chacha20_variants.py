@@ -1,10 +1,11 @@
 """ChaCha20's block function in torch, timed in the ways it could be written, side by side:
 
-* int32 lanes (shoal/chacha20.py's ``chacha20_blocks``, what the noise uses);
+* int32 lanes (shoal/chacha20.py's ``chacha20_blocks``, what the noise uses on a CPU);
 * int64 lanes masked with 0xFFFFFFFF (why the module keeps int32: more ops, twice the bytes);
 * int32 lanes with the rotations by 16 and 8 done as byte shuffles (one gather kernel each instead
   of four elementwise ones: fewer kernel launches on a GPU, slower on a CPU);
-* with ``--compile``, ``torch.compile`` of the int32 function (one fused kernel on a GPU; compiling
+* with ``--compile``, ``torch.compile`` of the int32 function (one fused kernel on a GPU, what the
+  noise uses there once it has checked it, shoal/chacha20.py's ``block_function``; compiling
   takes minutes on a small CPU, seconds to a minute on a GPU machine, cached afterwards).
 
     python bench/chacha20_variants.py [--blocks 65536] [--reps 3] [--device cpu|cuda] [--compile]

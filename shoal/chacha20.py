@@ -5,8 +5,8 @@ CUDA tensor from it means making and copying 32 keystream bytes per noise entry,
 DP-SGD step of a small CNN many times the rest of the step. ChaCha20 needs only 32-bit additions,
 XORs and rotations, so it runs where the noise is used: one sequence of elementwise kernels makes
 every block of a call (each block's counter is an entry of a tensor), and the keystream never
-leaves the device. :class:`ChaCha20Stream` is that stream; shoal/noise.py keys one per device from
-its own AES stream.
+leaves the device; on a GPU those ops are fused into one kernel (:func:`block_function`).
+:class:`ChaCha20Stream` is that stream; shoal/noise.py keys one per device from its own AES stream.
 
 The cipher is the RFC's: a 256-bit key, a 32-bit block counter and a 96-bit nonce in a 4x4 state of
 32-bit words, 20 rounds (10 double rounds of four column and four diagonal quarter rounds), the
@@ -31,7 +31,12 @@ and a stream refuses to pass 2^128 blocks.
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
+
+log = logging.getLogger(__name__)
 
 KEY_BYTES = 32
 NONCE_BYTES = 12
@@ -79,6 +84,51 @@ def chacha20_blocks(initial: torch.Tensor) -> torch.Tensor:
         a, b, c, d = _quarter_rounds(a, b.roll(-1, 0), c.roll(-2, 0), d.roll(-3, 0))
         b, c, d = b.roll(1, 0), c.roll(2, 0), d.roll(3, 0)
     return torch.cat([a, b, c, d]).add_(initial).t().contiguous()
+
+
+BlockFunction = Callable[[torch.Tensor], torch.Tensor]
+_FUSED: dict[torch.device, BlockFunction | None] = {}  # per CUDA device: the checked compiled function, or None
+_PROBE_BLOCKS = 4099  # the check's input states: several of a fused kernel's thread blocks, an odd tail
+
+
+def block_function(device: torch.device) -> BlockFunction:
+    """The block function to run on ``device``.
+
+    On a CUDA device, :func:`chacha20_blocks` fused into one kernel by ``torch.compile`` (its ~550
+    elementwise ops otherwise each stream the whole state through memory), used only after the
+    fused kernel gave the same words as the elementwise ops on that device for a fixed set of input
+    states; the elementwise ops themselves are checked against RFC 8439 in the tests. If compiling
+    fails or the words differ, the run says so once and keeps the elementwise ops. Elsewhere the
+    elementwise ops (compiling on a CPU took minutes and was no faster)."""
+    if device.type != "cuda":
+        return chacha20_blocks
+    if device not in _FUSED:
+        _FUSED[device] = _checked_fusion(device)
+    return _FUSED[device] or chacha20_blocks
+
+
+def _checked_fusion(device: torch.device) -> BlockFunction | None:
+    # fixed, well-mixed input states (no random generator is touched: a run's seeded draws stay as they were)
+    i = torch.arange(BLOCK_WORDS * _PROBE_BLOCKS, dtype=torch.int64, device=device)
+    probe = i.mul_(2654435761).add_(0x9E3779B9).bitwise_and_(_MASK32)
+    probe = probe.sub_(probe.bitwise_right_shift(31).bitwise_left_shift(32)).to(torch.int32)
+    probe = probe.view(BLOCK_WORDS, _PROBE_BLOCKS)
+    try:
+        log.info("compiling the ChaCha20 block function for %s (once per process)", device)
+        fused = torch.compile(chacha20_blocks, dynamic=True, fullgraph=True)
+        same = torch.equal(fused(probe.clone()), chacha20_blocks(probe.clone()))
+    except Exception as e:  # noqa: BLE001 - no compiler, no Triton, a lowering error: the elementwise ops stay
+        log.warning(
+            "ChaCha20 on %s: torch.compile failed (%s: %s); the keystream is made by elementwise ops",
+            device,
+            type(e).__name__,
+            str(e).splitlines()[0][:200] if str(e) else "",
+        )
+        return None
+    if not same:
+        log.warning("ChaCha20 on %s: the compiled block function gave other words; using the elementwise ops", device)
+        return None
+    return fused
 
 
 class ChaCha20Stream:
@@ -130,7 +180,7 @@ class ChaCha20Stream:
         for i in range(3):
             state[13 + i, :first_next] = _signed32((nonce >> (32 * i)) & _MASK32)
             state[13 + i, first_next:] = _signed32(((nonce + 1) >> (32 * i)) & _MASK32)
-        return chacha20_blocks(state)
+        return block_function(self.device)(state)
 
     def words32(self, n: int) -> torch.Tensor:
         """The next ``n`` keystream words (int32 lanes holding the 32-bit words' bits), in stream order."""

@@ -7,7 +7,7 @@ import pytest
 import torch
 from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 
-from shoal.chacha20 import ChaCha20Stream
+from shoal.chacha20 import ChaCha20Stream, block_function, chacha20_blocks
 
 M32 = 0xFFFF_FFFF
 
@@ -138,3 +138,14 @@ def test_cuda_keystream_equals_the_cpu_one_bit_for_bit():
         got = cuda.words(n)
         assert got.device.type == "cuda" and torch.equal(got.cpu(), cpu.words(n))
     assert torch.equal(cuda.top53(999).cpu(), cpu.top53(999))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_fuses_the_block_function_and_it_gives_the_elementwise_words():
+    device = torch.device("cuda")
+    fused = block_function(device)
+    assert fused is not chacha20_blocks  # compiled and checked here (the log says why if not)
+    i = torch.arange(16 * 100_003, dtype=torch.int64, device=device).mul_(0x9E3779B1).bitwise_and_(0x7FFFFFFF)
+    state = i.to(torch.int32).view(16, -1)
+    assert torch.equal(fused(state.clone()), chacha20_blocks(state.clone()))
+    assert block_function(torch.device("cpu")) is chacha20_blocks
