@@ -5,6 +5,10 @@
 #   bash bench/gpu_suite.sh             # on the GPU machine, from the repository root
 #   bash bench/gpu_suite.sh --only cuda_tests,dp_sgd   # some sections (names in the summary table)
 #
+# Every section at once takes 10-15 minutes; where one command may run at most 10, split it in two:
+#   --only batched_fp32,batched_tf32,batched_bf16,batched_mm_tf32,batched_mm_bf16,niid_round
+#   --only batched_layers,noise_device,dp_sgd,cuda_tests,ray_gpu,node_cuda
+#
 # --prepare copies MNIST from ../shared/datasets into .gpudata/mnist and downloads into
 # .gpudata/whl the Python 3.12 wheels a CUDA image without shoal's dependencies lacks (opacus,
 # dp-accounting, zstandard, cryptography, ray and what they need; ray without its Java jar and
