@@ -216,10 +216,12 @@ class MatmulConv2d(nn.Conv2d):
             for size, p, d, k, s in zip((h, w), pad, self.dilation, (kh, kw), self.stride)
         )
         cols = F.unfold(x, (kh, kw), dilation=self.dilation, padding=pad, stride=self.stride)  # (N, C k k, L)
-        y = cols.transpose(1, 2) @ self.weight.flatten(1).t()  # (N, L, out)
+        # the weight on the left: the output (N, out, L) is already the image layout, and the gradient
+        # of cols (W^T dY) comes out in unfold's layout, so neither pass copies a transposed tensor
+        y = self.weight.flatten(1) @ cols
         if self.bias is not None:
-            y = y + self.bias
-        y = y.transpose(1, 2).reshape(x.shape[0], self.out_channels, oh, ow)
+            y = y + self.bias.unsqueeze(-1)
+        y = y.view(x.shape[0], self.out_channels, oh, ow)
         return y if input.dim() == 4 else y.squeeze(0)
 
 
