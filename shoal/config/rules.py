@@ -121,7 +121,13 @@ def _check_privacy_mode(self: Any, dp: str) -> None:
 
 def _check_local_batch(self: Any) -> None:
     """Local DP-SGD on a fixed schedule divides each step's noisy sum by train.batch_size, never by
-    anything of a client's data; a full batch (B = n_k) is the data's."""
+    anything of a client's data; a full batch (B = n_k) is the data's. Its steps (Opacus' per-sample
+    gradients) run in float32: a train.precision it would not apply is refused, not ignored."""
+    if self.train.precision != "fp32":
+        raise ConfigError(
+            f"train.precision = {self.train.precision!r} with privacy.mode = 'local': the DP-SGD trainer "
+            "computes its per-sample gradients in float32 and would ignore it; use train.precision = 'fp32'"
+        )
     p, b = self.privacy, self.train.batch_size
     if (p.local_schedule == "steps" or p.local_sampling_rate) and (not b or b == float("inf")):
         raise ConfigError(

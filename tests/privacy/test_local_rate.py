@@ -48,6 +48,8 @@ def test_by_default_every_round_runs_the_same_steps_whatever_n_and_is_charged_fo
         (['privacy.local_schedule="epochs"', "privacy.local_steps=5"], "privacy.local_steps"),
         (["privacy.local_steps=-1"], "privacy.local_steps"),
         (["train.batch_size=inf"], "train.batch_size"),
+        (['train.precision="bf16"'], "train.precision"),  # DP-SGD's steps run in float32, not ignored
+        (['train.precision="tf32"'], "train.precision"),
     ],
 )
 def test_schedules_the_accounting_cannot_follow_are_refused(extra, key):
