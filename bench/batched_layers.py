@@ -36,7 +36,6 @@ import json
 import os
 import random
 import sys
-import time
 import warnings
 from pathlib import Path
 
@@ -44,6 +43,9 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from sim_throughput import timed  # noqa: E402 - bench/ is not a package (its folder is put on the path above)
 
 from shoal.aggregation.mean import WeightedMean  # noqa: E402
 from shoal.client.batched import BatchedTrainer, make_batched_trainer  # noqa: E402
@@ -80,25 +82,6 @@ class EncoderClassifier(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.enc(self.inp(x)).mean(1))
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fns, device: torch.device, repeats: int) -> list[float]:
-    """Best of ``repeats`` wall times of each of ``fns``, taking turns within each repeat (the same
-    load from other jobs for every way; the minimum is the least disturbed run)."""
-    best = [float("inf")] * len(fns)
-    for _ in range(repeats):
-        for i, fn in enumerate(fns):
-            sync(device)
-            t0 = time.perf_counter()
-            fn()
-            sync(device)
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return best
 
 
 def data(n: int, shape: tuple[int, ...], classes: int, device: torch.device):

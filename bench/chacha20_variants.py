@@ -39,14 +39,20 @@ def _quarter64(a, b, c, d):
     return a, b, c, d
 
 
-def blocks_int64(initial: torch.Tensor) -> torch.Tensor:
-    """chacha20_blocks in int64 lanes (values in [0, 2^32)), words in stream order."""
+def _rounds(initial: torch.Tensor, quarter) -> torch.Tensor:
+    """chacha20_blocks' 10 double rounds with ``quarter`` as the quarter round, the input added back:
+    the (16, m) state, before serialisation."""
     a, b, c, d = (initial[4 * i : 4 * i + 4].clone() for i in range(4))
     for _ in range(10):
-        a, b, c, d = _quarter64(a, b, c, d)
-        a, b, c, d = _quarter64(a, b.roll(-1, 0), c.roll(-2, 0), d.roll(-3, 0))
+        a, b, c, d = quarter(a, b, c, d)
+        a, b, c, d = quarter(a, b.roll(-1, 0), c.roll(-2, 0), d.roll(-3, 0))
         b, c, d = b.roll(1, 0), c.roll(2, 0), d.roll(3, 0)
-    return torch.cat([a, b, c, d]).add_(initial).bitwise_and_(MASK).t().contiguous()
+    return torch.cat([a, b, c, d]).add_(initial)
+
+
+def blocks_int64(initial: torch.Tensor) -> torch.Tensor:
+    """chacha20_blocks in int64 lanes (values in [0, 2^32)), words in stream order."""
+    return _rounds(initial, _quarter64).bitwise_and_(MASK).t().contiguous()
 
 
 def _rotl16_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -72,12 +78,7 @@ def _quarter_shuffled(a, b, c, d):
 
 def blocks_shuffled(initial: torch.Tensor) -> torch.Tensor:
     """chacha20_blocks with the rotations by 16 and 8 as byte shuffles."""
-    a, b, c, d = (initial[4 * i : 4 * i + 4].clone() for i in range(4))
-    for _ in range(10):
-        a, b, c, d = _quarter_shuffled(a, b, c, d)
-        a, b, c, d = _quarter_shuffled(a, b.roll(-1, 0), c.roll(-2, 0), d.roll(-3, 0))
-        b, c, d = b.roll(1, 0), c.roll(2, 0), d.roll(3, 0)
-    return torch.cat([a, b, c, d]).add_(initial).t().contiguous()
+    return _rounds(initial, _quarter_shuffled).t().contiguous()
 
 
 def best(fn, arg: torch.Tensor, reps: int, device: torch.device) -> float:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from sim_throughput import PEAK_TFLOPS  # noqa: E402 - bench/ is not a package
+from sim_throughput import card_peak  # noqa: E402 - bench/ is not a package
 
 PREVIOUS = Path(__file__).resolve().parent / "gpu_previous.json"
 
@@ -35,14 +35,6 @@ class Figure:
     unit: str
     better: str
     measured: bool = True  # False: a previous figure this run did not give
-
-
-def peak_tflops(card: str, precision: str) -> float | None:
-    """The card's dense data-sheet peak for ``precision`` (fp32, tf32 or bf16), or None for one not in the table."""
-    for key, peaks in PEAK_TFLOPS.items():
-        if key in card:
-            return peaks.get(precision)
-    return None
 
 
 def results(log: Path) -> list[dict]:
@@ -78,7 +70,7 @@ def batched_figures(records: list[dict], card: str) -> list[Figure]:
     out = []
     for model, r in largest.items():
         tag = f"{model}_{r['k']}"
-        peak = peak_tflops(card, r["precision"])
+        peak = card_peak(card, r["precision"])
         out += [
             Figure(f"{tag}_s_per_round", r["s_per_round"], "s", "lower"),
             Figure(f"{tag}_x_one_by_one", r["batched_over_seq"], "x", "higher"),
@@ -92,7 +84,7 @@ def batched_figures(records: list[dict], card: str) -> list[Figure]:
 def dp_figures(records: list[dict], card: str) -> list[Figure]:
     """Per model: ms per step of plain SGD and DP-SGD (seeded and CSPRNG noise), and each one's share of peak."""
     out = []
-    peak = peak_tflops(card, "fp32")
+    peak = card_peak(card, "fp32")
     for r in records:
         if r.get("bench") != "dp_sgd":
             continue
@@ -192,7 +184,7 @@ def peak_line(card: str, section: str) -> str | None:
         precision = section.removeprefix("batched_mm_")
     if precision is None:
         return None
-    peak = peak_tflops(card, precision)
+    peak = card_peak(card, precision)
     if peak is None:
         return f"peak unknown for {card!r} (not in bench/sim_throughput.py's table): shares are n/a"
     return f"shares of {card}'s {peak:g} TFLOP/s dense {precision} data-sheet peak"

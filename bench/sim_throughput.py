@@ -140,13 +140,22 @@ def flops_per_sample(model, cfg: TrainConfig, device: torch.device) -> float:
     return counter.get_total_flops() / b
 
 
+def card_peak(card: str, precision: str) -> float | None:
+    """The dense data-sheet peak (TFLOP/s) for ``precision`` of the card named ``card`` (as
+    torch.cuda.get_device_name gives it), or None where the table does not know it."""
+    for key, peaks in PEAK_TFLOPS.items():
+        if key in card:
+            return peaks.get(precision)
+    return None
+
+
 def peak_tflops(device: torch.device, precision: str, override: float | None) -> tuple[float | None, str]:
     if override:
         return override, "given with --peak-tflops"
     name = torch.cuda.get_device_name(device)
-    for key, peaks in PEAK_TFLOPS.items():
-        if key in name and precision in peaks:
-            return peaks[precision], f"{name}, {precision} dense data-sheet peak"
+    peak = card_peak(name, precision)
+    if peak is not None:
+        return peak, f"{name}, {precision} dense data-sheet peak"
     return None, f"{name}: {precision} peak unknown, pass --peak-tflops"
 
 

@@ -29,6 +29,7 @@ does (records at capture, runs at each replay).
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
@@ -115,7 +116,7 @@ class StepRunner:
                     step(a)
             graph = self.make_graph(previous)
             try:
-                graph.capture(lambda a=a: step(a))  # type: ignore[misc]
+                graph.capture(functools.partial(step, a))
             except Exception as e:  # noqa: BLE001 - anything unrecordable: say so once, finish eagerly
                 log.warning(
                     "simulation.cuda_graphs: the batched step could not be recorded as a CUDA graph "
