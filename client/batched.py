@@ -306,14 +306,13 @@ class BatchedTrainer:
         if missing:
             raise ValueError(f"cannot batch clients: spec entries {missing} are not parameters")
         self._trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-        # The hand-written chain path: fp32 only (bf16 autocast stays with vmap) and
+        # The hand-written chain path: fp32 or tf32 (bf16 autocast stays with vmap) and
         # every tensor trainable (it has no per-entry mask for frozen ones).
         all_trainable = self._trainable == {e.name for e in spec.entries}
         self.chain = linear_chain(model, spec) if cfg.precision != "bf16" and all_trainable else None
 
         # What the vmap path runs: a copy with the stand-in layers (same parameter names and
         # tensors; the model itself is left as it is), in training mode as LocalTrainer puts it.
-        self.conv = conv
         self.batchable = batchable(model, conv).train()
 
         def forward(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
